@@ -1,0 +1,69 @@
+"""The Kernel interface: one way to compute one or all passes of a GEMM site."""
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from loka_jax.kernels.spec import ACT_WEIGHT, KINDS, PASSES, EinsumSpec, check_pass
+
+PER_PASS = "per_pass"   # stateless, one pass; mixes freely with others inside one custom_vjp
+FUSED_OP = "fused_op"   # owns all three passes (and maybe state), e.g. Flax's delayed scaling
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel(abc.ABC):
+  """A registered way to run GEMM-site products.
+
+  Attributes:
+    name: registry key, used in plans and reports.
+    backend: 'xla', 'pallas_triton' or 'flax'.
+    sort: PER_PASS or FUSED_OP.
+    passes: passes it can compute.
+    kinds: site kinds it supports ('act_weight', 'act_act').
+    stateful: keeps state in the fp8_meta collection (delayed scaling).
+    fp8: whether it computes in FP8 (False for the bf16 / fp32 baselines).
+    description: one line for `--list`.
+  """
+  name: str
+  backend: str
+  sort: str = PER_PASS
+  passes: frozenset = frozenset(PASSES)
+  kinds: frozenset = frozenset(KINDS)
+  stateful: bool = False
+  fp8: bool = True
+  description: str = ""
+
+  def unsupported_reason(self, spec: EinsumSpec, pass_name: str, kind: str,
+                         lhs_shape: Sequence[int], rhs_shape: Sequence[int]) -> Optional[str]:
+    """None when this kernel can run the pass; otherwise why not (for plan errors)."""
+    check_pass(pass_name)
+    if pass_name not in self.passes:
+      return f"kernel {self.name} has no {pass_name} pass"
+    if kind not in self.kinds:
+      return f"kernel {self.name} does not support {kind} sites"
+    return None
+
+  def einsum(self, spec: EinsumSpec, a: jax.Array, b: jax.Array, *, pass_name: str,
+             out_dtype) -> jax.Array:
+    """Per-pass kernels: the product of one pass (spec already the pass's spec)."""
+    raise NotImplementedError(f"kernel {self.name} is {self.sort}; it has no single-pass einsum")
+
+
+def dot_einsum(spec: EinsumSpec, a: jax.Array, b: jax.Array, *, precision=None,
+               preferred_element_type=jnp.float32) -> jax.Array:
+  """`spec` as one lax.dot_general (operands passed as they are, FP8 included) + transpose."""
+  out = lax.dot_general(a, b, spec.dimension_numbers(), precision=precision,
+                        preferred_element_type=preferred_element_type)
+  perm = spec.output_permutation()
+  return out if perm == tuple(range(len(perm))) else jnp.transpose(out, perm)
+
+
+def reference_einsum(spec: EinsumSpec, a: jax.Array, b: jax.Array) -> jax.Array:
+  """Reference products: float32, precision HIGHEST."""
+  return dot_einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32),
+                    precision=lax.Precision.HIGHEST)

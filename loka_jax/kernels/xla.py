@@ -1,0 +1,95 @@
+"""XLA kernels: bf16 / fp32 baselines and FP8 with scales applied after the product.
+
+FP8 operands go straight into lax.dot_general (DESIGN.md: XLA then emits cuBLASLt FP8 or its
+Triton GEMM; a dequantize-then-dot is not reliably rewritten). Precision DEFAULT on FP8 dots
+means fast accumulation on the GPU; HIGHEST asks for precise accumulation.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from loka_jax.kernels import registry
+from loka_jax.kernels.base import Kernel, dot_einsum
+from loka_jax.kernels.spec import EinsumSpec, operand_roles
+from loka_jax.precision import E4M3, E5M2, ROWWISE, TENSORWISE, quantize
+
+FWD_ONLY_FAST = "fwd"   # fast accumulation forward, precise backward (the common recipe)
+ALL_FAST = "all"
+NONE_FAST = "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaHighPrecision(Kernel):
+  """Plain dot_general in `dtype` with fp32 accumulation."""
+  dtype: str = "bfloat16"
+  precision: str = "DEFAULT"
+
+  def einsum(self, spec, a, b, *, pass_name, out_dtype):
+    dt = jnp.dtype(self.dtype)
+    out = dot_einsum(spec, a.astype(dt), b.astype(dt),
+                     precision=getattr(lax.Precision, self.precision),
+                     preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
+
+
+def operand_formats(pass_name: str):
+  """e4m3 for activations and weights, e5m2 for output gradients."""
+  return tuple(E5M2 if role == "g" else E4M3 for role in operand_roles(pass_name))
+
+
+def output_scale(spec: EinsumSpec, qa, qb) -> jax.Array:
+  """Product of the operands' scales laid out on the output (scales never vary along
+  contracting axes here, so they factor out of the sum)."""
+  sa = jnp.squeeze(qa.scale, axis=spec.contracting_axes("lhs"))
+  sb = jnp.squeeze(qb.scale, axis=spec.contracting_axes("rhs"))
+  la = "".join(i for i in spec.lhs if i in spec.out)
+  lb = "".join(i for i in spec.rhs if i in spec.out)
+  return jnp.einsum(f"{la},{lb}->{spec.out}", sa, sb)
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaFp8(Kernel):
+  """Current-scaling FP8 (tensorwise or rowwise) through XLA's native FP8 dot."""
+  granularity: str = TENSORWISE
+  fast_accum: str = FWD_ONLY_FAST
+
+  def einsum(self, spec, a, b, *, pass_name, out_dtype):
+    fa, fb = operand_formats(pass_name)
+    qa = quantize(a, fa, self.granularity, spec.contracting_axes("lhs"))
+    qb = quantize(b, fb, self.granularity, spec.contracting_axes("rhs"))
+    fast = self.fast_accum == ALL_FAST or (self.fast_accum == FWD_ONLY_FAST and pass_name == "fwd")
+    precision = lax.Precision.DEFAULT if fast else lax.Precision.HIGHEST
+    if self.granularity == TENSORWISE:
+      # A scalar scale on the product's output is what cuBLASLt's FP8 epilogue takes.
+      out = dot_einsum(spec, qa.data, qb.data, precision=precision,
+                       preferred_element_type=jnp.float32)
+      return (out * (qa.scale.reshape(()) * qb.scale.reshape(()))).astype(out_dtype)
+    out = dot_einsum(spec, qa.data, qb.data, precision=precision,
+                     preferred_element_type=jnp.float32)
+    return (out * output_scale(spec, qa, qb)).astype(out_dtype)
+
+
+def _register_all():
+  registry.register(XlaHighPrecision(
+      name="xla_bf16", backend="xla", fp8=False,
+      description="bf16 operands, fp32 accumulation (the baseline every FP8 kernel must beat)"))
+  registry.register(XlaHighPrecision(
+      name="xla_fp32", backend="xla", fp8=False, dtype="float32", precision="HIGHEST",
+      description="fp32 operands, precision HIGHEST (reference arm)"))
+  for gran in (TENSORWISE, ROWWISE):
+    registry.register(XlaFp8(
+        name=f"xla_fp8_{gran}", backend="xla", granularity=gran, fast_accum=FWD_ONLY_FAST,
+        description=f"FP8 {gran} current scaling; fast accumulation fwd, precise bwd"))
+    registry.register(XlaFp8(
+        name=f"xla_fp8_{gran}_fastacc", backend="xla", granularity=gran, fast_accum=ALL_FAST,
+        description=f"FP8 {gran} current scaling; fast accumulation in every pass"))
+    registry.register(XlaFp8(
+        name=f"xla_fp8_{gran}_precise", backend="xla", granularity=gran, fast_accum=NONE_FAST,
+        description=f"FP8 {gran} current scaling; precise accumulation in every pass"))
+
+
+_register_all()

@@ -1,0 +1,138 @@
+"""GEMM sites: the one Flax layer every matrix product of every model goes through.
+
+A site owns a stable name (its Linen module path, e.g. `layer_1/fmb/mlp_0`), a kind
+(`act_weight` or `act_act`), an einsum spec, an explicit DtypePolicy and the kernel of each
+pass, looked up at trace time from the static KernelPlan in its SiteConfig.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from loka_jax import kernels
+from loka_jax.kernels import ACT_ACT, ACT_WEIGHT, EinsumSpec, KernelChoice, KernelPlan
+from loka_jax.precision import BF16, DtypePolicy
+from loka_jax.probe import hooks as probe_hooks
+
+default_kernel_init = nn.initializers.lecun_normal()
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteConfig:
+  """What every site of a model needs: the dtype policy and the kernel plan (both static)."""
+  policy: DtypePolicy = BF16
+  plan: KernelPlan = KernelPlan()
+
+  @classmethod
+  def for_precision(cls, precision: str, kernel: str = "xla_fp8_tensorwise",
+                    plan: Optional[KernelPlan] = None) -> "SiteConfig":
+    """The arms of the common --precision flag: fp32, bf16, fp8_all, loka (needs a plan)."""
+    if precision == "fp32":
+      return cls(DtypePolicy.named("fp32"), KernelPlan.uniform("xla_fp32"))
+    if precision == "bf16":
+      return cls(BF16, KernelPlan.uniform("xla_bf16"))
+    if precision == "fp8_all":
+      kernels.get(kernel)  # unknown names fail here, before any model is built
+      return cls(BF16, KernelPlan.uniform(kernel))
+    if precision == "loka":
+      if plan is None:
+        raise ValueError("--precision=loka needs a plan (--plan=PLAN.json)")
+      return cls(BF16, plan)
+    raise ValueError(f"unknown precision {precision!r}; use fp32, bf16, fp8_all or loka")
+
+
+def site_name(module: nn.Module) -> str:
+  return "/".join(module.path) or module.name or "<root>"
+
+
+class _SiteBase(nn.Module):
+  """Shared product logic; subclasses decide where the operands come from."""
+
+  def _product(self, spec: EinsumSpec, kind: str, lhs, rhs):
+    config: SiteConfig = self.config
+    name = site_name(self)
+    spec.shapes(lhs.shape, rhs.shape)  # raises with the site's spec on a mismatch
+    choice = config.plan.choice_for(name)
+    kernels.validate_choice(choice, spec, kind, lhs.shape, rhs.shape, site_name=name)
+    probe_hooks.observe_operands(self, spec, kind, lhs, rhs)
+    fwd_kernel = kernels.get(choice.fwd)
+    if fwd_kernel.sort == kernels.FUSED_OP:
+      out = fwd_kernel.make_module(name="fp8_op")(str(spec), lhs, rhs)
+      out = out.astype(config.policy.output_dtype)
+    else:
+      out = kernels.per_pass_product(spec, choice, config.policy.output_dtype, lhs, rhs)
+    return probe_hooks.observe_output_grad(self, out)
+
+
+class ActSite(_SiteBase):
+  """act x act product of two activations (DLRM's X X^T, Wukong's X P, attention)."""
+  spec: str
+  config: SiteConfig = SiteConfig()
+
+  @nn.compact
+  def __call__(self, lhs, rhs):
+    dt = self.config.policy.compute_dtype
+    return self._product(EinsumSpec.parse(self.spec), ACT_ACT, lhs.astype(dt), rhs.astype(dt))
+
+
+class EinsumSite(_SiteBase):
+  """act x weight product `einsum(spec, x, kernel)`; the weight is always the right operand.
+
+  `bias_axes` are output indices a learnable bias spans ('' for none).
+  """
+  spec: str
+  weight_shape: Sequence[int]
+  bias_axes: str = ""
+  config: SiteConfig = SiteConfig()
+  kernel_init: Callable[..., Any] = default_kernel_init
+  bias_init: Callable[..., Any] = nn.initializers.zeros_init()
+
+  @nn.compact
+  def __call__(self, x):
+    spec = EinsumSpec.parse(self.spec)
+    policy = self.config.policy
+    kernel = self.param("kernel", self.kernel_init, tuple(self.weight_shape), policy.param_dtype)
+    out = self._product(spec, ACT_WEIGHT, x.astype(policy.compute_dtype),
+                        kernel.astype(policy.compute_dtype))
+    if self.bias_axes:
+      out_shape = spec.shapes(x.shape, kernel.shape)
+      bias_shape = tuple(out_shape[spec.out.index(i)] for i in self.bias_axes)
+      bias = self.param("bias", self.bias_init, bias_shape, policy.param_dtype)
+      positions = [spec.out.index(i) for i in self.bias_axes]
+      if positions != sorted(positions):
+        raise ValueError(f"bias_axes {self.bias_axes!r} must follow the order of {spec.out!r}")
+      shape = [1] * len(out_shape)
+      for p, i in zip(positions, self.bias_axes):
+        shape[p] = out_shape[p]
+      out = out + bias.astype(out.dtype).reshape(shape)
+    return out
+
+
+class DenseSite(_SiteBase):
+  """Dense form: x[..., K] @ kernel[K, N] (+ bias), named like nn.Dense's parameters."""
+  features: int
+  use_bias: bool = True
+  config: SiteConfig = SiteConfig()
+  kernel_init: Callable[..., Any] = default_kernel_init
+  bias_init: Callable[..., Any] = nn.initializers.zeros_init()
+
+  @nn.compact
+  def __call__(self, x):
+    policy = self.config.policy
+    in_features = x.shape[-1]
+    kernel = self.param("kernel", self.kernel_init, (in_features, self.features),
+                        policy.param_dtype)
+    lead = x.shape[:-1]
+    x2 = x.reshape((math.prod(lead), in_features)).astype(policy.compute_dtype)
+    out = self._product(EinsumSpec.parse("mk,kn->mn"), ACT_WEIGHT, x2,
+                        kernel.astype(policy.compute_dtype))
+    out = out.reshape(lead + (self.features,))
+    if self.use_bias:
+      bias = self.param("bias", self.bias_init, (self.features,), policy.param_dtype)
+      out = out + bias.astype(out.dtype)
+    return out
