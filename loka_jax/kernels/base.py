@@ -48,6 +48,13 @@ class Kernel(abc.ABC):
       return f"kernel {self.name} does not support {kind} sites"
     return None
 
+  def quantized_operands(self, spec: EinsumSpec, a: jax.Array, b: jax.Array, *,
+                         pass_name: str):
+    """The (QTensor | None, QTensor | None) this kernel multiplies, for error metrics and
+    the kernel-correctness reference; None where an operand is not quantized."""
+    del spec, a, b, pass_name
+    return None, None
+
   def einsum(self, spec: EinsumSpec, a: jax.Array, b: jax.Array, *, pass_name: str,
              out_dtype) -> jax.Array:
     """Per-pass kernels: the product of one pass (spec already the pass's spec)."""

@@ -47,3 +47,24 @@ registry.register(FlaxDelayed(
     name="flax_fp8_delayed", backend="flax", sort=FUSED_OP, stateful=True,
     description="flax.linen.fp8_ops.Fp8Einsum: delayed scaling (amax history 1024), "
                 "e4m3 fwd / e5m2 grads, all passes in one op"))
+
+
+def run_delayed_passes(spec: str, lhs, rhs, g, *, warmup: int = 3,
+                       amax_history_length: int = 1024):
+  """All three passes of Flax's delayed op on one problem, after `warmup` state updates.
+
+  Returns (out, d_lhs, d_rhs, fp8_meta). The state is updated exactly as training does
+  (overwrite-with-gradient), so the final call uses scales learned from the earlier ones.
+  """
+  module = fp8_ops.Fp8Einsum(amax_history_length=amax_history_length)
+  variables = module.init(jax.random.PRNGKey(0), spec, lhs, rhs)
+
+  def apply(v, l, r):
+    return module.apply(v, spec, l, r)
+
+  for i in range(warmup + 1):
+    out, vjp = jax.vjp(apply, variables, lhs, rhs)
+    d_vars, d_lhs, d_rhs = vjp(g.astype(out.dtype))
+    if i < warmup:
+      variables = {FP8_META: merge_fp8_meta(d_vars[FP8_META])}
+  return out, d_lhs, d_rhs, variables[FP8_META]

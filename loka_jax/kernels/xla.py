@@ -57,20 +57,23 @@ class XlaFp8(Kernel):
   granularity: str = TENSORWISE
   fast_accum: str = FWD_ONLY_FAST
 
-  def einsum(self, spec, a, b, *, pass_name, out_dtype):
+  def quantized_operands(self, spec, a, b, *, pass_name):
     fa, fb = operand_formats(pass_name)
-    qa = quantize(a, fa, self.granularity, spec.contracting_axes("lhs"))
-    qb = quantize(b, fb, self.granularity, spec.contracting_axes("rhs"))
+    return (quantize(a, fa, self.granularity, spec.contracting_axes("lhs")),
+            quantize(b, fb, self.granularity, spec.contracting_axes("rhs")))
+
+  def einsum(self, spec, a, b, *, pass_name, out_dtype):
+    qa, qb = self.quantized_operands(spec, a, b, pass_name=pass_name)
     fast = self.fast_accum == ALL_FAST or (self.fast_accum == FWD_ONLY_FAST and pass_name == "fwd")
     precision = lax.Precision.DEFAULT if fast else lax.Precision.HIGHEST
-    if self.granularity == TENSORWISE:
-      # A scalar scale on the product's output is what cuBLASLt's FP8 epilogue takes.
-      out = dot_einsum(spec, qa.data, qb.data, precision=precision,
-                       preferred_element_type=jnp.float32)
-      return (out * (qa.scale.reshape(()) * qb.scale.reshape(()))).astype(out_dtype)
     out = dot_einsum(spec, qa.data, qb.data, precision=precision,
                      preferred_element_type=jnp.float32)
-    return (out * output_scale(spec, qa, qb)).astype(out_dtype)
+    if self.granularity == TENSORWISE:
+      # A scalar scale on the product's output is what cuBLASLt's FP8 epilogue takes.
+      scale = qa.scale.reshape(()) * qb.scale.reshape(())
+    else:
+      scale = output_scale(spec, qa, qb)
+    return (out * scale).astype(out_dtype)
 
 
 def _register_all():

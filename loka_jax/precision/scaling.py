@@ -45,7 +45,10 @@ def scale_from_amax(amax: jax.Array, fmt, power_of_two: bool = False,
   scale = amax / target
   if power_of_two:
     # Round up so that amax / scale never exceeds the target (no overflow from rounding).
-    scale = jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum(scale, _TINY))))
+    # frexp/ldexp are exact where exp2(ceil(log2(.))) is not in float32.
+    mantissa, exponent = jnp.frexp(jnp.maximum(scale, _TINY))
+    exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent)
+    scale = jnp.ldexp(jnp.ones_like(scale), exponent)
   good = jnp.isfinite(amax) & (amax > 0)
   return jnp.where(good, jnp.maximum(scale, _TINY), 1.0).astype(jnp.float32)
 

@@ -1,0 +1,123 @@
+"""The Pallas kernels as registry entries (backend 'pallas_triton').
+
+Per-pass kernels (mix freely with others per pass):
+  pallas_fp8_rowwise    2-D (and flattened) specs; e4m3 operands, one scale per
+                        non-contracting index. Gradients are e4m3 with rowwise scales, not
+                        e5m2: a Triton dot takes one operand dtype, and per-row scales give
+                        the gradient the range e5m2 would.
+  pallas_fp8_blockwise  2-D specs; 1x128 blocks along the contraction for activations and
+                        gradients, 128x128 blocks for the rhs of fwd / grad_lhs (the weight),
+                        fp32 promotion of every K block's partial product.
+  pallas_fp8_batched    batched specs ('bnd,bdk->bnk', DLRM's 'bfd,bgd->bfg', their passes);
+                        rowwise e4m3, batch entries on the grid.
+Fused epilogue kernels (`pallas_fp8_rowwise_fused_<epilogue>`) compute act(norm(x W + b)),
+not a site's plain product: Mods layers call them through kernels_pallas.fused.fused_dense.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+
+from kernels_pallas import fused, products
+from loka_jax.kernels import registry
+from loka_jax.kernels.base import FUSED_OP, Kernel
+
+BACKEND = "pallas_triton"
+
+
+def device_reason() -> Optional[str]:
+  """Why this device cannot run the kernels (FP8 casts need sm_89+); None on CPU/OK GPUs."""
+  dev = jax.devices()[0]
+  if dev.platform == "cpu":
+    return None  # interpret mode
+  if dev.platform != "gpu":
+    return f"Pallas Triton kernels need an NVIDIA GPU, got {dev.platform}"
+  cc = getattr(dev, "compute_capability", None)
+  try:
+    major, minor = (int(p) for p in str(cc).split(".")[:2])
+  except ValueError:
+    return None
+  if (major, minor) < (8, 9):
+    return f"FP8 casts in Triton need compute capability >= 8.9, device has {cc}"
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasFp8(Kernel):
+  """A per-pass Pallas FP8 product (mode 'rowwise' or 'blockwise')."""
+  mode: str = "rowwise"
+  batched: bool = False
+
+  def unsupported_reason(self, spec, pass_name, kind, lhs_shape, rhs_shape):
+    reason = super().unsupported_reason(spec, pass_name, kind, lhs_shape, rhs_shape)
+    if reason:
+      return reason
+    reason = products.unsupported(spec, batched=self.batched) or device_reason()
+    return f"kernel {self.name}: {reason}" if reason else None
+
+  def einsum(self, spec, a, b, *, pass_name, out_dtype):
+    reason = products.unsupported(spec, batched=self.batched) or device_reason()
+    if reason:
+      raise ValueError(f"kernel {self.name}, {pass_name}: {reason}")
+    if self.mode == "blockwise":
+      return products.blockwise_einsum(spec, a, b, pass_name=pass_name, out_dtype=out_dtype,
+                                       kernel_name=self.name)
+    return products.rowwise_einsum(spec, a, b, out_dtype=out_dtype, kernel_name=self.name)
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasFusedEpilogue(Kernel):
+  """GEMM + bias + BlockNorm + activation (+ output quantization) as one kernel."""
+  block_size: Optional[int] = None
+  activation: str = "identity"
+  quantize_output: bool = False
+
+  def unsupported_reason(self, spec, pass_name, kind, lhs_shape, rhs_shape):
+    return (f"kernel {self.name} fuses BlockNorm/activation into the GEMM, so it is not a "
+            "site's plain product; call kernels_pallas.fused.fused_dense from a Mods layer "
+            "(or kernel.apply)")
+
+  def apply(self, x, w, bias=None, *, out_dtype=None, backward="pallas_fp8_rowwise"):
+    """fused_dense with this kernel's epilogue."""
+    kwargs = {} if out_dtype is None else {"out_dtype": out_dtype}
+    return fused.fused_dense(x, w, bias=bias, block_size=self.block_size,
+                             activation=self.activation, quantize_output=self.quantize_output,
+                             backward=backward, **kwargs)
+
+
+def fused_name(block_size, activation, quantize_output) -> str:
+  parts = []
+  if block_size is not None:
+    parts.append(f"blocknorm{block_size}")
+  parts.append(activation)
+  if quantize_output:
+    parts.append("quant")
+  return "pallas_fp8_rowwise_fused_" + "_".join(parts)
+
+
+def register_all() -> None:
+  registry.register(PallasFp8(
+      name="pallas_fp8_rowwise", backend=BACKEND, mode="rowwise",
+      description="Pallas Triton FP8: e4m3 rowwise (grads e4m3 rowwise), fused quantize, "
+                  "precise accumulation"))
+  registry.register(PallasFp8(
+      name="pallas_fp8_blockwise", backend=BACKEND, mode="blockwise",
+      description="Pallas Triton FP8: 1x128 activations/grads, 128x128 weights, fp32 "
+                  "promotion per K block"))
+  registry.register(PallasFp8(
+      name="pallas_fp8_batched", backend=BACKEND, mode="rowwise", batched=True,
+      description="Pallas Triton FP8 batched (interaction shapes): rowwise e4m3, batch on "
+                  "the grid"))
+  for block_size in (None, 256):
+    for activation in ("relu", "hard_swish"):
+      for quant in (False, True):
+        registry.register(PallasFusedEpilogue(
+            name=fused_name(block_size, activation, quant), backend=BACKEND, sort=FUSED_OP,
+            passes=frozenset(), block_size=block_size, activation=activation,
+            quantize_output=quant,
+            description=(f"Pallas FP8 GEMM + bias"
+                         f"{'' if block_size is None else f' + BlockNorm({block_size})'}"
+                         f" + {activation}{' + rowwise e4m3 output' if quant else ''}; "
+                         "via fused_dense")))

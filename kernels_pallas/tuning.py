@@ -1,0 +1,182 @@
+"""Per-shape tile autotuning, cached on disk per device kind.
+
+Cache: `$LOKA_PALLAS_TUNE_DIR/<device_kind>.json` (default `~/.cache/loka_jax/pallas_tune/`),
+`{"schema": "loka.pallas_tune/1", "device": ..., "entries": {kernel: {shape_key: config}}}`.
+Kernels look configs up at trace time (`lookup`): a cached winner, else a default chosen by
+shape class. Tuning runs kernels, so it happens eagerly (`tune`, the benchmark script, or on a
+cache miss when LOKA_PALLAS_AUTOTUNE=1) and never on the CPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import statistics
+import tempfile
+import threading
+import time
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
+
+import jax
+
+from loka_jax import _compat
+
+SCHEMA = "loka.pallas_tune/1"
+ENV_DIR = "LOKA_PALLAS_TUNE_DIR"
+ENV_AUTOTUNE = "LOKA_PALLAS_AUTOTUNE"
+MAX_CANDIDATES = 12
+
+_lock = threading.Lock()
+_memory: Dict[str, dict] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+  """Tiles and Triton launch parameters of one GEMM launch.
+
+  block_n is one accumulator's width; n_sub accumulators side by side cover
+  block_n * n_sub output columns per program (a whole row for output quantization).
+  batch_per_program: batched GEMMs run this many batch entries per program.
+  """
+  block_m: int = 64
+  block_n: int = 128
+  block_k: int = 128
+  n_sub: int = 1
+  num_warps: int = 4
+  num_stages: int = 3
+  batch_per_program: int = 1
+
+  def to_dict(self):
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d) -> "TileConfig":
+    fields = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: int(v) for k, v in d.items() if k in fields})
+
+
+def cache_dir() -> str:
+  return os.environ.get(ENV_DIR) or os.path.join(
+      os.path.expanduser("~"), ".cache", "loka_jax", "pallas_tune")
+
+
+def cache_path(device_kind: Optional[str] = None) -> str:
+  return os.path.join(cache_dir(), f"{device_kind or _compat.device_kind()}.json")
+
+
+def _load(path: str) -> dict:
+  if path in _memory:
+    return _memory[path]
+  data = {"schema": SCHEMA, "entries": {}}
+  if os.path.exists(path):
+    try:
+      with open(path) as f:
+        loaded = json.load(f)
+      if loaded.get("schema") == SCHEMA:
+        data = loaded
+      else:
+        logging.warning("ignoring tuning cache %s: schema %r is not %s", path,
+                        loaded.get("schema"), SCHEMA)
+    except (OSError, ValueError) as e:
+      logging.warning("ignoring unreadable tuning cache %s: %s", path, e)
+  _memory[path] = data
+  return data
+
+
+def _save(path: str, data: dict) -> None:
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  # Write-then-rename so a concurrent reader never sees half a file.
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+  with os.fdopen(fd, "w") as f:
+    json.dump(data, f, indent=1, sort_keys=True)
+  os.replace(tmp, path)
+
+
+def clear_memory() -> None:
+  """Forgets loaded caches (tests, or after another process wrote the file)."""
+  with _lock:
+    _memory.clear()
+
+
+def cached(kernel: str, key: str) -> Optional[TileConfig]:
+  if jax.default_backend() == "cpu":
+    return None
+  with _lock:
+    entry = _load(cache_path())["entries"].get(kernel, {}).get(key)
+  return TileConfig.from_dict(entry["config"]) if entry else None
+
+
+def record(kernel: str, key: str, config: TileConfig, time_us: float,
+           timings: Optional[dict] = None) -> None:
+  path = cache_path()
+  with _lock:
+    data = _load(path)
+    data["device"] = jax.devices()[0].device_kind
+    data.setdefault("entries", {}).setdefault(kernel, {})[key] = {
+        "config": config.to_dict(), "time_us": time_us, "timings_us": timings or {},
+        "jax": jax.__version__}
+    _save(path, data)
+
+
+def autotune_enabled() -> bool:
+  return os.environ.get(ENV_AUTOTUNE, "0") not in ("", "0", "false", "False")
+
+
+def time_call(fn: Callable[[], object], repeats: int = 10) -> float:
+  """Median wall time of fn() in microseconds (after one warm-up call)."""
+  jax.block_until_ready(fn())
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append((time.perf_counter() - t0) * 1e6)
+  return statistics.median(times)
+
+
+def tune(kernel: str, key: str, candidates: Sequence[TileConfig],
+         run: Callable[[TileConfig], Callable[[], object]], repeats: int = 10) -> TileConfig:
+  """Times each candidate (at most MAX_CANDIDATES) and caches the fastest.
+
+  `run(config)` returns a zero-argument callable running the kernel on concrete inputs.
+  A candidate that fails to compile (too much shared memory, registers) is skipped.
+  """
+  if jax.default_backend() == "cpu":
+    raise RuntimeError("Pallas autotuning needs a GPU; on the CPU kernels run interpreted "
+                       "with their default tiles")
+  candidates = list(dict.fromkeys(candidates))[:MAX_CANDIDATES]
+  timings, best, best_t = {}, None, float("inf")
+  for config in candidates:
+    name = json.dumps(config.to_dict(), sort_keys=True)
+    try:
+      # Concrete inputs even when called while a jit trace is running (autotune on a miss).
+      with jax.ensure_compile_time_eval():
+        t = time_call(run(config), repeats)
+    except Exception as e:  # A config Triton cannot compile is not an error of the kernel.
+      logging.info("tuning %s %s: config %s failed: %s", kernel, key, name, e)
+      timings[name] = None
+      continue
+    timings[name] = t
+    if t < best_t:
+      best, best_t = config, t
+  if best is None:
+    raise RuntimeError(f"tuning {kernel} {key}: every candidate failed; timings {timings}")
+  record(kernel, key, best, best_t, timings)
+  return best
+
+
+def choose(kernel: str, key: str, default: TileConfig, candidates: Iterable[TileConfig],
+           run: Optional[Callable[[TileConfig], Callable[[], object]]] = None) -> TileConfig:
+  """Cached config, else (on a GPU with LOKA_PALLAS_AUTOTUNE=1 and a runner) tune, else default."""
+  hit = cached(kernel, key)
+  if hit is not None:
+    return hit
+  if run is not None and autotune_enabled() and jax.default_backend() != "cpu":
+    return tune(kernel, key, list(candidates), run)
+  return default
+
+
+def filter_candidates(candidates: Iterable[TileConfig],
+                      valid: Callable[[TileConfig], bool]) -> List[TileConfig]:
+  out = [c for c in dict.fromkeys(candidates) if valid(c)]
+  return out[:MAX_CANDIDATES]

@@ -1,0 +1,162 @@
+"""`experiments.kernels --check`: every kernel, every pass, on fresh random inputs, against
+reference (a): the float32 HIGHEST product of the original high-precision operands."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from loka_jax import _compat
+from loka_jax.kernels import registry
+from loka_jax.kernels.backend import compiled_backend
+from loka_jax.kernels.base import FUSED_OP, reference_einsum
+from loka_jax.kernels.flax_delayed import run_delayed_passes
+from loka_jax.kernels.spec import ACT_WEIGHT, PASSES, EinsumSpec
+from loka_jax.precision import flush_fractions
+from loka_jax.precision import metrics as metrics_lib
+
+SCHEMA = "loka.check/1"
+DENSE_SPEC = EinsumSpec.parse("mk,kn->mn")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """One dense site problem: x (m, k) @ w (k, n), output gradient g (m, n)."""
+  m: int
+  k: int
+  n: int
+  seed: int = 0
+  compute_dtype: str = "bfloat16"
+
+  def operands(self):
+    """Original float32 operands, N(0, 1) (never zeros), and their compute-dtype copies."""
+    kx, kw, kg = jax.random.split(jax.random.PRNGKey(self.seed), 3)
+    x = jax.random.normal(kx, (self.m, self.k), jnp.float32)
+    w = jax.random.normal(kw, (self.k, self.n), jnp.float32) / np.sqrt(self.k)
+    g = jax.random.normal(kg, (self.m, self.n), jnp.float32)
+    return x, w, g
+
+
+def pass_operands(pass_name: str, x, w, g):
+  return {"fwd": (x, w), "grad_lhs": (g, w), "grad_rhs": (x, g)}[pass_name]
+
+
+def _row(kernel, pass_name, out, ref, qa=None, qb=None, a=None, b=None, backend="") -> dict:
+  errs = {k: metrics_lib.to_json_safe(v) for k, v in metrics_lib.product_errors(out, ref).items()}
+  row = {"kernel": kernel, "pass": pass_name, **errs, "underflow": 0.0, "saturation": 0.0,
+         "backend": backend, "error": None}
+  fracs = [flush_fractions(o, q) for o, q in ((a, qa), (b, qb)) if q is not None]
+  if fracs:
+    row["underflow"] = max(float(u) for u, _ in fracs)
+    row["saturation"] = max(float(s) for _, s in fracs)
+  if any(errs[k] is None for k in ("sqnr_db", "rel_fro", "mere")) or not np.all(np.isfinite(out)):
+    row["error"] = "non-finite output"
+  return row
+
+
+def check_kernel(name: str, problem: Problem, *, warmup: int = 3,
+                 want_backend: bool = False) -> List[dict]:
+  """Rows (one per pass) for one kernel; a kernel that raises gets rows with `error` set."""
+  kernel = registry.get(name)
+  x, w, g = problem.operands()
+  # The fp32 reference arm computes in fp32 (its policy's compute dtype); others get bf16.
+  dt = jnp.dtype(getattr(kernel, "dtype", None) if not kernel.fp8 else problem.compute_dtype)
+  rows = []
+  try:
+    if kernel.sort == FUSED_OP:
+      out, d_x, d_w, _ = run_delayed_passes(str(DENSE_SPEC), x.astype(dt), w.astype(dt),
+                                            g.astype(dt), warmup=warmup)
+      results = {"fwd": out, "grad_lhs": d_x, "grad_rhs": d_w}
+      for p in PASSES:
+        a, b = pass_operands(p, x, w, g)
+        ref = reference_einsum(DENSE_SPEC.for_pass(p), a, b)
+        rows.append(_row(name, p, results[p].astype(jnp.float32), ref,
+                         backend=kernel.backend if not want_backend else "flax_fused"))
+      return rows
+    for p in PASSES:
+      if p not in kernel.passes:
+        continue
+      reason = kernel.unsupported_reason(DENSE_SPEC.for_pass(p), p, ACT_WEIGHT,
+                                         (problem.m, problem.k), (problem.k, problem.n))
+      if reason:
+        rows.append({"kernel": name, "pass": p, "sqnr_db": None, "rel_fro": None, "mere": None,
+                     "median_rel": None, "underflow": None, "saturation": None,
+                     "backend": kernel.backend, "error": f"unsupported: {reason}"})
+        continue
+      spec = DENSE_SPEC.for_pass(p)
+      a, b = pass_operands(p, x, w, g)
+      a_c, b_c = a.astype(dt), b.astype(dt)
+      fn = lambda a_, b_, spec=spec, p=p: kernel.einsum(spec, a_, b_, pass_name=p,
+                                                        out_dtype=jnp.float32)
+      out = jax.jit(fn)(a_c, b_c)
+      ref = reference_einsum(spec, a, b)
+      qa, qb = kernel.quantized_operands(spec, a_c, b_c, pass_name=p)
+      backend = compiled_backend(fn, a_c, b_c) if want_backend else kernel.backend
+      rows.append(_row(name, p, out, ref, qa, qb, a_c, b_c, backend))
+  except Exception as e:  # A broken kernel is reported in its rows, the check goes on.
+    rows.append({"kernel": name, "pass": "*", "sqnr_db": None, "rel_fro": None, "mere": None,
+                 "median_rel": None, "underflow": None, "saturation": None,
+                 "backend": kernel.backend, "error": f"{type(e).__name__}: {e}"})
+  return rows
+
+
+def run_check(problem: Problem, kernels: Optional[Sequence[str]] = None) -> Dict:
+  names = list(kernels) if kernels else registry.names()
+  want_backend = _compat.on_gpu()
+  results = []
+  for name in names:
+    results.extend(check_kernel(name, problem, want_backend=want_backend))
+  return {"schema": SCHEMA, "shape": {"m": problem.m, "k": problem.k, "n": problem.n},
+          "seed": problem.seed, "compute_dtype": problem.compute_dtype,
+          "device": jax.devices()[0].device_kind, "jax": jax.__version__, "results": results}
+
+
+def format_table(report: Dict) -> str:
+  lines = [f"check m={report['shape']['m']} k={report['shape']['k']} n={report['shape']['n']} "
+           f"on {report['device']} (jax {report['jax']}); reference: fp32 HIGHEST on original operands",
+           f"{'kernel':32s} {'pass':9s} {'SQNR dB':>8s} {'rel_fro':>9s} {'MERE':>9s} "
+           f"{'underflow':>9s} {'backend':16s} error"]
+  fmt = lambda v, f: "-" if v is None else format(v, f)
+  for r in report["results"]:
+    lines.append(f"{r['kernel']:32s} {r['pass']:9s} {fmt(r['sqnr_db'], '8.2f')} "
+                 f"{fmt(r['rel_fro'], '9.2e')} {fmt(r['mere'], '9.2e')} "
+                 f"{fmt(r['underflow'], '9.4f')} {r['backend']:16s} {r['error'] or ''}")
+  return "\n".join(lines)
+
+
+def forward_fn(name: str, problem: Problem):
+  """(fn, args) computing one kernel's forward product, quantization included."""
+  kernel = registry.get(name)
+  x, w, g = problem.operands()
+  dt = jnp.dtype(getattr(kernel, "dtype", None) if not kernel.fp8 else problem.compute_dtype)
+  x, w = x.astype(dt), w.astype(dt)
+  if kernel.sort == FUSED_OP:
+    from flax.linen import fp8_ops
+    module = fp8_ops.Fp8Einsum()
+    _, _, _, meta = run_delayed_passes(str(DENSE_SPEC), x, w, g.astype(dt))
+    variables = {"_overwrite_with_gradient": meta}
+    return (lambda v, a, b: module.apply(v, str(DENSE_SPEC), a, b)), (variables, x, w)
+  return (lambda a, b: kernel.einsum(DENSE_SPEC, a, b, pass_name="fwd", out_dtype=dt)), (x, w)
+
+
+def time_forward(problem: Problem, kernels: Sequence[str], *, repeats: int = 20,
+                 baseline: str = "xla_bf16") -> Dict[str, dict]:
+  """Forward time of each kernel vs `baseline`, interleaved in one run (GPU numbers only)."""
+  from loka_jax import timing
+  names = [baseline] + [k for k in kernels if k != baseline]
+  variants = {name: forward_fn(name, problem) for name in names}
+  return timing.summarize(timing.time_variants(variants, repeats=repeats), baseline)
+
+
+def format_timing(report: Dict) -> str:
+  lines = [f"forward time incl. quantization, {report['device']}: median us [95% CI], "
+           "speedup vs xla_bf16 [95% CI]"]
+  backends = {r["kernel"]: r["backend"] for r in report["results"] if r["pass"] == "fwd"}
+  for name, t in report["timing"].items():
+    lines.append(f"{name:32s} {t['median_us']:10.1f} [{t['ci_us'][0]:.1f}, {t['ci_us'][1]:.1f}]"
+                 f"  x{t['speedup']:.3f} [{t['speedup_ci'][0]:.3f}, {t['speedup_ci'][1]:.3f}]"
+                 f"  {backends.get(name, '')}")
+  return "\n".join(lines)

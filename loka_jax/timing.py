@@ -1,0 +1,114 @@
+"""Timing by the benchmark protocol (DESIGN.md): warm up, interleave variants, repeat, report
+medians and bootstrap 95% confidence intervals of speedups against a baseline of the same run.
+
+Work shorter than about a millisecond is timed as N iterations inside one jitted fori_loop, so
+launch and dispatch overhead do not swamp it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+@dataclasses.dataclass
+class Timing:
+  """Per-call seconds of one variant (one entry per repeat)."""
+  name: str
+  seconds: np.ndarray
+  inner: int = 1
+
+  @property
+  def median_us(self) -> float:
+    return float(np.median(self.seconds) * 1e6)
+
+  def ci_us(self, rng: np.random.Generator, n_boot: int = 2000) -> Tuple[float, float]:
+    boot = rng.choice(self.seconds, size=(n_boot, self.seconds.size), replace=True)
+    med = np.median(boot, axis=1) * 1e6
+    return float(np.percentile(med, 2.5)), float(np.percentile(med, 97.5))
+
+
+def speedup_ci(baseline: Timing, variant: Timing, *, seed: int = 0,
+               n_boot: int = 2000) -> Tuple[float, float, float]:
+  """(median ratio, 2.5%, 97.5%) of baseline time / variant time, bootstrapped."""
+  rng = np.random.default_rng(seed)
+  b = rng.choice(baseline.seconds, size=(n_boot, baseline.seconds.size), replace=True)
+  v = rng.choice(variant.seconds, size=(n_boot, variant.seconds.size), replace=True)
+  ratios = np.median(b, axis=1) / np.median(v, axis=1)
+  point = float(np.median(baseline.seconds) / np.median(variant.seconds))
+  return point, float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))
+
+
+def repeat_in_loop(fn: Callable, iterations: int) -> Callable:
+  """A jitted function running `fn(*args)` `iterations` times in one fori_loop.
+
+  The operands pass through an optimization barrier together with the loop carry, so XLA
+  cannot hoist the loop-invariant work out of the loop; the last output is returned.
+  """
+  def looped(*args):
+    first = fn(*args)
+
+    def body(_, carry):
+      args_i, _ = lax.optimization_barrier((args, carry))
+      return fn(*args_i)
+
+    return lax.fori_loop(1, iterations, body, first)
+
+  return jax.jit(looped)
+
+
+def _call_seconds(fn, args) -> float:
+  start = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  return time.perf_counter() - start
+
+
+def time_variants(variants: Mapping[str, Tuple[Callable, Sequence]], *, repeats: int = 20,
+                  warmup: int = 3, min_call_seconds: float = 1e-3,
+                  max_inner: int = 1000) -> Dict[str, Timing]:
+  """Times jittable `fn(*args)` variants, interleaved, `repeats` times each.
+
+  Each variant is compiled and warmed first; variants faster than `min_call_seconds` are
+  wrapped in `repeat_in_loop` with an iteration count that brings a call near that length.
+  """
+  prepared = {}
+  for name, (fn, args) in variants.items():
+    jitted = jax.jit(fn)
+    for _ in range(warmup):
+      jax.block_until_ready(jitted(*args))
+    one = min(_call_seconds(jitted, args) for _ in range(3))
+    inner = 1
+    if one < min_call_seconds:
+      inner = int(min(max_inner, max(2, np.ceil(min_call_seconds / max(one, 1e-7)))))
+      jitted = repeat_in_loop(fn, inner)
+      for _ in range(warmup):
+        jax.block_until_ready(jitted(*args))
+    prepared[name] = (jitted, args, inner)
+  samples = {name: [] for name in prepared}
+  for _ in range(repeats):
+    for name, (jitted, args, inner) in prepared.items():
+      samples[name].append(_call_seconds(jitted, args) / inner)
+  return {name: Timing(name, np.asarray(s), prepared[name][2]) for name, s in samples.items()}
+
+
+def summarize(timings: Mapping[str, Timing], baseline: str, *, seed: int = 0) -> Dict[str, dict]:
+  """Median, CI and speedup vs `baseline` for every variant, JSON-ready."""
+  rng = np.random.default_rng(seed)
+  base = timings[baseline]
+  out = {}
+  for name, t in timings.items():
+    lo, hi = t.ci_us(rng)
+    s, slo, shi = speedup_ci(base, t, seed=seed)
+    out[name] = {"median_us": t.median_us, "ci_us": [lo, hi], "speedup": s,
+                 "speedup_ci": [slo, shi], "repeats": int(t.seconds.size), "inner": t.inner}
+  return out
+
+
+def random_normal(key, shape, dtype=jnp.float32, scale: float = 1.0) -> jax.Array:
+  """Timing inputs: never zeros (zeros hide wrong indexing and can run faster)."""
+  return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)

@@ -1,0 +1,96 @@
+"""What `experiments.train` runs: a tower preset + a data source + a precision arm -> train().
+
+Kept out of the script so that tests, notebooks and other experiments (ablations, benchmarks)
+build runs the same way.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+from loka_jax.data.sources import make_source
+from loka_jax.data.spec import FeatureSpec
+from loka_jax.kernels import KernelPlan
+from loka_jax.models import SiteConfig, apply_mods, build_model, get_config
+from loka_jax.train.loop import TrainConfig, train
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+  """The common experiment flags (loka_jax/flags.py) as one value."""
+  model: str = "wukong"
+  preset: str = "tiny"
+  data: str = "synthetic"
+  data_spec: Optional[str] = None
+  data_path: Optional[str] = None
+  data_cache: Optional[str] = None
+  precision: str = "bf16"
+  kernel: str = "xla_fp8_tensorwise"
+  plan: Optional[str] = None
+  mods: Tuple[str, ...] = ()
+  seed: int = 0
+  num_eval: Optional[int] = None
+  id_policy: str = "error"
+
+  def run_info(self) -> Dict[str, Any]:
+    """What identifies the run in config.json and final.json."""
+    info = {"model": self.model, "preset": self.preset, "data": self.data,
+            "data_spec": self.data_spec, "data_path": self.data_path,
+            "precision": self.precision, "mods": list(self.mods), "seed": self.seed,
+            "num_eval": self.num_eval}
+    if self.precision == "fp8_all":
+      info["kernel"] = self.kernel
+    if self.precision == "loka":
+      info["plan"] = self.plan
+    return info
+
+
+def load_plan(path: Optional[str]) -> KernelPlan:
+  """The KernelPlan of a loka.plan/1 file, read by the Dispatch package's loader."""
+  if not path:
+    raise ValueError("--precision=loka needs --plan=PLAN.json (a loka.plan/1 file from "
+                     "`python -m experiments.dispatch`)")
+  try:
+    from loka_jax.dispatch import load_plan as dispatch_load_plan
+  except ImportError as e:
+    raise RuntimeError(
+        f"--precision=loka needs the plan loader loka_jax.dispatch.load_plan(path) -> "
+        f"KernelPlan, which this checkout does not have yet ({e}); use --precision=bf16 or "
+        "--precision=fp8_all until the Dispatch package lands") from e
+  plan = dispatch_load_plan(path)
+  if not isinstance(plan, KernelPlan):
+    raise TypeError(f"loka_jax.dispatch.load_plan({path!r}) returned {type(plan).__name__}, "
+                    "expected a KernelPlan")
+  return plan
+
+
+def build_run(spec: RunSpec):
+  """(model, source, preset config) for `spec`; the model follows the source's features
+  (MovieLens and Criteo fix their own)."""
+  config = get_config(spec.model, spec.preset)
+  if spec.mods:
+    config = apply_mods(config, spec.mods)
+  site_config = SiteConfig.for_precision(
+      spec.precision, kernel=spec.kernel,
+      plan=load_plan(spec.plan) if spec.precision == "loka" else None)
+  source = make_source(spec.data, features=FeatureSpec.from_dict(dict(config.features)),
+                       spec=spec.data_spec, data_path=spec.data_path,
+                       data_cache=spec.data_cache, seed=spec.seed, num_eval=spec.num_eval,
+                       id_policy=spec.id_policy)
+  model = build_model(config, source.features, site_config)
+  return model, source, config
+
+
+def run(spec: RunSpec, workdir: str, train_config: TrainConfig) -> Dict[str, Any]:
+  """Builds the run and trains it (resuming from `workdir`); returns final.json's dict."""
+  model, source, _ = build_run(spec)
+  return train(model, source, workdir, train_config, run_info=spec.run_info())
+
+
+def preset_batch_size(model: str, preset: str) -> int:
+  """The preset's default training batch."""
+  return int(get_config(model, preset).batch_size)
+
+
+def parse_mods(mods: Sequence[str]) -> Tuple[str, ...]:
+  return tuple(m.strip() for m in mods if m and m.strip())

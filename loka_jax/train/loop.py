@@ -1,0 +1,427 @@
+"""The training loop: jitted train/eval steps, periodic eval, JSONL metrics, checkpoints,
+resume, and non-finite loss handling.
+
+Run directory layout:
+  WORKDIR/config.json     the run's settings; a resume with different settings is refused
+  WORKDIR/metrics.jsonl   one JSON line per logged step: {"step", "loss", "time", ...} and, at
+                          eval steps, held-out "ne", "auc", "logloss"
+  WORKDIR/checkpoints/    orbax checkpoints (see checkpoint.py)
+  WORKDIR/final.json      held-out ne, auc, logloss + steps, precision, seed (+ oracle_ne)
+
+`step` counts completed steps, which is also the data position: step i trains on
+`source.train_batch(i, batch_size)`. A line is written at every log, eval and checkpoint step,
+and its "loss" is the mean training loss since the previous line, so a resumed run writes the
+same lines as an uninterrupted one (only the wall-clock fields "time" and "steps_per_sec"
+differ).
+
+Non-finite losses or gradients (`nan_policy`): the jitted step never applies a non-finite
+update. 'stop' (default) saves the last good state, reports the step and the first module
+whose output (or parameter whose gradient) is non-finite, and raises NonFiniteError; 'skip'
+leaves the parameters as they were, moves on to the next batch and counts the skipped steps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+
+from loka_jax.kernels import FP8_META
+from loka_jax.train import metrics as metrics_lib
+from loka_jax.train.checkpoint import Checkpointer
+from loka_jax.train.optim import OptimConfig, make_optimizer
+from loka_jax.train.state import TrainState, create_train_state
+
+NAN_POLICIES = ("stop", "skip")
+# Settings a resumed run may change; anything else must match the run directory's config.
+RESUMABLE_SETTINGS = ("steps", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints",
+                      "nan_policy", "progress")
+WALL_CLOCK_FIELDS = ("time", "steps_per_sec")
+
+
+class NonFiniteError(FloatingPointError):
+  """A non-finite loss or gradient; `step`, `site` and `checkpoint` say where and what is left."""
+
+  def __init__(self, message: str, step: int, site: Optional[str], checkpoint: Optional[str]):
+    super().__init__(message)
+    self.step = step
+    self.site = site
+    self.checkpoint = checkpoint
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Loop settings (model and data are built by the caller)."""
+  steps: int = 200
+  batch_size: int = 256
+  seed: int = 0                         # parameters and dropout (the source has its own seed)
+  eval_every: int = 0                   # steps between held-out evals; 0: only at the end
+  eval_batch_size: Optional[int] = None  # None: batch_size
+  log_every: int = 50                   # steps between metrics lines
+  checkpoint_every: int = 0             # steps between checkpoints; 0: only at the end
+  keep_checkpoints: int = 3
+  nan_policy: str = "stop"              # 'stop' | 'skip' (see module docstring)
+  progress: bool = True                 # tqdm bar on stderr (only when it is a terminal)
+  optim: OptimConfig = OptimConfig()
+
+  def __post_init__(self):
+    if self.nan_policy not in NAN_POLICIES:
+      raise ValueError(f"nan_policy={self.nan_policy!r}; use one of {NAN_POLICIES}")
+    for name in ("steps", "eval_every", "log_every", "checkpoint_every"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+    if self.batch_size < 1:
+      raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+
+  def to_dict(self) -> Dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------- jitted steps
+
+
+def _all_finite(tree) -> jax.Array:
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def step_rng(state: TrainState, step) -> jax.Array:
+  """The dropout key of step `step`: a pure function of the run's key and the step."""
+  return jax.random.fold_in(state.rng, step)
+
+
+def _loss_fn(model, params, fp8_meta, batch, rng):
+  variables = {"params": params}
+  if fp8_meta:
+    variables[FP8_META] = fp8_meta
+  logits = model.apply(variables, batch, train=True, rngs={"dropout": rng})
+  return jnp.mean(metrics_lib.bce_with_logits(logits, batch["label"])), logits
+
+
+def _build_train_step(model, tx: optax.GradientTransformation, nan_policy: str):
+  def train_step(state: TrainState, batch) -> Tuple[TrainState, Dict[str, jax.Array]]:
+    grad_fn = jax.value_and_grad(lambda p, f: _loss_fn(model, p, f, batch,
+                                                       step_rng(state, state.step)),
+                                 argnums=(0, 1), has_aux=True)
+    (loss, _), (grads, fp8_grads) = grad_fn(state.params, state.fp8_meta)
+    new = state.apply_gradients(tx, grads, fp8_grads)
+    ok = jnp.isfinite(loss) & _all_finite((grads, fp8_grads, new.params))
+    # Never keep a non-finite update; 'skip' still advances the data position.
+    kept = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
+    advance = ok if nan_policy == "stop" else jnp.asarray(True)
+    kept = kept.replace(step=jnp.where(advance, state.step + 1, state.step))
+    return kept, {"loss": loss, "ok": ok, "grad_norm": optax.tree.norm(grads)}
+
+  return jax.jit(train_step, donate_argnums=0)  # the old state is never needed again
+
+
+def _build_eval_step(model):
+  def eval_step(state: TrainState, batch) -> jax.Array:
+    return model.apply(state.variables(), batch, train=False).astype(jnp.float32)
+  return jax.jit(eval_step)
+
+
+_STEP_CACHE: Dict[Any, Tuple[Callable, Callable]] = {}
+
+
+def compiled_steps(model, optim: OptimConfig, nan_policy: str):
+  """(train_step, eval_step) jitted for `model`; equal models and settings share one
+  compilation within a process (tests build the same tiny model many times)."""
+  key = (model, optim, nan_policy)
+  try:
+    hit = _STEP_CACHE.get(key)
+  except TypeError:  # an unhashable model config: no sharing
+    key, hit = None, None
+  if hit is None:
+    hit = (_build_train_step(model, make_optimizer(optim), nan_policy), _build_eval_step(model))
+    if key is not None:
+      _STEP_CACHE[key] = hit
+  return hit
+
+
+# ----------------------------------------------------------------------------- diagnosis
+
+
+def _non_finite_fields(batch) -> list:
+  return [f"input field {k!r}" for k, v in batch.items()
+          if np.issubdtype(np.asarray(v).dtype, np.floating) and not np.isfinite(v).all()]
+
+
+def locate_non_finite(model, state: TrainState, batch, step: int) -> Optional[str]:
+  """Where a non-finite value first appears in step `step`: an input field, the first module
+  (site) whose forward output is non-finite, or the parameters with non-finite gradients."""
+  bad_inputs = _non_finite_fields(batch)
+  if bad_inputs:
+    return ", ".join(bad_inputs)
+
+  def finite_outputs(variables, batch, rng):
+    _, inter = model.apply(variables, batch, train=True, rngs={"dropout": rng},
+                           capture_intermediates=True, mutable=["intermediates"])
+    return jax.tree.map(lambda x: jnp.all(jnp.isfinite(x.astype(jnp.float32)))
+                        if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.asarray(True),
+                        inter["intermediates"])
+
+  rng = step_rng(state, step)
+  flags = jax.device_get(jax.jit(finite_outputs)(state.variables(), batch, rng))
+  bad = [path[:-1] for path, values in flax.traverse_util.flatten_dict(flags).items()
+         if not all(bool(v) for v in jax.tree.leaves(values))]
+  # A fault spreads to every enclosing module and to later layers; report the first module
+  # (in creation order, which follows the call order) none of whose submodules is at fault.
+  innermost = [p for p in bad if not any(len(q) > len(p) and q[:len(p)] == p for q in bad)]
+  if innermost:
+    module = "/".join(str(p) for p in innermost[0])
+    return f"site/module {module!r} (forward output)" if module else "the model output"
+
+  grads = jax.grad(lambda p, f: _loss_fn(model, p, f, batch, rng)[0], argnums=(0, 1))
+  g_params, g_fp8 = jax.device_get(jax.jit(grads)(state.params, state.fp8_meta))
+  bad = ["/".join(str(p) for p in path)
+         for path, g in flax.traverse_util.flatten_dict({"params": g_params, "fp8_meta": g_fp8}
+                                                        ).items()
+         if not np.isfinite(np.asarray(g, np.float32)).all()]
+  if bad:
+    more = f" (+{len(bad) - 5} more)" if len(bad) > 5 else ""
+    return "gradient of " + ", ".join(bad[:5]) + more
+  return None
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def evaluate(eval_step, state: TrainState, source, batch_size: int) -> Dict[str, float]:
+  """Held-out logloss, NE, AUC over `source.eval_batches`, streamed batch by batch."""
+  acc = metrics_lib.EvalAccumulator()
+  for batch in source.eval_batches(batch_size):
+    valid = len(batch["label"])
+    if valid < batch_size:  # pad a short batch so the step compiles once
+      batch = {k: np.concatenate([v, np.repeat(v[:1], batch_size - valid, axis=0)])
+               for k, v in batch.items()}
+    acc.add(jax.device_get(eval_step(state, batch)), batch["label"], valid=valid)
+  if acc.count == 0:
+    raise ValueError(f"data source {source.name!r} yielded no eval batch of size {batch_size} "
+                     f"({source.num_eval_examples()} eval examples); lower the eval batch size")
+  return acc.result()
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def _write_json_atomic(path: str, value) -> None:
+  tmp = f"{path}.tmp"
+  with open(tmp, "w") as f:
+    json.dump(value, f, indent=1, sort_keys=True)
+    f.write("\n")
+  os.replace(tmp, path)
+
+
+class MetricsWriter:
+  """Appends JSON lines to metrics.jsonl; on resume drops lines past the restored step (and a
+  torn last line left by a killed run)."""
+
+  def __init__(self, path: str, resume_step: int):
+    self.path = path
+    kept = []
+    if os.path.exists(path):
+      with open(path) as f:
+        for line in f:
+          try:
+            record = json.loads(line)
+          except json.JSONDecodeError:
+            continue
+          if isinstance(record, dict) and record.get("step", math.inf) <= resume_step:
+            kept.append(json.dumps(record, sort_keys=True))
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+      f.writelines(line + "\n" for line in kept)
+    os.replace(tmp, path)
+    self._file = open(path, "a")
+
+  def write(self, record: Mapping[str, Any]) -> None:
+    self._file.write(json.dumps(metrics_lib.json_safe(record), sort_keys=True) + "\n")
+    self._file.flush()
+
+  def close(self) -> None:
+    self._file.close()
+
+
+def read_metrics(path: str):
+  """The records of a metrics.jsonl file."""
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _check_run_config(workdir: str, settings: Mapping[str, Any]) -> None:
+  """Writes config.json, or checks a resumed run's settings against it."""
+  path = os.path.join(workdir, "config.json")
+  settings = json.loads(json.dumps(settings, sort_keys=True, default=str))
+  if os.path.exists(path):
+    with open(path) as f:
+      old = json.load(f)
+
+    def flat(d, prefix=""):
+      out = {}
+      for k, v in d.items():
+        if isinstance(v, dict):
+          out.update(flat(v, f"{prefix}{k}."))
+        else:
+          out[f"{prefix}{k}"] = v
+      return out
+
+    old_flat, new_flat = flat(old), flat(settings)
+    diffs = [f"{k}: {old_flat.get(k)!r} -> {new_flat.get(k)!r}"
+             for k in sorted(set(old_flat) | set(new_flat))
+             if k.split(".")[-1] not in RESUMABLE_SETTINGS and old_flat.get(k) != new_flat.get(k)]
+    if diffs:
+      raise ValueError(f"run directory {workdir} holds a run with other settings ("
+                       + "; ".join(diffs) + "); resume with the same settings or use a new "
+                       "--workdir")
+  _write_json_atomic(path, settings)
+
+
+def restore_run(workdir: str, model, source, config: TrainConfig
+                ) -> Optional[Tuple[TrainState, Dict[str, Any]]]:
+  """(state, extras) of the newest good checkpoint of the run in `workdir`, or None."""
+  template = create_train_state(model, make_optimizer(config.optim),
+                                source.train_batch(0, config.batch_size), config.seed)
+  with Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints) as ckpt:
+    return ckpt.restore(template)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def train(model, source, workdir: str, config: TrainConfig, *,
+          run_info: Optional[Mapping[str, Any]] = None,
+          extras: Optional[Mapping[str, Any]] = None,
+          step_callback: Optional[Callable[[int, TrainState, Dict], None]] = None
+          ) -> Dict[str, Any]:
+  """Trains `model` on `source` to `config.steps`, resuming from `workdir` if it holds a run.
+
+  Args:
+    model: Linen module, `model.apply(variables, batch, train=...)` -> float32 logits [B].
+    source: a DataSource (loka_jax.data.sources).
+    workdir: run directory (created).
+    config: loop settings.
+    run_info: what identifies the run (model, preset, precision, data, ...); goes into
+      config.json and final.json, which also gets `precision` and `seed` from here.
+    extras: saved in every checkpoint (see checkpoint.py), e.g. the active plan.
+    step_callback: called after each completed step as f(step, state, step_metrics).
+  Returns:
+    the final.json dict.
+  """
+  run_info = dict(run_info or {})
+  os.makedirs(workdir, exist_ok=True)
+  _check_run_config(workdir, {"run": run_info, "train": config.to_dict()})
+  train_step, eval_step = compiled_steps(model, config.optim, config.nan_policy)
+  tx = make_optimizer(config.optim)
+  eval_batch_size = min(config.eval_batch_size or config.batch_size, source.num_eval_examples())
+
+  first_batch = source.train_batch(0, config.batch_size)
+  template = create_train_state(model, tx, first_batch, config.seed)
+  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints)
+  restored = checkpointer.restore(template)
+  state, saved = restored if restored is not None else (template, {})
+  loop_extras = dict(saved.get("loop", {"skipped_steps": 0, "elapsed_s": 0.0}))
+  start = int(jax.device_get(state.step))
+  if restored is not None:
+    logging.info("resuming %s from step %d", workdir, start)
+  writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"), resume_step=start)
+
+  t0 = time.perf_counter() - loop_extras["elapsed_s"]
+  window_loss, window_steps, window_t = 0.0, 0, time.perf_counter()
+  last_eval = None
+  grad_norm = math.nan  # of the last applied step
+
+  def save():
+    loop_extras["elapsed_s"] = time.perf_counter() - t0
+    return checkpointer.save(state, {**(extras or {}), "loop": loop_extras})
+
+  from tqdm import tqdm
+  bar = tqdm(total=config.steps, initial=start, file=sys.stderr, dynamic_ncols=True,
+             disable=None if config.progress else True, desc=os.path.basename(workdir) or "train")
+  try:
+    batch = first_batch if start == 0 else source.train_batch(start, config.batch_size)
+    for i in range(start, config.steps):
+      new_state, step_metrics = train_step(state, batch)
+      # Build the next batch on the host while the device runs this step.
+      next_batch = (source.train_batch(i + 1, config.batch_size) if i + 1 < config.steps
+                    else None)
+      step_metrics = jax.device_get(step_metrics)
+      state = new_state
+      done = i + 1
+      if not step_metrics["ok"]:
+        site = locate_non_finite(model, state, batch, i)
+        message = (f"non-finite loss/gradient (loss={float(step_metrics['loss'])}) in training "
+                   f"step {done} (batch index {i})"
+                   + (f"; first non-finite value at {site}" if site else ""))
+        if config.nan_policy == "skip":
+          loop_extras["skipped_steps"] += 1
+          logging.warning("%s; skipped it (nan_policy='skip')", message)
+          writer.write({"step": done, "skipped": True, "error": message})
+        else:
+          saved_step = save()  # the state before the bad step is still good
+          where = os.path.join(checkpointer.directory, str(saved_step))
+          writer.write({"step": done, "error": message})
+          raise NonFiniteError(
+              f"{message}. Training stopped (nan_policy='stop'); the last good checkpoint is "
+              f"{where}. Lower the learning rate, check the data, or rerun with "
+              f"--nan_policy=skip to skip such steps.", step=done, site=site, checkpoint=where)
+      else:
+        window_loss += float(step_metrics["loss"])
+        window_steps += 1
+        grad_norm = float(step_metrics["grad_norm"])
+      bar.update(1)
+
+      is_eval = (config.eval_every and done % config.eval_every == 0) or done == config.steps
+      is_ckpt = (config.checkpoint_every and done % config.checkpoint_every == 0
+                 ) or done == config.steps
+      is_log = (config.log_every and done % config.log_every == 0) or is_eval or is_ckpt
+      if is_log:
+        now = time.perf_counter()
+        record = {"step": done, "loss": window_loss / window_steps if window_steps else math.nan,
+                  "time": now - t0, "steps_per_sec": window_steps / max(now - window_t, 1e-9),
+                  "grad_norm": grad_norm}
+        if is_eval:
+          last_eval = (done, evaluate(eval_step, state, source, eval_batch_size))
+          record.update({k: last_eval[1][k] for k in ("ne", "auc", "logloss")})
+        writer.write(record)
+        logging.info("step %d: %s", done, {k: round(v, 5) if isinstance(v, float) else v
+                                           for k, v in record.items() if k != "step"})
+        bar.set_postfix(loss=f"{record['loss']:.4f}")
+        window_loss, window_steps, window_t = 0.0, 0, time.perf_counter()
+      if is_ckpt:
+        save()
+        window_t = time.perf_counter()  # keep the save out of the next line's steps_per_sec
+      if step_callback is not None:
+        step_callback(done, state, step_metrics)
+      batch = next_batch
+
+    final_step = int(jax.device_get(state.step))
+    if last_eval is None or last_eval[0] != final_step:  # e.g. resumed at the end
+      last_eval = (final_step, evaluate(eval_step, state, source, eval_batch_size))
+    save()
+    final = {"ne": last_eval[1]["ne"], "auc": last_eval[1]["auc"],
+             "logloss": last_eval[1]["logloss"], "base_ctr": last_eval[1]["base_ctr"],
+             "num_eval_examples": last_eval[1]["num_examples"], "steps": final_step,
+             "precision": run_info.get("precision"), "seed": run_info.get("seed", config.seed),
+             "skipped_steps": loop_extras["skipped_steps"], "time": time.perf_counter() - t0}
+    if getattr(source, "oracle_ne", None) is not None:
+      final["oracle_ne"] = float(source.oracle_ne)
+    final.update({k: v for k, v in run_info.items() if k not in final})
+    final = metrics_lib.json_safe(final)
+    _write_json_atomic(os.path.join(workdir, "final.json"), final)
+    return final
+  finally:
+    bar.close()
+    writer.close()
+    checkpointer.close()

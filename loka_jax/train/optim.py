@@ -1,0 +1,122 @@
+"""Optimizers: (row-wise) Adagrad for the embedding tables, Adam(W) for everything else.
+
+Embedding rows are touched by few examples per step and with very different frequencies, so
+they get an Adagrad-style per-row step size (the usual choice for recommendation models);
+the dense towers get Adam(W). The split is by the top-level `embeddings` submodule, where
+every model keeps its tables. The `fp8_meta` collection never reaches the optimizer: the
+training step overwrites it with its "gradient" (see `TrainState.apply_gradients`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+EMBEDDINGS = "embeddings"        # top-level submodule holding every embedding table
+EMBEDDING_OPTIMIZERS = ("rowwise_adagrad", "adagrad")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  """Optimizer settings (hashable, so a config can key a cache of compiled steps)."""
+  learning_rate: float = 1e-3            # Adam(W), dense towers
+  embedding_learning_rate: float = 0.05  # (row-wise) Adagrad, embedding tables
+  embedding_optimizer: str = "rowwise_adagrad"
+  warmup_steps: int = 0                  # linear warmup of both rates from 0
+  weight_decay: float = 0.0              # AdamW decoupled decay (dense only)
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 1e-8
+  adagrad_initial_accumulator: float = 0.0
+  adagrad_eps: float = 1e-8
+  clip_norm: Optional[float] = None      # global-norm clipping of the dense gradients
+
+  def __post_init__(self):
+    if self.embedding_optimizer not in EMBEDDING_OPTIMIZERS:
+      raise ValueError(f"embedding_optimizer={self.embedding_optimizer!r}; use one of "
+                       f"{EMBEDDING_OPTIMIZERS}")
+    if self.warmup_steps < 0:
+      raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> "OptimConfig":
+    """From a dict or ConfigDict; unknown keys are an error naming them."""
+    d = dict(d)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+      raise ValueError(f"unknown optimizer setting(s) {unknown}; known: {sorted(known)}")
+    return cls(**d)
+
+
+class RowwiseAdagradState(NamedTuple):
+  """Per-row (leading axes) sum of mean squared gradients."""
+  sum_of_squares: Any
+
+
+def _row_mean_square(g):
+  g = g.astype(jnp.float32)
+  return jnp.mean(g * g, axis=-1) if g.ndim >= 2 else g * g
+
+
+def scale_by_rowwise_adagrad(initial_accumulator_value: float = 0.0,
+                             eps: float = 1e-8) -> optax.GradientTransformation:
+  """Adagrad with one accumulator per table row (mean of the row's squared gradient).
+
+  Tables [V, d] keep V accumulators instead of V*d; vectors keep one per element.
+  Rows with no gradient this step keep their accumulator and get a zero update.
+  """
+
+  def init_fn(params):
+    return RowwiseAdagradState(jax.tree.map(
+        lambda p: jnp.full(p.shape[:-1] if p.ndim >= 2 else p.shape, initial_accumulator_value,
+                           jnp.float32), params))
+
+  def update_fn(updates, state, params=None):
+    del params
+    sums = jax.tree.map(lambda g, s: s + _row_mean_square(g), updates, state.sum_of_squares)
+
+    def scale(g, s):
+      denom = jnp.sqrt(s) + eps
+      denom = denom[..., None] if g.ndim >= 2 else denom
+      return (g.astype(jnp.float32) / denom).astype(g.dtype)
+
+    return jax.tree.map(scale, updates, sums), RowwiseAdagradState(sums)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def learning_rate_schedule(peak: float, warmup_steps: int) -> optax.Schedule:
+  """Linear warmup from 0 to `peak` over `warmup_steps`, then constant."""
+  if warmup_steps == 0:
+    return optax.constant_schedule(peak)
+  return optax.linear_schedule(0.0, peak, warmup_steps)
+
+
+def param_labels(params) -> Any:
+  """'embeddings' for leaves under the top-level `embeddings` submodule, else 'dense'."""
+  if not isinstance(params, Mapping):
+    raise TypeError(f"params must be a dict of submodules, got {type(params).__name__}")
+  return {k: jax.tree.map(lambda _, k=k: "embeddings" if k == EMBEDDINGS else "dense", v)
+          for k, v in params.items()}
+
+
+def make_optimizer(config: OptimConfig) -> optax.GradientTransformation:
+  """The multi_transform: embeddings -> (row-wise) Adagrad, the rest -> Adam(W)."""
+  dense_lr = learning_rate_schedule(config.learning_rate, config.warmup_steps)
+  embed_lr = learning_rate_schedule(config.embedding_learning_rate, config.warmup_steps)
+  dense = optax.adamw(dense_lr, b1=config.b1, b2=config.b2, eps=config.eps,
+                      weight_decay=config.weight_decay)
+  if config.clip_norm is not None:
+    dense = optax.chain(optax.clip_by_global_norm(config.clip_norm), dense)
+  if config.embedding_optimizer == "rowwise_adagrad":
+    embed = optax.chain(
+        scale_by_rowwise_adagrad(config.adagrad_initial_accumulator, config.adagrad_eps),
+        optax.scale_by_learning_rate(embed_lr))
+  else:
+    embed = optax.adagrad(embed_lr, initial_accumulator_value=config.adagrad_initial_accumulator,
+                          eps=config.adagrad_eps)
+  return optax.multi_transform({"dense": dense, "embeddings": embed}, param_labels)

@@ -1,0 +1,87 @@
+"""The training state: one pytree holding everything a resumed run needs."""
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+from flax import serialization
+
+from loka_jax.kernels import FP8_META
+from loka_jax.kernels.flax_delayed import merge_fp8_meta
+
+PARAMS = "params"
+
+
+@flax.struct.dataclass
+class TrainState:
+  """step = steps done = position in the data (batches are a pure function of seed and step);
+  fp8_meta = delayed-scaling state (overwritten, never optimized); rng = raw uint32 key."""
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  fp8_meta: Any
+  rng: jax.Array
+
+  def variables(self) -> Dict[str, Any]:
+    """The Flax variables to `apply` the model with."""
+    variables = {PARAMS: self.params}
+    if self.fp8_meta:
+      variables[FP8_META] = self.fp8_meta
+    return variables
+
+  def apply_gradients(self, tx: optax.GradientTransformation, grads, fp8_grads) -> "TrainState":
+    """One optimizer step on params; fp8_meta becomes its gradient (overwrite-with-gradient)."""
+    updates, opt_state = tx.update(grads, self.opt_state, self.params)
+    return self.replace(step=self.step + 1, params=optax.apply_updates(self.params, updates),
+                        opt_state=opt_state, fp8_meta=merge_fp8_meta(fp8_grads))
+
+  def to_state_dict(self) -> Dict[str, Any]:
+    """Nested dicts of arrays (optax's named tuples flattened) for checkpoints."""
+    return serialization.to_state_dict(self)
+
+  def from_state_dict(self, state_dict: Mapping[str, Any]) -> "TrainState":
+    """`self` (a template of the right structure) filled from `state_dict`."""
+    return serialization.from_state_dict(self, state_dict)
+
+
+def split_variables(variables: Mapping[str, Any]):
+  """(params, fp8_meta) of a model's variables; any other collection is an error."""
+  variables = dict(variables)
+  params = variables.pop(PARAMS, None)
+  if params is None:
+    raise ValueError("the model created no parameters (no 'params' collection)")
+  fp8_meta = variables.pop(FP8_META, {})
+  if variables:
+    raise ValueError(
+        f"the model created variable collection(s) {sorted(variables)} that training does "
+        f"not know how to update; only 'params' and '{FP8_META}' (fp8_meta) are supported")
+  return params, fp8_meta
+
+
+_INIT_CACHE: Dict[Any, Any] = {}
+
+
+def _jitted_init(model):
+  """model.init under jit, compiled once per (hashable) model within a process."""
+  try:
+    return _INIT_CACHE[model]
+  except KeyError:
+    fn = _INIT_CACHE[model] = jax.jit(lambda rngs, batch: model.init(rngs, batch, train=False))
+    return fn
+  except TypeError:  # an unhashable model config
+    return jax.jit(lambda rngs, batch: model.init(rngs, batch, train=False))
+
+
+def create_train_state(model, tx: optax.GradientTransformation, example_batch, seed: int
+                       ) -> TrainState:
+  """Initializes parameters (and fp8 state) from `seed` on an example batch."""
+  init_key, rng = jax.random.split(jax.random.PRNGKey(seed))
+  params_key, dropout_key = jax.random.split(init_key)
+  variables = _jitted_init(model)({"params": params_key, "dropout": dropout_key}, example_batch)
+  params, fp8_meta = split_variables(variables)
+  fp8_meta = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), fp8_meta)
+  return TrainState(step=jnp.asarray(0, jnp.int32), params=params, opt_state=tx.init(params),
+                    fp8_meta=fp8_meta, rng=rng)

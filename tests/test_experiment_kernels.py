@@ -1,0 +1,50 @@
+"""`python -m experiments.kernels`: --list and --check --json as a user runs them."""
+import json
+import subprocess
+import sys
+
+from absl.testing import absltest
+
+from loka_jax import kernels
+
+
+def _run(*args):
+  return subprocess.run([sys.executable, "-m", "experiments.kernels", *args], check=True,
+                        capture_output=True, text=True, timeout=300)
+
+
+class KernelsCliTest(absltest.TestCase):
+
+  def test_list_names_every_registered_kernel(self):
+    out = _run("--list").stdout
+    for name in kernels.names():
+      self.assertIn(name, out)
+    self.assertIn("passes=fwd,grad_lhs,grad_rhs", out)
+
+  def test_check_writes_the_check_schema(self):
+    path = self.create_tempfile().full_path
+    only = "xla_bf16,xla_fp8_tensorwise,xla_fp8_rowwise,flax_fp8_delayed"
+    out = _run("--check", "--m=72", "--k=136", "--n=40", "--seed=3", f"--json={path}",
+               f"--only={only}").stdout
+    self.assertIn("SQNR dB", out)
+    with open(path) as f:
+      report = json.load(f)
+    self.assertEqual(report["schema"], "loka.check/1")
+    self.assertEqual(report["shape"], {"m": 72, "k": 136, "n": 40})
+    rows = {(r["kernel"], r["pass"]): r for r in report["results"]}
+    self.assertLen(rows, 4 * 3)
+    for (name, _), row in rows.items():
+      self.assertIsNone(row["error"])
+      self.assertGreaterEqual(row["sqnr_db"], 18.0 if name != "xla_bf16" else 40.0)
+      for key in ("rel_fro", "mere", "underflow", "backend"):
+        self.assertIn(key, row)
+
+  def test_bad_arguments_are_usage_errors(self):
+    proc = subprocess.run([sys.executable, "-m", "experiments.kernels", "--check",
+                           "--shapes=12by4"], capture_output=True, text=True, timeout=120)
+    self.assertNotEqual(proc.returncode, 0)
+    self.assertIn("must look like 2048x256x768", proc.stderr + proc.stdout)
+
+
+if __name__ == "__main__":
+  absltest.main()

@@ -1,0 +1,157 @@
+"""Registered XLA / Flax kernels: correctness, site error, per-pass mixing, gradients."""
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from loka_jax import kernels
+from loka_jax.kernels import check
+from loka_jax.kernels.base import reference_einsum
+from loka_jax.precision import metrics
+
+XLA_FP8 = ("xla_fp8_tensorwise", "xla_fp8_rowwise", "xla_fp8_tensorwise_fastacc",
+           "xla_fp8_rowwise_precise")
+DENSE = kernels.EinsumSpec.parse("mk,kn->mn")
+
+
+def _operands(seed, m, k, n):
+  kx, kw, kg = jax.random.split(jax.random.PRNGKey(seed), 3)
+  return (jax.random.normal(kx, (m, k)), jax.random.normal(kw, (k, n)) / np.sqrt(k),
+          jax.random.normal(kg, (m, n)))
+
+
+class PerPassKernelTest(chex.TestCase, parameterized.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.product(name=XLA_FP8, pass_name=kernels.PASSES)
+  def test_matches_product_of_its_own_dequantized_operands(self, name, pass_name):
+    kernel = kernels.get(name)
+    x, w, g = _operands(1, 48, 80, 24)  # M != K != N
+    spec = DENSE.for_pass(pass_name)
+    a, b = check.pass_operands(pass_name, x, w, g)
+    out = self.variant(functools.partial(kernel.einsum, spec, pass_name=pass_name,
+                                         out_dtype=jnp.float32))(a, b)
+    qa, qb = kernel.quantized_operands(spec, a, b, pass_name=pass_name)
+    ref_b = reference_einsum(spec, qa.dequantize(), qb.dequantize())
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_b), rtol=1e-5,
+                               atol=1e-5 * float(jnp.max(jnp.abs(ref_b))))
+    ref_a = reference_einsum(spec, a, b)
+    self.assertGreaterEqual(float(metrics.sqnr_db(out, ref_a)), 18.0)
+
+  @parameterized.parameters("xla_bf16", "xla_fp32")
+  def test_high_precision_kernels(self, name):
+    x, w, _ = _operands(2, 33, 47, 21)
+    out = kernels.get(name).einsum(DENSE, x, w, pass_name="fwd", out_dtype=jnp.float32)
+    bar = 40.0 if name == "xla_bf16" else 100.0
+    self.assertGreaterEqual(float(metrics.sqnr_db(out, reference_einsum(DENSE, x, w))), bar)
+
+  def test_gradient_passes_use_e5m2_for_the_gradient_operand(self):
+    kernel = kernels.get("xla_fp8_rowwise")
+    x, w, g = _operands(3, 16, 32, 8)
+    qg, qw = kernel.quantized_operands(DENSE.for_pass("grad_lhs"), g, w, pass_name="grad_lhs")
+    self.assertEqual(qg.dtype, jnp.float8_e5m2)
+    self.assertEqual(qw.dtype, jnp.float8_e4m3fn)
+    # dgrad G W^T needs W per row of W (its non-contracting axis is k, axis 0).
+    chex.assert_shape(qw.scale, (32, 1))
+    qx, qg2 = kernel.quantized_operands(DENSE.for_pass("grad_rhs"), x, g, pass_name="grad_rhs")
+    chex.assert_shape(qx.scale, (1, 32))   # wgrad X^T G: X per column
+    chex.assert_shape(qg2.scale, (1, 8))
+
+  @parameterized.parameters(*XLA_FP8)
+  def test_shapes_not_multiple_of_16(self, name):
+    x, w, _ = _operands(4, 37, 53, 29)
+    out = kernels.get(name).einsum(DENSE, x, w, pass_name="fwd", out_dtype=jnp.float32)
+    chex.assert_shape(out, (37, 29))
+    self.assertGreaterEqual(float(metrics.sqnr_db(out, reference_einsum(DENSE, x, w))), 18.0)
+
+  def test_batched_act_act_product(self):
+    spec = kernels.EinsumSpec.parse("bnd,bdk->bnk")
+    kx, ky = jax.random.split(jax.random.PRNGKey(5))
+    x = jax.random.normal(kx, (6, 16, 40))
+    p = jax.random.normal(ky, (6, 40, 12))
+    for name in XLA_FP8:
+      out = kernels.get(name).einsum(spec, x, p, pass_name="fwd", out_dtype=jnp.float32)
+      self.assertGreaterEqual(float(metrics.sqnr_db(out, reference_einsum(spec, x, p))), 18.0)
+
+
+class SiteProductTest(parameterized.TestCase):
+
+  @parameterized.parameters(*XLA_FP8)
+  def test_custom_vjp_gradients_against_reference_gradients(self, name):
+    x, w, g = _operands(6, 40, 72, 24)
+    choice = kernels.KernelChoice.uniform(name)
+
+    def f(fn):
+      return lambda x_, w_: jnp.sum(fn(x_, w_).astype(jnp.float32) * g)
+
+    got = jax.grad(f(lambda a, b: kernels.per_pass_product(DENSE, choice, jnp.float32, a, b)),
+                   argnums=(0, 1))(x, w)
+    want = jax.grad(f(lambda a, b: reference_einsum(DENSE, a, b)), argnums=(0, 1))(x, w)
+    for gi, wi in zip(got, want):
+      self.assertGreaterEqual(float(metrics.sqnr_db(gi, wi)), 18.0)
+
+  def test_each_pass_runs_its_own_kernel(self):
+    # FP8 forward with fp32 gradients: the gradients are exact, the output is not.
+    x, w, g = _operands(7, 32, 64, 16)
+    choice = kernels.KernelChoice("xla_fp8_tensorwise", "xla_fp32", "xla_fp32")
+    fn = lambda a, b: kernels.per_pass_product(DENSE, choice, jnp.float32, a, b)
+    out, vjp = jax.vjp(fn, x, w)
+    dx, dw = vjp(g)
+    ref_out, ref_vjp = jax.vjp(lambda a, b: reference_einsum(DENSE, a, b), x, w)
+    rdx, rdw = ref_vjp(g)
+    self.assertLess(float(metrics.sqnr_db(out, ref_out)), 40.0)
+    self.assertGreater(float(metrics.sqnr_db(dx, rdx)), 100.0)
+    self.assertGreater(float(metrics.sqnr_db(dw, rdw)), 100.0)
+    # And the other way round: exact forward, FP8 wgrad only.
+    choice = kernels.KernelChoice("xla_fp32", "xla_fp32", "xla_fp8_rowwise")
+    out, vjp = jax.vjp(lambda a, b: kernels.per_pass_product(DENSE, choice, jnp.float32, a, b),
+                       x, w)
+    dx, dw = vjp(g)
+    self.assertGreater(float(metrics.sqnr_db(out, ref_out)), 100.0)
+    self.assertGreater(float(metrics.sqnr_db(dx, rdx)), 100.0)
+    self.assertLess(float(metrics.sqnr_db(dw, rdw)), 40.0)
+
+  def test_validate_choice_lists_every_problem(self):
+    with self.assertRaisesRegex(ValueError, "fused-op kernel"):
+      kernels.validate_choice(kernels.KernelChoice("flax_fp8_delayed", "xla_bf16", "xla_bf16"),
+                              DENSE, kernels.ACT_WEIGHT, (4, 8), (8, 2), site_name="a/b")
+    with self.assertRaisesRegex(KeyError, "unknown kernel 'nope'.*xla_bf16"):
+      kernels.get("nope")
+
+
+class FlaxDelayedTest(absltest.TestCase):
+
+  def test_reaches_site_error_bar_after_warmup(self):
+    x, w, g = _operands(8, 64, 96, 32)
+    out, dx, dw, meta = kernels.flax_delayed.run_delayed_passes(
+        "mk,kn->mn", x, w, g, warmup=3)
+    self.assertNotEqual(float(meta["input_scale"][0]), 1.0)
+    for got, want in ((out, x @ w), (dx, g @ w.T), (dw, x.T @ g)):
+      self.assertGreaterEqual(float(metrics.sqnr_db(got, want)), 18.0)
+
+
+class EinsumSpecTest(parameterized.TestCase):
+
+  @parameterized.parameters(
+      ("mk,kn", "two operands"), ("m...k,kn->mn", "ascii letters"),
+      ("mkk,kn->mn", "repeated index"), ("mk,kn->mz", "in no operand"),
+      ("mkj,kn->mn", "summed in one operand"))
+  def test_bad_specs(self, spec, message):
+    with self.assertRaisesRegex(ValueError, message):
+      kernels.EinsumSpec.parse(spec)
+
+  def test_passes_and_axes(self):
+    s = kernels.EinsumSpec.parse("bnd,nk->bdk")
+    self.assertEqual(str(s.for_pass("grad_lhs")), "bdk,nk->bnd")
+    self.assertEqual(str(s.for_pass("grad_rhs")), "bnd,bdk->nk")
+    self.assertEqual(s.contracting_axes("lhs"), (1,))
+    self.assertEqual(s.shapes((2, 3, 4), (3, 5)), (2, 4, 5))
+    with self.assertRaisesRegex(ValueError, "index 'n' has size 3"):
+      s.shapes((2, 3, 4), (7, 5))
+
+
+if __name__ == "__main__":
+  absltest.main()

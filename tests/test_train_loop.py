@@ -1,0 +1,179 @@
+"""Optimizers, the training loop, non-finite handling and FP8 delayed-scaling training.
+
+Uses the toy click model of train_toys.py (built from DenseSites, tables under `embeddings`);
+equal models and settings share one compilation per process.
+"""
+import os
+import tempfile
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl.testing import absltest
+
+from loka_jax.kernels import FP8_META
+from loka_jax.models import SiteConfig
+from loka_jax.train import (NonFiniteError, OptimConfig, TrainConfig, make_optimizer,
+                            read_metrics, restore_run, scale_by_rowwise_adagrad, train)
+from loka_jax.train.optim import RowwiseAdagradState
+
+import train_toys
+
+
+def fresh_params(seed):
+  rng = np.random.default_rng(seed)
+  return {"embeddings": {"table": jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)},
+          "mlp": {"kernel": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)}}
+
+
+class OptimizerTest(chex.TestCase):
+
+  def test_rowwise_adagrad_two_steps_by_hand(self):
+    rng = np.random.default_rng(0)
+    g1, g2 = rng.normal(size=(2, 5, 3))
+    tx = scale_by_rowwise_adagrad(initial_accumulator_value=0.0, eps=1e-8)
+    state = tx.init({"t": jnp.zeros((5, 3))})
+    chex.assert_shape(state.sum_of_squares["t"], (5,))
+    u1, state = tx.update({"t": jnp.asarray(g1, jnp.float32)}, state)
+    u2, state = tx.update({"t": jnp.asarray(g2, jnp.float32)}, state)
+    acc1 = (g1 ** 2).mean(axis=1)
+    acc2 = acc1 + (g2 ** 2).mean(axis=1)
+    np.testing.assert_allclose(u1["t"], g1 / (np.sqrt(acc1)[:, None] + 1e-8), rtol=1e-5)
+    np.testing.assert_allclose(u2["t"], g2 / (np.sqrt(acc2)[:, None] + 1e-8), rtol=1e-5)
+
+  def test_rowwise_adagrad_leaves_untouched_rows(self):
+    tx = scale_by_rowwise_adagrad()
+    g = np.zeros((4, 3), np.float32)
+    g[1] = np.random.default_rng(1).normal(size=3)
+    updates, state = tx.update({"t": jnp.asarray(g)}, tx.init({"t": jnp.zeros((4, 3))}))
+    np.testing.assert_array_equal(np.asarray(updates["t"])[[0, 2, 3]], 0.0)
+    np.testing.assert_array_equal(np.asarray(state.sum_of_squares["t"])[[0, 2, 3]], 0.0)
+
+  def test_embeddings_get_rowwise_adagrad_and_the_rest_adam(self):
+    params = fresh_params(2)
+    grads = jax.tree.map(lambda p: p * 0.3 + 0.1, fresh_params(3))
+    tx = make_optimizer(OptimConfig(learning_rate=0.01, embedding_learning_rate=0.5))
+    state = tx.init(params)
+    updates, state = tx.update(grads, state, params)
+    g_mlp = np.asarray(grads["mlp"]["kernel"])
+    g_emb = np.asarray(grads["embeddings"]["table"])
+    # Adam's first bias-corrected step is lr * g / (|g| + eps).
+    np.testing.assert_allclose(updates["mlp"]["kernel"], -0.01 * g_mlp / (np.abs(g_mlp) + 1e-8),
+                               rtol=1e-5)
+    np.testing.assert_allclose(updates["embeddings"]["table"],
+                               -0.5 * g_emb / np.sqrt((g_emb ** 2).mean(axis=1, keepdims=True)),
+                               rtol=1e-5)
+    rowwise = [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(
+        x, RowwiseAdagradState)) if isinstance(s, RowwiseAdagradState)]
+    self.assertLen(rowwise, 1)
+    chex.assert_shape(rowwise[0].sum_of_squares["embeddings"]["table"], (6,))
+
+  def test_warmup_starts_at_zero(self):
+    params = fresh_params(4)
+    tx = make_optimizer(OptimConfig(warmup_steps=10))
+    updates, _ = tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params), params)
+    for u in jax.tree.leaves(updates):
+      np.testing.assert_array_equal(u, 0.0)
+
+  def test_unknown_setting_is_named(self):
+    with self.assertRaisesRegex(ValueError, "learning_rat"):
+      OptimConfig.from_dict({"learning_rat": 0.1})
+
+
+class TrainLoopTest(chex.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.workdir = tempfile.mkdtemp(prefix="loka_train_")
+
+  def test_toy_model_learns(self):
+    source = train_toys.ToySource(seed=0)
+    config = TrainConfig(steps=300, batch_size=128, eval_every=150, log_every=50, progress=False,
+                         optim=OptimConfig(learning_rate=3e-3, embedding_learning_rate=0.1))
+    final = train(train_toys.ToyClickModel(), source, self.workdir, config,
+                  run_info={"precision": "fp32", "seed": 0})
+    self.assertLess(final["ne"], 0.75)       # predicting the base rate gives 1.0
+    self.assertGreater(final["auc"], 0.85)
+    self.assertGreater(final["ne"], source.oracle_ne - 0.05)  # no better than the teacher
+    self.assertEqual((final["steps"], final["precision"], final["seed"]), (300, "fp32", 0))
+    self.assertAlmostEqual(final["oracle_ne"], source.oracle_ne)
+    lines = read_metrics(os.path.join(self.workdir, "metrics.jsonl"))
+    self.assertEqual([r["step"] for r in lines], [50, 100, 150, 200, 250, 300])
+    self.assertEqual([r["step"] for r in lines if "ne" in r], [150, 300])
+    self.assertLess(lines[-1]["loss"], lines[0]["loss"])
+
+  def test_bad_learning_rate_stops_naming_step_and_site(self):
+    config = TrainConfig(steps=20, batch_size=64, log_every=5, progress=False,
+                         optim=OptimConfig(learning_rate=1e30))
+    with self.assertRaises(NonFiniteError) as caught:
+      train(train_toys.ToyClickModel(), train_toys.ToySource(), self.workdir, config)
+    err = caught.exception
+    # Step 1 moves every weight by ~1e30; step 2's output layer overflows.
+    self.assertEqual(err.step, 2)
+    self.assertIn("training step 2", str(err))
+    self.assertIn("'out'", err.site)
+    self.assertIn(err.checkpoint, str(err))
+    self.assertFalse(os.path.exists(os.path.join(self.workdir, "final.json")))
+    last = read_metrics(os.path.join(self.workdir, "metrics.jsonl"))[-1]
+    self.assertEqual(last["step"], 2)
+    self.assertIn("non-finite", last["error"])
+
+  def test_nan_in_data_stops_and_keeps_the_last_good_checkpoint(self):
+    source = train_toys.ToySource(nan_at_step=7)
+    config = TrainConfig(steps=20, batch_size=64, log_every=5, checkpoint_every=5,
+                         progress=False)
+    with self.assertRaises(NonFiniteError) as caught:
+      train(train_toys.ToyClickModel(), source, self.workdir, config)
+    self.assertEqual(caught.exception.step, 8)
+    self.assertIn("batch index 7", str(caught.exception))
+    self.assertIn("'dense'", caught.exception.site)
+    self.assertEqual(sorted(os.listdir(os.path.join(self.workdir, "checkpoints"))), ["5", "7"])
+    state, _ = restore_run(self.workdir, train_toys.ToyClickModel(), source, config)
+    self.assertEqual(int(state.step), 7)
+    for leaf in jax.tree.leaves(state.params):
+      self.assertTrue(np.isfinite(leaf).all())
+
+  def test_skip_policy_skips_the_bad_step_and_finishes(self):
+    source = train_toys.ToySource(nan_at_step=7)
+    config = TrainConfig(steps=12, batch_size=64, log_every=4, progress=False, nan_policy="skip")
+    final = train(train_toys.ToyClickModel(), source, self.workdir, config)
+    self.assertEqual(final["skipped_steps"], 1)
+    self.assertEqual(final["steps"], 12)
+    self.assertTrue(np.isfinite(final["ne"]))
+    lines = read_metrics(os.path.join(self.workdir, "metrics.jsonl"))
+    skipped = [r for r in lines if r.get("skipped")]
+    self.assertEqual([r["step"] for r in skipped], [8])
+    self.assertIn("'dense'", skipped[0]["error"])
+
+  def test_nan_policy_is_checked(self):
+    with self.assertRaisesRegex(ValueError, "nan_policy"):
+      TrainConfig(nan_policy="ignore")
+
+  def test_flax_fp8_delayed_trains(self):
+    model = train_toys.ToyClickModel(
+        config=SiteConfig.for_precision("fp8_all", kernel="flax_fp8_delayed"))
+    source = train_toys.ToySource(seed=1)
+    config = TrainConfig(steps=60, batch_size=128, log_every=20, progress=False)
+    final = train(model, source, self.workdir, config)
+    state, _ = restore_run(self.workdir, model, source, config)
+    scales = {"/".join(str(k.key) for k in path): float(np.asarray(v).item())
+              for path, v in jax.tree_util.tree_leaves_with_path(state.fp8_meta)
+              if "scale" in str(path[-1])}
+    self.assertNotEmpty(scales)
+    moved = {k: v for k, v in scales.items() if abs(v - 1.0) > 1e-3}
+    # Delayed scaling starts every scale at 1; training must have updated them.
+    self.assertGreaterEqual(len(moved), len(scales) // 2, scales)
+    # The fp8 state is overwritten, never optimized: no optimizer state mirrors it.
+    opt_shapes = {np.shape(x) for x in jax.tree.leaves(state.opt_state)}
+    history_shapes = {np.shape(x) for path, x in jax.tree_util.tree_leaves_with_path(
+        state.fp8_meta) if "history" in str(path[-1])}
+    self.assertFalse(opt_shapes & history_shapes)
+    lines = read_metrics(os.path.join(self.workdir, "metrics.jsonl"))
+    self.assertLess(lines[-1]["loss"], lines[0]["loss"] - 0.05)
+    self.assertLess(final["ne"], 0.9)
+
+
+if __name__ == "__main__":
+  absltest.main()
