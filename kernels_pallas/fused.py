@@ -171,20 +171,23 @@ def fused_dense(x: Union[jax.Array, QTensor], w: jax.Array, *, bias: Optional[ja
 def fused_dense_reference(x: Union[jax.Array, QTensor], w: jax.Array, *,
                           bias: Optional[jax.Array] = None, block_size: Optional[int] = None,
                           activation: str = "identity", quantize_output: bool = False,
-                          out_dtype=jnp.bfloat16, eps: float = functional.DEFAULT_EPS):
+                          out_dtype=jnp.bfloat16, eps: float = functional.DEFAULT_EPS,
+                          quantizer=scaling.quantize):
   """The same function unfused in pure jnp: fp32 HIGHEST product of the dequantized e4m3
   operands. Quantization is straight-through: jax.grad of this differentiates the exact
-  product, which is what fused_dense's backward computes with a full-precision kernel."""
+  product, which is what fused_dense's backward computes with a full-precision kernel.
+  `quantizer(x, fmt, granularity, contracting_axes) -> QTensor` defaults to the library's
+  quantize; tests pass the Pallas one to check the GEMM on the kernel's own operands."""
   _check(x, w, bias)
   wf = w.astype(jnp.float32)
-  wq = scaling.quantize(lax.stop_gradient(wf), E4M3, ROWWISE, (0,)).dequantize()
+  wq = quantizer(lax.stop_gradient(wf), E4M3, ROWWISE, (0,)).dequantize()
   dot = functools.partial(jnp.einsum, "...k,kn->...n", precision=lax.Precision.HIGHEST)
   if isinstance(x, QTensor):
     z = dot(x.dequantize(jnp.float32), wq)
   else:
     xf = x.astype(jnp.float32)
     x2 = lax.stop_gradient(xf).reshape((-1, x.shape[-1]))
-    xq = scaling.quantize(x2, E4M3, ROWWISE, (1,)).dequantize().reshape(x.shape)
+    xq = quantizer(x2, E4M3, ROWWISE, (1,)).dequantize().reshape(x.shape)
     exact = dot(xf, wf)
     z = exact + lax.stop_gradient(dot(xq, wq) - exact)
   if bias is not None:

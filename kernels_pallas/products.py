@@ -165,17 +165,18 @@ def blockwise_einsum(spec: EinsumSpec, a, b, *, pass_name: str, out_dtype,
 
 
 def dequantized_operands(spec: EinsumSpec, a, b, *, mode: str, pass_name: str):
-  """The operands a kernel actually multiplies (for kernel-correctness references)."""
+  """The operands a kernel actually multiplies, from its own quantize calls (2-D for
+  blockwise): the kernel-correctness reference is their fp32 HIGHEST product."""
   layout = analyze(spec)
   if isinstance(layout, str):
     raise ValueError(layout)
   ca, cb = _contract_axes(spec.lhs, layout), _contract_axes(spec.rhs, layout)
   if mode == "rowwise":
-    return (quantize_lib.quantize_reference(a, E4M3, ROWWISE, ca).dequantize(),
-            quantize_lib.quantize_reference(b, E4M3, ROWWISE, cb).dequantize())
+    return (quantize_lib.quantize(a, E4M3, ROWWISE, ca).dequantize(),
+            quantize_lib.quantize(b, E4M3, ROWWISE, cb).dequantize())
   gran_b = BLOCK_128x128 if pass_name in ("fwd", "grad_lhs") else BLOCK_1x128
-  return (quantize_lib.quantize_reference(a, E4M3, BLOCK_1x128, ca).dequantize(),
-          quantize_lib.quantize_reference(b, E4M3, gran_b, cb).dequantize())
+  return (quantize_lib.quantize(a, E4M3, BLOCK_1x128, ca).dequantize(),
+          quantize_lib.quantize(b, E4M3, gran_b, cb).dequantize())
 
 
 def unsupported(spec: EinsumSpec, *, batched: Optional[bool]) -> Optional[str]:

@@ -100,8 +100,7 @@ def clear_memory() -> None:
 
 
 def cached(kernel: str, key: str) -> Optional[TileConfig]:
-  if jax.default_backend() == "cpu":
-    return None
+  """The tuned config for this device kind (its own file: GPU entries never reach the CPU)."""
   with _lock:
     entry = _load(cache_path())["entries"].get(kernel, {}).get(key)
   return TileConfig.from_dict(entry["config"]) if entry else None

@@ -112,3 +112,19 @@ def summarize(timings: Mapping[str, Timing], baseline: str, *, seed: int = 0) ->
 def random_normal(key, shape, dtype=jnp.float32, scale: float = 1.0) -> jax.Array:
   """Timing inputs: never zeros (zeros hide wrong indexing and can run faster)."""
   return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def time_calls(calls: Mapping[str, Callable[[], object]], *, repeats: int = 20,
+               warmup: int = 3) -> Dict[str, Timing]:
+  """Interleaved timing of argument-less calls (e.g. a train step that threads and donates
+  its own state); each call's result is blocked on. For work of a millisecond or more."""
+  for call in calls.values():
+    for _ in range(warmup):
+      jax.block_until_ready(call())
+  samples = {name: [] for name in calls}
+  for _ in range(repeats):
+    for name, call in calls.items():
+      start = time.perf_counter()
+      jax.block_until_ready(call())
+      samples[name].append(time.perf_counter() - start)
+  return {name: Timing(name, np.asarray(s)) for name, s in samples.items()}

@@ -1,7 +1,9 @@
 """`python -m experiments.kernels`: --list and --check --json as a user runs them."""
 import json
+import os
 import subprocess
 import sys
+import tempfile
 
 from absl.testing import absltest
 
@@ -22,7 +24,7 @@ class KernelsCliTest(absltest.TestCase):
     self.assertIn("passes=fwd,grad_lhs,grad_rhs", out)
 
   def test_check_writes_the_check_schema(self):
-    path = self.create_tempfile().full_path
+    path = os.path.join(tempfile.mkdtemp(), "check.json")
     only = "xla_bf16,xla_fp8_tensorwise,xla_fp8_rowwise,flax_fp8_delayed"
     out = _run("--check", "--m=72", "--k=136", "--n=40", "--seed=3", f"--json={path}",
                f"--only={only}").stdout

@@ -10,10 +10,8 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from absl.testing import absltest
 
-from loka_jax.kernels import FP8_META
 from loka_jax.models import SiteConfig
 from loka_jax.train import (NonFiniteError, OptimConfig, TrainConfig, make_optimizer,
                             read_metrics, restore_run, scale_by_rowwise_adagrad, train)

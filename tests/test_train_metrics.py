@@ -120,8 +120,8 @@ class AccumulatorTest(chex.TestCase):
     self.assertEqual(result["num_examples"], 250)
     self.assertAlmostEqual(result["logloss"], logloss, places=10)
     self.assertAlmostEqual(result["auc"], pairwise_auc(logits, labels), places=12)
-    self.assertAlmostEqual(result["ne"], logloss / metrics.binary_entropy(labels.astype(np.float64).mean()),
-                           places=10)
+    base_ctr = labels.astype(np.float64).mean()
+    self.assertAlmostEqual(result["ne"], logloss / metrics.binary_entropy(base_ctr), places=10)
 
   def test_empty_is_an_error(self):
     with self.assertRaisesRegex(ValueError, "no eval examples"):

@@ -32,6 +32,7 @@ _SCAN_BLOCK = 1 << 23     # bytes per block when counting lines
 _MAX_INT_DIGITS = 18      # int64-safe
 _MAX_HEX_DIGITS = 16      # uint64-safe
 _TRAIN_STREAM = 21
+_SEQUENTIAL_WINDOW = 1 << 16  # lines read at once when the training stream is not shuffled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +112,7 @@ def scan_file(path: str) -> Tuple[int, np.ndarray]:
         bad = np.flatnonzero(per_line != NUM_COLUMNS - 1)
         if bad.size:
           raise _column_error(path, lines + int(bad[0]) + 1, int(per_line[bad[0]]) + 1)
-        starts = lines + 1 + np.arange(newlines.size)          # line numbers (0-based) after each \n
+        starts = lines + 1 + np.arange(newlines.size)  # 0-based numbers of the next lines
         marks = np.flatnonzero(starts % _INDEX_STRIDE == 0)
         offsets.extend((pos + newlines[marks] + 1).tolist())
         carry_tabs = int(tabs.size - np.searchsorted(tabs, newlines[-1]))
@@ -302,7 +303,12 @@ class CriteoSource:
 
   # ---- training stream ---------------------------------------------------------------------
   def _window_size(self) -> int:
-    return min(self.config.shuffle_window, self._num_train)
+    lines = self.config.shuffle_window if self._shuffled else _SEQUENTIAL_WINDOW
+    return min(lines, self._num_train)
+
+  @property
+  def _shuffled(self) -> bool:
+    return self.config.shuffle_window > 1
 
   def _window(self, index: int) -> Dict[str, np.ndarray]:
     if index not in self._windows:
@@ -332,14 +338,13 @@ class CriteoSource:
     epoch, line = np.divmod(position, self._num_train)
     size = self._window_size()
     window, within = np.divmod(line, size)
-    rows: List[Tuple[np.ndarray, Dict[str, np.ndarray], np.ndarray]] = []
     out = None
     for e, w in sorted(set(zip(epoch.tolist(), window.tolist()))):
       sel = (epoch == e) & (window == w)
       data = self._window(w)
       n_window = data["label"].shape[0]
       picked = within[sel]
-      if self.config.shuffle_window > 1:
+      if self._shuffled:
         picked = self._order(e, w, n_window)[picked]
       if out is None:
         out = {k: np.empty((batch_size,) + v.shape[1:], v.dtype) for k, v in data.items()}

@@ -5,11 +5,12 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Any, Dict, Iterator, Mapping, Optional, Protocol, Type, TypeVar, Union, runtime_checkable
+from typing import (Any, Dict, Iterator, Mapping, Optional, Protocol, Type, TypeVar, Union,
+                    runtime_checkable)
 
 import numpy as np
 
-from loka_jax.data.spec import FeatureSpec
+from loka_jax.data.spec import ID_POLICIES, FeatureSpec
 
 SOURCES = ("synthetic", "movielens", "criteo")
 
@@ -127,6 +128,8 @@ def make_source(name: str, *, features: Optional[FeatureSpec] = None,
   MovieLensConfig / CriteoConfig keys. `seed` orders the training stream; `num_eval` sizes the
   held-out set; `id_policy` ('error' | 'hash' | 'clip') treats out-of-vocabulary ids.
   """
+  if id_policy not in ID_POLICIES:
+    raise ValueError(f"unknown id_policy {id_policy!r}; use one of {ID_POLICIES}")
   if name == "synthetic":
     from loka_jax.data import synthetic
     return synthetic.SyntheticSource(features=features, spec=spec, seed=seed, num_eval=num_eval,

@@ -9,6 +9,7 @@ A batch is a dict of numpy or jax arrays:
   seq_mask     bool    [B, seq_len]            True where an event is real
   label        float32 [B]                     click label in {0, 1}
 Padded id slots hold 0 and are masked out; real ids lie in [0, vocab).
+Sequences are right-aligned: padding first, the most recent event at position seq_len - 1.
 """
 from __future__ import annotations
 

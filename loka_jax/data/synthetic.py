@@ -334,15 +334,23 @@ class _Teacher:
 
 
 def _bias_for_ctr(z: np.ndarray, scale: float, ctr: float) -> float:
-  """The bias b with mean(sigmoid(b + scale z)) = ctr (bisection; the mean rises with b)."""
+  """The bias b with mean(sigmoid(b + scale z)) = ctr: safeguarded Newton (the mean rises
+  with b, so a bracket keeps every step honest)."""
   lo, hi = -40.0, 40.0
-  for _ in range(60):
-    mid = 0.5 * (lo + hi)
-    if _sigmoid(mid + scale * z).mean() < ctr:
-      lo = mid
+  bias = math.log(ctr / (1 - ctr))
+  for _ in range(100):
+    p = _sigmoid(bias + scale * z)
+    gap = float(p.mean()) - ctr
+    if abs(gap) < 1e-9:
+      break
+    if gap < 0:
+      lo = bias
     else:
-      hi = mid
-  return 0.5 * (lo + hi)
+      hi = bias
+    slope = float((p * (1 - p)).mean())
+    step = bias - gap / slope if slope > 0 else lo - 1.0
+    bias = step if lo < step < hi else 0.5 * (lo + hi)
+  return bias
 
 
 def _scale_for_ne(z: np.ndarray, ctr: float, target_ne: float) -> Tuple[float, float]:
@@ -357,7 +365,7 @@ def _scale_for_ne(z: np.ndarray, ctr: float, target_ne: float) -> Tuple[float, f
   if expected_ne(hi)[0] > target_ne:
     raise ValueError(f"synthetic teacher cannot reach target_oracle_ne={target_ne} "
                      f"(best {expected_ne(hi)[0]:.3f}); raise it or set teacher_logit_scale")
-  for _ in range(40):
+  for _ in range(30):  # the scale to ~3e-8: far below the eval set's sampling noise
     mid = 0.5 * (lo + hi)
     if expected_ne(mid)[0] > target_ne:
       lo = mid
@@ -389,11 +397,13 @@ class SyntheticSource:
     rng = np.random.default_rng([s.task_seed, _TEACHER, 1])
     self.dense_families = self._assign_families()
     k = min(s.num_outlier_features, f.num_dense)
-    self.outlier_features = tuple(int(i) for i in np.sort(rng.choice(f.num_dense, k, replace=False)))
+    outliers = np.sort(rng.choice(f.num_dense, k, replace=False))
+    self.outlier_features = tuple(int(i) for i in outliers)
     self.dense_scale = 10.0 ** (s.dense_log10_scale_std * rng.standard_normal(f.num_dense))
     self.zipf_exponents = self._table_exponents()
     self.bag_length_probs = self._bag_length_probs()
-    self.num_multi_hot = int(math.ceil(s.multi_hot_fraction * f.num_sparse)) if f.bag_size > 1 else 0
+    self.num_multi_hot = (int(math.ceil(s.multi_hot_fraction * f.num_sparse))
+                          if f.bag_size > 1 else 0)
     self._seq_sampler = (zipf_id_sampler(f.seq_vocab, float(s.seq_zipf_exponent), s.task_seed)
                          if f.num_seq else None)
     self._seq_categories = [
@@ -472,7 +482,8 @@ class SyntheticSource:
     if self.num_multi_hot:
       cdf = np.cumsum(self.bag_length_probs)
       u = rng.random((n, self.num_multi_hot))
-      lengths[:, :self.num_multi_hot] = np.minimum(np.searchsorted(cdf, u, side="right"), bag - 1) + 1
+      drawn = np.minimum(np.searchsorted(cdf, u, side="right"), bag - 1) + 1
+      lengths[:, :self.num_multi_hot] = drawn
     if s.empty_bag_prob > 0:
       lengths = np.where(rng.random((n, t)) < s.empty_bag_prob, 0, lengths)
     mask = np.arange(bag)[None, None, :] < lengths[..., None]
@@ -521,7 +532,8 @@ class SyntheticSource:
   def train_batch(self, step: int, batch_size: int) -> Dict[str, np.ndarray]:
     if step < 0 or batch_size < 1:
       raise ValueError(f"train_batch needs step >= 0 and batch_size >= 1, got {step}, {batch_size}")
-    rng = np.random.default_rng([self.spec.task_seed, _TRAIN, self.seed, int(step), int(batch_size)])
+    key = [self.spec.task_seed, _TRAIN, self.seed, int(step), int(batch_size)]
+    rng = np.random.default_rng(key)
     batch, _ = self._draw(rng, int(batch_size))
     return validate_batch(batch, self.features, self.id_policy)
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from loka_jax import _compat
 from loka_jax.kernels import registry
-from loka_jax.kernels.backend import compiled_backend
+from loka_jax.kernels.backend import backend_from_hlo
 from loka_jax.kernels.base import FUSED_OP, reference_einsum
 from loka_jax.kernels.flax_delayed import run_delayed_passes
 from loka_jax.kernels.spec import ACT_WEIGHT, PASSES, EinsumSpec
@@ -91,10 +91,12 @@ def check_kernel(name: str, problem: Problem, *, warmup: int = 3,
       a_c, b_c = a.astype(dt), b.astype(dt)
       fn = lambda a_, b_, spec=spec, p=p: kernel.einsum(spec, a_, b_, pass_name=p,
                                                         out_dtype=jnp.float32)
-      out = jax.jit(fn)(a_c, b_c)
+      compiled = jax.jit(fn).lower(a_c, b_c).compile()  # one compile: output and HLO
+      out = compiled(a_c, b_c)
       ref = reference_einsum(spec, a, b)
       qa, qb = kernel.quantized_operands(spec, a_c, b_c, pass_name=p)
-      backend = compiled_backend(fn, a_c, b_c) if want_backend else kernel.backend
+      backend = (backend_from_hlo(compiled.as_text(), jax.default_backend()) if want_backend
+                 else kernel.backend)
       rows.append(_row(name, p, out, ref, qa, qb, a_c, b_c, backend))
   except Exception as e:  # A broken kernel is reported in its rows, the check goes on.
     rows.append({"kernel": name, "pass": "*", "sqnr_db": None, "rel_fro": None, "mere": None,
@@ -159,4 +161,22 @@ def format_timing(report: Dict) -> str:
     lines.append(f"{name:32s} {t['median_us']:10.1f} [{t['ci_us'][0]:.1f}, {t['ci_us'][1]:.1f}]"
                  f"  x{t['speedup']:.3f} [{t['speedup_ci'][0]:.3f}, {t['speedup_ci'][1]:.3f}]"
                  f"  {backends.get(name, '')}")
+  return "\n".join(lines)
+
+
+def markdown_summary(reports: Sequence[Dict]) -> str:
+  """One markdown table over several shapes: fwd SQNR, backend per pass, fwd time, speedup."""
+  lines = ["| M x K x N | kernel | fwd SQNR dB | dgrad / wgrad SQNR dB | backend fwd / dgrad / wgrad "
+           "| fwd us (median) | speedup vs xla_bf16 [95% CI] |", "|---|---|---|---|---|---|---|"]
+  for report in reports:
+    shape = "x".join(str(report["shape"][d]) for d in "mkn")
+    rows = {(r["kernel"], r["pass"]): r for r in report["results"]}
+    for name, t in report.get("timing", {}).items():
+      get = lambda p, key: rows.get((name, p), {}).get(key)
+      fmt = lambda v: "-" if v is None else f"{v:.1f}"
+      lines.append(
+          f"| {shape} | {name} | {fmt(get('fwd', 'sqnr_db'))} | {fmt(get('grad_lhs', 'sqnr_db'))} / "
+          f"{fmt(get('grad_rhs', 'sqnr_db'))} | {get('fwd', 'backend')} / {get('grad_lhs', 'backend')}"
+          f" / {get('grad_rhs', 'backend')} | {t['median_us']:.1f} | {t['speedup']:.2f} "
+          f"[{t['speedup_ci'][0]:.2f}, {t['speedup_ci'][1]:.2f}] |")
   return "\n".join(lines)

@@ -30,9 +30,17 @@ class XlaHighPrecision(Kernel):
 
   def einsum(self, spec, a, b, *, pass_name, out_dtype):
     dt = jnp.dtype(self.dtype)
-    out = dot_einsum(spec, a.astype(dt), b.astype(dt),
-                     precision=getattr(lax.Precision, self.precision),
-                     preferred_element_type=jnp.float32)
+    a, b = a.astype(dt), b.astype(dt)
+    result_dtype = dt
+    if dt == jnp.bfloat16 and jax.default_backend() == "cpu":
+      # XLA:CPU's DotThunk lacks some bf16 products (e.g. a gather feeding the product);
+      # bf16 values are exact in f32, so the CPU computes the same products in f32.
+      a, b, result_dtype = a.astype(jnp.float32), b.astype(jnp.float32), jnp.float32
+    # The product comes out in the operand dtype (the GEMM accumulates in fp32 inside), as
+    # nn.Dense does, so autodiff's backward multiplies bf16 cotangents by bf16 operands: the
+    # honest bf16 baseline, not one with fp32 backward GEMMs.
+    out = dot_einsum(spec, a, b, precision=getattr(lax.Precision, self.precision),
+                     preferred_element_type=result_dtype)
     return out.astype(out_dtype)
 
 

@@ -59,9 +59,10 @@ def check_batch(batch: Mapping, features: FeatureSpec, *, model: str,
       raise BatchError(f"{model}: {field} has shape {shape}, expected {expected[field]} "
                        f"(batch size {size}, feature spec {features})")
   for field in ("sparse_ids", "seq_ids"):
-    if field in fields and not jnp.issubdtype(jnp.asarray(batch[field]).dtype, jnp.integer):
-      raise BatchError(f"{model}: {field} must hold integer ids, got dtype "
-                       f"{jnp.asarray(batch[field]).dtype}")
+    if field in fields:
+      dtype = getattr(batch[field], "dtype", None) or np.asarray(batch[field]).dtype
+      if not jnp.issubdtype(dtype, jnp.integer):
+        raise BatchError(f"{model}: {field} must hold integer ids, got dtype {dtype}")
   return size
 
 

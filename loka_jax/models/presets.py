@@ -13,7 +13,8 @@ because attention over 516 sequence tokens materializes B x heads x 516^2 scores
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence, Union
+import math
+from typing import Dict, Mapping, NamedTuple, Sequence, Tuple, Union
 
 import flax.linen as nn
 import jax
@@ -27,9 +28,9 @@ from loka_jax.models.dhen import DHEN, MODULES as DHEN_MODULES
 from loka_jax.models.dlrm import DLRM
 from loka_jax.models.interformer import InterFormer, InterFormerArch
 from loka_jax.models.layers import TowerOptions
-from loka_jax.models.site import SiteConfig
+from loka_jax.models.site import ActSite, DenseSite, EinsumSite, SiteConfig, site_name
 from loka_jax.models.wukong import Wukong
-from loka_jax.probe.hooks import PROBE_COLLECTION
+from loka_jax.kernels import ACT_ACT, ACT_WEIGHT, EinsumSpec
 
 MODEL_NAMES = ("dlrm", "dcnv2", "wukong", "dhen", "interformer")
 PRESETS = ("tiny", "small", "large")
@@ -482,23 +483,39 @@ def _interformer_flops(arch: InterFormerArch, features: FeatureSpec, n: int, d: 
 
 # ----------------------------------------------------------------------------- inspection
 
-def site_operand_shapes(model: nn.Module, variables, batch):
-  """{site name: (lhs shape, rhs shape)} of one forward pass, traced abstractly (no compile).
+class SiteProduct(NamedTuple):
+  """One GEMM site's product as the model calls it (shapes include the batch axis)."""
+  kind: str                  # 'act_weight' or 'act_act'
+  spec: str                  # einsum spec of the forward product
+  lhs_shape: Tuple[int, ...]
+  rhs_shape: Tuple[int, ...]
 
-  Names are the sites' Linen paths; shapes include the batch axis.
-  """
-  def forward(v, b):
-    return model.apply(v, b, mutable=[PROBE_COLLECTION])
+  @property
+  def flops(self) -> int:
+    return EinsumSpec.parse(self.spec).flops(self.lhs_shape, self.rhs_shape)
 
-  _, state = jax.eval_shape(forward, variables, batch)
-  found = {}
 
-  def walk(tree, path):
-    if "lhs" in tree and "rhs" in tree:
-      found["/".join(path)] = (tuple(tree["lhs"][0].shape), tuple(tree["rhs"][0].shape))
-      return
-    for key, sub in tree.items():
-      walk(sub, path + (key,))
+def site_products(model: nn.Module, variables, batch) -> Dict[str, SiteProduct]:
+  """{site name: SiteProduct} of one forward pass, in call order, traced abstractly (no
+  compilation). Names are the sites' Linen paths, the keys of plans and probe reports."""
+  found: Dict[str, SiteProduct] = {}
 
-  walk(state.get(PROBE_COLLECTION, {}), ())
+  def record(next_fun, args, kwargs, context):
+    module = context.module
+    if context.method_name == "__call__" and isinstance(module, (DenseSite, EinsumSite, ActSite)):
+      if isinstance(module, DenseSite):
+        shape = tuple(args[0].shape)
+        product = SiteProduct(ACT_WEIGHT, "mk,kn->mn", (math.prod(shape[:-1]), shape[-1]),
+                              (shape[-1], int(module.features)))
+      elif isinstance(module, EinsumSite):
+        product = SiteProduct(ACT_WEIGHT, str(EinsumSpec.parse(module.spec)),
+                              tuple(args[0].shape), tuple(module.weight_shape))
+      else:
+        product = SiteProduct(ACT_ACT, str(EinsumSpec.parse(module.spec)), tuple(args[0].shape),
+                              tuple(args[1].shape))
+      found[site_name(module)] = product
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(record):
+    jax.eval_shape(lambda v, b: model.apply(v, b), variables, batch)
   return found

@@ -6,7 +6,10 @@ build runs the same way.
 from __future__ import annotations
 
 import dataclasses
+import logging as py_logging
 from typing import Any, Dict, Optional, Sequence, Tuple
+
+from absl import logging
 
 from loka_jax.data.sources import make_source
 from loka_jax.data.spec import FeatureSpec
@@ -45,15 +48,19 @@ class RunSpec:
     return info
 
 
+class PlanError(RuntimeError):
+  """--precision=loka without a plan, or in a checkout without the Dispatch plan loader."""
+
+
 def load_plan(path: Optional[str]) -> KernelPlan:
   """The KernelPlan of a loka.plan/1 file, read by the Dispatch package's loader."""
   if not path:
-    raise ValueError("--precision=loka needs --plan=PLAN.json (a loka.plan/1 file from "
+    raise PlanError("--precision=loka needs --plan=PLAN.json (a loka.plan/1 file from "
                      "`python -m experiments.dispatch`)")
   try:
     from loka_jax.dispatch import load_plan as dispatch_load_plan
   except ImportError as e:
-    raise RuntimeError(
+    raise PlanError(
         f"--precision=loka needs the plan loader loka_jax.dispatch.load_plan(path) -> "
         f"KernelPlan, which this checkout does not have yet ({e}); use --precision=bf16 or "
         "--precision=fp8_all until the Dispatch package lands") from e
@@ -94,3 +101,17 @@ def preset_batch_size(model: str, preset: str) -> int:
 
 def parse_mods(mods: Sequence[str]) -> Tuple[str, ...]:
   return tuple(m.strip() for m in mods if m and m.strip())
+
+
+class _DropLibraryInfo(py_logging.Filter):
+  """Drops INFO records logged from inside orbax (one per file it writes or closes)."""
+
+  def filter(self, record):
+    return record.levelno >= py_logging.WARNING or "/orbax/" not in record.pathname
+
+
+def quiet_library_logs() -> None:
+  """Keeps the run's own progress lines readable in a script's stderr."""
+  handler = logging.get_absl_handler()
+  if not any(isinstance(f, _DropLibraryInfo) for f in handler.filters):
+    handler.addFilter(_DropLibraryInfo())

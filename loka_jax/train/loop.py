@@ -8,16 +8,17 @@ Run directory layout:
   WORKDIR/checkpoints/    orbax checkpoints (see checkpoint.py)
   WORKDIR/final.json      held-out ne, auc, logloss + steps, precision, seed (+ oracle_ne)
 
-`step` counts completed steps, which is also the data position: step i trains on
-`source.train_batch(i, batch_size)`. A line is written at every log, eval and checkpoint step,
-and its "loss" is the mean training loss since the previous line, so a resumed run writes the
-same lines as an uninterrupted one (only the wall-clock fields "time" and "steps_per_sec"
-differ).
+`step` counts completed steps, which is also the data position: from step i the loop trains
+on `source.train_batch(i, batch_size)` (batch index i) and reaches step i + 1. A line is
+written at every log, eval and checkpoint step, and its "loss" is the mean training loss since
+the previous line, so a resumed run writes the same lines as an uninterrupted one (only the
+wall-clock fields "time" and "steps_per_sec" differ).
 
-Non-finite losses or gradients (`nan_policy`): the jitted step never applies a non-finite
-update. 'stop' (default) saves the last good state, reports the step and the first module
-whose output (or parameter whose gradient) is non-finite, and raises NonFiniteError; 'skip'
-leaves the parameters as they were, moves on to the next batch and counts the skipped steps.
+Non-finite losses or gradients (`nan_policy`; a gradient norm that overflows float32 counts
+too): the jitted step never applies such an update. 'stop' (default) saves the last good
+state, reports the step and the first module (site) whose forward output, or the parameters
+whose gradient, is non-finite, and raises NonFiniteError; 'skip' leaves the parameters as they
+were, moves on to the next batch and counts the skipped steps (a line with "skipped": true).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import tqdm
 from absl import logging
 
 from loka_jax.kernels import FP8_META
@@ -47,6 +49,10 @@ NAN_POLICIES = ("stop", "skip")
 RESUMABLE_SETTINGS = ("steps", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints",
                       "nan_policy", "progress")
 WALL_CLOCK_FIELDS = ("time", "steps_per_sec")
+
+
+class RunSettingsError(ValueError):
+  """A run directory resumed with settings other than its own."""
 
 
 class NonFiniteError(FloatingPointError):
@@ -90,12 +96,6 @@ class TrainConfig:
 # ----------------------------------------------------------------------------- jitted steps
 
 
-def _all_finite(tree) -> jax.Array:
-  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-            if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
-  return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
-
-
 def step_rng(state: TrainState, step) -> jax.Array:
   """The dropout key of step `step`: a pure function of the run's key and the step."""
   return jax.random.fold_in(state.rng, step)
@@ -115,13 +115,15 @@ def _build_train_step(model, tx: optax.GradientTransformation, nan_policy: str):
                                                        step_rng(state, state.step)),
                                  argnums=(0, 1), has_aux=True)
     (loss, _), (grads, fp8_grads) = grad_fn(state.params, state.fp8_meta)
-    new = state.apply_gradients(tx, grads, fp8_grads)
-    ok = jnp.isfinite(loss) & _all_finite((grads, fp8_grads, new.params))
-    # Never keep a non-finite update; 'skip' still advances the data position.
-    kept = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
-    advance = ok if nan_policy == "stop" else jnp.asarray(True)
-    kept = kept.replace(step=jnp.where(advance, state.step + 1, state.step))
-    return kept, {"loss": loss, "ok": ok, "grad_norm": optax.tree.norm(grads)}
+    # The norm is non-finite iff some gradient is (or their squares overflow float32, a fault
+    # too); one reduction compiles much faster than a check per leaf.
+    grad_norm = optax.tree.norm(grads)
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    # Never apply a non-finite update; 'skip' still advances the data position.
+    bad_step = 0 if nan_policy == "stop" else 1
+    new = jax.lax.cond(ok, lambda s: s.apply_gradients(tx, grads, fp8_grads),
+                       lambda s: s.replace(step=s.step + bad_step), state)
+    return new, {"loss": loss, "ok": ok, "grad_norm": grad_norm}
 
   return jax.jit(train_step, donate_argnums=0)  # the old state is never needed again
 
@@ -151,6 +153,11 @@ def compiled_steps(model, optim: OptimConfig, nan_policy: str):
 
 
 # ----------------------------------------------------------------------------- diagnosis
+
+
+def _host_finite(tree) -> bool:
+  return all(np.isfinite(np.asarray(x)).all() for x in jax.device_get(jax.tree.leaves(tree))
+             if np.issubdtype(np.asarray(x).dtype, np.inexact))
 
 
 def _non_finite_fields(batch) -> list:
@@ -282,7 +289,7 @@ def _check_run_config(workdir: str, settings: Mapping[str, Any]) -> None:
              for k in sorted(set(old_flat) | set(new_flat))
              if k.split(".")[-1] not in RESUMABLE_SETTINGS and old_flat.get(k) != new_flat.get(k)]
     if diffs:
-      raise ValueError(f"run directory {workdir} holds a run with other settings ("
+      raise RunSettingsError(f"run directory {workdir} holds a run with other settings ("
                        + "; ".join(diffs) + "); resume with the same settings or use a new "
                        "--workdir")
   _write_json_atomic(path, settings)
@@ -300,6 +307,37 @@ def restore_run(workdir: str, model, source, config: TrainConfig
 # ----------------------------------------------------------------------------- the loop
 
 
+class _Window:
+  """Mean training loss (and speed) over the steps since the previous metrics line."""
+
+  def __init__(self):
+    self.reset()
+
+  def reset(self):
+    self.loss_sum, self.steps, self.start = 0.0, 0, time.perf_counter()
+
+  def add(self, loss: float):
+    self.loss_sum += loss
+    self.steps += 1
+
+  def record(self, step: int, elapsed: float, grad_norm: float) -> Dict[str, Any]:
+    seconds = max(time.perf_counter() - self.start, 1e-9)
+    return {"step": step, "loss": self.loss_sum / self.steps if self.steps else math.nan,
+            "time": elapsed, "steps_per_sec": self.steps / seconds, "grad_norm": grad_norm}
+
+
+def _final_record(evaluation: Mapping[str, Any], step: int, config: TrainConfig,
+                  run_info: Mapping[str, Any], source, skipped: int, elapsed: float):
+  final = {"ne": evaluation["ne"], "auc": evaluation["auc"], "logloss": evaluation["logloss"],
+           "base_ctr": evaluation["base_ctr"], "num_eval_examples": evaluation["num_examples"],
+           "steps": step, "precision": run_info.get("precision"),
+           "seed": run_info.get("seed", config.seed), "skipped_steps": skipped, "time": elapsed}
+  if getattr(source, "oracle_ne", None) is not None:
+    final["oracle_ne"] = float(source.oracle_ne)
+  final.update({k: v for k, v in run_info.items() if k not in final})
+  return metrics_lib.json_safe(final)
+
+
 def train(model, source, workdir: str, config: TrainConfig, *,
           run_info: Optional[Mapping[str, Any]] = None,
           extras: Optional[Mapping[str, Any]] = None,
@@ -314,20 +352,23 @@ def train(model, source, workdir: str, config: TrainConfig, *,
     config: loop settings.
     run_info: what identifies the run (model, preset, precision, data, ...); goes into
       config.json and final.json, which also gets `precision` and `seed` from here.
-    extras: saved in every checkpoint (see checkpoint.py), e.g. the active plan.
-    step_callback: called after each completed step as f(step, state, step_metrics).
+    extras: saved in every checkpoint (see checkpoint.py), e.g. the active plan; the key
+      "loop" is the loop's own (skipped steps, elapsed time).
+    step_callback: called after each completed step as f(step, state, step_metrics); the
+      state's buffers are reused by the next step, so copy (device_get) what you keep.
   Returns:
     the final.json dict.
+  Raises:
+    NonFiniteError (nan_policy='stop'), RunSettingsError, CheckpointError.
   """
   run_info = dict(run_info or {})
   os.makedirs(workdir, exist_ok=True)
   _check_run_config(workdir, {"run": run_info, "train": config.to_dict()})
   train_step, eval_step = compiled_steps(model, config.optim, config.nan_policy)
-  tx = make_optimizer(config.optim)
   eval_batch_size = min(config.eval_batch_size or config.batch_size, source.num_eval_examples())
 
   first_batch = source.train_batch(0, config.batch_size)
-  template = create_train_state(model, tx, first_batch, config.seed)
+  template = create_train_state(model, make_optimizer(config.optim), first_batch, config.seed)
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints)
   restored = checkpointer.restore(template)
   state, saved = restored if restored is not None else (template, {})
@@ -336,61 +377,60 @@ def train(model, source, workdir: str, config: TrainConfig, *,
   if restored is not None:
     logging.info("resuming %s from step %d", workdir, start)
   writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"), resume_step=start)
-
+  final_path = os.path.join(workdir, "final.json")
+  if start < config.steps and os.path.exists(final_path):
+    os.remove(final_path)  # a final.json always describes a finished run
   t0 = time.perf_counter() - loop_extras["elapsed_s"]
-  window_loss, window_steps, window_t = 0.0, 0, time.perf_counter()
-  last_eval = None
-  grad_norm = math.nan  # of the last applied step
+  window, last_eval, grad_norm = _Window(), None, math.nan
 
   def save():
     loop_extras["elapsed_s"] = time.perf_counter() - t0
     return checkpointer.save(state, {**(extras or {}), "loop": loop_extras})
 
-  from tqdm import tqdm
-  bar = tqdm(total=config.steps, initial=start, file=sys.stderr, dynamic_ncols=True,
-             disable=None if config.progress else True, desc=os.path.basename(workdir) or "train")
+  bar = tqdm.tqdm(total=config.steps, initial=start, file=sys.stderr, dynamic_ncols=True,
+                  disable=None if config.progress else True,
+                  desc=os.path.basename(os.path.normpath(workdir)))
   try:
     batch = first_batch if start == 0 else source.train_batch(start, config.batch_size)
     for i in range(start, config.steps):
-      new_state, step_metrics = train_step(state, batch)
+      state, step_metrics = train_step(state, batch)
       # Build the next batch on the host while the device runs this step.
       next_batch = (source.train_batch(i + 1, config.batch_size) if i + 1 < config.steps
                     else None)
       step_metrics = jax.device_get(step_metrics)
-      state = new_state
       done = i + 1
-      if not step_metrics["ok"]:
+      if step_metrics["ok"]:
+        window.add(float(step_metrics["loss"]))
+        grad_norm = float(step_metrics["grad_norm"])
+      else:
         site = locate_non_finite(model, state, batch, i)
         message = (f"non-finite loss/gradient (loss={float(step_metrics['loss'])}) in training "
                    f"step {done} (batch index {i})"
                    + (f"; first non-finite value at {site}" if site else ""))
+        writer.write({"step": done, "error": message,
+                      **({"skipped": True} if config.nan_policy == "skip" else {})})
         if config.nan_policy == "skip":
           loop_extras["skipped_steps"] += 1
           logging.warning("%s; skipped it (nan_policy='skip')", message)
-          writer.write({"step": done, "skipped": True, "error": message})
         else:
-          saved_step = save()  # the state before the bad step is still good
-          where = os.path.join(checkpointer.directory, str(saved_step))
-          writer.write({"step": done, "error": message})
+          # The state before the bad step is the last good one, unless an earlier update
+          # already overflowed the parameters (then the last checkpoint is).
+          if _host_finite(state.params):
+            save()
+          latest = checkpointer.latest_step()
+          where = None if latest is None else os.path.join(checkpointer.directory, str(latest))
           raise NonFiniteError(
               f"{message}. Training stopped (nan_policy='stop'); the last good checkpoint is "
-              f"{where}. Lower the learning rate, check the data, or rerun with "
-              f"--nan_policy=skip to skip such steps.", step=done, site=site, checkpoint=where)
-      else:
-        window_loss += float(step_metrics["loss"])
-        window_steps += 1
-        grad_norm = float(step_metrics["grad_norm"])
+              f"{where or 'none (no good state was saved)'}. Lower the learning rate, check "
+              "the data, or rerun with --nan_policy=skip to skip such steps.",
+              step=done, site=site, checkpoint=where)
       bar.update(1)
 
       is_eval = (config.eval_every and done % config.eval_every == 0) or done == config.steps
       is_ckpt = (config.checkpoint_every and done % config.checkpoint_every == 0
                  ) or done == config.steps
-      is_log = (config.log_every and done % config.log_every == 0) or is_eval or is_ckpt
-      if is_log:
-        now = time.perf_counter()
-        record = {"step": done, "loss": window_loss / window_steps if window_steps else math.nan,
-                  "time": now - t0, "steps_per_sec": window_steps / max(now - window_t, 1e-9),
-                  "grad_norm": grad_norm}
+      if (config.log_every and done % config.log_every == 0) or is_eval or is_ckpt:
+        record = window.record(done, time.perf_counter() - t0, grad_norm)
         if is_eval:
           last_eval = (done, evaluate(eval_step, state, source, eval_batch_size))
           record.update({k: last_eval[1][k] for k in ("ne", "auc", "logloss")})
@@ -398,10 +438,9 @@ def train(model, source, workdir: str, config: TrainConfig, *,
         logging.info("step %d: %s", done, {k: round(v, 5) if isinstance(v, float) else v
                                            for k, v in record.items() if k != "step"})
         bar.set_postfix(loss=f"{record['loss']:.4f}")
-        window_loss, window_steps, window_t = 0.0, 0, time.perf_counter()
-      if is_ckpt:
-        save()
-        window_t = time.perf_counter()  # keep the save out of the next line's steps_per_sec
+        if is_ckpt:
+          save()
+        window.reset()  # after the save, which the next line's steps_per_sec must not count
       if step_callback is not None:
         step_callback(done, state, step_metrics)
       batch = next_batch
@@ -410,16 +449,9 @@ def train(model, source, workdir: str, config: TrainConfig, *,
     if last_eval is None or last_eval[0] != final_step:  # e.g. resumed at the end
       last_eval = (final_step, evaluate(eval_step, state, source, eval_batch_size))
     save()
-    final = {"ne": last_eval[1]["ne"], "auc": last_eval[1]["auc"],
-             "logloss": last_eval[1]["logloss"], "base_ctr": last_eval[1]["base_ctr"],
-             "num_eval_examples": last_eval[1]["num_examples"], "steps": final_step,
-             "precision": run_info.get("precision"), "seed": run_info.get("seed", config.seed),
-             "skipped_steps": loop_extras["skipped_steps"], "time": time.perf_counter() - t0}
-    if getattr(source, "oracle_ne", None) is not None:
-      final["oracle_ne"] = float(source.oracle_ne)
-    final.update({k: v for k, v in run_info.items() if k not in final})
-    final = metrics_lib.json_safe(final)
-    _write_json_atomic(os.path.join(workdir, "final.json"), final)
+    final = _final_record(last_eval[1], final_step, config, run_info, source,
+                          loop_extras["skipped_steps"], time.perf_counter() - t0)
+    _write_json_atomic(final_path, final)
     return final
   finally:
     bar.close()

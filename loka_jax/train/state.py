@@ -83,5 +83,8 @@ def create_train_state(model, tx: optax.GradientTransformation, example_batch, s
   variables = _jitted_init(model)({"params": params_key, "dropout": dropout_key}, example_batch)
   params, fp8_meta = split_variables(variables)
   fp8_meta = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), fp8_meta)
-  return TrainState(step=jnp.asarray(0, jnp.int32), params=params, opt_state=tx.init(params),
-                    fp8_meta=fp8_meta, rng=rng)
+  state = TrainState(step=jnp.asarray(0, jnp.int32), params=params, opt_state=tx.init(params),
+                     fp8_meta=fp8_meta, rng=rng)
+  # Commit every array to its device, as restored checkpoints are: jit caches on
+  # committedness, so a fresh and a resumed run then share one compiled step.
+  return jax.tree.map(lambda x: jax.device_put(x, x.sharding), state)

@@ -1,0 +1,90 @@
+"""Whole-step throughput of the towers: train step (fwd + bwd + optimizer) and inference."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional, Sequence
+
+import jax
+import numpy as np
+
+from loka_jax import timing
+from loka_jax.data import FeatureSpec, make_source
+from loka_jax.models.presets import apply_mods, build_model, get_config, tower_flops
+from loka_jax.models.site import SiteConfig
+from loka_jax.train import loop
+from loka_jax.train.optim import OptimConfig, make_optimizer
+from loka_jax.train.state import create_train_state
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """One arm: a precision (fp32, bf16, fp8_all) with its kernel, and the Mods on."""
+  name: str
+  precision: str
+  kernel: str = "xla_fp8_tensorwise"
+  mods: Sequence[str] = ()
+
+
+VARIANTS = {
+    "fp32": Variant("fp32", "fp32"),
+    "bf16": Variant("bf16", "bf16"),
+    "bf16_mods": Variant("bf16_mods", "bf16", mods=("all",)),
+    "fp8_tensorwise": Variant("fp8_tensorwise", "fp8_all", "xla_fp8_tensorwise"),
+    "fp8_rowwise": Variant("fp8_rowwise", "fp8_all", "xla_fp8_rowwise"),
+    "flax_fp8_delayed": Variant("flax_fp8_delayed", "fp8_all", "flax_fp8_delayed"),
+}
+
+
+def _memory_bytes(compiled) -> Optional[int]:
+  """Arguments + outputs + temporaries of one compiled step (None where XLA does not say)."""
+  try:
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+               - m.alias_size_in_bytes)
+  except Exception:  # memory_analysis is not implemented on every backend
+    return None
+
+
+def prepare(model_name: str, preset: str, variant: Variant, batch_size: Optional[int] = None,
+            seed: int = 0):
+  """(train_call, infer_call, info): argument-less calls running one step on fixed data."""
+  config = get_config(model_name, preset)
+  if variant.mods:
+    config = apply_mods(config, variant.mods)
+  batch_size = batch_size or int(config.batch_size)
+  features = FeatureSpec.from_dict(dict(config.features))
+  source = make_source("synthetic", features=features, seed=seed, num_eval=batch_size)
+  model = build_model(config, source.features,
+                      SiteConfig.for_precision(variant.precision, kernel=variant.kernel))
+  batch = jax.device_put(source.train_batch(0, batch_size))  # real data, never zeros
+  optim = OptimConfig()
+  train_step, eval_step = loop.compiled_steps(model, optim, "stop")
+  state = create_train_state(model, make_optimizer(optim), batch, seed)
+  compiled_eval = eval_step.lower(state, batch).compile()
+  info = {"batch_size": batch_size, "flops_per_example": int(tower_flops(config, features)),
+          "train_memory_bytes": _memory_bytes(train_step.lower(state, batch).compile()),
+          "infer_memory_bytes": _memory_bytes(compiled_eval)}
+  holder = {"state": state}
+
+  def train_call():
+    holder["state"], metrics = train_step(holder["state"], batch)
+    return metrics["loss"]
+
+  def infer_call():
+    return eval_step(holder["state"], batch)
+
+  return train_call, infer_call, info
+
+
+def measure(model_name: str, preset: str, variants: Sequence[Variant], *, repeats: int = 20,
+            batch_size: Optional[int] = None, baseline: str = "bf16") -> Dict[str, dict]:
+  """Train and inference timings of `variants`, interleaved, with speedups vs `baseline`."""
+  prepared = {v.name: prepare(model_name, preset, v, batch_size) for v in variants}
+  out = {v.name: dict(prepared[v.name][2]) for v in variants}
+  for mode, index in (("train", 0), ("infer", 1)):
+    timings = timing.time_calls({n: p[index] for n, p in prepared.items()}, repeats=repeats)
+    summary = timing.summarize(timings, baseline if baseline in timings else next(iter(timings)))
+    for name, s in summary.items():
+      bs = out[name]["batch_size"]
+      out[name][mode] = dict(s, examples_per_s=bs / (s["median_us"] * 1e-6))
+  return out

@@ -1,0 +1,44 @@
+"""Resumable JSONL results: every finished row is appended at once; a rerun skips it."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, Iterator, Mapping, Tuple
+
+
+class ResultsFile:
+  """Rows keyed by a tuple of fields; `done(key)` says whether a row already exists."""
+
+  def __init__(self, path: str, key_fields: Tuple[str, ...]):
+    self.path = path
+    self.key_fields = key_fields
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    self._rows: Dict[tuple, dict] = {}
+    if os.path.exists(path):
+      with open(path) as f:
+        for number, line in enumerate(f, 1):
+          if not line.strip():
+            continue
+          try:
+            row = json.loads(line)
+          except json.JSONDecodeError:
+            # A line cut by a killed run: ignore it (it will be measured again), say so.
+            print(f"warning: {path}:{number} is not JSON (an interrupted write?); ignored")
+            continue
+          self._rows[self.key(row)] = row
+
+  def key(self, row: Mapping) -> tuple:
+    return tuple(row.get(f) for f in self.key_fields)
+
+  def done(self, key: tuple) -> bool:
+    return key in self._rows
+
+  def append(self, row: Mapping) -> None:
+    with open(self.path, "a") as f:
+      f.write(json.dumps(row) + "\n")
+      f.flush()
+      os.fsync(f.fileno())
+    self._rows[self.key(row)] = dict(row)
+
+  def rows(self) -> Iterator[dict]:
+    return iter(self._rows.values())

@@ -1,0 +1,201 @@
+"""Checkpoints: round trip, retention, damaged checkpoints, and bit-identical resume."""
+import glob
+import json
+import os
+import tempfile
+
+import chex
+import jax
+import numpy as np
+import pytest
+from absl.testing import absltest
+
+from loka_jax.models import SiteConfig
+from loka_jax.train import (WALL_CLOCK_FIELDS, Checkpointer, CheckpointError, OptimConfig,
+                            RunSettingsError, TrainConfig, compiled_steps, create_train_state,
+                            make_optimizer, read_metrics, restore_run, train)
+
+import train_toys
+
+OPTIM = OptimConfig()
+# A failed orbax restore leaves a callback aimed at its closed event loop; harmless.
+ignore_closed_loop = pytest.mark.filterwarnings(
+    "ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+def trained_state(seed, steps=3, model=None):
+  """A toy TrainState after a few real steps (non-trivial optimizer state)."""
+  model = model or train_toys.ToyClickModel()
+  source = train_toys.ToySource(seed=seed)
+  train_step, _ = compiled_steps(model, OPTIM, "stop")
+  state = create_train_state(model, make_optimizer(OPTIM), source.train_batch(0, 32), seed)
+  for i in range(steps):
+    state, _ = train_step(state, source.train_batch(i, 32))
+  return jax.device_get(state), model
+
+
+def template(model, seed=99):
+  source = train_toys.ToySource()
+  return create_train_state(model, make_optimizer(OPTIM), source.train_batch(0, 32), seed)
+
+
+def damage(directory, step):
+  """Truncates every data file of one checkpoint, as a crash or a full disk would."""
+  files = [p for p in glob.glob(os.path.join(directory, str(step), "state", "**", "*"),
+                                recursive=True) if os.path.isfile(p) and "/d/" in p]
+  assert files, f"no data files under {directory}/{step}"
+  for path in files:
+    with open(path, "r+b") as f:
+      f.truncate(os.path.getsize(path) // 3)
+
+
+class CheckpointerTest(chex.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.dir = tempfile.mkdtemp(prefix="loka_ckpt_")
+
+  def test_round_trip_with_fp8_state_and_extras(self):
+    model = train_toys.ToyClickModel(
+        config=SiteConfig.for_precision("fp8_all", kernel="flax_fp8_delayed"))
+    state, _ = trained_state(seed=3, model=model)
+    self.assertNotEmpty(jax.tree.leaves(state.fp8_meta))
+    stats = {"mean": np.random.default_rng(0).normal(size=(5,)).astype(np.float32)}
+    extras = {"plan": {"default": "xla_bf16", "sites": ["hidden"]}, "probe": stats}
+    with Checkpointer(self.dir) as ckpt:
+      self.assertEqual(ckpt.save(state, extras), 3)
+    with Checkpointer(self.dir) as ckpt:
+      restored, restored_extras = ckpt.restore(template(model))
+    chex.assert_trees_all_equal(restored, state)
+    self.assertEqual(restored_extras["plan"], extras["plan"])
+    np.testing.assert_array_equal(restored_extras["probe"]["mean"], stats["mean"])
+
+  def test_keeps_the_last_k(self):
+    state, model = trained_state(seed=0)
+    with Checkpointer(self.dir, keep=2) as ckpt:
+      for step in (4, 8, 12):
+        ckpt.save(state.replace(step=np.int32(step)))
+      self.assertEqual(ckpt.steps(), [8, 12])
+
+  def test_no_checkpoint_restores_none(self):
+    state, model = trained_state(seed=0, steps=0)
+    with Checkpointer(self.dir) as ckpt:
+      self.assertIsNone(ckpt.restore(template(model)))
+
+  @ignore_closed_loop
+  def test_damaged_newest_falls_back_with_a_warning(self):
+    state_a, model = trained_state(seed=1, steps=2)
+    state_b, _ = trained_state(seed=2, steps=4)
+    with Checkpointer(self.dir) as ckpt:
+      ckpt.save(state_a)
+      ckpt.save(state_b)
+    damage(self.dir, 4)
+    with self.assertLogs(level="WARNING") as logs:
+      with Checkpointer(self.dir) as ckpt:
+        restored, _ = ckpt.restore(template(model))
+        self.assertEqual(ckpt.steps(), [2])
+    chex.assert_trees_all_equal(restored, state_a)
+    self.assertTrue(any(self.dir in line and "unreadable" in line for line in logs.output))
+    self.assertTrue(os.path.isdir(os.path.join(self.dir, "corrupt-4")))
+
+  @ignore_closed_loop
+  def test_every_checkpoint_damaged_is_an_error_naming_the_directory(self):
+    state, model = trained_state(seed=1, steps=2)
+    with Checkpointer(self.dir) as ckpt:
+      ckpt.save(state)
+    damage(self.dir, 2)
+    with Checkpointer(self.dir) as ckpt:
+      with self.assertRaisesRegex(CheckpointError, f"no readable checkpoint in {self.dir}"):
+        ckpt.restore(template(model))
+
+  def test_unfinished_write_is_ignored(self):
+    state, model = trained_state(seed=1, steps=2)
+    with Checkpointer(self.dir) as ckpt:
+      ckpt.save(state)
+    # What a run killed mid-write leaves: orbax's temporary directory, never renamed.
+    partial = os.path.join(self.dir, "5.orbax-checkpoint-tmp-1234", "state")
+    os.makedirs(partial)
+    with open(os.path.join(partial, "junk"), "wb") as f:
+      f.write(b"\x00" * 10)
+    with Checkpointer(self.dir) as ckpt:
+      self.assertEqual(ckpt.steps(), [2])
+      restored, _ = ckpt.restore(template(model))
+    chex.assert_trees_all_equal(restored, state)
+
+  def test_extras_must_serialize(self):
+    state, _ = trained_state(seed=0, steps=0)
+    with Checkpointer(self.dir) as ckpt:
+      with self.assertRaisesRegex(TypeError, "extras\\['bad'\\]"):
+        ckpt.save(state, {"bad": object()})
+
+
+class Interrupted(Exception):
+  pass
+
+
+def interrupt_at(step):
+  def callback(done, state, metrics):
+    del state, metrics
+    if done == step:
+      raise Interrupted(f"killed at step {done}")
+  return callback
+
+
+def without_wall_clock(records):
+  return [{k: v for k, v in r.items() if k not in WALL_CLOCK_FIELDS} for r in records]
+
+
+class ResumeTest(chex.TestCase):
+
+  def test_interrupted_then_resumed_equals_uninterrupted(self):
+    # FP8 delayed scaling in play: its state must resume too.
+    model = train_toys.ToyClickModel(
+        config=SiteConfig.for_precision("fp8_all", kernel="flax_fp8_delayed"))
+    source = train_toys.ToySource(seed=5)
+    config = TrainConfig(steps=30, batch_size=64, eval_every=10, log_every=5,
+                         checkpoint_every=10, progress=False)
+    info = {"precision": "fp8_all", "seed": 0}
+    whole = tempfile.mkdtemp(prefix="loka_whole_")
+    final_whole = train(model, source, whole, config, run_info=info)
+
+    broken = tempfile.mkdtemp(prefix="loka_broken_")
+    with self.assertRaises(Interrupted):
+      train(model, source, broken, config, run_info=info, step_callback=interrupt_at(17))
+    self.assertEqual(read_metrics(os.path.join(broken, "metrics.jsonl"))[-1]["step"], 15)
+    # A kill can also leave a torn metrics line and an unfinished checkpoint write.
+    with open(os.path.join(broken, "metrics.jsonl"), "a") as f:
+      f.write('{"step": 16, "lo')
+    os.makedirs(os.path.join(broken, "checkpoints", "20.orbax-checkpoint-tmp-99"))
+
+    final_resumed = train(model, source, broken, config, run_info=info)
+
+    state_whole, _ = restore_run(whole, model, source, config)
+    state_resumed, _ = restore_run(broken, model, source, config)
+    self.assertEqual(int(state_resumed.step), 30)
+    chex.assert_trees_all_equal(state_resumed, state_whole)  # bit for bit, fp8 state too
+    lines_whole = read_metrics(os.path.join(whole, "metrics.jsonl"))
+    lines_resumed = read_metrics(os.path.join(broken, "metrics.jsonl"))
+    self.assertEqual([r["step"] for r in lines_resumed], [5, 10, 15, 20, 25, 30])
+    self.assertEqual(without_wall_clock(lines_resumed), without_wall_clock(lines_whole))
+    self.assertEqual(without_wall_clock([final_resumed]), without_wall_clock([final_whole]))
+    with open(os.path.join(broken, "final.json")) as f:
+      self.assertEqual(without_wall_clock([json.load(f)]), without_wall_clock([final_whole]))
+
+  def test_resume_with_other_settings_is_refused(self):
+    workdir = tempfile.mkdtemp(prefix="loka_cfg_")
+    config = TrainConfig(steps=4, batch_size=32, log_every=2, progress=False)
+    train(train_toys.ToyClickModel(), train_toys.ToySource(), workdir, config,
+          run_info={"precision": "fp32"})
+    other = TrainConfig(steps=8, batch_size=64, log_every=2, progress=False)
+    with self.assertRaisesRegex(RunSettingsError, "batch_size: 32 -> 64"):
+      train(train_toys.ToyClickModel(), train_toys.ToySource(), workdir, other,
+            run_info={"precision": "fp32"})
+    # More steps (and other logging or NaN settings) continue the same run.
+    final = train(train_toys.ToyClickModel(), train_toys.ToySource(), workdir,
+                  TrainConfig(steps=6, batch_size=32, log_every=3, progress=False),
+                  run_info={"precision": "fp32"})
+    self.assertEqual(final["steps"], 6)
+
+
+if __name__ == "__main__":
+  absltest.main()

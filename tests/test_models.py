@@ -1,0 +1,363 @@
+"""The towers at `tiny`: logits, site names, precisions, gradients, Mods, presets, FLOPs, errors.
+
+Each model is initialized once per session (module-scoped cache); abstract tracing
+(`jax.eval_shape`) covers everything that does not need numbers.
+"""
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from loka_jax.data.spec import BatchError, FeatureSpec
+from loka_jax.models import (EMBEDDINGS, MODEL_NAMES, PRESETS, SiteConfig, apply_mods,
+                             build_model, get_config, site_products, tower_flops)
+from loka_jax.probe.hooks import PROBE_COLLECTION
+
+BATCH = 4
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def make_batch(features: FeatureSpec, size: int = BATCH, seed: int = 0):
+  """A random batch of the contract (ids in range, ragged bags and sequences)."""
+  rng = np.random.default_rng(seed)
+  ids = np.stack([rng.integers(0, v, (size, features.bag_size)) for v in features.vocab_sizes], 1)
+  mask = rng.random(ids.shape) < 0.7
+  batch = {
+      "dense": rng.lognormal(0.0, 1.0, (size, features.num_dense)).astype(np.float32),
+      "sparse_ids": np.where(mask, ids, 0).astype(np.int32),
+      "sparse_mask": mask,
+      "label": (rng.random(size) < 0.3).astype(np.float32),
+  }
+  if features.num_seq:
+    lengths = rng.integers(1, features.seq_len + 1, (size, 1))
+    seq_mask = np.arange(features.seq_len)[None, :] < lengths
+    seq_ids = rng.integers(0, features.seq_vocab, (size, features.num_seq, features.seq_len))
+    batch["seq_ids"] = np.where(seq_mask[:, None], seq_ids, 0).astype(np.int32)
+    batch["seq_mask"] = seq_mask
+  return batch
+
+
+def features_of(config) -> FeatureSpec:
+  return FeatureSpec.from_dict(config.features)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny(model: str):
+  """(config, features, batch, variables) of a tiny model, initialized once per session."""
+  config = get_config(model, "tiny")
+  features = features_of(config)
+  batch = make_batch(features)
+  module = build_model(config, features, SiteConfig.for_precision("bf16"))
+  init = jax.jit(module.init, compiler_options=FAST_COMPILE)
+  return config, features, batch, init(jax.random.PRNGKey(0), batch)
+
+
+def site_names(config, features, batch, site_config=None):
+  module = build_model(config, features, site_config or SiteConfig.for_precision("bf16"))
+  variables = jax.eval_shape(module.init, jax.random.PRNGKey(0), batch)
+  return list(site_products(module, variables, batch))
+
+
+def mlp(prefix, count):
+  return [f"{prefix}/dense_{i}" for i in range(count)]
+
+
+def attention(prefix):
+  return [f"{prefix}/{p}" for p in ("query", "key", "value", "scores", "context", "out")]
+
+
+def dhen_layer(prefix, projected):
+  names = [f"{prefix}/dot/pairwise"] + mlp(f"{prefix}/dot/mlp", 2)
+  names += attention(f"{prefix}/attention/mha") + mlp(f"{prefix}/attention/ffn", 2)
+  names += [f"{prefix}/dcn/w", f"{prefix}/linear"]
+  if projected:
+    names += [f"{prefix}/attention_proj", f"{prefix}/dcn_proj", f"{prefix}/shortcut"]
+  return names
+
+
+def cross_arch(prefix):
+  return ([f"{prefix}/x_lce"] + mlp(f"{prefix}/x_gate/mlp", 1) + [
+      f"{prefix}/pma/{p}" for p in ("key", "value", "scores", "context", "out")] +
+          mlp(f"{prefix}/s_gate/mlp", 1))
+
+
+# The tiny presets' sites, written out from MODELS.md's equations.
+EXPECTED_SITES = {
+    "dlrm": mlp("bottom_mlp", 2) + ["interaction/dot"] + mlp("top_mlp", 3),
+    "dcnv2": mlp("bottom_mlp", 2) + ["cross_0/v", "cross_0/u", "cross_1/v", "cross_1/u"]
+             + mlp("top_mlp", 3),
+    "wukong": mlp("bottom_mlp", 2) + [
+        name for i in range(2) for name in
+        [f"layer_{i}/fmb/fm_proj", f"layer_{i}/fmb/optimized_fm"] + mlp(f"layer_{i}/fmb/mlp", 3)
+        + [f"layer_{i}/lcb"] + ([f"layer_{i}/residual"] if i == 0 else [])] + mlp("head", 2),
+    "dhen": mlp("bottom_mlp", 2) + dhen_layer("layer_0", False) + dhen_layer("layer_1", False)
+            + mlp("head", 2),
+    "interformer": mlp("bottom_mlp", 2) + mlp("seq_merge/mask_mlp", 2) + mlp("seq_merge/lce", 1)
+                   + [name for i in range(2) for name in
+                      cross_arch(f"layer_{i}/cross") + dhen_layer(f"layer_{i}/interaction", True)
+                      + mlp(f"layer_{i}/interaction_mlp", 2)
+                      + [f"layer_{i}/sequence/pffn/weight", f"layer_{i}/sequence/pffn/apply"]
+                      + attention(f"layer_{i}/sequence/mha")]
+                   + cross_arch("cross_final") + mlp("head", 2),
+}
+
+FINAL_LAYER = {"dlrm": "top_mlp/dense_2", "dcnv2": "top_mlp/dense_2", "wukong": "head/dense_1",
+               "dhen": "head/dense_1", "interformer": "head/dense_1"}
+
+
+def subtree(tree, path):
+  for key in path.split("/"):
+    tree = tree[key]
+  return tree
+
+
+def probe_names(tree, path=()):
+  """Site names from the probe collection: every node holding sown `lhs`/`rhs` operands."""
+  if "lhs" in tree and "rhs" in tree:
+    return ["/".join(path)]
+  return [name for key, sub in tree.items() for name in probe_names(sub, path + (key,))]
+
+
+def all_finite(tree):
+  return all(bool(jnp.all(jnp.isfinite(leaf))) for leaf in jax.tree.leaves(tree))
+
+
+class TinyModelTest(parameterized.TestCase):
+
+  @parameterized.parameters(*MODEL_NAMES)
+  def test_site_names_listed_and_stable(self, model):
+    config, features, batch, _ = tiny(model)
+    names = site_names(config, features, batch)
+    self.assertCountEqual(names, EXPECTED_SITES[model])
+    self.assertEqual(names, site_names(config, features, batch))             # a second build
+    modded = apply_mods(config, ["all"])
+    self.assertEqual(names, site_names(modded, features, batch))             # Mods on
+    fp8 = SiteConfig.for_precision("fp8_all", kernel="xla_fp8_rowwise")
+    self.assertEqual(names, site_names(config, features, batch, fp8))       # other kernels
+
+  @parameterized.parameters(*MODEL_NAMES)
+  def test_fp32_forward_sows_every_site(self, model):
+    config, features, batch, variables = tiny(model)
+    module = build_model(config, features, SiteConfig.for_precision("fp32"))
+    forward = jax.jit(functools.partial(module.apply, mutable=[PROBE_COLLECTION]),
+                      compiler_options=FAST_COMPILE)
+    logits, state = forward(variables, batch)
+    chex.assert_shape(logits, (BATCH,))
+    chex.assert_type(logits, jnp.float32)
+    chex.assert_tree_all_finite(logits)
+    self.assertCountEqual(probe_names(state[PROBE_COLLECTION]), EXPECTED_SITES[model])
+    operand = subtree(state[PROBE_COLLECTION], EXPECTED_SITES[model][0])["lhs"][0]
+    chex.assert_type(operand, jnp.float32)                                  # fp32 policy
+
+  @parameterized.parameters(*MODEL_NAMES)
+  def test_fp8_all_forward(self, model):
+    config, features, batch, variables = tiny(model)
+    module = build_model(config, features, SiteConfig.for_precision("fp8_all"))
+    logits = jax.jit(module.apply, compiler_options=FAST_COMPILE)(variables, batch)
+    chex.assert_shape(logits, (BATCH,))
+    chex.assert_type(logits, jnp.float32)
+    chex.assert_tree_all_finite(logits)
+    self.assertGreater(float(jnp.std(logits)), 0.0)  # examples are told apart
+
+  @parameterized.parameters(*MODEL_NAMES)
+  def test_bf16_gradients_finite_and_reach_every_table(self, model):
+    config, features, batch, variables = tiny(model)
+    module = build_model(config, features, SiteConfig.for_precision("bf16"))
+    labels = jnp.asarray(batch["label"])
+
+    def loss(v):
+      logits = module.apply(v, batch, train=True)
+      return jnp.mean(jnp.logaddexp(0.0, logits) - labels * logits), logits
+
+    (value, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True),
+                                     compiler_options=FAST_COMPILE)(variables)
+    chex.assert_shape(logits, (BATCH,))
+    chex.assert_type(logits, jnp.float32)
+    self.assertTrue(np.isfinite(float(value)))
+    self.assertTrue(all_finite(grads))
+    chex.assert_trees_all_equal_shapes(grads, variables)
+    tables = grads["params"][EMBEDDINGS]
+    expected = [f"sparse_{f}" for f in range(features.num_sparse)]
+    expected += [f"seq_{a}" for a in range(features.num_seq)]
+    self.assertCountEqual(tables, expected)
+    for name, grad in tables.items():
+      self.assertGreater(float(jnp.max(jnp.abs(grad))), 0.0, msg=name)
+
+  @parameterized.parameters(*MODEL_NAMES)
+  def test_embedding_tables_only_under_embeddings(self, model):
+    _, features, _, variables = tiny(model)
+    params = variables["params"]
+    vocab_rows = set(features.vocab_sizes) | {features.seq_vocab}
+    for top, sub in params.items():
+      for path, leaf in jax.tree_util.tree_flatten_with_path(sub)[0]:
+        name = top + jax.tree_util.keystr(path)
+        is_table = leaf.ndim == 2 and leaf.shape[0] in vocab_rows and top == EMBEDDINGS
+        self.assertEqual(top == EMBEDDINGS, is_table, msg=name)
+
+
+class ModsTest(parameterized.TestCase):
+
+  @parameterized.parameters(*MODEL_NAMES)
+  def test_no_bias_keeps_only_the_prediction_bias(self, model):
+    config, features, batch, _ = tiny(model)
+    modded = apply_mods(config, ["no_bias"])
+    module = build_model(modded, features, SiteConfig.for_precision("bf16"))
+    variables = jax.eval_shape(module.init, jax.random.PRNGKey(0), batch)
+    weighted = [name for name, p in site_products(module, variables, batch).items()
+                if p.kind == "act_weight"]
+    with_bias = [name for name in weighted if "bias" in subtree(variables["params"], name)]
+    self.assertEqual(with_bias, [FINAL_LAYER[model]])
+    default = build_model(config, features, SiteConfig.for_precision("bf16"))
+    default_params = jax.eval_shape(default.init, jax.random.PRNGKey(0), batch)["params"]
+    self.assertIn("bias", subtree(default_params, EXPECTED_SITES[model][0]))
+
+  @parameterized.parameters("wukong", "interformer")
+  def test_blocknorm_replaces_every_layernorm(self, model):
+    config, features, batch, _ = tiny(model)
+    for mods, present in (([], True), (["blocknorm"], False)):
+      module = build_model(apply_mods(config, mods), features, SiteConfig.for_precision("bf16"))
+      params = jax.eval_shape(module.init, jax.random.PRNGKey(0), batch)["params"]
+      paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+      self.assertEqual(any("layernorm" in p for p in paths), present, msg=str(mods))
+
+  def test_apply_mods_config(self):
+    config = get_config("wukong", "tiny")
+    self.assertEqual(config.activation, "swish")
+    self.assertEqual(get_config("dlrm", "tiny").activation, "relu")
+    modded = apply_mods(config, ["hard_swish", "no_bias"])
+    self.assertTrue(modded.mods.hard_swish and modded.mods.no_bias)
+    self.assertFalse(modded.mods.blocknorm)
+    self.assertFalse(config.mods.hard_swish)                                 # a copy
+    every = apply_mods(config, "all")
+    self.assertTrue(every.mods.no_bias and every.mods.blocknorm and every.mods.hard_swish)
+    with self.assertRaisesRegex(ValueError, "no_bias.*blocknorm.*hard_swish"):
+      apply_mods(config, ["fast_mode"])
+
+  def test_mods_change_the_function_not_the_sites(self):
+    config, features, batch, variables = tiny("dlrm")
+    site = SiteConfig.for_precision("fp32")
+    base = build_model(config, features, site).apply(variables, batch)
+    hard = build_model(apply_mods(config, ["hard_swish"]), features, site).apply(variables, batch)
+    self.assertGreater(float(jnp.max(jnp.abs(base - hard))), 1e-6)
+
+
+class PresetTest(parameterized.TestCase):
+
+  def test_unknown_names_list_the_valid_ones(self):
+    with self.assertRaisesRegex(ValueError, "dlrm, dcnv2, wukong, dhen, interformer"):
+      get_config("bert", "tiny")
+    with self.assertRaisesRegex(ValueError, "tiny, small, large"):
+      get_config("dlrm", "huge")
+
+  @parameterized.product(model=MODEL_NAMES, preset=PRESETS)
+  def test_config_keys(self, model, preset):
+    config = get_config(model, preset)
+    self.assertIsInstance(config, ml_collections.ConfigDict)
+    for key in ("model", "preset", "features", "activation", "norm", "use_bias", "mods",
+                "embed_dim", "flops_per_example", "batch_size"):
+      self.assertIn(key, config)
+    self.assertEqual((config.model, config.preset), (model, preset))
+    self.assertEqual((config.norm, config.use_bias), ("layernorm", True))
+    self.assertEqual(dict(config.mods), dict(no_bias=False, blocknorm=False, hard_swish=False,
+                                             block_size=config.mods.block_size))
+    features = features_of(config)
+    self.assertLessEqual(max(features.vocab_sizes), 100_000)
+    self.assertEqual(features.num_seq > 0, model == "interformer")
+
+  def test_dlrm_tiny_flops_by_hand(self):
+    config = get_config("dlrm", "tiny")  # 8 dense, 8 tables, d=16, bottom 32, top 64-32-1
+    bottom = 2 * (8 * 32 + 32 * 16)
+    interaction = 2 * 9 * 9 * 16         # X X^T over 9 tokens (bottom output + 8 bags)
+    top = 2 * ((36 + 16) * 64 + 64 * 32 + 32 * 1)
+    self.assertEqual(bottom + interaction + top, 14_944)
+    self.assertEqual(config.flops_per_example, 14_944)
+
+  @parameterized.product(model=MODEL_NAMES, preset=PRESETS)
+  def test_flops_equal_the_sum_over_sites(self, model, preset):
+    config = get_config(model, preset)
+    features = features_of(config)
+    batch = make_batch(features, size=2)
+    module = build_model(config, features, SiteConfig.for_precision("bf16"))
+    variables = jax.eval_shape(module.init, jax.random.PRNGKey(0), batch)
+    per_example = sum(p.flops for p in site_products(module, variables, batch).values()) // 2
+    self.assertEqual(per_example, config.flops_per_example)
+    self.assertEqual(tower_flops(config, features), config.flops_per_example)
+
+  def test_wukong_large_is_near_the_public_scale_point(self):
+    config = get_config("wukong", "large")
+    self.assertEqual((config.num_layers, config.fmb_tokens, config.lcb_tokens, config.fm_rank),
+                     (8, 96, 96, 96))
+    self.assertEqual(tuple(config.fmb_mlp), (8192, 8192, 8192))
+    self.assertBetween(3 * config.flops_per_example / 1e9, 15.0, 30.0)     # train ~ 3x fwd
+
+  @parameterized.parameters("wukong", "dhen")
+  def test_variants_build(self, model):
+    config, features, batch, _ = tiny(model)
+    variant = ml_collections.ConfigDict(config.to_dict())
+    if model == "wukong":
+      variant.attentive_y = True
+    else:
+      variant.ensemble, variant.layer_tokens = "concat", 6
+    module = build_model(variant, features, SiteConfig.for_precision("bf16"))
+    variables = jax.eval_shape(module.init, jax.random.PRNGKey(0), batch)
+    products = site_products(module, variables, batch)
+    self.assertEqual(sum(p.flops for p in products.values()) // 2,
+                     tower_flops(variant, features))
+    if model == "wukong":
+      self.assertEqual(products["layer_0/fmb/fm_proj"].kind, "act_act")
+    else:
+      self.assertIn("layer_0/ensemble", products)
+      self.assertIn("layer_0/shortcut", products)
+
+
+class BadInputTest(parameterized.TestCase):
+
+  def init_error(self, model, batch):
+    config, features, _, _ = tiny(model)
+    module = build_model(config, features, SiteConfig.for_precision("bf16"))
+    with self.assertRaises(ValueError) as ctx:
+      jax.eval_shape(module.init, jax.random.PRNGKey(0), batch)
+    return str(ctx.exception)
+
+  @parameterized.parameters(*MODEL_NAMES)
+  def test_missing_field(self, model):
+    _, _, batch, _ = tiny(model)
+    batch = {k: v for k, v in batch.items() if k != "sparse_mask"}
+    self.assertIn("sparse_mask", self.init_error(model, batch))
+
+  def test_wrong_shape_names_field_and_expected_shape(self):
+    _, _, batch, _ = tiny("dcnv2")
+    message = self.init_error("dcnv2", dict(batch, dense=batch["dense"][:, :5]))
+    self.assertIn("dense", message)
+    self.assertIn(f"({BATCH}, 8)", message)
+    message = self.init_error("dcnv2", dict(batch, sparse_ids=batch["sparse_ids"][..., 0]))
+    self.assertIn("sparse_ids", message)
+
+  def test_float_ids_rejected(self):
+    _, _, batch, _ = tiny("dlrm")
+    message = self.init_error("dlrm", dict(batch, sparse_ids=batch["sparse_ids"] * 1.5))
+    self.assertIn("integer", message)
+
+  def test_interformer_needs_sequences(self):
+    config, features, batch, _ = tiny("interformer")
+    message = self.init_error("interformer", {k: v for k, v in batch.items()
+                                              if not k.startswith("seq_")})
+    self.assertIn("seq_ids", message)
+    flat = FeatureSpec(features.num_dense, features.vocab_sizes, features.bag_size)
+    with self.assertRaisesRegex(ValueError, "num_seq"):
+      build_model(config, flat, SiteConfig.for_precision("bf16"))
+
+  def test_batch_errors_are_batch_errors(self):
+    _, _, batch, _ = tiny("wukong")
+    config, features, _, _ = tiny("wukong")
+    module = build_model(config, features, SiteConfig.for_precision("bf16"))
+    with self.assertRaises(BatchError):
+      jax.eval_shape(module.init, jax.random.PRNGKey(0), {"dense": batch["dense"]})
+
+
+if __name__ == "__main__":
+  absltest.main()

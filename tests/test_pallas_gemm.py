@@ -1,0 +1,238 @@
+"""Pallas FP8 GEMM core and per-pass kernels (interpret mode) against fp32 HIGHEST references
+on their own dequantized operands. Interpret mode leaves unwritten outputs NaN, so every
+output is also checked to be finite (the inputs are finite)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+import chex
+
+from kernels_pallas import compat
+from kernels_pallas import epilogue as ep_lib
+from kernels_pallas import gemm as gemm_lib
+from kernels_pallas import products, tuning
+from loka_jax import kernels
+from loka_jax.kernels import EinsumSpec, reference_einsum
+from loka_jax.precision import E4M3, scaling
+
+RTOL = 1e-5
+# Tiles smaller than the (48, 200) x (200, 96) problem: M, N and K tails all get exercised.
+SMALL = tuning.TileConfig(block_m=32, block_n=64, block_k=64, n_sub=1, num_warps=4,
+                          num_stages=2, batch_per_program=1)
+
+
+def _rel_err(out, ref):
+  out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+  return float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
+
+
+def _assert_close(test, out, ref, rtol=RTOL):
+  chex.assert_shape(out, ref.shape)
+  test.assertTrue(bool(jnp.all(jnp.isfinite(out))), "unwritten (NaN) or non-finite outputs")
+  test.assertLess(_rel_err(out, ref), rtol)
+
+
+def _rowwise_operands(key, bt=1, m=48, k=200, n=96):
+  ka, kb = jax.random.split(key)
+  x = jax.random.normal(ka, (bt, m, k)) * jnp.exp(jax.random.normal(kb, (bt, m, 1)))
+  w = jax.random.normal(kb, (bt, k, n))
+  qx = scaling.quantize(x, E4M3, "rowwise", (2,))
+  qw = scaling.quantize(w, E4M3, "rowwise", (1,))
+  return qx, qw
+
+
+class GemmCoreTest(parameterized.TestCase):
+
+  @parameterized.product(a_t=(False, True), b_t=(False, True))
+  def test_layouts_with_tails(self, a_t, b_t):
+    qx, qw = _rowwise_operands(jax.random.key(11 + 2 * a_t + b_t))
+    a = jnp.swapaxes(qx.data, 1, 2) if a_t else qx.data
+    b = jnp.swapaxes(qw.data, 1, 2) if b_t else qw.data
+    out = gemm_lib.gemm(a, b, qx.scale[:, :, 0], qw.scale[:, 0, :], a_t=a_t, b_t=b_t,
+                        out_dtype=jnp.float32, config=SMALL)
+    _assert_close(self, out, gemm_lib.reference(qx.dequantize(), qw.dequantize()))
+
+  def test_batch_tail_and_batch_per_program(self):
+    qx, qw = _rowwise_operands(jax.random.key(5), bt=3, m=16, k=72, n=24)
+    cfg = tuning.TileConfig(16, 32, 32, 1, 4, 2, batch_per_program=2)
+    out = gemm_lib.gemm(qx.data, qw.data, qx.scale[:, :, 0], qw.scale[:, 0, :],
+                        out_dtype=jnp.float32, config=cfg)
+    _assert_close(self, out, gemm_lib.reference(qx.dequantize(), qw.dequantize()))
+
+  @parameterized.named_parameters(
+      ("bias", ep_lib.Epilogue(bias=True)),
+      ("relu", ep_lib.Epilogue(activation="relu")),
+      ("blocknorm_hard_swish", ep_lib.Epilogue(block_size=32, activation="hard_swish")),
+      ("bias_blocknorm_relu_pre", ep_lib.Epilogue(bias=True, block_size=64, activation="relu",
+                                                  emit_pre=True)),
+  )
+  def test_epilogues(self, epilogue):
+    qx, qw = _rowwise_operands(jax.random.key(21))
+    bias = jax.random.normal(jax.random.key(22), (96,))
+    bn = epilogue.block_size or 64
+    cfg = tuning.TileConfig(32, bn, 64, 2 if bn == 32 else 1, 4, 2, 1)
+    outs = gemm_lib.gemm(qx.data, qw.data, qx.scale[:, :, 0], qw.scale[:, 0, :],
+                         epilogue=epilogue, bias=bias, out_dtype=jnp.float32, config=cfg)
+    xd, wd = qx.dequantize(), qw.dequantize()
+    ref = gemm_lib.reference(xd, wd, epilogue=epilogue, bias=bias)
+    if epilogue.emit_pre:
+      out, pre = outs
+      pre_ref = gemm_lib.reference(xd, wd) + bias
+      _assert_close(self, pre, pre_ref)
+    else:
+      out = outs
+    _assert_close(self, out, ref)
+
+  def test_quantized_output_is_the_next_layers_rowwise_qtensor(self):
+    qx, qw = _rowwise_operands(jax.random.key(31))
+    bias = jax.random.normal(jax.random.key(32), (96,))
+    epilogue = ep_lib.Epilogue(bias=True, block_size=32, activation="hard_swish",
+                               quantize_output=True)
+    cfg = tuning.TileConfig(16, 32, 64, 4, 4, 2, 1)  # 4 x 32 columns hold the 96-wide row
+    q, qs = gemm_lib.gemm(qx.data, qw.data, qx.scale[:, :, 0], qw.scale[:, 0, :],
+                          epilogue=epilogue, bias=bias, config=cfg)
+    ref = gemm_lib.reference(qx.dequantize(), qw.dequantize(), epilogue=epilogue, bias=bias)
+    want = scaling.quantize(ref, E4M3, "rowwise", (2,))
+    np.testing.assert_allclose(np.asarray(qs), np.asarray(want.scale[:, :, 0]), rtol=RTOL)
+    # Equal scales: the same e4m3 codes except values sitting on a rounding boundary.
+    got_deq = q.astype(jnp.float32) * qs[..., None]
+    np.testing.assert_allclose(np.asarray(got_deq), np.asarray(want.dequantize()),
+                               atol=float(jnp.max(want.scale)) * 16 * 1.01, rtol=0.07)
+    self.assertGreater(float(jnp.mean(q.astype(jnp.float32) == want.data.astype(jnp.float32))),
+                       0.99)
+
+  def test_block_scales_promote_each_k_block(self):
+    k1, k2 = jax.random.split(jax.random.key(41))
+    x = jax.random.normal(k1, (48, 300)) * jnp.exp(2 * jax.random.normal(k2, (1, 300)))
+    w = jax.random.normal(k2, (300, 96))
+    qx = scaling.quantize(x, E4M3, "block_1x128", (1,))
+    qw = scaling.quantize(w, E4M3, "block_128x128", (0,))
+    sb = jnp.repeat(qw.scale, 128, axis=1)[:, :96]
+    cfg = tuning.TileConfig(32, 64, 64, 1, 4, 2, 1)  # two K steps per scale block
+    out = gemm_lib.gemm(qx.data[None], qw.data[None], qx.scale.T[None], sb[None],
+                        scales=gemm_lib.BLOCK_SCALES, out_dtype=jnp.float32, config=cfg)
+    _assert_close(self, out, gemm_lib.reference(qx.dequantize()[None], qw.dequantize()[None]))
+
+  def test_bad_configs_and_inputs_raise(self):
+    qx, qw = _rowwise_operands(jax.random.key(1))
+    sa, sb = qx.scale[:, :, 0], qw.scale[:, 0, :]
+    with self.assertRaisesRegex(ValueError, "block_n == block_size"):
+      gemm_lib.gemm(qx.data, qw.data, sa, sb, epilogue=ep_lib.Epilogue(block_size=32),
+                    config=SMALL)
+    with self.assertRaisesRegex(ValueError, "whole rows"):
+      gemm_lib.gemm(qx.data, qw.data, sa, sb, epilogue=ep_lib.Epilogue(quantize_output=True),
+                    config=SMALL)
+    with self.assertRaisesRegex(ValueError, "one operand dtype"):
+      gemm_lib.gemm(qx.data, qw.data.astype(jnp.float8_e5m2), sa, sb, config=SMALL)
+    with self.assertRaisesRegex(ValueError, "power of two"):
+      ep_lib.Epilogue(block_size=96)
+
+  def test_default_and_candidate_configs_are_valid(self):
+    for dims, epilogue in (((1, 2048, 768, 256), ep_lib.Epilogue()),
+                           ((1, 8192, 1024, 1024), ep_lib.Epilogue(block_size=256,
+                                                                    activation="hard_swish",
+                                                                    quantize_output=True)),
+                           ((4096, 16, 24, 128), ep_lib.Epilogue()),
+                           ((1, 2048, 1024, 123200), ep_lib.Epilogue())):
+      default = gemm_lib.default_config(dims, epilogue, gemm_lib.ROWWISE_SCALES)
+      self.assertIsNone(gemm_lib.validate_config(default, dims, epilogue,
+                                                 gemm_lib.ROWWISE_SCALES))
+      cands = gemm_lib.candidate_configs(dims, epilogue, gemm_lib.ROWWISE_SCALES)
+      self.assertBetween(len(cands), 2, tuning.MAX_CANDIDATES)
+
+
+class PerPassKernelTest(parameterized.TestCase):
+  """Registered kernels through Kernel.einsum, each pass on its own pass spec."""
+
+  @parameterized.product(name=("pallas_fp8_rowwise", "pallas_fp8_blockwise"),
+                         pass_name=("fwd", "grad_lhs", "grad_rhs"))
+  def test_dense_passes(self, name, pass_name):
+    keys = jax.random.split(jax.random.key(sum(map(ord, name + pass_name))), 3)
+    x = jax.random.normal(keys[0], (48, 200))
+    w = jax.random.normal(keys[1], (200, 96))
+    g = jax.random.normal(keys[2], (48, 96)) * 1e-3
+    a, b = {"fwd": (x, w), "grad_lhs": (g, w), "grad_rhs": (x, g)}[pass_name]
+    spec = EinsumSpec.parse("mk,kn->mn").for_pass(pass_name)
+    kernel = kernels.get(name)
+    self.assertIsNone(kernel.unsupported_reason(spec, pass_name, "act_weight", a.shape, b.shape))
+    out = kernel.einsum(spec, a, b, pass_name=pass_name, out_dtype=jnp.float32)
+    da, db = products.dequantized_operands(spec, a, b, mode=kernel.mode, pass_name=pass_name)
+    _assert_close(self, out, reference_einsum(spec, da, db))
+
+  @parameterized.named_parameters(
+      ("fmb_fwd", "bnd,bdk->bnk", "fwd", (3, 16, 40), (3, 40, 24)),
+      ("fmb_grad_lhs", "bnd,bdk->bnk", "grad_lhs", (3, 16, 24), (3, 40, 24)),
+      ("fmb_grad_rhs", "bnd,bdk->bnk", "grad_rhs", (3, 16, 40), (3, 16, 24)),
+      ("dlrm_fwd", "bfd,bgd->bfg", "fwd", (3, 12, 40), (3, 12, 40)),
+  )
+  def test_batched_passes(self, site_spec, pass_name, lhs_shape, rhs_shape):
+    k1, k2 = jax.random.split(jax.random.key(len(site_spec) + len(pass_name)))
+    a, b = jax.random.normal(k1, lhs_shape), jax.random.normal(k2, rhs_shape)
+    spec = EinsumSpec.parse(site_spec).for_pass(pass_name)
+    kernel = kernels.get("pallas_fp8_batched")
+    self.assertIsNone(kernel.unsupported_reason(spec, pass_name, "act_act", a.shape, b.shape))
+    out = kernel.einsum(spec, a, b, pass_name=pass_name, out_dtype=jnp.float32)
+    da, db = products.dequantized_operands(spec, a, b, mode="rowwise", pass_name=pass_name)
+    _assert_close(self, out, reference_einsum(spec, da, db))
+
+  def test_unsupported_reasons_are_specific(self):
+    rowwise, batched = kernels.get("pallas_fp8_rowwise"), kernels.get("pallas_fp8_batched")
+    transpose = EinsumSpec.parse("bnd,nk->bdk")
+    self.assertIn("transpose", rowwise.unsupported_reason(transpose, "fwd", "act_weight",
+                                                          (2, 3, 4), (3, 5)))
+    fmb = EinsumSpec.parse("bnd,bdk->bnk")
+    self.assertIn("pallas_fp8_batched",
+                  rowwise.unsupported_reason(fmb, "fwd", "act_act", (2, 3, 4), (2, 4, 5)))
+    dense = EinsumSpec.parse("mk,kn->mn")
+    self.assertIn("no batch index", batched.unsupported_reason(dense, "fwd", "act_weight",
+                                                               (2, 3), (3, 4)))
+    fused = kernels.get("pallas_fp8_rowwise_fused_blocknorm256_hard_swish")
+    self.assertIn("fused_dense", fused.unsupported_reason(dense, "fwd", "act_weight",
+                                                          (2, 3), (3, 4)))
+    with self.assertRaisesRegex(ValueError, "transpose"):
+      rowwise.einsum(transpose, jnp.ones((2, 3, 4)), jnp.ones((3, 5)), pass_name="fwd",
+                     out_dtype=jnp.float32)
+
+  def test_flattened_leading_dims(self):
+    spec = EinsumSpec.parse("bnd,dk->bnk")
+    k1, k2 = jax.random.split(jax.random.key(9))
+    a, b = jax.random.normal(k1, (3, 7, 40)), jax.random.normal(k2, (40, 24))
+    out = kernels.get("pallas_fp8_rowwise").einsum(spec, a, b, pass_name="fwd",
+                                                   out_dtype=jnp.float32)
+    da, db = products.dequantized_operands(spec, a, b, mode="rowwise", pass_name="fwd")
+    _assert_close(self, out, reference_einsum(spec, da, db))
+
+
+class TritonLoweringTest(absltest.TestCase):
+  """Each kernel family lowers through the Pallas Triton backend for 'cuda' (no GPU needed)."""
+
+  def test_lowerings(self):
+    f8 = jnp.float8_e4m3fn
+    s = jax.ShapeDtypeStruct
+    full = ep_lib.Epilogue(bias=True, block_size=256, activation="hard_swish",
+                           quantize_output=True, emit_pre=True)
+    cases = {
+        "rowwise_dgrad_layout": (lambda a, b, sa, sb: gemm_lib.gemm(
+            a, b, sa, sb, b_t=True, config=SMALL),
+                                 (s((1, 48, 200), f8), s((1, 96, 200), f8), s((1, 48), jnp.float32),
+                                  s((1, 96), jnp.float32))),
+        "fused_epilogue": (lambda a, b, sa, sb, bias: gemm_lib.gemm(
+            a, b, sa, sb, epilogue=full, bias=bias),
+                           (s((1, 48, 200), f8), s((1, 200, 300), f8), s((1, 48), jnp.float32),
+                            s((1, 300), jnp.float32), s((300,), jnp.float32))),
+        "block_wgrad_layout": (lambda a, b, sa, sb: gemm_lib.gemm(
+            a, b, sa, sb, a_t=True, scales=gemm_lib.BLOCK_SCALES),
+                               (s((1, 200, 48), f8), s((1, 200, 96), f8),
+                                s((1, 2, 48), jnp.float32), s((1, 2, 96), jnp.float32))),
+        "batched": (lambda a, b, sa, sb: gemm_lib.gemm(a, b, sa, sb),
+                    (s((64, 16, 128), f8), s((64, 128, 24), f8), s((64, 16), jnp.float32),
+                     s((64, 24), jnp.float32))),
+    }
+    for name, (fn, args) in cases.items():
+      with compat.compiled_kernels():
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+      self.assertTrue("__gpu$xla.gpu.triton" in text, f"{name}: no Triton custom call")
+
+
+if __name__ == "__main__":
+  absltest.main()
