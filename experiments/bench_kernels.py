@@ -2,9 +2,9 @@ r"""GPU benchmark of the Pallas FP8 kernels against XLA FP8 and bf16 (DESIGN.md 
 
   python -m experiments.bench_kernels --out=/tmp/bench --max_minutes=7 [--only=gemm,fmb] [--tune]
 
-Per shape, every variant is jitted, warmed up and timed interleaved (>= 20 repeats, random
-order each repeat; calls under 1 ms run N times inside one jitted fori_loop whose iterations
-depend on each other). Each row has the median time, TFLOP/s, and the speedup vs the
+Per shape, every variant is compiled (its backend read from the compiled HLO), then timed
+by `loka_jax.timing.time_variants`: warm-up, variants interleaved, >= 20 repeats, calls under
+1 ms run N times inside one jitted fori_loop. Each row has the median time, TFLOP/s, and the speedup vs the
 baseline of its group measured in the same run (xla_bf16, or the bf16 chain for the fused
 chain) with a bootstrap 95% CI; the fused chain also gets its ratio vs the XLA FP8 chain.
 Rows go to DIR/results.jsonl; a rerun skips finished shapes, so the benchmark resumes across
@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import sys
 import time
 import traceback
@@ -37,7 +36,8 @@ SMOKE = flags.DEFINE_bool("smoke", False,
                           "Tiny shapes, CPU allowed: checks the script's code paths only "
                           "(timings meaningless).")
 COMPILE_CACHE = flags.DEFINE_string("compile_cache", None,
-                                    "Persistent compilation cache (default DIR/jax_cache).")
+                                    "Persistent compilation cache directory "
+                                    "(default ~/.cache/loka_jax/jax_cache).")
 
 SCHEMA = "loka.bench_kernels/1"
 GEMMS = ((2048, 256, 768), (2048, 512, 1024), (2048, 1024, 1024), (4096, 512, 512),
@@ -156,36 +156,6 @@ def _inputs(shape, seed=0):
   return a.astype(jnp.bfloat16), (w if shape["kind"] == "chain" else w.astype(jnp.bfloat16))
 
 
-def _looped(fn, iters):
-  """fn run `iters` times in one jitted fori_loop; each iteration feeds one element of its
-  output back into the next input, so XLA cannot hoist the product out of the loop."""
-  import jax
-  import jax.numpy as jnp
-
-  def first(out):
-    leaf = jax.tree_util.tree_leaves(out)[0]
-    return leaf.reshape(-1)[0].astype(jnp.float32)
-
-  def body(_, carry):
-    a, b, acc = carry
-    v = first(fn(a, b))
-    idx = (0,) * a.ndim
-    a = a.at[idx].set((a[idx].astype(jnp.float32) + v * 1e-30).astype(a.dtype))
-    return a, b, acc + v
-
-  @jax.jit
-  def run(a, b):
-    return jax.lax.fori_loop(0, iters, body, (a, b, jnp.float32(0)))[2]
-  return run
-
-
-def _time_once(fn, a, b):
-  import jax
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(a, b))
-  return time.perf_counter() - t0
-
-
 def _backend_tag(compiled_text):
   if "cublas$lt$matmul$f8" in compiled_text:
     return "cublasLt_fp8"
@@ -196,17 +166,6 @@ def _backend_tag(compiled_text):
   if "triton_gemm" in compiled_text or "__triton" in compiled_text:
     return "xla_triton"
   return "other"
-
-
-def _bootstrap_ratio(base, var, n_boot=2000, seed=0):
-  """Median(base) / median(var) with a paired bootstrap 95% CI (repeats were interleaved)."""
-  import numpy as np
-  rng = np.random.default_rng(seed)
-  base, var = np.asarray(base), np.asarray(var)
-  idx = rng.integers(0, len(base), size=(n_boot, len(base)))
-  ratios = np.median(base[idx], axis=1) / np.median(var[idx], axis=1)
-  return [float(np.percentile(ratios, 2.5)), float(np.median(base) / np.median(var)),
-          float(np.percentile(ratios, 97.5))]
 
 
 def _chosen_variants(shape):
@@ -220,70 +179,59 @@ def _chosen_variants(shape):
 
 def run_shape(shape, device, todo):
   """Times the baseline and the `todo` variants of one shape, interleaved; returns their
-  rows (errors recorded, never raised)."""
+  rows (a variant that fails records its error, never raises)."""
   import jax
-  import numpy as np
+
+  from loka_jax import timing
 
   a, b = _inputs(shape)
   variants = _variants(shape)
   base_name = variants[0][0]
   always = VARIANTS[shape["kind"]][:2 if shape["kind"] == "chain" else 1]
   chosen = [v for v in variants if v[0] in always or v[0] in todo]
-  rows, jitted, errors, backends = {}, {}, {}, {}
+  errors, backends, ready = {}, {}, {}
   for name, fn, _ in chosen:
     try:
       if TUNE.value and name.startswith("pallas"):
         jax.block_until_ready(fn(a, b))  # eager call: tunes each Pallas GEMM on a cache miss
-      f = jax.jit(fn)
-      backends[name] = _backend_tag(f.lower(a, b).compile().as_text())
-      jax.block_until_ready(f(a, b))
-      jitted[name] = f
+      backends[name] = _backend_tag(jax.jit(fn).lower(a, b).compile().as_text())
+      ready[name] = (fn, (a, b))
     except Exception as e:  # pylint: disable=broad-except
       errors[name] = f"{type(e).__name__}: {e}"[:2000]
       traceback.print_exc()
-  if base_name not in jitted:
-    errors.setdefault(base_name, "baseline failed")
-  # Loop count from the baseline's single-call time (the same N for every variant).
-  iters = 1
-  if base_name in jitted:
-    single = min(_time_once(jitted[base_name], a, b) for _ in range(3))
-    if single * 1e3 < MIN_CALL_MS.value:
-      iters = int(math.ceil(MIN_CALL_MS.value * 2e-3 / max(single, 1e-6)))
-  timed = {}
-  for name, f in list(jitted.items()):
+  timings = {}
+  if base_name in ready:
     try:
-      g = _looped(f, iters) if iters > 1 else f
-      for _ in range(2):  # warm-up (compile + caches)
-        _time_once(g, a, b)
-      timed[name] = g
+      timings = timing.time_variants(ready, repeats=REPEATS.value,
+                                     min_call_seconds=MIN_CALL_MS.value * 1e-3)
     except Exception as e:  # pylint: disable=broad-except
-      errors[name] = f"{type(e).__name__}: {e}"[:2000]
-  samples = {name: [] for name in timed}
-  order = list(timed)
-  for _ in range(REPEATS.value):
-    random.shuffle(order)
-    for name in order:
-      samples[name].append(_time_once(timed[name], a, b) / iters)
+      traceback.print_exc()
+      for name in ready:
+        errors.setdefault(name, f"timing failed: {type(e).__name__}: {e}"[:2000])
+  else:
+    errors.setdefault(base_name, "baseline failed")
   flops = {name: fl for name, _, fl in chosen}
+  rows = []
   for name, _, _ in chosen:
     row = {"schema": SCHEMA, "shape": shape["name"], "variant": name, "device": device,
-           "jax": jax.__version__, "iters_per_call": iters, "repeats": REPEATS.value,
-           "baseline": base_name, "backend": backends.get(name),
+           "jax": jax.__version__, "repeats": REPEATS.value, "baseline": base_name,
+           "backend": backends.get(name),
            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    row.update({k: v for k, v in shape.items() if k not in ("name",)})
-    if name in samples and samples[name]:
-      t = np.asarray(samples[name])
-      row["median_us"] = float(np.median(t) * 1e6)
-      row["tflops"] = float(flops[name] / np.median(t) / 1e12)
-      if base_name in samples and samples[base_name]:
-        row["speedup_vs_baseline"] = _bootstrap_ratio(samples[base_name], samples[name])
-      if shape["kind"] == "chain" and samples.get("xla_fp8_chain"):
-        row["speedup_vs_xla_fp8_chain"] = _bootstrap_ratio(samples["xla_fp8_chain"],
-                                                           samples[name])
+    row.update({k: v for k, v in shape.items() if k != "name"})
+    if name in timings:
+      t = timings[name]
+      row["median_us"] = t.median_us
+      row["iters_per_call"] = t.inner
+      row["tflops"] = flops[name] / (t.median_us * 1e-6) / 1e12
+      point, lo, hi = timing.speedup_ci(timings[base_name], t)
+      row["speedup_vs_baseline"] = [lo, point, hi]
+      if shape["kind"] == "chain" and "xla_fp8_chain" in timings:
+        point, lo, hi = timing.speedup_ci(timings["xla_fp8_chain"], t)
+        row["speedup_vs_xla_fp8_chain"] = [lo, point, hi]
     else:
       row["error"] = errors.get(name, "not timed")
-    rows[name] = row
-  return list(rows.values())
+    rows.append(row)
+  return rows
 
 
 def _load_rows(path):
@@ -335,7 +283,8 @@ def main(argv):
   _setup_env(OUT.value)
   import jax
   jax.config.update("jax_compilation_cache_dir",
-                    COMPILE_CACHE.value or os.path.join(OUT.value, "jax_cache"))
+                    COMPILE_CACHE.value or os.path.join(os.path.expanduser("~"), ".cache",
+                                                        "loka_jax", "jax_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   if jax.default_backend() != "gpu" and not SMOKE.value:

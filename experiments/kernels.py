@@ -11,6 +11,7 @@ import jax
 from absl import app, flags
 
 from loka_jax import _compat, kernels
+from loka_jax import flags as common_flags
 from loka_jax.kernels import check
 
 LIST = flags.DEFINE_bool("list", False, "Print every registered kernel and its passes.")
@@ -19,7 +20,6 @@ M = flags.DEFINE_integer("m", 512, "Rows of the activation (batch).")
 K = flags.DEFINE_integer("k", 384, "Contracting size.")
 N = flags.DEFINE_integer("n", 256, "Output features.")
 SHAPES = flags.DEFINE_list("shapes", [], "Several MxKxN shapes instead of --m/--k/--n.")
-SEED = flags.DEFINE_integer("seed", 0, "Seed of the random operands.")
 JSON = flags.DEFINE_string("json", None, "Write the loka.check/1 JSON here (one shape).")
 ONLY = flags.DEFINE_list("only", [], "Restrict --check to these kernels.")
 TIME = flags.DEFINE_bool("time", False, "Also time each kernel's forward vs xla_bf16 (GPU).")
@@ -70,7 +70,7 @@ def main(argv):
     if shape in done:
       print(f"skip {shape}: already in {jsonl}")
       continue
-    problem = check.Problem(*shape, seed=SEED.value)
+    problem = check.Problem(*shape, seed=common_flags.SEED.value)
     report = check.run_check(problem, names)
     if TIME.value:
       report["timing"] = check.time_forward(problem, names)

@@ -122,7 +122,7 @@ def rowwise_einsum(spec: EinsumSpec, a, b, *, out_dtype, kernel_name: str,
   if layout.swap:
     da, db, sa, sb = db, da, sb, sa
   out = gemm_lib.gemm(da, db, sa, sb, a_t=layout.a_t, b_t=layout.b_t,
-                      scales=gemm_lib.ROWWISE_SCALES, out_dtype=jnp.float32, config=config,
+                      scales=gemm_lib.ROWWISE_SCALES, out_dtype=out_dtype, config=config,
                       kernel_name=kernel_name)
   return _finish(out, spec, layout, sizes, out_dtype)
 
@@ -159,7 +159,7 @@ def blockwise_einsum(spec: EinsumSpec, a, b, *, pass_name: str, out_dtype,
   if layout.swap:
     da, db, sa, sb = db, da, sb, sa
   out = gemm_lib.gemm(da[None], db[None], sa[None], sb[None], a_t=layout.a_t, b_t=layout.b_t,
-                      scales=gemm_lib.BLOCK_SCALES, out_dtype=jnp.float32, config=config,
+                      scales=gemm_lib.BLOCK_SCALES, out_dtype=out_dtype, config=config,
                       kernel_name=kernel_name)
   return _finish(out, spec, layout, sizes, out_dtype)
 

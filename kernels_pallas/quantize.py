@@ -128,6 +128,41 @@ def _rowwise_middle_kernel(x_ref, q_ref, s_ref, *, R, C, br, bc, fmt):
   compat.store(s_ref.at[pl.ds(j * bc, bc)], scale, mask=cols < C)
 
 
+def _column_amax_kernel(x_ref, p_ref, *, R, C, br, bc, groups):
+  """Phase 1 of column scales on tall slabs: group g reduces row tiles g, g + groups, ...
+  of one column tile, so a (123200, 1024) weight spreads over groups x C/bc programs."""
+  g, j = pl.program_id(1), pl.program_id(2)
+  cols = j * bc + jnp.arange(bc)
+  per_group = pl.cdiv(pl.cdiv(R, br), groups)
+
+  def body(t, amax):
+    r = g + t * groups
+    rows = r * br + jnp.arange(br)
+    x = compat.load(x_ref.at[pl.ds(r * br, br), pl.ds(j * bc, bc)],
+                    mask=_mask2(rows, cols, R, C), other=0.0).astype(jnp.float32)
+    return jnp.maximum(amax, jnp.max(finite_abs(x), axis=0))
+
+  amax = lax.fori_loop(0, per_group, body, jnp.zeros((bc,), jnp.float32))
+  compat.store(p_ref.at[g, pl.ds(j * bc, bc)], amax, mask=cols < C)
+
+
+def _column_cast_kernel(x_ref, p_ref, q_ref, s_ref, *, R, C, br, bc, groups, fmt):
+  """Phase 2: every program reduces its columns' partials, then casts one (br, bc) tile."""
+  i, j = pl.program_id(1), pl.program_id(2)
+  rows = i * br + jnp.arange(br)
+  cols = j * bc + jnp.arange(bc)
+  partial = compat.load(p_ref.at[pl.ds(0, groups), pl.ds(j * bc, bc)],
+                        mask=(cols < C)[None, :], other=0.0)
+  scale = scale_from_amax(jnp.max(partial, axis=0), fmt.max)
+  mask = _mask2(rows, cols, R, C)
+  x = compat.load(x_ref.at[pl.ds(i * br, br), pl.ds(j * bc, bc)], mask=mask,
+                  other=0.0).astype(jnp.float32)
+  compat.store(q_ref.at[pl.ds(i * br, br), pl.ds(j * bc, bc)],
+               saturating_cast(x / scale[None, :], fmt), mask=mask)
+  # Every row tile writes the same scales; choosing one would need a branch.
+  compat.store(s_ref.at[pl.ds(j * bc, bc)], scale, mask=cols < C)
+
+
 def _block_kernel(x_ref, q_ref, s_ref, *, R, C, br, bc, fmt, reduce_axis):
   """One (br, bc) tile per program; amax over `reduce_axis` of the tile (None: whole tile)."""
   i, j = pl.program_id(1), pl.program_id(2)
@@ -209,19 +244,56 @@ def _call(kernel, out_shape, grid, in_specs, out_specs, num_warps, name):
       interpret=compat.use_interpret(), name=name)
 
 
+_MIN_PROGRAMS = 128  # enough programs to spread a quantize over the SMs
+
+
+def _prev_pow2(n: int) -> int:
+  return 1 << (max(1, int(n)).bit_length() - 1)
+
+
 def _tile_sizes(R, C, contract):
-  """Power-of-two tiles of ~16K elements, wide along the memory-contiguous axis C."""
+  """Power-of-two tiles of at most 16K elements, wide along the memory-contiguous axis C;
+  for row scales, short enough that the row tiles alone make _MIN_PROGRAMS programs."""
   bc = min(1024, compat.next_pow2(C))
   br = max(1, min(compat.next_pow2(R), 16384 // bc))
-  if contract == "R":  # the reduction runs along rows: keep column tiles narrower
+  if contract == "C":
+    br = max(1, min(br, _prev_pow2(R // _MIN_PROGRAMS)))
+  else:  # the reduction runs along rows: keep column tiles narrower
     bc = min(bc, 256)
     br = max(1, min(compat.next_pow2(R), 16384 // bc))
   return br, bc
 
 
+_TALL_ROWS = 8192  # column scales over more rows than this use two phases, and so do
+# slabs whose column tiles alone would leave most SMs idle (e.g. a 1024 x 1024 weight)
+
+
+def _rowwise_tall(x3, fmt):
+  """Column scales of tall slabs (weights of large K) in two parallel phases."""
+  P, R, C = x3.shape
+  bc = min(128, compat.next_pow2(C))
+  br = 64
+  groups = min(64, compat.next_pow2(pl.cdiv(R, br)))
+  nc, nr = pl.cdiv(C, bc), pl.cdiv(R, br)
+  partials = _call(
+      functools.partial(_column_amax_kernel, R=R, C=C, br=br, bc=bc, groups=groups),
+      jax.ShapeDtypeStruct((P, groups, C), jnp.float32), (P, groups, nc),
+      [_slab_spec((R, C))], _slab_spec((groups, C)), num_warps=4,
+      name="loka_quantize_colwise_amax")(x3)
+  return _call(
+      functools.partial(_column_cast_kernel, R=R, C=C, br=br, bc=bc, groups=groups, fmt=fmt),
+      (jax.ShapeDtypeStruct(x3.shape, fmt.dtype), jax.ShapeDtypeStruct((P, C), jnp.float32)),
+      (P, nr, nc), [_slab_spec((R, C)), _slab_spec((groups, C))],
+      (_slab_spec((R, C)), pl.BlockSpec((None, C), lambda p, *_: (p, 0))), num_warps=4,
+      name="loka_quantize_colwise_cast")(x3, partials)
+
+
 def _rowwise(x3, contract, fmt):
   P, R, C = x3.shape
   br, bc = _tile_sizes(R, C, contract)
+  if contract == "R" and (R > _TALL_ROWS or (
+      P * pl.cdiv(C, bc) < _MIN_PROGRAMS // 2 and R > 128)):
+    return _rowwise_tall(x3, fmt)
   if contract == "C":
     kernel = functools.partial(_rowwise_last_kernel, R=R, C=C, br=br, bc=bc, fmt=fmt)
     grid = (P, pl.cdiv(R, br))

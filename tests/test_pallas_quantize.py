@@ -48,6 +48,7 @@ class QuantizeTest(parameterized.TestCase):
       ("block_128x128", (200, 150), "block_128x128", (0,)),
       ("rowwise_batched_last", (3, 10, 40), "rowwise", (2,)),
       ("rowwise_batched_middle", (3, 40, 24), "rowwise", (1,)),
+      ("rowwise_tall_two_phase", (9000, 40), "rowwise", (0,)),
   )
   def test_matches_reference(self, shape, granularity, axes):
     x = _poisoned(jax.random.key(sum(shape)), shape)

@@ -14,8 +14,8 @@ behaviour sequence.
   positions, residual, norm.
 - Prediction: `MLP([X_sum | S_sum])` of a final cross arch on the last layer's output.
 
-Sequences are chronological (oldest event first); the most recent tokens are the last real
-events, wherever the padding sits.
+Sequences follow the batch contract (chronological, right-aligned: the most recent event
+last); the recent tokens are the last real events, wherever the padding sits.
 
 Sites: `seq_merge/{mask_mlp,lce}/dense_<j>`; per layer `layer_<i>`: `cross/x_lce`,
 `cross/x_gate/mlp/dense_<j>`, `cross/pma/{key,value,scores,context,out}`,

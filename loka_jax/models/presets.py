@@ -10,6 +10,21 @@ softmax not counted; a training step costs about 3x).
 Preset regimes: `tiny` runs in CPU tests; `small` is the recommendation regime where FP8
 struggles (widths 128-1024); `large` targets one 80 GB GPU at batch 4096 (InterFormer: 512,
 because attention over 516 sequence tokens materializes B x heads x 516^2 scores).
+
+Forward FLOPs per example (`flops_per_example`, default features; kept true by the tests):
+
+| model       | tiny    | small  | large  |
+|-------------|---------|--------|--------|
+| dlrm        | 14,944  | 4.92 M | 61.2 M |
+| dcnv2       | 33,344  | 32.1 M | 399 M  |
+| wukong      | 35,264  | 51.6 M | 6.12 G |
+| dhen        | 177,216 | 104 M  | 1.48 G |
+| interformer | 828,864 | 317 M  | 5.50 G |
+
+Wukong large (l=8, n_F=n_L=96, k=96, FMB MLP 3x8192) is 6.1 GFLOP forward, ~18 GFLOP per
+trained example, near the public 22 GFLOP scale point; it holds 3.0 B dense parameters
+(~48 GB with fp32 parameters, gradients and Adam state), meant to fit one 80 GB GPU beside
+its activations at batch 4096.
 """
 from __future__ import annotations
 
@@ -42,6 +57,19 @@ CRITEO_VOCABS = (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 56
                  3194, 27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105,
                  142572)
 VOCAB_CAP = 100_000  # rows per table at small/large, so tables fit beside the towers
+
+# The documented forward FLOPs per example of every preset (see the table above).
+DOCUMENTED_FLOPS = {
+    ("dlrm", "tiny"): 14_944, ("dlrm", "small"): 4_916_992, ("dlrm", "large"): 61_211_136,
+    ("dcnv2", "tiny"): 33_344, ("dcnv2", "small"): 32_060_928,
+    ("dcnv2", "large"): 399_142_912,
+    ("wukong", "tiny"): 35_264, ("wukong", "small"): 51_615_744,
+    ("wukong", "large"): 6_122_101_760,
+    ("dhen", "tiny"): 177_216, ("dhen", "small"): 104_052_736,
+    ("dhen", "large"): 1_476_691_968,
+    ("interformer", "tiny"): 828_864, ("interformer", "small"): 316_844_032,
+    ("interformer", "large"): 5_502_504_960,
+}
 
 
 def _vocabs(count: int, cap: int):
@@ -178,15 +206,15 @@ def _dhen(preset: str) -> ml_collections.ConfigDict:
   c.layer_tokens = 0                            # tokens out of each layer; 0 keeps n
   if preset == "tiny":
     c.features = _features(8, (1000,) * 7, 3)   # n = 7 tables + 1 dense token = 8
-    c.embed_dim = 16
-    c.bottom_mlp = (32,)
-    c.num_layers = 2
+    c.embed_dim = 16                            # d
+    c.bottom_mlp = (32,)                        # dense -> 32 -> dense_tokens * d
+    c.num_layers = 2                            # stacked DHEN layers
     c.dot_mlp = (32,)                           # dot module MLP hidden widths (-> n * d)
     c.num_heads = 2                             # self-attention heads
     c.attention_ffn = 32                        # self-attention FFN width
     c.dcn_rank = 0                              # DCN module: 0 = full-rank W over n * d
-    c.head_mlp = (32,)
-    c.batch_size = 256
+    c.head_mlp = (32,)                          # head MLP hidden widths (then -> 1)
+    c.batch_size = 256                          # default training batch
   elif preset == "small":
     c.features = _features(13, _vocabs(31, VOCAB_CAP), 4)  # n = 31 + 1 = 32
     c.embed_dim = 128
@@ -225,18 +253,18 @@ def _interformer(preset: str) -> ml_collections.ConfigDict:
   c.num_recent = 2                              # most recent events in S_sum
   if preset == "tiny":
     c.features = _features(8, (1000,) * 7, 3, num_seq=2, seq_len=16, seq_vocab=1000)  # n = 8
-    c.embed_dim = 16
-    c.bottom_mlp = (32,)
-    c.num_layers = 2
+    c.embed_dim = 16                            # d (tokens and sequence events)
+    c.bottom_mlp = (32,)                        # dense -> 32 -> dense_tokens * d
+    c.num_layers = 2                            # interleaved layers
     c.num_heads = 2                             # heads of every attention (MHA, PMA, DHEN)
-    c.num_cls = 2
-    c.dot_mlp = (32,)
-    c.attention_ffn = 32
-    c.dcn_rank = 0
+    c.num_cls = 2                               # n_sum (4 at small and large)
+    c.dot_mlp = (32,)                           # DHEN dot module MLP hidden widths
+    c.attention_ffn = 32                        # DHEN self-attention FFN width
+    c.dcn_rank = 0                              # DHEN DCN module rank (0 = full)
     c.interaction_mlp = (32,)                   # token-wise MLP after the DHEN layer (-> d)
     c.masknet_hidden = (32,)                    # MaskNet mask MLP hidden widths (-> A * d)
-    c.head_mlp = (32,)
-    c.batch_size = 256
+    c.head_mlp = (32,)                          # prediction MLP hidden widths (then -> 1)
+    c.batch_size = 256                          # default training batch
   elif preset == "small":
     c.features = _features(13, _vocabs(31, VOCAB_CAP), 4, num_seq=2, seq_len=128,
                            seq_vocab=VOCAB_CAP)  # n = 32, T = 128
@@ -277,7 +305,7 @@ def get_config(model: str, preset: str) -> ml_collections.ConfigDict:
   _check_name("model", model, MODEL_NAMES)
   _check_name("preset", preset, PRESETS)
   c = _BUILDERS[model](preset)
-  # Forward FLOPs per example of the GEMM sites (tower_flops), for c.features.
+  # Forward FLOPs per example of the GEMM sites (tower_flops) for c.features: DOCUMENTED_FLOPS.
   c.flops_per_example = tower_flops(c, FeatureSpec.from_dict(dict(c.features)))
   return c
 
@@ -497,7 +525,10 @@ class SiteProduct(NamedTuple):
 
 def site_products(model: nn.Module, variables, batch) -> Dict[str, SiteProduct]:
   """{site name: SiteProduct} of one forward pass, in call order, traced abstractly (no
-  compilation). Names are the sites' Linen paths, the keys of plans and probe reports."""
+  compilation). Names are the sites' Linen paths, the keys of plans and probe reports.
+
+  `variables=None` traces `model.init` instead (same forward pass, no variables needed).
+  """
   found: Dict[str, SiteProduct] = {}
 
   def record(next_fun, args, kwargs, context):
@@ -517,5 +548,8 @@ def site_products(model: nn.Module, variables, batch) -> Dict[str, SiteProduct]:
     return next_fun(*args, **kwargs)
 
   with nn.intercept_methods(record):
-    jax.eval_shape(lambda v, b: model.apply(v, b), variables, batch)
+    if variables is None:
+      jax.eval_shape(lambda b: model.init(jax.random.PRNGKey(0), b), batch)
+    else:
+      jax.eval_shape(lambda v, b: model.apply(v, b), variables, batch)
   return found

@@ -1,0 +1,242 @@
+"""Committed per-device kernel timing tables: `loka_jax/dispatch/timings/<device_kind>.json`.
+
+GPU probe runs write them (merging with what is there); reports made where no GPU is at hand
+(a CPU) fall back on them, taking the nearest measured shape and marking the number
+`estimated`. Format (`loka.timings/1`):
+
+  {"schema": "loka.timings/1", "device_kind": "NVIDIA H100 80GB HBM3",
+   "entries": [{"kernel", "pass", "spec", "lhs_shape", "rhs_shape", "dtype", "median_us",
+                "ci_us": [lo, hi], "backend", "repeats", "jax", "date"}, ...]}
+
+`spec` is the pass's own einsum and the shapes are the pass's operands. One entry per
+(kernel, pass, spec, lhs_shape, rhs_shape, dtype); a newer measurement replaces an older one.
+
+  python -m loka_jax.dispatch.timing_table merge DST.json SRC.json [SRC.json ...]
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import sys
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+SCHEMA = "loka.timings/1"
+TIMINGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "timings")
+ENTRY_FIELDS = ("kernel", "pass", "spec", "lhs_shape", "rhs_shape", "dtype", "median_us",
+                "ci_us", "backend")
+
+
+class TimingTableError(ValueError):
+  """A timing table that cannot be used: the message names the file and the problem."""
+
+
+def file_name(device_kind: str) -> str:
+  """'NVIDIA H100 80GB HBM3' -> 'NVIDIA_H100_80GB_HBM3.json'."""
+  return "".join(c if c.isalnum() else "_" for c in device_kind) + ".json"
+
+
+def table_path(device_kind: str, directory: str = TIMINGS_DIR) -> str:
+  return os.path.join(directory, file_name(device_kind))
+
+
+def entry_key(entry: Mapping) -> Tuple:
+  return (entry["kernel"], entry["pass"], entry["spec"], tuple(entry["lhs_shape"]),
+          tuple(entry["rhs_shape"]), entry.get("dtype", "bfloat16"))
+
+
+def empty_table(device_kind: str) -> Dict:
+  return {"schema": SCHEMA, "device_kind": device_kind, "entries": []}
+
+
+def validate(table, where: str) -> Dict:
+  """Raises TimingTableError naming `where` unless `table` is a loka.timings/1 table."""
+  if not isinstance(table, dict):
+    raise TimingTableError(f"{where}: expected a JSON object, got {type(table).__name__}")
+  if table.get("schema") != SCHEMA:
+    raise TimingTableError(f"{where}: schema {table.get('schema')!r}, expected {SCHEMA!r}")
+  if not isinstance(table.get("device_kind"), str):
+    raise TimingTableError(f"{where}: missing 'device_kind'")
+  entries = table.get("entries")
+  if not isinstance(entries, list):
+    raise TimingTableError(f"{where}: 'entries' must be a list")
+  for i, e in enumerate(entries):
+    missing = [f for f in ENTRY_FIELDS if not isinstance(e, dict) or f not in e]
+    if missing:
+      raise TimingTableError(f"{where}: entry {i} lacks {missing}")
+    if not (isinstance(e["median_us"], (int, float)) and math.isfinite(e["median_us"])
+            and e["median_us"] > 0):
+      raise TimingTableError(f"{where}: entry {i} ({e['kernel']}, {e['pass']}) has median_us "
+                             f"{e['median_us']!r}; expected a positive number")
+  return table
+
+
+def load_table(path: str) -> Dict:
+  """The table in `path` (validated)."""
+  try:
+    with open(path) as f:
+      table = json.load(f)
+  except json.JSONDecodeError as e:
+    raise TimingTableError(f"{path}: not valid JSON ({e}); the file is truncated or corrupt")
+  except OSError as e:
+    raise TimingTableError(f"{path}: cannot read ({e})") from e
+  return validate(table, path)
+
+
+def available_tables(directory: str = TIMINGS_DIR) -> Dict[str, str]:
+  """{device_kind: path} of the committed tables."""
+  out = {}
+  if not os.path.isdir(directory):
+    return out
+  for name in sorted(os.listdir(directory)):
+    if name.endswith(".json"):
+      path = os.path.join(directory, name)
+      out[load_table(path)["device_kind"]] = path
+  return out
+
+
+def merge_entries(table: Mapping, entries: Iterable[Mapping]) -> Dict:
+  """`table` with `entries` added; an entry with the key of an older one replaces it."""
+  merged = {entry_key(e): dict(e) for e in table["entries"]}
+  for e in entries:
+    missing = [f for f in ENTRY_FIELDS if f not in e]
+    if missing:
+      raise TimingTableError(f"timing entry for {e.get('kernel')} lacks {missing}")
+    merged[entry_key(e)] = {**dict(e), "lhs_shape": list(e["lhs_shape"]),
+                            "rhs_shape": list(e["rhs_shape"])}
+  ordered = sorted(merged.values(), key=lambda e: (e["kernel"], e["pass"], e["spec"],
+                                                    e["lhs_shape"], e["rhs_shape"]))
+  return {"schema": SCHEMA, "device_kind": table["device_kind"], "entries": ordered}
+
+
+def save_table(table: Mapping, path: str) -> None:
+  """Writes atomically (a killed run never leaves half a table)."""
+  validate(dict(table), path)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = f"{path}.tmp"
+  with open(tmp, "w") as f:
+    json.dump(table, f, indent=1, allow_nan=False)
+    f.write("\n")
+  os.replace(tmp, path)
+
+
+def update_file(path: str, device_kind: str, entries: Sequence[Mapping]) -> Dict:
+  """Merges `entries` into the table at `path` (created if absent) and saves it."""
+  table = load_table(path) if os.path.exists(path) else empty_table(device_kind)
+  if table["device_kind"] != device_kind:
+    raise TimingTableError(f"{path} holds timings of {table['device_kind']!r}, not "
+                           f"{device_kind!r}")
+  table = merge_entries(table, entries)
+  save_table(table, path)
+  return table
+
+
+def today() -> str:
+  return datetime.date.today().isoformat()
+
+
+# ----------------------------------------------------------------------------- lookup
+
+
+def problem_sizes(spec: str, lhs_shape: Sequence[int], rhs_shape: Sequence[int]
+                  ) -> Tuple[int, int, int, int]:
+  """(batch, m, k, n) of a two-operand einsum: batch, lhs-free, contracted, rhs-free sizes."""
+  inputs, out = spec.replace(" ", "").split("->")
+  lhs, rhs = inputs.split(",")
+  sizes = dict(zip(lhs, lhs_shape))
+  sizes.update(zip(rhs, rhs_shape))
+  prod = lambda labels: math.prod(int(sizes[i]) for i in labels)
+  batch = "".join(i for i in lhs if i in rhs and i in out)
+  contract = "".join(i for i in lhs if i in rhs and i not in out)
+  m = "".join(i for i in lhs if i not in rhs)
+  n = "".join(i for i in rhs if i not in lhs)
+  return prod(batch), prod(m), prod(contract), prod(n)
+
+
+def _distance(a, b) -> float:
+  return sum(abs(math.log(max(x, 1)) - math.log(max(y, 1))) for x, y in zip(a, b))
+
+
+def _flops(sizes) -> float:
+  return 2.0 * math.prod(sizes)
+
+
+def lookup(table: Mapping, kernel: str, pass_name: str, spec: str, lhs_shape, rhs_shape,
+           dtype: str = "bfloat16", baseline: str = "xla_bf16") -> Optional[Dict]:
+  """The kernel's time and speedup vs `baseline` for this problem, or None.
+
+  Exact entries first; otherwise the nearest problem (log-size distance over batch, m, k, n;
+  the same spec preferred) where both the kernel and the baseline were measured, with the
+  time scaled by the FLOP ratio and the speedup taken as measured there (`estimated`: True).
+  """
+  want = problem_sizes(spec, lhs_shape, rhs_shape)
+  by_key: Dict[Tuple, Dict] = {}
+  for e in table["entries"]:
+    if e["pass"] == pass_name and e.get("dtype", "bfloat16") == dtype:
+      by_key[(e["kernel"], e["spec"], tuple(e["lhs_shape"]), tuple(e["rhs_shape"]))] = e
+  candidates = []
+  for (k, s, l, r), e in by_key.items():
+    if k != kernel:
+      continue
+    base = by_key.get((baseline, s, l, r))
+    if base is None:
+      continue
+    have = problem_sizes(s, l, r)
+    exact = s == spec and l == tuple(lhs_shape) and r == tuple(rhs_shape)
+    candidates.append((not exact, s != spec, _distance(want, have), e, base, have))
+  if not candidates:
+    return None
+  inexact, _, _, e, base, have = min(candidates, key=lambda c: c[:3])
+  scale = _flops(want) / _flops(have)
+  speedup = base["median_us"] / e["median_us"]
+  return {"time_us": e["median_us"] * scale,
+          "ci_us": [c * scale for c in e["ci_us"]],
+          "speedup": speedup, "backend": e["backend"], "estimated": bool(inexact),
+          "from": {"spec": e["spec"], "lhs_shape": list(e["lhs_shape"]),
+                   "rhs_shape": list(e["rhs_shape"])}}
+
+
+def choose_table(preferred: Optional[str] = None, directory: str = TIMINGS_DIR
+                 ) -> Optional[Tuple[str, Dict]]:
+  """(path, table) to fall back on: `preferred` (a path or device kind), else an H100 table,
+  else the first committed one; None when there is none."""
+  if preferred:
+    if os.path.exists(preferred):
+      return preferred, load_table(preferred)
+    tables = available_tables(directory)
+    for kind, path in tables.items():
+      if preferred in (kind, file_name(kind)[:-5]):
+        return path, load_table(path)
+    raise TimingTableError(f"no timing table {preferred!r}; committed: {sorted(tables) or 'none'}")
+  tables = available_tables(directory)
+  if not tables:
+    return None
+  kind = next((k for k in tables if "H100" in k), sorted(tables)[0])
+  return tables[kind], load_table(tables[kind])
+
+
+def _main(argv: List[str]) -> int:
+  if len(argv) < 3 or argv[0] != "merge":
+    print(__doc__.strip().splitlines()[-1], file=sys.stderr)
+    return 2
+  dst, sources = argv[1], argv[2:]
+  tables = [load_table(s) for s in sources]
+  kinds = {t["device_kind"] for t in tables}
+  if len(kinds) != 1:
+    print(f"error: the sources hold different devices {sorted(kinds)}", file=sys.stderr)
+    return 1
+  merged = load_table(dst) if os.path.exists(dst) else empty_table(kinds.pop())
+  for t in tables:
+    if t["device_kind"] != merged["device_kind"]:
+      print(f"error: {dst} holds {merged['device_kind']!r}, a source holds {t['device_kind']!r}",
+            file=sys.stderr)
+      return 1
+    merged = merge_entries(merged, t["entries"])
+  save_table(merged, dst)
+  print(f"{dst}: {len(merged['entries'])} entries ({merged['device_kind']})")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(_main(sys.argv[1:]))

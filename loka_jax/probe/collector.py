@@ -1,0 +1,387 @@
+"""The statistics pass: one jitted function that runs the model's training loss, reads every
+site's operands (the `probe` collection) and output gradients (`probe_grads`), and folds them
+into per-site streaming statistics.
+
+Per site (state = nested dicts of arrays, stored in checkpoint extras as `probe_stats`):
+  lhs       Gaussian over the contracted features (gaussian.py)
+  rhs       act x weight: matrix normal of the weight (matrix_normal.py) + `weight`, the
+            latest snapshot; act x act: Gaussian like lhs
+  grad      Gaussian of the output gradient over its dgrad-contracted features
+  flush     per operand and use (the two passes it feeds): underflow fractions
+            [use, format, granularity] (mean via `sum`, worst via `max`, latest via `last`)
+  amax      per operand: latest, max, and the delayed-scaling saturation fraction (values
+            above the previous observation's amax) and amax growth between observations
+  reservoir paired slices (reservoir.py) along the site's slice index
+
+`ProbeCollector` drives it from the training loop's step_callback every `cadence` steps and
+keeps `extras` (what the loop saves in each checkpoint) current, with the timings from which
+the probe's overhead is reported.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Callable, Dict, Mapping, Optional
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from loka_jax.kernels import ACT_WEIGHT, FP8_META
+from loka_jax.models.presets import site_products
+from loka_jax.probe import flush as flush_lib
+from loka_jax.probe import gaussian, matrix_normal, reservoir
+from loka_jax.probe.hooks import PROBE_COLLECTION, PROBE_GRAD_COLLECTION
+from loka_jax.probe.layout import OPERANDS, PASS_AXES, SiteLayout, site_layout
+from loka_jax.train.metrics import bce_with_logits
+
+STATS_KEY = "probe_stats"   # checkpoint extras: the arrays
+META_KEY = "probe_meta"     # checkpoint extras: JSON (config, observed steps, timings)
+META_SCHEMA = "loka.probe_state/1"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeConfig:
+  """How statistics are collected (static: it shapes the state and the compiled pass)."""
+  cadence: int = 25                    # observe every `cadence` training steps
+  max_full_width: int = 2048           # full covariance up to this many features
+  rank: int = 32                       # eigenpairs of the low-rank part above that width
+  oversample: int = 32                 # extra Nystrom sketch columns beyond `rank`
+  weight_ema: float = 0.1              # EMA rate of the matrix-normal fit; 0: running average
+  jitter: float = 1e-6                 # relative diagonal jitter before Cholesky
+  reservoir_elements: int = 1 << 20    # elements per operand buffer of a site's reservoir
+  reservoir_min: int = 8               # slices kept at least ...
+  reservoir_max: int = 4096            # ... and at most
+  min_observations: int = 2            # observations made after training when fewer exist
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.cadence < 1:
+      raise ValueError(f"cadence must be >= 1 step, got {self.cadence}")
+    if self.max_full_width < 1 or self.rank < 1:
+      raise ValueError("max_full_width and rank must be >= 1")
+    if not 0.0 <= self.weight_ema < 1.0:
+      raise ValueError(f"weight_ema must be in [0, 1), got {self.weight_ema}")
+    if self.reservoir_min < 1 or self.reservoir_max < self.reservoir_min:
+      raise ValueError("need 1 <= reservoir_min <= reservoir_max")
+
+  def to_dict(self) -> Dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteProbe:
+  """Static description of one probed site: layout and the form of each statistic."""
+  name: str
+  layout: SiteLayout
+  modes: Mapping[str, Any]            # operand -> GaussianMode | MatrixNormalMode
+  reservoir_capacity: int             # 0: no reservoir (no slice index)
+
+  @property
+  def kind(self) -> str:
+    return self.layout.kind
+
+  @property
+  def spec(self) -> str:
+    return str(self.layout.spec)
+
+  def describe(self) -> Dict[str, Any]:
+    return {op: self.modes[op].describe() for op in OPERANDS}
+
+
+def _reservoir_capacity(layout: SiteLayout, config: ProbeConfig) -> int:
+  if layout.slice_label is None:
+    return 0
+  largest = max(math.prod(layout.slice_shape(op)) for op in layout.sliced_operands())
+  cap = config.reservoir_elements // max(largest, 1)
+  return int(min(max(cap, config.reservoir_min), config.reservoir_max, layout.num_slices))
+
+
+def make_site_probe(name: str, spec: str, kind: str, lhs_shape, rhs_shape,
+                    config: ProbeConfig) -> SiteProbe:
+  layout = site_layout(spec, kind, lhs_shape, rhs_shape)
+  choose = lambda k: gaussian.GaussianMode.choose(k, config.max_full_width, config.rank,
+                                                  config.oversample)
+  modes = {"lhs": choose(layout.lhs.num_features), "grad": choose(layout.grad.num_features)}
+  if kind == ACT_WEIGHT:
+    _, rows, cols = layout.rhs.canonical_shape
+    modes["rhs"] = matrix_normal.MatrixNormalMode.choose(rows, cols, config.max_full_width)
+  else:
+    modes["rhs"] = choose(layout.rhs.num_features)
+  return SiteProbe(name, layout, modes, _reservoir_capacity(layout, config))
+
+
+def probe_sites(model, variables, batch, config: ProbeConfig) -> Dict[str, SiteProbe]:
+  """{site name: SiteProbe} of every GEMM site of `model`, in call order."""
+  products = site_products(model, variables, batch)
+  if not products:
+    raise ValueError("the model has no GEMM sites to probe (no DenseSite/EinsumSite/ActSite)")
+  return {name: make_site_probe(name, p.spec, p.kind, p.lhs_shape, p.rhs_shape, config)
+          for name, p in products.items()}
+
+
+# ----------------------------------------------------------------------------- state
+
+
+def _init_flush(site: SiteProbe):
+  out = {}
+  shape = (2, len(flush_lib.FORMATS), len(flush_lib.GRANULARITIES))
+  for op in OPERANDS:
+    out[op] = {"sum": jnp.zeros(shape, jnp.float32), "max": jnp.zeros(shape, jnp.float32),
+               "last": jnp.zeros(shape, jnp.float32)}
+  return out
+
+
+def _init_amax():
+  z = jnp.zeros((), jnp.float32)
+  return {op: {"last": z, "max": z, "saturation_sum": z, "saturation_max": z,
+               "growth_max": z} for op in OPERANDS}
+
+
+def init_site_state(site: SiteProbe, config: ProbeConfig, seed: int = 0):
+  state = {"lhs": gaussian.init(site.modes["lhs"], seed),
+           "grad": gaussian.init(site.modes["grad"], seed + 1),
+           "flush": _init_flush(site), "amax": _init_amax()}
+  if site.kind == ACT_WEIGHT:
+    state["rhs"] = matrix_normal.init(site.modes["rhs"])
+    state["weight"] = jnp.zeros(site.layout.rhs.shape, jnp.float32)
+  else:
+    state["rhs"] = gaussian.init(site.modes["rhs"], seed + 2)
+  if site.reservoir_capacity:
+    shapes = {op: site.layout.slice_shape(op) for op in site.layout.sliced_operands()}
+    state["reservoir"] = reservoir.init(site.reservoir_capacity, shapes, jnp.float32)
+  return state
+
+
+def init_state(sites: Mapping[str, SiteProbe], config: ProbeConfig):
+  """The empty statistics of every site."""
+  return {"observations": jnp.zeros((), jnp.int32),
+          "sites": {name: init_site_state(site, config, seed=config.seed + 7 * i)
+                    for i, (name, site) in enumerate(sites.items())}}
+
+
+def check_state(state, sites: Mapping[str, SiteProbe], config: ProbeConfig, where: str):
+  """Raises if `state` (e.g. restored from a checkpoint) does not fit these sites/config."""
+  expected = jax.eval_shape(lambda: init_state(sites, config))
+  want = {k: (tuple(v.shape), str(v.dtype)) for k, v in
+          flax.traverse_util.flatten_dict(expected, sep="/").items()}
+  try:
+    have = {k: (tuple(np.shape(v)), str(np.asarray(v).dtype)) for k, v in
+            flax.traverse_util.flatten_dict(dict(state), sep="/").items()}
+  except Exception as e:  # not a nested dict of arrays
+    raise ValueError(f"{where}: probe statistics are not a nested dict of arrays ({e})") from e
+  missing = sorted(set(want) - set(have))
+  extra = sorted(set(have) - set(want))
+  wrong = sorted(k for k in set(want) & set(have) if want[k][0] != have[k][0])
+  if missing or extra or wrong:
+    parts = []
+    for label, keys in (("missing", missing), ("unexpected", extra), ("other shape", wrong)):
+      if keys:
+        parts.append(f"{label}: {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''}")
+    raise ValueError(f"{where}: the saved probe statistics were made for other sites or "
+                     f"probe settings ({'; '.join(parts)}); use the same settings or a new "
+                     "--workdir")
+
+
+# ----------------------------------------------------------------------------- update
+
+
+def _update_flush(acc, x_canonical, uses):
+  tables = jnp.stack([flush_lib.table(x_canonical, axis) for axis in uses])
+  return {"sum": acc["sum"] + tables, "max": jnp.maximum(acc["max"], tables), "last": tables}
+
+
+def _update_amax(acc, x):
+  now = flush_lib.amax(x)
+  sat = flush_lib.delayed_saturation(x, acc["last"])
+  growth = jnp.where(acc["last"] > 0, now / jnp.maximum(acc["last"], 1e-30), 0.0)
+  return {"last": now, "max": jnp.maximum(acc["max"], now),
+          "saturation_sum": acc["saturation_sum"] + sat,
+          "saturation_max": jnp.maximum(acc["saturation_max"], sat),
+          "growth_max": jnp.maximum(acc["growth_max"], growth)}
+
+
+def update_site_state(state, site: SiteProbe, lhs, rhs, grad, key, config: ProbeConfig):
+  """Folds one observation of a site's operands and output gradient into its state."""
+  layout = site.layout
+  values = {"lhs": lhs, "rhs": rhs, "grad": grad}
+  out = {"lhs": gaussian.update(state["lhs"], layout.lhs.to_rows(lhs)),
+         "grad": gaussian.update(state["grad"], layout.grad.to_rows(grad))}
+  if site.kind == ACT_WEIGHT:
+    out["rhs"] = matrix_normal.update(state["rhs"], layout.rhs.to_rows(rhs),
+                                      ema=config.weight_ema, jitter=config.jitter)
+    out["weight"] = rhs.astype(jnp.float32)
+  else:
+    out["rhs"] = gaussian.update(state["rhs"], layout.rhs.to_rows(rhs))
+  out["flush"] = {}
+  out["amax"] = {}
+  for op in OPERANDS:
+    canon = layout.operand(op).to_canonical(values[op])
+    uses = tuple(PASS_AXES[op].values())
+    out["flush"][op] = _update_flush(state["flush"][op], canon, uses)
+    out["amax"][op] = _update_amax(state["amax"][op], values[op])
+  if "reservoir" in state:
+    items = {op: jnp.moveaxis(values[op], layout.slice_axis(op), 0)
+             for op in layout.sliced_operands()}
+    out["reservoir"] = reservoir.update(state["reservoir"], items, key)
+  return out
+
+
+def _perturbation_shapes(model, variables, batch):
+  """Shapes of the zero `probe_grads` variables (one per site output)."""
+  def run(v, b):
+    _, mutated = model.apply(v, b, train=True, rngs={"dropout": jax.random.PRNGKey(0)},
+                             mutable=[PROBE_GRAD_COLLECTION])
+    return mutated[PROBE_GRAD_COLLECTION]
+  return jax.eval_shape(run, variables, batch)
+
+
+def _first_call(values, name: str, what: str):
+  if values is None:
+    raise KeyError(f"site {name}: no {what} was recorded by the probe pass")
+  if isinstance(values, (tuple, list)):
+    return values[0]  # a site called twice per step keeps its first call's operands
+  return values
+
+
+def make_observe(model, sites: Mapping[str, SiteProbe], config: ProbeConfig,
+                 perturbations, *, on_trace: Optional[Callable[[], None]] = None,
+                 donate: bool = False):
+  """The jitted statistics pass `observe(state, variables, batch, rng, key) -> state`.
+
+  `perturbations`: the `probe_grads` shapes (see `_perturbation_shapes`). `on_trace` is
+  called each time JAX traces the pass (tests count compilations with it).
+  """
+  def observe(state, variables, batch, rng, key):
+    if on_trace is not None:
+      on_trace()
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), perturbations)
+
+    def loss(perturb):
+      logits, mutated = model.apply({**variables, PROBE_GRAD_COLLECTION: perturb}, batch,
+                                    train=True, rngs={"dropout": rng},
+                                    mutable=[PROBE_COLLECTION])
+      return jnp.mean(bce_with_logits(logits, batch["label"])), mutated[PROBE_COLLECTION]
+
+    grads, sown = jax.grad(loss, has_aux=True)(zeros)
+    sown = flax.traverse_util.flatten_dict(flax.core.unfreeze(sown), sep="/")
+    grads = flax.traverse_util.flatten_dict(flax.core.unfreeze(grads), sep="/")
+    keys = jax.random.split(key, len(sites))
+    new_sites = {}
+    for i, (name, site) in enumerate(sites.items()):
+      lhs = _first_call(sown.get(f"{name}/lhs"), name, "lhs operand")
+      rhs = _first_call(sown.get(f"{name}/rhs"), name, "rhs operand")
+      grad = _first_call(grads.get(f"{name}/out"), name, "output gradient")
+      new_sites[name] = update_site_state(state["sites"][name], site, lhs, rhs, grad, keys[i],
+                                          config)
+    return {"observations": state["observations"] + 1, "sites": new_sites}
+
+  return jax.jit(observe, donate_argnums=(0,) if donate else ())
+
+
+# ----------------------------------------------------------------------------- the loop hook
+
+
+def _median(values):
+  return float(np.median(values)) if len(values) else None
+
+
+class ProbeCollector:
+  """Observes a training run every `config.cadence` steps (the loop's step_callback).
+
+  `extras` is the dict to hand to `train(..., extras=...)`: it always holds the current
+  statistics, so every checkpoint saves them and a resumed run continues from them. An
+  observation due at a checkpoint step that a resumed run skipped is made one step late.
+  """
+
+  def __init__(self, model, source, batch_size: int, sites: Mapping[str, SiteProbe],
+               config: ProbeConfig, state=None, meta: Optional[Mapping[str, Any]] = None,
+               example_variables=None, on_trace: Optional[Callable[[], None]] = None):
+    self.model = model
+    self.source = source
+    self.batch_size = batch_size
+    self.sites = dict(sites)
+    self.config = config
+    batch = source.train_batch(0, batch_size)
+    if example_variables is None:
+      example_variables = jax.eval_shape(
+          lambda b: model.init({"params": jax.random.PRNGKey(0),
+                                "dropout": jax.random.PRNGKey(1)}, b, train=False), batch)
+    shapes = _perturbation_shapes(model, example_variables, batch)
+    self._observe = make_observe(model, self.sites, config, shapes, on_trace=on_trace,
+                                 donate=jax.default_backend() == "gpu")
+    if state is None:
+      state = init_state(self.sites, config)
+    else:
+      check_state(state, self.sites, config, "checkpoint extras")
+      state = jax.tree.map(jnp.asarray, state)
+    meta = dict(meta or {})
+    self.meta = {"schema": META_SCHEMA, "config": config.to_dict(),
+                 "steps": list(meta.get("steps", [])),
+                 "probe_s": list(meta.get("probe_s", [])),
+                 "step_s": list(meta.get("step_s", [])),
+                 "compile_s": meta.get("compile_s")}
+    self.extras = {STATS_KEY: state, META_KEY: self.meta}
+    self._last_return: Optional[float] = None
+    self._compiled = False
+
+  @property
+  def state(self):
+    return self.extras[STATS_KEY]
+
+  @property
+  def observations(self) -> int:
+    return len(self.meta["steps"])
+
+  def last_observed_step(self) -> int:
+    return max(self.meta["steps"]) if self.meta["steps"] else 0
+
+  def due(self, step: int) -> bool:
+    """A cadence point was passed since the last observation."""
+    return (step // self.config.cadence) * self.config.cadence > self.last_observed_step()
+
+  def on_step(self, step: int, train_state, step_metrics=None) -> None:
+    """The training loop's step_callback."""
+    del step_metrics
+    now = time.perf_counter()
+    if self._last_return is not None:
+      self.meta["step_s"].append(now - self._last_return)
+    if self.due(step):
+      self.observe(train_state.variables(), train_state.rng, step)
+    self._last_return = time.perf_counter()
+
+  def observe(self, variables, rng_key, step: int) -> None:
+    """Observes the model with `variables` on training batch `step` (its dropout key is the
+    training step's: fold_in(rng_key, step))."""
+    batch = self.source.train_batch(step, self.batch_size)
+    rng = jax.random.fold_in(rng_key, step)
+    key = jax.random.fold_in(jax.random.PRNGKey(self.config.seed + 1), step)
+    start = time.perf_counter()
+    new_state = self._observe(self.extras[STATS_KEY], variables, batch, rng, key)
+    jax.block_until_ready(new_state)
+    seconds = time.perf_counter() - start
+    if self._compiled:
+      self.meta["probe_s"].append(seconds)
+    else:
+      self._compiled = True
+      self.meta["compile_s"] = seconds  # the first call of this process includes compilation
+    self.extras[STATS_KEY] = new_state
+    self.meta["steps"].append(int(step))
+
+  def overhead(self) -> Dict[str, Any]:
+    """Measured probe cost against the training step time."""
+    probe = _median(self.meta["probe_s"])
+    # The first gap of a process includes compiling the train step: leave it out.
+    steps = self.meta["step_s"][1:] if len(self.meta["step_s"]) > 1 else self.meta["step_s"]
+    step = _median(steps)
+    out = {"observations": self.observations, "cadence": self.config.cadence,
+           "probe_ms": None if probe is None else 1e3 * probe,
+           "step_ms": None if step is None else 1e3 * step,
+           "compile_s": self.meta.get("compile_s"),
+           "fraction": None}
+    if probe is not None and step:
+      # One observation per `cadence` steps.
+      out["fraction"] = probe / (self.config.cadence * step)
+    return out

@@ -1,0 +1,333 @@
+"""Per-site error of every candidate kernel, every pass, on operands drawn two ways:
+
+  gaussian   lhs / grad rows (and act x act rhs rows) from the learned Gaussians, the weight
+             of an act x weight site from its matrix normal: what the distributions expose;
+  reservoir  real paired slices of lhs and output gradient (and act x act rhs) from the
+             reservoir, with the latest weight snapshot: heavy tails, and the x-g
+             correlation wgrad depends on.
+
+Each sample has the site's real shapes, except that operands larger than `max_eval_elements`
+are subsampled along the slice index (recorded). Every kernel's output is compared with
+reference (a): the float32 HIGHEST product of the original (unquantized) operands. The
+evaluation is vmapped over samples in fixed-size chunks, so each (kernel, pass, shape)
+compiles once; the same compiled function serves every site of that shape.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Dict, List, Mapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from loka_jax.kernels import FUSED_OP, PASSES, EinsumSpec, reference_einsum
+from loka_jax.kernels import registry
+from loka_jax.kernels.flax_delayed import FP8_META, merge_fp8_meta
+from loka_jax.kernels.spec import ACT_WEIGHT
+from loka_jax.precision import flush_fractions
+from loka_jax.precision import metrics as metrics_lib
+from loka_jax.probe import gaussian, matrix_normal
+from loka_jax.probe.candidates import computation_key
+from loka_jax.probe.collector import SiteProbe
+from loka_jax.probe.layout import SiteLayout
+
+GAUSSIAN = "gaussian"
+RESERVOIR = "reservoir"
+SOURCES = (GAUSSIAN, RESERVOIR)
+METRICS = ("sqnr_db", "rel_fro", "mere", "median_rel")
+DELAYED_WARMUP = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """How operands are drawn and how many."""
+  samples: int = 100                      # draws from the learned distributions
+  reservoir_samples: Optional[int] = None  # draws from the reservoir (None: `samples`)
+  max_eval_elements: int = 1 << 22        # per operand: larger ones are row-subsampled
+  chunk_elements: int = 1 << 26           # operand elements vmapped at once (memory bound)
+  jitter: float = 1e-6
+  seed: int = 0
+
+  @property
+  def num_reservoir(self) -> int:
+    return self.samples if self.reservoir_samples is None else self.reservoir_samples
+
+  def to_dict(self):
+    return dataclasses.asdict(self)
+
+
+def eval_slices(site: SiteProbe, config: EvalConfig) -> int:
+  """Entries along the slice index used for evaluation (all, unless the operands are big)."""
+  layout = site.layout
+  if not layout.slice_label:
+    return 0
+  per_slice = max(math.prod(layout.slice_shape(op)) for op in layout.sliced_operands())
+  return int(min(layout.num_slices, max(1, config.max_eval_elements // max(per_slice, 1))))
+
+
+def _chunk_size(layout: SiteLayout, samples: int, config: EvalConfig) -> int:
+  per_sample = sum(math.prod(layout.operand(op).shape) for op in ("lhs", "rhs", "grad"))
+  # Operands, their compute-dtype copies, outputs and references live at once: ~4x.
+  return int(max(1, min(samples, config.chunk_elements // max(4 * per_sample, 1))))
+
+
+# ----------------------------------------------------------------------------- operands
+
+
+@functools.lru_cache(maxsize=None)
+def _gaussian_sampler(layout: SiteLayout):
+  def one(key, lhs_f, rhs_f, grad_f):
+    k1, k2, k3 = jax.random.split(key, 3)
+    lhs = layout.lhs.from_rows(gaussian.sample_rows(k1, lhs_f, layout.lhs.num_rows))
+    if layout.kind == ACT_WEIGHT:
+      rhs = layout.rhs.from_rows(matrix_normal.sample(k2, rhs_f))
+    else:
+      rhs = layout.rhs.from_rows(gaussian.sample_rows(k2, rhs_f, layout.rhs.num_rows))
+    grad = layout.grad.from_rows(gaussian.sample_rows(k3, grad_f, layout.grad.num_rows))
+    return lhs, rhs, grad
+  return jax.jit(jax.vmap(one, in_axes=(0, None, None, None)))
+
+
+@functools.lru_cache(maxsize=None)
+def _reservoir_sampler(layout: SiteLayout, capacity: int, slices: int):
+  replace = capacity < slices
+
+  def one(key, res, weight):
+    idx = jax.random.choice(key, capacity, (slices,), replace=replace)
+    ops = {op: jnp.moveaxis(jnp.take(res[op], idx, axis=0), 0, layout.slice_axis(op))
+           for op in layout.sliced_operands()}
+    rhs = weight if layout.kind == ACT_WEIGHT else ops["rhs"]
+    return ops["lhs"], rhs.astype(jnp.float32), ops["grad"]
+  return jax.jit(jax.vmap(one, in_axes=(0, None, None)))
+
+
+@functools.lru_cache(maxsize=None)
+def _factor_fn(kind: str, jitter: float):
+  def factors(state):
+    lhs = gaussian.sampler_factors(state["lhs"], jitter)
+    grad = gaussian.sampler_factors(state["grad"], jitter)
+    rhs = (matrix_normal.sampler_factors(state["rhs"], jitter) if kind == ACT_WEIGHT
+           else gaussian.sampler_factors(state["rhs"], jitter))
+    return lhs, rhs, grad
+  return jax.jit(factors)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _deq_underflow(x, deq):
+  xf = x.astype(jnp.float32)
+  nonzero = jnp.isfinite(xf) & (xf != 0)
+  return jnp.sum(nonzero & (deq == 0)) / jnp.maximum(jnp.sum(nonzero), 1)
+
+
+def _operand_flush(kernel, spec, pass_name, a, b):
+  """(underflow_a, underflow_b, saturation_a, saturation_b); NaN where not measurable."""
+  nan = jnp.float32(jnp.nan)
+  if not kernel.fp8:
+    return nan, nan, nan, nan
+  qa, qb = kernel.quantized_operands(spec, a, b, pass_name=pass_name)
+  if qa is not None or qb is not None:
+    ua, sa = flush_fractions(a, qa) if qa is not None else (nan, nan)
+    ub, sb = flush_fractions(b, qb) if qb is not None else (nan, nan)
+    return ua, ub, sa, sb
+  mode = getattr(kernel, "mode", None)
+  if kernel.backend == "pallas_triton" and mode is not None:
+    from kernels_pallas import products  # the plugin that registered this kernel
+    da, db = products.dequantized_operands(spec, a, b, mode=mode, pass_name=pass_name)
+    return _deq_underflow(a, da), _deq_underflow(b, db), nan, nan
+  return nan, nan, nan, nan
+
+
+def _errors(out, ref):
+  errs = metrics_lib.product_errors(out.astype(jnp.float32), ref)
+  errs["finite"] = jnp.all(jnp.isfinite(out.astype(jnp.float32)))
+  return errs
+
+
+@functools.lru_cache(maxsize=None)
+def pass_evaluator(kernel_name: str, pass_name: str, spec: str, compute_dtype: str):
+  """jit(vmap(...)): per-sample errors of one per-pass kernel on one pass."""
+  kernel = registry.get(kernel_name)
+  spec_p = EinsumSpec.parse(spec).for_pass(pass_name)
+  dt = jnp.dtype(compute_dtype)
+
+  def one(a, b):
+    a_c, b_c = a.astype(dt), b.astype(dt)
+    out = kernel.einsum(spec_p, a_c, b_c, pass_name=pass_name, out_dtype=dt)
+    errs = _errors(out, reference_einsum(spec_p, a, b))
+    ua, ub, sa, sb = _operand_flush(kernel, spec_p, pass_name, a_c, b_c)
+    errs.update(underflow_a=ua, underflow_b=ub, saturation_a=sa, saturation_b=sb)
+    return errs
+  return jax.jit(jax.vmap(one))
+
+
+def _delayed_products(kernel, spec: str, lhs, rhs, grad, warm):
+  """Flax's delayed op on (lhs, rhs, grad) after updating its state on `warm` operands."""
+  module = kernel.make_module(name=None)
+  variables = module.init(jax.random.PRNGKey(0), spec, lhs, rhs)
+  apply = lambda v, a, b: module.apply(v, spec, a, b)
+  for wl, wr, wg in warm:
+    out, vjp = jax.vjp(apply, variables, wl, wr)
+    d_vars, _, _ = vjp(wg.astype(out.dtype))
+    variables = {FP8_META: merge_fp8_meta(d_vars[FP8_META])}
+  out, vjp = jax.vjp(apply, variables, lhs, rhs)
+  _, d_lhs, d_rhs = vjp(grad.astype(out.dtype))
+  return out, d_lhs, d_rhs
+
+
+@functools.lru_cache(maxsize=None)
+def fused_evaluator(kernel_name: str, spec: str, compute_dtype: str):
+  """jit(...): per-sample errors of a fused-op kernel's three passes. Its state (delayed
+  scaling) is warmed on the DELAYED_WARMUP preceding samples of the chunk, so scales come
+  from other tensors of the same distribution, as in training."""
+  kernel = registry.get(kernel_name)
+  parsed = EinsumSpec.parse(spec)
+  dt = jnp.dtype(compute_dtype)
+
+  def one(lhs, rhs, grad, warm_l, warm_r, warm_g):
+    warm = [(warm_l[i].astype(dt), warm_r[i].astype(dt), warm_g[i].astype(dt))
+            for i in range(DELAYED_WARMUP)]
+    out, d_lhs, d_rhs = _delayed_products(kernel, spec, lhs.astype(dt), rhs.astype(dt),
+                                          grad.astype(dt), warm)
+    results = {}
+    for p, value, (a, b) in (("fwd", out, (lhs, rhs)), ("grad_lhs", d_lhs, (grad, rhs)),
+                             ("grad_rhs", d_rhs, (lhs, grad))):
+      errs = _errors(value, reference_einsum(parsed.for_pass(p), a, b))
+      nan = jnp.float32(jnp.nan)
+      errs.update(underflow_a=nan, underflow_b=nan, saturation_a=nan, saturation_b=nan)
+      results[p] = errs
+    return results
+
+  def chunk(lhs, rhs, grad):
+    rolled = lambda x: jnp.stack([jnp.roll(x, s, axis=0) for s in range(DELAYED_WARMUP, 0, -1)],
+                                 axis=1)
+    return jax.vmap(one)(lhs, rhs, grad, rolled(lhs), rolled(rhs), rolled(grad))
+  return jax.jit(chunk)
+
+
+# ----------------------------------------------------------------------------- per site
+
+
+@dataclasses.dataclass
+class SiteEvaluation:
+  """Per-sample metrics: results[source][pass][kernel] = {metric: np.ndarray [samples]}."""
+  site: str
+  layout: SiteLayout                 # the evaluated (possibly subsampled) layout
+  slices: int
+  results: Dict[str, Dict[str, Dict[str, Dict[str, np.ndarray]]]]
+  unsupported: Dict[str, Dict[str, str]]   # pass -> kernel -> reason
+  errors: Dict[str, str]                   # kernel -> exception text
+  reservoir: Dict[str, object]
+
+
+def _chunks(total: int, size: int):
+  start = 0
+  while start < total:
+    yield start, min(size, total - start)
+    start += size
+
+
+def _pad_to(x, size: int):
+  """Pads the leading (sample) axis to `size` by repeating samples: every chunk then has
+  the same shape and reuses one compilation."""
+  n = x.shape[0]
+  if n == size:
+    return x
+  reps = -(-size // n)
+  return jnp.concatenate([x] * reps, axis=0)[:size]
+
+
+def _append(store, key_path, values: Mapping[str, jax.Array], count: int):
+  node = store
+  for k in key_path[:-1]:
+    node = node.setdefault(k, {})
+  leaf = node.setdefault(key_path[-1], {})
+  for name, v in values.items():
+    arr = np.asarray(jax.device_get(v))[:count]
+    leaf[name] = np.concatenate([leaf[name], arr]) if name in leaf else arr
+
+
+def evaluate_site(site: SiteProbe, state, kernels: Sequence, compute_dtype: str,
+                  config: EvalConfig) -> SiteEvaluation:
+  """Draws operands from both sources and evaluates every kernel on every pass it supports."""
+  full = site.layout
+  slices = eval_slices(site, config)
+  layout = full.subsampled(slices) if slices else full
+  spec = str(full.spec)
+  unsupported: Dict[str, Dict[str, str]] = {p: {} for p in PASSES}
+  runnable = []
+  for kernel in kernels:
+    ok_passes = []
+    for p in PASSES:
+      reason = kernel.unsupported_reason(full.spec.for_pass(p), p, full.kind, full.lhs.shape,
+                                         full.rhs.shape)
+      if reason:
+        unsupported[p][kernel.name] = reason
+      else:
+        ok_passes.append(p)
+    if ok_passes:
+      runnable.append((kernel, ok_passes))
+
+  factors = _factor_fn(full.kind, config.jitter)(state)
+  key = jax.random.fold_in(jax.random.PRNGKey(config.seed), _stable_hash(site.name))
+  results: Dict = {}
+  aliases: Dict = {}
+  errors: Dict[str, str] = {}
+  res_info: Dict[str, object] = {"available": "reservoir" in state}
+  draws = {GAUSSIAN: config.samples}
+  if "reservoir" in state and config.num_reservoir > 0:
+    capacity = site.reservoir_capacity
+    draws[RESERVOIR] = config.num_reservoir
+    res_info.update(capacity=capacity, slices=slices, with_replacement=capacity < slices)
+  elif "reservoir" not in state:
+    res_info["reason"] = full.slice_reason
+  for source, total in draws.items():
+    size = _chunk_size(layout, total, config)
+    source_key = jax.random.fold_in(key, SOURCES.index(source))
+    for start, count in _chunks(total, size):
+      keys = jax.random.split(jax.random.fold_in(source_key, start), size)
+      if source == GAUSSIAN:
+        lhs, rhs, grad = _gaussian_sampler(layout)(keys, *factors)
+      else:
+        lhs, rhs, grad = _reservoir_sampler(layout, site.reservoir_capacity, slices)(
+            keys, state["reservoir"], state["weight"] if full.kind == ACT_WEIGHT else None)
+      operands = {"lhs": lhs, "rhs": rhs, "grad": grad}
+      first_of: Dict = {}
+      for kernel, passes in runnable:
+        try:
+          if kernel.sort == FUSED_OP:
+            out = fused_evaluator(kernel.name, spec, compute_dtype)(lhs, rhs, grad)
+            for p in passes:
+              _append(results, (source, p, kernel.name), out[p], count)
+            continue
+          for p in passes:
+            ck = computation_key(kernel, p)
+            if ck in first_of:  # identical code: share the first kernel's metrics
+              aliases[(source, p, kernel.name)] = first_of[ck]
+              continue
+            a, b = (operands[n] for n in layout.pass_operands(p))
+            out = pass_evaluator(kernel.name, p, spec, compute_dtype)(a, b)
+            _append(results, (source, p, kernel.name), out, count)
+            first_of[ck] = kernel.name
+        except Exception as e:  # a broken kernel is reported, the probe goes on
+          errors[kernel.name] = f"{type(e).__name__}: {str(e)[:500]}"
+  for (source, p, name), first in aliases.items():
+    if first in results.get(source, {}).get(p, {}):
+      results[source][p][name] = results[source][p][first]
+  return SiteEvaluation(site.name, layout, slices, results, unsupported, errors, res_info)
+
+
+def _stable_hash(text: str) -> int:
+  """A process-independent 31-bit hash (Python's hash() is salted per process)."""
+  value = 0
+  for ch in text.encode():
+    value = (value * 131 + ch) % (2 ** 31 - 1)
+  return value
+
+
+def computed_passes(evaluation: SiteEvaluation) -> List[str]:
+  return [p for p in PASSES if any(p in evaluation.results.get(s, {}) for s in SOURCES)]
