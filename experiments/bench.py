@@ -22,6 +22,9 @@ VARIANTS = flags.DEFINE_list("variants", ["bf16", "fp8_tensorwise"],
 REPEATS = flags.DEFINE_integer("repeats", 20, "Timed repeats per variant (interleaved).")
 MAX_MINUTES = flags.DEFINE_float("max_minutes", 7.0, "Stop starting new rows after this long.")
 ONLY = flags.DEFINE_list("only", [], "Run only rows whose 'model/preset' is listed.")
+COMPILE_CACHE = flags.DEFINE_string("compile_cache", None,
+                                    "Persistent compilation cache (default: BENCH_DIR/jax_cache).")
+BATCH = flags.DEFINE_integer("batch_size", 0, "Batch size; 0: each preset's.")
 
 
 def _table(rows) -> str:
@@ -43,7 +46,8 @@ def _table(rows) -> str:
 def main(argv):
   del argv
   workdir = WORKDIR.value or os.environ.get("OUT") or "bench_results"
-  jax.config.update("jax_compilation_cache_dir", os.path.join(workdir, "jax_cache"))
+  jax.config.update("jax_compilation_cache_dir",
+                    COMPILE_CACHE.value or os.path.join(workdir, "jax_cache"))
   if not _compat.on_gpu():
     print("warning: not on a GPU; these timings are smoke tests, not results")
   results = ResultsFile(os.path.join(workdir, "bench.jsonl"),
@@ -64,7 +68,8 @@ def main(argv):
         break
       print(f"measuring {model}/{preset}: {', '.join(names)}", flush=True)
       try:
-        measured = bench_models.measure(model, preset, variants, repeats=REPEATS.value)
+        measured = bench_models.measure(model, preset, variants, repeats=REPEATS.value,
+                                        batch_size=BATCH.value or None)
       except Exception as e:  # record the failure and go on (e.g. out of memory)
         results.append({"suite": "models", "model": model, "preset": preset,
                         "variant": "bf16", "device": device, "error": f"{type(e).__name__}: {e}"})

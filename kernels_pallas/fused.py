@@ -13,7 +13,6 @@ a QTensor carries no float gradient, so differentiating through one raises.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Optional, Union
 
 import jax
@@ -196,7 +195,3 @@ def fused_dense_reference(x: Union[jax.Array, QTensor], w: jax.Array, *,
   if quantize_output:
     return scaling.quantize(y, E4M3, ROWWISE, (y.ndim - 1,))
   return y.astype(out_dtype)
-
-
-def flops(x_shape, w_shape) -> int:
-  return 2 * math.prod(x_shape[:-1]) * w_shape[0] * w_shape[1]

@@ -163,10 +163,12 @@ def validate_config(cfg: tuning.TileConfig, dims, ep: epilogue_lib.Epilogue, sca
                     dtype=jnp.float8_e4m3fn) -> Optional[str]:
   """Why this tile config cannot run this problem (None when it can)."""
   Bt, M, N, K = dims
-  for name in ("block_m", "block_n", "block_k", "n_sub", "batch_per_program"):
+  for name in ("block_m", "block_n", "block_k"):
     v = getattr(cfg, name)
     if v < 1 or v & (v - 1):
-      return f"{name}={v} must be a power of two"
+      return f"{name}={v} must be a power of two (a Triton tile)"
+  if cfg.n_sub < 1 or cfg.batch_per_program < 1:
+    return "n_sub and batch_per_program must be >= 1"
   min_k = 32 if jnp.dtype(dtype).itemsize == 1 else 16
   if cfg.block_m < 16 or cfg.block_n < 16 or cfg.block_k < min_k:
     return f"Triton dot tiles need block_m, block_n >= 16 and block_k >= {min_k}"
@@ -179,7 +181,29 @@ def validate_config(cfg: tuning.TileConfig, dims, ep: epilogue_lib.Epilogue, sca
     return f"block scales need block_k dividing {BLOCK}, got {cfg.block_k}"
   if cfg.block_m * cfg.block_n * cfg.n_sub > 65536:
     return "accumulator tile larger than 64K elements"
+  smem = shared_memory_bytes(cfg, dtype)
+  if smem > SMEM_BUDGET:
+    return (f"pipelined operand tiles need ~{smem // 1024} KiB of shared memory "
+            f"(> {SMEM_BUDGET // 1024} KiB); lower num_stages or block_k")
   return None
+
+
+SMEM_BUDGET = 192 * 1024  # below the 227 KiB a Hopper block may use, leaving room for Triton
+
+
+def shared_memory_bytes(cfg: tuning.TileConfig, dtype=jnp.float8_e4m3fn) -> int:
+  """Operand tiles held in shared memory by a pipelined K loop (one buffer per stage)."""
+  per_stage = (cfg.block_m + cfg.block_n * cfg.n_sub) * cfg.block_k * jnp.dtype(dtype).itemsize
+  return per_stage * max(1, cfg.num_stages)
+
+
+def _stages_that_fit(bm, bn, bk, ns, max_stages=3):
+  per_stage = (bm + bn * ns) * bk
+  return max(1, min(max_stages, SMEM_BUDGET // per_stage))
+
+
+def _prev_pow2(n: int) -> int:
+  return 1 << (max(1, int(n)).bit_length() - 1)
 
 
 MAX_FULL_ROW = 2048  # widest N whose rows one program can hold for output quantization
@@ -195,18 +219,22 @@ def default_config(dims, ep: epilogue_lib.Epilogue, scales: str) -> tuning.TileC
   else:
     bn = min(128, max(16, p2(N)))
   if ep.quantize_output:
-    ns = p2(-(-N // bn))
-    while bn * ns // 2 >= N and ns > 1:
-      ns //= 2
+    ns = -(-N // bn)  # accumulators side by side (any count: each is its own tile)
     # ~16K fp32 accumulators per program: N=1024 -> 16 rows, 512 -> 32, 256 -> 64.
-    bm = max(16, min(64, p2(M), 16384 // (bn * ns) if bn * ns <= 16384 else 16))
+    bm = max(16, min(64, p2(M), _prev_pow2(16384 // (bn * ns)) if bn * ns <= 16384 else 16))
+    # The whole weight row block is staged per K step: the longest K step that still
+    # pipelines (2+ stages in shared memory).
+    bk = next((k for k in (bk, 64, 32) if k <= bk and _stages_that_fit(bm, bn, k, ns) >= 2),
+              32)
     warps = 8 if bm * bn * ns >= 16384 else 4
-    return tuning.TileConfig(bm, bn, bk, ns, warps, 3, 1)
-  bm = max(16, min(p2(M), 128 if (M >= 2048 and N >= 512) else 64))
+    return tuning.TileConfig(bm, bn, bk, ns, warps, _stages_that_fit(bm, bn, bk, ns), 1)
+  bm = max(16, min(p2(M), 128 if (M >= 2048 and N >= 512) else 64,
+                   _prev_pow2(32768 // bn)))  # at most 32K fp32 accumulators
+  bk = next((k for k in (bk, 64, 32) if k <= bk and _stages_that_fit(bm, bn, k, 1) >= 2), 32)
   if Bt > 1 and M <= 128 and N <= 128:  # interaction shapes: one small problem per program
-    return tuning.TileConfig(bm, bn, bk, 1, 4, 2, 1)
+    return tuning.TileConfig(bm, bn, bk, 1, 4, min(2, _stages_that_fit(bm, bn, bk, 1)), 1)
   warps = 8 if bm * bn >= 16384 else 4
-  return tuning.TileConfig(bm, bn, bk, 1, warps, 3, 1)
+  return tuning.TileConfig(bm, bn, bk, 1, warps, _stages_that_fit(bm, bn, bk, 1), 1)
 
 
 def candidate_configs(dims, ep: epilogue_lib.Epilogue, scales: str, dtype=jnp.float8_e4m3fn):
@@ -217,9 +245,10 @@ def candidate_configs(dims, ep: epilogue_lib.Epilogue, scales: str, dtype=jnp.fl
   cands = [base]
   if ep.quantize_output:
     for bm in (16, 32, 64):
-      for warps in (4, 8):
-        for stages in (2, 3):
-          cands.append(T(bm, base.block_n, base.block_k, base.n_sub, warps, stages, 1))
+      for bk in (32, 64, 128):
+        for warps in (4, 8):
+          stages = _stages_that_fit(bm, base.block_n, bk, base.n_sub)
+          cands.append(T(bm, base.block_n, bk, base.n_sub, warps, stages, 1))
   elif Bt > 1 and M <= 128 and N <= 128:
     for g in (1, 2, 4, 8):
       for warps, stages in ((4, 2), (4, 3), (2, 2)):

@@ -1,6 +1,5 @@
 """Equation tests of the towers' blocks: each block on a tiny hand-sized input against a direct
 numpy computation of the equation in MODELS.md (fp32 sites, random parameters and inputs)."""
-import flax.linen as nn
 import jax
 import numpy as np
 from absl.testing import absltest, parameterized
@@ -9,7 +8,7 @@ import chex
 from loka_jax.data.spec import FeatureSpec
 from loka_jax.models import dlrm, interformer, layers, wukong
 from loka_jax.models.dhen import DhenLayer
-from loka_jax.models.embedding import Embeddings
+from loka_jax.models.embedding import Embeddings, transform_dense
 from loka_jax.models.site import SiteConfig
 
 FP32 = SiteConfig.for_precision("fp32")
@@ -67,7 +66,7 @@ def inputs(*shape, seed=0):
   return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
-class WukongEquationTest(parameterized.TestCase):
+class WukongEquationTest(chex.TestCase):
 
   def np_fmb(self, x, p, out_tokens, attentive):
     batch, n, d = x.shape
@@ -112,7 +111,7 @@ class WukongEquationTest(parameterized.TestCase):
     np.testing.assert_allclose(out, np_layernorm(cat + x64, p["norm"]), rtol=RTOL, atol=ATOL)
 
 
-class DlrmDcnEquationTest(parameterized.TestCase):
+class DlrmDcnEquationTest(chex.TestCase):
 
   def test_dot_interaction(self):
     x = inputs(3, 5, 4)
@@ -137,7 +136,7 @@ class DlrmDcnEquationTest(parameterized.TestCase):
     np.testing.assert_allclose(out, x0 * wx + xl, rtol=RTOL, atol=ATOL)
 
 
-class DhenEquationTest(parameterized.TestCase):
+class DhenEquationTest(chex.TestCase):
 
   def test_linear_and_dot_modules_summed(self):
     x = inputs(2, 4, 3)
@@ -172,7 +171,7 @@ def np_softmax(z):
   return e / e.sum(-1, keepdims=True)
 
 
-class InterFormerEquationTest(parameterized.TestCase):
+class InterFormerEquationTest(chex.TestCase):
 
   def test_gating(self):
     z = inputs(2, 3, 4)
@@ -231,7 +230,13 @@ class InterFormerEquationTest(parameterized.TestCase):
     np.testing.assert_allclose(out, merged * mask[..., None], rtol=RTOL, atol=ATOL)
 
 
-class EmbeddingTest(parameterized.TestCase):
+class EmbeddingTest(chex.TestCase):
+
+  def test_signed_log1p_dense_transform(self):
+    dense = np.array([[-1e4, -2.0, 0.0, 0.5, 3.0, 1e4]], np.float32)
+    out = np.asarray(transform_dense(dense, "signed_log1p"))
+    np.testing.assert_allclose(out, np.sign(dense) * np.log(1.0 + np.abs(dense)), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(transform_dense(dense, "none")), dense)
 
   @parameterized.parameters("sum", "mean")
   def test_pooled_bags(self, pooling):

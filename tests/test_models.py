@@ -147,7 +147,7 @@ def all_finite(tree):
   return all(bool(jnp.all(jnp.isfinite(leaf))) for leaf in jax.tree.leaves(tree))
 
 
-class TinyModelTest(parameterized.TestCase):
+class TinyModelTest(chex.TestCase):
 
   @parameterized.parameters(*MODEL_NAMES)
   def test_site_names_listed_and_stable(self, model):
@@ -210,17 +210,17 @@ class TinyModelTest(parameterized.TestCase):
 
   @parameterized.parameters(*MODEL_NAMES)
   def test_embedding_tables_only_under_embeddings(self, model):
-    _, features, _, variables = tiny(model)
-    params = variables["params"]
+    config, features, _, variables = tiny(model)
     vocab_rows = set(features.vocab_sizes) | {features.seq_vocab}
-    for top, sub in params.items():
+    for top, sub in variables["params"].items():
       for path, leaf in jax.tree_util.tree_flatten_with_path(sub)[0]:
         name = top + jax.tree_util.keystr(path)
-        is_table = leaf.ndim == 2 and leaf.shape[0] in vocab_rows and top == EMBEDDINGS
-        self.assertEqual(top == EMBEDDINGS, is_table, msg=name)
+        looks_like_table = (leaf.ndim == 2 and leaf.shape[0] in vocab_rows
+                            and leaf.shape[1] == config.embed_dim)
+        self.assertEqual(top == EMBEDDINGS, looks_like_table, msg=name)
 
 
-class ModsTest(parameterized.TestCase):
+class ModsTest(chex.TestCase):
 
   @parameterized.parameters(*MODEL_NAMES)
   def test_no_bias_keeps_only_the_prediction_bias(self, model):
@@ -266,7 +266,7 @@ class ModsTest(parameterized.TestCase):
     self.assertGreater(float(jnp.max(jnp.abs(base - hard))), 1e-6)
 
 
-class PresetTest(parameterized.TestCase):
+class PresetTest(chex.TestCase):
 
   def test_unknown_names_list_the_valid_ones(self):
     with self.assertRaisesRegex(ValueError, "dlrm, dcnv2, wukong, dhen, interformer"):
@@ -334,7 +334,42 @@ class PresetTest(parameterized.TestCase):
       self.assertIn("layer_0/shortcut", products)
 
 
-class BadInputTest(parameterized.TestCase):
+class FeatureVariantsTest(chex.TestCase):
+
+  def test_sequences_are_ignored_by_towers_without_a_sequence_arch(self):
+    config, _, _, _ = tiny("dlrm")
+    features = FeatureSpec(num_dense=3, vocab_sizes=(50, 7), bag_size=2, num_seq=2,
+                           seq_len=5, seq_vocab=40)
+    batch = make_batch(features)
+    module = build_model(config, features, SiteConfig.for_precision("bf16"))
+    variables = jax.eval_shape(module.init, jax.random.PRNGKey(0), batch)
+    self.assertCountEqual(variables["params"][EMBEDDINGS], ["sparse_0", "sparse_1"])
+    logits = jax.eval_shape(module.apply, variables, batch)
+    chex.assert_shape(logits, (BATCH,))
+
+  def test_no_dense_features(self):
+    config, _, _, _ = tiny("wukong")
+    features = FeatureSpec(num_dense=0, vocab_sizes=(50, 7, 9), bag_size=2)
+    batch = {k: v for k, v in make_batch(features).items() if k != "dense"}
+    module = build_model(config, features, SiteConfig.for_precision("bf16"))
+    names = list(site_products(module, None, batch))
+    self.assertNotIn("bottom_mlp/dense_0", names)
+    self.assertIn("layer_0/residual", names)                  # 3 tokens -> 8
+
+  def test_dense_transform(self):
+    config, features, batch, variables = tiny("dcnv2")
+    site = SiteConfig.for_precision("fp32")
+    raw = ml_collections.ConfigDict(config.to_dict())
+    raw.dense_transform = "none"
+    logged = build_model(config, features, site).apply(variables, batch)
+    plain = build_model(raw, features, site).apply(variables, batch)
+    self.assertGreater(float(jnp.max(jnp.abs(logged - plain))), 1e-4)
+    raw.dense_transform = "cube_root"
+    with self.assertRaisesRegex(ValueError, "signed_log1p"):
+      jax.eval_shape(build_model(raw, features, site).init, jax.random.PRNGKey(0), batch)
+
+
+class BadInputTest(chex.TestCase):
 
   def init_error(self, model, batch):
     config, features, _, _ = tiny(model)

@@ -12,7 +12,6 @@ import chex
 
 from kernels_pallas import fused, tuning
 from kernels_pallas import quantize as kq
-from loka_jax import kernels
 from loka_jax.models import ActSite, DenseSite, SiteConfig
 from loka_jax.precision import E4M3, QTensor, metrics, scaling
 

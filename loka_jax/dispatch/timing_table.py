@@ -190,9 +190,12 @@ def lookup(table: Mapping, kernel: str, pass_name: str, spec: str, lhs_shape, rh
   inexact, _, _, e, base, have = min(candidates, key=lambda c: c[:3])
   scale = _flops(want) / _flops(have)
   speedup = base["median_us"] / e["median_us"]
+  # Conservative range from the two medians' CIs (the raw samples are not committed).
+  speedup_range = [base["ci_us"][0] / e["ci_us"][1], speedup, base["ci_us"][1] / e["ci_us"][0]]
   return {"time_us": e["median_us"] * scale,
           "ci_us": [c * scale for c in e["ci_us"]],
-          "speedup": speedup, "backend": e["backend"], "estimated": bool(inexact),
+          "speedup": speedup, "speedup_range": speedup_range, "backend": e["backend"],
+          "estimated": bool(inexact),
           "from": {"spec": e["spec"], "lhs_shape": list(e["lhs_shape"]),
                    "rhs_shape": list(e["rhs_shape"])}}
 

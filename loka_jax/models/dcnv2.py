@@ -27,6 +27,7 @@ class DCNv2(nn.Module):
   cross_rank: int = 0
   max_vocab: int = 0
   pooling: str = "sum"
+  dense_transform: str = "signed_log1p"
   mlp_norm: bool = False
 
   @nn.compact
@@ -36,7 +37,8 @@ class DCNv2(nn.Module):
     x0, _, _ = embedding.embed_inputs(
         batch, features=self.features, embed_dim=self.embed_dim, max_vocab=self.max_vocab,
         pooling=self.pooling, dense_tokens=1, bottom_mlp=self.bottom_mlp,
-        bottom_activate_final=True, norm_hidden=self.mlp_norm, opts=self.opts)
+        bottom_activate_final=True, norm_hidden=self.mlp_norm, opts=self.opts,
+        dense_transform=self.dense_transform)
     x0 = x0.reshape(x0.shape[0], -1)
     x = x0
     for layer in range(self.num_cross_layers):

@@ -114,6 +114,7 @@ class DHEN(nn.Module):
   dense_tokens: int = 1
   max_vocab: int = 0
   pooling: str = "sum"
+  dense_transform: str = "signed_log1p"
   mlp_norm: bool = True
 
   @nn.compact
@@ -123,7 +124,8 @@ class DHEN(nn.Module):
     x, _, _ = embedding.embed_inputs(
         batch, features=self.features, embed_dim=self.embed_dim, max_vocab=self.max_vocab,
         pooling=self.pooling, dense_tokens=self.dense_tokens, bottom_mlp=self.bottom_mlp,
-        bottom_activate_final=False, norm_hidden=self.mlp_norm, opts=self.opts)
+        bottom_activate_final=False, norm_hidden=self.mlp_norm, opts=self.opts,
+        dense_transform=self.dense_transform)
     for i in range(self.num_layers):
       x = DhenLayer(self.layer_tokens or x.shape[1], self.modules, self.opts, self.ensemble,
                     self.dot_mlp, self.num_heads, self.attention_ffn, self.dcn_rank,

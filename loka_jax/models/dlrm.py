@@ -34,6 +34,7 @@ class DLRM(nn.Module):
   top_mlp: Sequence[int]
   max_vocab: int = 0
   pooling: str = "sum"
+  dense_transform: str = "signed_log1p"
   mlp_norm: bool = False
 
   @nn.compact
@@ -43,7 +44,8 @@ class DLRM(nn.Module):
     x0, bottom, _ = embedding.embed_inputs(
         batch, features=self.features, embed_dim=self.embed_dim, max_vocab=self.max_vocab,
         pooling=self.pooling, dense_tokens=1, bottom_mlp=self.bottom_mlp,
-        bottom_activate_final=True, norm_hidden=self.mlp_norm, opts=self.opts)
+        bottom_activate_final=True, norm_hidden=self.mlp_norm, opts=self.opts,
+        dense_transform=self.dense_transform)
     pairs = DotInteraction(self.opts, name="interaction")(x0)
     parts = [pairs] if bottom is None else [bottom.astype(pairs.dtype), pairs]
     top = MLP(tuple(self.top_mlp) + (1,), self.opts, norm_hidden=self.mlp_norm, final_bias=True,

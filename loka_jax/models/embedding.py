@@ -81,13 +81,14 @@ def lookup(table, ids, vocab: int):
 
 
 class Embeddings(nn.Module):
-  """Every embedding table of a tower: `sparse_<f>` (one per sparse feature) and
-  `seq_<a>` (one per behaviour-sequence attribute), each [rows, embed_dim]."""
+  """Every embedding table of a tower: `sparse_<f>` (one per sparse feature) and, for towers
+  that read behaviour sequences, `seq_<a>` (one per sequence attribute); each [rows, d]."""
   features: FeatureSpec
   embed_dim: int
   max_vocab: int = 0
   pooling: str = "sum"
   policy: DtypePolicy = BF16
+  with_sequences: bool = False
 
   def setup(self):
     if self.pooling not in POOLINGS:
@@ -98,8 +99,9 @@ class Embeddings(nn.Module):
                    self.policy.param_dtype)
         for f, v in enumerate(self.features.vocab_sizes)]
     rows = table_rows(self.features.seq_vocab, self.max_vocab)
+    attrs = self.features.num_seq if self.with_sequences else 0
     self.seq = [self.param(f"seq_{a}", init, (rows, self.embed_dim), self.policy.param_dtype)
-                for a in range(self.features.num_seq)]
+                for a in range(attrs)]
 
   def bags(self, sparse_ids, sparse_mask):
     """Pooled multi-hot bags: [B, F, bag] ids and mask -> [B, F, d] in the compute dtype."""
@@ -125,25 +127,40 @@ class Embeddings(nn.Module):
   def __call__(self, batch):
     sparse = self.bags(jnp.asarray(batch["sparse_ids"]), jnp.asarray(batch["sparse_mask"]))
     seq = None
-    if self.features.num_seq and "seq_ids" in batch:
+    if self.seq:
       seq = self.sequences(jnp.asarray(batch["seq_ids"]), jnp.asarray(batch["seq_mask"]))
     return sparse, seq
 
 
+DENSE_TRANSFORMS = ("signed_log1p", "none")
+
+
+def transform_dense(dense, kind: str):
+  """'signed_log1p': sign(x) log(1 + |x|), the usual treatment of count-like dense features
+  (heavy tails and rare huge values saturate instead of dominating the tower); 'none': raw."""
+  if kind == "signed_log1p":
+    return jnp.sign(dense) * jnp.log1p(jnp.abs(dense))
+  if kind == "none":
+    return dense
+  raise ValueError(f"unknown dense_transform {kind!r}; use one of {DENSE_TRANSFORMS}")
+
+
 def embed_inputs(batch, *, features: FeatureSpec, embed_dim: int, max_vocab: int, pooling: str,
                  dense_tokens: int, bottom_mlp: Sequence[int], bottom_activate_final: bool,
-                 norm_hidden: bool, opts: TowerOptions):
+                 norm_hidden: bool, opts: TowerOptions, dense_transform: str = "signed_log1p",
+                 with_sequences: bool = False):
   """The front end, called inside a tower's compact `__call__` so that its submodules sit at
   the top level (`embeddings`, `bottom_mlp`).
 
   Returns (X0 [B, n, d] with the dense tokens first, bottom output [B, dense_tokens*d] or
-  None, sequence embeddings [B, A, T, d] or None).
+  None, sequence embeddings [B, A, T, d] when `with_sequences`, else None).
   """
   sparse, seq = Embeddings(features, embed_dim, max_vocab, pooling, opts.policy,
-                           name=EMBEDDINGS)(batch)
+                           with_sequences, name=EMBEDDINGS)(batch)
   if not features.num_dense:
     return sparse, None, seq
-  dense = jnp.asarray(batch["dense"]).astype(opts.policy.compute_dtype)
+  dense = transform_dense(jnp.asarray(batch["dense"], jnp.float32), dense_transform)
+  dense = dense.astype(opts.policy.compute_dtype)
   bottom = MLP(tuple(bottom_mlp) + (dense_tokens * embed_dim,), opts,
                activate_final=bottom_activate_final, norm_hidden=norm_hidden,
                name="bottom_mlp")(dense)

@@ -210,6 +210,7 @@ class InterFormer(nn.Module):
   dense_tokens: int = 1
   max_vocab: int = 0
   pooling: str = "sum"
+  dense_transform: str = "signed_log1p"
 
   @nn.compact
   def __call__(self, batch, *, train: bool = False):
@@ -222,7 +223,8 @@ class InterFormer(nn.Module):
     x, _, seq = embedding.embed_inputs(
         batch, features=self.features, embed_dim=self.embed_dim, max_vocab=self.max_vocab,
         pooling=self.pooling, dense_tokens=self.dense_tokens, bottom_mlp=self.bottom_mlp,
-        bottom_activate_final=False, norm_hidden=arch.mlp_norm, opts=self.opts)
+        bottom_activate_final=False, norm_hidden=arch.mlp_norm, opts=self.opts,
+        dense_transform=self.dense_transform, with_sequences=True)
     seq_mask = embedding.sequence_mask(batch)
     if arch.seq_merge == "masknet":
       events = MaskNetMerge(arch.masknet_hidden, self.opts, name="seq_merge")(seq, seq_mask)

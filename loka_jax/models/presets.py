@@ -99,6 +99,9 @@ def _common(model: str, preset: str, activation: str, mlp_norm: bool) -> ml_coll
   c.pooling = "sum"                # embedding-bag pooling over the masked ids: 'sum' | 'mean'
   c.max_vocab = VOCAB_CAP          # table rows cap; larger vocabularies hash ids modulo the cap
   c.dense_tokens = 1               # d-wide tokens the bottom MLP makes from the dense features
+  # Dense features enter as sign(x) log(1 + |x|) ('signed_log1p', as DLRM pipelines treat
+  # counts) or raw ('none', e.g. to feed outlier channels straight into the first GEMM).
+  c.dense_transform = "signed_log1p"
   c.mods = ml_collections.ConfigDict(dict(
       no_bias=False,               # drop every bias except the final prediction layer's
       blocknorm=False,             # every LayerNorm -> parameter-free BlockNorm
@@ -359,7 +362,7 @@ def build_model(config, features: FeatureSpec, site_config: SiteConfig) -> nn.Mo
   opts = tower_options(config, site_config)
   front = dict(features=features, opts=opts, embed_dim=int(config.embed_dim),
                bottom_mlp=_ints(config.bottom_mlp), max_vocab=int(config.max_vocab),
-               pooling=config.pooling)
+               pooling=config.pooling, dense_transform=config.dense_transform)
   if model in ("dlrm", "dcnv2"):
     extra = (dict(num_cross_layers=int(config.num_cross_layers),
                   cross_rank=int(config.cross_rank)) if model == "dcnv2" else {})

@@ -85,6 +85,7 @@ class Wukong(nn.Module):
   dense_tokens: int = 1
   max_vocab: int = 0
   pooling: str = "sum"
+  dense_transform: str = "signed_log1p"
   mlp_norm: bool = True
 
   @nn.compact
@@ -94,7 +95,8 @@ class Wukong(nn.Module):
     x, _, _ = embedding.embed_inputs(
         batch, features=self.features, embed_dim=self.embed_dim, max_vocab=self.max_vocab,
         pooling=self.pooling, dense_tokens=self.dense_tokens, bottom_mlp=self.bottom_mlp,
-        bottom_activate_final=False, norm_hidden=self.mlp_norm, opts=self.opts)
+        bottom_activate_final=False, norm_hidden=self.mlp_norm, opts=self.opts,
+        dense_transform=self.dense_transform)
     for i in range(self.num_layers):
       x = WukongLayer(self.fmb_tokens, self.lcb_tokens, self.fm_rank, self.fmb_mlp, self.opts,
                       self.attentive_y, self.mlp_norm, name=f"layer_{i}")(x)

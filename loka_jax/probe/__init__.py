@@ -1,0 +1,33 @@
+"""The LoKA Probe: streaming per-site statistics during training, per-site kernel errors and
+timings, and the ProbeReport (`loka.probe/1`) that Dispatch selects kernels from.
+
+  from loka_jax.probe import run_probe, ProbeConfig, ProbeOptions, load_report
+
+Names are imported lazily: the GEMM sites import `loka_jax.probe.hooks` while the models
+package is still loading, so this package must not import the models at import time.
+"""
+import importlib
+
+_EXPORTS = {
+    "ProbeCollector": "collector", "ProbeConfig": "collector", "SiteProbe": "collector",
+    "init_state": "collector", "make_observe": "collector", "probe_sites": "collector",
+    "site_state": "collector",
+    "Criteria": "eligibility", "Verdict": "eligibility", "assess": "eligibility",
+    "assess_site": "eligibility", "best_kernel": "eligibility",
+    "summarize_report": "eligibility",
+    "EvalConfig": "evaluate", "evaluate_site": "evaluate",
+    "SCHEMA": "report", "ProbeReportError": "report", "load_report": "report",
+    "markdown": "report", "save_report": "report", "site_table": "report",
+    "validate_report": "report",
+    "ProbeOptions": "runner", "ProbeResult": "runner", "run_probe": "runner",
+    "write_plots": "plots",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+  module = _EXPORTS.get(name)
+  if module is None:
+    raise AttributeError(f"module 'loka_jax.probe' has no attribute {name!r}")
+  return getattr(importlib.import_module(f"loka_jax.probe.{module}"), name)

@@ -140,7 +140,7 @@ def _init_amax():
                "growth_max": z} for op in OPERANDS}
 
 
-def init_site_state(site: SiteProbe, config: ProbeConfig, seed: int = 0):
+def init_site_state(site: SiteProbe, config: ProbeConfig, seed: int = 0, dtype=jnp.bfloat16):
   state = {"lhs": gaussian.init(site.modes["lhs"], seed),
            "grad": gaussian.init(site.modes["grad"], seed + 1),
            "flush": _init_flush(site), "amax": _init_amax()}
@@ -151,20 +151,34 @@ def init_site_state(site: SiteProbe, config: ProbeConfig, seed: int = 0):
     state["rhs"] = gaussian.init(site.modes["rhs"], seed + 2)
   if site.reservoir_capacity:
     shapes = {op: site.layout.slice_shape(op) for op in site.layout.sliced_operands()}
-    state["reservoir"] = reservoir.init(site.reservoir_capacity, shapes, jnp.float32)
+    state["reservoir"] = reservoir.init(site.reservoir_capacity, shapes, dtype)
   return state
 
 
-def init_state(sites: Mapping[str, SiteProbe], config: ProbeConfig):
-  """The empty statistics of every site."""
+def state_keys(sites: Mapping[str, SiteProbe]) -> Dict[str, str]:
+  """{site name: key of its statistics}: checkpoints store arrays under path components, so
+  keys are plain indices in call order and the names travel in the JSON meta."""
+  return {name: f"s{i:03d}" for i, name in enumerate(sites)}
+
+
+def site_state(state, sites: Mapping[str, SiteProbe], name: str):
+  """The statistics of site `name` within the whole state."""
+  return state["sites"][state_keys(sites)[name]]
+
+
+def init_state(sites: Mapping[str, SiteProbe], config: ProbeConfig, dtype=jnp.bfloat16):
+  """The empty statistics of every site (reservoirs keep values in `dtype`, the compute
+  dtype of the sown operands, so they store exactly what the kernels see)."""
+  keys = state_keys(sites)
   return {"observations": jnp.zeros((), jnp.int32),
-          "sites": {name: init_site_state(site, config, seed=config.seed + 7 * i)
+          "sites": {keys[name]: init_site_state(site, config, seed=config.seed + 7 * i,
+                                                dtype=dtype)
                     for i, (name, site) in enumerate(sites.items())}}
 
 
 def check_state(state, sites: Mapping[str, SiteProbe], config: ProbeConfig, where: str):
   """Raises if `state` (e.g. restored from a checkpoint) does not fit these sites/config."""
-  expected = jax.eval_shape(lambda: init_state(sites, config))
+  expected = jax.eval_shape(lambda: init_state(sites, config, jnp.float32))
   want = {k: (tuple(v.shape), str(v.dtype)) for k, v in
           flax.traverse_util.flatten_dict(expected, sep="/").items()}
   try:
@@ -246,17 +260,28 @@ def _first_call(values, name: str, what: str):
   return values
 
 
-def make_observe(model, sites: Mapping[str, SiteProbe], config: ProbeConfig,
-                 perturbations, *, on_trace: Optional[Callable[[], None]] = None,
-                 donate: bool = False):
-  """The jitted statistics pass `observe(state, variables, batch, rng, key) -> state`.
+def _update_key(site: SiteProbe, config: ProbeConfig):
+  """Sites equal up to their name share one compiled update."""
+  return (site.layout, tuple(sorted(site.modes.items())), site.reservoir_capacity, config)
 
-  `perturbations`: the `probe_grads` shapes (see `_perturbation_shapes`). `on_trace` is
-  called each time JAX traces the pass (tests count compilations with it).
+
+def make_observe(model, sites: Mapping[str, SiteProbe], config: ProbeConfig,
+                 perturbations, *, on_trace: Optional[Callable[[str], None]] = None,
+                 donate: bool = False):
+  """The statistics pass `observe(state, variables, batch, rng, key) -> state`.
+
+  Two jitted stages: one runs the training loss and returns every site's operands and
+  output gradient (compiled once per batch shape); then one update per site folds them
+  into its statistics, compiled once per distinct site shape and shared by equal sites.
+  `perturbations`: the `probe_grads` shapes (see `_perturbation_shapes`). `on_trace(what)`
+  is called whenever a stage is traced ('extract' or 'update <spec> <shapes>'), so tests
+  can count compilations.
   """
-  def observe(state, variables, batch, rng, key):
+  names = state_keys(sites)
+
+  def extract(variables, batch, rng):
     if on_trace is not None:
-      on_trace()
+      on_trace("extract")
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), perturbations)
 
     def loss(perturb):
@@ -268,17 +293,35 @@ def make_observe(model, sites: Mapping[str, SiteProbe], config: ProbeConfig,
     grads, sown = jax.grad(loss, has_aux=True)(zeros)
     sown = flax.traverse_util.flatten_dict(flax.core.unfreeze(sown), sep="/")
     grads = flax.traverse_util.flatten_dict(flax.core.unfreeze(grads), sep="/")
+    out = {}
+    for name in sites:
+      out[names[name]] = (_first_call(sown.get(f"{name}/lhs"), name, "lhs operand"),
+                          _first_call(sown.get(f"{name}/rhs"), name, "rhs operand"),
+                          _first_call(grads.get(f"{name}/out"), name, "output gradient"))
+    return out
+
+  extract_jit = jax.jit(extract)
+  updates: Dict[Any, Callable] = {}
+  for site in sites.values():
+    key = _update_key(site, config)
+    if key not in updates:
+      def update(state, lhs, rhs, grad, rng_key, site=site):
+        if on_trace is not None:
+          on_trace(f"update {site.spec} {site.layout.lhs.shape} {site.layout.rhs.shape}")
+        return update_site_state(state, site, lhs, rhs, grad, rng_key, config)
+      updates[key] = jax.jit(update, donate_argnums=(0,) if donate else ())
+
+  def observe(state, variables, batch, rng, key):
+    operands = extract_jit(variables, batch, rng)
     keys = jax.random.split(key, len(sites))
     new_sites = {}
     for i, (name, site) in enumerate(sites.items()):
-      lhs = _first_call(sown.get(f"{name}/lhs"), name, "lhs operand")
-      rhs = _first_call(sown.get(f"{name}/rhs"), name, "rhs operand")
-      grad = _first_call(grads.get(f"{name}/out"), name, "output gradient")
-      new_sites[name] = update_site_state(state["sites"][name], site, lhs, rhs, grad, keys[i],
-                                          config)
+      k = names[name]
+      new_sites[k] = updates[_update_key(site, config)](state["sites"][k], *operands[k],
+                                                        keys[i])
     return {"observations": state["observations"] + 1, "sites": new_sites}
 
-  return jax.jit(observe, donate_argnums=(0,) if donate else ())
+  return observe
 
 
 # ----------------------------------------------------------------------------- the loop hook
@@ -298,7 +341,7 @@ class ProbeCollector:
 
   def __init__(self, model, source, batch_size: int, sites: Mapping[str, SiteProbe],
                config: ProbeConfig, state=None, meta: Optional[Mapping[str, Any]] = None,
-               example_variables=None, on_trace: Optional[Callable[[], None]] = None):
+               example_variables=None, on_trace: Optional[Callable[[str], None]] = None):
     self.model = model
     self.source = source
     self.batch_size = batch_size
@@ -312,13 +355,20 @@ class ProbeCollector:
     shapes = _perturbation_shapes(model, example_variables, batch)
     self._observe = make_observe(model, self.sites, config, shapes, on_trace=on_trace,
                                  donate=jax.default_backend() == "gpu")
+    dtype = jax.tree.leaves(shapes)[0].dtype  # site outputs: the compute dtype
+    meta = dict(meta or {})
     if state is None:
-      state = init_state(self.sites, config)
+      state = init_state(self.sites, config, dtype)
     else:
+      names = meta.get("site_names")
+      if names is not None and list(names) != list(self.sites):
+        raise ValueError("checkpoint extras: the saved probe statistics belong to sites "
+                         f"{list(names)[:4]}..., not this model's {list(self.sites)[:4]}...; "
+                         "use a new --workdir")
       check_state(state, self.sites, config, "checkpoint extras")
       state = jax.tree.map(jnp.asarray, state)
-    meta = dict(meta or {})
     self.meta = {"schema": META_SCHEMA, "config": config.to_dict(),
+                 "site_names": list(self.sites),
                  "steps": list(meta.get("steps", [])),
                  "probe_s": list(meta.get("probe_s", [])),
                  "step_s": list(meta.get("step_s", [])),

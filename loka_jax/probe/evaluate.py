@@ -97,7 +97,9 @@ def _reservoir_sampler(layout: SiteLayout, capacity: int, slices: int):
 
   def one(key, res, weight):
     idx = jax.random.choice(key, capacity, (slices,), replace=replace)
-    ops = {op: jnp.moveaxis(jnp.take(res[op], idx, axis=0), 0, layout.slice_axis(op))
+    # fp32 like the Gaussian draws: both sources then share every compiled evaluator.
+    ops = {op: jnp.moveaxis(jnp.take(res[op], idx, axis=0), 0,
+                            layout.slice_axis(op)).astype(jnp.float32)
            for op in layout.sliced_operands()}
     rhs = weight if layout.kind == ACT_WEIGHT else ops["rhs"]
     return ops["lhs"], rhs.astype(jnp.float32), ops["grad"]

@@ -1,9 +1,10 @@
 """Underflow and saturation fractions per FP8 format and scaling granularity, cheaply.
 
-With current scaling (scale = amax / fmt.max over the scale's group) a value x flushes to zero
-exactly when |x| / scale <= fmt.min_subnormal / 2 (round to nearest even sends the half-way
-value to 0), so counting needs one amax reduction and one comparison per granularity: no cast.
-`tests/test_probe_stats.py` checks the count against real quantization.
+With current scaling (scale = amax / fmt.max over the scale's group, guarded as the quantizer
+guards it) a value x flushes to zero exactly when |x| / scale <= fmt.min_subnormal / 2 (round
+to nearest even sends the half-way value to 0), so counting needs one amax reduction per
+granularity and one comparison per format: no cast. `tests/test_probe_stats.py` checks the
+count against real quantization.
 """
 from __future__ import annotations
 
@@ -13,43 +14,61 @@ import jax
 import jax.numpy as jnp
 
 from loka_jax.precision import (BLOCK_1x128, BLOCK_128x128, E4M3, E5M2, ROWWISE, TENSORWISE,
-                                compute_amax, scale_from_amax)
-from loka_jax.precision.qtensor import QTensor
+                                scale_from_amax)
+from loka_jax.precision.qtensor import BLOCK
 
 FORMATS = (E4M3, E5M2)
 GRANULARITIES = (TENSORWISE, ROWWISE, BLOCK_1x128, BLOCK_128x128)
 
 
-def underflow_fraction(x: jax.Array, fmt, granularity: str, contracting_axis: int) -> jax.Array:
-  """Fraction of the nonzero finite entries of `x` that current scaling flushes to zero.
+def _blocked_max(ax: jax.Array, axis: int) -> jax.Array:
+  """Max of |x| over blocks of BLOCK along `axis`, broadcast back to x's shape."""
+  size = ax.shape[axis]
+  if size <= BLOCK:  # one block: a plain reduction (keeps small models' graphs small)
+    return jnp.broadcast_to(jnp.max(ax, axis=axis, keepdims=True), ax.shape)
+  nb = -(-size // BLOCK)
+  widths = [(0, 0)] * ax.ndim
+  widths[axis] = (0, nb * BLOCK - size)
+  padded = jnp.pad(ax, widths)
+  shape = list(padded.shape)
+  shape[axis:axis + 1] = [nb, BLOCK]
+  blocks = jnp.max(padded.reshape(shape), axis=axis + 1, keepdims=True)
+  full = jnp.broadcast_to(blocks, shape).reshape(padded.shape)
+  return jax.lax.slice(full, (0,) * ax.ndim, ax.shape)
 
-  `x` is a canonical (batch, free, features) operand; `contracting_axis` is 1 or 2. The
-  128x128 granularity tiles the (free, features) matrix of each batch entry.
-  """
+
+def group_amax(ax: jax.Array, granularity: str, axis: int) -> jax.Array:
+  """Per-scale-group amax of |x| (a canonical (batch, free, features) array), broadcast
+  back to its shape; `axis` (1 or 2) is the contracting axis of the use."""
+  if granularity == TENSORWISE:
+    return jnp.broadcast_to(jnp.max(ax), ax.shape)
+  if granularity == ROWWISE:
+    return jnp.broadcast_to(jnp.max(ax, axis=axis, keepdims=True), ax.shape)
+  if granularity == BLOCK_1x128:
+    return _blocked_max(ax, axis)
+  if granularity == BLOCK_128x128:  # tiles of each batch entry's (free, features) matrix
+    return _blocked_max(_blocked_max(ax, 1), 2)
+  raise ValueError(f"unknown granularity {granularity!r}; known: {GRANULARITIES}")
+
+
+def table(x: jax.Array, contracting_axis: int, formats=FORMATS,
+          granularities=GRANULARITIES) -> jax.Array:
+  """Underflow fractions [format, granularity] for one use of the canonical operand x."""
   xf = x.astype(jnp.float32)
-  if granularity == BLOCK_128x128:
-    b, f, k = xf.shape
-    amax = jax.vmap(lambda m: compute_amax(m, BLOCK_128x128, (contracting_axis - 1,)))(xf)
-    scale = scale_from_amax(amax, fmt)
-    expand = jax.vmap(lambda s, m: QTensor(m, s, BLOCK_128x128, (contracting_axis - 1,))
-                      .expanded_scale())
-    scale = expand(scale, xf)
-  else:
-    amax = compute_amax(xf, granularity, (contracting_axis,))
-    scale = QTensor(xf, scale_from_amax(amax, fmt), granularity,
-                    (contracting_axis,)).expanded_scale()
   finite_nonzero = jnp.isfinite(xf) & (xf != 0)
-  flushed = finite_nonzero & (jnp.abs(xf) / scale <= fmt.min_subnormal / 2)
-  return jnp.sum(flushed) / jnp.maximum(jnp.sum(finite_nonzero), 1)
+  ax = jnp.where(jnp.isfinite(xf), jnp.abs(xf), 0.0)
+  count = jnp.maximum(jnp.sum(finite_nonzero), 1)
+  groups = jnp.stack([group_amax(ax, g, contracting_axis) for g in granularities])
+  # All formats x granularities in one comparison and one reduction.
+  scales = jnp.stack([scale_from_amax(groups, fmt) for fmt in formats])
+  bars = jnp.asarray([fmt.min_subnormal / 2 for fmt in formats], jnp.float32)
+  flushed = finite_nonzero & (ax / scales <= bars[:, None, None, None, None])
+  return jnp.sum(flushed, axis=(2, 3, 4)) / count
 
 
-def table(x: jax.Array, contracting_axis: int) -> jax.Array:
-  """Underflow fractions [format, granularity] (FORMATS x GRANULARITIES) for one use of x."""
-  rows = []
-  for fmt in FORMATS:
-    rows.append(jnp.stack([underflow_fraction(x, fmt, g, contracting_axis)
-                           for g in GRANULARITIES]))
-  return jnp.stack(rows)
+def underflow_fraction(x: jax.Array, fmt, granularity: str, contracting_axis: int) -> jax.Array:
+  """Fraction of the nonzero finite entries of canonical `x` that current scaling flushes."""
+  return table(x, contracting_axis, formats=(fmt,), granularities=(granularity,))[0, 0]
 
 
 def delayed_saturation(x: jax.Array, previous_amax: jax.Array) -> jax.Array:

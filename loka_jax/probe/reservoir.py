@@ -49,7 +49,9 @@ def update(state, items: Mapping[str, jax.Array], key) -> Dict[str, jax.Array]:
   cap = capacity(state)
   index = jnp.arange(m, dtype=jnp.int32)
   t = state["seen"] + index                      # position of each item in the stream
-  draw = jax.random.randint(key, (m,), 0, jnp.maximum(t + 1, 1), dtype=jnp.int32)
+  # j uniform in [0, t]: floor(u (t + 1)), clipped against float rounding at the top.
+  u = jax.random.uniform(key, (m,), jnp.float32)
+  draw = jnp.minimum((u * (t + 1).astype(jnp.float32)).astype(jnp.int32), t)
   slot = jnp.where(t < cap, t, draw)
   accepted = slot < cap
   winner = jnp.full((cap,), -1, jnp.int32).at[jnp.where(accepted, slot, cap)].max(

@@ -1,0 +1,348 @@
+"""Per-site kernel timings on the actual device, following the benchmark protocol.
+
+All kernels and passes of one site shape (spec, lhs shape, rhs shape) form one interleaved
+group with the xla_bf16 baseline, timed with quantization and scaling included, on random
+normal operands (never zeros). Short products repeat N times inside one jitted loop whose
+trip count is an argument, so each variant compiles once; its backend is read from that
+compiled HLO. Results are cached on disk per device kind, keyed by (kernel, pass, spec,
+shapes, dtype), so a rerun measures only what is missing, and kernels that run identical
+code for a pass share one measurement.
+
+Fused-op kernels (Flax's delayed scaling) own all passes: their forward is timed alone and
+their backward as (forward + backward) - forward, reported under both gradient passes with
+`"time_scope": "grad_lhs+grad_rhs"` and compared with the baseline's two gradient passes.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import time
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from loka_jax import _compat
+from loka_jax import timing as timing_lib
+from loka_jax.kernels import FUSED_OP, PASSES, EinsumSpec
+from loka_jax.kernels.backend import backend_from_hlo
+from loka_jax.kernels.flax_delayed import FP8_META, merge_fp8_meta
+from loka_jax.probe.candidates import BASELINE, computation_key
+from loka_jax.probe.layout import SiteLayout
+
+CACHE_SCHEMA = "loka.timing_cache/1"
+FUSED_BWD = "fwdbwd"
+
+
+def pass_problem(layout: SiteLayout, pass_name: str):
+  """(pass spec, a shape, b shape) of one pass at the site's full shapes."""
+  a, b = layout.pass_operands(pass_name)
+  return (str(layout.spec.for_pass(pass_name)), layout.operand(a).shape,
+          layout.operand(b).shape)
+
+
+def cache_key(kernel: str, pass_name: str, spec: str, lhs_shape, rhs_shape, dtype: str) -> str:
+  return json.dumps([kernel, pass_name, spec, list(lhs_shape), list(rhs_shape), dtype])
+
+
+class TimingCache:
+  """JSON file of measured timings for one device kind (atomic writes)."""
+
+  def __init__(self, path: str, device_kind: str):
+    self.path = path
+    self.device_kind = device_kind
+    self.entries: Dict[str, Dict] = {}
+    if os.path.exists(path):
+      try:
+        with open(path) as f:
+          data = json.load(f)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"timing cache {path} is not valid JSON ({e}); delete it to "
+                         "measure again") from e
+      if data.get("schema") != CACHE_SCHEMA or data.get("device_kind") != device_kind:
+        raise ValueError(f"timing cache {path} holds {data.get('schema')!r} for "
+                         f"{data.get('device_kind')!r}; expected {CACHE_SCHEMA!r} for "
+                         f"{device_kind!r}")
+      self.entries = dict(data.get("entries", {}))
+
+  def get(self, key: str) -> Optional[Dict]:
+    return self.entries.get(key)
+
+  def put(self, key: str, entry: Dict) -> None:
+    self.entries[key] = entry
+
+  def save(self) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+    tmp = f"{self.path}.tmp"
+    with open(tmp, "w") as f:
+      json.dump({"schema": CACHE_SCHEMA, "device_kind": self.device_kind,
+                 "entries": self.entries}, f, allow_nan=False)
+    os.replace(tmp, self.path)
+
+
+def default_cache_path(directory: str, device_kind: str) -> str:
+  safe = "".join(c if c.isalnum() else "_" for c in device_kind)
+  return os.path.join(directory, f"{safe}.json")
+
+
+# ----------------------------------------------------------------------------- variants
+
+
+def _looped(fn: Callable) -> Callable:
+  """jit(run(n, *args)): fn applied n times in one loop (n >= 1 is a runtime argument)."""
+  def run(n, *args):
+    first = fn(*args)
+
+    def body(_, carry):
+      args_i, _ = lax.optimization_barrier((args, carry))
+      return fn(*args_i)
+
+    return lax.fori_loop(1, n, body, first)
+  return jax.jit(run)
+
+
+def _operands(shapes: Sequence[Tuple[int, ...]], dtype, seed: int):
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(shapes))
+  return [timing_lib.random_normal(k, s, dtype) for k, s in zip(keys, shapes)]
+
+
+def _per_pass_variant(kernel, layout: SiteLayout, pass_name: str, dtype):
+  spec, a_shape, b_shape = pass_problem(layout, pass_name)
+  parsed = EinsumSpec.parse(spec)
+  fn = lambda a, b: kernel.einsum(parsed, a, b, pass_name=pass_name, out_dtype=dtype)
+  return fn, _operands((a_shape, b_shape), dtype, seed=1)
+
+
+def _fused_variants(kernel, layout: SiteLayout, dtype):
+  """{'fwd': (fn, args), FUSED_BWD: (fn, args)} with state warmed on the same operands."""
+  spec = str(layout.spec)
+  lhs, rhs, grad = _operands((layout.lhs.shape, layout.rhs.shape, layout.grad.shape), dtype, 2)
+  module = kernel.make_module(name=None)
+  variables = module.init(jax.random.PRNGKey(0), spec, lhs, rhs)
+  apply = lambda v, a, b: module.apply(v, spec, a, b)
+  for _ in range(3):  # delayed scaling starts at scale 1: warm its state first
+    out, vjp = jax.vjp(apply, variables, lhs, rhs)
+    d_vars, _, _ = vjp(grad.astype(out.dtype))
+    variables = {FP8_META: merge_fp8_meta(d_vars[FP8_META])}
+
+  def fwdbwd(v, a, b, g):
+    out, vjp = jax.vjp(lambda x, y: apply(v, x, y), a, b)
+    return vjp(g.astype(out.dtype))
+
+  return {"fwd": (apply, [variables, lhs, rhs]), FUSED_BWD: (fwdbwd, [variables, lhs, rhs, grad])}
+
+
+def _time_interleaved(variants: Mapping[str, Tuple[Callable, Sequence]], *, repeats: int,
+                      warmup: int = 3, min_call_seconds: float = 1e-3, max_inner: int = 1000
+                      ) -> Dict[str, Dict]:
+  """{name: {'seconds': per-call seconds [repeats], 'inner', 'backend'}}, interleaved."""
+  platform = jax.default_backend()
+  prepared = {}
+  for name, (fn, args) in variants.items():
+    looped = _looped(fn)
+    one = jnp.int32(1)
+    compiled = looped.lower(one, *args).compile()
+    backend = backend_from_hlo(compiled.as_text(), platform)
+    for _ in range(warmup):
+      jax.block_until_ready(compiled(one, *args))
+    single = min(_seconds(compiled, one, args) for _ in range(3))
+    inner = 1
+    if single < min_call_seconds:
+      inner = int(min(max_inner, max(2, math.ceil(min_call_seconds / max(single, 1e-7)))))
+    n = jnp.int32(inner)
+    jax.block_until_ready(compiled(n, *args))
+    prepared[name] = (compiled, n, args, inner, backend)
+  samples = {name: [] for name in prepared}
+  for _ in range(repeats):
+    for name, (compiled, n, args, inner, _) in prepared.items():
+      samples[name].append(_seconds(compiled, n, args) / inner)
+  return {name: {"seconds": samples[name], "inner": prepared[name][3],
+                 "backend": prepared[name][4]} for name in prepared}
+
+
+def _seconds(compiled, n, args) -> float:
+  start = time.perf_counter()
+  jax.block_until_ready(compiled(n, *args))
+  return time.perf_counter() - start
+
+
+def _entry(kernel: str, pass_name: str, spec: str, a_shape, b_shape, dtype: str,
+           seconds: Sequence[float], backend: str, inner: int, scope: Optional[str] = None
+           ) -> Dict:
+  t = timing_lib.Timing(kernel, np.asarray(seconds, np.float64), inner)
+  lo, hi = t.ci_us(np.random.default_rng(0))
+  entry = {"kernel": kernel, "pass": pass_name, "spec": spec, "lhs_shape": list(a_shape),
+           "rhs_shape": list(b_shape), "dtype": dtype, "median_us": t.median_us,
+           "ci_us": [lo, hi], "seconds": [float(s) for s in seconds], "repeats": len(seconds),
+           "inner": inner, "backend": backend, "jax": jax.__version__,
+           "date": datetime.date.today().isoformat()}
+  if scope:
+    entry["time_scope"] = scope
+  return entry
+
+
+# ----------------------------------------------------------------------------- per site
+
+
+def _site_keys(layout: SiteLayout, kernels, dtype: str, unsupported) -> Dict[Tuple, str]:
+  """{(kernel, pass): cache key} of every (kernel, pass) this site needs."""
+  keys = {}
+  for kernel in kernels:
+    for p in PASSES:
+      if kernel.name in unsupported.get(p, {}):
+        continue
+      spec, a, b = pass_problem(layout, p)
+      keys[(kernel.name, p)] = cache_key(kernel.name, p, spec, a, b, dtype)
+  return keys
+
+
+def measure_site(layout: SiteLayout, kernels, dtype: str, cache: TimingCache, *,
+                 unsupported: Mapping[str, Mapping[str, str]], repeats: int = 20,
+                 deadline: Optional[float] = None) -> List[Dict]:
+  """Times every (kernel, pass) of this site shape missing from `cache` (and the baseline,
+  again, whenever something is measured); returns the new entries. Stops before starting
+  when `deadline` (a time.time()) has passed."""
+  keys = _site_keys(layout, kernels, dtype, unsupported)
+  missing = [kp for kp, key in keys.items() if cache.get(key) is None]
+  if not missing or (deadline is not None and time.time() > deadline):
+    return []
+  jdt = jnp.dtype(dtype)
+  by_name = {k.name: k for k in kernels}
+  variants: Dict[str, Tuple] = {}
+  first_of: Dict[Tuple, str] = {}
+  alias: Dict[Tuple[str, str], str] = {}
+  wanted = set(missing) | {(BASELINE, p) for p in PASSES if (BASELINE, p) in keys}
+  for name, p in sorted(wanted, key=lambda kp: (kp[0] != BASELINE, kp)):
+    kernel = by_name[name]
+    if kernel.sort == FUSED_OP:
+      if f"{name}|fwd" not in variants:
+        fused = _fused_variants(kernel, layout, jdt)
+        variants[f"{name}|fwd"] = fused["fwd"]
+        variants[f"{name}|{FUSED_BWD}"] = fused[FUSED_BWD]
+      continue
+    ck = computation_key(kernel, p)
+    if ck in first_of:
+      alias[(name, p)] = first_of[ck]
+      continue
+    first_of[ck] = f"{name}|{p}"
+    variants[f"{name}|{p}"] = _per_pass_variant(kernel, layout, p, jdt)
+  measured = _time_interleaved(variants, repeats=repeats)
+  entries = []
+  for name, p in sorted(wanted):
+    kernel = by_name[name]
+    spec, a, b = pass_problem(layout, p)
+    if kernel.sort == FUSED_OP:
+      fwd = measured[f"{name}|fwd"]
+      if p == "fwd":
+        seconds, scope = fwd["seconds"], None
+      else:
+        both = measured[f"{name}|{FUSED_BWD}"]
+        # Paired per repeat (interleaved), so the difference keeps the run's drift out.
+        seconds = [max(t - f, 1e-9) for t, f in zip(both["seconds"], fwd["seconds"])]
+        scope = "grad_lhs+grad_rhs"
+      entries.append(_entry(name, p, spec, a, b, dtype, seconds, fwd["backend"], fwd["inner"],
+                            scope))
+      continue
+    source = alias.get((name, p), f"{name}|{p}")
+    m = measured[source]
+    entries.append(_entry(name, p, spec, a, b, dtype, m["seconds"], m["backend"], m["inner"]))
+  for e in entries:
+    cache.put(cache_key(e["kernel"], e["pass"], e["spec"], e["lhs_shape"], e["rhs_shape"],
+                        dtype), e)
+  cache.save()
+  return entries
+
+
+def _speedup(base: Dict, entry: Dict) -> Optional[List[float]]:
+  """[lo, mid, hi] of baseline time / kernel time (bootstrap over both sample sets)."""
+  b = timing_lib.Timing(BASELINE, np.asarray(base["seconds"], np.float64))
+  k = timing_lib.Timing(entry["kernel"], np.asarray(entry["seconds"], np.float64))
+  mid, lo, hi = timing_lib.speedup_ci(b, k)
+  return [lo, mid, hi]
+
+
+def _sum_timing(a: Dict, b: Dict) -> Dict:
+  """Per-repeat sum of two interleaved timings (the baseline's two gradient passes)."""
+  return {"kernel": BASELINE, "seconds": [x + y for x, y in zip(a["seconds"], b["seconds"])]}
+
+
+def site_timings(layout: SiteLayout, kernels, dtype: str, cache: TimingCache, *,
+                 unsupported: Mapping[str, Mapping[str, str]], source: str = "measured"
+                 ) -> Dict[str, Dict[str, Dict]]:
+  """{pass: {kernel: {time_us, speedup, backend, timing}}} from the cache (None = missing)."""
+  keys = _site_keys(layout, kernels, dtype, unsupported)
+  got = {kp: cache.get(key) for kp, key in keys.items()}
+  out: Dict[str, Dict[str, Dict]] = {}
+  for (name, p), e in got.items():
+    if e is None:
+      out.setdefault(p, {})[name] = {"time_us": None, "speedup": None, "backend": None,
+                                     "timing": "missing"}
+      continue
+    lo, hi = e["ci_us"]
+    info = {"time_us": [lo, e["median_us"], hi], "backend": e["backend"], "timing": source,
+            "speedup": None}
+    if e.get("time_scope"):
+      info["time_scope"] = e["time_scope"]
+      dl, dr = got.get((BASELINE, "grad_lhs")), got.get((BASELINE, "grad_rhs"))
+      if dl and dr:
+        info["speedup"] = _speedup(_sum_timing(dl, dr), e)
+    else:
+      base = got.get((BASELINE, p))
+      if base:
+        info["speedup"] = _speedup(base, e)
+    out.setdefault(p, {})[name] = info
+  return out
+
+
+def table_timings(layout: SiteLayout, kernels, dtype: str, table: Mapping, *,
+                  unsupported: Mapping[str, Mapping[str, str]]) -> Dict[str, Dict[str, Dict]]:
+  """The same shape of result from a committed timing table (a CPU-made report's fallback)."""
+  from loka_jax.dispatch import timing_table
+  out: Dict[str, Dict[str, Dict]] = {}
+  for kernel in kernels:
+    for p in PASSES:
+      if kernel.name in unsupported.get(p, {}):
+        continue
+      spec, a, b = pass_problem(layout, p)
+      hit = timing_table.lookup(table, kernel.name, p, spec, a, b, dtype)
+      if hit is None:
+        info = {"time_us": None, "speedup": None, "backend": None, "timing": "missing"}
+      else:
+        lo, hi = hit["ci_us"]
+        info = {"time_us": [lo, hit["time_us"], hi], "speedup": hit["speedup_range"],
+                "backend": hit["backend"],
+                "timing": "estimated" if hit["estimated"] else "table"}
+        if hit["estimated"]:
+          info["estimated_from"] = hit["from"]
+        if kernel.sort == FUSED_OP and p != "fwd":
+          # A fused op's backward covers both gradient passes: compare with both of the
+          # baseline's.
+          base = [timing_table.lookup(table, BASELINE, q, *pass_problem(layout, q), dtype)
+                  for q in ("grad_lhs", "grad_rhs")]
+          info["time_scope"] = "grad_lhs+grad_rhs"
+          if all(base):
+            s = (base[0]["time_us"] + base[1]["time_us"]) / hit["time_us"]
+            info["speedup"] = [s, s, s]
+      out.setdefault(p, {})[kernel.name] = info
+  return out
+
+
+def table_entries(entries: Sequence[Mapping]) -> List[Dict]:
+  """Cache entries -> committed-table entries (raw samples left out)."""
+  fields = ("kernel", "pass", "spec", "lhs_shape", "rhs_shape", "dtype", "median_us", "ci_us",
+            "backend", "repeats", "jax", "date", "time_scope")
+  return [{f: e[f] for f in fields if f in e} for e in entries]
+
+
+def device_kind() -> str:
+  """The human-readable device kind ('cpu' on the CPU)."""
+  dev = jax.devices()[0]
+  return dev.device_kind if dev.platform != "cpu" else "cpu"
+
+
+def on_gpu() -> bool:
+  return _compat.on_gpu()

@@ -1,0 +1,281 @@
+"""ProbeReport (`loka.probe/1`, docs/FORMATS.md): build, save, load, validate, summarize.
+
+The report is plain JSON. Non-finite numbers never enter it as numbers: they become null and
+the enclosing object gets an `error` string. Loading checks the schema and the structure and
+names the file and the first problem found.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import numpy as np
+
+from loka_jax.kernels import KINDS, PASSES
+from loka_jax.probe import eligibility
+
+SCHEMA = "loka.probe/1"
+TRIPLETS = ("sqnr_db", "rel_fro", "mere", "median_rel", "underflow", "time_us", "speedup")
+REQUIRED = {"model": str, "preset": str, "device": str, "jax": str, "timing_valid": bool,
+            "sites": dict}
+PASS_LABELS = {"fwd": "fwd", "grad_lhs": "dgrad", "grad_rhs": "wgrad"}
+
+
+class ProbeReportError(ValueError):
+  """A report that cannot be used; the message names the file and what is wrong."""
+
+
+# ----------------------------------------------------------------------------- JSON safety
+
+
+def _clean(obj, path: str, bad: List[str]):
+  if isinstance(obj, dict):
+    out = {str(k): _clean(v, f"{path}.{k}" if path else str(k), bad) for k, v in obj.items()}
+    return out
+  if isinstance(obj, (list, tuple)):
+    return [_clean(v, f"{path}[{i}]", bad) for i, v in enumerate(obj)]
+  if isinstance(obj, (np.bool_, bool)):
+    return bool(obj)
+  if isinstance(obj, (np.integer, int)):
+    return int(obj)
+  if isinstance(obj, (np.floating, float)):
+    value = float(obj)
+    if not math.isfinite(value):
+      bad.append(f"{path}={value}")
+      return None
+    return value
+  if isinstance(obj, np.ndarray):
+    return _clean(obj.tolist(), path, bad)
+  if obj is None or isinstance(obj, str):
+    return obj
+  raise TypeError(f"report field {path}: {type(obj).__name__} is not JSON data")
+
+
+def json_ready(report: Mapping) -> Dict:
+  """A copy fit for JSON: numpy scalars converted, non-finite floats -> null + `errors`."""
+  bad: List[str] = []
+  out = _clean(dict(report), "", bad)
+  if bad:
+    out.setdefault("errors", []).append(
+        "non-finite values replaced by null: " + ", ".join(bad[:20])
+        + (f" (+{len(bad) - 20} more)" if len(bad) > 20 else ""))
+  return out
+
+
+def save_report(report: Mapping, path: str) -> Dict:
+  """Validates and writes the report atomically; returns what was written."""
+  data = json_ready(report)
+  validate_report(data, path)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = f"{path}.tmp"
+  with open(tmp, "w") as f:
+    json.dump(data, f, indent=1, allow_nan=False)
+    f.write("\n")
+  os.replace(tmp, path)
+  return data
+
+
+def load_report(path: str) -> Dict:
+  """Reads and validates a ProbeReport; raises ProbeReportError naming the file."""
+  try:
+    with open(path, "rb") as f:
+      raw = f.read()
+  except OSError as e:
+    raise ProbeReportError(f"{path}: cannot read the probe report ({e})") from e
+  if not raw.strip():
+    raise ProbeReportError(f"{path}: the probe report is empty")
+  try:
+    data = json.loads(raw.decode("utf-8"))
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ProbeReportError(f"{path}: not valid JSON ({e}); the probe report is truncated or "
+                           "corrupt: rerun `python -m experiments.probe` to rewrite it") from e
+  validate_report(data, path)
+  return data
+
+
+def _check_triplet(value, where: str):
+  if value is None:
+    return
+  if not (isinstance(value, list) and len(value) in (2, 3)
+          and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                  for v in value)):
+    raise ProbeReportError(f"{where}: expected null or [lo, mid, hi] finite numbers, got "
+                           f"{value!r}")
+  if value[0] > value[-1] * (1 + 1e-9) + 1e-12:
+    raise ProbeReportError(f"{where}: lower bound {value[0]} above upper bound {value[-1]}")
+
+
+def validate_report(report, where: str) -> None:
+  """Raises ProbeReportError naming `where` and the first problem."""
+  if not isinstance(report, dict):
+    raise ProbeReportError(f"{where}: a probe report is a JSON object, got "
+                           f"{type(report).__name__}")
+  schema = report.get("schema")
+  if schema != SCHEMA:
+    raise ProbeReportError(
+        f"{where}: schema {schema!r} is not {SCHEMA!r}"
+        + ("; this file is not a probe report" if schema is None else
+           "; it was written by another version: rerun `python -m experiments.probe`"))
+  for key, typ in REQUIRED.items():
+    if key not in report:
+      raise ProbeReportError(f"{where}: missing field {key!r}")
+    if not isinstance(report[key], typ):
+      raise ProbeReportError(f"{where}: field {key!r} must be {typ.__name__}, got "
+                             f"{type(report[key]).__name__}")
+  for name, site in report["sites"].items():
+    here = f"{where}: site {name!r}"
+    if not isinstance(site, dict):
+      raise ProbeReportError(f"{here}: expected an object")
+    if site.get("kind") not in KINDS:
+      raise ProbeReportError(f"{here}: kind {site.get('kind')!r} is not one of {KINDS}")
+    shapes = site.get("shapes")
+    if not isinstance(shapes, dict) or any(
+        not isinstance(shapes.get(k), list) for k in ("lhs", "rhs", "out")):
+      raise ProbeReportError(f"{here}: 'shapes' must hold lhs, rhs and out lists")
+    passes = site.get("passes")
+    if not isinstance(passes, dict):
+      raise ProbeReportError(f"{here}: 'passes' must be an object")
+    for p, kernels in passes.items():
+      if p not in PASSES:
+        raise ProbeReportError(f"{here}: unknown pass {p!r}; passes are {PASSES}")
+      if not isinstance(kernels, dict):
+        raise ProbeReportError(f"{here}, {p}: expected {{kernel: entry}}")
+      for k, entry in kernels.items():
+        if not isinstance(entry, dict):
+          raise ProbeReportError(f"{here}, {p}, {k}: expected an object")
+        for field in TRIPLETS:
+          _check_triplet(entry.get(field), f"{here}, {p}, {k}, {field}")
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def new_report(*, model: str, preset: str, device: str, device_kind: str, platform: str,
+               jax_version: str, timing_valid: bool, timing_source: Mapping,
+               run: Mapping, probe_config: Mapping, evaluation: Mapping, criteria: Mapping,
+               overhead: Mapping, kernels: Mapping, excluded_kernels: Mapping) -> Dict:
+  return {"schema": SCHEMA, "model": model, "preset": preset, "device": device,
+          "device_kind": device_kind, "platform": platform, "jax": jax_version,
+          "created": datetime.datetime.now().isoformat(timespec="seconds"),
+          "timing_valid": bool(timing_valid), "timing_source": dict(timing_source),
+          "complete": True, "pending": [], "run": dict(run), "probe": dict(probe_config),
+          "evaluation": dict(evaluation), "criteria": dict(criteria),
+          "overhead": dict(overhead), "kernels": dict(kernels),
+          "excluded_kernels": dict(excluded_kernels), "sites": {}, "errors": []}
+
+
+def attach_best(report: Dict, criteria: eligibility.Criteria) -> None:
+  """Adds each site's `best` kernel per pass (and its verdict) under the given criteria."""
+  for site in report["sites"]:
+    verdicts = eligibility.assess_site(report, site, criteria)
+    report["sites"][site]["best"] = {}
+    for p, v in verdicts.items():
+      best = eligibility.best_kernel(v)
+      report["sites"][site]["best"][p] = {
+          "kernel": best.kernel, "eligible": best.eligible, "sqnr_db_lo": best.sqnr_lo,
+          "speedup_lo": best.speedup_lo, "speedup": best.speedup_mid,
+          "rejected": {k: list(x.reasons) for k, x in v.items() if not x.eligible}}
+
+
+# ----------------------------------------------------------------------------- text
+
+
+def _shape(site: Mapping) -> str:
+  s = site["shapes"]
+  fmt = lambda t: "x".join(str(d) for d in t)
+  return f"{fmt(s['lhs'])} . {fmt(s['rhs'])}"
+
+
+def _best_cell(site: Mapping, p: str) -> str:
+  best = site.get("best", {}).get(p)
+  if not best:
+    return "-"
+  entry = site["passes"].get(p, {}).get(best["kernel"], {})
+  sqnr = entry.get("sqnr_db")
+  speed = entry.get("speedup")
+  text = best["kernel"]
+  text += f" {sqnr[0]:.1f}dB" if sqnr else ""
+  text += f" x{speed[1]:.2f}" if speed else ""
+  return text
+
+
+def site_table(report: Mapping, width: int = 44) -> str:
+  """The per-site table the CLI prints: site, shape, best safe kernel per pass."""
+  header = f"{'site':{width}s} {'shape':28s} " + " ".join(
+      f"{PASS_LABELS[p]:34s}" for p in PASSES)
+  lines = [header, "-" * len(header)]
+  for name, site in report["sites"].items():
+    shown = name if len(name) <= width else "..." + name[-(width - 3):]
+    lines.append(f"{shown:{width}s} {_shape(site):28s} "
+                 + " ".join(f"{_best_cell(site, p):34s}" for p in PASSES))
+  return "\n".join(lines)
+
+
+def _fmt(v, spec: str, default: str = "-") -> str:
+  return default if v is None else format(v, spec)
+
+
+def markdown(report: Mapping) -> str:
+  """A readable summary: setup, overhead, best kernel per site and pass, then details."""
+  ov = report.get("overhead", {})
+  ts = report.get("timing_source", {})
+  lines = [f"# Probe report: {report['model']} `{report['preset']}`", "",
+           f"- device: {report['device']} ({report.get('platform')}), jax {report['jax']}, "
+           f"created {report.get('created')}",
+           f"- timing: {'valid for dispatch' if report['timing_valid'] else 'NOT valid for dispatch'}"
+           f" (source: {ts.get('kind')}{', ' + ts['device_kind'] if ts.get('device_kind') else ''})",
+           f"- run: {report['run'].get('steps')} steps, batch {report['run'].get('batch_size')}, "
+           f"data {report['run'].get('data')}, precision {report['run'].get('precision')}",
+           f"- statistics: {ov.get('observations')} observations every {ov.get('cadence')} steps; "
+           f"probe pass {_fmt(ov.get('probe_ms'), '.1f')} ms vs step "
+           f"{_fmt(ov.get('step_ms'), '.1f')} ms -> overhead "
+           f"{_fmt(None if ov.get('fraction') is None else 100 * ov['fraction'], '.2f')}% "
+           f"(compile {_fmt(ov.get('compile_s'), '.1f')} s, once)",
+           f"- evaluation: {report['evaluation'].get('samples')} Gaussian + "
+           f"{report['evaluation'].get('reservoir_samples')} reservoir samples per site; "
+           f"criteria {report.get('criteria')}",
+           ""]
+  if not report.get("complete", True):
+    lines += [f"**Incomplete**: pending {', '.join(report.get('pending', []))}; rerun the same "
+              "command to finish.", ""]
+  lines += ["## Best eligible kernel per site and pass", "",
+            "(pessimistic SQNR, median speedup vs xla_bf16; xla_bf16 = nothing eligible)", "",
+            "| site | kind | shape | fwd | dgrad | wgrad |", "|---|---|---|---|---|---|"]
+  for name, site in report["sites"].items():
+    lines.append(f"| `{name}` | {site['kind']} | {_shape(site)} | "
+                 + " | ".join(_best_cell(site, p) for p in PASSES) + " |")
+  lines += ["", "## Flush hazards (underflow > 1% of an operand under a kernel)", ""]
+  hazards = []
+  for name, site in report["sites"].items():
+    for p, kernels in site["passes"].items():
+      for k, e in kernels.items():
+        for op, o in (e.get("operands") or {}).items():
+          u = o.get("underflow")
+          if u is not None and u[-1] > 0.01:
+            hazards.append(f"- `{name}` {PASS_LABELS[p]} {k}: {op} underflow "
+                           f"{100 * u[1]:.1f}% (CI up to {100 * u[-1]:.1f}%)")
+  lines += hazards[:200] or ["none"]
+  lines += ["", "## Details", ""]
+  for name, site in report["sites"].items():
+    ev = site.get("evaluation", {})
+    lines += [f"### `{name}` ({site['kind']}, `{site['spec']}`, {_shape(site)})", "",
+              f"evaluated on {ev.get('slices')} of {ev.get('of')} entries along "
+              f"`{ev.get('slice_index')}`; reservoir: {ev.get('reservoir', {})}", "",
+              "| kernel | pass | SQNR dB [lo, hi] | MERE | underflow (max) | speedup [lo, hi] | backend |",
+              "|---|---|---|---|---|---|---|"]
+    for p, kernels in site["passes"].items():
+      for k, e in kernels.items():
+        sq, me, uf, sp = (e.get(f) for f in ("sqnr_db", "mere", "underflow", "speedup"))
+        lines.append(
+            f"| {k} | {PASS_LABELS[p]} | "
+            + (f"{sq[1]:.1f} [{sq[0]:.1f}, {sq[2]:.1f}]" if sq else (e.get("error") or "-"))
+            + f" | {_fmt(me and me[1], '.3g')} | {_fmt(uf and uf[-1], '.3f')} | "
+            + (f"{sp[1]:.2f} [{sp[0]:.2f}, {sp[2]:.2f}]" if sp else "-")
+            + f" | {e.get('backend') or '-'} |")
+    lines.append("")
+  if report.get("errors"):
+    lines += ["## Errors", ""] + [f"- {e}" for e in report["errors"]]
+  return "\n".join(lines) + "\n"

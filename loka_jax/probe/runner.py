@@ -1,0 +1,317 @@
+"""The whole probe of one run: train (or resume) while collecting statistics, evaluate every
+candidate kernel on every site, time them, and write the ProbeReport, its markdown summary
+and plots. `experiments/probe.py` and the notebooks call `run_probe`.
+
+Every phase resumes: training from its checkpoints (which carry the statistics), evaluation
+from `WORKDIR/probe_eval.jsonl` (one line per finished site, keyed by the statistics it
+used), timing from the on-disk timing cache. With a time budget, a phase that runs out
+stops cleanly; the report then says what is pending and rerunning finishes it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import time
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import jax
+import numpy as np
+
+from loka_jax.dispatch import timing_table as tables_lib
+from loka_jax.kernels import FUSED_OP
+from loka_jax.probe import candidates as candidates_lib
+from loka_jax.probe import collector as collector_lib
+from loka_jax.probe import eligibility, evaluate, kernel_timing, plots, report as report_lib
+from loka_jax.probe import stats_report, summarize
+from loka_jax.probe.collector import META_KEY, STATS_KEY, ProbeCollector, ProbeConfig
+from loka_jax.train import experiment
+from loka_jax.train.loop import TrainConfig, restore_run, train
+
+REPORT_JSON = "probe_report.json"
+REPORT_MD = "probe_report.md"
+EVAL_CACHE = "probe_eval.jsonl"
+PLOTS_DIR = "plots"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeOptions:
+  """What to evaluate and time, and how (the probe's statistics settings: ProbeConfig)."""
+  samples: int = 100                       # Gaussian draws per site
+  reservoir_samples: Optional[int] = None  # reservoir draws per site (None: samples)
+  kernels: Tuple[str, ...] = ()            # candidates (empty: the default list)
+  time: Optional[bool] = None              # time kernels here (None: only on a GPU)
+  repeats: int = 20                        # timing repeats (benchmark protocol: >= 20)
+  timing_cache: Optional[str] = None       # directory (None: WORKDIR/timing_cache)
+  timing_table: Optional[str] = None       # fallback table, path or device kind (untimed runs)
+  write_table: Optional[bool] = None       # merge GPU timings into the committed table
+  table_dir: str = tables_lib.TIMINGS_DIR
+  max_eval_elements: int = 1 << 22         # per operand and sample; beyond: row subsampling
+  chunk_elements: int = 1 << 26            # vmapped operand elements at once
+  bootstrap: int = 1000                    # bootstrap resamples of every CI
+  plots: bool = True
+  site_plots: bool = True
+  sites: Optional[str] = None              # regex (re.search) of the sites to evaluate
+  budget_s: Optional[float] = None         # wall-clock budget of this call (None: none)
+  criteria: eligibility.Criteria = eligibility.Criteria()
+  seed: int = 0
+
+
+@dataclasses.dataclass
+class ProbeResult:
+  report: Dict[str, Any]
+  paths: Dict[str, Any]
+  complete: bool
+
+
+def _log(message: str) -> None:
+  print(f"[probe] {message}", flush=True)
+
+
+def _restore(workdir: str, model, source, train_config: TrainConfig):
+  if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+    return None
+  return restore_run(workdir, model, source, train_config)
+
+
+def _fingerprint(collector: ProbeCollector) -> str:
+  return f"{collector.observations}:{collector.last_observed_step()}"
+
+
+def _read_eval_cache(path: str) -> Dict[str, Dict]:
+  out = {}
+  if not os.path.exists(path):
+    return out
+  with open(path) as f:
+    for line in f:
+      try:
+        row = json.loads(line)
+        out[json.dumps(row["key"], sort_keys=True)] = row
+      except (json.JSONDecodeError, KeyError, TypeError):
+        continue  # a line torn by a killed run is measured again
+  return out
+
+
+def _append_eval_cache(path: str, row: Mapping) -> None:
+  with open(path, "a") as f:
+    f.write(json.dumps(report_lib.json_ready(row), allow_nan=False) + "\n")
+
+
+def _stats_fallback(site_entry: Dict, kernels_info: Mapping, layout) -> None:
+  """Underflow from the statistics for FP8 kernels that do not expose their operands."""
+  stats = site_entry["stats"]
+  for p, kernels in site_entry["passes"].items():
+    for k, e in kernels.items():
+      info = kernels_info.get(k, {})
+      if not info.get("fp8") or e.get("operands") or e.get("unsupported") or e.get("sqnr_db") is None:
+        continue
+      gran = info.get("granularity")
+      if gran is None:
+        continue
+      operands = {}
+      for name in layout.pass_operands(p):
+        fmt = "e5m2" if name == "grad" else "e4m3"
+        u = stats_report.stats_underflow(stats, name, p, fmt, gran)
+        if u is not None:
+          operands[name] = {"underflow": u, "saturation": None}
+      if operands:
+        e["operands"] = operands
+        e["underflow"] = [max(o["underflow"][i] for o in operands.values()) for i in range(3)]
+        e["underflow_source"] = f"stats ({gran})"
+
+
+def _timing_plan(options: ProbeOptions) -> Tuple[bool, bool]:
+  """(measure here, timings valid for dispatch)."""
+  on_gpu = kernel_timing.on_gpu()
+  measure = on_gpu if options.time is None else options.time
+  return measure, measure and on_gpu
+
+
+def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
+              probe_config: ProbeConfig = ProbeConfig(),
+              options: ProbeOptions = ProbeOptions()) -> ProbeResult:
+  """Trains (resuming) with the statistics pass, evaluates, times and writes the report."""
+  start = time.time()
+  deadline = None if options.budget_s is None else start + options.budget_s
+  os.makedirs(workdir, exist_ok=True)
+  model, source, _ = experiment.build_run(spec)
+  batch = source.train_batch(0, train_config.batch_size)
+  abstract = jax.eval_shape(lambda b: model.init({"params": jax.random.PRNGKey(0),
+                                                  "dropout": jax.random.PRNGKey(1)}, b,
+                                                 train=False), batch)
+  sites = collector_lib.probe_sites(model, abstract, batch, probe_config)
+  restored = _restore(workdir, model, source, train_config)
+  saved_stats, saved_meta = (None, None)
+  if restored is not None:
+    saved_stats, saved_meta = restored[1].get(STATS_KEY), restored[1].get(META_KEY)
+  collector = ProbeCollector(model, source, train_config.batch_size, sites, probe_config,
+                             state=saved_stats, meta=saved_meta, example_variables=abstract)
+  _log(f"{spec.model}/{spec.preset}: {len(sites)} sites; training to step "
+       f"{train_config.steps} with a statistics pass every {probe_config.cadence} steps")
+  final = train(model, source, workdir, train_config, run_info=spec.run_info(),
+                extras=collector.extras, step_callback=collector.on_step)
+  if collector.observations < probe_config.min_observations:
+    state, _ = restore_run(workdir, model, source, train_config)
+    last = int(jax.device_get(state.step))
+    needed = probe_config.min_observations - collector.observations
+    _log(f"{collector.observations} observations during training; making {needed} more on "
+         f"the final parameters (batches {last}..{last + needed - 1})")
+    for i in range(needed):
+      collector.observe(state.variables(), state.rng, last + i)
+
+  platform = jax.default_backend()
+  kernels, excluded = candidates_lib.candidate_kernels(options.kernels or None, platform)
+  names = [k.name for k in kernels]
+  compute_dtype = str(np.dtype(site_config_dtype(spec)))
+  eval_config = evaluate.EvalConfig(samples=options.samples,
+                                    reservoir_samples=options.reservoir_samples,
+                                    max_eval_elements=options.max_eval_elements,
+                                    chunk_elements=options.chunk_elements, seed=options.seed)
+  selected = [n for n in sites if options.sites is None or re.search(options.sites, n)]
+  if not selected:
+    raise ValueError(f"--sites={options.sites!r} matches none of the sites: {list(sites)}")
+  pending: List[str] = []
+
+  # ---- errors
+  cache_path = os.path.join(workdir, EVAL_CACHE)
+  cached = _read_eval_cache(cache_path)
+  site_entries: Dict[str, Dict] = {}
+  layouts = {}
+  observations = collector.observations
+  for i, name in enumerate(selected):
+    site = sites[name]
+    state = jax.device_get(collector_lib.site_state(collector.state, sites, name))
+    key = {"site": name, "fingerprint": _fingerprint(collector), "kernels": names,
+           "dtype": compute_dtype, "eval": eval_config.to_dict(), "bootstrap": options.bootstrap}
+    slices = evaluate.eval_slices(site, eval_config)
+    layouts[name] = site.layout.subsampled(slices) if slices else site.layout
+    hit = cached.get(json.dumps(report_lib.json_ready(key), sort_keys=True))
+    if hit is not None:
+      passes, evaluation_info = hit["passes"], hit["evaluation"]
+    elif deadline is not None and time.time() > deadline:
+      pending.append(f"evaluation of {name}")
+      continue
+    else:
+      t0 = time.time()
+      ev = evaluate.evaluate_site(site, state, kernels, compute_dtype, eval_config)
+      passes = summarize.site_passes(ev, names, n_boot=options.bootstrap, seed=options.seed)
+      evaluation_info = {"slices": ev.slices, "of": site.layout.num_slices,
+                         "slice_index": site.layout.slice_label,
+                         "row_subsampled": bool(ev.slices and ev.slices < site.layout.num_slices),
+                         "reservoir": ev.reservoir,
+                         "evaluated_shapes": {k: list(v) for k, v in ev.layout.shapes().items()}}
+      _append_eval_cache(cache_path, {"key": key, "passes": passes,
+                                      "evaluation": evaluation_info})
+      _log(f"evaluated {i + 1}/{len(selected)} {name} in {time.time() - t0:.1f}s")
+    entry = {"kind": site.kind, "spec": site.spec,
+             "shapes": {k: list(v) for k, v in site.layout.shapes().items()},
+             "flops": int(site.layout.spec.flops(site.layout.lhs.shape, site.layout.rhs.shape)),
+             "modes": site.describe(),
+             "stats": stats_report.site_stats(site, state, observations),
+             "evaluation": evaluation_info, "passes": passes}
+    site_entries[name] = entry
+
+  # ---- timing
+  measure, timing_valid = _timing_plan(options)
+  device = jax.devices()[0].device_kind
+  kind = kernel_timing.device_kind()
+  timing_source: Dict[str, Any] = {"kind": "none"}
+  unsupported_of = lambda e: {p: {k: x["error"] for k, x in ks.items() if x.get("unsupported")}
+                              for p, ks in e["passes"].items()}
+  timings: Dict[str, Dict] = {}
+  if measure:
+    cache_dir = options.timing_cache or os.path.join(workdir, "timing_cache")
+    cache = kernel_timing.TimingCache(kernel_timing.default_cache_path(cache_dir, kind), kind)
+    timing_source = {"kind": "measured", "device_kind": device, "cache": cache.path}
+    new_entries = []
+    seen_shapes = set()
+    for name, entry in site_entries.items():
+      layout = sites[name].layout
+      shape_key = (str(layout.spec), layout.lhs.shape, layout.rhs.shape)
+      if shape_key not in seen_shapes:
+        seen_shapes.add(shape_key)
+        t0 = time.time()
+        got = kernel_timing.measure_site(layout, kernels, compute_dtype, cache,
+                                         unsupported=unsupported_of(entry),
+                                         repeats=options.repeats, deadline=deadline)
+        if got:
+          new_entries.extend(got)
+          _log(f"timed {name} ({len(got)} kernel passes) in {time.time() - t0:.1f}s")
+      timings[name] = kernel_timing.site_timings(layout, kernels, compute_dtype, cache,
+                                                 unsupported=unsupported_of(entry))
+    write = timing_valid if options.write_table is None else options.write_table
+    if write and cache.entries:
+      rows = kernel_timing.table_entries(list(cache.entries.values()))
+      table_file = tables_lib.table_path(device, options.table_dir)
+      tables_lib.update_file(table_file, device, rows)
+      local = tables_lib.table_path(device, os.path.join(workdir, "timing_table"))
+      tables_lib.update_file(local, device, rows)
+      timing_source.update(table=table_file, table_copy=local)
+      _log(f"timing table: {table_file} (copy: {local})")
+  else:
+    chosen = tables_lib.choose_table(options.timing_table, options.table_dir)
+    if chosen is not None:
+      path, table = chosen
+      timing_source = {"kind": "table", "device_kind": table["device_kind"], "path": path}
+      for name, entry in site_entries.items():
+        timings[name] = kernel_timing.table_timings(sites[name].layout, kernels, compute_dtype,
+                                                    table, unsupported=unsupported_of(entry))
+  missing_timing = False
+  for name, entry in site_entries.items():
+    for p, per_kernel in entry["passes"].items():
+      for k, e in per_kernel.items():
+        t = timings.get(name, {}).get(p, {}).get(k)
+        if t is None:
+          e.update(time_us=None, speedup=None, backend=None, timing=None)
+          continue
+        e.update(t)
+        if t.get("timing") == "missing":
+          missing_timing = True
+  if measure and missing_timing:
+    pending.append("timings (budget reached)")
+    timing_valid = False
+
+  kernels_info = {k.name: {"sort": k.sort, "backend": k.backend, "fp8": k.fp8,
+                           "stateful": k.stateful,
+                           "granularity": candidates_lib.granularity_of(k),
+                           "description": k.description} for k in kernels}
+  for name, entry in site_entries.items():
+    _stats_fallback(entry, kernels_info, sites[name].layout)
+
+  report = report_lib.new_report(
+      model=spec.model, preset=spec.preset, device=device, device_kind=kind,
+      platform=platform, jax_version=jax.__version__, timing_valid=timing_valid,
+      timing_source=timing_source,
+      run={**spec.run_info(), "steps": final.get("steps"), "batch_size": train_config.batch_size,
+           "final": {k: final.get(k) for k in ("ne", "auc", "logloss")}},
+      probe_config=probe_config.to_dict(),
+      evaluation={**eval_config.to_dict(), "reservoir_samples": eval_config.num_reservoir,
+                  "kernels": names, "compute_dtype": compute_dtype,
+                  "bootstrap": options.bootstrap, "sites_regex": options.sites,
+                  "reference": "fp32 HIGHEST product of the original operands"},
+      criteria=options.criteria.to_dict(), overhead=collector.overhead(),
+      kernels=kernels_info, excluded_kernels=excluded)
+  report["sites"] = site_entries
+  report["complete"] = not pending
+  report["pending"] = pending
+  report_lib.attach_best(report, options.criteria)
+  paths: Dict[str, Any] = {"json": os.path.join(workdir, REPORT_JSON),
+                           "markdown": os.path.join(workdir, REPORT_MD)}
+  report = report_lib.save_report(report, paths["json"])
+  with open(paths["markdown"], "w") as f:
+    f.write(report_lib.markdown(report))
+  if options.plots and site_entries:
+    paths["plots"] = plots.write_plots(report, os.path.join(workdir, PLOTS_DIR),
+                                       sites=options.site_plots)
+  _log(f"report: {paths['json']} ({time.time() - start:.0f}s"
+       f"{'' if not pending else ', incomplete: ' + '; '.join(pending[:3])})")
+  return ProbeResult(report, paths, not pending)
+
+
+def site_config_dtype(spec: experiment.RunSpec):
+  """The compute dtype of the run's sites."""
+  from loka_jax.models import SiteConfig
+  if spec.precision == "loka":
+    return SiteConfig().policy.compute_dtype
+  return SiteConfig.for_precision(spec.precision, kernel=spec.kernel).policy.compute_dtype

@@ -1,0 +1,88 @@
+"""Site statistics -> the JSON summaries of a ProbeReport (host side).
+
+Per operand: the covariance model and its numbers (gaussian.summary / matrix_normal.summary),
+underflow fractions per use (pass), format and granularity (mean and worst over
+observations), amax and delayed-scaling saturation, and a histogram of log10|x| of real
+values (reservoir slices; the latest weight snapshot for weights) that the plots draw.
+"""
+from __future__ import annotations
+
+from typing import Dict, Mapping, Optional
+
+import numpy as np
+
+from loka_jax.kernels import ACT_WEIGHT
+from loka_jax.probe import flush as flush_lib
+from loka_jax.probe import gaussian, matrix_normal
+from loka_jax.probe.collector import SiteProbe
+from loka_jax.probe.layout import OPERANDS, PASS_AXES
+
+HIST_LO, HIST_HI, HIST_STEP = -12.0, 8.0, 0.25
+
+
+def histogram(values: np.ndarray) -> Dict:
+  """Counts of log10|x| in fixed bins [HIST_LO, HIST_HI) (values outside are clipped in)."""
+  x = np.abs(np.asarray(values, np.float64).ravel())
+  x = x[np.isfinite(x)]
+  nonzero = x[x > 0]
+  edges = np.arange(HIST_LO, HIST_HI + HIST_STEP / 2, HIST_STEP)
+  logs = np.clip(np.log10(nonzero), HIST_LO, HIST_HI - 1e-9) if nonzero.size else nonzero
+  counts, _ = np.histogram(logs, bins=edges)
+  return {"log10_lo": HIST_LO, "log10_hi": HIST_HI, "step": HIST_STEP,
+          "counts": [int(c) for c in counts], "zeros": int(x.size - nonzero.size),
+          "total": int(x.size)}
+
+
+def _flush_summary(acc: Mapping, observations: int, op: str) -> Dict:
+  uses = list(PASS_AXES[op])
+  total = np.asarray(acc["sum"]) / max(observations, 1)
+  worst = np.asarray(acc["max"])
+  return {use: {"mean": flush_lib.as_dict(total[i]), "max": flush_lib.as_dict(worst[i])}
+          for i, use in enumerate(uses)}
+
+
+def _amax_summary(acc: Mapping, observations: int) -> Dict:
+  return {"last": float(acc["last"]), "max": float(acc["max"]),
+          "delayed_saturation_mean": float(acc["saturation_sum"]) / max(observations - 1, 1),
+          "delayed_saturation_max": float(acc["saturation_max"]),
+          "growth_max": float(acc["growth_max"])}
+
+
+def site_stats(site: SiteProbe, state: Mapping, observations: int) -> Dict:
+  """The `stats` object of one site in the report."""
+  out: Dict = {"observations": observations}
+  for op in OPERANDS:
+    mode = site.modes[op].describe()
+    if op == "rhs" and site.kind == ACT_WEIGHT:
+      numbers = matrix_normal.summary(state["rhs"])
+      values = np.asarray(state["weight"])
+    else:
+      numbers = gaussian.summary(state[op])
+      values = (np.asarray(state["reservoir"][op]) if "reservoir" in state
+                and op in state["reservoir"] else None)
+    entry = {**mode, **numbers,
+             "flush": _flush_summary(state["flush"][op], observations, op),
+             "amax": _amax_summary(state["amax"][op], observations)}
+    if values is not None:
+      entry["histogram"] = histogram(values)
+    out[op] = entry
+  if "reservoir" in state:
+    seen = int(state["reservoir"]["seen"])
+    out["reservoir"] = {"capacity": site.reservoir_capacity, "seen": seen,
+                        "slice_index": site.layout.slice_label,
+                        "filled": min(seen, site.reservoir_capacity)}
+  else:
+    out["reservoir"] = {"capacity": 0, "reason": site.layout.slice_reason}
+  return out
+
+
+def stats_underflow(stats: Mapping, operand: str, pass_name: str, fmt: str,
+                    granularity: str) -> Optional[list]:
+  """[mean, mean, worst] underflow over observations for one operand use, from the report's
+  site stats (None when that use or granularity was not recorded)."""
+  try:
+    use = stats[operand]["flush"][pass_name]
+    mean, worst = use["mean"][fmt][granularity], use["max"][fmt][granularity]
+  except KeyError:
+    return None
+  return [mean, mean, max(mean, worst)]
