@@ -49,11 +49,17 @@ class TowerOptions:
     return Norm(kind=self.norm, block_size=self.block_size, policy=self.policy, name=name)
 
 
+# Norms an activated MLP layer can fold into one fused site (mods.fused.FusedDenseNormAct).
+FUSABLE_NORMS = ("blocknorm", "none")
+
+
 class MLP(nn.Module):
   """Stack of dense sites `dense_0..`; hidden layers: Linear [-> Norm] -> activation.
 
   `final_bias=True` keeps the last layer's bias whatever `opts.use_bias` says: the final
-  prediction layer keeps its bias under the No Bias mod.
+  prediction layer keeps its bias under the No Bias mod. Activated layers whose norm is
+  BlockNorm (or none) are one `FusedDenseNormAct` site named `dense_<i>`, so a plan can give
+  them a fused-epilogue kernel; unfused it computes what Linear -> Norm -> activation did.
   """
   features: Sequence[int]
   opts: TowerOptions
@@ -63,13 +69,22 @@ class MLP(nn.Module):
 
   @nn.compact
   def __call__(self, x):
+    # Imported here: loka_jax.mods.fused builds on models.site, which this package imports.
+    from loka_jax.mods.fused import FusedDenseNormAct
     if not self.features:
       raise ValueError(f"MLP {'/'.join(self.path)} has no layers")
     last = len(self.features) - 1
+    norm = self.opts.norm if self.norm_hidden else "none"
     for i, width in enumerate(self.features):
       use_bias = self.opts.use_bias
       if i == last and self.final_bias is not None:
         use_bias = self.final_bias
+      if (i < last or self.activate_final) and norm in FUSABLE_NORMS:
+        x = FusedDenseNormAct(
+            int(width), use_bias=use_bias, config=self.opts.site,
+            block_size=self.opts.block_size if norm == "blocknorm" else None,
+            activation=self.opts.activation, name=f"dense_{i}")(x)
+        continue
       x = DenseSite(int(width), use_bias=use_bias, config=self.opts.site, name=f"dense_{i}")(x)
       if i < last or self.activate_final:
         if self.norm_hidden:

@@ -11,7 +11,19 @@ NORMS = ("layernorm", "blocknorm", "rmsnorm", "none")
 
 
 class BlockNorm(nn.Module):
-  """Parameter-free RMSNorm over fixed feature blocks; `use_gain` adds a learnable gain."""
+  """Parameter-free RMSNorm over fixed feature blocks; `use_gain` adds a learnable gain.
+
+  Each block of `block_size` consecutive features (last axis) is divided by
+  sqrt(mean(block^2) + epsilon), statistics in float32:
+  - epsilon (default 1e-6) bounds the scale of an all-zero block (it stays zero) and keeps
+    the gradient finite; it is a fixed attribute, never learned;
+  - a width not divisible by `block_size` ends with one shorter block, normalized over its own
+    width (no padding enters its mean); a width below `block_size` is one block (RMSNorm);
+  - `use_gain` multiplies by a learnable per-feature gain `scale` (ones at init) after the
+    normalization, like RMSNorm's; LoKA's BlockNorm has none, and the fused kernels none.
+  The block size is a module attribute, not a parameter: training and inference build the
+  model from the same config, so they normalize over the same blocks by construction.
+  """
   block_size: int = functional.DEFAULT_BLOCK
   epsilon: float = functional.DEFAULT_EPS
   use_gain: bool = False

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loka_jax.kernels import ACT_WEIGHT, FP8_META
+from loka_jax.kernels import ACT_WEIGHT
 from loka_jax.models.presets import site_products
 from loka_jax.probe import flush as flush_lib
 from loka_jax.probe import gaussian, matrix_normal, reservoir
@@ -40,6 +40,10 @@ from loka_jax.train.metrics import bce_with_logits
 STATS_KEY = "probe_stats"   # checkpoint extras: the arrays
 META_KEY = "probe_meta"     # checkpoint extras: JSON (config, observed steps, timings)
 META_SCHEMA = "loka.probe_state/1"
+
+
+class ProbeStateError(ValueError):
+  """Saved probe statistics that do not fit this model or these settings."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +189,8 @@ def check_state(state, sites: Mapping[str, SiteProbe], config: ProbeConfig, wher
     have = {k: (tuple(np.shape(v)), str(np.asarray(v).dtype)) for k, v in
             flax.traverse_util.flatten_dict(dict(state), sep="/").items()}
   except Exception as e:  # not a nested dict of arrays
-    raise ValueError(f"{where}: probe statistics are not a nested dict of arrays ({e})") from e
+    raise ProbeStateError(f"{where}: probe statistics are not a nested dict of arrays ({e})"
+                          ) from e
   missing = sorted(set(want) - set(have))
   extra = sorted(set(have) - set(want))
   wrong = sorted(k for k in set(want) & set(have) if want[k][0] != have[k][0])
@@ -194,7 +199,7 @@ def check_state(state, sites: Mapping[str, SiteProbe], config: ProbeConfig, wher
     for label, keys in (("missing", missing), ("unexpected", extra), ("other shape", wrong)):
       if keys:
         parts.append(f"{label}: {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''}")
-    raise ValueError(f"{where}: the saved probe statistics were made for other sites or "
+    raise ProbeStateError(f"{where}: the saved probe statistics were made for other sites or "
                      f"probe settings ({'; '.join(parts)}); use the same settings or a new "
                      "--workdir")
 
@@ -353,6 +358,14 @@ class ProbeCollector:
           lambda b: model.init({"params": jax.random.PRNGKey(0),
                                 "dropout": jax.random.PRNGKey(1)}, b, train=False), batch)
     shapes = _perturbation_shapes(model, example_variables, batch)
+    outputs = flax.traverse_util.flatten_dict(flax.core.unfreeze(shapes), sep="/")
+    for name, site in self.sites.items():
+      got = outputs.get(f"{name}/out")
+      if got is None or tuple(got.shape) != site.layout.grad.shape:
+        raise ProbeStateError(
+            f"site {name}: the probe was set up for output shape {site.layout.grad.shape}, but "
+            f"a batch of {batch_size} gives {None if got is None else tuple(got.shape)}; build "
+            "the sites (probe_sites) from a batch of the training batch size")
     self._observe = make_observe(model, self.sites, config, shapes, on_trace=on_trace,
                                  donate=jax.default_backend() == "gpu")
     dtype = jax.tree.leaves(shapes)[0].dtype  # site outputs: the compute dtype
@@ -362,11 +375,13 @@ class ProbeCollector:
     else:
       names = meta.get("site_names")
       if names is not None and list(names) != list(self.sites):
-        raise ValueError("checkpoint extras: the saved probe statistics belong to sites "
+        raise ProbeStateError("checkpoint extras: the saved probe statistics belong to sites "
                          f"{list(names)[:4]}..., not this model's {list(self.sites)[:4]}...; "
                          "use a new --workdir")
       check_state(state, self.sites, config, "checkpoint extras")
-      state = jax.tree.map(jnp.asarray, state)
+    # Committed arrays, as every later state is: jit caches on committedness, so a fresh or
+    # restored state then shares the compiled pass with the states it produces.
+    state = jax.tree.map(lambda x: jax.device_put(jnp.asarray(x), jax.devices()[0]), state)
     self.meta = {"schema": META_SCHEMA, "config": config.to_dict(),
                  "site_names": list(self.sites),
                  "steps": list(meta.get("steps", [])),

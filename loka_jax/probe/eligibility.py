@@ -140,17 +140,21 @@ def assess_site(report: Mapping, site: str, criteria: Criteria = Criteria()
 
 
 def best_kernel(verdicts: Mapping[str, Verdict]) -> Verdict:
-  """The eligible kernel with the highest pessimistic speedup (then SQNR) for one pass;
-  the xla_bf16 baseline when none is eligible."""
+  """The best kernel of one pass: the eligible one with the highest pessimistic speedup
+  (then SQNR); else, where speed is unknown (no timing), the safe FP8 kernel with the
+  highest pessimistic SQNR (its verdict says eligible=False, fast=None); else xla_bf16."""
   eligible = [v for k, v in verdicts.items() if v.eligible and k != BASELINE]
-  if not eligible:
-    if BASELINE in verdicts:
-      return verdicts[BASELINE]
-    return Verdict(BASELINE, next(iter(verdicts.values())).pass_name if verdicts else "fwd",
-                   True, None, False, ("baseline not evaluated",))
-  key = lambda v: (v.speedup_lo if v.speedup_lo is not None else -1.0,
-                   v.sqnr_lo if v.sqnr_lo is not None else -1e9)
-  return max(eligible, key=key)
+  sqnr = lambda v: v.sqnr_lo if v.sqnr_lo is not None else -1e9
+  if eligible:
+    return max(eligible, key=lambda v: (v.speedup_lo if v.speedup_lo is not None else -1.0,
+                                        sqnr(v)))
+  untimed = [v for k, v in verdicts.items() if k != BASELINE and v.safe and v.fast is None]
+  if untimed:
+    return max(untimed, key=sqnr)
+  if BASELINE in verdicts:
+    return verdicts[BASELINE]
+  pass_name = next(iter(verdicts.values())).pass_name if verdicts else "fwd"
+  return Verdict(BASELINE, pass_name, True, None, False, ("baseline not evaluated",))
 
 
 def summarize_report(report: Mapping, criteria: Criteria = Criteria()) -> Dict[str, Dict]:

@@ -7,6 +7,7 @@ State (a dict of fp32 arrays, so checkpoints store it as it is):
   or, for wider features (mode 'diag_lowrank'):
   m2_diag [K]    exact sum of centred squares
   sketch  [K, s] m2 @ omega, a single-pass Nystrom sketch of m2 (omega: [K, s] orthonormal)
+  top     [r]    zeros whose length is the rank kept (r <= s; the extra columns oversample)
 
 Merging a batch of rows into the state is Chan et al.'s pairwise update; m2 is linear in the
 merged terms, so the sketch `m2 @ omega` merges exactly too. The covariance of the wide form
@@ -62,6 +63,7 @@ def init(mode: GaussianMode, seed: int = 0) -> Dict[str, jax.Array]:
     state["m2_diag"] = jnp.zeros((k,), jnp.float32)
     state["sketch"] = jnp.zeros((k, mode.sketch), jnp.float32)
     state["omega"] = jnp.asarray(omega, jnp.float32)
+    state["top"] = jnp.zeros((mode.rank,), jnp.float32)
   return state
 
 
@@ -82,6 +84,7 @@ def update(state: Dict[str, jax.Array], rows: jax.Array) -> Dict[str, jax.Array]
   else:
     omega = state["omega"]
     out["omega"] = omega
+    out["top"] = state["top"]
     out["m2_diag"] = state["m2_diag"] + jnp.sum(centred * centred, axis=0) + weight * delta ** 2
     projected = jnp.matmul(centred, omega, precision=_HI)              # [m, s]
     out["sketch"] = (state["sketch"] + jnp.matmul(centred.T, projected, precision=_HI)
@@ -100,6 +103,7 @@ def merge(a: Dict[str, jax.Array], b: Dict[str, jax.Array]) -> Dict[str, jax.Arr
     out["m2"] = a["m2"] + b["m2"] + weight * jnp.outer(delta, delta)
   else:
     out["omega"] = a["omega"]
+    out["top"] = a["top"]
     out["m2_diag"] = a["m2_diag"] + b["m2_diag"] + weight * delta ** 2
     out["sketch"] = a["sketch"] + b["sketch"] + weight * jnp.outer(delta, delta @ a["omega"])
   return out
@@ -113,7 +117,7 @@ def covariance(state) -> jax.Array:
   return factor @ factor.T + jnp.diag(diag)
 
 
-def lowrank_factors(state, rank: int = None) -> Tuple[jax.Array, jax.Array]:
+def lowrank_factors(state) -> Tuple[jax.Array, jax.Array]:
   """(L [K, r], d [K]) with covariance ~= L L^T + diag(d) (diag_lowrank mode).
 
   Nystrom from the sketch Y = C omega: C ~= Y (omega^T Y)^+ Y^T, computed stably with a
@@ -122,7 +126,7 @@ def lowrank_factors(state, rank: int = None) -> Tuple[jax.Array, jax.Array]:
   count = jnp.maximum(state["count"], 1.0)
   y = state["sketch"] / count
   omega = state["omega"]
-  rank = omega.shape[1] if rank is None else rank
+  rank = state["top"].shape[0]
   shift = 1e-6 * jnp.linalg.norm(y) + 1e-30
   y_shift = y + shift * omega
   core = omega.T @ y_shift
@@ -131,6 +135,8 @@ def lowrank_factors(state, rank: int = None) -> Tuple[jax.Array, jax.Array]:
   u, s, _ = jnp.linalg.svd(f, full_matrices=False)
   eig = jnp.maximum(s ** 2 - shift, 0.0)
   factor = u[:, :rank] * jnp.sqrt(eig[:rank])
+  # A failed factorization (no rows yet, rounding) leaves the exact diagonal alone.
+  factor = jnp.where(jnp.all(jnp.isfinite(factor)), factor, 0.0)
   diag = jnp.maximum(state["m2_diag"] / count - jnp.sum(factor ** 2, axis=1), 0.0)
   return factor, diag
 
@@ -149,13 +155,21 @@ def sampler_factors(state, jitter: float = 1e-6):
   """(mean, factor, diag_std): rows = mean + z @ factor.T + z' * diag_std."""
   mean = state["mean"]
   if "m2" in state:
-    cov = covariance(state)
-    k = cov.shape[0]
-    eps = jitter * jnp.maximum(jnp.trace(cov) / k, 1e-30)
-    factor = jnp.linalg.cholesky(cov + eps * jnp.eye(k, dtype=cov.dtype))
-    return mean, factor, jnp.zeros_like(mean)
+    return mean, scaled_cholesky(covariance(state), jitter), jnp.zeros_like(mean)
   factor, diag = lowrank_factors(state)
   return mean, factor, jnp.sqrt(diag)
+
+
+def scaled_cholesky(cov: jax.Array, jitter: float = 1e-6) -> jax.Array:
+  """A factor F with F F^T ~= cov, robust to features of wildly different scales (the
+  correlation matrix is factored, then the scales go back on: an outlier channel of variance
+  1e12 cannot swamp the others' variance of 1) and to rank deficiency (fewer rows seen than
+  features): a symmetric eigendecomposition with the negative rounding noise clipped."""
+  std = jnp.sqrt(jnp.maximum(jnp.diag(cov), 1e-30))
+  corr = cov / std[:, None] / std[None, :]
+  k = cov.shape[0]
+  vals, vecs = jnp.linalg.eigh(corr + jitter * jnp.eye(k, dtype=cov.dtype))
+  return std[:, None] * (vecs * jnp.sqrt(jnp.maximum(vals, 0.0)))
 
 
 def sample_rows(key, factors, num_rows: int) -> jax.Array:

@@ -38,6 +38,10 @@ CACHE_SCHEMA = "loka.timing_cache/1"
 FUSED_BWD = "fwdbwd"
 
 
+class TimingCacheError(ValueError):
+  """An unreadable timing cache file (the message says which and what to do)."""
+
+
 def pass_problem(layout: SiteLayout, pass_name: str):
   """(pass spec, a shape, b shape) of one pass at the site's full shapes."""
   a, b = layout.pass_operands(pass_name)
@@ -61,10 +65,10 @@ class TimingCache:
         with open(path) as f:
           data = json.load(f)
       except json.JSONDecodeError as e:
-        raise ValueError(f"timing cache {path} is not valid JSON ({e}); delete it to "
+        raise TimingCacheError(f"timing cache {path} is not valid JSON ({e}); delete it to "
                          "measure again") from e
       if data.get("schema") != CACHE_SCHEMA or data.get("device_kind") != device_kind:
-        raise ValueError(f"timing cache {path} holds {data.get('schema')!r} for "
+        raise TimingCacheError(f"timing cache {path} holds {data.get('schema')!r} for "
                          f"{data.get('device_kind')!r}; expected {CACHE_SCHEMA!r} for "
                          f"{device_kind!r}")
       self.entries = dict(data.get("entries", {}))

@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from loka_jax.probe.gaussian import scaled_cholesky
+
 _HI = lax.Precision.HIGHEST
 
 
@@ -56,11 +58,12 @@ def init(mode: MatrixNormalMode) -> Dict[str, jax.Array]:
 
 
 def _jittered(cov, jitter: float):
-  if cov.ndim == 1:
-    return cov + jitter * jnp.maximum(jnp.mean(cov), 1e-30)
-  n = cov.shape[0]
-  eps = jitter * jnp.maximum(jnp.trace(cov) / n, 1e-30)
-  return cov + eps * jnp.eye(n, dtype=cov.dtype)
+  """cov + jitter * diag(cov) (relative, so a row of large scale cannot swamp the rest),
+  floored by a tiny multiple of the mean diagonal."""
+  diag = cov if cov.ndim == 1 else jnp.diag(cov)
+  floor = 1e-3 * jitter * jnp.maximum(jnp.mean(diag), 1e-30)
+  add = jitter * jnp.maximum(diag, 0.0) + floor
+  return cov + add if cov.ndim == 1 else cov + jnp.diag(add)
 
 
 def _solve(cov, rhs, jitter: float):
@@ -101,6 +104,10 @@ def update(state, weight: jax.Array, *, ema: float = 0.1, jitter: float = 1e-6):
   col_cov = (1 - rate) * (state["col_cov"] + rate * _outer(delta.T, u_inv_d, full_cols) / rows)
   t = jnp.maximum(_trace(row_cov) / rows, 1e-30)
   row_cov, col_cov = row_cov / t, col_cov * t
+  # A solve that failed in fp32 must not poison the state: keep the previous factors.
+  ok = jnp.all(jnp.isfinite(row_cov)) & jnp.all(jnp.isfinite(col_cov))
+  row_cov = jnp.where(ok, row_cov, state["row_cov"])
+  col_cov = jnp.where(ok, col_cov, state["col_cov"])
 
   # Before any movement, the only scale is the weight's own: start V tiny and isotropic.
   scale0 = 1e-6 * jnp.maximum(jnp.mean(w * w), 1e-30)
@@ -111,8 +118,10 @@ def update(state, weight: jax.Array, *, ema: float = 0.1, jitter: float = 1e-6):
 
 
 def _cholesky(cov, jitter: float):
-  cov = _jittered(cov, jitter)
-  return jnp.sqrt(cov) if cov.ndim == 1 else jnp.linalg.cholesky(cov)
+  """A factor F with F F^T ~= cov (eigendecomposition: robust to rank deficiency)."""
+  if cov.ndim == 1:
+    return jnp.sqrt(jnp.maximum(_jittered(cov, jitter), 0.0))
+  return scaled_cholesky(cov, jitter)
 
 
 def sampler_factors(state, jitter: float = 1e-6):
@@ -144,7 +153,7 @@ def summary(state) -> Dict:
   return {
       "snapshots": float(state["count"]),
       "rms": float(np.sqrt(ms)),
-      "amax": float(np.max(np.abs(mean))) if mean.size else 0.0,
+      "abs_max": float(np.max(np.abs(mean))) if mean.size else 0.0,
       "drift_rms": float(np.sqrt(max(drift_var, 0.0))),
       # Per contracted-index scale spread of the weight (outlier input channels).
       "col_rms_max_over_median": float(col_std.max() / med) if med > 0 else None,

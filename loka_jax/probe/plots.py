@@ -67,7 +67,7 @@ def _heatmap(data, title: str, cmap: str, path: str, vmin=None, vmax=None, fmt="
           if np.isfinite(m[i, j]):
             ax.text(j, i, fmt.format(m[i, j]), ha="center", va="center", fontsize=5.5)
   fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
-  fig.suptitle(title, fontsize=10)
+  fig.suptitle(title, fontsize=10, y=1.04)
   fig.savefig(path, dpi=110, bbox_inches="tight")
   plt.close(fig)
   return path

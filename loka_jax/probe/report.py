@@ -10,7 +10,7 @@ import datetime
 import json
 import math
 import os
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping
 
 import numpy as np
 
@@ -31,9 +31,23 @@ class ProbeReportError(ValueError):
 # ----------------------------------------------------------------------------- JSON safety
 
 
+def _non_finite(value) -> bool:
+  return isinstance(value, (float, np.floating)) and not math.isfinite(float(value))
+
+
 def _clean(obj, path: str, bad: List[str]):
   if isinstance(obj, dict):
-    out = {str(k): _clean(v, f"{path}.{k}" if path else str(k), bad) for k, v in obj.items()}
+    out, broken = {}, []
+    for k, v in obj.items():
+      if k in TRIPLETS and isinstance(v, (list, tuple, np.ndarray)) and any(
+          _non_finite(x) for x in np.asarray(v, dtype=object).ravel()):
+        broken.append(f"{k}={[float(x) for x in v]}")  # a CI with a hole is no CI: null
+        out[str(k)] = None
+        continue
+      out[str(k)] = _clean(v, f"{path}.{k}" if path else str(k), bad)
+    if broken:
+      message = "non-finite " + ", ".join(broken)
+      out["error"] = f"{out['error']}; {message}" if out.get("error") else message
     return out
   if isinstance(obj, (list, tuple)):
     return [_clean(v, f"{path}[{i}]", bad) for i, v in enumerate(obj)]
@@ -175,7 +189,8 @@ def attach_best(report: Dict, criteria: eligibility.Criteria) -> None:
     for p, v in verdicts.items():
       best = eligibility.best_kernel(v)
       report["sites"][site]["best"][p] = {
-          "kernel": best.kernel, "eligible": best.eligible, "sqnr_db_lo": best.sqnr_lo,
+          "kernel": best.kernel, "eligible": best.eligible, "safe": best.safe,
+          "fast": best.fast, "sqnr_db_lo": best.sqnr_lo,
           "speedup_lo": best.speedup_lo, "speedup": best.speedup_mid,
           "rejected": {k: list(x.reasons) for k, x in v.items() if not x.eligible}}
 
@@ -199,19 +214,23 @@ def _best_cell(site: Mapping, p: str) -> str:
   text = best["kernel"]
   text += f" {sqnr[0]:.1f}dB" if sqnr else ""
   text += f" x{speed[1]:.2f}" if speed else ""
+  if not best.get("eligible") and best.get("safe") and best.get("fast") is None \
+      and best["kernel"] != "xla_bf16":
+    text += " (safe, speed unknown)"
   return text
 
 
-def site_table(report: Mapping, width: int = 44) -> str:
-  """The per-site table the CLI prints: site, shape, best safe kernel per pass."""
-  header = f"{'site':{width}s} {'shape':28s} " + " ".join(
-      f"{PASS_LABELS[p]:34s}" for p in PASSES)
-  lines = [header, "-" * len(header)]
+def site_table(report: Mapping, max_site_width: int = 44) -> str:
+  """The per-site table the CLI prints: site, shape, best (safe) kernel per pass with its
+  pessimistic SQNR and median speedup."""
+  rows = []
   for name, site in report["sites"].items():
-    shown = name if len(name) <= width else "..." + name[-(width - 3):]
-    lines.append(f"{shown:{width}s} {_shape(site):28s} "
-                 + " ".join(f"{_best_cell(site, p):34s}" for p in PASSES))
-  return "\n".join(lines)
+    shown = name if len(name) <= max_site_width else "..." + name[-(max_site_width - 3):]
+    rows.append([shown, _shape(site)] + [_best_cell(site, p) for p in PASSES])
+  header = ["site", "shape"] + [PASS_LABELS[p] for p in PASSES]
+  widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+  line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+  return "\n".join([line(header), "-" * len(line(header))] + [line(r) for r in rows])
 
 
 def _fmt(v, spec: str, default: str = "-") -> str:

@@ -14,13 +14,12 @@ import json
 import os
 import re
 import time
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import jax
 import numpy as np
 
 from loka_jax.dispatch import timing_table as tables_lib
-from loka_jax.kernels import FUSED_OP
 from loka_jax.probe import candidates as candidates_lib
 from loka_jax.probe import collector as collector_lib
 from loka_jax.probe import eligibility, evaluate, kernel_timing, plots, report as report_lib
@@ -33,6 +32,10 @@ REPORT_JSON = "probe_report.json"
 REPORT_MD = "probe_report.md"
 EVAL_CACHE = "probe_eval.jsonl"
 PLOTS_DIR = "plots"
+
+
+class ProbeSetupError(ValueError):
+  """Options that select nothing or do not fit the run."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +55,7 @@ class ProbeOptions:
   bootstrap: int = 1000                    # bootstrap resamples of every CI
   plots: bool = True
   site_plots: bool = True
-  sites: Optional[str] = None              # regex (re.search) of the sites to evaluate
+  sites: Optional[str] = None              # regex (re.search): probe only these sites
   budget_s: Optional[float] = None         # wall-clock budget of this call (None: none)
   criteria: eligibility.Criteria = eligibility.Criteria()
   seed: int = 0
@@ -141,6 +144,18 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
                                                   "dropout": jax.random.PRNGKey(1)}, b,
                                                  train=False), batch)
   sites = collector_lib.probe_sites(model, abstract, batch, probe_config)
+  # Settings errors surface before any training.
+  platform = jax.default_backend()
+  try:
+    kernels, excluded = candidates_lib.candidate_kernels(options.kernels or None, platform)
+  except ValueError as e:
+    raise ProbeSetupError(f"--kernels: {e}") from e
+  names = [k.name for k in kernels]
+  selected = [n for n in sites if options.sites is None or re.search(options.sites, n)]
+  if not selected:
+    raise ProbeSetupError(f"--sites={options.sites!r} matches none of the sites: "
+                          f"{list(sites)}")
+  sites = {n: sites[n] for n in selected}  # statistics, evaluation and report: these only
   restored = _restore(workdir, model, source, train_config)
   saved_stats, saved_meta = (None, None)
   if restored is not None:
@@ -160,17 +175,11 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
     for i in range(needed):
       collector.observe(state.variables(), state.rng, last + i)
 
-  platform = jax.default_backend()
-  kernels, excluded = candidates_lib.candidate_kernels(options.kernels or None, platform)
-  names = [k.name for k in kernels]
   compute_dtype = str(np.dtype(site_config_dtype(spec)))
   eval_config = evaluate.EvalConfig(samples=options.samples,
                                     reservoir_samples=options.reservoir_samples,
                                     max_eval_elements=options.max_eval_elements,
                                     chunk_elements=options.chunk_elements, seed=options.seed)
-  selected = [n for n in sites if options.sites is None or re.search(options.sites, n)]
-  if not selected:
-    raise ValueError(f"--sites={options.sites!r} matches none of the sites: {list(sites)}")
   pending: List[str] = []
 
   # ---- errors

@@ -1,0 +1,103 @@
+"""`python -m experiments.probe` end to end on a tiny Wukong, then resumed with a timing table."""
+import os
+import subprocess
+import sys
+import tempfile
+
+import chex
+from absl.testing import absltest
+
+from loka_jax.dispatch import timing_table
+from loka_jax.probe import report as report_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Compiled executables shared by this test's runs and the probe notebook's (same tiny shapes).
+JAX_CACHE = os.path.join(tempfile.gettempdir(), "loka_jax_test_compilation_cache")
+SITES = "layer_0/fmb/(fm_proj|optimized_fm|mlp/dense_0)"
+ARGS = ("--model=wukong", "--preset=tiny", "--steps=4", "--batch_size=64", "--num_eval=256",
+        "--cadence=2", "--samples=4", "--kernels=xla_bf16,xla_fp8_tensorwise,xla_fp8_rowwise",
+        f"--sites={SITES}",
+        f"--compilation_cache={JAX_CACHE}")
+
+
+def run_cli(*args, timeout=300):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg",
+             PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+  return subprocess.run([sys.executable, "-m", "experiments.probe", *args], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def _write_table(path):
+  """A GPU-like timing table for the dense product only: the other sites get estimates."""
+  entries = []
+  for kernel, us in (("xla_bf16", 30.0), ("xla_fp8_rowwise", 20.0)):
+    for p, (spec, lhs, rhs) in {"fwd": ("mk,kn->mn", [64, 36], [36, 32]),
+                                "grad_lhs": ("mn,kn->mk", [64, 32], [36, 32]),
+                                "grad_rhs": ("mk,mn->kn", [64, 36], [64, 32])}.items():
+      entries.append({"kernel": kernel, "pass": p, "spec": spec, "lhs_shape": lhs,
+                      "rhs_shape": rhs, "dtype": "bfloat16", "median_us": us,
+                      "ci_us": [0.95 * us, 1.05 * us], "backend": "cublaslt_fp8",
+                      "repeats": 20, "jax": "0.11.2", "date": "2026-11-26"})
+  timing_table.update_file(path, "NVIDIA H100 80GB HBM3", entries)
+
+
+class ProbeCliTest(chex.TestCase):
+
+  def test_tiny_wukong_end_to_end_then_resumed_with_a_timing_table(self):
+    workdir = tempfile.mkdtemp(prefix="loka_probe_cli_")
+    result = run_cli(*ARGS, f"--workdir={workdir}")
+    self.assertEqual(result.returncode, 0, result.stderr[-3000:] + result.stdout[-2000:])
+    report = report_lib.load_report(os.path.join(workdir, "probe_report.json"))
+    self.assertEqual((report["model"], report["preset"], report["timing_valid"]),
+                     ("wukong", "tiny", False))
+    self.assertEqual(report["timing_source"]["kind"], "none")
+    self.assertEqual(list(report["sites"]), ["layer_0/fmb/fm_proj", "layer_0/fmb/optimized_fm",
+                                             "layer_0/fmb/mlp/dense_0"])
+    self.assertEqual(report["overhead"]["observations"], 2)   # steps 2 and 4
+    site = report["sites"]["layer_0/fmb/mlp/dense_0"]
+    self.assertEqual(site["shapes"], {"lhs": [64, 36], "rhs": [36, 32], "out": [64, 32]})
+    for p in ("fwd", "grad_lhs", "grad_rhs"):
+      fp8 = site["passes"][p]["xla_fp8_rowwise"]["sqnr_db"]
+      bf16 = site["passes"][p]["xla_bf16"]["sqnr_db"]
+      self.assertTrue(15.0 < fp8[0] <= fp8[2] < 45.0, (p, fp8))
+      self.assertGreater(bf16[0], fp8[2])
+    self.assertIn("histogram", site["stats"]["lhs"])
+    for name in ("probe_report.md", "plots/heatmap_error.png",
+                 "plots/sites/layer_0_fmb_mlp_dense_0.png", "probe_eval.jsonl"):
+      self.assertTrue(os.path.exists(os.path.join(workdir, name)), name)
+    self.assertIn("layer_0/fmb/optimized_fm", result.stdout)
+    self.assertIn("probe overhead:", result.stdout)
+    self.assertEqual(result.stdout.count("[probe] evaluated"), 3)
+
+    # Again, with a committed-style timing table: training and evaluation are reused, the
+    # speedups come from the table (nearest shape, estimated) and the report says so.
+    table = os.path.join(tempfile.mkdtemp(), "NVIDIA_H100_80GB_HBM3.json")
+    _write_table(table)
+    again = run_cli(*ARGS, f"--workdir={workdir}", f"--timing_table={table}", "--noplots")
+    self.assertEqual(again.returncode, 0, again.stderr[-3000:])
+    self.assertNotIn("[probe] evaluated", again.stdout)
+    resumed = report_lib.load_report(os.path.join(workdir, "probe_report.json"))
+    self.assertFalse(resumed["timing_valid"])
+    self.assertEqual(resumed["timing_source"]["kind"], "table")
+    dense = resumed["sites"]["layer_0/fmb/mlp/dense_0"]["passes"]["fwd"]["xla_fp8_rowwise"]
+    self.assertEqual(dense["timing"], "table")
+    chex.assert_trees_all_close(dense["speedup"], [30 * 0.95 / (20 * 1.05), 1.5,
+                                                   30 * 1.05 / (20 * 0.95)])
+    fm = resumed["sites"]["layer_0/fmb/fm_proj"]["passes"]["fwd"]["xla_fp8_rowwise"]
+    self.assertEqual(fm["timing"], "estimated")
+    self.assertEqual(fm["sqnr_db"], report["sites"]["layer_0/fmb/fm_proj"]["passes"]["fwd"]
+                     ["xla_fp8_rowwise"]["sqnr_db"])
+
+  def test_bad_arguments_fail_with_a_clear_message(self):
+    workdir = tempfile.mkdtemp(prefix="loka_probe_cli_bad_")
+    result = run_cli("--model=wukong", "--preset=tiny", "--steps=1", "--batch_size=8",
+                     "--kernels=xla_fp9", f"--workdir={workdir}", "--compilation_cache=")
+    self.assertNotEqual(result.returncode, 0)
+    self.assertIn("unknown kernel(s) ['xla_fp9']", result.stderr)
+    result = run_cli("--model=wukong", "--preset=tiny", "--cadence=0", f"--workdir={workdir}")
+    self.assertNotEqual(result.returncode, 0)
+    self.assertIn("cadence must be >= 1", result.stderr)
+
+
+if __name__ == "__main__":
+  absltest.main()

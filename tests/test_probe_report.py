@@ -1,0 +1,249 @@
+"""ProbeReport files, markdown, plots, kernel timing and the committed timing tables."""
+import json
+import math
+import os
+import tempfile
+
+import chex
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from loka_jax import kernels as kernels_lib
+from loka_jax.dispatch import timing_table
+from loka_jax.probe import candidates, collector, eligibility, kernel_timing, plots
+from loka_jax.probe import report as report_lib
+from loka_jax.probe.stats_report import histogram
+
+CONFIG = collector.ProbeConfig()
+
+
+def _flush(value):
+  grans = ("tensorwise", "rowwise", "block_1x128", "block_128x128")
+  table = {f: {g: value for g in grans} for f in ("e4m3", "e5m2")}
+  return {"mean": table, "max": table}
+
+
+def _operand_stats(seed, uses):
+  rng = np.random.default_rng(seed)
+  return {"mode": "full", "features": 8, "spectrum": sorted(rng.uniform(0.1, 3, 8))[::-1],
+          "histogram": histogram(rng.standard_normal(500) * 10.0 ** rng.uniform(-3, 1, 500)),
+          "flush": {u: _flush(float(rng.uniform(0, 0.02))) for u in uses}}
+
+
+def _entry(rng, speed=True):
+  sq = float(rng.uniform(20, 40))
+  out = {"sqnr_db": [sq - 1, sq, sq + 1], "rel_fro": [0.01, 0.02, 0.03],
+         "mere": [0.05, 0.06, 0.07], "median_rel": [0.01, 0.01, 0.02],
+         "underflow": [0.0, 0.001, 0.002],
+         "operands": {"lhs": {"underflow": [0.0, 0.001, 0.002], "saturation": None}},
+         "error": None, "backend": "xla_cpu", "time_us": None, "speedup": None}
+  if speed:
+    s = float(rng.uniform(0.8, 1.5))
+    out.update(time_us=[9.0, 10.0, 11.0], speedup=[s - 0.05, s, s + 0.05])
+  return out
+
+
+def make_report(sites=("tower/dense_0", "tower/fm")):
+  """A small but complete loka.probe/1 report (the structure run_probe writes)."""
+  rng = np.random.default_rng(0)
+  kernels = ("xla_bf16", "xla_fp8_rowwise")
+  info = {k: {"sort": kernels_lib.get(k).sort, "fp8": kernels_lib.get(k).fp8,
+              "backend": "xla"} for k in kernels}
+  report = report_lib.new_report(
+      model="wukong", preset="tiny", device="cpu", device_kind="cpu", platform="cpu",
+      jax_version="0.0", timing_valid=False, timing_source={"kind": "none"},
+      run={"steps": 4, "batch_size": 8, "data": "synthetic", "precision": "bf16"},
+      probe_config=CONFIG.to_dict(), evaluation={"samples": 4, "reservoir_samples": 4},
+      criteria=eligibility.Criteria().to_dict(),
+      overhead={"observations": 2, "cadence": 2, "probe_ms": 3.0, "step_ms": 10.0,
+                "fraction": 0.15, "compile_s": 1.0},
+      kernels=info, excluded_kernels={"xla_fp32": "reference arm"})
+  for i, name in enumerate(sites):
+    report["sites"][name] = {
+        "kind": "act_weight", "spec": "mk,kn->mn",
+        "shapes": {"lhs": [8, 16], "rhs": [16, 4], "out": [8, 4]}, "flops": 1024,
+        "stats": {"observations": 2, "lhs": _operand_stats(i, ("fwd", "grad_rhs")),
+                  "rhs": _operand_stats(i + 10, ("fwd", "grad_lhs")),
+                  "grad": _operand_stats(i + 20, ("grad_lhs", "grad_rhs"))},
+        "evaluation": {"slices": 8, "of": 8, "slice_index": "m"},
+        "passes": {p: {k: _entry(rng) for k in kernels}
+                   for p in ("fwd", "grad_lhs", "grad_rhs")}}
+  report_lib.attach_best(report, eligibility.Criteria())
+  return report
+
+
+class ReportFileTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.dir = tempfile.mkdtemp(prefix="loka_report_")
+    self.path = os.path.join(self.dir, "probe_report.json")
+
+  def test_save_load_round_trip(self):
+    report = make_report()
+    written = report_lib.save_report(report, self.path)
+    loaded = report_lib.load_report(self.path)
+    self.assertEqual(loaded, written)
+    self.assertEqual(loaded["schema"], "loka.probe/1")
+    self.assertEqual(set(loaded["sites"]), {"tower/dense_0", "tower/fm"})
+    chex.assert_trees_all_close(loaded["sites"]["tower/fm"]["passes"]["fwd"]["xla_bf16"]["sqnr_db"],
+                                report["sites"]["tower/fm"]["passes"]["fwd"]["xla_bf16"]["sqnr_db"])
+
+  def test_truncated_file_is_rejected_naming_it(self):
+    report_lib.save_report(make_report(), self.path)
+    with open(self.path) as f:
+      text = f.read()
+    with open(self.path, "w") as f:
+      f.write(text[: len(text) // 2])
+    with self.assertRaisesRegex(report_lib.ProbeReportError,
+                                f"{self.path}: not valid JSON .* truncated or corrupt"):
+      report_lib.load_report(self.path)
+
+  def test_empty_and_binary_files_are_rejected(self):
+    open(self.path, "w").close()
+    with self.assertRaisesRegex(report_lib.ProbeReportError, "empty"):
+      report_lib.load_report(self.path)
+    with open(self.path, "wb") as f:
+      f.write(bytes(range(256)))
+    with self.assertRaisesRegex(report_lib.ProbeReportError, "not valid JSON"):
+      report_lib.load_report(self.path)
+
+  @parameterized.parameters(
+      (lambda r: r.update(schema="loka.probe/2"), "schema 'loka.probe/2' is not 'loka.probe/1'"),
+      (lambda r: r.pop("schema"), "not a probe report"),
+      (lambda r: r.pop("timing_valid"), "missing field 'timing_valid'"),
+      (lambda r: r["sites"]["tower/fm"].update(kind="act_x"), "site 'tower/fm': kind 'act_x'"),
+      (lambda r: r["sites"]["tower/fm"]["passes"].update(bwd={}), "unknown pass 'bwd'"),
+      (lambda r: r["sites"]["tower/fm"]["passes"]["fwd"]["xla_bf16"].update(sqnr_db=[3, 2, 1]),
+       "fwd, xla_bf16, sqnr_db: lower bound 3"),
+      (lambda r: r["sites"]["tower/fm"]["passes"]["fwd"]["xla_bf16"].update(mere="high"),
+       "mere: expected null or"),
+  )
+  def test_wrong_version_or_structure_is_rejected(self, corrupt, message):
+    data = report_lib.json_ready(make_report())
+    corrupt(data)
+    with open(self.path, "w") as f:
+      json.dump(data, f)
+    with self.assertRaises(report_lib.ProbeReportError) as ctx:
+      report_lib.load_report(self.path)
+    self.assertIn(message, str(ctx.exception))
+    self.assertIn(self.path, str(ctx.exception))
+
+  def test_non_finite_numbers_become_null_with_an_error(self):
+    report = make_report()
+    report["sites"]["tower/fm"]["passes"]["fwd"]["xla_bf16"]["rel_fro"] = [0.1, math.nan, 0.2]
+    report["overhead"]["fraction"] = math.inf
+    written = report_lib.save_report(report, self.path)
+    with open(self.path) as f:
+      text = f.read()
+    self.assertNotIn("NaN", text)
+    self.assertNotIn("Infinity", text)
+    self.assertIsNone(written["overhead"]["fraction"])
+    self.assertTrue(any("overhead.fraction=inf" in e for e in written["errors"]))
+    # A CI with a non-finite end is no CI: null, and the entry says why.
+    entry = written["sites"]["tower/fm"]["passes"]["fwd"]["xla_bf16"]
+    self.assertIsNone(entry["rel_fro"])
+    self.assertIn("non-finite rel_fro=[0.1, nan, 0.2]", entry["error"])
+    self.assertEqual(report_lib.load_report(self.path), written)
+
+
+class ReportTextAndPlotTest(absltest.TestCase):
+
+  def test_markdown_table_and_plots(self):
+    report = report_lib.json_ready(make_report())
+    text = report_lib.markdown(report)
+    self.assertIn("# Probe report: wukong `tiny`", text)
+    self.assertIn("| `tower/dense_0` | act_weight |", text)
+    self.assertIn("overhead 15.00%", text)
+    table = report_lib.site_table(report)
+    self.assertEqual(len(table.splitlines()), 2 + 2)
+    self.assertIn("tower/fm", table)
+    out = tempfile.mkdtemp(prefix="loka_plots_")
+    paths = plots.write_plots(report, out)
+    self.assertEqual(len(paths), 2 + 2)  # two heatmaps, two sites
+    for path in paths:
+      with open(path, "rb") as f:
+        self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+      self.assertGreater(os.path.getsize(path), 2000)
+
+
+class TimingTableTest(parameterized.TestCase):
+
+  def _entry(self, kernel, m, us, pass_name="fwd"):
+    return {"kernel": kernel, "pass": pass_name, "spec": "mk,kn->mn", "lhs_shape": [m, 256],
+            "rhs_shape": [256, 512], "dtype": "bfloat16", "median_us": us,
+            "ci_us": [0.9 * us, 1.1 * us], "backend": "cublaslt_fp8", "repeats": 20,
+            "jax": "0.11.2", "date": "2026-11-26"}
+
+  def test_merge_replaces_older_entries_and_lookup_falls_back_to_nearest(self):
+    directory = tempfile.mkdtemp(prefix="loka_tables_")
+    path = timing_table.table_path("NVIDIA H100 80GB HBM3", directory)
+    timing_table.update_file(path, "NVIDIA H100 80GB HBM3",
+                             [self._entry("xla_bf16", 1024, 20.0),
+                              self._entry("xla_fp8_rowwise", 1024, 25.0),
+                              self._entry("xla_bf16", 8192, 100.0),
+                              self._entry("xla_fp8_rowwise", 8192, 80.0)])
+    table = timing_table.update_file(path, "NVIDIA H100 80GB HBM3",
+                                     [self._entry("xla_fp8_rowwise", 8192, 50.0)])
+    self.assertEqual(len(table["entries"]), 4)
+    self.assertEqual(timing_table.available_tables(directory),
+                     {"NVIDIA H100 80GB HBM3": path})
+    exact = timing_table.lookup(table, "xla_fp8_rowwise", "fwd", "mk,kn->mn", (8192, 256),
+                                (256, 512))
+    self.assertFalse(exact["estimated"])
+    self.assertAlmostEqual(exact["speedup"], 2.0)
+    near = timing_table.lookup(table, "xla_fp8_rowwise", "fwd", "mk,kn->mn", (6000, 256),
+                               (256, 512))
+    self.assertTrue(near["estimated"])
+    self.assertEqual(near["from"]["lhs_shape"], [8192, 256])
+    self.assertAlmostEqual(near["time_us"], 50.0 * 6000 / 8192)
+    self.assertIsNone(timing_table.lookup(table, "xla_fp8_tensorwise", "fwd", "mk,kn->mn",
+                                          (8192, 256), (256, 512)))
+    with self.assertRaisesRegex(timing_table.TimingTableError, "holds timings of"):
+      timing_table.update_file(path, "NVIDIA H200", [])
+
+  def test_bad_tables_are_rejected_naming_the_file(self):
+    path = os.path.join(tempfile.mkdtemp(), "t.json")
+    with open(path, "w") as f:
+      f.write('{"schema": "loka.timings/1", "device_kind": "x", "entries": [')
+    with self.assertRaisesRegex(timing_table.TimingTableError, f"{path}: not valid JSON"):
+      timing_table.load_table(path)
+    with open(path, "w") as f:
+      json.dump({"schema": "loka.timings/1", "device_kind": "x",
+                 "entries": [{**self._entry("a", 1, 1.0), "median_us": -1}]}, f)
+    with self.assertRaisesRegex(timing_table.TimingTableError, "positive number"):
+      timing_table.load_table(path)
+
+
+class KernelTimingTest(absltest.TestCase):
+
+  def test_measures_missing_entries_once_and_reports_speedups(self):
+    site = collector.make_site_probe("d", "mk,kn->mn", "act_weight", (32, 48), (48, 16), CONFIG)
+    kernels, _ = candidates.candidate_kernels(["xla_bf16", "xla_fp8_rowwise",
+                                               "xla_fp8_rowwise_fastacc"], "cpu")
+    path = os.path.join(tempfile.mkdtemp(), "cpu.json")
+    cache = kernel_timing.TimingCache(path, "cpu")
+    got = kernel_timing.measure_site(site.layout, kernels, "bfloat16", cache, unsupported={},
+                                     repeats=3)
+    self.assertEqual(len(got), 9)  # 3 kernels x 3 passes (identical code measured once)
+    fast = {e["pass"]: e for e in got if e["kernel"] == "xla_fp8_rowwise_fastacc"}
+    base = {e["pass"]: e for e in got if e["kernel"] == "xla_fp8_rowwise"}
+    self.assertEqual(fast["fwd"]["seconds"], base["fwd"]["seconds"])  # same code in fwd
+    reloaded = kernel_timing.TimingCache(path, "cpu")
+    self.assertEqual(kernel_timing.measure_site(site.layout, kernels, "bfloat16", reloaded,
+                                                unsupported={}, repeats=3), [])
+    timings = kernel_timing.site_timings(site.layout, kernels, "bfloat16", reloaded,
+                                         unsupported={})
+    entry = timings["grad_rhs"]["xla_fp8_rowwise"]
+    lo, mid, hi = entry["time_us"]
+    self.assertTrue(0 < lo <= mid <= hi)
+    self.assertEqual(entry["backend"], "xla_cpu")
+    self.assertEqual(len(entry["speedup"]), 3)
+    rows = kernel_timing.table_entries(list(reloaded.entries.values()))
+    self.assertNotIn("seconds", rows[0])
+    table = timing_table.merge_entries(timing_table.empty_table("cpu"), rows)
+    timing_table.validate(table, "merged")
+
+
+if __name__ == "__main__":
+  absltest.main()
