@@ -8,6 +8,7 @@ baseline. Writes WORKDIR/ablation.{json,md,png}. Resumable: rerun the same comma
 --max_minutes stopped it; finished arms and timing rows are kept (loka_jax/mods/ablation.py).
 """
 import os
+import sys
 
 from absl import app, flags
 
@@ -63,9 +64,13 @@ def main(argv):
   experiment.quiet_library_logs()
   workdir = common.WORKDIR.value
   ablation.use_compile_cache(COMPILE_CACHE.value or os.path.join(workdir, "jax_cache"))
-  result = ablation.run(config, workdir, log=lambda line: print(line, flush=True))
+  try:
+    result = ablation.run(config, workdir, log=lambda line: print(line, flush=True))
+  except ablation.SettingsError as e:
+    sys.exit(f"error: {e}")
   print(ablation.markdown_table(result))
-  print(f"\nwrote {', '.join(os.path.join(workdir, f) for f in ('ablation.json', 'ablation.md', 'ablation.png'))}")
+  outputs = (os.path.join(workdir, f) for f in ("ablation.json", "ablation.md", "ablation.png"))
+  print(f"\nwrote {', '.join(outputs)}")
   if not result["complete"]:
     print("INCOMPLETE: rerun the same command to continue")
 

@@ -132,7 +132,7 @@ def main(argv):
     raise app.UsageError(str(e)) from e
   if COMPILATION_CACHE.value:
     jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE.value)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   experiment.quiet_library_logs()
   spec = _run_spec()
   try:

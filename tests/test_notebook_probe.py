@@ -23,7 +23,7 @@ class ProbeNotebookTest(chex.TestCase):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     env = dict(os.environ, LOKA_NOTEBOOK_TINY="1", JAX_PLATFORMS="cpu", MPLBACKEND="Agg",
                JAX_COMPILATION_CACHE_DIR=JAX_CACHE,
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     client = nbclient.NotebookClient(nb, timeout=240, kernel_name="python3",
                                      resources={"metadata": {"path": REPO}})

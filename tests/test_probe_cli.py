@@ -43,8 +43,16 @@ def _write_table(path):
 
 class ProbeCliTest(chex.TestCase):
 
-  def test_tiny_wukong_end_to_end_then_resumed_with_a_timing_table(self):
+  def test_tiny_wukong_end_to_end_resumed_then_with_a_timing_table(self):
     workdir = tempfile.mkdtemp(prefix="loka_probe_cli_")
+    # A budget that runs out right after training: exit 3, a partial report saying so.
+    partial = run_cli(*ARGS, f"--workdir={workdir}", "--budget_s=0.001")
+    self.assertEqual(partial.returncode, 3, partial.stderr[-3000:] + partial.stdout[-2000:])
+    self.assertIn("INCOMPLETE", partial.stdout)
+    report = report_lib.load_report(os.path.join(workdir, "probe_report.json"))
+    self.assertFalse(report["complete"])
+    self.assertEqual(len(report["pending"]), 3)
+    # The same command without a budget resumes: no training left, three sites evaluated.
     result = run_cli(*ARGS, f"--workdir={workdir}")
     self.assertEqual(result.returncode, 0, result.stderr[-3000:] + result.stdout[-2000:])
     report = report_lib.load_report(os.path.join(workdir, "probe_report.json"))

@@ -29,45 +29,52 @@ def _setup(on_trace=None, state=None, meta=None):
 
 class StatisticsPassTest(chex.TestCase):
 
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.traces = []
+    cls.model, cls.source, cls.sites, cls.probe = _setup(on_trace=cls.traces.append)
+    cls.params = cls.model.init({"params": jax.random.PRNGKey(1)},
+                                cls.source.train_batch(0, BATCH))
+    cls.probe.observe(cls.params, jax.random.PRNGKey(0), step=5)
+    cls.first = jax.device_get(cls.probe.state)
+    for step in (6, 8):
+      cls.probe.observe(cls.params, jax.random.PRNGKey(0), step=step)
+
   def test_output_gradients_are_those_of_the_training_loss(self):
-    model, source, sites, probe = _setup()
-    self.assertEqual(list(sites), ["hidden", "out"])
-    params = model.init({"params": jax.random.PRNGKey(1)}, source.train_batch(0, BATCH))
-    probe.observe(params, jax.random.PRNGKey(0), step=5)
-    batch = source.train_batch(5, BATCH)
+    self.assertEqual(list(self.sites), ["hidden", "out"])
+    batch = self.source.train_batch(5, BATCH)
     # The toy's logit is the `out` site's output (no bias at init): d loss / d out by hand.
-    logits = model.apply(params, batch)
+    logits = self.model.apply(self.params, batch)
     by_hand = jax.grad(lambda z: jnp.mean(bce_with_logits(z, batch["label"])))(logits)
-    out = collector.site_state(probe.state, sites, "out")
+    out = collector.site_state(self.first, self.sites, "out")
     self.assertEqual(float(out["grad"]["count"]), BATCH)
     np.testing.assert_allclose(out["grad"]["mean"][0], np.mean(by_hand), rtol=2e-2, atol=1e-6)
     np.testing.assert_allclose(out["grad"]["m2"][0, 0], np.sum((by_hand - by_hand.mean()) ** 2),
                                rtol=5e-2)
     # And the inputs: the hidden site sees [dense, pooled embeddings] of the same batch.
-    hidden = collector.site_state(probe.state, sites, "hidden")
+    hidden = collector.site_state(self.first, self.sites, "hidden")
     np.testing.assert_allclose(hidden["lhs"]["mean"][:4], batch["dense"].mean(0), atol=2e-2)
     self.assertEqual(int(hidden["reservoir"]["seen"]), BATCH)
 
   def test_pass_compiles_once_per_shape(self):
-    traces = []
-    model, source, sites, probe = _setup(on_trace=traces.append)
-    params = model.init({"params": jax.random.PRNGKey(1)}, source.train_batch(0, BATCH))
-    for step in (2, 4, 6):
-      probe.observe(params, jax.random.PRNGKey(0), step=step)
-    self.assertEqual(traces.count("extract"), 1)
-    updates = [t for t in traces if t.startswith("update")]
-    self.assertEqual(len(updates), len(sites))  # two sites, two shapes, each traced once
-    self.assertEqual(int(probe.state["observations"]), 3)
+    self.assertEqual(int(self.probe.state["observations"]), 3)
+    self.assertEqual(self.traces.count("extract"), 1)
+    updates = [t for t in self.traces if t.startswith("update")]
+    self.assertEqual(len(updates), len(self.sites))  # two sites, two shapes, each traced once
     # Sites are shapes: another batch size needs its own, and traces the pass again, once.
     with self.assertRaisesRegex(collector.ProbeStateError, "set up for output shape"):
-      collector.ProbeCollector(model, source, BATCH * 2, sites, CONFIG)
-    bigger = collector.probe_sites(model, params, source.train_batch(0, 2 * BATCH), CONFIG)
-    other = collector.ProbeCollector(model, source, BATCH * 2, bigger, CONFIG,
-                                     example_variables=jax.eval_shape(lambda: params),
+      collector.ProbeCollector(self.model, self.source, BATCH * 2, self.sites, CONFIG)
+    bigger = collector.probe_sites(self.model, self.params,
+                                   self.source.train_batch(0, 2 * BATCH), CONFIG)
+    traces = []
+    other = collector.ProbeCollector(self.model, self.source, BATCH * 2, bigger, CONFIG,
+                                     example_variables=jax.eval_shape(lambda: self.params),
                                      on_trace=traces.append)
-    other.observe(params, jax.random.PRNGKey(0), step=2)
-    other.observe(params, jax.random.PRNGKey(0), step=4)
-    self.assertEqual(traces.count("extract"), 2)
+    other.observe(self.params, jax.random.PRNGKey(0), step=2)
+    other.observe(self.params, jax.random.PRNGKey(0), step=4)
+    self.assertEqual(traces.count("extract"), 1)
+    self.assertEqual(len(traces), 1 + len(bigger))
 
 
 class TrainingLoopTest(chex.TestCase):

@@ -8,7 +8,7 @@ from absl.testing import absltest, parameterized
 from loka_jax import kernels as kernels_lib
 from loka_jax.probe import candidates, collector, eligibility, evaluate, summarize
 
-OUTLIER_KERNELS = ("xla_bf16", "xla_fp8_tensorwise", "xla_fp8_rowwise", "pallas_fp8_blockwise")
+OUTLIER_KERNELS = ("xla_fp8_tensorwise", "xla_fp8_rowwise", "pallas_fp8_blockwise")
 CONFIG = collector.ProbeConfig()
 
 
@@ -86,16 +86,17 @@ class OutlierChannelTest(chex.TestCase):
       self.assertLessEqual(lo, mid)
       self.assertLessEqual(mid, hi)
     self.assertEqual(self.passes["clean"]["grad_rhs"]["xla_fp8_rowwise"]["source"], "reservoir")
-    # bf16 rounds operands to 8 bits: far more accurate than e4m3 here.
-    bf16 = self.passes["clean"]["fwd"]["xla_bf16"]["sqnr_db"][0]
-    fp8 = self.passes["clean"]["fwd"]["xla_fp8_rowwise"]["sqnr_db"][-1]
-    self.assertGreater(bf16, fp8 + 10.0)
+    # e4m3 keeps 3 mantissa bits: about 30 dB on a well-conditioned site, e5m2 grads less.
+    fwd = self.passes["clean"]["fwd"]["xla_fp8_rowwise"]["sqnr_db"]
+    dgrad = self.passes["clean"]["grad_lhs"]["xla_fp8_rowwise"]["sqnr_db"]
+    self.assertTrue(26.0 < fwd[0] and fwd[2] < 36.0, fwd)
+    self.assertLess(dgrad[1], fwd[1])
 
 
 class EvaluationCompileTest(chex.TestCase):
 
   def test_equal_shapes_share_one_compile_per_kernel(self):
-    kernels = [kernels_lib.get("xla_bf16"), kernels_lib.get("xla_fp8_rowwise")]
+    kernels = [kernels_lib.get("xla_fp8_rowwise")]
     config = evaluate.EvalConfig(samples=2, reservoir_samples=2)
     passes = ("fwd", "grad_lhs", "grad_rhs")
     size = lambda: {k.name: evaluate.kernel_evaluator(k.name, passes, "mk,kn->mn",
@@ -107,7 +108,7 @@ class EvaluationCompileTest(chex.TestCase):
                                                (8, 24), (24, 16), CONFIG)
     update = jax.jit(lambda s, x, w, g: collector.update_site_state(
         s, make(0), x, w, g, jax.random.PRNGKey(0), CONFIG))
-    for i in range(3):
+    for i in range(2):
       site = make(i)
       state = update(collector.init_site_state(site, CONFIG),
                      *(jax.random.normal(jax.random.PRNGKey(i + j), shape)
@@ -118,7 +119,7 @@ class EvaluationCompileTest(chex.TestCase):
     # passes; the other sites of the same shape add none.
     self.assertEqual({k: v - before[k] for k, v in sizes[0].items()},
                      {k: 1 for k in sizes[0]})
-    self.assertEqual(sizes[0], sizes[2])
+    self.assertEqual(sizes[0], sizes[1])
 
 
 class SummaryTest(parameterized.TestCase):

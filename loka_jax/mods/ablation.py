@@ -269,6 +269,10 @@ def _append_row(workdir: str, row: Mapping[str, Any]) -> None:
     os.fsync(f.fileno())
 
 
+class SettingsError(ValueError):
+  """A work directory holding an ablation with other shared settings."""
+
+
 def check_settings(config: AblationConfig, workdir: str) -> None:
   """Writes settings.json, or refuses a workdir holding an ablation with other settings."""
   path = os.path.join(workdir, "settings.json")
@@ -278,7 +282,7 @@ def check_settings(config: AblationConfig, workdir: str) -> None:
     diffs = [f"{k}: {old.get(k)!r} -> {settings.get(k)!r}"
              for k in sorted(set(old) | set(settings)) if old.get(k) != settings.get(k)]
     if diffs:
-      raise ValueError(f"{workdir} holds an ablation with other settings ({'; '.join(diffs)}); "
+      raise SettingsError(f"{workdir} holds an ablation with other settings ({'; '.join(diffs)}); "
                        "rerun with the same settings or use a new --workdir")
   _write_json(path, settings)
 
@@ -429,7 +433,7 @@ def summarize(config: AblationConfig, finals: Mapping[str, Optional[Mapping[str,
     fp8_ll = (row.get("fp8_all") or {}).get("logloss")
     row["fp8_vs_bf16"] = _delta(fp8_ll, bf16_ll, tolerance)
     row["mods_vs_baseline"] = _delta(bf16_ll, base_ll, tolerance) if mods else None
-    row["fp8_mods_vs_baseline"] = _delta(fp8_ll, base_ll, tolerance)
+    row["fp8_mods_vs_baseline"] = _delta(fp8_ll, base_ll, tolerance) if mods else None
     if t is not None and t.get("fp8_vs_bf16"):
       row["fp8_vs_bf16_speedup"] = t["fp8_vs_bf16"]
     rows.append(row)
@@ -553,7 +557,8 @@ def plot(result: Mapping[str, Any], path: str) -> str:
     ax_t.text(0.5, 0.5, f"timing {result['timing']}", ha="center", va="center",
               transform=ax_t.transAxes)
   ax_t.set_xticks(x, labels, rotation=30, ha="right")
-  ax_t.set_title(f"Latency ({result['device']})")
+  smoke = " - smoke, not results" if result["timing"].startswith("smoke") else ""
+  ax_t.set_title(f"Latency ({result['device']}{smoke})")
   ax_t.grid(axis="y", alpha=0.3)
   s = result["settings"]
   fig.suptitle(f"Mods ablation: {s['model']}/{s['preset']}, {s['steps']} steps x "
@@ -562,6 +567,47 @@ def plot(result: Mapping[str, Any], path: str) -> str:
   fig.savefig(path, dpi=110)
   plt.close(fig)
   return path
+
+
+def _labels(rows, key: str, verdict: str) -> List[str]:
+  return [r["label"] for r in rows if (r.get(key) or {}).get("verdict") == verdict]
+
+
+def _sentence(title: str, rows, key: str) -> Optional[str]:
+  judged = [r for r in rows if r.get(key)]
+  if not judged:
+    return None
+  parts = [f"{verdict} for {', '.join(labels)}" for verdict in ("neutral", "better", "worse")
+           if (labels := _labels(judged, key, verdict))]
+  return f"{title} ({len(judged)} combination(s)): " + "; ".join(parts) + "."
+
+
+def reading(result: Mapping[str, Any]) -> str:
+  """A few sentences reading the ablation: loss verdicts, then latency where measured."""
+  rows = result["rows"]
+  noise = result["noise"]
+  lines = [f"Neutral band: |delta log loss| <= {_fmt(noise['tolerance'])}"
+           + (f" (2 x bf16 seed std {noise['std']:.5f} over {len(noise['logloss'])} seeds)."
+              if noise["std"] is not None else " (0.02% relative; no seed noise floor).")]
+  for title, key in (("FP8 vs bf16 with the same Mods", "fp8_vs_bf16"),
+                     ("Mods alone (bf16) vs the bf16 baseline", "mods_vs_baseline"),
+                     ("FP8 with Mods vs the bf16 baseline", "fp8_mods_vs_baseline")):
+    sentence = _sentence(title, rows, key)
+    if sentence:
+      lines.append(sentence)
+  timed = [r for r in rows if r.get("fp8_vs_bf16_speedup")]
+  if timed:
+    lines.append("FP8 vs bf16 train-step speedup with the same Mods: " + "; ".join(
+        f"{r['label']} {r['fp8_vs_bf16_speedup']['train'][0]:.2f}x "
+        f"[{r['fp8_vs_bf16_speedup']['train'][1]:.2f}, {r['fp8_vs_bf16_speedup']['train'][2]:.2f}]"
+        for r in timed if "train" in r["fp8_vs_bf16_speedup"]) + ".")
+    best = max(((r["label"], p, r[p]["train_speedup"]) for r in rows for p in ("bf16", "fp8_all")
+                if "train_speedup" in (r.get(p) or {})), key=lambda t: t[2])
+    lines.append(f"Fastest train step: {best[0]} in {best[1]}, {best[2]:.2f}x the bf16 "
+                 f"baseline ({result['timing']}).")
+  else:
+    lines.append(f"Latency: {result['timing']}.")
+  return "\n".join(lines)
 
 
 def write_outputs(result: Mapping[str, Any], workdir: str) -> Dict[str, str]:

@@ -145,27 +145,33 @@ def _time_interleaved(variants: Mapping[str, Tuple[Callable, Sequence]], *, repe
                       ) -> Dict[str, Dict]:
   """{name: {'seconds': per-call seconds [repeats], 'inner', 'backend'}}, interleaved."""
   platform = jax.default_backend()
-  prepared = {}
+  prepared, failed = {}, {}
   for name, (fn, args) in variants.items():
-    looped = _looped(fn)
-    one = jnp.int32(1)
-    compiled = looped.lower(one, *args).compile()
-    backend = backend_from_hlo(compiled.as_text(), platform)
-    for _ in range(warmup):
-      jax.block_until_ready(compiled(one, *args))
-    single = min(_seconds(compiled, one, args) for _ in range(3))
-    inner = 1
-    if single < min_call_seconds:
-      inner = int(min(max_inner, max(2, math.ceil(min_call_seconds / max(single, 1e-7)))))
-    n = jnp.int32(inner)
-    jax.block_until_ready(compiled(n, *args))
+    try:
+      looped = _looped(fn)
+      one = jnp.int32(1)
+      compiled = looped.lower(one, *args).compile()
+      backend = backend_from_hlo(compiled.as_text(), platform)
+      for _ in range(warmup):
+        jax.block_until_ready(compiled(one, *args))
+      single = min(_seconds(compiled, one, args) for _ in range(3))
+      inner = 1
+      if single < min_call_seconds:
+        inner = int(min(max_inner, max(2, math.ceil(min_call_seconds / max(single, 1e-7)))))
+      n = jnp.int32(inner)
+      jax.block_until_ready(compiled(n, *args))
+    except Exception as e:  # a kernel that fails to build or run is reported, not timed
+      failed[name] = f"{type(e).__name__}: {str(e)[:300]}"
+      continue
     prepared[name] = (compiled, n, args, inner, backend)
   samples = {name: [] for name in prepared}
   for _ in range(repeats):
     for name, (compiled, n, args, inner, _) in prepared.items():
       samples[name].append(_seconds(compiled, n, args) / inner)
-  return {name: {"seconds": samples[name], "inner": prepared[name][3],
-                 "backend": prepared[name][4]} for name in prepared}
+  out = {name: {"seconds": samples[name], "inner": prepared[name][3],
+                "backend": prepared[name][4]} for name in prepared}
+  out.update({name: {"error": message} for name, message in failed.items()})
+  return out
 
 
 def _seconds(compiled, n, args) -> float:
@@ -239,6 +245,14 @@ def measure_site(layout: SiteLayout, kernels, dtype: str, cache: TimingCache, *,
   for name, p in sorted(wanted):
     kernel = by_name[name]
     spec, a, b = pass_problem(layout, p)
+    sources = ([f"{name}|fwd", f"{name}|{FUSED_BWD}"] if kernel.sort == FUSED_OP
+               else [alias.get((name, p), f"{name}|{p}")])
+    errors = [measured[v]["error"] for v in sources if "error" in measured[v]]
+    if errors:
+      entries.append({"kernel": name, "pass": p, "spec": spec, "lhs_shape": list(a),
+                      "rhs_shape": list(b), "dtype": dtype, "error": errors[0],
+                      "jax": jax.__version__, "date": datetime.date.today().isoformat()})
+      continue
     if kernel.sort == FUSED_OP:
       fwd = measured[f"{name}|fwd"]
       if p == "fwd":
@@ -282,9 +296,12 @@ def site_timings(layout: SiteLayout, kernels, dtype: str, cache: TimingCache, *,
   got = {kp: cache.get(key) for kp, key in keys.items()}
   out: Dict[str, Dict[str, Dict]] = {}
   for (name, p), e in got.items():
-    if e is None:
-      out.setdefault(p, {})[name] = {"time_us": None, "speedup": None, "backend": None,
-                                     "timing": "missing"}
+    if e is None or "error" in e:
+      info = {"time_us": None, "speedup": None, "backend": None,
+              "timing": "missing" if e is None else "failed"}
+      if e is not None:
+        info["timing_error"] = e["error"]
+      out.setdefault(p, {})[name] = info
       continue
     lo, hi = e["ci_us"]
     info = {"time_us": [lo, e["median_us"], hi], "backend": e["backend"], "timing": source,
@@ -292,11 +309,11 @@ def site_timings(layout: SiteLayout, kernels, dtype: str, cache: TimingCache, *,
     if e.get("time_scope"):
       info["time_scope"] = e["time_scope"]
       dl, dr = got.get((BASELINE, "grad_lhs")), got.get((BASELINE, "grad_rhs"))
-      if dl and dr:
+      if dl and dr and "error" not in dl and "error" not in dr:
         info["speedup"] = _speedup(_sum_timing(dl, dr), e)
     else:
       base = got.get((BASELINE, p))
-      if base:
+      if base and "error" not in base:
         info["speedup"] = _speedup(base, e)
     out.setdefault(p, {})[name] = info
   return out
@@ -339,7 +356,7 @@ def table_entries(entries: Sequence[Mapping]) -> List[Dict]:
   """Cache entries -> committed-table entries (raw samples left out)."""
   fields = ("kernel", "pass", "spec", "lhs_shape", "rhs_shape", "dtype", "median_us", "ci_us",
             "backend", "repeats", "jax", "date", "time_scope")
-  return [{f: e[f] for f in fields if f in e} for e in entries]
+  return [{f: e[f] for f in fields if f in e} for e in entries if "error" not in e]
 
 
 def device_kind() -> str:

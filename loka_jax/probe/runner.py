@@ -166,14 +166,21 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
        f"{train_config.steps} with a statistics pass every {probe_config.cadence} steps")
   final = train(model, source, workdir, train_config, run_info=spec.run_info(),
                 extras=collector.extras, step_callback=collector.on_step)
-  if collector.observations < probe_config.min_observations:
+  final_step = int(final.get("steps") or 0)
+  # The loop checkpoints a step before its callback runs, so an observation at the final
+  # step is not in the checkpoint a resumed run starts from: make it again (it is a pure
+  # function of the parameters, the batch and the step), then top up to the minimum.
+  catch_up = collector.due(final_step)
+  needed = max(probe_config.min_observations - collector.observations - int(catch_up), 0)
+  if catch_up or needed:
     state, _ = restore_run(workdir, model, source, train_config)
-    last = int(jax.device_get(state.step))
-    needed = probe_config.min_observations - collector.observations
-    _log(f"{collector.observations} observations during training; making {needed} more on "
-         f"the final parameters (batches {last}..{last + needed - 1})")
+    if catch_up:
+      collector.observe(state.variables(), state.rng, final_step)
+    if needed:
+      _log(f"{collector.observations} observations; making {needed} more on the final "
+           f"parameters (batches {final_step + 1}..{final_step + needed})")
     for i in range(needed):
-      collector.observe(state.variables(), state.rng, last + i)
+      collector.observe(state.variables(), state.rng, final_step + 1 + i)
 
   compute_dtype = str(np.dtype(site_config_dtype(spec)))
   eval_config = evaluate.EvalConfig(samples=options.samples,

@@ -64,7 +64,10 @@ def load_plan(path: Optional[str]) -> KernelPlan:
         f"--precision=loka needs the plan loader loka_jax.dispatch.load_plan(path) -> "
         f"KernelPlan, which this checkout does not have yet ({e}); use --precision=bf16 or "
         "--precision=fp8_all until the Dispatch package lands") from e
-  plan = dispatch_load_plan(path)
+  try:
+    plan = dispatch_load_plan(path)
+  except ValueError as e:  # unreadable, corrupt or malformed: the message names the file
+    raise PlanError(str(e)) from e
   if not isinstance(plan, KernelPlan):
     raise TypeError(f"loka_jax.dispatch.load_plan({path!r}) returned {type(plan).__name__}, "
                     "expected a KernelPlan")

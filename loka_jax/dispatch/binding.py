@@ -1,0 +1,191 @@
+"""One-call use of a plan: bake it into a model (`apply`), or route any Flax model's plain
+`nn.Dense` / `nn.Einsum` layers through GEMM sites (`wrap`).
+
+The plan becomes part of the module definition (a frozen KernelPlan in a SiteConfig), so jit
+specializes on it and nothing is looked up per step.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Optional
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from loka_jax.dispatch.plan import to_kernel_plan
+from loka_jax.kernels import EinsumSpec, KernelPlan
+from loka_jax.models.site import DenseSite, EinsumSite, SiteConfig
+from loka_jax.precision import BF16, DtypePolicy
+
+
+# ----------------------------------------------------------------------------- apply
+
+
+def _replace_site_configs(value, update: Callable[[SiteConfig], SiteConfig]):
+  """(value with every SiteConfig inside its dataclass fields updated, how many)."""
+  if isinstance(value, SiteConfig):
+    return update(value), 1
+  if isinstance(value, nn.Module):
+    changes, count = {}, 0
+    for field in dataclasses.fields(value):
+      if field.name in ("parent", "name") or not field.init:
+        continue
+      new, n = _replace_site_configs(getattr(value, field.name), update)
+      if n:
+        changes[field.name], count = new, count + n
+    return (value.clone(**changes) if changes else value), count
+  if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    changes, count = {}, 0
+    for field in dataclasses.fields(value):
+      if not field.init:
+        continue
+      new, n = _replace_site_configs(getattr(value, field.name), update)
+      if n:
+        changes[field.name], count = new, count + n
+    return (dataclasses.replace(value, **changes) if changes else value), count
+  if isinstance(value, (tuple, list)):
+    items = [_replace_site_configs(v, update) for v in value]
+    count = sum(n for _, n in items)
+    return (type(value)(v for v, _ in items) if count else value), count
+  return value, 0
+
+
+def apply(target, plan, *, policy: Optional[DtypePolicy] = None, features=None,
+          variables=None, batch=None):
+  """`target` with `plan` baked in statically.
+
+  Args:
+    target: a preset config (ml_collections, from `models.get_config`), a built loka_jax
+      module (every SiteConfig in its fields is replaced: `opts.site`, a site's `config`),
+      a `SiteConfig`, or a model returned by `wrap`.
+    plan: a Plan, its JSON dict, a plan file path or a KernelPlan.
+    policy: the dtype policy (default: the target's own; bf16 for a preset config).
+    features: the FeatureSpec of a preset config (default: the config's `features`).
+    variables, batch: given a batch, the plan is checked against the model first
+      (`check_plan`: every unknown, uncovered or unsupported name in one error).
+  Returns:
+    the same sort of thing as `target`.
+  """
+  kernel_plan = to_kernel_plan(plan)
+  with_plan = lambda sc: SiteConfig(policy or sc.policy, kernel_plan)
+  if isinstance(target, SiteConfig):
+    return with_plan(target)
+  if isinstance(target, Wrapped):
+    out = target.with_plan(kernel_plan, policy or target.policy)
+  elif isinstance(target, nn.Module):
+    out, count = _replace_site_configs(target, with_plan)
+    if not count:
+      raise TypeError(
+          f"{type(target).__name__} holds no SiteConfig (loka_jax towers keep it in "
+          "`opts.site`, sites in `config`): for a plain Flax model use "
+          "loka_jax.dispatch.wrap(module, plan)")
+  elif hasattr(target, "model") and hasattr(target, "mods"):  # a preset ConfigDict
+    from loka_jax.models import build_model
+    out = build_model(target, features if features is not None else target.features,
+                      SiteConfig(policy or BF16, kernel_plan))
+  else:
+    raise TypeError(f"apply: expected a preset config, a module, a SiteConfig or a wrapped "
+                    f"model, got {type(target).__name__}")
+  if batch is not None:
+    from loka_jax.dispatch.check import check_plan
+    check_plan(plan, out, variables, batch)
+  return out
+
+
+# ----------------------------------------------------------------------------- wrap
+
+
+def _layer_policy(policy: Optional[DtypePolicy], module, inputs) -> DtypePolicy:
+  """The explicit policy, else the layer's own Flax dtypes (compute and output in `dtype`,
+  or in the promoted dtype of inputs and parameters when `dtype` is None, as Flax does)."""
+  if policy is not None:
+    return policy
+  dtype = module.dtype or jnp.result_type(inputs.dtype, module.param_dtype)
+  return DtypePolicy(module.param_dtype, dtype, dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Router:
+  """Interceptor: plain nn.Dense / nn.Einsum calls run as GEMM sites on the layer's own
+  scope, so the site's name is the layer's path and its parameters are the layer's."""
+  plan: KernelPlan
+  policy: Optional[DtypePolicy]
+
+  def __call__(self, next_fun, args, kwargs, context):
+    module = context.module
+    if context.method_name != "__call__":
+      return next_fun(*args, **kwargs)
+    # Exact types only: a subclass may change what __call__ computes.
+    if type(module) is nn.Dense:  # pylint: disable=unidiomatic-typecheck
+      return self._dense(module, *args, **kwargs)
+    if type(module) is nn.Einsum:  # pylint: disable=unidiomatic-typecheck
+      return self._einsum(module, *args, **kwargs)
+    return next_fun(*args, **kwargs)
+
+  def _dense(self, module: nn.Dense, inputs):
+    config = SiteConfig(_layer_policy(self.policy, module, inputs), self.plan)
+    site = DenseSite(features=module.features, use_bias=module.use_bias, config=config,
+                     kernel_init=module.kernel_init, bias_init=module.bias_init,
+                     parent=module.scope)
+    return site(inputs)
+
+  def _einsum(self, module: nn.Einsum, inputs, einsum_str: Optional[str] = None):
+    text = nn.merge_param("einsum_str", module.einsum_str, einsum_str)
+    try:
+      spec = EinsumSpec.parse(text)
+    except ValueError as e:
+      raise ValueError(f"nn.Einsum at {'/'.join(module.path)}: {e}; such a layer cannot run as "
+                       "a GEMM site") from None
+    bias_axes = "".join(i for i in spec.out if i in spec.rhs) if module.use_bias else ""
+    config = SiteConfig(_layer_policy(self.policy, module, inputs), self.plan)
+    site = EinsumSite(spec=str(spec), weight_shape=tuple(module.shape), bias_axes=bias_axes,
+                      config=config, kernel_init=module.kernel_init,
+                      bias_init=module.bias_init, parent=module.scope)
+    return site(inputs)
+
+
+@contextlib.contextmanager
+def routing(plan, policy: Optional[DtypePolicy] = None):
+  """Within this context, plain nn.Dense / nn.Einsum calls run as GEMM sites under `plan`."""
+  with nn.intercept_methods(_Router(to_kernel_plan(plan), policy)):
+    yield
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Wrapped:
+  """A Flax model whose plain nn.Dense / nn.Einsum layers run as GEMM sites under `plan`.
+
+  Same variables as the module (init gives the same tree and values); `init` and `apply`
+  take the module's own arguments. `policy=None` keeps each layer's Flax dtypes.
+  """
+  module: nn.Module
+  plan: KernelPlan
+  policy: Optional[DtypePolicy] = None
+
+  def routing(self):
+    return routing(self.plan, self.policy)
+
+  def init(self, rngs, *args, **kwargs):
+    with self.routing():
+      return self.module.init(rngs, *args, **kwargs)
+
+  def init_with_output(self, rngs, *args, **kwargs):
+    with self.routing():
+      return self.module.init_with_output(rngs, *args, **kwargs)
+
+  def apply(self, variables, *args, **kwargs) -> Any:
+    with self.routing():
+      return self.module.apply(variables, *args, **kwargs)
+
+  def with_plan(self, plan, policy: Optional[DtypePolicy] = None) -> "Wrapped":
+    return Wrapped(self.module, to_kernel_plan(plan), policy if policy is not None
+                   else self.policy)
+
+
+def wrap(module: nn.Module, plan, *, policy: Optional[DtypePolicy] = None) -> Wrapped:
+  """`module` with its plain nn.Dense / nn.Einsum calls routed through GEMM sites named by
+  their Linen paths, reusing the module's own parameters."""
+  if not isinstance(module, nn.Module):
+    raise TypeError(f"wrap: expected a flax.linen Module, got {type(module).__name__}")
+  return Wrapped(module, to_kernel_plan(plan), policy)

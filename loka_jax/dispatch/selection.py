@@ -1,0 +1,443 @@
+"""Selection: a ProbeReport and error budgets -> a Plan (per site and pass, the fastest
+eligible kernel, else xla_bf16).
+
+For every site and separately for fwd, grad_lhs and grad_rhs:
+  1. eligibility (`loka_jax/probe/eligibility.py`, on the pessimistic end of every CI) under
+     the site's budget: the global Criteria, or the first per-site override whose regex
+     fullmatches the site name;
+  2. among eligible per-pass kernels, the fastest: highest pessimistic speedup, then highest
+     median speedup, then the most accuracy headroom (pessimistic SQNR, or lowest pessimistic
+     MERE with metric='mere'), then the kernel name (alphabetical), so ties are deterministic;
+  3. nothing eligible: the high-precision fallback xla_bf16, with the reason.
+A fused-op kernel (Flax's delayed scaling) runs all three passes or none: it replaces the
+per-pass choice only when it is eligible in every pass and its pessimistic whole-site time
+(forward + backward, upper CI ends) beats the per-pass choice's; on a tie the stateless
+per-pass choice stays.
+
+Timings: the report's own when `timing_valid` (and the target device is the report's);
+otherwise a committed timing table of the target device (nearest measured shape, marked
+`estimated`); otherwise none, and then no FP8 kernel is fast enough to choose (unless the
+criteria ask for accuracy only: `min_speedup=None`). `provenance.timing_source` says which.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import math
+import os
+import re
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import jax
+
+from loka_jax.dispatch import timing_table as tables_lib
+from loka_jax.dispatch.plan import FALLBACK, SCHEMA, Plan
+from loka_jax.kernels import FUSED_OP, PASSES, PER_PASS, registry
+from loka_jax.probe import eligibility
+from loka_jax.probe.eligibility import Criteria, Verdict
+from loka_jax.probe.report import load_report, validate_report
+
+FUSED_SCOPE = "grad_lhs+grad_rhs"  # a fused op's backward, timed as one (probe/kernel_timing.py)
+
+
+# ----------------------------------------------------------------------------- budgets
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+  """The error budget of every site: `default`, or the first `per_site` (regex, Criteria)
+  whose pattern fullmatches the site name."""
+  default: Criteria = Criteria()
+  per_site: Tuple[Tuple[str, Criteria], ...] = ()
+
+  def for_site(self, site: str) -> Criteria:
+    for pattern, criteria in self.per_site:
+      if re.fullmatch(pattern, site):
+        return criteria
+    return self.default
+
+  def to_dict(self) -> Dict[str, Any]:
+    return {"default": self.default.to_dict(),
+            "per_site": [{"pattern": p, "criteria": c.to_dict()} for p, c in self.per_site]}
+
+
+def make_budget(criteria: Criteria = Criteria(), budget_per_site=None) -> Budget:
+  """Budget from the global criteria and per-site overrides: {regex: Criteria | {field:
+  value}} or [(regex, Criteria | {field: value})]; dicts override fields of `criteria`."""
+  if not isinstance(criteria, Criteria):
+    raise TypeError(f"criteria must be an eligibility.Criteria, got {type(criteria).__name__}")
+  items = budget_per_site or ()
+  if isinstance(items, Mapping):
+    items = list(items.items())
+  per_site = []
+  for pattern, value in items:
+    try:
+      re.compile(pattern)
+    except re.error as e:
+      raise ValueError(f"budget pattern {pattern!r} is not a regex ({e})") from None
+    if isinstance(value, Criteria):
+      per_site.append((pattern, value))
+    elif isinstance(value, Mapping):
+      unknown = sorted(set(value) - {f.name for f in dataclasses.fields(Criteria)})
+      if unknown:
+        raise ValueError(f"budget for {pattern!r}: unknown field(s) {unknown}; Criteria has "
+                         f"{[f.name for f in dataclasses.fields(Criteria)]}")
+      per_site.append((pattern, dataclasses.replace(criteria, **value)))
+    else:
+      raise TypeError(f"budget for {pattern!r}: expected Criteria or a dict of its fields, "
+                      f"got {type(value).__name__}")
+  return Budget(criteria, tuple(per_site))
+
+
+# ----------------------------------------------------------------------------- timings
+
+
+@dataclasses.dataclass(frozen=True)
+class TimingSource:
+  """Where selection takes speedups from: 'report', 'table' or 'none'."""
+  kind: str
+  info: Dict[str, Any]
+  table: Optional[Dict[str, Any]] = None
+
+  @property
+  def reason(self) -> str:
+    return self.info.get("reason", "")
+
+
+def _same_device(a: Optional[str], b: Optional[str]) -> bool:
+  if not a or not b:
+    return False
+  return tables_lib.file_name(a) == tables_lib.file_name(b)
+
+
+def resolve_timing(report: Mapping, *, timing_table=None, target_device: Optional[str] = None,
+                   table_dir: str = tables_lib.TIMINGS_DIR) -> TimingSource:
+  """The report's timings when valid for the target device; else a committed table (given
+  as a path, a device kind or a loaded table; by default the target device's, else the one
+  the report fell back on, else an H100's); else none."""
+  device = report.get("device")
+  if report.get("timing_valid") and (target_device is None or _same_device(device,
+                                                                          target_device)):
+    info = {"kind": "report", "device": device,
+            "reason": f"measured by the probe on {device}"}
+    if timing_table is not None:
+      info["note"] = "an explicit timing table was ignored: the report's timings are valid"
+    return TimingSource("report", info)
+  why_not = (f"the report's timings are not valid for dispatch (timing_valid=false, made on "
+             f"{device})" if not report.get("timing_valid") else
+             f"the report was timed on {device}, not the target {target_device}")
+  table, path = None, None
+  if isinstance(timing_table, Mapping):
+    table, path = tables_lib.validate(dict(timing_table), "<timing table>"), "<in memory>"
+  elif timing_table is not None:  # named explicitly: a missing table is an error
+    path, table = tables_lib.choose_table(os.fspath(timing_table), table_dir)
+  else:
+    wanted = target_device
+    if wanted is None and (report.get("timing_source") or {}).get("kind") == "table":
+      wanted = report["timing_source"].get("device_kind")  # the table the probe fell back on
+    if wanted is None:
+      chosen = tables_lib.choose_table(None, table_dir)  # an H100 table, else the first
+      if chosen is not None:
+        path, table = chosen
+    else:
+      kinds = tables_lib.available_tables(table_dir)
+      match = [k for k in kinds if _same_device(k, wanted)]
+      if not match:
+        return TimingSource("none", {
+            "kind": "none", "device": wanted,
+            "reason": f"{why_not} and no committed timing table for {wanted} (committed: "
+                      f"{sorted(kinds) or 'none'})"})
+      path = kinds[match[0]]
+      table = tables_lib.load_table(path)
+  if table is None:
+    return TimingSource("none", {"kind": "none", "device": target_device or device,
+                                 "reason": f"{why_not} and no timing table is committed "
+                                           f"in {table_dir}"})
+  if target_device is not None and not _same_device(table["device_kind"], target_device):
+    raise tables_lib.TimingTableError(
+        f"{path}: holds timings of {table['device_kind']!r}, not the target {target_device!r}")
+  return TimingSource("table", {
+      "kind": "table", "device": table["device_kind"], "path": path,
+      "reason": f"{why_not}; timings from the committed table of {table['device_kind']} "
+                "(nearest measured shape where not exact: estimated)"}, table)
+
+
+def _kernel_object(name: str):
+  try:
+    return registry.get(name)
+  except KeyError:
+    return None
+
+
+def _table_timings(site: Mapping, name: str, kernels: Sequence, dtype: str,
+                   table: Mapping) -> Tuple[Dict[str, Dict[str, Dict]], Optional[str]]:
+  """({pass: {kernel: timing fields}}, problem) from a table, at the site's full shapes."""
+  from loka_jax.probe import kernel_timing
+  from loka_jax.probe.layout import site_layout
+  if not site.get("spec"):
+    return {}, f"site {name} has no 'spec' in the report: no table lookup"
+  try:
+    layout = site_layout(site["spec"], site["kind"], site["shapes"]["lhs"],
+                         site["shapes"]["rhs"])
+  except ValueError as e:
+    return {}, f"site {name}: {e}"
+  unsupported = {p: {k: e.get("error", "unsupported") for k, e in ks.items()
+                     if e.get("unsupported")} for p, ks in site.get("passes", {}).items()}
+  return kernel_timing.table_timings(layout, kernels, dtype, table,
+                                     unsupported=unsupported), None
+
+
+TIMING_FIELDS = ("time_us", "speedup", "timing", "time_scope", "backend", "estimated_from")
+
+
+def effective_site(report: Mapping, name: str, source: TimingSource) -> Tuple[Dict, List[str]]:
+  """The site's report entry with every kernel entry's timing fields taken from `source`,
+  and notes on what could not be timed."""
+  site = report["sites"][name]
+  notes: List[str] = []
+  passes = {p: {k: dict(e) for k, e in ks.items()} for p, ks in site.get("passes", {}).items()}
+  if source.kind == "report":
+    for ks in passes.values():
+      for e in ks.values():
+        e.setdefault("timing", "measured" if e.get("speedup") else "missing")
+    return {**site, "passes": passes}, notes
+  names = sorted({k for ks in passes.values() for k in ks})
+  kernels = [k for k in (_kernel_object(n) for n in names) if k is not None and k.passes]
+  timings: Dict[str, Dict[str, Dict]] = {}
+  if source.kind == "table":
+    dtype = (report.get("evaluation") or {}).get("compute_dtype", "bfloat16")
+    timings, problem = _table_timings(site, name, kernels, dtype, source.table)
+    if problem:
+      notes.append(problem)
+  for p, ks in passes.items():
+    for k, e in ks.items():
+      for f in TIMING_FIELDS:
+        e.pop(f, None)
+      t = timings.get(p, {}).get(k)
+      e.update(t if t else {"time_us": None, "speedup": None, "timing": "missing"})
+  return {**site, "passes": passes}, notes
+
+
+# ----------------------------------------------------------------------------- ranking
+
+
+def _num(x: Optional[float]) -> float:
+  return -math.inf if x is None else float(x)
+
+
+def _accuracy(v: Verdict, metric: str) -> float:
+  """Higher is more accurate: pessimistic SQNR, or minus pessimistic MERE."""
+  if metric == "mere":
+    return -math.inf if v.mere_hi is None else -float(v.mere_hi)
+  return _num(v.sqnr_lo)
+
+
+def rank_key(v: Verdict, metric: str):
+  """Sort key of eligible kernels, best first (see the module docstring)."""
+  return (-_num(v.speedup_lo), -_num(v.speedup_mid), -_accuracy(v, metric), v.kernel)
+
+
+def _speed_text(entry: Mapping) -> str:
+  s = entry.get("speedup")
+  if not s:
+    return "speed unknown"
+  text = f"{s[1]:.2f}x [{s[0]:.2f}, {s[-1]:.2f}]"
+  if entry.get("timing") in ("estimated", "table"):
+    text += f" ({entry['timing']})"
+  return text
+
+
+def _accuracy_text(v: Verdict, metric: str) -> str:
+  if metric == "mere":
+    return "MERE -" if v.mere_hi is None else f"MERE {v.mere_hi:.3g}"
+  return "SQNR -" if v.sqnr_lo is None else f"{v.sqnr_lo:.1f} dB"
+
+
+def _details(v: Verdict, entry: Mapping) -> Dict[str, Any]:
+  return {"speedup": entry.get("speedup"), "timing": entry.get("timing"),
+          "sqnr_db_lo": v.sqnr_lo, "mere_hi": v.mere_hi, "underflow_hi": v.underflow_hi}
+
+
+def _time_hi(entry: Optional[Mapping]) -> Optional[float]:
+  t = None if entry is None else entry.get("time_us")
+  return None if not t else float(t[-1])
+
+
+# ----------------------------------------------------------------------------- one site
+
+
+def select_site(report: Mapping, name: str, criteria: Criteria, source: TimingSource,
+                info: Mapping[str, Mapping]) -> Dict[str, Dict[str, Any]]:
+  """{pass: {"kernel", "reason", details}} of one site."""
+  site, notes = effective_site(report, name, source)
+  verdicts = eligibility.assess_site({"kernels": info, "sites": {name: site}}, name,
+                                     criteria)
+  no_timing = source.kind == "none" and criteria.min_speedup is not None
+  out: Dict[str, Dict[str, Any]] = {}
+  for p in PASSES:
+    entries = site["passes"].get(p, {})
+    pass_verdicts = verdicts.get(p, {})
+    if not pass_verdicts:
+      out[p] = {"kernel": FALLBACK, "reason": f"pass {p} not evaluated in the report"}
+      continue
+    usable, skipped = {}, []
+    for k, v in pass_verdicts.items():
+      if k == FALLBACK:
+        continue
+      meta = info.get(k, {})
+      if _kernel_object(k) is None:
+        skipped.append(f"{k} not registered here")
+      elif meta.get("sort") == PER_PASS:
+        usable[k] = v
+    eligible = sorted((v for v in usable.values() if v.eligible),
+                      key=lambda v: rank_key(v, criteria.metric))
+    if eligible:
+      best = eligible[0]
+      e = entries[best.kernel]
+      if criteria.min_speedup is None:  # accuracy only: speed ranks only where it is known
+        lead = ("fastest safe (accuracy only)" if e.get("speedup")
+                else "most accurate safe (accuracy only, speed unknown)")
+      else:
+        lead = "fastest eligible"
+      speed = f"{_speed_text(e)}, " if e.get("speedup") else ""
+      out[p] = {"kernel": best.kernel,
+                "reason": f"{lead}: {speed}{_accuracy_text(best, criteria.metric)}",
+                **_details(best, e)}
+      continue
+    out[p] = {"kernel": FALLBACK, "reason": _no_eligible_reason(
+        usable, entries, criteria, no_timing, source, notes + skipped)}
+  _consider_fused(out, site, verdicts, criteria, info)
+  return out
+
+
+def _no_eligible_reason(usable: Mapping[str, Verdict], entries: Mapping, criteria: Criteria,
+                        no_timing: bool, source: TimingSource, notes: Sequence[str]) -> str:
+  if not usable:
+    text = "no FP8 candidate evaluated for this pass"
+    return text + (f" ({'; '.join(notes)})" if notes else "")
+  closest = sorted(usable.values(), key=lambda v: (not v.safe,) + rank_key(v, criteria.metric))[0]
+  if no_timing:
+    safe = sorted((v for v in usable.values() if v.safe),
+                  key=lambda v: (-_accuracy(v, criteria.metric), v.kernel))
+    text = f"no FP8 without timings: {source.reason}"
+    if safe:
+      text += "; safe: " + ", ".join(f"{v.kernel} ({_accuracy_text(v, criteria.metric)})"
+                                     for v in safe[:3])
+    return text
+  speed = _speed_text(entries.get(closest.kernel, {}))
+  text = f"no eligible kernel: best {closest.kernel} {speed}: {'; '.join(closest.reasons)}"
+  return text + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def _consider_fused(out: Dict[str, Dict], site: Mapping, verdicts: Mapping,
+                    criteria: Criteria, info: Mapping) -> None:
+  """Swaps the per-pass choice for an eligible fused op whose pessimistic site time wins."""
+  passes = site["passes"]
+
+  def site_time(choice: Mapping[str, str], fused: bool) -> Optional[float]:
+    total = 0.0
+    for p in PASSES:
+      entry = passes.get(p, {}).get(choice[p])
+      if fused and p == "grad_rhs" and (passes.get("grad_lhs", {}).get(choice[p]) or {}).get(
+          "time_scope") == FUSED_SCOPE:
+        continue  # its backward was timed once, under both gradient passes
+      t = _time_hi(entry)
+      if t is None:
+        return None
+      total += t
+    return total
+
+  mix = {p: out[p]["kernel"] for p in PASSES}
+  mix_time = site_time(mix, fused=False)
+  best = None
+  for k, meta in sorted(info.items()):
+    if meta.get("sort") != FUSED_OP or _kernel_object(k) is None:
+      continue
+    vs = [verdicts.get(p, {}).get(k) for p in PASSES]
+    if not all(v is not None and v.eligible for v in vs):
+      continue
+    t = site_time({p: k for p in PASSES}, fused=True)
+    if t is None or mix_time is None or not t < mix_time:
+      continue
+    if best is None or t < best[1]:
+      best = (k, t)
+  if best is None:
+    return
+  k, t = best
+  for p in PASSES:
+    v = verdicts[p][k]
+    e = passes[p][k]
+    out[p] = {"kernel": k,
+              "reason": f"fused op eligible in every pass and faster: site time {t:.1f} us vs "
+                        f"{mix_time:.1f} us per-pass (pessimistic); {p} {_speed_text(e)}, "
+                        f"{_accuracy_text(v, criteria.metric)}",
+              **_details(v, e)}
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def report_hash(report: Mapping) -> str:
+  """sha256 of the report's canonical JSON (sorted keys, no spaces)."""
+  text = json.dumps(report, sort_keys=True, separators=(",", ":"), allow_nan=False)
+  return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def kernels_info(report: Mapping) -> Dict[str, Dict[str, Any]]:
+  """The report's kernel metadata, completed from the registry for unlisted kernels."""
+  info = {k: dict(v) for k, v in (report.get("kernels") or {}).items()}
+  names = {k for s in report["sites"].values() for ks in s.get("passes", {}).values()
+           for k in ks}
+  for n in sorted(names):
+    kernel = _kernel_object(n)
+    if kernel is None:
+      info.setdefault(n, {"sort": None, "fp8": n != FALLBACK})
+      continue
+    info.setdefault(n, {})
+    info[n].setdefault("sort", kernel.sort)
+    info[n].setdefault("fp8", kernel.fp8)
+  return info
+
+
+def select(report: Union[Mapping, str], criteria: Criteria = Criteria(), *,
+           budget_per_site=None, timing_table=None, target_device: Optional[str] = None,
+           table_dir: str = tables_lib.TIMINGS_DIR) -> Plan:
+  """The Plan for a ProbeReport (a loaded report or its path) under the error budget.
+
+  Args:
+    report: a `loka.probe/1` report or the path of one.
+    criteria: the global budget (eligibility.Criteria; metric='mere' for paper parity).
+    budget_per_site: per-site budgets, {regex: Criteria | {field: value}} or a list of pairs;
+      the first regex that fullmatches a site name wins.
+    timing_table: a committed table (path, device kind or loaded dict) to use when the
+      report's timings are not valid for the target.
+    target_device: the device kind the plan is for (default: the report's device).
+    table_dir: where committed tables live.
+  """
+  path = None
+  if isinstance(report, (str, os.PathLike)):
+    path = os.fspath(report)
+    report = load_report(path)
+  else:
+    validate_report(report, "<report>")
+  budget = make_budget(criteria, budget_per_site)
+  source = resolve_timing(report, timing_table=timing_table, target_device=target_device,
+                          table_dir=table_dir)
+  info = kernels_info(report)
+  sites = {name: select_site(report, name, budget.for_site(name), source, info)
+           for name in report["sites"]}
+  provenance = {
+      "report_sha256": report_hash(report), "report_path": path,
+      "report_device": report.get("device"), "report_created": report.get("created"),
+      "report_complete": report.get("complete", True),
+      "device": source.info.get("device"), "jax": report.get("jax"),
+      "selected_with_jax": jax.__version__,
+      "created": datetime.datetime.now().isoformat(timespec="seconds"),
+      "budget": budget.to_dict(), "timing_source": source.info}
+  if report.get("pending"):
+    provenance["report_pending"] = list(report["pending"])
+  return Plan({"schema": SCHEMA, "model": report.get("model"), "preset": report.get("preset"),
+               "provenance": provenance, "sites": sites, "rules": [],
+               "default": {p: FALLBACK for p in PASSES}, "validation": []})

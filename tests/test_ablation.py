@@ -1,0 +1,234 @@
+"""The Mods ablation: combinations, verdicts worked out by hand, the report files, and
+`python -m experiments.ablate_mods` end to end on 2 of the 8 combinations (then resumed)."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import chex
+import numpy as np
+from absl.testing import absltest
+
+from loka_jax.mods import ablation
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Compiled executables shared with tests/test_notebook_mods.py (same tiny arms and flags).
+JAX_CACHE = os.path.join(tempfile.gettempdir(), "loka_jax_test_compilation_cache")
+# The arms are compile-bound on a CPU: cheaper XLA:CPU compiles (same functions computed).
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+ALL = ("no_bias", "blocknorm", "hard_swish")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def cpu_env(**extra):
+  """Environment of the CLI and the notebook kernel: CPU, the shared cache, fast compiles."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  return dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg",
+              JAX_COMPILATION_CACHE_DIR=JAX_CACHE,
+              XLA_FLAGS=f"{flags} {FAST_COMPILE_FLAGS}".strip(),
+              PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]), **extra)
+
+
+def final(ne, logloss, auc=0.7):
+  return {"ne": ne, "logloss": logloss, "auc": auc, "steps": 60}
+
+
+class CombinationsTest(chex.TestCase):
+
+  def test_all_eight_in_order(self):
+    combos = ablation.all_combinations()
+    self.assertLen(combos, 8)
+    self.assertEqual(combos[0], ())
+    self.assertEqual(combos[-1], ALL)
+    self.assertLen(set(combos), 8)
+    self.assertEqual([ablation.combination_label(c) for c in combos],
+                     ["baseline", "NB", "BN", "HS", "NB+BN", "NB+HS", "BN+HS", "NB+BN+HS"])
+    self.assertEqual(ablation.parse_combinations([]), combos)
+
+  def test_parse(self):
+    self.assertEqual(ablation.parse_combinations("none,all"), ((), ALL))
+    self.assertEqual(ablation.parse_combinations(["hard_swish+no_bias", "no_bias+hard_swish"]),
+                     (("no_bias", "hard_swish"),))                   # canonical, deduplicated
+    with self.assertRaisesRegex(ValueError, "unknown mod.*'layernorm'.*no_bias, blocknorm"):
+      ablation.parse_combinations("blocknorm+layernorm")
+
+  def test_arms_and_config_errors(self):
+    config = ablation.AblationConfig(combinations=((), ALL), noise_seeds=(3,))
+    self.assertEqual([a.name for a in ablation.arms(config)],
+                     ["bf16__none__seed0", "fp8_all__none__seed0",
+                      "bf16__no_bias+blocknorm+hard_swish__seed0",
+                      "fp8_all__no_bias+blocknorm+hard_swish__seed0", "bf16__none__seed3"])
+    with self.assertRaisesRegex(ValueError, "unknown precision 'fp16'"):
+      ablation.AblationConfig(precisions=("fp16",))
+    with self.assertRaisesRegex(ValueError, "noise_seeds"):
+      ablation.AblationConfig(noise_seeds=(0,))
+    with self.assertRaisesRegex(ValueError, "timing"):
+      ablation.AblationConfig(timing="sometimes")
+
+
+class SummaryTest(chex.TestCase):
+  """Verdicts on made-up results whose expected values are worked out by hand here."""
+
+  def setUp(self):
+    super().setUp()
+    self.config = ablation.AblationConfig(combinations=((), ALL), noise_seeds=(1, 2))
+    name = lambda mods, p, seed=0: ablation.Arm(mods, p, seed).name
+    self.finals = {
+        name((), "bf16"): final(0.90, 0.500),
+        name((), "bf16", 1): final(0.904, 0.502),
+        name((), "bf16", 2): final(0.896, 0.498),
+        name((), "fp8_all"): final(0.905, 0.503),      # +0.003: inside 2 x std = 0.004
+        name(ALL, "bf16"): final(0.89, 0.495),         # -0.005: better
+        name(ALL, "fp8_all"): final(0.91, 0.505),      # +0.010 vs bf16 with Mods: worse
+    }
+    speed = lambda s: {"median_us": 1000.0 / s, "speedup": s, "speedup_ci": [s - 0.1, s + 0.1]}
+    self.rows = [
+        {"combination": "none", "device": "cpu", "gpu": True, "fp8_vs_bf16": {
+            "train": [0.8, 0.7, 0.9], "infer": [0.7, 0.6, 0.8]},
+         "variants": {"bf16__none": {"train": speed(1.0), "infer": speed(1.0)},
+                      "fp8_all__none": {"train": speed(0.8), "infer": speed(0.7)}}},
+        {"combination": "no_bias+blocknorm+hard_swish", "device": "cpu", "gpu": True,
+         "fp8_vs_bf16": {"train": [1.2, 1.1, 1.3], "infer": [1.25, 1.2, 1.3]},
+         "variants": {"bf16__none": {"train": speed(1.0), "infer": speed(1.0)},
+                      "bf16__no_bias+blocknorm+hard_swish": {"train": speed(1.5),
+                                                             "infer": speed(1.6)},
+                      "fp8_all__no_bias+blocknorm+hard_swish": {"train": speed(1.8),
+                                                                "infer": speed(2.0)}}},
+    ]
+
+  def test_verdicts(self):
+    result = ablation.summarize(self.config, self.finals, self.rows, "cpu")
+    self.assertEqual(result["schema"], "loka.ablation/1")
+    self.assertTrue(result["complete"])
+    noise = result["noise"]
+    self.assertEqual(noise["seeds"], [0, 1, 2])
+    self.assertAlmostEqual(noise["std"], 0.002, places=9)            # std of .500 .502 .498
+    self.assertAlmostEqual(noise["tolerance"], 0.004, places=9)      # 2 x std > 0.02% x .5
+    base, every = result["rows"]
+    self.assertEqual((base["label"], every["label"]), ("baseline", "NB+BN+HS"))
+    self.assertEqual(base["fp8_vs_bf16"]["verdict"], "neutral")
+    self.assertAlmostEqual(base["fp8_vs_bf16"]["abs"], 0.003, places=9)
+    self.assertAlmostEqual(base["fp8_vs_bf16"]["rel"], 0.006, places=9)
+    self.assertIsNone(base["mods_vs_baseline"])
+    self.assertEqual(every["mods_vs_baseline"]["verdict"], "better")
+    self.assertEqual(every["fp8_vs_bf16"]["verdict"], "worse")
+    self.assertAlmostEqual(every["fp8_vs_bf16"]["abs"], 0.010, places=9)
+    self.assertEqual(every["fp8_mods_vs_baseline"]["verdict"], "worse")   # +0.005
+    self.assertEqual(result["timing"], "measured")
+    self.assertEqual(every["fp8_all"]["train_speedup"], 1.8)
+    self.assertAlmostEqual(every["fp8_all"]["train_ms"], 1000.0 / 1.8 / 1e3)
+    self.assertEqual(every["fp8_vs_bf16_speedup"]["train"], [1.2, 1.1, 1.3])
+    self.assertEqual(result["settings"]["block_size"], 16)              # wukong tiny
+
+  def test_without_noise_seeds_the_relative_bound_applies(self):
+    config = ablation.AblationConfig(combinations=((),))
+    finals = {k: v for k, v in self.finals.items() if "none__seed0" in k}
+    result = ablation.summarize(config, finals, [], "cpu")
+    self.assertIsNone(result["noise"]["std"])
+    self.assertAlmostEqual(result["noise"]["tolerance"], 1e-4)          # 0.02% of 0.5
+    self.assertEqual(result["rows"][0]["fp8_vs_bf16"]["verdict"], "worse")   # +0.003
+    self.assertEqual(result["timing"], "skipped (not on a GPU)")
+
+  def test_pending_and_failed_arms(self):
+    finals = dict(self.finals)
+    del finals[ablation.Arm(ALL, "fp8_all", 0).name]
+    finals[ablation.Arm((), "fp8_all", 0).name] = {
+        "error": "NonFiniteError: non-finite loss/gradient in training step 3", "arm": "x"}
+    result = ablation.summarize(self.config, finals, [], "cpu")
+    self.assertFalse(result["complete"])
+    self.assertEqual(result["pending"], ["fp8_all__no_bias+blocknorm+hard_swish__seed0"])
+    base, every = result["rows"]
+    self.assertEqual(base["fp8_all"]["status"], "error")
+    self.assertEqual(every["fp8_all"]["status"], "pending")
+    self.assertIsNone(base["fp8_vs_bf16"])
+    table = ablation.markdown_table(result)
+    self.assertIn("error baseline fp8_all: NonFiniteError", table)
+    self.assertIn("Incomplete: 1 unit(s) pending", table)
+
+  def test_report_files(self):
+    result = ablation.summarize(self.config, self.finals, self.rows, "cpu")
+    workdir = tempfile.mkdtemp(prefix="loka_ablation_report_")
+    paths = ablation.write_outputs(result, workdir)
+    with open(paths["json"]) as f:
+      self.assertEqual(json.load(f)["rows"][1]["fp8_vs_bf16"]["verdict"], "worse")
+    with open(paths["table"]) as f:
+      table = f.read()
+    lines = table.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| mods |"))
+    self.assertEqual(len(lines[header].split("|")), len(lines[header + 2].split("|")))
+    self.assertIn("| baseline | 0.90000 | 0.90500 | 0.50000 | 0.50300 | +0.00300 (+0.600%) "
+                  "neutral |", table)
+    self.assertIn("| NB+BN+HS |", table)
+    self.assertIn("0.56 (1.80x) / 0.50 (2.00x)", table)                # FP8 + all Mods
+    with open(paths["plot"], "rb") as f:
+      png = f.read()
+    self.assertTrue(png.startswith(PNG_MAGIC))
+    self.assertGreater(len(png), 20_000)
+    reading = ablation.reading(result)
+    self.assertIn("FP8 vs bf16 with the same Mods (2 combination(s)): neutral for baseline; "
+                  "worse for NB+BN+HS.", reading)
+    self.assertIn("Fastest train step: NB+BN+HS in fp8_all, 1.80x", reading)
+
+  def test_settings_guard(self):
+    workdir = tempfile.mkdtemp(prefix="loka_ablation_settings_")
+    ablation.check_settings(self.config, workdir)
+    ablation.check_settings(ablation.AblationConfig(combinations=((),), workers=2), workdir)
+    with self.assertRaisesRegex(ablation.SettingsError, r"steps: 60 -> 90.*new --workdir"):
+      ablation.check_settings(ablation.AblationConfig(steps=90), workdir)
+
+
+def run_cli(*args, timeout=400):
+  return subprocess.run([sys.executable, "-m", "experiments.ablate_mods", *args], cwd=REPO,
+                        env=cpu_env(), capture_output=True, text=True, timeout=timeout)
+
+
+class CliTest(chex.TestCase):
+
+  def test_two_combinations_end_to_end_then_resumed(self):
+    workdir = tempfile.mkdtemp(prefix="loka_ablate_cli_")
+    args = ("--model=wukong", "--preset=tiny", "--steps=20", "--num_eval=512",
+            "--combinations=none,all", "--workers=2", "--timing=force",
+            "--repeats=2", f"--workdir={workdir}")
+    first = run_cli(*args)
+    self.assertEqual(first.returncode, 0, first.stderr[-3000:])
+    self.assertRegex(first.stdout, r"(?m)^bf16__none__seed0: ne 0\.\d+ logloss")
+    self.assertRegex(first.stdout, r"(?m)^timed NB\+BN\+HS ")
+    with open(os.path.join(workdir, "ablation.json")) as f:
+      result = json.load(f)
+    self.assertTrue(result["complete"], result["pending"])
+    self.assertEqual([r["label"] for r in result["rows"]], ["baseline", "NB+BN+HS"])
+    for row in result["rows"]:
+      for precision in ("bf16", "fp8_all"):
+        entry = row[precision]
+        self.assertEqual(entry["status"], "done")
+        self.assertBetween(entry["ne"], 0.5, 1.05)        # learned something, finite
+        self.assertGreater(entry["train_ms"], 0.0)          # smoke-timed
+        self.assertGreater(entry["infer_ms"], 0.0)
+      self.assertIn(row["fp8_vs_bf16"]["verdict"], ("neutral", "better", "worse"))
+      self.assertLen(row["fp8_vs_bf16_speedup"]["train"], 3)
+    self.assertTrue(result["timing"].startswith("smoke"))
+    self.assertIsNone(result["noise"]["std"])              # one seed: the relative bound
+    self.assertNotEqual(result["rows"][0]["bf16"]["ne"], result["rows"][1]["bf16"]["ne"])
+    for arm in ("bf16__none__seed0", "fp8_all__no_bias+blocknorm+hard_swish__seed0"):
+      run_dir = os.path.join(workdir, "runs", arm)
+      self.assertTrue(os.path.exists(os.path.join(run_dir, "final.json")), arm)
+      self.assertFalse(os.path.exists(os.path.join(run_dir, "checkpoints")), arm)
+    with open(os.path.join(workdir, "timing.jsonl")) as f:
+      self.assertLen(f.readlines(), 2)
+    with open(os.path.join(workdir, "ablation.md")) as f:
+      table = f.read()
+    self.assertIn("Mods ablation: wukong/tiny, 20 steps x batch 256", table)
+    self.assertIn(table.strip(), first.stdout)
+    with open(os.path.join(workdir, "ablation.png"), "rb") as f:
+      self.assertTrue(f.read(8) == PNG_MAGIC)
+
+    again = run_cli(*args)                                   # resumed: nothing to redo
+    self.assertEqual(again.returncode, 0, again.stderr[-3000:])
+    self.assertNotRegex(again.stdout, r"(?m)^(\S+__seed\d+: |timed )")
+    with open(os.path.join(workdir, "ablation.json")) as f:
+      self.assertEqual(json.load(f)["rows"], result["rows"])
+
+
+if __name__ == "__main__":
+  absltest.main()

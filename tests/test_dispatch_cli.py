@@ -1,0 +1,86 @@
+"""`python -m experiments.dispatch`: report -> plan file, choice table, model check, errors."""
+import os
+import subprocess
+import sys
+import tempfile
+
+import chex
+from absl.testing import absltest
+
+import test_dispatch_reports as hm
+from loka_jax import dispatch
+from loka_jax.probe.report import save_report
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The tiny DLRM's act x weight sites and their shapes at batch 16.
+DLRM_TINY = {"bottom_mlp/dense_0": ((16, 8), (8, 32)), "bottom_mlp/dense_1": ((16, 32), (32, 16)),
+             "top_mlp/dense_0": ((16, 52), (52, 64)), "top_mlp/dense_1": ((16, 64), (64, 32)),
+             "top_mlp/dense_2": ((16, 32), (32, 1))}
+
+
+def run_cli(*args):
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+  return subprocess.run([sys.executable, "-m", "experiments.dispatch", *args], cwd=REPO,
+                        env=env, capture_output=True, text=True, timeout=120)
+
+
+class DispatchCliTest(chex.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    kernels = {"xla_fp8_rowwise": hm.entry(sqnr=28.0, mere=0.05, speedup=(1.2, 1.3, 1.4)),
+               "xla_fp8_tensorwise": hm.entry(sqnr=22.0, mere=0.08, speedup=(1.4, 1.5, 1.6))}
+    sites = {n: hm.site(hm.same_passes(kernels), lhs=l, rhs=r) for n, (l, r) in DLRM_TINY.items()}
+    report = hm.report(sites, model="dlrm", run={"model": "dlrm", "preset": "tiny",
+                                                 "data": "synthetic", "mods": [], "seed": 0,
+                                                 "batch_size": 16})
+    cls.workdir = tempfile.mkdtemp(prefix="loka_dispatch_cli_")
+    cls.report_path = os.path.join(cls.workdir, "probe_report.json")
+    save_report(report, cls.report_path)
+
+  def test_writes_the_plan_and_prints_the_choice_table(self):
+    out = os.path.join(self.workdir, "plan.json")
+    result = run_cli(f"--report={self.report_path}", f"--out={out}")
+    self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+    plan = dispatch.read_plan(out)
+    self.assertEqual({plan["sites"][n]["fwd"]["kernel"] for n in DLRM_TINY}, {"xla_fp8_rowwise"})
+    self.assertEqual({plan["sites"][n]["grad_lhs"]["kernel"] for n in DLRM_TINY},
+                     {"xla_fp8_tensorwise"})
+    self.assertEqual(plan["provenance"]["report_path"], os.path.abspath(self.report_path))
+    self.assertRegex(result.stdout, r"top_mlp/dense_2\s+fwd\s+xla_fp8_rowwise\s+fastest "
+                                    r"eligible: 1.30x \[1.20, 1.40\], 28.0 dB")
+    self.assertIn("dgrad: xla_fp8_tensorwise x5", result.stdout)
+    self.assertIn("check: plan fits dlrm/tiny (6 sites, batch 16)", result.stdout)
+
+  def test_mere_budget_and_per_site_budgets(self):
+    out = os.path.join(self.workdir, "plan_mere.json")
+    result = run_cli(f"--report={self.report_path}", f"--out={out}", "--metric=mere",
+                     "--max_error=0.06", "--nocheck",
+                     '--site_budgets={"top_mlp/.*": {"max_mere": 0.01}}')
+    self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+    plan = dispatch.read_plan(out)
+    # MERE 0.05 passes 0.06, 0.08 does not: rowwise everywhere but on the strict top MLP
+    self.assertEqual(plan["sites"]["bottom_mlp/dense_0"]["grad_lhs"]["kernel"],
+                     "xla_fp8_rowwise")
+    self.assertEqual(plan["sites"]["top_mlp/dense_1"]["fwd"]["kernel"], "xla_bf16")
+    self.assertEqual(plan["provenance"]["budget"]["default"]["max_mere"], 0.06)
+    self.assertIn("check: not checked", result.stdout)
+
+  def test_a_plan_that_does_not_fit_the_model_fails_listing_the_sites(self):
+    out = os.path.join(self.workdir, "plan_wukong.json")
+    result = run_cli(f"--report={self.report_path}", f"--out={out}", "--model=wukong")
+    self.assertNotEqual(result.returncode, 0)
+    self.assertIn("unknown site(s) ['top_mlp/dense_0', 'top_mlp/dense_1', 'top_mlp/dense_2']",
+                  result.stderr)
+    self.assertNotIn("Traceback", result.stderr)
+    self.assertFalse(os.path.exists(out))
+    missing = run_cli(f"--report={os.path.join(self.workdir, 'none.json')}", f"--out={out}")
+    self.assertNotEqual(missing.returncode, 0)
+    self.assertIn("cannot read the probe report", missing.stderr)
+    self.assertNotIn("Traceback", missing.stderr)
+
+
+if __name__ == "__main__":
+  absltest.main()

@@ -1,0 +1,284 @@
+"""Dispatch selection on hand-made ProbeReports: eligibility boundaries, ties, fallbacks,
+per-pass independence, per-site budgets, fused ops and every timing source."""
+import copy
+import os
+import tempfile
+
+import chex
+import numpy as np
+from absl.testing import absltest, parameterized
+
+import test_dispatch_reports as hm
+from loka_jax.dispatch import selection, timing_table
+from loka_jax.dispatch.plan import Plan
+from loka_jax.probe.eligibility import Criteria
+from loka_jax.probe.report import save_report
+
+PASSES = hm.PASSES
+
+
+def kernels_of(plan, site):
+  return {p: plan["sites"][site][p]["kernel"] for p in PASSES}
+
+
+def empty_dir():
+  return tempfile.mkdtemp(prefix="loka_no_tables_")
+
+
+class SelectTest(chex.TestCase):
+
+  def test_fastest_eligible_kernel_wins_each_pass_independently(self):
+    passes = {
+        # fwd: tensorwise is faster but fails the forward bar (24 < 25 dB): rowwise wins
+        "fwd": {"xla_fp8_rowwise": hm.entry(sqnr=27.0, speedup=(1.2, 1.3, 1.4)),
+                "xla_fp8_tensorwise": hm.entry(sqnr=24.0, speedup=(1.5, 1.6, 1.7))},
+        # dgrad: the same 24 dB passes the gradient bar (20 dB): tensorwise wins
+        "grad_lhs": {"xla_fp8_rowwise": hm.entry(sqnr=27.0, speedup=(1.2, 1.3, 1.4)),
+                     "xla_fp8_tensorwise": hm.entry(sqnr=24.0, speedup=(1.5, 1.6, 1.7))},
+        # wgrad: both accurate, neither fast enough: bf16
+        "grad_rhs": {"xla_fp8_rowwise": hm.entry(sqnr=27.0, speedup=(0.8, 0.9, 1.0)),
+                     "xla_fp8_tensorwise": hm.entry(sqnr=24.0, speedup=(1.0, 1.04, 1.1))}}
+    plan = selection.select(hm.report({"tower/dense_0": hm.site(passes)}), Criteria())
+    self.assertEqual(kernels_of(plan, "tower/dense_0"),
+                     {"fwd": "xla_fp8_rowwise", "grad_lhs": "xla_fp8_tensorwise",
+                      "grad_rhs": "xla_bf16"})
+    fwd = plan["sites"]["tower/dense_0"]["fwd"]
+    self.assertEqual(fwd["reason"], "fastest eligible: 1.30x [1.20, 1.40], 27.0 dB")
+    wgrad = plan["sites"]["tower/dense_0"]["grad_rhs"]["reason"]
+    self.assertIn("no eligible kernel: best xla_fp8_tensorwise 1.04x [1.00, 1.10]", wgrad)
+    self.assertIn("speedup 1.00x <= 1.05x", wgrad)
+    self.assertEqual(plan["provenance"]["timing_source"]["kind"], "report")
+    self.assertEqual(plan["default"], {p: "xla_bf16" for p in PASSES})
+
+  @parameterized.parameters(
+      # (field, value, eligible): the bar itself passes SQNR and underflow, fails speed
+      ("sqnr", 25.0, True), ("sqnr", 24.99, False),
+      ("underflow", 0.01, True), ("underflow", 0.0101, False),
+      ("speedup", 1.05, False), ("speedup", 1.0501, True))
+  def test_budget_boundaries(self, field, value, eligible):
+    kwargs = {"sqnr": 30.0, "underflow": 0.001, "speedup": (1.3, 1.4, 1.5)}
+    if field == "speedup":
+      kwargs["speedup"] = (value, value + 0.1, value + 0.2)
+    else:
+      kwargs[field] = value
+    plan = selection.select(hm.report({"s": hm.site({"fwd": {
+        "xla_fp8_rowwise": hm.entry(**kwargs)}})}), Criteria())
+    self.assertEqual(plan["sites"]["s"]["fwd"]["kernel"],
+                     "xla_fp8_rowwise" if eligible else "xla_bf16")
+
+  @parameterized.parameters((0.2, False), (0.1999, True))
+  def test_mere_metric_boundary_and_paper_parity(self, mere_hi, eligible):
+    # 10 dB would fail every SQNR bar: under metric='mere' only MERE counts
+    e = hm.entry(sqnr=10.0, mere=mere_hi)
+    rep = hm.report({"s": hm.site({"fwd": {"xla_fp8_rowwise": e}})})
+    self.assertEqual(selection.select(rep, Criteria())["sites"]["s"]["fwd"]["kernel"], "xla_bf16")
+    chosen = selection.select(rep, Criteria(metric="mere"))["sites"]["s"]["fwd"]
+    self.assertEqual(chosen["kernel"], "xla_fp8_rowwise" if eligible else "xla_bf16")
+    if eligible:
+      self.assertIn(f"MERE {mere_hi:.3g}", chosen["reason"])
+
+  def test_ties_are_broken_by_median_speed_then_accuracy_then_name(self):
+    same = (1.2, 1.3, 1.4)
+    cases = [
+        # equal pessimistic speedup: the higher median wins
+        ({"xla_fp8_rowwise": hm.entry(speedup=(1.2, 1.3, 1.4)),
+          "xla_fp8_tensorwise": hm.entry(speedup=(1.2, 1.35, 1.4))}, "xla_fp8_tensorwise"),
+        # equal speed: more SQNR headroom wins
+        ({"xla_fp8_rowwise": hm.entry(sqnr=31.0, speedup=same),
+          "xla_fp8_tensorwise": hm.entry(sqnr=29.0, speedup=same)}, "xla_fp8_rowwise"),
+        # all equal: alphabetical
+        ({"xla_fp8_tensorwise": hm.entry(speedup=same),
+          "xla_fp8_rowwise": hm.entry(speedup=same)}, "xla_fp8_rowwise"),
+    ]
+    for kernels, winner in cases:
+      for order in (list(kernels), list(reversed(kernels))):
+        passes = {"fwd": {k: kernels[k] for k in order}}
+        plan = selection.select(hm.report({"s": hm.site(passes)}), Criteria())
+        self.assertEqual(plan["sites"]["s"]["fwd"]["kernel"], winner, (kernels, order))
+
+  def test_nothing_eligible_falls_back_to_bf16_naming_the_best_candidate(self):
+    passes = {"fwd": {"xla_fp8_rowwise": hm.entry(sqnr=18.0, speedup=(1.3, 1.4, 1.5)),
+                      "xla_fp8_tensorwise": hm.entry(sqnr=26.0, underflow=0.2,
+                                                     speedup=(1.3, 1.4, 1.5))},
+              "grad_lhs": {}}
+    chosen = selection.select(hm.report({"s": hm.site(passes)}), Criteria())["sites"]["s"]
+    self.assertEqual(chosen["fwd"]["kernel"], "xla_bf16")
+    self.assertRegex(chosen["fwd"]["reason"], r"^no eligible kernel: best xla_fp8_")
+    self.assertRegex(chosen["fwd"]["reason"], r"SQNR 18.0 dB < 25 dB|underflow 20.0% > 1%")
+    self.assertEqual(chosen["grad_lhs"]["kernel"], "xla_bf16")
+    self.assertIn("no FP8 candidate", chosen["grad_lhs"]["reason"])
+    self.assertEqual(chosen["grad_rhs"], {"kernel": "xla_bf16",
+                                          "reason": "pass grad_rhs not evaluated in the report"})
+
+  def test_per_site_budgets_regex_first_match_wins(self):
+    kernels = hm.same_passes({"xla_fp8_rowwise": hm.entry(sqnr=28.0, speedup=(1.3, 1.4, 1.5))})
+    rep = hm.report({name: hm.site(kernels) for name in
+                     ("bottom/dense_0", "top/dense_0", "top/dense_1")})
+    plan = selection.select(rep, Criteria(), budget_per_site=[
+        ("top/dense_1", {"min_sqnr_fwd_db": 20.0}),   # first: looser, shadows the next one
+        ("top/.*", Criteria(min_sqnr_fwd_db=30.0, min_sqnr_grad_db=30.0))])
+    self.assertEqual(set(kernels_of(plan, "bottom/dense_0").values()), {"xla_fp8_rowwise"})
+    self.assertEqual(set(kernels_of(plan, "top/dense_0").values()), {"xla_bf16"})
+    self.assertEqual(set(kernels_of(plan, "top/dense_1").values()), {"xla_fp8_rowwise"})
+    self.assertEqual([b["pattern"] for b in plan["provenance"]["budget"]["per_site"]],
+                     ["top/dense_1", "top/.*"])
+    with self.assertRaisesRegex(ValueError, "unknown field"):
+      selection.select(rep, Criteria(), budget_per_site={"top/.*": {"min_sqnr": 3}})
+    with self.assertRaisesRegex(ValueError, "not a regex"):
+      selection.select(rep, Criteria(), budget_per_site={"top/(": {}})
+
+  def test_fused_op_is_chosen_for_all_passes_or_none(self):
+    per_pass = {"xla_fp8_rowwise": hm.entry(speedup=(1.2, 1.3, 1.4))}
+    scope = {"time_scope": "grad_lhs+grad_rhs"}
+
+    def fused(fwd_speed, bwd_speed, grad_sqnr=30.0):
+      # the fused backward is timed once for both gradient passes (vs 2 x 100 us of bf16)
+      return {"fwd": hm.entry(speedup=fwd_speed),
+              "grad_lhs": hm.entry(sqnr=grad_sqnr, speedup=bwd_speed, base_us=200.0, **scope),
+              "grad_rhs": hm.entry(sqnr=grad_sqnr, speedup=bwd_speed, base_us=200.0, **scope)}
+
+    def pick(fused_entries):
+      passes = {p: {**copy.deepcopy(per_pass), "flax_fp8_delayed": fused_entries[p]}
+                for p in PASSES}
+      plan = selection.select(hm.report({"s": hm.site(passes)}), Criteria())
+      return kernels_of(plan, "s"), plan
+
+    chosen, plan = pick(fused((1.9, 2.0, 2.1), (1.6, 1.7, 1.8)))
+    self.assertEqual(set(chosen.values()), {"flax_fp8_delayed"})
+    self.assertIn("fused op eligible in every pass and faster", plan["sites"]["s"]["fwd"]["reason"])
+    # eligible everywhere but slower as a whole than the per-pass choice: per-pass stays
+    chosen, _ = pick(fused((1.06, 1.1, 1.15), (1.06, 1.1, 1.15)))
+    self.assertEqual(set(chosen.values()), {"xla_fp8_rowwise"})
+    # much faster but one pass inaccurate: never chosen, not even for the good passes
+    chosen, _ = pick(fused((3.0, 3.1, 3.2), (3.0, 3.1, 3.2), grad_sqnr=15.0))
+    self.assertEqual(set(chosen.values()), {"xla_fp8_rowwise"})
+
+
+class TimingSourceTest(chex.TestCase):
+
+  def _report(self, timing_valid):
+    kernels = {"xla_fp8_rowwise": hm.entry(sqnr=28.0, speedup=(1.3, 1.4, 1.5))}
+    return hm.report({"s": hm.site(hm.same_passes(kernels), lhs=(256, 64), rhs=(64, 32))},
+                     timing_valid=timing_valid, device="cpu" if not timing_valid else hm.H100)
+
+  def _table_dir(self, m):
+    directory = tempfile.mkdtemp(prefix="loka_tables_")
+    table = hm.dense_table(hm.H100, m, 64, 32, {
+        "xla_bf16": {"fwd": 10.0, "grad_lhs": 10.0, "grad_rhs": 10.0},
+        # fwd 1.43x (eligible), dgrad 0.83x (too slow), wgrad not measured
+        "xla_fp8_rowwise": {"fwd": 7.0, "grad_lhs": 12.0}})
+    timing_table.save_table(table, timing_table.table_path(hm.H100, directory))
+    return directory
+
+  @parameterized.parameters((256, "table"), (512, "estimated"))
+  def test_invalid_report_timings_come_from_the_target_devices_table(self, m, mark):
+    plan = selection.select(self._report(False), Criteria(), target_device=hm.H100,
+                            table_dir=self._table_dir(m))
+    chosen = plan["sites"]["s"]
+    self.assertEqual(kernels_of(plan, "s"), {"fwd": "xla_fp8_rowwise", "grad_lhs": "xla_bf16",
+                                             "grad_rhs": "xla_bf16"})
+    self.assertIn(f"({mark})", chosen["fwd"]["reason"])
+    self.assertEqual(chosen["fwd"]["timing"], mark)
+    np.testing.assert_allclose(chosen["fwd"]["speedup"][1], 10.0 / 7.0, rtol=1e-6)
+    self.assertIn("speedup 0.8", chosen["grad_lhs"]["reason"])
+    self.assertIn("no timing", chosen["grad_rhs"]["reason"])
+    ts = plan["provenance"]["timing_source"]
+    self.assertEqual((ts["kind"], ts["device"]), ("table", hm.H100))
+    self.assertIn("timing_valid=false", ts["reason"])
+
+  def test_report_speedups_are_ignored_when_not_valid(self):
+    # the report claims 1.4x everywhere, but made on a CPU it proves nothing
+    plan = selection.select(self._report(False), Criteria(), table_dir=empty_dir())
+    self.assertEqual(set(kernels_of(plan, "s").values()), {"xla_bf16"})
+    reason = plan["sites"]["s"]["fwd"]["reason"]
+    self.assertIn("no FP8 without timings", reason)
+    self.assertIn("no timing table is committed", reason)
+    self.assertIn("safe: xla_fp8_rowwise (28.0 dB)", reason)
+    self.assertEqual(plan["provenance"]["timing_source"]["kind"], "none")
+    missing = selection.select(self._report(False), Criteria(), target_device="NVIDIA B200",
+                               table_dir=self._table_dir(256))
+    self.assertIn("no committed timing table for NVIDIA B200",
+                  missing["provenance"]["timing_source"]["reason"])
+
+  def test_accuracy_only_criteria_need_no_timings(self):
+    plan = selection.select(self._report(False), Criteria(min_speedup=None),
+                            table_dir=empty_dir())
+    self.assertEqual(set(kernels_of(plan, "s").values()), {"xla_fp8_rowwise"})
+    self.assertEqual(plan["sites"]["s"]["fwd"]["reason"],
+                     "most accurate safe (accuracy only, speed unknown): 28.0 dB")
+
+  def test_valid_report_for_another_target_device_uses_that_devices_table(self):
+    rep = self._report(True)
+    own = selection.select(rep, Criteria(), table_dir=empty_dir())
+    self.assertEqual(set(kernels_of(own, "s").values()), {"xla_fp8_rowwise"})
+    other = selection.select(rep, Criteria(), target_device="NVIDIA H200",
+                             table_dir=empty_dir())
+    self.assertEqual(set(kernels_of(other, "s").values()), {"xla_bf16"})
+    self.assertIn("not the target NVIDIA H200", other["provenance"]["timing_source"]["reason"])
+
+  def test_explicit_table_for_the_wrong_device_is_an_error(self):
+    directory = self._table_dir(256)
+    path = timing_table.table_path(hm.H100, directory)
+    with self.assertRaisesRegex(timing_table.TimingTableError, "not the target"):
+      selection.select(self._report(False), Criteria(), timing_table=path,
+                       target_device="NVIDIA H200", table_dir=directory)
+
+
+class SelectProvenanceTest(chex.TestCase):
+
+  def test_report_path_hash_and_unregistered_kernels(self):
+    kernels = {"xla_fp8_rowwise": hm.entry(speedup=(1.1, 1.2, 1.3)),
+               "vendor_fp8_magic": hm.entry(speedup=(3.0, 3.1, 3.2))}
+    rep = hm.report({"s": hm.site(hm.same_passes(kernels))})
+    path = os.path.join(tempfile.mkdtemp(), "probe_report.json")
+    written = save_report(rep, path)
+    plan = selection.select(path, Criteria())
+    self.assertIsInstance(plan, Plan)
+    self.assertEqual(plan["provenance"]["report_path"], path)
+    self.assertEqual(plan["provenance"]["report_sha256"], selection.report_hash(written))
+    changed = copy.deepcopy(written)
+    changed["sites"]["s"]["passes"]["fwd"]["xla_fp8_rowwise"]["samples"] = 17
+    self.assertNotEqual(selection.report_hash(changed), selection.report_hash(written))
+    # a faster kernel this checkout does not have is never chosen
+    self.assertEqual(set(kernels_of(plan, "s").values()), {"xla_fp8_rowwise"})
+    self.assertEqual(plan["model"], "toy")
+
+
+class RandomReportsTest(chex.TestCase):
+  """Selection agrees with a direct reading of the rules on random reports."""
+
+  def test_against_an_independent_oracle(self):
+    names = ["xla_fp8_rowwise", "xla_fp8_tensorwise", "xla_fp8_rowwise_fastacc",
+             "xla_fp8_tensorwise_precise"]
+    bars = {"fwd": 25.0, "grad_lhs": 20.0, "grad_rhs": 20.0}
+    checked = {"fp8": 0, "bf16": 0}
+    for seed in range(30):
+      rng = np.random.default_rng(seed)
+      sites, truth = {}, {}
+      for s in range(3):
+        passes = {}
+        for p in PASSES:
+          kernels, best = {}, ("xla_bf16", None)
+          for k in rng.permutation(names)[:rng.integers(1, len(names) + 1)]:
+            sqnr = float(rng.uniform(15, 35))
+            underflow = float(rng.uniform(0, 0.02))
+            lo = float(rng.uniform(0.8, 1.6))
+            speed = (lo, lo + float(rng.uniform(0, 0.2)), lo + 0.3)
+            kernels[str(k)] = hm.entry(sqnr=sqnr, underflow=underflow, speedup=speed)
+            if sqnr >= bars[p] and underflow <= 0.01 and lo > 1.05:
+              if best[1] is None or lo > best[1]:
+                best = (str(k), lo)
+          passes[p] = kernels
+          truth[(f"site_{s}", p)] = best[0]
+        sites[f"site_{s}"] = hm.site(passes)
+      plan = selection.select(hm.report(sites), Criteria())
+      for (name, p), kernel in truth.items():
+        self.assertEqual(plan["sites"][name][p]["kernel"], kernel, (seed, name, p))
+        checked["bf16" if kernel == "xla_bf16" else "fp8"] += 1
+    # both outcomes were exercised
+    self.assertGreater(checked["fp8"], 20)
+    self.assertGreater(checked["bf16"], 20)
+
+
+if __name__ == "__main__":
+  absltest.main()
