@@ -7,7 +7,6 @@ import sys
 import tempfile
 
 import chex
-import numpy as np
 from absl.testing import absltest
 
 from loka_jax.mods import ablation

@@ -236,7 +236,8 @@ def time_combination(config: AblationConfig, mods: Combination) -> Dict[str, Any
   baseline = variants[0].name
   row = {"combination": combination_key(mods), "device": jax.devices()[0].device_kind,
          "jax": jax.__version__, "batch_size": config.batch, "repeats": config.repeats,
-         "gpu": _compat.on_gpu(), "variants": {v.name: {} for v in variants}, "fp8_vs_bf16": {}}
+         "gpu": _compat.on_gpu(), "fp8_vs_bf16": {},
+         "variants": {name: {"info": p[2]} for name, p in prepared.items()}}
   for mode, index in (("train", 0), ("infer", 1)):
     timings = timing.time_calls({n: p[index] for n, p in prepared.items()},
                                 repeats=config.repeats)
@@ -595,15 +596,16 @@ def reading(result: Mapping[str, Any]) -> str:
     sentence = _sentence(title, rows, key)
     if sentence:
       lines.append(sentence)
-  timed = [r for r in rows if r.get("fp8_vs_bf16_speedup")]
-  if timed:
+  pairs = [(r["label"], r["fp8_vs_bf16_speedup"]["train"]) for r in rows
+           if "train" in (r.get("fp8_vs_bf16_speedup") or {})]
+  if pairs:
     lines.append("FP8 vs bf16 train-step speedup with the same Mods: " + "; ".join(
-        f"{r['label']} {r['fp8_vs_bf16_speedup']['train'][0]:.2f}x "
-        f"[{r['fp8_vs_bf16_speedup']['train'][1]:.2f}, {r['fp8_vs_bf16_speedup']['train'][2]:.2f}]"
-        for r in timed if "train" in r["fp8_vs_bf16_speedup"]) + ".")
-    best = max(((r["label"], p, r[p]["train_speedup"]) for r in rows for p in ("bf16", "fp8_all")
-                if "train_speedup" in (r.get(p) or {})), key=lambda t: t[2])
-    lines.append(f"Fastest train step: {best[0]} in {best[1]}, {best[2]:.2f}x the bf16 "
+        f"{label} {s[0]:.2f}x [{s[1]:.2f}, {s[2]:.2f}]" for label, s in pairs) + ".")
+  timed = [(r["label"], p, r[p]["train_speedup"]) for r in rows for p in ("bf16", "fp8_all")
+           if "train_speedup" in (r.get(p) or {})]
+  if timed:
+    label, precision, speedup = max(timed, key=lambda t: t[2])
+    lines.append(f"Fastest train step: {label} in {precision}, {speedup:.2f}x the bf16 "
                  f"baseline ({result['timing']}).")
   else:
     lines.append(f"Latency: {result['timing']}.")

@@ -13,12 +13,14 @@ def hard_swish(x: jax.Array) -> jax.Array:
   return x * jnp.clip(x + 3.0, 0.0, 6.0) / 6.0
 
 
-def block_norm(x: jax.Array, block_size: int = DEFAULT_BLOCK, eps: float = DEFAULT_EPS) -> jax.Array:
+def block_norm(x: jax.Array, block_size: int = DEFAULT_BLOCK,
+               eps: float = DEFAULT_EPS) -> jax.Array:
   """Parameter-free RMSNorm over consecutive blocks of `block_size` features (last axis).
 
-  Widths not divisible by the block: the last, shorter block is normalized over its own
-  width (so every feature is normalized and no padding leaks into the statistics). Statistics
-  are computed in float32; the result has x's dtype.
+  Each block is divided by sqrt(mean(block^2) + eps); `eps` keeps an all-zero block zero with
+  finite gradients. Widths not divisible by the block: the last, shorter block is normalized
+  over its own width (so every feature is normalized and no padding leaks into the
+  statistics). Statistics are computed in float32; the result has x's dtype.
   """
   if block_size < 1:
     raise ValueError(f"block_size must be >= 1, got {block_size}")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import flax.linen as nn
-import jax.numpy as jnp
 
 from loka_jax.mods import functional
 from loka_jax.precision import BF16, DtypePolicy

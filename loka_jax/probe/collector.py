@@ -366,8 +366,10 @@ class ProbeCollector:
             f"site {name}: the probe was set up for output shape {site.layout.grad.shape}, but "
             f"a batch of {batch_size} gives {None if got is None else tuple(got.shape)}; build "
             "the sites (probe_sites) from a batch of the training batch size")
+    # No donation: leaves of a fresh state can share one buffer (equal zeros), and the GPU
+    # refuses to donate a buffer twice (the CPU ignores donation, so only the GPU showed it).
     self._observe = make_observe(model, self.sites, config, shapes, on_trace=on_trace,
-                                 donate=jax.default_backend() == "gpu")
+                                 donate=False)
     dtype = jax.tree.leaves(shapes)[0].dtype  # site outputs: the compute dtype
     meta = dict(meta or {})
     if state is None:

@@ -305,6 +305,7 @@ def evaluate_site(site: SiteProbe, state, kernels: Sequence, compute_dtype: str,
   results: Dict = {}
   aliases: Dict = {}
   errors: Dict[str, str] = {}
+  source_errors: Dict[str, str] = {}
   res_info: Dict[str, object] = {"available": "reservoir" in state}
   draws = {GAUSSIAN: config.samples}
   if "reservoir" in state and config.num_reservoir > 0:
@@ -313,17 +314,24 @@ def evaluate_site(site: SiteProbe, state, kernels: Sequence, compute_dtype: str,
     res_info.update(capacity=capacity, slices=slices, with_replacement=capacity < slices)
   elif "reservoir" not in state:
     res_info["reason"] = full.slice_reason
+  # One chunk size for both sources: every chunk has the same shapes and reuses one compile.
+  size = _chunk_size(layout, max(draws.values()), config)
   for source, total in draws.items():
-    size = _chunk_size(layout, total, config)
     source_key = jax.random.fold_in(key, SOURCES.index(source))
     for start, count in _chunks(total, size):
       keys = jax.random.split(jax.random.fold_in(source_key, start), size)
-      if source == GAUSSIAN:
-        lhs, rhs, grad = _gaussian_sampler(layout, config.jitter)(keys, state)
-      else:
-        lhs, rhs, grad = _reservoir_sampler(layout, site.reservoir_capacity, slices)(
-            keys, state["reservoir"], state["weight"] if full.kind == ACT_WEIGHT else None)
-      refs = references(spec)(lhs, rhs, grad)
+      try:
+        if source == GAUSSIAN:
+          lhs, rhs, grad = _gaussian_sampler(layout, config.jitter)(keys, state)
+        else:
+          lhs, rhs, grad = _reservoir_sampler(layout, site.reservoir_capacity, slices)(
+              keys, state["reservoir"], state["weight"] if full.kind == ACT_WEIGHT else None)
+        refs = references(spec)(lhs, rhs, grad)
+      except Exception as e:  # no operands from this source: the other one still reports
+        source_errors[source] = f"{type(e).__name__}: {str(e)[:500]}"
+        for p in results.get(source, {}):
+          results[source][p].clear()
+        break
       first_of: Dict = {}
       for kernel, passes in runnable:
         try:
@@ -349,6 +357,8 @@ def evaluate_site(site: SiteProbe, state, kernels: Sequence, compute_dtype: str,
   for (source, p, name), first in aliases.items():
     if first in results.get(source, {}).get(p, {}):
       results[source][p][name] = results[source][p][first]
+  if source_errors:
+    res_info["source_errors"] = source_errors
   return SiteEvaluation(site.name, layout, slices, results, unsupported, errors, res_info)
 
 

@@ -260,8 +260,9 @@ def markdown(report: Mapping) -> str:
   if not report.get("complete", True):
     lines += [f"**Incomplete**: pending {', '.join(report.get('pending', []))}; rerun the same "
               "command to finish.", ""]
-  lines += ["## Best eligible kernel per site and pass", "",
-            "(pessimistic SQNR, median speedup vs xla_bf16; xla_bf16 = nothing eligible)", "",
+  lines += ["## Best kernel per site and pass", "",
+            "(the fastest eligible kernel; where speed is unknown, the most accurate safe one; "
+            "xla_bf16 when none qualifies. Pessimistic SQNR, median speedup vs xla_bf16)", "",
             "| site | kind | shape | fwd | dgrad | wgrad |", "|---|---|---|---|---|---|"]
   for name, site in report["sites"].items():
     lines.append(f"| `{name}` | {site['kind']} | {_shape(site)} | "
