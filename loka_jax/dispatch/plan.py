@@ -15,6 +15,7 @@ import os
 import re
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
+from loka_jax import jsonio
 from loka_jax.kernels import FUSED_OP, registry
 from loka_jax.kernels.choice import KernelChoice, KernelPlan
 from loka_jax.kernels.spec import PASSES
@@ -210,18 +211,8 @@ def save_plan(plan: Union[Plan, Mapping], path: str) -> Dict[str, Any]:
 def read_plan(path: str) -> Plan:
   """The Plan in `path`; an unreadable, empty, truncated, corrupt or wrong-schema file raises
   PlanFileError naming the file."""
-  try:
-    with open(path, "rb") as f:
-      raw = f.read()
-  except OSError as e:
-    raise PlanFileError(f"{path}: cannot read the plan ({e})") from e
-  if not raw.strip():
-    raise PlanFileError(f"{path}: the plan file is empty")
-  try:
-    data = json.loads(raw.decode("utf-8"))
-  except (UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise PlanFileError(f"{path}: not valid JSON ({e}); the plan is truncated or corrupt: "
-                        "write it again with `python -m experiments.dispatch`") from e
+  data = jsonio.read_json(path, "plan", "write it again with `python -m experiments.dispatch`",
+                          PlanFileError)
   return Plan(data, path)
 
 

@@ -14,6 +14,7 @@ from typing import Dict, List, Mapping
 
 import numpy as np
 
+from loka_jax import jsonio
 from loka_jax.kernels import KINDS, PASSES
 from loka_jax.probe import eligibility
 
@@ -94,18 +95,8 @@ def save_report(report: Mapping, path: str) -> Dict:
 
 def load_report(path: str) -> Dict:
   """Reads and validates a ProbeReport; raises ProbeReportError naming the file."""
-  try:
-    with open(path, "rb") as f:
-      raw = f.read()
-  except OSError as e:
-    raise ProbeReportError(f"{path}: cannot read the probe report ({e})") from e
-  if not raw.strip():
-    raise ProbeReportError(f"{path}: the probe report is empty")
-  try:
-    data = json.loads(raw.decode("utf-8"))
-  except (UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise ProbeReportError(f"{path}: not valid JSON ({e}); the probe report is truncated or "
-                           "corrupt: rerun `python -m experiments.probe` to rewrite it") from e
+  data = jsonio.read_json(path, "probe report",
+                          "rerun `python -m experiments.probe` to rewrite it", ProbeReportError)
   validate_report(data, path)
   return data
 
