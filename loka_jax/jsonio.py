@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, Type
 
 
@@ -20,3 +21,16 @@ def read_json(path: str, what: str, remedy: str, error: Type[Exception]) -> Any:
   except (UnicodeDecodeError, json.JSONDecodeError) as e:
     raise error(f"{path}: not valid JSON ({e}); the {what} is truncated or corrupt: "
                 f"{remedy}") from e
+
+
+def write_json_atomic(path: str, data: Any, *, indent: int | None = 1,
+                      sort_keys: bool = False) -> None:
+  """Writes `data` to a temporary file and renames it over `path`, so a killed run never
+  leaves half a file; NaN/Inf are refused (callers turn them into null + an error string)."""
+  directory = os.path.dirname(os.path.abspath(path))
+  os.makedirs(directory, exist_ok=True)
+  tmp = f"{path}.tmp"
+  with open(tmp, "w") as f:
+    json.dump(data, f, indent=indent, sort_keys=sort_keys, allow_nan=False)
+    f.write("\n")
+  os.replace(tmp, path)

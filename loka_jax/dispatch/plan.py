@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import datetime
-import json
 import os
 import re
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
@@ -199,12 +198,7 @@ def to_kernel_plan(plan: PlanLike) -> KernelPlan:
 def save_plan(plan: Union[Plan, Mapping], path: str) -> Dict[str, Any]:
   """Validates and writes the plan atomically; returns what was written."""
   data = as_plan(plan, path).to_dict()
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp = f"{path}.tmp"
-  with open(tmp, "w") as f:
-    json.dump(data, f, indent=1, allow_nan=False)
-    f.write("\n")
-  os.replace(tmp, path)
+  jsonio.write_json_atomic(path, data)
   return data
 
 

@@ -22,6 +22,8 @@ import os
 import sys
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
+from loka_jax import jsonio
+
 SCHEMA = "loka.timings/1"
 TIMINGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "timings")
 ENTRY_FIELDS = ("kernel", "pass", "spec", "lhs_shape", "rhs_shape", "dtype", "median_us",
@@ -113,12 +115,7 @@ def merge_entries(table: Mapping, entries: Iterable[Mapping]) -> Dict:
 def save_table(table: Mapping, path: str) -> None:
   """Writes atomically (a killed run never leaves half a table)."""
   validate(dict(table), path)
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp = f"{path}.tmp"
-  with open(tmp, "w") as f:
-    json.dump(table, f, indent=1, allow_nan=False)
-    f.write("\n")
-  os.replace(tmp, path)
+  jsonio.write_json_atomic(path, dict(table))
 
 
 def update_file(path: str, device_kind: str, entries: Sequence[Mapping]) -> Dict:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from loka_jax import _compat
+from loka_jax import _compat, jsonio
 from loka_jax import timing as timing_lib
 from loka_jax.kernels import FUSED_OP, PASSES, EinsumSpec
 from loka_jax.kernels.backend import backend_from_hlo
@@ -82,12 +82,8 @@ class TimingCache:
     self.entries[key] = entry
 
   def save(self) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-    tmp = f"{self.path}.tmp"
-    with open(tmp, "w") as f:
-      json.dump({"schema": CACHE_SCHEMA, "device_kind": self.device_kind,
-                 "entries": self.entries}, f, allow_nan=False)
-    os.replace(tmp, self.path)
+    jsonio.write_json_atomic(self.path, {"schema": CACHE_SCHEMA, "device_kind": self.device_kind,
+                                         "entries": self.entries}, indent=None)
 
 
 def default_cache_path(directory: str, device_kind: str) -> str:

@@ -7,9 +7,7 @@ names the file and the first problem found.
 from __future__ import annotations
 
 import datetime
-import json
 import math
-import os
 from typing import Dict, List, Mapping
 
 import numpy as np
@@ -84,12 +82,7 @@ def save_report(report: Mapping, path: str) -> Dict:
   """Validates and writes the report atomically; returns what was written."""
   data = json_ready(report)
   validate_report(data, path)
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp = f"{path}.tmp"
-  with open(tmp, "w") as f:
-    json.dump(data, f, indent=1, allow_nan=False)
-    f.write("\n")
-  os.replace(tmp, path)
+  jsonio.write_json_atomic(path, data)
   return data
 
 

@@ -38,6 +38,7 @@ import optax
 import tqdm
 from absl import logging
 
+from loka_jax import jsonio
 from loka_jax.kernels import FP8_META
 from loka_jax.train import metrics as metrics_lib
 from loka_jax.train.checkpoint import Checkpointer
@@ -224,11 +225,7 @@ def evaluate(eval_step, state: TrainState, source, batch_size: int) -> Dict[str,
 
 
 def _write_json_atomic(path: str, value) -> None:
-  tmp = f"{path}.tmp"
-  with open(tmp, "w") as f:
-    json.dump(value, f, indent=1, sort_keys=True)
-    f.write("\n")
-  os.replace(tmp, path)
+  jsonio.write_json_atomic(path, value, sort_keys=True)
 
 
 class MetricsWriter:
