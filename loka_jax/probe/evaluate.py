@@ -41,6 +41,16 @@ METRICS = ("sqnr_db", "rel_fro", "mere", "median_rel")
 DELAYED_WARMUP = 3
 PASS_OPERANDS = {"fwd": ("lhs", "rhs"), "grad_lhs": ("grad", "rhs"), "grad_rhs": ("lhs", "grad")}
 
+# Evaluation measures error, not speed. On the GPU most of a site's compile time is GEMM
+# autotuning (each vmapped product tries cuBLAS algorithms and Triton tilings), which picks
+# how a product is tiled, not what it quantizes or how it accumulates: those are explicit
+# in each kernel's HLO. Turning it off cuts a site's evaluation compile several-fold.
+EVAL_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0}
+
+
+def _eval_jit(fn):
+  return jax.jit(fn, compiler_options=EVAL_COMPILER_OPTIONS)
+
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
@@ -102,7 +112,7 @@ def _gaussian_sampler(layout: SiteLayout, jitter: float):
   def draw(keys, state):
     factors = _factors(layout.kind, state, jitter)
     return jax.vmap(one, in_axes=(0, None, None, None))(keys, *factors)
-  return jax.jit(draw)
+  return _eval_jit(draw)
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,7 +127,7 @@ def _reservoir_sampler(layout: SiteLayout, capacity: int, slices: int):
            for op in layout.sliced_operands()}
     rhs = weight if layout.kind == ACT_WEIGHT else ops["rhs"]
     return ops["lhs"], rhs.astype(jnp.float32), ops["grad"]
-  return jax.jit(jax.vmap(one, in_axes=(0, None, None)))
+  return _eval_jit(jax.vmap(one, in_axes=(0, None, None)))
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -176,7 +186,7 @@ def references(spec: str):
     operands = {"lhs": lhs, "rhs": rhs, "grad": grad}
     return {p: reference_einsum(parsed.for_pass(p), *(operands[n] for n in PASS_OPERANDS[p]))
             for p in PASSES}
-  return jax.jit(jax.vmap(one))
+  return _eval_jit(jax.vmap(one))
 
 
 @functools.lru_cache(maxsize=None)
@@ -200,7 +210,7 @@ def kernel_evaluator(kernel_name: str, passes: Tuple[str, ...], spec: str, compu
       errs.update(underflow_a=ua, underflow_b=ub, saturation_a=sa, saturation_b=sb)
       results[p] = errs
     return results
-  return jax.jit(jax.vmap(one))
+  return _eval_jit(jax.vmap(one))
 
 
 def _delayed_products(kernel, spec: str, lhs, rhs, grad, warm):
@@ -242,7 +252,7 @@ def fused_evaluator(kernel_name: str, spec: str, compute_dtype: str):
     rolled = lambda x: jnp.stack([jnp.roll(x, s, axis=0) for s in range(DELAYED_WARMUP, 0, -1)],
                                  axis=1)
     return jax.vmap(one)(lhs, rhs, grad, refs, rolled(lhs), rolled(rhs), rolled(grad))
-  return jax.jit(chunk)
+  return _eval_jit(chunk)
 
 
 # ----------------------------------------------------------------------------- per site
