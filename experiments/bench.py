@@ -1,91 +1,176 @@
-"""GPU benchmarks, resumable: `python -m experiments.bench --suite=models --workdir=DIR`.
+r"""Headline benchmark, resumable: bf16 vs the FP8 peers vs LoKA, speed and quality.
 
-Rows go to DIR/bench.jsonl as they finish; a rerun skips finished rows (--only narrows the set).
+  python -m experiments.bench --suite={towers,models,quality,all} --workdir=DIR \
+      [--only=wukong/large,4096x256x8] [--variants=...] [--max_minutes=6.5]
+
+One process on one GPU. Speed rows (towers, models) go to DIR/bench.jsonl, one per (target,
+variant), each with bf16 timed interleaved beside it in the same run; quality rows to
+DIR/quality.jsonl, one per trained arm and seed. A rerun skips finished rows, so a suite
+longer than one call (--max_minutes: no new row starts after it) finishes over several calls.
+The LoKA arm needs each target's plan (DIR/plans/<model>_<preset>/plan.json): a missing one is
+probed first (--probe), resumably. Every call ends by writing DIR/report.md (tables and the
+target checks), DIR/targets.json and PNG plots under DIR/plots/.
 """
 import os
 import time
 
-import jax
 from absl import app, flags
 
-from loka_jax import _compat
-from loka_jax.bench import models as bench_models
-from loka_jax.bench.results import ResultsFile
-from loka_jax.models.presets import MODEL_NAMES
+from loka_jax import flags as common_flags  # noqa: F401  (the common flags, defined once)
 
-SUITE = flags.DEFINE_enum("suite", "models", ("models",), "Which benchmark suite.")
-WORKDIR = flags.DEFINE_string("bench_dir", None, "Results directory (bench.jsonl, table.md).")
-MODELS_FLAG = flags.DEFINE_list("models", list(MODEL_NAMES), "Models to measure.")
-PRESETS = flags.DEFINE_list("presets", ["small", "large"], "Presets to measure.")
-VARIANTS = flags.DEFINE_list("variants", ["bf16", "fp8_tensorwise"],
-                             f"Variants from {sorted(bench_models.VARIANTS)}; bf16 always runs.")
+SUITES = ("towers", "models", "quality", "all")
+SUITE = flags.DEFINE_enum("suite", "models", SUITES, "Which benchmark suite.")
+BENCH_DIR = flags.DEFINE_string("bench_dir", None, "Old name of --workdir (results directory).")
+TOWERS = flags.DEFINE_list("towers", None, "Tower shapes BxWIDTHxDEPTH (default: the five).")
+MODELS_FLAG = flags.DEFINE_list("models", None, "Models (default: all five).")
+PRESETS = flags.DEFINE_list("presets", ["small", "large"], "Model presets (models suite).")
+VARIANTS = flags.DEFINE_list("variants", ["all"],
+                             "Speed variants: fp32, bf16, bf16_mods, flax_fp8_delayed, "
+                             "fp8_tensorwise, fp8_rowwise, pallas, loka (or 'all'); bf16 "
+                             "always runs.")
 REPEATS = flags.DEFINE_integer("repeats", 20, "Timed repeats per variant (interleaved).")
-MAX_MINUTES = flags.DEFINE_float("max_minutes", 7.0, "Stop starting new rows after this long.")
-ONLY = flags.DEFINE_list("only", [], "Run only rows whose 'model/preset' is listed.")
+MAX_MINUTES = flags.DEFINE_float("max_minutes", 6.5, "Start no new row after this long.")
+ONLY = flags.DEFINE_list("only", [], "Only these targets: 'model/preset', a model, a preset "
+                         "or a tower shape.")
 COMPILE_CACHE = flags.DEFINE_string("compile_cache", None,
-                                    "Persistent compilation cache (default: BENCH_DIR/jax_cache).")
-BATCH = flags.DEFINE_integer("batch_size", 0, "Batch size; 0: each preset's.")
+                                    "Persistent compilation cache (default: WORKDIR/jax_cache).")
+BATCH = flags.DEFINE_integer("batch_size", 0, "Batch size; 0: each preset's / tower's.")
+PROBE = flags.DEFINE_bool("probe", True, "Probe targets whose LoKA plan is missing.")
+PROBE_STEPS = flags.DEFINE_integer("probe_steps", 100, "Training steps of each probe.")
+PLANS = flags.DEFINE_string("plans_dir", None, "Plan directory (default: WORKDIR/plans).")
+Q_PRESET = flags.DEFINE_string("quality_preset", "small", "Preset of the synthetic quality runs.")
+Q_STEPS = flags.DEFINE_integer("quality_steps", 500, "Training steps of every quality arm.")
+Q_MIN_EVAL = flags.DEFINE_integer("quality_eval", 200_000, "Held-out examples (>=, synthetic).")
+Q_NOISE = flags.DEFINE_list("noise_seeds", ["1", "2"], "Extra bf16 seeds (noise floor).")
+Q_DATA = flags.DEFINE_list("quality_data", ["synthetic", "movielens"],
+                           "Quality data: synthetic (every --models) and/or movielens.")
+ML_MODELS = flags.DEFINE_list("ml_models", ["wukong", "interformer"], "MovieLens models.")
+ML_PRESET = flags.DEFINE_string("ml_preset", "tiny", "MovieLens model preset.")
+ML_STEPS = flags.DEFINE_integer("ml_steps", 600, "MovieLens training steps.")
+ML_BATCH = flags.DEFINE_integer("ml_batch", 256, "MovieLens batch size.")
+ML_SEEDS = flags.DEFINE_integer("ml_seeds", 5, "MovieLens seeds per arm.")
+ARMS = flags.DEFINE_list("arms", ["bf16", "bf16_mods", "fp8_naive", "loka"], "Quality arms.")
 
 
-def _table(rows) -> str:
-  lines = ["| model | preset | variant | batch | train ex/s | train speedup [95% CI] | "
-           "infer ex/s | infer speedup [95% CI] | train mem GiB | device |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
-  for r in rows:
-    t, i = r["train"], r["infer"]
-    mem = r.get("train_memory_bytes")
-    lines.append(
-        f"| {r['model']} | {r['preset']} | {r['variant']} | {r['batch_size']} | "
-        f"{t['examples_per_s']:,.0f} | {t['speedup']:.2f} [{t['speedup_ci'][0]:.2f}, "
-        f"{t['speedup_ci'][1]:.2f}] | {i['examples_per_s']:,.0f} | {i['speedup']:.2f} "
-        f"[{i['speedup_ci'][0]:.2f}, {i['speedup_ci'][1]:.2f}] | "
-        f"{'-' if mem is None else f'{mem / 2**30:.2f}'} | {r['device']} |")
-  return "\n".join(lines)
+def _setup(workdir: str) -> None:
+  """Caches and XLA autotune persistence; must run before JAX touches the GPU."""
+  os.makedirs(workdir, exist_ok=True)
+  autotune = os.path.join(workdir, "xla_autotune.textproto")
+  flag = (f"--xla_gpu_load_autotune_results_from={autotune}" if os.path.exists(autotune)
+          else f"--xla_gpu_dump_autotune_results_to={autotune}")
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+  import jax
+  jax.config.update("jax_compilation_cache_dir",
+                    COMPILE_CACHE.value or os.path.join(workdir, "jax_cache"))
+
+
+def _log(message: str) -> None:
+  print(f"[bench] {message}", flush=True)
 
 
 def main(argv):
   del argv
-  workdir = WORKDIR.value or os.environ.get("OUT") or "bench_results"
-  jax.config.update("jax_compilation_cache_dir",
-                    COMPILE_CACHE.value or os.path.join(workdir, "jax_cache"))
+  workdir = (common_flags.WORKDIR.value or BENCH_DIR.value or os.environ.get("OUT")
+             or "bench_results")
+  _setup(workdir)
+  import jax
+  from loka_jax import _compat
+  from loka_jax.bench import plots, quality, suite, tables, targets
+  from loka_jax.bench.results import ResultsFile
+  from loka_jax.bench.towers import TOWER_SHAPES
+  from loka_jax.bench.variants import parse_variants
+  from loka_jax.models.presets import MODEL_NAMES
+  from loka_jax.train import experiment
+
+  experiment.quiet_library_logs()
+
   if not _compat.on_gpu():
-    print("warning: not on a GPU; these timings are smoke tests, not results")
-  results = ResultsFile(os.path.join(workdir, "bench.jsonl"),
-                        ("suite", "model", "preset", "variant", "device"))
-  device = jax.devices()[0].device_kind
-  names = ["bf16"] + [v for v in VARIANTS.value if v != "bf16"]
-  variants = [bench_models.VARIANTS[v] for v in names]
+    _log("warning: not on a GPU; these timings are smoke tests, not results")
   start = time.time()
-  for preset in PRESETS.value:
-    for model in MODELS_FLAG.value:
-      if ONLY.value and f"{model}/{preset}" not in ONLY.value:
+  deadline = start + MAX_MINUTES.value * 60
+  device = jax.devices()[0].device_kind
+  plans_dir = PLANS.value or os.path.join(workdir, "plans")
+  speed_rows = ResultsFile(os.path.join(workdir, "bench.jsonl"), suite.KEY_FIELDS)
+  quality_rows = ResultsFile(os.path.join(workdir, "quality.jsonl"), quality.KEY_FIELDS)
+  variants = parse_variants(VARIANTS.value)
+  models = MODELS_FLAG.value or list(MODEL_NAMES)
+  settings = suite.SpeedSettings(repeats=REPEATS.value, plans_dir=plans_dir, probe=PROBE.value,
+                                 probe_steps=PROBE_STEPS.value, seed=common_flags.SEED.value)
+  batch = BATCH.value or None
+  _log(f"device {device}; suite {SUITE.value}; results under {workdir}")
+
+  finished = True
+  speed_targets = []
+  if SUITE.value in ("towers", "all"):
+    speed_targets += suite.tower_targets(TOWERS.value or TOWER_SHAPES, batch)
+  if SUITE.value in ("models", "all"):
+    speed_targets += suite.model_targets(models, PRESETS.value, batch)
+  for target in suite.selected(speed_targets, ONLY.value):
+    if time.time() > deadline:
+      finished = False
+      break
+    finished &= suite.run_target(target, variants, speed_rows, settings=settings,
+                                 deadline=deadline, device=device, log=_log)
+
+  if SUITE.value in ("quality", "all"):
+    runs = []
+    noise = tuple(int(s) for s in Q_NOISE.value)
+    if "synthetic" in Q_DATA.value:
+      runs += [(m, quality.QualitySettings(
+          data="synthetic", preset=Q_PRESET.value, steps=Q_STEPS.value, batch_size=batch,
+          seed=common_flags.SEED.value, noise_seeds=noise, arms=tuple(ARMS.value),
+          min_eval=Q_MIN_EVAL.value, plans_dir=plans_dir)) for m in models]
+    if "movielens" in Q_DATA.value:
+      runs += [(m, quality.QualitySettings(
+          data="movielens", preset=ML_PRESET.value, steps=ML_STEPS.value,
+          batch_size=ML_BATCH.value, seeds=tuple(range(ML_SEEDS.value)), arms=tuple(ARMS.value),
+          data_cache=common_flags.DATA_CACHE.value,
+          plans_dir=os.path.join(plans_dir, "movielens"))) for m in ML_MODELS.value]
+    for model, qs in runs:
+      names = (f"{model}/{qs.preset}", model, qs.preset, qs.data)
+      if ONLY.value and not any(n in ONLY.value for n in names):
         continue
-      keys = [("models", model, preset, v.name, device) for v in variants]
-      if all(results.done(k) for k in keys):
-        continue
-      if (time.time() - start) / 60 > MAX_MINUTES.value:
-        print(f"stopping at --max_minutes={MAX_MINUTES.value}; rerun to continue")
+      if time.time() > deadline:
+        finished = False
         break
-      print(f"measuring {model}/{preset}: {', '.join(names)}", flush=True)
-      try:
-        measured = bench_models.measure(model, preset, variants, repeats=REPEATS.value,
-                                        batch_size=BATCH.value or None)
-      except Exception as e:  # record the failure and go on (e.g. out of memory)
-        results.append({"suite": "models", "model": model, "preset": preset,
-                        "variant": "bf16", "device": device, "error": f"{type(e).__name__}: {e}"})
-        print(f"  failed: {type(e).__name__}: {str(e)[:300]}")
-        continue
-      for v in variants:
-        results.append({"suite": "models", "model": model, "preset": preset, "variant": v.name,
-                        "device": device, "jax": jax.__version__, **measured[v.name]})
-  rows = [r for r in results.rows() if "error" not in r]
-  table = _table(rows)
-  with open(os.path.join(workdir, "table.md"), "w") as f:
-    f.write(table + "\n")
-  print(table)
-  for r in results.rows():
-    if "error" in r:
-      print(f"error {r['model']}/{r['preset']}: {r['error'][:200]}")
+      finished &= quality.run_model(model, qs, quality_rows, os.path.join(workdir, "quality"),
+                                    deadline=deadline, device=device, log=_log,
+                                    plan_maker=_quality_plan_maker(qs, settings, deadline))
+
+  rows = list(speed_rows.rows()) + list(quality_rows.rows())
+  verdicts = targets.check_all(rows)
+  from loka_jax import jsonio
+  jsonio.write_json_atomic(os.path.join(workdir, "targets.json"), verdicts)
+  report = tables.report(rows, verdicts)
+  with open(os.path.join(workdir, "report.md"), "w") as f:
+    f.write(report + "\n")
+  written = plots.write_plots(rows, os.path.join(workdir, "plots"))
+  print(report)
+  _log(f"plots: {', '.join(written) or 'none yet'}")
+  _log(("all selected rows are done" if finished else "stopped at --max_minutes; rerun the "
+        "same command to continue") + f" ({time.time() - start:.0f}s)")
+
+
+def _quality_plan_maker(qs, settings, deadline):
+  """Probes a quality model (its preset, with Mods) when its LoKA plan is missing."""
+  if not PROBE.value:
+    return None
+  from loka_jax.bench import planning
+  from loka_jax.train import experiment
+  from loka_jax.train.loop import TrainConfig
+
+  def make(model):
+    budget = deadline - time.time()
+    if budget < 30:
+      return None
+    spec = experiment.RunSpec(model=model, preset=qs.preset, data=qs.data,
+                              data_cache=qs.data_cache, precision="bf16", mods=("all",),
+                              seed=qs.seed)
+    config = TrainConfig(steps=settings.probe_steps, progress=False, seed=qs.seed,
+                         batch_size=qs.batch_size or experiment.preset_batch_size(
+                             model, qs.preset))
+    return planning.make_plan(spec, qs.plans_dir, config, budget_s=budget)
+  return make
 
 
 if __name__ == "__main__":

@@ -1,66 +1,185 @@
-"""The main job: train the embedded default in bf16 and in FP8 side by side, then report.
+"""The main job: probe -> dispatch -> validate, then train bf16+Mods, the plan (Mods + plan)
+and naive FP8 (one kernel everywhere, same Mods) side by side, and report.
 
-  python -m experiments.loka [--model=wukong --preset=tiny --steps=300 --workdir=loka_run]
+  python -m experiments.loka [--workdir=loka_run --model=wukong --preset=tiny --steps=300]
 
-Every arm uses the same seed, data order and held-out set. The FP8 arm is --precision=fp8_all
-with --kernel (default: xla_fp8_tensorwise everywhere, the naive recipe). Writes
-WORKDIR/<arm>/{metrics.jsonl, final.json}, WORKDIR/report.md and WORKDIR/report.png; rerunning
-resumes unfinished arms.
+The embedded default is Wukong `tiny` on synthetic data on a CPU, `small` when a GPU is
+present (--preset overrides). Every arm uses the same seed, data order and held-out set.
+Writes, in --workdir (default ./loka_run):
+  probe_report.json, plan_selected.json, plan.json   (loka_jax/dispatch/pipeline.py)
+  probe/                   the probe's bf16+Mods training run
+  arms/<arm>/              each arm's metrics.jsonl, final.json, checkpoints
+  report.md                the per-site plan, its validation, NE/AUC/log loss of the arms,
+                           speed where valid
+  plan.png, arms.png       the plan (kernel per site and pass, sites per kernel), the
+                           training loss and held-out NE of the arms
+Rerunning resumes every part (delete a file or directory to redo it).
 """
 import os
+import time
 
-from absl import app, flags
+import jax
+from absl import app, flags, logging
 
+from loka_jax import _compat
 from loka_jax import flags as common
+from loka_jax.dispatch import pipeline
+from loka_jax.dispatch import validate as validate_lib
+from loka_jax.kernels import KernelPlan
+from loka_jax.probe.collector import ProbeConfig
+from loka_jax.probe.runner import ProbeOptions
 from loka_jax.train import OptimConfig, TrainConfig, experiment, report
 
 BATCH_SIZE = flags.DEFINE_integer("batch_size", 0, "Training batch; 0: the preset's.")
-NUM_EVAL = flags.DEFINE_integer("num_eval", 0, "Held-out examples; 0: the source's default.")
+NUM_EVAL = flags.DEFINE_integer("num_eval", 2048, "Held-out examples (0: the source's default).")
+PROBE_STEPS = flags.DEFINE_integer("probe_steps", 100, "Training steps of the probe run.")
+CADENCE = flags.DEFINE_integer("cadence", 25, "Probe statistics pass every N steps.")
+SAMPLES = flags.DEFINE_integer("samples", 8, "Probe draws per site and source.")
+PROBE_KERNELS = flags.DEFINE_list(
+    "probe_kernels", [], "Candidate kernels; empty: on a CPU xla_bf16, xla_fp8_tensorwise and "
+    "xla_fp8_rowwise (their fast-accumulation twins compute the same there), on a GPU the "
+    "probe's default list.")
+PROBE_SITES = flags.DEFINE_string("probe_sites", None,
+                                  "Regex: probe only these sites (others stay bf16).")
+MAX_REL_LOGLOSS = flags.DEFINE_float("max_rel_logloss", 0.0002,
+                                     "Held-out relative log-loss budget of validation.")
+SHADOW_STEPS = flags.DEFINE_integer("shadow_steps", 200, "Shadow training steps (0: skip).")
+VALIDATE = flags.DEFINE_bool("validate", True, "Validate the plan end to end.")
+NAIVE_FP8 = flags.DEFINE_bool("naive_fp8", True,
+                              "Also train the naive arm: --kernel on every site, same Mods.")
+COMPILATION_CACHE = flags.DEFINE_string(
+    "compilation_cache", os.path.join(os.path.expanduser("~"), ".cache", "loka_jax", "jax_cache"),
+    "Persistent XLA compilation cache ('' disables); reruns compile much less.")
+
+CPU_KERNELS = ("xla_bf16", "xla_fp8_tensorwise", "xla_fp8_rowwise")
 
 
-def _arms():
-  yield "bf16", dict(precision="bf16")
-  yield f"fp8_all ({common.KERNEL.value})", dict(precision="fp8_all", kernel=common.KERNEL.value)
+def _spec(**overrides) -> experiment.RunSpec:
+  mods = experiment.parse_mods(common.MODS.value) or ("all",)
+  return experiment.RunSpec(
+      model=common.MODEL.value, preset=_preset(), data=common.DATA.value,
+      data_spec=common.DATA_SPEC.value, data_path=common.DATA_PATH.value,
+      data_cache=common.DATA_CACHE.value, seed=common.SEED.value, mods=mods,
+      num_eval=NUM_EVAL.value or None, **overrides)
+
+
+def _preset() -> str:
+  if common.PRESET.present:
+    return common.PRESET.value
+  return "small" if _compat.on_gpu() else "tiny"
+
+
+def _train_config(steps: int, batch_size: int, log_every: int) -> TrainConfig:
+  return TrainConfig(steps=steps, seed=common.SEED.value, batch_size=batch_size,
+                     log_every=log_every, checkpoint_every=steps, progress=False,
+                     optim=OptimConfig())
+
+
+def _arms(plan_path: str):
+  yield "bf16+Mods", "bf16_mods", _spec(precision="bf16")
+  yield "LoKA (Mods + plan)", "loka", _spec(precision="loka", plan=plan_path)
+  if NAIVE_FP8.value:
+    yield (f"fp8_all {common.KERNEL.value} + Mods", "fp8_all",
+           _spec(precision="fp8_all", kernel=common.KERNEL.value))
+
+
+def _speed_section(result, arms_plans) -> str:
+  """Whole-step speed of the arms on a GPU; on a CPU, why not and the plan's estimate."""
+  estimate = pipeline.plan_speedup_estimate(result.plan, result.report)
+  est = (f"GEMM-only estimate of the plan vs bf16 over the probed sites: "
+         f"{estimate['speedup']:.2f}x "
+         f"({estimate['source']}{'; ' + estimate['note'] if estimate.get('note') else ''}).")
+  if not _compat.on_gpu():
+    return ("Speed: not measured (not on a GPU: CPU timings say nothing about GPU kernels). "
+            + est)
+  context = pipeline.context_for_run(_spec(), result.paths["probe_dir"],
+                                     _train_config(PROBE_STEPS.value, _batch_size(), 0),
+                                     result.report)
+  got = validate_lib.measure_steps(context, arms_plans, "bf16+Mods")
+  lines = [f"Speed on {jax.devices()[0].device_kind} (whole steps, interleaved, 20 repeats, "
+           "speedup vs bf16+Mods with bootstrap 95% CI):", "",
+           "| arm | train step (us) | train speedup | inference step (us) | inference speedup |",
+           "|---|---|---|---|---|"]
+  for name in arms_plans:
+    t, i = got["train"][name], got["infer"][name]
+    lines.append(f"| {name} | {t['median_us']:.0f} | {t['speedup']:.3f} [{t['speedup_ci'][0]:.3f}, "
+                 f"{t['speedup_ci'][1]:.3f}] | {i['median_us']:.0f} | {i['speedup']:.3f} "
+                 f"[{i['speedup_ci'][0]:.3f}, {i['speedup_ci'][1]:.3f}] |")
+  return "\n".join(lines + ["", est])
+
+
+def _batch_size() -> int:
+  return BATCH_SIZE.value or experiment.preset_batch_size(common.MODEL.value, _preset())
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  start = time.time()
   workdir = common.WORKDIR.value or "loka_run"
+  if COMPILATION_CACHE.value:
+    jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE.value)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
   experiment.quiet_library_logs()
+  logging.set_verbosity(logging.WARNING)  # one line per step would bury the report
+  batch_size = _batch_size()
+  kernels = tuple(PROBE_KERNELS.value) or (() if _compat.on_gpu() else CPU_KERNELS)
+  print(f"== probe -> dispatch -> validate: {common.MODEL.value}/{_preset()} on "
+        f"{common.DATA.value} -> {workdir}", flush=True)
+  result = pipeline.probe_and_plan(
+      _spec(), workdir,
+      train_config=_train_config(PROBE_STEPS.value, batch_size, 0),
+      probe_config=ProbeConfig(cadence=CADENCE.value, seed=common.SEED.value),
+      probe_options=ProbeOptions(samples=SAMPLES.value, kernels=kernels,
+                                 sites=PROBE_SITES.value, bootstrap=200, site_plots=False,
+                                 seed=common.SEED.value),
+      validation=validate_lib.ValidationConfig(
+          max_rel_logloss=MAX_REL_LOGLOSS.value, shadow_steps=SHADOW_STEPS.value,
+          seed=common.SEED.value) if VALIDATE.value else None)
+  plan = result.plan
   steps = common.STEPS.value
-  arms = {}
-  for name, overrides in _arms():
-    spec = experiment.RunSpec(
-        model=common.MODEL.value, preset=common.PRESET.value, data=common.DATA.value,
-        data_spec=common.DATA_SPEC.value, data_path=common.DATA_PATH.value,
-        data_cache=common.DATA_CACHE.value, seed=common.SEED.value,
-        mods=experiment.parse_mods(common.MODS.value), num_eval=NUM_EVAL.value or None,
-        **overrides)
-    config = TrainConfig(
-        steps=steps, seed=common.SEED.value, log_every=max(1, steps // 30),
-        batch_size=BATCH_SIZE.value or experiment.preset_batch_size(spec.model, spec.preset),
-        checkpoint_every=steps, optim=OptimConfig())
-    arm_dir = os.path.join(workdir, name.split(" ")[0])
-    print(f"== {name}: {spec.model}/{spec.preset} on {spec.data}, {steps} steps -> {arm_dir}",
-          flush=True)
-    experiment.run(spec, arm_dir, config)
-    arms[name] = report.load_arm(arm_dir)
-  _, source, _ = experiment.build_run(experiment.RunSpec(
-      model=common.MODEL.value, preset=common.PRESET.value, data=common.DATA.value,
-      data_spec=common.DATA_SPEC.value, data_path=common.DATA_PATH.value,
-      data_cache=common.DATA_CACHE.value, seed=common.SEED.value))
-  table = report.comparison_table(arms, baseline="bf16")
-  plot = report.plot_arms(arms, os.path.join(workdir, "report.png"), source.oracle_ne)
-  oracle = f"\nTeacher (oracle) NE on the held-out set: {source.oracle_ne:.4f}\n" \
-      if source.oracle_ne is not None else ""
-  text = (f"# loka_jax main job: {common.MODEL.value}/{common.PRESET.value} on "
-          f"{common.DATA.value}, {steps} steps, seed {common.SEED.value}\n\n{table}\n{oracle}"
-          f"\n![loss and NE]({os.path.basename(plot)})\n")
+  arms, arms_plans = {}, {}
+  for label, key, spec in _arms(result.paths["plan"]):
+    arm_dir = os.path.join(workdir, "arms", key)
+    print(f"== {label}: {steps} steps -> {arm_dir}", flush=True)
+    experiment.run(spec, arm_dir, _train_config(steps, batch_size, max(1, steps // 30)))
+    arms[label] = report.load_arm(arm_dir)
+    arms_plans[label] = {"bf16_mods": validate_lib.BASELINE, "loka": plan.kernel_plan(),
+                         "fp8_all": KernelPlan.uniform(common.KERNEL.value)}[key]
+  _, source, _ = experiment.build_run(_spec(precision="bf16"))
+  plan_png = report.plot_plan(plan, os.path.join(workdir, "plan.png"))
+  arms_png = report.plot_arms(arms, os.path.join(workdir, "arms.png"), source.oracle_ne)
+  criteria = result.criteria
+  timing = plan["provenance"].get("timing_source", {})
+  oracle = (f"Teacher (oracle) NE on the held-out set: {source.oracle_ne:.4f}\n\n"
+            if source.oracle_ne is not None else "")
+  text = "\n".join([
+      f"# loka_jax main job: {common.MODEL.value}/{_preset()} on {common.DATA.value}, seed "
+      f"{common.SEED.value}",
+      "",
+      f"Probe: {PROBE_STEPS.value} bf16+Mods training steps, {len(result.report['sites'])} sites "
+      f"probed, candidates {', '.join(result.report['evaluation']['kernels'])}. Selection "
+      f"budget: SQNR >= {criteria.min_sqnr_fwd_db:g} dB fwd / {criteria.min_sqnr_grad_db:g} dB "
+      f"gradients, underflow <= {100 * criteria.max_underflow:g}%, "
+      + (f"speedup > {criteria.min_speedup:g}x" if criteria.min_speedup is not None else
+         "accuracy only (no timings here: FP8 chosen where safe, its speed judged on a GPU)")
+      + f". Timing source: {timing.get('kind')} ({timing.get('reason', '')}).",
+      "",
+      "## Plan (`plan.json`; * = backed off by validation)", "",
+      report.plan_table(plan), "",
+      f"![plan]({os.path.basename(plan_png)})", "",
+      "## Validation", "",
+      report.validation_lines(plan) or "- none recorded", "",
+      f"## Arms ({steps} steps each, same seed, data order and held-out set)", "",
+      report.comparison_table(arms, baseline="bf16+Mods"), "",
+      oracle + f"![loss and NE]({os.path.basename(arms_png)})", "",
+      "## Speed", "",
+      _speed_section(result, arms_plans), "",
+      f"Wall time of this invocation: {time.time() - start:.0f} s.", ""])
   with open(os.path.join(workdir, "report.md"), "w") as f:
     f.write(text)
   print(text)
-  print(f"wrote {os.path.join(workdir, 'report.md')} and {plot}")
+  print(f"wrote {os.path.join(workdir, 'report.md')}, {plan_png}, {arms_png}")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import sys
 from absl import app, flags
 
 from loka_jax import flags as common
+from loka_jax.parallel.mesh import MeshSpecError
 from loka_jax.train import (NAN_POLICIES, CheckpointError, NonFiniteError, OptimConfig,
                             RunSettingsError, TrainConfig)
 from loka_jax.train import experiment
@@ -34,7 +35,21 @@ NAN_POLICY = flags.DEFINE_enum("nan_policy", "stop", NAN_POLICIES,
                                "checkpoint) or skip the step.")
 ID_POLICY = flags.DEFINE_enum("id_policy", "error", ("error", "hash", "clip"),
                               "Out-of-vocabulary ids in the data: error, hash or clip.")
+DRIFT_EVERY = flags.DEFINE_integer(
+    "drift_every", 0, "With --precision=loka: refresh the probe's statistics every N steps and "
+    "switch sites whose statistics drifted and whose kernel is no longer safe (0: off).")
+DRIFT_REPORT = flags.DEFINE_string(
+    "drift_report", None, "The probe report the --plan was selected on (default: the one its "
+    "provenance names); the drift valve's baseline statistics and timings.")
 PROGRESS = flags.DEFINE_bool("progress", True, "Progress bar on stderr (when a terminal).")
+MESH = flags.DEFINE_string("mesh", None,
+                           "Train sharded over a device mesh, e.g. data:2,model:2 (dense towers "
+                           "data-parallel over every device, tables row-sharded over model; "
+                           "multi-host from JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/"
+                           "JAX_PROCESS_ID); unset: one device.")
+COLLECTIVES = flags.DEFINE_enum("collectives", "bf16", ("fp32", "bf16", "fp8"),
+                                "Payload of the gradient all-reduce and the embedding exchange "
+                                "with --mesh (fp8: e4m3 with block scales, summed in fp32).")
 
 
 def main(argv):
@@ -49,7 +64,8 @@ def main(argv):
       data_cache=common.DATA_CACHE.value, precision=common.PRECISION.value,
       kernel=common.KERNEL.value, plan=common.PLAN.value,
       mods=experiment.parse_mods(common.MODS.value), seed=common.SEED.value,
-      num_eval=NUM_EVAL.value or None, id_policy=ID_POLICY.value)
+      num_eval=NUM_EVAL.value or None, id_policy=ID_POLICY.value,
+      drift_every=DRIFT_EVERY.value, drift_report=DRIFT_REPORT.value)
   config = TrainConfig(
       steps=common.STEPS.value, seed=common.SEED.value,
       batch_size=BATCH_SIZE.value or experiment.preset_batch_size(spec.model, spec.preset),
@@ -60,8 +76,21 @@ def main(argv):
       optim=OptimConfig(learning_rate=LR.value, embedding_learning_rate=EMBEDDING_LR.value,
                         warmup_steps=WARMUP_STEPS.value, weight_decay=WEIGHT_DECAY.value))
   try:
-    final = experiment.run(spec, common.WORKDIR.value, config)
-  except (NonFiniteError, CheckpointError, RunSettingsError, experiment.PlanError) as e:
+    if MESH.value:
+      if DRIFT_EVERY.value:
+        raise app.UsageError("--drift_every does not run in a sharded run yet; drop --mesh "
+                             "or --drift_every")
+      from loka_jax import parallel  # pylint: disable=g-import-not-at-top
+      from loka_jax.parallel import run as parallel_run  # pylint: disable=g-import-not-at-top
+      parallel.initialize_distributed()
+      model, source, _ = experiment.build_run(spec)
+      final = parallel_run.train_sharded(
+          model, source, common.WORKDIR.value, config, parallel.build_mesh(MESH.value),
+          parallel.ParallelConfig(collectives=COLLECTIVES.value), run_info=spec.run_info())
+    else:
+      final = experiment.run(spec, common.WORKDIR.value, config)
+  except (NonFiniteError, CheckpointError, RunSettingsError, experiment.PlanError,
+          MeshSpecError) as e:
     sys.exit(f"error: {e}")
   print(json.dumps(final, indent=1, sort_keys=True))
 

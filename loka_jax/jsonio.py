@@ -13,9 +13,10 @@ def read_json(path: str, what: str, remedy: str, error: Type[Exception]) -> Any:
     with open(path, "rb") as f:
       raw = f.read()
   except OSError as e:
-    raise error(f"{path}: cannot read the {what} ({e})") from e
+    raise error(f"{path}: cannot read the {what} ({e}); check the path: {remedy}") from e
   if not raw.strip():
-    raise error(f"{path}: the {what} file is empty")
+    raise error(f"{path}: the {what} file is empty (a run killed while writing it?): "
+                f"{remedy}")
   try:
     return json.loads(raw.decode("utf-8"))
   except (UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -58,7 +58,9 @@ class ProbeCliTest(chex.TestCase):
     report = report_lib.load_report(os.path.join(workdir, "probe_report.json"))
     self.assertEqual((report["model"], report["preset"], report["timing_valid"]),
                      ("wukong", "tiny", False))
-    self.assertEqual(report["timing_source"]["kind"], "none")
+    # Untimed (CPU) runs fall back on a committed timing table when the checkout has one.
+    committed = timing_table.available_tables()
+    self.assertEqual(report["timing_source"]["kind"], "table" if committed else "none")
     self.assertEqual(list(report["sites"]), ["layer_0/fmb/fm_proj", "layer_0/fmb/optimized_fm",
                                              "layer_0/fmb/mlp/dense_0"])
     self.assertEqual(report["overhead"]["observations"], 2)   # steps 2 and 4

@@ -16,23 +16,8 @@ from loka_jax.train.optim import OptimConfig, make_optimizer
 from loka_jax.train.state import create_train_state
 
 
-@dataclasses.dataclass(frozen=True)
-class Variant:
-  """One arm: a precision (fp32, bf16, fp8_all) with its kernel, and the Mods on."""
-  name: str
-  precision: str
-  kernel: str = "xla_fp8_tensorwise"
-  mods: Sequence[str] = ()
-
-
-VARIANTS = {
-    "fp32": Variant("fp32", "fp32"),
-    "bf16": Variant("bf16", "bf16"),
-    "bf16_mods": Variant("bf16_mods", "bf16", mods=("all",)),
-    "fp8_tensorwise": Variant("fp8_tensorwise", "fp8_all", "xla_fp8_tensorwise"),
-    "fp8_rowwise": Variant("fp8_rowwise", "fp8_all", "xla_fp8_rowwise"),
-    "flax_fp8_delayed": Variant("flax_fp8_delayed", "fp8_all", "flax_fp8_delayed"),
-}
+# The arms live in variants.py; re-exported here for older callers.
+from loka_jax.bench.variants import VARIANTS, Variant  # noqa: E402,F401
 
 
 def _memory_bytes(compiled) -> Optional[int]:

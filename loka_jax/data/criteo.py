@@ -13,6 +13,7 @@ import collections
 import dataclasses
 import gzip
 import os
+import zlib
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -92,7 +93,18 @@ def _column_error(where: str, lineno: int, columns: int) -> DataFileError:
 
 
 def scan_file(path: str) -> Tuple[int, np.ndarray]:
-  """(line count, byte offsets of lines 0, STRIDE, 2*STRIDE, ...); checks every column count."""
+  """(line count, byte offsets of lines 0, STRIDE, 2*STRIDE, ...); checks every column count
+  and that the file reads to its end (a truncated or corrupt gzip file is an error naming it)."""
+  try:
+    return _scan(path)
+  except (EOFError, OSError, zlib.error) as e:  # gzip raises all three for damaged streams
+    raise DataFileError(
+        f"{path}: cannot read the file to its end ({type(e).__name__}: {e}); it is truncated "
+        "or corrupt (an interrupted download or copy?): fetch it again, or move it out of "
+        "the data directory") from e
+
+
+def _scan(path: str) -> Tuple[int, np.ndarray]:
   offsets = [0]
   lines = 0          # complete lines seen
   pos = 0            # bytes consumed

@@ -36,8 +36,11 @@ class FeatureSpec:
 
   def __post_init__(self):
     object.__setattr__(self, "vocab_sizes", tuple(int(v) for v in self.vocab_sizes))
-    if self.num_dense < 0 or self.bag_size < 1 or any(v < 1 for v in self.vocab_sizes):
-      raise ValueError(f"invalid FeatureSpec {self}")
+    bad = ([f"num_dense={self.num_dense} (must be >= 0)"] if self.num_dense < 0 else []) + (
+        [f"bag_size={self.bag_size} (must be >= 1)"] if self.bag_size < 1 else []) + (
+        [f"vocab_sizes[{i}]={v} (must be >= 1)" for i, v in enumerate(self.vocab_sizes) if v < 1])
+    if bad:
+      raise ValueError(f"invalid FeatureSpec: {'; '.join(bad)}; fix the data spec or preset")
     if self.num_seq and (self.seq_len < 1 or self.seq_vocab < 1):
       raise ValueError(f"FeatureSpec with sequences needs seq_len and seq_vocab >= 1: {self}")
 

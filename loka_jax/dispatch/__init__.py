@@ -23,6 +23,16 @@ _EXPORTS = {
     "Wrapped": "binding", "apply": "binding", "routing": "binding", "wrap": "binding",
     "DriftBound": "drift", "SiteDrift": "drift", "drifted_sites": "drift",
     "reselect_drifted": "drift", "site_drift": "drift",
+    "ValidationConfig": "validate", "ValidationContext": "validate",
+    "check_held_out": "validate", "check_shadow": "validate", "check_speed": "validate",
+    "more_precise_kernel": "validate", "validate_end_to_end": "validate",
+    "validation_records": "validate",
+    "PipelineResult": "pipeline", "context_for_run": "pipeline",
+    "default_criteria": "pipeline", "plan_speedup_estimate": "pipeline",
+    "probe_and_plan": "pipeline",
+    "DriftValve": "valve", "ValveConfig": "valve", "checkpoint_plan": "valve",
+    "ExportedModel": "export", "ExportError": "export", "export_model": "export",
+    "load_export": "export",
 }
 
 __all__ = sorted(_EXPORTS)

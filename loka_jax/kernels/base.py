@@ -61,6 +61,20 @@ class Kernel(abc.ABC):
     raise NotImplementedError(f"kernel {self.name} is {self.sort}; it has no single-pass einsum")
 
 
+def check_operands(where: str, spec: EinsumSpec, a, b) -> None:
+  """Raises naming `where` (a site or kernel) when the operands' shapes do not fit `spec` or
+  an operand is not floating point (integer ids or masks multiplied by mistake)."""
+  try:
+    spec.shapes(a.shape, b.shape)
+  except ValueError as e:
+    raise ValueError(f"{where}: {e}; give operands shaped as the einsum says") from None
+  for role, x in (("lhs", a), ("rhs", b)):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{where} ({spec}): the {role} operand has dtype {x.dtype}; GEMM sites "
+                      "and kernels take floating-point operands: cast it to float32 or "
+                      "bfloat16 first")
+
+
 def dot_einsum(spec: EinsumSpec, a: jax.Array, b: jax.Array, *, precision=None,
                preferred_element_type=jnp.float32) -> jax.Array:
   """`spec` as one lax.dot_general (operands passed as they are, FP8 included) + transpose."""

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from loka_jax.kernels import registry
-from loka_jax.kernels.base import Kernel, dot_einsum
+from loka_jax.kernels.base import Kernel, check_operands, dot_einsum
 from loka_jax.kernels.spec import EinsumSpec, operand_roles
 from loka_jax.precision import E4M3, E5M2, ROWWISE, TENSORWISE, quantize
 
@@ -29,6 +29,7 @@ class XlaHighPrecision(Kernel):
   precision: str = "DEFAULT"
 
   def einsum(self, spec, a, b, *, pass_name, out_dtype):
+    check_operands(f"kernel {self.name} ({pass_name})", spec, a, b)
     dt = jnp.dtype(self.dtype)
     a, b = a.astype(dt), b.astype(dt)
     result_dtype = dt
@@ -71,6 +72,7 @@ class XlaFp8(Kernel):
             quantize(b, fb, self.granularity, spec.contracting_axes("rhs")))
 
   def einsum(self, spec, a, b, *, pass_name, out_dtype):
+    check_operands(f"kernel {self.name} ({pass_name})", spec, a, b)
     qa, qb = self.quantized_operands(spec, a, b, pass_name=pass_name)
     fast = self.fast_accum == ALL_FAST or (self.fast_accum == FWD_ONLY_FAST and pass_name == "fwd")
     precision = lax.Precision.DEFAULT if fast else lax.Precision.HIGHEST

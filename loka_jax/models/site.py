@@ -56,7 +56,7 @@ class _SiteBase(nn.Module):
   def _product(self, spec: EinsumSpec, kind: str, lhs, rhs):
     config: SiteConfig = self.config
     name = site_name(self)
-    spec.shapes(lhs.shape, rhs.shape)  # raises with the site's spec on a mismatch
+    kernels.check_operands(f"site {name}", spec, lhs, rhs)
     choice = config.plan.choice_for(name)
     kernels.validate_choice(choice, spec, kind, lhs.shape, rhs.shape, site_name=name)
     probe_hooks.observe_operands(self, spec, kind, lhs, rhs)

@@ -118,7 +118,8 @@ class AblationConfig:
     if self.timing not in TIMING_MODES:
       raise ValueError(f"timing={self.timing!r}; use one of {TIMING_MODES}")
     if self.steps < 1 or self.num_eval < 1 or self.workers < 1 or self.repeats < 1:
-      raise ValueError("steps, num_eval, workers and repeats must be >= 1")
+      raise ValueError(f"ablation: steps={self.steps}, num_eval={self.num_eval}, "
+                       f"workers={self.workers} and repeats={self.repeats} must all be >= 1")
     if self.seed in self.noise_seeds:
       raise ValueError(f"noise_seeds {self.noise_seeds} must differ from seed {self.seed}")
 

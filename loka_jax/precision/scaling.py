@@ -65,8 +65,21 @@ def _block_reshape(x: jax.Array, axis: int) -> Tuple[jax.Array, int]:
   return x.reshape(x.shape[:axis] + (nblocks, BLOCK) + x.shape[axis + 1:]), nblocks
 
 
+# Hooks applied to every tensorwise amax (loka_jax.parallel: one amax across all shards
+# instead of each shard's own under shard_map). Rowwise and blockwise amaxes are left alone.
+TENSORWISE_AMAX_HOOKS = []
+
+
 def compute_amax(x: jax.Array, granularity: str, contracting_axes: Sequence[int]) -> jax.Array:
   """Per-scale amax with the shape the scale will have (keepdims / one entry per block)."""
+  amax = _local_amax(x, granularity, contracting_axes)
+  if granularity == TENSORWISE:
+    for hook in TENSORWISE_AMAX_HOOKS:
+      amax = hook(amax)
+  return amax
+
+
+def _local_amax(x: jax.Array, granularity: str, contracting_axes: Sequence[int]) -> jax.Array:
   if granularity not in GRANULARITIES:
     raise ValueError(f"unknown granularity {granularity!r}; known: {GRANULARITIES}")
   absx = finite_abs(x)
@@ -75,7 +88,8 @@ def compute_amax(x: jax.Array, granularity: str, contracting_axes: Sequence[int]
     return jnp.max(absx, keepdims=True) if x.ndim else jnp.max(absx)
   if granularity == ROWWISE:
     if not axes:
-      raise ValueError("rowwise scaling needs at least one contracting axis")
+      raise ValueError(f"rowwise scaling of shape {x.shape} needs at least one contracting "
+                       "axis (contracting_axes=...); use tensorwise for a product without one")
     return jnp.max(absx, axis=axes, keepdims=True)
   if granularity == BLOCK_1x128:
     if len(axes) != 1:

@@ -65,11 +65,13 @@ class ProbeConfig:
     if self.cadence < 1:
       raise ValueError(f"cadence must be >= 1 step, got {self.cadence}")
     if self.max_full_width < 1 or self.rank < 1:
-      raise ValueError("max_full_width and rank must be >= 1")
+      raise ValueError(f"probe options: max_full_width={self.max_full_width} and "
+                       f"rank={self.rank} must both be >= 1")
     if not 0.0 <= self.weight_ema < 1.0:
       raise ValueError(f"weight_ema must be in [0, 1), got {self.weight_ema}")
     if self.reservoir_min < 1 or self.reservoir_max < self.reservoir_min:
-      raise ValueError("need 1 <= reservoir_min <= reservoir_max")
+      raise ValueError(f"probe options: need 1 <= reservoir_min <= reservoir_max, got "
+                       f"reservoir_min={self.reservoir_min}, reservoir_max={self.reservoir_max}")
 
   def to_dict(self) -> Dict[str, Any]:
     return dataclasses.asdict(self)

@@ -133,12 +133,15 @@ def _timing_plan(options: ProbeOptions) -> Tuple[bool, bool]:
 
 def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
               probe_config: ProbeConfig = ProbeConfig(),
-              options: ProbeOptions = ProbeOptions()) -> ProbeResult:
-  """Trains (resuming) with the statistics pass, evaluates, times and writes the report."""
+              options: ProbeOptions = ProbeOptions(), build=None) -> ProbeResult:
+  """Trains (resuming) with the statistics pass, evaluates, times and writes the report.
+
+  `build(spec) -> (model, source, config)` replaces `experiment.build_run` for models that
+  are not presets (e.g. the benchmark's MLP towers)."""
   start = time.time()
   deadline = None if options.budget_s is None else start + options.budget_s
   os.makedirs(workdir, exist_ok=True)
-  model, source, _ = experiment.build_run(spec)
+  model, source, _ = (build or experiment.build_run)(spec)
   batch = source.train_batch(0, train_config.batch_size)
   abstract = jax.eval_shape(lambda b: model.init({"params": jax.random.PRNGKey(0),
                                                   "dropout": jax.random.PRNGKey(1)}, b,

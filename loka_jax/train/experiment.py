@@ -34,6 +34,8 @@ class RunSpec:
   seed: int = 0
   num_eval: Optional[int] = None
   id_policy: str = "error"
+  drift_every: int = 0                  # loka: drift valve cadence in steps (0: off)
+  drift_report: Optional[str] = None    # loka: the plan's probe report (default: provenance)
 
   def run_info(self) -> Dict[str, Any]:
     """What identifies the run in config.json and final.json."""
@@ -45,6 +47,8 @@ class RunSpec:
       info["kernel"] = self.kernel
     if self.precision == "loka":
       info["plan"] = self.plan
+      if self.drift_every:  # only then: runs without the valve keep their config.json
+        info.update(drift_every=self.drift_every, drift_report=self.drift_report)
     return info
 
 
@@ -88,12 +92,30 @@ def build_run(spec: RunSpec):
                        data_cache=spec.data_cache, seed=spec.seed, num_eval=spec.num_eval,
                        id_policy=spec.id_policy)
   model = build_model(config, source.features, site_config)
+  if spec.precision == "loka":
+    check_plan_fits(spec.plan, model, source)
   return model, source, config
+
+
+def check_plan_fits(path: str, model, source) -> None:
+  """PlanError listing every site, rule or kernel of the plan at `path` that does not fit
+  `model` (a plan made for another model or preset would otherwise run bf16 silently)."""
+  from loka_jax.dispatch import PlanMismatchError, check_plan
+  try:
+    check_plan(path, model, None, source.train_batch(0, 2))
+  except PlanMismatchError as e:
+    raise PlanError(f"{e}\nSelect a plan for this model (`python -m experiments.dispatch`) "
+                    "or fix the listed entries") from e
 
 
 def run(spec: RunSpec, workdir: str, train_config: TrainConfig) -> Dict[str, Any]:
   """Builds the run and trains it (resuming from `workdir`); returns final.json's dict."""
-  model, source, _ = build_run(spec)
+  model, source, config = build_run(spec)
+  if spec.drift_every:
+    from loka_jax.dispatch.valve import run_valve  # Dispatch imports the training loop
+    valve = run_valve(spec, config, source, workdir, train_config.batch_size)
+    return train(valve.model, source, workdir, train_config, run_info=spec.run_info(),
+                 model_hook=valve)
   return train(model, source, workdir, train_config, run_info=spec.run_info())
 
 

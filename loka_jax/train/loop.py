@@ -19,6 +19,12 @@ too): the jitted step never applies such an update. 'stop' (default) saves the l
 state, reports the step and the first module (site) whose forward output, or the parameters
 whose gradient, is non-finite, and raises NonFiniteError; 'skip' leaves the parameters as they
 were, moves on to the next batch and counts the skipped steps (a line with "skipped": true).
+
+Model swaps (`model_hook`, e.g. the Dispatch drift valve): after a step the hook may return a
+`ModelSwap` with a new model of the same parameters (another kernel plan). The loop keeps the
+parameters, optimizer state, data position and fp8 state (entries of sites that keep their
+delayed-scaling op carry over; new ones start from their initial values), rebuilds its
+jitted steps once, and writes the swap's records to metrics.jsonl.
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Protocol, Tuple
 
 import flax
 import jax
@@ -43,7 +49,7 @@ from loka_jax.kernels import FP8_META
 from loka_jax.train import metrics as metrics_lib
 from loka_jax.train.checkpoint import Checkpointer
 from loka_jax.train.optim import OptimConfig, make_optimizer
-from loka_jax.train.state import TrainState, create_train_state
+from loka_jax.train.state import TrainState, create_train_state, split_variables
 
 NAN_POLICIES = ("stop", "skip")
 # Settings a resumed run may change; anything else must match the run directory's config.
@@ -54,6 +60,31 @@ WALL_CLOCK_FIELDS = ("time", "steps_per_sec")
 
 class RunSettingsError(ValueError):
   """A run directory resumed with settings other than its own."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSwap:
+  """What a model hook returns: the model to continue with (same parameters; None keeps the
+  current one) and metrics.jsonl lines to write, each with its "step"."""
+  model: Any
+  records: Tuple[Mapping[str, Any], ...] = ()
+
+
+class ModelHook(Protocol):
+  """Called by `train` around the run; `ModelSwap` from `after_step` swaps the model."""
+
+  def extras(self) -> Mapping[str, Any]:
+    """Entries saved in every checkpoint's extras (JSON or trees of arrays)."""
+
+  def on_restore(self, step: int, extras: Mapping[str, Any]) -> None:
+    """The extras of the checkpoint the run resumes from (at `step`)."""
+
+  def after_step(self, step: int, state, step_metrics) -> Optional[ModelSwap]:
+    """After step `step` (and the step_callback); None keeps the model."""
+
+
+class ModelSwapError(ValueError):
+  """A swapped-in model whose parameters differ from the running one's."""
 
 
 class NonFiniteError(FloatingPointError):
@@ -269,8 +300,8 @@ def _check_run_config(workdir: str, settings: Mapping[str, Any]) -> None:
   path = os.path.join(workdir, "config.json")
   settings = json.loads(json.dumps(settings, sort_keys=True, default=str))
   if os.path.exists(path):
-    with open(path) as f:
-      old = json.load(f)
+    old = jsonio.read_json(path, "run settings (config.json)", "restore it from a copy or use "
+                           "a new --workdir", RunSettingsError)
 
     def flat(d, prefix=""):
       out = {}
@@ -299,6 +330,43 @@ def restore_run(workdir: str, model, source, config: TrainConfig
                                 source.train_batch(0, config.batch_size), config.seed)
   with Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints) as ckpt:
     return ckpt.restore(template)
+
+
+# ----------------------------------------------------------------------------- model swap
+
+
+def _shapes(tree) -> Dict[str, Tuple]:
+  flat = flax.traverse_util.flatten_dict(flax.core.unfreeze(tree) if tree else {}, sep="/")
+  return {k: (tuple(v.shape), str(v.dtype)) for k, v in flat.items()}
+
+
+def swap_model(state: TrainState, new_model, example_batch, seed: int) -> TrainState:
+  """`state` for `new_model`: parameters and optimizer state kept (they must match exactly);
+  fp8 state kept where the new model has the same entry, initialized where it is new."""
+  init_key = jax.random.split(jax.random.PRNGKey(seed))[0]
+  params_key, dropout_key = jax.random.split(init_key)
+  rngs = {"params": params_key, "dropout": dropout_key}
+  abstract = jax.eval_shape(lambda b: new_model.init(rngs, b, train=False), example_batch)
+  new_params, new_meta = split_variables(abstract)
+  have, want = _shapes(state.params), _shapes(new_params)
+  if have != want:
+    diff = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
+    raise ModelSwapError(
+        f"the swapped-in model has other parameters than the running one (differences at "
+        f"{', '.join(diff[:6])}{' ...' if len(diff) > 6 else ''}); a swap may change kernels "
+        "only, never the model's structure")
+  if _shapes(state.fp8_meta) == _shapes(new_meta):
+    return state
+  fresh = {}
+  if jax.tree.leaves(new_meta):  # new delayed-scaling entries need their initial values
+    fresh = jax.jit(lambda b: new_model.init(rngs, b, train=False))(example_batch)
+    fresh = split_variables(fresh)[1]
+  old = flax.traverse_util.flatten_dict(flax.core.unfreeze(state.fp8_meta or {}))
+  merged = {k: old.get(k, v) if (k in old and np.shape(old[k]) == np.shape(v)) else v
+            for k, v in flax.traverse_util.flatten_dict(flax.core.unfreeze(fresh)).items()}
+  meta = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32),
+                      flax.traverse_util.unflatten_dict(merged)) if merged else {}
+  return state.replace(fp8_meta=meta)
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -338,8 +406,8 @@ def _final_record(evaluation: Mapping[str, Any], step: int, config: TrainConfig,
 def train(model, source, workdir: str, config: TrainConfig, *,
           run_info: Optional[Mapping[str, Any]] = None,
           extras: Optional[Mapping[str, Any]] = None,
-          step_callback: Optional[Callable[[int, TrainState, Dict], None]] = None
-          ) -> Dict[str, Any]:
+          step_callback: Optional[Callable[[int, TrainState, Dict], None]] = None,
+          model_hook: Optional[ModelHook] = None) -> Dict[str, Any]:
   """Trains `model` on `source` to `config.steps`, resuming from `workdir` if it holds a run.
 
   Args:
@@ -353,6 +421,8 @@ def train(model, source, workdir: str, config: TrainConfig, *,
       "loop" is the loop's own (skipped steps, elapsed time).
     step_callback: called after each completed step as f(step, state, step_metrics); the
       state's buffers are reused by the next step, so copy (device_get) what you keep.
+    model_hook: may swap the model mid-run (see the module docstring and `ModelHook`); its
+      `extras()` are saved in every checkpoint and handed back by `on_restore` on resume.
   Returns:
     the final.json dict.
   Raises:
@@ -373,6 +443,8 @@ def train(model, source, workdir: str, config: TrainConfig, *,
   start = int(jax.device_get(state.step))
   if restored is not None:
     logging.info("resuming %s from step %d", workdir, start)
+    if model_hook is not None:
+      model_hook.on_restore(start, saved)
   writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"), resume_step=start)
   final_path = os.path.join(workdir, "final.json")
   if start < config.steps and os.path.exists(final_path):
@@ -382,7 +454,8 @@ def train(model, source, workdir: str, config: TrainConfig, *,
 
   def save():
     loop_extras["elapsed_s"] = time.perf_counter() - t0
-    return checkpointer.save(state, {**(extras or {}), "loop": loop_extras})
+    hook_extras = dict(model_hook.extras()) if model_hook is not None else {}
+    return checkpointer.save(state, {**(extras or {}), **hook_extras, "loop": loop_extras})
 
   bar = tqdm.tqdm(total=config.steps, initial=start, file=sys.stderr, dynamic_ncols=True,
                   disable=None if config.progress else True,
@@ -440,6 +513,13 @@ def train(model, source, workdir: str, config: TrainConfig, *,
         window.reset()  # after the save, which the next line's steps_per_sec must not count
       if step_callback is not None:
         step_callback(done, state, step_metrics)
+      swap = model_hook.after_step(done, state, step_metrics) if model_hook is not None else None
+      if swap is not None and swap.model is not None:
+        state = swap_model(state, swap.model, first_batch, config.seed)
+        model = swap.model
+        train_step, eval_step = compiled_steps(model, config.optim, config.nan_policy)
+      for record in (swap.records if swap is not None else ()):
+        writer.write(record)
       batch = next_batch
 
     final_step = int(jax.device_get(state.step))

@@ -103,7 +103,9 @@ class EvalAccumulator:
   def result(self) -> Dict[str, float]:
     """{'logloss', 'ne', 'auc', 'base_ctr', 'num_examples'} over everything added."""
     if self.count == 0:
-      raise ValueError("no eval examples were accumulated (empty eval set?)")
+      raise ValueError("no eval examples were accumulated: the eval set is empty or smaller "
+                       "than one eval batch; add held-out examples (num_eval) or lower the "
+                       "eval batch size")
     logloss = self.loss_sum / self.count
     base_ctr = self.label_sum / self.count
     return {

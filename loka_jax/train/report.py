@@ -53,3 +53,99 @@ def plot_arms(arms: Mapping[str, Dict], path: str, oracle_ne: Optional[float] = 
   fig.savefig(path, dpi=110)
   plt.close(fig)
   return path
+
+
+# ----------------------------------------------------------------------------- plans
+
+PASS_COLUMNS = (("fwd", "fwd"), ("grad_lhs", "dgrad"), ("grad_rhs", "wgrad"))
+
+
+def plan_table(plan) -> str:
+  """Markdown: one row per site, the kernel of each pass; '*' marks a validation back-off."""
+  from loka_jax.dispatch.plan import as_plan
+  plan = as_plan(plan)
+  lines = ["| site | fwd | dgrad | wgrad |", "|---|---|---|---|"]
+  for name, entry in plan["sites"].items():
+    cells = [entry[p]["kernel"] + (" *" if entry[p].get("backed_off_from") else "")
+             for p, _ in PASS_COLUMNS]
+    lines.append(f"| {name} | " + " | ".join(cells) + " |")
+  if plan["default"] is not None:
+    lines.append("| (other sites) | " + " | ".join(plan["default"][p] for p, _ in PASS_COLUMNS)
+                 + " |")
+  return "\n".join(lines)
+
+
+def validation_lines(plan) -> str:
+  """Markdown bullets: each validation measurement and back-off of the plan, in order."""
+  from loka_jax.dispatch.plan import as_plan
+  out = []
+  for r in as_plan(plan)["validation"]:
+    step = r.get("step")
+    if "to" in r and "site" in r:  # a back_off record (its step names the check)
+      passes = ", ".join(r.get("passes", [])) or "-"
+      out.append(f"  - back-off {r['site']} [{passes}] -> {r['to']}: {r.get('reason')}")
+    elif r.get("skipped"):
+      out.append(f"- {step}: skipped ({r.get('reason', '')})")
+    elif step == "quality_held_out":
+      out.append(f"- held-out (round {r['round']}): log loss {r['logloss']:.5f} vs bf16+Mods "
+                 f"{r['logloss_bf16']:.5f} ({100 * r['rel_logloss_change']:+.4f}%, budget "
+                 f"{100 * r['budget']:g}%): {'pass' if r['passed'] else 'FAIL'}")
+    elif step == "quality_shadow":
+      detail = ("non-finite loss" if not r.get("finite") else
+                f"train loss {100 * r['rel_train_loss']:+.3f}%, held-out "
+                f"{100 * r['rel_logloss_change']:+.3f}%")
+      out.append(f"- shadow training {r['steps']} steps (round {r['round']}): {detail} "
+                 f"(bound {100 * r['bound']:g}%): {'pass' if r['passed'] else 'FAIL'}")
+    elif step == "speed":
+      out.append(f"- speed (round {r['round']}, {r['device']}): train "
+                 f"{r['train']['speedup']:.3f}x [{r['train']['speedup_ci'][0]:.3f}, "
+                 f"{r['train']['speedup_ci'][1]:.3f}], inference {r['infer']['speedup']:.3f}x "
+                 f"[{r['infer']['speedup_ci'][0]:.3f}, {r['infer']['speedup_ci'][1]:.3f}]: "
+                 f"{'pass' if r['passed'] else 'FAIL'}")
+    elif step == "validated":
+      out.append(f"- validated: FP8 sites {r['fp8_sites_before']} -> {r['fp8_sites_after']}"
+                 + (f" (backed off: {', '.join(r['backed_off'])})" if r["backed_off"] else ""))
+    elif step == "not_validated":
+      out.append(f"- not validated: {r.get('reason', '')}")
+  return "\n".join(out)
+
+
+def plot_plan(plan, path: str) -> str:
+  """The plan as a figure: the kernel of every site and pass (left), sites per kernel and
+  pass (right)."""
+  import numpy as np
+  from loka_jax.dispatch.plan import as_plan, kernel_counts
+  plan = as_plan(plan)
+  names = list(plan["sites"])
+  kernels = sorted({plan["sites"][n][p]["kernel"] for n in names for p, _ in PASS_COLUMNS})
+  index = {k: i for i, k in enumerate(kernels)}
+  grid = np.array([[index[plan["sites"][n][p]["kernel"]] for p, _ in PASS_COLUMNS]
+                   for n in names]).reshape(len(names), len(PASS_COLUMNS))
+  from matplotlib.colors import ListedColormap
+  cmap = ListedColormap([plt.get_cmap("tab10")(i % 10) for i in range(max(len(kernels), 1))])
+  height = max(3.0, 0.28 * len(names) + 1.2)
+  fig, (ax_grid, ax_bar) = plt.subplots(1, 2, figsize=(12, height),
+                                        gridspec_kw={"width_ratios": [1.2, 1]})
+  ax_grid.imshow(grid, cmap=cmap, vmin=-0.5, vmax=len(kernels) - 0.5, aspect="auto")
+  ax_grid.set_xticks(range(len(PASS_COLUMNS)), [label for _, label in PASS_COLUMNS])
+  ax_grid.set_yticks(range(len(names)), names, fontsize=7)
+  for i, n in enumerate(names):
+    for j, (p, _) in enumerate(PASS_COLUMNS):
+      if plan["sites"][n][p].get("backed_off_from"):
+        ax_grid.text(j, i, "backed off", ha="center", va="center", fontsize=6)
+  ax_grid.set_title("kernel per site and pass")
+  counts = kernel_counts(plan)
+  width = 0.8 / max(len(kernels), 1)
+  for k in kernels:
+    values = [counts[p].get(k, 0) for p, _ in PASS_COLUMNS]
+    ax_bar.bar(np.arange(len(PASS_COLUMNS)) + index[k] * width, values, width, label=k,
+               color=cmap(index[k]))
+  ax_bar.set_xticks(np.arange(len(PASS_COLUMNS)) + 0.4 - width / 2,
+                    [label for _, label in PASS_COLUMNS])
+  ax_bar.set_ylabel("sites")
+  ax_bar.set_title(f"sites per kernel ({len(names)} sites)")
+  ax_bar.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path

@@ -1,0 +1,90 @@
+"""PNG plots of the benchmark rows: speedup per variant per target, log-loss gap per arm."""
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Mapping, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display on the GPU host or in CI
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from loka_jax.bench import quality as quality_lib  # noqa: E402
+from loka_jax.bench.variants import LABELS, VARIANTS  # noqa: E402
+
+
+def speedup_plot(rows: Sequence[Mapping], suite: str, path: str) -> str:
+  """Grouped bars: train and inference speedup vs bf16 (with 95% CI) per variant per target."""
+  rows = [r for r in rows if r.get("suite") == suite and "train" in r and "error" not in r]
+  targets = sorted({f"{r['model']}/{r['preset']}" for r in rows})
+  variants = [v for v in VARIANTS if any(r["variant"] == v for r in rows)]
+  by = {(f"{r['model']}/{r['preset']}", r["variant"]): r for r in rows}
+  fig, axes = plt.subplots(2, 1, figsize=(max(6, 1.4 * len(targets) * max(len(variants), 1) / 3),
+                                          7), squeeze=False)
+  width = 0.8 / max(len(variants), 1)
+  x = np.arange(len(targets))
+  for ax, mode in zip(axes[:, 0], ("train", "infer")):
+    for j, v in enumerate(variants):
+      vals, lo, hi = [], [], []
+      for t in targets:
+        s = by.get((t, v), {}).get(mode)
+        vals.append(np.nan if s is None else s["speedup"])
+        lo.append(0 if s is None else s["speedup"] - s["speedup_ci"][0])
+        hi.append(0 if s is None else s["speedup_ci"][1] - s["speedup"])
+      ax.bar(x + (j - (len(variants) - 1) / 2) * width, vals, width, yerr=[lo, hi],
+             label=LABELS.get(v, v), capsize=2)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(x)
+    ax.set_xticklabels(targets, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel(f"{mode} speedup vs bf16")
+  axes[0, 0].legend(fontsize=7, ncol=4)
+  axes[0, 0].set_title(f"{suite}: speedup vs bf16 of the same run (95% CI)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+def loss_gap_plot(rows: Sequence[Mapping], path: str) -> str:
+  """Bars: log-loss gap of every arm vs bf16 per data/model, with the neutral bound shaded."""
+  groups = sorted({(r["data"], r["model"], r["preset"]) for r in rows
+                   if r.get("suite") == "quality" and r.get("logloss") is not None})
+  arms = [a for a in quality_lib.ARMS if a != "bf16"]
+  fig, ax = plt.subplots(figsize=(max(6, 2.0 * len(groups)), 4))
+  width = 0.8 / len(arms)
+  for g_i, (data, model, preset) in enumerate(groups):
+    means = quality_lib.arm_means(rows, data, model, preset)
+    floor = quality_lib.noise_floor(rows, data, model, preset)
+    base = means.get("bf16", {}).get("logloss")
+    if floor["bound"] is not None:
+      ax.fill_between([g_i - 0.45, g_i + 0.45], -floor["bound"], floor["bound"], color="0.85")
+    for j, arm in enumerate(arms):
+      if base is None or arm not in means:
+        continue
+      ax.bar(g_i + (j - (len(arms) - 1) / 2) * width, means[arm]["logloss"] - base, width,
+             color=f"C{j}", label=arm if g_i == 0 else None)
+  ax.axhline(0.0, color="k", lw=0.8)
+  ax.set_xticks(range(len(groups)))
+  ax.set_xticklabels([f"{d}:{m}/{p}" for d, m, p in groups], rotation=15, ha="right",
+                     fontsize=8)
+  ax.set_ylabel("held-out log loss - bf16")
+  ax.set_title("Loss gap vs bf16 (grey: neutral bound)")
+  if groups:
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+def write_plots(rows: Sequence[Mapping], out_dir: str) -> List[str]:
+  """Every plot the rows can fill, under `out_dir`; returns the paths written."""
+  os.makedirs(out_dir, exist_ok=True)
+  paths = []
+  for suite in ("towers", "models"):
+    if any(r.get("suite") == suite and "train" in r for r in rows):
+      paths.append(speedup_plot(rows, suite, os.path.join(out_dir, f"speedup_{suite}.png")))
+  if any(r.get("suite") == "quality" and r.get("logloss") is not None for r in rows):
+    paths.append(loss_gap_plot(rows, os.path.join(out_dir, "loss_gap.png")))
+  return paths

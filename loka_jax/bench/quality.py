@@ -1,0 +1,185 @@
+"""The quality suite: held-out NE / log loss / AUC of the arms after a fixed number of steps,
+by DESIGN.md's protocol: every arm trains with the same seed, data order and held-out set
+(>= 200k examples on synthetic teacher data), and extra bf16 seeds give the noise floor.
+
+Arms: bf16, bf16+Mods, naive FP8 (`fp8_all` with `xla_fp8_tensorwise`, no Mods) and LoKA
+(Mods + the target's plan). Synthetic data: the arms at `seed`, plus bf16 at `noise_seeds`.
+MovieLens-100K: every arm at every seed (5 by default). One row per finished run, with the
+fingerprint of the eval set it was scored on, so identical eval sets are checked, not assumed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+import shutil
+import time
+import traceback
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import jax
+import numpy as np
+
+from loka_jax.bench import planning
+from loka_jax.bench.results import ResultsFile
+from loka_jax.train import experiment
+from loka_jax.train.loop import TrainConfig, train
+
+KEY_FIELDS = ("suite", "data", "model", "preset", "arm", "seed", "device")
+MIN_EVAL = 200_000
+NEUTRAL_REL = 2e-4  # DESIGN.md: 0.02% relative log loss
+
+
+@dataclasses.dataclass(frozen=True)
+class QualityArm:
+  """A training arm of the quality comparison."""
+  name: str
+  precision: str
+  kernel: str = "xla_fp8_tensorwise"
+  mods: Tuple[str, ...] = ()
+
+
+ARMS = {
+    "bf16": QualityArm("bf16", "bf16"),
+    "bf16_mods": QualityArm("bf16_mods", "bf16", mods=("all",)),
+    "fp8_naive": QualityArm("fp8_naive", "fp8_all", "xla_fp8_tensorwise"),
+    "loka": QualityArm("loka", "loka", mods=("all",)),
+}
+
+
+@dataclasses.dataclass
+class QualitySettings:
+  data: str = "synthetic"
+  preset: str = "small"
+  steps: int = 500
+  batch_size: Optional[int] = None     # None: the preset's
+  seed: int = 0
+  noise_seeds: Tuple[int, ...] = (1, 2)  # extra bf16 seeds (synthetic); with `seed`: >= 3
+  seeds: Tuple[int, ...] = ()          # every arm at each of these (MovieLens: 5 seeds)
+  arms: Tuple[str, ...] = tuple(ARMS)
+  min_eval: int = MIN_EVAL             # held-out examples (synthetic; MovieLens fixes its own)
+  data_cache: Optional[str] = None
+  plans_dir: str = "plans"
+  keep_runs: bool = False              # keep finished runs' checkpoints
+
+
+def num_eval_for(min_eval: int, eval_batch: int) -> int:
+  """The smallest multiple of the eval batch >= min_eval (the loop scores full batches only)."""
+  return int(math.ceil(min_eval / eval_batch) * eval_batch)
+
+
+def runs(settings: QualitySettings) -> List[Tuple[QualityArm, int]]:
+  """(arm, seed) of every run: the arms at each seed, then the bf16 noise seeds."""
+  unknown = [a for a in settings.arms if a not in ARMS]
+  if unknown:
+    raise ValueError(f"unknown quality arm(s) {unknown}; valid: {', '.join(ARMS)}")
+  seeds = settings.seeds or (settings.seed,)
+  out = [(ARMS[a], s) for s in seeds for a in settings.arms]
+  if not settings.seeds:
+    out += [(ARMS["bf16"], s) for s in settings.noise_seeds if s != settings.seed]
+  return out
+
+
+def eval_fingerprint(source, batch_size: int) -> str:
+  """sha256 of the held-out batches a run is scored on (every field, in order)."""
+  h = hashlib.sha256()
+  for batch in source.eval_batches(batch_size):
+    for key in sorted(batch):
+      h.update(key.encode())
+      h.update(np.ascontiguousarray(batch[key]).tobytes())
+  return h.hexdigest()[:16]
+
+
+def run_spec(model: str, arm: QualityArm, seed: int, settings: QualitySettings,
+             num_eval: Optional[int], plan: Optional[str]) -> experiment.RunSpec:
+  return experiment.RunSpec(model=model, preset=settings.preset, data=settings.data,
+                            data_cache=settings.data_cache, precision=arm.precision,
+                            kernel=arm.kernel, plan=plan, mods=arm.mods, seed=seed,
+                            num_eval=num_eval)
+
+
+def run_arm(model: str, arm: QualityArm, seed: int, settings: QualitySettings, workdir: str,
+            plan: Optional[str] = None) -> Dict:
+  """Trains one arm (resuming from `workdir`) and returns its result row fields."""
+  batch = settings.batch_size or experiment.preset_batch_size(model, settings.preset)
+  num_eval = (num_eval_for(settings.min_eval, batch) if settings.data == "synthetic" else None)
+  spec = run_spec(model, arm, seed, settings, num_eval, plan)
+  built_model, source, _ = experiment.build_run(spec)
+  config = TrainConfig(steps=settings.steps, batch_size=batch, seed=seed, eval_batch_size=batch,
+                       log_every=max(settings.steps // 10, 1),
+                       checkpoint_every=max(settings.steps // 4, 1), progress=False)
+  t0 = time.time()
+  final = train(built_model, source, workdir, config, run_info=spec.run_info())
+  return {"ne": final.get("ne"), "logloss": final.get("logloss"), "auc": final.get("auc"),
+          "num_eval_examples": final.get("num_eval_examples"), "steps": final.get("steps"),
+          "batch_size": batch, "train_s": round(time.time() - t0, 1),
+          "eval_fingerprint": eval_fingerprint(source, batch), "oracle_ne": final.get("oracle_ne")}
+
+
+def run_model(model: str, settings: QualitySettings, results: ResultsFile, root: str, *,
+              deadline: float, device: str, plan_maker: Optional[Callable] = None,
+              log: Callable[[str], None] = print) -> bool:
+  """Every unfinished run of `model`; False when the deadline stopped it."""
+  for arm, seed in runs(settings):
+    key = ("quality", settings.data, model, settings.preset, arm.name, seed, device)
+    if results.done(key):
+      continue
+    if time.time() > deadline:
+      log(f"  deadline: quality {model}/{arm.name}/seed{seed} left for the next run")
+      return False
+    row = dict(zip(KEY_FIELDS, key), jax=jax.__version__, precision=arm.precision,
+               mods=list(arm.mods))
+    plan = None
+    if arm.precision == "loka":
+      plan = planning.plan_path(settings.plans_dir, model, settings.preset)
+      if not os.path.exists(plan) and plan_maker is not None:
+        plan = plan_maker(model) or plan
+      if not os.path.exists(plan):
+        log(f"  quality {model}/loka: skipped, no plan at {plan} yet")
+        continue
+      row["plan"] = plan
+    workdir = os.path.join(root, settings.data, f"{model}_{settings.preset}",
+                           f"{arm.name}_seed{seed}")
+    log(f"  quality {settings.data} {model}/{settings.preset} {arm.name} seed {seed}")
+    try:
+      row.update(run_arm(model, arm, seed, settings, workdir, plan))
+    except Exception as e:  # a diverged or failing arm is a result too
+      row.update(error=f"{type(e).__name__}: {e}"[:2000], traceback=traceback.format_exc()[-3000:])
+      log(f"    failed: {type(e).__name__}: {str(e)[:300]}")
+    results.append(row)
+    if not settings.keep_runs:
+      shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
+  return True
+
+
+def noise_floor(rows: Sequence[Mapping], data: str, model: str, preset: str) -> Dict:
+  """bf16 seed-to-seed std of log loss and the neutral bound max(0.02% rel, 2 std)."""
+  losses = [r["logloss"] for r in rows
+            if r.get("suite") == "quality" and r.get("data") == data and r.get("model") == model
+            and r.get("preset") == preset and r.get("arm") == "bf16"
+            and r.get("logloss") is not None]
+  mean = float(np.mean(losses)) if losses else None
+  std = float(np.std(losses, ddof=1)) if len(losses) >= 2 else None
+  rel = NEUTRAL_REL * abs(mean) if mean is not None else None
+  bound = max(x for x in (rel, None if std is None else 2 * std) if x is not None) \
+      if rel is not None else None
+  return {"bf16_seeds": len(losses), "bf16_mean": mean, "bf16_std": std, "bound": bound}
+
+
+def arm_means(rows: Sequence[Mapping], data: str, model: str, preset: str,
+              seeds: Optional[Sequence[int]] = None) -> Dict[str, Dict]:
+  """Per arm: mean log loss / NE / AUC over its seeds (`seeds`: only those)."""
+  per: Dict[str, List[Mapping]] = {}
+  for r in rows:
+    if (r.get("suite") == "quality" and r.get("data") == data and r.get("model") == model
+        and r.get("preset") == preset and r.get("logloss") is not None
+        and (seeds is None or r.get("seed") in seeds)):
+      per.setdefault(r["arm"], []).append(r)
+  out = {}
+  for arm, rs in per.items():
+    out[arm] = {m: float(np.mean([r[m] for r in rs if r.get(m) is not None]))
+                for m in ("logloss", "ne", "auc") if any(r.get(m) is not None for r in rs)}
+    out[arm]["seeds"] = sorted(r["seed"] for r in rs)
+    out[arm]["eval_fingerprints"] = sorted({r.get("eval_fingerprint") for r in rs} - {None})
+  return out

@@ -1,0 +1,200 @@
+"""Train-step and inference timing of benchmark variants against bf16 in the same process.
+
+One target (a tower shape, or a model preset) at a time. Every variant of a target threads
+ONE training state: the bf16 model's parameters and Adam state, which hold every other
+variant's parameters (the Mods only drop biases and norm scales; FP8 kernels add no
+parameters), so the biggest presets fit one GPU however many variants run, and every variant
+updates the same tensors. Delayed-scaling state (fp8_meta) stays per variant. A variant whose
+parameters do not fit inside bf16's gets its own state (`shared_state: false` in its row).
+
+Timing follows DESIGN.md: warm-up, bf16 and the variant interleaved, >= 20 repeats, median
+and bootstrap 95% CI of the speedup; steps under `min_call_s` run N times in one jitted
+fori_loop (N from the bf16 step, the same for both).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from typing import Any, Callable, Dict, Optional
+
+import jax
+import numpy as np
+from jax import lax
+
+from loka_jax import timing
+from loka_jax.models.site import SiteConfig
+from loka_jax.train import loop
+from loka_jax.train.optim import OptimConfig, make_optimizer
+from loka_jax.train.state import create_train_state
+
+_GEMM_PATTERNS = (
+    ("cublaslt_fp8", r"__cublas\$lt\$matmul\$f8"),
+    ("cublaslt", r"__cublas\$lt\$matmul(?!\$f8)"),
+    ("cublas", r"__cublas\$gemm"),
+    ("xla_triton_gemm", r"__triton_gemm"),
+    ("pallas_triton", r"__gpu\$xla\.gpu\.triton|triton_kernel_call"),
+)
+
+
+def gemm_calls(hlo_text: str) -> Dict[str, int]:
+  """How many GEMM calls of each backend a compiled step holds (custom-call targets)."""
+  out = {}
+  for name, pattern in _GEMM_PATTERNS:
+    n = len(re.findall(pattern, hlo_text))
+    if n:
+      out[name] = n
+  return out
+
+
+def memory_bytes(compiled) -> Optional[int]:
+  """Arguments + outputs + temporaries - aliased of one compiled step (None if unknown)."""
+  try:
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+               - m.alias_size_in_bytes)
+  except Exception:  # not implemented on every backend
+    return None
+
+
+def _leaves(tree) -> Dict[str, Any]:
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return {jax.tree_util.keystr(p): (tuple(x.shape), str(x.dtype)) for p, x in flat}
+
+
+def _fits_inside(params_abstract, union_abstract) -> bool:
+  inner, outer = _leaves(params_abstract), _leaves(union_abstract)
+  return all(outer.get(k) == v for k, v in inner.items())
+
+
+def _init_abstract(model, batch):
+  rngs = {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}
+  return jax.eval_shape(lambda b: model.init(rngs, b, train=False), batch)
+
+
+@dataclasses.dataclass
+class Arm:
+  """One variant ready to run: calls that advance/return through the shared holder."""
+  name: str
+  train: Callable[[], Any]
+  infer: Callable[[], Any]
+  info: Dict[str, Any]
+
+
+class TargetBench:
+  """The bf16 baseline of one target plus variants added one at a time."""
+
+  def __init__(self, batch, optim: OptimConfig = OptimConfig(), seed: int = 0,
+               min_call_s: float = 1e-3, max_inner: int = 200):
+    self.batch = jax.device_put(batch)  # fixed real data (never zeros)
+    self.optim, self.seed = optim, seed
+    self.min_call_s, self.max_inner = min_call_s, max_inner
+    self.holder: Dict[str, Any] = {}
+    self.inner = 1
+    self.baseline: Optional[Arm] = None
+
+  def _compile(self, model, state):
+    train_step, eval_step = loop.compiled_steps(model, self.optim, "stop")
+    if self.inner > 1:
+      n = self.inner
+      train_fn = jax.jit(lambda s, b: lax.fori_loop(
+          0, n, lambda i, c: train_step(c, b)[0], s), donate_argnums=0)
+      eval_fn = timing.repeat_in_loop(eval_step, n)
+    else:
+      train_fn, eval_fn = train_step, eval_step
+    t0 = time.perf_counter()
+    train_c = train_fn.lower(state, self.batch).compile()
+    eval_c = eval_fn.lower(state, self.batch).compile()
+    return train_c, eval_c, time.perf_counter() - t0
+
+  def _arm(self, name: str, model, key: str, meta) -> Arm:
+    """Compiles `model`'s steps on the state in holder[key] (with its own fp8_meta)."""
+    def state_in():
+      s = self.holder[key]
+      return s if meta is None else s.replace(fp8_meta=meta["value"])
+
+    state = state_in()
+    train_c, eval_c, seconds = self._compile(model, state)
+    hlo = train_c.as_text() or ""
+
+    def train_call():
+      out = train_c(state_in(), self.batch)
+      new = out[0] if self.inner == 1 else out  # the looped step returns the state only
+      if meta is not None:
+        meta["value"] = new.fp8_meta
+        new = new.replace(fp8_meta=self.holder["empty_meta"])
+      self.holder[key] = new
+      return new.step
+
+    def infer_call():
+      return eval_c(state_in(), self.batch)
+
+    info = {"compile_s": round(seconds, 2), "train_memory_bytes": memory_bytes(train_c),
+            "infer_memory_bytes": memory_bytes(eval_c), "gemm_calls": gemm_calls(hlo),
+            "shared_state": key == "shared", "inner": self.inner}
+    return Arm(name, train_call, infer_call, info)
+
+  def set_baseline(self, model) -> Arm:
+    """Builds the shared state from `model` (bf16) and compiles its steps."""
+    state = create_train_state(model, make_optimizer(self.optim), self.batch, self.seed)
+    self.holder["empty_meta"] = state.fp8_meta
+    self.holder["shared"] = state
+    self.union_abstract = _init_abstract(model, self.batch)["params"]
+    arm = self._arm("bf16", model, "shared", None)
+    one = min(_seconds(arm.train) for _ in range(3))
+    if one < self.min_call_s:
+      self.inner = int(min(self.max_inner, max(2, np.ceil(self.min_call_s / max(one, 1e-7)))))
+      arm = self._arm("bf16", model, "shared", None)
+    self.baseline = arm
+    return arm
+
+  def add(self, name: str, model) -> Arm:
+    """The variant's arm, threading the shared state when its parameters fit inside it."""
+    abstract = _init_abstract(model, self.batch)
+    key, meta = "shared", None
+    if not _fits_inside(abstract["params"], self.union_abstract):
+      key = f"own:{name}"
+      self.holder[key] = create_train_state(model, make_optimizer(self.optim), self.batch,
+                                            self.seed)
+    elif any(k != "params" for k in abstract):
+      # Only the fp8 state is new: initialize it alone (jit drops the unused parameters).
+      rngs = {"params": jax.random.PRNGKey(self.seed), "dropout": jax.random.PRNGKey(1)}
+      fresh = jax.jit(lambda b: {k: v for k, v in model.init(rngs, b, train=False).items()
+                                 if k != "params"})(self.batch)
+      meta = {"value": jax.tree.map(lambda x: x.astype(np.float32),
+                                    next(iter(fresh.values())))}
+    return self._arm(name, model, key, meta)
+
+  def drop(self, name: str) -> None:
+    self.holder.pop(f"own:{name}", None)
+
+  def time_pair(self, arm: Arm, repeats: int, seed: int = 0) -> Dict[str, Dict[str, Any]]:
+    """{'train'|'infer': summary + raw per-example-step samples} of `arm` vs the baseline."""
+    out = {}
+    for mode in ("train", "infer"):
+      calls = {"bf16": getattr(self.baseline, mode), arm.name: getattr(arm, mode)}
+      if arm.name == "bf16":
+        calls = {"bf16": calls["bf16"]}
+      timings = timing.time_calls(calls, repeats=repeats)
+      for t in timings.values():
+        t.seconds = t.seconds / self.inner
+        t.inner = self.inner
+      summary = timing.summarize(timings, "bf16", seed=seed)[arm.name]
+      summary["samples_us"] = [round(float(s) * 1e6, 3) for s in timings[arm.name].seconds]
+      summary["baseline_samples_us"] = [round(float(s) * 1e6, 3)
+                                        for s in timings["bf16"].seconds]
+      out[mode] = summary
+    return out
+
+
+def _seconds(call) -> float:
+  start = time.perf_counter()
+  jax.block_until_ready(call())
+  return time.perf_counter() - start
+
+
+def site_config(variant, plan=None) -> SiteConfig:
+  """The variant's sites: its precision and kernel, or `plan` (Pallas per site, LoKA)."""
+  if plan is not None:
+    return SiteConfig.for_precision("loka", plan=plan)
+  return SiteConfig.for_precision(variant.precision, kernel=variant.kernel)

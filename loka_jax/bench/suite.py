@@ -1,0 +1,197 @@
+"""The speed suites (towers, models): one resumable JSONL row per (target, variant).
+
+A row holds the variant's train-step and inference timings with the bf16 baseline timed
+interleaved beside it in the same process (raw samples kept, so any two variants' ratio can be
+bootstrapped later through their bf16 baselines), examples/s, memory, compile time and the
+GEMM backends of the compiled step. A rerun skips finished rows; a failure is a row with an
+`error` (delete the line to retry).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
+
+import jax
+
+from loka_jax.bench import planning, speed, towers
+from loka_jax.bench.results import ResultsFile
+from loka_jax.bench.variants import PALLAS, PLAN, Variant, pallas_coverage, pallas_plan
+from loka_jax.data import FeatureSpec, make_source
+from loka_jax.models.presets import apply_mods, build_model, get_config, site_products, tower_flops
+from loka_jax.models.site import SiteConfig
+from loka_jax.train import experiment
+from loka_jax.train.loop import TrainConfig
+
+KEY_FIELDS = ("suite", "model", "preset", "variant", "device")
+TOWER = "tower"
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """What one group of rows measures: a tower shape or a model preset."""
+  suite: str                    # 'towers' | 'models'
+  model: str                    # 'tower' or a model name
+  preset: str                   # tower shape name (BxWxD) or preset name
+  batch_size: Optional[int] = None
+
+  @property
+  def name(self) -> str:
+    return f"{self.model}/{self.preset}"
+
+  @property
+  def shape(self) -> towers.TowerShape:
+    return towers.TowerShape.parse(self.preset)
+
+  def batch(self) -> int:
+    if self.model == TOWER:
+      return self.batch_size or self.shape.batch
+    return self.batch_size or int(get_config(self.model, self.preset).batch_size)
+
+  def config(self, mods: Sequence[str] = ()):
+    config = get_config(self.model, self.preset)
+    return apply_mods(config, mods) if mods else config
+
+  def source(self, seed: int = 0, num_eval: Optional[int] = None):
+    if self.model == TOWER:
+      return towers.TowerSource(self.shape.width, seed=seed,
+                                num_eval=num_eval or self.batch())
+    features = FeatureSpec.from_dict(dict(self.config().features))
+    return make_source("synthetic", features=features, seed=seed,
+                       num_eval=num_eval or self.batch())
+
+  def build(self, site: SiteConfig, mods: Sequence[str] = ()):
+    if self.model == TOWER:
+      return towers.build_tower(self.shape, site, mods)
+    features = FeatureSpec.from_dict(dict(self.config().features))
+    return build_model(self.config(mods), features, site)
+
+  def flops_per_example(self) -> int:
+    if self.model == TOWER:
+      return self.shape.flops_per_example()
+    config = self.config()
+    return int(tower_flops(config, FeatureSpec.from_dict(dict(config.features))))
+
+  def run_spec(self, mods: Sequence[str] = ("all",)) -> experiment.RunSpec:
+    return experiment.RunSpec(model=self.model, preset=self.preset, precision="bf16",
+                              mods=tuple(mods), num_eval=self.batch())
+
+  def probe_build(self) -> Optional[Callable]:
+    """What the probe builds instead of a preset (towers only)."""
+    if self.model != TOWER:
+      return None
+    return lambda spec: (self.build(SiteConfig.for_precision("bf16"), spec.mods),
+                         self.source(spec.seed), None)
+
+
+def tower_targets(shapes: Sequence[str], batch_size: Optional[int] = None) -> List[Target]:
+  return [Target("towers", TOWER, towers.TowerShape.parse(s).name, batch_size) for s in shapes]
+
+
+def model_targets(models: Sequence[str], presets: Sequence[str],
+                  batch_size: Optional[int] = None) -> List[Target]:
+  return [Target("models", m, p, batch_size) for p in presets for m in models]
+
+
+def selected(targets: Iterable[Target], only: Sequence[str]) -> List[Target]:
+  """Targets whose 'model/preset' (or model, or preset) is in `only` (all when empty)."""
+  if not only:
+    return list(targets)
+  return [t for t in targets if t.name in only or t.model in only or t.preset in only]
+
+
+@dataclasses.dataclass
+class SpeedSettings:
+  repeats: int = 20
+  plans_dir: str = "plans"
+  probe: bool = True            # probe a target whose LoKA plan does not exist yet
+  probe_steps: int = 100
+  min_call_s: float = 1e-3
+  seed: int = 0
+
+
+def _plan_for(target: Target, variant: Variant, batch, settings: SpeedSettings,
+              deadline: float, log) -> tuple:
+  """(KernelPlan or None, row fields, reason it is missing)."""
+  if variant.kernels_from == PALLAS:
+    model = target.build(SiteConfig.for_precision("bf16"), variant.mods)
+    products = site_products(model, None, batch)  # abstract trace: no compilation
+    plan, chosen = pallas_plan(products)
+    kernels = sorted(set(chosen.values()))
+    return plan, {"pallas_coverage": pallas_coverage(chosen), "kernels": kernels}, None
+  if variant.kernels_from == PLAN:
+    plan = planning.load(settings.plans_dir, target.model, target.preset)
+    if plan is None and settings.probe:
+      budget = deadline - time.time()
+      if budget < 30:
+        return None, {}, "no time left to probe"
+      log(f"probing {target.name} for its LoKA plan (budget {budget:.0f}s)")
+      config = TrainConfig(steps=settings.probe_steps, batch_size=target.batch(),
+                           progress=False, seed=settings.seed)
+      planning.make_plan(target.run_spec(variant.mods), settings.plans_dir, config,
+                         budget_s=budget, build=target.probe_build())
+      plan = planning.load(settings.plans_dir, target.model, target.preset)
+    if plan is None:
+      return None, {}, "the LoKA plan is not ready (the probe resumes on the next run)"
+    fields = {"plan": planning.plan_path(settings.plans_dir, target.model, target.preset),
+              "kernels": plan.kernel_names(), "export": False}
+    return plan, fields, None
+  return None, {}, None
+
+
+def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile, *,
+               settings: SpeedSettings, deadline: float, device: str,
+               log: Callable[[str], None] = print) -> bool:
+  """Measures the target's unfinished variants; False when some are left (deadline, plan)."""
+  pending = [v for v in variants
+             if not results.done((target.suite, target.model, target.preset, v.name, device))]
+  if not pending:
+    return True
+  log(f"{target.name}: {', '.join(v.name for v in pending)}")
+  base = {"suite": target.suite, "model": target.model, "preset": target.preset,
+          "device": device, "jax": jax.__version__, "batch_size": target.batch(),
+          "flops_per_example": target.flops_per_example()}
+  batch = target.source(settings.seed).train_batch(0, target.batch())
+  bench = speed.TargetBench(batch, seed=settings.seed, min_call_s=settings.min_call_s)
+  t0 = time.time()
+  try:
+    baseline = bench.set_baseline(target.build(SiteConfig.for_precision("bf16")))
+  except Exception as e:  # e.g. out of memory: record it once for the whole target
+    results.append({**base, "variant": "bf16", "error": f"{type(e).__name__}: {e}"[:2000]})
+    log(f"  bf16 failed: {type(e).__name__}: {str(e)[:300]}")
+    return True
+  log(f"  bf16 compiled in {time.time() - t0:.0f}s (inner={bench.inner})")
+  complete = True
+  for v in pending:
+    if time.time() > deadline:
+      log(f"  deadline: {target.name}/{v.name} left for the next run")
+      return False
+    row = {**base, "variant": v.name, "precision": v.precision, "mods": list(v.mods)}
+    try:
+      if v.name == "bf16":
+        arm = baseline
+      else:
+        plan, fields, missing = _plan_for(target, v, batch, settings, deadline, log)
+        if missing:
+          log(f"  {v.name}: skipped, {missing}")
+          complete = False
+          continue
+        row.update(fields)
+        if v.kernels_from not in (PALLAS, PLAN):
+          row["kernel"] = v.kernel if v.precision == "fp8_all" else f"xla_{v.precision}"
+        arm = bench.add(v.name, target.build(speed.site_config(v, plan), v.mods))
+      measured = bench.time_pair(arm, settings.repeats, seed=settings.seed)
+      for mode, s in measured.items():
+        s["examples_per_s"] = target.batch() / (s["median_us"] * 1e-6)
+      row.update(arm.info, **measured)
+      results.append(row)
+      log(f"  {v.name}: train {measured['train']['speedup']:.2f}x, "
+          f"infer {measured['infer']['speedup']:.2f}x vs bf16 (compile {arm.info['compile_s']}s)")
+    except Exception as e:  # record and go on with the next variant
+      results.append({**row, "error": f"{type(e).__name__}: {e}"[:2000],
+                      "traceback": traceback.format_exc()[-3000:]})
+      log(f"  {v.name} failed: {type(e).__name__}: {str(e)[:300]}")
+    finally:
+      bench.drop(v.name)
+  return complete

@@ -1,0 +1,100 @@
+"""Markdown tables of the benchmark rows: speed, quality, targets."""
+from __future__ import annotations
+
+from typing import List, Mapping, Sequence
+
+from loka_jax.bench import quality as quality_lib
+from loka_jax.bench.variants import LABELS, VARIANTS
+
+
+def _ci(s: Mapping) -> str:
+  return f"{s['speedup']:.2f} [{s['speedup_ci'][0]:.2f}, {s['speedup_ci'][1]:.2f}]"
+
+
+def _gib(x) -> str:
+  return "-" if x is None else f"{x / 2**30:.2f}"
+
+
+def _variant_order(name: str) -> int:
+  names = list(VARIANTS)
+  return names.index(name) if name in names else len(names)
+
+
+def speed_table(rows: Sequence[Mapping], suite: str) -> str:
+  """One line per (target, variant): examples/s and speedup vs the same run's bf16."""
+  lines = [f"| {'tower' if suite == 'towers' else 'model'} | preset | variant | batch | "
+           "train ex/s | train vs bf16 [95% CI] | infer ex/s | infer vs bf16 [95% CI] | "
+           "train mem GiB | kernels | device |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  chosen = [r for r in rows if r.get("suite") == suite]
+  chosen.sort(key=lambda r: (r["model"], r["preset"], _variant_order(r["variant"])))
+  for r in chosen:
+    if "error" in r:
+      lines.append(f"| {r['model']} | {r['preset']} | {LABELS.get(r['variant'], r['variant'])} "
+                   f"| {r.get('batch_size', '-')} | error: {r['error'][:80]} | | | | | | "
+                   f"{r['device']} |")
+      continue
+    t, i = r["train"], r["infer"]
+    kernels = ", ".join(r.get("kernels") or ([r["kernel"]] if r.get("kernel") else []))
+    if r.get("export") is False:
+      kernels += " (infer: planned model, not exported)"
+    lines.append(
+        f"| {r['model']} | {r['preset']} | {LABELS.get(r['variant'], r['variant'])} | "
+        f"{r['batch_size']} | {t['examples_per_s']:,.0f} | {_ci(t)} | "
+        f"{i['examples_per_s']:,.0f} | {_ci(i)} | {_gib(r.get('train_memory_bytes'))} | "
+        f"{kernels or '-'} | {r['device']} |")
+  return "\n".join(lines)
+
+
+def quality_table(rows: Sequence[Mapping]) -> str:
+  """Per data/model/preset and arm: mean held-out log loss, NE, AUC over its seeds."""
+  lines = ["| data | model | preset | arm | seeds | log loss | NE | AUC | delta log loss vs bf16 "
+           "| bf16 seed std | neutral bound |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+  groups = sorted({(r["data"], r["model"], r["preset"]) for r in rows
+                   if r.get("suite") == "quality"})
+  for data, model, preset in groups:
+    means = quality_lib.arm_means(rows, data, model, preset)
+    floor = quality_lib.noise_floor(rows, data, model, preset)
+    base = means.get("bf16", {}).get("logloss")
+    for arm in quality_lib.ARMS:
+      if arm not in means:
+        continue
+      m = means[arm]
+      delta = "-" if base is None else f"{m['logloss'] - base:+.5f}"
+      std = "-" if floor["bf16_std"] is None else f"{floor['bf16_std']:.5f}"
+      bound = "-" if floor["bound"] is None else f"{floor['bound']:.5f}"
+      lines.append(f"| {data} | {model} | {preset} | {arm} | {len(m['seeds'])} | "
+                   f"{m['logloss']:.5f} | {m.get('ne', float('nan')):.5f} | "
+                   f"{m.get('auc', float('nan')):.4f} | {delta} | {std} | {bound} |")
+  errors = [r for r in rows if r.get("suite") == "quality" and "error" in r]
+  for r in errors:
+    lines.append(f"| {r['data']} | {r['model']} | {r['preset']} | {r['arm']} | seed {r['seed']} "
+                 f"| error: {r['error'][:80]} | | | | | |")
+  return "\n".join(lines)
+
+
+def targets_table(verdicts: Sequence[Mapping]) -> str:
+  lines = ["| target | subject | mode | value | 95% CI / bound | need | verdict | note |",
+           "|---|---|---|---|---|---|---|---|"]
+  for v in verdicts:
+    value = "-" if v["value"] is None else f"{v['value']:.4g}"
+    ci = "-" if v["ci"] is None else f"[{v['ci'][0]:.4g}, {v['ci'][1]:.4g}]"
+    verdict = {True: "met", False: "MISSED", None: "-"}[v["met"]]
+    lines.append(f"| {v['target']} | {v['subject']} | {v['mode']} | {value} | {ci} | "
+                 f"{v['need']} | {verdict} | {v['note']} |")
+  return "\n".join(lines)
+
+
+def report(rows: Sequence[Mapping], verdicts: Sequence[Mapping]) -> str:
+  """The whole markdown report: towers, models, quality, targets."""
+  parts: List[str] = ["# Benchmark results", ""]
+  devices = sorted({r.get("device") for r in rows if r.get("device")})
+  parts += [f"Devices: {', '.join(devices) or '-'}", ""]
+  for suite, title in (("towers", "MLP towers"), ("models", "Models")):
+    if any(r.get("suite") == suite for r in rows):
+      parts += [f"## {title}", "", speed_table(rows, suite), ""]
+  if any(r.get("suite") == "quality" for r in rows):
+    parts += ["## Quality", "", quality_table(rows), ""]
+  if verdicts:
+    parts += ["## Targets", "", targets_table(verdicts), ""]
+  return "\n".join(parts)

@@ -1,0 +1,97 @@
+"""The benchmark's arms: a precision with its kernel (or plan) and the Mods on or off."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Mapping, Optional, Sequence, Tuple
+
+from loka_jax import kernels as kernels_lib
+from loka_jax.kernels import EinsumSpec, KernelChoice, KernelPlan
+from loka_jax.kernels.spec import PASSES
+
+# How a variant picks its kernels: one kernel everywhere, the best Pallas kernel per site, or
+# the LoKA plan of the target (probe -> select).
+UNIFORM, PALLAS, PLAN = "uniform", "pallas", "plan"
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """One arm: a precision (fp32, bf16, fp8_all, loka) with its kernel, and the Mods on."""
+  name: str
+  precision: str
+  kernel: str = "xla_fp8_tensorwise"
+  mods: Sequence[str] = ()
+  kernels_from: str = UNIFORM
+
+  @property
+  def label(self) -> str:
+    return LABELS.get(self.name, self.name)
+
+
+VARIANTS: Dict[str, Variant] = {
+    "fp32": Variant("fp32", "fp32"),
+    "bf16": Variant("bf16", "bf16"),
+    "bf16_mods": Variant("bf16_mods", "bf16", mods=("all",)),
+    "flax_fp8_delayed": Variant("flax_fp8_delayed", "fp8_all", "flax_fp8_delayed"),
+    "fp8_tensorwise": Variant("fp8_tensorwise", "fp8_all", "xla_fp8_tensorwise"),
+    "fp8_rowwise": Variant("fp8_rowwise", "fp8_all", "xla_fp8_rowwise"),
+    "pallas": Variant("pallas", "fp8_all", "pallas_fp8_rowwise", kernels_from=PALLAS),
+    "loka": Variant("loka", "loka", mods=("all",), kernels_from=PLAN),
+}
+LABELS = {"fp32": "fp32", "bf16": "bf16", "bf16_mods": "bf16+Mods",
+          "flax_fp8_delayed": "Flax FP8 (delayed)", "fp8_tensorwise": "XLA FP8 tensorwise",
+          "fp8_rowwise": "XLA FP8 rowwise", "pallas": "Pallas FP8", "loka": "LoKA"}
+# The one-kernel-everywhere peers LoKA must match or beat (issue 8, targets).
+PEERS = ("flax_fp8_delayed", "fp8_tensorwise", "fp8_rowwise", "pallas")
+BASELINE = "bf16"
+# Pallas kernels tried per site, first supported wins (rowwise led the GEMM bench; the batched
+# kernel covers the act x act batched products the 2-D kernels cannot).
+PALLAS_PREFERENCE = ("pallas_fp8_rowwise", "pallas_fp8_batched")
+PALLAS_FALLBACK = "xla_fp8_rowwise"
+
+
+def parse_variants(names: Sequence[str]) -> Tuple[Variant, ...]:
+  """The variants named, bf16 first (every row's baseline); unknown names are an error."""
+  names = [n.strip() for n in names if n and n.strip()]
+  if not names or names == ["all"]:
+    names = list(VARIANTS)
+  unknown = [n for n in names if n not in VARIANTS]
+  if unknown:
+    raise ValueError(f"unknown variant(s) {unknown}; valid: {', '.join(VARIANTS)}")
+  ordered = [BASELINE] + [n for n in names if n != BASELINE]
+  return tuple(VARIANTS[n] for n in dict.fromkeys(ordered))
+
+
+def _supported(kernel_name: str, product) -> bool:
+  kernel = kernels_lib.get(kernel_name)
+  spec = EinsumSpec.parse(product.spec)
+  for p in PASSES:
+    if p not in kernel.passes and kernel.passes:
+      return False
+    if kernel.unsupported_reason(spec.for_pass(p), p, product.kind, product.lhs_shape,
+                                 product.rhs_shape):
+      return False
+  return True
+
+
+def pallas_plan(products: Mapping[str, object],
+                preference: Sequence[str] = PALLAS_PREFERENCE,
+                fallback: str = PALLAS_FALLBACK) -> Tuple[KernelPlan, Dict[str, str]]:
+  """(plan, {site: kernel}) giving every site the first Pallas kernel that supports it, else
+  `fallback` (said in the second value, so the row records how much Pallas really ran)."""
+  sites, chosen = [], {}
+  for name, product in products.items():
+    kernel = next((k for k in preference if _supported(k, product)), fallback)
+    chosen[name] = kernel
+    sites.append((name, KernelChoice.uniform(kernel)))
+  return KernelPlan(sites=tuple(sites), default=KernelChoice.uniform(fallback)), chosen
+
+
+def pallas_coverage(chosen: Mapping[str, str]) -> Optional[float]:
+  """Fraction of sites that got a Pallas kernel (None without sites)."""
+  if not chosen:
+    return None
+  return sum(k != PALLAS_FALLBACK for k in chosen.values()) / len(chosen)
+
+
+__all__ = ["Variant", "VARIANTS", "LABELS", "PEERS", "BASELINE", "parse_variants",
+           "pallas_plan", "pallas_coverage"]

@@ -1,0 +1,237 @@
+"""Probe -> select -> validate in one resumable call: what the main job and the benchmarks
+run to get the LoKA arm's plan.
+
+  from loka_jax.dispatch import pipeline
+  result = pipeline.probe_and_plan(RunSpec(model="wukong", preset="tiny", mods=("all",)),
+                                   "loka_run", train_config=TrainConfig(steps=100))
+  result.plan          # the validated Plan, also in loka_run/plan.json
+  result.report        # the ProbeReport, also in loka_run/probe_report.json
+
+Layout of `workdir`:
+  probe/               the probe's training run (bf16 + the spec's Mods), its checkpoints,
+                       evaluation cache, report and plots
+  probe_report.json    the ProbeReport (loka.probe/1)
+  plan_selected.json   the plan as selected, before end-to-end validation
+  plan.json            the plan after validation (loka.plan/1, every step recorded)
+
+Each part is skipped when its file is there and fits what came before (the probe report is
+complete; a plan's `provenance.report_sha256` is the report's), so rerunning the same call
+finishes an interrupted one. Delete a file to redo its part.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Dict, Mapping, Optional
+
+from loka_jax import jsonio
+from loka_jax.dispatch import validate as validate_lib
+from loka_jax.dispatch.check import check_plan
+from loka_jax.dispatch.plan import FALLBACK, Plan, add_validation, read_plan, save_plan
+from loka_jax.dispatch.selection import report_hash, resolve_timing, select
+from loka_jax.kernels import PASSES, registry
+from loka_jax.probe.eligibility import Criteria
+
+REPORT_JSON = "probe_report.json"
+SELECTED_JSON = "plan_selected.json"
+PLAN_JSON = "plan.json"
+PROBE_DIR = "probe"
+
+
+@dataclasses.dataclass
+class PipelineResult:
+  """The plan (validated unless validation was off), the report and the files written."""
+  plan: Plan
+  report: Dict[str, Any]
+  paths: Dict[str, str]
+  criteria: Criteria
+  skipped: Dict[str, bool]  # which parts were taken from files of an earlier call
+
+
+def _log(message: str) -> None:
+  print(f"[pipeline] {message}", flush=True)
+
+
+def default_criteria(report: Mapping, target_device: Optional[str] = None) -> Criteria:
+  """The documented default budget; accuracy only (`min_speedup=None`) where the report has
+  no usable timings (a CPU run without a committed table), since then no FP8 kernel could
+  ever be 'fast enough' and the plan would say nothing about accuracy."""
+  try:
+    source = resolve_timing(report, target_device=target_device)
+  except ValueError:
+    return Criteria(min_speedup=None)
+  return Criteria() if source.kind != "none" else Criteria(min_speedup=None)
+
+
+def context_for_run(spec, probe_dir: str, train_config, report: Optional[Mapping] = None,
+                    build=None) -> validate_lib.ValidationContext:
+  """The validation context of a probe run: its trained bf16+Mods checkpoint, its data, and
+  a builder of the same tower under any KernelPlan. `build(spec) -> (model, source, config)`
+  replaces `experiment.build_run` (as in `run_probe`); its model gets each plan through
+  `dispatch.apply`."""
+  from loka_jax.models import SiteConfig, build_model
+  from loka_jax.precision import BF16
+  from loka_jax.train import experiment
+  from loka_jax.train.loop import restore_run
+  base_spec = dataclasses.replace(spec, precision="bf16", plan=None)
+  model, source, config = (build or experiment.build_run)(base_spec)
+  restored = restore_run(probe_dir, model, source, train_config)
+  if restored is None:
+    raise FileNotFoundError(f"{probe_dir}: no checkpoint of the probe run to validate the plan "
+                            "on; run the probe there first (probe_and_plan does)")
+  features = source.features
+  if build is None:
+    builder = lambda kplan: build_model(config, features, SiteConfig(BF16, kplan))
+  else:
+    from loka_jax.dispatch.binding import apply
+    builder = lambda kplan: apply(model, kplan, policy=BF16)
+  return validate_lib.ValidationContext(
+      build=builder,
+      source=source, state=restored[0], batch_size=train_config.batch_size,
+      optim=train_config.optim, report=report)
+
+
+def plan_speedup_estimate(plan, report: Mapping) -> Dict[str, Any]:
+  """The plan's speedup over xla_bf16 summed over every site's GEMM passes (GEMM time only:
+  norms, activations and the optimizer are not counted).
+
+  From the kernel timings the plan was selected with where every chosen kernel has one
+  (`source` 'measured', or 'estimated' from a committed table); otherwise from FLOPs under
+  the ideal 2x FP8 rate with no quantization cost (`source` 'flop model', an upper bound).
+  """
+  from loka_jax.dispatch import selection
+  from loka_jax.dispatch.plan import as_plan
+  plan = as_plan(plan)
+  try:
+    source = selection.resolve_timing(report)
+  except ValueError:
+    source = selection.TimingSource("none", {"kind": "none"})
+  base_us = plan_us = 0.0
+  timed = source.kind != "none"
+  estimated = source.kind == "table"
+  base_flops = plan_flops = 0.0
+  for name in report["sites"]:
+    choice = plan.choice_for(name)
+    if choice is None:
+      continue
+    site, _ = selection.effective_site(report, name, source)
+    flops = float(report["sites"][name].get("flops") or 0.0)
+    for p in PASSES:
+      kernel = choice.for_pass(p)
+      fp8 = registry.get(kernel).fp8 if kernel in registry.names() else False
+      base_flops += flops
+      plan_flops += flops / 2.0 if fp8 else flops
+      entries = site["passes"].get(p, {})
+      b, k = entries.get(FALLBACK, {}).get("time_us"), entries.get(kernel, {}).get("time_us")
+      if not b or not k:
+        timed = False
+        continue
+      base_us += float(b[1])
+      plan_us += float(k[1])
+      estimated = estimated or entries[kernel].get("timing") == "estimated"
+  if timed and plan_us > 0:
+    return {"speedup": base_us / plan_us, "source": "estimated" if estimated else "measured",
+            "bf16_us": base_us, "plan_us": plan_us}
+  return {"speedup": base_flops / plan_flops if plan_flops else 1.0, "source": "flop model",
+          "note": "upper bound: FP8 GEMMs at 2x the bf16 rate, no quantization cost"}
+
+
+def _usable_plan(path: str, digest: str) -> Optional[Plan]:
+  if not os.path.exists(path):
+    return None
+  plan = read_plan(path)
+  return plan if plan["provenance"].get("report_sha256") == digest else None
+
+
+def probe_and_plan(spec, workdir: str, *, train_config, probe_config=None, probe_options=None,
+                   criteria: Optional[Criteria] = None, budget_per_site=None,
+                   validation: Optional[validate_lib.ValidationConfig] = (
+                       validate_lib.ValidationConfig()),
+                   target_device: Optional[str] = None, build=None) -> PipelineResult:
+  """Probe the spec's tower (bf16 + its Mods), select a plan, validate it end to end.
+
+  Args:
+    spec: a train.experiment.RunSpec (model, preset, data, mods, seed); its precision is
+      ignored: the probe trains in bf16 with the spec's Mods, which is the LoKA arm's tower.
+    workdir: where everything goes (see the module docstring); reruns resume.
+    train_config: the probe's training run (steps, batch size, optimizer); the validation
+      runs on its final checkpoint.
+    probe_config: probe.ProbeConfig (statistics cadence, ...); None: the default.
+    probe_options: probe.ProbeOptions (candidates, samples, ...); None: the default.
+    criteria: the error budget; None: `default_criteria(report)`.
+    budget_per_site: per-site budgets for `dispatch.select`.
+    validation: end-to-end validation settings; None skips validation (recorded).
+    target_device: the device kind the plan is for (default: the report's).
+    build: `build(spec) -> (model, source, config)` in place of `experiment.build_run`
+      (towers outside the presets); None: the presets.
+  Returns:
+    PipelineResult(plan, report, paths, criteria, skipped).
+  """
+  from loka_jax.probe.collector import ProbeConfig
+  from loka_jax.probe.report import load_report
+  from loka_jax.probe.runner import ProbeOptions, run_probe
+  spec = dataclasses.replace(spec, precision="bf16", plan=None)
+  os.makedirs(workdir, exist_ok=True)
+  paths = {"report": os.path.join(workdir, REPORT_JSON),
+           "selected": os.path.join(workdir, SELECTED_JSON),
+           "plan": os.path.join(workdir, PLAN_JSON),
+           "probe_dir": os.path.join(workdir, PROBE_DIR)}
+  skipped = {"probe": False, "select": False, "validate": False}
+
+  report = None
+  if os.path.exists(paths["report"]):
+    report = load_report(paths["report"])
+    if not report.get("complete", True):
+      report = None
+  if report is None:
+    _log(f"probing {spec.model}/{spec.preset} (mods: {', '.join(spec.mods) or 'none'}) in "
+         f"{paths['probe_dir']}")
+    result = run_probe(spec, paths["probe_dir"], train_config, probe_config or ProbeConfig(),
+                       probe_options or ProbeOptions(), build=build)
+    if not result.complete:
+      raise RuntimeError(f"the probe in {paths['probe_dir']} is incomplete ("
+                         f"{'; '.join(result.report.get('pending', []))}); call again to "
+                         "finish it")
+    report = result.report
+    jsonio.write_json_atomic(paths["report"], report)
+  else:
+    skipped["probe"] = True
+    _log(f"probe report found: {paths['report']}")
+  digest = report_hash(report)
+  criteria = criteria if criteria is not None else default_criteria(report, target_device)
+
+  contexts = []
+
+  def context() -> validate_lib.ValidationContext:  # restored once, when first needed
+    if not contexts:
+      contexts.append(context_for_run(spec, paths["probe_dir"], train_config, report, build))
+    return contexts[0]
+
+  selected = _usable_plan(paths["selected"], digest)
+  if selected is None:
+    selected = select(report, criteria, budget_per_site=budget_per_site,
+                      target_device=target_device)
+    selected = Plan({**selected.to_dict(), "provenance": {
+        **selected["provenance"], "report_path": os.path.abspath(paths["report"])}})
+    check_plan(selected, context().build(validate_lib.BASELINE), None, context().batch(),
+               where=paths["selected"])
+    save_plan(selected, paths["selected"])
+    _log(f"selected: {paths['selected']}")
+  else:
+    skipped["select"] = True
+
+  plan = _usable_plan(paths["plan"], digest)
+  if plan is not None and any(r.get("step") in ("validated", "not_validated")
+                              for r in plan["validation"]):
+    skipped["validate"] = True
+    _log(f"validated plan found: {paths['plan']}")
+  elif validation is None:
+    plan = add_validation(selected, {"step": "not_validated",
+                                     "reason": "validation switched off by the caller"})
+    save_plan(plan, paths["plan"])
+  else:
+    _log("validating the plan end to end (held-out, shadow training, speed)")
+    plan = validate_lib.validate_end_to_end(selected, context(), validation)
+    save_plan(plan, paths["plan"])
+    _log(f"plan: {paths['plan']}")
+  return PipelineResult(plan, report, paths, criteria, skipped)

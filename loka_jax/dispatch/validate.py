@@ -1,0 +1,528 @@
+"""End-to-end validation of a plan: per-op errors and timings miss how errors propagate
+through the tower and how kernels fuse with their neighbours, so after selection the whole
+model is checked, and the worst sites are backed off until every check holds.
+
+Quality, on the SAME trained bf16+Mods parameters (a plan changes kernels, never weights):
+  1. held-out: log loss of the planned model vs bf16+Mods on the held-out batches. While the
+     relative difference exceeds `max_rel_logloss`, each FP8 site's contribution (the
+     relative log-loss change when only that site runs its plan, every other site xla_bf16)
+     is measured and the largest in the direction of the excess (a site pulling the other
+     way offsets it) is backed off to a more precise kernel: the fastest candidate of the
+     probe report that is eligible under the plan's budget and more accurate (pessimistic
+     SQNR, or MERE) than the current one, else xla_bf16.
+  2. shadow training: `shadow_steps` steps from the same checkpoint, plan vs bf16+Mods, on the
+     same batches. Both runs start equal and see the same data, so batch noise cancels and
+     only the drift of the parameters remains; the runs *diverge* when the plan's loss is
+     not finite, or the mean training loss over the last `shadow_window` steps or the
+     held-out log loss after the run differ by more than `shadow_max_rel_loss` (relative;
+     default 0.5%, 25x the 0.02% quality bar: it catches a run that climbs or stalls, not
+     healthy drift). Divergence that the held-out check missed comes from the backward
+     passes, so the site whose plan moves the parameter gradient most (relative L2 change of
+     the whole gradient on training batches when only that site runs its plan) is backed off
+     and the shadow run repeated.
+Speed (on a GPU only: CPU timings say nothing about GPU kernels; `speed=True` forces it):
+  whole jitted train (fwd + bwd + optimizer) and inference steps, plan vs bf16+Mods,
+  interleaved, >= 20 repeats, bootstrap 95% CI of the speedup (loka_jax/timing.py). While a
+  lower bound is below `min_speedup` (1.0: never slower), the site whose reversion to
+  xla_bf16 speeds the failing step(s) up most (its in-context slowdown) is backed off to
+  xla_bf16.
+
+Every measurement is a `validation` record of the plan (`add_validation`) and every change a
+`back_off` record, so the plan file tells how it came to be.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from loka_jax import _compat, timing
+from loka_jax.dispatch.plan import FALLBACK, Plan, add_validation, as_plan, back_off
+from loka_jax.kernels import FP8_META, FUSED_OP, PASSES, PER_PASS, KernelChoice, KernelPlan
+from loka_jax.kernels import registry
+from loka_jax.kernels.flax_delayed import merge_fp8_meta
+from loka_jax.train import metrics as metrics_lib
+from loka_jax.train.loop import compiled_steps, evaluate
+from loka_jax.train.optim import OptimConfig
+
+BASELINE = KernelPlan.uniform(FALLBACK)
+DELAYED_WARMUP = 3  # delayed-scaling state starts at scale 1: calibrate before judging it
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidationConfig:
+  """Bounds and sizes of the end-to-end checks (see the module docstring)."""
+  max_rel_logloss: float = 0.0002    # held-out |relative log-loss change| (0.02%, MISSION.md)
+  shadow_steps: int = 200            # shadow training steps; 0 skips the shadow check
+  shadow_window: int = 50            # last steps whose mean training loss is compared
+  shadow_max_rel_loss: float = 0.005  # divergence bound of the shadow runs (relative)
+  grad_batches: int = 2              # training batches of the gradient contributions
+  max_rounds: int = 64               # back-offs per check at most
+  speed: Optional[bool] = None       # None: only on a GPU; True forces it (tests)
+  speed_repeats: int = 20            # timing repeats (benchmark protocol: >= 20)
+  min_speedup: float = 1.0           # lower CI bound of the step speedup that must hold
+  eval_batch_size: Optional[int] = None  # None: the context's batch size
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.max_rel_logloss < 0 or self.shadow_max_rel_loss < 0:
+      raise ValueError("max_rel_logloss and shadow_max_rel_loss must be >= 0")
+    if self.shadow_steps < 0 or self.shadow_window < 1:
+      raise ValueError(f"shadow_steps must be >= 0 and shadow_window >= 1, got "
+                       f"{self.shadow_steps}, {self.shadow_window}")
+    if self.speed_repeats < 20:
+      raise ValueError(f"speed_repeats={self.speed_repeats}: the benchmark protocol needs "
+                       ">= 20 repeats")
+
+  def to_dict(self) -> Dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class ValidationContext:
+  """What the checks run on: a model builder, the data and the trained bf16+Mods state.
+
+  Attributes:
+    build: KernelPlan -> the Linen tower with that plan (everything else fixed: the Mods,
+      the features, the dtype policy).
+    source: the data source (same training batches and held-out set for every arm).
+    state: the trained bf16+Mods TrainState (the probe run's checkpoint) both arms start
+      from; it is never donated or changed here.
+    batch_size: training (and timing) batch.
+    optim: the optimizer of the shadow runs and timed train steps.
+    report: the ProbeReport the plan was selected from (back-off targets; optional).
+  """
+  build: Callable[[KernelPlan], Any]
+  source: Any
+  state: Any
+  batch_size: int
+  optim: OptimConfig = OptimConfig()
+  report: Optional[Mapping] = None
+  _cache: Dict[Any, Any] = dataclasses.field(default_factory=dict, repr=False)
+
+  def batch(self, i: int = 0):
+    """Training batch `i` after the checkpoint (its data position)."""
+    return self.source.train_batch(int(jax.device_get(self.state.step)) + i, self.batch_size)
+
+  def site_names(self) -> List[str]:
+    """The model's GEMM sites in call order (one abstract trace, cached)."""
+    if "sites" not in self._cache:
+      from loka_jax.dispatch.check import model_sites
+      products, _ = model_sites(self.build(BASELINE), None, self.batch())
+      self._cache["sites"] = list(products)
+    return self._cache["sites"]
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+def fp8_sites(plan: Plan, names: Sequence[str]) -> Dict[str, KernelChoice]:
+  """{site: choice} of the sites whose plan runs some pass on an FP8 kernel."""
+  out = {}
+  for name in names:
+    choice = plan.choice_for(name)
+    if choice is not None and any(registry.get(choice.for_pass(p)).fp8 for p in PASSES):
+      out[name] = choice
+  return out
+
+
+def only_site(site: str, choice: KernelChoice) -> KernelPlan:
+  """`site` runs `choice`; every other site xla_bf16."""
+  return KernelPlan(sites=((site, choice),), rules=(), default=BASELINE.default)
+
+
+def without_site(plan: Plan, site: str) -> KernelPlan:
+  """The plan with `site` on xla_bf16."""
+  kplan = plan.kernel_plan()
+  sites = tuple((n, c) for n, c in kplan.sites if n != site) + (
+      (site, KernelChoice.uniform(FALLBACK)),)
+  return KernelPlan(sites=tuple(sorted(sites)), rules=kplan.rules, default=kplan.default)
+
+
+def _site_criteria(plan: Plan, site: str):
+  """The site's budget recorded in the plan's provenance (default Criteria without one)."""
+  from loka_jax.dispatch.selection import Budget
+  from loka_jax.probe.eligibility import Criteria
+  budget = (plan.get("provenance") or {}).get("budget")
+  if not budget:
+    return Criteria()
+  per_site = tuple((p["pattern"], Criteria(**p["criteria"])) for p in budget.get("per_site", []))
+  return Budget(Criteria(**budget["default"]), per_site).for_site(site)
+
+
+def _accuracy(verdict, metric: str) -> float:
+  if metric == "mere":
+    return -math.inf if verdict.mere_hi is None else -float(verdict.mere_hi)
+  return -math.inf if verdict.sqnr_lo is None else float(verdict.sqnr_lo)
+
+
+def more_precise_kernel(report: Optional[Mapping], plan: Plan, site: str, pass_name: str,
+                        current: str) -> Tuple[str, str]:
+  """(kernel, why): the fastest candidate of the report for this pass that is eligible under
+  the site's budget and more accurate than `current`; else xla_bf16."""
+  if report is None or site not in report.get("sites", {}):
+    return FALLBACK, "no probe report entry for the site"
+  from loka_jax.dispatch import selection
+  from loka_jax.probe import eligibility
+  criteria = _site_criteria(plan, site)
+  try:
+    source = selection.resolve_timing(report)
+  except ValueError:
+    source = selection.TimingSource("none", {"kind": "none", "reason": "no usable timings"})
+  effective, _ = selection.effective_site(report, site, source)
+  info = selection.kernels_info(report)
+  verdicts = eligibility.assess_site({"kernels": info, "sites": {site: effective}}, site,
+                                     criteria).get(pass_name, {})
+  if current not in verdicts:
+    return FALLBACK, f"{current} was not evaluated by the probe for this pass"
+  floor = _accuracy(verdicts[current], criteria.metric)
+  better = [v for k, v in verdicts.items()
+            if k not in (current, FALLBACK) and v.eligible
+            and info.get(k, {}).get("sort") == PER_PASS and k in registry.names()
+            and _accuracy(v, criteria.metric) > floor]
+  if not better:
+    return FALLBACK, "no eligible candidate more accurate than " + current
+  best = sorted(better, key=lambda v: selection.rank_key(v, criteria.metric))[0]
+  return best.kernel, f"fastest eligible candidate more accurate than {current}"
+
+
+def back_off_site(plan: Plan, ctx: ValidationContext, site: str, reason: str, step: str, *,
+                  to_fallback: bool = False) -> Plan:
+  """Every FP8 pass of `site` moved to a more precise kernel (or straight to xla_bf16)."""
+  choice = plan.choice_for(site)
+  kernels = {p: choice.for_pass(p) for p in PASSES}
+  if to_fallback or any(registry.get(k).sort == FUSED_OP for k in kernels.values()):
+    return back_off(plan, site, None, reason, to=FALLBACK, step=step)
+  for p, current in kernels.items():
+    if not registry.get(current).fp8:
+      continue
+    target, why = more_precise_kernel(ctx.report, plan, site, p, current)
+    plan = back_off(plan, site, p, f"{reason}; {why}", to=target, step=step)
+  return plan
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def _fresh_copy(tree):
+  """Device copies, so a donating train step never consumes the context's state."""
+  return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+
+
+def _loss(model, params, fp8_meta, batch):
+  variables = {"params": params}
+  if fp8_meta:
+    variables[FP8_META] = fp8_meta
+  logits = model.apply(variables, batch, train=True, rngs={"dropout": jax.random.PRNGKey(0)})
+  return jnp.mean(metrics_lib.bce_with_logits(logits, batch["label"]))
+
+
+def state_for(ctx: ValidationContext, kplan: KernelPlan):
+  """(model, state): the context's trained parameters under `kplan`; a plan with delayed
+  scaling gets its fp8_meta state created and calibrated on DELAYED_WARMUP batches."""
+  key = ("state", kplan)
+  if key in ctx._cache:
+    return ctx._cache[key]
+  model = ctx.build(kplan)
+  batch = ctx.batch()
+  rngs = {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}
+  shapes = jax.eval_shape(lambda b: model.init(rngs, b, train=False), batch)
+  state = ctx.state.replace(fp8_meta={})
+  if FP8_META in shapes:
+    params_shape = jax.tree.map(lambda x: (x.shape, x.dtype), shapes["params"])
+    have = jax.tree.map(lambda x: (x.shape, x.dtype), ctx.state.params)
+    if params_shape != have:
+      raise ValueError("the planned model's parameters differ from the checkpoint's; a plan "
+                       "may change kernels only (check the plan's fused-op sites)")
+    meta = jax.jit(lambda b: model.init(rngs, b, train=False)[FP8_META])(batch)
+    grad = jax.jit(jax.grad(lambda m, p, b: _loss(model, p, m, b)))
+    for i in range(DELAYED_WARMUP):
+      meta = merge_fp8_meta(grad(meta, ctx.state.params, ctx.batch(i)))
+    state = state.replace(fp8_meta=meta)
+  ctx._cache[key] = (model, state)
+  return model, state
+
+
+def held_out(ctx: ValidationContext, kplan: KernelPlan, eval_batch_size: Optional[int] = None,
+             state=None) -> Dict[str, float]:
+  """Held-out logloss / NE / AUC of the context's parameters (or `state`) under `kplan`."""
+  key = ("held_out", kplan, eval_batch_size) if state is None else None
+  if key is not None and key in ctx._cache:
+    return ctx._cache[key]
+  model, own = state_for(ctx, kplan)
+  _, eval_step = compiled_steps(model, ctx.optim, "stop")
+  size = min(eval_batch_size or ctx.batch_size, ctx.source.num_eval_examples())
+  result = evaluate(eval_step, own if state is None else state, ctx.source, size)
+  if key is not None:
+    ctx._cache[key] = result
+  return result
+
+
+def _rel(value: float, base: float) -> float:
+  return (value - base) / base if base else math.inf
+
+
+def _gradient(ctx: ValidationContext, kplan: KernelPlan, batches: int) -> np.ndarray:
+  """The flattened parameter gradient under `kplan`, summed over the context's first
+  `batches` training batches."""
+  model, state = state_for(ctx, kplan)
+  grad = jax.jit(jax.grad(lambda p, m, b: _loss(model, p, m, b)))
+  total = None
+  for i in range(batches):
+    g = grad(state.params, state.fp8_meta, ctx.batch(i))
+    flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in jax.tree.leaves(g)])
+    total = flat if total is None else total + flat
+  return np.asarray(jax.device_get(total), np.float64)
+
+
+# ----------------------------------------------------------------------------- quality
+
+
+def check_held_out(plan, ctx: ValidationContext, config: ValidationConfig = ValidationConfig()
+                   ) -> Plan:
+  """Backs off the site with the largest held-out contribution until the planned model's
+  relative log-loss change is within `max_rel_logloss`."""
+  plan = as_plan(plan)
+  size = config.eval_batch_size
+  base = held_out(ctx, BASELINE, size)
+  contributions: Dict[Tuple[str, KernelChoice], float] = {}
+  for round_ in range(config.max_rounds + 1):
+    got = held_out(ctx, plan.kernel_plan(), size)
+    rel = _rel(got["logloss"], base["logloss"])
+    passed = abs(rel) <= config.max_rel_logloss
+    candidates = fp8_sites(plan, ctx.site_names())
+    record = {"step": "quality_held_out", "round": round_, "logloss": got["logloss"],
+              "logloss_bf16": base["logloss"], "ne": got["ne"], "ne_bf16": base["ne"],
+              "auc": got["auc"], "auc_bf16": base["auc"], "rel_logloss_change": rel,
+              "budget": config.max_rel_logloss, "passed": passed,
+              "num_eval_examples": got["num_examples"]}
+    if passed or not candidates or round_ == config.max_rounds:
+      if not passed:
+        record["note"] = ("no FP8 site left to back off" if not candidates
+                          else f"stopped after {config.max_rounds} back-offs")
+      return add_validation(plan, record)
+    for site, choice in candidates.items():
+      if (site, choice) not in contributions:
+        alone = held_out(ctx, only_site(site, choice), size)
+        contributions[(site, choice)] = _rel(alone["logloss"], base["logloss"])
+    current = {s: contributions[(s, c)] for s, c in candidates.items()}
+    record["contributions"] = current
+    plan = add_validation(plan, record)
+    # The site that pushes hardest in the direction of the excess: one that moves the loss
+    # the other way is offsetting, and backing it off would widen the gap.
+    sign = 1.0 if rel > 0 else -1.0
+    worst = max(current, key=lambda s: (sign * current[s], s))
+    plan = back_off_site(
+        plan, ctx, worst, f"held-out log loss {100 * rel:+.4f}% vs bf16+Mods exceeds "
+        f"{100 * config.max_rel_logloss:g}%; this site alone: {100 * current[worst]:+.4f}%",
+        step="quality_held_out")
+  return plan
+
+
+def shadow_run(ctx: ValidationContext, kplan: KernelPlan, steps: int, eval_batch_size=None
+               ) -> Dict[str, Any]:
+  """`steps` training steps from the context's state under `kplan`: losses, finiteness and
+  the held-out metrics at the end (cached per plan)."""
+  key = ("shadow", kplan, steps, eval_batch_size)
+  if key in ctx._cache:
+    return ctx._cache[key]
+  model, state = state_for(ctx, kplan)
+  train_step, _ = compiled_steps(model, ctx.optim, "stop")
+  state = _fresh_copy(state)
+  losses, oks = [], []
+  for i in range(steps):
+    state, m = train_step(state, ctx.batch(i))
+    losses.append(m["loss"])
+    oks.append(m["ok"])
+  losses = np.asarray(jax.device_get(losses), np.float64)
+  finite = bool(np.all(jax.device_get(oks))) and bool(np.all(np.isfinite(losses)))
+  final = held_out(ctx, kplan, eval_batch_size, state=state) if finite else None
+  out = {"losses": losses, "finite": finite, "held_out": final}
+  ctx._cache[key] = out
+  return out
+
+
+def check_shadow(plan, ctx: ValidationContext, config: ValidationConfig = ValidationConfig()
+                 ) -> Plan:
+  """Shadow training, plan vs bf16+Mods from the same checkpoint; backs off the site that
+  moves the gradient most while the runs diverge (bound: `shadow_max_rel_loss`)."""
+  plan = as_plan(plan)
+  if config.shadow_steps == 0:
+    return add_validation(plan, {"step": "quality_shadow", "skipped": True,
+                                 "reason": "shadow_steps=0"})
+  size = config.eval_batch_size
+  window = min(config.shadow_window, config.shadow_steps)
+  base = shadow_run(ctx, BASELINE, config.shadow_steps, size)
+  if not base["finite"]:
+    raise FloatingPointError("the bf16+Mods shadow run itself produced a non-finite loss: the "
+                             "checkpoint or the learning rate is at fault, not the plan")
+  base_window = float(np.mean(base["losses"][-window:]))
+  base_grad = None
+  contributions: Dict[Tuple[str, KernelChoice], float] = {}
+  for round_ in range(config.max_rounds + 1):
+    candidates = fp8_sites(plan, ctx.site_names())
+    run = shadow_run(ctx, plan.kernel_plan(), config.shadow_steps, size)
+    record: Dict[str, Any] = {"step": "quality_shadow", "round": round_,
+                              "steps": config.shadow_steps, "window": window,
+                              "bound": config.shadow_max_rel_loss, "finite": run["finite"],
+                              "train_loss_bf16": base_window}
+    if run["finite"]:
+      plan_window = float(np.mean(run["losses"][-window:]))
+      rel_train = _rel(plan_window, base_window)
+      rel_eval = _rel(run["held_out"]["logloss"], base["held_out"]["logloss"])
+      diverged = max(abs(rel_train), abs(rel_eval)) > config.shadow_max_rel_loss
+      record.update(train_loss=plan_window, rel_train_loss=rel_train,
+                    logloss=run["held_out"]["logloss"],
+                    logloss_bf16=base["held_out"]["logloss"], rel_logloss_change=rel_eval)
+    else:
+      diverged = True
+    record["passed"] = not diverged
+    if not diverged or not candidates or round_ == config.max_rounds:
+      if diverged:
+        record["note"] = ("no FP8 site left to back off" if not candidates
+                          else f"stopped after {config.max_rounds} back-offs")
+      return add_validation(plan, record)
+    if base_grad is None:
+      base_grad = _gradient(ctx, BASELINE, config.grad_batches)
+    norm = float(np.linalg.norm(base_grad)) or 1.0
+    for site, choice in candidates.items():
+      if (site, choice) not in contributions:
+        g = _gradient(ctx, only_site(site, choice), config.grad_batches)
+        contributions[(site, choice)] = (float(np.linalg.norm(g - base_grad)) / norm
+                                         if np.all(np.isfinite(g)) else math.inf)
+    current = {s: contributions[(s, c)] for s, c in candidates.items()}
+    record["gradient_contributions"] = current
+    plan = add_validation(plan, record)
+    worst = max(current, key=lambda s: (current[s], s))
+    what = ("non-finite loss" if not run["finite"] else
+            f"losses diverge beyond {100 * config.shadow_max_rel_loss:g}% (train "
+            f"{100 * record['rel_train_loss']:+.3f}%, held-out "
+            f"{100 * record['rel_logloss_change']:+.3f}%)")
+    plan = back_off_site(plan, ctx, worst, f"shadow training: {what}; this site moves the "
+                         f"gradient most ({current[worst]:.3g} relative)",
+                         step="quality_shadow")
+  return plan
+
+
+# ----------------------------------------------------------------------------- speed
+
+
+def speed_enabled(config: ValidationConfig) -> Tuple[bool, str]:
+  """(run the speed check, why or why not)."""
+  if config.speed is not None:
+    return config.speed, ("forced on" if config.speed else "switched off (speed=False)")
+  if _compat.on_gpu():
+    return True, f"on {jax.devices()[0].device_kind}"
+  return False, (f"not on a GPU ({jax.default_backend()}): CPU timings say nothing about GPU "
+                 "kernels; run the pipeline on the target GPU to validate speed")
+
+
+def _step_calls(ctx: ValidationContext, kplan: KernelPlan):
+  """(train_call, infer_call): argument-less whole steps on a fixed real batch; the train
+  call threads its own copy of the state."""
+  model, state = state_for(ctx, kplan)
+  train_step, eval_step = compiled_steps(model, ctx.optim, "stop")
+  batch = jax.device_put(ctx.batch())
+  holder = {"state": _fresh_copy(state)}
+
+  def train_call():
+    holder["state"], m = train_step(holder["state"], batch)
+    return m["loss"]
+
+  def infer_call():
+    return eval_step(holder["state"], batch)
+
+  return train_call, infer_call
+
+
+def measure_steps(ctx: ValidationContext, plans: Mapping[str, KernelPlan], baseline: str,
+                  repeats: int = 20, seed: int = 0) -> Dict[str, Dict[str, dict]]:
+  """{mode: timing.summarize(...)} of whole train and inference steps of `plans`,
+  interleaved, with speedups vs `baseline` (baseline time / variant time)."""
+  calls = {name: _step_calls(ctx, kplan) for name, kplan in plans.items()}
+  out = {}
+  for mode, index in (("train", 0), ("infer", 1)):
+    timings = timing.time_calls({n: c[index] for n, c in calls.items()}, repeats=repeats)
+    out[mode] = timing.summarize(timings, baseline, seed=seed)
+  return out
+
+
+def check_speed(plan, ctx: ValidationContext, config: ValidationConfig = ValidationConfig()
+                ) -> Plan:
+  """Backs off the site with the largest in-context slowdown while the plan's train or
+  inference step is not provably at least `min_speedup` x bf16+Mods (CI lower bound)."""
+  plan = as_plan(plan)
+  enabled, why = speed_enabled(config)
+  if not enabled:
+    return add_validation(plan, {"step": "speed", "skipped": True, "reason": why})
+  device = jax.devices()[0].device_kind
+  for round_ in range(config.max_rounds + 1):
+    got = measure_steps(ctx, {"bf16": BASELINE, "plan": plan.kernel_plan()}, "bf16",
+                        config.speed_repeats, config.seed)
+    failing = [m for m in ("train", "infer")
+               if got[m]["plan"]["speedup_ci"][0] < config.min_speedup]
+    candidates = fp8_sites(plan, ctx.site_names())
+    record: Dict[str, Any] = {
+        "step": "speed", "round": round_, "device": device, "why": why,
+        "repeats": config.speed_repeats, "min_speedup": config.min_speedup,
+        "passed": not failing}
+    for m in ("train", "infer"):
+      p = got[m]["plan"]
+      record[m] = {"speedup": p["speedup"], "speedup_ci": p["speedup_ci"],
+                   "plan_median_us": p["median_us"],
+                   "bf16_median_us": got[m]["bf16"]["median_us"]}
+    if not failing or not candidates or round_ == config.max_rounds:
+      if failing:
+        record["note"] = ("no FP8 site left to back off" if not candidates
+                          else f"stopped after {config.max_rounds} back-offs")
+      return add_validation(plan, record)
+    variants = {"plan": plan.kernel_plan()}
+    variants.update({f"without {s}": without_site(plan, s) for s in candidates})
+    context = measure_steps(ctx, variants, "plan", config.speed_repeats, config.seed)
+    # speedup of "without s" vs the plan = the time site s costs in context.
+    slowdowns = {s: float(np.prod([context[m][f"without {s}"]["speedup"] for m in failing]))
+                 for s in candidates}
+    record["failing"] = failing
+    record["in_context_slowdown"] = slowdowns
+    plan = add_validation(plan, record)
+    worst = max(slowdowns, key=lambda s: (slowdowns[s], s))
+    plan = back_off_site(
+        plan, ctx, worst, f"{'/'.join(failing)} step speedup CI lower bound "
+        f"{min(got[m]['plan']['speedup_ci'][0] for m in failing):.3f} < "
+        f"{config.min_speedup:g}; this site's in-context slowdown {slowdowns[worst]:.3f}x",
+        step="speed", to_fallback=True)
+  return plan
+
+
+# ----------------------------------------------------------------------------- all
+
+
+def validate_end_to_end(plan, ctx: ValidationContext,
+                        config: ValidationConfig = ValidationConfig()) -> Plan:
+  """Held-out quality, shadow training, then speed; returns the plan with every step and
+  back-off recorded and a final 'validated' record summing them up."""
+  plan = as_plan(plan)
+  before = fp8_sites(plan, ctx.site_names())
+  plan = check_held_out(plan, ctx, config)
+  plan = check_shadow(plan, ctx, config)
+  plan = check_speed(plan, ctx, config)
+  after = fp8_sites(plan, ctx.site_names())
+  steps = [r for r in plan["validation"] if r.get("step") in
+           ("quality_held_out", "quality_shadow", "speed")]
+  last = {}
+  for r in steps:
+    last[r["step"]] = r
+  return add_validation(plan, {
+      "step": "validated", "config": config.to_dict(),
+      "fp8_sites_before": len(before), "fp8_sites_after": len(after),
+      "backed_off": sorted(s for s in before if before[s] != after.get(s)),
+      "passed": {k: (None if v.get("skipped") else v.get("passed")) for k, v in last.items()}})
+
+
+def validation_records(plan, step: Optional[str] = None) -> List[Dict[str, Any]]:
+  """The plan's validation records (of one step)."""
+  return [r for r in as_plan(plan)["validation"] if step is None or r.get("step") == step]

@@ -1,0 +1,341 @@
+"""Drift valve in training: refresh the probe's statistics at a cadence, re-evaluate the sites
+that shifted, and switch the kernels that are no longer safe (recompiling once).
+
+  valve = DriftValve(build, plan, report, source, batch_size, workdir, ValveConfig(cadence=25))
+  train(valve.model, source, workdir, train_config, model_hook=valve)
+
+Every `cadence` steps the valve runs the probe's jitted statistics pass on the next training
+batch with the current parameters, into fresh statistics (one observation), and compares each
+site with its *baseline*: the report's statistics the plan was selected on, or the statistics
+of the site's last re-evaluation. A site beyond `DriftBound` (drift.py) gets the probe's
+evaluation on its fresh statistics (errors only: speed does not drift, so each entry keeps the
+report's timing fields), and `drift.reselect_drifted` judges its current kernels under the
+plan's own budget (its `provenance.budget`). If any pass switches, the valve builds the model
+for the new plan and hands it to the loop as a `ModelSwap`: the train step recompiles once,
+parameters, optimizer and fp8 state carry over, and metrics.jsonl gets one line per switched
+pass {"step", "event": "drift_switch", "site", "pass", "from", "to", "reason"} (and one
+{"event": "drift_kept"} line per shifted site whose kernels stayed safe).
+
+The active plan is written to WORKDIR/drift_plan.json after each switch and saved in every
+checkpoint's extras (`dispatch_plan`, with the baselines and events under `drift_valve`);
+a valve built on a run directory whose newest checkpoint holds a switched plan starts from
+that plan, so a resumed run continues with it.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import time
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+import jax
+import orbax.checkpoint as ocp
+
+from loka_jax.dispatch import drift as drift_lib
+from loka_jax.dispatch.plan import Plan, as_plan, save_plan, to_kernel_plan
+from loka_jax.dispatch.selection import TIMING_FIELDS
+from loka_jax.kernels import PASSES, registry
+from loka_jax.probe import collector as collector_lib
+from loka_jax.probe import evaluate, stats_report, summarize
+from loka_jax.probe.eligibility import Criteria
+from loka_jax.train.checkpoint import EXTRAS_JSON, ITEMS
+from loka_jax.train.loop import ModelSwap
+
+PLAN_KEY = "dispatch_plan"     # checkpoint extras: the active plan (JSON)
+STATE_KEY = "drift_valve"      # checkpoint extras: baselines, events, refresh steps (JSON)
+ACTIVE_PLAN = "drift_plan.json"
+SWITCH_EVENT = "drift_switch"
+KEPT_EVENT = "drift_kept"
+
+
+class ValveSetupError(ValueError):
+  """A valve whose plan, report or model do not fit together."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ValveConfig:
+  """When the valve looks and how it re-evaluates a shifted site."""
+  cadence: int = 25                          # steps between statistics refreshes
+  bound: drift_lib.DriftBound = drift_lib.DriftBound()
+  criteria: Optional[Criteria] = None        # None: the plan's own budget (provenance)
+  samples: int = 32                          # evaluation draws per source and site
+  bootstrap: int = 200                       # bootstrap resamples of each error CI
+  probe: collector_lib.ProbeConfig = collector_lib.ProbeConfig(min_observations=1)
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.cadence < 1:
+      raise ValueError(f"drift valve cadence must be >= 1 step, got {self.cadence}")
+    if self.samples < 2:
+      raise ValueError(f"drift valve samples must be >= 2, got {self.samples}")
+
+  def to_dict(self) -> Dict[str, Any]:
+    out = dataclasses.asdict(self)
+    out["criteria"] = None if self.criteria is None else self.criteria.to_dict()
+    return out
+
+
+def checkpoint_plan(workdir: str) -> Optional[Tuple[int, Plan]]:
+  """(step, plan) saved in the newest checkpoint of the run in `workdir`, or None (no
+  checkpoint, or one saved without a valve)."""
+  directory = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(directory):
+    return None
+  manager = ocp.CheckpointManager(os.path.abspath(directory),
+                                  options=ocp.CheckpointManagerOptions(create=False),
+                                  item_names=ITEMS)
+  try:
+    step = manager.latest_step()
+    if step is None:
+      return None
+    try:
+      extras = manager.restore(step, args=ocp.args.Composite(
+          **{EXTRAS_JSON: ocp.args.JsonRestore()}))[EXTRAS_JSON] or {}
+    except Exception:  # a damaged newest checkpoint: the loop moves it aside on restore
+      return None
+  finally:
+    manager.close()
+  data = extras.get(PLAN_KEY)
+  return None if data is None else (step, as_plan(data, f"{directory}/{step}: {PLAN_KEY}"))
+
+
+def plan_budget(plan: Plan) -> Tuple[Criteria, List[Tuple[str, Criteria]]]:
+  """(global criteria, per-site overrides) the plan was selected with (its provenance)."""
+  budget = (plan.get("provenance") or {}).get("budget") or {}
+  fields = {f.name for f in dataclasses.fields(Criteria)}
+  make = lambda d: Criteria(**{k: v for k, v in (d or {}).items() if k in fields})
+  per_site = [(item["pattern"], make(item["criteria"])) for item in budget.get("per_site", [])]
+  return make(budget.get("default")), per_site
+
+
+def _without_histograms(stats: Mapping) -> Dict:
+  """A site's stats without the histograms (the baselines travel in checkpoint JSON)."""
+  return {k: ({kk: vv for kk, vv in v.items() if kk != "histogram"} if isinstance(v, Mapping)
+              else v) for k, v in stats.items()}
+
+
+def site_entry(site: collector_lib.SiteProbe, state, kernel_names, compute_dtype: str,
+               config: ValveConfig, observations: int, kernels_info: Mapping) -> Dict[str, Any]:
+  """A report entry of one site from its statistics `state`, as the probe evaluates it:
+  kind, spec, shapes, `stats` and per-pass errors of every registered candidate."""
+  from loka_jax.probe.runner import _stats_fallback  # the probe's underflow-from-stats rule
+  kernels = []
+  for k in kernel_names:
+    try:
+      kernels.append(registry.get(k))
+    except KeyError:
+      continue  # not registered in this process: it gets no entry, so it is not chosen
+  eval_config = evaluate.EvalConfig(samples=config.samples, seed=config.seed)
+  ev = evaluate.evaluate_site(site, state, kernels, compute_dtype, eval_config)
+  entry = {"kind": site.kind, "spec": site.spec,
+           "shapes": {k: list(v) for k, v in site.layout.shapes().items()},
+           "stats": stats_report.site_stats(site, state, observations),
+           "passes": summarize.site_passes(ev, [k.name for k in kernels],
+                                           n_boot=config.bootstrap, seed=config.seed)}
+  _stats_fallback(entry, kernels_info, site.layout)
+  return entry
+
+
+def reevaluated_entry(report: Mapping, name: str, site: collector_lib.SiteProbe, state,
+                      config: ValveConfig) -> Dict[str, Any]:
+  """The report entry of site `name` re-evaluated on fresh statistics `state` (one
+  observation): the same candidates' errors, the report's timings (speed does not drift)."""
+  old = report["sites"][name]
+  names = sorted({k for ks in old.get("passes", {}).values() for k in ks})
+  dtype = (report.get("evaluation") or {}).get("compute_dtype", "bfloat16")
+  fresh = site_entry(site, state, names, dtype, config, 1, report.get("kernels") or {})
+  for p, per_kernel in fresh["passes"].items():
+    for k, e in per_kernel.items():
+      before = old.get("passes", {}).get(p, {}).get(k, {})
+      e.update({f: before[f] for f in TIMING_FIELDS if f in before})
+  return {**old, "passes": fresh["passes"], "stats": fresh["stats"]}
+
+
+class DriftValve:
+  """The training loop's model hook (loop.ModelHook) that runs the drift valve."""
+
+  def __init__(self, build: Callable[[Any], Any], plan, report: Mapping, source,
+               batch_size: int, workdir: str, config: ValveConfig = ValveConfig(), *,
+               timing_table=None, log: Callable[[str], None] = print):
+    """
+    Args:
+      build: kernel plan (a KernelPlan) -> the model to train with it.
+      plan: the plan selected on `report` (Plan, its JSON or a path).
+      report: the ProbeReport the plan was selected on (its stats are the first baselines,
+        its timings and kernel metadata serve every re-evaluation).
+      source, batch_size: the training data (refreshes observe training batches).
+      workdir: the run directory (the active plan is written there).
+      config: cadence, drift bound, budget and evaluation size.
+      timing_table: the timing table selection used, when the report's timings were invalid
+        (default: the plan's provenance).
+    """
+    self.build = build
+    self.report = report
+    self.source = source
+    self.batch_size = batch_size
+    self.workdir = workdir
+    self.config = config
+    self.log = log
+    self.plan = as_plan(plan)
+    saved = checkpoint_plan(workdir)
+    if saved is not None:  # a resumed run continues with the plan its checkpoint holds
+      self.plan = saved[1]
+    missing = sorted(set(self.plan["sites"]) - set(report["sites"]))
+    if missing:
+      raise ValveSetupError(f"drift valve: plan site(s) {missing[:6]} are not in the probe "
+                            "report; give the report the plan was selected on")
+    if config.criteria is not None:
+      self.criteria, self.per_site = config.criteria, []
+    else:
+      self.criteria, self.per_site = plan_budget(self.plan)
+    timing = (self.plan.get("provenance") or {}).get("timing_source") or {}
+    self.timing_table = timing_table or (timing.get("path") if timing.get("kind") == "table"
+                                         else None)
+    self.baselines: Dict[str, Dict] = {n: _without_histograms(s.get("stats") or {})
+                                       for n, s in report["sites"].items()}
+    self.events: List[Dict[str, Any]] = []
+    self.refreshes: List[int] = []
+    self.seconds: List[float] = []
+    self.model = build(to_kernel_plan(self.plan))
+    self._collector = None
+
+  # ---------------------------------------------------------------- ModelHook
+
+  def extras(self) -> Dict[str, Any]:
+    return {PLAN_KEY: self.plan.to_dict(),
+            STATE_KEY: {"baselines": self.baselines, "events": self.events,
+                        "refreshes": self.refreshes, "config": self.config.to_dict()}}
+
+  def on_restore(self, step: int, extras: Mapping[str, Any]) -> None:
+    saved = extras.get(PLAN_KEY)
+    if saved is not None and as_plan(saved).to_dict()["sites"] != self.plan["sites"]:
+      raise ValveSetupError(
+          f"{self.workdir}: the checkpoint of step {step} was trained with another plan than "
+          "the valve's (its newest checkpoint was unreadable and an older one, from before a "
+          "drift switch, was restored); rerun to resume from that checkpoint's plan")
+    state = extras.get(STATE_KEY) or {}
+    self.baselines.update(state.get("baselines") or {})
+    self.events = [e for e in state.get("events", []) if e.get("step", 0) <= step]
+    self.refreshes = [s for s in state.get("refreshes", []) if s <= step]
+
+  def after_step(self, step: int, state, step_metrics=None) -> Optional[ModelSwap]:
+    del step_metrics
+    if step % self.config.cadence:
+      return None
+    start = time.perf_counter()
+    try:
+      return self._refresh(step, state)
+    finally:
+      self.seconds.append(time.perf_counter() - start)
+
+  # ---------------------------------------------------------------- the refresh
+
+  def _sites_collector(self):
+    """The probe's statistics pass for the current model (rebuilt after a swap)."""
+    if self._collector is None:
+      batch = self.source.train_batch(0, self.batch_size)
+      abstract = jax.eval_shape(
+          lambda b: self.model.init({"params": jax.random.PRNGKey(0),
+                                     "dropout": jax.random.PRNGKey(1)}, b, train=False), batch)
+      sites = collector_lib.probe_sites(self.model, abstract, batch, self.config.probe)
+      sites = {n: s for n, s in sites.items() if n in self.report["sites"]}
+      self._collector = collector_lib.ProbeCollector(
+          self.model, self.source, self.batch_size, sites, self.config.probe,
+          example_variables=abstract)
+    return self._collector
+
+  def refresh_stats(self, step: int, state) -> Tuple[Dict[str, Dict], Any]:
+    """({site: stats}, raw statistics) of one fresh observation of training batch `step`."""
+    collector = self._sites_collector()
+    fresh = collector_lib.init_state(collector.sites, self.config.probe,
+                                     _reservoir_dtype(collector.state))
+    collector.extras[collector_lib.STATS_KEY] = jax.device_put(fresh, jax.devices()[0])
+    collector.meta["steps"] = []
+    collector.observe(state.variables(), state.rng, step)
+    raw = jax.device_get(collector.state)
+    keys = collector_lib.state_keys(collector.sites)
+    stats = {n: stats_report.site_stats(s, raw["sites"][keys[n]], 1)
+             for n, s in collector.sites.items()}
+    return stats, raw
+
+  def _refresh(self, step: int, state) -> Optional[ModelSwap]:
+    self.refreshes.append(step)
+    stats, raw = self.refresh_stats(step, state)
+    drifts = drift_lib.drifted_sites(self.baselines, stats, self.config.bound)
+    shifted = {n: d for n, d in drifts.items() if d.shifted}
+    if not shifted:
+      return None
+    collector = self._collector
+    keys = collector_lib.state_keys(collector.sites)
+    new_report = copy.deepcopy(dict(self.report))
+    for name in shifted:
+      new_report["sites"][name] = reevaluated_entry(
+          self.report, name, collector.sites[name], raw["sites"][keys[name]], self.config)
+    new_plan, steps = drift_lib.reselect_drifted(
+        self.plan, new_report, shifted, self.criteria, budget_per_site=self.per_site or None,
+        timing_table=self.timing_table)
+    for name in shifted:  # the site's kernels were judged on these statistics now
+      self.baselines[name] = _without_histograms(stats[name])
+    records = []
+    for s in steps:
+      reason = "; ".join(s.get("reasons", []))
+      if s.get("switched"):
+        for p, (old, new) in s["switched"].items():
+          why = new_plan["sites"][s["site"]][p]["reason"]
+          records.append({"step": step, "event": SWITCH_EVENT, "site": s["site"], "pass": p,
+                          "from": old, "to": new, "reason": f"{reason}; {why}"})
+      else:
+        records.append({"step": step, "event": KEPT_EVENT, "site": s["site"],
+                        "reason": f"{reason}; {s.get('action')}"})
+    self.events.extend(records)
+    for r in records:
+      self.log(f"[drift] step {step}: {r['site']} " + (
+          f"{r['pass']} {r['from']} -> {r['to']}" if r["event"] == SWITCH_EVENT
+          else "kernels still safe: kept"))
+    self.plan = new_plan  # with the validation record of the re-evaluation
+    if not any(s.get("switched") for s in steps):
+      return ModelSwap(None, tuple(records))  # nothing to recompile: the records only
+    save_plan(self.plan, os.path.join(self.workdir, ACTIVE_PLAN))
+    self.model = self.build(to_kernel_plan(self.plan))
+    self._collector = None  # the statistics pass follows the new model
+    return ModelSwap(self.model, tuple(records))
+
+  def overhead(self) -> Dict[str, Any]:
+    """Refreshes made and their wall-clock seconds (the first includes compilation)."""
+    return {"refreshes": len(self.refreshes), "seconds": list(self.seconds),
+            "switches": sum(1 for e in self.events if e["event"] == SWITCH_EVENT)}
+
+
+def _reservoir_dtype(state):
+  """The dtype reservoirs keep in `state` (the sown operands' compute dtype)."""
+  for site in state["sites"].values():
+    for name, buffer in (site.get("reservoir") or {}).items():
+      if name != "seen":
+        return buffer.dtype
+  return jax.numpy.bfloat16
+
+
+def run_valve(spec, config, source, workdir: str, batch_size: int) -> DriftValve:
+  """The valve of an `experiments.train` run: `--precision=loka --plan=P --drift_every=N`
+  (the report: `--drift_report`, else the one named in the plan's provenance)."""
+  from loka_jax.models import SiteConfig, build_model
+  from loka_jax.probe.report import load_report
+  from loka_jax.train.experiment import PlanError
+  if spec.precision != "loka" or not spec.plan:
+    raise PlanError("--drift_every needs --precision=loka --plan=PLAN.json: the valve "
+                          "guards a plan")
+  plan = as_plan(spec.plan)
+  report_path = spec.drift_report or (plan.get("provenance") or {}).get("report_path")
+  if not report_path:
+    raise PlanError(f"{spec.plan}: its provenance names no probe report; pass "
+                          "--drift_report=PROBE_REPORT.json (the report it was selected on)")
+  features = source.features
+  build = lambda kernel_plan: build_model(config, features, SiteConfig.for_precision(
+      "loka", plan=kernel_plan))
+  from loka_jax.train.experiment import PlanError  # what experiments.train reports cleanly
+  try:
+    return DriftValve(build, plan, load_report(report_path), source, batch_size, workdir,
+                      ValveConfig(cadence=spec.drift_every))
+  except ValueError as e:  # a bad report file, or a plan/report mismatch
+    raise PlanError(f"--drift_every: {e}") from e

@@ -1,0 +1,261 @@
+"""The headline benchmark harness on the CPU: resumable rows, --only, tables, plots, target
+checks and the quality protocol. Timings here are smoke numbers; the checks are structural,
+and the target arithmetic is checked on hand-made rows with known answers."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import chex
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from loka_jax.bench import plots, quality, suite, tables, targets, towers, variants
+from loka_jax.bench.results import ResultsFile
+from loka_jax.models.site import SiteConfig
+
+def _tempdir(test):
+  path = tempfile.mkdtemp(prefix="loka_bench_")
+  test.addCleanup(shutil.rmtree, path, ignore_errors=True)
+  return path
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _speed(speedup, rng, base_us=100.0, n=20, jitter=0.01):
+  """A hand-made timing summary whose variant runs `speedup` x faster than its bf16."""
+  base = base_us * (1 + jitter * rng.standard_normal(n))
+  var = base_us / speedup * (1 + jitter * rng.standard_normal(n))
+  return {"median_us": float(np.median(var)), "speedup": float(np.median(base) / np.median(var)),
+          "speedup_ci": [speedup * 0.99, speedup * 1.01], "examples_per_s": 4096 / np.median(var)
+          * 1e6, "samples_us": var.tolist(), "baseline_samples_us": base.tolist()}
+
+
+def _row(model, preset, variant, train, infer, rng, suite_name="models"):
+  return {"suite": suite_name, "model": model, "preset": preset, "variant": variant,
+          "device": "H100", "batch_size": 4096, "train": _speed(train, rng),
+          "infer": _speed(infer, rng), "train_memory_bytes": 2 ** 31}
+
+
+def _verdict(verdicts, target, subject, mode):
+  found = [v for v in verdicts if v["target"] == target and v["subject"] == subject
+           and v["mode"] == mode]
+  assert len(found) == 1, (target, subject, mode, found)
+  return found[0]
+
+
+class TargetCheckTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    rng = np.random.default_rng(7)
+    # wukong/large: LoKA 1.6x train / 2.0x infer over bf16; bf16+Mods 1.2x / 1.25x; so over
+    # bf16+Mods LoKA is 1.333x (met) and 1.6x (met). dlrm/small: LoKA slower than the peer.
+    self.rows = [
+        _row("wukong", "large", "bf16", 1.0, 1.0, rng),
+        _row("wukong", "large", "bf16_mods", 1.2, 1.25, rng),
+        _row("wukong", "large", "fp8_rowwise", 1.1, 1.3, rng),
+        _row("wukong", "large", "loka", 1.6, 2.0, rng),
+        _row("dlrm", "small", "bf16", 1.0, 1.0, rng),
+        _row("dlrm", "small", "bf16_mods", 1.1, 1.1, rng),
+        _row("dlrm", "small", "fp8_tensorwise", 0.9, 0.95, rng),
+        _row("dlrm", "small", "loka", 0.8, 1.0, rng),
+    ]
+    self.verdicts = targets.check_speed(self.rows)
+
+  def test_ratio_of_two_variants_matches_the_hand_numbers(self):
+    r = targets.ratio(self.rows[3], self.rows[1], "train")
+    self.assertAlmostEqual(r["ratio"], 1.6 / 1.2, delta=0.03)
+    self.assertLess(r["ci"][0], r["ratio"])
+    self.assertGreater(r["ci"][1], r["ratio"])
+
+  def test_wukong_large_targets_met(self):
+    train = _verdict(self.verdicts, "wukong_large_over_bf16_mods", "wukong/large", "train")
+    infer = _verdict(self.verdicts, "wukong_large_over_bf16_mods", "wukong/large", "infer")
+    self.assertTrue(train["met"])
+    self.assertTrue(infer["met"])
+    self.assertAlmostEqual(infer["value"], 2.0 / 1.25, delta=0.04)
+    plain = _verdict(self.verdicts, "wukong_large_over_bf16", "wukong/large", "train")
+    self.assertIsNone(plain["met"])  # reported beside the bar, not judged
+    self.assertAlmostEqual(plain["value"], 1.6, delta=0.04)
+
+  def test_slower_loka_is_missed_with_its_ci(self):
+    v = _verdict(self.verdicts, "loka_not_slower_than_bf16_mods", "dlrm/small", "train")
+    self.assertFalse(v["met"])
+    self.assertAlmostEqual(v["value"], 0.8 / 1.1, delta=0.03)
+    self.assertLess(v["ci"][1], 0.98)
+    best = _verdict(self.verdicts, "loka_at_least_best_peer", "dlrm/small", "train")
+    self.assertIn("fp8_tensorwise", best["note"])
+    self.assertFalse(best["met"])
+
+  def test_over_best_single_kernel(self):
+    met = _verdict(self.verdicts, "loka_over_best_single_kernel", "wukong/large", "train")
+    self.assertTrue(met["met"])  # 1.6 / 1.1 = 1.45x
+    missed = _verdict(self.verdicts, "loka_over_best_single_kernel", "wukong/large", "infer")
+    self.assertAlmostEqual(missed["value"], 2.0 / 1.3, delta=0.05)
+    self.assertTrue(missed["met"])
+
+  def test_quality_neutral_and_not(self):
+    def q(arm, seed, logloss, fp="abc"):
+      return {"suite": "quality", "data": "synthetic", "model": "wukong", "preset": "small",
+              "arm": arm, "seed": seed, "device": "H100", "logloss": logloss, "ne": logloss / 0.5,
+              "auc": 0.7, "eval_fingerprint": fp}
+    # bf16 seeds: 0.4000, 0.4002, 0.3998 -> std 2e-4, bound max(8e-5, 4e-4) = 4e-4.
+    rows = [q("bf16", 0, 0.4000), q("bf16", 1, 0.4002), q("bf16", 2, 0.3998),
+            q("bf16_mods", 0, 0.4001), q("loka", 0, 0.4003), q("fp8_naive", 0, 0.4100)]
+    verdicts = targets.check_quality(rows)
+    loka = _verdict(verdicts, "loka_quality_vs_bf16", "synthetic:wukong/small", "quality")
+    self.assertTrue(loka["met"])
+    self.assertAlmostEqual(loka["value"], 0.0003, places=7)  # seed 0 against seed 0
+    self.assertAlmostEqual(loka["ci"][1], 4e-4, places=6)
+    naive = _verdict(verdicts, "fp8_naive_quality_vs_bf16", "synthetic:wukong/small", "quality")
+    self.assertIsNone(naive["met"])
+    self.assertAlmostEqual(naive["value"], 0.01, places=6)
+    worse = targets.check_quality(rows[:-2] + [q("loka", 0, 0.4010)])
+    self.assertFalse(_verdict(worse, "loka_quality_vs_bf16_mods", "synthetic:wukong/small",
+                              "quality")["met"])
+    differ = targets.check_quality(rows[:-2] + [q("loka", 0, 0.4001, fp="other")])
+    self.assertFalse(_verdict(differ, "loka_quality_vs_bf16", "synthetic:wukong/small",
+                              "quality")["met"])
+
+
+class RenderTest(absltest.TestCase):
+
+  def test_tables_and_plots_from_hand_rows(self):
+    rng = np.random.default_rng(3)
+    rows = [_row("tower", "4096x256x8", v, s, s, rng, "towers")
+            for v, s in (("bf16", 1.0), ("bf16_mods", 1.1), ("loka", 1.3))]
+    rows.append({"suite": "towers", "model": "tower", "preset": "4096x256x8",
+                 "variant": "pallas", "device": "H100", "error": "ValueError: boom"})
+    rows += [{"suite": "quality", "data": "movielens", "model": "wukong", "preset": "tiny",
+              "arm": a, "seed": s, "device": "H100", "logloss": 0.5 + 0.001 * s + d,
+              "ne": 0.9, "auc": 0.75} for a, d in (("bf16", 0), ("loka", 0.0005)) for s in range(3)]
+    verdicts = targets.check_all(rows)
+    text = tables.report(rows, verdicts)
+    self.assertIn("| tower | 4096x256x8 | LoKA | 4096 |", text)
+    self.assertIn("1.30 [1.29, 1.31]", text)
+    self.assertIn("error: ValueError: boom", text)
+    self.assertIn("| movielens | wukong | tiny | loka | 3 | 0.50150 |", text)
+    self.assertIn("+0.00050", text)
+    out = _tempdir(self)
+    paths = plots.write_plots(rows, out)
+    self.assertEqual(sorted(os.path.basename(p) for p in paths),
+                     ["loss_gap.png", "speedup_towers.png"])
+    for p in paths:
+      with open(p, "rb") as f:
+        self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+
+
+class SelectionTest(absltest.TestCase):
+
+  def test_only_filters_targets(self):
+    ts = suite.tower_targets(["64x32x2", "128x64x2"]) + suite.model_targets(
+        ["dlrm", "wukong"], ["small", "large"])
+    self.assertEqual([t.name for t in suite.selected(ts, ["wukong/large", "128x64x2"])],
+                     ["tower/128x64x2", "wukong/large"])
+    self.assertEqual([t.name for t in suite.selected(ts, ["dlrm"])],
+                     ["dlrm/small", "dlrm/large"])
+    self.assertLen(suite.selected(ts, []), 6)
+
+  def test_variants_parse_puts_bf16_first_and_rejects_unknown(self):
+    self.assertEqual([v.name for v in variants.parse_variants(["loka", "bf16_mods"])],
+                     ["bf16", "loka", "bf16_mods"])
+    with self.assertRaisesRegex(ValueError, "fp9"):
+      variants.parse_variants(["fp9"])
+
+  def test_tower_shape_parse(self):
+    s = towers.TowerShape.parse("16384x4096x4")
+    self.assertEqual((s.batch, s.width, s.depth), (16384, 4096, 4))
+    self.assertEqual(s.flops_per_example(), 2 * 4096 * 4096 * 4 + 2 * 4096)
+    with self.assertRaisesRegex(ValueError, "BxWIDTHxDEPTH"):
+      towers.TowerShape.parse("4096x256")
+
+  def test_quality_eval_size_and_runs(self):
+    self.assertEqual(quality.num_eval_for(200_000, 4096), 200_704)  # 49 x 4096
+    settings = quality.QualitySettings(arms=("bf16", "loka"), noise_seeds=(1, 2))
+    self.assertEqual([(a.name, s) for a, s in quality.runs(settings)],
+                     [("bf16", 0), ("loka", 0), ("bf16", 1), ("bf16", 2)])
+    ml = quality.QualitySettings(data="movielens", arms=("bf16",), seeds=tuple(range(5)))
+    self.assertLen(quality.runs(ml), 5)
+
+
+class SharedStateTest(chex.TestCase):
+
+  def test_variants_thread_one_state_and_keep_their_fp8_meta(self):
+    shape = towers.TowerShape(32, 16, 2)
+    batch = towers.TowerSource(16).train_batch(0, 32)
+    bench = suite.speed.TargetBench(batch, min_call_s=0.0)
+    base = bench.set_baseline(towers.build_tower(shape, SiteConfig.for_precision("bf16")))
+    mods = bench.add("bf16_mods", towers.build_tower(
+        shape, SiteConfig.for_precision("bf16"), ("all",)))
+    flax_arm = bench.add("flax", towers.build_tower(
+        shape, SiteConfig.for_precision("fp8_all", kernel="flax_fp8_delayed")))
+    self.assertTrue(mods.info["shared_state"])
+    self.assertTrue(flax_arm.info["shared_state"])
+    before = int(bench.holder["shared"].step)
+    for arm in (base, mods, flax_arm, flax_arm):
+      arm.train()
+    self.assertEqual(int(bench.holder["shared"].step), before + 4)
+    self.assertEqual(bench.holder["shared"].fp8_meta, bench.holder["empty_meta"])
+    chex.assert_shape(np.asarray(flax_arm.infer()), (32,))
+
+
+class CliTest(absltest.TestCase):
+
+  def test_runs_filters_and_resumes(self):
+    out = _tempdir(self)
+    cmd = [sys.executable, "-m", "experiments.bench", "--suite=towers",
+           "--towers=32x16x2,48x16x2", "--only=32x16x2", "--variants=bf16,fp8_rowwise",
+           "--repeats=3", "--max_minutes=3", f"--workdir={out}", "--noprobe"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    first = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    self.assertEqual(first.returncode, 0, first.stderr[-3000:])
+    rows = [json.loads(l) for l in open(os.path.join(out, "bench.jsonl"))]
+    self.assertEqual(sorted((r["preset"], r["variant"]) for r in rows),
+                     [("32x16x2", "bf16"), ("32x16x2", "fp8_rowwise")])
+    for r in rows:
+      self.assertLen(r["train"]["samples_us"], 3)
+      self.assertGreater(r["infer"]["median_us"], 0)
+    # A rerun skips finished rows: nothing is compiled or measured again.
+    logs = []
+    results = ResultsFile(os.path.join(out, "bench.jsonl"), suite.KEY_FIELDS)
+    target = suite.tower_targets(["32x16x2"])[0]
+    done = suite.run_target(target, variants.parse_variants(["bf16", "fp8_rowwise"]), results,
+                            settings=suite.SpeedSettings(repeats=3, probe=False),
+                            deadline=float("inf"), device=rows[0]["device"], log=logs.append)
+    self.assertTrue(done)
+    self.assertEqual(logs, [])
+    self.assertLen(open(os.path.join(out, "bench.jsonl")).read().splitlines(), 2)
+    self.assertIn("all selected rows are done", first.stdout)
+    for name in ("report.md", "targets.json", os.path.join("plots", "speedup_towers.png")):
+      self.assertTrue(os.path.exists(os.path.join(out, name)), name)
+
+
+class QualityProtocolTest(absltest.TestCase):
+
+  def test_every_arm_scores_the_same_eval_set(self):
+    out = _tempdir(self)
+    settings = quality.QualitySettings(preset="tiny", steps=3, batch_size=64, min_eval=100,
+                                       arms=("bf16", "fp8_naive"), noise_seeds=(1,))
+    results = ResultsFile(os.path.join(out, "quality.jsonl"), quality.KEY_FIELDS)
+    logs = []
+    done = quality.run_model("dlrm", settings, results, out, deadline=float("inf"),
+                             device="cpu", log=logs.append)
+    self.assertTrue(done)
+    rows = list(results.rows())
+    self.assertEqual(sorted((r["arm"], r["seed"]) for r in rows),
+                     [("bf16", 0), ("bf16", 1), ("fp8_naive", 0)])
+    self.assertLen({r["eval_fingerprint"] for r in rows}, 1)
+    self.assertTrue(all(r["num_eval_examples"] == 128 for r in rows))  # 2 x 64 >= 100
+    self.assertNotEqual(rows[0]["logloss"], rows[2]["logloss"])
+    again = quality.run_model("dlrm", settings, results, out, deadline=float("inf"),
+                              device="cpu", log=logs.append)
+    self.assertTrue(again)
+    self.assertLen(open(os.path.join(out, "quality.jsonl")).read().splitlines(), 3)
+
+
+if __name__ == "__main__":
+  absltest.main()

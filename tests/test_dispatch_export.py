@@ -1,0 +1,183 @@
+"""Inference export of a planned tiny DLRM: e4m3 weights, static activation scales from real
+probe statistics, predictions close to the planned model, no amax reduction in the exported
+forward, and a save/load round trip with clear errors on damaged files."""
+import os
+import shutil
+import tempfile
+
+import chex
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from absl.testing import absltest
+
+from loka_jax import dispatch
+from loka_jax.data.sources import make_source
+from loka_jax.data.spec import FeatureSpec
+from loka_jax.dispatch import export as export_lib
+from loka_jax.kernels import KernelPlan
+from loka_jax.models import SiteConfig, build_model, get_config
+from loka_jax.precision import BF16
+from loka_jax.precision.metrics import sqnr_db
+from loka_jax.probe import collector as collector_lib
+from loka_jax.probe import stats_report
+from loka_jax.train.metrics import bce_with_logits
+
+BATCH = 64
+BF16_SITE = "top_mlp/dense_2"    # the plan keeps the output layer in bf16
+
+
+def make_plan(sites):
+  """Rowwise FP8 forward on the MLPs, tensorwise elsewhere, bf16 on the last layer."""
+  fwd = lambda name: ("xla_bf16" if name == BF16_SITE else
+                      "xla_fp8_rowwise" if "mlp" in name else "xla_fp8_tensorwise")
+  return dispatch.Plan({
+      "schema": dispatch.SCHEMA, "model": "dlrm",
+      "sites": {n: {"fwd": {"kernel": fwd(n), "reason": "test"},
+                    "grad_lhs": {"kernel": "xla_bf16", "reason": "test"},
+                    "grad_rhs": {"kernel": "xla_bf16", "reason": "test"}} for n in sites},
+      "rules": [], "default": None})
+
+
+def probe_stats(model, variables, source):
+  """The report's per-site statistics from the probe's statistics pass over 2 batches."""
+  batch = source.train_batch(0, BATCH)
+  abstract = jax.eval_shape(lambda: variables)
+  config = collector_lib.ProbeConfig(min_observations=1)
+  sites = collector_lib.probe_sites(model, abstract, batch, config)
+  probe = collector_lib.ProbeCollector(model, source, BATCH, sites, config,
+                                       example_variables=abstract)
+  for step in range(2):
+    probe.observe(variables, jax.random.PRNGKey(2), step)
+  state = jax.device_get(probe.state)
+  return {"sites": {n: {"stats": stats_report.site_stats(
+      s, collector_lib.site_state(state, sites, n), probe.observations)}
+      for n, s in sites.items()}}
+
+
+def reduce_max_count(hlo_text):
+  """Reductions with a max combiner in lowered StableHLO (an amax is one)."""
+  count = 0
+  for line in hlo_text.splitlines():
+    if "stablehlo.reduce" in line and "stablehlo.maximum" in line:
+      count += 1
+  return count
+
+
+class ExportTest(chex.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.config = get_config("dlrm", "tiny")
+    cls.features = FeatureSpec.from_dict(dict(cls.config.features))
+    cls.source = make_source("synthetic", features=cls.features, seed=5, num_eval=256)
+    cls.batch = cls.source.train_batch(100, BATCH)
+    bf16 = build_model(cls.config, cls.features, SiteConfig(BF16, KernelPlan.uniform("xla_bf16")))
+    cls.variables = jax.jit(lambda b: bf16.init(jax.random.PRNGKey(3), b, train=False))(
+        cls.batch)
+    cls.report = probe_stats(bf16, cls.variables, cls.source)
+    cls.plan = make_plan(cls.report["sites"])
+    cls.planned = dispatch.apply(cls.config, cls.plan)
+    cls.exported = export_lib.export(cls.config, cls.variables["params"], cls.plan, cls.report,
+                                     batch=cls.batch)
+    cls.dir = tempfile.mkdtemp(prefix="loka_export_")
+
+  def test_sites_modes_and_e4m3_weights(self):
+    sites = self.exported.sites
+    self.assertEqual(sites[BF16_SITE].mode, export_lib.HIGH)
+    fp8 = [n for n, s in sites.items() if s.mode == export_lib.FP8]
+    self.assertLen(fp8, len(sites) - 1)
+    self.assertEqual(sites["interaction/dot"].kind, "act_act")
+    chex.assert_shape(self.exported.variables[export_lib.EXPORT]["interaction"]["dot"][
+        "rhs_scale"], ())
+    store = self.exported.variables[export_lib.EXPORT]
+    top = store["top_mlp"]["dense_0"]
+    self.assertEqual(top["weight"].dtype, jnp.float8_e4m3fn)
+    chex.assert_shape(top["weight_scale"], (1, top["weight"].shape[1]))  # rowwise: per column
+    self.assertNotIn("kernel", self.exported.variables["params"]["top_mlp"]["dense_0"])
+    self.assertEqual(self.exported.variables["params"]["top_mlp"]["dense_2"]["kernel"].dtype,
+                     jnp.bfloat16)
+    # Static scale = the largest amax the probe saw / 448.
+    amax = self.report["sites"]["top_mlp/dense_0"]["stats"]["lhs"]["amax"]["max"]
+    np.testing.assert_allclose(float(top["lhs_scale"]), amax / 448.0, rtol=1e-6)
+    memory = self.exported.memory
+    self.assertLess(memory["site_weight_bytes_exported"], memory["site_weight_bytes"] / 3)
+    self.assertGreater(memory["saved_bytes"], 0)
+
+  def test_predictions_close_to_the_planned_model(self):
+    planned = jax.jit(lambda v, b: self.planned.apply(v, b, train=False))
+    fp32_model = dispatch.apply(self.config, KernelPlan.uniform("xla_fp32"))
+    fp32 = jax.jit(lambda v, b: fp32_model.apply(v, b, train=False))
+    sqnr = lambda a, b: float(sqnr_db(jnp.asarray(a), jnp.asarray(b)))
+    for step in (200, 201):
+      batch = self.source.train_batch(step, BATCH)
+      ref = np.asarray(fp32(self.variables, batch), np.float32)
+      plan_out = np.asarray(planned(self.variables, batch), np.float32)
+      out = np.asarray(self.exported.apply(batch))
+      chex.assert_shape(out, (BATCH,))
+      self.assertGreater(np.abs(out - plan_out).max(), 0.0)  # really another computation
+      # As close to the fp32 model as the planned FP8 model is (static vs current scales),
+      # and close to the planned model itself.
+      self.assertGreater(sqnr(out, ref), sqnr(plan_out, ref) - 3.0)
+      self.assertGreater(sqnr(out, plan_out), 12.0)
+      loss = lambda z: float(jnp.mean(bce_with_logits(jnp.asarray(z), batch["label"])))
+      # Log loss moves no more than the planned FP8 model's own move from fp32 (+ 0.5%).
+      self.assertLess(abs(loss(out) - loss(plan_out)),
+                      2 * abs(loss(plan_out) - loss(ref)) + 5e-3 * loss(ref))
+
+  def test_static_scales_no_amax_reduction_and_saturation(self):
+    planned_text = jax.jit(lambda v, b: self.planned.apply(v, b, train=False)).lower(
+        self.variables, self.batch).as_text()
+    exported_text = jax.jit(self.exported.forward).lower(self.exported.variables,
+                                                         self.batch).as_text()
+    self.assertGreater(reduce_max_count(planned_text), 0)  # dynamic scaling takes amaxes
+    self.assertEqual(reduce_max_count(exported_text), 0)
+    self.assertIn("f8E4M3FN", exported_text)
+    # A static scale does not follow the input: dense features far beyond the calibrated
+    # amax saturate in the exported model but not in the planned one (current scaling).
+    big = dict(self.batch, dense=(self.batch["dense"] * 1e4).astype(np.float32))
+    ref = np.asarray(self.planned.apply(self.variables, big, train=False), np.float32)
+    out = np.asarray(self.exported.apply(big))
+    self.assertLess(float(sqnr_db(jnp.asarray(out), jnp.asarray(ref))), 15.0)
+
+  def test_save_load_round_trip_and_errors(self):
+    path = os.path.join(self.dir, "model")
+    manifest = self.exported.save(path)
+    with np.load(os.path.join(path, export_lib.ARRAYS)) as npz:
+      entry = manifest["arrays"]["export/top_mlp/dense_0/weight"]
+      raw = npz[entry["id"]]
+    self.assertEqual(entry["dtype"], "float8_e4m3fn")
+    self.assertEqual(raw.dtype, np.uint8)  # one byte per weight on disk
+    np.testing.assert_array_equal(
+        raw.view(ml_dtypes.float8_e4m3fn).astype(np.float32),
+        np.asarray(self.exported.variables["export"]["top_mlp"]["dense_0"]["weight"],
+                   np.float32))
+    again = export_lib.load(path)
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, again.variables),
+                                jax.tree.map(np.asarray, self.exported.variables))
+    np.testing.assert_array_equal(np.asarray(again.apply(self.batch)),
+                                  np.asarray(self.exported.apply(self.batch)))
+    self.assertEqual(again.memory, self.exported.memory)
+    broken = os.path.join(self.dir, "broken")
+    shutil.copytree(path, broken)
+    with open(os.path.join(broken, export_lib.ARRAYS), "r+b") as f:
+      f.seek(100)
+      f.write(b"\x00garbage\x00")
+    with self.assertRaisesRegex(export_lib.ExportError, "checksum .* corrupt"):
+      export_lib.load(broken)
+    os.remove(os.path.join(broken, export_lib.ARRAYS))
+    with self.assertRaisesRegex(export_lib.ExportError, "arrays.npz is missing"):
+      export_lib.load(broken)
+    os.remove(os.path.join(broken, export_lib.MANIFEST))
+    with self.assertRaisesRegex(export_lib.ExportError, "no manifest.json"):
+      export_lib.load(broken)
+    with open(os.path.join(broken, export_lib.MANIFEST), "w") as f:
+      f.write('{"schema": "loka.export/1", "arr')
+    with self.assertRaisesRegex(export_lib.ExportError, "truncated or corrupt"):
+      export_lib.load(broken)
+
+
+if __name__ == "__main__":
+  absltest.main()

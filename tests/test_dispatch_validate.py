@@ -1,0 +1,232 @@
+"""End-to-end plan validation: deliberately broken or slow kernels on one site are backed
+off, good sites are left alone, every step is recorded; back-off targets come from the
+report; build_run checks a plan against the model before training."""
+import dataclasses
+import json
+import os
+import tempfile
+import time
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest
+
+import test_dispatch_reports as hm
+from loka_jax.dispatch import pipeline, validate
+from loka_jax.dispatch.plan import FALLBACK, SCHEMA, Plan
+from loka_jax.kernels import Kernel, registry, reference_einsum
+from loka_jax.train import TrainConfig, experiment
+from loka_jax.train.loop import train
+
+BAD_SITE = "head/dense_0"
+GOOD_SITE = "layer_0/fmb/mlp/dense_1"
+BATCH = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoBitKernel(Kernel):
+  """Test-only: both operands rounded to 3 levels {-amax, 0, amax} (2 bits), a kernel no
+  budget should accept."""
+
+  def einsum(self, spec, a, b, *, pass_name, out_dtype):
+    def q(x):
+      x = x.astype(jnp.float32)
+      s = jnp.max(jnp.abs(x)) + 1e-12
+      return jnp.round(x / s) * s
+    return reference_einsum(spec, q(a), q(b)).astype(out_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlippedKernel(Kernel):
+  """Test-only: the exact product times -10 (a gradient pass that climbs the loss)."""
+
+  def einsum(self, spec, a, b, *, pass_name, out_dtype):
+    return (-10.0 * reference_einsum(spec, a, b)).astype(out_dtype)
+
+
+def _sleep(x):
+  time.sleep(0.004)
+  return x
+
+
+@dataclasses.dataclass(frozen=True)
+class SlowKernel(Kernel):
+  """Test-only: the bf16 product after a 4 ms host stall (a kernel that loses in context)."""
+
+  def einsum(self, spec, a, b, *, pass_name, out_dtype):
+    out = reference_einsum(spec, a, b).astype(out_dtype)
+    return jax.pure_callback(_sleep, jax.ShapeDtypeStruct(out.shape, out.dtype), out)
+
+
+for _kernel in (TwoBitKernel("test_two_bit", "xla", description="test: 2-bit operands"),
+                FlippedKernel("test_flipped", "xla", description="test: -10x product"),
+                SlowKernel("test_slow", "xla", description="test: 4 ms stall")):
+  registry.register(_kernel, replace=True)
+
+
+def plan_of(entries):
+  """A loka.plan/1 plan: {site: kernel or {pass: kernel}}, every other site xla_bf16."""
+  sites = {}
+  for name, k in entries.items():
+    per_pass = k if isinstance(k, dict) else {p: k for p in hm.PASSES}
+    sites[name] = {p: {"kernel": per_pass.get(p, FALLBACK), "reason": "test"}
+                   for p in hm.PASSES}
+  return Plan({"schema": SCHEMA, "model": "wukong", "sites": sites, "rules": [],
+               "default": {p: FALLBACK for p in hm.PASSES}})
+
+
+def kernels(plan, site):
+  return {p: plan["sites"][site][p]["kernel"] for p in hm.PASSES}
+
+
+_CONTEXT = {}
+
+
+def context() -> validate.ValidationContext:
+  """A tiny Wukong+Mods trained 40 steps in bf16 (once per session)."""
+  if not _CONTEXT:
+    workdir = tempfile.mkdtemp(prefix="loka_validate_")
+    spec = experiment.RunSpec(model="wukong", preset="tiny", mods=("all",), num_eval=512)
+    config = TrainConfig(steps=40, batch_size=BATCH, log_every=0, progress=False)
+    model, source, _ = experiment.build_run(spec)
+    train(model, source, workdir, config, run_info=spec.run_info())
+    _CONTEXT["ctx"] = pipeline.context_for_run(spec, workdir, config)
+  return _CONTEXT["ctx"]
+
+
+class HeldOutTest(chex.TestCase):
+
+  def test_backs_off_the_broken_site_and_keeps_the_good_one(self):
+    ctx = context()
+    plan = plan_of({BAD_SITE: "test_two_bit", GOOD_SITE: "xla_fp8_rowwise"})
+    config = validate.ValidationConfig(max_rel_logloss=0.002)
+    out = validate.check_held_out(plan, ctx, config)
+    self.assertEqual(kernels(out, BAD_SITE), {p: FALLBACK for p in hm.PASSES})
+    self.assertEqual(kernels(out, GOOD_SITE), {p: "xla_fp8_rowwise" for p in hm.PASSES})
+    checks = validate.validation_records(out, "quality_held_out")
+    measured = [r for r in checks if "round" in r]
+    first, last = measured[0], measured[-1]
+    self.assertFalse(first["passed"])
+    self.assertGreater(abs(first["rel_logloss_change"]), 0.002)
+    contrib = first["contributions"]
+    self.assertGreater(abs(contrib[BAD_SITE]), abs(contrib[GOOD_SITE]))
+    self.assertTrue(last["passed"])
+    self.assertLessEqual(abs(last["rel_logloss_change"]), 0.002)
+    backoffs = [r for r in checks if r.get("site") == BAD_SITE and "to" in r]
+    self.assertLen(backoffs, 3)                          # one per pass, none on GOOD_SITE
+    self.assertEqual(out["sites"][BAD_SITE]["fwd"]["backed_off_from"], "test_two_bit")
+
+  def test_a_good_plan_is_left_alone(self):
+    ctx = context()
+    plan = plan_of({GOOD_SITE: "xla_fp8_rowwise"})
+    out = validate.check_held_out(plan, ctx, validate.ValidationConfig(max_rel_logloss=0.002))
+    self.assertEqual(kernels(out, GOOD_SITE), {p: "xla_fp8_rowwise" for p in hm.PASSES})
+    (record,) = validate.validation_records(out, "quality_held_out")
+    self.assertTrue(record["passed"])
+    self.assertNotEqual(record["logloss"], record["logloss_bf16"])  # FP8 did change numerics
+
+
+class ShadowTest(chex.TestCase):
+
+  def test_a_broken_weight_gradient_is_caught_by_shadow_training(self):
+    ctx = context()
+    plan = plan_of({BAD_SITE: {"grad_rhs": "test_flipped"}, GOOD_SITE: "xla_fp8_rowwise"})
+    config = validate.ValidationConfig(max_rel_logloss=0.002, shadow_steps=20,
+                                       shadow_window=10)
+    held = validate.check_held_out(plan, ctx, config)
+    self.assertEqual(kernels(held, BAD_SITE)["grad_rhs"], "test_flipped")  # fwd is exact
+    out = validate.check_shadow(held, ctx, config)
+    self.assertEqual(kernels(out, BAD_SITE)["grad_rhs"], FALLBACK)
+    self.assertEqual(kernels(out, GOOD_SITE), {p: "xla_fp8_rowwise" for p in hm.PASSES})
+    rounds = [r for r in validate.validation_records(out, "quality_shadow") if "round" in r]
+    self.assertFalse(rounds[0]["passed"])
+    grads = rounds[0]["gradient_contributions"]
+    self.assertGreater(grads[BAD_SITE], grads[GOOD_SITE])
+    self.assertTrue(rounds[-1]["passed"])
+
+
+class SpeedTest(chex.TestCase):
+
+  def test_skipped_on_a_cpu_with_the_reason(self):
+    out = validate.check_speed(plan_of({GOOD_SITE: "xla_fp8_rowwise"}), context())
+    (record,) = validate.validation_records(out, "speed")
+    self.assertTrue(record["skipped"])
+    self.assertIn("not on a GPU", record["reason"])
+
+  def test_forced_backs_off_the_slow_site(self):
+    ctx = context()
+    plan = plan_of({BAD_SITE: "test_slow", GOOD_SITE: "xla_fp8_rowwise"})
+    config = validate.ValidationConfig(speed=True, min_speedup=0.5)
+    out = validate.check_speed(plan, ctx, config)
+    self.assertEqual(kernels(out, BAD_SITE), {p: FALLBACK for p in hm.PASSES})
+    self.assertEqual(kernels(out, GOOD_SITE), {p: "xla_fp8_rowwise" for p in hm.PASSES})
+    rounds = [r for r in validate.validation_records(out, "speed") if "round" in r]
+    self.assertFalse(rounds[0]["passed"])
+    self.assertEqual(rounds[0]["repeats"], 20)
+    self.assertLess(rounds[0]["train"]["speedup_ci"][0], 0.5)
+    slow = rounds[0]["in_context_slowdown"]
+    self.assertGreater(slow[BAD_SITE], slow[GOOD_SITE])
+    self.assertTrue(rounds[-1]["passed"])
+
+
+class MorePreciseTest(chex.TestCase):
+  """Back-off targets from a hand-made report: the fastest eligible more accurate kernel."""
+
+  def _report(self):
+    kernels = {"xla_fp8_tensorwise": hm.entry(sqnr=21.0, speedup=(1.6, 1.7, 1.8)),
+               "xla_fp8_rowwise": hm.entry(sqnr=27.0, speedup=(1.2, 1.3, 1.4)),
+               "xla_fp8_rowwise_precise": hm.entry(sqnr=29.0, speedup=(1.1, 1.15, 1.2)),
+               "xla_fp8_tensorwise_precise": hm.entry(sqnr=26.0, speedup=(1.0, 1.02, 1.04))}
+    return hm.report({"s": hm.site(hm.same_passes(kernels))})
+
+  def test_picks_the_fastest_more_accurate_eligible(self):
+    report = self._report()
+    plan = plan_of({})
+    got, _ = validate.more_precise_kernel(report, plan, "s", "grad_lhs", "xla_fp8_tensorwise")
+    self.assertEqual(got, "xla_fp8_rowwise")        # 27 dB > 21 dB, fastest such
+    got, _ = validate.more_precise_kernel(report, plan, "s", "fwd", "xla_fp8_rowwise")
+    self.assertEqual(got, "xla_fp8_rowwise_precise")  # tensorwise_precise: not > 1.05x
+    got, why = validate.more_precise_kernel(report, plan, "s", "fwd", "xla_fp8_rowwise_precise")
+    self.assertEqual(got, FALLBACK)
+    self.assertIn("no eligible candidate", why)
+    got, why = validate.more_precise_kernel(report, plan, "s", "fwd", "test_two_bit")
+    self.assertEqual(got, FALLBACK)
+    self.assertIn("not evaluated", why)
+
+
+class BuildRunChecksPlanTest(chex.TestCase):
+
+  def test_a_plan_that_does_not_fit_fails_before_training_naming_every_offender(self):
+    path = os.path.join(tempfile.mkdtemp(prefix="loka_plan_"), "plan.json")
+    bad = {"schema": SCHEMA, "model": "wukong",
+           "sites": {"no/such_site": {p: "xla_fp8_rowwise" for p in hm.PASSES},
+                     "head/dense_0": {p: "xla_fp8_rowwise" for p in hm.PASSES}},
+           "rules": [{"pattern": "nothing/.*", "passes": {p: FALLBACK for p in hm.PASSES}}]}
+    with open(path, "w") as f:
+      json.dump(bad, f)
+    spec = experiment.RunSpec(model="wukong", preset="tiny", precision="loka", plan=path)
+    with self.assertRaises(experiment.PlanError) as raised:
+      experiment.build_run(spec)
+    message = str(raised.exception)
+    for name in ("no/such_site", "nothing/.*", "uncovered", "layer_0/lcb"):
+      self.assertIn(name, message)
+
+  def test_a_fitting_plan_builds(self):
+    path = os.path.join(tempfile.mkdtemp(prefix="loka_plan_"), "plan.json")
+    with open(path, "w") as f:
+      json.dump(plan_of({GOOD_SITE: "xla_fp8_rowwise"}).to_dict(), f)
+    spec = experiment.RunSpec(model="wukong", preset="tiny", precision="loka", plan=path,
+                              mods=("all",))
+    model, source, _ = experiment.build_run(spec)
+    batch = source.train_batch(0, 8)
+    variables = model.init({"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)},
+                           batch)
+    logits = model.apply(variables, batch)
+    chex.assert_shape(logits, (8,))
+    self.assertTrue(np.all(np.isfinite(np.asarray(logits))))
+
+
+if __name__ == "__main__":
+  absltest.main()

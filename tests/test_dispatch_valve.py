@@ -1,0 +1,156 @@
+"""Drift valve in training: a real probe report and plan of a toy click model, then training
+with the valve on data whose dense features jump 1000x mid-run (it switches the hit site's
+kernel, recompiling once, logs it and saves the plan; a resumed run keeps the switched plan)
+and on unshifted data (it never fires)."""
+import os
+import tempfile
+
+import chex
+import jax
+import numpy as np
+from absl.testing import absltest
+
+from loka_jax import dispatch
+from loka_jax.dispatch import valve as valve_lib
+from loka_jax.kernels import KernelPlan, registry
+from loka_jax.models import SiteConfig
+from loka_jax.precision import BF16
+from loka_jax.probe import collector as collector_lib
+from loka_jax.probe import report as report_lib
+from loka_jax.probe.eligibility import Criteria
+from loka_jax.train import TrainConfig, read_metrics, train
+from loka_jax.train import loop as loop_lib
+from tests import train_toys
+
+BATCH = 32
+CANDIDATES = ("xla_bf16", "xla_fp8_tensorwise", "xla_fp8_rowwise")
+SHIFT_AT = 6          # training batches from here on have dense features x1000
+CADENCE = 4           # refreshes after steps 4 (before the shift), 8 and 12 (after it)
+CONFIG = valve_lib.ValveConfig(cadence=CADENCE, samples=8, bootstrap=100)
+
+
+class ShiftedSource(train_toys.ToySource):
+  """The toy stream whose dense features are scaled by `factor` from batch `at` on."""
+
+  def __init__(self, at: int, factor: float, **kwargs):
+    super().__init__(**kwargs)
+    self.at, self.factor = at, factor
+
+  def train_batch(self, step, batch_size):
+    batch = super().train_batch(step, batch_size)
+    if step >= self.at:
+      batch = dict(batch, dense=(batch["dense"] * self.factor).astype(np.float32))
+    return batch
+
+
+def build(kernel_plan: KernelPlan):
+  return train_toys.ToyClickModel(config=SiteConfig(BF16, kernel_plan))
+
+
+def probe_report(source):
+  """A loka.probe/1 report of the toy model: statistics of 3 training batches at init
+  (bf16), every candidate evaluated on them (no timings: a CPU report)."""
+  model = build(KernelPlan.uniform("xla_bf16"))
+  batch = source.train_batch(0, BATCH)
+  variables = model.init({"params": jax.random.PRNGKey(0)}, batch)
+  abstract = jax.eval_shape(lambda: variables)
+  probe = CONFIG.probe
+  sites = collector_lib.probe_sites(model, abstract, batch, probe)
+  collector = collector_lib.ProbeCollector(model, source, BATCH, sites, probe,
+                                           example_variables=abstract)
+  for step in range(3):
+    collector.observe(variables, jax.random.PRNGKey(1), step)
+  info = {k: {"sort": registry.get(k).sort, "fp8": registry.get(k).fp8, "backend": "xla"}
+          for k in CANDIDATES}
+  report = report_lib.new_report(
+      model="toy", preset="tiny", device="cpu", device_kind="cpu", platform="cpu",
+      jax_version=jax.__version__, timing_valid=False, timing_source={"kind": "none"},
+      run={"batch_size": BATCH}, probe_config=probe.to_dict(),
+      evaluation={"compute_dtype": "bfloat16"}, criteria=Criteria().to_dict(), overhead={},
+      kernels=info, excluded_kernels={})
+  state = jax.device_get(collector.state)
+  for name, site in sites.items():
+    report["sites"][name] = valve_lib.site_entry(
+        site, collector_lib.site_state(state, sites, name), CANDIDATES, "bfloat16", CONFIG,
+        collector.observations, info)
+  return report
+
+
+def train_config(steps):
+  return TrainConfig(steps=steps, batch_size=BATCH, log_every=4, checkpoint_every=0,
+                     progress=False)
+
+
+class DriftValveTest(chex.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.report = probe_report(train_toys.ToySource(seed=3, num_eval=64))
+    # Accuracy-only budget: CPU reports carry no timings.
+    cls.plan = dispatch.select(cls.report, Criteria(min_speedup=None))
+    cls.dir = tempfile.mkdtemp(prefix="loka_valve_")
+
+  def run_valve(self, name, source, steps):
+    workdir = os.path.join(self.dir, name)
+    valve = valve_lib.DriftValve(build, self.plan, self.report, source, BATCH, workdir,
+                                 CONFIG, log=lambda _: None)
+    final = train(valve.model, source, workdir, train_config(steps), model_hook=valve)
+    return valve, final, read_metrics(os.path.join(workdir, "metrics.jsonl")), workdir
+
+  def test_plan_starts_in_fp8(self):
+    self.assertIn(self.plan["sites"]["hidden"]["fwd"]["kernel"],
+                  ("xla_fp8_tensorwise", "xla_fp8_rowwise"))
+
+  def test_fires_on_a_dense_scale_jump_switches_once_and_resumes_with_it(self):
+    source = ShiftedSource(SHIFT_AT, 1000.0, seed=3, num_eval=64)
+    compiled_before = set(loop_lib._STEP_CACHE)
+    # Stop right after the first refresh past the shift: later refreshes may rightly switch
+    # again as training reacts to the shift, which the resumed run below allows.
+    valve, final, metrics, workdir = self.run_valve("shift", source, steps=9)
+    self.assertTrue(np.isfinite(final["logloss"]))
+    self.assertTrue(all(np.isfinite(r["loss"]) for r in metrics if "loss" in r))
+    switches = [r for r in metrics if r.get("event") == valve_lib.SWITCH_EVENT]
+    self.assertNotEmpty(switches)
+    # Nothing before the shift; everything at the first refresh after it (one new plan).
+    self.assertEqual({r["step"] for r in switches}, {8})
+    hidden = [r for r in switches if r["site"] == "hidden" and r["pass"] == "fwd"]
+    self.assertLen(hidden, 1)
+    self.assertEqual(hidden[0]["from"], self.plan["sites"]["hidden"]["fwd"]["kernel"])
+    self.assertNotEqual(hidden[0]["to"], hidden[0]["from"])
+    self.assertRegex(hidden[0]["reason"], r"lhs\.(spread|crest)_log2")
+    self.assertIn("drift:", hidden[0]["reason"])
+    # The train step compiled for the first plan and once more for the switched one.
+    saved = dispatch.read_plan(os.path.join(workdir, valve_lib.ACTIVE_PLAN))
+    models = {build(dispatch.to_kernel_plan(p)) for p in (self.plan, saved)}
+    self.assertLen(models, 2)
+    self.assertEqual({key[0] for key in set(loop_lib._STEP_CACHE) - compiled_before},
+                     models - {key[0] for key in compiled_before})
+    self.assertTrue(models <= {key[0] for key in loop_lib._STEP_CACHE})
+    self.assertEqual(saved["sites"]["hidden"]["fwd"]["kernel"], hidden[0]["to"])
+    self.assertEqual([v["step"] for v in saved["validation"] if v["site"] == "hidden"][:1],
+                     ["drift"])
+    self.assertEqual(valve.overhead()["refreshes"], 2)
+    # Resume: a new valve on the run directory starts from the checkpoint's switched plan.
+    again = valve_lib.DriftValve(build, self.plan, self.report, source, BATCH, workdir,
+                                 CONFIG, log=lambda _: None)
+    self.assertEqual(again.plan["sites"], saved["sites"])
+    final = train(again.model, source, workdir, train_config(16), model_hook=again)
+    self.assertEqual(final["steps"], 16)
+    self.assertTrue(np.isfinite(final["logloss"]))
+    self.assertEqual([e for e in again.events if e["step"] <= 9],
+                     [r for r in metrics if "event" in r])
+
+  def test_does_not_fire_without_a_shift(self):
+    source = train_toys.ToySource(seed=3, num_eval=64)
+    valve, final, metrics, workdir = self.run_valve("steady", source, steps=12)
+    self.assertTrue(np.isfinite(final["logloss"]))
+    self.assertEqual([r for r in metrics if "event" in r], [])
+    self.assertEqual(valve.overhead(), {"refreshes": 3, "seconds": valve.seconds,
+                                        "switches": 0})
+    self.assertEqual(valve.plan["sites"], self.plan["sites"])
+    self.assertFalse(os.path.exists(os.path.join(workdir, valve_lib.ACTIVE_PLAN)))
+
+
+if __name__ == "__main__":
+  absltest.main()

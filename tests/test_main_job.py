@@ -1,0 +1,64 @@
+"""The main job (`python -m experiments.loka`) end to end at a test size: probe -> dispatch ->
+validate -> three arms -> report.md, plan.json, probe_report.json and PNGs; a rerun resumes."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import chex
+from absl.testing import absltest
+
+from test_ablation import PNG_MAGIC, REPO, cpu_env
+
+FLAGS = ("--probe_steps=10", "--samples=2", "--probe_sites=layer_0/fmb/mlp/dense_[01]",
+         "--steps=8", "--shadow_steps=6", "--num_eval=256", "--batch_size=64", "--cadence=5",
+         "--compilation_cache=")
+
+
+def run_main(workdir):
+  return subprocess.run([sys.executable, "-m", "experiments.loka", f"--workdir={workdir}",
+                         *FLAGS], cwd=REPO, env=cpu_env(), capture_output=True, text=True,
+                        timeout=400)
+
+
+class MainJobTest(chex.TestCase):
+
+  def test_probe_dispatch_validate_train_report(self):
+    workdir = os.path.join(tempfile.mkdtemp(prefix="loka_main_"), "run")
+    done = run_main(workdir)
+    self.assertEqual(done.returncode, 0, done.stderr[-3000:])
+    for name in ("probe_report.json", "plan_selected.json", "plan.json", "report.md"):
+      self.assertTrue(os.path.exists(os.path.join(workdir, name)), name)
+    for name in ("plan.png", "arms.png"):
+      with open(os.path.join(workdir, name), "rb") as f:
+        self.assertEqual(f.read(8), PNG_MAGIC)
+    with open(os.path.join(workdir, "plan.json")) as f:
+      plan = json.load(f)
+    self.assertEqual(plan["schema"], "loka.plan/1")
+    self.assertCountEqual(plan["sites"], ["layer_0/fmb/mlp/dense_0", "layer_0/fmb/mlp/dense_1"])
+    steps = [r["step"] for r in plan["validation"]]
+    for step in ("quality_held_out", "quality_shadow", "speed", "validated"):
+      self.assertIn(step, steps)
+    speed = [r for r in plan["validation"] if r["step"] == "speed"]
+    self.assertTrue(speed[0]["skipped"])                        # a CPU: recorded, not timed
+    with open(os.path.join(workdir, "report.md")) as f:
+      text = f.read()
+    self.assertIn("| site | fwd | dgrad | wgrad |", text)
+    self.assertIn("| layer_0/fmb/mlp/dense_0 |", text)
+    self.assertIn("held-out (round 0)", text)
+    for arm in ("| bf16+Mods |", "| LoKA (Mods + plan) |", "| fp8_all xla_fp8_tensorwise + Mods |"):
+      self.assertIn(arm, text)
+    self.assertIn("Speed: not measured (not on a GPU", text)
+    for arm in ("bf16_mods", "loka", "fp8_all"):
+      with open(os.path.join(workdir, "arms", arm, "final.json")) as f:
+        final = json.load(f)
+      self.assertEqual(final["steps"], 8)
+    again = run_main(workdir)                                    # every part resumes
+    self.assertEqual(again.returncode, 0, again.stderr[-3000:])
+    self.assertIn("probe report found", again.stdout)
+    self.assertIn("validated plan found", again.stdout)
+
+
+if __name__ == "__main__":
+  absltest.main()

@@ -1,0 +1,45 @@
+"""notebooks/03_dispatch.ipynb runs top to bottom at tiny size: the error-budget sweep table,
+the speedup-vs-NE plot, and the speed axis marked as estimated on a CPU."""
+import os
+import re
+import tempfile
+
+import chex
+import nbclient
+import nbformat
+from absl.testing import absltest
+
+from test_ablation import REPO, cpu_env
+from test_notebook_mods import ensure_python3_kernel, outputs
+
+NOTEBOOK = os.path.join(REPO, "notebooks", "03_dispatch.ipynb")
+
+
+class DispatchNotebookTest(chex.TestCase):
+
+  def test_sweeps_the_budget_at_tiny_size(self):
+    ensure_python3_kernel()
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                                     resources={"metadata": {"path": tempfile.gettempdir()}})
+    client.execute(env=cpu_env(LOKA_NOTEBOOK_TINY="1"))
+    self.assertEqual(outputs(nb, "error"), [])
+    text = "".join(o.get("text", "") for o in outputs(nb, "stream"))
+    self.assertIn("probed 3 sites", text)
+    row = r"^\s+(\d+)dB\s+(\d+)\s+([\d.]+)x\s+(\S+(?: \S+)?)\s+([\d.]+)\s+([+-][\d.]+)%"
+    rows = re.findall(row, text, flags=re.M)
+    self.assertLen(rows, 5)                                   # one row per SQNR bar
+    fp8_passes = [int(r[1]) for r in rows]
+    # A looser bar never puts fewer passes on FP8; the loosest puts some, the tightest none.
+    self.assertEqual(fp8_passes, sorted(fp8_passes, reverse=True))
+    self.assertGreater(fp8_passes[0], 0)
+    self.assertEqual(fp8_passes[-1], 0)
+    self.assertAlmostEqual(float(rows[-1][2]), 1.0)          # all-bf16 plan: no speedup
+    self.assertEqual(float(rows[-1][5]), 0.0)                # ... and the bf16 NE exactly
+    self.assertIn("(estimated)", text)                       # a CPU has no measured timing
+    images = [o for o in outputs(nb, "display_data") if "image/png" in o["data"]]
+    self.assertLen(images, 1)
+
+
+if __name__ == "__main__":
+  absltest.main()
