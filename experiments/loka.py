@@ -8,7 +8,8 @@ present (--preset overrides). Every arm uses the same seed, data order and held-
 Writes, in --workdir (default ./loka_run):
   probe_report.json, plan_selected.json, plan.json   (loka_jax/dispatch/pipeline.py)
   probe/                   the probe's bf16+Mods training run
-  arms/<arm>/              each arm's metrics.jsonl, final.json, checkpoints
+  arms/<arm>/              each arm's metrics.jsonl, final.json, checkpoints (the LoKA
+                           arm's directory is named by its plan's kernel digest)
   report.md                the per-site plan, its validation, NE/AUC/log loss of the arms,
                            speed where valid
   plan.png, arms.png       the plan (kernel per site and pass, sites per kernel), the
@@ -23,10 +24,11 @@ from absl import app, flags, logging
 
 from loka_jax import _compat
 from loka_jax import flags as common
-from loka_jax.dispatch import pipeline
+from loka_jax.dispatch import kernel_counts, pipeline
 from loka_jax.dispatch import validate as validate_lib
 from loka_jax.kernels import KernelPlan
 from loka_jax.probe.collector import ProbeConfig
+from loka_jax.probe.eligibility import Criteria
 from loka_jax.probe.runner import ProbeOptions
 from loka_jax.train import OptimConfig, TrainConfig, experiment, report
 
@@ -47,6 +49,9 @@ SHADOW_STEPS = flags.DEFINE_integer("shadow_steps", 200, "Shadow training steps 
 VALIDATE = flags.DEFINE_bool("validate", True, "Validate the plan end to end.")
 NAIVE_FP8 = flags.DEFINE_bool("naive_fp8", True,
                               "Also train the naive arm: --kernel on every site, same Mods.")
+MIN_SPEEDUP = flags.DEFINE_float(
+    "min_speedup", None, "Speed rule of the selection: unset, the default budget (1.05x when "
+    "timings are known); <= 0, accuracy only (what the error budget alone admits).")
 COMPILATION_CACHE = flags.DEFINE_string(
     "compilation_cache", os.path.join(os.path.expanduser("~"), ".cache", "loka_jax", "jax_cache"),
     "Persistent XLA compilation cache ('' disables); reruns compile much less.")
@@ -75,12 +80,16 @@ def _train_config(steps: int, batch_size: int, log_every: int) -> TrainConfig:
                      optim=OptimConfig())
 
 
-def _arms(plan_path: str):
-  yield "bf16+Mods", "bf16_mods", _spec(precision="bf16")
-  yield "LoKA (Mods + plan)", "loka", _spec(precision="loka", plan=plan_path)
+def _arms(plan_path: str, plan):
+  """(label, directory, RunSpec, KernelPlan) of each arm."""
+  yield "bf16+Mods", "bf16_mods", _spec(precision="bf16"), validate_lib.BASELINE
+  # One directory per plan content: a rerun that selects another plan trains it afresh.
+  yield ("LoKA (Mods + plan)", f"loka_{plan.kernel_digest()[:8]}",
+         _spec(precision="loka", plan=plan_path), plan.kernel_plan())
   if NAIVE_FP8.value:
     yield (f"fp8_all {common.KERNEL.value} + Mods", "fp8_all",
-           _spec(precision="fp8_all", kernel=common.KERNEL.value))
+           _spec(precision="fp8_all", kernel=common.KERNEL.value),
+           KernelPlan.uniform(common.KERNEL.value))
 
 
 def _speed_section(result, arms_plans) -> str:
@@ -112,6 +121,25 @@ def _batch_size() -> int:
   return BATCH_SIZE.value or experiment.preset_batch_size(common.MODEL.value, _preset())
 
 
+def _criteria():
+  """None: the pipeline's default budget; else the default with --min_speedup."""
+  if MIN_SPEEDUP.value is None:
+    return None
+  return Criteria(min_speedup=MIN_SPEEDUP.value if MIN_SPEEDUP.value > 0 else None)
+
+
+def _no_fp8_hint(plan, criteria) -> str:
+  """Why an all-bf16 plan is all bf16, and how to see what accuracy alone would admit."""
+  if any(k != "xla_bf16" for counts in kernel_counts(plan).values() for k in counts):
+    return ""
+  if criteria.min_speedup is None:
+    return "No FP8 kernel met the error budget at any site.\n\n"
+  return ("No FP8 kernel is both within the error budget and faster than bf16 at these "
+          "sites' shapes on the timing source's device, so the plan keeps bf16 everywhere and "
+          "the LoKA arm equals bf16+Mods. Rerun with --min_speedup=0 to see what the error "
+          "budget alone admits (its speed then judged on a GPU).\n\n")
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -133,19 +161,19 @@ def main(argv):
       probe_options=ProbeOptions(samples=SAMPLES.value, kernels=kernels,
                                  sites=PROBE_SITES.value, bootstrap=200, site_plots=False,
                                  seed=common.SEED.value),
+      criteria=_criteria(),
       validation=validate_lib.ValidationConfig(
           max_rel_logloss=MAX_REL_LOGLOSS.value, shadow_steps=SHADOW_STEPS.value,
           seed=common.SEED.value) if VALIDATE.value else None)
   plan = result.plan
   steps = common.STEPS.value
   arms, arms_plans = {}, {}
-  for label, key, spec in _arms(result.paths["plan"]):
+  for label, key, spec, kernel_plan in _arms(result.paths["plan"], plan):
     arm_dir = os.path.join(workdir, "arms", key)
     print(f"== {label}: {steps} steps -> {arm_dir}", flush=True)
     experiment.run(spec, arm_dir, _train_config(steps, batch_size, max(1, steps // 30)))
     arms[label] = report.load_arm(arm_dir)
-    arms_plans[label] = {"bf16_mods": validate_lib.BASELINE, "loka": plan.kernel_plan(),
-                         "fp8_all": KernelPlan.uniform(common.KERNEL.value)}[key]
+    arms_plans[label] = kernel_plan
   _, source, _ = experiment.build_run(_spec(precision="bf16"))
   plan_png = report.plot_plan(plan, os.path.join(workdir, "plan.png"))
   arms_png = report.plot_arms(arms, os.path.join(workdir, "arms.png"), source.oracle_ne)
@@ -166,7 +194,7 @@ def main(argv):
       + f". Timing source: {timing.get('kind')} ({timing.get('reason', '')}).",
       "",
       "## Plan (`plan.json`; * = backed off by validation)", "",
-      report.plan_table(plan), "",
+      _no_fp8_hint(plan, criteria) + report.plan_table(plan), "",
       f"![plan]({os.path.basename(plan_png)})", "",
       "## Validation", "",
       report.validation_lines(plan) or "- none recorded", "",

@@ -100,6 +100,25 @@ class PlanFileTest(chex.TestCase):
       self.assertRegex(str(ctx.exception), pattern)
 
 
+class KernelDigestTest(chex.TestCase):
+
+  def test_digest_follows_kernels_not_reasons_and_pins_a_resumed_run(self):
+    plan = selected_plan()
+    data = plan.to_dict()
+    reworded = json.loads(json.dumps(data))
+    reworded["sites"]["top_mlp/dense_0"]["fwd"]["reason"] = "hand-checked"
+    reworded["provenance"]["created"] = "another day"
+    self.assertEqual(dispatch.Plan(reworded).kernel_digest(), plan.kernel_digest())
+    switched = json.loads(json.dumps(data))
+    switched["sites"]["top_mlp/dense_0"]["fwd"]["kernel"] = "xla_bf16"
+    self.assertNotEqual(dispatch.Plan(switched).kernel_digest(), plan.kernel_digest())
+    # A run records what its plan runs, so resuming it under another plan is refused.
+    path = os.path.join(tempfile.mkdtemp(prefix="loka_plan_"), "plan.json")
+    dispatch.save_plan(plan, path)
+    info = experiment.RunSpec(precision="loka", plan=path).run_info()
+    self.assertEqual(info["plan_kernels_sha256"], plan.kernel_digest())
+
+
 class BackOffTest(chex.TestCase):
 
   def test_back_off_one_pass_records_the_step(self):

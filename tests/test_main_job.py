@@ -9,6 +9,8 @@ import tempfile
 import chex
 from absl.testing import absltest
 
+from loka_jax import dispatch
+
 from test_ablation import PNG_MAGIC, REPO, cpu_env
 
 FLAGS = ("--probe_steps=10", "--samples=2", "--probe_sites=layer_0/fmb/mlp/dense_[01]",
@@ -50,7 +52,8 @@ class MainJobTest(chex.TestCase):
     for arm in ("| bf16+Mods |", "| LoKA (Mods + plan) |", "| fp8_all xla_fp8_tensorwise + Mods |"):
       self.assertIn(arm, text)
     self.assertIn("Speed: not measured (not on a GPU", text)
-    for arm in ("bf16_mods", "loka", "fp8_all"):
+    loka_dir = "loka_" + dispatch.read_plan(os.path.join(workdir, "plan.json")).kernel_digest()[:8]
+    for arm in ("bf16_mods", loka_dir, "fp8_all"):
       with open(os.path.join(workdir, "arms", arm, "final.json")) as f:
         final = json.load(f)
       self.assertEqual(final["steps"], 8)
@@ -58,6 +61,12 @@ class MainJobTest(chex.TestCase):
     self.assertEqual(again.returncode, 0, again.stderr[-3000:])
     self.assertIn("probe report found", again.stdout)
     self.assertIn("validated plan found", again.stdout)
+    # Another budget selects and validates again, and trains its own LoKA arm.
+    other = subprocess.run([sys.executable, "-m", "experiments.loka", f"--workdir={workdir}",
+                            *FLAGS, "--min_speedup=0"], cwd=REPO, env=cpu_env(),
+                           capture_output=True, text=True, timeout=400)
+    self.assertEqual(other.returncode, 0, other.stderr[-3000:])
+    self.assertNotIn("validated plan found", other.stdout)
 
 
 if __name__ == "__main__":

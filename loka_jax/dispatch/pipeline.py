@@ -21,6 +21,7 @@ finishes an interrupted one. Delete a file to redo its part.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Any, Dict, Mapping, Optional
 
@@ -28,7 +29,7 @@ from loka_jax import jsonio
 from loka_jax.dispatch import validate as validate_lib
 from loka_jax.dispatch.check import check_plan
 from loka_jax.dispatch.plan import FALLBACK, Plan, add_validation, read_plan, save_plan
-from loka_jax.dispatch.selection import report_hash, resolve_timing, select
+from loka_jax.dispatch.selection import make_budget, report_hash, resolve_timing, select
 from loka_jax.kernels import PASSES, registry
 from loka_jax.probe.eligibility import Criteria
 
@@ -136,11 +137,16 @@ def plan_speedup_estimate(plan, report: Mapping) -> Dict[str, Any]:
           "note": "upper bound: FP8 GEMMs at 2x the bf16 rate, no quantization cost"}
 
 
-def _usable_plan(path: str, digest: str) -> Optional[Plan]:
+def _usable_plan(path: str, digest: str, budget: Mapping) -> Optional[Plan]:
+  """The plan saved at `path` if it was made from this report under this budget (a rerun
+  with another budget selects again instead of silently reusing the old plan)."""
   if not os.path.exists(path):
     return None
   plan = read_plan(path)
-  return plan if plan["provenance"].get("report_sha256") == digest else None
+  provenance = plan["provenance"]
+  same_budget = (json.dumps(provenance.get("budget"), sort_keys=True)
+                 == json.dumps(budget, sort_keys=True))
+  return plan if provenance.get("report_sha256") == digest and same_budget else None
 
 
 def probe_and_plan(spec, workdir: str, *, train_config, probe_config=None, probe_options=None,
@@ -207,7 +213,8 @@ def probe_and_plan(spec, workdir: str, *, train_config, probe_config=None, probe
       contexts.append(context_for_run(spec, paths["probe_dir"], train_config, report, build))
     return contexts[0]
 
-  selected = _usable_plan(paths["selected"], digest)
+  budget = json.loads(json.dumps(make_budget(criteria, budget_per_site).to_dict()))
+  selected = _usable_plan(paths["selected"], digest, budget)
   if selected is None:
     selected = select(report, criteria, budget_per_site=budget_per_site,
                       target_device=target_device)
@@ -220,7 +227,7 @@ def probe_and_plan(spec, workdir: str, *, train_config, probe_config=None, probe
   else:
     skipped["select"] = True
 
-  plan = _usable_plan(paths["plan"], digest)
+  plan = _usable_plan(paths["plan"], digest, budget)
   if plan is not None and any(r.get("step") in ("validated", "not_validated")
                               for r in plan["validation"]):
     skipped["validate"] = True

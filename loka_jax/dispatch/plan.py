@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import datetime
+import hashlib
+import json
 import os
 import re
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
@@ -163,6 +165,14 @@ class Plan(Mapping):
 
   def kernel_names(self) -> List[str]:
     return self.kernel_plan().kernel_names()
+
+  def kernel_digest(self) -> str:
+    """sha256 of what the plan runs (each site's kernel per pass, the rules, the default),
+    not of its reasons or provenance: two files that run the same kernels share it."""
+    sites = {name: {p: entry[p]["kernel"] for p in PASSES}
+             for name, entry in self._data["sites"].items()}
+    what = {"sites": sites, "rules": self._data["rules"], "default": self._data["default"]}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
 
 
 PlanLike = Union[Plan, Mapping, str, os.PathLike, KernelPlan]

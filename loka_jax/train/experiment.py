@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging as py_logging
+import os
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 from absl import logging
@@ -47,6 +48,10 @@ class RunSpec:
       info["kernel"] = self.kernel
     if self.precision == "loka":
       info["plan"] = self.plan
+      if self.plan and os.path.exists(self.plan):
+        # The file may move (its path is a resumable setting); what it runs may not.
+        from loka_jax.dispatch.plan import read_plan  # dispatch imports this module's users
+        info["plan_kernels_sha256"] = read_plan(self.plan).kernel_digest()
       if self.drift_every:  # only then: runs without the valve keep their config.json
         info.update(drift_every=self.drift_every, drift_report=self.drift_report)
     return info

@@ -53,8 +53,9 @@ from loka_jax.train.state import TrainState, create_train_state, split_variables
 
 NAN_POLICIES = ("stop", "skip")
 # Settings a resumed run may change; anything else must match the run directory's config.
+# A plan's path ("plan") may change too: what it runs is pinned by "plan_kernels_sha256".
 RESUMABLE_SETTINGS = ("steps", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints",
-                      "nan_policy", "progress")
+                      "nan_policy", "progress", "plan")
 WALL_CLOCK_FIELDS = ("time", "steps_per_sec")
 
 
