@@ -7,7 +7,6 @@
 import json
 import os
 
-import jax
 from absl import app, flags
 
 from loka_jax import _compat, kernels

@@ -1,6 +1,7 @@
 """Reading the project's JSON files (reports, plans) with errors that name the file."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Any, Type
@@ -35,3 +36,12 @@ def write_json_atomic(path: str, data: Any, *, indent: int | None = 1,
     json.dump(data, f, indent=indent, sort_keys=sort_keys, allow_nan=False)
     f.write("\n")
   os.replace(tmp, path)
+
+
+def file_sha256(path: str) -> str:
+  """sha256 of a file's bytes, read in 1 MiB blocks (checksums of caches and exports)."""
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      digest.update(block)
+  return digest.hexdigest()

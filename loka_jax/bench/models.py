@@ -1,11 +1,9 @@
 """Whole-step throughput of the towers: train step (fwd + bwd + optimizer) and inference."""
 from __future__ import annotations
 
-import dataclasses
 from typing import Dict, Optional, Sequence
 
 import jax
-import numpy as np
 
 from loka_jax import timing
 from loka_jax.data import FeatureSpec, make_source
@@ -14,10 +12,7 @@ from loka_jax.models.site import SiteConfig
 from loka_jax.train import loop
 from loka_jax.train.optim import OptimConfig, make_optimizer
 from loka_jax.train.state import create_train_state
-
-
-# The arms live in variants.py; re-exported here for older callers.
-from loka_jax.bench.variants import VARIANTS, Variant  # noqa: E402,F401
+from loka_jax.bench.variants import Variant
 
 
 def _memory_bytes(compiled) -> Optional[int]:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Mapping, Sequence
+from typing import List, Mapping, Sequence
 
 import matplotlib
 

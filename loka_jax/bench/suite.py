@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import traceback
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence
 
 import jax
 

@@ -23,6 +23,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from loka_jax import jsonio
 from loka_jax.data import sources
 from loka_jax.data.sources import DataFileError
 from loka_jax.data.spec import FeatureSpec, validate_batch
@@ -66,12 +67,6 @@ class MovieLensConfig:
 
 
 # ---- fetching --------------------------------------------------------------------------------
-def _sha256(path: str) -> str:
-  digest = hashlib.sha256()
-  with open(path, "rb") as f:
-    for block in iter(lambda: f.read(1 << 20), b""):
-      digest.update(block)
-  return digest.hexdigest()
 
 
 def fetch_recbole_wheel(cache_dir: Optional[str] = None, timeout_s: float = 600) -> str:
@@ -97,7 +92,7 @@ def fetch_recbole_wheel(cache_dir: Optional[str] = None, timeout_s: float = 600)
                            f"into {cache_dir} or pass --data_path")
       os.replace(got, wheel)
     logging.info("downloaded %s to %s", RECBOLE_WHEEL, wheel)
-  digest = _sha256(wheel)
+  digest = jsonio.file_sha256(wheel)
   if digest != RECBOLE_WHEEL_SHA256:
     raise DataFileError(f"{wheel} is corrupt or truncated (sha256 {digest}, expected "
                         f"{RECBOLE_WHEEL_SHA256}); delete it and run again to re-download")

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import hashlib
 import json
 import math
 import os
@@ -163,18 +162,9 @@ def _dense(module, info, x):
 
 
 def _fused_dense(module, info, x):
-  from loka_jax.mods import functional
-  from loka_jax.precision import scaling
-  policy = module.config.policy
   if isinstance(x, QTensor):
-    x = x.dequantize(policy.compute_dtype)
-  y = _dense_core(module, info, x).astype(policy.compute_dtype)
-  if module.block_size is not None:
-    y = functional.block_norm(y, module.block_size, module.epsilon)
-  y = functional.activation(module.activation)(y)
-  if module.quantize_output:
-    return scaling.quantize(y.astype(jnp.float32), E4M3, ROWWISE, (y.ndim - 1,))
-  return y.astype(policy.output_dtype)
+    x = x.dequantize(module.config.policy.compute_dtype)
+  return module.epilogue(_dense_core(module, info, x))
 
 
 def _einsum(module, info, x):
@@ -259,7 +249,7 @@ class ExportedModel:
     os.replace(tmp, path)
     manifest = {"schema": SCHEMA,
                 "created": datetime.datetime.now().isoformat(timespec="seconds"),
-                "arrays_sha256": _sha256(path), "arrays": entries,
+                "arrays_sha256": jsonio.file_sha256(path), "arrays": entries,
                 "sites": {n: s.to_dict() for n, s in self.sites.items()},
                 "plan": self.plan, "memory": self.memory, "config": self.config_json,
                 "features": self.features}
@@ -267,12 +257,6 @@ class ExportedModel:
     return manifest
 
 
-def _sha256(path: str) -> str:
-  digest = hashlib.sha256()
-  with open(path, "rb") as f:
-    for chunk in iter(lambda: f.read(1 << 20), b""):
-      digest.update(chunk)
-  return digest.hexdigest()
 
 
 def _site_stats(report: Optional[Mapping], name: str) -> Mapping:
@@ -433,7 +417,7 @@ def load(directory: str, target=None, *, policy=None, features=None) -> Exported
   path = os.path.join(directory, ARRAYS)
   if not os.path.exists(path):
     raise ExportError(f"{directory}: {ARRAYS} is missing; export the model again")
-  if _sha256(path) != manifest["arrays_sha256"]:
+  if jsonio.file_sha256(path) != manifest["arrays_sha256"]:
     raise ExportError(f"{path}: checksum differs from the manifest's: the file is corrupt or "
                       "was replaced; export the model again")
   try:

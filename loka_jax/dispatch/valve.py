@@ -35,7 +35,7 @@ import orbax.checkpoint as ocp
 from loka_jax.dispatch import drift as drift_lib
 from loka_jax.dispatch.plan import Plan, as_plan, save_plan, to_kernel_plan
 from loka_jax.dispatch.selection import TIMING_FIELDS
-from loka_jax.kernels import PASSES, registry
+from loka_jax.kernels import registry
 from loka_jax.probe import collector as collector_lib
 from loka_jax.probe import evaluate, stats_report, summarize
 from loka_jax.probe.eligibility import Criteria

@@ -223,7 +223,7 @@ def timing_enabled(config: AblationConfig) -> bool:
 def timing_variants(config: AblationConfig, mods: Combination):
   """The variants of one timing row: the bf16 baseline (no mods) and both precisions of
   `mods`, so every speedup has its baseline in the same interleaved run."""
-  from loka_jax.bench.models import Variant  # the bench package builds on the train package
+  from loka_jax.bench.variants import Variant  # the bench package builds on the train package
   names = [("bf16", ())] + [(p, mods) for p in config.precisions if (p, mods) != ("bf16", ())]
   return [Variant(f"{p}__{combination_key(m)}", p, config.kernel, m) for p, m in names]
 

@@ -165,6 +165,12 @@ class FusedDenseNormAct(DenseSite):
     z = z.reshape(lead + (self.features,))
     if bias is not None:
       z = z + bias.astype(z.dtype)
+    return self.epilogue(z)
+
+  def epilogue(self, z):
+    """BlockNorm, activation and the optional next-layer quantization of a product `z`
+    (bias included): the unfused form of what a fused kernel computes after its GEMM."""
+    policy = self.config.policy
     y = z.astype(policy.compute_dtype)
     if self.block_size is not None:
       y = functional.block_norm(y, self.block_size, self.epsilon)
