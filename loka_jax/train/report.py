@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import textwrap
 from typing import Dict, Mapping, Optional
 
 import matplotlib
@@ -42,13 +43,21 @@ def plot_arms(arms: Mapping[str, Dict], path: str, oracle_ne: Optional[float] = 
   ax_loss.set_ylabel("training log loss")
   ax_loss.legend()
   names = list(arms)
-  ax_ne.bar(names, [arms[n]["final"]["ne"] for n in names], color="tab:blue")
+  values = [arms[n]["final"]["ne"] for n in names]
+  # Horizontal bars: arm names are long, and the NE values differ in the third decimal, so
+  # each bar carries its value.
+  positions = list(range(len(names)))[::-1]
+  ax_ne.barh(positions, values, color="tab:blue")
+  ax_ne.set_yticks(positions, [textwrap.fill(n, 22) for n in names], fontsize=8)
+  for y, v in zip(positions, values):
+    ax_ne.annotate(f"{v:.4f}", (v, y), xytext=(3, 0), textcoords="offset points",
+                   va="center", fontsize=8)
   if oracle_ne is not None:
-    ax_ne.axhline(oracle_ne, color="k", ls="--", lw=1, label=f"teacher NE {oracle_ne:.3f}")
-    ax_ne.legend()
-  ax_ne.set_ylabel("held-out NE (lower is better)")
-  low = min(arms[n]["final"]["ne"] for n in names)
-  ax_ne.set_ylim(min(low, oracle_ne or low) * 0.95, None)
+    ax_ne.axvline(oracle_ne, color="k", ls="--", lw=1, label=f"teacher NE {oracle_ne:.3f}")
+    ax_ne.legend(fontsize=8, loc="lower right")
+  ax_ne.set_xlabel("held-out NE (lower is better)")
+  low, high = min(values + [oracle_ne or min(values)]), max(values)
+  ax_ne.set_xlim(low - 0.02 * low, high + 0.02 * high)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
