@@ -6,23 +6,14 @@ from typing import Dict, Optional, Sequence
 import jax
 
 from loka_jax import timing
+from loka_jax.bench import speed
+from loka_jax.bench.variants import Variant
 from loka_jax.data import FeatureSpec, make_source
 from loka_jax.models.presets import apply_mods, build_model, get_config, tower_flops
 from loka_jax.models.site import SiteConfig
 from loka_jax.train import loop
 from loka_jax.train.optim import OptimConfig, make_optimizer
 from loka_jax.train.state import create_train_state
-from loka_jax.bench.variants import Variant
-
-
-def _memory_bytes(compiled) -> Optional[int]:
-  """Arguments + outputs + temporaries of one compiled step (None where XLA does not say)."""
-  try:
-    m = compiled.memory_analysis()
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-               - m.alias_size_in_bytes)
-  except Exception:  # memory_analysis is not implemented on every backend
-    return None
 
 
 def prepare(model_name: str, preset: str, variant: Variant, batch_size: Optional[int] = None,
@@ -44,8 +35,8 @@ def prepare(model_name: str, preset: str, variant: Variant, batch_size: Optional
   compiled_train = train_step.lower(state, batch).compile()
   compiled_eval = eval_step.lower(state, batch).compile()
   info = {"batch_size": batch_size, "flops_per_example": int(tower_flops(config, features)),
-          "train_memory_bytes": _memory_bytes(compiled_train),
-          "infer_memory_bytes": _memory_bytes(compiled_eval)}
+          "train_memory_bytes": speed.memory_bytes(compiled_train),
+          "infer_memory_bytes": speed.memory_bytes(compiled_eval)}
   holder = {"state": state}
 
   def train_call():
