@@ -2,6 +2,7 @@
 with the valve on data whose dense features jump 1000x mid-run (it switches the hit site's
 kernel, recompiling once, logs it and saves the plan; a resumed run keeps the switched plan)
 and on unshifted data (it never fires)."""
+import dataclasses
 import os
 import tempfile
 
@@ -150,6 +151,44 @@ class DriftValveTest(chex.TestCase):
                                         "switches": 0})
     self.assertEqual(valve.plan["sites"], self.plan["sites"])
     self.assertFalse(os.path.exists(os.path.join(workdir, valve_lib.ACTIVE_PLAN)))
+
+
+class TrainRunValveTest(chex.TestCase):
+  """The path `experiments.train --precision=loka --plan=P --drift_every=N` takes."""
+
+  def test_a_preset_run_carries_the_valve_and_a_plan_without_report_is_refused(self):
+    from loka_jax.dispatch import pipeline
+    from loka_jax.probe import ProbeConfig, ProbeOptions
+    from loka_jax.train import experiment
+    root = tempfile.mkdtemp(prefix="loka_valve_run_")
+    spec = experiment.RunSpec(model="wukong", preset="tiny", mods=("all",), num_eval=256)
+    probe_train = TrainConfig(steps=6, batch_size=64, progress=False, log_every=0)
+    result = pipeline.probe_and_plan(
+        spec, os.path.join(root, "plan"), train_config=probe_train,
+        probe_config=ProbeConfig(cadence=3),
+        probe_options=ProbeOptions(samples=2, kernels=("xla_bf16", "xla_fp8_rowwise"),
+                                   sites="layer_0/fmb/mlp/dense_0", bootstrap=20,
+                                   plots=False),
+        criteria=Criteria(min_speedup=None), validation=None)
+    run_spec = experiment.RunSpec(model="wukong", preset="tiny", mods=("all",), num_eval=256,
+                                  precision="loka", plan=result.paths["plan"], drift_every=3)
+    workdir = os.path.join(root, "run")
+    final = experiment.run(run_spec, workdir, TrainConfig(
+        steps=6, batch_size=64, progress=False, log_every=3, checkpoint_every=3))
+    self.assertEqual(final["steps"], 6)
+    self.assertTrue(np.isfinite(final["logloss"]))
+    # The valve's plan rides in the run's checkpoints (what a resumed run continues with).
+    step, saved = valve_lib.checkpoint_plan(workdir)
+    self.assertEqual(step, 6)
+    self.assertEqual(saved.kernel_digest(), result.plan.kernel_digest())
+    # A plan whose provenance names no report cannot guard anything: refused up front.
+    bare = result.plan.to_dict()
+    bare["provenance"] = {k: v for k, v in bare["provenance"].items() if k != "report_path"}
+    bare_path = os.path.join(root, "bare_plan.json")
+    dispatch.save_plan(bare, bare_path)
+    with self.assertRaisesRegex(experiment.PlanError, "names no probe report"):
+      experiment.run(dataclasses.replace(run_spec, plan=bare_path), os.path.join(root, "bad"),
+                     TrainConfig(steps=2, batch_size=64, progress=False))
 
 
 if __name__ == "__main__":

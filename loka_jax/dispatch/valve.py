@@ -321,19 +321,18 @@ def run_valve(spec, config, source, workdir: str, batch_size: int) -> DriftValve
   (the report: `--drift_report`, else the one named in the plan's provenance)."""
   from loka_jax.models import SiteConfig, build_model
   from loka_jax.probe.report import load_report
-  from loka_jax.train.experiment import PlanError
+  from loka_jax.train.experiment import PlanError  # what experiments.train reports cleanly
   if spec.precision != "loka" or not spec.plan:
     raise PlanError("--drift_every needs --precision=loka --plan=PLAN.json: the valve "
-                          "guards a plan")
+                    "guards a plan")
   plan = as_plan(spec.plan)
   report_path = spec.drift_report or (plan.get("provenance") or {}).get("report_path")
   if not report_path:
     raise PlanError(f"{spec.plan}: its provenance names no probe report; pass "
-                          "--drift_report=PROBE_REPORT.json (the report it was selected on)")
+                    "--drift_report=PROBE_REPORT.json (the report it was selected on)")
   features = source.features
   build = lambda kernel_plan: build_model(config, features, SiteConfig.for_precision(
       "loka", plan=kernel_plan))
-  from loka_jax.train.experiment import PlanError  # what experiments.train reports cleanly
   try:
     return DriftValve(build, plan, load_report(report_path), source, batch_size, workdir,
                       ValveConfig(cadence=spec.drift_every))
