@@ -60,10 +60,19 @@ class SlowKernel(Kernel):
     return jax.pure_callback(_sleep, jax.ShapeDtypeStruct(out.shape, out.dtype), out)
 
 
-for _kernel in (TwoBitKernel("test_two_bit", "xla", description="test: 2-bit operands"),
+TEST_KERNELS = (TwoBitKernel("test_two_bit", "xla", description="test: 2-bit operands"),
                 FlippedKernel("test_flipped", "xla", description="test: -10x product"),
-                SlowKernel("test_slow", "xla", description="test: 4 ms stall")):
-  registry.register(_kernel, replace=True)
+                SlowKernel("test_slow", "xla", description="test: 4 ms stall"))
+
+
+def setUpModule():
+  for kernel in TEST_KERNELS:
+    registry.register(kernel, replace=True)
+
+
+def tearDownModule():  # other modules in this process see only the real kernels
+  for kernel in TEST_KERNELS:
+    registry.unregister(kernel.name)
 
 
 def plan_of(entries):

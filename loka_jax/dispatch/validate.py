@@ -45,8 +45,7 @@ from loka_jax.dispatch.plan import FALLBACK, Plan, add_validation, as_plan, back
 from loka_jax.kernels import FP8_META, FUSED_OP, PASSES, PER_PASS, KernelChoice, KernelPlan
 from loka_jax.kernels import registry
 from loka_jax.kernels.flax_delayed import merge_fp8_meta
-from loka_jax.train import metrics as metrics_lib
-from loka_jax.train.loop import compiled_steps, evaluate
+from loka_jax.train.loop import compiled_steps, evaluate, loss_fn
 from loka_jax.train.optim import OptimConfig
 
 BASELINE = KernelPlan.uniform(FALLBACK)
@@ -214,11 +213,7 @@ def _fresh_copy(tree):
 
 
 def _loss(model, params, fp8_meta, batch):
-  variables = {"params": params}
-  if fp8_meta:
-    variables[FP8_META] = fp8_meta
-  logits = model.apply(variables, batch, train=True, rngs={"dropout": jax.random.PRNGKey(0)})
-  return jnp.mean(metrics_lib.bce_with_logits(logits, batch["label"]))
+  return loss_fn(model, params, fp8_meta, batch, jax.random.PRNGKey(0))[0]
 
 
 def state_for(ctx: ValidationContext, kplan: KernelPlan):

@@ -119,7 +119,6 @@ def site_entry(site: collector_lib.SiteProbe, state, kernel_names, compute_dtype
                config: ValveConfig, observations: int, kernels_info: Mapping) -> Dict[str, Any]:
   """A report entry of one site from its statistics `state`, as the probe evaluates it:
   kind, spec, shapes, `stats` and per-pass errors of every registered candidate."""
-  from loka_jax.probe.runner import _stats_fallback  # the probe's underflow-from-stats rule
   kernels = []
   for k in kernel_names:
     try:
@@ -133,7 +132,7 @@ def site_entry(site: collector_lib.SiteProbe, state, kernel_names, compute_dtype
            "stats": stats_report.site_stats(site, state, observations),
            "passes": summarize.site_passes(ev, [k.name for k in kernels],
                                            n_boot=config.bootstrap, seed=config.seed)}
-  _stats_fallback(entry, kernels_info, site.layout)
+  stats_report.underflow_from_stats(entry, kernels_info, site.layout)
   return entry
 
 

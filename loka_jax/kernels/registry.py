@@ -20,6 +20,12 @@ def register(kernel: Kernel, *, replace: bool = False) -> Kernel:
   return kernel
 
 
+def unregister(name: str) -> None:
+  """Removes a kernel (test-only kernels must not outlive their test module)."""
+  if _REGISTRY.pop(name, None) is None:
+    raise KeyError(f"kernel {name!r} is not registered")
+
+
 def _load_plugins() -> None:
   global _plugins_loaded
   if _plugins_loaded:

@@ -101,29 +101,6 @@ def _append_eval_cache(path: str, row: Mapping) -> None:
     f.write(json.dumps(report_lib.json_ready(row), allow_nan=False) + "\n")
 
 
-def _stats_fallback(site_entry: Dict, kernels_info: Mapping, layout) -> None:
-  """Underflow from the statistics for FP8 kernels that do not expose their operands."""
-  stats = site_entry["stats"]
-  for p, kernels in site_entry["passes"].items():
-    for k, e in kernels.items():
-      info = kernels_info.get(k, {})
-      if not info.get("fp8") or e.get("operands") or e.get("unsupported") or e.get("sqnr_db") is None:
-        continue
-      gran = info.get("granularity")
-      if gran is None:
-        continue
-      operands = {}
-      for name in layout.pass_operands(p):
-        fmt = "e5m2" if name == "grad" else "e4m3"
-        u = stats_report.stats_underflow(stats, name, p, fmt, gran)
-        if u is not None:
-          operands[name] = {"underflow": u, "saturation": None}
-      if operands:
-        e["operands"] = operands
-        e["underflow"] = [max(o["underflow"][i] for o in operands.values()) for i in range(3)]
-        e["underflow_source"] = f"stats ({gran})"
-
-
 def _timing_plan(options: ProbeOptions) -> Tuple[bool, bool]:
   """(measure here, timings valid for dispatch)."""
   on_gpu = kernel_timing.on_gpu()
@@ -296,7 +273,7 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
                            "granularity": candidates_lib.granularity_of(k),
                            "description": k.description} for k in kernels}
   for name, entry in site_entries.items():
-    _stats_fallback(entry, kernels_info, sites[name].layout)
+    stats_report.underflow_from_stats(entry, kernels_info, sites[name].layout)
 
   report = report_lib.new_report(
       model=spec.model, preset=spec.preset, device=device, device_kind=kind,

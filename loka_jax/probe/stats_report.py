@@ -86,3 +86,27 @@ def stats_underflow(stats: Mapping, operand: str, pass_name: str, fmt: str,
   except KeyError:
     return None
   return [mean, mean, max(mean, worst)]
+
+
+def underflow_from_stats(site_entry: Dict, kernels_info: Mapping, layout) -> None:
+  """Fills a report entry's underflow from its statistics for the FP8 kernels that do not
+  expose their quantized operands (e.g. Flax's delayed-scaling op)."""
+  stats = site_entry["stats"]
+  for p, kernels in site_entry["passes"].items():
+    for k, e in kernels.items():
+      info = kernels_info.get(k, {})
+      if not info.get("fp8") or e.get("operands") or e.get("unsupported") or e.get("sqnr_db") is None:
+        continue
+      gran = info.get("granularity")
+      if gran is None:
+        continue
+      operands = {}
+      for name in layout.pass_operands(p):
+        fmt = "e5m2" if name == "grad" else "e4m3"
+        u = stats_underflow(stats, name, p, fmt, gran)
+        if u is not None:
+          operands[name] = {"underflow": u, "saturation": None}
+      if operands:
+        e["operands"] = operands
+        e["underflow"] = [max(o["underflow"][i] for o in operands.values()) for i in range(3)]
+        e["underflow_source"] = f"stats ({gran})"

@@ -134,7 +134,8 @@ def step_rng(state: TrainState, step) -> jax.Array:
   return jax.random.fold_in(state.rng, step)
 
 
-def _loss_fn(model, params, fp8_meta, batch, rng):
+def loss_fn(model, params, fp8_meta, batch, rng):
+  """(mean log loss, logits) of a training-mode forward: the loss every step minimizes."""
   variables = {"params": params}
   if fp8_meta:
     variables[FP8_META] = fp8_meta
@@ -144,7 +145,7 @@ def _loss_fn(model, params, fp8_meta, batch, rng):
 
 def _build_train_step(model, tx: optax.GradientTransformation, nan_policy: str):
   def train_step(state: TrainState, batch) -> Tuple[TrainState, Dict[str, jax.Array]]:
-    grad_fn = jax.value_and_grad(lambda p, f: _loss_fn(model, p, f, batch,
+    grad_fn = jax.value_and_grad(lambda p, f: loss_fn(model, p, f, batch,
                                                        step_rng(state, state.step)),
                                  argnums=(0, 1), has_aux=True)
     (loss, _), (grads, fp8_grads) = grad_fn(state.params, state.fp8_meta)
@@ -223,7 +224,7 @@ def locate_non_finite(model, state: TrainState, batch, step: int) -> Optional[st
     module = "/".join(str(p) for p in innermost[0])
     return f"site/module {module!r} (forward output)" if module else "the model output"
 
-  grads = jax.grad(lambda p, f: _loss_fn(model, p, f, batch, rng)[0], argnums=(0, 1))
+  grads = jax.grad(lambda p, f: loss_fn(model, p, f, batch, rng)[0], argnums=(0, 1))
   g_params, g_fp8 = jax.device_get(jax.jit(grads)(state.params, state.fp8_meta))
   bad = ["/".join(str(p) for p in path)
          for path, g in flax.traverse_util.flatten_dict({"params": g_params, "fp8_meta": g_fp8}
