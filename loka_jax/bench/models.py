@@ -1,11 +1,10 @@
-"""Whole-step throughput of the towers: train step (fwd + bwd + optimizer) and inference."""
+"""One model preset's train step (fwd + bwd + optimizer) and inference as argument-less calls."""
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+from typing import Optional
 
 import jax
 
-from loka_jax import timing
 from loka_jax.bench import speed
 from loka_jax.bench.variants import Variant
 from loka_jax.data import FeatureSpec, make_source
@@ -47,17 +46,3 @@ def prepare(model_name: str, preset: str, variant: Variant, batch_size: Optional
     return compiled_eval(holder["state"], batch)
 
   return train_call, infer_call, info
-
-
-def measure(model_name: str, preset: str, variants: Sequence[Variant], *, repeats: int = 20,
-            batch_size: Optional[int] = None, baseline: str = "bf16") -> Dict[str, dict]:
-  """Train and inference timings of `variants`, interleaved, with speedups vs `baseline`."""
-  prepared = {v.name: prepare(model_name, preset, v, batch_size) for v in variants}
-  out = {v.name: dict(prepared[v.name][2]) for v in variants}
-  for mode, index in (("train", 0), ("infer", 1)):
-    timings = timing.time_calls({n: p[index] for n, p in prepared.items()}, repeats=repeats)
-    summary = timing.summarize(timings, baseline if baseline in timings else next(iter(timings)))
-    for name, s in summary.items():
-      bs = out[name]["batch_size"]
-      out[name][mode] = dict(s, examples_per_s=bs / (s["median_us"] * 1e-6))
-  return out

@@ -147,7 +147,7 @@ def _weight_product(module, info: SiteExport, spec: EinsumSpec, x):
                                          pass_name="fwd", out_dtype=policy.output_dtype)
 
 
-def _dense_core(module, info: SiteExport, x):
+def _dense(module, info: SiteExport, x):
   lead = x.shape[:-1]
   x2 = x.reshape((math.prod(lead), x.shape[-1]))
   out = _weight_product(module, info, EinsumSpec.parse("mk,kn->mn"), x2)
@@ -157,14 +157,10 @@ def _dense_core(module, info: SiteExport, x):
   return out
 
 
-def _dense(module, info, x):
-  return _dense_core(module, info, x)
-
-
 def _fused_dense(module, info, x):
   if isinstance(x, QTensor):
     x = x.dequantize(module.config.policy.compute_dtype)
-  return module.epilogue(_dense_core(module, info, x))
+  return module.epilogue(_dense(module, info, x))
 
 
 def _einsum(module, info, x):

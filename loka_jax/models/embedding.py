@@ -71,13 +71,17 @@ def table_rows(vocab: int, max_vocab: int) -> int:
   return min(vocab, max_vocab) if max_vocab > 0 else vocab
 
 
-def lookup(table, ids, vocab: int):
-  """Gathers rows of `table` for `ids`; ids past a capped table are hashed modulo its rows,
-  then clamped into range (padding slots may hold anything; callers mask them)."""
-  rows = table.shape[0]
+def row_index(ids, vocab: int, rows: int):
+  """The table row of each id: ids past a capped table (vocab > rows) are hashed modulo its
+  rows, then clamped into range (padding slots may hold anything; callers mask them)."""
   if vocab > rows:
     ids = jnp.mod(ids, rows)
-  return jnp.take(table, jnp.clip(ids, 0, rows - 1), axis=0)
+  return jnp.clip(ids, 0, rows - 1)
+
+
+def lookup(table, ids, vocab: int):
+  """Gathers rows of `table` for `ids` (see `row_index`)."""
+  return jnp.take(table, row_index(ids, vocab, table.shape[0]), axis=0)
 
 
 class Embeddings(nn.Module):

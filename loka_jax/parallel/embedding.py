@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from loka_jax.data.spec import FeatureSpec
-from loka_jax.models.embedding import Embeddings, table_rows
+from loka_jax.models.embedding import Embeddings, row_index, table_rows
 from loka_jax.parallel import collectives
 from loka_jax.parallel.mesh import MODEL, MeshSpecError, axis_size
 
@@ -64,14 +64,11 @@ def check_shardable(tables: Mapping[str, Sequence[int]], model_size: int) -> Non
 def local_rows(shard: jax.Array, ids: jax.Array, vocab: int, axis: str = MODEL) -> jax.Array:
   """fp32 rows for `ids` from this device's shard; ids owned by another shard give 0.
 
-  Ids are mapped to table rows exactly as `models.embedding.lookup` does (hashed modulo a
-  capped table, then clamped), so the sharded lookup equals the single-device one.
+  Ids map to table rows through `models.embedding.row_index`, as in the single-device
+  lookup, so both give the same rows.
   """
   local = shard.shape[0]
-  rows = local * axis_size(axis)
-  if vocab > rows:
-    ids = jnp.mod(ids, rows)
-  ids = jnp.clip(ids, 0, rows - 1) - lax.axis_index(axis) * local
+  ids = row_index(ids, vocab, local * axis_size(axis)) - lax.axis_index(axis) * local
   mine = (ids >= 0) & (ids < local)
   gathered = jnp.take(shard, jnp.clip(ids, 0, local - 1), axis=0).astype(jnp.float32)
   return gathered * mine[..., None]
