@@ -37,6 +37,10 @@ COMPILE_CACHE = flags.DEFINE_string("compile_cache", None,
 BATCH = flags.DEFINE_integer("batch_size", 0, "Batch size; 0: each preset's / tower's.")
 PROBE = flags.DEFINE_bool("probe", True, "Probe targets whose LoKA plan is missing.")
 PROBE_STEPS = flags.DEFINE_integer("probe_steps", 100, "Training steps of each probe.")
+PROBE_SAMPLES = flags.DEFINE_integer("probe_samples", 32, "Draws per site of each probe's "
+                                     "error evaluation (fewer: faster, wider CIs).")
+PROBE_KERNELS = flags.DEFINE_list("probe_kernels", [], "Each probe's candidate kernels "
+                                  "(default: every registered candidate).")
 PLANS = flags.DEFINE_string("plans_dir", None, "Plan directory (default: WORKDIR/plans).")
 Q_PRESET = flags.DEFINE_string("quality_preset", "small", "Preset of the synthetic quality runs.")
 Q_STEPS = flags.DEFINE_integer("quality_steps", 500, "Training steps of every quality arm.")
@@ -95,7 +99,10 @@ def main(argv):
   variants = parse_variants(VARIANTS.value)
   models = MODELS_FLAG.value or list(MODEL_NAMES)
   settings = suite.SpeedSettings(repeats=REPEATS.value, plans_dir=plans_dir, probe=PROBE.value,
-                                 probe_steps=PROBE_STEPS.value, seed=common_flags.SEED.value)
+                                 probe_steps=PROBE_STEPS.value,
+                                 probe_samples=PROBE_SAMPLES.value,
+                                 probe_kernels=tuple(PROBE_KERNELS.value),
+                                 seed=common_flags.SEED.value)
   batch = BATCH.value or None
   _log(f"device {device}; suite {SUITE.value}; results under {workdir}")
 
@@ -169,7 +176,8 @@ def _quality_plan_maker(qs, settings, deadline):
     config = TrainConfig(steps=settings.probe_steps, progress=False, seed=qs.seed,
                          batch_size=qs.batch_size or experiment.preset_batch_size(
                              model, qs.preset))
-    return planning.make_plan(spec, qs.plans_dir, config, budget_s=budget)
+    return planning.make_plan(spec, qs.plans_dir, config, budget_s=budget,
+                              samples=settings.probe_samples, kernels=settings.probe_kernels)
   return make
 
 

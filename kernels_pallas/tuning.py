@@ -144,22 +144,24 @@ def tune(kernel: str, key: str, candidates: Sequence[TileConfig],
     raise RuntimeError("Pallas autotuning needs a GPU; on the CPU kernels run interpreted "
                        "with their default tiles")
   candidates = list(dict.fromkeys(candidates))[:MAX_CANDIDATES]
-  timings, best, best_t = {}, None, float("inf")
+  timings, errors, best, best_t = {}, {}, None, float("inf")
   for config in candidates:
     name = json.dumps(config.to_dict(), sort_keys=True)
     try:
-      # Concrete inputs even when called while a jit trace is running (autotune on a miss).
-      with jax.ensure_compile_time_eval():
-        t = time_call(run(config), repeats)
+      # Callers tune on eager (concrete) calls only. Not under ensure_compile_time_eval:
+      # that evaluates a pallas_call's body primitive by primitive, which fails on
+      # program_id (measured on H200, jax 0.11.2).
+      t = time_call(run(config), repeats)
     except Exception as e:  # A config Triton cannot compile is not an error of the kernel.
       logging.info("tuning %s %s: config %s failed: %s", kernel, key, name, e)
       timings[name] = None
+      errors[name] = f"{type(e).__name__}: {str(e)[:500]}"
       continue
     timings[name] = t
     if t < best_t:
       best, best_t = config, t
   if best is None:
-    raise RuntimeError(f"tuning {kernel} {key}: every candidate failed; timings {timings}")
+    raise RuntimeError(f"tuning {kernel} {key}: every candidate failed: {errors}")
   record(kernel, key, best, best_t, timings)
   return best
 

@@ -9,9 +9,10 @@ GEMM backends of the compiled step. A rerun skips finished rows; a failure is a 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 import traceback
-from typing import Callable, Iterable, List, Optional, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import jax
 
@@ -107,12 +108,13 @@ class SpeedSettings:
   plans_dir: str = "plans"
   probe: bool = True            # probe a target whose LoKA plan does not exist yet
   probe_steps: int = 100
+  probe_samples: int = 32       # draws per site of each probe's error evaluation
+  probe_kernels: Tuple[str, ...] = ()  # each probe's candidates (empty: the default list)
   min_call_s: float = 1e-3
   seed: int = 0
 
 
-def _plan_for(target: Target, variant: Variant, batch, settings: SpeedSettings,
-              deadline: float, log) -> tuple:
+def _plan_for(target: Target, variant: Variant, batch, settings: SpeedSettings) -> tuple:
   """(KernelPlan or None, row fields, reason it is missing)."""
   if variant.kernels_from == PALLAS:
     model = target.build(SiteConfig.for_precision("bf16"), variant.mods)
@@ -122,22 +124,29 @@ def _plan_for(target: Target, variant: Variant, batch, settings: SpeedSettings,
     return plan, {"pallas_coverage": pallas_coverage(chosen), "kernels": kernels}, None
   if variant.kernels_from == PLAN:
     plan = planning.load(settings.plans_dir, target.model, target.preset)
-    if plan is None and settings.probe:
-      budget = deadline - time.time()
-      if budget < 30:
-        return None, {}, "no time left to probe"
-      log(f"probing {target.name} for its LoKA plan (budget {budget:.0f}s)")
-      config = TrainConfig(steps=settings.probe_steps, batch_size=target.batch(),
-                           progress=False, seed=settings.seed)
-      planning.make_plan(target.run_spec(variant.mods), settings.plans_dir, config,
-                         budget_s=budget, build=target.probe_build())
-      plan = planning.load(settings.plans_dir, target.model, target.preset)
     if plan is None:
       return None, {}, "the LoKA plan is not ready (the probe resumes on the next run)"
     fields = {"plan": planning.plan_path(settings.plans_dir, target.model, target.preset),
               "kernels": plan.kernel_names(), "export": False}
     return plan, fields, None
   return None, {}, None
+
+
+def _probe_for_plan(target: Target, variant: Variant, settings: SpeedSettings,
+                    deadline: float, log) -> None:
+  """Probes the target for its LoKA plan when the plan is missing (resumable)."""
+  if planning.load(settings.plans_dir, target.model, target.preset) is not None:
+    return
+  budget = deadline - time.time()
+  if budget < 30:
+    return
+  log(f"probing {target.name} for its LoKA plan (budget {budget:.0f}s)")
+  config = TrainConfig(steps=settings.probe_steps, batch_size=target.batch(), progress=False,
+                       seed=settings.seed)
+  planning.make_plan(target.run_spec(variant.mods), settings.plans_dir, config,
+                     budget_s=budget, build=target.probe_build(),
+                     samples=settings.probe_samples, kernels=settings.probe_kernels)
+  gc.collect()  # the probe's training state must be gone before the baseline's is built
 
 
 def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile, *,
@@ -149,6 +158,12 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
   if not pending:
     return True
   log(f"{target.name}: {', '.join(v.name for v in pending)}")
+  if settings.probe:
+    # Probe before the baseline's state exists: a large preset (Wukong large: 50 GiB of
+    # parameters and Adam state) cannot hold the probe's training state beside it.
+    for v in pending:
+      if v.kernels_from == PLAN:
+        _probe_for_plan(target, v, settings, deadline, log)
   base = {"suite": target.suite, "model": target.model, "preset": target.preset,
           "device": device, "jax": jax.__version__, "batch_size": target.batch(),
           "flops_per_example": target.flops_per_example()}
@@ -172,7 +187,7 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
       if v.name == "bf16":
         arm = baseline
       else:
-        plan, fields, missing = _plan_for(target, v, batch, settings, deadline, log)
+        plan, fields, missing = _plan_for(target, v, batch, settings)
         if missing:
           log(f"  {v.name}: skipped, {missing}")
           complete = False

@@ -416,20 +416,24 @@ def speed_enabled(config: ValidationConfig) -> Tuple[bool, str]:
                  "kernels; run the pipeline on the target GPU to validate speed")
 
 
-def _step_calls(ctx: ValidationContext, kplan: KernelPlan):
-  """(train_call, infer_call): argument-less whole steps on a fixed real batch; the train
-  call threads its own copy of the state."""
+def _step_calls(ctx: ValidationContext, kplan: KernelPlan, shared: Dict[str, Any]):
+  """(train_call, infer_call): argument-less whole steps on a fixed real batch. Every plan's
+  train call threads the same parameters and optimizer state (`shared`, one copy of the
+  checkpoint's: a plan changes kernels only) and its own fp8_meta, so timing two plans costs
+  one extra copy of the state however large the model (Wukong large: 50 GiB)."""
   model, state = state_for(ctx, kplan)
   train_step, eval_step = compiled_steps(model, ctx.optim, "stop")
   batch = jax.device_put(ctx.batch())
-  holder = {"state": _fresh_copy(state)}
+  meta = {"value": _fresh_copy(state.fp8_meta)}
 
   def train_call():
-    holder["state"], m = train_step(holder["state"], batch)
+    new, m = train_step(shared["state"].replace(fp8_meta=meta["value"]), batch)
+    meta["value"] = new.fp8_meta
+    shared["state"] = new.replace(fp8_meta={})
     return m["loss"]
 
   def infer_call():
-    return eval_step(holder["state"], batch)
+    return eval_step(shared["state"].replace(fp8_meta=meta["value"]), batch)
 
   return train_call, infer_call
 
@@ -438,7 +442,8 @@ def measure_steps(ctx: ValidationContext, plans: Mapping[str, KernelPlan], basel
                   repeats: int = 20, seed: int = 0) -> Dict[str, Dict[str, dict]]:
   """{mode: timing.summarize(...)} of whole train and inference steps of `plans`,
   interleaved, with speedups vs `baseline` (baseline time / variant time)."""
-  calls = {name: _step_calls(ctx, kplan) for name, kplan in plans.items()}
+  shared = {"state": _fresh_copy(ctx.state.replace(fp8_meta={}))}
+  calls = {name: _step_calls(ctx, kplan, shared) for name, kplan in plans.items()}
   out = {}
   for mode, index in (("train", 0), ("infer", 1)):
     timings = timing.time_calls({n: c[index] for n, c in calls.items()}, repeats=repeats)

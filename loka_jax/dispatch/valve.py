@@ -39,7 +39,7 @@ from loka_jax.kernels import registry
 from loka_jax.probe import collector as collector_lib
 from loka_jax.probe import evaluate, stats_report, summarize
 from loka_jax.probe.eligibility import Criteria
-from loka_jax.train.checkpoint import EXTRAS_JSON, ITEMS
+from loka_jax.train.checkpoint import EXTRAS_JSON, item_handlers
 from loka_jax.train.loop import ModelSwap
 
 PLAN_KEY = "dispatch_plan"     # checkpoint extras: the active plan (JSON)
@@ -84,7 +84,7 @@ def checkpoint_plan(workdir: str) -> Optional[Tuple[int, Plan]]:
     return None
   manager = ocp.CheckpointManager(os.path.abspath(directory),
                                   options=ocp.CheckpointManagerOptions(create=False),
-                                  item_names=ITEMS)
+                                  item_handlers=item_handlers())
   try:
     step = manager.latest_step()
     if step is None:

@@ -18,8 +18,8 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from loka_jax.parallel import step as step_lib
-from loka_jax.train.checkpoint import (EXTRAS_ARRAYS, EXTRAS_JSON, ITEMS, STATE,
-                                       CheckpointError, Checkpointer)
+from loka_jax.train.checkpoint import (EXTRAS_ARRAYS, EXTRAS_JSON, STATE, CheckpointError,
+                                       Checkpointer, item_handlers)
 from loka_jax.train.state import TrainState, split_variables
 
 
@@ -66,7 +66,7 @@ def restore_sharded(directory: str, template: TrainState, step: Optional[int] = 
   if not os.path.isdir(directory):
     raise CheckpointError(f"no checkpoint directory {directory}")
   options = ocp.CheckpointManagerOptions(create=False, enable_async_checkpointing=False)
-  manager = ocp.CheckpointManager(directory, options=options, item_names=ITEMS)
+  manager = ocp.CheckpointManager(directory, options=options, item_handlers=item_handlers())
   try:
     steps = sorted(manager.all_steps())
     if not steps:

@@ -24,7 +24,7 @@ from loka_jax.train.state import TrainState
 STATE = "state"
 EXTRAS_JSON = "extras_json"
 EXTRAS_ARRAYS = "extras_arrays"
-ITEMS = (STATE, EXTRAS_JSON, EXTRAS_ARRAYS)
+HOST_TRANSFER_GB = 4  # the most array data one save or restore holds in host memory at once
 
 
 class CheckpointError(RuntimeError):
@@ -58,6 +58,19 @@ def _all_finite(tree) -> bool:
              if np.issubdtype(np.asarray(x).dtype, np.floating))
 
 
+def item_handlers() -> Dict[str, Any]:
+  """orbax handlers of a run's checkpoint items, with bounded host transfers.
+
+  orbax's default moves up to 96 GB through host memory at once; Wukong large's 50 GiB state
+  then exhausted a 128 GiB GPU host mid-save (H200, 2026-11-26). The bound costs nothing in
+  correctness.
+  """
+  def arrays():
+    return ocp.StandardCheckpointHandler(save_concurrent_gb=HOST_TRANSFER_GB,
+                                         restore_concurrent_gb=HOST_TRANSFER_GB)
+  return {STATE: arrays(), EXTRAS_JSON: ocp.JsonCheckpointHandler(), EXTRAS_ARRAYS: arrays()}
+
+
 class Checkpointer:
   """Saves and restores TrainStates under one directory, keeping the last `keep`."""
 
@@ -71,7 +84,8 @@ class Checkpointer:
   def _open(self) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True,
                                            enable_async_checkpointing=False)
-    return ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+    return ocp.CheckpointManager(self.directory, options=options,
+                                 item_handlers=item_handlers())
 
   def steps(self):
     """Steps of the complete checkpoints, oldest first."""
