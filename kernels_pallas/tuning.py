@@ -2,8 +2,9 @@
 
 Cache: `$LOKA_PALLAS_TUNE_DIR/<device_kind>.json` (default `~/.cache/loka_jax/pallas_tune/`),
 `{"schema": "loka.pallas_tune/1", "device": ..., "entries": {kernel: {shape_key: config}}}`.
-Kernels look configs up at trace time (`lookup`): a cached winner, else a default chosen by
-shape class. Tuning runs kernels, so it happens eagerly (`tune`, the benchmark script, or on a
+Kernels look configs up at trace time (`lookup`): the user's cached winner, else the winner
+shipped with the package for that device kind (`kernels_pallas/tuned/<device_kind>.json`, from
+the benchmark's `--tune` runs), else a default chosen by shape class. Tuning runs kernels, so it happens eagerly (`tune`, the benchmark script, or on a
 cache miss when LOKA_PALLAS_AUTOTUNE=1) and never on the CPU.
 """
 from __future__ import annotations
@@ -99,11 +100,23 @@ def clear_memory() -> None:
     _memory.clear()
 
 
+SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned")
+
+
+def shipped_path(device_kind: Optional[str] = None) -> str:
+  """The package's tuned winners for a device kind (same format as the cache)."""
+  return os.path.join(SHIPPED_DIR, f"{device_kind or _compat.device_kind()}.json")
+
+
 def cached(kernel: str, key: str) -> Optional[TileConfig]:
-  """The tuned config for this device kind (its own file: GPU entries never reach the CPU)."""
+  """The tuned config for this device kind: the user's cache first, then the shipped table
+  (one file per device kind: GPU entries never reach the CPU)."""
   with _lock:
-    entry = _load(cache_path())["entries"].get(kernel, {}).get(key)
-  return TileConfig.from_dict(entry["config"]) if entry else None
+    for path in (cache_path(), shipped_path()):
+      entry = _load(path)["entries"].get(kernel, {}).get(key)
+      if entry:
+        return TileConfig.from_dict(entry["config"])
+  return None
 
 
 def record(kernel: str, key: str, config: TileConfig, time_us: float,

@@ -3,6 +3,7 @@ jax.grad of the reference, the kernels inside DenseSite plans, and the tuning ca
 import json
 import os
 import tempfile
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -171,6 +172,28 @@ class TuningCacheTest(absltest.TestCase):
           os.environ.pop(tuning.ENV_DIR, None)
         else:
           os.environ[tuning.ENV_DIR] = old
+        tuning.clear_memory()
+
+  def test_shipped_table_backs_the_user_cache(self):
+    """A device kind's shipped winners apply when the user's cache has no entry, and the
+    user's own tuning overrides them."""
+    with open(tuning.shipped_path("NVIDIA_H200")) as f:
+      shipped = json.load(f)
+    self.assertEqual(shipped["schema"], tuning.SCHEMA)
+    kernel, entries = next(iter(sorted(shipped["entries"].items())))
+    key, entry = next(iter(sorted(entries.items())))
+    with tempfile.TemporaryDirectory() as tmp, \
+        mock.patch.object(tuning._compat, "device_kind", lambda: "NVIDIA_H200"), \
+        mock.patch.dict(os.environ, {tuning.ENV_DIR: tmp}):
+      tuning.clear_memory()
+      try:
+        self.assertEqual(tuning.cached(kernel, key), tuning.TileConfig.from_dict(entry["config"]))
+        self.assertIsNone(tuning.cached(kernel, "no such shape"))
+        mine = tuning.TileConfig(16, 32, 32, 1, 2, 2, 1)
+        tuning.record(kernel, key, mine, 1.0)
+        tuning.clear_memory()
+        self.assertEqual(tuning.cached(kernel, key), mine)
+      finally:
         tuning.clear_memory()
 
 

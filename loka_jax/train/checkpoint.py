@@ -19,7 +19,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from loka_jax.train.state import TrainState
+from loka_jax.train.state import TrainState, all_finite
 
 STATE = "state"
 EXTRAS_JSON = "extras_json"
@@ -51,11 +51,6 @@ def split_extras(extras: Optional[Mapping[str, Any]]) -> Tuple[Dict, Dict]:
                       f"JSON-serializable: {e}") from e
     json_part[key] = value
   return json_part, array_part
-
-
-def _all_finite(tree) -> bool:
-  return all(bool(np.isfinite(np.asarray(x)).all()) for x in jax.tree.leaves(tree)
-             if np.issubdtype(np.asarray(x).dtype, np.floating))
 
 
 def item_handlers() -> Dict[str, Any]:
@@ -118,7 +113,7 @@ class Checkpointer:
     state = template.from_state_dict(restored[STATE])
     if int(jax.device_get(state.step)) != step:
       raise ValueError(f"holds step {int(state.step)} in a directory named {step}")
-    if not _all_finite((state.params, state.opt_state, state.fp8_meta)):
+    if not all_finite((state.params, state.opt_state, state.fp8_meta)):
       raise ValueError("holds non-finite parameters or optimizer state")
     extras = dict(restored[EXTRAS_JSON] or {})
     if EXTRAS_ARRAYS in items:

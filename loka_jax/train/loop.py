@@ -49,7 +49,7 @@ from loka_jax.kernels import FP8_META
 from loka_jax.train import metrics as metrics_lib
 from loka_jax.train.checkpoint import Checkpointer
 from loka_jax.train.optim import OptimConfig, make_optimizer
-from loka_jax.train.state import TrainState, create_train_state, split_variables
+from loka_jax.train.state import TrainState, all_finite, create_train_state, split_variables
 
 NAN_POLICIES = ("stop", "skip")
 # Settings a resumed run may change; anything else must match the run directory's config.
@@ -187,11 +187,6 @@ def compiled_steps(model, optim: OptimConfig, nan_policy: str):
 
 
 # ----------------------------------------------------------------------------- diagnosis
-
-
-def _host_finite(tree) -> bool:
-  return all(np.isfinite(np.asarray(x)).all() for x in jax.device_get(jax.tree.leaves(tree))
-             if np.issubdtype(np.asarray(x).dtype, np.inexact))
 
 
 def _non_finite_fields(batch) -> list:
@@ -487,7 +482,7 @@ def train(model, source, workdir: str, config: TrainConfig, *,
         else:
           # The state before the bad step is the last good one, unless an earlier update
           # already overflowed the parameters (then the last checkpoint is).
-          if _host_finite(state.params):
+          if all_finite(state.params):
             save()
           latest = checkpointer.latest_step()
           where = None if latest is None else os.path.join(checkpointer.directory, str(latest))
