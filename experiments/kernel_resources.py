@@ -73,7 +73,11 @@ fp8->f16 cvt = static count of `cvt.rn.f16x2.e4m3x2` (fp8 operands upcast before
 What-if: the same TTIR recompiled with `maxNumImpreciseAcc` on the fp8 `tt.dot` (not reachable
 from Pallas today: jax's `_dot_general_lowering` never sets it, so it is 0, and Triton's
 `supportMMA(DotOp, 3)` refuses MMAv3/wgmma for an fp8 dot with an f32 accumulator when it is
-< 32). wgmma also needs block_m % 64 == 0 and num_warps % 4 == 0.
+< 32). wgmma also needs block_m % 64 == 0 and num_warps % 4 == 0. What-if acc in dot: jax
+lowers `accs + pl.dot(a, b)` to `tt.dot(a, b, zeros)` + `arith.addf`, which Triton keeps
+(two live accumulators); the rewrite feeds the running accumulator to `tt.dot` (what a native
+Triton GEMM's `tl.dot(a, b, acc)` does). Blockwise scales multiply each partial product, so
+nothing folds there. Both: the two rewrites together. None of the what-ifs ran on a GPU.
 Caveat: the H200 runs compile the same TTIR with XLA's bundled Triton and ptxas, not pip
 triton; the instruction choice follows the same Triton check, exact register counts may differ.
 """
@@ -121,6 +125,20 @@ def with_imprecise_acc(ttir, n):
                 rf"\1 {{maxNumImpreciseAcc = {n} : i32}}", ttir)
 
 
+_DOT_ADD = re.compile(r"^(\s*)%(\w+) = tt\.dot (%\w+), (%\w+), %\w+, ([^\n]*)\n"
+                      r"\s*%(\w+) = arith\.addf (%\w+), %\2 : [^\n]*\n", re.M)
+
+
+def with_acc_in_dot(ttir):
+  """`acc + dot(a, b, 0)` (what jax emits for `accs + pl.dot(...)`) -> `dot(a, b, acc)`."""
+  def fold(m):
+    if len(re.findall(rf"%{m.group(2)}\b", ttir)) != 2:  # the dot has another use
+      return m.group(0)
+    return f"{m.group(1)}%{m.group(6)} = tt.dot {m.group(3)}, {m.group(4)}, {m.group(7)}, " \
+           f"{m.group(5)}\n"
+  return _DOT_ADD.sub(fold, ttir)
+
+
 def compile_sm90(ttir, cfg, dump_prefix=None):
   with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "kernel.ttir")
@@ -132,7 +150,8 @@ def compile_sm90(ttir, cfg, dump_prefix=None):
     ptx_path = os.path.join(tmp, "kernel.ptx")
     with open(ptx_path, "w") as f:
       f.write(ptx)
-    log = subprocess.run([PTXAS, "-v", f"--gpu-name={sm_arch_from_capability(TARGET.arch)}", ptx_path, "-o",
+    arch = sm_arch_from_capability(TARGET.arch)
+    log = subprocess.run([PTXAS, "-v", f"--gpu-name={arch}", ptx_path, "-o",
                           os.path.join(tmp, "kernel.o")], capture_output=True, text=True,
                          check=True).stderr
   if dump_prefix:
@@ -180,18 +199,24 @@ def main():
   p.add_argument("--out", default="", help="write the markdown report here")
   p.add_argument("--kernels", default="rowwise,blockwise,fused")
   p.add_argument("--what_if_acc", type=int, default=1 << 30,
-                 help="maxNumImpreciseAcc for the what-if compile (Triton's own tl.dot default "
-                      "for fp8 on sm_90); 0 skips it")
+                 help="maxNumImpreciseAcc for the what-if compiles (Triton's own tl.dot default "
+                      "for fp8 on sm_90); 0 skips the what-if columns")
   p.add_argument("--date", default=datetime.date.today().isoformat())
   p.add_argument("--dump_dir", default="", help="also write ttir/ttgir/ptx per kernel here")
   args = p.parse_args()
   if args.dump_dir:
     os.makedirs(args.dump_dir, exist_ok=True)
   header = ("| kernel | M x K x N | config | bm x bn[x n_sub] kK warps stages | grid programs "
-            "| programs / 132 SMs | regs/thread | spills (B) | smem (B) | smem model (B) | programs/SM | waves "
+            "| programs / 132 SMs | regs/thread | spills (B) | smem (B) | smem model (B) "
+            "| programs/SM | waves "
             "| MMA instruction | fp8->f16 cvt |")
+  what_ifs = {}
   if args.what_if_acc:
-    header += " what-if maxNumImpreciseAcc: regs / spills / smem / MMA |"
+    what_ifs["maxNumImpreciseAcc"] = lambda t: with_imprecise_acc(t, args.what_if_acc)
+    what_ifs["acc in dot"] = with_acc_in_dot
+    what_ifs["both"] = lambda t: with_acc_in_dot(with_imprecise_acc(t, args.what_if_acc))
+  for name in what_ifs:
+    header += f" what-if {name}: regs / spills / smem / MMA |"
   rows = [header, "|" + "---|" * (header.count("|") - 1)]
   findings = []
   for kernel, (M, K, N), which, cfg in cases(args.kernels.split(",")):
@@ -212,9 +237,14 @@ def main():
            f"| {r['regs']} | {r['spills']} | {r['smem']} | {gemm_lib.shared_memory_bytes(cfg)} "
            f"| {per_sm} | {waves:.2f} "
            f"| {r['mma']} | {r['cvt_e4m3']} |")
-    if args.what_if_acc:
-      w = compile_sm90(with_imprecise_acc(ttir, args.what_if_acc), cfg)
-      row += f" {w['regs']} / {w['spills']} / {w['smem']} / {w['mma']} |"
+    for name, rewrite in what_ifs.items():
+      patched = rewrite(ttir)
+      if patched == ttir:
+        row += " (no change) |"
+        continue
+      w = compile_sm90(patched, cfg)
+      kind = "wgmma" if w["wgmma"] else "mma.sync"
+      row += f" {w['regs']} / {w['spills']} / {w['smem']} / {kind} |"
     rows.append(row)
     findings.append((r["wgmma"], r["e4m3_mma"]))
     print(row, flush=True)

@@ -314,12 +314,12 @@ def gemm(a, b, sa, sb, *, a_t: bool = False, b_t: bool = False, scales: str = RO
     default = default_config(dims, epilogue, scales)
 
     def runner(cfg):
-      # Jitted once per candidate: an eager call would time Python tracing and dispatch
+      # A jittable call, not an eager one: eager calls time Python tracing and dispatch
       # (~22 ms per call on H200), not the kernel (30-3000 us).
-      fn = jax.jit(functools.partial(gemm, a_t=a_t, b_t=b_t, scales=scales,
-                                     epilogue=epilogue, out_dtype=out_dtype,
-                                     pre_dtype=pre_dtype, config=cfg))
-      return lambda: fn(a, b, sa, sb, bias=bias)
+      def call(a, b, sa, sb, bias):
+        return gemm(a, b, sa, sb, a_t=a_t, b_t=b_t, scales=scales, epilogue=epilogue,
+                    bias=bias, out_dtype=out_dtype, pre_dtype=pre_dtype, config=cfg)
+      return call, (a, b, sa, sb, bias)
     # Tracers cannot feed the tuner; it only runs on eager (concrete) calls.
     concrete = _TRACER is not None and not any(
         isinstance(x, _TRACER) for x in (a, b, sa, sb, bias))

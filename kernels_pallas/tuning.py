@@ -17,16 +17,17 @@ import statistics
 import tempfile
 import threading
 import time
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import jax
 
-from loka_jax import _compat
+from loka_jax import _compat, timing
 
 SCHEMA = "loka.pallas_tune/1"
 ENV_DIR = "LOKA_PALLAS_TUNE_DIR"
 ENV_AUTOTUNE = "LOKA_PALLAS_AUTOTUNE"
 MAX_CANDIDATES = 12
+TUNE_INNER = 20  # kernel calls per timed sample (one jitted loop), so dispatch is amortized
 
 _lock = threading.Lock()
 _memory: Dict[str, dict] = {}
@@ -135,22 +136,26 @@ def autotune_enabled() -> bool:
   return os.environ.get(ENV_AUTOTUNE, "0") not in ("", "0", "false", "False")
 
 
-def time_call(fn: Callable[[], object], repeats: int = 10) -> float:
-  """Median wall time of fn() in microseconds (after one warm-up call)."""
-  jax.block_until_ready(fn())
+def time_call(fn: Callable, args: Sequence, repeats: int = 10, inner: int = 1) -> float:
+  """Median wall time in microseconds of one `fn(*args)`, measured as `inner` calls inside one
+  jitted loop (after a warm-up call), so host dispatch (20-40 us on H200) stays out of
+  kernels that take about as long."""
+  looped = timing.repeat_in_loop(fn, inner) if inner > 1 else jax.jit(fn)
+  jax.block_until_ready(looped(*args))
   times = []
   for _ in range(repeats):
     t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append((time.perf_counter() - t0) * 1e6)
+    jax.block_until_ready(looped(*args))
+    times.append((time.perf_counter() - t0) * 1e6 / inner)
   return statistics.median(times)
 
 
 def tune(kernel: str, key: str, candidates: Sequence[TileConfig],
-         run: Callable[[TileConfig], Callable[[], object]], repeats: int = 10) -> TileConfig:
+         run: Callable[[TileConfig], Tuple[Callable, Sequence]], repeats: int = 10,
+         inner: int = TUNE_INNER) -> TileConfig:
   """Times each candidate (at most MAX_CANDIDATES) and caches the fastest.
 
-  `run(config)` returns a zero-argument callable running the kernel on concrete inputs.
+  `run(config)` returns `(fn, args)`: a jittable kernel call and its concrete inputs.
   A candidate that fails to compile (too much shared memory, registers) is skipped.
   """
   if jax.default_backend() == "cpu":
@@ -164,7 +169,8 @@ def tune(kernel: str, key: str, candidates: Sequence[TileConfig],
       # Callers tune on eager (concrete) calls only. Not under ensure_compile_time_eval:
       # that evaluates a pallas_call's body primitive by primitive, which fails on
       # program_id (measured on H200, jax 0.11.2).
-      t = time_call(run(config), repeats)
+      fn, args = run(config)
+      t = time_call(fn, args, repeats, inner)
     except Exception as e:  # A config Triton cannot compile is not an error of the kernel.
       logging.info("tuning %s %s: config %s failed: %s", kernel, key, name, e)
       timings[name] = None
@@ -180,7 +186,8 @@ def tune(kernel: str, key: str, candidates: Sequence[TileConfig],
 
 
 def choose(kernel: str, key: str, default: TileConfig, candidates: Iterable[TileConfig],
-           run: Optional[Callable[[TileConfig], Callable[[], object]]] = None) -> TileConfig:
+           run: Optional[Callable[[TileConfig], Tuple[Callable, Sequence]]] = None
+           ) -> TileConfig:
   """Cached config, else (on a GPU with LOKA_PALLAS_AUTOTUNE=1 and a runner) tune, else default."""
   hit = cached(kernel, key)
   if hit is not None:

@@ -166,7 +166,7 @@ class TuningCacheTest(absltest.TestCase):
         default = tuning.TileConfig()
         self.assertEqual(tuning.choose("other", "key", default, [cfg]), default)
         with self.assertRaisesRegex(RuntimeError, "GPU"):
-          tuning.tune("pallas_fp8_rowwise", "key", [cfg], lambda c: (lambda: None))
+          tuning.tune("pallas_fp8_rowwise", "key", [cfg], lambda c: (jnp.sin, (jnp.ones(4),)))
       finally:
         if old is None:
           os.environ.pop(tuning.ENV_DIR, None)

@@ -6,6 +6,7 @@ Run on an H100/H200: `python -m pytest tests_gpu/test_pallas_gpu.py -q --timeout
 operands (tensor-core accumulation order differs from the CPU, so tolerances are looser than
 the interpret-mode tests). Garbage left in unwritten tiles fails (b) elementwise.
 """
+import functools
 import os
 import tempfile
 
@@ -149,7 +150,7 @@ def test_autotune_writes_the_cache():
       cands = gemm_lib.candidate_configs(dims, Epilogue(), gemm_lib.ROWWISE_SCALES)[:3]
       args = (qx.data[None], qw.data[None], qx.scale.reshape(1, -1), qw.scale.reshape(1, -1))
       best = tuning.tune("test_kernel", "key", cands, lambda c: (
-          lambda: gemm_lib.gemm(*args, config=c)))
+          functools.partial(gemm_lib.gemm, config=c), args))
       tuning.clear_memory()
       assert tuning.cached("test_kernel", "key") == best
     finally:
