@@ -1,5 +1,6 @@
 """fused_dense (interpret mode) against its unfused reference, its custom_vjp against
 jax.grad of the reference, the kernels inside DenseSite plans, and the tuning cache."""
+import functools
 import json
 import os
 import tempfile
@@ -12,7 +13,9 @@ from absl.testing import absltest, parameterized
 import chex
 
 from kernels_pallas import fused, tuning
+from kernels_pallas import gemm as gemm_lib
 from kernels_pallas import quantize as kq
+from loka_jax import timing
 from loka_jax.models import ActSite, DenseSite, SiteConfig
 from loka_jax.precision import E4M3, QTensor, metrics, scaling
 
@@ -195,6 +198,22 @@ class TuningCacheTest(absltest.TestCase):
         self.assertEqual(tuning.cached(kernel, key), mine)
       finally:
         tuning.clear_memory()
+
+  def test_time_call_runs_a_kernel_in_one_jitted_loop(self):
+    """The tuner's timing path: a GEMM candidate as (fn, args), run `inner` times in one jitted
+    loop (here interpreted on the CPU), gives a positive per-call time."""
+    key = jax.random.key(7)
+    a = jax.random.normal(key, (1, 48, 80)).astype(E4M3.dtype)
+    b = jax.random.normal(jax.random.fold_in(key, 1), (1, 80, 64)).astype(E4M3.dtype)
+    sa = jnp.full((1, 48), 0.5, jnp.float32)
+    sb = jnp.full((1, 64), 0.25, jnp.float32)
+    cfg = tuning.TileConfig(32, 64, 64, 1, 4, 2, 1)
+    fn = functools.partial(gemm_lib.gemm, config=cfg)
+    t = tuning.time_call(fn, (a, b, sa, sb), repeats=2, inner=3)
+    self.assertGreater(t, 0.0)
+    looped = jax.block_until_ready(timing.repeat_in_loop(fn, 3)(a, b, sa, sb))
+    np.testing.assert_allclose(np.asarray(looped, np.float32),
+                               np.asarray(fn(a, b, sa, sb), np.float32), rtol=1e-6)
 
 
 if __name__ == "__main__":
