@@ -203,6 +203,38 @@ class SharedStateTest(chex.TestCase):
     chex.assert_shape(np.asarray(flax_arm.infer()), (32,))
 
 
+class ExportedInferenceTest(chex.TestCase):
+  """The LoKA arm's inference runs the exported model (e4m3 weights, static scales) on the
+  parameters the arms train, and the row says how its sites were exported."""
+
+  def test_loka_infers_with_the_exported_model(self):
+    from test_dispatch_export import make_plan, probe_stats
+    from loka_jax import dispatch
+    from loka_jax.dispatch import export as export_lib
+    target = suite.model_targets(["dlrm"], ["tiny"], 64)[0]
+    source = target.source(3)
+    batch = source.train_batch(0, 64)
+    bench = suite.speed.TargetBench(batch, min_call_s=0.0)
+    bf16 = target.build(SiteConfig.for_precision("bf16"))
+    bench.set_baseline(bf16)
+    report = probe_stats(bf16, {"params": bench.holder["shared"].params}, source)
+    plan = make_plan(report["sites"])
+    planned = target.build(SiteConfig.for_precision("loka", plan=plan.kernel_plan()))
+    arm = bench.add("loka", planned)
+    arm.train()  # the exported weights are the ones the arms have trained
+    served, fields = suite.serve_exported(bench, arm, planned, plan, report)
+    self.assertTrue(fields["export"])
+    self.assertEqual(fields["export_modes"], {"fp8": len(report["sites"]) - 1, "high": 1})
+    self.assertGreater(fields["export_saved_fraction"], 0.0)
+    expected = export_lib.export(planned, bench.holder["shared"].params, plan, report,
+                                 batch=batch).apply(batch)
+    np.testing.assert_allclose(np.asarray(served.infer()), np.asarray(expected), rtol=1e-5,
+                               atol=1e-5)
+    unexported = np.asarray(dispatch.apply(target.config(), plan).apply(
+        {"params": bench.holder["shared"].params}, batch, train=False), np.float32)
+    self.assertFalse(np.allclose(np.asarray(served.infer()), unexported, atol=0.0))
+
+
 class CliTest(absltest.TestCase):
 
   def test_runs_filters_and_resumes(self):

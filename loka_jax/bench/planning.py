@@ -25,6 +25,12 @@ def plan_path(plans_root: str, model: str, preset: str) -> str:
   return os.path.join(plan_dir(plans_root, model, preset), PLAN_FILE)
 
 
+def report_path(plans_root: str, model: str, preset: str) -> str:
+  """The probe report the target's plan was selected from (written by the pipeline)."""
+  from loka_jax.dispatch.pipeline import REPORT_JSON
+  return os.path.join(plan_dir(plans_root, model, preset), REPORT_JSON)
+
+
 def load(plans_root: str, model: str, preset: str) -> Optional[KernelPlan]:
   """The target's KernelPlan, or None when its plan file does not exist yet."""
   path = plan_path(plans_root, model, preset)

@@ -165,6 +165,15 @@ class TargetBench:
                                     next(iter(fresh.values())))}
     return self._arm(name, model, key, meta)
 
+  def with_inference(self, arm: Arm, forward: Callable, variables) -> Arm:
+    """`arm` whose inference call runs `forward(variables, batch)` instead of its model's eval
+    step (the LoKA arm serves its exported FP8 model), looped like every other call."""
+    fn = timing.repeat_in_loop(forward, self.inner) if self.inner > 1 else jax.jit(forward)
+    variables = jax.device_put(variables)
+    compiled = fn.lower(variables, self.batch).compile()
+    return dataclasses.replace(arm, infer=lambda: compiled(variables, self.batch),
+                               info={**arm.info, "infer_memory_bytes": memory_bytes(compiled)})
+
   def drop(self, name: str) -> None:
     self.holder.pop(f"own:{name}", None)
 

@@ -127,7 +127,7 @@ def _plan_for(target: Target, variant: Variant, batch, settings: SpeedSettings) 
     if plan is None:
       return None, {}, "the LoKA plan is not ready (the probe resumes on the next run)"
     fields = {"plan": planning.plan_path(settings.plans_dir, target.model, target.preset),
-              "kernels": plan.kernel_names(), "export": False}
+              "kernels": plan.kernel_names()}
     return plan, fields, None
   return None, {}, None
 
@@ -147,6 +147,18 @@ def _probe_for_plan(target: Target, variant: Variant, settings: SpeedSettings,
                      budget_s=budget, build=target.probe_build(),
                      samples=settings.probe_samples, kernels=settings.probe_kernels)
   gc.collect()  # the probe's training state must be gone before the baseline's is built
+
+
+def serve_exported(bench: speed.TargetBench, arm: speed.Arm, model, plan, report):
+  """(arm, row fields): the LoKA arm with its inference served by the exported model, i.e.
+  FP8-stored weights and static activation scales from the probe's amax (`dispatch.export`),
+  on the parameters the arm trains."""
+  from loka_jax.dispatch import export as export_lib
+  exported = export_lib.export(model, bench.holder["shared"].params, plan, report,
+                               batch=bench.batch)
+  fields = {"export": True, "export_modes": exported.mode_counts(),
+            "export_saved_fraction": round(exported.memory["saved_fraction"], 4)}
+  return bench.with_inference(arm, exported.forward, exported.variables), fields
 
 
 def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile, *,
@@ -195,7 +207,14 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
         row.update(fields)
         if v.kernels_from not in (PALLAS, PLAN):
           row["kernel"] = v.kernel if v.precision == "fp8_all" else f"xla_{v.precision}"
-        arm = bench.add(v.name, target.build(speed.site_config(v, plan), v.mods))
+        model = target.build(speed.site_config(v, plan), v.mods)
+        arm = bench.add(v.name, model)
+        if v.kernels_from == PLAN:
+          from loka_jax.probe.report import load_report
+          report = load_report(planning.report_path(settings.plans_dir, target.model,
+                                                    target.preset))
+          arm, export_fields = serve_exported(bench, arm, model, row["plan"], report)
+          row.update(export_fields)
       measured = bench.time_pair(arm, settings.repeats, seed=settings.seed)
       for mode, s in measured.items():
         s["examples_per_s"] = target.batch() / (s["median_us"] * 1e-6)

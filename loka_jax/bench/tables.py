@@ -38,6 +38,9 @@ def speed_table(rows: Sequence[Mapping], suite: str) -> str:
     kernels = ", ".join(r.get("kernels") or ([r["kernel"]] if r.get("kernel") else []))
     if r.get("export") is False:
       kernels += " (infer: planned model, not exported)"
+    elif r.get("export"):
+      modes = ", ".join(f"{n} {m}" for m, n in sorted((r.get("export_modes") or {}).items()))
+      kernels += f" (infer: exported, {modes or 'no sites'})"
     lines.append(
         f"| {r['model']} | {r['preset']} | {LABELS.get(r['variant'], r['variant'])} | "
         f"{r['batch_size']} | {t['examples_per_s']:,.0f} | {_ci(t)} | "
