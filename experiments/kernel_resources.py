@@ -8,14 +8,13 @@ package for GPUTarget('cuda', 90, 32) with the config's num_warps/num_stages; `p
 with `maxNumImpreciseAcc` set on the fp8 `tt.dot` (jax's lowering never sets it, and Triton
 only picks wgmma (MMAv3) for an fp8 dot with an f32 accumulator when it is >= 32).
 
-Needs jax >= 0.11 (abstract GPU) and triton (`pip install triton==3.6.0`); not the CI venv:
+Needs Python >= 3.12 with jax >= 0.11 (abstract GPU devices) and `triton==3.6.0` (its wheel
+bundles ptxas); no GPU. Not part of the CI environment (jax 0.10, no triton):
 
-  /tmp/j11/bin/python experiments/kernel_resources.py \
-      --out docs/results/kernel_resources_sm90.md
+  python3 -m experiments.kernel_resources --out=docs/results/kernel_resources_sm90.md
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import re
@@ -25,6 +24,7 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import triton
+from absl import app, flags
 from jax._src.pallas.triton import lowering as triton_lowering
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import sm_arch_from_capability
@@ -194,32 +194,33 @@ def cfg_str(c):
           f" k{c.block_k} w{c.num_warps} s{c.num_stages}")
 
 
-def main():
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--out", default="", help="write the markdown report here")
-  p.add_argument("--kernels", default="rowwise,blockwise,fused")
-  p.add_argument("--what_if_acc", type=int, default=1 << 30,
-                 help="maxNumImpreciseAcc for the what-if compiles (Triton's own tl.dot default "
-                      "for fp8 on sm_90); 0 skips the what-if columns")
-  p.add_argument("--date", default=datetime.date.today().isoformat())
-  p.add_argument("--dump_dir", default="", help="also write ttir/ttgir/ptx per kernel here")
-  args = p.parse_args()
-  if args.dump_dir:
-    os.makedirs(args.dump_dir, exist_ok=True)
+OUT = flags.DEFINE_string("out", "", "Write the markdown report here.")
+KERNELS = flags.DEFINE_list("kernels", ["rowwise", "blockwise", "fused"], "Kernel families.")
+WHAT_IF_ACC = flags.DEFINE_integer(
+    "what_if_acc", 1 << 30, "maxNumImpreciseAcc of the what-if compiles (Triton's own tl.dot "
+    "default for fp8 on sm_90); 0 skips the what-if columns.")
+DATE = flags.DEFINE_string("date", datetime.date.today().isoformat(), "Date in the header.")
+DUMP_DIR = flags.DEFINE_string("dump_dir", "", "Also write ttir/ttgir/ptx per kernel here.")
+
+
+def main(argv):
+  del argv
+  if DUMP_DIR.value:
+    os.makedirs(DUMP_DIR.value, exist_ok=True)
   header = ("| kernel | M x K x N | config | bm x bn[x n_sub] kK warps stages | grid programs "
             "| programs / 132 SMs | regs/thread | spills (B) | smem (B) | smem model (B) "
             "| programs/SM | waves "
             "| MMA instruction | fp8->f16 cvt |")
   what_ifs = {}
-  if args.what_if_acc:
-    what_ifs["maxNumImpreciseAcc"] = lambda t: with_imprecise_acc(t, args.what_if_acc)
+  if WHAT_IF_ACC.value:
+    what_ifs["maxNumImpreciseAcc"] = lambda t: with_imprecise_acc(t, WHAT_IF_ACC.value)
     what_ifs["acc in dot"] = with_acc_in_dot
-    what_ifs["both"] = lambda t: with_acc_in_dot(with_imprecise_acc(t, args.what_if_acc))
+    what_ifs["both"] = lambda t: with_acc_in_dot(with_imprecise_acc(t, WHAT_IF_ACC.value))
   for name in what_ifs:
     header += f" what-if {name}: regs / spills / smem / MMA |"
   rows = [header, "|" + "---|" * (header.count("|") - 1)]
   findings = []
-  for kernel, (M, K, N), which, cfg in cases(args.kernels.split(",")):
+  for kernel, (M, K, N), which, cfg in cases(KERNELS.value):
     problem = gemm_lib.validate_config(cfg, (1, M, N, K), FUSED if kernel == "fused" else PLAIN,
                                        gemm_lib.BLOCK_SCALES if kernel == "blockwise"
                                        else gemm_lib.ROWWISE_SCALES)
@@ -228,7 +229,7 @@ def main():
       rows.append(f"| {kernel} | {shape} | {which} | {cfg_str(cfg)} | invalid: {problem} |")
       continue
     ttir, grid = lower_to_ttir(kernel, M, K, N, cfg)
-    prefix = (os.path.join(args.dump_dir, f"{kernel}_{shape}_{which}") if args.dump_dir
+    prefix = (os.path.join(DUMP_DIR.value, f"{kernel}_{shape}_{which}") if DUMP_DIR.value
               else None)
     r = compile_sm90(ttir, cfg, prefix)
     per_sm = programs_per_sm(cfg, r["regs"], r["smem"])
@@ -255,15 +256,16 @@ def main():
   table = "\n".join(rows)
   print(table)
   print(summary)
-  if args.out:
-    with open(args.out, "w") as f:
-      f.write(f"# Pallas Triton FP8 GEMM resources on sm_90 ({args.date})\n\n"
+  if OUT.value:
+    with open(OUT.value, "w") as f:
+      f.write(f"# Pallas Triton FP8 GEMM resources on sm_90 ({DATE.value})\n\n"
               f"Compiled for sm_90 on a CPU machine, no GPU run. jax {jax.__version__}, "
               f"triton {triton.__version__} (bundled ptxas). Produced by "
-              f"`experiments/kernel_resources.py`:\n\n    /tmp/j11/bin/python "
-              f"experiments/kernel_resources.py --date {args.date} --out {args.out}\n\n"
+              f"`experiments/kernel_resources.py` (Python 3.12, jax 0.11, triton 3.6, no GPU):\n\n"
+              f"    python3 -m experiments.kernel_resources --date={DATE.value} "
+              f"--out={OUT.value}\n\n"
               f"{NOTES}\n{summary}\n\n{table}\n")
 
 
 if __name__ == "__main__":
-  main()
+  app.run(main)
