@@ -79,6 +79,7 @@ class Arm:
   train: Callable[[], Any]
   infer: Callable[[], Any]
   info: Dict[str, Any]
+  hlo: Dict[str, str] = dataclasses.field(default_factory=dict)  # compiled text per mode
 
 
 class TargetBench:
@@ -132,7 +133,8 @@ class TargetBench:
     info = {"compile_s": round(seconds, 2), "train_memory_bytes": memory_bytes(train_c),
             "infer_memory_bytes": memory_bytes(eval_c), "gemm_calls": gemm_calls(hlo),
             "shared_state": key == "shared", "inner": self.inner}
-    return Arm(name, train_call, infer_call, info)
+    return Arm(name, train_call, infer_call, info,
+               {"train": hlo, "infer": eval_c.as_text() or ""})
 
   def set_baseline(self, model) -> Arm:
     """Builds the shared state from `model` (bf16) and compiles its steps."""
@@ -172,7 +174,8 @@ class TargetBench:
     variables = jax.device_put(variables)
     compiled = fn.lower(variables, self.batch).compile()
     return dataclasses.replace(arm, infer=lambda: compiled(variables, self.batch),
-                               info={**arm.info, "infer_memory_bytes": memory_bytes(compiled)})
+                               info={**arm.info, "infer_memory_bytes": memory_bytes(compiled)},
+                               hlo={**arm.hlo, "infer": compiled.as_text() or ""})
 
   def drop(self, name: str) -> None:
     self.holder.pop(f"own:{name}", None)

@@ -114,7 +114,7 @@ class SpeedSettings:
   seed: int = 0
 
 
-def _plan_for(target: Target, variant: Variant, batch, settings: SpeedSettings) -> tuple:
+def plan_for(target: Target, variant: Variant, batch, settings: SpeedSettings) -> tuple:
   """(KernelPlan or None, row fields, reason it is missing)."""
   if variant.kernels_from == PALLAS:
     model = target.build(SiteConfig.for_precision("bf16"), variant.mods)
@@ -199,7 +199,7 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
       if v.name == "bf16":
         arm = baseline
       else:
-        plan, fields, missing = _plan_for(target, v, batch, settings)
+        plan, fields, missing = plan_for(target, v, batch, settings)
         if missing:
           log(f"  {v.name}: skipped, {missing}")
           complete = False

@@ -1,0 +1,88 @@
+r"""Profile whole train and inference steps: device time per GEMM site and pass, per kernel class.
+
+  python -m experiments.profile_step --model=wukong --preset=large \
+      --variants=bf16,flax_fp8_delayed,loka --plans_dir=DIR/plans --workdir=DIR/profile
+
+  python -m experiments.profile_step --tower=16384x4096x4 --variants=bf16,fp8_tensorwise
+
+Every variant is built as the headline benchmark builds it (`loka_jax.bench`: one shared
+training state, LoKA from its plan under --plans_dir, inference of LoKA from its exported
+model), each step runs --iterations times under the JAX profiler, and the device kernels of
+the trace are attributed to GEMM sites through the compiled HLO's op names. Writes
+WORKDIR/profile.json, WORKDIR/profile.md and the raw traces under WORKDIR/traces/. Needs a GPU
+for device kernels: a CPU run has none and says so.
+"""
+import os
+
+from absl import app, flags
+
+from loka_jax import flags as common_flags  # noqa: F401  (the common flags, defined once)
+
+TOWER = flags.DEFINE_string("tower", None, "Profile an MLP tower BxWIDTHxDEPTH instead.")
+VARIANTS = flags.DEFINE_list("variants", ["bf16", "bf16_mods"],
+                             "Variants as in experiments.bench (bf16 is always first).")
+PLANS = flags.DEFINE_string("plans_dir", None, "Plans of the LoKA variant (as the bench's).")
+BATCH = flags.DEFINE_integer("batch_size", 0, "Batch size; 0: the target's.")
+ITERATIONS = flags.DEFINE_integer("iterations", 5, "Profiled steps per variant and mode.")
+
+
+def main(argv):
+  del argv
+  import jax
+  from loka_jax import _compat, jsonio
+  from loka_jax.bench import planning, profile, speed, suite
+  from loka_jax.bench.variants import PLAN, parse_variants
+  from loka_jax.models.presets import site_products
+  from loka_jax.models.site import SiteConfig
+  from loka_jax.probe.report import load_report
+
+  workdir = common_flags.WORKDIR.value or "profile_run"
+  batch_size = BATCH.value or None
+  target = (suite.tower_targets([TOWER.value], batch_size)[0] if TOWER.value else
+            suite.model_targets([common_flags.MODEL.value], [common_flags.PRESET.value],
+                                    batch_size)[0])
+  settings = suite.SpeedSettings(plans_dir=PLANS.value or os.path.join(workdir, "plans"),
+                                 probe=False, seed=common_flags.SEED.value)
+  batch = target.source(settings.seed).train_batch(0, target.batch())
+  bench = speed.TargetBench(batch, seed=settings.seed, min_call_s=0.0)  # one step per call
+  bf16 = target.build(SiteConfig.for_precision("bf16"))
+  sites = list(site_products(bf16, None, batch))
+  arms = {"bf16": bench.set_baseline(bf16)}
+  for v in parse_variants(VARIANTS.value)[1:]:
+    plan, fields, missing = suite.plan_for(target, v, batch, settings)
+    if missing:
+      raise SystemExit(f"variant {v.name}: {missing} (plans under {settings.plans_dir})")
+    model = target.build(speed.site_config(v, plan), v.mods)
+    arm = bench.add(v.name, model)
+    if v.kernels_from == PLAN:
+      report = load_report(planning.report_path(settings.plans_dir, target.model, target.preset))
+      arm, _ = suite.serve_exported(bench, arm, model, fields["plan"], report)
+    arms[v.name] = arm
+
+  profiles = {}
+  for name, arm in arms.items():
+    for mode in ("train", "infer"):
+      key = f"{name} {mode}"
+      trace = profile.profile_calls({key: getattr(arm, mode)},
+                                    os.path.join(workdir, "traces", f"{name}_{mode}"),
+                                    ITERATIONS.value)
+      profiles[key] = profile.split(profile.kernel_events(trace),
+                                    profile.hlo_op_names(arm.hlo[mode]), sites,
+                                    steps=ITERATIONS.value)
+      print(f"[profile] {key}: {profiles[key]['device_us_per_step']:,.0f} us of device "
+            f"kernels per step", flush=True)
+  if not _compat.on_gpu():
+    print("[profile] not on a GPU: the trace holds no device kernels, so the tables are "
+          "empty; run this on the GPU host", flush=True)
+  device = jax.devices()[0].device_kind
+  jsonio.write_json_atomic(os.path.join(workdir, "profile.json"),
+                           {"target": target.name, "device": device, "sites": sites,
+                            "profiles": profiles})
+  table = profile.markdown(profiles)
+  with open(os.path.join(workdir, "profile.md"), "w") as f:
+    f.write(f"# Step profile: {target.name} on {device}\n\n{table}\n")
+  print(table)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,154 @@
+"""Where a step's device time goes: per GEMM site, per pass, per kernel class.
+
+`profile_calls` runs argument-less step calls under `jax.profiler.trace` (a Perfetto trace),
+`kernel_events` reads the device's kernel events back, and `split` attributes each kernel to
+a GEMM site and pass through the compiled HLO: every HLO instruction carries the jax name stack
+of the code it came from (`op_name="jit(train_step)/transpose(jvp(Wukong))/layer_0/fmb/mlp/
+dense_0/..."`), so a kernel event naming its HLO instruction (`hlo_op`) names its site, and
+`transpose(` marks the backward pass. Kernels are also classed by what they are (cuBLASLt FP8
+GEMM, cuBLAS/cuBLASLt GEMM, XLA's Triton GEMM, a Pallas kernel, a fusion, a copy, ...) from
+their names. This is the profile the headline benchmark asks for where a target is missed:
+the per-site time split, which kernels ran, and what XLA fused.
+"""
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence
+
+import jax
+
+# (class, pattern on the kernel name), first match wins.
+KERNEL_CLASSES = (
+    ("pallas", r"^loka_"),  # every Pallas kernel of kernels_pallas is named loka_<kernel>
+    ("gemm_fp8", r"e4m3|e5m2|f8f8|fp8"),
+    ("gemm_xla_triton", r"^triton_gemm|gemm_fusion|__triton_gemm"),
+    ("gemm_cublas", r"gemm|xmma|cutlass|cublas|matmul|sm90_|sm80_"),
+    ("reduce_fusion", r"reduce|reduction"),
+    ("fusion", r"fusion"),
+    ("copy_or_transpose", r"copy|transpose|memcpy|memset"),
+    ("collective", r"nccl|all_reduce|all-reduce|all_gather|reduce_scatter"),
+)
+_OP_NAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?op_name="([^"]+)"', re.M)
+
+
+def kernel_class(name: str) -> str:
+  lower = name.lower()
+  for cls, pattern in KERNEL_CLASSES:
+    if re.search(pattern, lower):
+      return cls
+  return "other"
+
+
+def hlo_op_names(hlo_text: str) -> Dict[str, str]:
+  """{HLO instruction name: its op_name metadata} of a compiled module's text."""
+  return {m.group(1): m.group(2) for m in _OP_NAME.finditer(hlo_text)}
+
+
+def site_of(op_name: str, sites: Iterable[str]) -> Optional[str]:
+  """The GEMM site whose path appears in `op_name` (the longest, as paths nest)."""
+  hits = [s for s in sites if f"/{s}/" in f"/{op_name}/"]
+  return max(hits, key=len) if hits else None
+
+
+def pass_of(op_name: str) -> str:
+  return "backward" if "transpose(" in op_name else "forward"
+
+
+def profile_calls(calls: Mapping[str, Callable[[], object]], logdir: str,
+                  iterations: int = 5) -> str:
+  """Runs each warm call `iterations` times under the profiler; returns the trace's path."""
+  for call in calls.values():  # compiled and warm before tracing
+    jax.block_until_ready(call())
+  os.makedirs(logdir, exist_ok=True)
+  with jax.profiler.trace(logdir, create_perfetto_trace=True):
+    for name, call in calls.items():
+      for _ in range(iterations):
+        with jax.profiler.TraceAnnotation(f"loka_step:{name}"):
+          jax.block_until_ready(call())
+  found = sorted(glob.glob(os.path.join(logdir, "**", "perfetto_trace.json.gz"),
+                           recursive=True), key=os.path.getmtime)
+  if not found:
+    raise FileNotFoundError(f"the profiler wrote no perfetto_trace.json.gz under {logdir}")
+  return found[-1]
+
+
+def kernel_events(trace_path: str) -> List[Dict]:
+  """The device's kernel events: [{name, dur_us, hlo_op, hlo_module}] from a Perfetto trace.
+
+  Device kernels are the complete ('X') events of processes named '/device:GPU:*'; a trace
+  with no such process (a CPU run) has no device kernels and gives [].
+  """
+  with gzip.open(trace_path, "rt") as f:
+    data = json.load(f)
+  events = data["traceEvents"] if isinstance(data, dict) else data
+  devices = {e["pid"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"
+             and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
+  out = []
+  for e in events:
+    if e.get("ph") != "X" or e.get("pid") not in devices:
+      continue
+    args = e.get("args") or {}
+    out.append({"name": e.get("name", ""), "dur_us": float(e.get("dur", 0.0)),
+                "hlo_op": args.get("hlo_op"), "hlo_module": args.get("hlo_module")})
+  return out
+
+
+def split(events: Sequence[Mapping], op_names: Mapping[str, str], sites: Iterable[str],
+          steps: int, top: int = 15) -> Dict:
+  """Per-step device time by site and pass, by kernel class and by kernel (top `top`)."""
+  sites = list(sites)
+  by_site: Dict[str, Dict[str, float]] = collections.defaultdict(
+      lambda: {"forward": 0.0, "backward": 0.0})
+  by_class: Dict[str, float] = collections.Counter()
+  by_kernel: Dict[str, float] = collections.Counter()
+  total = unattributed = 0.0
+  for e in events:
+    us = e["dur_us"] / steps
+    total += us
+    by_class[kernel_class(e["name"])] += us
+    by_kernel[e["name"]] += us
+    op_name = op_names.get(e.get("hlo_op") or "")
+    site = site_of(op_name, sites) if op_name else None
+    if site is None:
+      unattributed += us
+    else:
+      by_site[site][pass_of(op_name)] += us
+  return {"steps": steps, "device_us_per_step": total,
+          "sites_us": {s: dict(v) for s, v in sorted(by_site.items())},
+          "outside_sites_us": unattributed,
+          "classes_us": dict(by_class.most_common()),
+          "top_kernels_us": [{"name": n, "us": us, "class": kernel_class(n)}
+                             for n, us in by_kernel.most_common(top)]}
+
+
+def markdown(profiles: Mapping[str, Mapping]) -> str:
+  """Side-by-side tables of several profiled steps (e.g. bf16 vs the plan, train and infer)."""
+  names = list(profiles)
+  lines = ["| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names),
+           "| device us / step | " + " | ".join(
+               f"{profiles[n]['device_us_per_step']:,.0f}" for n in names) + " |"]
+  classes = sorted({c for p in profiles.values() for c in p["classes_us"]})
+  lines += [f"| {c} | " + " | ".join(f"{profiles[n]['classes_us'].get(c, 0.0):,.0f}"
+                                     for n in names) + " |" for c in classes]
+  sites = sorted({s for p in profiles.values() for s in p["sites_us"]})
+  lines += ["", "| site (fwd / bwd us) | " + " | ".join(names) + " |",
+            "|---|" + "---|" * len(names)]
+  for s in sites:
+    cells = []
+    for n in names:
+      v = profiles[n]["sites_us"].get(s)
+      cells.append("-" if v is None else f"{v['forward']:,.0f} / {v['backward']:,.0f}")
+    lines.append(f"| {s} | " + " | ".join(cells) + " |")
+  lines.append("| outside the sites | " + " | ".join(
+      f"{profiles[n]['outside_sites_us']:,.0f}" for n in names) + " |")
+  for n in names:
+    lines += ["", f"Top kernels, {n}:", "", "| kernel | class | us / step |", "|---|---|---|"]
+    lines += [f"| `{k['name'][:90]}` | {k['class']} | {k['us']:,.1f} |"
+              for k in profiles[n]["top_kernels_us"]]
+  return "\n".join(lines)

@@ -1,0 +1,121 @@
+"""Step profiles: kernels attributed to GEMM sites and passes through the compiled HLO's op names
+(on a real compiled Wukong step), device events read from a Perfetto trace, kernel classes."""
+import gzip
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import jax
+from absl.testing import absltest
+
+from loka_jax.bench import profile
+from loka_jax.models.presets import site_products
+from loka_jax.train import experiment
+from loka_jax.train.loop import compiled_steps
+from loka_jax.train.optim import OptimConfig, make_optimizer
+from loka_jax.train.state import create_train_state
+
+
+def _wukong_train_hlo():
+  spec = experiment.RunSpec(model="wukong", preset="tiny", data="synthetic", precision="bf16",
+                            mods=("all",))
+  model, source, _ = experiment.build_run(spec)
+  batch = source.train_batch(0, 32)
+  state = create_train_state(model, make_optimizer(OptimConfig()), batch, 0)
+  train_step, _ = compiled_steps(model, OptimConfig(), "stop")
+  hlo = train_step.lower(state, batch).compile().as_text()
+  return hlo, list(site_products(model, None, batch))
+
+
+def _write_trace(path, events):
+  meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+          {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}}]
+  with gzip.open(path, "wt") as f:
+    json.dump({"traceEvents": meta + events}, f)
+
+
+class AttributionTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.hlo, cls.sites = _wukong_train_hlo()
+    cls.op_names = profile.hlo_op_names(cls.hlo)
+
+  def test_every_site_has_forward_and_backward_instructions(self):
+    seen = {}
+    for op_name in self.op_names.values():
+      site = profile.site_of(op_name, self.sites)
+      if site is not None:
+        seen.setdefault(site, set()).add(profile.pass_of(op_name))
+    self.assertEqual(set(seen), set(self.sites))
+    for site, passes in seen.items():
+      self.assertEqual(passes, {"forward", "backward"}, site)
+
+  def test_nested_site_names_resolve_to_the_longest(self):
+    sites = ["layer_0/fmb/mlp", "layer_0/fmb/mlp/dense_0"]
+    self.assertEqual(profile.site_of("jit(f)/layer_0/fmb/mlp/dense_0/dot_general", sites),
+                     "layer_0/fmb/mlp/dense_0")
+    self.assertIsNone(profile.site_of("jit(f)/layer_0/fmb/mlp_2/dot_general", sites[:1]))
+
+  def test_split_of_a_trace(self):
+    by_site = {}
+    for instr, op_name in self.op_names.items():
+      site = profile.site_of(op_name, self.sites)
+      if site is not None:
+        by_site.setdefault((site, profile.pass_of(op_name)), instr)
+    site = self.sites[0]
+    fwd, bwd = by_site[(site, "forward")], by_site[(site, "backward")]
+    events = [
+        {"ph": "X", "pid": 1, "name": "sm90_xmma_gemm_e4m3bf16_tn", "dur": 30.0,
+         "args": {"hlo_op": fwd}},
+        {"ph": "X", "pid": 1, "name": "sm90_xmma_gemm_bf16bf16_nt", "dur": 50.0,
+         "args": {"hlo_op": bwd}},
+        {"ph": "X", "pid": 1, "name": "loop_multiply_fusion", "dur": 10.0,
+         "args": {"hlo_op": "no_such_instruction"}},
+        {"ph": "X", "pid": 1, "name": "loka_pallas_fp8_rowwise", "dur": 6.0, "args": {}},
+        {"ph": "X", "pid": 2, "name": "host work, not a kernel", "dur": 999.0,
+         "args": {"hlo_op": fwd}},
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+      path = os.path.join(tmp, "perfetto_trace.json.gz")
+      _write_trace(path, events)
+      got = profile.split(profile.kernel_events(path), self.op_names, self.sites, steps=2)
+    self.assertAlmostEqual(got["device_us_per_step"], 48.0)
+    self.assertEqual(got["sites_us"], {site: {"forward": 15.0, "backward": 25.0}})
+    self.assertAlmostEqual(got["outside_sites_us"], 8.0)
+    self.assertEqual(got["classes_us"], {"gemm_cublas": 25.0, "gemm_fp8": 15.0, "fusion": 5.0,
+                                         "pallas": 3.0})
+    self.assertEqual(got["top_kernels_us"][0]["name"], "sm90_xmma_gemm_bf16bf16_nt")
+    table = profile.markdown({"bf16 train": got})
+    self.assertIn(f"| {site} | 15 / 25 |", table)
+
+  def test_a_cpu_trace_has_no_device_kernels(self):
+    with tempfile.TemporaryDirectory() as tmp:
+      path = profile.profile_calls({"step": lambda: jax.numpy.ones(8).sum()}, tmp, 2)
+      self.assertEqual(profile.kernel_events(path), [])
+
+
+class CliTest(absltest.TestCase):
+
+  def test_profiles_and_writes_its_files(self):
+    from test_ablation import REPO, cpu_env
+    with tempfile.TemporaryDirectory() as tmp:
+      run = subprocess.run(
+          [sys.executable, "-m", "experiments.profile_step", "--model=wukong", "--preset=tiny",
+           "--variants=bf16,bf16_mods", "--iterations=1", f"--workdir={tmp}"],
+          cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=600)
+      self.assertEqual(run.returncode, 0, run.stderr[-3000:])
+      self.assertIn("not on a GPU", run.stdout)
+      with open(os.path.join(tmp, "profile.json")) as f:
+        data = json.load(f)
+      self.assertEqual(set(data["profiles"]), {"bf16 train", "bf16 infer", "bf16_mods train",
+                                               "bf16_mods infer"})
+      self.assertLen(data["sites"], 17)
+      self.assertTrue(os.path.exists(os.path.join(tmp, "profile.md")))
+
+
+if __name__ == "__main__":
+  absltest.main()
