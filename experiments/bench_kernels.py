@@ -35,6 +35,10 @@ MIN_CALL_MS = flags.DEFINE_float("min_call_ms", 1.0,
 SMOKE = flags.DEFINE_bool("smoke", False,
                           "Tiny shapes, CPU allowed: checks the script's code paths only "
                           "(timings meaningless).")
+IMPRECISE_ACC = flags.DEFINE_integer(
+    "fp8_imprecise_acc", 0, "maxNumImpreciseAcc of the Pallas FP8 dots (>= 32 lets Triton use "
+    "Hopper's FP8 wgmma; 0: promote every step, the default). Use its own --out: rows do not "
+    "mix settings.")
 COMPILE_CACHE = flags.DEFINE_string("compile_cache", None,
                                     "Persistent compilation cache directory "
                                     "(default ~/.cache/loka_jax/jax_cache).")
@@ -60,6 +64,8 @@ def _setup_env(out_dir):
   os.environ.setdefault("LOKA_PALLAS_TUNE_DIR", os.path.join(out_dir, "pallas_tune"))
   if TUNE.value:
     os.environ["LOKA_PALLAS_AUTOTUNE"] = "1"
+  # Read by kernels_pallas at import (kernels_pallas.compat.fp8_imprecise_acc).
+  os.environ["LOKA_PALLAS_FP8_IMPRECISE_ACC"] = str(IMPRECISE_ACC.value)
   autotune = os.path.join(out_dir, "xla_autotune.textproto")
   flag = (f"--xla_gpu_load_autotune_results_from={autotune}" if os.path.exists(autotune)
           else f"--xla_gpu_dump_autotune_results_to={autotune}")
@@ -215,7 +221,7 @@ def run_shape(shape, device, todo):
   for name, _, _ in chosen:
     row = {"schema": SCHEMA, "shape": shape["name"], "variant": name, "device": device,
            "jax": jax.__version__, "repeats": REPEATS.value, "baseline": base_name,
-           "backend": backends.get(name),
+           "backend": backends.get(name), "fp8_imprecise_acc": IMPRECISE_ACC.value,
            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     row.update({k: v for k, v in shape.items() if k != "name"})
     if name in timings:

@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 import triton
 from absl import app, flags
-from jax._src.pallas.triton import lowering as triton_lowering
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import sm_arch_from_capability
 
@@ -33,7 +32,6 @@ from kernels_pallas import compat
 from kernels_pallas import epilogue as ep_lib
 from kernels_pallas import gemm as gemm_lib
 from kernels_pallas.tuning import TileConfig
-from loka_jax import _compat
 
 SHAPES = ((2048, 256, 768), (4096, 512, 512), (2048, 1024, 1024), (8192, 1024, 1024),
           (2048, 4096, 1024), (2048, 16384, 1024), (2048, 123200, 1024))  # M, K, N
@@ -94,30 +92,8 @@ def lower_to_ttir(kernel, M, K, N, cfg):
     sa, sb, scales = s((1, M), f32), s((1, N), f32), gemm_lib.ROWWISE_SCALES
   ep = FUSED if kernel == "fused" else PLAIN
   fn = lambda a, b, x, y: gemm_lib.gemm(a, b, x, y, scales=scales, epilogue=ep, config=cfg)
-  captured = []
-  orig = triton_lowering.lower_jaxpr_to_triton_module
-
-  def capture(*args, **kwargs):
-    result = orig(*args, **kwargs)
-    captured.append(result)
-    return result
-
-  triton_lowering.lower_jaxpr_to_triton_module = capture
-  try:
-    for _ in range(2):  # a cached lowering calls nothing: clear the caches and retry once
-      with compat.compiled_kernels(), _compat.abstract_gpu():
-        jax.jit(fn).trace(s((1, M, K), f8), s((1, K, N), f8), sa, sb).lower(
-            lowering_platforms=("cuda",))
-      if captured:
-        break
-      jax.clear_caches()
-  finally:
-    triton_lowering.lower_jaxpr_to_triton_module = orig
-  [result] = captured
-  grid = 1
-  for g in result.grid:
-    grid *= int(g)
-  return result.module.operation.get_asm(), grid
+  [(ttir, grid)] = compat.triton_modules(fn, s((1, M, K), f8), s((1, K, N), f8), sa, sb)
+  return ttir, grid
 
 
 def with_imprecise_acc(ttir, n):

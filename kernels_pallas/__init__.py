@@ -11,3 +11,5 @@ from kernels_pallas import registration as _registration
 from kernels_pallas.fused import fused_dense, fused_dense_reference
 
 _registration.register_all()
+if compat.fp8_imprecise_acc():  # $LOKA_PALLAS_FP8_IMPRECISE_ACC set for this process
+  compat.install_fp8_dot_hook()

@@ -21,6 +21,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import jax
 
+from kernels_pallas import compat
 from loka_jax import _compat, timing
 
 SCHEMA = "loka.pallas_tune/1"
@@ -109,11 +110,11 @@ def shipped_path(device_kind: Optional[str] = None) -> str:
   return os.path.join(SHIPPED_DIR, f"{device_kind or _compat.device_kind()}.json")
 
 
-def cached(kernel: str, key: str) -> Optional[TileConfig]:
-  """The tuned config for this device kind: the user's cache first, then the shipped table
-  (one file per device kind: GPU entries never reach the CPU)."""
+def cached(kernel: str, key: str, shipped: bool = True) -> Optional[TileConfig]:
+  """The tuned config for this device kind: the user's cache first, then (`shipped`) the
+  package's table (one file per device kind: GPU entries never reach the CPU)."""
   with _lock:
-    for path in (cache_path(), shipped_path()):
+    for path in (cache_path(), shipped_path())[:2 if shipped else 1]:
       entry = _load(path)["entries"].get(kernel, {}).get(key)
       if entry:
         return TileConfig.from_dict(entry["config"])
@@ -188,11 +189,16 @@ def tune(kernel: str, key: str, candidates: Sequence[TileConfig],
 def choose(kernel: str, key: str, default: TileConfig, candidates: Iterable[TileConfig],
            run: Optional[Callable[[TileConfig], Tuple[Callable, Sequence]]] = None
            ) -> TileConfig:
-  """Cached config, else (on a GPU with LOKA_PALLAS_AUTOTUNE=1 and a runner) tune, else default."""
-  hit = cached(kernel, key)
+  """Cached config, else (on a GPU with LOKA_PALLAS_AUTOTUNE=1 and a runner) tune, else default.
+
+  The shipped table is not consulted while autotuning (tuning is what was asked) nor under
+  FP8 fast accumulation (its winners were measured with precise accumulation).
+  """
+  tuning_now = run is not None and autotune_enabled() and jax.default_backend() != "cpu"
+  hit = cached(kernel, key, shipped=not tuning_now and compat.fp8_imprecise_acc() == 0)
   if hit is not None:
     return hit
-  if run is not None and autotune_enabled() and jax.default_backend() != "cpu":
+  if tuning_now:
     return tune(kernel, key, list(candidates), run)
   return default
 

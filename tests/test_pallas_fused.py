@@ -192,6 +192,11 @@ class TuningCacheTest(absltest.TestCase):
       try:
         self.assertEqual(tuning.cached(kernel, key), tuning.TileConfig.from_dict(entry["config"]))
         self.assertIsNone(tuning.cached(kernel, "no such shape"))
+        default = tuning.TileConfig()
+        self.assertEqual(tuning.choose(kernel, key, default, []),
+                         tuning.TileConfig.from_dict(entry["config"]))
+        with mock.patch.dict(os.environ, {"LOKA_PALLAS_FP8_IMPRECISE_ACC": "128"}):
+          self.assertEqual(tuning.choose(kernel, key, default, []), default)
         mine = tuning.TileConfig(16, 32, 32, 1, 2, 2, 1)
         tuning.record(kernel, key, mine, 1.0)
         tuning.clear_memory()

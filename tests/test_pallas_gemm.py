@@ -1,6 +1,9 @@
 """Pallas FP8 GEMM core and per-pass kernels (interpret mode) against fp32 HIGHEST references
 on their own dequantized operands. Interpret mode leaves unwritten outputs NaN, so every
 output is also checked to be finite (the inputs are finite)."""
+import os
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -233,6 +236,32 @@ class TritonLoweringTest(absltest.TestCase):
       with compat.compiled_kernels(), _compat.abstract_gpu():
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
       self.assertTrue("__gpu$xla.gpu.triton" in text, f"{name}: no Triton custom call")
+
+  def test_fp8_accumulation_switch_reaches_the_triton_dot(self):
+    """`maxNumImpreciseAcc` (what lets Triton use Hopper's FP8 wgmma) is on the lowered FP8 dot
+    only while the switch is set, in the environment or by the context manager."""
+    f8, s = jnp.float8_e4m3fn, jax.ShapeDtypeStruct
+    args = (s((1, 64, 256), f8), s((1, 256, 128), f8), s((1, 64), jnp.float32),
+            s((1, 128), jnp.float32))
+    fn = lambda a, b, sa, sb: gemm_lib.gemm(a, b, sa, sb, config=SMALL)
+
+    def dot_lines():
+      [(ttir, grid)] = compat.triton_modules(fn, *args)
+      self.assertEqual(grid, 2 * 2)  # 64/32 x 128/64 programs
+      return [line for line in ttir.splitlines() if "tt.dot" in line]
+
+    self.assertTrue(dot_lines())
+    self.assertFalse(any("maxNumImpreciseAcc" in line for line in dot_lines()))
+    with compat.fp8_accumulation(128):
+      self.assertTrue(all("maxNumImpreciseAcc = 128" in line for line in dot_lines()))
+    self.assertFalse(any("maxNumImpreciseAcc" in line for line in dot_lines()))
+    with mock.patch.dict(os.environ, {compat.ENV_IMPRECISE_ACC: "64"}):
+      compat.install_fp8_dot_hook()
+      self.assertTrue(all("maxNumImpreciseAcc = 64" in line for line in dot_lines()))
+    for bad in ("many", "-1"):
+      with mock.patch.dict(os.environ, {compat.ENV_IMPRECISE_ACC: bad}):
+        with self.assertRaisesRegex(ValueError, "imprecise|integer"):
+          compat.fp8_imprecise_acc()
 
 
 if __name__ == "__main__":

@@ -74,6 +74,20 @@ def test_largest_k_tail():
     assert float(metrics.sqnr_db(out, reference_einsum(DENSE, a, b))) >= SITE_SQNR_DB, name
 
 
+@pytest.mark.parametrize("acc", [128, 1 << 30])
+def test_fp8_fast_accumulation(acc):
+  """With maxNumImpreciseAcc set (Triton may then use FP8 wgmma), the rowwise GEMM still
+  meets the site's SQNR bound against the float32 reference, including the K = 123200 tail."""
+  from kernels_pallas import compat as pallas_compat
+  for m, k, n in ((2048, 1024, 1024), (256, 123200, 256)):
+    a, b = _operands("fwd", m, k, n, seed=k + acc % 7)
+    kernel = kernels.get("pallas_fp8_rowwise")
+    with pallas_compat.fp8_accumulation(acc):
+      out = jax.jit(lambda a, b: kernel.einsum(DENSE, a, b, pass_name="fwd",
+                                               out_dtype=jnp.float32))(a, b)
+    assert float(metrics.sqnr_db(out, reference_einsum(DENSE, a, b))) >= SITE_SQNR_DB, (m, k, n)
+
+
 @pytest.mark.parametrize("spec_text,lhs,rhs", [
     ("bnd,bdk->bnk", (4096, 16, 128), (4096, 128, 24)),
     ("bnd,bdk->bnk", (4096, 96, 128), (4096, 128, 96)),
