@@ -49,7 +49,8 @@ from loka_jax.kernels import FP8_META
 from loka_jax.train import metrics as metrics_lib
 from loka_jax.train.checkpoint import Checkpointer
 from loka_jax.train.optim import OptimConfig, make_optimizer
-from loka_jax.train.state import TrainState, all_finite, create_train_state, split_variables
+from loka_jax.train.state import (TrainState, abstract_train_state, all_finite,
+                                  create_train_state, split_variables)
 
 NAN_POLICIES = ("stop", "skip")
 # Settings a resumed run may change; anything else must match the run directory's config.
@@ -322,9 +323,13 @@ def _check_run_config(workdir: str, settings: Mapping[str, Any]) -> None:
 
 def restore_run(workdir: str, model, source, config: TrainConfig
                 ) -> Optional[Tuple[TrainState, Dict[str, Any]]]:
-  """(state, extras) of the newest good checkpoint of the run in `workdir`, or None."""
-  template = create_train_state(model, make_optimizer(config.optim),
-                                source.train_batch(0, config.batch_size), config.seed)
+  """(state, extras) of the newest good checkpoint of the run in `workdir`, or None.
+
+  The template is abstract (shapes, dtypes and the device): a concrete one would hold a second
+  copy of the state on the device while the checkpoint is read (Wukong large: 50 GiB more).
+  """
+  template = abstract_train_state(model, make_optimizer(config.optim),
+                                  source.train_batch(0, config.batch_size), config.seed)
   with Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints) as ckpt:
     return ckpt.restore(template)
 

@@ -75,19 +75,34 @@ def _jitted_init(model):
     return jax.jit(lambda rngs, batch: model.init(rngs, batch, train=False))
 
 
-def create_train_state(model, tx: optax.GradientTransformation, example_batch, seed: int
-                       ) -> TrainState:
-  """Initializes parameters (and fp8 state) from `seed` on an example batch."""
+def _initial_state(model, tx: optax.GradientTransformation, example_batch, seed: int
+                   ) -> TrainState:
   init_key, rng = jax.random.split(jax.random.PRNGKey(seed))
   params_key, dropout_key = jax.random.split(init_key)
   variables = _jitted_init(model)({"params": params_key, "dropout": dropout_key}, example_batch)
   params, fp8_meta = split_variables(variables)
   fp8_meta = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), fp8_meta)
-  state = TrainState(step=jnp.asarray(0, jnp.int32), params=params, opt_state=tx.init(params),
-                     fp8_meta=fp8_meta, rng=rng)
+  return TrainState(step=jnp.asarray(0, jnp.int32), params=params, opt_state=tx.init(params),
+                    fp8_meta=fp8_meta, rng=rng)
+
+
+def create_train_state(model, tx: optax.GradientTransformation, example_batch, seed: int
+                       ) -> TrainState:
+  """Initializes parameters (and fp8 state) from `seed` on an example batch."""
+  state = _initial_state(model, tx, example_batch, seed)
   # Commit every array to its device, as restored checkpoints are: jit caches on
   # committedness, so a fresh and a resumed run then share one compiled step.
   return jax.tree.map(lambda x: jax.device_put(x, x.sharding), state)
+
+
+def abstract_train_state(model, tx: optax.GradientTransformation, example_batch, seed: int
+                         ) -> TrainState:
+  """The state `create_train_state` makes, as shapes and dtypes on the default device: a
+  template to restore a checkpoint into without materializing a second copy."""
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                      jax.eval_shape(lambda b: _initial_state(model, tx, b, seed),
+                                     example_batch))
 
 
 @jax.jit
