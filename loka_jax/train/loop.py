@@ -437,10 +437,12 @@ def train(model, source, workdir: str, config: TrainConfig, *,
   eval_batch_size = min(config.eval_batch_size or config.batch_size, source.num_eval_examples())
 
   first_batch = source.train_batch(0, config.batch_size)
-  template = create_train_state(model, make_optimizer(config.optim), first_batch, config.seed)
+  tx = make_optimizer(config.optim)
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints)
-  restored = checkpointer.restore(template)
-  state, saved = restored if restored is not None else (template, {})
+  # Restore into an abstract template; only a fresh run materializes an initial state.
+  restored = checkpointer.restore(abstract_train_state(model, tx, first_batch, config.seed))
+  state, saved = (restored if restored is not None else
+                  (create_train_state(model, tx, first_batch, config.seed), {}))
   loop_extras = dict(saved.get("loop", {"skipped_steps": 0, "elapsed_s": 0.0}))
   start = int(jax.device_get(state.step))
   if restored is not None:
