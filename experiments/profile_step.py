@@ -34,7 +34,6 @@ def main(argv):
   from loka_jax.bench.variants import PLAN, parse_variants
   from loka_jax.models.presets import site_products
   from loka_jax.models.site import SiteConfig
-  from loka_jax.probe.report import load_report
 
   workdir = common_flags.WORKDIR.value or "profile_run"
   batch_size = BATCH.value or None
@@ -55,7 +54,7 @@ def main(argv):
     model = target.build(speed.site_config(v, plan), v.mods)
     arm = bench.add(v.name, model)
     if v.kernels_from == PLAN:
-      report = load_report(planning.report_path(settings.plans_dir, target.model, target.preset))
+      report = planning.load_report(settings.plans_dir, target.model, target.preset)
       arm, _ = suite.serve_exported(bench, arm, model, fields["plan"], report)
     arms[v.name] = arm
 

@@ -31,6 +31,12 @@ def report_path(plans_root: str, model: str, preset: str) -> str:
   return os.path.join(plan_dir(plans_root, model, preset), REPORT_JSON)
 
 
+def load_report(plans_root: str, model: str, preset: str):
+  """The (validated) probe report of the target's plan: it calibrates the exported model."""
+  from loka_jax.probe.report import load_report as read_report
+  return read_report(report_path(plans_root, model, preset))
+
+
 def load(plans_root: str, model: str, preset: str) -> Optional[KernelPlan]:
   """The target's KernelPlan, or None when its plan file does not exist yet."""
   path = plan_path(plans_root, model, preset)

@@ -210,9 +210,7 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
         model = target.build(speed.site_config(v, plan), v.mods)
         arm = bench.add(v.name, model)
         if v.kernels_from == PLAN:
-          from loka_jax.probe.report import load_report
-          report = load_report(planning.report_path(settings.plans_dir, target.model,
-                                                    target.preset))
+          report = planning.load_report(settings.plans_dir, target.model, target.preset)
           arm, export_fields = serve_exported(bench, arm, model, row["plan"], report)
           row.update(export_fields)
       measured = bench.time_pair(arm, settings.repeats, seed=settings.seed)

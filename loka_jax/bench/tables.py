@@ -36,9 +36,7 @@ def speed_table(rows: Sequence[Mapping], suite: str) -> str:
       continue
     t, i = r["train"], r["infer"]
     kernels = ", ".join(r.get("kernels") or ([r["kernel"]] if r.get("kernel") else []))
-    if r.get("export") is False:
-      kernels += " (infer: planned model, not exported)"
-    elif r.get("export"):
+    if r.get("export"):
       modes = ", ".join(f"{n} {m}" for m, n in sorted((r.get("export_modes") or {}).items()))
       kernels += f" (infer: exported, {modes or 'no sites'})"
     lines.append(

@@ -37,7 +37,7 @@ from loka_jax.parallel.mesh import (BATCH_AXES, DATA, MODEL, MeshSpecError, axis
                                     shard_map)
 from loka_jax.precision import scaling
 from loka_jax.train import metrics as metrics_lib
-from loka_jax.train.state import TrainState, split_variables
+from loka_jax.train.state import TrainState, initial_state
 
 ID_FIELDS = ("sparse_ids", "sparse_mask", "seq_ids", "seq_mask")  # split over `data` only
 GRAD_SCOPE = "loka_grad_reduce"      # named scope of the gradient collectives (HLO)
@@ -129,15 +129,7 @@ def init_sharded_state(model, tx: optax.GradientTransformation, example_batch, s
                        mesh: Mesh) -> TrainState:
   """The state `create_train_state` makes (same keys, same values), created directly in its
   sharded layout so that no device ever holds a whole table."""
-  def make():
-    init_key, rng = jax.random.split(jax.random.PRNGKey(seed))
-    params_key, dropout_key = jax.random.split(init_key)
-    variables = model.init({"params": params_key, "dropout": dropout_key}, example_batch,
-                           train=False)
-    params, fp8_meta = split_variables(variables)
-    fp8_meta = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), fp8_meta)
-    return TrainState(step=jnp.asarray(0, jnp.int32), params=params,
-                      opt_state=tx.init(params), fp8_meta=fp8_meta, rng=rng)
+  make = lambda: initial_state(model, tx, example_batch, seed)  # noqa: E731
 
   abstract = jax.eval_shape(make)
   check_tables(abstract.params, mesh)

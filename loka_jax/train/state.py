@@ -75,8 +75,9 @@ def _jitted_init(model):
     return jax.jit(lambda rngs, batch: model.init(rngs, batch, train=False))
 
 
-def _initial_state(model, tx: optax.GradientTransformation, example_batch, seed: int
-                   ) -> TrainState:
+def initial_state(model, tx: optax.GradientTransformation, example_batch, seed: int
+                  ) -> TrainState:
+  """The initial state's computation (traceable: jit it with shardings, or eval_shape it)."""
   init_key, rng = jax.random.split(jax.random.PRNGKey(seed))
   params_key, dropout_key = jax.random.split(init_key)
   variables = _jitted_init(model)({"params": params_key, "dropout": dropout_key}, example_batch)
@@ -89,7 +90,7 @@ def _initial_state(model, tx: optax.GradientTransformation, example_batch, seed:
 def create_train_state(model, tx: optax.GradientTransformation, example_batch, seed: int
                        ) -> TrainState:
   """Initializes parameters (and fp8 state) from `seed` on an example batch."""
-  state = _initial_state(model, tx, example_batch, seed)
+  state = initial_state(model, tx, example_batch, seed)
   # Commit every array to its device, as restored checkpoints are: jit caches on
   # committedness, so a fresh and a resumed run then share one compiled step.
   return jax.tree.map(lambda x: jax.device_put(x, x.sharding), state)
@@ -101,7 +102,7 @@ def abstract_train_state(model, tx: optax.GradientTransformation, example_batch,
   template to restore a checkpoint into without materializing a second copy."""
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-                      jax.eval_shape(lambda b: _initial_state(model, tx, b, seed),
+                      jax.eval_shape(lambda b: initial_state(model, tx, b, seed),
                                      example_batch))
 
 
