@@ -180,6 +180,119 @@ class SpeedTest(chex.TestCase):
     self.assertTrue(rounds[-1]["passed"])
 
 
+OTHER_SITE = "layer_0/fmb/mlp/dense_0"
+
+
+def ranking_report(sqnr):
+  """A hand-made probe report for the tiny Wukong: {site: SQNR (dB) of its kernels}."""
+  sites = {name: hm.site(hm.same_passes({"test_two_bit": hm.entry(sqnr=db),
+                                         "xla_fp8_rowwise": hm.entry(sqnr=db)}))
+           for name, db in sqnr.items()}
+  return hm.report(sites, model="wukong")
+
+
+class ReportRankingTest(chex.TestCase):
+  """Past `max_measured_sites` FP8 sites, back-off candidates are ranked from the report."""
+
+  def test_error_and_time_scores(self):
+    report = hm.report({
+        "fast": hm.site(hm.same_passes({"xla_fp8_rowwise": hm.entry(sqnr=35.0,
+                                                                   speedup=(1.4, 1.5, 1.6))})),
+        "slow": hm.site(hm.same_passes({"xla_fp8_rowwise": hm.entry(sqnr=20.0,
+                                                                   speedup=(0.7, 0.8, 0.9))}))})
+    plan = plan_of({"fast": "xla_fp8_rowwise", "slow": "xla_fp8_rowwise"})
+    candidates = {s: plan.choice_for(s) for s in ("fast", "slow")}
+    errors = validate.report_scores(report, plan, candidates, "error")
+    self.assertEqual(errors, {"fast": -35.0, "slow": -20.0})   # lowest SQNR = highest score
+    times = validate.report_scores(report, plan, candidates, "time")
+    base = hm.BASE_US
+    # Three passes each: plan time minus xla_bf16 time at the median.
+    np.testing.assert_allclose(times["fast"], 3 * (base / 1.5 - base))
+    np.testing.assert_allclose(times["slow"], 3 * (base / 0.8 - base))
+    self.assertEqual(validate.worst_by_report(times), ["slow"])
+    many = {f"s{i}": float(i) for i in range(9)}
+    self.assertEqual(validate.worst_by_report(many), ["s8", "s7", "s6"])  # ceil(9 / 4)
+    with self.assertRaises(ValueError):
+      validate.report_scores(report, plan, candidates, "speed")
+
+  def test_held_out_backs_off_the_worst_ranked_site_without_measuring_each(self):
+    base = context()
+    self.assertContainsSubset([BAD_SITE, GOOD_SITE, OTHER_SITE], base.site_names())
+    ctx = dataclasses.replace(base, report=ranking_report(
+        {BAD_SITE: 8.0, GOOD_SITE: 30.0, OTHER_SITE: 31.0}))
+    plan = plan_of({BAD_SITE: "test_two_bit", GOOD_SITE: "xla_fp8_rowwise",
+                    OTHER_SITE: "xla_fp8_rowwise"})
+    config = validate.ValidationConfig(max_rel_logloss=0.002, max_measured_sites=2)
+    out = validate.check_held_out(plan, ctx, config)
+    self.assertEqual(kernels(out, BAD_SITE), {p: FALLBACK for p in hm.PASSES})
+    for site in (GOOD_SITE, OTHER_SITE):   # one back-off round sufficed
+      self.assertEqual(kernels(out, site), {p: "xla_fp8_rowwise" for p in hm.PASSES})
+    rounds = [r for r in validate.validation_records(out, "quality_held_out") if "round" in r]
+    self.assertFalse(rounds[0]["passed"])
+    self.assertNotIn("contributions", rounds[0])
+    self.assertEqual(rounds[0]["report_scores"][BAD_SITE], -8.0)
+    self.assertTrue(rounds[-1]["passed"] and rounds[-1]["final"])
+
+
+class ResumeTest(chex.TestCase):
+  """A validation stopped at its deadline saves its plan and resumes where it stopped."""
+
+  def test_paused_after_a_back_off_then_resumed(self):
+    ctx = context()
+    selected = plan_of({BAD_SITE: "test_two_bit", GOOD_SITE: "xla_fp8_rowwise"})
+    config = validate.ValidationConfig(max_rel_logloss=0.002, shadow_steps=0)
+    saved = []
+    progress = validate.Progress(deadline=None)
+
+    def save(plan):
+      saved.append(plan)
+      if validate.validation_records(plan, "quality_held_out"):  # a round has run: stop now
+        progress.deadline = 0.0
+    progress.save = save
+    with self.assertRaises(validate.ValidationPaused):
+      validate.validate_end_to_end(selected, ctx, config, progress=progress)
+    partial = saved[-1]
+    self.assertEqual(kernels(partial, BAD_SITE), {p: FALLBACK for p in hm.PASSES})
+    self.assertFalse(validate.finished(partial, "quality_held_out"))
+
+    out = validate.validate_end_to_end(selected, ctx, config, resume_from=partial)
+    held = [r for r in validate.validation_records(out, "quality_held_out") if "round" in r]
+    self.assertEqual([r["round"] for r in held], [0, 1])   # round 0 not repeated
+    self.assertTrue(held[-1]["passed"])
+    for step in ("quality_held_out", "quality_shadow", "speed"):
+      self.assertTrue(validate.finished(out, step), step)
+    (done,) = validate.validation_records(out, "validated")
+    self.assertEqual(done["backed_off"], [BAD_SITE])
+    self.assertEqual(done["fp8_sites_before"], 2)
+    # A finished validation resumed again only adds its summary.
+    again = validate.validate_end_to_end(selected, ctx, config, resume_from=out)
+    self.assertLen(validate.validation_records(again, "quality_held_out"),
+                   len(validate.validation_records(out, "quality_held_out")))
+
+
+  def test_the_pipeline_pauses_at_its_deadline_and_the_next_call_finishes(self):
+    from loka_jax.probe import ProbeConfig, ProbeOptions
+    from loka_jax.probe.eligibility import Criteria
+    workdir = tempfile.mkdtemp(prefix="loka_pipeline_pause_")
+    spec = experiment.RunSpec(model="wukong", preset="tiny", mods=("all",), num_eval=256)
+    kwargs = dict(
+        train_config=TrainConfig(steps=6, batch_size=BATCH, progress=False, log_every=0),
+        probe_config=ProbeConfig(cadence=3),
+        probe_options=ProbeOptions(samples=2, kernels=("xla_bf16", "xla_fp8_rowwise"),
+                                   sites=GOOD_SITE, bootstrap=20, plots=False),
+        criteria=Criteria(min_speedup=None),
+        validation=validate.ValidationConfig(shadow_steps=0))
+    with self.assertRaises(validate.ValidationPaused):
+      pipeline.probe_and_plan(spec, workdir, deadline=time.time() - 1.0, **kwargs)
+    self.assertTrue(os.path.exists(os.path.join(workdir, pipeline.VALIDATING_JSON)))
+    self.assertFalse(os.path.exists(os.path.join(workdir, pipeline.PLAN_JSON)))
+    result = pipeline.probe_and_plan(spec, workdir, **kwargs)
+    self.assertTrue(result.skipped["probe"] and result.skipped["select"])
+    self.assertFalse(os.path.exists(os.path.join(workdir, pipeline.VALIDATING_JSON)))
+    self.assertTrue(validate.validation_records(result.plan, "validated"))
+    self.assertTrue(validate.finished(result.plan, "quality_held_out"))
+
+
 class MorePreciseTest(chex.TestCase):
   """Back-off targets from a hand-made report: the fastest eligible more accurate kernel."""
 

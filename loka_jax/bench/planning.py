@@ -46,7 +46,8 @@ def load(plans_root: str, model: str, preset: str) -> Optional[KernelPlan]:
 def make_plan(spec: experiment.RunSpec, plans_root: str, train_config: TrainConfig, *,
               budget_s: Optional[float], build: Optional[Callable] = None,
               samples: int = 32, repeats: int = 20,
-              kernels: Sequence[str] = ()) -> Optional[str]:
+              kernels: Sequence[str] = (), deadline: Optional[float] = None
+              ) -> Optional[str]:
   """Probes `spec` (its model with Mods, in bf16), selects and validates its plan
   (`dispatch.pipeline.probe_and_plan`); returns the plan's path, or None when the budget ran
   out first (a rerun resumes). `kernels`: the probe's candidates (empty: the default list)."""
@@ -60,8 +61,8 @@ def make_plan(spec: experiment.RunSpec, plans_root: str, train_config: TrainConf
                          site_plots=False, kernels=tuple(kernels))
   try:
     probe_and_plan(spec, workdir, train_config=train_config, probe_options=options,
-                   build=build)
-  except RuntimeError as e:  # the probe ran out of budget: a rerun resumes it
+                   build=build, deadline=deadline)
+  except RuntimeError as e:  # the probe's budget or validation's deadline: a rerun resumes
     print(f"[bench] plan for {spec.model}/{spec.preset} not ready: {e}", flush=True)
     return None
   return path if os.path.exists(path) else None

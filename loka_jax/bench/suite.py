@@ -145,7 +145,8 @@ def _probe_for_plan(target: Target, variant: Variant, settings: SpeedSettings,
                        seed=settings.seed)
   planning.make_plan(target.run_spec(variant.mods), settings.plans_dir, config,
                      budget_s=budget, build=target.probe_build(),
-                     samples=settings.probe_samples, kernels=settings.probe_kernels)
+                     samples=settings.probe_samples, kernels=settings.probe_kernels,
+                     deadline=deadline)
   gc.collect()  # the probe's training state must be gone before the baseline's is built
 
 

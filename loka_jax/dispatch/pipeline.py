@@ -12,6 +12,8 @@ Layout of `workdir`:
                        evaluation cache, report and plots
   probe_report.json    the ProbeReport (loka.probe/1)
   plan_selected.json   the plan as selected, before end-to-end validation
+  plan_validating.json the plan part-way through validation (a call that hit its deadline);
+                       the next call resumes from it
   plan.json            the plan after validation (loka.plan/1, every step recorded)
 
 Each part is skipped when its file is there and fits what came before (the probe report is
@@ -35,6 +37,7 @@ from loka_jax.probe.eligibility import Criteria
 
 REPORT_JSON = "probe_report.json"
 SELECTED_JSON = "plan_selected.json"
+VALIDATING_JSON = "plan_validating.json"
 PLAN_JSON = "plan.json"
 PROBE_DIR = "probe"
 
@@ -153,7 +156,8 @@ def probe_and_plan(spec, workdir: str, *, train_config, probe_config=None, probe
                    criteria: Optional[Criteria] = None, budget_per_site=None,
                    validation: Optional[validate_lib.ValidationConfig] = (
                        validate_lib.ValidationConfig()),
-                   target_device: Optional[str] = None, build=None) -> PipelineResult:
+                   target_device: Optional[str] = None, build=None,
+                   deadline: Optional[float] = None) -> PipelineResult:
   """Probe the spec's tower (bf16 + its Mods), select a plan, validate it end to end.
 
   Args:
@@ -170,6 +174,9 @@ def probe_and_plan(spec, workdir: str, *, train_config, probe_config=None, probe
     target_device: the device kind the plan is for (default: the report's).
     build: `build(spec) -> (model, source, config)` in place of `experiment.build_run`
       (towers outside the presets); None: the presets.
+    deadline: a time.time() value after which validation starts no new round: it saves
+      its progress and raises validate.ValidationPaused (a RuntimeError); call again to
+      resume. None: no deadline.
   Returns:
     PipelineResult(plan, report, paths, criteria, skipped).
   """
@@ -181,6 +188,7 @@ def probe_and_plan(spec, workdir: str, *, train_config, probe_config=None, probe
   paths = {"report": os.path.join(workdir, REPORT_JSON),
            "selected": os.path.join(workdir, SELECTED_JSON),
            "plan": os.path.join(workdir, PLAN_JSON),
+           "validating": os.path.join(workdir, VALIDATING_JSON),
            "probe_dir": os.path.join(workdir, PROBE_DIR)}
   skipped = {"probe": False, "select": False, "validate": False}
 
@@ -237,8 +245,15 @@ def probe_and_plan(spec, workdir: str, *, train_config, probe_config=None, probe
                                      "reason": "validation switched off by the caller"})
     save_plan(plan, paths["plan"])
   else:
-    _log("validating the plan end to end (held-out, shadow training, speed)")
-    plan = validate_lib.validate_end_to_end(selected, context(), validation)
+    partial = _usable_plan(paths["validating"], digest, budget)
+    _log("validating the plan end to end (held-out, shadow training, speed)"
+         + (f", resuming {paths['validating']}" if partial is not None else ""))
+    progress = validate_lib.Progress(save=lambda p: save_plan(p, paths["validating"]),
+                                     deadline=deadline)
+    plan = validate_lib.validate_end_to_end(selected, context(), validation,
+                                            progress=progress, resume_from=partial)
     save_plan(plan, paths["plan"])
+    if os.path.exists(paths["validating"]):  # finished: only plan.json speaks for it now
+      os.remove(paths["validating"])
     _log(f"plan: {paths['plan']}")
   return PipelineResult(plan, report, paths, criteria, skipped)

@@ -27,13 +27,23 @@ Speed (on a GPU only: CPU timings say nothing about GPU kernels; `speed=True` fo
   xla_bf16 speeds the failing step(s) up most (its in-context slowdown) is backed off to
   xla_bf16.
 
+Many FP8 sites (more than `max_measured_sites`, default 16): measuring every site's
+contribution costs a compilation of the whole model per site and round, hours for a large
+preset. Such a round ranks the sites from the probe report instead (the forward error for the
+held-out check, every pass's error for the shadow check, GEMM time vs xla_bf16 for speed) and
+backs off the worst quarter at once; the record's `report_scores` says so.
+
 Every measurement is a `validation` record of the plan (`add_validation`) and every change a
-`back_off` record, so the plan file tells how it came to be.
+`back_off` record, so the plan file tells how it came to be. A check's last record carries
+`final: true`. `Progress` saves the plan at every round and stops at a deadline, and
+`validate_end_to_end(..., resume_from=saved)` goes on from a saved plan: a validation that
+outlasts one GPU call finishes over several.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import jax
@@ -65,6 +75,12 @@ class ValidationConfig:
   speed_repeats: int = 20            # timing repeats (benchmark protocol: >= 20)
   min_speedup: float = 1.0           # lower CI bound of the step speedup that must hold
   eval_batch_size: Optional[int] = None  # None: the context's batch size
+  # With more FP8 sites than this, a back-off round ranks the sites from the probe report
+  # (error, timing) instead of measuring each one in the model, and backs off the worst
+  # quarter at once: measuring costs one compilation of the whole model per site and round,
+  # hours for a large preset (Wukong large: ~100 s per train-step compile). None: always
+  # measure.
+  max_measured_sites: Optional[int] = 16
   seed: int = 0
 
   def __post_init__(self):
@@ -73,6 +89,9 @@ class ValidationConfig:
     if self.shadow_steps < 0 or self.shadow_window < 1:
       raise ValueError(f"shadow_steps must be >= 0 and shadow_window >= 1, got "
                        f"{self.shadow_steps}, {self.shadow_window}")
+    if self.max_measured_sites is not None and self.max_measured_sites < 1:
+      raise ValueError(f"max_measured_sites must be >= 1 or None, got "
+                       f"{self.max_measured_sites}")
     if self.speed_repeats < 20:
       raise ValueError(f"speed_repeats={self.speed_repeats}: the benchmark protocol needs "
                        ">= 20 repeats")
@@ -204,6 +223,103 @@ def back_off_site(plan: Plan, ctx: ValidationContext, site: str, reason: str, st
   return plan
 
 
+class ValidationPaused(RuntimeError):
+  """The deadline came before validation finished; the plan so far was saved (`Progress.save`)
+  and calling again with it resumes where this call stopped."""
+
+
+@dataclasses.dataclass
+class Progress:
+  """Where a long validation saves its plan and when it must stop.
+
+  `save(plan)` is called at the start of every back-off round and after every check, so an
+  interrupted validation loses at most the round it was in; once `deadline` (a time.time()
+  value) has passed, no new round starts: the plan is saved and ValidationPaused raised."""
+  save: Optional[Callable[[Plan], None]] = None
+  deadline: Optional[float] = None
+
+  def checkpoint(self, plan: Plan, where: str) -> None:
+    if self.save is not None:
+      self.save(plan)
+    if self.deadline is not None and time.time() > self.deadline:
+      raise ValidationPaused(f"validation paused before {where}: the deadline has passed; "
+                             "the plan so far is saved, call again to resume")
+
+
+def finished(plan, step: str) -> bool:
+  """Whether the plan records a finished `step` check (its `final` record)."""
+  return any(r.get("step") == step and r.get("final") for r in as_plan(plan)["validation"])
+
+
+def _rounds_done(plan: Plan, step: str) -> int:
+  """Rounds of `step` recorded before a resumed call (numbering goes on from there)."""
+  return sum(1 for r in plan["validation"] if r.get("step") == step and "round" in r)
+
+
+def _final(plan: Plan, record: Dict[str, Any]) -> Plan:
+  return add_validation(plan, {**record, "final": True})
+
+
+def _ranked_by_report(ctx: "ValidationContext", config: ValidationConfig,
+                      candidates: Mapping[str, KernelChoice]) -> bool:
+  """Whether this round ranks its back-off candidates from the probe report."""
+  return (config.max_measured_sites is not None and ctx.report is not None
+          and len(candidates) > config.max_measured_sites)
+
+
+def report_scores(report: Mapping, plan: Plan, candidates: Mapping[str, KernelChoice],
+                  what: str, passes: Sequence[str] = PASSES) -> Dict[str, float]:
+  """{site: score} from the probe report alone, higher = back off sooner.
+
+  what='error': minus the lowest accuracy (pessimistic SQNR in dB, or minus MERE under
+  `--metric=mere`) over the site's FP8 `passes`; -inf for a site with none of them on FP8
+  (it cannot move that check). what='time': the site's GEMM time with its plan minus with
+  xla_bf16, summed over its passes (microseconds; 0 where the report has no timing), so the
+  site that saves least goes first.
+  """
+  from loka_jax.dispatch import selection
+  from loka_jax.probe import eligibility
+  if what not in ("error", "time"):
+    raise ValueError(f"report_scores: what must be 'error' or 'time', got {what!r}")
+  try:
+    source = selection.resolve_timing(report)
+  except ValueError:
+    source = selection.TimingSource("none", {"kind": "none", "reason": "no usable timings"})
+  info = selection.kernels_info(report)
+  scores = {}
+  for site, choice in candidates.items():
+    if site not in report.get("sites", {}):
+      scores[site] = -math.inf
+      continue
+    effective, _ = selection.effective_site(report, site, source)
+    if what == "time":
+      total = 0.0
+      for p in PASSES:
+        entries = effective["passes"].get(p, {})
+        b = entries.get(FALLBACK, {}).get("time_us")
+        k = entries.get(choice.for_pass(p), {}).get("time_us")
+        if b and k:
+          total += float(k[1]) - float(b[1])
+      scores[site] = total
+      continue
+    criteria = _site_criteria(plan, site)
+    verdicts = eligibility.assess_site({"kernels": info, "sites": {site: effective}}, site,
+                                       criteria)
+    accuracies = [_accuracy(verdicts[p][choice.for_pass(p)], criteria.metric)
+                  for p in passes
+                  if registry.get(choice.for_pass(p)).fp8
+                  and choice.for_pass(p) in verdicts.get(p, {})]
+    scores[site] = -min(accuracies) if accuracies else -math.inf
+  return scores
+
+
+def worst_by_report(scores: Mapping[str, float]) -> List[str]:
+  """The quarter of the sites (at least one) with the highest scores: ranking from the report
+  is cheap but coarse, so a round backs off several sites rather than compile once per site."""
+  count = max(1, math.ceil(len(scores) / 4))
+  return sorted(scores, key=lambda s: (scores[s], s), reverse=True)[:count]
+
+
 # ----------------------------------------------------------------------------- running
 
 
@@ -277,15 +393,18 @@ def _gradient(ctx: ValidationContext, kplan: KernelPlan, batches: int) -> np.nda
 # ----------------------------------------------------------------------------- quality
 
 
-def check_held_out(plan, ctx: ValidationContext, config: ValidationConfig = ValidationConfig()
-                   ) -> Plan:
+def check_held_out(plan, ctx: ValidationContext, config: ValidationConfig = ValidationConfig(),
+                   progress: Optional[Progress] = None) -> Plan:
   """Backs off the site with the largest held-out contribution until the planned model's
   relative log-loss change is within `max_rel_logloss`."""
   plan = as_plan(plan)
+  progress = progress or Progress()
   size = config.eval_batch_size
   base = held_out(ctx, BASELINE, size)
   contributions: Dict[Tuple[str, KernelChoice], float] = {}
-  for round_ in range(config.max_rounds + 1):
+  first = _rounds_done(plan, "quality_held_out")
+  for round_ in range(first, config.max_rounds + 1):
+    progress.checkpoint(plan, f"held-out round {round_}")
     got = held_out(ctx, plan.kernel_plan(), size)
     rel = _rel(got["logloss"], base["logloss"])
     passed = abs(rel) <= config.max_rel_logloss
@@ -299,22 +418,31 @@ def check_held_out(plan, ctx: ValidationContext, config: ValidationConfig = Vali
       if not passed:
         record["note"] = ("no FP8 site left to back off" if not candidates
                           else f"stopped after {config.max_rounds} back-offs")
-      return add_validation(plan, record)
-    for site, choice in candidates.items():
-      if (site, choice) not in contributions:
-        alone = held_out(ctx, only_site(site, choice), size)
-        contributions[(site, choice)] = _rel(alone["logloss"], base["logloss"])
-    current = {s: contributions[(s, c)] for s, c in candidates.items()}
-    record["contributions"] = current
+      return _final(plan, record)
+    excess = (f"held-out log loss {100 * rel:+.4f}% vs bf16+Mods exceeds "
+              f"{100 * config.max_rel_logloss:g}%")
+    if _ranked_by_report(ctx, config, candidates):
+      # Only the forward pass moves a held-out evaluation.
+      scores = report_scores(ctx.report, plan, candidates, "error", passes=("fwd",))
+      worst = worst_by_report(scores)
+      record["report_scores"] = scores
+      reasons = {s: f"{excess}; ranked by the probe report's forward error" for s in worst}
+    else:
+      for site, choice in candidates.items():
+        if (site, choice) not in contributions:
+          alone = held_out(ctx, only_site(site, choice), size)
+          contributions[(site, choice)] = _rel(alone["logloss"], base["logloss"])
+      current = {s: contributions[(s, c)] for s, c in candidates.items()}
+      record["contributions"] = current
+      # The site that pushes hardest in the direction of the excess: one that moves the loss
+      # the other way is offsetting, and backing it off would widen the gap.
+      sign = 1.0 if rel > 0 else -1.0
+      site = max(current, key=lambda s: (sign * current[s], s))
+      worst = [site]
+      reasons = {site: f"{excess}; this site alone: {100 * current[site]:+.4f}%"}
     plan = add_validation(plan, record)
-    # The site that pushes hardest in the direction of the excess: one that moves the loss
-    # the other way is offsetting, and backing it off would widen the gap.
-    sign = 1.0 if rel > 0 else -1.0
-    worst = max(current, key=lambda s: (sign * current[s], s))
-    plan = back_off_site(
-        plan, ctx, worst, f"held-out log loss {100 * rel:+.4f}% vs bf16+Mods exceeds "
-        f"{100 * config.max_rel_logloss:g}%; this site alone: {100 * current[worst]:+.4f}%",
-        step="quality_held_out")
+    for site in worst:
+      plan = back_off_site(plan, ctx, site, reasons[site], step="quality_held_out")
   return plan
 
 
@@ -341,14 +469,14 @@ def shadow_run(ctx: ValidationContext, kplan: KernelPlan, steps: int, eval_batch
   return out
 
 
-def check_shadow(plan, ctx: ValidationContext, config: ValidationConfig = ValidationConfig()
-                 ) -> Plan:
+def check_shadow(plan, ctx: ValidationContext, config: ValidationConfig = ValidationConfig(),
+                 progress: Optional[Progress] = None) -> Plan:
   """Shadow training, plan vs bf16+Mods from the same checkpoint; backs off the site that
   moves the gradient most while the runs diverge (bound: `shadow_max_rel_loss`)."""
   plan = as_plan(plan)
+  progress = progress or Progress()
   if config.shadow_steps == 0:
-    return add_validation(plan, {"step": "quality_shadow", "skipped": True,
-                                 "reason": "shadow_steps=0"})
+    return _final(plan, {"step": "quality_shadow", "skipped": True, "reason": "shadow_steps=0"})
   size = config.eval_batch_size
   window = min(config.shadow_window, config.shadow_steps)
   base = shadow_run(ctx, BASELINE, config.shadow_steps, size)
@@ -358,7 +486,9 @@ def check_shadow(plan, ctx: ValidationContext, config: ValidationConfig = Valida
   base_window = float(np.mean(base["losses"][-window:]))
   base_grad = None
   contributions: Dict[Tuple[str, KernelChoice], float] = {}
-  for round_ in range(config.max_rounds + 1):
+  first = _rounds_done(plan, "quality_shadow")
+  for round_ in range(first, config.max_rounds + 1):
+    progress.checkpoint(plan, f"shadow round {round_}")
     candidates = fp8_sites(plan, ctx.site_names())
     run = shadow_run(ctx, plan.kernel_plan(), config.shadow_steps, size)
     record: Dict[str, Any] = {"step": "quality_shadow", "round": round_,
@@ -380,26 +510,35 @@ def check_shadow(plan, ctx: ValidationContext, config: ValidationConfig = Valida
       if diverged:
         record["note"] = ("no FP8 site left to back off" if not candidates
                           else f"stopped after {config.max_rounds} back-offs")
-      return add_validation(plan, record)
-    if base_grad is None:
-      base_grad = _gradient(ctx, BASELINE, config.grad_batches)
-    norm = float(np.linalg.norm(base_grad)) or 1.0
-    for site, choice in candidates.items():
-      if (site, choice) not in contributions:
-        g = _gradient(ctx, only_site(site, choice), config.grad_batches)
-        contributions[(site, choice)] = (float(np.linalg.norm(g - base_grad)) / norm
-                                         if np.all(np.isfinite(g)) else math.inf)
-    current = {s: contributions[(s, c)] for s, c in candidates.items()}
-    record["gradient_contributions"] = current
-    plan = add_validation(plan, record)
-    worst = max(current, key=lambda s: (current[s], s))
+      return _final(plan, record)
     what = ("non-finite loss" if not run["finite"] else
             f"losses diverge beyond {100 * config.shadow_max_rel_loss:g}% (train "
             f"{100 * record['rel_train_loss']:+.3f}%, held-out "
             f"{100 * record['rel_logloss_change']:+.3f}%)")
-    plan = back_off_site(plan, ctx, worst, f"shadow training: {what}; this site moves the "
-                         f"gradient most ({current[worst]:.3g} relative)",
-                         step="quality_shadow")
+    if _ranked_by_report(ctx, config, candidates):
+      scores = report_scores(ctx.report, plan, candidates, "error")
+      worst = worst_by_report(scores)
+      record["report_scores"] = scores
+      reasons = {s: f"shadow training: {what}; ranked by the probe report's error (all passes)"
+                 for s in worst}
+    else:
+      if base_grad is None:
+        base_grad = _gradient(ctx, BASELINE, config.grad_batches)
+      norm = float(np.linalg.norm(base_grad)) or 1.0
+      for site, choice in candidates.items():
+        if (site, choice) not in contributions:
+          g = _gradient(ctx, only_site(site, choice), config.grad_batches)
+          contributions[(site, choice)] = (float(np.linalg.norm(g - base_grad)) / norm
+                                           if np.all(np.isfinite(g)) else math.inf)
+      current = {s: contributions[(s, c)] for s, c in candidates.items()}
+      record["gradient_contributions"] = current
+      site = max(current, key=lambda s: (current[s], s))
+      worst = [site]
+      reasons = {site: f"shadow training: {what}; this site moves the gradient most "
+                       f"({current[site]:.3g} relative)"}
+    plan = add_validation(plan, record)
+    for site in worst:
+      plan = back_off_site(plan, ctx, site, reasons[site], step="quality_shadow")
   return plan
 
 
@@ -451,16 +590,19 @@ def measure_steps(ctx: ValidationContext, plans: Mapping[str, KernelPlan], basel
   return out
 
 
-def check_speed(plan, ctx: ValidationContext, config: ValidationConfig = ValidationConfig()
-                ) -> Plan:
+def check_speed(plan, ctx: ValidationContext, config: ValidationConfig = ValidationConfig(),
+                progress: Optional[Progress] = None) -> Plan:
   """Backs off the site with the largest in-context slowdown while the plan's train or
   inference step is not provably at least `min_speedup` x bf16+Mods (CI lower bound)."""
   plan = as_plan(plan)
+  progress = progress or Progress()
   enabled, why = speed_enabled(config)
   if not enabled:
-    return add_validation(plan, {"step": "speed", "skipped": True, "reason": why})
+    return _final(plan, {"step": "speed", "skipped": True, "reason": why})
   device = jax.devices()[0].device_kind
-  for round_ in range(config.max_rounds + 1):
+  first = _rounds_done(plan, "speed")
+  for round_ in range(first, config.max_rounds + 1):
+    progress.checkpoint(plan, f"speed round {round_}")
     got = measure_steps(ctx, {"bf16": BASELINE, "plan": plan.kernel_plan()}, "bf16",
                         config.speed_repeats, config.seed)
     failing = [m for m in ("train", "infer")
@@ -479,43 +621,64 @@ def check_speed(plan, ctx: ValidationContext, config: ValidationConfig = Validat
       if failing:
         record["note"] = ("no FP8 site left to back off" if not candidates
                           else f"stopped after {config.max_rounds} back-offs")
-      return add_validation(plan, record)
-    variants = {"plan": plan.kernel_plan()}
-    variants.update({f"without {s}": without_site(plan, s) for s in candidates})
-    context = measure_steps(ctx, variants, "plan", config.speed_repeats, config.seed)
-    # speedup of "without s" vs the plan = the time site s costs in context.
-    slowdowns = {s: float(np.prod([context[m][f"without {s}"]["speedup"] for m in failing]))
-                 for s in candidates}
+      return _final(plan, record)
+    lower = min(got[m]["plan"]["speedup_ci"][0] for m in failing)
+    excess = (f"{'/'.join(failing)} step speedup CI lower bound {lower:.3f} < "
+              f"{config.min_speedup:g}")
     record["failing"] = failing
-    record["in_context_slowdown"] = slowdowns
+    if _ranked_by_report(ctx, config, candidates):
+      scores = report_scores(ctx.report, plan, candidates, "time")
+      worst = worst_by_report(scores)
+      record["report_scores"] = scores
+      reasons = {s: f"{excess}; ranked by the probe report's GEMM time vs xla_bf16 "
+                    f"({scores[s]:+.1f} us)" for s in worst}
+    else:
+      variants = {"plan": plan.kernel_plan()}
+      variants.update({f"without {s}": without_site(plan, s) for s in candidates})
+      context = measure_steps(ctx, variants, "plan", config.speed_repeats, config.seed)
+      # speedup of "without s" vs the plan = the time site s costs in context.
+      slowdowns = {s: float(np.prod([context[m][f"without {s}"]["speedup"] for m in failing]))
+                   for s in candidates}
+      record["in_context_slowdown"] = slowdowns
+      site = max(slowdowns, key=lambda s: (slowdowns[s], s))
+      worst = [site]
+      reasons = {site: f"{excess}; this site's in-context slowdown {slowdowns[site]:.3f}x"}
     plan = add_validation(plan, record)
-    worst = max(slowdowns, key=lambda s: (slowdowns[s], s))
-    plan = back_off_site(
-        plan, ctx, worst, f"{'/'.join(failing)} step speedup CI lower bound "
-        f"{min(got[m]['plan']['speedup_ci'][0] for m in failing):.3f} < "
-        f"{config.min_speedup:g}; this site's in-context slowdown {slowdowns[worst]:.3f}x",
-        step="speed", to_fallback=True)
+    for site in worst:
+      plan = back_off_site(plan, ctx, site, reasons[site], step="speed", to_fallback=True)
   return plan
 
 
 # ----------------------------------------------------------------------------- all
 
+CHECKS = (("quality_held_out", check_held_out), ("quality_shadow", check_shadow),
+          ("speed", check_speed))
+
 
 def validate_end_to_end(plan, ctx: ValidationContext,
-                        config: ValidationConfig = ValidationConfig()) -> Plan:
+                        config: ValidationConfig = ValidationConfig(), *,
+                        progress: Optional[Progress] = None, resume_from=None) -> Plan:
   """Held-out quality, shadow training, then speed; returns the plan with every step and
-  back-off recorded and a final 'validated' record summing them up."""
+  back-off recorded and a final 'validated' record summing them up.
+
+  `plan` is the selected plan; `resume_from`, the plan an interrupted call saved through
+  `progress` (its finished checks are skipped, an unfinished one goes on from its last
+  round). `progress` saves the plan as it goes and stops at its deadline (ValidationPaused).
+  """
   plan = as_plan(plan)
+  progress = progress or Progress()
   before = fp8_sites(plan, ctx.site_names())
-  plan = check_held_out(plan, ctx, config)
-  plan = check_shadow(plan, ctx, config)
-  plan = check_speed(plan, ctx, config)
+  if resume_from is not None:
+    plan = as_plan(resume_from)
+  for step, check in CHECKS:
+    if not finished(plan, step):
+      progress.checkpoint(plan, f"the {step} check")
+      plan = check(plan, ctx, config, progress)
   after = fp8_sites(plan, ctx.site_names())
-  steps = [r for r in plan["validation"] if r.get("step") in
-           ("quality_held_out", "quality_shadow", "speed")]
   last = {}
-  for r in steps:
-    last[r["step"]] = r
+  for r in plan["validation"]:
+    if r.get("step") in dict(CHECKS):
+      last[r["step"]] = r
   return add_validation(plan, {
       "step": "validated", "config": config.to_dict(),
       "fp8_sites_before": len(before), "fp8_sites_after": len(after),
