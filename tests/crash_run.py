@@ -37,17 +37,17 @@ def die() -> None:
 
 
 def kill_inside_checkpoint(step: int) -> None:
-  """Patches orbax's commit (the rename of the temporary directory) to die before step
-  `step`'s checkpoint is committed, once all of its files are written."""
-  from orbax.checkpoint._src.path import atomicity
-  commit = atomicity.AtomicRenameTemporaryPath.finalize
+  """Patches the checkpoint commit (the rename of the temporary directory) to die before
+  step `step`'s checkpoint is committed, once all of its files are written."""
+  from loka_jax.train import checkpoint
+  commit = checkpoint.commit
 
-  async def finalize(self, *args, **kwargs):
-    if self.get_final().name == str(step):
+  def dying_commit(tmp, final):
+    if os.path.basename(final) == str(step):
       die()
-    return await commit(self, *args, **kwargs)
+    commit(tmp, final)
 
-  atomicity.AtomicRenameTemporaryPath.finalize = finalize
+  checkpoint.commit = dying_commit
 
 
 def kill_inside_metrics_line(step: int) -> None:

@@ -11,6 +11,7 @@ import pytest
 from absl.testing import absltest
 
 from loka_jax.models import SiteConfig
+from loka_jax.train import checkpoint as checkpoint_lib
 from loka_jax.train import (WALL_CLOCK_FIELDS, Checkpointer, CheckpointError, OptimConfig,
                             RunSettingsError, TrainConfig, compiled_steps, create_train_state,
                             make_optimizer, read_metrics, restore_run, train)
@@ -111,8 +112,8 @@ class CheckpointerTest(chex.TestCase):
     state, model = trained_state(seed=1, steps=2)
     with Checkpointer(self.dir) as ckpt:
       ckpt.save(state)
-    # What a run killed mid-write leaves: orbax's temporary directory, never renamed.
-    partial = os.path.join(self.dir, "5.orbax-checkpoint-tmp-1234", "state")
+    # What a run killed mid-write leaves: the temporary directory, never renamed.
+    partial = os.path.join(self.dir, "5.loka-tmp-1234", "state")
     os.makedirs(partial)
     with open(os.path.join(partial, "junk"), "wb") as f:
       f.write(b"\x00" * 10)
@@ -120,6 +121,52 @@ class CheckpointerTest(chex.TestCase):
       self.assertEqual(ckpt.steps(), [2])
       restored, _ = ckpt.restore(template(model))
     chex.assert_trees_all_equal(restored, state)
+
+  def test_arrays_are_written_and_read_part_by_part(self):
+    state, model = trained_state(seed=4, steps=2)
+    stats = {"cov": np.random.default_rng(1).normal(size=(6, 6)).astype(np.float32),
+             "count": np.array(3.0, np.float32)}
+    part_bytes = 256  # a few small arrays per part; the 20x32 kernels get parts of their own
+    with Checkpointer(self.dir, part_bytes=part_bytes) as ckpt:
+      ckpt.save(state, {"probe": stats, "note": "json"})
+      restored, extras = ckpt.restore(template(model))
+    chex.assert_trees_all_equal(restored, state)
+    np.testing.assert_array_equal(extras["probe"]["cov"], stats["cov"])
+    self.assertEqual(extras["note"], "json")
+    with open(os.path.join(self.dir, "2", checkpoint_lib.LAYOUT_JSON)) as f:
+      layout = json.load(f)
+    self.assertEqual(layout["format"], checkpoint_lib.FORMAT)
+    flat = {tuple(k): v for k, v in
+            __import__("flax").traverse_util.flatten_dict(state.to_state_dict()).items()}
+    per_part = {}
+    for path, part, _ in layout["state"]:
+      per_part.setdefault(part, []).append(np.asarray(flat[tuple(path)]).nbytes)
+    self.assertGreater(len(per_part), 3)
+    for part, sizes in per_part.items():   # within the bound, or one array alone
+      self.assertTrue(sum(sizes) <= part_bytes or len(sizes) == 1, (part, sizes))
+      self.assertTrue(os.path.isdir(os.path.join(self.dir, "2", "state", f"{part:04d}")))
+
+  def test_parts_pack_consecutive_arrays_up_to_the_bound(self):
+    self.assertEqual(checkpoint_lib.plan_parts([3, 3, 3, 10, 1, 2], 6), [0, 0, 1, 2, 3, 3])
+    self.assertEqual(checkpoint_lib.plan_parts([7], 6), [0])
+    self.assertEqual(checkpoint_lib.plan_parts([], 6), [])
+
+  def test_device_array_extras_are_not_copied_to_the_host_up_front(self):
+    import jax.numpy as jnp
+    _, arrays = checkpoint_lib.split_extras({"probe": {"w": jnp.ones((4, 4))}, "plan": {}})
+    self.assertIsInstance(arrays["probe"]["w"], jax.Array)
+
+  def test_a_directory_without_layout_is_moved_aside(self):
+    state, model = trained_state(seed=1, steps=2)
+    with Checkpointer(self.dir) as ckpt:
+      ckpt.save(state)
+    os.makedirs(os.path.join(self.dir, "7", "state"))   # e.g. another tool's checkpoint
+    with self.assertLogs(level="WARNING") as logs:
+      with Checkpointer(self.dir) as ckpt:
+        restored, _ = ckpt.restore(template(model))
+    chex.assert_trees_all_equal(restored, state)
+    self.assertTrue(any("layout.json" in line for line in logs.output))
+    self.assertTrue(os.path.isdir(os.path.join(self.dir, "corrupt-7")))
 
   def test_extras_must_serialize(self):
     state, _ = trained_state(seed=0, steps=0)
@@ -164,7 +211,7 @@ class ResumeTest(chex.TestCase):
     # A kill can also leave a torn metrics line and an unfinished checkpoint write.
     with open(os.path.join(broken, "metrics.jsonl"), "a") as f:
       f.write('{"step": 16, "lo')
-    os.makedirs(os.path.join(broken, "checkpoints", "20.orbax-checkpoint-tmp-99"))
+    os.makedirs(os.path.join(broken, "checkpoints", "20.loka-tmp-99"))
 
     final_resumed = train(model, source, broken, config, run_info=info)
 

@@ -30,7 +30,6 @@ import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import jax
-import orbax.checkpoint as ocp
 
 from loka_jax.dispatch import drift as drift_lib
 from loka_jax.dispatch.plan import Plan, as_plan, save_plan, to_kernel_plan
@@ -39,7 +38,7 @@ from loka_jax.kernels import registry
 from loka_jax.probe import collector as collector_lib
 from loka_jax.probe import evaluate, stats_report, summarize
 from loka_jax.probe.eligibility import Criteria
-from loka_jax.train.checkpoint import EXTRAS_JSON, item_handlers
+from loka_jax.train.checkpoint import latest_json_extras
 from loka_jax.train.loop import ModelSwap
 
 PLAN_KEY = "dispatch_plan"     # checkpoint extras: the active plan (JSON)
@@ -80,22 +79,10 @@ def checkpoint_plan(workdir: str) -> Optional[Tuple[int, Plan]]:
   """(step, plan) saved in the newest checkpoint of the run in `workdir`, or None (no
   checkpoint, or one saved without a valve)."""
   directory = os.path.join(workdir, "checkpoints")
-  if not os.path.isdir(directory):
+  latest = latest_json_extras(directory)
+  if latest is None:
     return None
-  manager = ocp.CheckpointManager(os.path.abspath(directory),
-                                  options=ocp.CheckpointManagerOptions(create=False),
-                                  item_handlers=item_handlers())
-  try:
-    step = manager.latest_step()
-    if step is None:
-      return None
-    try:
-      extras = manager.restore(step, args=ocp.args.Composite(
-          **{EXTRAS_JSON: ocp.args.JsonRestore()}))[EXTRAS_JSON] or {}
-    except Exception:  # a damaged newest checkpoint: the loop moves it aside on restore
-      return None
-  finally:
-    manager.close()
+  step, extras = latest
   data = extras.get(PLAN_KEY)
   return None if data is None else (step, as_plan(data, f"{directory}/{step}: {PLAN_KEY}"))
 

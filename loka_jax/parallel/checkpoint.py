@@ -1,7 +1,7 @@
-"""Orbax checkpoints of sharded training state that restore onto another mesh shape.
+"""Checkpoints of sharded training state that restore onto another mesh shape.
 
-Saving writes the same layout as the training loop's `Checkpointer` (items `state`,
-`extras_json`, `extras_arrays`), each process writing its own shards. Restoring reads every
+Saving writes the same layout as the training loop's `Checkpointer` (`loka.checkpoint/1`:
+orbax parts plus `layout.json`), orbax writing each array's shards. Restoring reads every
 array straight into the layout of the target mesh (`NamedSharding`s of a template), so a run
 saved on data:2,model:2 resumes on data:2,model:1 or on one device; only the target mesh's
 `model` size must divide every table's rows.
@@ -14,13 +14,11 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import jax
 import jax.numpy as jnp
 import optax
-import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from loka_jax.parallel import step as step_lib
-from loka_jax.train.checkpoint import (EXTRAS_ARRAYS, EXTRAS_JSON, STATE, CheckpointError,
-                                       Checkpointer, item_handlers)
-from loka_jax.train.state import TrainState, split_variables
+from loka_jax.train.checkpoint import CheckpointError, Checkpointer, read_step
+from loka_jax.train.state import TrainState, all_finite, split_variables
 
 
 def save_sharded(directory: str, state: TrainState, extras: Optional[Mapping[str, Any]] = None,
@@ -48,12 +46,6 @@ def sharded_template(model, tx: optax.GradientTransformation, example_batch,
                       abstract, shardings)
 
 
-def _all_finite(tree) -> bool:
-  flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-           if jnp.issubdtype(x.dtype, jnp.floating)]
-  return bool(jnp.all(jnp.stack(flags))) if flags else True
-
-
 def restore_sharded(directory: str, template: TrainState, step: Optional[int] = None
                     ) -> Tuple[TrainState, Dict[str, Any]]:
   """(state laid out like `template`, extras) from checkpoint `step` (default: the newest).
@@ -65,32 +57,21 @@ def restore_sharded(directory: str, template: TrainState, step: Optional[int] = 
   directory = os.path.abspath(directory)
   if not os.path.isdir(directory):
     raise CheckpointError(f"no checkpoint directory {directory}")
-  options = ocp.CheckpointManagerOptions(create=False, enable_async_checkpointing=False)
-  manager = ocp.CheckpointManager(directory, options=options, item_handlers=item_handlers())
+  steps = Checkpointer(directory).steps()
+  if not steps:
+    raise CheckpointError(f"no checkpoint in {directory}")
+  step = steps[-1] if step is None else step
+  if step not in steps:
+    raise CheckpointError(f"no checkpoint of step {step} in {directory}; steps: {steps}")
+  abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+      template.to_state_dict())
   try:
-    steps = sorted(manager.all_steps())
-    if not steps:
-      raise CheckpointError(f"no checkpoint in {directory}")
-    step = steps[-1] if step is None else step
-    if step not in steps:
-      raise CheckpointError(f"no checkpoint of step {step} in {directory}; steps: {steps}")
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-        template.to_state_dict())
-    items = {STATE: ocp.args.StandardRestore(abstract), EXTRAS_JSON: ocp.args.JsonRestore()}
-    if os.path.isdir(os.path.join(directory, str(step), EXTRAS_ARRAYS)):
-      items[EXTRAS_ARRAYS] = ocp.args.StandardRestore()
-    try:
-      restored = manager.restore(step, args=ocp.args.Composite(**items))
-    except (ValueError, KeyError, TypeError) as e:
-      raise CheckpointError(f"checkpoint {directory}/{step} does not fit this model's state "
-                            f"(another model or preset?): {str(e)[:400]}") from e
-  finally:
-    manager.close()
-  state = template.from_state_dict(restored[STATE])
-  if not _all_finite((state.params, state.opt_state, state.fp8_meta)):
+    restored, extras = read_step(os.path.join(directory, str(step)), abstract)
+  except (ValueError, KeyError, TypeError) as e:
+    raise CheckpointError(f"checkpoint {directory}/{step} does not fit this model's state "
+                          f"(another model or preset?): {str(e)[:400]}") from e
+  state = template.from_state_dict(restored)
+  if not all_finite((state.params, state.opt_state, state.fp8_meta)):
     raise CheckpointError(f"checkpoint {directory}/{step} holds non-finite values")
-  extras = dict(restored[EXTRAS_JSON] or {})
-  if EXTRAS_ARRAYS in items:
-    extras.update(restored[EXTRAS_ARRAYS])
   return state, extras

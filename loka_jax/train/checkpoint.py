@@ -1,19 +1,33 @@
-"""Orbax checkpoints of a training run: state, fp8 state, data position, rng and extras.
+"""Checkpoints of a training run: state, fp8 state, data position, rng and extras.
 
 A checkpoint `DIR/<step>/` holds the TrainState (params, optimizer state, fp8_meta, step, rng)
 and a free-form `extras` dict: top-level entries whose leaves are all arrays (probe
 statistics) are stored as arrays, every other entry (the active plan, configs) as JSON.
-Writes are atomic (orbax writes a temporary directory and renames it when complete), so a
-run killed mid-write leaves the previous checkpoints intact. Restore tries the newest step
-first; an unreadable or non-finite one is moved aside to `DIR/corrupt-<step>` with a warning
-and the previous one is used.
+
+Layout (`loka.checkpoint/1`):
+  DIR/<step>/state/<part>/     orbax (OCDBT) directories, one per part of the state's arrays
+  DIR/<step>/extras/<part>/    the same for the array extras
+  DIR/<step>/layout.json       which array (its path in the tree) lives in which part, and
+                               the JSON extras
+Arrays are written PART BY PART, each part at most `part_bytes` (default HOST_TRANSFER_GB):
+orbax moves every array of one save through host memory at once, whatever its
+`save_concurrent_gb` (that bounds only the disk writes), and Wukong large's 50 GiB state plus
+25 GiB of probe statistics exhausted a 128 GiB GPU host that way (H200, 2026-11-26). Restores
+read part by part as well.
+
+Writes are atomic: a step is written to `DIR/<step>.loka-tmp-<pid>` and renamed when
+complete, so a run killed mid-write leaves the previous checkpoints intact and its partial
+directory is ignored. Restore tries the newest step first; an unreadable or non-finite one is
+moved aside to `DIR/corrupt-<step>` with a warning and the previous one is used.
 """
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Mapping, Optional, Tuple
+import shutil
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+import flax
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -21,9 +35,10 @@ from absl import logging
 
 from loka_jax.train.state import TrainState, all_finite
 
+FORMAT = "loka.checkpoint/1"
+LAYOUT_JSON = "layout.json"
 STATE = "state"
-EXTRAS_JSON = "extras_json"
-EXTRAS_ARRAYS = "extras_arrays"
+EXTRAS = "extras"
 HOST_TRANSFER_GB = 4  # the most array data one save or restore holds in host memory at once
 
 
@@ -38,11 +53,12 @@ def _is_array_tree(value) -> bool:
 
 def split_extras(extras: Optional[Mapping[str, Any]]) -> Tuple[Dict, Dict]:
   """(JSON entries, array entries) of `extras`; a JSON entry that does not serialize is an
-  error naming its key."""
+  error naming its key. Array entries stay where they are (device arrays are not copied to
+  the host here: the part-by-part write does that, a part at a time)."""
   json_part, array_part = {}, {}
   for key, value in (extras or {}).items():
     if _is_array_tree(value):
-      array_part[key] = jax.tree.map(np.asarray, value)
+      array_part[key] = value
       continue
     try:
       json.dumps(value)
@@ -53,38 +69,147 @@ def split_extras(extras: Optional[Mapping[str, Any]]) -> Tuple[Dict, Dict]:
   return json_part, array_part
 
 
-def item_handlers() -> Dict[str, Any]:
-  """orbax handlers of a run's checkpoint items, with bounded host transfers.
+def _nbytes(x) -> int:
+  return int(np.prod(np.shape(x), dtype=np.int64)) * np.dtype(x.dtype).itemsize
 
-  orbax's default moves up to 96 GB through host memory at once; Wukong large's 50 GiB state
-  then exhausted a 128 GiB GPU host mid-save (H200, 2026-11-26). The bound costs nothing in
-  correctness.
-  """
-  def arrays():
-    return ocp.StandardCheckpointHandler(save_concurrent_gb=HOST_TRANSFER_GB,
-                                         restore_concurrent_gb=HOST_TRANSFER_GB)
-  return {STATE: arrays(), EXTRAS_JSON: ocp.JsonCheckpointHandler(), EXTRAS_ARRAYS: arrays()}
+
+def plan_parts(sizes: Sequence[int], part_bytes: int) -> List[int]:
+  """The part of each array, in order: consecutive arrays share a part while their bytes sum
+  to at most `part_bytes`; an array larger than that gets a part of its own."""
+  parts, part, used = [], 0, 0
+  for size in sizes:
+    if used and used + size > part_bytes:
+      part, used = part + 1, 0
+    parts.append(part)
+    used += size
+  return parts
+
+
+def _handler():
+  return ocp.StandardCheckpointHandler(save_concurrent_gb=HOST_TRANSFER_GB,
+                                       restore_concurrent_gb=HOST_TRANSFER_GB)
+
+
+def _key(i: int) -> str:
+  return f"a{i:05d}"
+
+
+def _write_arrays(directory: str, flat: Mapping[Tuple, Any], part_bytes: int) -> List[List]:
+  """Writes the arrays of `flat` ({path: array}) part by part under `directory`; returns the
+  layout rows [path, part, key]."""
+  paths = list(flat)
+  parts = plan_parts([_nbytes(flat[p]) for p in paths], part_bytes)
+  rows = [[list(p), part, _key(i)] for i, (p, part) in enumerate(zip(paths, parts))]
+  with ocp.Checkpointer(_handler()) as checkpointer:
+    for part in sorted(set(parts)):
+      tree = {key: flat[tuple(path)] for path, q, key in rows if q == part}
+      checkpointer.save(os.path.join(directory, f"{part:04d}"), args=ocp.args.StandardSave(tree))
+  return rows
+
+
+def _read_arrays(directory: str, rows: Sequence[Sequence],
+                 abstract: Optional[Mapping[Tuple, Any]] = None) -> Dict[Tuple, Any]:
+  """{path: array} read part by part (into `abstract`'s shapes, dtypes and shardings when
+  given, {path: ShapeDtypeStruct})."""
+  out = {}
+  with ocp.Checkpointer(_handler()) as checkpointer:
+    for part in sorted({int(r[1]) for r in rows}):
+      members = [(tuple(path), key) for path, q, key in rows if int(q) == part]
+      target = None if abstract is None else {key: abstract[path] for path, key in members}
+      args = ocp.args.StandardRestore(target) if target is not None else ocp.args.StandardRestore()
+      tree = checkpointer.restore(os.path.join(directory, f"{part:04d}"), args=args)
+      for path, key in members:
+        out[path] = tree[key]
+  return out
+
+
+def write_step(directory: str, step: int, state_dict: Mapping, extras_json: Mapping,
+               extras_arrays: Mapping, part_bytes: int) -> str:
+  """Writes checkpoint `step` atomically (see the module docstring); returns its directory."""
+  final = os.path.join(directory, str(step))
+  tmp = os.path.join(directory, f"{step}.loka-tmp-{os.getpid()}")
+  shutil.rmtree(tmp, ignore_errors=True)
+  os.makedirs(tmp)
+  layout = {"format": FORMAT, "step": int(step), "extras_json": dict(extras_json),
+            STATE: _write_arrays(os.path.join(tmp, STATE),
+                                 flax.traverse_util.flatten_dict(dict(state_dict)), part_bytes),
+            EXTRAS: (_write_arrays(os.path.join(tmp, EXTRAS),
+                                   flax.traverse_util.flatten_dict(dict(extras_arrays)),
+                                   part_bytes) if extras_arrays else [])}
+  with open(os.path.join(tmp, LAYOUT_JSON), "w") as f:
+    json.dump(layout, f)
+  commit(tmp, final)
+  return final
+
+
+def commit(tmp: str, final: str) -> None:
+  """Makes the fully written `tmp` the checkpoint `final` (one rename: a run killed before it
+  leaves only an ignored temporary directory)."""
+  os.rename(tmp, final)
+
+
+def latest_json_extras(directory: str) -> Optional[Tuple[int, Dict[str, Any]]]:
+  """(step, JSON extras) of the newest checkpoint in `directory` without reading any array,
+  or None when there is none or its layout is unreadable (a restore moves it aside)."""
+  steps = Checkpointer(directory).steps() if os.path.isdir(directory) else []
+  if not steps:
+    return None
+  try:
+    with open(os.path.join(directory, str(steps[-1]), LAYOUT_JSON)) as f:
+      return steps[-1], dict(json.load(f).get("extras_json") or {})
+  except (OSError, ValueError):
+    return None
+
+
+def read_step(step_dir: str, abstract_state: Mapping) -> Tuple[Dict, Dict[str, Any]]:
+  """(state dict, extras) of one checkpoint directory, the state read into `abstract_state`
+  (a state dict of ShapeDtypeStructs, shardings included); a mismatch names the paths."""
+  path = os.path.join(step_dir, LAYOUT_JSON)
+  if not os.path.exists(path):
+    raise ValueError(f"{step_dir} has no {LAYOUT_JSON} (not a {FORMAT} checkpoint)")
+  with open(path) as f:
+    layout = json.load(f)
+  if layout.get("format") != FORMAT:
+    raise ValueError(f"{path}: format {layout.get('format')!r}, expected {FORMAT!r}")
+  template = flax.traverse_util.flatten_dict(dict(abstract_state), keep_empty_nodes=True)
+  wanted = {p for p, v in template.items() if v is not flax.traverse_util.empty_node}
+  saved = {tuple(r[0]) for r in layout[STATE]}
+  if saved != wanted:
+    missing, extra = sorted(wanted - saved), sorted(saved - wanted)
+    raise ValueError("the checkpoint's arrays do not match this state: missing "
+                     f"{['/'.join(map(str, p)) for p in missing[:5]]}, unexpected "
+                     f"{['/'.join(map(str, p)) for p in extra[:5]]}")
+  arrays = _read_arrays(os.path.join(step_dir, STATE), layout[STATE],
+                        {p: template[p] for p in wanted})
+  state = flax.traverse_util.unflatten_dict({**template, **arrays})
+  extras = dict(layout.get("extras_json") or {})
+  if layout.get(EXTRAS):
+    extras.update(flax.traverse_util.unflatten_dict(
+        _read_arrays(os.path.join(step_dir, EXTRAS), layout[EXTRAS])))
+  return state, extras
 
 
 class Checkpointer:
-  """Saves and restores TrainStates under one directory, keeping the last `keep`."""
+  """Saves and restores TrainStates under one directory, keeping the last `keep`.
 
-  def __init__(self, directory: str, keep: int = 3):
+  `part_bytes`: the most array bytes one orbax save or restore handles (and so holds in host
+  memory) at a time."""
+
+  def __init__(self, directory: str, keep: int = 3,
+               part_bytes: int = HOST_TRANSFER_GB * 1024 ** 3):
     if keep < 1:
       raise ValueError(f"keep must be >= 1 checkpoint, got {keep}")
+    if part_bytes < 1:
+      raise ValueError(f"part_bytes must be >= 1, got {part_bytes}")
     self.directory = os.path.abspath(directory)
     self.keep = keep
-    self._manager = self._open()
-
-  def _open(self) -> ocp.CheckpointManager:
-    options = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True,
-                                           enable_async_checkpointing=False)
-    return ocp.CheckpointManager(self.directory, options=options,
-                                 item_handlers=item_handlers())
+    self.part_bytes = part_bytes
+    os.makedirs(self.directory, exist_ok=True)
 
   def steps(self):
-    """Steps of the complete checkpoints, oldest first."""
-    return sorted(self._manager.all_steps())
+    """Steps of the checkpoints, oldest first (unfinished writes are not among them)."""
+    return sorted(int(n) for n in os.listdir(self.directory)
+                  if n.isdigit() and os.path.isdir(os.path.join(self.directory, n)))
 
   def latest_step(self) -> Optional[int]:
     steps = self.steps()
@@ -93,31 +218,23 @@ class Checkpointer:
   def save(self, state: TrainState, extras: Optional[Mapping[str, Any]] = None) -> int:
     """Writes `state` (and extras) at its step; a step already saved is left as it is."""
     step = int(jax.device_get(state.step))
-    if step in self._manager.all_steps():
+    if step in self.steps():
       return step
     json_part, array_part = split_extras(extras)
-    items = {STATE: ocp.args.StandardSave(state.to_state_dict()),
-             EXTRAS_JSON: ocp.args.JsonSave(json_part)}
-    if array_part:  # orbax refuses empty items
-      items[EXTRAS_ARRAYS] = ocp.args.StandardSave(array_part)
-    self._manager.save(step, args=ocp.args.Composite(**items))
-    self._manager.wait_until_finished()
+    write_step(self.directory, step, state.to_state_dict(), json_part, array_part,
+               self.part_bytes)
+    for old in self.steps()[:-self.keep]:
+      shutil.rmtree(os.path.join(self.directory, str(old)))
     return step
 
   def _restore_step(self, step: int, template: TrainState):
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template.to_state_dict())
-    items = {STATE: ocp.args.StandardRestore(abstract), EXTRAS_JSON: ocp.args.JsonRestore()}
-    if os.path.isdir(os.path.join(self.directory, str(step), EXTRAS_ARRAYS)):
-      items[EXTRAS_ARRAYS] = ocp.args.StandardRestore()
-    restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-    state = template.from_state_dict(restored[STATE])
+    state_dict, extras = read_step(os.path.join(self.directory, str(step)), abstract)
+    state = template.from_state_dict(state_dict)
     if int(jax.device_get(state.step)) != step:
       raise ValueError(f"holds step {int(state.step)} in a directory named {step}")
     if not all_finite((state.params, state.opt_state, state.fp8_meta)):
       raise ValueError("holds non-finite parameters or optimizer state")
-    extras = dict(restored[EXTRAS_JSON] or {})
-    if EXTRAS_ARRAYS in items:
-      extras.update(restored[EXTRAS_ARRAYS])
     return state, extras
 
   def _move_aside(self, step: int) -> str:
@@ -148,16 +265,13 @@ class Checkpointer:
         failures.append(f"step {step}: {type(e).__name__}: {str(e)[:300]}")
         logging.warning("checkpoint %s/%d is unreadable (%s); moved it to %s and falling back "
                         "to the previous checkpoint", self.directory, step, failures[-1], moved)
-        self._manager.close()  # forget the moved step
-        self._manager = self._open()
     raise CheckpointError(
         f"no readable checkpoint in {self.directory} (each was moved to corrupt-<step>):\n  "
         + "\n  ".join(failures)
         + "\nRerunning now starts from step 0; restore a copy of the directory to resume instead.")
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
-    self._manager.close()
+    """Nothing to release (every write finished in `save`); kept for `with` blocks."""
 
   def __enter__(self):
     return self
