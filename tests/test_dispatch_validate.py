@@ -270,6 +270,17 @@ class ResumeTest(chex.TestCase):
                    len(validate.validation_records(out, "quality_held_out")))
 
 
+  def test_a_plan_without_fp8_sites_skips_every_check(self):
+    out = validate.validate_end_to_end(plan_of({}), context(),
+                                       validate.ValidationConfig(speed=True))
+    for step in ("quality_held_out", "quality_shadow", "speed"):
+      (record,) = validate.validation_records(out, step)
+      self.assertTrue(record["skipped"] and record["final"], step)
+      self.assertIn("no FP8 site", record["reason"])
+    (done,) = validate.validation_records(out, "validated")
+    self.assertEqual(done["passed"], {"quality_held_out": None, "quality_shadow": None,
+                                      "speed": None})
+
   def test_the_pipeline_pauses_at_its_deadline_and_the_next_call_finishes(self):
     from loka_jax.probe import ProbeConfig, ProbeOptions
     from loka_jax.probe.eligibility import Criteria
