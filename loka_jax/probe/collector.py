@@ -152,7 +152,9 @@ def init_site_state(site: SiteProbe, config: ProbeConfig, seed: int = 0, dtype=j
            "flush": _init_flush(site), "amax": _init_amax()}
   if site.kind == ACT_WEIGHT:
     state["rhs"] = matrix_normal.init(site.modes["rhs"])
-    state["weight"] = jnp.zeros(site.layout.rhs.shape, jnp.float32)
+    # The weight as the kernels see it (the sown operand, in the compute dtype): a float32
+    # copy would double it for nothing (Wukong large: 6 GB more probe state per checkpoint).
+    state["weight"] = jnp.zeros(site.layout.rhs.shape, dtype)
   else:
     state["rhs"] = gaussian.init(site.modes["rhs"], seed + 2)
   if site.reservoir_capacity:
@@ -233,7 +235,7 @@ def update_site_state(state, site: SiteProbe, lhs, rhs, grad, key, config: Probe
   if site.kind == ACT_WEIGHT:
     out["rhs"] = matrix_normal.update(state["rhs"], layout.rhs.to_rows(rhs),
                                       ema=config.weight_ema, jitter=config.jitter)
-    out["weight"] = rhs.astype(jnp.float32)
+    out["weight"] = rhs.astype(state["weight"].dtype)
   else:
     out["rhs"] = gaussian.update(state["rhs"], layout.rhs.to_rows(rhs))
   out["flush"] = {}

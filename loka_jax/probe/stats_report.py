@@ -55,7 +55,7 @@ def site_stats(site: SiteProbe, state: Mapping, observations: int) -> Dict:
     mode = site.modes[op].describe()
     if op == "rhs" and site.kind == ACT_WEIGHT:
       numbers = matrix_normal.summary(state["rhs"])
-      values = np.asarray(state["weight"])
+      values = np.asarray(state["weight"], np.float32)
     else:
       numbers = gaussian.summary(state[op])
       values = (np.asarray(state["reservoir"][op]) if "reservoir" in state
