@@ -41,6 +41,10 @@ PROBE_SAMPLES = flags.DEFINE_integer("probe_samples", 32, "Draws per site of eac
                                      "error evaluation (fewer: faster, wider CIs).")
 PROBE_KERNELS = flags.DEFINE_list("probe_kernels", [], "Each probe's candidate kernels "
                                   "(default: every registered candidate).")
+PROBE_TIMING_CACHE = flags.DEFINE_string(
+    "probe_timing_cache", None, "Timings measured ahead by `experiments.probe --time_only` "
+    "(a directory, e.g. carried to the GPU host): the probes skip their timing phase where "
+    "it holds the shapes.")
 PLANS = flags.DEFINE_string("plans_dir", None, "Plan directory (default: WORKDIR/plans).")
 Q_PRESET = flags.DEFINE_string("quality_preset", "small", "Preset of the synthetic quality runs.")
 Q_STEPS = flags.DEFINE_integer("quality_steps", 500, "Training steps of every quality arm.")
@@ -102,6 +106,7 @@ def main(argv):
                                  probe_steps=PROBE_STEPS.value,
                                  probe_samples=PROBE_SAMPLES.value,
                                  probe_kernels=tuple(PROBE_KERNELS.value),
+                                 probe_timing_cache=PROBE_TIMING_CACHE.value,
                                  seed=common_flags.SEED.value)
   batch = BATCH.value or None
   _log(f"device {device}; suite {SUITE.value}; results under {workdir}")

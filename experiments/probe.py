@@ -7,6 +7,11 @@ Writes WORKDIR/probe_report.json (loka.probe/1, docs/FORMATS.md), WORKDIR/probe_
 WORKDIR/plots/ and, on a GPU, merges its timings into loka_jax/dispatch/timings/<device>.json
 (copy: WORKDIR/timing_table/). Rerunning the same command resumes every phase; with
 --budget_s a run that runs out of time exits with status 3: run it again to finish.
+
+Timings depend on shapes only, so a large model's can be measured ahead (a GPU call with no
+training), and the probe later given the same cache skips its timing phase:
+
+  python -m experiments.probe --model=wukong --preset=large --time_only --timing_cache=DIR
 """
 import os
 import sys
@@ -19,7 +24,7 @@ from loka_jax.probe import eligibility
 from loka_jax.dispatch.timing_table import TimingTableError
 from loka_jax.probe.collector import ProbeConfig, ProbeStateError
 from loka_jax.probe.kernel_timing import TimingCacheError
-from loka_jax.probe.runner import ProbeOptions, ProbeSetupError, run_probe
+from loka_jax.probe.runner import ProbeOptions, ProbeSetupError, run_probe, time_site_shapes
 from loka_jax.probe.report import site_table
 from loka_jax.train import CheckpointError, NonFiniteError, RunSettingsError, TrainConfig
 from loka_jax.train import experiment
@@ -59,6 +64,10 @@ METRIC = flags.DEFINE_enum("metric", "sqnr", eligibility.METRICS,
                            "Eligibility by SQNR (default) or MERE < 0.2 (paper parity).")
 MIN_SPEEDUP = flags.DEFINE_float("min_speedup", 1.05,
                                  "Pessimistic speedup a kernel needs; 0: accuracy only.")
+TIME_ONLY = flags.DEFINE_bool("time_only", False,
+                              "Only time every candidate on every distinct site shape into "
+                              "--timing_cache (no training, no statistics, no report): a later "
+                              "probe given the same --timing_cache skips its timing phase.")
 PLOTS = flags.DEFINE_bool("plots", True, "Write PNG plots.")
 SITE_PLOTS = flags.DEFINE_bool("site_plots", True, "Write one distribution plot per site.")
 BUDGET_S = flags.DEFINE_float("budget_s", 0, "Wall-clock budget; 0: none. Out of time: "
@@ -124,7 +133,7 @@ def _print_summary(result) -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not common.WORKDIR.value:
+  if not common.WORKDIR.value and not TIME_ONLY.value:
     raise app.UsageError("--workdir is required (the run directory; rerun to resume)")
   try:
     probe_config, criteria = _settings()
@@ -135,6 +144,20 @@ def main(argv):
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   experiment.quiet_library_logs()
   spec = _run_spec()
+  if TIME_ONLY.value:
+    if not TIMING_CACHE.value:
+      raise app.UsageError("--time_only needs --timing_cache=DIR (where the timings go)")
+    try:
+      done = time_site_shapes(spec, _train_config(spec).batch_size, TIMING_CACHE.value,
+                              probe_config, _options(criteria))
+    except (ProbeSetupError, TimingCacheError) as e:
+      sys.exit(f"error: {e}")
+    print(f"timed {done['timed']} of {done['shapes']} site shapes on {done['device_kind']}: "
+          f"{done['cache']}")
+    if done["pending"]:
+      print(f"INCOMPLETE: {done['pending']} shapes left (budget). Rerun the same command.")
+      sys.exit(3)
+    return
   try:
     result = run_probe(spec, common.WORKDIR.value, _train_config(spec), probe_config,
                        _options(criteria))

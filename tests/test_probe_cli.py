@@ -107,6 +107,13 @@ class ProbeCliTest(chex.TestCase):
     result = run_cli("--model=wukong", "--preset=tiny", "--cadence=0", f"--workdir={workdir}")
     self.assertNotEqual(result.returncode, 0)
     self.assertIn("cadence must be >= 1", result.stderr)
+    result = run_cli("--model=wukong", "--preset=tiny", "--time_only")
+    self.assertNotEqual(result.returncode, 0)
+    self.assertIn("--time_only needs --timing_cache", result.stderr)
+    result = run_cli("--model=wukong", "--preset=tiny", "--time_only",
+                     f"--timing_cache={workdir}")
+    self.assertNotEqual(result.returncode, 0)
+    self.assertIn("timing kernels needs a GPU", result.stderr)
 
 
 if __name__ == "__main__":

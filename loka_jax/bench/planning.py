@@ -46,8 +46,8 @@ def load(plans_root: str, model: str, preset: str) -> Optional[KernelPlan]:
 def make_plan(spec: experiment.RunSpec, plans_root: str, train_config: TrainConfig, *,
               budget_s: Optional[float], build: Optional[Callable] = None,
               samples: int = 32, repeats: int = 20,
-              kernels: Sequence[str] = (), deadline: Optional[float] = None
-              ) -> Optional[str]:
+              kernels: Sequence[str] = (), timing_cache: Optional[str] = None,
+              deadline: Optional[float] = None) -> Optional[str]:
   """Probes `spec` (its model with Mods, in bf16), selects and validates its plan
   (`dispatch.pipeline.probe_and_plan`); returns the plan's path, or None when the budget ran
   out first (a rerun resumes). `kernels`: the probe's candidates (empty: the default list)."""
@@ -58,7 +58,7 @@ def make_plan(spec: experiment.RunSpec, plans_root: str, train_config: TrainConf
   if os.path.exists(path):
     return path
   options = ProbeOptions(samples=samples, repeats=repeats, budget_s=budget_s, plots=False,
-                         site_plots=False, kernels=tuple(kernels))
+                         site_plots=False, kernels=tuple(kernels), timing_cache=timing_cache)
   try:
     probe_and_plan(spec, workdir, train_config=train_config, probe_options=options,
                    build=build, deadline=deadline)

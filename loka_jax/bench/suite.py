@@ -110,6 +110,7 @@ class SpeedSettings:
   probe_steps: int = 100
   probe_samples: int = 32       # draws per site of each probe's error evaluation
   probe_kernels: Tuple[str, ...] = ()  # each probe's candidates (empty: the default list)
+  probe_timing_cache: Optional[str] = None  # timings measured ahead (`probe --time_only`)
   min_call_s: float = 1e-3
   seed: int = 0
 
@@ -146,7 +147,7 @@ def _probe_for_plan(target: Target, variant: Variant, settings: SpeedSettings,
   planning.make_plan(target.run_spec(variant.mods), settings.plans_dir, config,
                      budget_s=budget, build=target.probe_build(),
                      samples=settings.probe_samples, kernels=settings.probe_kernels,
-                     deadline=deadline)
+                     timing_cache=settings.probe_timing_cache, deadline=deadline)
   gc.collect()  # the probe's training state must be gone before the baseline's is built
 
 

@@ -108,6 +108,82 @@ def _timing_plan(options: ProbeOptions) -> Tuple[bool, bool]:
   return measure, measure and on_gpu
 
 
+@dataclasses.dataclass
+class _Setup:
+  model: Any
+  source: Any
+  abstract: Any          # the model's variables as ShapeDtypeStructs
+  sites: Dict[str, Any]  # the selected sites' SiteProbes, in call order
+  kernels: List[Any]
+  excluded: Dict[str, str]
+  names: List[str]
+
+
+def _setup(spec: experiment.RunSpec, batch_size: int, probe_config: ProbeConfig,
+           options: ProbeOptions, build=None) -> _Setup:
+  """The model, its selected sites and the candidate kernels; settings errors surface here,
+  before any training or timing."""
+  model, source, _ = (build or experiment.build_run)(spec)
+  batch = source.train_batch(0, batch_size)
+  abstract = jax.eval_shape(lambda b: model.init({"params": jax.random.PRNGKey(0),
+                                                  "dropout": jax.random.PRNGKey(1)}, b,
+                                                 train=False), batch)
+  sites = collector_lib.probe_sites(model, abstract, batch, probe_config)
+  try:
+    kernels, excluded = candidates_lib.candidate_kernels(options.kernels or None,
+                                                         jax.default_backend())
+  except ValueError as e:
+    raise ProbeSetupError(f"--kernels: {e}") from e
+  selected = [n for n in sites if options.sites is None or re.search(options.sites, n)]
+  if not selected:
+    raise ProbeSetupError(f"--sites={options.sites!r} matches none of the sites: "
+                          f"{list(sites)}")
+  return _Setup(model, source, abstract, {n: sites[n] for n in selected}, list(kernels),
+                dict(excluded), [k.name for k in kernels])
+
+
+def time_site_shapes(spec: experiment.RunSpec, batch_size: int, cache_dir: str,
+                     probe_config: ProbeConfig = ProbeConfig(),
+                     options: ProbeOptions = ProbeOptions(), build=None) -> Dict[str, Any]:
+  """Times every candidate kernel and pass on every distinct site shape of the spec's model
+  into the timing cache under `cache_dir`, with no training and no statistics.
+
+  The timings depend on shapes only, so they can be measured ahead, on any machine of the
+  target kind: a later probe whose `ProbeOptions.timing_cache` is this directory finds them
+  and skips its own timing phase (Wukong large: 17 shapes, most of a GPU call). Resumable,
+  and it stops at `options.budget_s`. Returns {"cache", "device_kind", "shapes", "timed",
+  "pending"}.
+  """
+  start = time.time()
+  deadline = None if options.budget_s is None else start + options.budget_s
+  if not kernel_timing.on_gpu():
+    raise ProbeSetupError("timing kernels needs a GPU (CPU timings say nothing about GPU "
+                          "kernels)")
+  setup = _setup(spec, batch_size, probe_config, options, build)
+  kind = kernel_timing.device_kind()
+  cache = kernel_timing.TimingCache(kernel_timing.default_cache_path(cache_dir, kind), kind)
+  dtype = str(np.dtype(site_config_dtype(spec)))
+  layouts = {}
+  for name, site in setup.sites.items():
+    layout = site.layout
+    layouts.setdefault((str(layout.spec), layout.lhs.shape, layout.rhs.shape), (name, layout))
+  timed = pending = 0
+  for i, (name, layout) in enumerate(layouts.values()):
+    t0 = time.time()
+    got = kernel_timing.measure_site(layout, setup.kernels, dtype, cache, unsupported={},
+                                     repeats=options.repeats, deadline=deadline)
+    done = kernel_timing.site_timings(layout, setup.kernels, dtype, cache, unsupported={})
+    if any(t.get("timing") == "missing" for per in done.values() for t in per.values()):
+      pending += 1
+      continue
+    timed += 1
+    if got:
+      _log(f"timed shape {i + 1}/{len(layouts)} of {name} ({len(got)} kernel passes) in "
+           f"{time.time() - t0:.1f}s")
+  return {"cache": cache.path, "device_kind": kind, "shapes": len(layouts), "timed": timed,
+          "pending": pending}
+
+
 def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
               probe_config: ProbeConfig = ProbeConfig(),
               options: ProbeOptions = ProbeOptions(), build=None) -> ProbeResult:
@@ -118,24 +194,10 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
   start = time.time()
   deadline = None if options.budget_s is None else start + options.budget_s
   os.makedirs(workdir, exist_ok=True)
-  model, source, _ = (build or experiment.build_run)(spec)
-  batch = source.train_batch(0, train_config.batch_size)
-  abstract = jax.eval_shape(lambda b: model.init({"params": jax.random.PRNGKey(0),
-                                                  "dropout": jax.random.PRNGKey(1)}, b,
-                                                 train=False), batch)
-  sites = collector_lib.probe_sites(model, abstract, batch, probe_config)
-  # Settings errors surface before any training.
+  setup = _setup(spec, train_config.batch_size, probe_config, options, build)
+  model, source, abstract, sites = setup.model, setup.source, setup.abstract, setup.sites
+  kernels, excluded, names, selected = setup.kernels, setup.excluded, setup.names, list(sites)
   platform = jax.default_backend()
-  try:
-    kernels, excluded = candidates_lib.candidate_kernels(options.kernels or None, platform)
-  except ValueError as e:
-    raise ProbeSetupError(f"--kernels: {e}") from e
-  names = [k.name for k in kernels]
-  selected = [n for n in sites if options.sites is None or re.search(options.sites, n)]
-  if not selected:
-    raise ProbeSetupError(f"--sites={options.sites!r} matches none of the sites: "
-                          f"{list(sites)}")
-  sites = {n: sites[n] for n in selected}  # statistics, evaluation and report: these only
   restored = _restore(workdir, model, source, train_config)
   saved_stats, saved_meta = (None, None)
   if restored is not None:
