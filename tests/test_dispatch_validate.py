@@ -212,6 +212,8 @@ class ReportRankingTest(chex.TestCase):
     self.assertEqual(validate.worst_by_report(times), ["slow"])
     many = {f"s{i}": float(i) for i in range(9)}
     self.assertEqual(validate.worst_by_report(many), ["s8", "s7", "s6"])  # ceil(9 / 4)
+    unmovable = {"a": -np.inf, "b": -np.inf, "c": -30.0}
+    self.assertEqual(validate.worst_by_report(unmovable), ["c"])
     with self.assertRaises(ValueError):
       validate.report_scores(report, plan, candidates, "speed")
 

@@ -315,9 +315,12 @@ def report_scores(report: Mapping, plan: Plan, candidates: Mapping[str, KernelCh
 
 def worst_by_report(scores: Mapping[str, float]) -> List[str]:
   """The quarter of the sites (at least one) with the highest scores: ranking from the report
-  is cheap but coarse, so a round backs off several sites rather than compile once per site."""
-  count = max(1, math.ceil(len(scores) / 4))
-  return sorted(scores, key=lambda s: (scores[s], s), reverse=True)[:count]
+  is cheap but coarse, so a round backs off several sites rather than compile once per site.
+  Sites scored -inf (nothing on FP8 that this check sees) come last, and only when no other
+  site is left."""
+  movable = {s: v for s, v in scores.items() if v != -math.inf} or dict(scores)
+  count = max(1, math.ceil(len(movable) / 4))
+  return sorted(movable, key=lambda s: (movable[s], s), reverse=True)[:count]
 
 
 # ----------------------------------------------------------------------------- running
