@@ -266,6 +266,29 @@ class CliTest(absltest.TestCase):
       self.assertTrue(os.path.exists(os.path.join(out, name)), name)
 
 
+  def test_a_missing_plan_alone_builds_no_baseline(self):
+    out = _tempdir(self)
+    results = ResultsFile(os.path.join(out, "bench.jsonl"), suite.KEY_FIELDS)
+    target = suite.tower_targets(["32x16x2"])[0]
+    settings = suite.SpeedSettings(repeats=3, probe=False, plans_dir=os.path.join(out, "plans"))
+
+    def run():
+      logs = []
+      done = suite.run_target(target, variants.parse_variants(["loka"]), results,
+                              settings=settings, deadline=float("inf"), device="cpu",
+                              log=logs.append)
+      return done, logs
+    done, logs = run()                       # the bf16 row is measured, LoKA waits
+    self.assertFalse(done)
+    self.assertTrue(any("bf16 compiled" in line for line in logs), logs)
+    done, logs = run()                       # only LoKA is left: no baseline is built
+    self.assertFalse(done)
+    self.assertTrue(any("plan is not ready" in line for line in logs), logs)
+    self.assertFalse(any("compiled" in line for line in logs), logs)
+    rows = [json.loads(l) for l in open(os.path.join(out, "bench.jsonl"))]
+    self.assertEqual([r["variant"] for r in rows], ["bf16"])
+
+
 class QualityProtocolTest(absltest.TestCase):
 
   def test_every_arm_scores_the_same_eval_set(self):

@@ -178,6 +178,14 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
     for v in pending:
       if v.kernels_from == PLAN:
         _probe_for_plan(target, v, settings, deadline, log)
+  waiting = [v for v in pending if v.kernels_from == PLAN
+             and planning.load(settings.plans_dir, target.model, target.preset) is None]
+  if waiting and len(waiting) == len(pending):
+    # Nothing to time until the plan exists: building the baseline (Wukong large: a 50 GiB
+    # state and a minute of compilation) would only be thrown away.
+    log(f"  {', '.join(v.name for v in waiting)}: the LoKA plan is not ready (the probe "
+        "resumes on the next run)")
+    return False
   base = {"suite": target.suite, "model": target.model, "preset": target.preset,
           "device": device, "jax": jax.__version__, "batch_size": target.batch(),
           "flops_per_example": target.flops_per_example()}
