@@ -287,6 +287,19 @@ def _append(store, key_path, values: Mapping[str, jax.Array], count: int):
     leaf[name] = np.concatenate([leaf[name], arr]) if name in leaf else arr
 
 
+def unsupported_passes(layout, kernels) -> Dict[str, Dict[str, str]]:
+  """{pass: {kernel: reason}} of the passes a kernel does not support at this site (its kind,
+  spec and shapes); decided before any operand is drawn."""
+  out: Dict[str, Dict[str, str]] = {p: {} for p in PASSES}
+  for kernel in kernels:
+    for p in PASSES:
+      reason = kernel.unsupported_reason(layout.spec.for_pass(p), p, layout.kind,
+                                         layout.lhs.shape, layout.rhs.shape)
+      if reason:
+        out[p][kernel.name] = reason
+  return out
+
+
 def evaluate_site(site: SiteProbe, state, kernels: Sequence, compute_dtype: str,
                   config: EvalConfig) -> SiteEvaluation:
   """Draws operands from both sources and evaluates every kernel on every pass it supports."""
@@ -294,17 +307,10 @@ def evaluate_site(site: SiteProbe, state, kernels: Sequence, compute_dtype: str,
   slices = eval_slices(site, config)
   layout = full.subsampled(slices) if slices else full
   spec = str(full.spec)
-  unsupported: Dict[str, Dict[str, str]] = {p: {} for p in PASSES}
+  unsupported = unsupported_passes(full, kernels)
   runnable = []
   for kernel in kernels:
-    ok_passes = []
-    for p in PASSES:
-      reason = kernel.unsupported_reason(full.spec.for_pass(p), p, full.kind, full.lhs.shape,
-                                         full.rhs.shape)
-      if reason:
-        unsupported[p][kernel.name] = reason
-      else:
-        ok_passes.append(p)
+    ok_passes = [p for p in PASSES if kernel.name not in unsupported[p]]
     if ok_passes:
       runnable.append((kernel, ok_passes))
 

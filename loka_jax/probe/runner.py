@@ -170,9 +170,13 @@ def time_site_shapes(spec: experiment.RunSpec, batch_size: int, cache_dir: str,
   timed = pending = 0
   for i, (name, layout) in enumerate(layouts.values()):
     t0 = time.time()
-    got = kernel_timing.measure_site(layout, setup.kernels, dtype, cache, unsupported={},
-                                     repeats=options.repeats, deadline=deadline)
-    done = kernel_timing.site_timings(layout, setup.kernels, dtype, cache, unsupported={})
+    # The same (kernel, pass) set the probe's timing phase will look up.
+    unsupported = evaluate.unsupported_passes(layout, setup.kernels)
+    got = kernel_timing.measure_site(layout, setup.kernels, dtype, cache,
+                                     unsupported=unsupported, repeats=options.repeats,
+                                     deadline=deadline)
+    done = kernel_timing.site_timings(layout, setup.kernels, dtype, cache,
+                                      unsupported=unsupported)
     if any(t.get("timing") == "missing" for per in done.values() for t in per.values()):
       pending += 1
       continue
