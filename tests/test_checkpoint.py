@@ -133,6 +133,10 @@ class CheckpointerTest(chex.TestCase):
     chex.assert_trees_all_equal(restored, state)
     np.testing.assert_array_equal(extras["probe"]["cov"], stats["cov"])
     self.assertEqual(extras["note"], "json")
+    with Checkpointer(self.dir, part_bytes=part_bytes) as ckpt:   # the state alone
+      again, json_only = ckpt.restore(template(model), array_extras=False)
+    chex.assert_trees_all_equal(again, state)
+    self.assertEqual(json_only, {"note": "json"})
     with open(os.path.join(self.dir, "2", checkpoint_lib.LAYOUT_JSON)) as f:
       layout = json.load(f)
     self.assertEqual(layout["format"], checkpoint_lib.FORMAT)

@@ -79,7 +79,8 @@ def context_for_run(spec, probe_dir: str, train_config, report: Optional[Mapping
   from loka_jax.train.loop import restore_run
   base_spec = dataclasses.replace(spec, precision="bf16", plan=None)
   model, source, config = (build or experiment.build_run)(base_spec)
-  restored = restore_run(probe_dir, model, source, train_config)
+  # The state only: the probe's statistics (array extras) are not needed to validate.
+  restored = restore_run(probe_dir, model, source, train_config, array_extras=False)
   if restored is None:
     raise FileNotFoundError(f"{probe_dir}: no checkpoint of the probe run to validate the plan "
                             "on; run the probe there first (probe_and_plan does)")

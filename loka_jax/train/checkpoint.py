@@ -161,9 +161,11 @@ def latest_json_extras(directory: str) -> Optional[Tuple[int, Dict[str, Any]]]:
     return None
 
 
-def read_step(step_dir: str, abstract_state: Mapping) -> Tuple[Dict, Dict[str, Any]]:
+def read_step(step_dir: str, abstract_state: Mapping, array_extras: bool = True
+              ) -> Tuple[Dict, Dict[str, Any]]:
   """(state dict, extras) of one checkpoint directory, the state read into `abstract_state`
-  (a state dict of ShapeDtypeStructs, shardings included); a mismatch names the paths."""
+  (a state dict of ShapeDtypeStructs, shardings included); a mismatch names the paths.
+  `array_extras=False` leaves the array extras (probe statistics) unread."""
   path = os.path.join(step_dir, LAYOUT_JSON)
   if not os.path.exists(path):
     raise ValueError(f"{step_dir} has no {LAYOUT_JSON} (not a {FORMAT} checkpoint)")
@@ -183,7 +185,7 @@ def read_step(step_dir: str, abstract_state: Mapping) -> Tuple[Dict, Dict[str, A
                         {p: template[p] for p in wanted})
   state = flax.traverse_util.unflatten_dict({**template, **arrays})
   extras = dict(layout.get("extras_json") or {})
-  if layout.get(EXTRAS):
+  if array_extras and layout.get(EXTRAS):
     extras.update(flax.traverse_util.unflatten_dict(
         _read_arrays(os.path.join(step_dir, EXTRAS), layout[EXTRAS])))
   return state, extras
@@ -227,9 +229,10 @@ class Checkpointer:
       shutil.rmtree(os.path.join(self.directory, str(old)))
     return step
 
-  def _restore_step(self, step: int, template: TrainState):
+  def _restore_step(self, step: int, template: TrainState, array_extras: bool = True):
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template.to_state_dict())
-    state_dict, extras = read_step(os.path.join(self.directory, str(step)), abstract)
+    state_dict, extras = read_step(os.path.join(self.directory, str(step)), abstract,
+                                   array_extras)
     state = template.from_state_dict(state_dict)
     if int(jax.device_get(state.step)) != step:
       raise ValueError(f"holds step {int(state.step)} in a directory named {step}")
@@ -246,8 +249,11 @@ class Checkpointer:
     os.rename(os.path.join(self.directory, str(step)), target)
     return target
 
-  def restore(self, template: TrainState) -> Optional[Tuple[TrainState, Dict[str, Any]]]:
+  def restore(self, template: TrainState, array_extras: bool = True
+              ) -> Optional[Tuple[TrainState, Dict[str, Any]]]:
     """(state, extras) of the newest readable checkpoint, or None if there is none.
+    `array_extras=False` skips the array extras (a probe's 19 GB of statistics on Wukong
+    large) when only the state is wanted.
 
     `template` gives the structure, shapes and dtypes (a freshly created state). A bad
     checkpoint is moved aside with a warning and the previous one tried; if every one is bad
@@ -259,7 +265,7 @@ class Checkpointer:
     failures = []
     for step in reversed(steps):
       try:
-        return self._restore_step(step, template)
+        return self._restore_step(step, template, array_extras)
       except Exception as e:  # orbax/tensorstore raise many types for damaged files
         moved = self._move_aside(step)
         failures.append(f"step {step}: {type(e).__name__}: {str(e)[:300]}")

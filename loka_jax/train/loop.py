@@ -321,17 +321,18 @@ def _check_run_config(workdir: str, settings: Mapping[str, Any]) -> None:
   _write_json_atomic(path, settings)
 
 
-def restore_run(workdir: str, model, source, config: TrainConfig
+def restore_run(workdir: str, model, source, config: TrainConfig, array_extras: bool = True
                 ) -> Optional[Tuple[TrainState, Dict[str, Any]]]:
   """(state, extras) of the newest good checkpoint of the run in `workdir`, or None.
 
   The template is abstract (shapes, dtypes and the device): a concrete one would hold a second
   copy of the state on the device while the checkpoint is read (Wukong large: 50 GiB more).
+  `array_extras=False` leaves array extras such as probe statistics unread.
   """
   template = abstract_train_state(model, make_optimizer(config.optim),
                                   source.train_batch(0, config.batch_size), config.seed)
   with Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints) as ckpt:
-    return ckpt.restore(template)
+    return ckpt.restore(template, array_extras)
 
 
 # ----------------------------------------------------------------------------- model swap
