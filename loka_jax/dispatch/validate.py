@@ -41,6 +41,7 @@ outlasts one GPU call finishes over several.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -109,7 +110,8 @@ class ValidationContext:
       the features, the dtype policy).
     source: the data source (same training batches and held-out set for every arm).
     state: the trained bf16+Mods TrainState (the probe run's checkpoint) both arms start
-      from; it is never donated or changed here.
+      from. Runs that train (shadow, timed steps) consume this one device copy and put it
+      back from a host backup afterwards (`working_state`): its values never change.
     batch_size: training (and timing) batch.
     optim: the optimizer of the shadow runs and timed train steps.
     report: the ProbeReport the plan was selected from (back-off targets; optional).
@@ -124,7 +126,9 @@ class ValidationContext:
 
   def batch(self, i: int = 0):
     """Training batch `i` after the checkpoint (its data position)."""
-    return self.source.train_batch(int(jax.device_get(self.state.step)) + i, self.batch_size)
+    if "step" not in self._cache:
+      self._cache["step"] = int(jax.device_get(self.state.step))
+    return self.source.train_batch(self._cache["step"] + i, self.batch_size)
 
   def site_names(self) -> List[str]:
     """The model's GEMM sites in call order (one abstract trace, cached)."""
@@ -327,8 +331,37 @@ def worst_by_report(scores: Mapping[str, float]) -> List[str]:
 
 
 def _fresh_copy(tree):
-  """Device copies, so a donating train step never consumes the context's state."""
+  """Device copies, so a donating train step never consumes the original (small trees:
+  fp8_meta)."""
   return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+
+
+def _host_copy(x):
+  """A copy of `x` in host memory that shares no buffer with it (so donating `x` leaves it
+  intact) and leaves no cached host copy on `x` (as np.asarray would, for its lifetime)."""
+  try:
+    return jax.device_put(x, jax.devices("cpu")[0], may_alias=False)
+  except RuntimeError:  # no CPU backend in this process
+    return np.array(jax.device_get(x), copy=True)
+
+
+@contextlib.contextmanager
+def working_state(ctx: ValidationContext):
+  """The context's own device state, for a run that donates (consumes) it; afterwards, also
+  after an error, the context's state is put back on the device from a host backup (taken
+  once). One copy of the state on the device instead of two: Wukong large's 36 GB of
+  parameters and Adam state do not fit an 80 GB card twice beside a training step."""
+  if "host_state" not in ctx._cache:
+    ctx._cache["host_state"] = (jax.tree.map(_host_copy, ctx.state),
+                                jax.tree.map(lambda x: x.sharding, ctx.state))
+  state, ctx.state = ctx.state, None
+  try:
+    yield state
+  finally:
+    del state
+    backup, shardings = ctx._cache["host_state"]
+    ctx.state = jax.tree.map(lambda h, sh: jax.device_put(h, sh, may_alias=False), backup,
+                             shardings)
 
 
 def _loss(model, params, fp8_meta, batch):
@@ -337,15 +370,26 @@ def _loss(model, params, fp8_meta, batch):
 
 def state_for(ctx: ValidationContext, kplan: KernelPlan):
   """(model, state): the context's trained parameters under `kplan`; a plan with delayed
-  scaling gets its fp8_meta state created and calibrated on DELAYED_WARMUP batches."""
-  key = ("state", kplan)
-  if key in ctx._cache:
-    return ctx._cache[key]
+  scaling gets its fp8_meta state created and calibrated on DELAYED_WARMUP batches. Only
+  the model and the fp8_meta are cached: the state is the context's current one."""
+  model, meta = model_and_meta(ctx, kplan)
+  return model, ctx.state.replace(fp8_meta=meta)
+
+
+def model_and_meta(ctx: ValidationContext, kplan: KernelPlan):
+  """(model, fp8_meta) of `kplan` (cached; the first call reads the context's state)."""
+  key = ("meta", kplan)
+  if key not in ctx._cache:
+    ctx._cache[key] = _make_model_and_meta(ctx, kplan)
+  return ctx._cache[key]
+
+
+def _make_model_and_meta(ctx: ValidationContext, kplan: KernelPlan):
   model = ctx.build(kplan)
   batch = ctx.batch()
   rngs = {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}
   shapes = jax.eval_shape(lambda b: model.init(rngs, b, train=False), batch)
-  state = ctx.state.replace(fp8_meta={})
+  meta = {}
   if FP8_META in shapes:
     params_shape = jax.tree.map(lambda x: (x.shape, x.dtype), shapes["params"])
     have = jax.tree.map(lambda x: (x.shape, x.dtype), ctx.state.params)
@@ -356,9 +400,7 @@ def state_for(ctx: ValidationContext, kplan: KernelPlan):
     grad = jax.jit(jax.grad(lambda m, p, b: _loss(model, p, m, b)))
     for i in range(DELAYED_WARMUP):
       meta = merge_fp8_meta(grad(meta, ctx.state.params, ctx.batch(i)))
-    state = state.replace(fp8_meta=meta)
-  ctx._cache[key] = (model, state)
-  return model, state
+  return model, meta
 
 
 def held_out(ctx: ValidationContext, kplan: KernelPlan, eval_batch_size: Optional[int] = None,
@@ -367,10 +409,10 @@ def held_out(ctx: ValidationContext, kplan: KernelPlan, eval_batch_size: Optiona
   key = ("held_out", kplan, eval_batch_size) if state is None else None
   if key is not None and key in ctx._cache:
     return ctx._cache[key]
-  model, own = state_for(ctx, kplan)
+  model, own = state_for(ctx, kplan) if state is None else (model_and_meta(ctx, kplan)[0], state)
   _, eval_step = compiled_steps(model, ctx.optim, "stop")
   size = min(eval_batch_size or ctx.batch_size, ctx.source.num_eval_examples())
-  result = evaluate(eval_step, own if state is None else state, ctx.source, size)
+  result = evaluate(eval_step, own, ctx.source, size)
   if key is not None:
     ctx._cache[key] = result
   return result
@@ -456,17 +498,20 @@ def shadow_run(ctx: ValidationContext, kplan: KernelPlan, steps: int, eval_batch
   key = ("shadow", kplan, steps, eval_batch_size)
   if key in ctx._cache:
     return ctx._cache[key]
-  model, state = state_for(ctx, kplan)
+  model, meta = model_and_meta(ctx, kplan)
   train_step, _ = compiled_steps(model, ctx.optim, "stop")
-  state = _fresh_copy(state)
-  losses, oks = [], []
-  for i in range(steps):
-    state, m = train_step(state, ctx.batch(i))
-    losses.append(m["loss"])
-    oks.append(m["ok"])
-  losses = np.asarray(jax.device_get(losses), np.float64)
-  finite = bool(np.all(jax.device_get(oks))) and bool(np.all(np.isfinite(losses)))
-  final = held_out(ctx, kplan, eval_batch_size, state=state) if finite else None
+  meta = _fresh_copy(meta)
+  with working_state(ctx) as state:
+    state = state.replace(fp8_meta=meta)
+    losses, oks = [], []
+    for i in range(steps):
+      state, m = train_step(state, ctx.batch(i))
+      losses.append(m["loss"])
+      oks.append(m["ok"])
+    losses = np.asarray(jax.device_get(losses), np.float64)
+    finite = bool(np.all(jax.device_get(oks))) and bool(np.all(np.isfinite(losses)))
+    final = held_out(ctx, kplan, eval_batch_size, state=state) if finite else None
+    del state
   out = {"losses": losses, "finite": finite, "held_out": final}
   ctx._cache[key] = out
   return out
@@ -560,13 +605,13 @@ def speed_enabled(config: ValidationConfig) -> Tuple[bool, str]:
 
 def _step_calls(ctx: ValidationContext, kplan: KernelPlan, shared: Dict[str, Any]):
   """(train_call, infer_call): argument-less whole steps on a fixed real batch. Every plan's
-  train call threads the same parameters and optimizer state (`shared`, one copy of the
-  checkpoint's: a plan changes kernels only) and its own fp8_meta, so timing two plans costs
-  one extra copy of the state however large the model (Wukong large: 50 GiB)."""
-  model, state = state_for(ctx, kplan)
+  train call threads the same parameters and optimizer state (`shared`: the context's own
+  copy, consumed; a plan changes kernels only) and its own fp8_meta, so timing any number of
+  plans costs no extra copy of the state however large the model."""
+  model, meta0 = model_and_meta(ctx, kplan)  # cached by measure_steps before the state moved
   train_step, eval_step = compiled_steps(model, ctx.optim, "stop")
   batch = jax.device_put(ctx.batch())
-  meta = {"value": _fresh_copy(state.fp8_meta)}
+  meta = {"value": _fresh_copy(meta0)}
 
   def train_call():
     new, m = train_step(shared["state"].replace(fp8_meta=meta["value"]), batch)
@@ -584,12 +629,17 @@ def measure_steps(ctx: ValidationContext, plans: Mapping[str, KernelPlan], basel
                   repeats: int = 20, seed: int = 0) -> Dict[str, Dict[str, dict]]:
   """{mode: timing.summarize(...)} of whole train and inference steps of `plans`,
   interleaved, with speedups vs `baseline` (baseline time / variant time)."""
-  shared = {"state": _fresh_copy(ctx.state.replace(fp8_meta={}))}
-  calls = {name: _step_calls(ctx, kplan, shared) for name, kplan in plans.items()}
+  for kplan in plans.values():
+    model_and_meta(ctx, kplan)  # first: making fp8_meta reads the context's state
   out = {}
-  for mode, index in (("train", 0), ("infer", 1)):
-    timings = timing.time_calls({n: c[index] for n, c in calls.items()}, repeats=repeats)
-    out[mode] = timing.summarize(timings, baseline, seed=seed)
+  with working_state(ctx) as state:
+    shared = {"state": state.replace(fp8_meta={})}
+    del state
+    calls = {name: _step_calls(ctx, kplan, shared) for name, kplan in plans.items()}
+    for mode, index in (("train", 0), ("infer", 1)):
+      timings = timing.time_calls({n: c[index] for n, c in calls.items()}, repeats=repeats)
+      out[mode] = timing.summarize(timings, baseline, seed=seed)
+    del calls, shared
   return out
 
 
