@@ -219,7 +219,8 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
   catch_up = collector.due(final_step)
   needed = max(probe_config.min_observations - collector.observations - int(catch_up), 0)
   if catch_up or needed:
-    state, _ = restore_run(workdir, model, source, train_config)
+    # The collector holds the statistics already: the state alone is read.
+    state, _ = restore_run(workdir, model, source, train_config, array_extras=False)
     if catch_up:
       collector.observe(state.variables(), state.rng, final_step)
     if needed:
