@@ -151,6 +151,16 @@ class RenderTest(absltest.TestCase):
 
 class SelectionTest(absltest.TestCase):
 
+  def test_plans_are_validated_on_up_to_16_batches_of_held_out_examples(self):
+    (wukong,) = suite.model_targets(["wukong"], ["large"])
+    self.assertEqual(wukong.batch(), 4096)
+    self.assertEqual(wukong.run_spec().num_eval, 65536)
+    (big, small) = suite.tower_targets(["16384x4096x4", "32x16x2"])
+    self.assertEqual(big.plan_eval_examples(), 65536)       # 4 batches
+    self.assertEqual(small.plan_eval_examples(), 16 * 32)   # 16 batches
+    _, source, _ = small.probe_build()(small.run_spec())
+    self.assertEqual(source.num_eval_examples(), 512)
+
   def test_only_filters_targets(self):
     ts = suite.tower_targets(["64x32x2", "128x64x2"]) + suite.model_targets(
         ["dlrm", "wukong"], ["small", "large"])

@@ -27,6 +27,7 @@ from loka_jax.train.loop import TrainConfig
 
 KEY_FIELDS = ("suite", "model", "preset", "variant", "device")
 TOWER = "tower"
+PLAN_EVAL_EXAMPLES = 65536  # held-out examples a target's LoKA plan is validated on (at most)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,16 +75,23 @@ class Target:
     config = self.config()
     return int(tower_flops(config, FeatureSpec.from_dict(dict(config.features))))
 
+  def plan_eval_examples(self) -> int:
+    """Held-out examples of the LoKA plan's probe run and validation: up to PLAN_EVAL_EXAMPLES
+    (whole batches, at most 16 of them). A paired comparison on one batch would leave the
+    0.02% log-loss budget to the luck of 4096 examples."""
+    batch = self.batch()
+    return batch * max(1, min(16, PLAN_EVAL_EXAMPLES // batch))
+
   def run_spec(self, mods: Sequence[str] = ("all",)) -> experiment.RunSpec:
     return experiment.RunSpec(model=self.model, preset=self.preset, precision="bf16",
-                              mods=tuple(mods), num_eval=self.batch())
+                              mods=tuple(mods), num_eval=self.plan_eval_examples())
 
   def probe_build(self) -> Optional[Callable]:
     """What the probe builds instead of a preset (towers only)."""
     if self.model != TOWER:
       return None
     return lambda spec: (self.build(SiteConfig.for_precision("bf16"), spec.mods),
-                         self.source(spec.seed), None)
+                         self.source(spec.seed, num_eval=spec.num_eval), None)
 
 
 def tower_targets(shapes: Sequence[str], batch_size: Optional[int] = None) -> List[Target]:
