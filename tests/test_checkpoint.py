@@ -120,7 +120,9 @@ class CheckpointerTest(chex.TestCase):
     with Checkpointer(self.dir) as ckpt:
       self.assertEqual(ckpt.steps(), [2])
       restored, _ = ckpt.restore(template(model))
-    chex.assert_trees_all_equal(restored, state)
+      chex.assert_trees_all_equal(restored, state)
+      ckpt.save(state.replace(step=np.int32(6)))           # the next write clears it away
+    self.assertFalse(os.path.exists(os.path.dirname(partial)))
 
   def test_arrays_are_written_and_read_part_by_part(self):
     state, model = trained_state(seed=4, steps=2)

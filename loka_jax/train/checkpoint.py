@@ -37,6 +37,7 @@ from loka_jax.train.state import TrainState, all_finite
 
 FORMAT = "loka.checkpoint/1"
 LAYOUT_JSON = "layout.json"
+TMP_MARK = ".loka-tmp-"  # in the name of a step's directory while it is being written
 STATE = "state"
 EXTRAS = "extras"
 HOST_TRANSFER_GB = 4  # the most array data one save or restore holds in host memory at once
@@ -70,7 +71,7 @@ def split_extras(extras: Optional[Mapping[str, Any]]) -> Tuple[Dict, Dict]:
 
 
 def _nbytes(x) -> int:
-  return int(np.prod(np.shape(x), dtype=np.int64)) * np.dtype(x.dtype).itemsize
+  return int(x.nbytes)  # jax and numpy arrays alike, without a host copy
 
 
 def plan_parts(sizes: Sequence[int], part_bytes: int) -> List[int]:
@@ -127,8 +128,12 @@ def write_step(directory: str, step: int, state_dict: Mapping, extras_json: Mapp
                extras_arrays: Mapping, part_bytes: int) -> str:
   """Writes checkpoint `step` atomically (see the module docstring); returns its directory."""
   final = os.path.join(directory, str(step))
-  tmp = os.path.join(directory, f"{step}.loka-tmp-{os.getpid()}")
-  shutil.rmtree(tmp, ignore_errors=True)
+  # Unfinished writes of killed runs are never checkpoints; a large model's would fill the
+  # disk (Wukong large's probe checkpoint is ~55 GB), so they go before this one is written.
+  for name in os.listdir(directory):
+    if TMP_MARK in name:
+      shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+  tmp = os.path.join(directory, f"{step}{TMP_MARK}{os.getpid()}")
   os.makedirs(tmp)
   layout = {"format": FORMAT, "step": int(step), "extras_json": dict(extras_json),
             STATE: _write_arrays(os.path.join(tmp, STATE),
