@@ -91,6 +91,34 @@ class TargetCheckTest(parameterized.TestCase):
     self.assertIn("fp8_tensorwise", best["note"])
     self.assertFalse(best["met"])
 
+  def test_an_all_bf16_plan_is_judged_by_whether_its_ci_holds_one(self):
+    rng = np.random.default_rng(3)
+    mods = _row("dcnv2", "small", "bf16_mods", 1.10, 1.10, rng)
+    noisy = dict(_row("dcnv2", "small", "loka", 1.08, 1.10, rng), kernels=["xla_bf16"])
+    noisy["train"]["speedup_ci"] = [1.0, 1.2]
+    # Wide timing jitter: the same program measured twice, CI around 1.0 reaching below 0.98.
+    for row in (mods, noisy):
+      row["train"] = _speed(row["train"]["speedup"], rng, jitter=0.08)
+    v = _verdict(targets.check_speed([mods, noisy]), "loka_not_slower_than_bf16_mods",
+                 "dcnv2/small", "train")
+    self.assertLess(v["ci"][0], 0.98)
+    self.assertLessEqual(v["ci"][0], 1.0)
+    self.assertGreaterEqual(v["ci"][1], 1.0)
+    self.assertTrue(v["met"])
+    self.assertIn("timing noise", v["note"])
+    # Clearly slower although the same program: reported as missed, flagged.
+    slow = dict(_row("dcnv2", "small", "loka", 0.8, 1.1, rng), kernels=["xla_bf16"])
+    v = _verdict(targets.check_speed([mods, slow]), "loka_not_slower_than_bf16_mods",
+                 "dcnv2/small", "train")
+    self.assertFalse(v["met"])
+    self.assertIn("measurement problem", v["note"])
+    # An FP8 plan gets no such reading.
+    fp8 = dict(slow, kernels=["xla_bf16", "xla_fp8_rowwise"])
+    v = _verdict(targets.check_speed([mods, fp8]), "loka_not_slower_than_bf16_mods",
+                 "dcnv2/small", "train")
+    self.assertFalse(v["met"])
+    self.assertEqual(v["note"], "")
+
   def test_over_best_single_kernel(self):
     met = _verdict(self.verdicts, "loka_over_best_single_kernel", "wukong/large", "train")
     self.assertTrue(met["met"])  # 1.6 / 1.1 = 1.45x
