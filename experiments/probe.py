@@ -12,6 +12,10 @@ Timings depend on shapes only, so a large model's can be measured ahead (a GPU c
 training), and the probe later given the same cache skips its timing phase:
 
   python -m experiments.probe --model=wukong --preset=large --time_only --timing_cache=DIR
+
+What a probe will hold (sites, distinct shapes, checkpoint size), on any machine:
+
+  python -m experiments.probe --model=wukong --preset=large --mods=all --describe
 """
 import os
 import sys
@@ -24,7 +28,8 @@ from loka_jax.probe import eligibility
 from loka_jax.dispatch.timing_table import TimingTableError
 from loka_jax.probe.collector import ProbeConfig, ProbeStateError
 from loka_jax.probe.kernel_timing import TimingCacheError
-from loka_jax.probe.runner import ProbeOptions, ProbeSetupError, run_probe, time_site_shapes
+from loka_jax.probe.runner import (ProbeOptions, ProbeSetupError, describe_probe, run_probe,
+                                   time_site_shapes)
 from loka_jax.probe.report import site_table
 from loka_jax.train import CheckpointError, NonFiniteError, RunSettingsError, TrainConfig
 from loka_jax.train import experiment
@@ -68,6 +73,10 @@ TIME_ONLY = flags.DEFINE_bool("time_only", False,
                               "Only time every candidate on every distinct site shape into "
                               "--timing_cache (no training, no statistics, no report): a later "
                               "probe given the same --timing_cache skips its timing phase.")
+DESCRIBE = flags.DEFINE_bool("describe", False,
+                             "Only print what the probe will hold (sites, distinct GEMM shapes, "
+                             "training state and statistics bytes: its checkpoint), from "
+                             "abstract shapes: no training, no GPU needed.")
 PLOTS = flags.DEFINE_bool("plots", True, "Write PNG plots.")
 SITE_PLOTS = flags.DEFINE_bool("site_plots", True, "Write one distribution plot per site.")
 BUDGET_S = flags.DEFINE_float("budget_s", 0, "Wall-clock budget; 0: none. Out of time: "
@@ -133,7 +142,7 @@ def _print_summary(result) -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not common.WORKDIR.value and not TIME_ONLY.value:
+  if not common.WORKDIR.value and not (TIME_ONLY.value or DESCRIBE.value):
     raise app.UsageError("--workdir is required (the run directory; rerun to resume)")
   try:
     probe_config, criteria = _settings()
@@ -144,6 +153,14 @@ def main(argv):
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   experiment.quiet_library_logs()
   spec = _run_spec()
+  if DESCRIBE.value:
+    d = describe_probe(spec, _train_config(spec), probe_config, _options(criteria))
+    gb = lambda n: f"{n / 1e9:.1f} GB"
+    print(f"{spec.model}/{spec.preset}: {d['sites']} sites, {d['distinct_shapes']} distinct "
+          f"GEMM shapes; training state {gb(d['state_bytes'])}, probe statistics "
+          f"{gb(d['statistics_bytes'])}, checkpoint about "
+          f"{gb(d['state_bytes'] + d['statistics_bytes'])}")
+    return
   if TIME_ONLY.value:
     if not TIMING_CACHE.value:
       raise app.UsageError("--time_only needs --timing_cache=DIR (where the timings go)")

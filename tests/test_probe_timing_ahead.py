@@ -25,6 +25,29 @@ def options(cache_dir, **kw):
                              bootstrap=20, plots=False, **kw)
 
 
+class DescribeTest(chex.TestCase):
+
+  def test_sizes_match_the_states_a_probe_creates(self):
+    import jax
+    import jax.numpy as jnp
+    from loka_jax.probe import collector as collector_lib
+    from loka_jax.train.optim import make_optimizer
+    from loka_jax.train.state import create_train_state
+    config = TrainConfig(steps=4, batch_size=BATCH, progress=False, log_every=0)
+    d = runner.describe_probe(spec(), config)
+    model, source, _ = experiment.build_run(spec())
+    batch = source.train_batch(0, BATCH)
+    state = create_train_state(model, make_optimizer(config.optim), batch, config.seed)
+    nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))
+    self.assertEqual(d["state_bytes"], nbytes(state))
+    sites = collector_lib.probe_sites(model, None, batch, ProbeConfig())
+    self.assertEqual(d["sites"], len(sites))
+    stats = collector_lib.init_state(sites, ProbeConfig(), jnp.bfloat16)
+    self.assertEqual(d["statistics_bytes"], nbytes(stats))
+    # Two Wukong layers of one shape: fewer distinct shapes than sites.
+    self.assertLess(d["distinct_shapes"], d["sites"])
+
+
 class TimingAheadTest(chex.TestCase):
 
   def test_refused_without_a_gpu(self):

@@ -17,7 +17,8 @@ import optax
 from jax.sharding import Mesh
 
 from loka_jax.parallel import step as step_lib
-from loka_jax.train.checkpoint import CheckpointError, Checkpointer, read_step
+from loka_jax.train.checkpoint import (CheckpointError, Checkpointer, checkpoint_steps,
+                                       read_step)
 from loka_jax.train.state import TrainState, all_finite, split_variables
 
 
@@ -57,7 +58,7 @@ def restore_sharded(directory: str, template: TrainState, step: Optional[int] = 
   directory = os.path.abspath(directory)
   if not os.path.isdir(directory):
     raise CheckpointError(f"no checkpoint directory {directory}")
-  steps = Checkpointer(directory).steps()
+  steps = checkpoint_steps(directory)
   if not steps:
     raise CheckpointError(f"no checkpoint in {directory}")
   step = steps[-1] if step is None else step

@@ -142,6 +142,36 @@ def _setup(spec: experiment.RunSpec, batch_size: int, probe_config: ProbeConfig,
                 dict(excluded), [k.name for k in kernels])
 
 
+def distinct_shapes(sites: Mapping[str, Any]) -> Dict[Tuple, Tuple[str, Any]]:
+  """{(spec, lhs shape, rhs shape): (first site, its layout)} in call order: what timing
+  measures (timings depend on shapes only)."""
+  out: Dict[Tuple, Tuple[str, Any]] = {}
+  for name, site in sites.items():
+    layout = site.layout
+    out.setdefault((str(layout.spec), layout.lhs.shape, layout.rhs.shape), (name, layout))
+  return out
+
+
+def describe_probe(spec: experiment.RunSpec, train_config: TrainConfig,
+                   probe_config: ProbeConfig = ProbeConfig(),
+                   options: ProbeOptions = ProbeOptions(), build=None) -> Dict[str, Any]:
+  """What probing the spec's model will hold, without training or a GPU (abstract shapes):
+  sites, distinct GEMM shapes (what timing measures), the bytes of the training state
+  (parameters and optimizer state) and of the statistics, which together make the probe's
+  checkpoint, for planning a run on a card and disk of known size."""
+  from loka_jax.train.optim import make_optimizer
+  from loka_jax.train.state import abstract_train_state
+  setup = _setup(spec, train_config.batch_size, probe_config, options, build)
+  batch = setup.source.train_batch(0, train_config.batch_size)
+  state = abstract_train_state(setup.model, make_optimizer(train_config.optim), batch,
+                               train_config.seed)
+  dtype = site_config_dtype(spec)
+  stats = jax.eval_shape(lambda: collector_lib.init_state(setup.sites, probe_config, dtype))
+  nbytes = lambda tree: int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+  return {"sites": len(setup.sites), "distinct_shapes": len(distinct_shapes(setup.sites)),
+          "state_bytes": nbytes(state), "statistics_bytes": nbytes(stats)}
+
+
 def time_site_shapes(spec: experiment.RunSpec, batch_size: int, cache_dir: str,
                      probe_config: ProbeConfig = ProbeConfig(),
                      options: ProbeOptions = ProbeOptions(), build=None) -> Dict[str, Any]:
@@ -163,10 +193,7 @@ def time_site_shapes(spec: experiment.RunSpec, batch_size: int, cache_dir: str,
   kind = kernel_timing.device_kind()
   cache = kernel_timing.TimingCache(kernel_timing.default_cache_path(cache_dir, kind), kind)
   dtype = str(np.dtype(site_config_dtype(spec)))
-  layouts = {}
-  for name, site in setup.sites.items():
-    layout = site.layout
-    layouts.setdefault((str(layout.spec), layout.lhs.shape, layout.rhs.shape), (name, layout))
+  layouts = distinct_shapes(setup.sites)
   timed = pending = 0
   for i, (name, layout) in enumerate(layouts.values()):
     t0 = time.time()
@@ -288,12 +315,10 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
     cache = kernel_timing.TimingCache(kernel_timing.default_cache_path(cache_dir, kind), kind)
     timing_source = {"kind": "measured", "device_kind": device, "cache": cache.path}
     new_entries = []
-    seen_shapes = set()
+    first_of_shape = {name for name, _ in distinct_shapes(sites).values()}
     for name, entry in site_entries.items():
       layout = sites[name].layout
-      shape_key = (str(layout.spec), layout.lhs.shape, layout.rhs.shape)
-      if shape_key not in seen_shapes:
-        seen_shapes.add(shape_key)
+      if name in first_of_shape:
         t0 = time.time()
         got = kernel_timing.measure_site(layout, kernels, compute_dtype, cache,
                                          unsupported=unsupported_of(entry),

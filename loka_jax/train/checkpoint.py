@@ -153,10 +153,19 @@ def commit(tmp: str, final: str) -> None:
   os.rename(tmp, final)
 
 
+def checkpoint_steps(directory: str) -> List[int]:
+  """Steps of the checkpoints in `directory`, oldest first (none if it does not exist;
+  unfinished writes are not among them)."""
+  if not os.path.isdir(directory):
+    return []
+  return sorted(int(n) for n in os.listdir(directory)
+                if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
+
+
 def latest_json_extras(directory: str) -> Optional[Tuple[int, Dict[str, Any]]]:
   """(step, JSON extras) of the newest checkpoint in `directory` without reading any array,
   or None when there is none or its layout is unreadable (a restore moves it aside)."""
-  steps = Checkpointer(directory).steps() if os.path.isdir(directory) else []
+  steps = checkpoint_steps(directory)
   if not steps:
     return None
   try:
@@ -215,8 +224,7 @@ class Checkpointer:
 
   def steps(self):
     """Steps of the checkpoints, oldest first (unfinished writes are not among them)."""
-    return sorted(int(n) for n in os.listdir(self.directory)
-                  if n.isdigit() and os.path.isdir(os.path.join(self.directory, n)))
+    return checkpoint_steps(self.directory)
 
   def latest_step(self) -> Optional[int]:
     steps = self.steps()
