@@ -4,8 +4,9 @@ Cache: `$LOKA_PALLAS_TUNE_DIR/<device_kind>.json` (default `~/.cache/loka_jax/pa
 `{"schema": "loka.pallas_tune/1", "device": ..., "entries": {kernel: {shape_key: config}}}`.
 Kernels look configs up at trace time (`lookup`): the user's cached winner, else the winner
 shipped with the package for that device kind (`kernels_pallas/tuned/<device_kind>.json`, from
-the benchmark's `--tune` runs), else a default chosen by shape class. Tuning runs kernels, so it happens eagerly (`tune`, the benchmark script, or on a
-cache miss when LOKA_PALLAS_AUTOTUNE=1) and never on the CPU.
+the benchmark's `--tune` runs), else a default chosen by shape class. Tuning runs kernels, so
+it happens eagerly (`tune`, the benchmark script, or on a cache miss when
+LOKA_PALLAS_AUTOTUNE=1) and never on the CPU.
 """
 from __future__ import annotations
 
@@ -114,7 +115,7 @@ def cached(kernel: str, key: str, shipped: bool = True) -> Optional[TileConfig]:
   """The tuned config for this device kind: the user's cache first, then (`shipped`) the
   package's table (one file per device kind: GPU entries never reach the CPU)."""
   with _lock:
-    for path in (cache_path(), shipped_path())[:2 if shipped else 1]:
+    for path in (cache_path(), shipped_path()) if shipped else (cache_path(),):
       entry = _load(path)["entries"].get(kernel, {}).get(key)
       if entry:
         return TileConfig.from_dict(entry["config"])
