@@ -4,6 +4,7 @@ report; build_run checks a plan against the model before training."""
 import dataclasses
 import json
 import os
+import shutil
 import tempfile
 import time
 
@@ -91,6 +92,20 @@ def kernels(plan, site):
 
 
 _CONTEXT = {}
+
+
+def small_pipeline():
+  """(spec, probe_and_plan kwargs) of a seconds-long probe -> select -> validate run."""
+  from loka_jax.probe import ProbeConfig, ProbeOptions
+  from loka_jax.probe.eligibility import Criteria
+  spec = experiment.RunSpec(model="wukong", preset="tiny", mods=("all",), num_eval=256)
+  return spec, dict(
+      train_config=TrainConfig(steps=6, batch_size=BATCH, progress=False, log_every=0),
+      probe_config=ProbeConfig(cadence=3),
+      probe_options=ProbeOptions(samples=2, kernels=("xla_bf16", "xla_fp8_rowwise"),
+                                 sites=GOOD_SITE, bootstrap=20, plots=False),
+      criteria=Criteria(min_speedup=None),
+      validation=validate.ValidationConfig(shadow_steps=0))
 
 
 def context() -> validate.ValidationContext:
@@ -284,17 +299,8 @@ class ResumeTest(chex.TestCase):
                                       "speed": None})
 
   def test_the_pipeline_pauses_at_its_deadline_and_the_next_call_finishes(self):
-    from loka_jax.probe import ProbeConfig, ProbeOptions
-    from loka_jax.probe.eligibility import Criteria
     workdir = tempfile.mkdtemp(prefix="loka_pipeline_pause_")
-    spec = experiment.RunSpec(model="wukong", preset="tiny", mods=("all",), num_eval=256)
-    kwargs = dict(
-        train_config=TrainConfig(steps=6, batch_size=BATCH, progress=False, log_every=0),
-        probe_config=ProbeConfig(cadence=3),
-        probe_options=ProbeOptions(samples=2, kernels=("xla_bf16", "xla_fp8_rowwise"),
-                                   sites=GOOD_SITE, bootstrap=20, plots=False),
-        criteria=Criteria(min_speedup=None),
-        validation=validate.ValidationConfig(shadow_steps=0))
+    spec, kwargs = small_pipeline()
     with self.assertRaises(validate.ValidationPaused):
       pipeline.probe_and_plan(spec, workdir, deadline=time.time() - 1.0, **kwargs)
     self.assertTrue(os.path.exists(os.path.join(workdir, pipeline.VALIDATING_JSON)))
@@ -304,6 +310,44 @@ class ResumeTest(chex.TestCase):
     self.assertFalse(os.path.exists(os.path.join(workdir, pipeline.VALIDATING_JSON)))
     self.assertTrue(validate.validation_records(result.plan, "validated"))
     self.assertTrue(validate.finished(result.plan, "quality_held_out"))
+
+
+class CarriedReportTest(chex.TestCase):
+  """A report and plan carried to a machine without the probe's checkpoint still validate:
+  the probe's training run is made again, to the same state."""
+
+  def test_validation_retrains_the_probe_state_where_its_checkpoint_is_absent(self):
+    from loka_jax.train.loop import restore_run
+    workdir = tempfile.mkdtemp(prefix="loka_pipeline_carried_")
+    spec, kwargs = small_pipeline()
+    with self.assertRaises(validate.ValidationPaused):  # probe + selection only
+      pipeline.probe_and_plan(spec, workdir, deadline=time.time() - 1.0, **kwargs)
+    probe_dir = os.path.join(workdir, pipeline.PROBE_DIR)
+    model, source, _ = experiment.build_run(spec)
+    probed, _ = restore_run(probe_dir, model, source, kwargs["train_config"],
+                            array_extras=False)
+    probed_params = jax.tree.map(np.asarray, probed.params)
+    shutil.rmtree(probe_dir)  # what a machine that was handed only the small files has
+
+    result = pipeline.probe_and_plan(spec, workdir, **kwargs)
+    self.assertTrue(result.skipped["probe"] and result.skipped["select"])
+    self.assertTrue(validate.validation_records(result.plan, "validated"))
+    rebuilt, _ = restore_run(os.path.join(workdir, pipeline.STATE_DIR), model, source,
+                             kwargs["train_config"], array_extras=False)
+    self.assertEqual(int(rebuilt.step), kwargs["train_config"].steps)
+    # The statistics pass does not touch training: on the CPU the same values come back.
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, rebuilt.params), probed_params,
+                                atol=1e-6, rtol=1e-6)
+
+  def test_a_report_of_another_run_is_refused_by_name(self):
+    spec, kwargs = small_pipeline()
+    model, source, _ = experiment.build_run(spec)
+    report = {"run": {**spec.run_info(), "steps": 9, "batch_size": BATCH, "seed": 3}}
+    with self.assertRaises(ValueError) as caught:
+      pipeline.retrain_probe_state(spec, model, source, kwargs["train_config"], report,
+                                   tempfile.mkdtemp(prefix="loka_pipeline_refused_"))
+    self.assertIn("steps: the probe ran 9, this run asks for 6", str(caught.exception))
+    self.assertIn("seed: the probe ran 3, this run asks for 0", str(caught.exception))
 
 
 class WorkingStateTest(chex.TestCase):

@@ -15,6 +15,9 @@ Layout of `workdir`:
   plan_validating.json the plan part-way through validation (a call that hit its deadline);
                        the next call resumes from it
   plan.json            the plan after validation (loka.plan/1, every step recorded)
+  validation_state/    only where probe/ holds no checkpoint (the report and plans were
+                       carried from the machine that probed): the probe's bf16+Mods
+                       training run made again, to validate on (`context_for_run`)
 
 Each part is skipped when its file is there and fits what came before (the probe report is
 complete; a plan's `provenance.report_sha256` is the report's), so rerunning the same call
@@ -40,6 +43,7 @@ SELECTED_JSON = "plan_selected.json"
 VALIDATING_JSON = "plan_validating.json"
 PLAN_JSON = "plan.json"
 PROBE_DIR = "probe"
+STATE_DIR = "validation_state"
 
 
 @dataclasses.dataclass
@@ -68,11 +72,15 @@ def default_criteria(report: Mapping, target_device: Optional[str] = None) -> Cr
 
 
 def context_for_run(spec, probe_dir: str, train_config, report: Optional[Mapping] = None,
-                    build=None) -> validate_lib.ValidationContext:
+                    build=None, rebuild_dir: Optional[str] = None
+                    ) -> validate_lib.ValidationContext:
   """The validation context of a probe run: its trained bf16+Mods checkpoint, its data, and
   a builder of the same tower under any KernelPlan. `build(spec) -> (model, source, config)`
   replaces `experiment.build_run` (as in `run_probe`); its model gets each plan through
-  `dispatch.apply`."""
+  `dispatch.apply`.
+
+  Where `probe_dir` holds no checkpoint and `rebuild_dir` is given, the probe's training run
+  is made again there (`retrain_probe_state`) instead of failing."""
   from loka_jax.models import SiteConfig, build_model
   from loka_jax.precision import BF16
   from loka_jax.train import experiment
@@ -81,6 +89,8 @@ def context_for_run(spec, probe_dir: str, train_config, report: Optional[Mapping
   model, source, config = (build or experiment.build_run)(base_spec)
   # The state only: the probe's statistics (array extras) are not needed to validate.
   restored = restore_run(probe_dir, model, source, train_config, array_extras=False)
+  if restored is None and rebuild_dir is not None:
+    restored = retrain_probe_state(base_spec, model, source, train_config, report, rebuild_dir)
   if restored is None:
     raise FileNotFoundError(f"{probe_dir}: no checkpoint of the probe run to validate the plan "
                             "on; run the probe there first (probe_and_plan does)")
@@ -94,6 +104,36 @@ def context_for_run(spec, probe_dir: str, train_config, report: Optional[Mapping
       build=builder,
       source=source, state=restored[0], batch_size=train_config.batch_size,
       optim=train_config.optim, report=report)
+
+
+def retrain_probe_state(spec, model, source, train_config, report: Optional[Mapping],
+                        state_dir: str):
+  """(state, extras) of the probe's bf16+Mods training run, made again in `state_dir`.
+
+  The probe's checkpoint of a large model is big (Wukong large: ~55 GB with its statistics)
+  and lives on the machine that probed; its report and plans are small and travel. The
+  trained state is a function of the run (spec, seed, data order, steps), so training the
+  same run again, without the statistics pass, gives the state validation needs: on the CPU
+  the same values; on a GPU up to the nondeterminism of its reductions. The run resumes
+  from `state_dir` like any other, so a paused validation trains it once.
+  """
+  from loka_jax.train.loop import restore_run, train
+  ran = dict((report or {}).get("run") or {})
+  wanted = {**spec.run_info(), "steps": train_config.steps,
+            "batch_size": train_config.batch_size}
+  same = lambda a, b: json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+  mismatched = [f"{key}: the probe ran {ran[key]!r}, this run asks for {want!r}"
+                for key, want in wanted.items() if key in ran and not same(ran[key], want)]
+  if mismatched:
+    raise ValueError("cannot make the probe's training run again to validate on: "
+                     + "; ".join(mismatched))
+  restored = restore_run(state_dir, model, source, train_config, array_extras=False)
+  if restored is not None and int(restored[0].step) == train_config.steps:
+    return restored
+  _log(f"no probe checkpoint here: training the probe's bf16+Mods run again to step "
+       f"{train_config.steps} in {state_dir} to validate on")
+  train(model, source, state_dir, train_config, run_info=spec.run_info())
+  return restore_run(state_dir, model, source, train_config, array_extras=False)
 
 
 def plan_speedup_estimate(plan, report: Mapping) -> Dict[str, Any]:
@@ -190,7 +230,8 @@ def probe_and_plan(spec, workdir: str, *, train_config, probe_config=None, probe
            "selected": os.path.join(workdir, SELECTED_JSON),
            "plan": os.path.join(workdir, PLAN_JSON),
            "validating": os.path.join(workdir, VALIDATING_JSON),
-           "probe_dir": os.path.join(workdir, PROBE_DIR)}
+           "probe_dir": os.path.join(workdir, PROBE_DIR),
+           "state_dir": os.path.join(workdir, STATE_DIR)}
   skipped = {"probe": False, "select": False, "validate": False}
 
   report = None
@@ -219,7 +260,8 @@ def probe_and_plan(spec, workdir: str, *, train_config, probe_config=None, probe
 
   def context() -> validate_lib.ValidationContext:  # restored once, when first needed
     if not contexts:
-      contexts.append(context_for_run(spec, paths["probe_dir"], train_config, report, build))
+      contexts.append(context_for_run(spec, paths["probe_dir"], train_config, report, build,
+                                      rebuild_dir=paths["state_dir"]))
     return contexts[0]
 
   budget = json.loads(json.dumps(make_budget(criteria, budget_per_site).to_dict()))
