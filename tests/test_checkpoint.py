@@ -227,6 +227,18 @@ def interrupt_at(step):
   return callback
 
 
+def read_log(test):
+  """The directories the checkpoint module reads arrays from, from now to the test's end."""
+  reads, real = [], checkpoint_lib._read_arrays
+
+  def logged(directory, *args, **kwargs):
+    reads.append(directory)
+    return real(directory, *args, **kwargs)
+  checkpoint_lib._read_arrays = logged
+  test.addCleanup(setattr, checkpoint_lib, "_read_arrays", real)
+  return reads
+
+
 def without_wall_clock(records):
   return [{k: v for k, v in r.items() if k not in WALL_CLOCK_FIELDS} for r in records]
 
@@ -266,6 +278,41 @@ class ResumeTest(chex.TestCase):
     self.assertEqual(without_wall_clock([final_resumed]), without_wall_clock([final_whole]))
     with open(os.path.join(broken, "final.json")) as f:
       self.assertEqual(without_wall_clock([json.load(f)]), without_wall_clock([final_whole]))
+
+  def test_a_resumed_run_reads_its_state_but_not_the_callers_array_extras(self):
+    # A probe passes its statistics in `extras` and reads them itself; the loop reading them
+    # too held a second copy on the device (Wukong large: OOM on a 139 GiB H200).
+    workdir = tempfile.mkdtemp(prefix="loka_extras_")
+    stats = {"mean": np.random.default_rng(1).normal(size=(7,)).astype(np.float32)}
+    config = TrainConfig(steps=4, batch_size=32, log_every=2, progress=False)
+    model, source = train_toys.ToyClickModel(), train_toys.ToySource()
+    train(model, source, workdir, config, extras={"probe": stats})
+    reads = read_log(self)
+    longer = TrainConfig(steps=6, batch_size=32, log_every=2, progress=False)
+    train(model, source, workdir, longer, extras={"probe": stats})
+    self.assertTrue(any(r.endswith("/4/state") for r in reads))
+    self.assertFalse(any("/extras" in r for r in reads), reads)
+    # ... while the probe's own read takes the extras and leaves the state.
+    reads.clear()
+    step, extras = Checkpointer(os.path.join(workdir, "checkpoints")).restore_extras()
+    self.assertEqual(step, 6)
+    np.testing.assert_array_equal(extras["probe"]["mean"], stats["mean"])
+    self.assertEqual(reads, [os.path.join(workdir, "checkpoints", "6", "extras")])
+
+  def test_a_finished_run_returns_its_record_without_reading_a_state(self):
+    workdir = tempfile.mkdtemp(prefix="loka_finished_")
+    config = TrainConfig(steps=4, batch_size=32, log_every=2, progress=False)
+    model, source = train_toys.ToyClickModel(), train_toys.ToySource()
+    first = train(model, source, workdir, config)
+    reads = read_log(self)
+    self.assertEqual(train(model, source, workdir, config), first)
+    self.assertEqual(reads, [])
+    # A torn final.json is no record: the run is restored and evaluated again.
+    with open(os.path.join(workdir, "final.json"), "w") as f:
+      f.write('{"steps": 4, "ne"')
+    again = train(model, source, workdir, config)
+    self.assertEqual(without_wall_clock([again]), without_wall_clock([first]))
+    self.assertTrue(any(r.endswith("/4/state") for r in reads))
 
   def test_resume_with_other_settings_is_refused(self):
     workdir = tempfile.mkdtemp(prefix="loka_cfg_")

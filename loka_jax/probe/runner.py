@@ -26,6 +26,7 @@ from loka_jax.probe import eligibility, evaluate, kernel_timing, plots, report a
 from loka_jax.probe import stats_report, summarize
 from loka_jax.probe.collector import META_KEY, STATS_KEY, ProbeCollector, ProbeConfig
 from loka_jax.train import experiment
+from loka_jax.train.checkpoint import Checkpointer
 from loka_jax.train.loop import TrainConfig, restore_run, train
 
 REPORT_JSON = "probe_report.json"
@@ -72,10 +73,17 @@ def _log(message: str) -> None:
   print(f"[probe] {message}", flush=True)
 
 
-def _restore(workdir: str, model, source, train_config: TrainConfig):
-  if not os.path.isdir(os.path.join(workdir, "checkpoints")):
-    return None
-  return restore_run(workdir, model, source, train_config)
+def _saved_statistics(workdir: str) -> Tuple[Any, Any]:
+  """(statistics, meta) of the newest checkpoint of the probe run in `workdir`, or (None,
+  None). The state is left to the training loop, which reads it next: reading it here too
+  would hold two copies on the device."""
+  directory = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(directory):
+    return None, None
+  found = Checkpointer(directory).restore_extras()
+  if found is None:
+    return None, None
+  return found[1].get(STATS_KEY), found[1].get(META_KEY)
 
 
 def _fingerprint(collector: ProbeCollector) -> str:
@@ -229,10 +237,7 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
   model, source, abstract, sites = setup.model, setup.source, setup.abstract, setup.sites
   kernels, excluded, names, selected = setup.kernels, setup.excluded, setup.names, list(sites)
   platform = jax.default_backend()
-  restored = _restore(workdir, model, source, train_config)
-  saved_stats, saved_meta = (None, None)
-  if restored is not None:
-    saved_stats, saved_meta = restored[1].get(STATS_KEY), restored[1].get(META_KEY)
+  saved_stats, saved_meta = _saved_statistics(workdir)
   collector = ProbeCollector(model, source, train_config.batch_size, sites, probe_config,
                              state=saved_stats, meta=saved_meta, example_variables=abstract)
   _log(f"{spec.model}/{spec.preset}: {len(sites)} sites; training to step "

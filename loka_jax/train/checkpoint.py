@@ -175,11 +175,7 @@ def latest_json_extras(directory: str) -> Optional[Tuple[int, Dict[str, Any]]]:
     return None
 
 
-def read_step(step_dir: str, abstract_state: Mapping, array_extras: bool = True
-              ) -> Tuple[Dict, Dict[str, Any]]:
-  """(state dict, extras) of one checkpoint directory, the state read into `abstract_state`
-  (a state dict of ShapeDtypeStructs, shardings included); a mismatch names the paths.
-  `array_extras=False` leaves the array extras (probe statistics) unread."""
+def _read_layout(step_dir: str) -> Dict[str, Any]:
   path = os.path.join(step_dir, LAYOUT_JSON)
   if not os.path.exists(path):
     raise ValueError(f"{step_dir} has no {LAYOUT_JSON} (not a {FORMAT} checkpoint)")
@@ -187,6 +183,23 @@ def read_step(step_dir: str, abstract_state: Mapping, array_extras: bool = True
     layout = json.load(f)
   if layout.get("format") != FORMAT:
     raise ValueError(f"{path}: format {layout.get('format')!r}, expected {FORMAT!r}")
+  return layout
+
+
+def _extras(step_dir: str, layout: Mapping, array_extras: bool) -> Dict[str, Any]:
+  extras = dict(layout.get("extras_json") or {})
+  if array_extras and layout.get(EXTRAS):
+    extras.update(flax.traverse_util.unflatten_dict(
+        _read_arrays(os.path.join(step_dir, EXTRAS), layout[EXTRAS])))
+  return extras
+
+
+def read_step(step_dir: str, abstract_state: Mapping, array_extras: bool = True
+              ) -> Tuple[Dict, Dict[str, Any]]:
+  """(state dict, extras) of one checkpoint directory, the state read into `abstract_state`
+  (a state dict of ShapeDtypeStructs, shardings included); a mismatch names the paths.
+  `array_extras=False` leaves the array extras (probe statistics) unread."""
+  layout = _read_layout(step_dir)
   template = flax.traverse_util.flatten_dict(dict(abstract_state), keep_empty_nodes=True)
   wanted = {p for p, v in template.items() if v is not flax.traverse_util.empty_node}
   saved = {tuple(r[0]) for r in layout[STATE]}
@@ -198,11 +211,14 @@ def read_step(step_dir: str, abstract_state: Mapping, array_extras: bool = True
   arrays = _read_arrays(os.path.join(step_dir, STATE), layout[STATE],
                         {p: template[p] for p in wanted})
   state = flax.traverse_util.unflatten_dict({**template, **arrays})
-  extras = dict(layout.get("extras_json") or {})
-  if array_extras and layout.get(EXTRAS):
-    extras.update(flax.traverse_util.unflatten_dict(
-        _read_arrays(os.path.join(step_dir, EXTRAS), layout[EXTRAS])))
-  return state, extras
+  return state, _extras(step_dir, layout, array_extras)
+
+
+def read_extras(step_dir: str) -> Dict[str, Any]:
+  """The extras (JSON and arrays) of one checkpoint directory, its state left unread: a
+  probe resuming takes its statistics from here while the training loop reads the state, so
+  the two never hold a state each (Wukong large: 37 GB)."""
+  return _extras(step_dir, _read_layout(step_dir), array_extras=True)
 
 
 class Checkpointer:
@@ -288,6 +304,18 @@ class Checkpointer:
         f"no readable checkpoint in {self.directory} (each was moved to corrupt-<step>):\n  "
         + "\n  ".join(failures)
         + "\nRerunning now starts from step 0; restore a copy of the directory to resume instead.")
+
+  def restore_extras(self) -> Optional[Tuple[int, Dict[str, Any]]]:
+    """(step, extras) of the newest checkpoint whose extras read, without its state; None if
+    there is none. Unreadable ones are skipped with a warning and left where they are: the
+    restore of the state decides what is moved aside."""
+    for step in reversed(self.steps()):
+      try:
+        return step, read_extras(os.path.join(self.directory, str(step)))
+      except Exception as e:  # orbax/tensorstore raise many types for damaged files
+        logging.warning("the extras of checkpoint %s/%d are unreadable (%s: %s); trying the "
+                        "previous one", self.directory, step, type(e).__name__, str(e)[:300])
+    return None
 
   def close(self) -> None:
     """Nothing to release (every write finished in `save`); kept for `with` blocks."""

@@ -406,6 +406,21 @@ def _final_record(evaluation: Mapping[str, Any], step: int, config: TrainConfig,
   return metrics_lib.json_safe(final)
 
 
+def _finished_record(final_path: str, latest_step: Optional[int], steps: int
+                     ) -> Optional[Dict[str, Any]]:
+  """final.json of a run that is finished at `steps` (its newest checkpoint is that step and
+  final.json describes it), else None. An unreadable final.json is not a finished run: the
+  loop restores, evaluates and writes it again."""
+  if latest_step != steps or not os.path.exists(final_path):
+    return None
+  try:
+    with open(final_path) as f:
+      final = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return final if isinstance(final, dict) and final.get("steps") == steps else None
+
+
 def train(model, source, workdir: str, config: TrainConfig, *,
           run_info: Optional[Mapping[str, Any]] = None,
           extras: Optional[Mapping[str, Any]] = None,
@@ -427,7 +442,8 @@ def train(model, source, workdir: str, config: TrainConfig, *,
     model_hook: may swap the model mid-run (see the module docstring and `ModelHook`); its
       `extras()` are saved in every checkpoint and handed back by `on_restore` on resume.
   Returns:
-    the final.json dict.
+    the final.json dict; a run already finished at `config.steps` returns it as recorded,
+    reading no state.
   Raises:
     NonFiniteError (nan_policy='stop'), RunSettingsError, CheckpointError.
   """
@@ -440,8 +456,17 @@ def train(model, source, workdir: str, config: TrainConfig, *,
   first_batch = source.train_batch(0, config.batch_size)
   tx = make_optimizer(config.optim)
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints)
-  # Restore into an abstract template; only a fresh run materializes an initial state.
-  restored = checkpointer.restore(abstract_train_state(model, tx, first_batch, config.seed))
+  final_path = os.path.join(workdir, "final.json")
+  finished = _finished_record(final_path, checkpointer.latest_step(), config.steps)
+  if finished is not None:  # nothing to train, evaluate or save: no state is read
+    logging.info("%s already finished at step %d", workdir, finished["steps"])
+    return finished
+  # Restore into an abstract template; only a fresh run materializes an initial state. The
+  # array extras of the checkpoint (a probe's statistics) are the caller's: it passes the
+  # current ones in `extras`, and reading them here would hold a second copy on the device.
+  # Only a model hook, whose extras the loop hands back, may want them.
+  restored = checkpointer.restore(abstract_train_state(model, tx, first_batch, config.seed),
+                                  array_extras=model_hook is not None)
   state, saved = (restored if restored is not None else
                   (create_train_state(model, tx, first_batch, config.seed), {}))
   loop_extras = dict(saved.get("loop", {"skipped_steps": 0, "elapsed_s": 0.0}))
@@ -451,7 +476,6 @@ def train(model, source, workdir: str, config: TrainConfig, *,
     if model_hook is not None:
       model_hook.on_restore(start, saved)
   writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"), resume_step=start)
-  final_path = os.path.join(workdir, "final.json")
   if start < config.steps and os.path.exists(final_path):
     os.remove(final_path)  # a final.json always describes a finished run
   t0 = time.perf_counter() - loop_extras["elapsed_s"]
