@@ -1,0 +1,76 @@
+#!/bin/bash
+# One GPU call of a model's LoKA benchmark row (probe -> plan -> validate -> timed rows; made
+# for Wukong `large`), resumable on the same host AND on a fresh one. Rerun until it prints
+# "all selected rows are done" (docs/BENCHMARKS.md, section 7).
+#
+# The large files (the probe's ~41 GB checkpoint, the validation state) live in $WORK on the
+# GPU host and are lost when the host goes back. Everything needed to go on elsewhere is small
+# and travels through $CARRY both ways: the probe's evaluation cache (a fresh host retrains
+# the probe's 50 steps and takes every site evaluated before from it), its kernel timings,
+# the probe report, the plans at each stage (validation retrains the probe's state when its
+# checkpoint is absent) and the benchmark rows. After each call, copy what came back under
+# $OUT into $CARRY (tc/ included) before the next.
+#
+#   CARRY=.snap/wl bash experiments/gpu_loka_call.sh     (the device call carries .snap, .whl)
+#
+# Environment: TARGET (wukong/large), CARRY (.snap/wl), WORK (/tmp/bench), VARIANTS
+# (bf16,bf16_mods,loka), MAXMIN (7.5: minutes after which no new row starts), LIMIT (575: hard
+# seconds), TIMING_CACHE (.snap/tc: shapes timed ahead with `experiments.probe --time_only`),
+# OUT (set on the device; elsewhere $WORK/out).
+set -u
+CARRY=${CARRY:-.snap/wl}
+WORK=${WORK:-/tmp/bench}
+OUT=${OUT:-$WORK/out}
+TARGET=${TARGET:-wukong/large}
+PLANS=$WORK/plans/${TARGET/\//_}
+mkdir -p "$PLANS/probe" "$OUT"
+if ! python3 -c "import ml_collections" 2>/dev/null && [ -d .whl ]; then  # the GPU host lacks it
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
+fi
+export PYTHONUNBUFFERED=1
+
+# Carried files never overwrite this host's own (a warm host's are newer).
+for f in probe_report.json plan_selected.json plan_validating.json plan.json; do
+  [ -f "$CARRY/$f" ] && cp -n "$CARRY/$f" "$PLANS/"
+done
+[ -f "$CARRY/probe_eval.jsonl" ] && cp -n "$CARRY/probe_eval.jsonl" "$PLANS/probe/"
+[ -f "$CARRY/bench.jsonl" ] && cp -n "$CARRY/bench.jsonl" "$WORK/"
+# Kernel timings: shapes timed ahead, then what earlier calls measured.
+TC=$WORK/tc
+mkdir -p "$TC"
+for d in "${TIMING_CACHE:-.snap/tc}" "$CARRY/tc"; do
+  [ -d "$d" ] && cp -n "$d"/*.json "$TC/" 2>/dev/null
+done
+
+# Host memory (GiB used), GPU memory (MiB, includes JAX's preallocation) and disk used, every 5 s.
+(while true; do
+  echo "$(date +%T) $(free -g | awk 'NR==2{print $3}')" \
+       "$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null)" \
+       "$(df -BG "$WORK" | awk 'NR==2{print $3}')" >> "$WORK/hostmem.txt"
+  sleep 5
+done) &
+SAMPLER=$!
+trap 'kill $SAMPLER 2>/dev/null' EXIT
+
+echo "=== call $(date +%T) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)" \
+  >> "$WORK/log.txt"
+timeout "${LIMIT:-575}" python3 -m experiments.bench --suite=models --presets="${TARGET#*/}" \
+  --only="$TARGET" --workdir="$WORK" --variants="${VARIANTS:-bf16,bf16_mods,loka}" \
+  --probe_steps=50 --probe_samples=8 --probe_kernels=xla_bf16,xla_fp8_rowwise,flax_fp8_delayed \
+  --probe_timing_cache="$TC" --compile_cache=/tmp/jc --max_minutes="${MAXMIN:-7.5}" >> "$WORK/log.txt" 2>&1
+echo "rc=$?" >> "$WORK/log.txt"
+
+# Eight files at most come back from the device: the samples ride at the log's end.
+{ cat "$WORK/log.txt"; echo "=== samples: time, host GiB, GPU MiB, disk"; cat "$WORK/hostmem.txt"; } \
+  > "$OUT/log.txt"
+mkdir -p "$OUT/tc"
+cp "$TC"/*.json "$OUT/tc/" 2>/dev/null
+cp "$WORK/bench.jsonl" "$OUT/" 2>/dev/null
+cp "$PLANS/probe/probe_eval.jsonl" "$OUT/" 2>/dev/null
+for f in probe_report.json plan_selected.json plan_validating.json plan.json; do
+  [ -f "$PLANS/$f" ] && cp "$PLANS/$f" "$OUT/"
+done
+df -h "$WORK" | tail -1
+sort -k2 -n "$WORK/hostmem.txt" | tail -1 | sed 's/^/peak host memory (GiB) at: /'
+grep -v -e '^W[0-9]' -e '^I[0-9]' -e '^If this' -e '^Current allocation' -e '^\*\*\*' "$WORK/log.txt" | tail -40
