@@ -175,16 +175,20 @@ class TimingTableTest(parameterized.TestCase):
             "ci_us": [0.9 * us, 1.1 * us], "backend": "cublaslt_fp8", "repeats": 20,
             "jax": "0.11.2", "date": "2026-11-26"}
 
-  def test_merge_replaces_older_entries_and_lookup_falls_back_to_nearest(self):
+  def test_merge_replaces_remeasured_problems_whole_and_lookup_falls_back_to_nearest(self):
     directory = tempfile.mkdtemp(prefix="loka_tables_")
     path = timing_table.table_path("NVIDIA H100 80GB HBM3", directory)
     timing_table.update_file(path, "NVIDIA H100 80GB HBM3",
                              [self._entry("xla_bf16", 1024, 20.0),
                               self._entry("xla_fp8_rowwise", 1024, 25.0),
                               self._entry("xla_bf16", 8192, 100.0),
-                              self._entry("xla_fp8_rowwise", 8192, 80.0)])
+                              self._entry("xla_fp8_rowwise", 8192, 80.0),
+                              self._entry("xla_fp8_tensorwise", 8192, 40.0)])
+    # A later run times two kernels at 8192: the older tensorwise time there is dropped, so
+    # no speedup divides times of two runs.
     table = timing_table.update_file(path, "NVIDIA H100 80GB HBM3",
-                                     [self._entry("xla_fp8_rowwise", 8192, 50.0)])
+                                     [self._entry("xla_bf16", 8192, 100.0),
+                                      self._entry("xla_fp8_rowwise", 8192, 50.0)])
     self.assertEqual(len(table["entries"]), 4)
     self.assertEqual(timing_table.available_tables(directory),
                      {"NVIDIA H100 80GB HBM3": path})
