@@ -110,7 +110,7 @@ def retrain_probe_state(spec, model, source, train_config, report: Optional[Mapp
                         state_dir: str):
   """(state, extras) of the probe's bf16+Mods training run, made again in `state_dir`.
 
-  The probe's checkpoint of a large model is big (Wukong large: ~55 GB with its statistics)
+  The probe's checkpoint of a large model is big (Wukong large: 41 GB on disk with its statistics)
   and lives on the machine that probed; its report and plans are small and travel. The
   trained state is a function of the run (spec, seed, data order, steps), so training the
   same run again, without the statistics pass, gives the state validation needs: on the CPU

@@ -129,7 +129,7 @@ def write_step(directory: str, step: int, state_dict: Mapping, extras_json: Mapp
   """Writes checkpoint `step` atomically (see the module docstring); returns its directory."""
   final = os.path.join(directory, str(step))
   # Unfinished writes of killed runs are never checkpoints; a large model's would fill the
-  # disk (Wukong large's probe checkpoint is ~55 GB), so they go before this one is written.
+  # disk (Wukong large's probe checkpoint takes 41 GB), so they go before this one is written.
   for name in os.listdir(directory):
     if TMP_MARK in name:
       shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
