@@ -154,6 +154,32 @@ class SelectTest(chex.TestCase):
     self.assertEqual(set(chosen.values()), {"xla_fp8_rowwise"})
 
 
+class FusedTableTimingTest(chex.TestCase):
+
+  def test_a_fused_backward_is_compared_with_baselines_of_its_own_run(self):
+    # Run 1 timed bf16 and the fused delayed-scaling op at m=512 (estimated for m=256): its
+    # backward (8 us, both gradients) against bf16's 10 + 10 us is 2.5x. Run 2 timed bf16
+    # alone at m=300 for grad_rhs, nearer to m=256 and 4x slower: a baseline looked up on
+    # its own would pair that run with the fused op's.
+    scope = {"time_scope": "grad_lhs+grad_rhs"}
+    run1 = hm.dense_table(hm.H100, 512, 64, 32, {
+        "xla_bf16": {"fwd": 10.0, "grad_lhs": 10.0, "grad_rhs": 10.0},
+        "flax_fp8_delayed": {"fwd": 5.0, "grad_lhs": 8.0, "grad_rhs": 8.0}})
+    run1["entries"] = [{**e, **scope} if e["kernel"] == "flax_fp8_delayed" and e["pass"] != "fwd"
+                       else e for e in run1["entries"]]
+    run2 = hm.table_entry("xla_bf16", "grad_rhs", "mk,mn->kn", (300, 64), (300, 32), 40.0)
+    table = timing_table.merge_entries(run1, [run2])
+    rep = hm.report({"s": hm.site(hm.same_passes({"flax_fp8_delayed": hm.entry()}))})
+    source = selection.TimingSource("table", {"kind": "table"}, table=table)
+    site, _ = selection.effective_site(rep, "s", source)
+    for p in ("grad_lhs", "grad_rhs"):
+      entry = site["passes"][p]["flax_fp8_delayed"]
+      self.assertEqual(entry["timing"], "estimated")
+      np.testing.assert_allclose(entry["speedup"], [2.5, 2.5, 2.5], rtol=1e-6)
+    np.testing.assert_allclose(site["passes"]["fwd"]["flax_fp8_delayed"]["speedup"][1], 2.0,
+                               rtol=1e-6)
+
+
 class TimingSourceTest(chex.TestCase):
 
   def _report(self, timing_valid):

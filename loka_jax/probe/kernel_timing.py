@@ -342,12 +342,14 @@ def table_timings(layout: SiteLayout, kernels, dtype: str, table: Mapping, *,
           info["estimated_from"] = hit["from"]
         if kernel.sort == FUSED_OP and p != "fwd":
           # A fused op's backward covers both gradient passes: compare with both of the
-          # baseline's.
-          base = [timing_table.lookup(table, BASELINE, q, *pass_problem(layout, q), dtype)
+          # baseline's, each taken beside the fused op at the same (nearest) problem, where
+          # one run timed both (a baseline looked up on its own could come from another run).
+          pair = [timing_table.lookup(table, kernel.name, q, *pass_problem(layout, q), dtype)
                   for q in ("grad_lhs", "grad_rhs")]
           info["time_scope"] = "grad_lhs+grad_rhs"
-          if all(base):
-            s = (base[0]["time_us"] + base[1]["time_us"]) / hit["time_us"]
+          if all(pair):
+            base_us = sum(h["time_us"] * h["speedup"] for h in pair)
+            s = base_us / hit["time_us"]
             info["speedup"] = [s, s, s]
       out.setdefault(p, {})[kernel.name] = info
   return out
