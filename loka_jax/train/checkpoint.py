@@ -162,19 +162,6 @@ def checkpoint_steps(directory: str) -> List[int]:
                 if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
 
 
-def latest_json_extras(directory: str) -> Optional[Tuple[int, Dict[str, Any]]]:
-  """(step, JSON extras) of the newest checkpoint in `directory` without reading any array,
-  or None when there is none or its layout is unreadable (a restore moves it aside)."""
-  steps = checkpoint_steps(directory)
-  if not steps:
-    return None
-  try:
-    with open(os.path.join(directory, str(steps[-1]), LAYOUT_JSON)) as f:
-      return steps[-1], dict(json.load(f).get("extras_json") or {})
-  except (OSError, ValueError):
-    return None
-
-
 def _read_layout(step_dir: str) -> Dict[str, Any]:
   path = os.path.join(step_dir, LAYOUT_JSON)
   if not os.path.exists(path):
@@ -192,6 +179,19 @@ def _extras(step_dir: str, layout: Mapping, array_extras: bool) -> Dict[str, Any
     extras.update(flax.traverse_util.unflatten_dict(
         _read_arrays(os.path.join(step_dir, EXTRAS), layout[EXTRAS])))
   return extras
+
+
+def latest_json_extras(directory: str) -> Optional[Tuple[int, Dict[str, Any]]]:
+  """(step, JSON extras) of the newest checkpoint in `directory` without reading any array,
+  or None when there is none or its layout is unreadable (a restore moves it aside)."""
+  steps = checkpoint_steps(directory)
+  if not steps:
+    return None
+  step_dir = os.path.join(directory, str(steps[-1]))
+  try:
+    return steps[-1], _extras(step_dir, _read_layout(step_dir), array_extras=False)
+  except (OSError, ValueError):
+    return None
 
 
 def read_step(step_dir: str, abstract_state: Mapping, array_extras: bool = True
