@@ -171,6 +171,18 @@ class ShadowTest(chex.TestCase):
     self.assertTrue(rounds[-1]["passed"])
 
 
+  def test_divergence_is_one_sided(self):
+    bound = 0.005
+    # A plan that ends below bf16+Mods (the Wukong `large` shadow run ended 1.3% below on
+    # held-out data) has drifted: nothing to back off.
+    self.assertFalse(validate.shadow_diverged(0.002, -0.013, bound))
+    self.assertFalse(validate.shadow_diverged(-0.02, -0.02, bound))
+    # Climbing above the baseline by more than the bound, in either measure, diverges.
+    self.assertTrue(validate.shadow_diverged(0.002, 0.013, bound))
+    self.assertTrue(validate.shadow_diverged(0.006, -0.013, bound))
+    self.assertFalse(validate.shadow_diverged(bound, bound, bound))
+
+
 class SpeedTest(chex.TestCase):
 
   def test_skipped_on_a_cpu_with_the_reason(self):

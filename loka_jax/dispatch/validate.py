@@ -14,9 +14,13 @@ Quality, on the SAME trained bf16+Mods parameters (a plan changes kernels, never
      same batches. Both runs start equal and see the same data, so batch noise cancels and
      only the drift of the parameters remains; the runs *diverge* when the plan's loss is
      not finite, or the mean training loss over the last `shadow_window` steps or the
-     held-out log loss after the run differ by more than `shadow_max_rel_loss` (relative;
-     default 0.5%, 25x the 0.02% quality bar: it catches a run that climbs or stalls, not
-     healthy drift). Divergence that the held-out check missed comes from the backward
+     held-out log loss after the run exceed bf16+Mods' by more than `shadow_max_rel_loss`
+     (relative; default 0.5%, 25x the 0.02% quality bar: it catches a run that climbs or
+     stalls, not healthy drift). The check is one-sided: a plan that ends *below* the
+     baseline has drifted, not diverged, and backing sites off cannot make it safer (on
+     Wukong `large`, 200 steps after the probe, a plan ended 1.3% below bf16+Mods on held-out
+     data: the drift of a fast-moving early run, not FP8 damage; docs/BENCHMARKS.md, section
+     7). Divergence that the held-out check missed comes from the backward
      passes, so the site whose plan moves the parameter gradient most (relative L2 change of
      the whole gradient on training batches when only that site runs its plan) is backed off
      and the shadow run repeated.
@@ -517,6 +521,12 @@ def shadow_run(ctx: ValidationContext, kplan: KernelPlan, steps: int, eval_batch
   return out
 
 
+def shadow_diverged(rel_train: float, rel_eval: float, bound: float) -> bool:
+  """One-sided: the plan's training-loss window or held-out log loss is above bf16+Mods' by
+  more than `bound` (relative). Ending below the baseline is drift, not divergence."""
+  return max(rel_train, rel_eval) > bound
+
+
 def check_shadow(plan, ctx: ValidationContext, config: ValidationConfig = ValidationConfig(),
                  progress: Optional[Progress] = None) -> Plan:
   """Shadow training, plan vs bf16+Mods from the same checkpoint; backs off the site that
@@ -547,7 +557,7 @@ def check_shadow(plan, ctx: ValidationContext, config: ValidationConfig = Valida
       plan_window = float(np.mean(run["losses"][-window:]))
       rel_train = _rel(plan_window, base_window)
       rel_eval = _rel(run["held_out"]["logloss"], base["held_out"]["logloss"])
-      diverged = max(abs(rel_train), abs(rel_eval)) > config.shadow_max_rel_loss
+      diverged = shadow_diverged(rel_train, rel_eval, config.shadow_max_rel_loss)
       record.update(train_loss=plan_window, rel_train_loss=rel_train,
                     logloss=run["held_out"]["logloss"],
                     logloss_bf16=base["held_out"]["logloss"], rel_logloss_change=rel_eval)
