@@ -191,6 +191,20 @@ class SpeedTest(chex.TestCase):
     self.assertTrue(record["skipped"])
     self.assertIn("not on a GPU", record["reason"])
 
+  def test_a_step_without_fp8_passes_is_not_acted_on(self):
+    # Gradient-only FP8: the inference step runs bf16+Mods' kernels, so however its CI falls
+    # it must not be counted as failing; the train step (which does run FP8) is.
+    ctx = context()
+    plan = plan_of({GOOD_SITE: {"grad_lhs": "xla_fp8_rowwise"}})
+    config = validate.ValidationConfig(speed=True, min_speedup=50.0)
+    out = validate.check_speed(plan, ctx, config)
+    rounds = [r for r in validate.validation_records(out, "speed") if "round" in r]
+    self.assertLess(rounds[0]["infer"]["speedup_ci"][0], 50.0)
+    self.assertEqual(rounds[0]["same_kernels_as_bf16_mods"], ["infer"])
+    self.assertEqual(rounds[0]["failing"], ["train"])
+    self.assertEqual(kernels(out, GOOD_SITE)["grad_lhs"], FALLBACK)
+    self.assertTrue(rounds[-1]["final"])
+
   def test_forced_backs_off_the_slow_site(self):
     ctx = context()
     plan = plan_of({BAD_SITE: "test_slow", GOOD_SITE: "xla_fp8_rowwise"})

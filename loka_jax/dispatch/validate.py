@@ -29,7 +29,10 @@ Speed (on a GPU only: CPU timings say nothing about GPU kernels; `speed=True` fo
   interleaved, >= 20 repeats, bootstrap 95% CI of the speedup (loka_jax/timing.py). While a
   lower bound is below `min_speedup` (1.0: never slower), the site whose reversion to
   xla_bf16 speeds the failing step(s) up most (its in-context slowdown) is backed off to
-  xla_bf16.
+  xla_bf16. Only sites with an FP8 pass in a failing step are candidates; a step that runs
+  none of the plan's FP8 passes (inference, when the plan puts only gradients on FP8) runs
+  bf16+Mods' kernels, so its lower bound is noise: recorded (`same_kernels_as_bf16_mods`),
+  not acted on (on Wukong `large` such a noise CI, 0.976, once sent gradient-only sites back).
 
 Many FP8 sites (more than `max_measured_sites`, default 16): measuring every site's
 contribution costs a compilation of the whole model per site and round, hours for a large
@@ -146,12 +149,13 @@ class ValidationContext:
 # ----------------------------------------------------------------------------- plans
 
 
-def fp8_sites(plan: Plan, names: Sequence[str]) -> Dict[str, KernelChoice]:
-  """{site: choice} of the sites whose plan runs some pass on an FP8 kernel."""
+def fp8_sites(plan: Plan, names: Sequence[str], passes: Sequence[str] = PASSES
+              ) -> Dict[str, KernelChoice]:
+  """{site: choice} of the sites whose plan runs one of `passes` on an FP8 kernel."""
   out = {}
   for name in names:
     choice = plan.choice_for(name)
-    if choice is not None and any(registry.get(choice.for_pass(p)).fp8 for p in PASSES):
+    if choice is not None and any(registry.get(choice.for_pass(p)).fp8 for p in passes):
       out[name] = choice
   return out
 
@@ -282,7 +286,7 @@ def report_scores(report: Mapping, plan: Plan, candidates: Mapping[str, KernelCh
   what='error': minus the lowest accuracy (pessimistic SQNR in dB, or minus MERE under
   `--metric=mere`) over the site's FP8 `passes`; -inf for a site with none of them on FP8
   (it cannot move that check). what='time': the site's GEMM time with its plan minus with
-  xla_bf16, summed over its passes (microseconds; 0 where the report has no timing), so the
+  xla_bf16, summed over `passes` (microseconds; 0 where the report has no timing), so the
   site that saves least goes first.
   """
   from loka_jax.dispatch import selection
@@ -302,7 +306,7 @@ def report_scores(report: Mapping, plan: Plan, candidates: Mapping[str, KernelCh
     effective, _ = selection.effective_site(report, site, source)
     if what == "time":
       total = 0.0
-      for p in PASSES:
+      for p in passes:
         entries = effective["passes"].get(p, {})
         b = entries.get(FALLBACK, {}).get("time_us")
         k = entries.get(choice.for_pass(p), {}).get("time_us")
@@ -603,6 +607,10 @@ def check_shadow(plan, ctx: ValidationContext, config: ValidationConfig = Valida
 # ----------------------------------------------------------------------------- speed
 
 
+# The passes each timed step runs: a plan's gradient-only FP8 sites cannot change inference.
+STEP_PASSES = {"train": PASSES, "infer": ("fwd",)}
+
+
 def speed_enabled(config: ValidationConfig) -> Tuple[bool, str]:
   """(run the speed check, why or why not)."""
   if config.speed is not None:
@@ -668,18 +676,24 @@ def check_speed(plan, ctx: ValidationContext, config: ValidationConfig = Validat
     progress.checkpoint(plan, f"speed round {round_}")
     got = measure_steps(ctx, {"bf16": BASELINE, "plan": plan.kernel_plan()}, "bf16",
                         config.speed_repeats, config.seed)
-    failing = [m for m in ("train", "infer")
-               if got[m]["plan"]["speedup_ci"][0] < config.min_speedup]
-    candidates = fp8_sites(plan, ctx.site_names())
+    below = [m for m in STEP_PASSES if got[m]["plan"]["speedup_ci"][0] < config.min_speedup]
+    # A step that runs no FP8 pass of the plan runs bf16+Mods' kernels: its CI is noise, and
+    # backing sites off cannot move it (an inference step of a plan with FP8 gradients only).
+    same_kernels = [m for m in below if not fp8_sites(plan, ctx.site_names(), STEP_PASSES[m])]
+    failing = [m for m in below if m not in same_kernels]
+    passes = tuple(p for p in PASSES if any(p in STEP_PASSES[m] for m in failing))
+    candidates = fp8_sites(plan, ctx.site_names(), passes or PASSES)
     record: Dict[str, Any] = {
         "step": "speed", "round": round_, "device": device, "why": why,
         "repeats": config.speed_repeats, "min_speedup": config.min_speedup,
         "passed": not failing}
-    for m in ("train", "infer"):
+    for m in STEP_PASSES:
       p = got[m]["plan"]
       record[m] = {"speedup": p["speedup"], "speedup_ci": p["speedup_ci"],
                    "plan_median_us": p["median_us"],
                    "bf16_median_us": got[m]["bf16"]["median_us"]}
+    if same_kernels:
+      record["same_kernels_as_bf16_mods"] = same_kernels
     if not failing or not candidates or round_ == config.max_rounds:
       if failing:
         record["note"] = ("no FP8 site left to back off" if not candidates
@@ -690,7 +704,7 @@ def check_speed(plan, ctx: ValidationContext, config: ValidationConfig = Validat
               f"{config.min_speedup:g}")
     record["failing"] = failing
     if _ranked_by_report(ctx, config, candidates):
-      scores = report_scores(ctx.report, plan, candidates, "time")
+      scores = report_scores(ctx.report, plan, candidates, "time", passes)
       worst = worst_by_report(scores)
       record["report_scores"] = scores
       reasons = {s: f"{excess}; ranked by the probe report's GEMM time vs xla_bf16 "
