@@ -25,9 +25,10 @@ TOWERS = flags.DEFINE_list("towers", None, "Tower shapes BxWIDTHxDEPTH (default:
 MODELS_FLAG = flags.DEFINE_list("models", None, "Models (default: all five).")
 PRESETS = flags.DEFINE_list("presets", ["small", "large"], "Model presets (models suite).")
 VARIANTS = flags.DEFINE_list("variants", ["all"],
-                             "Speed variants: fp32, bf16, bf16_mods, flax_fp8_delayed, "
-                             "fp8_tensorwise, fp8_rowwise, pallas, loka (or 'all'); bf16 "
-                             "always runs.")
+                             "Speed variants: fp32, bf16, bf16_mods, bf16_mods_served "
+                             "(inference from exported bf16 weights, as LoKA's), "
+                             "flax_fp8_delayed, fp8_tensorwise, fp8_rowwise, pallas, loka "
+                             "(or 'all'); bf16 always runs.")
 REPEATS = flags.DEFINE_integer("repeats", 20, "Timed repeats per variant (interleaved).")
 MAX_MINUTES = flags.DEFINE_float("max_minutes", 6.5, "Start no new row after this long.")
 ONLY = flags.DEFINE_list("only", [], "Only these targets: 'model/preset', a model, a preset "

@@ -14,6 +14,7 @@ from absl.testing import absltest, parameterized
 
 from loka_jax.bench import plots, quality, suite, tables, targets, towers, variants
 from loka_jax.bench.results import ResultsFile
+from loka_jax.models.presets import site_products
 from loka_jax.models.site import SiteConfig
 
 def _tempdir(test):
@@ -118,6 +119,23 @@ class TargetCheckTest(parameterized.TestCase):
                  "dcnv2/small", "train")
     self.assertFalse(v["met"])
     self.assertEqual(v["note"], "")
+
+  def test_served_bf16_mods_is_the_inference_bar_beside_the_others(self):
+    rng = np.random.default_rng(5)
+    served = _row("wukong", "large", "bf16_mods_served", 1.2, 1.6, rng)
+    verdicts = targets.check_speed(self.rows + [served])
+    v = _verdict(verdicts, "loka_not_slower_than_bf16_mods_served", "wukong/large", "infer")
+    self.assertAlmostEqual(v["value"], 2.0 / 1.6, delta=0.04)
+    self.assertTrue(v["met"])
+    over = _verdict(verdicts, "wukong_large_over_bf16_mods_served", "wukong/large", "infer")
+    self.assertIsNone(over["met"])                   # reported, not judged
+    # Training is the same step as bf16+Mods': no served verdict for it.
+    self.assertFalse([x for x in verdicts if "served" in x["target"] and x["mode"] == "train"])
+    # A LoKA that only matches bf16+Mods by storing its weights once is caught here.
+    slow = _row("wukong", "large", "bf16_mods_served", 1.2, 2.3, rng)
+    v = _verdict(targets.check_speed(self.rows + [slow]),
+                 "loka_not_slower_than_bf16_mods_served", "wukong/large", "infer")
+    self.assertFalse(v["met"])
 
   def test_over_best_single_kernel(self):
     met = _verdict(self.verdicts, "loka_over_best_single_kernel", "wukong/large", "train")
@@ -271,6 +289,26 @@ class ExportedInferenceTest(chex.TestCase):
     unexported = np.asarray(dispatch.apply(target.config(), plan).apply(
         {"params": bench.holder["shared"].params}, batch, train=False), np.float32)
     self.assertFalse(np.allclose(np.asarray(served.infer()), unexported, atol=0.0))
+
+
+  def test_served_bf16_mods_infers_from_bf16_weights_stored_once(self):
+    out = _tempdir(self)
+    results = ResultsFile(os.path.join(out, "bench.jsonl"), suite.KEY_FIELDS)
+    target = suite.tower_targets(["32x16x2"])[0]
+    done = suite.run_target(target, variants.parse_variants(["bf16_mods_served"]), results,
+                            settings=suite.SpeedSettings(repeats=3, probe=False),
+                            deadline=float("inf"), device="cpu", log=lambda _: None)
+    self.assertTrue(done)
+    rows = {r["variant"]: r for r in map(json.loads, open(os.path.join(out, "bench.jsonl")))}
+    served = rows["bf16_mods_served"]
+    self.assertNotIn("error", served, served.get("traceback"))
+    self.assertTrue(served["export"])
+    sites = len(site_products(target.build(SiteConfig.for_precision("bf16"), ("all",)), None,
+                              target.source(0).train_batch(0, 32)))
+    self.assertEqual(served["export_modes"], {"high": sites})
+    # float32 parameters stored as bf16: about half of the site weights' bytes are saved.
+    self.assertGreater(served["export_saved_fraction"], 0.3)
+    self.assertEqual(served["mods"], ["all"])
 
 
 class CliTest(absltest.TestCase):
