@@ -31,16 +31,20 @@ fi
 export PYTHONUNBUFFERED=1
 
 # Carried files never overwrite this host's own (a warm host's are newer).
+copy_new() {  # copy_new FILE DIR: FILE into DIR unless DIR has one of that name
+  [ -f "$1" ] && [ ! -e "$2/$(basename "$1")" ] && cp "$1" "$2/"
+  return 0
+}
 for f in probe_report.json plan_selected.json plan_validating.json plan.json; do
-  [ -f "$CARRY/$f" ] && cp -n "$CARRY/$f" "$PLANS/"
+  copy_new "$CARRY/$f" "$PLANS"
 done
-[ -f "$CARRY/probe_eval.jsonl" ] && cp -n "$CARRY/probe_eval.jsonl" "$PLANS/probe/"
-[ -f "$CARRY/bench.jsonl" ] && cp -n "$CARRY/bench.jsonl" "$WORK/"
+copy_new "$CARRY/probe_eval.jsonl" "$PLANS/probe"
+copy_new "$CARRY/bench.jsonl" "$WORK"
 # Kernel timings: shapes timed ahead, then what earlier calls measured.
 TC=$WORK/tc
 mkdir -p "$TC"
-for d in "${TIMING_CACHE:-.snap/tc}" "$CARRY/tc"; do
-  [ -d "$d" ] && cp -n "$d"/*.json "$TC/" 2>/dev/null
+for f in "${TIMING_CACHE:-.snap/tc}"/*.json "$CARRY"/tc/*.json; do
+  copy_new "$f" "$TC"
 done
 
 # Host memory (GiB used), GPU memory (MiB, includes JAX's preallocation) and disk used, every 5 s.
