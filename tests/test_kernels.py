@@ -133,6 +133,36 @@ class FlaxDelayedTest(absltest.TestCase):
       self.assertGreaterEqual(float(metrics.sqnr_db(got, want)), 18.0)
 
 
+class FlaxDelayedForwardTest(absltest.TestCase):
+
+  def test_forward_is_flax_delayed_and_gradients_are_the_plain_product(self):
+    x, w, g = (a.astype(jnp.bfloat16) for a in _operands(9, 32, 128, 48))
+    out, dx, dw, meta = kernels.flax_delayed.run_delayed_passes(
+        "mk,kn->mn", x, w, g, warmup=3, kernel="flax_fp8_delayed_fwd")
+    flax_out, flax_dx, flax_dw, _ = kernels.flax_delayed.run_delayed_passes(
+        "mk,kn->mn", x, w, g, warmup=3)
+    # The forward is Flax's delayed-scaling e4m3 product, bit for bit ...
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(flax_out, np.float32))
+    self.assertLess(float(metrics.sqnr_db(out, x @ w)), 45.0)  # ... and it did quantize.
+    # Both gradients are the plain product's in the compute dtype, where Flax's are e5m2.
+    _, vjp = jax.vjp(lambda a, b: jnp.einsum("mk,kn->mn", a, b), x, w)
+    exact_dx, exact_dw = vjp(g)
+    np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(exact_dx, np.float32))
+    np.testing.assert_array_equal(np.asarray(dw, np.float32), np.asarray(exact_dw, np.float32))
+    self.assertFalse(np.array_equal(np.asarray(flax_dw, np.float32),
+                                    np.asarray(exact_dw, np.float32)))
+    # State: the operands' scales (learned in the warm-up) and histories, nothing for the
+    # output gradient, which is never quantized.
+    self.assertEqual(sorted(meta), ["input_amax_history", "input_scale",
+                                    "kernel_amax_history", "kernel_scale"])
+    self.assertNotEqual(float(meta["input_scale"][0]), 1.0)
+
+  def test_registered_as_a_stateful_fused_op(self):
+    kernel = kernels.get("flax_fp8_delayed_fwd")
+    self.assertEqual(kernel.sort, kernels.FUSED_OP)
+    self.assertTrue(kernel.stateful and kernel.fp8)
+
+
 class EinsumSpecTest(parameterized.TestCase):
 
   @parameterized.parameters(

@@ -150,8 +150,14 @@ class TrainLoopTest(chex.TestCase):
       TrainConfig(nan_policy="ignore")
 
   def test_flax_fp8_delayed_trains(self):
+    self._delayed_scaling_trains("flax_fp8_delayed")
+
+  def test_flax_fp8_delayed_forward_trains(self):
+    self._delayed_scaling_trains("flax_fp8_delayed_fwd")
+
+  def _delayed_scaling_trains(self, kernel):
     model = train_toys.ToyClickModel(
-        config=SiteConfig.for_precision("fp8_all", kernel="flax_fp8_delayed"))
+        config=SiteConfig.for_precision("fp8_all", kernel=kernel))
     source = train_toys.ToySource(seed=1)
     config = TrainConfig(steps=60, batch_size=128, log_every=20, progress=False)
     final = train(model, source, self.workdir, config)

@@ -13,7 +13,7 @@ from loka_jax import _compat
 from loka_jax.kernels import registry
 from loka_jax.kernels.backend import backend_from_hlo
 from loka_jax.kernels.base import FUSED_OP, reference_einsum
-from loka_jax.kernels.flax_delayed import run_delayed_passes
+from loka_jax.kernels.flax_delayed import FP8_META, run_delayed_passes
 from loka_jax.kernels.spec import ACT_WEIGHT, PASSES, EinsumSpec
 from loka_jax.precision import flush_fractions
 from loka_jax.precision import metrics as metrics_lib
@@ -68,7 +68,7 @@ def check_kernel(name: str, problem: Problem, *, warmup: int = 3,
   try:
     if kernel.sort == FUSED_OP:
       out, d_x, d_w, _ = run_delayed_passes(str(DENSE_SPEC), x.astype(dt), w.astype(dt),
-                                            g.astype(dt), warmup=warmup)
+                                            g.astype(dt), warmup=warmup, kernel=name)
       results = {"fwd": out, "grad_lhs": d_x, "grad_rhs": d_w}
       for p in PASSES:
         a, b = pass_operands(p, x, w, g)
@@ -136,10 +136,9 @@ def forward_fn(name: str, problem: Problem):
   dt = jnp.dtype(getattr(kernel, "dtype", None) if not kernel.fp8 else problem.compute_dtype)
   x, w = x.astype(dt), w.astype(dt)
   if kernel.sort == FUSED_OP:
-    from flax.linen import fp8_ops
-    module = fp8_ops.Fp8Einsum()
-    _, _, _, meta = run_delayed_passes(str(DENSE_SPEC), x, w, g.astype(dt))
-    variables = {"_overwrite_with_gradient": meta}
+    module = kernel.make_module(name=None)
+    _, _, _, meta = run_delayed_passes(str(DENSE_SPEC), x, w, g.astype(dt), kernel=name)
+    variables = {FP8_META: meta}
     return (lambda v, a, b: module.apply(v, str(DENSE_SPEC), a, b)), (variables, x, w)
   return (lambda a, b: kernel.einsum(DENSE_SPEC, a, b, pass_name="fwd", out_dtype=dt)), (x, w)
 
