@@ -27,7 +27,8 @@ PRESETS = flags.DEFINE_list("presets", ["small", "large"], "Model presets (model
 VARIANTS = flags.DEFINE_list("variants", ["all"],
                              "Speed variants: fp32, bf16, bf16_mods, bf16_mods_served "
                              "(inference from exported bf16 weights, as LoKA's), "
-                             "flax_fp8_delayed, fp8_tensorwise, fp8_rowwise, pallas, loka "
+                             "flax_fp8_delayed, flax_fp8_delayed_fwd, fp8_tensorwise, "
+                             "fp8_rowwise, pallas, loka "
                              "(or 'all'); bf16 always runs.")
 REPEATS = flags.DEFINE_integer("repeats", 20, "Timed repeats per variant (interleaved).")
 MAX_MINUTES = flags.DEFINE_float("max_minutes", 6.5, "Start no new row after this long.")

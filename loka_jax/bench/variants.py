@@ -38,6 +38,7 @@ VARIANTS: Dict[str, Variant] = {
     # once, so its inference compares with LoKA's exported one on the same footing.
     "bf16_mods_served": Variant("bf16_mods_served", "bf16", mods=("all",), served=True),
     "flax_fp8_delayed": Variant("flax_fp8_delayed", "fp8_all", "flax_fp8_delayed"),
+    "flax_fp8_delayed_fwd": Variant("flax_fp8_delayed_fwd", "fp8_all", "flax_fp8_delayed_fwd"),
     "fp8_tensorwise": Variant("fp8_tensorwise", "fp8_all", "xla_fp8_tensorwise"),
     "fp8_rowwise": Variant("fp8_rowwise", "fp8_all", "xla_fp8_rowwise"),
     "pallas": Variant("pallas", "fp8_all", "pallas_fp8_rowwise", kernels_from=PALLAS),
@@ -45,10 +46,12 @@ VARIANTS: Dict[str, Variant] = {
 }
 LABELS = {"fp32": "fp32", "bf16": "bf16", "bf16_mods": "bf16+Mods",
           "bf16_mods_served": "bf16+Mods (served)",
-          "flax_fp8_delayed": "Flax FP8 (delayed)", "fp8_tensorwise": "XLA FP8 tensorwise",
+          "flax_fp8_delayed": "Flax FP8 (delayed)",
+          "flax_fp8_delayed_fwd": "FP8 fwd (delayed), bf16 grads", "fp8_tensorwise": "XLA FP8 tensorwise",
           "fp8_rowwise": "XLA FP8 rowwise", "pallas": "Pallas FP8", "loka": "LoKA"}
 # The one-kernel-everywhere peers LoKA must match or beat (issue 8, targets).
-PEERS = ("flax_fp8_delayed", "fp8_tensorwise", "fp8_rowwise", "pallas")
+PEERS = ("flax_fp8_delayed", "flax_fp8_delayed_fwd", "fp8_tensorwise", "fp8_rowwise",
+         "pallas")
 BASELINE = "bf16"
 # Pallas kernels tried per site, first supported wins (rowwise led the GEMM bench; the batched
 # kernel covers the act x act batched products the 2-D kernels cannot).
