@@ -155,6 +155,16 @@ class ReportTextAndPlotTest(absltest.TestCase):
     self.assertIn("# Probe report: wukong `tiny`", text)
     self.assertIn("| `tower/dense_0` | act_weight |", text)
     self.assertIn("overhead 15.00%", text)
+    # Details: both sources' medians and the median time of each entry.
+    entry = report["sites"]["tower/fm"]["passes"]["grad_rhs"]["xla_fp8_rowwise"]
+    entry["sources"] = {"gaussian": {"sqnr_db": [28.0, 29.2, 30.0]},
+                        "reservoir": {"sqnr_db": [7.5, 12.8, 17.4]}}
+    entry["time_us"] = [870.0, 879.3, 891.6]
+    row = [line for line in report_lib.markdown(report).splitlines()
+           if line.startswith("| xla_fp8_rowwise | wgrad |")][-1]
+    self.assertIn("| 29.2 / 12.8 |", row)
+    self.assertIn("| 879.3 |", row)
+    self.assertIn("| - / - |", text)  # entries without per-source draws
     table = report_lib.site_table(report)
     self.assertEqual(len(table.splitlines()), 2 + 2)
     self.assertIn("tower/fm", table)

@@ -20,7 +20,6 @@ from loka_jax.bench import planning, speed, towers
 from loka_jax.bench.results import ResultsFile
 from loka_jax.bench.variants import PALLAS, PLAN, Variant, pallas_coverage, pallas_plan
 from loka_jax.data import FeatureSpec, make_source
-from loka_jax.kernels import KernelPlan
 from loka_jax.models.presets import apply_mods, build_model, get_config, site_products, tower_flops
 from loka_jax.models.site import SiteConfig
 from loka_jax.train import experiment
@@ -28,7 +27,6 @@ from loka_jax.train.loop import TrainConfig
 
 KEY_FIELDS = ("suite", "model", "preset", "variant", "device")
 TOWER = "tower"
-ALL_BF16 = KernelPlan.uniform("xla_bf16")  # the plan a served bf16+Mods arm is exported with
 PLAN_EVAL_EXAMPLES = 65536  # held-out examples a target's LoKA plan is validated on (at most)
 
 
@@ -234,7 +232,8 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
           arm, export_fields = serve_exported(bench, arm, model, row["plan"], report)
           row.update(export_fields)
         elif v.served:  # no FP8 site: every weight is exported in bf16, no report needed
-          arm, export_fields = serve_exported(bench, arm, model, ALL_BF16, None)
+          from loka_jax.dispatch.validate import BASELINE as all_bf16
+          arm, export_fields = serve_exported(bench, arm, model, all_bf16, None)
           row.update(export_fields)
       measured = bench.time_pair(arm, settings.repeats, seed=settings.seed)
       for mode, s in measured.items():

@@ -221,6 +221,15 @@ def _fmt(v, spec: str, default: str = "-") -> str:
   return default if v is None else format(v, spec)
 
 
+def _source_medians(entry: Mapping) -> str:
+  """'G / R': the median SQNR of the entry's Gaussian and reservoir draws (the pessimistic
+  column combines them; where they part, the reservoir's real pairs usually tell why)."""
+  def median(source):
+    sq = ((entry.get("sources") or {}).get(source) or {}).get("sqnr_db")
+    return _fmt(sq and sq[1], ".1f")
+  return f"{median('gaussian')} / {median('reservoir')}"
+
+
 def markdown(report: Mapping) -> str:
   """A readable summary: setup, overhead, best kernel per site and pass, then details."""
   ov = report.get("overhead", {})
@@ -268,15 +277,18 @@ def markdown(report: Mapping) -> str:
     lines += [f"### `{name}` ({site['kind']}, `{site['spec']}`, {_shape(site)})", "",
               f"evaluated on {ev.get('slices')} of {ev.get('of')} entries along "
               f"`{ev.get('slice_index')}`; reservoir: {ev.get('reservoir', {})}", "",
-              "| kernel | pass | SQNR dB [lo, hi] | MERE | underflow (max) | speedup [lo, hi] | backend |",
-              "|---|---|---|---|---|---|---|"]
+              "| kernel | pass | SQNR dB [lo, hi] | SQNR dB Gaussian / reservoir (median) | MERE "
+              "| underflow (max) | time us (median) | speedup [lo, hi] | backend |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for p, kernels in site["passes"].items():
       for k, e in kernels.items():
-        sq, me, uf, sp = (e.get(f) for f in ("sqnr_db", "mere", "underflow", "speedup"))
+        sq, me, uf, sp, t = (e.get(f) for f in ("sqnr_db", "mere", "underflow", "speedup",
+                                                "time_us"))
         lines.append(
             f"| {k} | {PASS_LABELS[p]} | "
             + (f"{sq[1]:.1f} [{sq[0]:.1f}, {sq[2]:.1f}]" if sq else (e.get("error") or "-"))
-            + f" | {_fmt(me and me[1], '.3g')} | {_fmt(uf and uf[-1], '.3f')} | "
+            + f" | {_source_medians(e)} | {_fmt(me and me[1], '.3g')} | "
+            + f"{_fmt(uf and uf[-1], '.3f')} | {_fmt(t and t[1], '.1f')} | "
             + (f"{sp[1]:.2f} [{sp[0]:.2f}, {sp[2]:.2f}]" if sp else "-")
             + f" | {e.get('backend') or '-'} |")
     lines.append("")
