@@ -238,6 +238,37 @@ class SelectionTest(absltest.TestCase):
     self.assertLen(quality.runs(ml), 5)
 
 
+class TowerSourceTest(chex.TestCase):
+  """The towers' data: pure in (task_seed, seed, step), heavy-tailed inputs with the
+  per-channel scales, labels that follow the hidden teacher."""
+
+  def test_batches_are_a_pure_function_of_seed_and_step(self):
+    a, b = towers.TowerSource(32, seed=1), towers.TowerSource(32, seed=1)
+    np.testing.assert_array_equal(a.train_batch(3, 64)["dense"], b.train_batch(3, 64)["dense"])
+    self.assertFalse(np.array_equal(a.train_batch(3, 64)["dense"],
+                                    a.train_batch(4, 64)["dense"]))
+    other = towers.TowerSource(32, seed=2)
+    self.assertFalse(np.array_equal(a.train_batch(3, 64)["dense"],
+                                    other.train_batch(3, 64)["dense"]))
+    # The held-out set is the task's, the same for every seed.
+    for x, y in zip(a.eval_batches(64), other.eval_batches(64)):
+      np.testing.assert_array_equal(x["dense"], y["dense"])
+
+  def test_inputs_are_heavy_tailed_and_labels_follow_the_teacher(self):
+    source = towers.TowerSource(64, num_eval=8192)
+    batch = source.train_batch(0, 8192)
+    chex.assert_shape(batch["dense"], (8192, 64))
+    self.assertEqual(batch["dense"].dtype, np.float32)
+    z = (batch["dense"] / source._scale).astype(np.float64)
+    self.assertAlmostEqual(z.std(), np.sqrt(5 / 3), delta=0.05)  # t(5): variance 5/3
+    self.assertGreater(np.mean(z ** 4) / np.mean(z ** 2) ** 2, 4.0)  # a normal gives 3
+    # The teacher's logit, recomputed here in NumPy, predicts the labels.
+    logit = np.tanh(z @ source._w1) @ source._w2 * 0.5
+    labels = batch["label"]
+    self.assertTrue(set(np.unique(labels)) <= {0.0, 1.0})
+    self.assertGreater(labels[logit > 1].mean() - labels[logit < -1].mean(), 0.3)
+
+
 class SharedStateTest(chex.TestCase):
 
   def test_variants_thread_one_state_and_keep_their_fp8_meta(self):

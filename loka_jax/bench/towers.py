@@ -9,9 +9,11 @@ with Mods it is No Bias -> BlockNorm(256) -> Hard Swish.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Dict, Iterator, Sequence, Tuple
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -81,11 +83,33 @@ def build_tower(shape: TowerShape, site: SiteConfig, mods: Sequence[str] = ()) -
   return Tower(shape.width, shape.depth, tower_options(site, mods, shape.width))
 
 
+_T_DOF = 5  # Student-t degrees of freedom of the dense inputs
+
+
+@functools.partial(jax.jit, static_argnums=(4,))
+def _draw_on_device(key, scale, w1, w2, n: int):
+  """n rows of t(5) inputs times per-channel scales, and Bernoulli labels from the teacher.
+
+  Drawn where JAX runs (the GPU in a benchmark): at 16384x4096 NumPy's sampler took ~4 s a
+  batch on the host, so 200-step shadow runs spent minutes drawing data for a 20 ms step.
+  t(5) is built as z0 / sqrt(mean of 5 squared normals): plain normals, no rejection loop.
+  """
+  keys = jax.random.split(key, _T_DOF + 2)
+  shape = (n, scale.shape[0])
+  chi2 = sum(jnp.square(jax.random.normal(k, shape, jnp.float32)) for k in keys[1:-1])
+  t = jax.random.normal(keys[0], shape, jnp.float32) * jax.lax.rsqrt(chi2 / _T_DOF)
+  hidden = jnp.tanh(jnp.dot(t, w1, precision=jax.lax.Precision.HIGHEST))
+  logit = jnp.dot(hidden, w2, precision=jax.lax.Precision.HIGHEST) * 0.5
+  label = jax.random.uniform(keys[-1], (n,)) < jax.nn.sigmoid(logit)
+  return t * scale, label.astype(jnp.float32)
+
+
 class TowerSource:
   """Dense heavy-tailed inputs, labels from a fixed random teacher; a DataSource.
 
   A training batch is a pure function of (task_seed, seed, step); the teacher and the
   held-out set depend on task_seed alone, so every seed and arm sees the same eval set.
+  Batches are drawn on the default JAX device and returned as NumPy arrays, like every source.
   """
   name = "tower_teacher"
 
@@ -100,19 +124,19 @@ class TowerSource:
                 ).astype(np.float32)
     self._w2 = rng.normal(size=_TEACHER_HIDDEN).astype(np.float32)
 
-  def _draw(self, rng: np.random.Generator, n: int) -> Dict[str, np.ndarray]:
-    dense = rng.standard_t(5.0, size=(n, self.width)).astype(np.float32) * self._scale
-    logit = np.tanh((dense / self._scale) @ self._w1) @ self._w2 * 0.5
-    label = (rng.random(n) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
-    return {"dense": dense, "label": label}
+  def _draw(self, stream: Sequence[int], n: int) -> Dict[str, np.ndarray]:
+    key = jax.random.key(self.task_seed)
+    for part in stream:
+      key = jax.random.fold_in(key, part)
+    dense, label = jax.device_get(_draw_on_device(key, self._scale, self._w1, self._w2, n))
+    return {"dense": np.asarray(dense), "label": np.asarray(label)}
 
   def train_batch(self, step: int, batch_size: int) -> Dict[str, np.ndarray]:
-    return self._draw(np.random.default_rng([self.task_seed, _TRAIN, self.seed, step]),
-                      batch_size)
+    return self._draw((_TRAIN, self.seed, step), batch_size)
 
   def eval_batches(self, batch_size: int) -> Iterator[Dict[str, np.ndarray]]:
     for i, start in enumerate(range(0, self._num_eval - batch_size + 1, batch_size)):
-      yield self._draw(np.random.default_rng([self.task_seed, _EVAL, batch_size, i]), batch_size)
+      yield self._draw((_EVAL, batch_size, i), batch_size)
 
   def num_eval_examples(self) -> int:
     return self._num_eval
