@@ -14,7 +14,7 @@
 #   CARRY=.snap/wl bash experiments/gpu_loka_call.sh     (the device call carries .snap, .whl)
 #
 # Environment: TARGET (wukong/large; MODEL/PRESET or tower/BxWxD), CARRY (.snap/wl), WORK (/tmp/bench), VARIANTS
-# (bf16,bf16_mods,loka), PROBE_KERNELS (xla_bf16,xla_fp8_rowwise,flax_fp8_delayed: the probe's
+# (bf16,bf16_mods,loka), PROBE_KERNELS (xla_bf16,xla_fp8_rowwise,flax_fp8_delayed,flax_fp8_delayed_fwd: the probe's
 # candidates), MAXMIN (7.5: minutes after which no new row starts), LIMIT (575: hard
 # seconds), TIMING_CACHE (.snap/tc: shapes timed ahead with `experiments.probe --time_only`),
 # OUT (set on the device; elsewhere $WORK/out).
@@ -66,7 +66,7 @@ case "$TARGET" in
 esac
 timeout "${LIMIT:-575}" python3 -m experiments.bench "${SUITE[@]}" \
   --workdir="$WORK" --variants="${VARIANTS:-bf16,bf16_mods,loka}" \
-  --probe_steps=50 --probe_samples=8 --probe_kernels="${PROBE_KERNELS:-xla_bf16,xla_fp8_rowwise,flax_fp8_delayed}" \
+  --probe_steps=50 --probe_samples=8 --probe_kernels="${PROBE_KERNELS:-xla_bf16,xla_fp8_rowwise,flax_fp8_delayed,flax_fp8_delayed_fwd}" \
   --probe_timing_cache="$TC" --compile_cache=/tmp/jc --max_minutes="${MAXMIN:-7.5}" >> "$WORK/log.txt" 2>&1
 echo "rc=$?" >> "$WORK/log.txt"
 

@@ -11,6 +11,7 @@ from absl.testing import absltest, parameterized
 import test_dispatch_reports as hm
 from loka_jax.dispatch import selection, timing_table
 from loka_jax.dispatch.plan import Plan
+from loka_jax.probe import eligibility
 from loka_jax.probe.eligibility import Criteria
 from loka_jax.probe.report import save_report
 
@@ -145,13 +146,60 @@ class SelectTest(chex.TestCase):
 
     chosen, plan = pick(fused((1.9, 2.0, 2.1), (1.6, 1.7, 1.8)))
     self.assertEqual(set(chosen.values()), {"flax_fp8_delayed"})
-    self.assertIn("fused op eligible in every pass and faster", plan["sites"]["s"]["fwd"]["reason"])
+    self.assertIn("fused op safe in every pass and faster", plan["sites"]["s"]["fwd"]["reason"])
     # eligible everywhere but slower as a whole than the per-pass choice: per-pass stays
     chosen, _ = pick(fused((1.06, 1.1, 1.15), (1.06, 1.1, 1.15)))
     self.assertEqual(set(chosen.values()), {"xla_fp8_rowwise"})
     # much faster but one pass inaccurate: never chosen, not even for the good passes
     chosen, _ = pick(fused((3.0, 3.1, 3.2), (3.0, 3.1, 3.2), grad_sqnr=15.0))
     self.assertEqual(set(chosen.values()), {"xla_fp8_rowwise"})
+
+
+  def test_a_fused_op_is_judged_fast_on_the_whole_site(self):
+    # The delayed-scaling forward with bf16 gradients: a fast forward, its backward (timed
+    # once for both gradients against bf16's 2 x 100 us) at bf16 speed. No per-pass FP8
+    # kernel is fast here, so the per-pass choice is bf16 everywhere.
+    scope = {"time_scope": "grad_lhs+grad_rhs"}
+
+    def fwd_only(fwd_speed, grad_sqnr=55.0):
+      bwd = dict(speedup=(0.99, 1.0, 1.01), base_us=200.0, **scope)
+      return {"fwd": hm.entry(speedup=fwd_speed),
+              "grad_lhs": hm.entry(sqnr=grad_sqnr, **bwd),
+              "grad_rhs": hm.entry(sqnr=grad_sqnr, **bwd)}
+
+    def report(entries, passes=PASSES):
+      return hm.report({"s": hm.site(
+          {p: {"xla_fp8_rowwise": hm.entry(speedup=(0.8, 0.9, 1.0)),
+               "flax_fp8_delayed_fwd": entries[p]} for p in passes})})
+
+    def verdicts(rep):
+      info = selection.kernels_info(rep)
+      return eligibility.assess_site({**rep, "kernels": info}, "s", Criteria())
+
+    # Site speedup, pessimistic: (100 + 200) / (100 / 1.4 + 200 / 0.99) = 1.097 > 1.05.
+    rep = report(fwd_only((1.4, 1.45, 1.5)))
+    self.assertAlmostEqual(eligibility.fused_site_speedup(rep["sites"]["s"]["passes"],
+                                                          "flax_fp8_delayed_fwd"),
+                           300 / (100 / 1.4 + 200 / 0.99), places=6)
+    chosen = kernels_of(selection.select(rep, Criteria()), "s")
+    self.assertEqual(set(chosen.values()), {"flax_fp8_delayed_fwd"})
+    self.assertTrue(all(v["flax_fp8_delayed_fwd"].eligible for v in verdicts(rep).values()))
+    # (100 + 200) / (100 / 1.1 + 200 / 0.99) = 1.024: the forward alone does not pay.
+    rep = report(fwd_only((1.1, 1.15, 1.2)))
+    self.assertEqual(set(kernels_of(selection.select(rep, Criteria()), "s").values()),
+                     {"xla_bf16"})
+    for v in verdicts(rep).values():
+      self.assertFalse(v["flax_fp8_delayed_fwd"].eligible)
+      self.assertIn("fused op: site speedup 1.02x <= 1.05x", v["flax_fp8_delayed_fwd"].reasons)
+    # An inaccurate gradient rules the op out in every pass, however fast the site.
+    v = verdicts(report(fwd_only((3.0, 3.1, 3.2), grad_sqnr=12.0)))
+    self.assertTrue(v["fwd"]["flax_fp8_delayed_fwd"].safe)
+    self.assertIn("fused op: not every pass is safe", v["fwd"]["flax_fp8_delayed_fwd"].reasons)
+    self.assertFalse(any(v[p]["flax_fp8_delayed_fwd"].eligible for p in PASSES))
+    # A pass the report lacks: never eligible, and the verdict names it.
+    v = verdicts(report(fwd_only((3.0, 3.1, 3.2)), passes=("fwd", "grad_lhs")))
+    self.assertFalse(v["fwd"]["flax_fp8_delayed_fwd"].eligible)
+    self.assertIn("fused op: grad_rhs not evaluated", v["fwd"]["flax_fp8_delayed_fwd"].reasons)
 
 
 class FusedTableTimingTest(chex.TestCase):

@@ -10,7 +10,8 @@ For every site and separately for fwd, grad_lhs and grad_rhs:
      MERE with metric='mere'), then the kernel name (alphabetical), so ties are deterministic;
   3. nothing eligible: the high-precision fallback xla_bf16, with the reason.
 A fused-op kernel (Flax's delayed scaling) runs all three passes or none: it replaces the
-per-pass choice only when it is eligible in every pass and its pessimistic whole-site time
+per-pass choice only when it is eligible (safe in every pass, and its pessimistic site speedup
+over bf16 above `min_speedup`: `eligibility.py`) and its pessimistic whole-site time
 (forward + backward, upper CI ends) beats the per-pass choice's; on a tie the stateless
 per-pass choice stays.
 
@@ -36,10 +37,9 @@ from loka_jax.dispatch import timing_table as tables_lib
 from loka_jax.dispatch.plan import FALLBACK, SCHEMA, Plan
 from loka_jax.kernels import FUSED_OP, PASSES, PER_PASS, registry
 from loka_jax.probe import eligibility
-from loka_jax.probe.eligibility import Criteria, Verdict
+from loka_jax.probe.eligibility import FUSED_SCOPE, Criteria, Verdict
 from loka_jax.probe.report import load_report, validate_report
 
-FUSED_SCOPE = "grad_lhs+grad_rhs"  # a fused op's backward, timed as one (probe/kernel_timing.py)
 
 
 # ----------------------------------------------------------------------------- budgets
@@ -370,7 +370,7 @@ def _consider_fused(out: Dict[str, Dict], site: Mapping, verdicts: Mapping,
     v = verdicts[p][k]
     e = passes[p][k]
     out[p] = {"kernel": k,
-              "reason": f"fused op eligible in every pass and faster: site time {t:.1f} us vs "
+              "reason": f"fused op safe in every pass and faster: site time {t:.1f} us vs "
                         f"{mix_time:.1f} us per-pass (pessimistic); {p} {_speed_text(e)}, "
                         f"{_accuracy_text(v, criteria.metric)}",
               **_details(v, e)}

@@ -6,7 +6,10 @@ Default (DESIGN.md "Numerics conventions"), always on the pessimistic end of eac
   no flush   underflow upper bound <= 1% for every quantized operand
   fast       speedup lower bound vs xla_bf16 > 1.05x (min_speedup=None: accuracy only)
 A kernel is *safe* when accurate with no flush, *eligible* when safe and fast. A fused-op
-kernel runs all passes or none, so it is eligible only where every pass is.
+kernel runs all passes or none, so it must be safe in every pass, and it is fast when the whole
+site is: its pessimistic site speedup (the baseline's time of every timed scope over the op's
+time at each scope's speedup lower bound) exceeds `min_speedup`. A pass it keeps in bf16 by
+design (the gradients of `flax_fp8_delayed_fwd`) thus costs the site nothing but its share.
 """
 from __future__ import annotations
 
@@ -58,6 +61,9 @@ class Verdict:
     return out
 
 
+FUSED_SCOPE = "grad_lhs+grad_rhs"  # a fused op's backward, timed as one (probe/kernel_timing.py)
+
+
 def _lo(v):
   return None if v is None else v[0]
 
@@ -66,10 +72,8 @@ def _hi(v):
   return None if v is None else v[-1]
 
 
-def assess(entry: Mapping, pass_name: str, criteria: Criteria = Criteria(),
-           fp8: bool = True) -> Verdict:
-  """Verdict for one report entry (`report['sites'][s]['passes'][p][kernel]`)."""
-  kernel = entry.get("kernel", "?")
+def _accuracy_reasons(entry: Mapping, pass_name: str, criteria: Criteria, fp8: bool):
+  """(reasons it is not safe, SQNR lower bound, MERE upper bound, worst underflow upper bound)."""
   reasons = []
   sqnr_lo = _lo(entry.get("sqnr_db"))
   mere_hi = _hi(entry.get("mere"))
@@ -98,21 +102,83 @@ def assess(entry: Mapping, pass_name: str, criteria: Criteria = Criteria(),
       for name, v in sorted(known.items()):
         if v > criteria.max_underflow:
           reasons.append(f"{name} underflow {100 * v:.1f}% > {100 * criteria.max_underflow:g}%")
+  return reasons, sqnr_lo, mere_hi, underflow_hi
+
+
+def _speed_reason(speedup_lo: Optional[float], criteria: Criteria, what: str = "speedup"):
+  """(fast, reason or None): None when no speedup is required or none is known."""
+  if criteria.min_speedup is None:
+    return None, None
+  if speedup_lo is None:
+    return None, "no timing"
+  if speedup_lo > criteria.min_speedup:
+    return True, None
+  return False, f"{what} {speedup_lo:.2f}x <= {criteria.min_speedup:g}x"
+
+
+def assess(entry: Mapping, pass_name: str, criteria: Criteria = Criteria(),
+           fp8: bool = True) -> Verdict:
+  """Verdict for one report entry (`report['sites'][s]['passes'][p][kernel]`)."""
+  kernel = entry.get("kernel", "?")
+  reasons, sqnr_lo, mere_hi, underflow_hi = _accuracy_reasons(entry, pass_name, criteria, fp8)
   safe = not reasons
   speed = entry.get("speedup")
   speedup_lo, speedup_mid = _lo(speed), (None if speed is None else speed[1])
-  if criteria.min_speedup is None:
-    fast = None
-  elif speedup_lo is None:
-    fast = None
-    reasons.append("no timing")
-  else:
-    fast = speedup_lo > criteria.min_speedup
-    if not fast:
-      reasons.append(f"speedup {speedup_lo:.2f}x <= {criteria.min_speedup:g}x")
+  fast, why = _speed_reason(speedup_lo, criteria)
+  if why:
+    reasons.append(why)
   eligible = safe and (fast is True or criteria.min_speedup is None)
   return Verdict(kernel, pass_name, safe, fast, eligible, tuple(reasons), sqnr_lo, mere_hi,
                  underflow_hi, speedup_lo, speedup_mid)
+
+
+def fused_site_speedup(passes: Mapping[str, Mapping], kernel: str) -> Optional[float]:
+  """Pessimistic whole-site speedup of a fused op over the baseline, or None if untimed.
+
+  Each timed scope (the forward; the backward once when timed as one, `FUSED_SCOPE`, else
+  each gradient pass) contributes the baseline's time, `time_us * speedup` at the medians,
+  and the op's time at the scope's speedup lower bound.
+  """
+  base_total = op_total = 0.0
+  for p in PASSES:
+    e = passes.get(p, {}).get(kernel) or {}
+    if p == "grad_rhs" and ((passes.get("grad_lhs", {}).get(kernel) or {}).get("time_scope")
+                            == FUSED_SCOPE):
+      continue  # its backward was timed once, under both gradient passes
+    t, s = e.get("time_us"), e.get("speedup")
+    if not t or not s or s[0] is None or s[0] <= 0:
+      return None
+    base = float(t[1]) * float(s[1])
+    base_total += base
+    op_total += base / float(s[0])
+  return base_total / op_total if op_total > 0 else None
+
+
+def assess_fused(passes: Mapping[str, Mapping], kernel: str, criteria: Criteria = Criteria(),
+                 fp8: bool = True) -> Dict[str, Verdict]:
+  """{pass: Verdict} of a fused op: accuracy judged per pass, speed on the whole site
+  (`fused_site_speedup`); eligible only if every pass is evaluated and safe and the site fast."""
+  entries = {p: passes.get(p, {}).get(kernel) for p in PASSES}
+  missing = [p for p, e in entries.items() if e is None]
+  site_speedup = None if missing else fused_site_speedup(passes, kernel)
+  fast, why = _speed_reason(site_speedup, criteria, "fused op: site speedup")
+  accuracy = {p: _accuracy_reasons(e, p, criteria, fp8) for p, e in entries.items() if e}
+  all_safe = not missing and not any(reasons for reasons, *_ in accuracy.values())
+  out = {}
+  for p, (reasons, sqnr_lo, mere_hi, underflow_hi) in accuracy.items():
+    safe = not reasons
+    if missing:
+      reasons = reasons + [f"fused op: {', '.join(missing)} not evaluated"]
+    elif why:
+      reasons = reasons + [why]
+    if safe and not missing and not all_safe:
+      reasons = reasons + ["fused op: not every pass is safe"]
+    speed = entries[p].get("speedup")
+    out[p] = Verdict(kernel, p, safe, fast, all_safe and (fast is True or
+                                                           criteria.min_speedup is None),
+                     tuple(reasons), sqnr_lo, mere_hi, underflow_hi, _lo(speed),
+                     None if speed is None else speed[1])
+  return out
 
 
 def assess_site(report: Mapping, site: str, criteria: Criteria = Criteria()
@@ -121,21 +187,17 @@ def assess_site(report: Mapping, site: str, criteria: Criteria = Criteria()
   info = report.get("kernels", {})
   entry = report["sites"][site]
   verdicts: Dict[str, Dict[str, Verdict]] = {}
-  for p, kernels in entry.get("passes", {}).items():
+  passes = entry.get("passes", {})
+  fused = {name for name, meta in info.items() if meta.get("sort") == "fused_op"}
+  for p, kernels in passes.items():
     verdicts[p] = {}
     for name, e in kernels.items():
-      fp8 = info.get(name, {}).get("fp8", name != BASELINE)
-      verdicts[p][name] = assess({**e, "kernel": name}, p, criteria, fp8=fp8)
-  for name, meta in info.items():
-    if meta.get("sort") != "fused_op":
-      continue
-    per_pass = [verdicts.get(p, {}).get(name) for p in PASSES]
-    if all(v is not None for v in per_pass) and not all(v.eligible for v in per_pass):
-      for p in PASSES:
-        v = verdicts[p][name]
-        if v.eligible:
-          verdicts[p][name] = dataclasses.replace(
-              v, eligible=False, reasons=v.reasons + ("fused op: not every pass is eligible",))
+      if name not in fused:
+        fp8 = info.get(name, {}).get("fp8", name != BASELINE)
+        verdicts[p][name] = assess({**e, "kernel": name}, p, criteria, fp8=fp8)
+  for name in sorted(fused):
+    for p, v in assess_fused(passes, name, criteria, info[name].get("fp8", True)).items():
+      verdicts[p][name] = v
   return verdicts
 
 
