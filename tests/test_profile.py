@@ -91,6 +91,19 @@ class AttributionTest(absltest.TestCase):
     self.assertEqual(got["top_kernels_us"][0]["name"], "sm90_xmma_gemm_bf16bf16_nt")
     table = profile.markdown({"bf16 train": got})
     self.assertIn(f"| {site} | 15 / 25 |", table)
+    self.assertEqual(got["attribution"], {"kernel_events": 4, "with_hlo_op": 3,
+                                          "hlo_op_in_module": 2, "arg_keys": ["hlo_op"]})
+    self.assertNotIn("no kernel mapped", table)
+    # A trace whose kernels name no instruction of the module: the table says so and why.
+    with tempfile.TemporaryDirectory() as tmp:
+      path = os.path.join(tmp, "perfetto_trace.json.gz")
+      _write_trace(path, [{"ph": "X", "pid": 1, "name": "nvjet_sm90_qqtst_256x128", "dur": 8.0,
+                           "args": {"correlation_id": 7}}])
+      lost = profile.split(profile.kernel_events(path), self.op_names, self.sites, steps=1)
+    self.assertEqual(lost["classes_us"], {"gemm_fp8": 8.0})  # nvjet e4m3 x e4m3
+    self.assertIn("no kernel mapped to a site: 0 of 1 kernel events named an HLO instruction, "
+                  "0 of them one of the compiled module's; event args: correlation_id.",
+                  profile.markdown({"fp8 infer": lost}))
 
   def test_a_cpu_trace_has_no_device_kernels(self):
     with tempfile.TemporaryDirectory() as tmp:

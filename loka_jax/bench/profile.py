@@ -25,7 +25,9 @@ import jax
 # (class, pattern on the kernel name), first match wins.
 KERNEL_CLASSES = (
     ("pallas", r"^loka_"),  # every Pallas kernel of kernels_pallas is named loka_<kernel>
-    ("gemm_fp8", r"e4m3|e5m2|f8f8|fp8"),
+    # cuBLASLt's nvjet kernels spell operand types in their name: tst = bf16 x bf16, while
+    # qq... / qr... (e4m3 / e5m2 operands) appear only in FP8 steps' profiles (H100, H200).
+    ("gemm_fp8", r"e4m3|e5m2|f8f8|fp8|^nvjet_sm\d+_[qr][qr]"),
     ("gemm_xla_triton", r"^triton_gemm|gemm_fusion|__triton_gemm"),
     ("gemm_cublas", r"gemm|xmma|cutlass|cublas|matmul|sm90_|sm80_"),
     ("reduce_fusion", r"reduce|reduction"),
@@ -95,7 +97,8 @@ def kernel_events(trace_path: str) -> List[Dict]:
       continue
     args = e.get("args") or {}
     out.append({"name": e.get("name", ""), "dur_us": float(e.get("dur", 0.0)),
-                "hlo_op": args.get("hlo_op"), "hlo_module": args.get("hlo_module")})
+                "hlo_op": args.get("hlo_op"), "hlo_module": args.get("hlo_module"),
+                "arg_keys": sorted(args)})
   return out
 
 
@@ -108,7 +111,12 @@ def split(events: Sequence[Mapping], op_names: Mapping[str, str], sites: Iterabl
   by_class: Dict[str, float] = collections.Counter()
   by_kernel: Dict[str, float] = collections.Counter()
   total = unattributed = 0.0
+  with_op = in_module = 0
+  arg_keys = set()
   for e in events:
+    arg_keys.update(e.get("arg_keys") or ())
+    with_op += bool(e.get("hlo_op"))
+    in_module += (e.get("hlo_op") or "") in op_names
     us = e["dur_us"] / steps
     total += us
     by_class[kernel_class(e["name"])] += us
@@ -122,6 +130,10 @@ def split(events: Sequence[Mapping], op_names: Mapping[str, str], sites: Iterabl
   return {"steps": steps, "device_us_per_step": total,
           "sites_us": {s: dict(v) for s, v in sorted(by_site.items())},
           "outside_sites_us": unattributed,
+          # Why kernels did or did not map to sites: how many named an HLO instruction, how
+          # many of those the compiled module has, and which event args the trace carried.
+          "attribution": {"kernel_events": len(events), "with_hlo_op": with_op,
+                          "hlo_op_in_module": in_module, "arg_keys": sorted(arg_keys)},
           "classes_us": dict(by_class.most_common()),
           "top_kernels_us": [{"name": n, "us": us, "class": kernel_class(n)}
                              for n, us in by_kernel.most_common(top)]}
@@ -147,6 +159,13 @@ def markdown(profiles: Mapping[str, Mapping]) -> str:
     lines.append(f"| {s} | " + " | ".join(cells) + " |")
   lines.append("| outside the sites | " + " | ".join(
       f"{profiles[n]['outside_sites_us']:,.0f}" for n in names) + " |")
+  for n in names:
+    a = profiles[n].get("attribution")
+    if a and not profiles[n]["sites_us"] and a["kernel_events"]:
+      lines += ["", f"{n}: no kernel mapped to a site: {a['with_hlo_op']} of "
+                f"{a['kernel_events']} kernel events named an HLO instruction, "
+                f"{a['hlo_op_in_module']} of them one of the compiled module's; event args: "
+                f"{', '.join(a['arg_keys']) or 'none'}."]
   for n in names:
     lines += ["", f"Top kernels, {n}:", "", "| kernel | class | us / step |", "|---|---|---|"]
     lines += [f"| `{k['name'][:90]}` | {k['class']} | {k['us']:,.1f} |"
