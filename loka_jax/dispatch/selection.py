@@ -41,7 +41,6 @@ from loka_jax.probe.eligibility import FUSED_SCOPE, Criteria, Verdict
 from loka_jax.probe.report import load_report, validate_report
 
 
-
 # ----------------------------------------------------------------------------- budgets
 
 
