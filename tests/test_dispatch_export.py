@@ -142,6 +142,32 @@ class ExportTest(chex.TestCase):
     out = np.asarray(self.exported.apply(big))
     self.assertLess(float(sqnr_db(jnp.asarray(out), jnp.asarray(ref))), 15.0)
 
+  def test_one_scale_products_write_the_output_dtype(self):
+    # A product under one scalar scale (tensorwise or act x act) is an e4m3 dot writing the
+    # model's output dtype, scaled after (Flax's `out_dq` form); rowwise weight scales keep a
+    # float32 product until scaled.
+    outputs = []
+
+    def walk(jaxpr):
+      for eqn in jaxpr.eqns:
+        if (eqn.primitive.name == "dot_general"
+            and jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating)
+            and eqn.invars[0].aval.dtype.itemsize == 1):
+          outputs.append(eqn.outvars[0].aval.dtype)
+        for param in eqn.params.values():
+          for sub in (param if isinstance(param, (list, tuple)) else (param,)):
+            inner = getattr(sub, "jaxpr", sub)
+            if hasattr(inner, "eqns"):
+              walk(inner)
+
+    walk(jax.make_jaxpr(self.exported.forward)(self.exported.variables, self.batch).jaxpr)
+    fp8 = [s for s in self.exported.sites.values() if s.mode == export_lib.FP8]
+    rowwise = [s for s in fp8 if s.granularity == "rowwise"]
+    self.assertNotEmpty(rowwise)
+    self.assertLess(len(rowwise), len(fp8))
+    self.assertEqual(sorted(map(str, outputs)),
+                     sorted(["float32"] * len(rowwise) + ["bfloat16"] * (len(fp8) - len(rowwise))))
+
   def test_save_load_round_trip_and_errors(self):
     path = os.path.join(self.dir, "model")
     manifest = self.exported.save(path)

@@ -13,7 +13,9 @@ Per GEMM site, by the plan's forward kernel:
                amax_max / 448, where amax_max is the largest amax the probe saw on that operand
                (report `stats.{lhs,rhs}.amax.max`, times `amax_headroom`): no reduction over
                activations at run time; larger values saturate. The product is one e4m3 dot
-               (fast accumulation, as the forward kernels) with the scales applied after it.
+               (fast accumulation, as the forward kernels) with the scales applied after it:
+               in the output dtype when one scalar scale covers the product (tensorwise, as
+               Flax's delayed-scaling forward), else in float32 (rowwise weight scales).
   fp8_weights  a block-scaled forward (1x128 / 128x128 scales vary along the contraction, so
                they cannot be applied after one dot): the weight is stored in e4m3 with its
                block scales and dequantized to bf16 for a bf16 product.
@@ -98,15 +100,27 @@ def _weight_scale_on_output(spec: EinsumSpec, scale: jax.Array) -> jax.Array:
 
 def _static_fp8(spec: EinsumSpec, lhs, lhs_scale, rhs_q, rhs_scale, out_dtype, kind: str):
   """e4m3 product of an activation quantized with a static scale and a stored (or
-  statically quantized) right operand; scales applied after the dot."""
+  statically quantized) right operand; scales applied after the dot.
+
+  With one scale for the whole product (tensorwise operands), the dot writes the output
+  dtype and the scale follows in it: the form of Flax's delayed-scaling forward (`out_dq`),
+  which cuBLASLt runs as one FP8 GEMM. With per-column weight scales (rowwise) the product
+  stays float32 until scaled. At the largest tower the float32 form served the planned
+  model's FP8 sites at 1.24x where that model itself ran 1.58x (docs/BENCHMARKS.md,
+  section 7, seventh session); the output-dtype form has not been timed on a GPU yet.
+  """
   lhs_q = quantize_with_scale(lhs, lhs_scale, E4M3)
+  if kind == ACT_WEIGHT:
+    scale = lhs_scale * _weight_scale_on_output(spec, rhs_scale)
+  else:
+    scale = lhs_scale * rhs_scale
+  if scale.size == 1:
+    out = dot_einsum(spec, lhs_q, rhs_q, precision=lax.Precision.DEFAULT,
+                     preferred_element_type=out_dtype)
+    return out * scale.reshape(()).astype(out_dtype)
   out = dot_einsum(spec, lhs_q, rhs_q, precision=lax.Precision.DEFAULT,
                    preferred_element_type=jnp.float32)
-  if kind == ACT_WEIGHT:
-    out = out * lhs_scale * _weight_scale_on_output(spec, rhs_scale)
-  else:
-    out = out * (lhs_scale * rhs_scale)
-  return out.astype(out_dtype)
+  return (out * scale).astype(out_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
