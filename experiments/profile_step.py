@@ -67,7 +67,7 @@ def main(argv):
                                     ITERATIONS.value)
       profiles[key] = profile.split(profile.kernel_events(trace),
                                     profile.hlo_op_names(arm.hlo[mode]), sites,
-                                    steps=ITERATIONS.value)
+                                    steps=ITERATIONS.value, spans=profile.op_spans(trace))
       print(f"[profile] {key}: {profiles[key]['device_us_per_step']:,.0f} us of device "
             f"kernels per step", flush=True)
   if not _compat.on_gpu():

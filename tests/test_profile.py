@@ -92,7 +92,8 @@ class AttributionTest(absltest.TestCase):
     table = profile.markdown({"bf16 train": got})
     self.assertIn(f"| {site} | 15 / 25 |", table)
     self.assertEqual(got["attribution"], {"kernel_events": 4, "with_hlo_op": 3,
-                                          "hlo_op_in_module": 2, "arg_keys": ["hlo_op"]})
+                                          "hlo_op_in_module": 2, "arg_keys": ["hlo_op"],
+                                          "op_spans": 0})
     self.assertNotIn("no kernel mapped", table)
     # A trace whose kernels name no instruction of the module: the table says so and why.
     with tempfile.TemporaryDirectory() as tmp:
@@ -102,8 +103,48 @@ class AttributionTest(absltest.TestCase):
       lost = profile.split(profile.kernel_events(path), self.op_names, self.sites, steps=1)
     self.assertEqual(lost["classes_us"], {"gemm_fp8": 8.0})  # nvjet e4m3 x e4m3
     self.assertIn("no kernel mapped to a site: 0 of 1 kernel events named an HLO instruction, "
-                  "0 of them one of the compiled module's; event args: correlation_id.",
-                  profile.markdown({"fp8 infer": lost}))
+                  "0 mapped to one of the compiled module's (own arg or one of 0 op spans); "
+                  "event args: correlation_id.", profile.markdown({"fp8 infer": lost}))
+
+  def test_kernel_streams_only_and_op_spans_name_the_kernels(self):
+    # A trace that names its device threads: kernels on the stream lines carry no hlo_op;
+    # an op line (one span per HLO instruction) covers them in time. Only the kernels count
+    # as device time; each takes its instruction from the innermost span around its start.
+    by_pass = {}
+    for instr, op_name in self.op_names.items():
+      site = profile.site_of(op_name, self.sites)
+      if site is not None:
+        by_pass.setdefault((site, profile.pass_of(op_name)), instr)
+    site = self.sites[1]
+    fwd, bwd = by_pass[(site, "forward")], by_pass[(site, "backward")]
+    threads = [{"ph": "M", "pid": 1, "tid": 7, "name": "thread_name",
+                "args": {"name": "Stream #7(Kernel)"}},
+               {"ph": "M", "pid": 1, "tid": 9, "name": "thread_name",
+                "args": {"name": "XLA Ops"}}]
+    events = threads + [
+        {"ph": "X", "pid": 1, "tid": 9, "name": "jit_train_step", "ts": 0.0, "dur": 100.0},
+        {"ph": "X", "pid": 1, "tid": 9, "name": fwd, "ts": 10.0, "dur": 20.0},
+        {"ph": "X", "pid": 1, "tid": 9, "name": bwd, "ts": 50.0, "dur": 30.0},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "nvjet_sm90_tst_128x256", "ts": 12.0,
+         "dur": 15.0, "args": {"correlation_id": 1}},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "nvjet_sm90_qqtst_256x128", "ts": 55.0,
+         "dur": 20.0, "args": {"correlation_id": 2}},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "loop_add_fusion", "ts": 85.0, "dur": 5.0,
+         "args": {}},
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+      path = os.path.join(tmp, "perfetto_trace.json.gz")
+      _write_trace(path, events)
+      kernels = profile.kernel_events(path)
+      spans = profile.op_spans(path)
+    self.assertEqual([k["name"][:5] for k in kernels], ["nvjet", "nvjet", "loop_"])
+    self.assertLen(spans, 3)
+    got = profile.split(kernels, self.op_names, self.sites, steps=1, spans=spans)
+    self.assertAlmostEqual(got["device_us_per_step"], 40.0)
+    self.assertEqual(got["sites_us"], {site: {"forward": 15.0, "backward": 20.0}})
+    self.assertAlmostEqual(got["outside_sites_us"], 5.0)
+    self.assertEqual(got["attribution"]["hlo_op_in_module"], 2)
+    self.assertEqual(got["classes_us"], {"gemm_cublas": 15.0, "gemm_fp8": 20.0, "fusion": 5.0})
 
   def test_a_cpu_trace_has_no_device_kernels(self):
     with tempfile.TemporaryDirectory() as tmp:

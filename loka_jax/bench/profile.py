@@ -4,8 +4,9 @@
 `kernel_events` reads the device's kernel events back, and `split` attributes each kernel to
 a GEMM site and pass through the compiled HLO: every HLO instruction carries the jax name stack
 of the code it came from (`op_name="jit(train_step)/transpose(jvp(Wukong))/layer_0/fmb/mlp/
-dense_0/..."`), so a kernel event naming its HLO instruction (`hlo_op`) names its site, and
-`transpose(` marks the backward pass. Kernels are also classed by what they are (cuBLASLt FP8
+dense_0/..."`), so a kernel event naming its HLO instruction (`hlo_op`), or covered by a
+device op-line span named by one (`op_spans`), names its site, and `transpose(` marks the
+backward pass. Each profile records how many kernels mapped (`attribution`). Kernels are also classed by what they are (cuBLASLt FP8
 GEMM, cuBLAS/cuBLASLt GEMM, XLA's Triton GEMM, a Pallas kernel, a fusion, a copy, ...) from
 their names. This is the profile the headline benchmark asks for where a target is missed:
 the per-site time split, which kernels ran, and what XLA fused.
@@ -79,32 +80,82 @@ def profile_calls(calls: Mapping[str, Callable[[], object]], logdir: str,
   return found[-1]
 
 
-def kernel_events(trace_path: str) -> List[Dict]:
-  """The device's kernel events: [{name, dur_us, hlo_op, hlo_module}] from a Perfetto trace.
-
-  Device kernels are the complete ('X') events of processes named '/device:GPU:*'; a trace
-  with no such process (a CPU run) has no device kernels and gives [].
-  """
-  with gzip.open(trace_path, "rt") as f:
-    data = json.load(f)
-  events = data["traceEvents"] if isinstance(data, dict) else data
+def _device_threads(events: Sequence[Mapping]) -> Dict[int, Dict[int, str]]:
+  """{GPU pid: {tid: thread name}} from a trace's metadata events."""
   devices = {e["pid"] for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"
              and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
+  threads: Dict[int, Dict[int, str]] = {pid: {} for pid in devices}
+  for e in events:
+    if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") in devices:
+      threads[e["pid"]][e.get("tid")] = str(e.get("args", {}).get("name", ""))
+  return threads
+
+
+def _is_kernel_thread(name: str) -> bool:
+  return "kernel" in name.lower() or "stream" in name.lower()
+
+
+def kernel_events(trace_path: str) -> List[Dict]:
+  """The device's kernel events: [{name, dur_us, ts, pid, hlo_op, hlo_module, arg_keys}]
+  from a Perfetto trace.
+
+  Device kernels are the complete ('X') events of processes named '/device:GPU:*'. Where the
+  trace names that process's threads, only the kernel streams count (their names hold
+  "Kernel" or "Stream"): other device lines, such as one per XLA op, cover the same time and
+  are read by `op_spans` instead. A trace with no GPU process (a CPU run) gives [].
+  """
+  events = _trace_events(trace_path)
+  threads = _device_threads(events)
   out = []
   for e in events:
-    if e.get("ph") != "X" or e.get("pid") not in devices:
+    pid = e.get("pid")
+    if e.get("ph") != "X" or pid not in threads:
+      continue
+    named = threads[pid]
+    if named and any(map(_is_kernel_thread, named.values())) and not _is_kernel_thread(
+        named.get(e.get("tid"), "")):
       continue
     args = e.get("args") or {}
     out.append({"name": e.get("name", ""), "dur_us": float(e.get("dur", 0.0)),
+                "ts": float(e.get("ts", 0.0)), "pid": pid,
                 "hlo_op": args.get("hlo_op"), "hlo_module": args.get("hlo_module"),
                 "arg_keys": sorted(args)})
   return out
 
 
+def op_spans(trace_path: str) -> List[Dict]:
+  """Spans of the device's non-kernel lines (e.g. one event per XLA op, named by its HLO
+  instruction): [{name, ts, end, pid}], for kernels whose own event names no instruction."""
+  events = _trace_events(trace_path)
+  threads = _device_threads(events)
+  return [{"name": e.get("name", ""), "ts": float(e.get("ts", 0.0)),
+           "end": float(e.get("ts", 0.0)) + float(e.get("dur", 0.0)), "pid": e["pid"]}
+          for e in events
+          if e.get("ph") == "X" and e.get("pid") in threads and threads[e["pid"]]
+          and not _is_kernel_thread(threads[e["pid"]].get(e.get("tid"), ""))]
+
+
+def _trace_events(trace_path: str) -> List[Dict]:
+  with gzip.open(trace_path, "rt") as f:
+    data = json.load(f)
+  return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def _op_at(spans: Sequence[Mapping], op_names: Mapping[str, str], pid, ts: float
+           ) -> Optional[str]:
+  """The innermost span on `pid` covering `ts` whose name is an instruction of the module."""
+  inside = [sp for sp in spans if sp["pid"] == pid and sp["ts"] <= ts < sp["end"]
+            and sp["name"] in op_names]
+  return min(inside, key=lambda sp: sp["end"] - sp["ts"])["name"] if inside else None
+
+
 def split(events: Sequence[Mapping], op_names: Mapping[str, str], sites: Iterable[str],
-          steps: int, top: int = 15) -> Dict:
-  """Per-step device time by site and pass, by kernel class and by kernel (top `top`)."""
+          steps: int, top: int = 15, spans: Sequence[Mapping] = ()) -> Dict:
+  """Per-step device time by site and pass, by kernel class and by kernel (top `top`).
+
+  A kernel names its HLO instruction through its `hlo_op` arg, or else through the
+  innermost op span (`op_spans`) covering its start."""
   sites = list(sites)
   by_site: Dict[str, Dict[str, float]] = collections.defaultdict(
       lambda: {"forward": 0.0, "backward": 0.0})
@@ -116,12 +167,15 @@ def split(events: Sequence[Mapping], op_names: Mapping[str, str], sites: Iterabl
   for e in events:
     arg_keys.update(e.get("arg_keys") or ())
     with_op += bool(e.get("hlo_op"))
-    in_module += (e.get("hlo_op") or "") in op_names
+    hlo_op = e.get("hlo_op") if e.get("hlo_op") in op_names else None
+    if hlo_op is None and spans:
+      hlo_op = _op_at(spans, op_names, e.get("pid"), e.get("ts", 0.0))
+    in_module += hlo_op is not None
     us = e["dur_us"] / steps
     total += us
     by_class[kernel_class(e["name"])] += us
     by_kernel[e["name"]] += us
-    op_name = op_names.get(e.get("hlo_op") or "")
+    op_name = op_names.get(hlo_op or "")
     site = site_of(op_name, sites) if op_name else None
     if site is None:
       unattributed += us
@@ -133,7 +187,8 @@ def split(events: Sequence[Mapping], op_names: Mapping[str, str], sites: Iterabl
           # Why kernels did or did not map to sites: how many named an HLO instruction, how
           # many of those the compiled module has, and which event args the trace carried.
           "attribution": {"kernel_events": len(events), "with_hlo_op": with_op,
-                          "hlo_op_in_module": in_module, "arg_keys": sorted(arg_keys)},
+                          "hlo_op_in_module": in_module, "arg_keys": sorted(arg_keys),
+                          "op_spans": len(spans)},
           "classes_us": dict(by_class.most_common()),
           "top_kernels_us": [{"name": n, "us": us, "class": kernel_class(n)}
                              for n, us in by_kernel.most_common(top)]}
@@ -164,7 +219,8 @@ def markdown(profiles: Mapping[str, Mapping]) -> str:
     if a and not profiles[n]["sites_us"] and a["kernel_events"]:
       lines += ["", f"{n}: no kernel mapped to a site: {a['with_hlo_op']} of "
                 f"{a['kernel_events']} kernel events named an HLO instruction, "
-                f"{a['hlo_op_in_module']} of them one of the compiled module's; event args: "
+                f"{a['hlo_op_in_module']} mapped to one of the compiled module's (own arg "
+                f"or one of {a.get('op_spans', 0)} op spans); event args: "
                 f"{', '.join(a['arg_keys']) or 'none'}."]
   for n in names:
     lines += ["", f"Top kernels, {n}:", "", "| kernel | class | us / step |", "|---|---|---|"]
