@@ -60,14 +60,15 @@ class AttributionTest(absltest.TestCase):
                      "layer_0/fmb/mlp/dense_0")
     self.assertIsNone(profile.site_of("jit(f)/layer_0/fmb/mlp_2/dot_general", sites[:1]))
 
+  def _instruction_of(self, site, pass_name):
+    """One HLO instruction of the compiled step attributed to `site` and `pass_name`."""
+    return next(instr for instr, op_name in self.op_names.items()
+                if profile.site_of(op_name, self.sites) == site
+                and profile.pass_of(op_name) == pass_name)
+
   def test_split_of_a_trace(self):
-    by_site = {}
-    for instr, op_name in self.op_names.items():
-      site = profile.site_of(op_name, self.sites)
-      if site is not None:
-        by_site.setdefault((site, profile.pass_of(op_name)), instr)
     site = self.sites[0]
-    fwd, bwd = by_site[(site, "forward")], by_site[(site, "backward")]
+    fwd, bwd = self._instruction_of(site, "forward"), self._instruction_of(site, "backward")
     events = [
         {"ph": "X", "pid": 1, "name": "sm90_xmma_gemm_e4m3bf16_tn", "dur": 30.0,
          "args": {"hlo_op": fwd}},
@@ -110,13 +111,8 @@ class AttributionTest(absltest.TestCase):
     # A trace that names its device threads: kernels on the stream lines carry no hlo_op;
     # an op line (one span per HLO instruction) covers them in time. Only the kernels count
     # as device time; each takes its instruction from the innermost span around its start.
-    by_pass = {}
-    for instr, op_name in self.op_names.items():
-      site = profile.site_of(op_name, self.sites)
-      if site is not None:
-        by_pass.setdefault((site, profile.pass_of(op_name)), instr)
     site = self.sites[1]
-    fwd, bwd = by_pass[(site, "forward")], by_pass[(site, "backward")]
+    fwd, bwd = self._instruction_of(site, "forward"), self._instruction_of(site, "backward")
     threads = [{"ph": "M", "pid": 1, "tid": 7, "name": "thread_name",
                 "args": {"name": "Stream #7(Kernel)"}},
                {"ph": "M", "pid": 1, "tid": 9, "name": "thread_name",
