@@ -65,9 +65,9 @@ def main(argv):
       trace = profile.profile_calls({key: getattr(arm, mode)},
                                     os.path.join(workdir, "traces", f"{name}_{mode}"),
                                     ITERATIONS.value)
-      profiles[key] = profile.split(profile.kernel_events(trace),
-                                    profile.hlo_op_names(arm.hlo[mode]), sites,
-                                    steps=ITERATIONS.value, spans=profile.op_spans(trace))
+      kernels, spans = profile.device_events(trace)
+      profiles[key] = profile.split(kernels, profile.hlo_op_names(arm.hlo[mode]), sites,
+                                    steps=ITERATIONS.value, spans=spans)
       print(f"[profile] {key}: {profiles[key]['device_us_per_step']:,.0f} us of device "
             f"kernels per step", flush=True)
   if not _compat.on_gpu():

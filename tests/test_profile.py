@@ -113,12 +113,17 @@ class AttributionTest(absltest.TestCase):
     # as device time; each takes its instruction from the innermost span around its start.
     site = self.sites[1]
     fwd, bwd = self._instruction_of(site, "forward"), self._instruction_of(site, "backward")
+    outer = next(instr for instr, op_name in self.op_names.items()
+                 if profile.site_of(op_name, self.sites) is None)
     threads = [{"ph": "M", "pid": 1, "tid": 7, "name": "thread_name",
                 "args": {"name": "Stream #7(Kernel)"}},
                {"ph": "M", "pid": 1, "tid": 9, "name": "thread_name",
                 "args": {"name": "XLA Ops"}}]
     events = threads + [
         {"ph": "X", "pid": 1, "tid": 9, "name": "jit_train_step", "ts": 0.0, "dur": 100.0},
+        # An instruction outside every site enclosing the others (a loop, say): the
+        # innermost span names the kernel.
+        {"ph": "X", "pid": 1, "tid": 9, "name": outer, "ts": 5.0, "dur": 90.0},
         {"ph": "X", "pid": 1, "tid": 9, "name": fwd, "ts": 10.0, "dur": 20.0},
         {"ph": "X", "pid": 1, "tid": 9, "name": bwd, "ts": 50.0, "dur": 30.0},
         {"ph": "X", "pid": 1, "tid": 7, "name": "nvjet_sm90_tst_128x256", "ts": 12.0,
@@ -131,15 +136,14 @@ class AttributionTest(absltest.TestCase):
     with tempfile.TemporaryDirectory() as tmp:
       path = os.path.join(tmp, "perfetto_trace.json.gz")
       _write_trace(path, events)
-      kernels = profile.kernel_events(path)
-      spans = profile.op_spans(path)
+      kernels, spans = profile.device_events(path)
     self.assertEqual([k["name"][:5] for k in kernels], ["nvjet", "nvjet", "loop_"])
-    self.assertLen(spans, 3)
+    self.assertLen(spans, 4)
     got = profile.split(kernels, self.op_names, self.sites, steps=1, spans=spans)
     self.assertAlmostEqual(got["device_us_per_step"], 40.0)
     self.assertEqual(got["sites_us"], {site: {"forward": 15.0, "backward": 20.0}})
     self.assertAlmostEqual(got["outside_sites_us"], 5.0)
-    self.assertEqual(got["attribution"]["hlo_op_in_module"], 2)
+    self.assertEqual(got["attribution"]["hlo_op_in_module"], 3)  # the fusion: `outer`
     self.assertEqual(got["classes_us"], {"gemm_cublas": 15.0, "gemm_fp8": 20.0, "fusion": 5.0})
 
   def test_a_cpu_trace_has_no_device_kernels(self):

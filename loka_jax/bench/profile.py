@@ -5,21 +5,22 @@
 a GEMM site and pass through the compiled HLO: every HLO instruction carries the jax name stack
 of the code it came from (`op_name="jit(train_step)/transpose(jvp(Wukong))/layer_0/fmb/mlp/
 dense_0/..."`), so a kernel event naming its HLO instruction (`hlo_op`), or covered by a
-device op-line span named by one (`op_spans`), names its site, and `transpose(` marks the
-backward pass. Each profile records how many kernels mapped (`attribution`). Kernels are also classed by what they are (cuBLASLt FP8
-GEMM, cuBLAS/cuBLASLt GEMM, XLA's Triton GEMM, a Pallas kernel, a fusion, a copy, ...) from
-their names. This is the profile the headline benchmark asks for where a target is missed:
+device op-line span named by one (`device_events`), names its site, and `transpose(` marks
+the backward pass; each profile records how many kernels mapped (`attribution`). Kernels
+are also classed by what they are (cuBLASLt FP8 GEMM, cuBLAS/cuBLASLt GEMM, XLA's Triton
+GEMM, a Pallas kernel, a fusion, a copy, ...) from their names. This is the profile the headline benchmark asks for where a target is missed:
 the per-site time split, which kernels ran, and what XLA fused.
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import glob
 import gzip
 import json
 import os
 import re
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import jax
 
@@ -96,44 +97,39 @@ def _is_kernel_thread(name: str) -> bool:
   return "kernel" in name.lower() or "stream" in name.lower()
 
 
-def kernel_events(trace_path: str) -> List[Dict]:
-  """The device's kernel events: [{name, dur_us, ts, pid, hlo_op, hlo_module, arg_keys}]
-  from a Perfetto trace.
+def device_events(trace_path: str) -> Tuple[List[Dict], List[Dict]]:
+  """(kernels, op spans) of the GPU processes ('/device:GPU:*') of a Perfetto trace.
 
-  Device kernels are the complete ('X') events of processes named '/device:GPU:*'. Where the
-  trace names that process's threads, only the kernel streams count (their names hold
-  "Kernel" or "Stream"): other device lines, such as one per XLA op, cover the same time and
-  are read by `op_spans` instead. A trace with no GPU process (a CPU run) gives [].
+  kernels: [{name, dur_us, ts, pid, hlo_op, hlo_module, arg_keys}], the complete ('X') events
+  of the device's kernel streams. Where the trace names a device's threads and some hold
+  "Kernel" or "Stream", only those count: the device's other lines (e.g. one span per XLA
+  op, named by its HLO instruction) cover the same time and become the op spans
+  [{name, ts, end, pid}], which name the instruction of kernels whose own event does not.
+  A trace with no GPU process (a CPU run) gives ([], []).
   """
   events = _trace_events(trace_path)
-  threads = _device_threads(events)
-  out = []
+  streams = {pid: {tid for tid, name in named.items() if _is_kernel_thread(name)}
+             for pid, named in _device_threads(events).items()}
+  kernels, spans = [], []
   for e in events:
     pid = e.get("pid")
-    if e.get("ph") != "X" or pid not in threads:
+    if e.get("ph") != "X" or pid not in streams:
       continue
-    named = threads[pid]
-    if named and any(map(_is_kernel_thread, named.values())) and not _is_kernel_thread(
-        named.get(e.get("tid"), "")):
+    ts = float(e.get("ts", 0.0))
+    if streams[pid] and e.get("tid") not in streams[pid]:
+      spans.append({"name": e.get("name", ""), "ts": ts,
+                    "end": ts + float(e.get("dur", 0.0)), "pid": pid})
       continue
     args = e.get("args") or {}
-    out.append({"name": e.get("name", ""), "dur_us": float(e.get("dur", 0.0)),
-                "ts": float(e.get("ts", 0.0)), "pid": pid,
-                "hlo_op": args.get("hlo_op"), "hlo_module": args.get("hlo_module"),
-                "arg_keys": sorted(args)})
-  return out
+    kernels.append({"name": e.get("name", ""), "dur_us": float(e.get("dur", 0.0)), "ts": ts,
+                    "pid": pid, "hlo_op": args.get("hlo_op"),
+                    "hlo_module": args.get("hlo_module"), "arg_keys": sorted(args)})
+  return kernels, spans
 
 
-def op_spans(trace_path: str) -> List[Dict]:
-  """Spans of the device's non-kernel lines (e.g. one event per XLA op, named by its HLO
-  instruction): [{name, ts, end, pid}], for kernels whose own event names no instruction."""
-  events = _trace_events(trace_path)
-  threads = _device_threads(events)
-  return [{"name": e.get("name", ""), "ts": float(e.get("ts", 0.0)),
-           "end": float(e.get("ts", 0.0)) + float(e.get("dur", 0.0)), "pid": e["pid"]}
-          for e in events
-          if e.get("ph") == "X" and e.get("pid") in threads and threads[e["pid"]]
-          and not _is_kernel_thread(threads[e["pid"]].get(e.get("tid"), ""))]
+def kernel_events(trace_path: str) -> List[Dict]:
+  """The device's kernel events of a Perfetto trace (`device_events`)."""
+  return device_events(trace_path)[0]
 
 
 def _trace_events(trace_path: str) -> List[Dict]:
@@ -142,12 +138,28 @@ def _trace_events(trace_path: str) -> List[Dict]:
   return data["traceEvents"] if isinstance(data, dict) else data
 
 
-def _op_at(spans: Sequence[Mapping], op_names: Mapping[str, str], pid, ts: float
-           ) -> Optional[str]:
-  """The innermost span on `pid` covering `ts` whose name is an instruction of the module."""
-  inside = [sp for sp in spans if sp["pid"] == pid and sp["ts"] <= ts < sp["end"]
-            and sp["name"] in op_names]
-  return min(inside, key=lambda sp: sp["end"] - sp["ts"])["name"] if inside else None
+def _span_index(spans: Sequence[Mapping], op_names: Mapping[str, str]) -> Dict:
+  """{pid: (starts, spans in start order, longest span)} of the spans naming an instruction."""
+  by_pid: Dict = {}
+  for sp in sorted((sp for sp in spans if sp["name"] in op_names), key=lambda sp: sp["ts"]):
+    by_pid.setdefault(sp["pid"], []).append(sp)
+  return {pid: ([sp["ts"] for sp in ordered], ordered,
+                max(sp["end"] - sp["ts"] for sp in ordered))
+          for pid, ordered in by_pid.items()}
+
+
+def _op_at(index: Mapping, pid, ts: float) -> Optional[str]:
+  """The instruction of the innermost span covering `ts` on `pid`: spans nest, so it is the
+  latest-starting one that still covers it (none starts earlier than the longest span)."""
+  if pid not in index:
+    return None
+  starts, ordered, longest = index[pid]
+  i = bisect.bisect_right(starts, ts) - 1
+  while i >= 0 and starts[i] >= ts - longest:
+    if ordered[i]["end"] > ts:
+      return ordered[i]["name"]
+    i -= 1
+  return None
 
 
 def split(events: Sequence[Mapping], op_names: Mapping[str, str], sites: Iterable[str],
@@ -155,7 +167,7 @@ def split(events: Sequence[Mapping], op_names: Mapping[str, str], sites: Iterabl
   """Per-step device time by site and pass, by kernel class and by kernel (top `top`).
 
   A kernel names its HLO instruction through its `hlo_op` arg, or else through the
-  innermost op span (`op_spans`) covering its start."""
+  innermost op span (`device_events`) covering its start."""
   sites = list(sites)
   by_site: Dict[str, Dict[str, float]] = collections.defaultdict(
       lambda: {"forward": 0.0, "backward": 0.0})
@@ -164,12 +176,13 @@ def split(events: Sequence[Mapping], op_names: Mapping[str, str], sites: Iterabl
   total = unattributed = 0.0
   with_op = in_module = 0
   arg_keys = set()
+  index = _span_index(spans, op_names)
   for e in events:
     arg_keys.update(e.get("arg_keys") or ())
     with_op += bool(e.get("hlo_op"))
     hlo_op = e.get("hlo_op") if e.get("hlo_op") in op_names else None
-    if hlo_op is None and spans:
-      hlo_op = _op_at(spans, op_names, e.get("pid"), e.get("ts", 0.0))
+    if hlo_op is None:
+      hlo_op = _op_at(index, e.get("pid"), e.get("ts", 0.0))
     in_module += hlo_op is not None
     us = e["dur_us"] / steps
     total += us

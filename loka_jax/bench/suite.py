@@ -20,6 +20,7 @@ from loka_jax.bench import planning, speed, towers
 from loka_jax.bench.results import ResultsFile
 from loka_jax.bench.variants import PALLAS, PLAN, Variant, pallas_coverage, pallas_plan
 from loka_jax.data import FeatureSpec, make_source
+from loka_jax.dispatch.validate import BASELINE as ALL_BF16_PLAN
 from loka_jax.models.presets import apply_mods, build_model, get_config, site_products, tower_flops
 from loka_jax.models.site import SiteConfig
 from loka_jax.train import experiment
@@ -232,8 +233,7 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
           arm, export_fields = serve_exported(bench, arm, model, row["plan"], report)
           row.update(export_fields)
         elif v.served:  # no FP8 site: every weight is exported in bf16, no report needed
-          from loka_jax.dispatch.validate import BASELINE as all_bf16
-          arm, export_fields = serve_exported(bench, arm, model, all_bf16, None)
+          arm, export_fields = serve_exported(bench, arm, model, ALL_BF16_PLAN, None)
           row.update(export_fields)
       measured = bench.time_pair(arm, settings.repeats, seed=settings.seed)
       for mode, s in measured.items():

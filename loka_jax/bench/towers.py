@@ -123,12 +123,15 @@ class TowerSource:
     self._w1 = (rng.normal(size=(self.width, _TEACHER_HIDDEN)) / np.sqrt(self.width)
                 ).astype(np.float32)
     self._w2 = rng.normal(size=_TEACHER_HIDDEN).astype(np.float32)
+    self._on_device = None  # the scales and teacher, put on the device at the first draw
 
   def _draw(self, stream: Sequence[int], n: int) -> Dict[str, np.ndarray]:
     key = jax.random.key(self.task_seed)
     for part in stream:
       key = jax.random.fold_in(key, part)
-    dense, label = jax.device_get(_draw_on_device(key, self._scale, self._w1, self._w2, n))
+    if self._on_device is None:
+      self._on_device = jax.device_put((self._scale, self._w1, self._w2))
+    dense, label = jax.device_get(_draw_on_device(key, *self._on_device, n))
     return {"dense": np.asarray(dense), "label": np.asarray(label)}
 
   def train_batch(self, step: int, batch_size: int) -> Dict[str, np.ndarray]:

@@ -45,10 +45,10 @@ VARIANTS: Dict[str, Variant] = {
     "loka": Variant("loka", "loka", mods=("all",), kernels_from=PLAN),
 }
 LABELS = {"fp32": "fp32", "bf16": "bf16", "bf16_mods": "bf16+Mods",
-          "bf16_mods_served": "bf16+Mods (served)",
-          "flax_fp8_delayed": "Flax FP8 (delayed)",
-          "flax_fp8_delayed_fwd": "FP8 fwd (delayed), bf16 grads", "fp8_tensorwise": "XLA FP8 tensorwise",
-          "fp8_rowwise": "XLA FP8 rowwise", "pallas": "Pallas FP8", "loka": "LoKA"}
+          "bf16_mods_served": "bf16+Mods (served)", "flax_fp8_delayed": "Flax FP8 (delayed)",
+          "flax_fp8_delayed_fwd": "FP8 fwd (delayed), bf16 grads",
+          "fp8_tensorwise": "XLA FP8 tensorwise", "fp8_rowwise": "XLA FP8 rowwise",
+          "pallas": "Pallas FP8", "loka": "LoKA"}
 # The one-kernel-everywhere peers LoKA must match or beat (issue 8, targets).
 PEERS = ("flax_fp8_delayed", "flax_fp8_delayed_fwd", "fp8_tensorwise", "fp8_rowwise",
          "pallas")
