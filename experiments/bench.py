@@ -59,7 +59,8 @@ ML_PRESET = flags.DEFINE_string("ml_preset", "tiny", "MovieLens model preset.")
 ML_STEPS = flags.DEFINE_integer("ml_steps", 600, "MovieLens training steps.")
 ML_BATCH = flags.DEFINE_integer("ml_batch", 256, "MovieLens batch size.")
 ML_SEEDS = flags.DEFINE_integer("ml_seeds", 5, "MovieLens seeds per arm.")
-ARMS = flags.DEFINE_list("arms", ["bf16", "bf16_mods", "fp8_naive", "loka"], "Quality arms.")
+ARMS = flags.DEFINE_list("arms", ["bf16", "bf16_mods", "fp8_naive", "fp8_delayed", "loka"],
+                        "Quality arms.")
 
 
 def _setup(workdir: str) -> None:

@@ -174,7 +174,8 @@ class TargetCheckTest(parameterized.TestCase):
               "auc": 0.7, "eval_fingerprint": fp}
     # bf16 seeds: 0.4000, 0.4002, 0.3998 -> std 2e-4, bound max(8e-5, 4e-4) = 4e-4.
     rows = [q("bf16", 0, 0.4000), q("bf16", 1, 0.4002), q("bf16", 2, 0.3998),
-            q("bf16_mods", 0, 0.4001), q("loka", 0, 0.4003), q("fp8_naive", 0, 0.4100)]
+            q("bf16_mods", 0, 0.4001), q("loka", 0, 0.4003), q("fp8_naive", 0, 0.4100),
+            q("fp8_delayed", 0, 0.4010)]
     verdicts = targets.check_quality(rows)
     loka = _verdict(verdicts, "loka_quality_vs_bf16", "synthetic:wukong/small", "quality")
     self.assertTrue(loka["met"])
@@ -183,6 +184,11 @@ class TargetCheckTest(parameterized.TestCase):
     naive = _verdict(verdicts, "fp8_naive_quality_vs_bf16", "synthetic:wukong/small", "quality")
     self.assertIsNone(naive["met"])
     self.assertAlmostEqual(naive["value"], 0.01, places=6)
+    delayed = _verdict(verdicts, "fp8_delayed_quality_vs_bf16_mods", "synthetic:wukong/small",
+                       "quality")
+    self.assertIsNone(delayed["met"])
+    self.assertAlmostEqual(delayed["value"], 0.0009, places=6)
+    rows = rows[:-1]
     worse = targets.check_quality(rows[:-2] + [q("loka", 0, 0.4010)])
     self.assertFalse(_verdict(worse, "loka_quality_vs_bf16_mods", "synthetic:wukong/small",
                               "quality")["met"])

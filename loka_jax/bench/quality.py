@@ -2,8 +2,10 @@
 by DESIGN.md's protocol: every arm trains with the same seed, data order and held-out set
 (>= 200k examples on synthetic teacher data), and extra bf16 seeds give the noise floor.
 
-Arms: bf16, bf16+Mods, naive FP8 (`fp8_all` with `xla_fp8_tensorwise`, no Mods) and LoKA
-(Mods + the target's plan). Synthetic data: the arms at `seed`, plus bf16 at `noise_seeds`.
+Arms: bf16, bf16+Mods, naive FP8 (`fp8_all` with `xla_fp8_tensorwise`, no Mods), Flax's
+delayed scaling everywhere (`fp8_all` with `flax_fp8_delayed`, the fastest training peer on the
+largest tower, whose weight gradients measure 9-11 dB there) and LoKA (Mods + the target's
+plan). Synthetic data: the arms at `seed`, plus bf16 at `noise_seeds`.
 MovieLens-100K: every arm at every seed (5 by default). One row per finished run, with the
 fingerprint of the eval set it was scored on, so identical eval sets are checked, not assumed.
 """
@@ -44,6 +46,7 @@ ARMS = {
     "bf16": QualityArm("bf16", "bf16"),
     "bf16_mods": QualityArm("bf16_mods", "bf16", mods=("all",)),
     "fp8_naive": QualityArm("fp8_naive", "fp8_all", "xla_fp8_tensorwise"),
+    "fp8_delayed": QualityArm("fp8_delayed", "fp8_all", "flax_fp8_delayed"),
     "loka": QualityArm("loka", "loka", mods=("all",)),
 }
 

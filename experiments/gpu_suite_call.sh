@@ -1,0 +1,40 @@
+#!/bin/bash
+# One GPU call of any `experiments.bench` run, resumable on the same host AND on a fresh one:
+# the workdir's small files (rows, plans, probe reports, evaluation and timing caches) travel
+# both ways as one archive, so a run over many targets needs no per-target carry folders and
+# stays within the eight files a call may bring back. Checkpoints and compile caches stay on
+# the host (a fresh host retrains a probe's steps and takes every site evaluated before from
+# its evaluation cache). Rerun until the log ends in "all selected rows are done"; after each
+# call copy what came back under $OUT (work.tar.gz, log.txt) into $CARRY.
+#
+#   CARRY=.snap/small bash experiments/gpu_suite_call.sh --suite=models --presets=small ...
+#     (the device call carries .snap and .whl)
+#
+# Environment: CARRY (required), WORK (/tmp/suite), LIMIT (575: hard seconds), MAXMIN (7.5:
+# minutes after which no new row starts), OUT (set on the device; elsewhere $WORK/out).
+# Arguments: passed to `experiments.bench` after --workdir, --compile_cache, --max_minutes
+# and --probe_timing_cache, so a later flag of the same name wins.
+set -u
+CARRY=${CARRY:?set CARRY to the folder that carries this run between calls}
+WORK=${WORK:-/tmp/suite}
+OUT=${OUT:-$WORK/out}
+mkdir -p "$WORK/tc" "$OUT" "$CARRY"
+if ! python3 -c "import ml_collections" 2>/dev/null && [ -d .whl ]; then  # the GPU host lacks it
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
+fi
+export PYTHONUNBUFFERED=1
+# A warm host's own files are newer than the carried ones: never overwrite them.
+[ -f "$CARRY/work.tar.gz" ] && tar -xzf "$CARRY/work.tar.gz" -C "$WORK" --skip-old-files
+
+echo "=== call $(date +%T) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null):" \
+  "$*" >> "$WORK/log.txt"
+timeout "${LIMIT:-575}" python3 -m experiments.bench --workdir="$WORK" --compile_cache=/tmp/jc \
+  --max_minutes="${MAXMIN:-7.5}" --probe_timing_cache="$WORK/tc" "$@" >> "$WORK/log.txt" 2>&1
+echo "rc=$?" >> "$WORK/log.txt"
+
+tar -czf "$OUT/work.tar.gz" -C "$WORK" --exclude=checkpoints --exclude=out --exclude=jax_cache \
+  --exclude='*.orbax-checkpoint-tmp*' .
+cp "$WORK/log.txt" "$OUT/log.txt"
+grep -v -e '^W[0-9]' -e '^I[0-9]' -e '^If this' -e '^Current allocation' -e '^\*\*\*' \
+  "$WORK/log.txt" | tail -40
