@@ -189,6 +189,10 @@ class TargetCheckTest(parameterized.TestCase):
     self.assertIsNone(delayed["met"])
     self.assertAlmostEqual(delayed["value"], 0.0009, places=6)
     rows = rows[:-1]
+    better = _verdict(targets.check_quality(rows[:-2] + [q("loka", 0, 0.3990)]),
+                      "loka_quality_vs_bf16_mods", "synthetic:wukong/small", "quality")
+    self.assertFalse(better["met"])  # neutrality is two-sided: a gain misses it too, said so
+    self.assertIn("loka is better than bf16_mods", better["note"])
     worse = targets.check_quality(rows[:-2] + [q("loka", 0, 0.4010)])
     self.assertFalse(_verdict(worse, "loka_quality_vs_bf16_mods", "synthetic:wukong/small",
                               "quality")["met"])
@@ -222,6 +226,24 @@ class RenderTest(absltest.TestCase):
     for p in paths:
       with open(p, "rb") as f:
         self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+
+
+class GemmCallsTest(absltest.TestCase):
+
+  def test_every_gemm_backend_of_a_gpu_hlo_is_counted(self):
+    from loka_jax.bench.speed import gemm_calls
+    # Lines in the form of an H100 step's optimized HLO (custom-call targets, fusion kinds).
+    hlo = "\n".join([
+        '%a = (bf16[64,32]{1,0}, s8[0]{0}) custom-call(%x, %w), custom_call_target="__cublas$lt$matmul"',
+        '%b = (bf16[64,32]{1,0}, s8[0]{0}) custom-call(%x, %w), custom_call_target="__cublas$lt$matmul$f8"',
+        '%c = bf16[64,32]{1,0} fusion(%x, %w), kind=kCustom, calls=%gemm_fusion_dot, '
+        'backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}',
+        '%d = bf16[64,32]{1,0} fusion(%x, %w), kind=kCustom, calls=%gemm_fusion_dot.1, '
+        'backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}',
+        '%e = f32[64,32]{1,0} custom-call(%x, %w), custom_call_target="__gpu$xla.gpu.triton"',
+    ])
+    self.assertEqual(gemm_calls(hlo), {"cublaslt": 1, "cublaslt_fp8": 1, "xla_triton_gemm": 2,
+                                       "pallas_triton": 1})
 
 
 class SelectionTest(absltest.TestCase):

@@ -38,9 +38,11 @@ def speedup_plot(rows: Sequence[Mapping], suite: str, path: str) -> str:
     ax.set_xticks(x)
     ax.set_xticklabels(targets, rotation=20, ha="right", fontsize=8)
     ax.set_ylabel(f"{mode} speedup vs bf16")
-  axes[0, 0].legend(fontsize=7, ncol=4)
+  # Below the axes: inside them the legend hides the bars of the first targets.
+  handles, labels = axes[0, 0].get_legend_handles_labels()
+  fig.legend(handles, labels, loc="lower center", fontsize=7, ncol=min(len(labels), 5))
   axes[0, 0].set_title(f"{suite}: speedup vs bf16 of the same run (95% CI)")
-  fig.tight_layout()
+  fig.tight_layout(rect=(0, 0.07, 1, 1))
   fig.savefig(path, dpi=110)
   plt.close(fig)
   return path

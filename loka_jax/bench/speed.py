@@ -32,7 +32,8 @@ _GEMM_PATTERNS = (
     ("cublaslt_fp8", r"__cublas\$lt\$matmul\$f8"),
     ("cublaslt", r"__cublas\$lt\$matmul(?!\$f8)"),
     ("cublas", r"__cublas\$gemm"),
-    ("xla_triton_gemm", r"__triton_gemm"),
+    # XLA's Triton GEMM fusions: the legacy kind and the nested-fusion kind newer XLA emits.
+    ("xla_triton_gemm", r"__triton_gemm|__triton_nested_gemm_fusion"),
     ("pallas_triton", r"__gpu\$xla\.gpu\.triton|triton_kernel_call"),
 )
 

@@ -159,6 +159,9 @@ def check_quality(rows: Sequence[Mapping]) -> List[Dict]:
         met = abs(delta) <= floor["bound"] if arm == "loka" else None
         note = (f"bound max(0.02% rel, 2 x bf16 std over {floor['bf16_seeds']} seeds) = "
                 f"{floor['bound']:.2e}; seeds {common}" + ("" if same_eval else "; EVAL SETS DIFFER"))
+        if delta < -floor["bound"]:
+          # Neutrality is two-sided, but a reader must not take a gain for a loss.
+          note += f"; {arm} is better than {base} by more than the bound"
         out.append({"target": f"{arm}_quality_vs_{base}", "subject": subject, "mode": "quality",
                     "value": delta, "ci": [-floor["bound"], floor["bound"]],
                     "met": met if same_eval else False,
