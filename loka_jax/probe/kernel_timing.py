@@ -100,29 +100,20 @@ def default_cache_path(directory: str, device_kind: str) -> str:
 # ----------------------------------------------------------------------------- variants
 
 
-# Calls of a short product per loop iteration. Each iteration of a device loop costs a
-# round trip for its condition: on the H200 every product at DCNv2 `small`'s shapes timed
-# >= 29 us, [4096,256]x[256,1] included, whose data take ~1 us to move. Timed one call per
-# iteration, that floor made a fused op's backward (both gradients in one iteration) look up
-# to 1.6x faster than the baseline's two gradient passes (two iterations) at small shapes.
-UNROLL = 16
+# Calls of a short product per loop iteration (the loop's per-iteration round trip floored
+# every product at DCNv2 `small`'s shapes at ~30 us on the H200; timed one call an iteration,
+# a fused op's backward, both gradients in one call, looked up to 1.6x faster than the
+# baseline's two gradient passes there).
+UNROLL = timing_lib.UNROLL
 
 
 def _looped(fn: Callable, unroll: int = 1) -> Callable:
   """jit(run(n, *args)): fn applied 1 + unroll * (n - 1) times in one loop (n >= 1 is a
-  runtime argument, so each variant compiles once per `unroll`). Every call's operands pass
-  through an optimization barrier with the previous call's result, so XLA can neither hoist
-  nor merge the repeated calls."""
+  runtime argument, so each variant compiles once per `unroll`)."""
   def run(n, *args):
     first = fn(*args)
-
-    def body(_, carry):
-      for _ in range(unroll):
-        args_i, _ = lax.optimization_barrier((args, carry))
-        carry = fn(*args_i)
-      return carry
-
-    return lax.fori_loop(1, n, body, first)
+    return lax.fori_loop(
+        1, n, lambda _, carry: timing_lib.chained_calls(fn, args, carry, unroll), first)
   return jax.jit(run)
 
 

@@ -1,0 +1,51 @@
+"""The timing loops call the timed function exactly as often as they divide by, however many
+calls share one device-loop iteration, and return its result."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from loka_jax import timing
+from loka_jax.probe import kernel_timing
+
+
+def _counted_product(calls):
+  def product(a, b):
+    jax.debug.callback(lambda: calls.append(1))
+    return a @ b
+  return product
+
+
+def _operands():
+  key_a, key_b = jax.random.split(jax.random.PRNGKey(0))
+  return timing.random_normal(key_a, (4, 3)), timing.random_normal(key_b, (3, 2))
+
+
+class LoopCallsTest(parameterized.TestCase):
+
+  @parameterized.parameters(1, 2, 3, timing.UNROLL + 1, timing.UNROLL + 2, 40)
+  def test_repeat_in_loop_calls_fn_iterations_times(self, iterations):
+    calls = []
+    a, b = _operands()
+    out = jax.block_until_ready(timing.repeat_in_loop(_counted_product(calls), iterations)(a, b))
+    jax.effects_barrier()
+    self.assertLen(calls, iterations)
+    np.testing.assert_allclose(out, np.asarray(a) @ np.asarray(b), rtol=1e-6)
+
+  @parameterized.parameters((1, 1), (3, 1), (1, 16), (4, 16))
+  def test_the_probe_loop_calls_the_product_as_often_as_it_says(self, n, unroll):
+    calls = []
+    a, b = _operands()
+    looped = kernel_timing._looped(_counted_product(calls), unroll)
+    out = jax.block_until_ready(looped(jnp.int32(n), a, b))
+    jax.effects_barrier()
+    self.assertLen(calls, kernel_timing.loop_calls(n, unroll))
+    np.testing.assert_allclose(out, np.asarray(a) @ np.asarray(b), rtol=1e-6)
+
+  def test_loop_calls(self):
+    self.assertEqual(kernel_timing.loop_calls(1, 16), 1)
+    self.assertEqual(kernel_timing.loop_calls(4, 16), 49)
+
+
+if __name__ == "__main__":
+  absltest.main()
