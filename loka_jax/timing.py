@@ -44,9 +44,10 @@ def speedup_ci(baseline: Timing, variant: Timing, *, seed: int = 0,
   return point, float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))
 
 
-# Calls per device-loop iteration of short timed work. Each iteration of a device loop pays
-# a round trip for its condition: on the H200 every GEMM at DCNv2 `small`'s shapes timed
-# >= 29 us one call an iteration, [4096,256]x[256,1] included, whose data take ~1 us to move.
+# Calls per device-loop iteration of short timed work. Each iteration of a device loop has a
+# fixed cost (its launches and its condition): on the H200 every GEMM at DCNv2 `small`'s
+# shapes timed >= 29 us one call an iteration, [4096,256]x[256,1] included, whose data take
+# ~1 us to move. Sharing an iteration among 16 calls cuts that floor 16-fold.
 UNROLL = 16
 
 
@@ -60,10 +61,12 @@ def chained_calls(fn: Callable, args, carry, calls: int):
   return carry
 
 
-def repeat_in_loop(fn: Callable, iterations: int) -> Callable:
-  """A jitted function running `fn(*args)` `iterations` times, UNROLL calls per iteration of
-  one fori_loop (the rest after it); the last output is returned."""
-  unroll = max(1, min(UNROLL, iterations - 1))
+def repeat_in_loop(fn: Callable, iterations: int, unroll: int = UNROLL) -> Callable:
+  """A jitted function running `fn(*args)` `iterations` times, `unroll` calls per iteration
+  of one fori_loop (the rest after it); the last output is returned. The loop body holds
+  `unroll` copies of fn: pass 1 for large functions (whole model steps), whose compile time
+  would grow with it and whose time dwarfs the iteration's cost."""
+  unroll = max(1, min(unroll, iterations - 1))
   loops, rest = divmod(iterations - 1, unroll)
 
   def looped(*args):

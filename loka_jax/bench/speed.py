@@ -101,7 +101,7 @@ class TargetBench:
       n = self.inner
       train_fn = jax.jit(lambda s, b: lax.fori_loop(
           0, n, lambda i, c: train_step(c, b)[0], s), donate_argnums=0)
-      eval_fn = timing.repeat_in_loop(eval_step, n)
+      eval_fn = timing.repeat_in_loop(eval_step, n, unroll=1)  # whole steps: one a body
     else:
       train_fn, eval_fn = train_step, eval_step
     t0 = time.perf_counter()
@@ -171,7 +171,8 @@ class TargetBench:
   def with_inference(self, arm: Arm, forward: Callable, variables) -> Arm:
     """`arm` whose inference call runs `forward(variables, batch)` instead of its model's eval
     step (the LoKA arm serves its exported FP8 model), looped like every other call."""
-    fn = timing.repeat_in_loop(forward, self.inner) if self.inner > 1 else jax.jit(forward)
+    fn = (timing.repeat_in_loop(forward, self.inner, unroll=1) if self.inner > 1
+          else jax.jit(forward))
     variables = jax.device_put(variables)
     compiled = fn.lower(variables, self.batch).compile()
     return dataclasses.replace(arm, infer=lambda: compiled(variables, self.batch),

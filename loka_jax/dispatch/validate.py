@@ -32,7 +32,7 @@ Speed (on a GPU only: CPU timings say nothing about GPU kernels; `speed=True` fo
   xla_bf16, together with every other site whose reversion alone speeds every failing step
   up with its CI above 1. Backing off only ever costs speed, never accuracy, and one round
   costs a compilation of the whole model per site: on DCNv2 `small` (H200) all 11 FP8 sites
-  each slowed the step by 4-10%, and one site a round would have taken 11 rounds of two
+  each slowed the step by 4-13%, and one site a round would have taken 11 rounds of two
   minutes. Only sites with an FP8 pass in a failing step are candidates; a step that runs
   none of the plan's FP8 passes (inference, when the plan puts only gradients on FP8) runs
   bf16+Mods' kernels, so its lower bound is noise: recorded (`same_kernels_as_bf16_mods`),

@@ -3,8 +3,8 @@
 All kernels and passes of one site shape (spec, lhs shape, rhs shape) form one interleaved
 group with the xla_bf16 baseline, timed with quantization and scaling included, on random
 normal operands (never zeros). Short products repeat inside one jitted loop whose trip count
-is an argument, UNROLL calls an iteration, so the loop's per-iteration overhead is shared; its backend is read from that
-compiled HLO. Results are cached on disk per device kind, keyed by (kernel, pass, spec,
+is an argument, UNROLL calls an iteration, so the loop's per-iteration cost is shared; the
+backend is read from the compiled HLO. Results are cached on disk per device kind, keyed by (kernel, pass, spec,
 shapes, dtype), so a rerun measures only what is missing, and kernels that run identical
 code for a pass share one measurement.
 
@@ -100,9 +100,9 @@ def default_cache_path(directory: str, device_kind: str) -> str:
 # ----------------------------------------------------------------------------- variants
 
 
-# Calls of a short product per loop iteration (the loop's per-iteration round trip floored
-# every product at DCNv2 `small`'s shapes at ~30 us on the H200; timed one call an iteration,
-# a fused op's backward, both gradients in one call, looked up to 1.6x faster than the
+# Calls of a short product per loop iteration (the loop's per-iteration cost floored every
+# product at DCNv2 `small`'s shapes at ~30 us on the H200; timed one call an iteration, a
+# fused op's backward, both gradients in one call, looked up to 1.6x faster than the
 # baseline's two gradient passes there).
 UNROLL = timing_lib.UNROLL
 
