@@ -47,8 +47,14 @@ def speedup_ci(baseline: Timing, variant: Timing, *, seed: int = 0,
 # Calls per device-loop iteration of short timed work. Each iteration of a device loop has a
 # fixed cost (its launches and its condition): on the H200 every GEMM at DCNv2 `small`'s
 # shapes timed >= 29 us one call an iteration, [4096,256]x[256,1] included, whose data take
-# ~1 us to move. Sharing an iteration among 16 calls cuts that floor 16-fold.
+# ~1 us to move. Sharing an iteration among 16 calls cuts that floor 16-fold. A CPU loop
+# has no such cost, and its compile time would only grow: there one call an iteration.
 UNROLL = 16
+
+
+def loop_unroll() -> int:
+  """Calls per loop iteration of short timed work on this platform."""
+  return UNROLL if jax.default_backend() == "gpu" else 1
 
 
 def chained_calls(fn: Callable, args, carry, calls: int):
@@ -61,12 +67,12 @@ def chained_calls(fn: Callable, args, carry, calls: int):
   return carry
 
 
-def repeat_in_loop(fn: Callable, iterations: int, unroll: int = UNROLL) -> Callable:
+def repeat_in_loop(fn: Callable, iterations: int, unroll: Optional[int] = None) -> Callable:
   """A jitted function running `fn(*args)` `iterations` times, `unroll` calls per iteration
-  of one fori_loop (the rest after it); the last output is returned. The loop body holds
-  `unroll` copies of fn: pass 1 for large functions (whole model steps), whose compile time
-  would grow with it and whose time dwarfs the iteration's cost."""
-  unroll = max(1, min(unroll, iterations - 1))
+  of one fori_loop (the rest after it; None: `loop_unroll()`); the last output is returned.
+  The loop body holds `unroll` copies of fn: pass 1 for large functions (whole model steps),
+  whose compile time would grow with it and whose time dwarfs the iteration's cost."""
+  unroll = max(1, min(loop_unroll() if unroll is None else unroll, iterations - 1))
   loops, rest = divmod(iterations - 1, unroll)
 
   def looped(*args):

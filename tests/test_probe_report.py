@@ -9,6 +9,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from loka_jax import kernels as kernels_lib
+from loka_jax import timing as timing_lib
 from loka_jax.dispatch import timing_table
 from loka_jax.probe import candidates, collector, eligibility, kernel_timing, plots
 from loka_jax.probe import report as report_lib
@@ -257,8 +258,10 @@ class KernelTimingTest(absltest.TestCase):
     self.assertNotIn("seconds", rows[0])
     table = timing_table.merge_entries(timing_table.empty_table("cpu"), rows)
     timing_table.validate(table, "merged")
-    # Products this small are short: timed UNROLL calls a loop iteration, and say so.
-    self.assertTrue(all(e["unroll"] == kernel_timing.UNROLL and e["inner"] > 1 for e in got))
+    # Products this small are short: timed in a loop (one call an iteration on a CPU, UNROLL
+    # on a GPU), and the entries say how.
+    self.assertTrue(all(e["unroll"] == timing_lib.loop_unroll() and e["inner"] > 1
+                        for e in got))
 
   def test_short_entries_timed_one_call_an_iteration_are_measured_again(self):
     path = os.path.join(tempfile.mkdtemp(), "cpu.json")

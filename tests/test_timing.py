@@ -23,11 +23,13 @@ def _operands():
 
 class LoopCallsTest(parameterized.TestCase):
 
-  @parameterized.parameters(1, 2, 3, timing.UNROLL + 1, timing.UNROLL + 2, 40)
-  def test_repeat_in_loop_calls_fn_iterations_times(self, iterations):
+  @parameterized.product(iterations=(1, 2, 3, timing.UNROLL + 1, timing.UNROLL + 2, 40),
+                          unroll=(None, 1, timing.UNROLL))
+  def test_repeat_in_loop_calls_fn_iterations_times(self, iterations, unroll):
     calls = []
     a, b = _operands()
-    out = jax.block_until_ready(timing.repeat_in_loop(_counted_product(calls), iterations)(a, b))
+    looped = timing.repeat_in_loop(_counted_product(calls), iterations, unroll=unroll)
+    out = jax.block_until_ready(looped(a, b))
     jax.effects_barrier()
     self.assertLen(calls, iterations)
     np.testing.assert_allclose(out, np.asarray(a) @ np.asarray(b), rtol=1e-6)
@@ -41,6 +43,9 @@ class LoopCallsTest(parameterized.TestCase):
     jax.effects_barrier()
     self.assertLen(calls, kernel_timing.loop_calls(n, unroll))
     np.testing.assert_allclose(out, np.asarray(a) @ np.asarray(b), rtol=1e-6)
+
+  def test_a_cpu_loop_runs_one_call_an_iteration(self):
+    self.assertEqual(timing.loop_unroll(), 1 if jax.default_backend() != "gpu" else 16)
 
   def test_loop_calls(self):
     self.assertEqual(kernel_timing.loop_calls(1, 16), 1)

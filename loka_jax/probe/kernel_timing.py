@@ -103,7 +103,7 @@ def default_cache_path(directory: str, device_kind: str) -> str:
 # Calls of a short product per loop iteration (the loop's per-iteration cost floored every
 # product at DCNv2 `small`'s shapes at ~30 us on the H200; timed one call an iteration, a
 # fused op's backward, both gradients in one call, looked up to 1.6x faster than the
-# baseline's two gradient passes there).
+# baseline's two gradient passes there). One call an iteration on a CPU (`loop_unroll`).
 UNROLL = timing_lib.UNROLL
 
 
@@ -169,13 +169,14 @@ def _time_interleaved(variants: Mapping[str, Tuple[Callable, Sequence]], *, repe
       single = min(_seconds(compiled, one, args) for _ in range(3))
       n, inner, unroll = one, 1, 1
       if single < min_call_seconds:
-        # Short: UNROLL calls an iteration, as many iterations as bring a call near
-        # min_call_seconds (the unrolled loop compiles only for such small products).
-        unroll = UNROLL
+        # Short: UNROLL calls an iteration (on a GPU), as many iterations as bring a call
+        # near min_call_seconds (the unrolled loop compiles only for such small products).
+        unroll = timing_lib.loop_unroll()
         wanted = min(max_inner, max(2, math.ceil(min_call_seconds / max(single, 1e-7))))
         n = jnp.int32(max(2, math.ceil((wanted - 1) / unroll) + 1))
         inner = loop_calls(int(n), unroll)
-        compiled = _looped(fn, unroll).lower(n, *args).compile()
+        if unroll > 1:
+          compiled = _looped(fn, unroll).lower(n, *args).compile()
         for _ in range(warmup):
           jax.block_until_ready(compiled(n, *args))
     except Exception as e:  # a kernel that fails to build or run is reported, not timed
