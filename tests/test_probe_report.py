@@ -166,6 +166,12 @@ class ReportTextAndPlotTest(absltest.TestCase):
     self.assertIn("| 29.2 / 12.8 |", row)
     self.assertIn("| 879.3 |", row)
     self.assertIn("| - / - |", text)  # entries without per-source draws
+    # A fused op's backward is timed once for both gradients: its speedup says so.
+    entry["time_scope"] = "grad_lhs+grad_rhs"
+    entry["speedup"] = [1.5, 1.6, 1.7]
+    row = [line for line in report_lib.markdown(report).splitlines()
+           if line.startswith("| xla_fp8_rowwise | wgrad |")][-1]
+    self.assertIn("| 1.60 [1.50, 1.70] (whole bwd) |", row)
     table = report_lib.site_table(report)
     self.assertEqual(len(table.splitlines()), 2 + 2)
     self.assertIn("tower/fm", table)

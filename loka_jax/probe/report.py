@@ -197,11 +197,17 @@ def _best_cell(site: Mapping, p: str) -> str:
   speed = entry.get("speedup")
   text = best["kernel"]
   text += f" {sqnr[0]:.1f}dB" if sqnr else ""
-  text += f" x{speed[1]:.2f}" if speed else ""
+  text += f" x{speed[1]:.2f}{_scope_note(entry)}" if speed else ""
   if not best.get("eligible") and best.get("safe") and best.get("fast") is None \
       and best["kernel"] != "xla_bf16":
     text += " (safe, speed unknown)"
   return text
+
+
+def _scope_note(entry: Mapping) -> str:
+  """Marks a fused op's backward: timed once for both gradients, so its speedup is the whole
+  backward's over the baseline's two gradient passes, not this pass's alone."""
+  return " (whole bwd)" if entry.get("time_scope") else ""
 
 
 def site_table(report: Mapping, max_site_width: int = 44) -> str:
@@ -289,7 +295,7 @@ def markdown(report: Mapping) -> str:
             + (f"{sq[1]:.1f} [{sq[0]:.1f}, {sq[2]:.1f}]" if sq else (e.get("error") or "-"))
             + f" | {_source_medians(e)} | {_fmt(me and me[1], '.3g')} | "
             + f"{_fmt(uf and uf[-1], '.3f')} | {_fmt(t and t[1], '.1f')} | "
-            + (f"{sp[1]:.2f} [{sp[0]:.2f}, {sp[2]:.2f}]" if sp else "-")
+            + (f"{sp[1]:.2f} [{sp[0]:.2f}, {sp[2]:.2f}]{_scope_note(e)}" if sp else "-")
             + f" | {e.get('backend') or '-'} |")
     lines.append("")
   if report.get("errors"):
