@@ -83,7 +83,7 @@ class AttributionTest(absltest.TestCase):
     with tempfile.TemporaryDirectory() as tmp:
       path = os.path.join(tmp, "perfetto_trace.json.gz")
       _write_trace(path, events)
-      got = profile.split(profile.kernel_events(path), self.op_names, self.sites, steps=2)
+      got = profile.split(profile.device_events(path)[0], self.op_names, self.sites, steps=2)
     self.assertAlmostEqual(got["device_us_per_step"], 48.0)
     self.assertEqual(got["sites_us"], {site: {"forward": 15.0, "backward": 25.0}})
     self.assertAlmostEqual(got["outside_sites_us"], 8.0)
@@ -101,7 +101,7 @@ class AttributionTest(absltest.TestCase):
       path = os.path.join(tmp, "perfetto_trace.json.gz")
       _write_trace(path, [{"ph": "X", "pid": 1, "name": "nvjet_sm90_qqtst_256x128", "dur": 8.0,
                            "args": {"correlation_id": 7}}])
-      lost = profile.split(profile.kernel_events(path), self.op_names, self.sites, steps=1)
+      lost = profile.split(profile.device_events(path)[0], self.op_names, self.sites, steps=1)
     self.assertEqual(lost["classes_us"], {"gemm_fp8": 8.0})  # nvjet e4m3 x e4m3
     self.assertIn("no kernel mapped to a site: 0 of 1 kernel events named an HLO instruction, "
                   "0 mapped to one of the compiled module's (own arg or one of 0 op spans); "
@@ -149,7 +149,7 @@ class AttributionTest(absltest.TestCase):
   def test_a_cpu_trace_has_no_device_kernels(self):
     with tempfile.TemporaryDirectory() as tmp:
       path = profile.profile_calls({"step": lambda: jax.numpy.ones(8).sum()}, tmp, 2)
-      self.assertEqual(profile.kernel_events(path), [])
+      self.assertEqual(profile.device_events(path)[0], [])
 
 
 class CliTest(absltest.TestCase):

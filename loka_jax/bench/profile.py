@@ -1,14 +1,15 @@
 """Where a step's device time goes: per GEMM site, per pass, per kernel class.
 
 `profile_calls` runs argument-less step calls under `jax.profiler.trace` (a Perfetto trace),
-`kernel_events` reads the device's kernel events back, and `split` attributes each kernel to
-a GEMM site and pass through the compiled HLO: every HLO instruction carries the jax name stack
-of the code it came from (`op_name="jit(train_step)/transpose(jvp(Wukong))/layer_0/fmb/mlp/
-dense_0/..."`), so a kernel event naming its HLO instruction (`hlo_op`), or covered by a
-device op-line span named by one (`device_events`), names its site, and `transpose(` marks
-the backward pass; each profile records how many kernels mapped (`attribution`). Kernels
-are also classed by what they are (cuBLASLt FP8 GEMM, cuBLAS/cuBLASLt GEMM, XLA's Triton
-GEMM, a Pallas kernel, a fusion, a copy, ...) from their names. This is the profile the headline benchmark asks for where a target is missed:
+`device_events` reads the device's kernel events (and op-line spans) back, and `split`
+attributes each kernel to a GEMM site and pass through the compiled HLO: every HLO
+instruction carries the jax name stack of the code it came from (`op_name="jit(train_step)/
+transpose(jvp(Wukong))/layer_0/fmb/mlp/dense_0/..."`), so a kernel event naming its HLO
+instruction (`hlo_op`), or covered by a device op-line span named by one, names its site,
+and `transpose(` marks the backward pass; each profile records how many kernels mapped
+(`attribution`). Kernels are also classed by what they are (cuBLASLt FP8 GEMM,
+cuBLAS/cuBLASLt GEMM, XLA's Triton GEMM, a Pallas kernel, a fusion, a copy, ...) from their
+names. This is the profile the headline benchmark asks for where a target is missed:
 the per-site time split, which kernels ran, and what XLA fused.
 """
 from __future__ import annotations
@@ -125,11 +126,6 @@ def device_events(trace_path: str) -> Tuple[List[Dict], List[Dict]]:
                     "pid": pid, "hlo_op": args.get("hlo_op"),
                     "hlo_module": args.get("hlo_module"), "arg_keys": sorted(args)})
   return kernels, spans
-
-
-def kernel_events(trace_path: str) -> List[Dict]:
-  """The device's kernel events of a Perfetto trace (`device_events`)."""
-  return device_events(trace_path)[0]
 
 
 def _trace_events(trace_path: str) -> List[Dict]:

@@ -3,10 +3,10 @@
 All kernels and passes of one site shape (spec, lhs shape, rhs shape) form one interleaved
 group with the xla_bf16 baseline, timed with quantization and scaling included, on random
 normal operands (never zeros). Short products repeat inside one jitted loop whose trip count
-is an argument, UNROLL calls an iteration, so the loop's per-iteration cost is shared; the
-backend is read from the compiled HLO. Results are cached on disk per device kind, keyed by (kernel, pass, spec,
-shapes, dtype), so a rerun measures only what is missing, and kernels that run identical
-code for a pass share one measurement.
+is an argument, UNROLL calls an iteration on a GPU, so the loop's per-iteration cost is
+shared; the backend is read from the compiled HLO. Results are cached on disk per device
+kind, keyed by (kernel, pass, spec, shapes, dtype), so a rerun measures only what is
+missing, and kernels that run identical code for a pass share one measurement.
 
 Fused-op kernels (Flax's delayed scaling) own all passes: their forward is timed alone and
 their backward as one vjp call returning both gradients (XLA drops the unused forward
