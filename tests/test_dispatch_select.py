@@ -202,6 +202,33 @@ class SelectTest(chex.TestCase):
     self.assertIn("fused op: grad_rhs not evaluated", v["fwd"]["flax_fp8_delayed_fwd"].reasons)
 
 
+  def test_per_pass_bf16_gradients_are_timed_as_the_fused_ops_backward_was(self):
+    # A fast FP8 forward per pass with bf16 gradients, against the delayed forward with its
+    # backward timed as one call. Summing bf16's two gradient passes timed apart (2 x 101 us
+    # at worst) makes the per-pass choice look slower than bf16's backward timed as one call
+    # (182 us at worst), which the fused op's timing carries as `baseline_us`.
+    scope = {"time_scope": "grad_lhs+grad_rhs"}
+    per_pass = {"fwd": {"xla_fp8_rowwise": hm.entry(speedup=(2.9, 3.0, 3.1))},
+                "grad_lhs": {"xla_fp8_rowwise": hm.entry(speedup=(0.8, 0.9, 1.0))},
+                "grad_rhs": {"xla_fp8_rowwise": hm.entry(speedup=(0.8, 0.9, 1.0))}}
+
+    def pick(**one_call):
+      bwd = hm.entry(speedup=(1.05, 1.1, 1.15), base_us=180.0, **scope, **one_call)
+      fused = {"fwd": hm.entry(speedup=(1.9, 2.0, 2.1)), "grad_lhs": bwd, "grad_rhs": bwd}
+      passes = {p: {**copy.deepcopy(per_pass[p]), "flax_fp8_delayed_fwd": fused[p]}
+                for p in PASSES}
+      return selection.select(hm.report({"s": hm.site(passes)}), Criteria())
+
+    # Site times at the upper ends: fused 100 / 1.9 + 180 / 1.05 = 224.0 us; per pass
+    # 100 / 2.9 + 2 x 101 = 236.5 us apart, or 100 / 2.9 + 182 = 216.5 us as one call.
+    apart = pick()
+    self.assertEqual(set(kernels_of(apart, "s").values()), {"flax_fp8_delayed_fwd"})
+    self.assertIn("vs 236.5 us per-pass", apart["sites"]["s"]["fwd"]["reason"])
+    one_call = pick(baseline_us=[178.0, 180.0, 182.0])
+    self.assertEqual(kernels_of(one_call, "s"), {"fwd": "xla_fp8_rowwise",
+                                                 "grad_lhs": "xla_bf16", "grad_rhs": "xla_bf16"})
+
+
 class FusedTableTimingTest(chex.TestCase):
 
   def test_a_fused_backward_is_compared_with_baselines_of_its_own_run(self):

@@ -269,6 +269,54 @@ class KernelTimingTest(absltest.TestCase):
     self.assertTrue(all(e["unroll"] == timing_lib.loop_unroll() and e["inner"] > 1
                         for e in got))
 
+  def test_a_fused_backward_is_compared_with_the_baselines_backward_timed_as_one_call(self):
+    site = collector.make_site_probe("d", "mk,kn->mn", "act_weight", (64, 48), (48, 32), CONFIG)
+    kernels, _ = candidates.candidate_kernels(["xla_bf16", "flax_fp8_delayed_fwd"], "cpu")
+    path = os.path.join(tempfile.mkdtemp(), "cpu.json")
+    cache = kernel_timing.TimingCache(path, "cpu")
+    got = kernel_timing.measure_site(site.layout, kernels, "bfloat16", cache, unsupported={},
+                                     repeats=3)
+    bwd_key = kernel_timing.baseline_bwd_key(site.layout, "bfloat16")
+    bwd = cache.get(bwd_key)
+    self.assertEqual((bwd["kernel"], bwd["pass"], bwd["time_scope"]),
+                     ("xla_bf16", "grad_lhs+grad_rhs", "grad_lhs+grad_rhs"))
+    self.assertIn(bwd, got)
+    timings = kernel_timing.site_timings(site.layout, kernels, "bfloat16", cache,
+                                         unsupported={})
+    for p in ("grad_lhs", "grad_rhs"):
+      entry = timings[p]["flax_fp8_delayed_fwd"]
+      self.assertEqual(entry["speedup_vs"], "baseline backward, one call")
+      self.assertEqual(entry["baseline_us"][1], bwd["median_us"])
+      # The speedup's middle is the ratio of the two medians (the bootstrap's point estimate).
+      self.assertAlmostEqual(entry["speedup"][1], bwd["median_us"] / entry["time_us"][1],
+                             delta=0.05 * entry["speedup"][1])
+    # A cache from before the baseline's backward was timed: the fused op is timed again
+    # beside it (not the per-pass baseline alone), and until then the two passes stand in.
+    del cache.entries[bwd_key]
+    timings = kernel_timing.site_timings(site.layout, kernels, "bfloat16", cache,
+                                         unsupported={})
+    self.assertEqual(timings["grad_lhs"]["flax_fp8_delayed_fwd"]["speedup_vs"],
+                     "baseline grad_lhs + grad_rhs, timed apart")
+    self.assertNotIn("baseline_us", timings["grad_lhs"]["flax_fp8_delayed_fwd"])
+    again = kernel_timing.measure_site(site.layout, kernels, "bfloat16", cache, unsupported={},
+                                       repeats=3)
+    self.assertEqual({(e["kernel"], e["pass"]) for e in again},
+                     {("xla_bf16", p) for p in ("fwd", "grad_lhs", "grad_rhs",
+                                                "grad_lhs+grad_rhs")}
+                     | {("flax_fp8_delayed_fwd", p) for p in ("fwd", "grad_lhs", "grad_rhs")})
+    # The committed table keeps the one-call backward, and a CPU-made report compares with it.
+    table = timing_table.merge_entries(timing_table.empty_table("cpu"),
+                                       kernel_timing.table_entries(list(cache.entries.values())))
+    from_table = kernel_timing.table_timings(site.layout, kernels, "bfloat16", table,
+                                             unsupported={})
+    entry = from_table["grad_rhs"]["flax_fp8_delayed_fwd"]
+    self.assertEqual(entry["speedup_vs"], "baseline backward, one call")
+    fused_us = cache.get(kernel_timing.cache_key(
+        "flax_fp8_delayed_fwd", "grad_lhs",
+        *kernel_timing.pass_problem(site.layout, "grad_lhs"), "bfloat16"))["median_us"]
+    self.assertAlmostEqual(entry["speedup"][1], cache.get(bwd_key)["median_us"] / fused_us,
+                           places=6)
+
   def test_short_entries_timed_one_call_an_iteration_are_measured_again(self):
     path = os.path.join(tempfile.mkdtemp(), "cpu.json")
     old = {"kernel": "xla_bf16", "pass": "fwd", "inner": 40, "seconds": [3e-5]}

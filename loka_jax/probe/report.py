@@ -17,7 +17,8 @@ from loka_jax.kernels import KINDS, PASSES
 from loka_jax.probe import eligibility
 
 SCHEMA = "loka.probe/1"
-TRIPLETS = ("sqnr_db", "rel_fro", "mere", "median_rel", "underflow", "time_us", "speedup")
+TRIPLETS = ("sqnr_db", "rel_fro", "mere", "median_rel", "underflow", "time_us", "speedup",
+            "baseline_us")
 REQUIRED = {"model": str, "preset": str, "device": str, "jax": str, "timing_valid": bool,
             "sites": dict}
 PASS_LABELS = {"fwd": "fwd", "grad_lhs": "dgrad", "grad_rhs": "wgrad"}
@@ -206,7 +207,7 @@ def _best_cell(site: Mapping, p: str) -> str:
 
 def _scope_note(entry: Mapping) -> str:
   """Marks a fused op's backward: timed once for both gradients, so its speedup is the whole
-  backward's over the baseline's two gradient passes, not this pass's alone."""
+  backward's over the baseline's (`speedup_vs` says how that was timed), not this pass's."""
   return " (whole bwd)" if entry.get("time_scope") else ""
 
 
