@@ -92,9 +92,10 @@ class AttributionTest(absltest.TestCase):
     self.assertEqual(got["top_kernels_us"][0]["name"], "sm90_xmma_gemm_bf16bf16_nt")
     table = profile.markdown({"bf16 train": got})
     self.assertIn(f"| {site} | 15 / 25 |", table)
-    self.assertEqual(got["attribution"], {"kernel_events": 4, "with_hlo_op": 3,
-                                          "hlo_op_in_module": 2, "arg_keys": ["hlo_op"],
-                                          "op_spans": 0})
+    self.assertEqual(got["attribution"], {
+        "kernel_events": 4, "with_hlo_op": 3, "hlo_op_in_module": 2, "arg_keys": ["hlo_op"],
+        "op_spans": 0, "unmatched_hlo_ops": ["no_such_instruction"],
+        "module_instructions": sorted(self.op_names)[:5]})
     self.assertNotIn("no kernel mapped", table)
     # A trace whose kernels name no instruction of the module: the table says so and why.
     with tempfile.TemporaryDirectory() as tmp:
@@ -106,6 +107,26 @@ class AttributionTest(absltest.TestCase):
     self.assertIn("no kernel mapped to a site: 0 of 1 kernel events named an HLO instruction, "
                   "0 mapped to one of the compiled module's (own arg or one of 0 op spans); "
                   "event args: correlation_id.", profile.markdown({"fp8 infer": lost}))
+
+  def test_instructions_spelled_as_kernels_name_them(self):
+    # XLA names an emitted kernel after its instruction with '_' for '.', and a trace may
+    # spell its hlo_op arg that way (or with a '%'): both still find the instruction.
+    site = self.sites[2]
+    fwd, bwd = self._instruction_of(site, "forward"), self._instruction_of(site, "backward")
+    spelled = lambda name: name.replace(".", "_").replace("-", "_")
+    events = [{"ph": "X", "pid": 1, "name": "sm90_xmma_gemm_bf16bf16_tn", "dur": 4.0,
+               "args": {"hlo_op": "%" + spelled(fwd)}},
+              {"ph": "X", "pid": 1, "name": spelled(bwd), "dur": 6.0, "args": {}},
+              {"ph": "X", "pid": 1, "name": "nvjet_sm90_tst_64x64", "dur": 1.0,
+               "args": {"hlo_op": "gemm.999999"}}]
+    with tempfile.TemporaryDirectory() as tmp:
+      path = os.path.join(tmp, "perfetto_trace.json.gz")
+      _write_trace(path, events)
+      got = profile.split(profile.device_events(path)[0], self.op_names, self.sites, steps=1)
+    self.assertEqual(got["sites_us"], {site: {"forward": 4.0, "backward": 6.0}})
+    self.assertAlmostEqual(got["outside_sites_us"], 1.0)
+    self.assertEqual(got["attribution"]["hlo_op_in_module"], 2)
+    self.assertEqual(got["attribution"]["unmatched_hlo_ops"], ["gemm.999999"])
 
   def test_kernel_streams_only_and_op_spans_name_the_kernels(self):
     # A trace that names its device threads: kernels on the stream lines carry no hlo_op;

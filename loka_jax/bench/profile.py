@@ -158,13 +158,35 @@ def _op_at(index: Mapping, pid, ts: float) -> Optional[str]:
   return None
 
 
+def _normal(name: str) -> str:
+  """An instruction name as a kernel or trace may spell it: no '%', '_' for '.' and '-'
+  (XLA names an emitted kernel after its instruction, `loop_convert_fusion.3` ->
+  `loop_convert_fusion_3`)."""
+  return name.lstrip("%").replace(".", "_").replace("-", "_")
+
+
+def _instruction(event: Mapping, op_names: Mapping[str, str], normal: Mapping[str, str],
+                 index: Mapping) -> Optional[str]:
+  """The module instruction a kernel ran: its `hlo_op` arg (as spelled, or normalized), else
+  the innermost op span covering its start, else its own name normalized."""
+  hlo_op = event.get("hlo_op")
+  if hlo_op in op_names:
+    return hlo_op
+  if hlo_op and _normal(hlo_op) in normal:
+    return normal[_normal(hlo_op)]
+  return (_op_at(index, event.get("pid"), event.get("ts", 0.0))
+          or normal.get(_normal(event.get("name", ""))))
+
+
 def split(events: Sequence[Mapping], op_names: Mapping[str, str], sites: Iterable[str],
           steps: int, top: int = 15, spans: Sequence[Mapping] = ()) -> Dict:
   """Per-step device time by site and pass, by kernel class and by kernel (top `top`).
 
-  A kernel names its HLO instruction through its `hlo_op` arg, or else through the
-  innermost op span (`device_events`) covering its start."""
+  A kernel names its HLO instruction through its `hlo_op` arg, else through the innermost op
+  span (`device_events`) covering its start, else through its own name (`_instruction`)."""
   sites = list(sites)
+  normal = {_normal(k): k for k in op_names}
+  unmatched: List[str] = []
   by_site: Dict[str, Dict[str, float]] = collections.defaultdict(
       lambda: {"forward": 0.0, "backward": 0.0})
   by_class: Dict[str, float] = collections.Counter()
@@ -176,10 +198,11 @@ def split(events: Sequence[Mapping], op_names: Mapping[str, str], sites: Iterabl
   for e in events:
     arg_keys.update(e.get("arg_keys") or ())
     with_op += bool(e.get("hlo_op"))
-    hlo_op = e.get("hlo_op") if e.get("hlo_op") in op_names else None
-    if hlo_op is None:
-      hlo_op = _op_at(index, e.get("pid"), e.get("ts", 0.0))
+    hlo_op = _instruction(e, op_names, normal, index)
     in_module += hlo_op is not None
+    if hlo_op is None and e.get("hlo_op") and len(unmatched) < 5 \
+        and e["hlo_op"] not in unmatched:
+      unmatched.append(e["hlo_op"])
     us = e["dur_us"] / steps
     total += us
     by_class[kernel_class(e["name"])] += us
@@ -197,7 +220,10 @@ def split(events: Sequence[Mapping], op_names: Mapping[str, str], sites: Iterabl
           # many of those the compiled module has, and which event args the trace carried.
           "attribution": {"kernel_events": len(events), "with_hlo_op": with_op,
                           "hlo_op_in_module": in_module, "arg_keys": sorted(arg_keys),
-                          "op_spans": len(spans)},
+                          "op_spans": len(spans),
+                          # Examples of both sides, to see a naming mismatch at a glance.
+                          "unmatched_hlo_ops": unmatched,
+                          "module_instructions": sorted(op_names)[:5]},
           "classes_us": dict(by_class.most_common()),
           "top_kernels_us": [{"name": n, "us": us, "class": kernel_class(n)}
                              for n, us in by_kernel.most_common(top)]}
@@ -231,6 +257,9 @@ def markdown(profiles: Mapping[str, Mapping]) -> str:
                 f"{a['hlo_op_in_module']} mapped to one of the compiled module's (own arg "
                 f"or one of {a.get('op_spans', 0)} op spans); event args: "
                 f"{', '.join(a['arg_keys']) or 'none'}."]
+      if a.get("unmatched_hlo_ops"):
+        lines.append(f"Unmatched hlo_op args, e.g. {', '.join(a['unmatched_hlo_ops'])}; the "
+                     f"module's instructions, e.g. {', '.join(a['module_instructions'])}.")
   for n in names:
     lines += ["", f"Top kernels, {n}:", "", "| kernel | class | us / step |", "|---|---|---|"]
     lines += [f"| `{k['name'][:90]}` | {k['class']} | {k['us']:,.1f} |"
