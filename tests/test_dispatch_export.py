@@ -1,6 +1,7 @@
 """Inference export of a planned tiny DLRM: e4m3 weights, static activation scales from real
 probe statistics, predictions close to the planned model, no amax reduction in the exported
 forward, and a save/load round trip with clear errors on damaged files."""
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -16,7 +17,7 @@ from loka_jax import dispatch
 from loka_jax.data.sources import make_source
 from loka_jax.data.spec import FeatureSpec
 from loka_jax.dispatch import export as export_lib
-from loka_jax.kernels import KernelPlan
+from loka_jax.kernels import EinsumSpec, KernelPlan
 from loka_jax.models import SiteConfig, build_model, get_config
 from loka_jax.precision import BF16
 from loka_jax.precision.metrics import sqnr_db
@@ -95,7 +96,14 @@ class ExportTest(chex.TestCase):
     store = self.exported.variables[export_lib.EXPORT]
     top = store["top_mlp"]["dense_0"]
     self.assertEqual(top["weight"].dtype, jnp.float8_e4m3fn)
-    chex.assert_shape(top["weight_scale"], (1, top["weight"].shape[1]))  # rowwise: per column
+    # Stored contraction-last (`nk` for a `kn` kernel) with one scale per output column.
+    kernel = self.variables["params"]["top_mlp"]["dense_0"]["kernel"]
+    self.assertEqual(self.exported.sites["top_mlp/dense_0"].weight_axes, "nk")
+    chex.assert_shape(top["weight"], kernel.shape[::-1])
+    chex.assert_shape(top["weight_scale"], (kernel.shape[1], 1))
+    np.testing.assert_allclose(
+        np.asarray(top["weight"], np.float32) * np.asarray(top["weight_scale"]),
+        np.asarray(kernel, np.float32).T, rtol=0.07, atol=1e-3 * float(jnp.abs(kernel).max()))
     self.assertNotIn("kernel", self.exported.variables["params"]["top_mlp"]["dense_0"])
     self.assertEqual(self.exported.variables["params"]["top_mlp"]["dense_2"]["kernel"].dtype,
                      jnp.bfloat16)
@@ -167,6 +175,47 @@ class ExportTest(chex.TestCase):
     self.assertLess(len(rowwise), len(fp8))
     self.assertEqual(sorted(map(str, outputs)),
                      sorted(["float32"] * len(rowwise) + ["bfloat16"] * (len(fp8) - len(rowwise))))
+
+  def test_fp8_weights_reach_the_dot_without_a_transpose(self):
+    # Every e4m3 dot of the exported forward reads its weight contraction-last as stored
+    # (rhs contracting dimension last) and no e4m3 array is transposed on the way.
+    dots, fp8_transposes = [], 0
+    for eqn in jax.make_jaxpr(self.exported.forward)(self.exported.variables,
+                                                     self.batch).jaxpr.eqns:
+      dtypes = [getattr(v.aval, "dtype", None) for v in eqn.invars]
+      if eqn.primitive.name == "transpose" and dtypes[0] == jnp.float8_e4m3fn:
+        fp8_transposes += 1
+      if eqn.primitive.name == "dot_general" and dtypes[1] == jnp.float8_e4m3fn:
+        (_, rhs_contracting), _ = eqn.params["dimension_numbers"]
+        dots.append((tuple(rhs_contracting), eqn.invars[1].aval.ndim))
+    weight_sites = [s for s in self.exported.sites.values()
+                    if s.mode == export_lib.FP8 and s.kind == "act_weight"]
+    self.assertGreaterEqual(len(dots), len(weight_sites))
+    self.assertNotEmpty(weight_sites)
+    for contracting, ndim in dots:
+      self.assertEqual(contracting, tuple(range(ndim - len(contracting), ndim)))
+    self.assertEqual(fp8_transposes, 0)
+
+  def test_exports_stored_in_the_specs_own_order_still_run(self):
+    # An export saved before the contraction-last layout (`weight_axes` None, weights `kn`):
+    # the same model, the same predictions.
+    variables = jax.tree.map(np.asarray, self.exported.variables)
+    sites = {}
+    for name, info in self.exported.sites.items():
+      if info.weight_axes is not None:
+        node = variables[export_lib.EXPORT]
+        for key in name.split("/"):
+          node = node[key]
+        order = [info.weight_axes.index(c) for c in EinsumSpec.parse(info.spec).rhs]
+        node["weight"] = np.transpose(node["weight"], order)
+        node["weight_scale"] = np.transpose(node["weight_scale"], order)
+        info = dataclasses.replace(info, weight_axes=None)
+      sites[name] = info
+    old = export_lib.ExportedModel(self.exported.module, variables, sites, self.exported.plan,
+                                   self.exported.memory)
+    np.testing.assert_allclose(np.asarray(old.apply(self.batch)),
+                               np.asarray(self.exported.apply(self.batch)), rtol=1e-5,
+                               atol=1e-5)
 
   def test_save_load_round_trip_and_errors(self):
     path = os.path.join(self.dir, "model")

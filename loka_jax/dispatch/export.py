@@ -8,7 +8,9 @@
 Per GEMM site, by the plan's forward kernel:
   fp8          an FP8 forward with tensorwise or rowwise scaling (XLA, Flax delayed, or a
                Pallas kernel of those granularities): the weight is stored in e4m3 with the
-               kernel's weight scales (tensorwise: one; rowwise: one per output column), and
+               kernel's weight scales (tensorwise: one; rowwise: one per output column),
+               contracted axes last (`weight_axes`: a `kn` weight is stored `nk`, the
+               operand layout Hopper's FP8 GEMMs read, so no transpose runs per call), and
                every activation operand is quantized with a *static* tensorwise scale,
                amax_max / 448, where amax_max is the largest amax the probe saw on that operand
                (report `stats.{lhs,rhs}.amax.max`, times `amax_headroom`): no reduction over
@@ -78,6 +80,9 @@ class SiteExport:
   granularity: Optional[str]       # of the stored weight (None: not FP8)
   reason: str
   amax: Dict[str, float] = dataclasses.field(default_factory=dict)  # calibrated operand amax
+  # The stored weight's axis letters (None: the spec's own order, as exports made before the
+  # contraction-last layout stored it).
+  weight_axes: Optional[str] = None
 
   def to_dict(self) -> Dict[str, Any]:
     return dataclasses.asdict(self)
@@ -147,13 +152,27 @@ class _Exported:
     return _act(module, info, *args, **kwargs)
 
 
+def contraction_last(spec: EinsumSpec) -> str:
+  """The weight's (rhs) letters with batch axes first, then the free axes in the output's
+  order, then the contracted axes in the activation's order: the layout in which cuBLASLt's
+  FP8 GEMM on Hopper (both operands contraction-major, "TN") reads the weight as stored.
+  Stored as `kn`, an e4m3 weight is transposed by a separate kernel on every call (421 us a
+  step at the largest tower's exported forward, H200, docs/BENCHMARKS.md section 7)."""
+  batch = [c for c in spec.out if c in spec.rhs and c in spec.lhs]
+  free = [c for c in spec.out if c in spec.rhs and c not in spec.lhs]
+  contracted = [c for c in spec.lhs if c in spec.rhs and c not in spec.out]
+  axes = "".join(batch + free + contracted)
+  return axes if sorted(axes) == sorted(spec.rhs) else spec.rhs
+
+
 def _weight_product(module, info: SiteExport, spec: EinsumSpec, x):
   """The act x weight product of an exported site (output dtype of its policy)."""
   policy = module.config.policy
   x = x.astype(policy.compute_dtype)
   get = lambda n: module.get_variable(EXPORT, n)
   if info.mode == FP8:
-    return _static_fp8(spec, x, get("lhs_scale"), get("weight"), get("weight_scale"),
+    stored = EinsumSpec(spec.lhs, info.weight_axes or spec.rhs, spec.out)
+    return _static_fp8(stored, x, get("lhs_scale"), get("weight"), get("weight_scale"),
                        policy.output_dtype, ACT_WEIGHT)
   contracting = spec.contracting_axes("rhs")
   w = QTensor(get("weight"), get("weight_scale"), info.granularity, contracting)
@@ -374,6 +393,12 @@ def export(target, params, plan, report: Optional[Mapping], *, batch,
                             ) from e
         del node["kernel"]
         store["weight"], store["weight_scale"] = np.asarray(q.data), np.asarray(q.scale)
+        if info.mode == FP8:  # an FP8 product reads it: contracted axes last
+          axes = contraction_last(spec)
+          order = [spec.rhs.index(c) for c in axes]
+          store["weight"] = np.transpose(store["weight"], order)
+          store["weight_scale"] = np.transpose(store["weight_scale"], order)
+          info = dataclasses.replace(info, weight_axes=axes)
         weights_after += store["weight"].nbytes + store["weight_scale"].nbytes
     sites[name] = info
   variables = {"params": out_params}
