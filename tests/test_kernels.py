@@ -41,6 +41,29 @@ class PerPassKernelTest(chex.TestCase, parameterized.TestCase):
     ref_a = reference_einsum(spec, a, b)
     self.assertGreaterEqual(float(metrics.sqnr_db(out, ref_a)), 18.0)
 
+  @parameterized.product(name=("xla_fp8_tensorwise", "xla_fp8_rowwise"),
+                         pass_name=kernels.PASSES)
+  def test_one_scale_products_write_the_output_dtype(self, name, pass_name):
+    # Tensorwise: the e4m3/e5m2 dot writes bf16 and the scalar scale follows in bf16 (one
+    # cuBLASLt FP8 GEMM); rowwise scales vary over the output, so its product stays float32
+    # until scaled. Both stay within bf16 rounding of the float32 product of the same
+    # quantized operands.
+    kernel = kernels.get(name)
+    x, w, g = _operands(4, 64, 96, 40)
+    spec = DENSE.for_pass(pass_name)
+    a, b = (t.astype(jnp.bfloat16) for t in check.pass_operands(pass_name, x, w, g))
+    run = functools.partial(kernel.einsum, spec, pass_name=pass_name, out_dtype=jnp.bfloat16)
+    dots = [eqn.outvars[0].aval.dtype for eqn in jax.make_jaxpr(run)(a, b).jaxpr.eqns
+            if eqn.primitive.name == "dot_general" and eqn.invars[0].aval.dtype.itemsize == 1]
+    self.assertEqual(dots, [jnp.dtype(jnp.bfloat16 if name == "xla_fp8_tensorwise"
+                                      else jnp.float32)])
+    out = run(a, b)
+    self.assertEqual(out.dtype, jnp.bfloat16)
+    qa, qb = kernel.quantized_operands(spec, a, b, pass_name=pass_name)
+    ref = reference_einsum(spec, qa.dequantize(), qb.dequantize())
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), rtol=2 ** -7,
+                               atol=2 ** -7 * float(jnp.max(jnp.abs(ref))))
+
   @parameterized.parameters("xla_bf16", "xla_fp32")
   def test_high_precision_kernels(self, name):
     x, w, _ = _operands(2, 33, 47, 21)

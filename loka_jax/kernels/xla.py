@@ -76,14 +76,19 @@ class XlaFp8(Kernel):
     qa, qb = self.quantized_operands(spec, a, b, pass_name=pass_name)
     fast = self.fast_accum == ALL_FAST or (self.fast_accum == FWD_ONLY_FAST and pass_name == "fwd")
     precision = lax.Precision.DEFAULT if fast else lax.Precision.HIGHEST
+    if self.granularity == TENSORWISE:
+      # One scalar scale for the whole product: the dot writes the output dtype and the scale
+      # follows in it, the form of Flax's delayed-scaling forward, which cuBLASLt runs as one
+      # FP8 GEMM. A float32 product costs a float32 write and a separate scaling pass (the
+      # export's products, served this way, went from 1.24x to 1.40x bf16 at the largest
+      # tower, H200, docs/BENCHMARKS.md section 7).
+      out = dot_einsum(spec, qa.data, qb.data, precision=precision,
+                       preferred_element_type=out_dtype)
+      return out * (qa.scale.reshape(()) * qb.scale.reshape(())).astype(out_dtype)
+    # Per-row/column scales vary over the output: scale the float32 product, then round.
     out = dot_einsum(spec, qa.data, qb.data, precision=precision,
                      preferred_element_type=jnp.float32)
-    if self.granularity == TENSORWISE:
-      # A scalar scale on the product's output is what cuBLASLt's FP8 epilogue takes.
-      scale = qa.scale.reshape(()) * qb.scale.reshape(())
-    else:
-      scale = output_scale(spec, qa, qb)
-    return (out * scale).astype(out_dtype)
+    return (out * output_scale(spec, qa, qb)).astype(out_dtype)
 
 
 def _register_all():
