@@ -7,6 +7,7 @@ launch and dispatch overhead do not swamp it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
 
@@ -136,9 +137,13 @@ def random_normal(key, shape, dtype=jnp.float32, scale: float = 1.0) -> jax.Arra
 
 
 def time_calls(calls: Mapping[str, Callable[[], object]], *, repeats: int = 20,
-               warmup: int = 3) -> Dict[str, Timing]:
+               warmup: int = 3, calls_per_sample: int = 1) -> Dict[str, Timing]:
   """Interleaved timing of argument-less calls (e.g. a train step that threads and donates
-  its own state); each call's result is blocked on. For work of a millisecond or more."""
+  its own state). A sample runs a call `calls_per_sample` times back to back and blocks on
+  the last result only, so the device runs them without host gaps between, and is divided by
+  that count (`Timing.inner`). For work of a millisecond or more a call."""
+  if calls_per_sample < 1:
+    raise ValueError(f"calls_per_sample must be >= 1, got {calls_per_sample}")
   for call in calls.values():
     for _ in range(warmup):
       jax.block_until_ready(call())
@@ -146,6 +151,22 @@ def time_calls(calls: Mapping[str, Callable[[], object]], *, repeats: int = 20,
   for _ in range(repeats):
     for name, call in calls.items():
       start = time.perf_counter()
+      for _ in range(calls_per_sample - 1):
+        call()
       jax.block_until_ready(call())
-      samples[name].append(time.perf_counter() - start)
-  return {name: Timing(name, np.asarray(s)) for name, s in samples.items()}
+      samples[name].append((time.perf_counter() - start) / calls_per_sample)
+  return {name: Timing(name, np.asarray(s), calls_per_sample) for name, s in samples.items()}
+
+
+def calls_for(call: Callable[[], object], min_sample_s: float, max_calls: int = 64) -> int:
+  """How many back-to-back calls make a sample of at least `min_sample_s` (from the best of
+  three single calls, after one warm-up call)."""
+  jax.block_until_ready(call())
+  one = min(_blocked_seconds(call) for _ in range(3))
+  return int(min(max_calls, max(1, math.ceil(min_sample_s / max(one, 1e-7)))))
+
+
+def _blocked_seconds(call: Callable[[], object]) -> float:
+  start = time.perf_counter()
+  jax.block_until_ready(call())
+  return time.perf_counter() - start

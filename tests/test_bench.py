@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from unittest import mock
 
 import chex
 import numpy as np
@@ -339,6 +340,29 @@ class SharedStateTest(chex.TestCase):
     self.assertEqual(int(bench.holder["shared"].step), before + 4)
     self.assertEqual(bench.holder["shared"].fp8_meta, bench.holder["empty_meta"])
     chex.assert_shape(np.asarray(flax_arm.infer()), (32,))
+
+
+class InnerStepsTest(chex.TestCase):
+
+  def test_steps_per_timed_call_are_chosen_per_mode(self):
+    # A train step above min_call_s runs once a call; an inference step 50x shorter runs
+    # often enough to reach it. The single-call times are fixed here (the numerics are not).
+    shape = towers.TowerShape(32, 16, 2)
+    batch = towers.TowerSource(16).train_batch(0, 32)
+    bench = suite.speed.TargetBench(batch, min_call_s=1e-3)
+    one_call = {"train_call": 5e-3, "infer_call": 1e-4}
+    with mock.patch.object(suite.speed, "_seconds", lambda call: one_call[call.__name__]):
+      base = bench.set_baseline(towers.build_tower(shape, SiteConfig.for_precision("bf16")))
+    self.assertEqual(bench.inner, {"train": 1, "infer": 10})
+    self.assertEqual(base.info["inner"], {"train": 1, "infer": 10})
+    mods = bench.add("bf16_mods", towers.build_tower(
+        shape, SiteConfig.for_precision("bf16"), ("all",)))
+    before = int(bench.holder["shared"].step)
+    mods.train()
+    self.assertEqual(int(bench.holder["shared"].step), before + 1)
+    chex.assert_shape(np.asarray(mods.infer()), (32,))
+    timed = bench.time_pair(mods, repeats=3)
+    self.assertEqual((timed["train"]["inner"], timed["infer"]["inner"]), (1, 10))
 
 
 class ExportedInferenceTest(chex.TestCase):

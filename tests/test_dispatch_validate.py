@@ -7,6 +7,7 @@ import os
 import shutil
 import tempfile
 import time
+from unittest import mock
 
 import chex
 import jax
@@ -428,6 +429,22 @@ class WorkingStateTest(chex.TestCase):
     other = validate.shadow_run(ctx, plan_of({}).kernel_plan(), steps=3)
     self.assertTrue(other["finite"])
     chex.assert_trees_all_equal(jax.tree.map(np.asarray, ctx.state), before)
+
+  def test_short_steps_are_timed_several_to_a_sample(self):
+    ctx = context()
+    kplan = plan_of({GOOD_SITE: "xla_fp8_rowwise"}).kernel_plan()
+    with mock.patch.object(validate.timing, "calls_for", return_value=3) as calls_for:
+      got = validate.measure_steps(ctx, {"bf16": validate.BASELINE, "plan": kplan}, "bf16",
+                                   min_sample_s=0.05)
+    self.assertEqual(calls_for.call_count, 2)  # once per mode, on the baseline's step
+    self.assertTrue(all(c.args[1] == 0.05 for c in calls_for.call_args_list))
+    for mode in ("train", "infer"):
+      self.assertEqual({got[mode][n]["inner"] for n in ("bf16", "plan")}, {3})
+    one = validate.measure_steps(ctx, {"bf16": validate.BASELINE, "plan": kplan}, "bf16",
+                                 min_sample_s=0.0)
+    self.assertEqual(one["train"]["plan"]["inner"], 1)
+    with self.assertRaisesRegex(ValueError, "speed_min_sample_s"):
+      validate.ValidationConfig(speed_min_sample_s=-1.0)
 
   def test_an_error_inside_still_puts_the_state_back(self):
     ctx = context()

@@ -1,5 +1,7 @@
 """The timing loops call the timed function exactly as often as they divide by, however many
 calls share one device-loop iteration, and return its result."""
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,6 +53,33 @@ class LoopCallsTest(parameterized.TestCase):
     self.assertEqual(kernel_timing.loop_calls(1, 16), 1)
     self.assertEqual(kernel_timing.loop_calls(4, 16), 49)
 
+
+
+class TimeCallsTest(absltest.TestCase):
+
+  def test_a_sample_runs_the_call_as_often_as_it_divides_by(self):
+    counts = {"a": 0, "b": 0}
+
+    def call(name):
+      def run():
+        counts[name] += 1
+        return jnp.ones(3) * counts[name]
+      return run
+
+    got = timing.time_calls({"a": call("a"), "b": call("b")}, repeats=4, warmup=2,
+                            calls_per_sample=3)
+    self.assertEqual(counts, {"a": 2 + 4 * 3, "b": 2 + 4 * 3})
+    self.assertEqual((got["a"].inner, got["a"].seconds.shape), (3, (4,)))
+    with self.assertRaisesRegex(ValueError, "calls_per_sample"):
+      timing.time_calls({"a": call("a")}, calls_per_sample=0)
+
+  def test_calls_for_a_sample_of_at_least_the_wanted_time(self):
+    def sleepy():  # at least 4 ms a call
+      time.sleep(0.004)
+      return jnp.zeros(())
+    self.assertIn(timing.calls_for(sleepy, 0.02), (3, 4, 5))
+    self.assertEqual(timing.calls_for(sleepy, 0.0), 1)
+    self.assertEqual(timing.calls_for(sleepy, 10.0, max_calls=7), 7)
 
 if __name__ == "__main__":
   absltest.main()

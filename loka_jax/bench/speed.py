@@ -9,7 +9,8 @@ parameters do not fit inside bf16's gets its own state (`shared_state: false` in
 
 Timing follows DESIGN.md: warm-up, bf16 and the variant interleaved, >= 20 repeats, median
 and bootstrap 95% CI of the speedup; steps under `min_call_s` run N times in one jitted
-fori_loop (N from the bf16 step, the same for both).
+fori_loop (N from the bf16 step, the same for every variant; chosen per mode, since an
+inference step can be ten times shorter than a train step).
 """
 from __future__ import annotations
 
@@ -92,18 +93,18 @@ class TargetBench:
     self.optim, self.seed = optim, seed
     self.min_call_s, self.max_inner = min_call_s, max_inner
     self.holder: Dict[str, Any] = {}
-    self.inner = 1
+    self.inner = {"train": 1, "infer": 1}  # steps per timed call, per mode
     self.baseline: Optional[Arm] = None
 
   def _compile(self, model, state):
     train_step, eval_step = loop.compiled_steps(model, self.optim, "stop")
-    if self.inner > 1:
-      n = self.inner
+    train_fn, eval_fn = train_step, eval_step
+    if self.inner["train"] > 1:
+      n = self.inner["train"]
       train_fn = jax.jit(lambda s, b: lax.fori_loop(
           0, n, lambda i, c: train_step(c, b)[0], s), donate_argnums=0)
-      eval_fn = timing.repeat_in_loop(eval_step, n, unroll=1)  # whole steps: one a body
-    else:
-      train_fn, eval_fn = train_step, eval_step
+    if self.inner["infer"] > 1:  # whole steps: one a loop body
+      eval_fn = timing.repeat_in_loop(eval_step, self.inner["infer"], unroll=1)
     t0 = time.perf_counter()
     train_c = train_fn.lower(state, self.batch).compile()
     eval_c = eval_fn.lower(state, self.batch).compile()
@@ -121,7 +122,7 @@ class TargetBench:
 
     def train_call():
       out = train_c(state_in(), self.batch)
-      new = out[0] if self.inner == 1 else out  # the looped step returns the state only
+      new = out[0] if self.inner["train"] == 1 else out  # the looped step returns the state
       if meta is not None:
         meta["value"] = new.fp8_meta
         new = new.replace(fp8_meta=self.holder["empty_meta"])
@@ -133,7 +134,7 @@ class TargetBench:
 
     info = {"compile_s": round(seconds, 2), "train_memory_bytes": memory_bytes(train_c),
             "infer_memory_bytes": memory_bytes(eval_c), "gemm_calls": gemm_calls(hlo),
-            "shared_state": key == "shared", "inner": self.inner}
+            "shared_state": key == "shared", "inner": dict(self.inner)}
     return Arm(name, train_call, infer_call, info,
                {"train": hlo, "infer": eval_c.as_text() or ""})
 
@@ -144,9 +145,12 @@ class TargetBench:
     self.holder["shared"] = state
     self.union_abstract = _init_abstract(model, self.batch)["params"]
     arm = self._arm("bf16", model, "shared", None)
-    one = min(_seconds(arm.train) for _ in range(3))
-    if one < self.min_call_s:
-      self.inner = int(min(self.max_inner, max(2, np.ceil(self.min_call_s / max(one, 1e-7)))))
+    for mode in ("train", "infer"):
+      one = min(_seconds(getattr(arm, mode)) for _ in range(3))
+      if one < self.min_call_s:
+        self.inner[mode] = int(min(self.max_inner,
+                                   max(2, np.ceil(self.min_call_s / max(one, 1e-7)))))
+    if max(self.inner.values()) > 1:
       arm = self._arm("bf16", model, "shared", None)
     self.baseline = arm
     return arm
@@ -171,8 +175,8 @@ class TargetBench:
   def with_inference(self, arm: Arm, forward: Callable, variables) -> Arm:
     """`arm` whose inference call runs `forward(variables, batch)` instead of its model's eval
     step (the LoKA arm serves its exported FP8 model), looped like every other call."""
-    fn = (timing.repeat_in_loop(forward, self.inner, unroll=1) if self.inner > 1
-          else jax.jit(forward))
+    fn = (timing.repeat_in_loop(forward, self.inner["infer"], unroll=1)
+          if self.inner["infer"] > 1 else jax.jit(forward))
     variables = jax.device_put(variables)
     compiled = fn.lower(variables, self.batch).compile()
     return dataclasses.replace(arm, infer=lambda: compiled(variables, self.batch),
@@ -191,8 +195,8 @@ class TargetBench:
         calls = {"bf16": calls["bf16"]}
       timings = timing.time_calls(calls, repeats=repeats)
       for t in timings.values():
-        t.seconds = t.seconds / self.inner
-        t.inner = self.inner
+        t.seconds = t.seconds / self.inner[mode]
+        t.inner = self.inner[mode]
       summary = timing.summarize(timings, "bf16", seed=seed)[arm.name]
       summary["samples_us"] = [round(float(s) * 1e6, 3) for s in timings[arm.name].seconds]
       summary["baseline_samples_us"] = [round(float(s) * 1e6, 3)

@@ -207,7 +207,7 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
     results.append({**base, "variant": "bf16", "error": f"{type(e).__name__}: {e}"[:2000]})
     log(f"  bf16 failed: {type(e).__name__}: {str(e)[:300]}")
     return True
-  log(f"  bf16 compiled in {time.time() - t0:.0f}s (inner={bench.inner})")
+  log(f"  bf16 compiled in {time.time() - t0:.0f}s (steps per timed call: {bench.inner})")
   complete = True
   for v in pending:
     if time.time() > deadline:

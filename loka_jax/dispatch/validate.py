@@ -85,6 +85,9 @@ class ValidationConfig:
   max_rounds: int = 64               # back-offs per check at most
   speed: Optional[bool] = None       # None: only on a GPU; True forces it (tests)
   speed_repeats: int = 20            # timing repeats (benchmark protocol: >= 20)
+  # Each timing sample runs whole steps back to back for at least this long (one step when it
+  # is longer): single short steps carry host jitter that can fail a plan on noise.
+  speed_min_sample_s: float = 0.01
   min_speedup: float = 1.0           # lower CI bound of the step speedup that must hold
   eval_batch_size: Optional[int] = None  # None: the context's batch size
   # With more FP8 sites than this, a back-off round ranks the sites from the probe report
@@ -104,6 +107,8 @@ class ValidationConfig:
     if self.max_measured_sites is not None and self.max_measured_sites < 1:
       raise ValueError(f"max_measured_sites must be >= 1 or None, got "
                        f"{self.max_measured_sites}")
+    if self.speed_min_sample_s < 0:
+      raise ValueError(f"speed_min_sample_s must be >= 0, got {self.speed_min_sample_s}")
     if self.speed_repeats < 20:
       raise ValueError(f"speed_repeats={self.speed_repeats}: the benchmark protocol needs "
                        ">= 20 repeats")
@@ -648,9 +653,12 @@ def _step_calls(ctx: ValidationContext, kplan: KernelPlan, shared: Dict[str, Any
 
 
 def measure_steps(ctx: ValidationContext, plans: Mapping[str, KernelPlan], baseline: str,
-                  repeats: int = 20, seed: int = 0) -> Dict[str, Dict[str, dict]]:
+                  repeats: int = 20, seed: int = 0, min_sample_s: float = 0.01
+                  ) -> Dict[str, Dict[str, dict]]:
   """{mode: timing.summarize(...)} of whole train and inference steps of `plans`,
-  interleaved, with speedups vs `baseline` (baseline time / variant time)."""
+  interleaved, with speedups vs `baseline` (baseline time / variant time). A sample runs as
+  many steps back to back as make `min_sample_s` on the baseline (the same count for every
+  plan; `inner` in the summaries)."""
   for kplan in plans.values():
     model_and_meta(ctx, kplan)  # first: making fp8_meta reads the context's state
   out = {}
@@ -659,7 +667,10 @@ def measure_steps(ctx: ValidationContext, plans: Mapping[str, KernelPlan], basel
     del state
     calls = {name: _step_calls(ctx, kplan, shared) for name, kplan in plans.items()}
     for mode, index in (("train", 0), ("infer", 1)):
-      timings = timing.time_calls({n: c[index] for n, c in calls.items()}, repeats=repeats)
+      per_sample = (timing.calls_for(calls[baseline][index], min_sample_s)
+                    if min_sample_s > 0 else 1)
+      timings = timing.time_calls({n: c[index] for n, c in calls.items()}, repeats=repeats,
+                                  calls_per_sample=per_sample)
       out[mode] = timing.summarize(timings, baseline, seed=seed)
     del calls, shared
   return out
@@ -692,7 +703,7 @@ def check_speed(plan, ctx: ValidationContext, config: ValidationConfig = Validat
   for round_ in range(first, config.max_rounds + 1):
     progress.checkpoint(plan, f"speed round {round_}")
     got = measure_steps(ctx, {"bf16": BASELINE, "plan": plan.kernel_plan()}, "bf16",
-                        config.speed_repeats, config.seed)
+                        config.speed_repeats, config.seed, config.speed_min_sample_s)
     below = [m for m in STEP_PASSES if got[m]["plan"]["speedup_ci"][0] < config.min_speedup]
     # A step that runs no FP8 pass of the plan runs bf16+Mods' kernels: its CI is noise, and
     # backing sites off cannot move it (an inference step of a plan with FP8 gradients only).
@@ -729,7 +740,8 @@ def check_speed(plan, ctx: ValidationContext, config: ValidationConfig = Validat
     else:
       variants = {"plan": plan.kernel_plan()}
       variants.update({f"without {s}": without_site(plan, s) for s in candidates})
-      context = measure_steps(ctx, variants, "plan", config.speed_repeats, config.seed)
+      context = measure_steps(ctx, variants, "plan", config.speed_repeats, config.seed,
+                              config.speed_min_sample_s)
       # speedup of "without s" vs the plan = the time site s costs in context.
       slowdowns = {s: float(np.prod([context[m][f"without {s}"]["speedup"] for m in failing]))
                    for s in candidates}
