@@ -317,6 +317,35 @@ class KernelTimingTest(absltest.TestCase):
     self.assertAlmostEqual(entry["speedup"][1], cache.get(bwd_key)["median_us"] / fused_us,
                            places=6)
 
+  def test_entries_of_an_older_kernel_revision_are_measured_again(self):
+    # xla_fp8_tensorwise is at revision 2 (its dot writes the output dtype): timings of the
+    # revision before, in a cache or a committed table, are not reused.
+    site = collector.make_site_probe("d", "mk,kn->mn", "act_weight", (32, 48), (48, 16), CONFIG)
+    kernels, _ = candidates.candidate_kernels(["xla_bf16", "xla_fp8_tensorwise",
+                                               "xla_fp8_rowwise"], "cpu")
+    self.assertEqual(kernels_lib.get("xla_fp8_tensorwise").revision, 2)
+    cache = kernel_timing.TimingCache(os.path.join(tempfile.mkdtemp(), "cpu.json"), "cpu")
+    got = kernel_timing.measure_site(site.layout, kernels, "bfloat16", cache, unsupported={},
+                                     repeats=3)
+    self.assertEqual({e["kernel"]: e["revision"] for e in got},
+                     {"xla_bf16": 1, "xla_fp8_tensorwise": 2, "xla_fp8_rowwise": 1})
+    table = timing_table.merge_entries(timing_table.empty_table("cpu"),
+                                       kernel_timing.table_entries(got))
+    for e in list(cache.entries.values()) + table["entries"]:
+      if e["kernel"] == "xla_fp8_tensorwise":
+        e["revision"] = 1
+    timings = kernel_timing.site_timings(site.layout, kernels, "bfloat16", cache,
+                                         unsupported={})
+    self.assertEqual(timings["fwd"]["xla_fp8_tensorwise"]["timing"], "missing")
+    self.assertEqual(timings["fwd"]["xla_fp8_rowwise"]["timing"], "measured")
+    from_table = kernel_timing.table_timings(site.layout, kernels, "bfloat16", table,
+                                             unsupported={})
+    self.assertEqual(from_table["fwd"]["xla_fp8_tensorwise"]["timing"], "missing")
+    self.assertEqual(from_table["fwd"]["xla_fp8_rowwise"]["timing"], "table")
+    again = kernel_timing.measure_site(site.layout, kernels, "bfloat16", cache,
+                                       unsupported={}, repeats=3)
+    self.assertEqual({e["kernel"] for e in again}, {"xla_bf16", "xla_fp8_tensorwise"})
+
   def test_short_entries_timed_one_call_an_iteration_are_measured_again(self):
     path = os.path.join(tempfile.mkdtemp(), "cpu.json")
     old = {"kernel": "xla_bf16", "pass": "fwd", "inner": 40, "seconds": [3e-5]}

@@ -28,6 +28,8 @@ class Kernel(abc.ABC):
     stateful: keeps state in the fp8_meta collection (delayed scaling).
     fp8: whether it computes in FP8 (False for the bf16 / fp32 baselines).
     description: one line for `--list`.
+    revision: bumped when the kernel's computation changes, so timings measured before
+      (caches, committed tables) are measured again rather than reused.
   """
   name: str
   backend: str
@@ -37,6 +39,7 @@ class Kernel(abc.ABC):
   stateful: bool = False
   fp8: bool = True
   description: str = ""
+  revision: int = 1
 
   def unsupported_reason(self, spec: EinsumSpec, pass_name: str, kind: str,
                          lhs_shape: Sequence[int], rhs_shape: Sequence[int]) -> Optional[str]:

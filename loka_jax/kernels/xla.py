@@ -99,14 +99,18 @@ def _register_all():
       name="xla_fp32", backend="xla", fp8=False, dtype="float32", precision="HIGHEST",
       description="fp32 operands, precision HIGHEST (reference arm)"))
   for gran in (TENSORWISE, ROWWISE):
+    revision = 2 if gran == TENSORWISE else 1  # 2: the dot writes the output dtype
     registry.register(XlaFp8(
         name=f"xla_fp8_{gran}", backend="xla", granularity=gran, fast_accum=FWD_ONLY_FAST,
+        revision=revision,
         description=f"FP8 {gran} current scaling; fast accumulation fwd, precise bwd"))
     registry.register(XlaFp8(
         name=f"xla_fp8_{gran}_fastacc", backend="xla", granularity=gran, fast_accum=ALL_FAST,
+        revision=revision,
         description=f"FP8 {gran} current scaling; fast accumulation in every pass"))
     registry.register(XlaFp8(
         name=f"xla_fp8_{gran}_precise", backend="xla", granularity=gran, fast_accum=NONE_FAST,
+        revision=revision,
         description=f"FP8 {gran} current scaling; precise accumulation in every pass"))
 
 

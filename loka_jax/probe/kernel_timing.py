@@ -265,8 +265,8 @@ def measure_site(layout: SiteLayout, kernels, dtype: str, cache: TimingCache, *,
   by_name = {k.name: k for k in kernels}
   fused = sorted({name for name, _ in keys if by_name[name].sort == FUSED_OP})
   bwd_key = baseline_bwd_key(layout, dtype) if fused and BASELINE in by_name else None
-  missing = [kp for kp, key in keys.items() if cache.get(key) is None]
-  if bwd_key is not None and cache.get(bwd_key) is None:
+  missing = [kp for kp, key in keys.items() if _current(cache.get(key), by_name[kp[0]]) is None]
+  if bwd_key is not None and _current(cache.get(bwd_key), by_name[BASELINE]) is None:
     # A fused op timed before its baseline backward was: time it again beside that backward.
     missing += [kp for kp in keys if kp[0] in fused and kp not in missing]
   if not missing or (deadline is not None and time.time() > deadline):
@@ -327,10 +327,19 @@ def measure_site(layout: SiteLayout, kernels, dtype: str, cache: TimingCache, *,
                    _entry(BASELINE, FUSED_SCOPE, spec, a, b, dtype, m["seconds"], m["backend"],
                           m["inner"], m["unroll"], FUSED_SCOPE))
   for e in entries:
+    e["revision"] = by_name[e["kernel"]].revision
     cache.put(cache_key(e["kernel"], e["pass"], e["spec"], e["lhs_shape"], e["rhs_shape"],
                         dtype), e)
   cache.save()
   return entries
+
+
+def _current(entry: Optional[Dict], kernel) -> Optional[Dict]:
+  """The entry, or None when it was measured for another revision of the kernel (its
+  computation changed since; entries from before revisions count as revision 1)."""
+  if entry is None or kernel is None:
+    return entry
+  return entry if entry.get("revision", 1) == kernel.revision else None
 
 
 def _error_entry(kernel: str, pass_name: str, spec: str, a_shape, b_shape, dtype: str,
@@ -377,8 +386,9 @@ def site_timings(layout: SiteLayout, kernels, dtype: str, cache: TimingCache, *,
                  ) -> Dict[str, Dict[str, Dict]]:
   """{pass: {kernel: {time_us, speedup, backend, timing}}} from the cache (None = missing)."""
   keys = _site_keys(layout, kernels, dtype, unsupported)
-  got = {kp: cache.get(key) for kp, key in keys.items()}
-  bwd = cache.get(baseline_bwd_key(layout, dtype))
+  by_name = {k.name: k for k in kernels}
+  got = {kp: _current(cache.get(key), by_name[kp[0]]) for kp, key in keys.items()}
+  bwd = _current(cache.get(baseline_bwd_key(layout, dtype)), by_name.get(BASELINE))
   out: Dict[str, Dict[str, Dict]] = {}
   for (name, p), e in got.items():
     if e is None or "error" in e:
@@ -409,8 +419,13 @@ def site_timings(layout: SiteLayout, kernels, dtype: str, cache: TimingCache, *,
 
 def table_timings(layout: SiteLayout, kernels, dtype: str, table: Mapping, *,
                   unsupported: Mapping[str, Mapping[str, str]]) -> Dict[str, Dict[str, Dict]]:
-  """The same shape of result from a committed timing table (a CPU-made report's fallback)."""
+  """The same shape of result from a committed timing table (a CPU-made report's fallback).
+  Entries measured for another revision of their kernel are left out."""
   from loka_jax.dispatch import timing_table
+  revisions = {k.name: k.revision for k in kernels}
+  table = {**table, "entries": [e for e in table["entries"]
+                                if e.get("revision", 1) == revisions.get(e["kernel"],
+                                                                         e.get("revision", 1))]}
   out: Dict[str, Dict[str, Dict]] = {}
   for kernel in kernels:
     for p in PASSES:
@@ -460,7 +475,7 @@ def _table_whole_bwd_speedup(table: Mapping, kernel: str, layout: SiteLayout, dt
 def table_entries(entries: Sequence[Mapping]) -> List[Dict]:
   """Cache entries -> committed-table entries (raw samples left out)."""
   fields = ("kernel", "pass", "spec", "lhs_shape", "rhs_shape", "dtype", "median_us", "ci_us",
-            "backend", "repeats", "jax", "date", "time_scope")
+            "backend", "repeats", "jax", "date", "time_scope", "revision")
   return [{f: e[f] for f in fields if f in e} for e in entries if "error" not in e]
 
 
