@@ -93,7 +93,8 @@ class AttributionTest(absltest.TestCase):
     table = profile.markdown({"bf16 train": got})
     self.assertIn(f"| {site} | 15 / 25 |", table)
     self.assertEqual(got["attribution"], {
-        "kernel_events": 4, "with_hlo_op": 3, "hlo_op_in_module": 2, "arg_keys": ["hlo_op"],
+        "kernel_events": 4, "with_hlo_op": 3, "hlo_op_in_module": 2, "with_tf_op": 0,
+        "arg_keys": ["hlo_op"],
         "op_spans": 0, "unmatched_hlo_ops": ["no_such_instruction"],
         "module_instructions": sorted(self.op_names)[:5]})
     self.assertNotIn("no kernel mapped", table)
@@ -127,6 +128,27 @@ class AttributionTest(absltest.TestCase):
     self.assertAlmostEqual(got["outside_sites_us"], 1.0)
     self.assertEqual(got["attribution"]["hlo_op_in_module"], 2)
     self.assertEqual(got["attribution"]["unmatched_hlo_ops"], ["gemm.999999"])
+
+  def test_an_instruction_the_module_text_lacks_is_named_by_its_tf_op(self):
+    # The profiler copies an instruction's op_name metadata into the event's tf_op arg: it
+    # names the site (and the pass) even when the module's text has no such instruction.
+    site = self.sites[3]
+    fwd_name = self.op_names[self._instruction_of(site, "forward")]
+    bwd_name = self.op_names[self._instruction_of(site, "backward")]
+    events = [{"ph": "X", "pid": 1, "name": "nvjet_sm90_tst_64x64", "dur": 3.0,
+               "args": {"hlo_op": "fusion.123456", "tf_op": fwd_name}},
+              {"ph": "X", "pid": 1, "name": "nvjet_sm90_tst_64x64", "dur": 5.0,
+               "args": {"hlo_op": "fusion.123457", "tf_op": bwd_name}},
+              {"ph": "X", "pid": 1, "name": "loop_add_fusion", "dur": 2.0,
+               "args": {"hlo_op": "fusion.123458", "tf_op": "jit(step)/optimizer/add"}}]
+    with tempfile.TemporaryDirectory() as tmp:
+      path = os.path.join(tmp, "perfetto_trace.json.gz")
+      _write_trace(path, events)
+      got = profile.split(profile.device_events(path)[0], self.op_names, self.sites, steps=1)
+    self.assertEqual(got["sites_us"], {site: {"forward": 3.0, "backward": 5.0}})
+    self.assertAlmostEqual(got["outside_sites_us"], 2.0)
+    self.assertEqual((got["attribution"]["hlo_op_in_module"], got["attribution"]["with_tf_op"]),
+                     (0, 3))
 
   def test_kernel_streams_only_and_op_spans_name_the_kernels(self):
     # A trace that names its device threads: kernels on the stream lines carry no hlo_op;

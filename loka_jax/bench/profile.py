@@ -123,7 +123,7 @@ def device_events(trace_path: str) -> Tuple[List[Dict], List[Dict]]:
       continue
     args = e.get("args") or {}
     kernels.append({"name": e.get("name", ""), "dur_us": float(e.get("dur", 0.0)), "ts": ts,
-                    "pid": pid, "hlo_op": args.get("hlo_op"),
+                    "pid": pid, "hlo_op": args.get("hlo_op"), "tf_op": args.get("tf_op"),
                     "hlo_module": args.get("hlo_module"), "arg_keys": sorted(args)})
   return kernels, spans
 
@@ -183,7 +183,10 @@ def split(events: Sequence[Mapping], op_names: Mapping[str, str], sites: Iterabl
   """Per-step device time by site and pass, by kernel class and by kernel (top `top`).
 
   A kernel names its HLO instruction through its `hlo_op` arg, else through the innermost op
-  span (`device_events`) covering its start, else through its own name (`_instruction`)."""
+  span (`device_events`) covering its start, else through its own name (`_instruction`); the
+  instruction's op_name metadata in the compiled module names the site. Where the module's
+  text has none for it, the event's own `tf_op` arg (the profiler's copy of that metadata)
+  does."""
   sites = list(sites)
   normal = {_normal(k): k for k in op_names}
   unmatched: List[str] = []
@@ -192,7 +195,7 @@ def split(events: Sequence[Mapping], op_names: Mapping[str, str], sites: Iterabl
   by_class: Dict[str, float] = collections.Counter()
   by_kernel: Dict[str, float] = collections.Counter()
   total = unattributed = 0.0
-  with_op = in_module = 0
+  with_op = in_module = with_tf_op = 0
   arg_keys = set()
   index = _span_index(spans, op_names)
   for e in events:
@@ -207,7 +210,8 @@ def split(events: Sequence[Mapping], op_names: Mapping[str, str], sites: Iterabl
     total += us
     by_class[kernel_class(e["name"])] += us
     by_kernel[e["name"]] += us
-    op_name = op_names.get(hlo_op or "")
+    op_name = op_names.get(hlo_op or "") or e.get("tf_op")
+    with_tf_op += bool(e.get("tf_op"))
     site = site_of(op_name, sites) if op_name else None
     if site is None:
       unattributed += us
@@ -219,7 +223,8 @@ def split(events: Sequence[Mapping], op_names: Mapping[str, str], sites: Iterabl
           # Why kernels did or did not map to sites: how many named an HLO instruction, how
           # many of those the compiled module has, and which event args the trace carried.
           "attribution": {"kernel_events": len(events), "with_hlo_op": with_op,
-                          "hlo_op_in_module": in_module, "arg_keys": sorted(arg_keys),
+                          "hlo_op_in_module": in_module, "with_tf_op": with_tf_op,
+                          "arg_keys": sorted(arg_keys),
                           "op_spans": len(spans),
                           # Examples of both sides, to see a naming mismatch at a glance.
                           "unmatched_hlo_ops": unmatched,
