@@ -66,6 +66,14 @@ class AttributionTest(absltest.TestCase):
                 if profile.site_of(op_name, self.sites) == site
                 and profile.pass_of(op_name) == pass_name)
 
+  def _split(self, events, steps=1):
+    """profile.split of a trace holding `events` on one GPU."""
+    with tempfile.TemporaryDirectory() as tmp:
+      path = os.path.join(tmp, "perfetto_trace.json.gz")
+      _write_trace(path, events)
+      return profile.split(profile.device_events(path)[0], self.op_names, self.sites,
+                           steps=steps)
+
   def test_split_of_a_trace(self):
     site = self.sites[0]
     fwd, bwd = self._instruction_of(site, "forward"), self._instruction_of(site, "backward")
@@ -120,10 +128,7 @@ class AttributionTest(absltest.TestCase):
               {"ph": "X", "pid": 1, "name": spelled(bwd), "dur": 6.0, "args": {}},
               {"ph": "X", "pid": 1, "name": "nvjet_sm90_tst_64x64", "dur": 1.0,
                "args": {"hlo_op": "gemm.999999"}}]
-    with tempfile.TemporaryDirectory() as tmp:
-      path = os.path.join(tmp, "perfetto_trace.json.gz")
-      _write_trace(path, events)
-      got = profile.split(profile.device_events(path)[0], self.op_names, self.sites, steps=1)
+    got = self._split(events)
     self.assertEqual(got["sites_us"], {site: {"forward": 4.0, "backward": 6.0}})
     self.assertAlmostEqual(got["outside_sites_us"], 1.0)
     self.assertEqual(got["attribution"]["hlo_op_in_module"], 2)
@@ -141,10 +146,7 @@ class AttributionTest(absltest.TestCase):
                "args": {"hlo_op": "fusion.123457", "tf_op": bwd_name}},
               {"ph": "X", "pid": 1, "name": "loop_add_fusion", "dur": 2.0,
                "args": {"hlo_op": "fusion.123458", "tf_op": "jit(step)/optimizer/add"}}]
-    with tempfile.TemporaryDirectory() as tmp:
-      path = os.path.join(tmp, "perfetto_trace.json.gz")
-      _write_trace(path, events)
-      got = profile.split(profile.device_events(path)[0], self.op_names, self.sites, steps=1)
+    got = self._split(events)
     self.assertEqual(got["sites_us"], {site: {"forward": 3.0, "backward": 5.0}})
     self.assertAlmostEqual(got["outside_sites_us"], 2.0)
     self.assertEqual((got["attribution"]["hlo_op_in_module"], got["attribution"]["with_tf_op"]),
