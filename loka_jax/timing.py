@@ -84,12 +84,6 @@ def repeat_in_loop(fn: Callable, iterations: int, unroll: Optional[int] = None) 
   return jax.jit(looped)
 
 
-def _call_seconds(fn, args) -> float:
-  start = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  return time.perf_counter() - start
-
-
 def time_variants(variants: Mapping[str, Tuple[Callable, Sequence]], *, repeats: int = 20,
                   warmup: int = 3, min_call_seconds: float = 1e-3,
                   max_inner: int = 1000) -> Dict[str, Timing]:
@@ -103,10 +97,8 @@ def time_variants(variants: Mapping[str, Tuple[Callable, Sequence]], *, repeats:
     jitted = jax.jit(fn)
     for _ in range(warmup):
       jax.block_until_ready(jitted(*args))
-    one = min(_call_seconds(jitted, args) for _ in range(3))
-    inner = 1
-    if one < min_call_seconds:
-      inner = int(min(max_inner, max(2, np.ceil(min_call_seconds / max(one, 1e-7)))))
+    inner = calls_for(lambda: jitted(*args), min_call_seconds, max_inner)
+    if inner > 1:
       jitted = repeat_in_loop(fn, inner)
       for _ in range(warmup):
         jax.block_until_ready(jitted(*args))
@@ -114,7 +106,7 @@ def time_variants(variants: Mapping[str, Tuple[Callable, Sequence]], *, repeats:
   samples = {name: [] for name in prepared}
   for _ in range(repeats):
     for name, (jitted, args, inner) in prepared.items():
-      samples[name].append(_call_seconds(jitted, args) / inner)
+      samples[name].append(call_seconds(lambda: jitted(*args)) / inner)
   return {name: Timing(name, np.asarray(s), prepared[name][2]) for name, s in samples.items()}
 
 
@@ -162,11 +154,12 @@ def calls_for(call: Callable[[], object], min_sample_s: float, max_calls: int = 
   """How many back-to-back calls make a sample of at least `min_sample_s` (from the best of
   three single calls, after one warm-up call)."""
   jax.block_until_ready(call())
-  one = min(_blocked_seconds(call) for _ in range(3))
+  one = min(call_seconds(call) for _ in range(3))
   return int(min(max_calls, max(1, math.ceil(min_sample_s / max(one, 1e-7)))))
 
 
-def _blocked_seconds(call: Callable[[], object]) -> float:
+def call_seconds(call: Callable[[], object]) -> float:
+  """Wall seconds of one argument-less call, blocked on its result."""
   start = time.perf_counter()
   jax.block_until_ready(call())
   return time.perf_counter() - start

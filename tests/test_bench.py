@@ -351,7 +351,8 @@ class InnerStepsTest(chex.TestCase):
     batch = towers.TowerSource(16).train_batch(0, 32)
     bench = suite.speed.TargetBench(batch, min_call_s=1e-3)
     one_call = {"train_call": 5e-3, "infer_call": 1e-4}
-    with mock.patch.object(suite.speed, "_seconds", lambda call: one_call[call.__name__]):
+    with mock.patch.object(suite.speed.timing, "call_seconds",
+                           lambda call: one_call[call.__name__]):
       base = bench.set_baseline(towers.build_tower(shape, SiteConfig.for_precision("bf16")))
     self.assertEqual(bench.inner, {"train": 1, "infer": 10})
     self.assertEqual(base.info["inner"], {"train": 1, "infer": 10})

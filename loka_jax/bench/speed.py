@@ -145,11 +145,8 @@ class TargetBench:
     self.holder["shared"] = state
     self.union_abstract = _init_abstract(model, self.batch)["params"]
     arm = self._arm("bf16", model, "shared", None)
-    for mode in ("train", "infer"):
-      one = min(_seconds(getattr(arm, mode)) for _ in range(3))
-      if one < self.min_call_s:
-        self.inner[mode] = int(min(self.max_inner,
-                                   max(2, np.ceil(self.min_call_s / max(one, 1e-7)))))
+    self.inner = {mode: timing.calls_for(getattr(arm, mode), self.min_call_s, self.max_inner)
+                  for mode in ("train", "infer")}
     if max(self.inner.values()) > 1:
       arm = self._arm("bf16", model, "shared", None)
     self.baseline = arm
@@ -203,12 +200,6 @@ class TargetBench:
                                         for s in timings["bf16"].seconds]
       out[mode] = summary
     return out
-
-
-def _seconds(call) -> float:
-  start = time.perf_counter()
-  jax.block_until_ready(call())
-  return time.perf_counter() - start
 
 
 def site_config(variant, plan=None) -> SiteConfig:

@@ -14,8 +14,9 @@ product; the quantization the backward needs stays in: an upper bound), reported
 gradient passes with `"time_scope": "grad_lhs+grad_rhs"`. It is compared with the baseline's
 backward timed the same way, one vjp call, in the same interleaving (cache pass
 `grad_lhs+grad_rhs`, `baseline_bwd_key`): the baseline's two gradient passes timed apart each
-pay a call's fixed cost and share nothing, which made one-call backwards look up to 1.3x
-faster than bf16's at `small` shapes where both run the same bf16 GEMMs.
+pay a call's fixed cost and share nothing: against them, the delayed forward's bf16 backward
+read 1.28-1.61x faster than bf16's at DHEN `small`'s 48 sites, against bf16's one-call
+backward 0.89-1.04x (H200, docs/BENCHMARKS.md section 7).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from jax import lax
 
 from loka_jax import _compat, jsonio
 from loka_jax import timing as timing_lib
-from loka_jax.kernels import FUSED_OP, PASSES, EinsumSpec
+from loka_jax.kernels import FUSED_OP, PASSES, EinsumSpec, registry
 from loka_jax.kernels.backend import backend_from_hlo
 from loka_jax.kernels.flax_delayed import FP8_META, merge_fp8_meta
 from loka_jax.probe.candidates import BASELINE, computation_key
@@ -85,12 +86,15 @@ class TimingCache:
                          f"{device_kind!r}")
       self.entries = dict(data.get("entries", {}))
 
-  def get(self, key: str) -> Optional[Dict]:
-    """The entry, or None when missing or stale: a short product timed one call per loop
-    iteration (no `unroll`, from before UNROLL) carries the loop's overhead, so it is
-    measured again."""
+  def get(self, key: str, revision: int = 1) -> Optional[Dict]:
+    """The entry, or None when missing or stale, so it is measured again: timed for another
+    `revision` of its kernel (the kernel's computation changed; entries from before
+    revisions count as 1), or a short product timed one call per loop iteration (no
+    `unroll`, from before UNROLL), which carries the loop's overhead."""
     entry = self.entries.get(key)
-    if entry is not None and entry.get("inner", 1) > 1 and "unroll" not in entry:
+    if entry is None or entry.get("revision", 1) != revision:
+      return None
+    if entry.get("inner", 1) > 1 and "unroll" not in entry:
       return None
     return entry
 
@@ -190,13 +194,12 @@ def _time_interleaved(variants: Mapping[str, Tuple[Callable, Sequence]], *, repe
       backend = backend_from_hlo(compiled.as_text(), platform)
       for _ in range(warmup):
         jax.block_until_ready(compiled(one, *args))
-      single = min(_seconds(compiled, one, args) for _ in range(3))
+      wanted = timing_lib.calls_for(lambda: compiled(one, *args), min_call_seconds, max_inner)
       n, inner, unroll = one, 1, 1
-      if single < min_call_seconds:
+      if wanted > 1:
         # Short: UNROLL calls an iteration (on a GPU), as many iterations as bring a call
         # near min_call_seconds (the unrolled loop compiles only for such small products).
         unroll = timing_lib.loop_unroll()
-        wanted = min(max_inner, max(2, math.ceil(min_call_seconds / max(single, 1e-7))))
         n = jnp.int32(max(2, math.ceil((wanted - 1) / unroll) + 1))
         inner = loop_calls(int(n), unroll)
         if unroll > 1:
@@ -265,8 +268,9 @@ def measure_site(layout: SiteLayout, kernels, dtype: str, cache: TimingCache, *,
   by_name = {k.name: k for k in kernels}
   fused = sorted({name for name, _ in keys if by_name[name].sort == FUSED_OP})
   bwd_key = baseline_bwd_key(layout, dtype) if fused and BASELINE in by_name else None
-  missing = [kp for kp, key in keys.items() if _current(cache.get(key), by_name[kp[0]]) is None]
-  if bwd_key is not None and _current(cache.get(bwd_key), by_name[BASELINE]) is None:
+  missing = [kp for kp, key in keys.items()
+             if cache.get(key, by_name[kp[0]].revision) is None]
+  if bwd_key is not None and cache.get(bwd_key, by_name[BASELINE].revision) is None:
     # A fused op timed before its baseline backward was: time it again beside that backward.
     missing += [kp for kp in keys if kp[0] in fused and kp not in missing]
   if not missing or (deadline is not None and time.time() > deadline):
@@ -334,14 +338,6 @@ def measure_site(layout: SiteLayout, kernels, dtype: str, cache: TimingCache, *,
   return entries
 
 
-def _current(entry: Optional[Dict], kernel) -> Optional[Dict]:
-  """The entry, or None when it was measured for another revision of the kernel (its
-  computation changed since; entries from before revisions count as revision 1)."""
-  if entry is None or kernel is None:
-    return entry
-  return entry if entry.get("revision", 1) == kernel.revision else None
-
-
 def _error_entry(kernel: str, pass_name: str, spec: str, a_shape, b_shape, dtype: str,
                  error: str) -> Dict:
   return {"kernel": kernel, "pass": pass_name, "spec": spec, "lhs_shape": list(a_shape),
@@ -387,8 +383,8 @@ def site_timings(layout: SiteLayout, kernels, dtype: str, cache: TimingCache, *,
   """{pass: {kernel: {time_us, speedup, backend, timing}}} from the cache (None = missing)."""
   keys = _site_keys(layout, kernels, dtype, unsupported)
   by_name = {k.name: k for k in kernels}
-  got = {kp: _current(cache.get(key), by_name[kp[0]]) for kp, key in keys.items()}
-  bwd = _current(cache.get(baseline_bwd_key(layout, dtype)), by_name.get(BASELINE))
+  got = {kp: cache.get(key, by_name[kp[0]].revision) for kp, key in keys.items()}
+  bwd = cache.get(baseline_bwd_key(layout, dtype), registry.get(BASELINE).revision)
   out: Dict[str, Dict[str, Dict]] = {}
   for (name, p), e in got.items():
     if e is None or "error" in e:
