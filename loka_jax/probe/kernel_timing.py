@@ -213,18 +213,12 @@ def _time_interleaved(variants: Mapping[str, Tuple[Callable, Sequence]], *, repe
   samples = {name: [] for name in prepared}
   for _ in range(repeats):
     for name, (compiled, n, args, inner, _, _) in prepared.items():
-      samples[name].append(_seconds(compiled, n, args) / inner)
+      samples[name].append(timing_lib.call_seconds(lambda: compiled(n, *args)) / inner)
   out = {name: {"seconds": samples[name], "inner": prepared[name][3],
                 "backend": prepared[name][4], "unroll": prepared[name][5]}
          for name in prepared}
   out.update({name: {"error": message} for name, message in failed.items()})
   return out
-
-
-def _seconds(compiled, n, args) -> float:
-  start = time.perf_counter()
-  jax.block_until_ready(compiled(n, *args))
-  return time.perf_counter() - start
 
 
 def _entry(kernel: str, pass_name: str, spec: str, a_shape, b_shape, dtype: str,
