@@ -349,13 +349,14 @@ def _consider_fused(out: Dict[str, Dict], site: Mapping, verdicts: Mapping,
     return total
 
   mix = {p: out[p]["kernel"] for p in PASSES}
+  mix_passes = site_time(mix, fused=False)
 
   def mix_time(fused_kernel: str) -> Optional[float]:
     # A per-pass choice with bf16 gradients runs the baseline's backward: where the fused op's
     # timing holds that backward timed as one call, as its own was, compare with that rather
     # than with two gradient passes timed apart (each paying a call's fixed cost).
     bwd = (passes.get("grad_lhs", {}).get(fused_kernel) or {}).get("baseline_us")
-    t = site_time(mix, fused=False)
+    t = mix_passes
     if t is None or not bwd or {mix["grad_lhs"], mix["grad_rhs"]} != {FALLBACK}:
       return t
     return _time_hi(passes.get("fwd", {}).get(mix["fwd"])) + float(bwd[-1])
