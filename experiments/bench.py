@@ -27,7 +27,8 @@ PRESETS = flags.DEFINE_list("presets", ["small", "large"], "Model presets (model
 VARIANTS = flags.DEFINE_list("variants", ["all"],
                              "Speed variants: fp32, bf16, bf16_mods, bf16_mods_served "
                              "(inference from exported bf16 weights, as LoKA's), "
-                             "flax_fp8_delayed, flax_fp8_delayed_fwd, fp8_tensorwise, "
+                             "flax_fp8_delayed, flax_fp8_delayed_fwd, flax_fp8_delayed_grad_lhs, "
+                             "fp8_tensorwise, "
                              "fp8_rowwise, pallas, loka "
                              "(or 'all'); bf16 always runs.")
 REPEATS = flags.DEFINE_integer("repeats", 20, "Timed repeats per variant (interleaved).")
@@ -38,6 +39,11 @@ COMPILE_CACHE = flags.DEFINE_string("compile_cache", None,
                                     "Persistent compilation cache (default: WORKDIR/jax_cache).")
 BATCH = flags.DEFINE_integer("batch_size", 0, "Batch size; 0: each preset's / tower's.")
 PROBE = flags.DEFINE_bool("probe", True, "Probe targets whose LoKA plan is missing.")
+HEAD_TO_HEAD = flags.DEFINE_list(
+    "head_to_head", ["loka"],
+    "Variants also timed against bf16+Mods, served bf16+Mods and the best peer, in one "
+    "interleaving per pair, for their targets (they run last; the other arms stay alive "
+    "until then). Empty: targets use the ratio of rows only.")
 PROBE_STEPS = flags.DEFINE_integer("probe_steps", 100, "Training steps of each probe.")
 PROBE_SAMPLES = flags.DEFINE_integer("probe_samples", 32, "Draws per site of each probe's "
                                      "error evaluation (fewer: faster, wider CIs).")
@@ -110,6 +116,7 @@ def main(argv):
                                  probe_samples=PROBE_SAMPLES.value,
                                  probe_kernels=tuple(PROBE_KERNELS.value),
                                  probe_timing_cache=PROBE_TIMING_CACHE.value,
+                                 head_to_head=tuple(HEAD_TO_HEAD.value),
                                  seed=common_flags.SEED.value)
   batch = BATCH.value or None
   _log(f"device {device}; suite {SUITE.value}; results under {workdir}")

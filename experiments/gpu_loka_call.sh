@@ -14,7 +14,8 @@
 #   CARRY=.snap/wl bash experiments/gpu_loka_call.sh     (the device call carries .snap, .whl)
 #
 # Environment: TARGET (wukong/large; MODEL/PRESET or tower/BxWxD), CARRY (.snap/wl), WORK (/tmp/bench), VARIANTS
-# (bf16,bf16_mods,loka), PROBE_KERNELS (xla_bf16,xla_fp8_rowwise,flax_fp8_delayed,flax_fp8_delayed_fwd: the probe's
+# (bf16,bf16_mods,loka), PROBE_KERNELS (xla_bf16,xla_fp8_rowwise,flax_fp8_delayed,flax_fp8_delayed_fwd,
+# flax_fp8_delayed_grad_lhs: the probe's
 # candidates), MAXMIN (7.5: minutes after which no new row starts), LIMIT (575: hard
 # seconds), TIMING_CACHE (.snap/tc: shapes timed ahead with `experiments.probe --time_only`),
 # OUT (set on the device; elsewhere $WORK/out).
@@ -60,26 +61,30 @@ trap 'kill $SAMPLER 2>/dev/null' EXIT
 
 echo "=== call $(date +%T) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)" \
   >> "$WORK/log.txt"
+touch "$WORK/.call_start"  # timing caches written after this come back
 case "$TARGET" in
   tower/*) SUITE=(--suite=towers --towers="${TARGET#tower/}") ;;
   *) SUITE=(--suite=models --presets="${TARGET#*/}" --only="$TARGET") ;;
 esac
 timeout "${LIMIT:-575}" python3 -m experiments.bench "${SUITE[@]}" \
   --workdir="$WORK" --variants="${VARIANTS:-bf16,bf16_mods,loka}" \
-  --probe_steps=50 --probe_samples=8 --probe_kernels="${PROBE_KERNELS:-xla_bf16,xla_fp8_rowwise,flax_fp8_delayed,flax_fp8_delayed_fwd}" \
+  --probe_steps=50 --probe_samples=8 --probe_kernels="${PROBE_KERNELS:-xla_bf16,xla_fp8_rowwise,flax_fp8_delayed,flax_fp8_delayed_fwd,flax_fp8_delayed_grad_lhs}" \
   --probe_timing_cache="$TC" --compile_cache=/tmp/jc --max_minutes="${MAXMIN:-7.5}" >> "$WORK/log.txt" 2>&1
 echo "rc=$?" >> "$WORK/log.txt"
 
-# Eight files at most come back from the device: the samples ride at the log's end.
+# Eight files at most come back from the device (a caller may add one): the samples ride at
+# the log's end, only the timing caches this call wrote come back, and the validating plan
+# only while no validated plan supersedes it.
 { cat "$WORK/log.txt"; echo "=== samples: time, host GiB, GPU MiB, disk"; cat "$WORK/hostmem.txt"; } \
   > "$OUT/log.txt"
 mkdir -p "$OUT/tc"
-cp "$TC"/*.json "$OUT/tc/" 2>/dev/null
+find "$TC" -name '*.json' -newer "$WORK/.call_start" -exec cp {} "$OUT/tc/" \;
 cp "$WORK/bench.jsonl" "$OUT/" 2>/dev/null
 cp "$PLANS/probe/probe_eval.jsonl" "$OUT/" 2>/dev/null
-for f in probe_report.json plan_selected.json plan_validating.json plan.json; do
+for f in probe_report.json plan_selected.json plan.json; do
   [ -f "$PLANS/$f" ] && cp "$PLANS/$f" "$OUT/"
 done
+[ -f "$PLANS/plan.json" ] || { [ -f "$PLANS/plan_validating.json" ] && cp "$PLANS/plan_validating.json" "$OUT/"; }
 df -h "$WORK" | tail -1
 sort -k2 -n "$WORK/hostmem.txt" | tail -1 | sed 's/^/peak host memory (GiB) at: /'
 grep -v -e '^W[0-9]' -e '^I[0-9]' -e '^If this' -e '^Current allocation' -e '^\*\*\*' "$WORK/log.txt" | tail -40

@@ -9,7 +9,8 @@ Every variant is built as the headline benchmark builds it (`loka_jax.bench`: on
 training state, LoKA from its plan under --plans_dir, inference of LoKA from its exported
 model), each step runs --iterations times under the JAX profiler, and the device kernels of
 the trace are attributed to GEMM sites through the compiled HLO's op names. Writes
-WORKDIR/profile.json, WORKDIR/profile.md and the raw traces under WORKDIR/traces/. Needs a GPU
+WORKDIR/profile.json, WORKDIR/profile.md, the raw traces under WORKDIR/traces/ and each
+step's compiled HLO (what XLA fused) under WORKDIR/hlo/. Needs a GPU
 for device kernels: a CPU run has none and says so.
 """
 import os
@@ -24,10 +25,19 @@ VARIANTS = flags.DEFINE_list("variants", ["bf16", "bf16_mods"],
 PLANS = flags.DEFINE_string("plans_dir", None, "Plans of the LoKA variant (as the bench's).")
 BATCH = flags.DEFINE_integer("batch_size", 0, "Batch size; 0: the target's.")
 ITERATIONS = flags.DEFINE_integer("iterations", 5, "Profiled steps per variant and mode.")
+COMMAND_BUFFERS = flags.DEFINE_bool(
+    "command_buffers", False,
+    "Keep XLA's CUDA-graph command buffers. Off by default: a kernel launched from a command "
+    "buffer names the buffer (`command_buffer_N`) as its HLO op, not its own instruction, so "
+    "its time cannot be split by site (the tenth session's tower profile: 92% of a bf16 "
+    "train step outside the sites).")
 
 
 def main(argv):
   del argv
+  if not COMMAND_BUFFERS.value:  # read when JAX starts its GPU backend, so before any use
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_gpu_enable_command_buffer=").strip()
   import jax
   from loka_jax import _compat, jsonio
   from loka_jax.bench import planning, profile, speed, suite
@@ -65,6 +75,11 @@ def main(argv):
       trace = profile.profile_calls({key: getattr(arm, mode)},
                                     os.path.join(workdir, "traces", f"{name}_{mode}"),
                                     ITERATIONS.value)
+      # What XLA fused: the compiled module, to read a top kernel's fusion beside the table.
+      hlo_file = os.path.join(workdir, "hlo", f"{name}_{mode}.txt")
+      os.makedirs(os.path.dirname(hlo_file), exist_ok=True)
+      with open(hlo_file, "w") as f:
+        f.write(arm.hlo[mode])
       kernels, spans = profile.device_events(trace)
       profiles[key] = profile.split(kernels, profile.hlo_op_names(arm.hlo[mode]), sites,
                                     steps=ITERATIONS.value, spans=spans)
@@ -76,7 +91,7 @@ def main(argv):
   device = jax.devices()[0].device_kind
   jsonio.write_json_atomic(os.path.join(workdir, "profile.json"),
                            {"target": target.name, "device": device, "sites": sites,
-                            "profiles": profiles})
+                            "command_buffers": COMMAND_BUFFERS.value, "profiles": profiles})
   table = profile.markdown(profiles)
   with open(os.path.join(workdir, "profile.md"), "w") as f:
     f.write(f"# Step profile: {target.name} on {device}\n\n{table}\n")

@@ -161,6 +161,38 @@ class TargetCheckTest(parameterized.TestCase):
                  "loka_not_slower_than_bf16_mods_served", "wukong/large", "infer")
     self.assertFalse(v["met"])
 
+  def test_loka_is_judged_on_its_one_interleaving_timing_where_it_has_one(self):
+    # Two rows of one program whose bf16 baselines drifted apart: the ratio of rows reads
+    # 0.85x, the pair timed together 1.01x. The verdict takes the pair and says so.
+    rng = np.random.default_rng(11)
+    served = _row("wukong", "small", "bf16_mods_served", 1.2, 1.40, rng)
+    loka = dict(_row("wukong", "small", "loka", 1.2, 1.19, rng), kernels=["xla_bf16"])
+    by_rows = _verdict(targets.check_speed([served, loka]),
+                       "loka_not_slower_than_bf16_mods_served", "wukong/small", "infer")
+    self.assertAlmostEqual(by_rows["value"], 1.19 / 1.40, delta=0.02)
+    self.assertFalse(by_rows["met"])
+    self.assertNotIn("interleaving", by_rows["note"])
+    loka["head_to_head"] = {"bf16_mods_served": {"infer": {"ratio": 1.01, "ci": [0.99, 1.03]}}}
+    v = _verdict(targets.check_speed([served, loka]),
+                 "loka_not_slower_than_bf16_mods_served", "wukong/small", "infer")
+    self.assertEqual((v["value"], v["ci"], v["met"]), (1.01, [0.99, 1.03], True))
+    self.assertIn("timed in one interleaving", v["note"])
+    # A pair the row lacks (train, here) still comes from the rows.
+    self.assertEqual(targets.over(loka, served, "train"),
+                     targets.ratio(loka, served, "train"))
+
+  def test_interleaved_references_are_the_variants_the_targets_compare_with(self):
+    speeds = {"bf16_mods": {"train": 1.1, "infer": 1.0},
+              "fp8_rowwise": {"train": 1.3, "infer": 0.9},
+              "flax_fp8_delayed": {"train": 1.2, "infer": 1.4},
+              "loka": {"train": 2.0, "infer": 2.0}}
+    self.assertEqual(targets.interleaved_references("loka", speeds),
+                     ["bf16_mods", "fp8_rowwise", "flax_fp8_delayed"])
+    speeds["bf16_mods_served"] = {"train": 1.1, "infer": 1.3}
+    speeds["fp8_rowwise"]["infer"] = 1.5
+    self.assertEqual(targets.interleaved_references("loka", speeds),
+                     ["bf16_mods", "bf16_mods_served", "fp8_rowwise"])
+
   def test_over_best_single_kernel(self):
     met = _verdict(self.verdicts, "loka_over_best_single_kernel", "wukong/large", "train")
     self.assertTrue(met["met"])  # 1.6 / 1.1 = 1.45x
@@ -416,6 +448,47 @@ class ExportedInferenceTest(chex.TestCase):
     # float32 parameters stored as bf16: about half of the site weights' bytes are saved.
     self.assertGreater(served["export_saved_fraction"], 0.3)
     self.assertEqual(served["mods"], ["all"])
+
+
+class HeadToHeadTest(absltest.TestCase):
+
+  def test_the_subject_runs_last_and_is_timed_against_each_reference(self):
+    out = _tempdir(self)
+    results = ResultsFile(os.path.join(out, "bench.jsonl"), suite.KEY_FIELDS)
+    target = suite.tower_targets(["32x16x2"])[0]
+    settings = suite.SpeedSettings(repeats=3, probe=False, head_to_head=("fp8_rowwise",))
+
+    def run(names):
+      logs = []
+      done = suite.run_target(target, variants.parse_variants(names), results,
+                              settings=settings, deadline=float("inf"), device="cpu",
+                              log=logs.append)
+      self.assertTrue(done)
+      return logs
+    run(["bf16_mods"])  # an earlier run timed bf16+Mods: its arm is gone
+    logs = run(["fp8_rowwise", "bf16_mods", "fp8_tensorwise"])
+    rows = [json.loads(l) for l in open(os.path.join(out, "bench.jsonl"))]
+    self.assertEqual([r["variant"] for r in rows],
+                     ["bf16", "bf16_mods", "fp8_tensorwise", "fp8_rowwise"])
+    for r in rows[:3]:
+      self.assertNotIn("head_to_head", r)
+    self.assertIn("  fp8_rowwise vs bf16_mods: building bf16_mods again for the pair", logs)
+    self.assertFalse(any("building fp8_tensorwise" in line for line in logs), logs)
+    pairs = rows[-1]["head_to_head"]
+    # bf16+Mods, and the best (only) other peer; no served arm ran.
+    self.assertEqual(sorted(pairs), ["bf16_mods", "fp8_tensorwise"])
+    for modes in pairs.values():
+      for mode in ("train", "infer"):
+        pair = modes[mode]
+        self.assertLen(pair["samples_us"], 3)
+        self.assertLen(pair["other_samples_us"], 3)
+        # The ratio is the other's median step over the subject's, from the pair's samples.
+        self.assertAlmostEqual(pair["ratio"], np.median(pair["other_samples_us"])
+                               / np.median(pair["samples_us"]), delta=1e-3 * pair["ratio"])
+        self.assertLessEqual(pair["ci"][0], pair["ratio"])
+        self.assertGreaterEqual(pair["ci"][1], pair["ratio"])
+    self.assertTrue(any("fp8_rowwise vs fp8_tensorwise, one interleaving" in l for l in logs),
+                    logs)
 
 
 class CliTest(absltest.TestCase):

@@ -201,6 +201,29 @@ class SelectTest(chex.TestCase):
     self.assertFalse(v["fwd"]["flax_fp8_delayed_fwd"].eligible)
     self.assertIn("fused op: grad_rhs not evaluated", v["fwd"]["flax_fp8_delayed_fwd"].reasons)
 
+  def test_fp8_grad_lhs_alone_wins_where_the_weight_gradient_fails(self):
+    # The largest tower's dense_2 (tenth session's probe report, H200): full delayed scaling
+    # fails grad_rhs (11 dB < 20 dB), the delayed forward keeps both gradients in bf16 at bf16
+    # speed, and delayed scaling in the forward and grad_lhs only is safe in every pass and
+    # faster over the site; it must be chosen for all three passes.
+    scope = {"time_scope": "grad_lhs+grad_rhs"}
+    fwd = hm.entry(sqnr=41.6, speedup=(1.40, 1.42, 1.45))
+
+    def fused(grad_lhs_sqnr, grad_rhs_sqnr, bwd_speedup):
+      bwd = dict(speedup=bwd_speedup, base_us=200.0, **scope)
+      return {"fwd": fwd, "grad_lhs": hm.entry(sqnr=grad_lhs_sqnr, **bwd),
+              "grad_rhs": hm.entry(sqnr=grad_rhs_sqnr, **bwd)}
+
+    ops = {"flax_fp8_delayed": fused(25.6, 10.8, (1.40, 1.45, 1.5)),
+           "flax_fp8_delayed_fwd": fused(51.5, 55.6, (0.99, 1.0, 1.01)),
+           "flax_fp8_delayed_grad_lhs": fused(25.6, 55.6, (1.20, 1.25, 1.3))}
+    rep = hm.report({"s": hm.site({p: {k: v[p] for k, v in ops.items()} for p in PASSES})})
+    chosen = kernels_of(selection.select(rep, Criteria()), "s")
+    self.assertEqual(set(chosen.values()), {"flax_fp8_delayed_grad_lhs"})
+    info = selection.kernels_info(rep)
+    v = eligibility.assess_site({**rep, "kernels": info}, "s", Criteria())
+    self.assertFalse(v["fwd"]["flax_fp8_delayed"].eligible)
+    self.assertTrue(all(v[p]["flax_fp8_delayed_grad_lhs"].eligible for p in PASSES))
 
   def test_per_pass_bf16_gradients_are_timed_as_the_fused_ops_backward_was(self):
     # A fast FP8 forward per pass with bf16 gradients, against the delayed forward with its

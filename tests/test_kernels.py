@@ -181,9 +181,41 @@ class FlaxDelayedForwardTest(absltest.TestCase):
     self.assertNotEqual(float(meta["input_scale"][0]), 1.0)
 
   def test_registered_as_a_stateful_fused_op(self):
-    kernel = kernels.get("flax_fp8_delayed_fwd")
-    self.assertEqual(kernel.sort, kernels.FUSED_OP)
-    self.assertTrue(kernel.stateful and kernel.fp8)
+    for name in ("flax_fp8_delayed_fwd", "flax_fp8_delayed_grad_lhs"):
+      kernel = kernels.get(name)
+      self.assertEqual(kernel.sort, kernels.FUSED_OP)
+      self.assertTrue(kernel.stateful and kernel.fp8)
+
+
+class FlaxDelayedGradLhsTest(parameterized.TestCase):
+
+  @parameterized.parameters(("mk,kn->mn", (32, 128), (128, 48), (32, 48)),
+                            ("bnd,nk->bdk", (8, 16, 32), (16, 12), (8, 32, 12)))
+  def test_forward_and_grad_lhs_are_flax_and_grad_rhs_is_the_plain_product(
+      self, spec, lhs_shape, rhs_shape, out_shape):
+    keys = jax.random.split(jax.random.PRNGKey(11), 3)
+    x, w, g = (jax.random.normal(k, shape).astype(jnp.bfloat16)
+               for k, shape in zip(keys, (lhs_shape, rhs_shape, out_shape)))
+    out, dx, dw, meta = kernels.flax_delayed.run_delayed_passes(
+        spec, x, w, g, warmup=3, kernel="flax_fp8_delayed_grad_lhs")
+    flax_out, flax_dx, flax_dw, flax_meta = kernels.flax_delayed.run_delayed_passes(
+        spec, x, w, g, warmup=3)
+    f32 = lambda a: np.asarray(a, np.float32)
+    # The forward and grad_lhs are Flax's delayed-scaling products, bit for bit (the same
+    # scales, learned over the same warm-up) ...
+    np.testing.assert_array_equal(f32(out), f32(flax_out))
+    np.testing.assert_array_equal(f32(dx), f32(flax_dx))
+    _, vjp = jax.vjp(lambda a, b: jnp.einsum(spec, a, b), x, w)
+    exact_dx, exact_dw = vjp(g)
+    self.assertLess(float(metrics.sqnr_db(dx, exact_dx)), 40.0)  # ... and both quantized;
+    # grad_rhs is the plain product's in the compute dtype, where Flax's is e5m2 x e4m3.
+    np.testing.assert_array_equal(f32(dw), f32(exact_dw))
+    self.assertFalse(np.array_equal(f32(flax_dw), f32(exact_dw)))
+    # State: Flax's six variables, the output gradient's scale learned as Flax learns it.
+    self.assertEqual(sorted(meta), sorted(flax_meta))
+    self.assertEqual(float(meta["output_grad_scale"][0]),
+                     float(flax_meta["output_grad_scale"][0]))
+    self.assertNotEqual(float(meta["output_grad_scale"][0]), 1.0)
 
 
 class EinsumSpecTest(parameterized.TestCase):

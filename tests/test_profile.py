@@ -98,8 +98,13 @@ class AttributionTest(absltest.TestCase):
     self.assertEqual(got["classes_us"], {"gemm_cublas": 25.0, "gemm_fp8": 15.0, "fusion": 5.0,
                                          "pallas": 3.0})
     self.assertEqual(got["top_kernels_us"][0]["name"], "sm90_xmma_gemm_bf16bf16_nt")
+    self.assertEqual((got["top_kernels_us"][0]["site"], got["top_kernels_us"][0]["hlo_op"]),
+                     (site, bwd))
     table = profile.markdown({"bf16 train": got})
     self.assertIn(f"| {site} | 15 / 25 |", table)
+    self.assertIn(f"| `sm90_xmma_gemm_bf16bf16_nt` | gemm_cublas | 25.0 | {site} |", table)
+    self.assertIn("| `loop_multiply_fusion` | fusion | 5.0 | `no_such_instruction` (no site) |",
+                  table)
     self.assertEqual(got["attribution"], {
         "kernel_events": 4, "with_hlo_op": 3, "hlo_op_in_module": 2, "with_tf_op": 0,
         "arg_keys": ["hlo_op"],
@@ -214,6 +219,9 @@ class CliTest(absltest.TestCase):
                                                "bf16_mods infer"})
       self.assertLen(data["sites"], 17)
       self.assertTrue(os.path.exists(os.path.join(tmp, "profile.md")))
+      self.assertFalse(data["command_buffers"])
+      with open(os.path.join(tmp, "hlo", "bf16_mods_train.txt")) as f:
+        self.assertIn("HloModule", f.read())
 
 
 if __name__ == "__main__":

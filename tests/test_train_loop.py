@@ -155,6 +155,9 @@ class TrainLoopTest(chex.TestCase):
   def test_flax_fp8_delayed_forward_trains(self):
     self._delayed_scaling_trains("flax_fp8_delayed_fwd")
 
+  def test_flax_fp8_delayed_grad_lhs_trains(self):
+    self._delayed_scaling_trains("flax_fp8_delayed_grad_lhs")
+
   def _delayed_scaling_trains(self, kernel):
     model = train_toys.ToyClickModel(
         config=SiteConfig.for_precision("fp8_all", kernel=kernel))

@@ -198,6 +198,7 @@ def split(events: Sequence[Mapping], op_names: Mapping[str, str], sites: Iterabl
   with_op = in_module = with_tf_op = 0
   arg_keys = set()
   index = _span_index(spans, op_names)
+  seen: Dict[str, Dict] = {}
   for e in events:
     arg_keys.update(e.get("arg_keys") or ())
     with_op += bool(e.get("hlo_op"))
@@ -213,6 +214,8 @@ def split(events: Sequence[Mapping], op_names: Mapping[str, str], sites: Iterabl
     op_name = op_names.get(hlo_op or "") or e.get("tf_op")
     with_tf_op += bool(e.get("tf_op"))
     site = site_of(op_name, sites) if op_name else None
+    # What the top kernels were mapped through, so an unsplit profile shows why at a glance.
+    seen.setdefault(e["name"], {"hlo_op": e.get("hlo_op"), "op_name": op_name, "site": site})
     if site is None:
       unattributed += us
     else:
@@ -230,7 +233,7 @@ def split(events: Sequence[Mapping], op_names: Mapping[str, str], sites: Iterabl
                           "unmatched_hlo_ops": unmatched,
                           "module_instructions": sorted(op_names)[:5]},
           "classes_us": dict(by_class.most_common()),
-          "top_kernels_us": [{"name": n, "us": us, "class": kernel_class(n)}
+          "top_kernels_us": [{"name": n, "us": us, "class": kernel_class(n), **seen[n]}
                              for n, us in by_kernel.most_common(top)]}
 
 
@@ -266,7 +269,16 @@ def markdown(profiles: Mapping[str, Mapping]) -> str:
         lines.append(f"Unmatched hlo_op args, e.g. {', '.join(a['unmatched_hlo_ops'])}; the "
                      f"module's instructions, e.g. {', '.join(a['module_instructions'])}.")
   for n in names:
-    lines += ["", f"Top kernels, {n}:", "", "| kernel | class | us / step |", "|---|---|---|"]
-    lines += [f"| `{k['name'][:90]}` | {k['class']} | {k['us']:,.1f} |"
+    lines += ["", f"Top kernels, {n}:", "",
+              "| kernel | class | us / step | site (or the HLO op it named) |",
+              "|---|---|---|---|"]
+    lines += [f"| `{k['name'][:90]}` | {k['class']} | {k['us']:,.1f} | {_mapped_to(k)} |"
               for k in profiles[n]["top_kernels_us"]]
   return "\n".join(lines)
+
+
+def _mapped_to(kernel: Mapping) -> str:
+  """A top kernel's site, else the HLO op its event named (older profiles have neither)."""
+  if kernel.get("site"):
+    return kernel["site"]
+  return f"`{kernel['hlo_op']}` (no site)" if kernel.get("hlo_op") else "-"

@@ -190,16 +190,48 @@ class TargetBench:
       calls = {"bf16": getattr(self.baseline, mode), arm.name: getattr(arm, mode)}
       if arm.name == "bf16":
         calls = {"bf16": calls["bf16"]}
-      timings = timing.time_calls(calls, repeats=repeats)
-      for t in timings.values():
-        t.seconds = t.seconds / self.inner[mode]
-        t.inner = self.inner[mode]
+      timings = self._time_calls(calls, mode, repeats)
       summary = timing.summarize(timings, "bf16", seed=seed)[arm.name]
-      summary["samples_us"] = [round(float(s) * 1e6, 3) for s in timings[arm.name].seconds]
-      summary["baseline_samples_us"] = [round(float(s) * 1e6, 3)
-                                        for s in timings["bf16"].seconds]
+      summary["samples_us"] = _us(timings[arm.name])
+      summary["baseline_samples_us"] = _us(timings["bf16"])
       out[mode] = summary
     return out
+
+  def head_to_head(self, arm: Arm, others: Dict[str, Arm], repeats: int,
+                   seed: int = 0) -> Dict[str, Dict[str, Dict[str, Any]]]:
+    """{other: {'train'|'infer': `arm`'s speed over `other`}}, each pair timed in one
+    interleaving of the two alone.
+
+    A ratio of two rows divides two speedups, each over the bf16 timed beside its own row,
+    so it carries both baselines' drift: on Wukong `small` (H200) bf16's median inference step
+    moved from 2,245 to 1,949 us between two rows of one program, which read 0.89x. Timed
+    together, the pair needs no baseline."""
+    out: Dict[str, Dict[str, Dict[str, Any]]] = {}
+    for name, other in others.items():
+      out[name] = {}
+      for mode in ("train", "infer"):
+        timings = self._time_calls({name: getattr(other, mode), arm.name: getattr(arm, mode)},
+                                   mode, repeats)
+        summary = timing.summarize(timings, name, seed=seed)
+        out[name][mode] = {"ratio": summary[arm.name]["speedup"],
+                           "ci": summary[arm.name]["speedup_ci"],
+                           "median_us": summary[arm.name]["median_us"],
+                           "other_median_us": summary[name]["median_us"],
+                           "samples_us": _us(timings[arm.name]),
+                           "other_samples_us": _us(timings[name])}
+    return out
+
+  def _time_calls(self, calls, mode: str, repeats: int) -> Dict[str, timing.Timing]:
+    """Interleaved timings of `calls`, per step of `mode` (a call runs inner[mode] steps)."""
+    timings = timing.time_calls(calls, repeats=repeats)
+    for t in timings.values():
+      t.seconds = t.seconds / self.inner[mode]
+      t.inner = self.inner[mode]
+    return timings
+
+
+def _us(t: timing.Timing):
+  return [round(float(s) * 1e6, 3) for s in t.seconds]
 
 
 def site_config(variant, plan=None) -> SiteConfig:

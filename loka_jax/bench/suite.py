@@ -12,13 +12,15 @@ import dataclasses
 import gc
 import time
 import traceback
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import jax
 
 from loka_jax.bench import planning, speed, towers
 from loka_jax.bench.results import ResultsFile
-from loka_jax.bench.variants import PALLAS, PLAN, Variant, pallas_coverage, pallas_plan
+from loka_jax.bench.targets import interleaved_references
+from loka_jax.bench.variants import (PALLAS, PLAN, VARIANTS, Variant, pallas_coverage,
+                                     pallas_plan)
 from loka_jax.data import FeatureSpec, make_source
 from loka_jax.dispatch.validate import BASELINE as ALL_BF16_PLAN
 from loka_jax.models.presets import apply_mods, build_model, get_config, site_products, tower_flops
@@ -122,6 +124,9 @@ class SpeedSettings:
   probe_timing_cache: Optional[str] = None  # timings measured ahead (`probe --time_only`)
   min_call_s: float = 1e-3
   seed: int = 0
+  # Variants timed, after their bf16 pair, against the variants their targets compare them
+  # with, in one interleaving each (`TargetBench.head_to_head`); they run last in a target.
+  head_to_head: Tuple[str, ...] = ("loka",)
 
 
 def plan_for(target: Target, variant: Variant, batch, settings: SpeedSettings) -> tuple:
@@ -172,14 +177,74 @@ def serve_exported(bench: speed.TargetBench, arm: speed.Arm, model, plan, report
   return bench.with_inference(arm, exported.forward, exported.variables), fields
 
 
+def _build_arm(bench: speed.TargetBench, target: Target, v: Variant, batch,
+               settings: SpeedSettings) -> Tuple[Optional[speed.Arm], Dict, Optional[str]]:
+  """(the variant's arm, its row fields, why it cannot be built yet: None when it can)."""
+  if v.name == "bf16":
+    return bench.baseline, {}, None
+  plan, fields, missing = plan_for(target, v, batch, settings)
+  if missing:
+    return None, {}, missing
+  row = dict(fields)
+  if v.kernels_from not in (PALLAS, PLAN):
+    row["kernel"] = v.kernel if v.precision == "fp8_all" else f"xla_{v.precision}"
+  model = target.build(speed.site_config(v, plan), v.mods)
+  arm = bench.add(v.name, model)
+  if v.kernels_from == PLAN:
+    report = planning.load_report(settings.plans_dir, target.model, target.preset)
+    arm, export_fields = serve_exported(bench, arm, model, row["plan"], report)
+    row.update(export_fields)
+  elif v.served:  # no FP8 site: every weight is exported in bf16, no report needed
+    arm, export_fields = serve_exported(bench, arm, model, ALL_BF16_PLAN, None)
+    row.update(export_fields)
+  return arm, row, None
+
+
+def _finished_speeds(results: ResultsFile, key: Tuple) -> Dict[str, Dict[str, float]]:
+  """{variant: {mode: speedup over bf16}} of the target's finished rows (`key`: suite, model,
+  preset, device), this process's and earlier ones'."""
+  return {r["variant"]: {m: r[m]["speedup"] for m in ("train", "infer")}
+          for r in results.rows()
+          if (r.get("suite"), r.get("model"), r.get("preset"), r.get("device")) == key
+          and "error" not in r and "train" in r}
+
+
+def _head_to_head(bench: speed.TargetBench, arm: speed.Arm, alive: Dict[str, speed.Arm],
+                  speeds: Dict[str, Dict[str, float]], build: Callable[[str], speed.Arm],
+                  deadline: float, settings: SpeedSettings, log) -> Dict:
+  """Row fields: `arm` timed against each variant its targets compare it with, in one
+  interleaving per pair (`head_to_head`), or why that failed; the row is kept either way.
+  A variant whose row an earlier run timed is built again here (before the deadline)."""
+  others = {}
+  try:
+    for name in interleaved_references(arm.name, speeds):
+      if name not in alive:
+        if time.time() > deadline:
+          log(f"  {arm.name} vs {name}: deadline, not built again (the ratio of rows stands)")
+          continue
+        log(f"  {arm.name} vs {name}: building {name} again for the pair")
+        alive[name] = build(name)
+      others[name] = alive[name]
+    pairs = bench.head_to_head(arm, others, settings.repeats, seed=settings.seed)
+  except Exception as e:  # e.g. out of memory with the other arms alive: keep the bf16 pair
+    log(f"  {arm.name}: head-to-head timing failed: {type(e).__name__}: {str(e)[:300]}")
+    return {"head_to_head_error": f"{type(e).__name__}: {e}"[:2000]}
+  for n, pair in pairs.items():
+    log(f"  {arm.name} vs {n}, one interleaving: train {pair['train']['ratio']:.3f}x, "
+        f"infer {pair['infer']['ratio']:.3f}x")
+  return {"head_to_head": pairs} if pairs else {}
+
+
 def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile, *,
                settings: SpeedSettings, deadline: float, device: str,
                log: Callable[[str], None] = print) -> bool:
   """Measures the target's unfinished variants; False when some are left (deadline, plan)."""
-  pending = [v for v in variants
-             if not results.done((target.suite, target.model, target.preset, v.name, device))]
+  key = (target.suite, target.model, target.preset, device)
+  pending = [v for v in variants if not results.done((*key[:3], v.name, device))]
   if not pending:
     return True
+  # Head-to-head subjects last: the arms they are compared with are timed (and alive) first.
+  pending.sort(key=lambda v: v.name in settings.head_to_head)
   log(f"{target.name}: {', '.join(v.name for v in pending)}")
   if settings.probe:
     # Probe before the baseline's state exists: a large preset (Wukong large: 50 GiB of
@@ -202,50 +267,50 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
   bench = speed.TargetBench(batch, seed=settings.seed, min_call_s=settings.min_call_s)
   t0 = time.time()
   try:
-    baseline = bench.set_baseline(target.build(SiteConfig.for_precision("bf16")))
+    bench.set_baseline(target.build(SiteConfig.for_precision("bf16")))
   except Exception as e:  # e.g. out of memory: record it once for the whole target
     results.append({**base, "variant": "bf16", "error": f"{type(e).__name__}: {e}"[:2000]})
     log(f"  bf16 failed: {type(e).__name__}: {str(e)[:300]}")
     return True
   log(f"  bf16 compiled in {time.time() - t0:.0f}s (steps per timed call: {bench.inner})")
   complete = True
+  alive: Dict[str, speed.Arm] = {}  # arms built here on the shared state, kept for the pairs
+
+  def build_again(name: str) -> speed.Arm:
+    arm, _, missing = _build_arm(bench, target, VARIANTS[name], batch, settings)
+    if missing:
+      raise RuntimeError(f"{name}: {missing}")
+    return arm
+
   for v in pending:
     if time.time() > deadline:
       log(f"  deadline: {target.name}/{v.name} left for the next run")
       return False
     row = {**base, "variant": v.name, "precision": v.precision, "mods": list(v.mods)}
     try:
-      if v.name == "bf16":
-        arm = baseline
-      else:
-        plan, fields, missing = plan_for(target, v, batch, settings)
-        if missing:
-          log(f"  {v.name}: skipped, {missing}")
-          complete = False
-          continue
-        row.update(fields)
-        if v.kernels_from not in (PALLAS, PLAN):
-          row["kernel"] = v.kernel if v.precision == "fp8_all" else f"xla_{v.precision}"
-        model = target.build(speed.site_config(v, plan), v.mods)
-        arm = bench.add(v.name, model)
-        if v.kernels_from == PLAN:
-          report = planning.load_report(settings.plans_dir, target.model, target.preset)
-          arm, export_fields = serve_exported(bench, arm, model, row["plan"], report)
-          row.update(export_fields)
-        elif v.served:  # no FP8 site: every weight is exported in bf16, no report needed
-          arm, export_fields = serve_exported(bench, arm, model, ALL_BF16_PLAN, None)
-          row.update(export_fields)
+      arm, fields, missing = _build_arm(bench, target, v, batch, settings)
+      if missing:
+        log(f"  {v.name}: skipped, {missing}")
+        complete = False
+        continue
+      row.update(fields)
       measured = bench.time_pair(arm, settings.repeats, seed=settings.seed)
       for mode, s in measured.items():
         s["examples_per_s"] = target.batch() / (s["median_us"] * 1e-6)
       row.update(arm.info, **measured)
-      results.append(row)
       log(f"  {v.name}: train {measured['train']['speedup']:.2f}x, "
           f"infer {measured['infer']['speedup']:.2f}x vs bf16 (compile {arm.info['compile_s']}s)")
+      if v.name in settings.head_to_head:
+        row.update(_head_to_head(bench, arm, alive, _finished_speeds(results, key),
+                                 build_again, deadline, settings, log))
+      results.append(row)
+      if arm.info["shared_state"] and v.name != "bf16":
+        alive[v.name] = arm
     except Exception as e:  # record and go on with the next variant
       results.append({**row, "error": f"{type(e).__name__}: {e}"[:2000],
                       "traceback": traceback.format_exc()[-3000:]})
       log(f"  {v.name} failed: {type(e).__name__}: {str(e)[:300]}")
     finally:
-      bench.drop(v.name)
+      if v.name not in alive:
+        bench.drop(v.name)
   return complete

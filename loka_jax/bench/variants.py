@@ -39,6 +39,8 @@ VARIANTS: Dict[str, Variant] = {
     "bf16_mods_served": Variant("bf16_mods_served", "bf16", mods=("all",), served=True),
     "flax_fp8_delayed": Variant("flax_fp8_delayed", "fp8_all", "flax_fp8_delayed"),
     "flax_fp8_delayed_fwd": Variant("flax_fp8_delayed_fwd", "fp8_all", "flax_fp8_delayed_fwd"),
+    "flax_fp8_delayed_grad_lhs": Variant("flax_fp8_delayed_grad_lhs", "fp8_all",
+                                         "flax_fp8_delayed_grad_lhs"),
     "fp8_tensorwise": Variant("fp8_tensorwise", "fp8_all", "xla_fp8_tensorwise"),
     "fp8_rowwise": Variant("fp8_rowwise", "fp8_all", "xla_fp8_rowwise"),
     "pallas": Variant("pallas", "fp8_all", "pallas_fp8_rowwise", kernels_from=PALLAS),
@@ -47,11 +49,12 @@ VARIANTS: Dict[str, Variant] = {
 LABELS = {"fp32": "fp32", "bf16": "bf16", "bf16_mods": "bf16+Mods",
           "bf16_mods_served": "bf16+Mods (served)", "flax_fp8_delayed": "Flax FP8 (delayed)",
           "flax_fp8_delayed_fwd": "FP8 fwd (delayed), bf16 grads",
+          "flax_fp8_delayed_grad_lhs": "FP8 fwd + grad_lhs (delayed), bf16 grad_rhs",
           "fp8_tensorwise": "XLA FP8 tensorwise", "fp8_rowwise": "XLA FP8 rowwise",
           "pallas": "Pallas FP8", "loka": "LoKA"}
 # The one-kernel-everywhere peers LoKA must match or beat (issue 8, targets).
-PEERS = ("flax_fp8_delayed", "flax_fp8_delayed_fwd", "fp8_tensorwise", "fp8_rowwise",
-         "pallas")
+PEERS = ("flax_fp8_delayed", "flax_fp8_delayed_fwd", "flax_fp8_delayed_grad_lhs",
+         "fp8_tensorwise", "fp8_rowwise", "pallas")
 BASELINE = "bf16"
 # Pallas kernels tried per site, first supported wins (rowwise led the GEMM bench; the batched
 # kernel covers the act x act batched products the 2-D kernels cannot).
