@@ -202,6 +202,12 @@ class EligibilityTest(parameterized.TestCase):
     self.assertEqual(candidates.computation_key(a, "fwd"), candidates.computation_key(b, "fwd"))
     self.assertNotEqual(candidates.computation_key(a, "grad_lhs"),
                         candidates.computation_key(b, "grad_lhs"))
+    # The delayed-scaling fused ops differ only in their backward.
+    delayed = [kernels_lib.get(n) for n in ("flax_fp8_delayed", "flax_fp8_delayed_fwd",
+                                            "flax_fp8_delayed_grad_lhs")]
+    self.assertLen({candidates.computation_key(k, "fwd") for k in delayed}, 1)
+    for p in ("grad_lhs", "grad_rhs"):
+      self.assertLen({candidates.computation_key(k, p) for k in delayed}, 3)
 
 
 if __name__ == "__main__":

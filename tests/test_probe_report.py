@@ -269,6 +269,18 @@ class KernelTimingTest(absltest.TestCase):
     self.assertTrue(all(e["unroll"] == timing_lib.loop_unroll() and e["inner"] > 1
                         for e in got))
 
+  def test_delayed_scaling_ops_share_one_timing_of_their_common_forward(self):
+    site = collector.make_site_probe("d", "mk,kn->mn", "act_weight", (64, 48), (48, 32), CONFIG)
+    kernels, _ = candidates.candidate_kernels(
+        ["xla_bf16", "flax_fp8_delayed", "flax_fp8_delayed_grad_lhs"], "cpu")
+    cache = kernel_timing.TimingCache(os.path.join(tempfile.mkdtemp(), "cpu.json"), "cpu")
+    got = {(e["kernel"], e["pass"]): e for e in kernel_timing.measure_site(
+        site.layout, kernels, "bfloat16", cache, unsupported={}, repeats=3)}
+    flax, ours = "flax_fp8_delayed", "flax_fp8_delayed_grad_lhs"
+    self.assertEqual(got[(flax, "fwd")]["seconds"], got[(ours, "fwd")]["seconds"])
+    self.assertNotEqual(got[(flax, "grad_lhs")]["seconds"], got[(ours, "grad_lhs")]["seconds"])
+    self.assertNotIn("error", got[(ours, "grad_rhs")])
+
   def test_a_fused_backward_is_compared_with_the_baselines_backward_timed_as_one_call(self):
     site = collector.make_site_probe("d", "mk,kn->mn", "act_weight", (64, 48), (48, 32), CONFIG)
     kernels, _ = candidates.candidate_kernels(["xla_bf16", "flax_fp8_delayed_fwd"], "cpu")

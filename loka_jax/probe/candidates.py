@@ -4,7 +4,8 @@ Default candidates: every kernel that can compute a plain site product (per-pass
 fused ops with passes), except the fp32 reference arm (never faster than xla_bf16) and, on a
 CPU, the Pallas kernels (interpret mode is slow; name them with --kernels to include them).
 Kernels whose code for a pass is identical share one evaluation and one timing of that pass:
-the XLA FP8 variants differ only in which passes accumulate fast.
+the XLA FP8 variants differ only in which passes accumulate fast, and the delayed-scaling fused
+ops only in their backward (they share one timing of the forward).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from loka_jax import kernels as kernels_lib
 from loka_jax.kernels.base import FUSED_OP, Kernel
+from loka_jax.kernels.flax_delayed import FlaxDelayed
 from loka_jax.kernels.xla import ALL_FAST, FWD_ONLY_FAST, XlaFp8
 
 BASELINE = "xla_bf16"
@@ -59,6 +61,10 @@ def computation_key(kernel: Kernel, pass_name: str) -> Tuple:
     fast = kernel.fast_accum == ALL_FAST or (kernel.fast_accum == FWD_ONLY_FAST
                                              and pass_name == "fwd")
     return ("xla_fp8", kernel.granularity, fast, pass_name)
+  if isinstance(kernel, FlaxDelayed) and pass_name == "fwd":
+    # Flax's op and the ops that change only its backward share Flax's forward, bit for bit
+    # (test_kernels.py: FlaxDelayedForwardTest, FlaxDelayedGradLhsTest).
+    return ("flax_delayed", kernel.amax_history_length, pass_name)
   return (kernel.name, pass_name)
 
 

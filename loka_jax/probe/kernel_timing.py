@@ -277,10 +277,15 @@ def measure_site(layout: SiteLayout, kernels, dtype: str, cache: TimingCache, *,
   for name, p in sorted(wanted, key=lambda kp: (kp[0] != BASELINE, kp)):
     kernel = by_name[name]
     if kernel.sort == FUSED_OP:
-      if f"{name}|fwd" not in variants:
+      if f"{name}|{FUSED_BWD}" not in variants:
         ops = _fused_variants(kernel, layout, jdt)
-        variants[f"{name}|fwd"] = ops["fwd"]
         variants[f"{name}|{FUSED_BWD}"] = ops[FUSED_BWD]
+        ck = computation_key(kernel, "fwd")
+        if ck in first_of:  # the same forward as a fused op timed here already
+          alias[(name, "fwd")] = first_of[ck]
+        else:
+          first_of[ck] = f"{name}|fwd"
+          variants[f"{name}|fwd"] = ops["fwd"]
       continue
     ck = computation_key(kernel, p)
     if ck in first_of:
@@ -296,14 +301,15 @@ def measure_site(layout: SiteLayout, kernels, dtype: str, cache: TimingCache, *,
   for name, p in sorted(wanted):
     kernel = by_name[name]
     spec, a, b = pass_problem(layout, p)
-    sources = ([f"{name}|fwd", f"{name}|{FUSED_BWD}"] if kernel.sort == FUSED_OP
+    fwd_source = alias.get((name, "fwd"), f"{name}|fwd")
+    sources = ([fwd_source, f"{name}|{FUSED_BWD}"] if kernel.sort == FUSED_OP
                else [alias.get((name, p), f"{name}|{p}")])
     errors = [measured[v]["error"] for v in sources if "error" in measured[v]]
     if errors:
       entries.append(_error_entry(name, p, spec, a, b, dtype, errors[0]))
       continue
     if kernel.sort == FUSED_OP:
-      fwd = measured[f"{name}|fwd"]
+      fwd = measured[fwd_source]
       if p == "fwd":
         m, scope = fwd, None
       else:
