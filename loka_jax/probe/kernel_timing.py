@@ -181,31 +181,43 @@ def _baseline_bwd_variant(kernel, layout: SiteLayout, dtype):
   return bwd, [lhs, rhs, grad]
 
 
+# Site products of fewer FLOPs are short on any GPU (under 30 us at H100's bf16 peak), so the
+# probe compiles only their unrolled loop and times one call through it (trip count 1): a
+# probe of a `small` preset is compile-bound, and the plain loop it used to compile first, to
+# time one call and decide, was a second compile of every kernel pass.
+SHORT_FLOPS = 1e10
+
+
 def _time_interleaved(variants: Mapping[str, Tuple[Callable, Sequence]], *, repeats: int,
-                      warmup: int = 3, min_call_seconds: float = 1e-3, max_inner: int = 1000
-                      ) -> Dict[str, Dict]:
-  """{name: {'seconds': per-call seconds [repeats], 'inner', 'backend'}}, interleaved."""
+                      warmup: int = 3, min_call_seconds: float = 1e-3, max_inner: int = 1000,
+                      short: bool = False) -> Dict[str, Dict]:
+  """{name: {'seconds': per-call seconds [repeats], 'inner', 'backend'}}, interleaved.
+  `short`: the products are known to be short (`SHORT_FLOPS`): compile the unrolled loop
+  alone."""
   platform = jax.default_backend()
   prepared, failed = {}, {}
   for name, (fn, args) in variants.items():
     try:
       one = jnp.int32(1)
-      compiled = _looped(fn).lower(one, *args).compile()
+      unroll = timing_lib.loop_unroll() if short else 1
+      compiled = _looped(fn, unroll).lower(one, *args).compile()  # the trip count is dynamic
       backend = backend_from_hlo(compiled.as_text(), platform)
       for _ in range(warmup):
         jax.block_until_ready(compiled(one, *args))
       wanted = timing_lib.calls_for(lambda: compiled(one, *args), min_call_seconds, max_inner)
-      n, inner, unroll = one, 1, 1
+      n, inner = one, 1
       if wanted > 1:
         # Short: UNROLL calls an iteration (on a GPU), as many iterations as bring a call
         # near min_call_seconds (the unrolled loop compiles only for such small products).
-        unroll = timing_lib.loop_unroll()
+        if unroll == 1 and timing_lib.loop_unroll() > 1:
+          unroll = timing_lib.loop_unroll()
+          compiled = _looped(fn, unroll).lower(one, *args).compile()
         n = jnp.int32(max(2, math.ceil((wanted - 1) / unroll) + 1))
         inner = loop_calls(int(n), unroll)
-        if unroll > 1:
-          compiled = _looped(fn, unroll).lower(n, *args).compile()
         for _ in range(warmup):
           jax.block_until_ready(compiled(n, *args))
+      else:
+        unroll = 1  # one call a sample: the loop body never ran
     except Exception as e:  # a kernel that fails to build or run is reported, not timed
       failed[name] = f"{type(e).__name__}: {str(e)[:300]}"
       continue
@@ -296,7 +308,8 @@ def measure_site(layout: SiteLayout, kernels, dtype: str, cache: TimingCache, *,
   time_bwd = bwd_key is not None and any(name in fused for name, _ in wanted)
   if time_bwd:
     variants[f"{BASELINE}|{FUSED_BWD}"] = _baseline_bwd_variant(by_name[BASELINE], layout, jdt)
-  measured = _time_interleaved(variants, repeats=repeats)
+  flops = layout.spec.flops(layout.lhs.shape, layout.rhs.shape)
+  measured = _time_interleaved(variants, repeats=repeats, short=flops < SHORT_FLOPS)
   entries = []
   for name, p in sorted(wanted):
     kernel = by_name[name]
