@@ -216,15 +216,20 @@ def _head_to_head(bench: speed.TargetBench, arm: speed.Arm, alive: Dict[str, spe
   interleaving per pair (`head_to_head`), or why that failed; the row is kept either way.
   A variant whose row an earlier run timed is built again here (before the deadline)."""
   others = {}
-  try:
-    for name in interleaved_references(arm.name, speeds):
-      if name not in alive:
-        if time.time() > deadline:
-          log(f"  {arm.name} vs {name}: deadline, not built again (the ratio of rows stands)")
-          continue
-        log(f"  {arm.name} vs {name}: building {name} again for the pair")
+  for name in interleaved_references(arm.name, speeds):
+    if name not in alive:
+      if time.time() > deadline:
+        log(f"  {arm.name} vs {name}: deadline, not built again (the ratio of rows stands)")
+        continue
+      log(f"  {arm.name} vs {name}: building {name} again for the pair")
+      try:
         alive[name] = build(name)
-      others[name] = alive[name]
+      except Exception as e:  # that pair falls back to the ratio of rows; the others stand
+        log(f"  {arm.name} vs {name}: {name} failed to build: {type(e).__name__}: "
+            f"{str(e)[:300]}")
+        continue
+    others[name] = alive[name]
+  try:
     pairs = bench.head_to_head(arm, others, settings.repeats, seed=settings.seed)
   except Exception as e:  # e.g. out of memory with the other arms alive: keep the bf16 pair
     log(f"  {arm.name}: head-to-head timing failed: {type(e).__name__}: {str(e)[:300]}")
