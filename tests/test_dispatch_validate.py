@@ -482,6 +482,52 @@ class MorePreciseTest(chex.TestCase):
     self.assertIn("not evaluated", why)
 
 
+class FusedBackOffTest(chex.TestCase):
+  """A delayed-scaling site that validation finds too rough steps down one quantized gradient
+  at a time when training is at fault, and straight to bf16 when its forward is."""
+
+  def _report(self):
+    scope = {"time_scope": "grad_lhs+grad_rhs", "base_us": 200.0}
+    fwd = hm.entry(sqnr=41.0, speedup=(1.40, 1.42, 1.45))
+
+    def fused(grad_lhs, grad_rhs, bwd_speedup):
+      return {"fwd": fwd, "grad_lhs": hm.entry(sqnr=grad_lhs, speedup=bwd_speedup, **scope),
+              "grad_rhs": hm.entry(sqnr=grad_rhs, speedup=bwd_speedup, **scope)}
+
+    ops = {"flax_fp8_delayed": fused(25.6, 21.0, (1.40, 1.45, 1.5)),
+           "flax_fp8_delayed_grad_lhs": fused(25.6, 55.6, (1.20, 1.25, 1.3)),
+           "flax_fp8_delayed_fwd": fused(51.5, 55.6, (0.99, 1.0, 1.01))}
+    return hm.report({"s": hm.site({p: {k: v[p] for k, v in ops.items()}
+                                    for p in hm.PASSES})})
+
+  def test_training_steps_down_one_gradient_at_a_time(self):
+    report = self._report()
+    ctx = mock.Mock(report=report)
+    plan = plan_of({"s": "flax_fp8_delayed"})
+    steps = []
+    for _ in range(3):
+      plan = validate.back_off_site(plan, ctx, "s", "test", step="quality_shadow")
+      steps.append(set(kernels(plan, "s").values()))
+    self.assertEqual(steps, [{"flax_fp8_delayed_grad_lhs"}, {"flax_fp8_delayed_fwd"},
+                             {FALLBACK}])
+    self.assertIn("flax_fp8_delayed_grad_lhs: as accurate as flax_fp8_delayed in every pass, "
+                  "more in grad_rhs", plan["validation"][0]["reason"])
+
+  def test_a_rough_forward_goes_to_bf16(self):
+    # Every delayed op shares the forward: none improves it.
+    plan = validate.back_off_site(plan_of({"s": "flax_fp8_delayed"}),
+                                  mock.Mock(report=self._report()), "s", "test",
+                                  step="quality_held_out", must_improve=("fwd",))
+    self.assertEqual(set(kernels(plan, "s").values()), {FALLBACK})
+    self.assertIn("no eligible fused op", plan["validation"][0]["reason"])
+
+  def test_the_speed_step_goes_to_bf16(self):
+    plan = validate.back_off_site(plan_of({"s": "flax_fp8_delayed"}),
+                                  mock.Mock(report=self._report()), "s", "test",
+                                  step="speed", to_fallback=True)
+    self.assertEqual(set(kernels(plan, "s").values()), {FALLBACK})
+
+
 class BuildRunChecksPlanTest(chex.TestCase):
 
   def test_a_plan_that_does_not_fit_fails_before_training_naming_every_offender(self):

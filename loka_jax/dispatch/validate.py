@@ -199,15 +199,11 @@ def _accuracy(verdict, metric: str) -> float:
   return -math.inf if verdict.sqnr_lo is None else float(verdict.sqnr_lo)
 
 
-def more_precise_kernel(report: Optional[Mapping], plan: Plan, site: str, pass_name: str,
-                        current: str) -> Tuple[str, str]:
-  """(kernel, why): the fastest candidate of the report for this pass that is eligible under
-  the site's budget and more accurate than `current`; else xla_bf16."""
-  if report is None or site not in report.get("sites", {}):
-    return FALLBACK, "no probe report entry for the site"
+def _site_verdicts(report: Mapping, plan: Plan, site: str):
+  """({pass: {kernel: Verdict}} of the site under its budget, with the report's timings),
+  the site's effective report entry, the report's kernel metadata."""
   from loka_jax.dispatch import selection
   from loka_jax.probe import eligibility
-  criteria = _site_criteria(plan, site)
   try:
     source = selection.resolve_timing(report)
   except ValueError:
@@ -215,7 +211,20 @@ def more_precise_kernel(report: Optional[Mapping], plan: Plan, site: str, pass_n
   effective, _ = selection.effective_site(report, site, source)
   info = selection.kernels_info(report)
   verdicts = eligibility.assess_site({"kernels": info, "sites": {site: effective}}, site,
-                                     criteria).get(pass_name, {})
+                                     _site_criteria(plan, site))
+  return verdicts, effective, info
+
+
+def more_precise_kernel(report: Optional[Mapping], plan: Plan, site: str, pass_name: str,
+                        current: str) -> Tuple[str, str]:
+  """(kernel, why): the fastest candidate of the report for this pass that is eligible under
+  the site's budget and more accurate than `current`; else xla_bf16."""
+  if report is None or site not in report.get("sites", {}):
+    return FALLBACK, "no probe report entry for the site"
+  from loka_jax.dispatch import selection
+  criteria = _site_criteria(plan, site)
+  all_verdicts, _, info = _site_verdicts(report, plan, site)
+  verdicts = all_verdicts.get(pass_name, {})
   if current not in verdicts:
     return FALLBACK, f"{current} was not evaluated by the probe for this pass"
   floor = _accuracy(verdicts[current], criteria.metric)
@@ -229,13 +238,57 @@ def more_precise_kernel(report: Optional[Mapping], plan: Plan, site: str, pass_n
   return best.kernel, f"fastest eligible candidate more accurate than {current}"
 
 
+def more_precise_fused_op(report: Optional[Mapping], plan: Plan, site: str, current: str,
+                          must_improve: Sequence[str] = PASSES) -> Tuple[str, str]:
+  """(kernel, why): the fastest fused op of the report that is eligible at the site, at least
+  as accurate as the fused op `current` in every pass and more accurate in one of
+  `must_improve`; else xla_bf16.
+
+  The delayed-scaling ops share one forward and quantize fewer and fewer gradients
+  (`flax_fp8_delayed` -> `flax_fp8_delayed_grad_lhs` -> `flax_fp8_delayed_fwd`): a site that
+  training found too rough steps down one gradient at a time and keeps its FP8 forward, while
+  a forward that held-out loss found too rough (must_improve=("fwd",)) goes to bf16."""
+  if report is None or site not in report.get("sites", {}):
+    return FALLBACK, "no probe report entry for the site"
+  from loka_jax.probe import eligibility
+  metric = _site_criteria(plan, site).metric
+  verdicts, effective, info = _site_verdicts(report, plan, site)
+  if any(current not in verdicts.get(p, {}) for p in PASSES):
+    return FALLBACK, f"{current} was not evaluated by the probe in every pass"
+  floor = {p: _accuracy(verdicts[p][current], metric) for p in PASSES}
+  better = {}
+  for k, meta in info.items():
+    if k == current or meta.get("sort") != FUSED_OP or k not in registry.names():
+      continue
+    v = {p: verdicts.get(p, {}).get(k) for p in PASSES}
+    if any(x is None or not x.eligible for x in v.values()):
+      continue
+    accuracy = {p: _accuracy(v[p], metric) for p in PASSES}
+    if (all(accuracy[p] >= floor[p] for p in PASSES)
+        and any(accuracy[p] > floor[p] for p in must_improve)):
+      better[k] = eligibility.fused_site_speedup(effective.get("passes", {}), k) or 0.0
+  if not better:
+    return FALLBACK, (f"no eligible fused op as accurate as {current} in every pass and more "
+                      f"accurate in {'/'.join(must_improve)}")
+  best = max(sorted(better), key=lambda k: better[k])
+  return best, (f"{best}: as accurate as {current} in every pass, more in "
+                f"{'/'.join(p for p in must_improve if _accuracy(verdicts[p][best], metric) > floor[p])}"
+                f", site {better[best]:.2f}x over bf16")
+
+
 def back_off_site(plan: Plan, ctx: ValidationContext, site: str, reason: str, step: str, *,
-                  to_fallback: bool = False) -> Plan:
-  """Every FP8 pass of `site` moved to a more precise kernel (or straight to xla_bf16)."""
+                  to_fallback: bool = False, must_improve: Sequence[str] = PASSES) -> Plan:
+  """Every FP8 pass of `site` moved to a more precise kernel (or straight to xla_bf16 with
+  `to_fallback`). A fused op moves to a more precise fused op (`more_precise_fused_op`, which
+  must improve one of `must_improve`) or to xla_bf16."""
   choice = plan.choice_for(site)
   kernels = {p: choice.for_pass(p) for p in PASSES}
-  if to_fallback or any(registry.get(k).sort == FUSED_OP for k in kernels.values()):
+  if to_fallback:
     return back_off(plan, site, None, reason, to=FALLBACK, step=step)
+  fused = sorted({k for k in kernels.values() if registry.get(k).sort == FUSED_OP})
+  if fused:
+    target, why = more_precise_fused_op(ctx.report, plan, site, fused[0], must_improve)
+    return back_off(plan, site, None, f"{reason}; {why}", to=target, step=step)
   for p, current in kernels.items():
     if not registry.get(current).fp8:
       continue
@@ -504,7 +557,9 @@ def check_held_out(plan, ctx: ValidationContext, config: ValidationConfig = Vali
       reasons = {site: f"{excess}; this site alone: {100 * current[site]:+.4f}%"}
     plan = add_validation(plan, record)
     for site in worst:
-      plan = back_off_site(plan, ctx, site, reasons[site], step="quality_held_out")
+      # Held-out loss is the planned forward's: only a more accurate forward can help.
+      plan = back_off_site(plan, ctx, site, reasons[site], step="quality_held_out",
+                           must_improve=("fwd",))
   return plan
 
 
