@@ -98,6 +98,21 @@ class ProbeCliTest(chex.TestCase):
     self.assertEqual(fm["sqnr_db"], report["sites"]["layer_0/fmb/fm_proj"]["passes"]["fwd"]
                      ["xla_fp8_rowwise"]["sqnr_db"])
 
+    # One more candidate: only it is evaluated; the others come from the cache, unchanged.
+    more = [a if not a.startswith("--kernels=") else a + ",xla_fp8_rowwise_precise"
+            for a in ARGS]
+    grown = run_cli(*more, f"--workdir={workdir}", "--noplots")
+    self.assertEqual(grown.returncode, 0, grown.stderr[-3000:])
+    self.assertEqual(grown.stdout.count("(1 new candidates, 3 from the cache)"), 3,
+                     grown.stdout[-2000:])
+    widened = report_lib.load_report(os.path.join(workdir, "probe_report.json"))
+    for name, site in widened["sites"].items():
+      for p, entries in site["passes"].items():
+        self.assertEqual(list(entries), ["xla_bf16", "xla_fp8_rowwise",
+                                         "xla_fp8_rowwise_precise", "xla_fp8_tensorwise"])
+        self.assertEqual(entries["xla_fp8_rowwise"]["sqnr_db"],
+                         report["sites"][name]["passes"][p]["xla_fp8_rowwise"]["sqnr_db"])
+
   def test_bad_arguments_fail_with_a_clear_message(self):
     workdir = tempfile.mkdtemp(prefix="loka_probe_cli_bad_")
     result = run_cli("--model=wukong", "--preset=tiny", "--steps=1", "--batch_size=8",

@@ -3,8 +3,9 @@ candidate kernel on every site, time them, and write the ProbeReport, its markdo
 and plots. `experiments/probe.py` and the notebooks call `run_probe`.
 
 Every phase resumes: training from its checkpoints (which carry the statistics), evaluation
-from `WORKDIR/probe_eval.jsonl` (one line per finished site, keyed by the statistics it
-used), timing from the on-disk timing cache. With a time budget, a phase that runs out
+from `WORKDIR/probe_eval.jsonl` (one line per finished site and batch of candidates, keyed
+by the statistics and settings it used: a rerun with one more candidate evaluates that one
+alone), timing from the on-disk timing cache. With a time budget, a phase that runs out
 stops cleanly; the report then says what is pending and rerunning finishes it.
 """
 from __future__ import annotations
@@ -90,18 +91,51 @@ def _fingerprint(collector: ProbeCollector) -> str:
   return f"{collector.observations}:{collector.last_observed_step()}"
 
 
-def _read_eval_cache(path: str) -> Dict[str, Dict]:
-  out = {}
+def _eval_cache_key(key: Mapping) -> str:
+  """A cache row's lookup key: everything it was evaluated under but the kernel list, so a
+  probe with one more candidate evaluates that one alone."""
+  return json.dumps({k: v for k, v in report_lib.json_ready(key).items() if k != "kernels"},
+                    sort_keys=True)
+
+
+def _read_eval_cache(path: str) -> Dict[str, List[Dict]]:
+  """{lookup key: the rows evaluated under it, in file order}."""
+  out: Dict[str, List[Dict]] = {}
   if not os.path.exists(path):
     return out
   with open(path) as f:
     for line in f:
       try:
         row = json.loads(line)
-        out[json.dumps(row["key"], sort_keys=True)] = row
-      except (json.JSONDecodeError, KeyError, TypeError):
+        out.setdefault(_eval_cache_key(row["key"]), []).append(row)
+      except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
         continue  # a line torn by a killed run is measured again
   return out
+
+
+def _cached_passes(rows: List[Mapping], names: List[str]):
+  """(passes {pass: {kernel: entry}} of `names` found in `rows`, evaluation info or None,
+  the names no row evaluated); a later row's entry wins."""
+  found: Dict[str, Dict[str, Dict]] = {}
+  evaluated, info = set(), None
+  for row in rows:
+    evaluated.update(row["key"].get("kernels") or ())
+    info = row["evaluation"]
+    for p, entries in row["passes"].items():
+      for k, e in entries.items():
+        if k in names:
+          found.setdefault(p, {})[k] = e
+  return found, info, [n for n in names if n not in evaluated]
+
+
+def _merged_passes(old: Mapping, new: Mapping, names: List[str]) -> Dict[str, Dict]:
+  """{pass: {kernel: entry}} of both, the kernels in `names` order."""
+  passes = {}
+  for p in ("fwd", "grad_lhs", "grad_rhs"):
+    both = {**old.get(p, {}), **new.get(p, {})}
+    if both:
+      passes[p] = {k: both[k] for k in names if k in both}
+  return passes
 
 
 def _append_eval_cache(path: str, row: Mapping) -> None:
@@ -281,24 +315,28 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
            "dtype": compute_dtype, "eval": eval_config.to_dict(), "bootstrap": options.bootstrap}
     slices = evaluate.eval_slices(site, eval_config)
     layouts[name] = site.layout.subsampled(slices) if slices else site.layout
-    hit = cached.get(json.dumps(report_lib.json_ready(key), sort_keys=True))
-    if hit is not None:
-      passes, evaluation_info = hit["passes"], hit["evaluation"]
-    elif deadline is not None and time.time() > deadline:
+    passes, evaluation_info, missing = _cached_passes(
+        cached.get(_eval_cache_key(key), []), names)
+    if missing and deadline is not None and time.time() > deadline:
       pending.append(f"evaluation of {name}")
       continue
-    else:
+    if missing:
+      # Only the candidates no earlier run evaluated here (same statistics and settings).
       t0 = time.time()
-      ev = evaluate.evaluate_site(site, state, kernels, compute_dtype, eval_config)
-      passes = summarize.site_passes(ev, names, n_boot=options.bootstrap, seed=options.seed)
+      todo = [k for k in kernels if k.name in missing]
+      ev = evaluate.evaluate_site(site, state, todo, compute_dtype, eval_config)
+      new = summarize.site_passes(ev, missing, n_boot=options.bootstrap, seed=options.seed)
       evaluation_info = {"slices": ev.slices, "of": site.layout.num_slices,
                          "slice_index": site.layout.slice_label,
                          "row_subsampled": bool(ev.slices and ev.slices < site.layout.num_slices),
                          "reservoir": ev.reservoir,
                          "evaluated_shapes": {k: list(v) for k, v in ev.layout.shapes().items()}}
-      _append_eval_cache(cache_path, {"key": key, "passes": passes,
+      _append_eval_cache(cache_path, {"key": {**key, "kernels": missing}, "passes": new,
                                       "evaluation": evaluation_info})
-      _log(f"evaluated {i + 1}/{len(selected)} {name} in {time.time() - t0:.1f}s")
+      passes = _merged_passes(passes, new, names)
+      reused = len(names) - len(missing)
+      _log(f"evaluated {i + 1}/{len(selected)} {name} in {time.time() - t0:.1f}s"
+           + (f" ({len(missing)} new candidates, {reused} from the cache)" if reused else ""))
     entry = {"kind": site.kind, "spec": site.spec,
              "shapes": {k: list(v) for k, v in site.layout.shapes().items()},
              "flops": int(site.layout.spec.flops(site.layout.lhs.shape, site.layout.rhs.shape)),
