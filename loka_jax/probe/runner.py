@@ -315,8 +315,9 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
            "dtype": compute_dtype, "eval": eval_config.to_dict(), "bootstrap": options.bootstrap}
     slices = evaluate.eval_slices(site, eval_config)
     layouts[name] = site.layout.subsampled(slices) if slices else site.layout
-    passes, evaluation_info, missing = _cached_passes(
+    found, evaluation_info, missing = _cached_passes(
         cached.get(_eval_cache_key(key), []), names)
+    passes = _merged_passes(found, {}, names)
     if missing and deadline is not None and time.time() > deadline:
       pending.append(f"evaluation of {name}")
       continue
@@ -333,7 +334,7 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
                          "evaluated_shapes": {k: list(v) for k, v in ev.layout.shapes().items()}}
       _append_eval_cache(cache_path, {"key": {**key, "kernels": missing}, "passes": new,
                                       "evaluation": evaluation_info})
-      passes = _merged_passes(passes, new, names)
+      passes = _merged_passes(found, new, names)
       reused = len(names) - len(missing)
       _log(f"evaluated {i + 1}/{len(selected)} {name} in {time.time() - t0:.1f}s"
            + (f" ({len(missing)} new candidates, {reused} from the cache)" if reused else ""))
