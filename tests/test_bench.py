@@ -182,15 +182,15 @@ class TargetCheckTest(parameterized.TestCase):
                      targets.ratio(loka, served, "train"))
 
   def test_interleaved_references_are_the_variants_the_targets_compare_with(self):
-    speeds = {"bf16_mods": {"train": 1.1, "infer": 1.0},
-              "fp8_rowwise": {"train": 1.3, "infer": 0.9},
-              "flax_fp8_delayed": {"train": 1.2, "infer": 1.4},
-              "loka": {"train": 2.0, "infer": 2.0}}
-    self.assertEqual(targets.interleaved_references("loka", speeds),
+    rng = np.random.default_rng(2)
+    rows = {v: _row("wukong", "small", v, train, infer, rng)
+            for v, train, infer in (("bf16_mods", 1.1, 1.0), ("fp8_rowwise", 1.3, 0.9),
+                                    ("flax_fp8_delayed", 1.2, 1.4), ("loka", 2.0, 2.0))}
+    self.assertEqual(targets.interleaved_references("loka", rows),
                      ["bf16_mods", "fp8_rowwise", "flax_fp8_delayed"])
-    speeds["bf16_mods_served"] = {"train": 1.1, "infer": 1.3}
-    speeds["fp8_rowwise"]["infer"] = 1.5
-    self.assertEqual(targets.interleaved_references("loka", speeds),
+    rows["bf16_mods_served"] = _row("wukong", "small", "bf16_mods_served", 1.1, 1.3, rng)
+    rows["fp8_rowwise"] = _row("wukong", "small", "fp8_rowwise", 1.3, 1.5, rng)
+    self.assertEqual(targets.interleaved_references("loka", rows),
                      ["bf16_mods", "bf16_mods_served", "fp8_rowwise"])
 
   def test_over_best_single_kernel(self):

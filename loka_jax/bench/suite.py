@@ -18,7 +18,7 @@ import jax
 
 from loka_jax.bench import planning, speed, towers
 from loka_jax.bench.results import ResultsFile
-from loka_jax.bench.targets import interleaved_references
+from loka_jax.bench.targets import interleaved_references, speed_index
 from loka_jax.bench.variants import (PALLAS, PLAN, VARIANTS, Variant, pallas_coverage,
                                      pallas_plan)
 from loka_jax.data import FeatureSpec, make_source
@@ -200,23 +200,14 @@ def _build_arm(bench: speed.TargetBench, target: Target, v: Variant, batch,
   return arm, row, None
 
 
-def _finished_speeds(results: ResultsFile, key: Tuple) -> Dict[str, Dict[str, float]]:
-  """{variant: {mode: speedup over bf16}} of the target's finished rows (`key`: suite, model,
-  preset, device), this process's and earlier ones'."""
-  return {r["variant"]: {m: r[m]["speedup"] for m in ("train", "infer")}
-          for r in results.rows()
-          if (r.get("suite"), r.get("model"), r.get("preset"), r.get("device")) == key
-          and "error" not in r and "train" in r}
-
-
 def _head_to_head(bench: speed.TargetBench, arm: speed.Arm, alive: Dict[str, speed.Arm],
-                  speeds: Dict[str, Dict[str, float]], build: Callable[[str], speed.Arm],
+                  rows: Dict[str, Dict], build: Callable[[str], speed.Arm],
                   deadline: float, settings: SpeedSettings, log) -> Dict:
   """Row fields: `arm` timed against each variant its targets compare it with, in one
   interleaving per pair (`head_to_head`), or why that failed; the row is kept either way.
   A variant whose row an earlier run timed is built again here (before the deadline)."""
   others = {}
-  for name in interleaved_references(arm.name, speeds):
+  for name in interleaved_references(arm.name, rows):
     if name not in alive:
       if time.time() > deadline:
         log(f"  {arm.name} vs {name}: deadline, not built again (the ratio of rows stands)")
@@ -306,8 +297,9 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
       log(f"  {v.name}: train {measured['train']['speedup']:.2f}x, "
           f"infer {measured['infer']['speedup']:.2f}x vs bf16 (compile {arm.info['compile_s']}s)")
       if v.name in settings.head_to_head:
-        row.update(_head_to_head(bench, arm, alive, _finished_speeds(results, key),
-                                 build_again, deadline, settings, log))
+        finished = speed_index(results.rows()).get(key, {})  # this run's rows and earlier ones
+        row.update(_head_to_head(bench, arm, alive, finished, build_again, deadline, settings,
+                                 log))
       results.append(row)
       if arm.info["shared_state"] and v.name != "bf16":
         alive[v.name] = arm

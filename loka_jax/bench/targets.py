@@ -45,15 +45,15 @@ def ratio(row_a: Mapping, row_b: Mapping, mode: str, *, n_boot: int = 2000,
   return {"ratio": point, "ci": [float(np.percentile(r, 2.5)), float(np.percentile(r, 97.5))]}
 
 
-def interleaved_references(subject: str, speeds: Mapping[str, Mapping[str, float]]
-                           ) -> List[str]:
-  """The variants a target compares `subject` (LoKA) with, among those timed (`speeds`:
-  {variant: {mode: speedup over bf16}}): bf16+Mods, served bf16+Mods and each mode's best
-  peer. The bench times `subject` against each in one interleaving (`head_to_head`)."""
-  names = [n for n in ("bf16_mods", SERVED) if n in speeds and n != subject]
+def interleaved_references(subject: str, variants: Mapping[str, Mapping]) -> List[str]:
+  """The variants a target compares `subject` (LoKA) with, among its finished rows
+  (`variants`: {variant: row}, one `speed_index` entry): bf16+Mods, served bf16+Mods and each
+  mode's best peer. The bench times `subject` against each in one interleaving
+  (`head_to_head`)."""
+  others = {n: r for n, r in variants.items() if n != subject}
+  names = [n for n in ("bf16_mods", SERVED) if n in others]
   for mode in MODES:
-    best = _best_peer({n: {mode: {"speedup": v[mode]}} for n, v in speeds.items()
-                       if n != subject}, mode)
+    best = _best_peer(others, mode)
     if best is not None and best not in names:
       names.append(best)
   return names

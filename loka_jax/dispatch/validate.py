@@ -271,9 +271,9 @@ def more_precise_fused_op(report: Optional[Mapping], plan: Plan, site: str, curr
     return FALLBACK, (f"no eligible fused op as accurate as {current} in every pass and more "
                       f"accurate in {'/'.join(must_improve)}")
   best = max(sorted(better), key=lambda k: better[k])
+  improved = [p for p in must_improve if _accuracy(verdicts[p][best], metric) > floor[p]]
   return best, (f"{best}: as accurate as {current} in every pass, more in "
-                f"{'/'.join(p for p in must_improve if _accuracy(verdicts[p][best], metric) > floor[p])}"
-                f", site {better[best]:.2f}x over bf16")
+                f"{'/'.join(improved)}, site {better[best]:.2f}x over bf16")
 
 
 def back_off_site(plan: Plan, ctx: ValidationContext, site: str, reason: str, step: str, *,

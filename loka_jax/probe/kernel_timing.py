@@ -206,18 +206,18 @@ def _time_interleaved(variants: Mapping[str, Tuple[Callable, Sequence]], *, repe
         jax.block_until_ready(compiled(one, *args))
       wanted = timing_lib.calls_for(lambda: compiled(one, *args), min_call_seconds, max_inner)
       n, inner = one, 1
-      if wanted > 1:
+      if wanted == 1:
+        unroll = 1  # one call a sample: the loop body never runs
+      else:
         # Short: UNROLL calls an iteration (on a GPU), as many iterations as bring a call
         # near min_call_seconds (the unrolled loop compiles only for such small products).
-        if unroll == 1 and timing_lib.loop_unroll() > 1:
+        if unroll < timing_lib.loop_unroll():  # not compiled unrolled above
           unroll = timing_lib.loop_unroll()
           compiled = _looped(fn, unroll).lower(one, *args).compile()
         n = jnp.int32(max(2, math.ceil((wanted - 1) / unroll) + 1))
         inner = loop_calls(int(n), unroll)
         for _ in range(warmup):
           jax.block_until_ready(compiled(n, *args))
-      else:
-        unroll = 1  # one call a sample: the loop body never ran
     except Exception as e:  # a kernel that fails to build or run is reported, not timed
       failed[name] = f"{type(e).__name__}: {str(e)[:300]}"
       continue
