@@ -141,14 +141,14 @@ def autotune_enabled() -> bool:
 def time_call(fn: Callable, args: Sequence, repeats: int = 10, inner: int = 1) -> float:
   """Median wall time in microseconds of one `fn(*args)`, measured as `inner` calls inside one
   jitted loop (after a warm-up call), so host dispatch (20-40 us on H200) stays out of
-  kernels that take about as long."""
-  looped = timing.repeat_in_loop(fn, inner) if inner > 1 else jax.jit(fn)
-  jax.block_until_ready(looped(*args))
+  kernels that take about as long; the loop's own floor (`timing.floor_fn` in the same loop)
+  is subtracted sample by sample."""
+  call, floor = timing.looped_with_floor(fn, args, inner)
   times = []
   for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(looped(*args))
-    times.append((time.perf_counter() - t0) * 1e6 / inner)
+    t = timing.call_seconds(call)
+    times.append((t if floor is None else timing.above_floor(t, timing.call_seconds(floor)))
+                 * 1e6 / inner)
   return statistics.median(times)
 
 

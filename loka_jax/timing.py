@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
-from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -58,30 +59,150 @@ def loop_unroll() -> int:
   return UNROLL if jax.default_backend() == "gpu" else 1
 
 
-def chained_calls(fn: Callable, args, carry, calls: int):
-  """`calls` calls of fn(*args) in sequence, each one's operands passed through an
-  optimization barrier with the previous result, so XLA can neither hoist nor merge them;
-  returns the last result."""
+def _touchable(x) -> bool:
+  return hasattr(x, "dtype") and hasattr(x, "ndim") and x.size > 0
+
+
+def corners_of(args):
+  """The first element of every array in `args` ([1,...,1]-shaped), read once before a timed
+  loop: `depend_on` writes them back, so no call in the loop reads its operand to touch it."""
+  return jax.tree.map(
+      lambda x: lax.slice(x, (0,) * x.ndim, (1,) * x.ndim) if _touchable(x) else x, args)
+
+
+def depend_on(args, carry, corners):
+  """`args` with the same values, made to depend on `carry`: each array's first element is
+  written back in place (from `corners`, `corners_of(args)`) plus 0 x an element of carry.
+
+  A timed loop that calls fn(*args) again and again must stop XLA from hoisting the calls out
+  of the loop (the operands never change) and from merging the calls of one iteration into one
+  (they are the same computation). An optimization barrier does neither reliably: the CPU
+  compiler removes barriers before loop-invariant code motion, and on the H200 16 unrolled
+  calls of a [16384,4096]x[4096,4096] bf16 product ran as one (timed 63 us a call against
+  799 us called directly, 2026-11-27). A real data dependency survives every pass: XLA folds
+  neither x * 0.0 nor the select (both would be wrong for NaN and Inf). Every array is
+  touched, so nothing fn computes from any of them (a weight's quantization, say) can leave
+  the loop. Writing the saved corner back, not reading the operand's own, lets the update run
+  in place: reading it made XLA copy each operand twice an iteration. What remains, one
+  one-element kernel per array and call, is the loop's floor (`floor_fn`)."""
+  first = next((x for x in jax.tree.leaves(carry) if x.size), None)
+  if first is None:
+    raise ValueError("depend_on: the timed function returned no array element to chain on")
+  v = jnp.ravel(first)[0].astype(jnp.float32)
+  zero = jnp.where(jnp.isfinite(v), v, 0.0) * 0.0  # a NaN result must not poison operands
+
+  def touch(x, corner):
+    if not _touchable(x):
+      return x
+    if x.dtype == jnp.bool_:
+      corner = corner | (zero != 0)
+    else:
+      corner = corner + zero.astype(x.dtype)
+    return corner if x.ndim == 0 else lax.dynamic_update_slice(x, corner, (0,) * x.ndim)
+
+  return jax.tree.map(touch, args, corners)
+
+
+def chained_calls(fn: Callable, args, carry, calls: int, corners,
+                  touch: Optional[Sequence[int]] = None):
+  """`calls` calls of fn(*args) in sequence, each one's operands made to depend on the
+  previous result (`depend_on`), so XLA can neither hoist nor merge them; returns
+  (the operands as last called, the last result), to carry into the next loop iteration.
+  `touch`: only these positional arguments are touched; the others pass through an
+  optimization barrier with the previous result (for whole model steps, whose state has
+  hundreds of arrays: the batch is touched, the state kept in the loop by the barrier, which
+  held on the GPU one call an iteration)."""
   for _ in range(calls):
-    args_i, _ = lax.optimization_barrier((args, carry))
-    carry = fn(*args_i)
-  return carry
+    if touch is None:
+      args = depend_on(args, carry, corners)
+    else:
+      kept, _ = lax.optimization_barrier((args, carry))
+      args = tuple(depend_on(a, carry, c) if i in touch else k
+                   for i, (a, k, c) in enumerate(zip(args, kept, corners)))
+    carry = fn(*args)
+  return args, carry
 
 
-def repeat_in_loop(fn: Callable, iterations: int, unroll: Optional[int] = None) -> Callable:
+def floor_fn(*args):
+  """The loop floor's call: one element of the operands, so a loop of it times what a timed
+  loop adds to each call (the iteration's cost shared by its calls, `depend_on`'s updates)."""
+  first = next(x for x in jax.tree.leaves(args) if _touchable(x))
+  return jnp.ravel(first)[0].astype(jnp.float32)
+
+
+def repeat_in_loop(fn: Callable, iterations: int, unroll: Optional[int] = None,
+                   touch: Optional[Sequence[int]] = None) -> Callable:
   """A jitted function running `fn(*args)` `iterations` times, `unroll` calls per iteration
   of one fori_loop (the rest after it; None: `loop_unroll()`); the last output is returned.
   The loop body holds `unroll` copies of fn: pass 1 for large functions (whole model steps),
-  whose compile time would grow with it and whose time dwarfs the iteration's cost."""
+  whose compile time would grow with it and whose time dwarfs the iteration's cost.
+  `touch`: as in `chained_calls`."""
   unroll = max(1, min(loop_unroll() if unroll is None else unroll, iterations - 1))
   loops, rest = divmod(iterations - 1, unroll)
 
   def looped(*args):
-    first = fn(*args)
-    out = lax.fori_loop(0, loops, lambda _, c: chained_calls(fn, args, c, unroll), first)
-    return chained_calls(fn, args, out, rest)
+    corners = tuple(corners_of(a) if touch is None or i in touch else None
+                    for i, a in enumerate(args))
+    state = (args, fn(*args))
+    state = lax.fori_loop(0, loops,
+                          lambda _, s: chained_calls(fn, *s, unroll, corners, touch), state)
+    return chained_calls(fn, *state, rest, corners, touch)[1]
 
   return jax.jit(looped)
+
+
+def above_floor(seconds: float, floor_seconds: float) -> float:
+  """A looped sample less its loop floor, kept at >= 1% of the sample (a floor timed longer
+  than the work is noise, not a negative time)."""
+  return max(seconds - floor_seconds, 0.01 * seconds)
+
+
+def looped_with_floor(fn: Callable, args: Sequence, iterations: int
+                      ) -> Tuple[Callable[[], Any], Optional[Callable[[], Any]]]:
+  """(call, floor): argument-less calls of `repeat_in_loop(fn, iterations)` and of the same
+  loop around `floor_fn` (None for one call: no loop), compiled and warmed."""
+  def compiled(f):
+    c = repeat_in_loop(f, iterations).lower(*args).compile()
+    jax.block_until_ready(c(*args))
+    return lambda: c(*args)
+  if iterations <= 1:
+    one = jax.jit(fn).lower(*args).compile()
+    return (lambda: one(*args)), None
+  return compiled(fn), compiled(floor_fn)
+
+
+def loop_body_lines(hlo: str, follow_calls: bool = True) -> list:
+  """The instruction lines of every while loop's body in an HLO module's text, with (when
+  `follow_calls`) the lines of every computation they call (fusions, reductions): what each
+  iteration of a timed loop runs. For checking that XLA kept the timed calls in the loop."""
+  comps, name = {}, None
+  for line in hlo.splitlines():
+    head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+    if head:
+      name = head.group(1)
+      comps[name] = []
+    elif line.startswith("}"):
+      name = None
+    elif name is not None:
+      comps[name].append(line)
+  out, seen = [], set()
+
+  def walk(comp):
+    if comp in seen or comp not in comps:
+      return
+    seen.add(comp)
+    for line in comps[comp]:
+      out.append(line)
+      if follow_calls:
+        for called in re.findall(r"(?:calls|to_apply|body)=%?([\w.\-]+)", line):
+          walk(called)
+
+  for lines in list(comps.values()):
+    for line in lines:
+      if " while(" in line:
+        for body in re.findall(r"body=%?([\w.\-]+)", line):
+          walk(body)
+  return out
 
 
 def time_variants(variants: Mapping[str, Tuple[Callable, Sequence]], *, repeats: int = 20,
@@ -90,7 +211,9 @@ def time_variants(variants: Mapping[str, Tuple[Callable, Sequence]], *, repeats:
   """Times jittable `fn(*args)` variants, interleaved, `repeats` times each.
 
   Each variant is compiled and warmed first; variants faster than `min_call_seconds` are
-  wrapped in `repeat_in_loop` with an iteration count that brings a call near that length.
+  wrapped in `repeat_in_loop` with an iteration count that brings a call near that length,
+  and the same loop around `floor_fn` is timed beside it, its time subtracted sample by sample
+  (what the loop itself adds to each call is not the variant's).
   """
   prepared = {}
   for name, (fn, args) in variants.items():
@@ -98,15 +221,16 @@ def time_variants(variants: Mapping[str, Tuple[Callable, Sequence]], *, repeats:
     for _ in range(warmup):
       jax.block_until_ready(jitted(*args))
     inner = calls_for(lambda: jitted(*args), min_call_seconds, max_inner)
-    if inner > 1:
-      jitted = repeat_in_loop(fn, inner)
-      for _ in range(warmup):
-        jax.block_until_ready(jitted(*args))
-    prepared[name] = (jitted, args, inner)
+    call, floor = looped_with_floor(fn, args, inner)
+    for _ in range(warmup - 1):
+      jax.block_until_ready(call())
+    prepared[name] = (call, floor, inner)
   samples = {name: [] for name in prepared}
   for _ in range(repeats):
-    for name, (jitted, args, inner) in prepared.items():
-      samples[name].append(call_seconds(lambda: jitted(*args)) / inner)
+    for name, (call, floor, inner) in prepared.items():
+      t = call_seconds(call)
+      samples[name].append(t if floor is None else above_floor(t, call_seconds(floor)))
+      samples[name][-1] /= inner
   return {name: Timing(name, np.asarray(s), prepared[name][2]) for name, s in samples.items()}
 
 

@@ -282,7 +282,8 @@ class KernelTimingTest(absltest.TestCase):
       unrolls = []
 
       def looped(fn, unroll=1):
-        unrolls.append(unroll)
+        if fn is not timing_lib.floor_fn:  # the loop floor's compile is counted apart
+          unrolls.append(unroll)
         return real_looped(fn, unroll)
       cache = kernel_timing.TimingCache(os.path.join(tempfile.mkdtemp(), "cpu.json"), "cpu")
       with mock.patch.object(timing_lib, "loop_unroll", lambda: 4), \
@@ -295,6 +296,7 @@ class KernelTimingTest(absltest.TestCase):
         self.assertEqual(e["unroll"], 4)
         self.assertGreater(e["inner"], 1)
         self.assertEqual((e["inner"] - 1) % 4, 0)  # 1 + 4 (n - 1) calls
+        self.assertGreater(e["floor_us"], 0.0)  # the loop's own time, timed and subtracted
 
   def test_delayed_scaling_ops_share_one_timing_of_their_common_forward(self):
     site = collector.make_site_probe("d", "mk,kn->mn", "act_weight", (64, 48), (48, 32), CONFIG)
@@ -385,18 +387,27 @@ class KernelTimingTest(absltest.TestCase):
                                        unsupported={}, repeats=3)
     self.assertEqual({e["kernel"] for e in again}, {"xla_bf16", "xla_fp8_tensorwise"})
 
-  def test_short_entries_timed_one_call_an_iteration_are_measured_again(self):
+  def test_entries_timed_through_a_loop_xla_could_collapse_are_measured_again(self):
     path = os.path.join(tempfile.mkdtemp(), "cpu.json")
     old = {"kernel": "xla_bf16", "pass": "fwd", "inner": 40, "seconds": [3e-5]}
     with open(path, "w") as f:
       json.dump({"schema": kernel_timing.CACHE_SCHEMA, "device_kind": "cpu",
                  "entries": {"short": old, "long": {**old, "inner": 1},
-                             "new": {**old, "unroll": 16}}}, f)
+                             "barrier": {**old, "unroll": 16},
+                             "new": {**old, "unroll": 16, "loop": kernel_timing.LOOP}}}, f)
     cache = kernel_timing.TimingCache(path, "cpu")
-    self.assertIsNone(cache.get("short"))   # carries the loop's per-iteration overhead
+    self.assertIsNone(cache.get("short"))    # one call an iteration, through barriers
+    self.assertIsNone(cache.get("barrier"))  # 16 an iteration, through barriers
     self.assertEqual(cache.get("long")["inner"], 1)  # one call per sample: no loop
     self.assertEqual(cache.get("new")["unroll"], 16)
 
+  def test_new_loop_entries_record_how_the_loop_kept_its_calls(self):
+    entry = kernel_timing._entry("xla_bf16", "fwd", "mk,kn->mn", (4, 3), (3, 2), "float32",
+                                 [1e-5, 2e-5], "cpu", inner=5, unroll=1)
+    self.assertEqual(entry["loop"], kernel_timing.LOOP)
+    self.assertNotIn("loop", kernel_timing._entry("xla_bf16", "fwd", "mk,kn->mn", (4, 3),
+                                                  (3, 2), "float32", [1e-3], "cpu", inner=1,
+                                                  unroll=1))
 
 if __name__ == "__main__":
   absltest.main()

@@ -1,5 +1,7 @@
 """The timing loops call the timed function exactly as often as they divide by, however many
-calls share one device-loop iteration, and return its result."""
+calls share one device-loop iteration, and return its result; the compiled loop keeps every
+call of a pure product (XLA neither hoists nor merges them)."""
+import re
 import time
 
 import jax
@@ -16,6 +18,10 @@ def _counted_product(calls):
     jax.debug.callback(lambda: calls.append(1))
     return a @ b
   return product
+
+
+def _dots_in_loop_bodies(hlo: str) -> int:
+  return sum(" dot(" in line for line in timing.loop_body_lines(hlo))
 
 
 def _operands():
@@ -45,6 +51,53 @@ class LoopCallsTest(parameterized.TestCase):
     jax.effects_barrier()
     self.assertLen(calls, kernel_timing.loop_calls(n, unroll))
     np.testing.assert_allclose(out, np.asarray(a) @ np.asarray(b), rtol=1e-6)
+
+  @parameterized.parameters(1, 4)
+  def test_xla_keeps_every_call_of_a_pure_product_in_the_loop(self, unroll):
+    # No callback here: a side effect would keep the calls alive whatever the loop does. With
+    # the operands only passed through an optimization barrier, XLA's CPU pipeline hoisted the
+    # product out of the loop (0 dots in the body), and the GPU's merged the unrolled calls.
+    a, b = _operands()
+    product = lambda x, y: x @ y
+    probe_loop = kernel_timing._looped(product, unroll).lower(jnp.int32(2), a, b).compile()
+    self.assertEqual(_dots_in_loop_bodies(probe_loop.as_text()), unroll)
+    repeat = timing.repeat_in_loop(product, 1 + 2 * unroll, unroll=unroll).lower(a, b).compile()
+    self.assertEqual(_dots_in_loop_bodies(repeat.as_text()), unroll)
+    np.testing.assert_allclose(probe_loop(jnp.int32(3), a, b), np.asarray(a) @ np.asarray(b),
+                               rtol=1e-6)
+
+  def test_a_whole_step_loop_touches_only_the_batch_and_keeps_every_call(self):
+    a, b = _operands()
+    product = lambda x, y: x @ y
+    looped = timing.repeat_in_loop(product, 9, unroll=4, touch=(1,)).lower(a, b).compile()
+    self.assertEqual(_dots_in_loop_bodies(looped.as_text()), 4)
+    updated = {m.group(1) for l in timing.loop_body_lines(looped.as_text(), follow_calls=False)
+               for m in [re.match(r"\s*%\S*dynamic-update-slice\S* = (\S+) ", l)] if m}
+    self.assertEqual(updated, {"f32[3,2]{1,0}"})  # the batch (b) only, not a
+    np.testing.assert_allclose(looped(a, b), np.asarray(a) @ np.asarray(b), rtol=1e-6)
+
+  def test_a_sample_above_its_floor(self):
+    self.assertAlmostEqual(timing.above_floor(10e-6, 4e-6), 6e-6)
+    self.assertAlmostEqual(timing.above_floor(1e-6, 5e-6), 1e-8)  # noise: 1% kept
+
+  def test_time_variants_times_work_above_the_loop_floor(self):
+    a, b = _operands()
+    got = timing.time_variants({"p": (lambda x, y: x @ y, (a, b))}, repeats=3,
+                               min_call_seconds=1.0, max_inner=5)["p"]
+    self.assertEqual(got.inner, 5)
+    self.assertTrue(np.all(got.seconds > 0))
+
+  def test_depend_on_keeps_every_value_and_dtype(self):
+    leaves = {"f": jnp.arange(6.0).reshape(2, 3), "bf": jnp.ones((2,), jnp.bfloat16) * 3,
+              "i": jnp.arange(4, dtype=jnp.int32), "b": jnp.array([True, False]),
+              "s": jnp.float32(2.5), "e": jnp.zeros((0, 3))}
+    for carry in (jnp.float32(7.0), jnp.array([jnp.nan, 1.0]), jnp.array([jnp.inf])):
+      got = jax.jit(timing.depend_on)(leaves, carry, timing.corners_of(leaves))
+      for k, x in leaves.items():
+        self.assertEqual(got[k].dtype, x.dtype, k)
+        np.testing.assert_array_equal(got[k], x, err_msg=k)
+    with self.assertRaisesRegex(ValueError, "no array element"):
+      timing.depend_on((jnp.ones(2),), jnp.zeros((0,)), (jnp.ones((1,)),))
 
   def test_a_cpu_loop_runs_one_call_an_iteration(self):
     self.assertEqual(timing.loop_unroll(), 1 if jax.default_backend() != "gpu" else 16)

@@ -104,7 +104,7 @@ class TargetBench:
       train_fn = jax.jit(lambda s, b: lax.fori_loop(
           0, n, lambda i, c: train_step(c, b)[0], s), donate_argnums=0)
     if self.inner["infer"] > 1:  # whole steps: one a loop body
-      eval_fn = timing.repeat_in_loop(eval_step, self.inner["infer"], unroll=1)
+      eval_fn = timing.repeat_in_loop(eval_step, self.inner["infer"], unroll=1, touch=(1,))
     t0 = time.perf_counter()
     train_c = train_fn.lower(state, self.batch).compile()
     eval_c = eval_fn.lower(state, self.batch).compile()
@@ -172,7 +172,7 @@ class TargetBench:
   def with_inference(self, arm: Arm, forward: Callable, variables) -> Arm:
     """`arm` whose inference call runs `forward(variables, batch)` instead of its model's eval
     step (the LoKA arm serves its exported FP8 model), looped like every other call."""
-    fn = (timing.repeat_in_loop(forward, self.inner["infer"], unroll=1)
+    fn = (timing.repeat_in_loop(forward, self.inner["infer"], unroll=1, touch=(1,))
           if self.inner["infer"] > 1 else jax.jit(forward))
     variables = jax.device_put(variables)
     compiled = fn.lower(variables, self.batch).compile()

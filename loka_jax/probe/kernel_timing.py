@@ -25,7 +25,7 @@ import json
 import math
 import os
 import time
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -89,12 +89,12 @@ class TimingCache:
   def get(self, key: str, revision: int = 1) -> Optional[Dict]:
     """The entry, or None when missing or stale, so it is measured again: timed for another
     `revision` of its kernel (the kernel's computation changed; entries from before
-    revisions count as 1), or a short product timed one call per loop iteration (no
-    `unroll`, from before UNROLL), which carries the loop's overhead."""
+    revisions count as 1), or a product timed through a loop whose calls XLA could hoist or
+    merge (no `loop`: timed before `LOOP`; its time is too short by up to the calls lost)."""
     entry = self.entries.get(key)
     if entry is None or entry.get("revision", 1) != revision:
       return None
-    if entry.get("inner", 1) > 1 and "unroll" not in entry:
+    if entry.get("inner", 1) > 1 and entry.get("loop") != LOOP:
       return None
     return entry
 
@@ -121,13 +121,21 @@ def default_cache_path(directory: str, device_kind: str) -> str:
 UNROLL = timing_lib.UNROLL
 
 
+# How the timing loop keeps its calls (`timing.depend_on`), recorded in every entry timed through
+# a loop. Entries without it were timed with operands passed through optimization barriers,
+# which XLA removed: on the H200 a [16384,4096]x[4096,4096] bf16 product timed 109 us a call
+# (5 PFLOP/s) with 16 calls an iteration.
+LOOP = "depend_on"
+
+
 def _looped(fn: Callable, unroll: int = 1) -> Callable:
   """jit(run(n, *args)): fn applied 1 + unroll * (n - 1) times in one loop (n >= 1 is a
   runtime argument, so each variant compiles once per `unroll`)."""
   def run(n, *args):
-    first = fn(*args)
+    corners = timing_lib.corners_of(args)
+    state = (args, fn(*args))
     return lax.fori_loop(
-        1, n, lambda _, carry: timing_lib.chained_calls(fn, args, carry, unroll), first)
+        1, n, lambda _, s: timing_lib.chained_calls(fn, *s, unroll, corners), state)[1]
   return jax.jit(run)
 
 
@@ -195,7 +203,7 @@ def _time_interleaved(variants: Mapping[str, Tuple[Callable, Sequence]], *, repe
   `short`: the products are known to be short (`SHORT_FLOPS`): compile the unrolled loop
   alone."""
   platform = jax.default_backend()
-  prepared, failed = {}, {}
+  prepared, failed, floors = {}, {}, {}
   for name, (fn, args) in variants.items():
     try:
       one = jnp.int32(1)
@@ -205,7 +213,7 @@ def _time_interleaved(variants: Mapping[str, Tuple[Callable, Sequence]], *, repe
       for _ in range(warmup):
         jax.block_until_ready(compiled(one, *args))
       wanted = timing_lib.calls_for(lambda: compiled(one, *args), min_call_seconds, max_inner)
-      n, inner = one, 1
+      n, inner, floor = one, 1, None
       if wanted == 1:
         unroll = 1  # one call a sample: the loop body never runs
       else:
@@ -216,26 +224,47 @@ def _time_interleaved(variants: Mapping[str, Tuple[Callable, Sequence]], *, repe
           compiled = _looped(fn, unroll).lower(one, *args).compile()
         n = jnp.int32(max(2, math.ceil((wanted - 1) / unroll) + 1))
         inner = loop_calls(int(n), unroll)
+        floor = _floor(floors, args, unroll, n)
         for _ in range(warmup):
           jax.block_until_ready(compiled(n, *args))
     except Exception as e:  # a kernel that fails to build or run is reported, not timed
       failed[name] = f"{type(e).__name__}: {str(e)[:300]}"
       continue
-    prepared[name] = (compiled, n, args, inner, backend, unroll)
+    prepared[name] = (compiled, n, args, inner, backend, unroll, floor)
   samples = {name: [] for name in prepared}
+  floor_samples = {name: [] for name in prepared}
   for _ in range(repeats):
-    for name, (compiled, n, args, inner, _, _) in prepared.items():
-      samples[name].append(timing_lib.call_seconds(lambda: compiled(n, *args)) / inner)
+    for name, (compiled, n, args, inner, _, _, floor) in prepared.items():
+      t = timing_lib.call_seconds(lambda: compiled(n, *args))
+      if floor is not None:
+        f = timing_lib.call_seconds(floor)
+        floor_samples[name].append(f / inner)
+        t = timing_lib.above_floor(t, f)
+      samples[name].append(t / inner)
   out = {name: {"seconds": samples[name], "inner": prepared[name][3],
-                "backend": prepared[name][4], "unroll": prepared[name][5]}
+                "backend": prepared[name][4], "unroll": prepared[name][5],
+                "floor_us": (float(np.median(floor_samples[name]) * 1e6)
+                             if floor_samples[name] else None)}
          for name in prepared}
   out.update({name: {"error": message} for name, message in failed.items()})
   return out
 
 
+def _floor(floors: Dict, args, unroll: int, n) -> Callable[[], Any]:
+  """The warmed argument-less loop of `timing.floor_fn` over `args` (`unroll` calls an
+  iteration, trip n), shared by variants whose operands have the same shapes."""
+  key = (jax.tree.structure(args), tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args)),
+         unroll, int(n))
+  if key not in floors:
+    compiled = _looped(timing_lib.floor_fn, unroll).lower(n, *args).compile()
+    jax.block_until_ready(compiled(n, *args))
+    floors[key] = lambda: compiled(n, *args)
+  return floors[key]
+
+
 def _entry(kernel: str, pass_name: str, spec: str, a_shape, b_shape, dtype: str,
            seconds: Sequence[float], backend: str, inner: int, unroll: int,
-           scope: Optional[str] = None) -> Dict:
+           scope: Optional[str] = None, floor_us: Optional[float] = None) -> Dict:
   t = timing_lib.Timing(kernel, np.asarray(seconds, np.float64), inner)
   lo, hi = t.ci_us(np.random.default_rng(0))
   entry = {"kernel": kernel, "pass": pass_name, "spec": spec, "lhs_shape": list(a_shape),
@@ -243,6 +272,8 @@ def _entry(kernel: str, pass_name: str, spec: str, a_shape, b_shape, dtype: str,
            "ci_us": [lo, hi], "seconds": [float(s) for s in seconds], "repeats": len(seconds),
            "inner": inner, "unroll": unroll, "backend": backend, "jax": jax.__version__,
            "date": datetime.date.today().isoformat()}
+  if inner > 1:  # the loop's own time per call, already subtracted from `seconds`
+    entry.update(loop=LOOP, floor_us=floor_us)
   if scope:
     entry["time_scope"] = scope
   return entry
@@ -330,19 +361,19 @@ def measure_site(layout: SiteLayout, kernels, dtype: str, cache: TimingCache, *,
         # the backward plus whatever forward work it needs (an upper bound: pessimistic).
         m, scope = measured[f"{name}|{FUSED_BWD}"], FUSED_SCOPE
       entries.append(_entry(name, p, spec, a, b, dtype, m["seconds"], fwd["backend"],
-                            m["inner"], m["unroll"], scope))
+                            m["inner"], m["unroll"], scope, m.get("floor_us")))
       continue
     source = alias.get((name, p), f"{name}|{p}")
     m = measured[source]
     entries.append(_entry(name, p, spec, a, b, dtype, m["seconds"], m["backend"], m["inner"],
-                          m["unroll"]))
+                          m["unroll"], floor_us=m.get("floor_us")))
   if time_bwd:
     spec, a, b = pass_problem(layout, "grad_lhs")
     m = measured[f"{BASELINE}|{FUSED_BWD}"]
     entries.append(_error_entry(BASELINE, FUSED_SCOPE, spec, a, b, dtype, m["error"])
                    if "error" in m else
                    _entry(BASELINE, FUSED_SCOPE, spec, a, b, dtype, m["seconds"], m["backend"],
-                          m["inner"], m["unroll"], FUSED_SCOPE))
+                          m["inner"], m["unroll"], FUSED_SCOPE, m.get("floor_us")))
   for e in entries:
     e["revision"] = by_name[e["kernel"]].revision
     cache.put(cache_key(e["kernel"], e["pass"], e["spec"], e["lhs_shape"], e["rhs_shape"],
