@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import statistics
 import tempfile
@@ -139,17 +140,12 @@ def autotune_enabled() -> bool:
 
 
 def time_call(fn: Callable, args: Sequence, repeats: int = 10, inner: int = 1) -> float:
-  """Median wall time in microseconds of one `fn(*args)`, measured as `inner` calls inside one
-  jitted loop (after a warm-up call), so host dispatch (20-40 us on H200) stays out of
-  kernels that take about as long; the loop's own floor (`timing.floor_fn` in the same loop)
-  is subtracted sample by sample."""
-  call, floor = timing.looped_with_floor(fn, args, inner)
-  times = []
-  for _ in range(repeats):
-    t = timing.call_seconds(call)
-    times.append((t if floor is None else timing.above_floor(t, timing.call_seconds(floor)))
-                 * 1e6 / inner)
-  return statistics.median(times)
+  """Median wall time in microseconds of one `fn(*args)`, measured as `inner` chained calls
+  (`timing.ChainSampler`: up to 16 in one program, dispatched back to back) less their
+  floor, so host dispatch (20-40 us on H200) stays out of kernels that take about as long."""
+  sampler = timing.ChainSampler(fn, args, min(inner, max(1, timing.loop_unroll())), warmup=1)
+  sampler.dispatches = math.ceil(inner / sampler.calls)
+  return statistics.median(sampler.sample() * 1e6 for _ in range(repeats))
 
 
 def tune(kernel: str, key: str, candidates: Sequence[TileConfig],

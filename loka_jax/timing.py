@@ -46,16 +46,15 @@ def speedup_ci(baseline: Timing, variant: Timing, *, seed: int = 0,
   return point, float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))
 
 
-# Calls per device-loop iteration of short timed work. Each iteration of a device loop has a
-# fixed cost (its launches and its condition): on the H200 every GEMM at DCNv2 `small`'s
-# shapes timed >= 29 us one call an iteration, [4096,256]x[256,1] included, whose data take
-# ~1 us to move. Sharing an iteration among 16 calls cuts that floor 16-fold. A CPU loop
-# has no such cost, and its compile time would only grow: there one call an iteration.
+# Calls of short timed work chained in one straight-line program (`chain`) on a GPU. A device
+# loop of one call an iteration floored every GEMM at DCNv2 `small`'s shapes at >= 29 us on
+# the H200, [4096,256]x[256,1] included, whose data take ~1 us to move; 16 chained calls
+# share one dispatch. A CPU has no such cost, and compile time would only grow: one call.
 UNROLL = 16
 
 
 def loop_unroll() -> int:
-  """Calls per loop iteration of short timed work on this platform."""
+  """Calls chained per dispatch of short timed work on this platform."""
   return UNROLL if jax.default_backend() == "gpu" else 1
 
 
@@ -124,10 +123,70 @@ def chained_calls(fn: Callable, args, carry, calls: int, corners,
 
 
 def floor_fn(*args):
-  """The loop floor's call: one element of the operands, so a loop of it times what a timed
-  loop adds to each call (the iteration's cost shared by its calls, `depend_on`'s updates)."""
+  """The floor's call: one element of the operands, so a chain of it times what a timed chain
+  adds to each call (`depend_on`'s one-element updates) and each sample's dispatch and
+  synchronization."""
   first = next(x for x in jax.tree.leaves(args) if _touchable(x))
   return jnp.ravel(first)[0].astype(jnp.float32)
+
+
+def chain(fn: Callable, calls: int) -> Callable:
+  """jit(*args): `calls` calls of fn in one straight-line program, each one's operands made to
+  depend on the previous result (`depend_on`); returns the last result.
+
+  Straight-line, not a device loop: XLA on the GPU runs a straight-line program's kernels
+  from one command buffer (a CUDA graph), so short kernels run back to back, while a loop's
+  body is launched from the host each iteration (on the H200, one-element kernels inside a
+  while loop cost 4-6 us each and the loop's own per-iteration cost about 30-50 us)."""
+  def run(*args):
+    corners = corners_of(args)
+    state = (args, fn(*args))
+    return chained_calls(fn, *state, calls - 1, corners)[1]
+  return jax.jit(run)
+
+
+class ChainSampler:
+  """Per-call seconds of fn(*args) from `chain(fn, calls)`, dispatched `dispatches` times back
+  to back per sample, less the same chain of `floor_fn` timed beside it (one call: no chain,
+  no floor). `inner` = calls x dispatches is the calls a sample divides by."""
+
+  def __init__(self, fn: Callable, args: Sequence, calls: int, warmup: int = 3):
+    self.args, self.calls, self.dispatches = tuple(args), max(1, int(calls)), 1
+    self.compiled = chain(fn, self.calls).lower(*self.args).compile()
+    self.floor = (chain(floor_fn, self.calls).lower(*self.args).compile()
+                  if self.calls > 1 else None)
+    self.floor_seconds: list = []
+    for _ in range(warmup):
+      self._run(self.compiled, 1)
+      if self.floor is not None:
+        self._run(self.floor, 1)
+
+  @property
+  def inner(self) -> int:
+    return self.calls * self.dispatches
+
+  def _run(self, compiled, dispatches: int) -> float:
+    start = time.perf_counter()
+    for _ in range(dispatches - 1):
+      compiled(*self.args)
+    jax.block_until_ready(compiled(*self.args))
+    return time.perf_counter() - start
+
+  def one_dispatch(self):
+    """One dispatch, blocked (for `calls_for`)."""
+    return jax.block_until_ready(self.compiled(*self.args))
+
+  def sample(self) -> float:
+    t = self._run(self.compiled, self.dispatches)
+    if self.floor is not None:
+      f = self._run(self.floor, self.dispatches)
+      self.floor_seconds.append(f / self.inner)
+      t = above_floor(t, f)
+    return t / self.inner
+
+  @property
+  def floor_us(self) -> Optional[float]:
+    return float(np.median(self.floor_seconds) * 1e6) if self.floor_seconds else None
 
 
 def repeat_in_loop(fn: Callable, iterations: int, unroll: Optional[int] = None,
@@ -155,20 +214,6 @@ def above_floor(seconds: float, floor_seconds: float) -> float:
   """A looped sample less its loop floor, kept at >= 1% of the sample (a floor timed longer
   than the work is noise, not a negative time)."""
   return max(seconds - floor_seconds, 0.01 * seconds)
-
-
-def looped_with_floor(fn: Callable, args: Sequence, iterations: int
-                      ) -> Tuple[Callable[[], Any], Optional[Callable[[], Any]]]:
-  """(call, floor): argument-less calls of `repeat_in_loop(fn, iterations)` and of the same
-  loop around `floor_fn` (None for one call: no loop), compiled and warmed."""
-  def compiled(f):
-    c = repeat_in_loop(f, iterations).lower(*args).compile()
-    jax.block_until_ready(c(*args))
-    return lambda: c(*args)
-  if iterations <= 1:
-    one = jax.jit(fn).lower(*args).compile()
-    return (lambda: one(*args)), None
-  return compiled(fn), compiled(floor_fn)
 
 
 def loop_body_lines(hlo: str, follow_calls: bool = True) -> list:
@@ -211,9 +256,8 @@ def time_variants(variants: Mapping[str, Tuple[Callable, Sequence]], *, repeats:
   """Times jittable `fn(*args)` variants, interleaved, `repeats` times each.
 
   Each variant is compiled and warmed first; variants faster than `min_call_seconds` are
-  wrapped in `repeat_in_loop` with an iteration count that brings a call near that length,
-  and the same loop around `floor_fn` is timed beside it, its time subtracted sample by sample
-  (what the loop itself adds to each call is not the variant's).
+  timed as a `ChainSampler` of up to `loop_unroll()` chained calls, dispatched as often as
+  brings a sample near that length, its floor subtracted.
   """
   prepared = {}
   for name, (fn, args) in variants.items():
@@ -221,17 +265,15 @@ def time_variants(variants: Mapping[str, Tuple[Callable, Sequence]], *, repeats:
     for _ in range(warmup):
       jax.block_until_ready(jitted(*args))
     inner = calls_for(lambda: jitted(*args), min_call_seconds, max_inner)
-    call, floor = looped_with_floor(fn, args, inner)
-    for _ in range(warmup - 1):
-      jax.block_until_ready(call())
-    prepared[name] = (call, floor, inner)
+    sampler = ChainSampler(fn, args, min(inner, loop_unroll()), warmup)
+    sampler.dispatches = math.ceil(inner / sampler.calls)
+    prepared[name] = sampler
   samples = {name: [] for name in prepared}
   for _ in range(repeats):
-    for name, (call, floor, inner) in prepared.items():
-      t = call_seconds(call)
-      samples[name].append(t if floor is None else above_floor(t, call_seconds(floor)))
-      samples[name][-1] /= inner
-  return {name: Timing(name, np.asarray(s), prepared[name][2]) for name, s in samples.items()}
+    for name, sampler in prepared.items():
+      samples[name].append(sampler.sample())
+  return {name: Timing(name, np.asarray(s), prepared[name].inner)
+          for name, s in samples.items()}
 
 
 def summarize(timings: Mapping[str, Timing], baseline: str, *, seed: int = 0) -> Dict[str, dict]:

@@ -265,38 +265,38 @@ class KernelTimingTest(absltest.TestCase):
     self.assertNotIn("seconds", rows[0])
     table = timing_table.merge_entries(timing_table.empty_table("cpu"), rows)
     timing_table.validate(table, "merged")
-    # Products this small are short: timed in a loop (one call an iteration on a CPU, UNROLL
-    # on a GPU), and the entries say how.
+    # Products this small are short: timed as several calls a sample (back-to-back single calls
+    # on a CPU, chains of UNROLL on a GPU), and the entries say how.
     self.assertTrue(all(e["unroll"] == timing_lib.loop_unroll() and e["inner"] > 1
                         for e in got))
 
-  def test_short_products_compile_their_unrolled_loop_alone(self):
-    # As on a GPU (4 calls an iteration here): a product under SHORT_FLOPS compiles only its
-    # unrolled loop and times one call through it; a product not known to be short compiles
-    # the plain loop first and the unrolled one once it proves short.
+  def test_short_products_compile_their_chain_alone(self):
+    # As on a GPU (4 calls chained here): a product under SHORT_FLOPS compiles only its chain
+    # and times it; a product not known to be short compiles one call first and the chain
+    # once it proves short.
     site = collector.make_site_probe("d", "mk,kn->mn", "act_weight", (32, 48), (48, 16), CONFIG)
     kernels, _ = candidates.candidate_kernels(["xla_bf16"], "cpu")
-    real_looped = kernel_timing._looped
-    for short_flops, expected_unrolls in ((kernel_timing.SHORT_FLOPS, [4, 4, 4]),
-                                          (1, [1, 4, 1, 4, 1, 4])):
-      unrolls = []
+    real_sampler = timing_lib.ChainSampler
+    for short_flops, expected_chains in ((kernel_timing.SHORT_FLOPS, [4, 4, 4]),
+                                         (1, [1, 4, 1, 4, 1, 4])):
+      chains = []
 
-      def looped(fn, unroll=1):
-        if fn is not timing_lib.floor_fn:  # the loop floor's compile is counted apart
-          unrolls.append(unroll)
-        return real_looped(fn, unroll)
+      def sampler(fn, args, calls, warmup=3):
+        chains.append(calls)
+        return real_sampler(fn, args, calls, warmup)
       cache = kernel_timing.TimingCache(os.path.join(tempfile.mkdtemp(), "cpu.json"), "cpu")
       with mock.patch.object(timing_lib, "loop_unroll", lambda: 4), \
-           mock.patch.object(kernel_timing, "_looped", looped), \
+           mock.patch.object(timing_lib, "ChainSampler", sampler), \
            mock.patch.object(kernel_timing, "SHORT_FLOPS", short_flops):
         got = kernel_timing.measure_site(site.layout, kernels, "bfloat16", cache,
                                          unsupported={}, repeats=3)
-      self.assertEqual(unrolls, expected_unrolls)  # bf16's three passes
+      self.assertEqual(chains, expected_chains)  # bf16's three passes
       for e in got:
         self.assertEqual(e["unroll"], 4)
         self.assertGreater(e["inner"], 1)
-        self.assertEqual((e["inner"] - 1) % 4, 0)  # 1 + 4 (n - 1) calls
-        self.assertGreater(e["floor_us"], 0.0)  # the loop's own time, timed and subtracted
+        self.assertEqual(e["inner"] % 4, 0)  # dispatches of 4 chained calls
+        self.assertEqual(e["loop"], kernel_timing.LOOP)
+        self.assertGreater(e["floor_us"], 0.0)  # the chain's own time, timed and subtracted
 
   def test_delayed_scaling_ops_share_one_timing_of_their_common_forward(self):
     site = collector.make_site_probe("d", "mk,kn->mn", "act_weight", (64, 48), (48, 32), CONFIG)

@@ -3,6 +3,7 @@ calls share one device-loop iteration, and return its result; the compiled loop 
 call of a pure product (XLA neither hoists nor merges them)."""
 import re
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,6 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from loka_jax import timing
-from loka_jax.probe import kernel_timing
 
 
 def _counted_product(calls):
@@ -42,29 +42,26 @@ class LoopCallsTest(parameterized.TestCase):
     self.assertLen(calls, iterations)
     np.testing.assert_allclose(out, np.asarray(a) @ np.asarray(b), rtol=1e-6)
 
-  @parameterized.parameters((1, 1), (3, 1), (1, 16), (4, 16))
-  def test_the_probe_loop_calls_the_product_as_often_as_it_says(self, n, unroll):
-    calls = []
+  @parameterized.parameters(1, 2, 16)
+  def test_a_chain_calls_the_product_as_often_as_it_says(self, calls):
+    counted = []
     a, b = _operands()
-    looped = kernel_timing._looped(_counted_product(calls), unroll)
-    out = jax.block_until_ready(looped(jnp.int32(n), a, b))
+    out = jax.block_until_ready(timing.chain(_counted_product(counted), calls)(a, b))
     jax.effects_barrier()
-    self.assertLen(calls, kernel_timing.loop_calls(n, unroll))
+    self.assertLen(counted, calls)
     np.testing.assert_allclose(out, np.asarray(a) @ np.asarray(b), rtol=1e-6)
 
   @parameterized.parameters(1, 4)
-  def test_xla_keeps_every_call_of_a_pure_product_in_the_loop(self, unroll):
-    # No callback here: a side effect would keep the calls alive whatever the loop does. With
-    # the operands only passed through an optimization barrier, XLA's CPU pipeline hoisted the
+  def test_xla_keeps_every_call_of_a_pure_product(self, unroll):
+    # No callback here: a side effect would keep the calls alive whatever XLA does. With the
+    # operands only passed through an optimization barrier, XLA's CPU pipeline hoisted the
     # product out of the loop (0 dots in the body), and the GPU's merged the unrolled calls.
     a, b = _operands()
     product = lambda x, y: x @ y
-    probe_loop = kernel_timing._looped(product, unroll).lower(jnp.int32(2), a, b).compile()
-    self.assertEqual(_dots_in_loop_bodies(probe_loop.as_text()), unroll)
+    chained = timing.chain(product, 1 + unroll).lower(a, b).compile().as_text()
+    self.assertEqual(chained.count(" dot("), 1 + unroll)
     repeat = timing.repeat_in_loop(product, 1 + 2 * unroll, unroll=unroll).lower(a, b).compile()
     self.assertEqual(_dots_in_loop_bodies(repeat.as_text()), unroll)
-    np.testing.assert_allclose(probe_loop(jnp.int32(3), a, b), np.asarray(a) @ np.asarray(b),
-                               rtol=1e-6)
 
   def test_a_whole_step_loop_touches_only_the_batch_and_keeps_every_call(self):
     a, b = _operands()
@@ -80,12 +77,24 @@ class LoopCallsTest(parameterized.TestCase):
     self.assertAlmostEqual(timing.above_floor(10e-6, 4e-6), 6e-6)
     self.assertAlmostEqual(timing.above_floor(1e-6, 5e-6), 1e-8)  # noise: 1% kept
 
-  def test_time_variants_times_work_above_the_loop_floor(self):
+  def test_time_variants_times_work_above_the_chain_floor(self):
     a, b = _operands()
-    got = timing.time_variants({"p": (lambda x, y: x @ y, (a, b))}, repeats=3,
-                               min_call_seconds=1.0, max_inner=5)["p"]
-    self.assertEqual(got.inner, 5)
+    with mock.patch.object(timing, "loop_unroll", lambda: 4):  # as on a GPU, 4 calls chained
+      got = timing.time_variants({"p": (lambda x, y: x @ y, (a, b))}, repeats=3,
+                                 min_call_seconds=1.0, max_inner=10)["p"]
+    self.assertEqual(got.inner, 12)  # 10 wanted: 3 dispatches of 4 chained calls
     self.assertTrue(np.all(got.seconds > 0))
+
+  def test_a_chain_sampler_times_its_floor_beside_it(self):
+    a, b = _operands()
+    sampler = timing.ChainSampler(lambda x, y: x @ y, (a, b), calls=3, warmup=1)
+    sampler.dispatches = 2
+    self.assertEqual(sampler.inner, 6)
+    self.assertGreater(sampler.sample(), 0.0)
+    self.assertGreater(sampler.floor_us, 0.0)
+    single = timing.ChainSampler(lambda x, y: x @ y, (a, b), calls=1, warmup=1)
+    single.sample()
+    self.assertIsNone(single.floor_us)  # one call: no chain, nothing to subtract
 
   def test_depend_on_keeps_every_value_and_dtype(self):
     leaves = {"f": jnp.arange(6.0).reshape(2, 3), "bf": jnp.ones((2,), jnp.bfloat16) * 3,
@@ -101,11 +110,6 @@ class LoopCallsTest(parameterized.TestCase):
 
   def test_a_cpu_loop_runs_one_call_an_iteration(self):
     self.assertEqual(timing.loop_unroll(), 1 if jax.default_backend() != "gpu" else 16)
-
-  def test_loop_calls(self):
-    self.assertEqual(kernel_timing.loop_calls(1, 16), 1)
-    self.assertEqual(kernel_timing.loop_calls(4, 16), 49)
-
 
 
 class TimeCallsTest(absltest.TestCase):

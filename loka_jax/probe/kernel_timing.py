@@ -2,9 +2,10 @@
 
 All kernels and passes of one site shape (spec, lhs shape, rhs shape) form one interleaved
 group with the xla_bf16 baseline, timed with quantization and scaling included, on random
-normal operands (never zeros). Short products repeat inside one jitted loop whose trip count
-is an argument, UNROLL calls an iteration on a GPU, so the loop's per-iteration cost is
-shared; the backend is read from the compiled HLO. Results are cached on disk per device
+normal operands (never zeros). Short products run as a chain of UNROLL calls in one program
+on a GPU (`timing.ChainSampler`: each call's operands depend on the previous result, and the
+same chain of a one-element call, the floor, is timed beside it and subtracted); the backend
+is read from the compiled HLO. Results are cached on disk per device
 kind, keyed by (kernel, pass, spec, shapes, dtype), so a rerun measures only what is
 missing, and kernels that run identical code for a pass share one measurement.
 
@@ -89,8 +90,9 @@ class TimingCache:
   def get(self, key: str, revision: int = 1) -> Optional[Dict]:
     """The entry, or None when missing or stale, so it is measured again: timed for another
     `revision` of its kernel (the kernel's computation changed; entries from before
-    revisions count as 1), or a product timed through a loop whose calls XLA could hoist or
-    merge (no `loop`: timed before `LOOP`; its time is too short by up to the calls lost)."""
+    revisions count as 1), or a product timed as several calls a sample before `LOOP` (no
+    `loop`): its calls passed through optimization barriers XLA removed, so its time is short
+    by up to the calls lost."""
     entry = self.entries.get(key)
     if entry is None or entry.get("revision", 1) != revision:
       return None
@@ -114,34 +116,19 @@ def default_cache_path(directory: str, device_kind: str) -> str:
 # ----------------------------------------------------------------------------- variants
 
 
-# Calls of a short product per loop iteration (the loop's per-iteration cost floored every
-# product at DCNv2 `small`'s shapes at ~30 us on the H200; timed one call an iteration, a
-# fused op's backward, both gradients in one call, looked up to 1.6x faster than the
-# baseline's two gradient passes there). One call an iteration on a CPU (`loop_unroll`).
+# Calls of a short product chained per dispatch (one call a device-loop iteration floored
+# every product at DCNv2 `small`'s shapes at ~30 us on the H200; a fused op's backward, both
+# gradients in one call, then looked up to 1.6x faster than the baseline's two gradient
+# passes there). One call on a CPU (`loop_unroll`).
 UNROLL = timing_lib.UNROLL
 
 
-# How the timing loop keeps its calls (`timing.depend_on`), recorded in every entry timed through
-# a loop. Entries without it were timed with operands passed through optimization barriers,
-# which XLA removed: on the H200 a [16384,4096]x[4096,4096] bf16 product timed 109 us a call
-# (5 PFLOP/s) with 16 calls an iteration.
-LOOP = "depend_on"
-
-
-def _looped(fn: Callable, unroll: int = 1) -> Callable:
-  """jit(run(n, *args)): fn applied 1 + unroll * (n - 1) times in one loop (n >= 1 is a
-  runtime argument, so each variant compiles once per `unroll`)."""
-  def run(n, *args):
-    corners = timing_lib.corners_of(args)
-    state = (args, fn(*args))
-    return lax.fori_loop(
-        1, n, lambda _, s: timing_lib.chained_calls(fn, *s, unroll, corners), state)[1]
-  return jax.jit(run)
-
-
-def loop_calls(n: int, unroll: int) -> int:
-  """How many times `_looped(fn, unroll)` calls fn for trip argument n."""
-  return 1 + unroll * (n - 1)
+# How the timed calls were kept and their overhead removed, recorded in every entry timed as
+# several calls a sample: `chain` = a straight-line chain of calls whose operands depend on the
+# previous result (`timing.depend_on`), less the same chain of `timing.floor_fn`. Entries
+# without it were timed in a device loop through optimization barriers, which XLA removed:
+# on the H200 16 unrolled calls of a [16384,4096]x[4096,4096] bf16 product ran as one.
+LOOP = "chain"
 
 
 def _operands(shapes: Sequence[Tuple[int, ...]], dtype, seed: int):
@@ -190,76 +177,45 @@ def _baseline_bwd_variant(kernel, layout: SiteLayout, dtype):
 
 
 # Site products of fewer FLOPs are short on any GPU (under 30 us at H100's bf16 peak), so the
-# probe compiles only their unrolled loop and times one call through it (trip count 1): a
-# probe of a `small` preset is compile-bound, and the plain loop it used to compile first, to
-# time one call and decide, was a second compile of every kernel pass.
+# probe compiles only their chain of UNROLL calls: a probe of a `small` preset is
+# compile-bound, and the single call it would compile first, to time it and decide, was a
+# second compile of every kernel pass.
 SHORT_FLOPS = 1e10
 
 
 def _time_interleaved(variants: Mapping[str, Tuple[Callable, Sequence]], *, repeats: int,
                       warmup: int = 3, min_call_seconds: float = 1e-3, max_inner: int = 1000,
                       short: bool = False) -> Dict[str, Dict]:
-  """{name: {'seconds': per-call seconds [repeats], 'inner', 'backend'}}, interleaved.
-  `short`: the products are known to be short (`SHORT_FLOPS`): compile the unrolled loop
-  alone."""
+  """{name: {'seconds': per-call seconds [repeats], 'inner', 'backend', 'unroll',
+  'floor_us'}}, interleaved. A variant shorter than `min_call_seconds` is timed as a chain of
+  `timing.loop_unroll()` calls (`timing.ChainSampler`, `unroll` in the entry) dispatched as
+  often as brings a sample near that length. `short`: the products are known to be short
+  (`SHORT_FLOPS`): compile the chain alone."""
   platform = jax.default_backend()
-  prepared, failed, floors = {}, {}, {}
+  prepared, failed = {}, {}
   for name, (fn, args) in variants.items():
     try:
-      one = jnp.int32(1)
-      unroll = timing_lib.loop_unroll() if short else 1
-      compiled = _looped(fn, unroll).lower(one, *args).compile()  # the trip count is dynamic
-      backend = backend_from_hlo(compiled.as_text(), platform)
-      for _ in range(warmup):
-        jax.block_until_ready(compiled(one, *args))
-      wanted = timing_lib.calls_for(lambda: compiled(one, *args), min_call_seconds, max_inner)
-      n, inner, floor = one, 1, None
-      if wanted == 1:
-        unroll = 1  # one call a sample: the loop body never runs
-      else:
-        # Short: UNROLL calls an iteration (on a GPU), as many iterations as bring a call
-        # near min_call_seconds (the unrolled loop compiles only for such small products).
-        if unroll < timing_lib.loop_unroll():  # not compiled unrolled above
-          unroll = timing_lib.loop_unroll()
-          compiled = _looped(fn, unroll).lower(one, *args).compile()
-        n = jnp.int32(max(2, math.ceil((wanted - 1) / unroll) + 1))
-        inner = loop_calls(int(n), unroll)
-        floor = _floor(floors, args, unroll, n)
-        for _ in range(warmup):
-          jax.block_until_ready(compiled(n, *args))
+      unroll = timing_lib.loop_unroll()
+      sampler = timing_lib.ChainSampler(fn, args, unroll if short else 1, warmup)
+      backend = backend_from_hlo(sampler.compiled.as_text(), platform)
+      wanted = timing_lib.calls_for(sampler.one_dispatch, min_call_seconds, max_inner)
+      if sampler.calls == 1 and wanted > 1 and unroll > 1:  # long at first sight, but short
+        sampler = timing_lib.ChainSampler(fn, args, unroll, warmup)
+        wanted = math.ceil(wanted / unroll)
+      sampler.dispatches = wanted
     except Exception as e:  # a kernel that fails to build or run is reported, not timed
       failed[name] = f"{type(e).__name__}: {str(e)[:300]}"
       continue
-    prepared[name] = (compiled, n, args, inner, backend, unroll, floor)
+    prepared[name] = (sampler, backend)
   samples = {name: [] for name in prepared}
-  floor_samples = {name: [] for name in prepared}
   for _ in range(repeats):
-    for name, (compiled, n, args, inner, _, _, floor) in prepared.items():
-      t = timing_lib.call_seconds(lambda: compiled(n, *args))
-      if floor is not None:
-        f = timing_lib.call_seconds(floor)
-        floor_samples[name].append(f / inner)
-        t = timing_lib.above_floor(t, f)
-      samples[name].append(t / inner)
-  out = {name: {"seconds": samples[name], "inner": prepared[name][3],
-                "backend": prepared[name][4], "unroll": prepared[name][5],
-                "floor_us": (float(np.median(floor_samples[name]) * 1e6)
-                             if floor_samples[name] else None)}
-         for name in prepared}
+    for name, (sampler, _) in prepared.items():
+      samples[name].append(sampler.sample())
+  out = {name: {"seconds": samples[name], "inner": sampler.inner, "backend": backend,
+                "unroll": sampler.calls, "floor_us": sampler.floor_us}
+         for name, (sampler, backend) in prepared.items()}
   out.update({name: {"error": message} for name, message in failed.items()})
   return out
-
-
-def _floor(floors: Dict, args, unroll: int, n) -> Callable[[], Any]:
-  """The warmed argument-less loop of `timing.floor_fn` over `args` (`unroll` calls an
-  iteration, trip n), shared by variants whose operands have the same shapes."""
-  key = (jax.tree.structure(args), tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args)),
-         unroll, int(n))
-  if key not in floors:
-    compiled = _looped(timing_lib.floor_fn, unroll).lower(n, *args).compile()
-    jax.block_until_ready(compiled(n, *args))
-    floors[key] = lambda: compiled(n, *args)
-  return floors[key]
 
 
 def _entry(kernel: str, pass_name: str, spec: str, a_shape, b_shape, dtype: str,
@@ -272,7 +228,7 @@ def _entry(kernel: str, pass_name: str, spec: str, a_shape, b_shape, dtype: str,
            "ci_us": [lo, hi], "seconds": [float(s) for s in seconds], "repeats": len(seconds),
            "inner": inner, "unroll": unroll, "backend": backend, "jax": jax.__version__,
            "date": datetime.date.today().isoformat()}
-  if inner > 1:  # the loop's own time per call, already subtracted from `seconds`
+  if inner > 1:  # floor_us: the chain's own time per call, already out of `seconds`
     entry.update(loop=LOOP, floor_us=floor_us)
   if scope:
     entry["time_scope"] = scope
