@@ -176,33 +176,34 @@ def _baseline_bwd_variant(kernel, layout: SiteLayout, dtype):
   return bwd, [lhs, rhs, grad]
 
 
-# Site products of fewer FLOPs are short on any GPU (under 30 us at H100's bf16 peak), so the
-# probe compiles only their chain of UNROLL calls: a probe of a `small` preset is
-# compile-bound, and the single call it would compile first, to time it and decide, was a
-# second compile of every kernel pass.
+# Site products of fewer FLOPs are short on any GPU (under 30 us at H100's bf16 peak): each
+# dispatch is a chain of UNROLL calls less its floor. Longer products are dispatched one call
+# at a time, back to back, which keeps the device busy without touching their operands. On
+# the H200 (2026-11-27, against the profiler's kernel times) the chain came within 6-20% for
+# [4096,1024]x[1024,1024] (13-14 us) and [4096,256]x[256,256] (3 us); one blocked call of
+# [16384,4096]x[4096,4096] read 983 us against 795 us back to back.
 SHORT_FLOPS = 1e10
+LONG_DISPATCHES = 3
 
 
 def _time_interleaved(variants: Mapping[str, Tuple[Callable, Sequence]], *, repeats: int,
                       warmup: int = 3, min_call_seconds: float = 1e-3, max_inner: int = 1000,
                       short: bool = False) -> Dict[str, Dict]:
   """{name: {'seconds': per-call seconds [repeats], 'inner', 'backend', 'unroll',
-  'floor_us'}}, interleaved. A variant shorter than `min_call_seconds` is timed as a chain of
-  `timing.loop_unroll()` calls (`timing.ChainSampler`, `unroll` in the entry) dispatched as
-  often as brings a sample near that length. `short`: the products are known to be short
-  (`SHORT_FLOPS`): compile the chain alone."""
+  'floor_us'}}, interleaved. A sample dispatches the variant back to back as often as brings
+  it near `min_call_seconds` (at least LONG_DISPATCHES times, so one dispatch's latency does
+  not sit in a sample of one call). `short` (`SHORT_FLOPS`): each dispatch is a chain of
+  `timing.loop_unroll()` calls whose floor is subtracted (`timing.ChainSampler`), since one
+  short call a dispatch would time the host's dispatch, not the kernel."""
   platform = jax.default_backend()
   prepared, failed = {}, {}
   for name, (fn, args) in variants.items():
     try:
-      unroll = timing_lib.loop_unroll()
-      sampler = timing_lib.ChainSampler(fn, args, unroll if short else 1, warmup)
+      sampler = timing_lib.ChainSampler(fn, args, timing_lib.loop_unroll() if short else 1,
+                                        warmup)
       backend = backend_from_hlo(sampler.compiled.as_text(), platform)
       wanted = timing_lib.calls_for(sampler.one_dispatch, min_call_seconds, max_inner)
-      if sampler.calls == 1 and wanted > 1 and unroll > 1:  # long at first sight, but short
-        sampler = timing_lib.ChainSampler(fn, args, unroll, warmup)
-        wanted = math.ceil(wanted / unroll)
-      sampler.dispatches = wanted
+      sampler.dispatches = wanted if short else max(wanted, LONG_DISPATCHES)
     except Exception as e:  # a kernel that fails to build or run is reported, not timed
       failed[name] = f"{type(e).__name__}: {str(e)[:300]}"
       continue
