@@ -51,6 +51,7 @@ def speedup_ci(baseline: Timing, variant: Timing, *, seed: int = 0,
 # the H200, [4096,256]x[256,1] included, whose data take ~1 us to move; 16 chained calls
 # share one dispatch. A CPU has no such cost, and compile time would only grow: one call.
 UNROLL = 16
+LONG_DISPATCHES = 4  # back-to-back dispatches of work too long to chain, at least, a sample
 
 
 def loop_unroll() -> int:
@@ -255,9 +256,10 @@ def time_variants(variants: Mapping[str, Tuple[Callable, Sequence]], *, repeats:
                   max_inner: int = 1000) -> Dict[str, Timing]:
   """Times jittable `fn(*args)` variants, interleaved, `repeats` times each.
 
-  Each variant is compiled and warmed first; variants faster than `min_call_seconds` are
-  timed as a `ChainSampler` of up to `loop_unroll()` chained calls, dispatched as often as
-  brings a sample near that length, its floor subtracted.
+  Each variant is compiled and warmed first; variants shorter than a quarter of
+  `min_call_seconds` are timed as a `ChainSampler` of up to `loop_unroll()` chained calls,
+  dispatched as often as brings a sample near that length, its floor subtracted; longer ones
+  as single calls dispatched back to back (at least LONG_DISPATCHES).
   """
   prepared = {}
   for name, (fn, args) in variants.items():
@@ -265,8 +267,12 @@ def time_variants(variants: Mapping[str, Tuple[Callable, Sequence]], *, repeats:
     for _ in range(warmup):
       jax.block_until_ready(jitted(*args))
     inner = calls_for(lambda: jitted(*args), min_call_seconds, max_inner)
-    sampler = ChainSampler(fn, args, min(inner, loop_unroll()), warmup)
-    sampler.dispatches = math.ceil(inner / sampler.calls)
+    # A call of a quarter of min_call_seconds or more (from call to result) keeps the device
+    # busy dispatched back to back; shorter ones are chained.
+    chained = loop_unroll() if inner > LONG_DISPATCHES else 1
+    sampler = ChainSampler(fn, args, min(inner, chained), warmup)
+    sampler.dispatches = max(math.ceil(inner / sampler.calls),
+                             1 if chained > 1 else LONG_DISPATCHES)
     prepared[name] = sampler
   samples = {name: [] for name in prepared}
   for _ in range(repeats):

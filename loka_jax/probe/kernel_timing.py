@@ -179,22 +179,25 @@ def _baseline_bwd_variant(kernel, layout: SiteLayout, dtype):
 # Site products of fewer FLOPs are short on any GPU (under 30 us at H100's bf16 peak): each
 # dispatch is a chain of UNROLL calls less its floor. Longer products are dispatched one call
 # at a time, back to back, which keeps the device busy without touching their operands. On
-# the H200 (2026-11-27, against the profiler's kernel times) the chain came within 6-20% for
-# [4096,1024]x[1024,1024] (13-14 us) and [4096,256]x[256,256] (3 us); one blocked call of
-# [16384,4096]x[4096,4096] read 983 us against 795 us back to back.
+# the H200 (2026-11-27, against the profiler's kernel times; docs/BENCHMARKS.md, "Eleventh
+# session") the chain came within 7-20% for [4096,1024]x[1024,1024] (13-14 us) and about 40%
+# under for kernels of 1.5-3 us; one blocked call of [16384,4096]x[4096,4096] read 983 us
+# against 795 us back to back, and four back to back of [8192,2048]x[2048,2048] 139 us
+# against 86-91 us of kernel time.
 SHORT_FLOPS = 1e10
-LONG_DISPATCHES = 3
+LONG_SAMPLE_SECONDS = 0.02
 
 
 def _time_interleaved(variants: Mapping[str, Tuple[Callable, Sequence]], *, repeats: int,
                       warmup: int = 3, min_call_seconds: float = 1e-3, max_inner: int = 1000,
                       short: bool = False) -> Dict[str, Dict]:
   """{name: {'seconds': per-call seconds [repeats], 'inner', 'backend', 'unroll',
-  'floor_us'}}, interleaved. A sample dispatches the variant back to back as often as brings
-  it near `min_call_seconds` (at least LONG_DISPATCHES times, so one dispatch's latency does
-  not sit in a sample of one call). `short` (`SHORT_FLOPS`): each dispatch is a chain of
-  `timing.loop_unroll()` calls whose floor is subtracted (`timing.ChainSampler`), since one
-  short call a dispatch would time the host's dispatch, not the kernel."""
+  'floor_us'}}, interleaved. `short` (`SHORT_FLOPS`): a sample is chains of
+  `timing.loop_unroll()` calls less their floor (`timing.ChainSampler`), dispatched as often
+  as brings it near `min_call_seconds`, since one short call a dispatch would time the host's
+  dispatch, not the kernel. Otherwise single calls dispatched back to back, as many as fill
+  LONG_SAMPLE_SECONDS (at least LONG_DISPATCHES), so a dispatch's latency (200-300 us from
+  call to result on the H200) is shared by enough device time."""
   platform = jax.default_backend()
   prepared, failed = {}, {}
   for name, (fn, args) in variants.items():
@@ -202,8 +205,12 @@ def _time_interleaved(variants: Mapping[str, Tuple[Callable, Sequence]], *, repe
       sampler = timing_lib.ChainSampler(fn, args, timing_lib.loop_unroll() if short else 1,
                                         warmup)
       backend = backend_from_hlo(sampler.compiled.as_text(), platform)
-      wanted = timing_lib.calls_for(sampler.one_dispatch, min_call_seconds, max_inner)
-      sampler.dispatches = wanted if short else max(wanted, LONG_DISPATCHES)
+      if short:
+        sampler.dispatches = timing_lib.calls_for(sampler.one_dispatch, min_call_seconds,
+                                                  max_inner)
+      else:
+        sampler.dispatches = max(timing_lib.LONG_DISPATCHES, timing_lib.calls_for(
+            sampler.one_dispatch, LONG_SAMPLE_SECONDS, max_inner))
     except Exception as e:  # a kernel that fails to build or run is reported, not timed
       failed[name] = f"{type(e).__name__}: {str(e)[:300]}"
       continue
