@@ -265,15 +265,15 @@ class KernelTimingTest(absltest.TestCase):
     self.assertNotIn("seconds", rows[0])
     table = timing_table.merge_entries(timing_table.empty_table("cpu"), rows)
     timing_table.validate(table, "merged")
-    # Products this small are short: timed as several calls a sample (back-to-back single calls
-    # on a CPU, chains of UNROLL on a GPU), and the entries say how.
+    # Products this small are short: timed as several calls a sample (single calls back to
+    # back on a CPU, one chain of UNROLL on a GPU), and the entries say how.
     self.assertTrue(all(e["unroll"] == timing_lib.loop_unroll() and e["inner"] > 1
                         for e in got))
 
   def test_short_products_run_as_chains_and_long_ones_as_single_calls(self):
-    # As on a GPU (4 calls chained here): a product under SHORT_FLOPS is timed as chains of 4
-    # calls less their floor; a longer one as single calls dispatched back to back, at least
-    # LONG_DISPATCHES a sample.
+    # As on a GPU (4 calls chained here): a product under SHORT_FLOPS is timed as one chain of
+    # 4 calls a sample less its floor; a longer one as single calls dispatched back to back,
+    # at least LONG_DISPATCHES a sample.
     site = collector.make_site_probe("d", "mk,kn->mn", "act_weight", (32, 48), (48, 16), CONFIG)
     kernels, _ = candidates.candidate_kernels(["xla_bf16"], "cpu")
     real_sampler = timing_lib.ChainSampler
@@ -293,7 +293,10 @@ class KernelTimingTest(absltest.TestCase):
       for e in got:
         self.assertEqual(e["unroll"], chain)
         self.assertEqual(e["inner"] % chain, 0)  # whole dispatches of the chain
-        self.assertGreaterEqual(e["inner"], timing_lib.LONG_DISPATCHES if chain == 1 else 4)
+        if chain == 1:  # long: at least LONG_DISPATCHES single calls back to back
+          self.assertGreaterEqual(e["inner"], timing_lib.LONG_DISPATCHES)
+        else:  # short: one chain a sample
+          self.assertEqual(e["inner"], 4)
         self.assertEqual(e["loop"], kernel_timing.LOOP)
         if chain > 1:
           self.assertGreater(e["floor_us"], 0.0)  # the chain's own time, timed and subtracted

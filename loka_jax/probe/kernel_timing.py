@@ -176,14 +176,14 @@ def _baseline_bwd_variant(kernel, layout: SiteLayout, dtype):
   return bwd, [lhs, rhs, grad]
 
 
-# Site products of fewer FLOPs are short on any GPU (under 30 us at H100's bf16 peak): each
-# dispatch is a chain of UNROLL calls less its floor. Longer products are dispatched one call
+# Site products of fewer FLOPs are short on any GPU (under 30 us at H100's bf16 peak): a
+# sample is one chain of UNROLL calls less its floor. Longer products are dispatched one call
 # at a time, back to back, which keeps the device busy without touching their operands. On
 # the H200 (2026-11-27, against the profiler's kernel times; docs/BENCHMARKS.md, "Eleventh
-# session") the chain came within 7-20% for [4096,1024]x[1024,1024] (13-14 us) and about 40%
-# under for kernels of 1.5-3 us; one blocked call of [16384,4096]x[4096,4096] read 983 us
-# against 795 us back to back, and four back to back of [8192,2048]x[2048,2048] 139 us
-# against 86-91 us of kernel time.
+# session"): one chain read [4096,1024]x[1024,1024] 16.4-16.6 us (kernel 12.6-13.5 us) and
+# kernels of 1.5-3 us 10-150% long; 20 ms of single calls back to back read 808 us for
+# [16384,4096]x[4096,4096] (795-798 us back to back unblocked) and 99.9 us for
+# [8192,2048]x[2048,2048] (kernel 86-91 us), where one blocked call had read 983 us.
 SHORT_FLOPS = 1e10
 LONG_SAMPLE_SECONDS = 0.02
 
@@ -192,12 +192,17 @@ def _time_interleaved(variants: Mapping[str, Tuple[Callable, Sequence]], *, repe
                       warmup: int = 3, min_call_seconds: float = 1e-3, max_inner: int = 1000,
                       short: bool = False) -> Dict[str, Dict]:
   """{name: {'seconds': per-call seconds [repeats], 'inner', 'backend', 'unroll',
-  'floor_us'}}, interleaved. `short` (`SHORT_FLOPS`): a sample is chains of
-  `timing.loop_unroll()` calls less their floor (`timing.ChainSampler`), dispatched as often
-  as brings it near `min_call_seconds`, since one short call a dispatch would time the host's
-  dispatch, not the kernel. Otherwise single calls dispatched back to back, as many as fill
-  LONG_SAMPLE_SECONDS (at least LONG_DISPATCHES), so a dispatch's latency (200-300 us from
-  call to result on the H200) is shared by enough device time."""
+  'floor_us'}}, interleaved. `short` (`SHORT_FLOPS`): a sample is one chain of
+  `timing.loop_unroll()` calls less its floor (`timing.ChainSampler`), since one short call a
+  dispatch would time the host's dispatch, not the kernel. One dispatch, not several back to
+  back: the floor's chain of one-element kernels is bound by the host's launches where the
+  product's is bound by the device, so subtracting several of them undercut kernels of 1.5-3
+  us by 40-95% on the H200, where one dispatch overstates them by 10-150%: the conservative
+  side, which shrinks a speedup rather than inventing one. Otherwise single calls dispatched
+  back to back, as many as fill LONG_SAMPLE_SECONDS (at least LONG_DISPATCHES), so a
+  dispatch's latency (200-300 us from call to result on the H200) is shared by enough device
+  time. Where nothing is chained (`loop_unroll()` is 1: a CPU) short products, too, are
+  single calls back to back, as many as fill `min_call_seconds`."""
   platform = jax.default_backend()
   prepared, failed = {}, {}
   for name, (fn, args) in variants.items():
@@ -205,10 +210,10 @@ def _time_interleaved(variants: Mapping[str, Tuple[Callable, Sequence]], *, repe
       sampler = timing_lib.ChainSampler(fn, args, timing_lib.loop_unroll() if short else 1,
                                         warmup)
       backend = backend_from_hlo(sampler.compiled.as_text(), platform)
-      if short:
+      if short and sampler.calls == 1:  # nothing to chain (a CPU): single calls back to back
         sampler.dispatches = timing_lib.calls_for(sampler.one_dispatch, min_call_seconds,
                                                   max_inner)
-      else:
+      elif not short:
         sampler.dispatches = max(timing_lib.LONG_DISPATCHES, timing_lib.calls_for(
             sampler.one_dispatch, LONG_SAMPLE_SECONDS, max_inner))
     except Exception as e:  # a kernel that fails to build or run is reported, not timed
