@@ -123,12 +123,14 @@ def default_cache_path(directory: str, device_kind: str) -> str:
 UNROLL = timing_lib.UNROLL
 
 
-# How the timed calls were kept and their overhead removed, recorded in every entry timed as
-# several calls a sample: `chain` = a straight-line chain of calls whose operands depend on the
-# previous result (`timing.depend_on`), less the same chain of `timing.floor_fn`. Entries
-# without it were timed in a device loop through optimization barriers, which XLA removed:
-# on the H200 16 unrolled calls of a [16384,4096]x[4096,4096] bf16 product ran as one.
-LOOP = "chain"
+# How a sample of several calls was timed, recorded in every such entry: `one_chain` = a short
+# product's sample is one straight-line chain of calls whose operands depend on the previous
+# result (`timing.depend_on`), less the same chain of `timing.floor_fn`; a long product's,
+# single calls back to back. Entries without it (or with another value) are measured again:
+# the first kind passed operands through optimization barriers, which XLA removed (on the
+# H200 16 unrolled calls of a [16384,4096]x[4096,4096] bf16 product ran as one), and `chain`
+# subtracted several chains' floors, which undercut kernels of 1.5-3 us by 40-95%.
+LOOP = "one_chain"
 
 
 def _operands(shapes: Sequence[Tuple[int, ...]], dtype, seed: int):
