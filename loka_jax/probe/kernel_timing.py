@@ -129,7 +129,7 @@ UNROLL = timing_lib.UNROLL
 # single calls back to back. Entries without it (or with another value) are measured again:
 # the first kind passed operands through optimization barriers, which XLA removed (on the
 # H200 16 unrolled calls of a [16384,4096]x[4096,4096] bf16 product ran as one), and `chain`
-# subtracted several chains' floors, which undercut kernels of 1.5-3 us by 40-95%.
+# subtracted several chains' floors, which undercut kernels of 1.5-3 us by 36-96%.
 LOOP = "one_chain"
 
 
@@ -183,7 +183,7 @@ def _baseline_bwd_variant(kernel, layout: SiteLayout, dtype):
 # at a time, back to back, which keeps the device busy without touching their operands. On
 # the H200 (2026-11-27, against the profiler's kernel times; docs/BENCHMARKS.md, "Eleventh
 # session"): one chain read [4096,1024]x[1024,1024] 16.4-16.6 us (kernel 12.6-13.5 us) and
-# kernels of 1.5-3 us 10-150% long; 20 ms of single calls back to back read 808 us for
+# kernels of 1.5-3 us 10-170% long; 20 ms of single calls back to back read 808 us for
 # [16384,4096]x[4096,4096] (795-798 us back to back unblocked) and 99.9 us for
 # [8192,2048]x[2048,2048] (kernel 86-91 us), where one blocked call had read 983 us.
 SHORT_FLOPS = 1e10
@@ -199,7 +199,7 @@ def _time_interleaved(variants: Mapping[str, Tuple[Callable, Sequence]], *, repe
   dispatch would time the host's dispatch, not the kernel. One dispatch, not several back to
   back: the floor's chain of one-element kernels is bound by the host's launches where the
   product's is bound by the device, so subtracting several of them undercut kernels of 1.5-3
-  us by 40-95% on the H200, where one dispatch overstates them by 10-150%: the conservative
+  us by 36-96% on the H200, where one dispatch overstates them by 10-170%: the conservative
   side, which shrinks a speedup rather than inventing one. Otherwise single calls dispatched
   back to back, as many as fill LONG_SAMPLE_SECONDS (at least LONG_DISPATCHES), so a
   dispatch's latency (200-300 us from call to result on the H200) is shared by enough device
