@@ -18,7 +18,6 @@ import os
 import statistics
 import tempfile
 import threading
-import time
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import jax

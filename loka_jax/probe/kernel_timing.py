@@ -23,15 +23,13 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from loka_jax import _compat, jsonio
 from loka_jax import timing as timing_lib
