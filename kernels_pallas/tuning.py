@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import statistics
 import tempfile
@@ -143,7 +142,7 @@ def time_call(fn: Callable, args: Sequence, repeats: int = 10, inner: int = 1) -
   (`timing.ChainSampler`: up to 16 in one program, dispatched back to back) less their
   floor, so host dispatch (20-40 us on H200) stays out of kernels that take about as long."""
   sampler = timing.ChainSampler(fn, args, min(inner, max(1, timing.loop_unroll())), warmup=1)
-  sampler.dispatches = math.ceil(inner / sampler.calls)
+  sampler.set_calls(inner)
   return statistics.median(sampler.sample() * 1e6 for _ in range(repeats))
 
 

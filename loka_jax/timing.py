@@ -153,7 +153,8 @@ class ChainSampler:
   no floor). `inner` = calls x dispatches is the calls a sample divides by."""
 
   def __init__(self, fn: Callable, args: Sequence, calls: int, warmup: int = 3):
-    self.args, self.calls, self.dispatches = tuple(args), max(1, int(calls)), 1
+    self.fn, self.args, self.calls, self.dispatches = fn, tuple(args), max(1, int(calls)), 1
+    self.unroll = self.calls  # calls in one straight-line program
     self.compiled = chain(fn, self.calls).lower(*self.args).compile()
     self.floor = (chain(floor_fn, self.calls).lower(*self.args).compile()
                   if self.calls > 1 else None)
@@ -166,6 +167,18 @@ class ChainSampler:
   @property
   def inner(self) -> int:
     return self.calls * self.dispatches
+
+  def set_calls(self, wanted: int) -> None:
+    """About `wanted` calls a sample: whole dispatches of the chain; where nothing is chained
+    (`loop_unroll()` is 1: a CPU) one device loop of `wanted` calls (`repeat_in_loop`, its
+    operands kept by `depend_on`), since a CPU loop costs nothing an iteration and a host
+    dispatch per call would be most of a short sample."""
+    if loop_unroll() == 1 and self.calls == 1 and wanted > 1:
+      self.calls, self.dispatches, self.floor = int(wanted), 1, None
+      self.compiled = repeat_in_loop(self.fn, self.calls, unroll=1).lower(*self.args).compile()
+      jax.block_until_ready(self.compiled(*self.args))
+    else:
+      self.dispatches = max(1, math.ceil(wanted / self.calls))
 
   def _run(self, compiled, dispatches: int) -> float:
     start = time.perf_counter()
@@ -272,8 +285,8 @@ def time_variants(variants: Mapping[str, Tuple[Callable, Sequence]], *, repeats:
     # busy dispatched back to back; shorter ones are chained.
     chained = loop_unroll() if inner > LONG_DISPATCHES else 1
     sampler = ChainSampler(fn, args, min(inner, chained), warmup)
-    sampler.dispatches = max(math.ceil(inner / sampler.calls),
-                             1 if chained > 1 else LONG_DISPATCHES)
+    sampler.set_calls(inner if chained > 1 or loop_unroll() == 1
+                      else max(inner, LONG_DISPATCHES))
     prepared[name] = sampler
   samples = {name: [] for name in prepared}
   for _ in range(repeats):

@@ -201,8 +201,8 @@ def _time_interleaved(variants: Mapping[str, Tuple[Callable, Sequence]], *, repe
   side, which shrinks a speedup rather than inventing one. Otherwise single calls dispatched
   back to back, as many as fill LONG_SAMPLE_SECONDS (at least LONG_DISPATCHES), so a
   dispatch's latency (200-300 us from call to result on the H200) is shared by enough device
-  time. Where nothing is chained (`loop_unroll()` is 1: a CPU) short products, too, are
-  single calls back to back, as many as fill `min_call_seconds`."""
+  time. Where nothing is chained (`loop_unroll()` is 1: a CPU) a short product's sample is
+  one device loop of as many calls as fill `min_call_seconds` (`ChainSampler.set_calls`)."""
   platform = jax.default_backend()
   prepared, failed = {}, {}
   for name, (fn, args) in variants.items():
@@ -210,9 +210,9 @@ def _time_interleaved(variants: Mapping[str, Tuple[Callable, Sequence]], *, repe
       sampler = timing_lib.ChainSampler(fn, args, timing_lib.loop_unroll() if short else 1,
                                         warmup)
       backend = backend_from_hlo(sampler.compiled.as_text(), platform)
-      if short and sampler.calls == 1:  # nothing to chain (a CPU): single calls back to back
-        sampler.dispatches = timing_lib.calls_for(sampler.one_dispatch, min_call_seconds,
-                                                  max_inner)
+      if short and sampler.calls == 1:  # nothing to chain (a CPU): one loop of calls
+        sampler.set_calls(timing_lib.calls_for(sampler.one_dispatch, min_call_seconds,
+                                               max_inner))
       elif not short:
         sampler.dispatches = max(timing_lib.LONG_DISPATCHES, timing_lib.calls_for(
             sampler.one_dispatch, LONG_SAMPLE_SECONDS, max_inner))
@@ -225,7 +225,7 @@ def _time_interleaved(variants: Mapping[str, Tuple[Callable, Sequence]], *, repe
     for name, (sampler, _) in prepared.items():
       samples[name].append(sampler.sample())
   out = {name: {"seconds": samples[name], "inner": sampler.inner, "backend": backend,
-                "unroll": sampler.calls, "floor_us": sampler.floor_us}
+                "unroll": sampler.unroll, "floor_us": sampler.floor_us}
          for name, (sampler, backend) in prepared.items()}
   out.update({name: {"error": message} for name, message in failed.items()})
   return out
