@@ -147,17 +147,37 @@ def chain(fn: Callable, calls: int) -> Callable:
   return jax.jit(run)
 
 
+def dynamic_loop(fn: Callable) -> Callable:
+  """jit(run(n, *args)): fn called n times (n >= 1, a runtime argument, so one compile serves
+  any n) in one device loop, each call's operands depending on the previous result."""
+  def run(n, *args):
+    corners = corners_of(args)
+    state = (args, fn(*args))
+    return lax.fori_loop(1, n, lambda _, s: chained_calls(fn, *s, 1, corners), state)[1]
+  return jax.jit(run)
+
+
 class ChainSampler:
   """Per-call seconds of fn(*args) from `chain(fn, calls)`, dispatched `dispatches` times back
   to back per sample, less the same chain of `floor_fn` timed beside it (one call: no chain,
-  no floor). `inner` = calls x dispatches is the calls a sample divides by."""
+  no floor). `inner` = calls x dispatches is the calls a sample divides by.
+
+  Where nothing is chained (`loop_unroll()` is 1: a CPU) the calls of a sample run in one
+  device loop instead (`dynamic_loop`, compiled once for any count): a CPU loop costs
+  nothing an iteration, and a host dispatch per call would be most of a short sample."""
 
   def __init__(self, fn: Callable, args: Sequence, calls: int, warmup: int = 3):
-    self.fn, self.args, self.calls, self.dispatches = fn, tuple(args), max(1, int(calls)), 1
+    self.args, self.calls, self.dispatches = tuple(args), max(1, int(calls)), 1
     self.unroll = self.calls  # calls in one straight-line program
-    self.compiled = chain(fn, self.calls).lower(*self.args).compile()
-    self.floor = (chain(floor_fn, self.calls).lower(*self.args).compile()
-                  if self.calls > 1 else None)
+    self.looped = loop_unroll() == 1 and self.calls == 1
+    self.trips = jnp.int32(1)
+    if self.looped:
+      self.compiled = dynamic_loop(fn).lower(self.trips, *self.args).compile()
+      self.floor = None
+    else:
+      self.compiled = chain(fn, self.calls).lower(*self.args).compile()
+      self.floor = (chain(floor_fn, self.calls).lower(*self.args).compile()
+                    if self.calls > 1 else None)
     self.floor_seconds: list = []
     for _ in range(warmup):
       self._run(self.compiled, 1)
@@ -169,27 +189,26 @@ class ChainSampler:
     return self.calls * self.dispatches
 
   def set_calls(self, wanted: int) -> None:
-    """About `wanted` calls a sample: whole dispatches of the chain; where nothing is chained
-    (`loop_unroll()` is 1: a CPU) one device loop of `wanted` calls (`repeat_in_loop`, its
-    operands kept by `depend_on`), since a CPU loop costs nothing an iteration and a host
-    dispatch per call would be most of a short sample."""
-    if loop_unroll() == 1 and self.calls == 1 and wanted > 1:
-      self.calls, self.dispatches, self.floor = int(wanted), 1, None
-      self.compiled = repeat_in_loop(self.fn, self.calls, unroll=1).lower(*self.args).compile()
-      jax.block_until_ready(self.compiled(*self.args))
+    """About `wanted` calls a sample: whole dispatches of the chain, or one loop of them."""
+    if self.looped:
+      self.calls, self.trips = max(1, int(wanted)), jnp.int32(max(1, int(wanted)))
     else:
       self.dispatches = max(1, math.ceil(wanted / self.calls))
+
+  def _call(self, compiled):
+    return compiled(self.trips, *self.args) if compiled is self.compiled and self.looped \
+        else compiled(*self.args)
 
   def _run(self, compiled, dispatches: int) -> float:
     start = time.perf_counter()
     for _ in range(dispatches - 1):
-      compiled(*self.args)
-    jax.block_until_ready(compiled(*self.args))
+      self._call(compiled)
+    jax.block_until_ready(self._call(compiled))
     return time.perf_counter() - start
 
   def one_dispatch(self):
     """One dispatch, blocked (for `calls_for`)."""
-    return jax.block_until_ready(self.compiled(*self.args))
+    return jax.block_until_ready(self._call(self.compiled))
 
   def sample(self) -> float:
     t = self._run(self.compiled, self.dispatches)
