@@ -196,8 +196,8 @@ class ChainSampler:
       self.dispatches = max(1, math.ceil(wanted / self.calls))
 
   def _call(self, compiled):
-    return compiled(self.trips, *self.args) if compiled is self.compiled and self.looped \
-        else compiled(*self.args)
+    # Only the timed call is ever looped (a looped sampler has no floor).
+    return compiled(self.trips, *self.args) if self.looped else compiled(*self.args)
 
   def _run(self, compiled, dispatches: int) -> float:
     start = time.perf_counter()
@@ -304,8 +304,8 @@ def time_variants(variants: Mapping[str, Tuple[Callable, Sequence]], *, repeats:
     # busy dispatched back to back; shorter ones are chained.
     chained = loop_unroll() if inner > LONG_DISPATCHES else 1
     sampler = ChainSampler(fn, args, min(inner, chained), warmup)
-    sampler.set_calls(inner if chained > 1 or loop_unroll() == 1
-                      else max(inner, LONG_DISPATCHES))
+    long_on_gpu = chained == 1 and loop_unroll() > 1
+    sampler.set_calls(max(inner, LONG_DISPATCHES) if long_on_gpu else inner)
     prepared[name] = sampler
   samples = {name: [] for name in prepared}
   for _ in range(repeats):
