@@ -12,20 +12,14 @@ from absl.testing import absltest
 from loka_jax.mods import ablation
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Compiled executables shared with tests/test_notebook_mods.py (same tiny arms and flags).
-JAX_CACHE = os.path.join(tempfile.gettempdir(), "loka_jax_test_compilation_cache")
-# The arms are compile-bound on a CPU: cheaper XLA:CPU compiles (same functions computed).
-FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 ALL = ("no_bias", "blocknorm", "hard_swish")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def cpu_env(**extra):
-  """Environment of the CLI and the notebook kernel: CPU, the shared cache, fast compiles."""
-  flags = os.environ.get("XLA_FLAGS", "")
+  """Environment of a CLI or notebook kernel: CPU, and conftest's compile flags and
+  compilation cache (inherited)."""
   return dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg",
-              JAX_COMPILATION_CACHE_DIR=JAX_CACHE,
-              XLA_FLAGS=f"{flags} {FAST_COMPILE_FLAGS}".strip(),
               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]), **extra)
 
 

@@ -1,6 +1,5 @@
 """notebooks/01_probe.ipynb runs top to bottom at tiny size and shows what it promises."""
 import os
-import tempfile
 
 import chex
 import nbclient
@@ -9,8 +8,6 @@ from absl.testing import absltest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(REPO, "notebooks", "01_probe.ipynb")
-# Shared with tests/test_probe_cli.py, which probes the same tiny shapes (and one more site).
-JAX_CACHE = os.path.join(tempfile.gettempdir(), "loka_jax_test_compilation_cache")
 
 
 def _outputs(cell, kind):
@@ -22,8 +19,6 @@ class ProbeNotebookTest(chex.TestCase):
   def test_runs_at_tiny_size(self):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     env = dict(os.environ, LOKA_NOTEBOOK_TINY="1", JAX_PLATFORMS="cpu", MPLBACKEND="Agg",
-               JAX_COMPILATION_CACHE_DIR=JAX_CACHE,
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     client = nbclient.NotebookClient(nb, timeout=240, kernel_name="python3",
                                      resources={"metadata": {"path": REPO}})

@@ -11,13 +11,12 @@ from loka_jax.dispatch import timing_table
 from loka_jax.probe import report as report_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Compiled executables shared by this test's runs and the probe notebook's (same tiny shapes).
-JAX_CACHE = os.path.join(tempfile.gettempdir(), "loka_jax_test_compilation_cache")
 SITES = "layer_0/fmb/(fm_proj|optimized_fm|mlp/dense_0)"
 ARGS = ("--model=wukong", "--preset=tiny", "--steps=4", "--batch_size=64", "--num_eval=256",
         "--cadence=2", "--samples=4", "--kernels=xla_bf16,xla_fp8_tensorwise,xla_fp8_rowwise",
         f"--sites={SITES}",
-        f"--compilation_cache={JAX_CACHE}")
+        # conftest's cache of this run, shared with the probe notebook's (same tiny shapes)
+        f"--compilation_cache={os.environ['JAX_COMPILATION_CACHE_DIR']}")
 
 
 def run_cli(*args, timeout=300):

@@ -130,6 +130,20 @@ class TimeCallsTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "calls_per_sample"):
       timing.time_calls({"a": call("a")}, calls_per_sample=0)
 
+  def test_repeats_alternate_the_order_of_the_calls(self):
+    order = []
+
+    def call(name):
+      def run():
+        order.append(name)
+        return jnp.ones(2)
+      return run
+
+    timing.time_calls({"a": call("a"), "b": call("b"), "c": call("c")}, repeats=4, warmup=1,
+                      calls_per_sample=2)
+    timed = "".join(order[3:])  # after one warm-up call of each
+    self.assertEqual(timed, "aabbcc" "ccbbaa" "aabbcc" "ccbbaa")
+
   def test_calls_for_a_sample_of_at_least_the_wanted_time(self):
     def sleepy():  # at least 4 ms a call
       time.sleep(0.004)
