@@ -11,7 +11,7 @@ if "xla_force_host_platform_device_count" not in _flags:
   os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=4").strip()
 # The suite is compile-bound: its models are tiny, so XLA:CPU's LLVM optimizations cost far
 # more than they save. They change how code is generated, not what it computes.
-for _flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"):
+for _flag in ("--xla_backend_optimization_level=1",):
   if _flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " " + _flag
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
