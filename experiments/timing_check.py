@@ -11,10 +11,10 @@ docs/results/timing_loop_check_h200_2026-11-27.txt, checks 3 and 4) came from th
 import collections
 import json
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import app
 
 from loka_jax import timing
@@ -26,15 +26,9 @@ SHAPES = [(16384, 4096, 4096), (8192, 2048, 2048), (4096, 1024, 1024), (4096, 25
 
 
 def _direct_us(f, a, b, calls=50):
-  jax.block_until_ready(f(a, b))
-  times = []
-  for _ in range(10):
-    start = time.perf_counter()
-    for _ in range(calls):
-      out = f(a, b)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - start) / calls * 1e6)
-  return sorted(times)[len(times) // 2]
+  """Median per call of `calls` unblocked back-to-back calls, blocked on the last."""
+  return timing.time_calls({"direct": lambda: f(a, b)}, repeats=10, warmup=1,
+                           calls_per_sample=calls)["direct"].median_us
 
 
 def _profiled_us(call, calls_per_dispatch, iterations=4):
@@ -57,7 +51,7 @@ def main(_):
     one = jax.jit(product).lower(a, b).compile()
     chained = timing.chain(product, 16).lower(a, b).compile()
     row = {"shape": f"{m}x{k}x{n}", "direct_async_us": round(_direct_us(one, a, b), 1),
-           "probe_us": round(sorted(probe["seconds"])[len(probe["seconds"]) // 2] * 1e6, 2),
+           "probe_us": round(float(np.median(probe["seconds"])) * 1e6, 2),
            "probe_floor_us": probe["floor_us"], "probe_inner": probe["inner"],
            "time_variants_us": round(timing.time_variants(
                {"g": (product, (a, b))}, repeats=15)["g"].median_us, 2),

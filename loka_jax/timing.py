@@ -10,7 +10,7 @@ import dataclasses
 import math
 import re
 import time
-from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -284,6 +284,16 @@ def loop_body_lines(hlo: str, follow_calls: bool = True) -> list:
   return out
 
 
+def interleaved(names: Sequence[str], repeats: int) -> Iterator[str]:
+  """`names` `repeats` times over, the order turned around every repeat (a b, b a, a b, ...).
+  In a fixed order a call always follows the same other call, and whatever that one leaves
+  behind (freed memory to reuse, clocks) lands in every one of its samples: two arms of one
+  program read 1.5% apart on a GPU that way (Wukong `small`, H200)."""
+  names = list(names)
+  for repeat in range(repeats):
+    yield from names if repeat % 2 == 0 else names[::-1]
+
+
 def time_variants(variants: Mapping[str, Tuple[Callable, Sequence]], *, repeats: int = 20,
                   warmup: int = 3, min_call_seconds: float = 1e-3,
                   max_inner: int = 1000) -> Dict[str, Timing]:
@@ -308,9 +318,8 @@ def time_variants(variants: Mapping[str, Tuple[Callable, Sequence]], *, repeats:
     sampler.set_calls(max(inner, LONG_DISPATCHES) if long_on_gpu else inner)
     prepared[name] = sampler
   samples = {name: [] for name in prepared}
-  for _ in range(repeats):
-    for name, sampler in prepared.items():
-      samples[name].append(sampler.sample())
+  for name in interleaved(prepared, repeats):
+    samples[name].append(prepared[name].sample())
   return {name: Timing(name, np.asarray(s), prepared[name].inner)
           for name, s in samples.items()}
 
@@ -338,25 +347,20 @@ def time_calls(calls: Mapping[str, Callable[[], object]], *, repeats: int = 20,
   """Interleaved timing of argument-less calls (e.g. a train step that threads and donates
   its own state). A sample runs a call `calls_per_sample` times back to back and blocks on
   the last result only, so the device runs them without host gaps between, and is divided by
-  that count (`Timing.inner`). Repeats alternate the calls' order (a b, b a, a b, ...). For
-  work of a millisecond or more a call."""
+  that count (`Timing.inner`). Repeats alternate the calls' order (`interleaved`). For work
+  of a millisecond or more a call."""
   if calls_per_sample < 1:
     raise ValueError(f"calls_per_sample must be >= 1, got {calls_per_sample}")
   for call in calls.values():
     for _ in range(warmup):
       jax.block_until_ready(call())
   samples = {name: [] for name in calls}
-  names = list(calls)
-  for repeat in range(repeats):
-    # The order turns around every repeat. In a fixed order a call always follows the same
-    # other call, and whatever that leaves behind (freed memory to reuse, clocks) lands in
-    # every one of its samples: two arms of one program read 1.5% apart on a GPU that way.
-    for name in names if repeat % 2 == 0 else names[::-1]:
-      start = time.perf_counter()
-      for _ in range(calls_per_sample - 1):
-        calls[name]()
-      jax.block_until_ready(calls[name]())
-      samples[name].append((time.perf_counter() - start) / calls_per_sample)
+  for name in interleaved(calls, repeats):
+    start = time.perf_counter()
+    for _ in range(calls_per_sample - 1):
+      calls[name]()
+    jax.block_until_ready(calls[name]())
+    samples[name].append((time.perf_counter() - start) / calls_per_sample)
   return {name: Timing(name, np.asarray(s), calls_per_sample) for name, s in samples.items()}
 
 

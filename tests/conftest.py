@@ -11,8 +11,9 @@ if "xla_force_host_platform_device_count" not in _flags:
   os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=4").strip()
 # The suite is compile-bound: its models are tiny, so XLA:CPU's LLVM optimizations cost more
 # than they save. They change how code is generated, not what it computes. Measured on 2
-# cores: the whole suite 23.5 min with them, 16.7 with level 0, 20.0 with level 1 (which
-# compiles longer but runs a tiny model's step twice as fast: only a few tests train long).
+# cores with the cache below: the whole suite 16.7 min at level 0 (23.5 min before either),
+# 20.0 at level 1, which compiles longer but runs a tiny model's step about 2.5x faster:
+# only a few tests train long (docs/BENCHMARKS.md, twelfth session).
 for _flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"):
   if _flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " " + _flag

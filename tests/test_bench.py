@@ -3,6 +3,7 @@ checks and the quality protocol. Timings here are smoke numbers; the checks are 
 and the target arithmetic is checked on hand-made rows with known answers."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from absl.testing import absltest, parameterized
 
 from loka_jax.bench import plots, quality, suite, tables, targets, towers, variants
 from loka_jax.bench.results import ResultsFile
+from loka_jax.kernels.choice import KernelChoice, KernelPlan
 from loka_jax.models.presets import site_products
 from loka_jax.models.site import SiteConfig
 
@@ -396,6 +398,29 @@ class InnerStepsTest(chex.TestCase):
     chex.assert_shape(np.asarray(mods.infer()), (32,))
     timed = bench.time_pair(mods, repeats=3)
     self.assertEqual((timed["train"]["inner"], timed["infer"]["inner"]), (1, 10))
+
+
+class AllBf16PlanTest(absltest.TestCase):
+  """A LoKA plan of bf16 at every site trains with bf16+Mods' own program, so a gap between
+  the two arms' train steps is the timing's, not the plan's (Wukong `small`, H200: 0.986)."""
+
+  def test_its_train_step_compiles_to_the_bf16_mods_program(self):
+    target = suite.model_targets(["wukong"], ["tiny"], 64)[0]
+    batch = target.source(0).train_batch(0, 64)
+    bench = suite.speed.TargetBench(batch, min_call_s=0.0)
+    bench.set_baseline(target.build(SiteConfig.for_precision("bf16")))
+    sites = site_products(target.build(SiteConfig.for_precision("bf16"), ("all",)), None, batch)
+    plan = KernelPlan(sites=tuple((name, KernelChoice()) for name in sites))  # as a plan file
+    arms = {v.name: bench.add(v.name, target.build(
+                suite.speed.site_config(v, plan if v.name == "loka" else None), v.mods))
+            for v in variants.parse_variants(["bf16_mods", "loka"])}
+
+    def program(arm):  # without source locations (metadata and the tables they index)
+      text = re.sub(r", metadata=\{[^}]*\}", "", arm.hlo["train"])
+      return [line for line in text.splitlines() if not re.match(r"\d+ [\"{]", line)]
+
+    self.assertGreater(len(program(arms["loka"])), 100)
+    self.assertEqual(program(arms["bf16_mods"]), program(arms["loka"]))
 
 
 class ExportedInferenceTest(chex.TestCase):

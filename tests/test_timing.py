@@ -130,6 +130,10 @@ class TimeCallsTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "calls_per_sample"):
       timing.time_calls({"a": call("a")}, calls_per_sample=0)
 
+  def test_interleaved_turns_the_order_around_every_repeat(self):
+    self.assertEqual("".join(timing.interleaved(["a", "b", "c"], 3)), "abccbaabc")
+    self.assertEqual(list(timing.interleaved({"x": 1}, 2)), ["x", "x"])
+
   def test_repeats_alternate_the_order_of_the_calls(self):
     order = []
 

@@ -221,9 +221,8 @@ def _time_interleaved(variants: Mapping[str, Tuple[Callable, Sequence]], *, repe
       continue
     prepared[name] = (sampler, backend)
   samples = {name: [] for name in prepared}
-  for _ in range(repeats):
-    for name, (sampler, _) in prepared.items():
-      samples[name].append(sampler.sample())
+  for name in timing_lib.interleaved(prepared, repeats):
+    samples[name].append(prepared[name][0].sample())
   out = {name: {"seconds": samples[name], "inner": sampler.inner, "backend": backend,
                 "unroll": sampler.unroll, "floor_us": sampler.floor_us}
          for name, (sampler, backend) in prepared.items()}
