@@ -69,6 +69,7 @@ from loka_jax.kernels import registry
 from loka_jax.kernels.flax_delayed import merge_fp8_meta
 from loka_jax.train.loop import compiled_steps, evaluate, loss_fn
 from loka_jax.train.optim import OptimConfig
+from loka_jax.train.state import one_example
 
 BASELINE = KernelPlan.uniform(FALLBACK)
 DELAYED_WARMUP = 3  # delayed-scaling state starts at scale 1: calibrate before judging it
@@ -466,7 +467,8 @@ def _make_model_and_meta(ctx: ValidationContext, kplan: KernelPlan):
     if params_shape != have:
       raise ValueError("the planned model's parameters differ from the checkpoint's; a plan "
                        "may change kernels only (check the plan's fused-op sites)")
-    meta = jax.jit(lambda b: model.init(rngs, b, train=False)[FP8_META])(batch)
+    init_meta = jax.jit(lambda b: model.init(rngs, b, train=False)[FP8_META])
+    meta = init_meta(one_example(batch))
     grad = jax.jit(jax.grad(lambda m, p, b: _loss(model, p, m, b)))
     for i in range(DELAYED_WARMUP):
       meta = merge_fp8_meta(grad(meta, ctx.state.params, ctx.batch(i)))

@@ -50,7 +50,7 @@ from loka_jax.train import metrics as metrics_lib
 from loka_jax.train.checkpoint import Checkpointer
 from loka_jax.train.optim import OptimConfig, make_optimizer
 from loka_jax.train.state import (TrainState, abstract_train_state, all_finite,
-                                  create_train_state, split_variables)
+                                  create_train_state, one_example, split_variables)
 
 NAN_POLICIES = ("stop", "skip")
 # Settings a resumed run may change; anything else must match the run directory's config.
@@ -362,8 +362,8 @@ def swap_model(state: TrainState, new_model, example_batch, seed: int) -> TrainS
     return state
   fresh = {}
   if jax.tree.leaves(new_meta):  # new delayed-scaling entries need their initial values
-    fresh = jax.jit(lambda b: new_model.init(rngs, b, train=False))(example_batch)
-    fresh = split_variables(fresh)[1]
+    init = jax.jit(lambda b: new_model.init(rngs, b, train=False))
+    fresh = split_variables(init(one_example(example_batch)))[1]
   old = flax.traverse_util.flatten_dict(flax.core.unfreeze(state.fp8_meta or {}))
   merged = {k: old.get(k, v) if (k in old and np.shape(old[k]) == np.shape(v)) else v
             for k, v in flax.traverse_util.flatten_dict(flax.core.unfreeze(fresh)).items()}

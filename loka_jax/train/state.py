@@ -64,6 +64,14 @@ def split_variables(variables: Mapping[str, Any]):
 _INIT_CACHE: Dict[Any, Any] = {}
 
 
+def one_example(batch):
+  """The first example of `batch`, to initialize a model from. Parameter and fp8-state shapes
+  never depend on the batch size, so an init program on one example compiles once per model
+  (XLA:CPU spends seconds on a tower's init: every parameter's random draw), whatever batch
+  size a run trains at."""
+  return jax.tree.map(lambda x: x[:1], batch)
+
+
 def _jitted_init(model):
   """model.init under jit, compiled once per (hashable) model within a process."""
   try:
@@ -80,7 +88,8 @@ def initial_state(model, tx: optax.GradientTransformation, example_batch, seed: 
   """The initial state's computation (traceable: jit it with shardings, or eval_shape it)."""
   init_key, rng = jax.random.split(jax.random.PRNGKey(seed))
   params_key, dropout_key = jax.random.split(init_key)
-  variables = _jitted_init(model)({"params": params_key, "dropout": dropout_key}, example_batch)
+  variables = _jitted_init(model)({"params": params_key, "dropout": dropout_key},
+                                  one_example(example_batch))
   params, fp8_meta = split_variables(variables)
   fp8_meta = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), fp8_meta)
   return TrainState(step=jnp.asarray(0, jnp.int32), params=params, opt_state=tx.init(params),
