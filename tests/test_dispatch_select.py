@@ -252,6 +252,32 @@ class SelectTest(chex.TestCase):
                                                  "grad_lhs": "xla_bf16", "grad_rhs": "xla_bf16"})
 
 
+class UnresolvedSpeedTest(chex.TestCase):
+  """Speedups no timing resolves are not taken, even from reports measured before the probe
+  judged them: an outer product's, and a chained call's under a kernel's own cost."""
+
+  def test_an_outer_products_speedup_is_not_taken(self):
+    # One output column: grad_lhs is [4096,1] . [1,256], a sum over K = 1 that XLA fuses.
+    passes = hm.same_passes({"xla_fp8_rowwise": hm.entry(speedup=(6.8, 17.0, 23.9))})
+    plan = selection.select(hm.report({"head/out": hm.site(passes, lhs=(4096, 256),
+                                                           rhs=(256, 1))}), Criteria())
+    self.assertEqual(kernels_of(plan, "head/out"),
+                     {"fwd": "xla_fp8_rowwise", "grad_lhs": "xla_bf16",
+                      "grad_rhs": "xla_fp8_rowwise"})
+    self.assertIn("best xla_fp8_rowwise speed unresolved: an outer product (K = 1)",
+                  plan["sites"]["head/out"]["grad_lhs"]["reason"])
+
+  def test_a_chained_time_under_a_kernels_own_cost_is_not_taken(self):
+    under = hm.entry(speedup=(2.5, 3.0, 3.5), base_us=1.5)        # 0.5 us a call
+    over = hm.entry(speedup=(2.5, 3.0, 3.5), base_us=6.0)         # 2.0 us a call
+    passes = {"fwd": {"xla_fp8_rowwise": under}, "grad_lhs": {"xla_fp8_rowwise": over},
+              "grad_rhs": {"xla_fp8_rowwise": copy.deepcopy(over)}}
+    plan = selection.select(hm.report({"s": hm.site(passes)}), Criteria())
+    self.assertEqual(kernels_of(plan, "s"), {"fwd": "xla_bf16", "grad_lhs": "xla_fp8_rowwise",
+                                             "grad_rhs": "xla_fp8_rowwise"})
+    self.assertIn("the kernel timed 0.50 us a call", plan["sites"]["s"]["fwd"]["reason"])
+
+
 class FusedTableTimingTest(chex.TestCase):
 
   def test_a_fused_backward_is_compared_with_baselines_of_its_own_run(self):

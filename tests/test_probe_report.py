@@ -270,6 +270,39 @@ class KernelTimingTest(absltest.TestCase):
     self.assertTrue(all(e["unroll"] == timing_lib.loop_unroll() and e["inner"] > 1
                         for e in got))
 
+  def test_speedups_no_timing_resolves_are_left_out(self):
+    # One output column: grad_lhs sums over K = 1, an outer product XLA fuses: no speedup,
+    # measured or from a table. fwd and grad_rhs are real products and keep theirs.
+    site = collector.make_site_probe("d", "mk,kn->mn", "act_weight", (32, 48), (48, 1), CONFIG)
+    self.assertEqual([kernel_timing.contraction_size(site.layout, p)
+                      for p in ("fwd", "grad_lhs", "grad_rhs")], [48, 1, 32])
+    kernels, _ = candidates.candidate_kernels(["xla_bf16", "xla_fp8_rowwise"], "cpu")
+    cache = kernel_timing.TimingCache(os.path.join(tempfile.mkdtemp(), "cpu.json"), "cpu")
+    kernel_timing.measure_site(site.layout, kernels, "bfloat16", cache, unsupported={},
+                               repeats=3)
+    table = timing_table.merge_entries(timing_table.empty_table("cpu"),
+                                       kernel_timing.table_entries(list(cache.entries.values())))
+    for timings in (kernel_timing.site_timings(site.layout, kernels, "bfloat16", cache,
+                                               unsupported={}),
+                    kernel_timing.table_timings(site.layout, kernels, "bfloat16", table,
+                                                unsupported={})):
+      outer = timings["grad_lhs"]["xla_fp8_rowwise"]
+      self.assertEqual((outer["speedup"], outer["timing"]), (None, "unresolved"))
+      self.assertIn("outer product (K = 1)", outer["timing_note"])
+      self.assertIsNotNone(outer["time_us"])                       # the time itself is kept
+      for p in ("fwd", "grad_rhs"):
+        self.assertLen(timings[p]["xla_fp8_rowwise"]["speedup"], 3)
+    # A GPU chain's sample under a kernel's own cost a call: the product ran inside another.
+    key = kernel_timing.cache_key("xla_fp8_rowwise", "fwd",
+                                  *kernel_timing.pass_problem(site.layout, "fwd"), "bfloat16")
+    for median_us, resolved in ((0.4, False), (2.0, True)):
+      cache.entries[key] = {**cache.entries[key], "unroll": 8, "median_us": median_us}
+      fwd = kernel_timing.site_timings(site.layout, kernels, "bfloat16", cache,
+                                       unsupported={})["fwd"]["xla_fp8_rowwise"]
+      self.assertEqual(fwd["speedup"] is not None, resolved, fwd)
+      if not resolved:
+        self.assertIn(f"the kernel timed {median_us:.2f} us a call", fwd["timing_note"])
+
   def test_short_products_run_as_chains_and_long_ones_as_single_calls(self):
     # As on a GPU (4 calls chained here): a product under SHORT_FLOPS is timed as one chain of
     # 4 calls a sample less its floor; a longer one as single calls dispatched back to back,

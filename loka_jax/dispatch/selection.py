@@ -170,16 +170,43 @@ def _kernel_object(name: str):
     return None
 
 
+def _site_layout(site: Mapping):
+  """The site's layout at its full shapes (ValueError where the report's entry is off)."""
+  from loka_jax.probe.layout import site_layout
+  return site_layout(site["spec"], site["kind"], site["shapes"]["lhs"], site["shapes"]["rhs"])
+
+
+def _unresolve_report_timings(site: Mapping, passes: Dict[str, Dict[str, Dict]]) -> None:
+  """Takes back speedups a measured report holds that no timing resolves (an outer product;
+  a chained call under a kernel's own cost): reports made before the probe judged them."""
+  from loka_jax.probe import kernel_timing
+  if not site.get("spec"):
+    return
+  try:
+    layout = _site_layout(site)
+  except (ValueError, KeyError):
+    return
+  median = lambda e: (e.get("time_us") or [None, None])[1]  # noqa: E731
+  for p, ks in passes.items():
+    base_us = median(ks.get(FALLBACK, {}))
+    for k, e in ks.items():
+      if k == FALLBACK or not e.get("speedup"):
+        continue
+      reason = kernel_timing.unresolved_reason(
+          layout, p, median(e), None if e.get("time_scope") else base_us,
+          whole_backward=bool(e.get("time_scope")))
+      if reason:
+        e.update(speedup=None, timing=kernel_timing.UNRESOLVED, timing_note=reason)
+
+
 def _table_timings(site: Mapping, name: str, kernels: Sequence, dtype: str,
                    table: Mapping) -> Tuple[Dict[str, Dict[str, Dict]], Optional[str]]:
   """({pass: {kernel: timing fields}}, problem) from a table, at the site's full shapes."""
   from loka_jax.probe import kernel_timing
-  from loka_jax.probe.layout import site_layout
   if not site.get("spec"):
     return {}, f"site {name} has no 'spec' in the report: no table lookup"
   try:
-    layout = site_layout(site["spec"], site["kind"], site["shapes"]["lhs"],
-                         site["shapes"]["rhs"])
+    layout = _site_layout(site)
   except ValueError as e:
     return {}, f"site {name}: {e}"
   unsupported = {p: {k: e.get("error", "unsupported") for k, e in ks.items()
@@ -188,7 +215,8 @@ def _table_timings(site: Mapping, name: str, kernels: Sequence, dtype: str,
                                      unsupported=unsupported), None
 
 
-TIMING_FIELDS = ("time_us", "speedup", "timing", "time_scope", "backend", "estimated_from")
+TIMING_FIELDS = ("time_us", "speedup", "timing", "time_scope", "backend", "estimated_from",
+                 "timing_note")
 
 
 def effective_site(report: Mapping, name: str, source: TimingSource) -> Tuple[Dict, List[str]]:
@@ -201,6 +229,7 @@ def effective_site(report: Mapping, name: str, source: TimingSource) -> Tuple[Di
     for ks in passes.values():
       for e in ks.values():
         e.setdefault("timing", "measured" if e.get("speedup") else "missing")
+    _unresolve_report_timings(site, passes)
     return {**site, "passes": passes}, notes
   names = sorted({k for ks in passes.values() for k in ks})
   kernels = [k for k in (_kernel_object(n) for n in names) if k is not None and k.passes]
@@ -241,7 +270,7 @@ def rank_key(v: Verdict, metric: str):
 def _speed_text(entry: Mapping) -> str:
   s = entry.get("speedup")
   if not s:
-    return "speed unknown"
+    return ("speed unresolved" if entry.get("timing") == "unresolved" else "speed unknown")
   text = f"{s[1]:.2f}x [{s[0]:.2f}, {s[-1]:.2f}]"
   if entry.get("timing") in ("estimated", "table"):
     text += f" ({entry['timing']})"

@@ -105,12 +105,14 @@ def _accuracy_reasons(entry: Mapping, pass_name: str, criteria: Criteria, fp8: b
   return reasons, sqnr_lo, mere_hi, underflow_hi
 
 
-def _speed_reason(speedup_lo: Optional[float], criteria: Criteria, what: str = "speedup"):
-  """(fast, reason or None): None when no speedup is required or none is known."""
+def _speed_reason(speedup_lo: Optional[float], criteria: Criteria, what: str = "speedup",
+                  unknown: str = "no timing"):
+  """(fast, reason or None): None when no speedup is required or none is known (`unknown`
+  says why)."""
   if criteria.min_speedup is None:
     return None, None
   if speedup_lo is None:
-    return None, "no timing"
+    return None, unknown
   if speedup_lo > criteria.min_speedup:
     return True, None
   return False, f"{what} {speedup_lo:.2f}x <= {criteria.min_speedup:g}x"
@@ -124,7 +126,8 @@ def assess(entry: Mapping, pass_name: str, criteria: Criteria = Criteria(),
   safe = not reasons
   speed = entry.get("speedup")
   speedup_lo, speedup_mid = _lo(speed), (None if speed is None else speed[1])
-  fast, why = _speed_reason(speedup_lo, criteria)
+  note = entry.get("timing_note")
+  fast, why = _speed_reason(speedup_lo, criteria, unknown=note or "no timing")
   if why:
     reasons.append(why)
   eligible = safe and (fast is True or criteria.min_speedup is None)

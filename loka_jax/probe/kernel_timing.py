@@ -374,6 +374,47 @@ def _usable(entry: Optional[Dict]) -> bool:
   return entry is not None and "error" not in entry
 
 
+# Speeds that no timing of a product resolves. A product summing over one element (K = 1, an
+# outer product) is no GEMM: XLA's algebraic simplifier makes it a broadcast multiply that
+# fuses into its neighbours, so its time reads how well it fused. And a chained GPU sample of
+# under MIN_RESOLVED_US a call is less than any kernel of its own costs in a chain (the
+# one-element floor kernels read 5-18 us a call on the H200): the product ran inside another
+# kernel. DLRM `small`'s top_mlp/dense_4 grad_lhs ([4096,1] . [1,256]) read 0.33 us with
+# xla_fp8_rowwise against bf16's 5.5 us, a "16.97x" that selection took and validation, timing
+# the whole step at 1.00x, sent back (H200, docs/BENCHMARKS.md, "Twelfth session").
+MIN_RESOLVED_US = 1.0
+UNRESOLVED = "unresolved"
+
+
+def contraction_size(layout: SiteLayout, pass_name: str) -> int:
+  """Elements a pass's product sums over (its K)."""
+  _, a, _ = pass_problem(layout, pass_name)
+  axes = layout.spec.for_pass(pass_name).contracting_axes("lhs")
+  return int(np.prod([a[i] for i in axes], dtype=np.int64))
+
+
+def unresolved_reason(layout: SiteLayout, pass_name: str, kernel_us: Optional[float],
+                      baseline_us: Optional[float], *, whole_backward: bool = False,
+                      chained: bool = True) -> Optional[str]:
+  """Why a kernel's speedup at this pass cannot be told from its timing, or None. Times are
+  per call (us); `chained`: GPU samples of chained calls (a CPU's are not judged by time)."""
+  if not whole_backward and contraction_size(layout, pass_name) == 1:
+    return ("an outer product (K = 1) is no GEMM: XLA fuses it into its neighbours, so its "
+            "time is not a kernel's")
+  if chained:
+    for what, us in (("kernel", kernel_us), ("bf16 baseline", baseline_us)):
+      if us is not None and us < MIN_RESOLVED_US:
+        return (f"the {what} timed {us:.2f} us a call, under the {MIN_RESOLVED_US:g} us a "
+                "kernel of its own costs: it ran inside a neighbour")
+  return None
+
+
+def _mark_unresolved(info: Dict, reason: Optional[str]) -> Dict:
+  if reason:
+    info.update(speedup=None, timing=UNRESOLVED, timing_note=reason)
+  return info
+
+
 def _whole_bwd_speedup(entry: Dict, bwd: Optional[Dict], grad_lhs: Optional[Dict],
                        grad_rhs: Optional[Dict]) -> Dict:
   """{speedup, baseline_us, speedup_vs} of a backward timed as one call: against the
@@ -413,14 +454,21 @@ def site_timings(layout: SiteLayout, kernels, dtype: str, cache: TimingCache, *,
             # The spread of single repeats (the CI above is the median's).
             "time_iqr_us": [float(np.percentile(per_call, 25)),
                             float(np.percentile(per_call, 75))]}
+    chained = e.get("unroll", 1) > 1
     if e.get("time_scope"):
       info["time_scope"] = e["time_scope"]
       info.update(_whole_bwd_speedup(e, bwd, got.get((BASELINE, "grad_lhs")),
                                      got.get((BASELINE, "grad_rhs"))))
+      base_us = bwd["median_us"] if _usable(bwd) else None
     else:
       base = got.get((BASELINE, p))
-      if base and "error" not in base:
+      base_us = base["median_us"] if _usable(base) else None
+      if _usable(base):
         info["speedup"] = _speedup(base, e)
+    if name != BASELINE:
+      _mark_unresolved(info, unresolved_reason(
+          layout, p, e["median_us"], base_us, whole_backward=bool(e.get("time_scope")),
+          chained=chained))
     out.setdefault(p, {})[name] = info
   return out
 
@@ -450,10 +498,15 @@ def table_timings(layout: SiteLayout, kernels, dtype: str, table: Mapping, *,
                 "timing": "estimated" if hit["estimated"] else "table"}
         if hit["estimated"]:
           info["estimated_from"] = hit["from"]
-        if kernel.sort == FUSED_OP and p != "fwd":
+        whole_backward = kernel.sort == FUSED_OP and p != "fwd"
+        if whole_backward:
           info["time_scope"] = FUSED_SCOPE
           info.update(_table_whole_bwd_speedup(table, kernel.name, layout, dtype,
                                                hit["time_us"]))
+        if kernel.name != BASELINE:  # times scaled from another shape: judged by K alone
+          _mark_unresolved(info, unresolved_reason(layout, p, None, None,
+                                                   whole_backward=whole_backward,
+                                                   chained=False))
       out.setdefault(p, {})[kernel.name] = info
   return out
 
