@@ -14,9 +14,10 @@ if "xla_force_host_platform_device_count" not in _flags:
 # cores with the cache below: the whole suite 16.7 min at level 0 (23.5 min before either),
 # 20.0 at level 1, which compiles longer but runs a tiny model's step about 2.5x faster:
 # only a few tests train long (docs/BENCHMARKS.md, twelfth session).
-# XLA:CPU's older elemental fusion emitters compile the suite's steps in about half the time of
-# its MLIR fusion emitters (Wukong tiny's train step 5.5 s -> 2.1 s); a flag only a jaxlib that
-# knows it may be given (XLA aborts on an unknown one).
+# XLA:CPU's older elemental fusion emitters compile the suite's steps faster than its MLIR
+# fusion emitters (Wukong tiny's train step 5.5 s -> 2.1 s; the suite 17.3 -> 11.7 min with the
+# one-example init, thirteenth session); given only to a jaxlib that knows the flag (XLA aborts
+# on an unknown one).
 _CHEAP_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
                   "--xla_cpu_use_fusion_emitters=false")
 
