@@ -7,7 +7,9 @@ on a GPU (`timing.ChainSampler`: each call's operands depend on the previous res
 same chain of a one-element call, the floor, is timed beside it and subtracted); the backend
 is read from the compiled HLO. Results are cached on disk per device
 kind, keyed by (kernel, pass, spec, shapes, dtype), so a rerun measures only what is
-missing, and kernels that run identical code for a pass share one measurement.
+missing, and kernels that run identical code for a pass share one measurement. A speedup no
+timing resolves (an outer product, K = 1; a chained call under MIN_RESOLVED_US) is reported
+`unresolved`, without a speedup.
 
 Fused-op kernels (Flax's delayed scaling) own all passes: their forward is timed alone and
 their backward as one vjp call returning both gradients (XLA drops the unused forward
