@@ -15,29 +15,30 @@ if "xla_force_host_platform_device_count" not in _flags:
 # 20.0 at level 1, which compiles longer but runs a tiny model's step about 2.5x faster:
 # only a few tests train long (docs/BENCHMARKS.md, twelfth session).
 # XLA:CPU's older elemental fusion emitters compile the suite's steps faster than its MLIR
-# fusion emitters (Wukong tiny's train step 5.5 s -> 2.1 s; the suite 17.3 -> 11.7 min with the
-# one-example init, thirteenth session); given only to a jaxlib that knows the flag (XLA aborts
-# on an unknown one).
+# fusion emitters (Wukong tiny's train step 6.0 s -> 2.8 s, `experiments.compile_times`; the
+# suite 17.3 -> 11.7 min with the one-example init, thirteenth session); given only to a jaxlib
+# that knows the flag (XLA aborts on an unknown one).
 _CHEAP_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
                   "--xla_cpu_use_fusion_emitters=false")
 
 
-def _xla_knows(flag_name: str) -> bool:
+def _flags_xla_knows(names):
+  """The flag names among `names` that the installed jaxlib's libraries hold (one scan)."""
   import glob
   import importlib.util
   import mmap
   jaxlib = os.path.dirname(importlib.util.find_spec("jaxlib").origin)
+  known = set()
   for path in glob.glob(os.path.join(jaxlib, "*.so")):
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-      if data.find(flag_name.encode()) >= 0:
-        return True
-  return False
+      known.update(n for n in names if n not in known and data.find(n.encode()) >= 0)
+  return known
 
 
-for _flag in _CHEAP_COMPILE:
-  _name = _flag.split("=")[0]
-  if _name not in os.environ["XLA_FLAGS"] and _xla_knows(_name.lstrip("-")):
-    os.environ["XLA_FLAGS"] += " " + _flag
+_wanted = {f.split("=")[0].lstrip("-"): f for f in _CHEAP_COMPILE
+           if f.split("=")[0] not in os.environ["XLA_FLAGS"]}
+for _name in sorted(_flags_xla_knows(_wanted)):
+  os.environ["XLA_FLAGS"] += " " + _wanted[_name]
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Many tests compile the same tiny steps (a model's train step in several tests, a CLI run and
 # its resumption): one persistent cache per run, which the xdist workers and every CLI or

@@ -26,6 +26,29 @@ def fresh_params(seed):
           "mlp": {"kernel": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)}}
 
 
+class InitialStateTest(chex.TestCase):
+
+  def test_init_from_one_example_equals_init_from_the_whole_batch(self):
+    # create_train_state initializes from one example (one init program per model): the
+    # parameters and delayed-scaling state must be those an init on the whole batch draws.
+    from loka_jax.train import experiment
+    from loka_jax.train.state import create_train_state, split_variables
+    spec = experiment.RunSpec(model="dlrm", preset="tiny", precision="fp8_all",
+                              kernel="flax_fp8_delayed", mods=("all",), num_eval=256)
+    model, source, _ = experiment.build_run(spec)
+    batch = source.train_batch(0, 64)
+    state = create_train_state(model, make_optimizer(OptimConfig()), batch, seed=3)
+    init_key = jax.random.split(jax.random.PRNGKey(3))[0]
+    params_key, dropout_key = jax.random.split(init_key)
+    whole = jax.jit(lambda b: model.init({"params": params_key, "dropout": dropout_key}, b,
+                                         train=False))(batch)
+    params, meta = split_variables(whole)
+    self.assertNotEmpty(jax.tree.leaves(meta))
+    chex.assert_trees_all_equal(state.params, params)
+    chex.assert_trees_all_equal(state.fp8_meta,
+                                jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), meta))
+
+
 class OptimizerTest(chex.TestCase):
 
   def test_rowwise_adagrad_two_steps_by_hand(self):

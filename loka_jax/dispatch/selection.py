@@ -37,7 +37,7 @@ from loka_jax.dispatch import timing_table as tables_lib
 from loka_jax.dispatch.plan import FALLBACK, SCHEMA, Plan
 from loka_jax.kernels import FUSED_OP, PASSES, PER_PASS, registry
 from loka_jax.probe import eligibility
-from loka_jax.probe.eligibility import FUSED_SCOPE, Criteria, Verdict
+from loka_jax.probe.eligibility import FUSED_SCOPE, UNRESOLVED, Criteria, Verdict
 from loka_jax.probe.report import load_report, validate_report
 
 
@@ -186,17 +186,15 @@ def _unresolve_report_timings(site: Mapping, passes: Dict[str, Dict[str, Dict]])
     layout = _site_layout(site)
   except (ValueError, KeyError):
     return
-  median = lambda e: (e.get("time_us") or [None, None])[1]  # noqa: E731
+  median = lambda times: (times or [None, None])[1]  # noqa: E731
   for p, ks in passes.items():
-    base_us = median(ks.get(FALLBACK, {}))
     for k, e in ks.items():
       if k == FALLBACK or not e.get("speedup"):
         continue
-      reason = kernel_timing.unresolved_reason(
-          layout, p, median(e), None if e.get("time_scope") else base_us,
-          whole_backward=bool(e.get("time_scope")))
-      if reason:
-        e.update(speedup=None, timing=kernel_timing.UNRESOLVED, timing_note=reason)
+      whole_backward = bool(e.get("time_scope"))  # compared with the baseline's one-call bwd
+      base = e.get("baseline_us") if whole_backward else ks.get(FALLBACK, {}).get("time_us")
+      kernel_timing.mark_unresolved(e, kernel_timing.unresolved_reason(
+          layout, p, median(e.get("time_us")), median(base), whole_backward=whole_backward))
 
 
 def _table_timings(site: Mapping, name: str, kernels: Sequence, dtype: str,
@@ -270,7 +268,7 @@ def rank_key(v: Verdict, metric: str):
 def _speed_text(entry: Mapping) -> str:
   s = entry.get("speedup")
   if not s:
-    return ("speed unresolved" if entry.get("timing") == "unresolved" else "speed unknown")
+    return "speed unresolved" if entry.get("timing") == UNRESOLVED else "speed unknown"
   text = f"{s[1]:.2f}x [{s[0]:.2f}, {s[-1]:.2f}]"
   if entry.get("timing") in ("estimated", "table"):
     text += f" ({entry['timing']})"

@@ -62,6 +62,7 @@ class Verdict:
 
 
 FUSED_SCOPE = "grad_lhs+grad_rhs"  # a fused op's backward, timed as one (probe/kernel_timing.py)
+UNRESOLVED = "unresolved"  # a timing that says nothing of the kernel's speed (`timing_note`)
 
 
 def _lo(v):

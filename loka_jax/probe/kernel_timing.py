@@ -39,7 +39,7 @@ from loka_jax.kernels import FUSED_OP, PASSES, EinsumSpec, registry
 from loka_jax.kernels.backend import backend_from_hlo
 from loka_jax.kernels.flax_delayed import FP8_META, merge_fp8_meta
 from loka_jax.probe.candidates import BASELINE, computation_key
-from loka_jax.probe.eligibility import FUSED_SCOPE
+from loka_jax.probe.eligibility import FUSED_SCOPE, UNRESOLVED
 from loka_jax.probe.layout import SiteLayout
 
 CACHE_SCHEMA = "loka.timing_cache/1"
@@ -385,7 +385,6 @@ def _usable(entry: Optional[Dict]) -> bool:
 # xla_fp8_rowwise against bf16's 5.5 us, a "16.97x" that selection took and validation, timing
 # the whole step at 1.00x, sent back (H200, docs/BENCHMARKS.md, "Twelfth session").
 MIN_RESOLVED_US = 1.0
-UNRESOLVED = "unresolved"
 
 
 def contraction_size(layout: SiteLayout, pass_name: str) -> int:
@@ -411,10 +410,10 @@ def unresolved_reason(layout: SiteLayout, pass_name: str, kernel_us: Optional[fl
   return None
 
 
-def _mark_unresolved(info: Dict, reason: Optional[str]) -> Dict:
+def mark_unresolved(info: Dict, reason: Optional[str]) -> None:
+  """Drops `info`'s speedup where `reason` (`unresolved_reason`) says no timing resolves it."""
   if reason:
     info.update(speedup=None, timing=UNRESOLVED, timing_note=reason)
-  return info
 
 
 def _whole_bwd_speedup(entry: Dict, bwd: Optional[Dict], grad_lhs: Optional[Dict],
@@ -468,7 +467,7 @@ def site_timings(layout: SiteLayout, kernels, dtype: str, cache: TimingCache, *,
       if _usable(base):
         info["speedup"] = _speedup(base, e)
     if name != BASELINE:
-      _mark_unresolved(info, unresolved_reason(
+      mark_unresolved(info, unresolved_reason(
           layout, p, e["median_us"], base_us, whole_backward=bool(e.get("time_scope")),
           chained=chained))
     out.setdefault(p, {})[name] = info
@@ -506,7 +505,7 @@ def table_timings(layout: SiteLayout, kernels, dtype: str, table: Mapping, *,
           info.update(_table_whole_bwd_speedup(table, kernel.name, layout, dtype,
                                                hit["time_us"]))
         if kernel.name != BASELINE:  # times scaled from another shape: judged by K alone
-          _mark_unresolved(info, unresolved_reason(layout, p, None, None,
+          mark_unresolved(info, unresolved_reason(layout, p, None, None,
                                                    whole_backward=whole_backward,
                                                    chained=False))
       out.setdefault(p, {})[kernel.name] = info
