@@ -16,29 +16,34 @@ if "xla_force_host_platform_device_count" not in _flags:
 # only a few tests train long (docs/BENCHMARKS.md, twelfth session).
 # XLA:CPU's older elemental fusion emitters compile the suite's steps faster than its MLIR
 # fusion emitters (Wukong tiny's train step 6.0 s -> 2.8 s, `experiments.compile_times`; the
-# suite 17.3 -> 11.7 min with the one-example init, thirteenth session); given only to a jaxlib
-# that knows the flag (XLA aborts on an unknown one).
+# suite 17.3 -> 11.7 min with the one-example init, thirteenth session). Newer jaxlibs (0.11.2)
+# dropped that flag while its name stays in their libraries, and XLA aborts the process on an
+# unknown flag; so the flags go to XLA only after a child process accepted them.
 _CHEAP_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
                   "--xla_cpu_use_fusion_emitters=false")
 
 
-def _flags_xla_knows(names):
-  """The flag names among `names` that the installed jaxlib's libraries hold (one scan)."""
-  import glob
-  import importlib.util
-  import mmap
-  jaxlib = os.path.dirname(importlib.util.find_spec("jaxlib").origin)
-  known = set()
-  for path in glob.glob(os.path.join(jaxlib, "*.so")):
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-      known.update(n for n in names if n not in known and data.find(n.encode()) >= 0)
-  return known
+def _xla_accepts(flags):
+  """Whether a CPU backend starts with `flags` added to XLA_FLAGS (one child process, ~1 s)."""
+  import subprocess
+  import sys
+  env = {**os.environ, "XLA_FLAGS": " ".join([os.environ["XLA_FLAGS"], *flags]),
+         "JAX_PLATFORMS": "cpu"}
+  return subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
 
 
-_wanted = {f.split("=")[0].lstrip("-"): f for f in _CHEAP_COMPILE
-           if f.split("=")[0] not in os.environ["XLA_FLAGS"]}
-for _name in sorted(_flags_xla_knows(_wanted)):
-  os.environ["XLA_FLAGS"] += " " + _wanted[_name]
+def _flags_xla_accepts(flags):
+  """The flags XLA accepts: all at once, or else each on its own."""
+  if not flags or _xla_accepts(flags):
+    return list(flags)
+  return [f for f in flags if _xla_accepts([f])]
+
+
+# xdist workers and subprocesses inherit the result through XLA_FLAGS and skip the check.
+_wanted = [f for f in _CHEAP_COMPILE if f.split("=")[0] not in os.environ["XLA_FLAGS"]]
+for _flag in _flags_xla_accepts(_wanted):
+  os.environ["XLA_FLAGS"] += " " + _flag
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Many tests compile the same tiny steps (a model's train step in several tests, a CLI run and
 # its resumption): one persistent cache per run, which the xdist workers and every CLI or
