@@ -522,7 +522,8 @@ class CliTest(absltest.TestCase):
     out = _tempdir(self)
     cmd = [sys.executable, "-m", "experiments.bench", "--suite=towers",
            "--towers=32x16x2,48x16x2", "--only=32x16x2", "--variants=bf16,fp8_rowwise",
-           "--repeats=3", "--max_minutes=3", f"--workdir={out}", "--noprobe"]
+           "--repeats=3", "--max_minutes=3", f"--workdir={out}", "--noprobe",
+           "--min_call_ms=0.5"]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     first = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     self.assertEqual(first.returncode, 0, first.stderr[-3000:])
@@ -532,6 +533,7 @@ class CliTest(absltest.TestCase):
     for r in rows:
       self.assertLen(r["train"]["samples_us"], 3)
       self.assertGreater(r["infer"]["median_us"], 0)
+      self.assertEqual(r["min_call_s"], 5e-4)  # the flag reaches the timing and the row
     # A rerun skips finished rows: nothing is compiled or measured again.
     logs = []
     results = ResultsFile(os.path.join(out, "bench.jsonl"), suite.KEY_FIELDS)
