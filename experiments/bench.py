@@ -32,7 +32,7 @@ VARIANTS = flags.DEFINE_list("variants", ["all"],
                              "fp8_rowwise, pallas, loka "
                              "(or 'all'); bf16 always runs.")
 REPEATS = flags.DEFINE_integer("repeats", 20, "Timed repeats per variant (interleaved).")
-MIN_CALL_MS = flags.DEFINE_float(  # suite.SpeedSettings.min_call_s (imported after _setup)
+MIN_CALL_MS = flags.DEFINE_float(  # speed.MIN_CALL_S, not imported before _setup
     "min_call_ms", 5.0, "Steps shorter than this run N times in one jitted loop per timed "
     "call (N from the bf16 step, per mode), so host dispatch jitter is spread over N steps.")
 MAX_MINUTES = flags.DEFINE_float("max_minutes", 6.5, "Start no new row after this long.")

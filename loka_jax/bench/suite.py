@@ -122,10 +122,7 @@ class SpeedSettings:
   probe_samples: int = 32       # draws per site of each probe's error evaluation
   probe_kernels: Tuple[str, ...] = ()  # each probe's candidates (empty: the default list)
   probe_timing_cache: Optional[str] = None  # timings measured ahead (`probe --time_only`)
-  # Steps shorter than this run several times a timed call. 5 ms, not the protocol's 1 ms
-  # floor: timed one a call, DCNv2 `small`'s 1 ms inference step read 0.6-1.3 ms on an H200,
-  # and its speedup CIs were 3x wider than at 5 ms (docs/BENCHMARKS.md, fourteenth session).
-  min_call_s: float = 5e-3
+  min_call_s: float = speed.MIN_CALL_S  # steps shorter than this run N to a timed call
   seed: int = 0
   # Variants timed, after their bf16 pair, against the variants their targets compare them
   # with, in one interleaving each (`TargetBench.head_to_head`); they run last in a target.
