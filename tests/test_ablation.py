@@ -208,7 +208,13 @@ class CliTest(chex.TestCase):
       self.assertTrue(os.path.exists(os.path.join(run_dir, "final.json")), arm)
       self.assertFalse(os.path.exists(os.path.join(run_dir, "checkpoints")), arm)
     with open(os.path.join(workdir, "timing.jsonl")) as f:
-      self.assertLen(f.readlines(), 2)
+      timing_rows = [json.loads(line) for line in f]
+    self.assertLen(timing_rows, 2)
+    for row in timing_rows:  # one count of steps per sample for every variant of a mode
+      for mode in ("train", "infer"):
+        inner = {v[mode]["inner"] for v in row["variants"].values()}
+        self.assertLen(inner, 1, (mode, inner))
+        self.assertGreaterEqual(inner.pop(), 1)
     with open(os.path.join(workdir, "ablation.md")) as f:
       table = f.read()
     self.assertIn("Mods ablation: wukong/tiny, 20 steps x batch 256", table)

@@ -231,6 +231,7 @@ def timing_variants(config: AblationConfig, mods: Combination):
 def time_combination(config: AblationConfig, mods: Combination) -> Dict[str, Any]:
   """Train-step and inference time of `timing_variants`, interleaved (loka_jax.timing)."""
   from loka_jax.bench import models as bench_models
+  from loka_jax.bench.speed import MIN_CALL_S
   variants = timing_variants(config, mods)
   prepared = {v.name: bench_models.prepare(config.model, config.preset, v, config.batch,
                                            seed=config.seed) for v in variants}
@@ -240,8 +241,11 @@ def time_combination(config: AblationConfig, mods: Combination) -> Dict[str, Any
          "gpu": _compat.on_gpu(), "fp8_vs_bf16": {},
          "variants": {name: {"info": p[2]} for name, p in prepared.items()}}
   for mode, index in (("train", 0), ("infer", 1)):
+    # Short steps run back to back, as many a sample as fill MIN_CALL_S on the baseline (one
+    # count for every variant), so host dispatch jitter is spread over them.
+    per_sample = timing.calls_for(prepared[baseline][index], MIN_CALL_S)
     timings = timing.time_calls({n: p[index] for n, p in prepared.items()},
-                                repeats=config.repeats)
+                                repeats=config.repeats, calls_per_sample=per_sample)
     for name, summary in timing.summarize(timings, baseline).items():
       row["variants"][name][mode] = summary
     bf16, fp8 = f"bf16__{combination_key(mods)}", f"fp8_all__{combination_key(mods)}"
