@@ -40,10 +40,13 @@ def _flags_xla_accepts(flags):
   return [f for f in flags if _xla_accepts([f])]
 
 
-# xdist workers and subprocesses inherit the result through XLA_FLAGS and skip the check.
-_wanted = [f for f in _CHEAP_COMPILE if f.split("=")[0] not in os.environ["XLA_FLAGS"]]
-for _flag in _flags_xla_accepts(_wanted):
-  os.environ["XLA_FLAGS"] += " " + _flag
+# xdist workers and subprocesses inherit the result (XLA_FLAGS, and the mark that the check
+# ran, so flags XLA refused are not tried again in every worker).
+if "LOKA_TEST_XLA_FLAGS_CHECKED" not in os.environ:
+  _wanted = [f for f in _CHEAP_COMPILE if f.split("=")[0] not in os.environ["XLA_FLAGS"]]
+  for _flag in _flags_xla_accepts(_wanted):
+    os.environ["XLA_FLAGS"] += " " + _flag
+  os.environ["LOKA_TEST_XLA_FLAGS_CHECKED"] = "1"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Many tests compile the same tiny steps (a model's train step in several tests, a CLI run and
 # its resumption): one persistent cache per run, which the xdist workers and every CLI or
