@@ -32,9 +32,10 @@ VARIANTS = flags.DEFINE_list("variants", ["all"],
                              "fp8_rowwise, pallas, loka "
                              "(or 'all'); bf16 always runs.")
 REPEATS = flags.DEFINE_integer("repeats", 20, "Timed repeats per variant (interleaved).")
-MIN_CALL_MS = flags.DEFINE_float(  # speed.MIN_CALL_S, not imported before _setup
-    "min_call_ms", 5.0, "Steps shorter than this run N times in one jitted loop per timed "
-    "call (N from the bf16 step, per mode), so host dispatch jitter is spread over N steps.")
+MIN_CALL_MS = flags.DEFINE_float(
+    "min_call_ms", None, "Steps shorter than this run N times in one jitted loop per timed "
+    "call (N from the bf16 step, per mode), so host dispatch jitter is spread over N steps "
+    "(default: loka_jax.bench.speed.MIN_CALL_S, 5 ms).")
 MAX_MINUTES = flags.DEFINE_float("max_minutes", 6.5, "Start no new row after this long.")
 ONLY = flags.DEFINE_list("only", [], "Only these targets: 'model/preset', a model, a preset "
                          "or a tower shape.")
@@ -120,7 +121,8 @@ def main(argv):
                                  probe_kernels=tuple(PROBE_KERNELS.value),
                                  probe_timing_cache=PROBE_TIMING_CACHE.value,
                                  head_to_head=tuple(HEAD_TO_HEAD.value),
-                                 min_call_s=MIN_CALL_MS.value * 1e-3,
+                                 min_call_s=(suite.speed.MIN_CALL_S if MIN_CALL_MS.value is None
+                                             else MIN_CALL_MS.value * 1e-3),
                                  seed=common_flags.SEED.value)
   batch = BATCH.value or None
   _log(f"device {device}; suite {SUITE.value}; results under {workdir}")
