@@ -29,7 +29,7 @@ from loka_jax.kernels.flax_delayed import FP8_META, merge_fp8_meta
 from loka_jax.kernels.spec import ACT_WEIGHT
 from loka_jax.precision import flush_fractions
 from loka_jax.precision import metrics as metrics_lib
-from loka_jax.probe import gaussian, matrix_normal
+from loka_jax.probe import executables, gaussian, matrix_normal
 from loka_jax.probe.candidates import computation_key
 from loka_jax.probe.collector import SiteProbe
 from loka_jax.probe.layout import SiteLayout
@@ -300,82 +300,148 @@ def unsupported_passes(layout, kernels) -> Dict[str, Dict[str, str]]:
   return out
 
 
-def evaluate_site(site: SiteProbe, state, kernels: Sequence, compute_dtype: str,
-                  config: EvalConfig) -> SiteEvaluation:
-  """Draws operands from both sources and evaluates every kernel on every pass it supports."""
+@dataclasses.dataclass(frozen=True)
+class _SitePlan:
+  """What evaluating a site runs, decided before any operand is drawn; `evaluate_site` and
+  `compile_jobs` share it, so the functions compiled ahead are the ones called."""
+  layout: SiteLayout                       # the evaluated (possibly subsampled) layout
+  slices: int
+  spec: str
+  unsupported: Dict[str, Dict[str, str]]
+  calls: Tuple                             # (kernel, passes it computes), in candidate order
+  aliases: Dict[Tuple[str, str], str]      # (pass, kernel) -> the kernel whose code it shares
+  draws: Dict[str, int]                    # source -> samples
+  size: int                                # samples per vmapped chunk (every chunk, both sources)
+  reservoir: Dict[str, object]
+  jitter: float
+
+
+def _site_plan(site: SiteProbe, has_reservoir: bool, kernels: Sequence,
+               config: EvalConfig) -> _SitePlan:
   full = site.layout
   slices = eval_slices(site, config)
   layout = full.subsampled(slices) if slices else full
-  spec = str(full.spec)
   unsupported = unsupported_passes(full, kernels)
-  runnable = []
+  calls, aliases, first_of = [], {}, {}
   for kernel in kernels:
-    ok_passes = [p for p in PASSES if kernel.name not in unsupported[p]]
-    if ok_passes:
-      runnable.append((kernel, ok_passes))
+    passes = [p for p in PASSES if kernel.name not in unsupported[p]]
+    if not passes:
+      continue
+    if kernel.sort == FUSED_OP:
+      calls.append((kernel, tuple(passes)))
+      continue
+    todo = []
+    for p in passes:
+      ck = computation_key(kernel, p)
+      if ck in first_of:  # identical code: share the first kernel's metrics
+        aliases[(p, kernel.name)] = first_of[ck]
+      else:
+        first_of[ck] = kernel.name
+        todo.append(p)
+    if todo:
+      calls.append((kernel, tuple(todo)))
+  reservoir: Dict[str, object] = {"available": has_reservoir}
+  draws = {GAUSSIAN: config.samples}
+  if has_reservoir and config.num_reservoir > 0:
+    capacity = site.reservoir_capacity
+    draws[RESERVOIR] = config.num_reservoir
+    reservoir.update(capacity=capacity, slices=slices, with_replacement=capacity < slices)
+  elif not has_reservoir:
+    reservoir["reason"] = full.slice_reason
+  # One chunk size for both sources: every chunk has the same shapes and reuses one compile.
+  size = _chunk_size(layout, max(draws.values()), config)
+  return _SitePlan(layout, slices, str(full.spec), unsupported, tuple(calls), aliases, draws,
+                   size, reservoir, config.jitter)
 
+
+def _evaluator(plan: _SitePlan, kernel, passes: Tuple[str, ...], compute_dtype: str):
+  if kernel.sort == FUSED_OP:
+    return fused_evaluator(kernel.name, plan.spec, compute_dtype)
+  return kernel_evaluator(kernel.name, passes, plan.spec, compute_dtype)
+
+
+def _sampler_call(site: SiteProbe, plan: _SitePlan, source: str, keys, state):
+  """(the source's jitted sampler, its arguments)."""
+  if source == GAUSSIAN:
+    return _gaussian_sampler(plan.layout, plan.jitter), (keys, state)
+  weight = state["weight"] if site.layout.kind == ACT_WEIGHT else None
+  return (_reservoir_sampler(plan.layout, site.reservoir_capacity, plan.slices),
+          (keys, state["reservoir"], weight))
+def _chunk_keys(source_key, start: int, size: int):
+  return jax.random.split(jax.random.fold_in(source_key, start), size)
+
+
+def evaluate_site(site: SiteProbe, state, kernels: Sequence, compute_dtype: str,
+                  config: EvalConfig) -> SiteEvaluation:
+  """Draws operands from both sources and evaluates every kernel on every pass it supports.
+  Functions a `executables.Precompiler` compiled ahead (`compile_jobs`) are taken from it."""
+  plan = _site_plan(site, "reservoir" in state, kernels, config)
   # Committed arrays everywhere: jit caches on committedness, and both sources must share
   # every compiled evaluator.
   state = jax.device_put(state, jax.devices()[0])
   key = jax.random.fold_in(jax.random.PRNGKey(config.seed), _stable_hash(site.name))
   results: Dict = {}
-  aliases: Dict = {}
   errors: Dict[str, str] = {}
   source_errors: Dict[str, str] = {}
-  res_info: Dict[str, object] = {"available": "reservoir" in state}
-  draws = {GAUSSIAN: config.samples}
-  if "reservoir" in state and config.num_reservoir > 0:
-    capacity = site.reservoir_capacity
-    draws[RESERVOIR] = config.num_reservoir
-    res_info.update(capacity=capacity, slices=slices, with_replacement=capacity < slices)
-  elif "reservoir" not in state:
-    res_info["reason"] = full.slice_reason
-  # One chunk size for both sources: every chunk has the same shapes and reuses one compile.
-  size = _chunk_size(layout, max(draws.values()), config)
-  for source, total in draws.items():
+  for source, total in plan.draws.items():
     source_key = jax.random.fold_in(key, SOURCES.index(source))
-    for start, count in _chunks(total, size):
-      keys = jax.random.split(jax.random.fold_in(source_key, start), size)
+    for start, count in _chunks(total, plan.size):
       try:
-        if source == GAUSSIAN:
-          lhs, rhs, grad = _gaussian_sampler(layout, config.jitter)(keys, state)
-        else:
-          lhs, rhs, grad = _reservoir_sampler(layout, site.reservoir_capacity, slices)(
-              keys, state["reservoir"], state["weight"] if full.kind == ACT_WEIGHT else None)
-        refs = references(spec)(lhs, rhs, grad)
+        sampler, args = _sampler_call(site, plan, source,
+                                      _chunk_keys(source_key, start, plan.size), state)
+        lhs, rhs, grad = executables.call(sampler, *args)
+        refs = executables.call(references(plan.spec), lhs, rhs, grad)
       except Exception as e:  # no operands from this source: the other one still reports
         source_errors[source] = f"{type(e).__name__}: {str(e)[:500]}"
         for p in results.get(source, {}):
           results[source][p].clear()
         break
-      first_of: Dict = {}
-      for kernel, passes in runnable:
+      for kernel, passes in plan.calls:
         try:
-          if kernel.sort == FUSED_OP:
-            out = fused_evaluator(kernel.name, spec, compute_dtype)(lhs, rhs, grad, refs)
-          else:
-            todo = []
-            for p in passes:
-              ck = computation_key(kernel, p)
-              if ck in first_of:  # identical code: share the first kernel's metrics
-                aliases[(source, p, kernel.name)] = first_of[ck]
-              else:
-                first_of[ck] = kernel.name
-                todo.append(p)
-            if not todo:
-              continue
-            out = kernel_evaluator(kernel.name, tuple(todo), spec, compute_dtype)(
-                lhs, rhs, grad, refs)
+          out = executables.call(_evaluator(plan, kernel, passes, compute_dtype),
+                                 lhs, rhs, grad, refs)
           for p, metrics in out.items():
             _append(results, (source, p, kernel.name), metrics, count)
         except Exception as e:  # a broken kernel is reported, the probe goes on
           errors[kernel.name] = f"{type(e).__name__}: {str(e)[:500]}"
-  for (source, p, name), first in aliases.items():
-    if first in results.get(source, {}).get(p, {}):
-      results[source][p][name] = results[source][p][first]
+  for source in results:
+    for (p, name), first in plan.aliases.items():
+      if first in results[source].get(p, {}):
+        results[source][p][name] = results[source][p][first]
+  reservoir = dict(plan.reservoir)
   if source_errors:
-    res_info["source_errors"] = source_errors
-  return SiteEvaluation(site.name, layout, slices, results, unsupported, errors, res_info)
+    reservoir["source_errors"] = source_errors
+  return SiteEvaluation(site.name, plan.layout, plan.slices, results, plan.unsupported, errors,
+                        reservoir)
+
+
+def compile_jobs(site: SiteProbe, state, kernels: Sequence, compute_dtype: str,
+                 config: EvalConfig) -> List[executables.Job]:
+  """The (jitted function, argument shapes) pairs `evaluate_site` will call for this site,
+  for an `executables.Precompiler`; `state` may be abstract (ShapeDtypeStructs). A sampler
+  whose shapes cannot be worked out is left out: evaluation reports it."""
+  plan = _site_plan(site, "reservoir" in state, kernels, config)
+  # As evaluate_site sees it: fetched to the host and put back, which drops weak types.
+  state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
+  keys = jax.eval_shape(lambda: _chunk_keys(jax.random.PRNGKey(0), 0, plan.size))
+  jobs: List[executables.Job] = []
+  operands = None
+  for source in plan.draws:
+    sampler, args = _sampler_call(site, plan, source, keys, state)
+    jobs.append((sampler, args))
+    if operands is None:
+      try:
+        operands = jax.eval_shape(sampler, *args)
+      except Exception:  # noqa: BLE001 - evaluate_site reports it as a source error
+        jobs.pop()
+  if operands is None:
+    return jobs
+  refs_fn = references(plan.spec)
+  jobs.append((refs_fn, tuple(operands)))
+  refs = jax.eval_shape(refs_fn, *operands)
+  for kernel, passes in plan.calls:
+    jobs.append((_evaluator(plan, kernel, passes, compute_dtype), (*operands, refs)))
+  return jobs
 
 
 def _stable_hash(text: str) -> int:

@@ -23,7 +23,8 @@ import numpy as np
 from loka_jax.dispatch import timing_table as tables_lib
 from loka_jax.probe import candidates as candidates_lib
 from loka_jax.probe import collector as collector_lib
-from loka_jax.probe import eligibility, evaluate, kernel_timing, plots, report as report_lib
+from loka_jax.probe import eligibility, evaluate, executables, kernel_timing, plots
+from loka_jax.probe import report as report_lib
 from loka_jax.probe import stats_report, summarize
 from loka_jax.probe.collector import META_KEY, STATS_KEY, ProbeCollector, ProbeConfig
 from loka_jax.train import experiment
@@ -59,6 +60,8 @@ class ProbeOptions:
   site_plots: bool = True
   sites: Optional[str] = None              # regex (re.search): probe only these sites
   budget_s: Optional[float] = None         # wall-clock budget of this call (None: none)
+  compile_workers: Optional[int] = None    # threads compiling evaluation ahead (None: CPUs
+                                           # up to 16; 0: compile on first call, in turn)
   criteria: eligibility.Criteria = eligibility.Criteria()
   seed: int = 0
 
@@ -308,43 +311,70 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
   site_entries: Dict[str, Dict] = {}
   layouts = {}
   observations = collector.observations
-  for i, name in enumerate(selected):
-    site = sites[name]
-    state = jax.device_get(collector_lib.site_state(collector.state, sites, name))
-    key = {"site": name, "fingerprint": _fingerprint(collector), "kernels": names,
-           "dtype": compute_dtype, "eval": eval_config.to_dict(), "bootstrap": options.bootstrap}
-    slices = evaluate.eval_slices(site, eval_config)
-    layouts[name] = site.layout.subsampled(slices) if slices else site.layout
-    found, evaluation_info, missing = _cached_passes(
-        cached.get(_eval_cache_key(key), []), names)
-    passes = _merged_passes(found, {}, names)
-    if missing and deadline is not None and time.time() > deadline:
-      pending.append(f"evaluation of {name}")
-      continue
-    if missing:
-      # Only the candidates no earlier run evaluated here (same statistics and settings).
-      t0 = time.time()
-      todo = [k for k in kernels if k.name in missing]
-      ev = evaluate.evaluate_site(site, state, todo, compute_dtype, eval_config)
-      new = summarize.site_passes(ev, missing, n_boot=options.bootstrap, seed=options.seed)
-      evaluation_info = {"slices": ev.slices, "of": site.layout.num_slices,
-                         "slice_index": site.layout.slice_label,
-                         "row_subsampled": bool(ev.slices and ev.slices < site.layout.num_slices),
-                         "reservoir": ev.reservoir,
-                         "evaluated_shapes": {k: list(v) for k, v in ev.layout.shapes().items()}}
-      _append_eval_cache(cache_path, {"key": {**key, "kernels": missing}, "passes": new,
-                                      "evaluation": evaluation_info})
-      passes = _merged_passes(found, new, names)
-      reused = len(names) - len(missing)
-      _log(f"evaluated {i + 1}/{len(selected)} {name} in {time.time() - t0:.1f}s"
-           + (f" ({len(missing)} new candidates, {reused} from the cache)" if reused else ""))
-    entry = {"kind": site.kind, "spec": site.spec,
-             "shapes": {k: list(v) for k, v in site.layout.shapes().items()},
-             "flops": int(site.layout.spec.flops(site.layout.lhs.shape, site.layout.rhs.shape)),
-             "modes": site.describe(),
-             "stats": stats_report.site_stats(site, state, observations),
-             "evaluation": evaluation_info, "passes": passes}
-    site_entries[name] = entry
+  fingerprint = _fingerprint(collector)
+  key_of = lambda name: {"site": name, "fingerprint": fingerprint, "kernels": names,
+                         "dtype": compute_dtype, "eval": eval_config.to_dict(),
+                         "bootstrap": options.bootstrap}
+  missing_of = {name: _cached_passes(cached.get(_eval_cache_key(key_of(name)), []), names)[2]
+                for name in selected}
+  to_evaluate = [name for name in selected if missing_of[name]]
+  todo_of = lambda name: [k for k in kernels if k.name in missing_of[name]]
+  # Compiles for the sites ahead run on a thread pool while the current one evaluates.
+  ahead = options.compile_workers != 0 and len(to_evaluate) > 0
+  precompiler = executables.Precompiler(options.compile_workers) if ahead else None
+  lookahead = max(2, precompiler.workers // 2) if ahead else 0
+  submitted, counts_before = 0, executables.counts()
+  try:
+    for i, name in enumerate(selected):
+      site = sites[name]
+      state = jax.device_get(collector_lib.site_state(collector.state, sites, name))
+      key = key_of(name)
+      slices = evaluate.eval_slices(site, eval_config)
+      layouts[name] = site.layout.subsampled(slices) if slices else site.layout
+      found, evaluation_info, missing = _cached_passes(
+          cached.get(_eval_cache_key(key), []), names)
+      passes = _merged_passes(found, {}, names)
+      if missing and deadline is not None and time.time() > deadline:
+        pending.append(f"evaluation of {name}")
+        continue
+      if missing:
+        # Only the candidates no earlier run evaluated here (same statistics and settings).
+        t0 = time.time()
+        position = to_evaluate.index(name)
+        while precompiler is not None and submitted < min(position + lookahead,
+                                                          len(to_evaluate)):
+          ahead_name = to_evaluate[submitted]
+          precompiler.submit(evaluate.compile_jobs(
+              sites[ahead_name], collector_lib.site_state(collector.state, sites, ahead_name),
+              todo_of(ahead_name), compute_dtype, eval_config))
+          submitted += 1
+        ev = evaluate.evaluate_site(site, state, todo_of(name), compute_dtype, eval_config)
+        new = summarize.site_passes(ev, missing, n_boot=options.bootstrap, seed=options.seed)
+        evaluation_info = {"slices": ev.slices, "of": site.layout.num_slices,
+                           "slice_index": site.layout.slice_label,
+                           "row_subsampled": bool(ev.slices and ev.slices < site.layout.num_slices),
+                           "reservoir": ev.reservoir,
+                           "evaluated_shapes": {k: list(v) for k, v in ev.layout.shapes().items()}}
+        _append_eval_cache(cache_path, {"key": {**key, "kernels": missing}, "passes": new,
+                                        "evaluation": evaluation_info})
+        passes = _merged_passes(found, new, names)
+        reused = len(names) - len(missing)
+        _log(f"evaluated {i + 1}/{len(selected)} {name} in {time.time() - t0:.1f}s"
+             + (f" ({len(missing)} new candidates, {reused} from the cache)" if reused else ""))
+      entry = {"kind": site.kind, "spec": site.spec,
+               "shapes": {k: list(v) for k, v in site.layout.shapes().items()},
+               "flops": int(site.layout.spec.flops(site.layout.lhs.shape, site.layout.rhs.shape)),
+               "modes": site.describe(),
+               "stats": stats_report.site_stats(site, state, observations),
+               "evaluation": evaluation_info, "passes": passes}
+      site_entries[name] = entry
+  finally:
+    if precompiler is not None:
+      precompiler.close()
+  if precompiler is not None:
+    counts = {k: v - counts_before[k] for k, v in executables.counts().items()}
+    _log(f"evaluation compiled ahead on {precompiler.workers} threads: {counts['ahead']} calls "
+         f"took a function compiled ahead, {counts['inline']} went through jit")
 
   # ---- timing
   measure, timing_valid = _timing_plan(options)
