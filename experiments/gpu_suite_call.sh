@@ -11,9 +11,15 @@
 #     (the device call carries .snap and .whl)
 #
 # Environment: CARRY (required), WORK (/tmp/suite), LIMIT (575: hard seconds), MAXMIN (7.5:
-# minutes after which no new row starts), OUT (set on the device; elsewhere $WORK/out).
+# minutes after which no new row starts), OUT (set on the device; elsewhere $WORK/out),
+# MODULE (experiments.bench; or experiments.probe for a `--time_only` call, which times a
+# model's site shapes into the carried timing cache with no training, so a fresh host's
+# bench call finds them there:
+#   MODULE=experiments.probe CARRY=.snap/x bash experiments/gpu_suite_call.sh --time_only \
+#     --model=interformer --preset=small --mods=all --kernels=...).
 # Arguments: passed to `experiments.bench` after --workdir, --compile_cache, --max_minutes
-# and --probe_timing_cache, so a later flag of the same name wins.
+# and --probe_timing_cache (to `experiments.probe` after --timing_cache and --budget_s), so
+# a later flag of the same name wins.
 set -u
 CARRY=${CARRY:?set CARRY to the folder that carries this run between calls}
 WORK=${WORK:-/tmp/suite}
@@ -29,8 +35,14 @@ export PYTHONUNBUFFERED=1
 
 echo "=== call $(date +%T) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null):" \
   "$*" >> "$WORK/log.txt"
-timeout "${LIMIT:-575}" python3 -m experiments.bench --workdir="$WORK" --compile_cache=/tmp/jc \
-  --max_minutes="${MAXMIN:-7.5}" --probe_timing_cache="$WORK/tc" "$@" >> "$WORK/log.txt" 2>&1
+MODULE=${MODULE:-experiments.bench}
+if [ "$MODULE" = experiments.bench ]; then
+  set -- --workdir="$WORK" --compile_cache=/tmp/jc --max_minutes="${MAXMIN:-7.5}" \
+    --probe_timing_cache="$WORK/tc" "$@"
+else  # leaves a minute to stop timing cleanly and pack the workdir
+  set -- --timing_cache="$WORK/tc" --budget_s=$(( ${LIMIT:-575} - 60 )) "$@"
+fi
+timeout "${LIMIT:-575}" python3 -m "$MODULE" "$@" >> "$WORK/log.txt" 2>&1
 echo "rc=$?" >> "$WORK/log.txt"
 
 tar -czf "$OUT/work.tar.gz" -C "$WORK" --exclude=checkpoints --exclude=out --exclude=jax_cache \

@@ -81,6 +81,9 @@ PLOTS = flags.DEFINE_bool("plots", True, "Write PNG plots.")
 SITE_PLOTS = flags.DEFINE_bool("site_plots", True, "Write one distribution plot per site.")
 BUDGET_S = flags.DEFINE_float("budget_s", 0, "Wall-clock budget; 0: none. Out of time: "
                               "exit 3, rerun to finish.")
+COMPILE_WORKERS = flags.DEFINE_integer(
+    "compile_workers", -1, "Threads compiling the evaluation of upcoming sites ahead "
+    "(-1: the CPUs, up to 16; 0: compile each function on its first call).")
 COMPILATION_CACHE = flags.DEFINE_string(
     "compilation_cache", os.path.join(os.path.expanduser("~"), ".cache", "loka_jax", "jax_cache"),
     "Persistent XLA compilation cache ('' disables).")
@@ -125,6 +128,7 @@ def _options(criteria: eligibility.Criteria) -> ProbeOptions:
       repeats=REPEATS.value, timing_cache=TIMING_CACHE.value, timing_table=TIMING_TABLE.value,
       write_table=_auto(WRITE_TABLE.value), max_eval_elements=MAX_EVAL_ELEMENTS.value,
       plots=PLOTS.value, site_plots=SITE_PLOTS.value, budget_s=BUDGET_S.value or None,
+      compile_workers=None if COMPILE_WORKERS.value < 0 else COMPILE_WORKERS.value,
       criteria=criteria, seed=common.SEED.value)
 
 

@@ -8,13 +8,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from unittest import mock
 
 import chex
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from loka_jax.bench import plots, quality, suite, tables, targets, towers, variants
+from loka_jax.bench import plots, quality, speed, suite, tables, targets, towers, variants
 from loka_jax.bench.results import ResultsFile
 from loka_jax.kernels.choice import KernelChoice, KernelPlan
 from loka_jax.models.presets import site_products
@@ -473,6 +474,27 @@ class ExportedInferenceTest(chex.TestCase):
     # float32 parameters stored as bf16: about half of the site weights' bytes are saved.
     self.assertGreater(served["export_saved_fraction"], 0.3)
     self.assertEqual(served["mods"], ["all"])
+
+
+  def test_past_the_deadline_nothing_is_built_and_a_rerun_finishes(self):
+    out = _tempdir(self)
+    results = ResultsFile(os.path.join(out, "bench.jsonl"), suite.KEY_FIELDS)
+    target = suite.tower_targets(["32x16x2"])[0]
+    settings = suite.SpeedSettings(repeats=3, probe=False)
+    logs = []
+    with mock.patch.object(speed.TargetBench, "set_baseline",
+                           side_effect=AssertionError("baseline built past the deadline")):
+      done = suite.run_target(target, variants.parse_variants(["bf16_mods"]), results,
+                              settings=settings, deadline=time.time() - 1, device="cpu",
+                              log=logs.append)
+    self.assertFalse(done)
+    self.assertIn(f"  deadline: {target.name} left for the next run, its baseline not built",
+                  logs)
+    self.assertEqual(list(results.rows()), [])
+    self.assertTrue(suite.run_target(target, variants.parse_variants(["bf16_mods"]), results,
+                                     settings=settings, deadline=float("inf"), device="cpu",
+                                     log=lambda _: None))
+    self.assertEqual([r["variant"] for r in results.rows()], ["bf16", "bf16_mods"])
 
 
 class HeadToHeadTest(absltest.TestCase):
