@@ -1,6 +1,6 @@
 """Evaluation functions compiled ahead on a thread pool (`probe.executables`): the same
-numbers as jit compiling on first call, nothing compiled twice, failures left to jit."""
-import tempfile
+numbers as jit compiling on first call, nothing compiled twice, failures left to jit. A
+whole probe takes every evaluation function compiled ahead: tests/test_probe_timing_ahead.py."""
 import threading
 
 import chex
@@ -10,9 +10,8 @@ import numpy as np
 from absl.testing import absltest
 
 from loka_jax import kernels as kernels_lib
-from loka_jax.probe import collector, evaluate, executables, runner
+from loka_jax.probe import collector, evaluate, executables
 from loka_jax.probe.collector import ProbeConfig
-from loka_jax.train import TrainConfig, experiment
 
 CONFIG = ProbeConfig()
 # A per-pass kernel, an FP8 one and a fused op: each evaluator sort.
@@ -124,26 +123,6 @@ class ExecutablesTest(chex.TestCase):
   def test_needs_a_worker(self):
     with self.assertRaisesRegex(ValueError, "at least one worker"):
       executables.Precompiler(0)
-
-
-class ProbeCompilesAheadTest(chex.TestCase):
-
-  def test_every_evaluation_call_of_a_probe_takes_a_function_compiled_ahead(self):
-    spec = experiment.RunSpec(model="wukong", preset="tiny", mods=("all",), num_eval=256)
-    options = runner.ProbeOptions(samples=2, kernels=("xla_bf16", "xla_fp8_rowwise"),
-                                  sites="layer_0/fmb/(fm_proj|mlp/dense_0|mlp/dense_1)",
-                                  bootstrap=20, plots=False, time=False, compile_workers=2)
-    before = executables.counts()
-    result = runner.run_probe(
-        spec, tempfile.mkdtemp(prefix="loka_probe_ahead_"),
-        TrainConfig(steps=4, batch_size=64, progress=False, log_every=0),
-        ProbeConfig(cadence=2), options)
-    counts = _delta(before)
-    self.assertEqual(counts["inline"], 0)
-    self.assertGreater(counts["ahead"], 0)
-    self.assertTrue(result.complete)
-    for name, site in result.report["sites"].items():
-      self.assertEqual(set(site["passes"]), {"fwd", "grad_lhs", "grad_rhs"}, name)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Timings measured ahead (`experiments.probe --time_only`): every distinct site shape goes
-into the timing cache without training, and a later probe given that cache times nothing."""
+into the timing cache without training, and a later probe given that cache times nothing
+(and compiles none of its evaluation on first call: `probe.executables`)."""
 import os
 import tempfile
 from unittest import mock
@@ -7,7 +8,7 @@ from unittest import mock
 import chex
 from absl.testing import absltest
 
-from loka_jax.probe import kernel_timing, runner
+from loka_jax.probe import executables, kernel_timing, runner
 from loka_jax.probe.collector import ProbeConfig
 from loka_jax.train import TrainConfig, experiment
 
@@ -77,11 +78,18 @@ class TimingAheadTest(chex.TestCase):
       measured.extend(got)
       return got
     workdir = tempfile.mkdtemp(prefix="loka_timing_ahead_probe_")
+    compiled_before = executables.counts()
     with mock.patch.object(kernel_timing, "measure_site", side_effect=counting):
       result = runner.run_probe(
           spec(), workdir, TrainConfig(steps=4, batch_size=BATCH, progress=False, log_every=0),
-          ProbeConfig(cadence=2), options(cache_dir, time=True, write_table=False))
+          ProbeConfig(cadence=2), options(cache_dir, time=True, write_table=False,
+                                          compile_workers=2))
     self.assertEqual(measured, [])                              # every shape came from the cache
+    # Every evaluation call took a function compiled ahead (probe.executables).
+    compiled = {k: v - compiled_before[k] for k, v in executables.counts().items()}
+    self.assertEqual(compiled["inline"], 0)
+    self.assertGreater(compiled["ahead"], 0)
+    self.assertTrue(result.complete)
     self.assertEqual(result.report["timing_source"]["cache"], done["cache"])
     for name, site in result.report["sites"].items():
       for p, per_kernel in site["passes"].items():

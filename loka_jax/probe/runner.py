@@ -282,6 +282,7 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
   final = train(model, source, workdir, train_config, run_info=spec.run_info(),
                 extras=collector.extras, step_callback=collector.on_step)
   final_step = int(final.get("steps") or 0)
+  _log(f"trained to step {final_step} ({time.time() - start:.0f}s into the probe)")
   # The loop checkpoints a step before its callback runs, so an observation at the final
   # step is not in the checkpoint a resumed run starts from: make it again (it is a pure
   # function of the parameters, the batch and the step), then top up to the minimum.
@@ -323,7 +324,7 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
   ahead = options.compile_workers != 0 and len(to_evaluate) > 0
   precompiler = executables.Precompiler(options.compile_workers) if ahead else None
   lookahead = max(2, precompiler.workers // 2) if ahead else 0
-  submitted, counts_before = 0, executables.counts()
+  submitted, evaluated, counts_before, t_eval = 0, 0, executables.counts(), time.time()
   try:
     for i, name in enumerate(selected):
       site = sites[name]
@@ -358,6 +359,7 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
         _append_eval_cache(cache_path, {"key": {**key, "kernels": missing}, "passes": new,
                                         "evaluation": evaluation_info})
         passes = _merged_passes(found, new, names)
+        evaluated += 1
         reused = len(names) - len(missing)
         _log(f"evaluated {i + 1}/{len(selected)} {name} in {time.time() - t0:.1f}s"
              + (f" ({len(missing)} new candidates, {reused} from the cache)" if reused else ""))
@@ -373,8 +375,9 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
       precompiler.close()
   if precompiler is not None:
     counts = {k: v - counts_before[k] for k, v in executables.counts().items()}
-    _log(f"evaluation compiled ahead on {precompiler.workers} threads: {counts['ahead']} calls "
-         f"took a function compiled ahead, {counts['inline']} went through jit")
+    _log(f"evaluated {evaluated} sites in {time.time() - t_eval:.0f}s, "
+         f"compiled ahead on {precompiler.workers} threads: {counts['ahead']} calls took a "
+         f"function compiled ahead, {counts['inline']} went through jit")
 
   # ---- timing
   measure, timing_valid = _timing_plan(options)
