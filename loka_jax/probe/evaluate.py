@@ -10,7 +10,9 @@ Each sample has the site's real shapes, except that operands larger than `max_ev
 are subsampled along the slice index (recorded). Every kernel's output is compared with
 reference (a): the float32 HIGHEST product of the original (unquantized) operands. The
 evaluation is vmapped over samples in fixed-size chunks and each kernel's passes share one
-function, so each (site shape, kernel) compiles once and serves every site of that shape.
+function, so each (site shape, kernel) compiles once and serves every site of that shape;
+`compile_jobs` lists a site's functions so that `executables.Precompiler` can compile them
+ahead, while earlier sites evaluate.
 """
 from __future__ import annotations
 
@@ -367,6 +369,8 @@ def _sampler_call(site: SiteProbe, plan: _SitePlan, source: str, keys, state):
   weight = state["weight"] if site.layout.kind == ACT_WEIGHT else None
   return (_reservoir_sampler(plan.layout, site.reservoir_capacity, plan.slices),
           (keys, state["reservoir"], weight))
+
+
 def _chunk_keys(source_key, start: int, size: int):
   return jax.random.split(jax.random.fold_in(source_key, start), size)
 

@@ -320,7 +320,9 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
                 for name in selected}
   to_evaluate = [name for name in selected if missing_of[name]]
   todo_of = lambda name: [k for k in kernels if k.name in missing_of[name]]
-  # Compiles for the sites ahead run on a thread pool while the current one evaluates.
+  # Compiles for the sites ahead run on a thread pool while the current one evaluates. A site
+  # has about 8 functions (samplers, references, a few kernels): half as many sites ahead as
+  # threads keeps every thread busy without compiling far past a budget's end.
   ahead = options.compile_workers != 0 and len(to_evaluate) > 0
   precompiler = executables.Precompiler(options.compile_workers) if ahead else None
   lookahead = max(2, precompiler.workers // 2) if ahead else 0
