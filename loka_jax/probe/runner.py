@@ -377,7 +377,7 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
       precompiler.close()
   if precompiler is not None:
     counts = {k: v - counts_before[k] for k, v in executables.counts().items()}
-    _log(f"evaluated {evaluated} sites in {time.time() - t_eval:.0f}s, "
+    _log(f"evaluation phase: {evaluated} sites in {time.time() - t_eval:.0f}s, "
          f"compiled ahead on {precompiler.workers} threads: {counts['ahead']} calls took a "
          f"function compiled ahead, {counts['inline']} went through jit")
 
