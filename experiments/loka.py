@@ -52,6 +52,7 @@ NAIVE_FP8 = flags.DEFINE_bool("naive_fp8", True,
 MIN_SPEEDUP = flags.DEFINE_float(
     "min_speedup", None, "Speed rule of the selection: unset, the default budget (1.05x when "
     "timings are known); <= 0, accuracy only (what the error budget alone admits).")
+compile_workers = common.define_compile_workers()
 COMPILATION_CACHE = flags.DEFINE_string(
     "compilation_cache", os.path.join(os.path.expanduser("~"), ".cache", "loka_jax", "jax_cache"),
     "Persistent XLA compilation cache ('' disables); reruns compile much less.")
@@ -160,6 +161,7 @@ def main(argv):
       probe_config=ProbeConfig(cadence=CADENCE.value, seed=common.SEED.value),
       probe_options=ProbeOptions(samples=SAMPLES.value, kernels=kernels,
                                  sites=PROBE_SITES.value, bootstrap=200, site_plots=False,
+                                 compile_workers=compile_workers(),
                                  seed=common.SEED.value),
       criteria=_criteria(),
       validation=validate_lib.ValidationConfig(

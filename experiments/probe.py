@@ -81,9 +81,7 @@ PLOTS = flags.DEFINE_bool("plots", True, "Write PNG plots.")
 SITE_PLOTS = flags.DEFINE_bool("site_plots", True, "Write one distribution plot per site.")
 BUDGET_S = flags.DEFINE_float("budget_s", 0, "Wall-clock budget; 0: none. Out of time: "
                               "exit 3, rerun to finish.")
-COMPILE_WORKERS = flags.DEFINE_integer(
-    "compile_workers", -1, "Threads compiling the evaluation of upcoming sites ahead "
-    "(-1: the CPUs, up to 16; 0: compile each function on its first call).")
+compile_workers = common.define_compile_workers()
 COMPILATION_CACHE = flags.DEFINE_string(
     "compilation_cache", os.path.join(os.path.expanduser("~"), ".cache", "loka_jax", "jax_cache"),
     "Persistent XLA compilation cache ('' disables).")
@@ -128,7 +126,7 @@ def _options(criteria: eligibility.Criteria) -> ProbeOptions:
       repeats=REPEATS.value, timing_cache=TIMING_CACHE.value, timing_table=TIMING_TABLE.value,
       write_table=_auto(WRITE_TABLE.value), max_eval_elements=MAX_EVAL_ELEMENTS.value,
       plots=PLOTS.value, site_plots=SITE_PLOTS.value, budget_s=BUDGET_S.value or None,
-      compile_workers=None if COMPILE_WORKERS.value < 0 else COMPILE_WORKERS.value,
+      compile_workers=compile_workers(),
       criteria=criteria, seed=common.SEED.value)
 
 
@@ -163,7 +161,8 @@ def main(argv):
     print(f"{spec.model}/{spec.preset}: {d['sites']} sites, {d['distinct_shapes']} distinct "
           f"GEMM shapes; training state {gb(d['state_bytes'])}, probe statistics "
           f"{gb(d['statistics_bytes'])}, checkpoint about "
-          f"{gb(d['state_bytes'] + d['statistics_bytes'])}")
+          f"{gb(d['state_bytes'] + d['statistics_bytes'])}; its error evaluation compiles "
+          f"{d['evaluation_functions']} functions, {d['sites_compiling']} sites bring new ones")
     return
   if TIME_ONLY.value:
     if not TIMING_CACHE.value:

@@ -22,3 +22,12 @@ KERNEL = flags.DEFINE_string("kernel", "xla_fp8_tensorwise",
                              "Kernel used at every site with --precision=fp8_all.")
 PLAN = flags.DEFINE_string("plan", None, "Plan JSON (loka.plan/1) for --precision=loka.")
 MODS = flags.DEFINE_list("mods", [], "Mods to turn on: no_bias, blocknorm, hard_swish (or 'all').")
+
+
+def define_compile_workers():
+  """Defines --compile_workers, in the scripts that run a probe; returns a function giving
+  its value as `ProbeOptions.compile_workers` (None: the default thread count)."""
+  holder = flags.DEFINE_integer(
+      "compile_workers", -1, "Threads compiling the probe's error evaluation of upcoming "
+      "sites ahead (-1: the CPUs, up to 16; 0: compile each function on its first call).")
+  return lambda: None if holder.value < 0 else holder.value

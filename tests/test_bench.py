@@ -476,6 +476,8 @@ class ExportedInferenceTest(chex.TestCase):
     self.assertEqual(served["mods"], ["all"])
 
 
+class DeadlineTest(absltest.TestCase):
+
   def test_past_the_deadline_nothing_is_built_and_a_rerun_finishes(self):
     out = _tempdir(self)
     results = ResultsFile(os.path.join(out, "bench.jsonl"), suite.KEY_FIELDS)

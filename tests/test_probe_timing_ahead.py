@@ -45,8 +45,11 @@ class DescribeTest(chex.TestCase):
     self.assertEqual(d["sites"], len(sites))
     stats = collector_lib.init_state(sites, ProbeConfig(), jnp.bfloat16)
     self.assertEqual(d["statistics_bytes"], nbytes(stats))
-    # Two Wukong layers of one shape: fewer distinct shapes than sites.
+    # Two Wukong layers of one shape: fewer distinct shapes than sites, and fewer sites
+    # that bring new evaluation functions.
     self.assertLess(d["distinct_shapes"], d["sites"])
+    self.assertLess(d["sites_compiling"], d["sites"])
+    self.assertGreater(d["evaluation_functions"], d["sites_compiling"])
 
 
 class TimingAheadTest(chex.TestCase):
@@ -78,17 +81,21 @@ class TimingAheadTest(chex.TestCase):
       measured.extend(got)
       return got
     workdir = tempfile.mkdtemp(prefix="loka_timing_ahead_probe_")
-    compiled_before = executables.counts()
+    train_config = TrainConfig(steps=4, batch_size=BATCH, progress=False, log_every=0)
+    probe_options = options(cache_dir, time=True, write_table=False, compile_workers=2)
+    executables.clear()
     with mock.patch.object(kernel_timing, "measure_site", side_effect=counting):
-      result = runner.run_probe(
-          spec(), workdir, TrainConfig(steps=4, batch_size=BATCH, progress=False, log_every=0),
-          ProbeConfig(cadence=2), options(cache_dir, time=True, write_table=False,
-                                          compile_workers=2))
+      result = runner.run_probe(spec(), workdir, train_config, ProbeConfig(cadence=2),
+                                probe_options)
     self.assertEqual(measured, [])                              # every shape came from the cache
-    # Every evaluation call took a function compiled ahead (probe.executables).
-    compiled = {k: v - compiled_before[k] for k, v in executables.counts().items()}
+    # Every evaluation call took a function compiled ahead (probe.executables), and the
+    # functions compiled are the ones `describe_probe` counts from shapes alone.
+    compiled = executables.counts()
     self.assertEqual(compiled["inline"], 0)
     self.assertGreater(compiled["ahead"], 0)
+    described = runner.describe_probe(spec(), train_config, ProbeConfig(cadence=2),
+                                      probe_options)
+    self.assertEqual(compiled["compiled"], described["evaluation_functions"])
     self.assertTrue(result.complete)
     self.assertEqual(result.report["timing_source"]["cache"], done["cache"])
     for name, site in result.report["sites"].items():

@@ -39,12 +39,6 @@ def signature(args) -> Tuple:
   return treedef, tuple(_leaf_signature(x) for x in leaves)
 
 
-def abstract(tree):
-  """ShapeDtypeStructs of a tree of arrays (what `Precompiler.submit` compiles for)."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      np.shape(x), x.dtype, weak_type=bool(getattr(x, "weak_type", False))), tree)
-
-
 def call(fn: Callable, *args):
   """fn(*args): with the executable compiled ahead when one is ready or being compiled,
   else through jit."""
@@ -63,9 +57,10 @@ def call(fn: Callable, *args):
 
 
 def counts() -> Dict[str, int]:
-  """Calls served by an executable compiled ahead, and calls that went through jit."""
+  """Calls served by an executable compiled ahead ("ahead"), calls that went through jit
+  ("inline"), and the executables held ("compiled")."""
   with _LOCK:
-    return dict(_COUNTS)
+    return {**_COUNTS, "compiled": len(_EXECUTABLES)}
 
 
 def clear() -> None:

@@ -146,6 +146,31 @@ def _append_eval_cache(path: str, row: Mapping) -> None:
     f.write(json.dumps(report_lib.json_ready(row), allow_nan=False) + "\n")
 
 
+def _eval_config(options: ProbeOptions) -> evaluate.EvalConfig:
+  return evaluate.EvalConfig(samples=options.samples, reservoir_samples=options.reservoir_samples,
+                             max_eval_elements=options.max_eval_elements,
+                             chunk_elements=options.chunk_elements, seed=options.seed)
+
+
+class _CompileAhead:
+  """Keeps the evaluation functions of the next `lookahead` sites to evaluate queued on a
+  Precompiler, in evaluation order. A site has about 8 functions (samplers, references, a
+  few kernels): half as many sites ahead as threads keeps every thread busy without
+  compiling far past a budget's end."""
+
+  def __init__(self, precompiler: executables.Precompiler, order: List[str], jobs_of):
+    self.precompiler, self.order, self.jobs_of = precompiler, order, jobs_of
+    self.lookahead = max(2, precompiler.workers // 2)
+    self.submitted = 0
+
+  def reach(self, name: str) -> None:
+    """`name` is evaluated next: queue it and the sites after it up to the lookahead."""
+    upto = min(self.order.index(name) + self.lookahead, len(self.order))
+    for ahead in self.order[self.submitted:upto]:
+      self.precompiler.submit(self.jobs_of(ahead))
+    self.submitted = max(self.submitted, upto)
+
+
 def _timing_plan(options: ProbeOptions) -> Tuple[bool, bool]:
   """(measure here, timings valid for dispatch)."""
   on_gpu = kernel_timing.on_gpu()
@@ -203,7 +228,9 @@ def describe_probe(spec: experiment.RunSpec, train_config: TrainConfig,
   """What probing the spec's model will hold, without training or a GPU (abstract shapes):
   sites, distinct GEMM shapes (what timing measures), the bytes of the training state
   (parameters and optimizer state) and of the statistics, which together make the probe's
-  checkpoint, for planning a run on a card and disk of known size."""
+  checkpoint, for planning a run on a card and disk of known size; and the distinct
+  functions the error evaluation compiles for `options.kernels`, with the number of sites
+  that bring new ones."""
   from loka_jax.train.optim import make_optimizer
   from loka_jax.train.state import abstract_train_state
   setup = _setup(spec, train_config.batch_size, probe_config, options, build)
@@ -213,8 +240,18 @@ def describe_probe(spec: experiment.RunSpec, train_config: TrainConfig,
   dtype = site_config_dtype(spec)
   stats = jax.eval_shape(lambda: collector_lib.init_state(setup.sites, probe_config, dtype))
   nbytes = lambda tree: int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+  # The functions the error evaluation compiles (`evaluate.compile_jobs`), and the sites that
+  # bring new ones: the sites whose evaluation waits on compiles.
+  seen, compiling = set(), 0
+  for name, site in setup.sites.items():
+    jobs = evaluate.compile_jobs(site, collector_lib.site_state(stats, setup.sites, name),
+                                 setup.kernels, str(np.dtype(dtype)), _eval_config(options))
+    keys = {(fn, executables.signature(args)) for fn, args in jobs}
+    compiling += bool(keys - seen)
+    seen |= keys
   return {"sites": len(setup.sites), "distinct_shapes": len(distinct_shapes(setup.sites)),
-          "state_bytes": nbytes(state), "statistics_bytes": nbytes(stats)}
+          "state_bytes": nbytes(state), "statistics_bytes": nbytes(stats),
+          "evaluation_functions": len(seen), "sites_compiling": compiling}
 
 
 def time_site_shapes(spec: experiment.RunSpec, batch_size: int, cache_dir: str,
@@ -300,10 +337,7 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
       collector.observe(state.variables(), state.rng, final_step + 1 + i)
 
   compute_dtype = str(np.dtype(site_config_dtype(spec)))
-  eval_config = evaluate.EvalConfig(samples=options.samples,
-                                    reservoir_samples=options.reservoir_samples,
-                                    max_eval_elements=options.max_eval_elements,
-                                    chunk_elements=options.chunk_elements, seed=options.seed)
+  eval_config = _eval_config(options)
   pending: List[str] = []
 
   # ---- errors
@@ -316,26 +350,26 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
   key_of = lambda name: {"site": name, "fingerprint": fingerprint, "kernels": names,
                          "dtype": compute_dtype, "eval": eval_config.to_dict(),
                          "bootstrap": options.bootstrap}
-  missing_of = {name: _cached_passes(cached.get(_eval_cache_key(key_of(name)), []), names)[2]
-                for name in selected}
-  to_evaluate = [name for name in selected if missing_of[name]]
-  todo_of = lambda name: [k for k in kernels if k.name in missing_of[name]]
-  # Compiles for the sites ahead run on a thread pool while the current one evaluates. A site
-  # has about 8 functions (samplers, references, a few kernels): half as many sites ahead as
-  # threads keeps every thread busy without compiling far past a budget's end.
-  ahead = options.compile_workers != 0 and len(to_evaluate) > 0
-  precompiler = executables.Precompiler(options.compile_workers) if ahead else None
-  lookahead = max(2, precompiler.workers // 2) if ahead else 0
-  submitted, evaluated, counts_before, t_eval = 0, 0, executables.counts(), time.time()
+  # (passes found, evaluation info, candidates missing) of every site, from the cache.
+  cached_of = {name: _cached_passes(cached.get(_eval_cache_key(key_of(name)), []), names)
+               for name in selected}
+  to_evaluate = [name for name in selected if cached_of[name][2]]
+  todo_of = lambda name: [k for k in kernels if k.name in cached_of[name][2]]
+  # Compiles for the sites ahead run on a thread pool while the current one evaluates.
+  precompiler = (executables.Precompiler(options.compile_workers)
+                 if options.compile_workers != 0 and to_evaluate else None)
+  jobs_of = lambda name: evaluate.compile_jobs(
+      sites[name], collector_lib.site_state(collector.state, sites, name), todo_of(name),
+      compute_dtype, eval_config)
+  ahead = _CompileAhead(precompiler, to_evaluate, jobs_of) if precompiler else None
+  evaluated, counts_before, t_eval = 0, executables.counts(), time.time()
   try:
     for i, name in enumerate(selected):
       site = sites[name]
       state = jax.device_get(collector_lib.site_state(collector.state, sites, name))
-      key = key_of(name)
       slices = evaluate.eval_slices(site, eval_config)
       layouts[name] = site.layout.subsampled(slices) if slices else site.layout
-      found, evaluation_info, missing = _cached_passes(
-          cached.get(_eval_cache_key(key), []), names)
+      found, evaluation_info, missing = cached_of[name]
       passes = _merged_passes(found, {}, names)
       if missing and deadline is not None and time.time() > deadline:
         pending.append(f"evaluation of {name}")
@@ -343,14 +377,8 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
       if missing:
         # Only the candidates no earlier run evaluated here (same statistics and settings).
         t0 = time.time()
-        position = to_evaluate.index(name)
-        while precompiler is not None and submitted < min(position + lookahead,
-                                                          len(to_evaluate)):
-          ahead_name = to_evaluate[submitted]
-          precompiler.submit(evaluate.compile_jobs(
-              sites[ahead_name], collector_lib.site_state(collector.state, sites, ahead_name),
-              todo_of(ahead_name), compute_dtype, eval_config))
-          submitted += 1
+        if ahead:
+          ahead.reach(name)
         ev = evaluate.evaluate_site(site, state, todo_of(name), compute_dtype, eval_config)
         new = summarize.site_passes(ev, missing, n_boot=options.bootstrap, seed=options.seed)
         evaluation_info = {"slices": ev.slices, "of": site.layout.num_slices,
@@ -358,20 +386,19 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
                            "row_subsampled": bool(ev.slices and ev.slices < site.layout.num_slices),
                            "reservoir": ev.reservoir,
                            "evaluated_shapes": {k: list(v) for k, v in ev.layout.shapes().items()}}
-        _append_eval_cache(cache_path, {"key": {**key, "kernels": missing}, "passes": new,
-                                        "evaluation": evaluation_info})
+        _append_eval_cache(cache_path, {"key": {**key_of(name), "kernels": missing},
+                                        "passes": new, "evaluation": evaluation_info})
         passes = _merged_passes(found, new, names)
         evaluated += 1
         reused = len(names) - len(missing)
         _log(f"evaluated {i + 1}/{len(selected)} {name} in {time.time() - t0:.1f}s"
              + (f" ({len(missing)} new candidates, {reused} from the cache)" if reused else ""))
-      entry = {"kind": site.kind, "spec": site.spec,
-               "shapes": {k: list(v) for k, v in site.layout.shapes().items()},
-               "flops": int(site.layout.spec.flops(site.layout.lhs.shape, site.layout.rhs.shape)),
-               "modes": site.describe(),
-               "stats": stats_report.site_stats(site, state, observations),
-               "evaluation": evaluation_info, "passes": passes}
-      site_entries[name] = entry
+      site_entries[name] = {
+          "kind": site.kind, "spec": site.spec,
+          "shapes": {k: list(v) for k, v in site.layout.shapes().items()},
+          "flops": int(site.layout.spec.flops(site.layout.lhs.shape, site.layout.rhs.shape)),
+          "modes": site.describe(), "stats": stats_report.site_stats(site, state, observations),
+          "evaluation": evaluation_info, "passes": passes}
   finally:
     if precompiler is not None:
       precompiler.close()
