@@ -1,7 +1,10 @@
 """Timings measured ahead (`experiments.probe --time_only`): every distinct site shape goes
 into the timing cache without training, and a later probe given that cache times nothing
-(and compiles none of its evaluation on first call: `probe.executables`)."""
+(and compiles none of its evaluation on first call: `probe.executables`). A probe whose
+sites are all evaluated finishes on a machine without its checkpoint, without training."""
+import json
 import os
+import shutil
 import tempfile
 from unittest import mock
 
@@ -102,6 +105,56 @@ class TimingAheadTest(chex.TestCase):
       for p, per_kernel in site["passes"].items():
         for k in KERNELS:
           self.assertIsNotNone(per_kernel[k]["time_us"], (name, p, k))
+
+
+class WithoutTheCheckpointTest(chex.TestCase):
+  """What travels between GPU hosts is the workdir's small files, never the checkpoint."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.train_config = TrainConfig(steps=4, batch_size=BATCH, progress=False, log_every=0)
+    cls.options = options(None, time=False, compile_workers=0)
+    cls.workdir = tempfile.mkdtemp(prefix="loka_probe_trained_")
+    cls.first = runner.run_probe(spec(), cls.workdir, cls.train_config, ProbeConfig(cadence=2),
+                                 cls.options)
+
+  def fresh_host(self):
+    """A workdir holding what travels: the evaluation cache and the trained summary."""
+    fresh = tempfile.mkdtemp(prefix="loka_probe_fresh_")
+    for name in (runner.EVAL_CACHE, runner.TRAINED_JSON):
+      shutil.copy(os.path.join(self.workdir, name), fresh)
+    return fresh
+
+  def probe_without_training(self, workdir, probe_config=ProbeConfig(cadence=2)):
+    with mock.patch.object(runner, "train", side_effect=AssertionError("trained again")):
+      return runner.run_probe(spec(), workdir, self.train_config, probe_config, self.options)
+
+  def test_every_site_evaluated_before_makes_the_same_report_without_training(self):
+    self.assertTrue(self.first.complete)
+    again = self.probe_without_training(self.fresh_host())
+    self.assertTrue(again.complete)
+    for key in ("sites", "overhead", "run", "evaluation", "timing_source"):
+      self.assertEqual(again.report[key], self.first.report[key], key)
+
+  def test_it_trains_when_the_summary_or_cache_does_not_fit_the_run(self):
+    other_settings = self.fresh_host()
+    with self.assertRaisesRegex(AssertionError, "trained again"):  # another statistics cadence
+      self.probe_without_training(other_settings, ProbeConfig(cadence=1))
+    corrupt = self.fresh_host()
+    with open(os.path.join(corrupt, runner.TRAINED_JSON), "w") as f:
+      f.write('{"key": ')
+    with self.assertRaisesRegex(AssertionError, "trained again"):
+      self.probe_without_training(corrupt)
+    one_site_missing = self.fresh_host()
+    path = os.path.join(one_site_missing, runner.EVAL_CACHE)
+    with open(path) as f:
+      rows = f.readlines()
+    self.assertEqual(len(rows), 3)
+    with open(path, "w") as f:
+      f.writelines(r for r in rows if json.loads(r)["key"]["site"] != "layer_0/fmb/fm_proj")
+    with self.assertRaisesRegex(AssertionError, "trained again"):
+      self.probe_without_training(one_site_missing)
 
 
 if __name__ == "__main__":

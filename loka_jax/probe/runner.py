@@ -7,6 +7,13 @@ from `WORKDIR/probe_eval.jsonl` (one line per finished site and batch of candida
 by the statistics and settings it used: a rerun with one more candidate evaluates that one
 alone), timing from the on-disk timing cache. With a time budget, a phase that runs out
 stops cleanly; the report then says what is pending and rerunning finishes it.
+
+Once every site is evaluated, what the report takes from the trained statistics (each site's
+summary, the probe's overhead, the run's final metrics and the statistics' fingerprint) is
+saved in `WORKDIR/probe_trained.json`. A rerun whose evaluations are all in the cache under
+that fingerprint builds its report from the two files and does not train again: a machine
+without the checkpoint (a fresh GPU host, where only small files travel) finishes a probe
+that ran out of time in its timing phase in the time the timings take.
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import jax
 import numpy as np
 
+from loka_jax import jsonio
 from loka_jax.dispatch import timing_table as tables_lib
 from loka_jax.probe import candidates as candidates_lib
 from loka_jax.probe import collector as collector_lib
@@ -34,6 +42,7 @@ from loka_jax.train.loop import TrainConfig, restore_run, train
 REPORT_JSON = "probe_report.json"
 REPORT_MD = "probe_report.md"
 EVAL_CACHE = "probe_eval.jsonl"
+TRAINED_JSON = "probe_trained.json"
 PLOTS_DIR = "plots"
 
 
@@ -297,26 +306,49 @@ def time_site_shapes(spec: experiment.RunSpec, batch_size: int, cache_dir: str,
           "pending": pending}
 
 
-def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
-              probe_config: ProbeConfig = ProbeConfig(),
-              options: ProbeOptions = ProbeOptions(), build=None) -> ProbeResult:
-  """Trains (resuming) with the statistics pass, evaluates, times and writes the report.
+def _trained_key(spec: experiment.RunSpec, train_config: TrainConfig,
+                 probe_config: ProbeConfig) -> Dict[str, Any]:
+  """What the trained statistics are a function of: the run, its training (not the loop's
+  logging or checkpointing) and the probe's statistics settings."""
+  t = train_config
+  return report_lib.json_ready({
+      "run": spec.run_info(), "steps": t.steps, "batch_size": t.batch_size, "seed": t.seed,
+      "nan_policy": t.nan_policy, "optim": dataclasses.asdict(t.optim),
+      "probe_config": probe_config.to_dict()})
 
-  `build(spec) -> (model, source, config)` replaces `experiment.build_run` for models that
-  are not presets (e.g. the benchmark's MLP towers)."""
-  start = time.time()
-  deadline = None if options.budget_s is None else start + options.budget_s
-  os.makedirs(workdir, exist_ok=True)
-  setup = _setup(spec, train_config.batch_size, probe_config, options, build)
-  model, source, abstract, sites = setup.model, setup.source, setup.abstract, setup.sites
-  kernels, excluded, names, selected = setup.kernels, setup.excluded, setup.names, list(sites)
-  platform = jax.default_backend()
+
+def _same(a: Any, b: Any) -> bool:
+  return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def _read_trained(path: str, key: Mapping) -> Optional[Dict[str, Any]]:
+  """The saved summary of the trained statistics (TRAINED_JSON) when it is this run's;
+  otherwise None (a missing or corrupt file loses nothing: the probe trains and remakes it)."""
+  if not os.path.exists(path):
+    return None
+  try:
+    saved = jsonio.read_json(path, "probe's summary of its trained statistics",
+                             "the probe trains again and rewrites it", ValueError)
+    fields = {k: saved[k] for k in ("key", "fingerprint", "observations", "overhead", "final",
+                                    "stats")}
+  except (ValueError, KeyError, TypeError) as e:
+    _log(f"ignoring {path}: {e}")
+    return None
+  return fields if _same(fields["key"], key) else None
+
+
+def _train_with_statistics(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
+                           probe_config: ProbeConfig, setup: _Setup,
+                           start: float) -> Tuple[ProbeCollector, Dict[str, Any]]:
+  """Trains (resuming from the workdir's checkpoint) with the statistics pass; returns the
+  collector, holding every observation, and the run's final metrics."""
   saved_stats, saved_meta = _saved_statistics(workdir)
-  collector = ProbeCollector(model, source, train_config.batch_size, sites, probe_config,
-                             state=saved_stats, meta=saved_meta, example_variables=abstract)
-  _log(f"{spec.model}/{spec.preset}: {len(sites)} sites; training to step "
+  collector = ProbeCollector(setup.model, setup.source, train_config.batch_size, setup.sites,
+                             probe_config, state=saved_stats, meta=saved_meta,
+                             example_variables=setup.abstract)
+  _log(f"{spec.model}/{spec.preset}: {len(setup.sites)} sites; training to step "
        f"{train_config.steps} with a statistics pass every {probe_config.cadence} steps")
-  final = train(model, source, workdir, train_config, run_info=spec.run_info(),
+  final = train(setup.model, setup.source, workdir, train_config, run_info=spec.run_info(),
                 extras=collector.extras, step_callback=collector.on_step)
   final_step = int(final.get("steps") or 0)
   _log(f"trained to step {final_step} ({time.time() - start:.0f}s into the probe)")
@@ -327,7 +359,8 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
   needed = max(probe_config.min_observations - collector.observations - int(catch_up), 0)
   if catch_up or needed:
     # The collector holds the statistics already: the state alone is read.
-    state, _ = restore_run(workdir, model, source, train_config, array_extras=False)
+    state, _ = restore_run(workdir, setup.model, setup.source, train_config,
+                           array_extras=False)
     if catch_up:
       collector.observe(state.variables(), state.rng, final_step)
     if needed:
@@ -335,24 +368,59 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
            f"parameters (batches {final_step + 1}..{final_step + needed})")
     for i in range(needed):
       collector.observe(state.variables(), state.rng, final_step + 1 + i)
+  return collector, {k: final.get(k) for k in ("steps", "ne", "auc", "logloss")}
 
+
+def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
+              probe_config: ProbeConfig = ProbeConfig(),
+              options: ProbeOptions = ProbeOptions(), build=None) -> ProbeResult:
+  """Trains (resuming) with the statistics pass, evaluates, times and writes the report.
+  Does not train when every site's evaluation is cached under the trained statistics
+  summarized in TRAINED_JSON (see the module docstring).
+
+  `build(spec) -> (model, source, config)` replaces `experiment.build_run` for models that
+  are not presets (e.g. the benchmark's MLP towers)."""
+  start = time.time()
+  deadline = None if options.budget_s is None else start + options.budget_s
+  os.makedirs(workdir, exist_ok=True)
+  setup = _setup(spec, train_config.batch_size, probe_config, options, build)
+  sites, kernels, excluded, names = setup.sites, setup.kernels, setup.excluded, setup.names
+  selected = list(sites)
+  platform = jax.default_backend()
   compute_dtype = str(np.dtype(site_config_dtype(spec)))
   eval_config = _eval_config(options)
   pending: List[str] = []
 
-  # ---- errors
+  # ---- training, unless its statistics are summarized and every evaluation is cached
   cache_path = os.path.join(workdir, EVAL_CACHE)
   cached = _read_eval_cache(cache_path)
-  site_entries: Dict[str, Dict] = {}
-  layouts = {}
-  observations = collector.observations
-  fingerprint = _fingerprint(collector)
-  key_of = lambda name: {"site": name, "fingerprint": fingerprint, "kernels": names,
-                         "dtype": compute_dtype, "eval": eval_config.to_dict(),
-                         "bootstrap": options.bootstrap}
+  key_of = lambda name, fingerprint: {
+      "site": name, "fingerprint": fingerprint, "kernels": names, "dtype": compute_dtype,
+      "eval": eval_config.to_dict(), "bootstrap": options.bootstrap}
   # (passes found, evaluation info, candidates missing) of every site, from the cache.
-  cached_of = {name: _cached_passes(cached.get(_eval_cache_key(key_of(name)), []), names)
-               for name in selected}
+  lookup = lambda fingerprint: {
+      name: _cached_passes(cached.get(_eval_cache_key(key_of(name, fingerprint)), []), names)
+      for name in selected}
+  trained_path = os.path.join(workdir, TRAINED_JSON)
+  trained_key = _trained_key(spec, train_config, probe_config)
+  trained = _read_trained(trained_path, trained_key)
+  summarized = trained is not None and all(n in trained["stats"] for n in selected)
+  cached_of = lookup(trained["fingerprint"]) if summarized else {}
+  collector = None
+  if summarized and not any(missing for _, _, missing in cached_of.values()):
+    fingerprint, observations = trained["fingerprint"], trained["observations"]
+    overhead, final = trained["overhead"], trained["final"]
+    _log(f"{spec.model}/{spec.preset}: {len(sites)} sites, every one evaluated before on the "
+         f"statistics summarized in {trained_path}: not training again")
+  else:
+    collector, final = _train_with_statistics(spec, workdir, train_config, probe_config, setup,
+                                              start)
+    fingerprint, observations = _fingerprint(collector), collector.observations
+    overhead = collector.overhead()
+    cached_of = lookup(fingerprint)
+
+  # ---- errors
+  site_entries: Dict[str, Dict] = {}
   to_evaluate = [name for name in selected if cached_of[name][2]]
   todo_of = lambda name: [k for k in kernels if k.name in cached_of[name][2]]
   # Compiles for the sites ahead run on a thread pool while the current one evaluates.
@@ -366,14 +434,14 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
   try:
     for i, name in enumerate(selected):
       site = sites[name]
-      state = jax.device_get(collector_lib.site_state(collector.state, sites, name))
-      slices = evaluate.eval_slices(site, eval_config)
-      layouts[name] = site.layout.subsampled(slices) if slices else site.layout
       found, evaluation_info, missing = cached_of[name]
       passes = _merged_passes(found, {}, names)
       if missing and deadline is not None and time.time() > deadline:
         pending.append(f"evaluation of {name}")
         continue
+      # Without a collector every site is cached: its statistics come from the summary.
+      state = (None if collector is None else
+               jax.device_get(collector_lib.site_state(collector.state, sites, name)))
       if missing:
         # Only the candidates no earlier run evaluated here (same statistics and settings).
         t0 = time.time()
@@ -386,7 +454,7 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
                            "row_subsampled": bool(ev.slices and ev.slices < site.layout.num_slices),
                            "reservoir": ev.reservoir,
                            "evaluated_shapes": {k: list(v) for k, v in ev.layout.shapes().items()}}
-        _append_eval_cache(cache_path, {"key": {**key_of(name), "kernels": missing},
+        _append_eval_cache(cache_path, {"key": {**key_of(name, fingerprint), "kernels": missing},
                                         "passes": new, "evaluation": evaluation_info})
         passes = _merged_passes(found, new, names)
         evaluated += 1
@@ -397,7 +465,9 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
           "kind": site.kind, "spec": site.spec,
           "shapes": {k: list(v) for k, v in site.layout.shapes().items()},
           "flops": int(site.layout.spec.flops(site.layout.lhs.shape, site.layout.rhs.shape)),
-          "modes": site.describe(), "stats": stats_report.site_stats(site, state, observations),
+          "modes": site.describe(),
+          "stats": (trained["stats"][name] if collector is None
+                    else stats_report.site_stats(site, state, observations)),
           "evaluation": evaluation_info, "passes": passes}
   finally:
     if precompiler is not None:
@@ -407,6 +477,13 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
     _log(f"evaluation phase: {evaluated} sites in {time.time() - t_eval:.0f}s, "
          f"compiled ahead on {precompiler.workers} threads: {counts['ahead']} calls took a "
          f"function compiled ahead, {counts['inline']} went through jit")
+  if collector is not None and len(site_entries) == len(selected):
+    # Every site evaluated: a rerun needs the statistics no more (only these summaries).
+    kept = (trained["stats"] if trained and trained["fingerprint"] == fingerprint else {})
+    jsonio.write_json_atomic(trained_path, report_lib.json_ready({
+        "key": trained_key, "fingerprint": fingerprint, "observations": observations,
+        "overhead": overhead, "final": final,
+        "stats": {**kept, **{n: e["stats"] for n, e in site_entries.items()}}}))
 
   # ---- timing
   measure, timing_valid = _timing_plan(options)
@@ -484,7 +561,7 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
                   "kernels": names, "compute_dtype": compute_dtype,
                   "bootstrap": options.bootstrap, "sites_regex": options.sites,
                   "reference": "fp32 HIGHEST product of the original operands"},
-      criteria=options.criteria.to_dict(), overhead=collector.overhead(),
+      criteria=options.criteria.to_dict(), overhead=overhead,
       kernels=kernels_info, excluded_kernels=excluded)
   report["sites"] = site_entries
   report["complete"] = not pending
