@@ -25,6 +25,11 @@ def read_json(path: str, what: str, remedy: str, error: Type[Exception]) -> Any:
                 f"{remedy}") from e
 
 
+def same_json(a: Any, b: Any) -> bool:
+  """Whether two JSON-ready values are equal as JSON (key order aside)."""
+  return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
 def write_json_atomic(path: str, data: Any, *, indent: int | None = 1,
                       sort_keys: bool = False) -> None:
   """Writes `data` to a temporary file and renames it over `path`, so a killed run never

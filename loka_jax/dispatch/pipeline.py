@@ -121,9 +121,9 @@ def retrain_probe_state(spec, model, source, train_config, report: Optional[Mapp
   ran = dict((report or {}).get("run") or {})
   wanted = {**spec.run_info(), "steps": train_config.steps,
             "batch_size": train_config.batch_size}
-  same = lambda a, b: json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
   mismatched = [f"{key}: the probe ran {ran[key]!r}, this run asks for {want!r}"
-                for key, want in wanted.items() if key in ran and not same(ran[key], want)]
+                for key, want in wanted.items()
+                if key in ran and not jsonio.same_json(ran[key], want)]
   if mismatched:
     raise ValueError("cannot make the probe's training run again to validate on: "
                      + "; ".join(mismatched))
@@ -188,8 +188,7 @@ def _usable_plan(path: str, digest: str, budget: Mapping) -> Optional[Plan]:
     return None
   plan = read_plan(path)
   provenance = plan["provenance"]
-  same_budget = (json.dumps(provenance.get("budget"), sort_keys=True)
-                 == json.dumps(budget, sort_keys=True))
+  same_budget = jsonio.same_json(provenance.get("budget"), budget)
   return plan if provenance.get("report_sha256") == digest and same_budget else None
 
 

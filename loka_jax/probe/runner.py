@@ -317,10 +317,6 @@ def _trained_key(spec: experiment.RunSpec, train_config: TrainConfig,
       "probe_config": probe_config.to_dict()})
 
 
-def _same(a: Any, b: Any) -> bool:
-  return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
-
-
 def _read_trained(path: str, key: Mapping) -> Optional[Dict[str, Any]]:
   """The saved summary of the trained statistics (TRAINED_JSON) when it is this run's;
   otherwise None (a missing or corrupt file loses nothing: the probe trains and remakes it)."""
@@ -334,7 +330,7 @@ def _read_trained(path: str, key: Mapping) -> Optional[Dict[str, Any]]:
   except (ValueError, KeyError, TypeError) as e:
     _log(f"ignoring {path}: {e}")
     return None
-  return fields if _same(fields["key"], key) else None
+  return fields if jsonio.same_json(fields["key"], key) else None
 
 
 def _train_with_statistics(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
