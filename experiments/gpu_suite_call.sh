@@ -10,8 +10,10 @@
 #   CARRY=.snap/small bash experiments/gpu_suite_call.sh --suite=models --presets=small ...
 #     (the device call carries .snap and .whl)
 #
-# Environment: CARRY (required), WORK (/tmp/suite), LIMIT (575: hard seconds), MAXMIN (7.5:
-# minutes after which no new row starts), OUT (set on the device; elsewhere $WORK/out),
+# Environment: CARRY (required), WORK (/tmp/suite), LIMIT (575: hard seconds), MAXMIN (7.5,
+# 5.5 for --suite=quality: minutes after which no new row starts; a quality arm takes up to
+# 3.5 minutes, and one the limit kills loses the steps since its last checkpoint), OUT (set
+# on the device; elsewhere $WORK/out),
 # MODULE (experiments.bench; or experiments.probe for a `--time_only` call, which times a
 # model's site shapes into the carried timing cache with no training, so a fresh host's
 # bench call finds them there:
@@ -37,10 +39,12 @@ echo "=== call $(date +%T) on $(nvidia-smi --query-gpu=name --format=csv,noheade
   "$*" >> "$WORK/log.txt"
 MODULE=${MODULE:-experiments.bench}
 if [ "$MODULE" = experiments.bench ]; then
+  case " $* " in *" --suite=quality "*) : "${MAXMIN:=5.5}" ;; esac
   set -- --workdir="$WORK" --compile_cache=/tmp/jc --max_minutes="${MAXMIN:-7.5}" \
     --probe_timing_cache="$WORK/tc" "$@"
-else  # the budget is checked between shapes, and one takes up to ~70 s (InterFormer small)
-  set -- --timing_cache="$WORK/tc" --budget_s=$(( ${LIMIT:-575} - 90 )) "$@"
+else  # no shape starts that would not end within the budget at the slowest shape's pace so
+  # far (20-150 s a shape at Wukong large's on the H200); the rest is the process's start
+  set -- --timing_cache="$WORK/tc" --budget_s=$(( ${LIMIT:-575} - 45 )) "$@"
 fi
 timeout "${LIMIT:-575}" python3 -m "$MODULE" "$@" >> "$WORK/log.txt" 2>&1
 echo "rc=$?" >> "$WORK/log.txt"

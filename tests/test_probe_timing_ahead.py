@@ -107,6 +107,44 @@ class TimingAheadTest(chex.TestCase):
           self.assertIsNotNone(per_kernel[k]["time_us"], (name, p, k))
 
 
+class ShapeStartsTest(chex.TestCase):
+  """A shape starts only if it would end by the deadline at the slowest shape's pace so far:
+  a process that a hard limit kills mid-shape saves nothing of that shape."""
+
+  def test_a_shape_that_would_overrun_the_budget_is_not_started(self):
+    clock = mock.Mock()
+    clock.time.side_effect = lambda: clock.now
+    clock.now = 0.0
+    started = []
+
+    def measure(layout, kernels, dtype, cache, *, deadline=None, **kw):
+      if deadline is not None and clock.now > deadline:
+        return []
+      started.append(clock.now)
+      clock.now += 100.0                 # every shape takes 100 s of the clock
+      return [{"kernel": "fake"}]
+
+    with mock.patch.object(kernel_timing, "on_gpu", return_value=True), \
+        mock.patch.object(runner, "time", clock), \
+        mock.patch.object(kernel_timing, "measure_site", side_effect=measure):
+      done = runner.time_site_shapes(spec(), BATCH, tempfile.mkdtemp(),
+                                     options=options(None, budget_s=250.0))
+    self.assertGreaterEqual(done["shapes"], 3)
+    # Shapes start at 0 and 100; at 200 one more would end at 300, past the 250 s budget,
+    # though 200 itself is within it.
+    self.assertEqual(started, [0.0, 100.0])
+    self.assertEqual(done["pending"], done["shapes"])     # the fake timed nothing into the cache
+
+  def test_start_by_keeps_the_slowest_shape_in_hand(self):
+    starts = kernel_timing.ShapeStarts(deadline=1000.0)
+    self.assertEqual(starts.start_by(), 1000.0)
+    starts.record(30.0)
+    starts.record(150.0)
+    starts.record(40.0)
+    self.assertEqual(starts.start_by(), 850.0)
+    self.assertIsNone(kernel_timing.ShapeStarts(None).start_by())
+
+
 class WithoutTheCheckpointTest(chex.TestCase):
   """What travels between GPU hosts is the workdir's small files, never the checkpoint."""
 

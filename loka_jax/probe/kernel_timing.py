@@ -352,6 +352,27 @@ def measure_site(layout: SiteLayout, kernels, dtype: str, cache: TimingCache, *,
   return entries
 
 
+class ShapeStarts:
+  """When the next site shape may still start within a deadline: only if it would end by
+  then at the pace of the slowest shape measured so far in this call (the first always
+  starts). A process killed mid-shape by a hard time limit saves none of that shape's
+  timings, and one shape's compiles and samples take 20-150 s at Wukong `large`'s shapes
+  (H200, docs/BENCHMARKS.md, "Seventeenth session"), so a start checked against the deadline
+  alone leaves a whole shape's worth of the limit to chance."""
+
+  def __init__(self, deadline: Optional[float]):
+    self.deadline = deadline
+    self.longest = 0.0
+
+  def start_by(self) -> Optional[float]:
+    """The latest time.time() at which a shape may start (None: no deadline)."""
+    return None if self.deadline is None else self.deadline - self.longest
+
+  def record(self, seconds: float) -> None:
+    """One shape measured, taking `seconds`."""
+    self.longest = max(self.longest, seconds)
+
+
 def _error_entry(kernel: str, pass_name: str, spec: str, a_shape, b_shape, dtype: str,
                  error: str) -> Dict:
   return {"kernel": kernel, "pass": pass_name, "spec": spec, "lhs_shape": list(a_shape),

@@ -286,13 +286,16 @@ def time_site_shapes(spec: experiment.RunSpec, batch_size: int, cache_dir: str,
   dtype = str(np.dtype(site_config_dtype(spec)))
   layouts = distinct_shapes(setup.sites)
   timed = pending = 0
+  starts = kernel_timing.ShapeStarts(deadline)
   for i, (name, layout) in enumerate(layouts.values()):
     t0 = time.time()
     # The same (kernel, pass) set the probe's timing phase will look up.
     unsupported = evaluate.unsupported_passes(layout, setup.kernels)
     got = kernel_timing.measure_site(layout, setup.kernels, dtype, cache,
                                      unsupported=unsupported, repeats=options.repeats,
-                                     deadline=deadline)
+                                     deadline=starts.start_by())
+    if got:
+      starts.record(time.time() - t0)
     done = kernel_timing.site_timings(layout, setup.kernels, dtype, cache,
                                       unsupported=unsupported)
     if any(t.get("timing") == "missing" for per in done.values() for t in per.values()):
@@ -495,14 +498,16 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
     timing_source = {"kind": "measured", "device_kind": device, "cache": cache.path}
     new_entries = []
     first_of_shape = {name for name, _ in distinct_shapes(sites).values()}
+    starts = kernel_timing.ShapeStarts(deadline)
     for name, entry in site_entries.items():
       layout = sites[name].layout
       if name in first_of_shape:
         t0 = time.time()
         got = kernel_timing.measure_site(layout, kernels, compute_dtype, cache,
                                          unsupported=unsupported_of(entry),
-                                         repeats=options.repeats, deadline=deadline)
+                                         repeats=options.repeats, deadline=starts.start_by())
         if got:
+          starts.record(time.time() - t0)
           new_entries.extend(got)
           _log(f"timed {name} ({len(got)} kernel passes) in {time.time() - t0:.1f}s")
       timings[name] = kernel_timing.site_timings(layout, kernels, compute_dtype, cache,
