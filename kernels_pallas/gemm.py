@@ -5,7 +5,9 @@ stored either as the product wants it or transposed (A as (K, M), B as (N, K)): 
 loaded in its stored layout and the dot contracts the right axis, so dgrad `G W^T` and
 wgrad `X^T G` never materialize a transpose. Batch entries go on the grid (Triton dots are
 2-D). Every load and store is masked on the M, N and batch tails and the K tail gets its own
-masked step, so shapes need not be multiples of the tiles.
+masked step, so shapes need not be multiples of the tiles. A long K under a small output (the
+weight gradient of a site over a long flattened batch) is cut into slices that run as batch
+entries and are summed in fp32 afterwards (`split_k_for`), so the GPU gets enough programs.
 
 Scales:
   rowwise: sa (B, M), sb (B, N), applied once to the fp32 accumulator.
@@ -265,6 +267,54 @@ def candidate_configs(dims, ep: epilogue_lib.Epilogue, scales: str, dtype=jnp.fl
       cands, lambda c: validate_config(c, dims, ep, scales, dtype) is None)
 
 
+# Programs a GEMM should launch to fill the GPU: about two waves of an H100's or H200's 132 SMs.
+TARGET_PROGRAMS = 256
+# The least K one slice of a split sums over: 16 K steps of 128, which amortize a program's
+# start and its fp32 partial output.
+MIN_SPLIT_K = 2048
+
+
+def split_k_for(dims, *, a_t: bool, b_t: bool, epilogue: epilogue_lib.Epilogue,
+                scales: str = ROWWISE_SCALES) -> int:
+  """Slices to cut K into (1: none), each summed by its own programs, then added in fp32.
+
+  A weight gradient `X^T G` of a site over a long flattened batch has a small output and a
+  long K: InterFormer `small`'s sequence attention projections have grad_rhs (128 x 128)
+  summed over K = 540,672, two programs of the default tile that loop 4,224 K steps each
+  while the other SMs of the GPU idle. Splitting is offered where it is a free reshape: both
+  operands stored K first (A as (K, M), B as (K, N): the layout of every grad_rhs), a plain
+  epilogue (a bias, norm, activation or output quantization needs the whole sum) and K a
+  multiple of 128-wide blocks per slice (so block scales split with it). Slices double while
+  the programs stay within TARGET_PROGRAMS and each slice keeps MIN_SPLIT_K."""
+  Bt, M, N, K = dims
+  if not a_t or b_t or epilogue != epilogue_lib.Epilogue():
+    return 1
+  cfg = default_config(dims, epilogue, scales)
+  programs = (-(-Bt // cfg.batch_per_program) * -(-M // cfg.block_m)
+              * -(-N // (cfg.block_n * cfg.n_sub)))
+  splits = 1
+  while (programs * splits * 2 <= TARGET_PROGRAMS and K // (splits * 2) >= MIN_SPLIT_K
+         and K % (splits * 2 * BLOCK) == 0):
+    splits *= 2
+  return splits
+
+
+def _split_k_gemm(a, b, sa, sb, splits: int, *, scales: str, out_dtype, kernel_name: str):
+  """`gemm` of K-first operands as `splits` slices of K on the batch axis, summed in fp32."""
+  Bt, K = a.shape[0], a.shape[1]
+  slice_k = K // splits
+  a_s = a.reshape(Bt * splits, slice_k, a.shape[2])   # (Bt, K, M) -> (Bt * S, K / S, M)
+  b_s = b.reshape(Bt * splits, slice_k, b.shape[2])
+  if scales == ROWWISE_SCALES:  # one scale per row and per column: the same in every slice
+    sa_s, sb_s = jnp.repeat(sa, splits, axis=0), jnp.repeat(sb, splits, axis=0)
+  else:                         # one scale row per 128-wide K block: each slice takes its own
+    sa_s = sa.reshape(Bt * splits, -1, sa.shape[2])
+    sb_s = sb.reshape(Bt * splits, -1, sb.shape[2])
+  parts = gemm(a_s, b_s, sa_s, sb_s, a_t=True, b_t=False, scales=scales,
+               out_dtype=jnp.float32, kernel_name=kernel_name, split_k=1)
+  return parts.reshape(Bt, splits, *parts.shape[1:]).sum(axis=1).astype(out_dtype)
+
+
 def shape_key(dims, a_t, b_t, scales, ep, dtype, out_dtype) -> str:
   Bt, M, N, K = dims
   return (f"b{Bt}_m{M}_n{N}_k{K}_{'t' if a_t else 'n'}{'t' if b_t else 'n'}_{scales}_"
@@ -274,11 +324,13 @@ def shape_key(dims, a_t, b_t, scales, ep, dtype, out_dtype) -> str:
 def gemm(a, b, sa, sb, *, a_t: bool = False, b_t: bool = False, scales: str = ROWWISE_SCALES,
          epilogue: epilogue_lib.Epilogue = epilogue_lib.Epilogue(), bias=None,
          out_dtype=jnp.bfloat16, pre_dtype=jnp.float32,
-         config: Optional[tuning.TileConfig] = None, kernel_name: str = "pallas_gemm"):
+         config: Optional[tuning.TileConfig] = None, kernel_name: str = "pallas_gemm",
+         split_k: Optional[int] = None):
   """The batched scaled GEMM on 3-D operands (see the module docstring for layouts).
 
   Returns out (B, M, N), or (q (B, M, N) e4m3, q_scale (B, M)) when quantizing the output;
-  plus pre (B, M, N) when epilogue.emit_pre.
+  plus pre (B, M, N) when epilogue.emit_pre. `split_k`: slices of K summed apart, then
+  added in fp32 (`split_k_for`); None chooses it when no `config` is given, 1 never splits.
   """
   if a.ndim != 3 or b.ndim != 3:
     raise ValueError(f"gemm: operands must be 3-D (batch first), got {a.shape}, {b.shape}")
@@ -309,6 +361,17 @@ def gemm(a, b, sa, sb, *, a_t: bool = False, b_t: bool = False, scales: str = RO
   if epilogue.quantize_output and N > MAX_FULL_ROW:
     raise ValueError(f"gemm: output quantization holds whole rows in one program; N={N} "
                      f"exceeds {MAX_FULL_ROW} (quantize the output with kernels_pallas.quantize)")
+  if split_k is None:
+    split_k = (1 if config is not None else
+               split_k_for(dims, a_t=a_t, b_t=b_t, epilogue=epilogue, scales=scales))
+  if split_k > 1:
+    if (not a_t or b_t or epilogue != epilogue_lib.Epilogue() or config is not None
+        or K % (split_k * BLOCK)):
+      raise ValueError(f"gemm: split_k={split_k} needs both operands stored K first "
+                       f"(a_t=True, b_t=False; got {a_t}, {b_t}), a plain epilogue, no fixed "
+                       f"config and K a multiple of {split_k} x {BLOCK} (K={K})")
+    return _split_k_gemm(a, b, sa, sb, split_k, scales=scales, out_dtype=out_dtype,
+                         kernel_name=kernel_name)
   key = shape_key(dims, a_t, b_t, scales, epilogue, a.dtype, out_dtype)
   if config is None:
     default = default_config(dims, epilogue, scales)

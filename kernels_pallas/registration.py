@@ -49,6 +49,8 @@ class PallasFp8(Kernel):
   """A per-pass Pallas FP8 product (mode 'rowwise' or 'blockwise')."""
   mode: str = "rowwise"
   batched: bool = False
+  # 2: long-K products with small outputs (weight gradients) split K (`gemm.split_k_for`).
+  revision: int = 2
 
   def unsupported_reason(self, spec, pass_name, kind, lhs_shape, rhs_shape):
     reason = super().unsupported_reason(spec, pass_name, kind, lhs_shape, rhs_shape)

@@ -130,6 +130,84 @@ class GemmCoreTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "power of two"):
       ep_lib.Epilogue(block_size=96)
 
+  def _k_first_rowwise(self, key, bt=2, k=512, m=40, n=72):
+    """A weight gradient's operands: X (K, M) and G (K, N), each scaled per column."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    x = jax.random.normal(k1, (bt, k, m)) * jnp.exp(jax.random.normal(k3, (bt, 1, m)))
+    g = jax.random.normal(k2, (bt, k, n))
+    return (scaling.quantize(x, E4M3, "rowwise", (1,)),
+            scaling.quantize(g, E4M3, "rowwise", (1,)))
+
+  def test_split_k_sums_its_slices_to_the_whole_product(self):
+    qx, qg = self._k_first_rowwise(jax.random.key(51))
+    sa, sb = qx.scale[:, 0, :], qg.scale[:, 0, :]
+    ref = gemm_lib.reference(qx.dequantize(), qg.dequantize(), a_t=True)
+    whole = gemm_lib.gemm(qx.data, qg.data, sa, sb, a_t=True, out_dtype=jnp.float32,
+                          split_k=1)
+    _assert_close(self, whole, ref)
+    with mock.patch.object(gemm_lib, "_split_k_gemm", wraps=gemm_lib._split_k_gemm) as split:
+      out = gemm_lib.gemm(qx.data, qg.data, sa, sb, a_t=True, out_dtype=jnp.bfloat16,
+                          split_k=4)
+    self.assertEqual(split.call_args.args[4], 4)
+    self.assertEqual(out.dtype, jnp.bfloat16)
+    _assert_close(self, out.astype(jnp.float32), ref, rtol=1e-2)   # bf16 output rounding
+    # In fp32 the slices differ from the whole only by the order of the additions.
+    out32 = gemm_lib.gemm(qx.data, qg.data, sa, sb, a_t=True, out_dtype=jnp.float32,
+                          split_k=4)
+    _assert_close(self, out32, ref)
+
+  def test_split_k_with_block_scales_gives_each_slice_its_blocks(self):
+    k1, k2 = jax.random.split(jax.random.key(52))
+    # Scales that differ a lot between K blocks: a slice given another's would show.
+    x = jax.random.normal(k1, (48, 512)) * jnp.exp(2 * jax.random.normal(k2, (1, 512)))
+    w = jax.random.normal(k2, (512, 96))
+    qx = scaling.quantize(x, E4M3, "block_1x128", (1,))
+    qw = scaling.quantize(w, E4M3, "block_128x128", (0,))
+    sb = jnp.repeat(qw.scale, 128, axis=1)[:, :96]
+    out = gemm_lib.gemm(qx.data.T[None], qw.data[None], qx.scale.T[None], sb[None], a_t=True,
+                        scales=gemm_lib.BLOCK_SCALES, out_dtype=jnp.float32, split_k=2)
+    _assert_close(self, out, gemm_lib.reference(qx.dequantize()[None], qw.dequantize()[None]))
+
+  def test_split_k_is_chosen_for_a_long_k_under_a_small_output_only(self):
+    plain = ep_lib.Epilogue()
+    # InterFormer small's sequence projections' grad_rhs: two programs over K = 540,672.
+    dims = (1, 128, 128, 540672)
+    splits = gemm_lib.split_k_for(dims, a_t=True, b_t=False, epilogue=plain)
+    cfg = gemm_lib.default_config(dims, plain, gemm_lib.ROWWISE_SCALES)
+    programs = -(-dims[1] // cfg.block_m) * -(-dims[2] // cfg.block_n)
+    self.assertGreaterEqual(programs * splits, gemm_lib.TARGET_PROGRAMS // 2)
+    self.assertLessEqual(programs * splits, gemm_lib.TARGET_PROGRAMS)
+    self.assertEqual(dims[3] % (splits * 128), 0)
+    self.assertGreaterEqual(dims[3] // splits, gemm_lib.MIN_SPLIT_K)
+    for other in ((dict(a_t=False, b_t=False, epilogue=plain), dims),       # A stored (M, K)
+                  (dict(a_t=True, b_t=True, epilogue=plain), dims),         # B stored (N, K)
+                  (dict(a_t=True, b_t=False, epilogue=ep_lib.Epilogue(bias=True)), dims),
+                  (dict(a_t=True, b_t=False, epilogue=plain), (1, 4096, 4096, 4096)),
+                  (dict(a_t=True, b_t=False, epilogue=plain), (1, 128, 128, 540673)),
+                  (dict(a_t=True, b_t=False, epilogue=plain), (4096, 16, 16, 4096))):
+      self.assertEqual(gemm_lib.split_k_for(other[1], **other[0]), 1, other)
+
+  def test_a_weight_gradient_pass_splits_on_its_own_and_stays_right(self):
+    spec = EinsumSpec.parse("mk,kn->mn").for_pass("grad_rhs")   # 'mk,mn->kn': K = m
+    k1, k2 = jax.random.split(jax.random.key(53))
+    x = jax.random.normal(k1, (4096, 24))
+    g = jax.random.normal(k2, (4096, 40)) * 1e-3
+    with mock.patch.object(gemm_lib, "_split_k_gemm", wraps=gemm_lib._split_k_gemm) as split:
+      out = kernels.get("pallas_fp8_rowwise").einsum(spec, x, g, pass_name="grad_rhs",
+                                                     out_dtype=jnp.float32)
+    self.assertEqual(split.call_count, 1)
+    da, db = products.dequantized_operands(spec, x, g, mode="rowwise", pass_name="grad_rhs")
+    _assert_close(self, out, reference_einsum(spec, da, db))
+
+  def test_split_k_refuses_what_it_cannot_split(self):
+    qx, qg = self._k_first_rowwise(jax.random.key(54))
+    sa, sb = qx.scale[:, 0, :], qg.scale[:, 0, :]
+    with self.assertRaisesRegex(ValueError, "split_k=4 needs both operands stored K first"):
+      gemm_lib.gemm(jnp.swapaxes(qx.data, 1, 2), qg.data, sa, sb, out_dtype=jnp.float32,
+                    split_k=4)
+    with self.assertRaisesRegex(ValueError, "K a multiple of 8 x 128"):
+      gemm_lib.gemm(qx.data, qg.data, sa, sb, a_t=True, out_dtype=jnp.float32, split_k=8)
+
   def test_default_and_candidate_configs_are_valid(self):
     for dims, epilogue in (((1, 2048, 768, 256), ep_lib.Epilogue()),
                            ((1, 8192, 1024, 1024), ep_lib.Epilogue(block_size=256,

@@ -74,6 +74,21 @@ def test_largest_k_tail():
     assert float(metrics.sqnr_db(out, reference_einsum(DENSE, a, b))) >= SITE_SQNR_DB, name
 
 
+def test_weight_gradient_split_k():
+  """grad_rhs over a long flattened batch splits K (`gemm.split_k_for`): InterFormer `small`'s
+  sequence projections, (128 x 128) summed over K = 540,672 rows."""
+  x, g = _operands("grad_rhs", 540672, 128, 128, seed=7)
+  spec = DENSE.for_pass("grad_rhs")
+  kernel = kernels.get("pallas_fp8_rowwise")
+  assert gemm_lib.split_k_for((1, 128, 128, 540672), a_t=True, b_t=False,
+                              epilogue=Epilogue()) > 1
+  out = jax.jit(lambda a, b: kernel.einsum(spec, a, b, pass_name="grad_rhs",
+                                           out_dtype=jnp.float32))(x, g)
+  assert float(metrics.sqnr_db(out, reference_einsum(spec, x, g))) >= SITE_SQNR_DB
+  da, db = products.dequantized_operands(spec, x, g, mode="rowwise", pass_name="grad_rhs")
+  _close(out, reference_einsum(spec, da, db), rtol=2e-3)
+
+
 @pytest.mark.parametrize("acc", [128, 1 << 30])
 def test_fp8_fast_accumulation(acc):
   """With maxNumImpreciseAcc set (Triton may then use FP8 wgmma), the rowwise GEMM still
