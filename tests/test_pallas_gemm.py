@@ -44,6 +44,17 @@ def _rowwise_operands(key, bt=1, m=48, k=200, n=96):
   return qx, qw
 
 
+def _block_operands(key, m=48, k=300, n=96):
+  """x (M, K) in 1x128 blocks with K columns of very different scale, w (K, N) in 128x128
+  blocks, and w's scales expanded to one per column (the core's (KB, N) layout)."""
+  k1, k2 = jax.random.split(key)
+  x = jax.random.normal(k1, (m, k)) * jnp.exp(2 * jax.random.normal(k2, (1, k)))
+  w = jax.random.normal(k2, (k, n))
+  qx = scaling.quantize(x, E4M3, "block_1x128", (1,))
+  qw = scaling.quantize(w, E4M3, "block_128x128", (0,))
+  return qx, qw, jnp.repeat(qw.scale, 128, axis=1)[:, :n]
+
+
 class GemmCoreTest(parameterized.TestCase):
 
   @parameterized.product(a_t=(False, True), b_t=(False, True))
@@ -105,12 +116,7 @@ class GemmCoreTest(parameterized.TestCase):
                        0.99)
 
   def test_block_scales_promote_each_k_block(self):
-    k1, k2 = jax.random.split(jax.random.key(41))
-    x = jax.random.normal(k1, (48, 300)) * jnp.exp(2 * jax.random.normal(k2, (1, 300)))
-    w = jax.random.normal(k2, (300, 96))
-    qx = scaling.quantize(x, E4M3, "block_1x128", (1,))
-    qw = scaling.quantize(w, E4M3, "block_128x128", (0,))
-    sb = jnp.repeat(qw.scale, 128, axis=1)[:, :96]
+    qx, qw, sb = _block_operands(jax.random.key(41), k=300)
     cfg = tuning.TileConfig(32, 64, 64, 1, 4, 2, 1)  # two K steps per scale block
     out = gemm_lib.gemm(qx.data[None], qw.data[None], qx.scale.T[None], sb[None],
                         scales=gemm_lib.BLOCK_SCALES, out_dtype=jnp.float32, config=cfg)
@@ -157,13 +163,8 @@ class GemmCoreTest(parameterized.TestCase):
     _assert_close(self, out32, ref)
 
   def test_split_k_with_block_scales_gives_each_slice_its_blocks(self):
-    k1, k2 = jax.random.split(jax.random.key(52))
     # Scales that differ a lot between K blocks: a slice given another's would show.
-    x = jax.random.normal(k1, (48, 512)) * jnp.exp(2 * jax.random.normal(k2, (1, 512)))
-    w = jax.random.normal(k2, (512, 96))
-    qx = scaling.quantize(x, E4M3, "block_1x128", (1,))
-    qw = scaling.quantize(w, E4M3, "block_128x128", (0,))
-    sb = jnp.repeat(qw.scale, 128, axis=1)[:, :96]
+    qx, qw, sb = _block_operands(jax.random.key(52), k=512)
     out = gemm_lib.gemm(qx.data.T[None], qw.data[None], qx.scale.T[None], sb[None], a_t=True,
                         scales=gemm_lib.BLOCK_SCALES, out_dtype=jnp.float32, split_k=2)
     _assert_close(self, out, gemm_lib.reference(qx.dequantize()[None], qw.dequantize()[None]))
