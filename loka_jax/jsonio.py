@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any, Type
+from typing import Any, Iterator, Optional, Tuple, Type
 
 
 def read_json(path: str, what: str, remedy: str, error: Type[Exception]) -> Any:
@@ -23,6 +23,20 @@ def read_json(path: str, what: str, remedy: str, error: Type[Exception]) -> Any:
   except (UnicodeDecodeError, json.JSONDecodeError) as e:
     raise error(f"{path}: not valid JSON ({e}); the {what} is truncated or corrupt: "
                 f"{remedy}") from e
+
+
+def jsonl_rows(path: str) -> Iterator[Tuple[int, Any, Optional[json.JSONDecodeError]]]:
+  """(line number, value, None) for every non-blank line of a JSON-lines file, or (line
+  number, None, the error) for one that does not parse: the caller decides whether such a
+  line (an append cut by a killed run) is skipped or an error."""
+  with open(path) as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        yield number, json.loads(line), None
+      except json.JSONDecodeError as e:
+        yield number, None, e
 
 
 def same_json(a: Any, b: Any) -> bool:

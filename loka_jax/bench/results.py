@@ -5,6 +5,8 @@ import json
 import os
 from typing import Dict, Iterator, Mapping, Tuple
 
+from loka_jax import jsonio
+
 
 class ResultsFile:
   """Rows keyed by a tuple of fields; `done(key)` says whether a row already exists."""
@@ -15,17 +17,12 @@ class ResultsFile:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     self._rows: Dict[tuple, dict] = {}
     if os.path.exists(path):
-      with open(path) as f:
-        for number, line in enumerate(f, 1):
-          if not line.strip():
-            continue
-          try:
-            row = json.loads(line)
-          except json.JSONDecodeError:
-            # A line cut by a killed run: ignore it (it will be measured again), say so.
-            print(f"warning: {path}:{number} is not JSON (an interrupted write?); ignored")
-            continue
-          self._rows[self.key(row)] = row
+      for number, row, error in jsonio.jsonl_rows(path):
+        if error is not None:
+          # A line cut by a killed run: ignore it (it will be measured again), say so.
+          print(f"warning: {path}:{number} is not JSON (an interrupted write?); ignored")
+          continue
+        self._rows[self.key(row)] = row
 
   def key(self, row: Mapping) -> tuple:
     return tuple(row.get(f) for f in self.key_fields)

@@ -86,6 +86,51 @@ def targets_table(verdicts: Sequence[Mapping]) -> str:
   return "\n".join(lines)
 
 
+# Columns of the at-a-glance table: (header, target, mode); each cell is LoKA's ratio (speed)
+# or log-loss change (quality) against what that target compares it with.
+GLANCE = (("train vs bf16+Mods", "loka_not_slower_than_bf16_mods", "train"),
+          ("train vs best peer", "loka_at_least_best_peer", "train"),
+          ("infer vs bf16+Mods", "loka_not_slower_than_bf16_mods", "infer"),
+          ("infer vs served bf16+Mods", "loka_not_slower_than_bf16_mods_served", "infer"),
+          ("infer vs best peer", "loka_at_least_best_peer", "infer"),
+          ("quality: delta log loss vs bf16+Mods", "loka_quality_vs_bf16_mods", "quality"))
+
+
+def _glance_cell(v: Mapping) -> str:
+  if v["value"] is None:
+    return "-"
+  text = f"{v['value']:+.1e}" if v["mode"] == "quality" else f"{v['value']:.3f}x"
+  return text + (" MISSED" if v["met"] is False else "")
+
+
+def glance_table(verdicts: Sequence[Mapping]) -> str:
+  """One line per target measured: LoKA against what its targets compare it with, and every
+  target it misses (the full list, with CIs and notes, is `targets_table`). A synthetic
+  quality subject shares its model's line."""
+  subjects: List[str] = []
+  cells: dict = {}
+  missed: dict = {}
+  for v in verdicts:
+    subject = v["subject"].split(":", 1)[1] if v["subject"].startswith("synthetic:") \
+        else v["subject"]
+    if subject not in subjects:
+      subjects.append(subject)
+    cells[(subject, v["target"], v["mode"])] = v
+    said = missed.setdefault(subject, [])
+    text = (f"{v['target']} ({v['mode']})" if v["met"] is False else
+            v["note"] if v["value"] is None else None)
+    if text and text not in said:
+      said.append(text)
+  lines = ["| subject | " + " | ".join(h for h, _, _ in GLANCE) + " | missed |",
+           "|---|" + "---|" * (len(GLANCE) + 1)]
+  for subject in sorted(subjects):
+    row = [_glance_cell(cells[key]) if key in cells else "-"
+           for key in ((subject, t, m) for _, t, m in GLANCE)]
+    lines.append(f"| {subject} | " + " | ".join(row) + " | "
+                 + ("; ".join(missed.get(subject, [])) or "none") + " |")
+  return "\n".join(lines)
+
+
 def report(rows: Sequence[Mapping], verdicts: Sequence[Mapping]) -> str:
   """The whole markdown report: towers, models, quality, targets."""
   parts: List[str] = ["# Benchmark results", ""]
@@ -97,5 +142,6 @@ def report(rows: Sequence[Mapping], verdicts: Sequence[Mapping]) -> str:
   if any(r.get("suite") == "quality" for r in rows):
     parts += ["## Quality", "", quality_table(rows), ""]
   if verdicts:
-    parts += ["## Targets", "", targets_table(verdicts), ""]
+    parts += ["## Targets at a glance", "", glance_table(verdicts), "",
+              "## Targets", "", targets_table(verdicts), ""]
   return "\n".join(parts)

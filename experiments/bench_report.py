@@ -1,0 +1,52 @@
+r"""The headline benchmark's tables, target verdicts and plots from result rows already measured.
+
+  python -m experiments.bench_report --rows=OLDEST.jsonl,...,NEWEST.jsonl --out=DIR \
+      [--device="NVIDIA H200"]
+
+Merges speed and quality rows from the files in order (a later row of the same target,
+variant or arm, seed and device replaces an earlier one: `loka_jax.bench.collect`) and
+writes what `experiments.bench` writes at the end of a call: DIR/report.md (tables and the
+targets met or missed), DIR/targets.json and PNG plots under DIR/plots/. No GPU needed: this
+is how docs/BENCHMARKS.md's summary is made from the rows committed under docs/results/.
+Plots put one bar per target and variant, so rows of two device kinds need --device.
+"""
+import os
+
+from absl import app, flags
+
+ROWS = flags.DEFINE_list("rows", None, "Result JSONL files (bench.jsonl, quality.jsonl), "
+                         "oldest first.", required=True)
+OUT = flags.DEFINE_string("out", None, "Output directory.", required=True)
+DEVICE = flags.DEFINE_string("device", None, "Only rows measured on this device kind.")
+
+
+def main(argv):
+  del argv
+  from loka_jax import jsonio
+  from loka_jax.bench import collect, plots, tables, targets
+
+  rows = collect.read_rows(ROWS.value, DEVICE.value)
+  kinds = collect.devices(rows)
+  if not rows:
+    raise app.UsageError(f"no rows{'' if DEVICE.value is None else f' on {DEVICE.value!r}'} "
+                         f"in {', '.join(ROWS.value)}")
+  if len(kinds) > 1:
+    raise app.UsageError(f"rows of {len(kinds)} device kinds ({', '.join(kinds)}): pick one "
+                         "with --device (a ratio means something only on one card)")
+  os.makedirs(OUT.value, exist_ok=True)
+  verdicts = targets.check_all(rows)
+  jsonio.write_json_atomic(os.path.join(OUT.value, "targets.json"), verdicts)
+  report = tables.report(rows, verdicts)
+  with open(os.path.join(OUT.value, "report.md"), "w") as f:
+    f.write(report + "\n")
+  written = plots.write_plots(rows, os.path.join(OUT.value, "plots"))
+  print(report)
+  counts = {word: sum(v["met"] is flag for v in verdicts)
+            for word, flag in (("met", True), ("missed", False), ("reported", None))}
+  print(f"[bench_report] {len(rows)} rows from {len(ROWS.value)} files; targets: "
+        + ", ".join(f"{n} {w}" for w, n in counts.items())
+        + f"; plots: {', '.join(written) or 'none'}")
+
+
+if __name__ == "__main__":
+  app.run(main)
