@@ -41,8 +41,11 @@ def main(argv):
     f.write(report + "\n")
   written = plots.write_plots(rows, os.path.join(OUT.value, "plots"))
   print(report)
-  counts = {word: sum(v["met"] is flag for v in verdicts)
-            for word, flag in (("met", True), ("missed", False), ("reported", None))}
+  counts = {"met": sum(v["met"] is True for v in verdicts),
+            "missed": sum(v["met"] is False for v in verdicts),
+            "reported without a bar": sum(v["met"] is None and v["value"] is not None
+                                          for v in verdicts),
+            "not measured yet": sum(v["value"] is None for v in verdicts)}
   print(f"[bench_report] {len(rows)} rows from {len(ROWS.value)} files; targets: "
         + ", ".join(f"{n} {w}" for w, n in counts.items())
         + f"; plots: {', '.join(written) or 'none'}")

@@ -145,6 +145,16 @@ class ShapeStartsTest(chex.TestCase):
     self.assertIsNone(kernel_timing.ShapeStarts(None).start_by())
 
 
+class EvalCacheTest(absltest.TestCase):
+
+  def test_a_torn_or_foreign_line_is_skipped_and_measured_again(self):
+    path = os.path.join(tempfile.mkdtemp(prefix="loka_eval_cache_"), runner.EVAL_CACHE)
+    row = {"key": {"site": "a", "kernels": ["xla_bf16"]}, "passes": {}}
+    with open(path, "w") as f:
+      f.write(json.dumps(row) + "\n" + "[1, 2]\n" + '{"key": {"site": "b"')
+    self.assertEqual(list(runner._read_eval_cache(path).values()), [[row]])
+
+
 class WithoutTheCheckpointTest(chex.TestCase):
   """What travels between GPU hosts is the workdir's small files, never the checkpoint."""
 

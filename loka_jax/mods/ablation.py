@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import jax
 import numpy as np
 
-from loka_jax import _compat, timing
+from loka_jax import _compat, jsonio, timing
 from loka_jax.models.presets import MODS, get_config
 from loka_jax.train import NonFiniteError, OptimConfig, TrainConfig, experiment
 
@@ -258,12 +258,8 @@ def _timing_rows(workdir: str) -> Dict[Tuple[str, str], Dict[str, Any]]:
   path = os.path.join(workdir, "timing.jsonl")
   rows = {}
   if os.path.exists(path):
-    with open(path) as f:
-      for line in f:
-        try:
-          row = json.loads(line)
-        except json.JSONDecodeError:  # a line cut by a killed run: measured again
-          continue
+    for _, row, error in jsonio.jsonl_rows(path):
+      if error is None:  # a line cut by a killed run is measured again
         rows[(row["combination"], row["device"])] = row
   return rows
 

@@ -115,13 +115,12 @@ def _read_eval_cache(path: str) -> Dict[str, List[Dict]]:
   out: Dict[str, List[Dict]] = {}
   if not os.path.exists(path):
     return out
-  with open(path) as f:
-    for line in f:
-      try:
-        row = json.loads(line)
+  for _, row, error in jsonio.jsonl_rows(path):
+    try:
+      if error is None:
         out.setdefault(_eval_cache_key(row["key"]), []).append(row)
-      except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-        continue  # a line torn by a killed run is measured again
+    except (KeyError, TypeError, AttributeError):
+      pass  # a line torn by a killed run (or not a row) is measured again
   return out
 
 
