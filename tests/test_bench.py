@@ -264,6 +264,35 @@ class RenderTest(absltest.TestCase):
         self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
 
 
+class VariantColourTest(absltest.TestCase):
+
+  def test_every_variant_has_its_own_colour(self):
+    from matplotlib.colors import to_rgba
+    colours = [to_rgba(plots.variant_color(v)) for v in variants.VARIANTS]
+    self.assertLen(set(colours), len(variants.VARIANTS))
+
+  def test_the_plot_draws_each_variant_in_its_colour(self):
+    rows = [{"suite": "towers", "model": "tower", "preset": "4096x256x8", "variant": v,
+             "device": "H100", **{m: {"speedup": 1.0 + 0.1 * i, "speedup_ci": [1.0, 2.0]}
+                                   for m in ("train", "infer")}}
+            for i, v in enumerate(variants.VARIANTS)]
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgba
+    saved = {}
+    real_savefig = plt.Figure.savefig
+
+    def keep_figure(fig, *args, **kwargs):
+      saved["fig"] = fig
+      return real_savefig(fig, *args, **kwargs)
+
+    with mock.patch.object(plt.Figure, "savefig", keep_figure):
+      plots.speedup_plot(rows, "towers", os.path.join(_tempdir(self), "s.png"))
+    handles, labels = saved["fig"].axes[0].get_legend_handles_labels()
+    face = {label: to_rgba(h.patches[0].get_facecolor()) for h, label in zip(handles, labels)}
+    self.assertLen(set(face.values()), len(variants.VARIANTS))
+    self.assertEqual(face[variants.LABELS["loka"]], to_rgba("k"))
+
+
 class GemmCallsTest(absltest.TestCase):
 
   def test_every_gemm_backend_of_a_gpu_hlo_is_counted(self):

@@ -14,6 +14,18 @@ from loka_jax.bench import quality as quality_lib  # noqa: E402
 from loka_jax.bench.variants import LABELS, VARIANTS  # noqa: E402
 
 
+def variant_color(variant: str) -> str:
+  """A fixed colour per variant, the same in every plot; LoKA, the subject, in black.
+
+  Matplotlib's default cycle has ten colours and the suites have eleven variants, so the
+  cycle alone gives fp32 and LoKA the same blue.
+  """
+  if variant == "loka":
+    return "k"
+  names = [v for v in VARIANTS if v != "loka"]
+  return f"C{names.index(variant) % 10}" if variant in names else "0.5"
+
+
 def speedup_plot(rows: Sequence[Mapping], suite: str, path: str) -> str:
   """Grouped bars: train and inference speedup vs bf16 (with 95% CI) per variant per target."""
   rows = [r for r in rows if r.get("suite") == suite and "train" in r and "error" not in r]
@@ -36,7 +48,7 @@ def speedup_plot(rows: Sequence[Mapping], suite: str, path: str) -> str:
         lo.append(0 if s is None else s["speedup"] - s["speedup_ci"][0])
         hi.append(0 if s is None else s["speedup_ci"][1] - s["speedup"])
       ax.bar(x + (j - (len(variants) - 1) / 2) * width, vals, width, yerr=[lo, hi],
-             label=LABELS.get(v, v), capsize=2)
+             label=LABELS.get(v, v), color=variant_color(v), ecolor="0.45", capsize=2)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(x)
     ax.set_xticklabels(targets, rotation=20, ha="right", fontsize=8)
