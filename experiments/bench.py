@@ -48,6 +48,10 @@ HEAD_TO_HEAD = flags.DEFINE_list(
     "Variants also timed against bf16+Mods, served bf16+Mods and the best peer, in one "
     "interleaving per pair, for their targets (they run last; the other arms stay alive "
     "until then). Empty: targets use the ratio of rows only.")
+SERVE_PLAN = flags.DEFINE_bool(
+    "serve_plan", False, "LoKA's inference serves the export of a serving plan (per site the "
+    "fastest eligible forward judged on the forward alone, selected from the same probe "
+    "report; plans/<target>/plan_serve.json) instead of its training plan's.")
 PROBE_STEPS = flags.DEFINE_integer("probe_steps", 100, "Training steps of each probe.")
 PROBE_SAMPLES = flags.DEFINE_integer("probe_samples", 32, "Draws per site of each probe's "
                                      "error evaluation (fewer: faster, wider CIs).")
@@ -121,6 +125,7 @@ def main(argv):
                                  probe_kernels=tuple(PROBE_KERNELS.value),
                                  probe_timing_cache=PROBE_TIMING_CACHE.value,
                                  head_to_head=tuple(HEAD_TO_HEAD.value),
+                                 serve_plan=SERVE_PLAN.value,
                                  min_call_s=(suite.speed.MIN_CALL_S if MIN_CALL_MS.value is None
                                              else MIN_CALL_MS.value * 1e-3),
                                  seed=common_flags.SEED.value)

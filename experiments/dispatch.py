@@ -2,6 +2,7 @@
 
   python -m experiments.dispatch --report=/tmp/wk_probe/probe_report.json --out=plan.json \
       [--metric=sqnr|mere --max_error=... --min_speedup=1.05 --target_device=...]
+      [--objective=serve: forwards only, for the exported inference model]
 
 Prints the per-site choice table (site, pass, kernel, reason) and writes the plan
 (`loka.plan/1`, docs/FORMATS.md); train with it: `python -m experiments.train
@@ -50,6 +51,10 @@ TARGET_DEVICE = flags.DEFINE_string(
 TIMING_TABLE = flags.DEFINE_string("timing_table", None,
                                    "Timing table (path or device kind) to use instead of the "
                                    "target device's committed one.")
+OBJECTIVE = flags.DEFINE_enum(
+    "objective", selection.TRAIN, selection.OBJECTIVES,
+    "train: every pass (for --precision=loka); serve: forwards only, judged on the forward "
+    "alone, for the exported inference model (`dispatch.export`); training refuses it.")
 CHECK = flags.DEFINE_bool("check", True, "Check the plan against the probed model.")
 BATCH_SIZE = flags.DEFINE_integer("batch_size", 0, "Batch of the check; 0: the report's run's.")
 
@@ -140,7 +145,8 @@ def main(argv):
   try:
     report = load_report(REPORT.value)
     plan = selection.select(report, criteria, budget_per_site=budgets,
-                            timing_table=TIMING_TABLE.value, target_device=TARGET_DEVICE.value)
+                            timing_table=TIMING_TABLE.value, target_device=TARGET_DEVICE.value,
+                            objective=OBJECTIVE.value)
     plan = plan_lib.Plan({**plan.to_dict(), "provenance": {
         **plan["provenance"], "report_path": os.path.abspath(REPORT.value)}})
     checked = check_against_run(plan, report) if CHECK.value else "not checked (--nocheck)"

@@ -18,7 +18,9 @@
 # flax_fp8_delayed_grad_lhs: the probe's
 # candidates), MAXMIN (7.5: minutes after which no new row starts), LIMIT (575: hard
 # seconds), TIMING_CACHE (.snap/tc: shapes timed ahead with `experiments.probe --time_only`),
-# OUT (set on the device; elsewhere $WORK/out).
+# OUT (set on the device; elsewhere $WORK/out). Arguments go to `experiments.bench` last, e.g.
+# --serve_plan (LoKA serves its serving plan's export; plan_serve.json is made again from the
+# carried report on each host, so it need not come back).
 set -u
 CARRY=${CARRY:-.snap/wl}
 WORK=${WORK:-/tmp/bench}
@@ -69,7 +71,8 @@ esac
 timeout "${LIMIT:-575}" python3 -m experiments.bench "${SUITE[@]}" \
   --workdir="$WORK" --variants="${VARIANTS:-bf16,bf16_mods,loka}" \
   --probe_steps=50 --probe_samples=8 --probe_kernels="${PROBE_KERNELS:-xla_bf16,xla_fp8_rowwise,flax_fp8_delayed,flax_fp8_delayed_fwd,flax_fp8_delayed_grad_lhs}" \
-  --probe_timing_cache="$TC" --compile_cache=/tmp/jc --max_minutes="${MAXMIN:-7.5}" >> "$WORK/log.txt" 2>&1
+  --probe_timing_cache="$TC" --compile_cache=/tmp/jc --max_minutes="${MAXMIN:-7.5}" "$@" \
+  >> "$WORK/log.txt" 2>&1
 echo "rc=$?" >> "$WORK/log.txt"
 
 # Eight files at most come back from the device (a caller may add one): the samples ride at

@@ -505,6 +505,76 @@ class ExportedInferenceTest(chex.TestCase):
     self.assertEqual(served["mods"], ["all"])
 
 
+class ServingPlanBenchTest(chex.TestCase):
+  """`--serve_plan`: LoKA trains with its training plan and serves the export of a serving
+  plan selected from the same report; the row names both, and its export modes (not the
+  training kernels) decide whether it is the served bf16+Mods program."""
+
+  def _plans(self, target):
+    import jax
+    import test_dispatch_reports as hm
+    from test_dispatch_export import probe_stats
+    from loka_jax import dispatch
+    from loka_jax.bench import planning
+    from loka_jax.probe.eligibility import Criteria
+    from loka_jax.probe.report import save_report
+    mods = variants.VARIANTS["loka"].mods
+    source = target.source(0)
+    bf16 = target.build(SiteConfig.for_precision("bf16"), mods)
+    batch = source.train_batch(0, target.batch())
+    variables = jax.jit(lambda b: bf16.init(jax.random.PRNGKey(0), b, train=False))(batch)
+    stats = probe_stats(bf16, variables, source)["sites"]
+    # Per site: the delayed-scaling forward pays alone (1.08x), not over a training step
+    # (its backward at 0.92x), and per-pass FP8 is slow everywhere.
+    scope = {"time_scope": "grad_lhs+grad_rhs"}
+    bwd = dict(speedup=(0.9, 0.92, 0.94), base_us=200.0, **scope)
+    fused = {"fwd": hm.entry(sqnr=37.6, speedup=(1.06, 1.08, 1.13)),
+             "grad_lhs": hm.entry(sqnr=55.0, **bwd), "grad_rhs": hm.entry(sqnr=55.0, **bwd)}
+    slow = hm.entry(speedup=(0.8, 0.85, 0.9))
+    report = hm.report({n: {**hm.site({p: {"xla_fp8_tensorwise": slow,
+                                           "flax_fp8_delayed_fwd": fused[p]}
+                                       for p in hm.PASSES}), "stats": st["stats"]}
+                        for n, st in stats.items()}, model=target.model, preset=target.preset)
+    plans = os.path.join(_tempdir(self), "plans")
+    os.makedirs(planning.plan_dir(plans, target.model, target.preset))
+    save_report(report, planning.report_path(plans, target.model, target.preset))
+    dispatch.save_plan(dispatch.select(report, Criteria()),
+                       planning.plan_path(plans, target.model, target.preset))
+    return plans, len(stats)
+
+  def _loka_row(self, target, plans, serve_plan):
+    out = _tempdir(self)
+    results = ResultsFile(os.path.join(out, "bench.jsonl"), suite.KEY_FIELDS)
+    settings = suite.SpeedSettings(repeats=3, probe=False, plans_dir=plans, head_to_head=(),
+                                   serve_plan=serve_plan)
+    self.assertTrue(suite.run_target(target, variants.parse_variants(["loka"]), results,
+                                     settings=settings, deadline=float("inf"), device="cpu",
+                                     log=lambda _: None))
+    row = {r["variant"]: r for r in results.rows()}["loka"]
+    self.assertNotIn("error", row, row.get("traceback"))
+    return row
+
+  def test_loka_serves_the_serving_plans_export(self):
+    from loka_jax import dispatch
+    from loka_jax.bench import planning
+    target = suite.tower_targets(["32x16x2"])[0]
+    plans, sites = self._plans(target)
+    trained_only = self._loka_row(target, plans, serve_plan=False)
+    self.assertEqual(trained_only["kernels"], ["xla_bf16"])
+    self.assertEqual(trained_only["export_modes"], {"high": sites})
+    self.assertTrue(targets.exports_every_site_high(trained_only))
+    row = self._loka_row(target, plans, serve_plan=True)
+    self.assertEqual(row["kernels"], ["xla_bf16"])          # it still trains in bf16
+    self.assertEqual(row["serve_kernels"], ["flax_fp8_delayed_fwd"])
+    self.assertEqual(row["export_modes"], {"fp8": sites})
+    self.assertFalse(targets.exports_every_site_high(row))
+    self.assertTrue(targets.same_program_as_bf16_mods(row))
+    serving = dispatch.read_plan(row["serve_plan"])
+    self.assertEqual(serving["provenance"]["objective"], "serve")
+    self.assertEqual(row["serve_plan"], os.path.join(
+        planning.plan_dir(plans, target.model, target.preset), planning.SERVING_PLAN_FILE))
+
+
 class DeadlineTest(absltest.TestCase):
 
   def test_past_the_deadline_nothing_is_built_and_a_rerun_finishes(self):

@@ -71,6 +71,19 @@ class DispatchCliTest(chex.TestCase):
     self.assertEqual(plan["provenance"]["budget"]["default"]["max_mere"], 0.06)
     self.assertIn("check: not checked", result.stdout)
 
+  def test_a_serving_plan_keeps_every_gradient_in_bf16(self):
+    out = os.path.join(self.workdir, "plan_serve.json")
+    result = run_cli(f"--report={self.report_path}", f"--out={out}", "--objective=serve",
+                     "--nocheck")
+    self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+    plan = dispatch.read_plan(out)
+    self.assertEqual(plan["provenance"]["objective"], "serve")
+    # the fastest eligible forward (tensorwise fails the 25 dB forward bar; rowwise passes)
+    self.assertEqual({plan["sites"][n]["fwd"]["kernel"] for n in DLRM_TINY}, {"xla_fp8_rowwise"})
+    self.assertEqual({plan["sites"][n][p]["kernel"] for n in DLRM_TINY
+                      for p in ("grad_lhs", "grad_rhs")}, {"xla_bf16"})
+    self.assertIn("serving plan: inference runs no backward", result.stdout)
+
   def test_a_plan_that_does_not_fit_the_model_fails_listing_the_sites(self):
     out = os.path.join(self.workdir, "plan_wukong.json")
     result = run_cli(f"--report={self.report_path}", f"--out={out}", "--model=wukong")

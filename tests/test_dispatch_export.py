@@ -217,6 +217,33 @@ class ExportTest(chex.TestCase):
                                np.asarray(self.exported.apply(self.batch)), rtol=1e-5,
                                atol=1e-5)
 
+  def test_a_serving_plans_fused_forward_exports_from_bf16_parameters(self):
+    # A serving plan (`select(objective="serve")`) names a stateful fused op (delayed
+    # scaling) for every pass of a site whose forward alone pays; the bench exports it on
+    # the parameters the training arm (bf16 there) trained, which hold no FP8 state.
+    fused = "flax_fp8_delayed_fwd"
+    sites = {n: {p: {"kernel": fused if "mlp" in n and n != BF16_SITE else "xla_bf16",
+                     "reason": "test"} for p in ("fwd", "grad_lhs", "grad_rhs")}
+             for n in self.report["sites"]}
+    plan = dispatch.Plan({"schema": dispatch.SCHEMA, "model": "dlrm", "sites": sites,
+                          "rules": [], "default": None,
+                          "provenance": {"objective": "serve"}})
+    exported = export_lib.export(self.config, self.variables["params"], plan, self.report,
+                                 batch=self.batch)
+    modes = {n: s.mode for n, s in exported.sites.items()}
+    mlp = [n for n in modes if "mlp" in n and n != BF16_SITE]
+    self.assertNotEmpty(mlp)
+    self.assertTrue(all(modes[n] == export_lib.FP8 for n in mlp), modes)
+    self.assertTrue(all(exported.sites[n].granularity == "tensorwise" for n in mlp))
+    bf16 = jax.jit(lambda v, b: dispatch.apply(self.config, KernelPlan.uniform(
+        "xla_bf16")).apply(v, b, train=False))
+    batch = self.source.train_batch(300, BATCH)
+    out = np.asarray(exported.apply(batch), np.float32)
+    ref = np.asarray(bf16(self.variables, batch), np.float32)
+    self.assertTrue(np.all(np.isfinite(out)))
+    self.assertGreater(np.abs(out - ref).max(), 0.0)
+    self.assertGreater(float(sqnr_db(jnp.asarray(out), jnp.asarray(ref))), 12.0)
+
   def test_save_load_round_trip_and_errors(self):
     path = os.path.join(self.dir, "model")
     manifest = self.exported.save(path)

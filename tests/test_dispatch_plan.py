@@ -53,6 +53,14 @@ class PlanFileTest(chex.TestCase):
     self.assertEqual(kp.choice_for("anything/else"), KernelChoice.uniform("xla_bf16"))
     # what --precision=loka --plan=PATH runs
     self.assertEqual(experiment.load_plan(path), kp)
+    # a serving plan (forwards only) loads for export but never for training
+    serving = dispatch.Plan({**plan.to_dict(), "provenance": {
+        **plan["provenance"], "objective": "serve"}})
+    serve_path = os.path.join(os.path.dirname(path), "plan_serve.json")
+    dispatch.save_plan(serving, serve_path)
+    self.assertEqual(dispatch.load_plan(serve_path), kp)
+    with self.assertRaisesRegex(experiment.PlanError, "plan_serve.json is a serving plan"):
+      experiment.load_plan(serve_path)
     table = dispatch.choice_table(plan)
     self.assertIn("top_mlp/dense_0  fwd    xla_fp8_rowwise", table)
     self.assertIn("no eligible kernel", table)

@@ -252,6 +252,60 @@ class SelectTest(chex.TestCase):
                                                  "grad_lhs": "xla_bf16", "grad_rhs": "xla_bf16"})
 
 
+class ServingPlanTest(chex.TestCase):
+  """`objective="serve"`: forwards judged on the forward alone (the 8192x2048x8 tower's case:
+  the delayed-scaling forward pays 1.08x alone, not over a training step)."""
+
+  def _report(self, fwd_speed=(1.06, 1.08, 1.13), fwd_sqnr=37.6, per_pass_fwd=(0.84, 0.85, 0.86)):
+    scope = {"time_scope": "grad_lhs+grad_rhs"}
+    bwd = dict(speedup=(0.9, 0.92, 0.94), base_us=200.0, **scope)
+    ops = {"flax_fp8_delayed_fwd": {"fwd": hm.entry(sqnr=fwd_sqnr, speedup=fwd_speed),
+                                    "grad_lhs": hm.entry(sqnr=55.0, **bwd),
+                                    "grad_rhs": hm.entry(sqnr=55.0, **bwd)}}
+    per_pass = {"fwd": hm.entry(speedup=per_pass_fwd),
+                "grad_lhs": hm.entry(speedup=(0.97, 0.99, 1.02)),
+                "grad_rhs": hm.entry(speedup=(0.62, 0.63, 0.69))}
+    return hm.report({"s": hm.site({p: {"xla_fp8_tensorwise": per_pass[p],
+                                        **{k: v[p] for k, v in ops.items()}}
+                                    for p in PASSES})})
+
+  def test_a_forward_that_pays_alone_is_served_though_training_keeps_bf16(self):
+    rep = self._report()
+    train = selection.select(rep, Criteria())
+    self.assertEqual(set(kernels_of(train, "s").values()), {"xla_bf16"})
+    serve = selection.select(rep, Criteria(), objective="serve")
+    self.assertEqual(serve["provenance"]["objective"], "serve")
+    self.assertEqual(train["provenance"]["objective"], "train")
+    # a fused op runs every pass or none, so its name stands for the backward it never runs
+    self.assertEqual(set(kernels_of(serve, "s").values()), {"flax_fp8_delayed_fwd"})
+    self.assertIn("fastest eligible forward (serving)", serve["sites"]["s"]["fwd"]["reason"])
+    self.assertIn("inference runs no backward", serve["sites"]["s"]["grad_rhs"]["reason"])
+    from loka_jax.dispatch.plan import to_kernel_plan
+    self.assertEqual(to_kernel_plan(serve).choice_for("s").fwd, "flax_fp8_delayed_fwd")
+
+  def test_a_per_pass_forward_leaves_the_gradients_in_bf16(self):
+    serve = selection.select(self._report(fwd_speed=(1.0, 1.01, 1.02),
+                                          per_pass_fwd=(1.2, 1.25, 1.3)),
+                             Criteria(), objective="serve")
+    self.assertEqual(kernels_of(serve, "s"), {"fwd": "xla_fp8_tensorwise",
+                                              "grad_lhs": "xla_bf16", "grad_rhs": "xla_bf16"})
+
+  @parameterized.parameters(
+      dict(fwd_speed=(1.04, 1.08, 1.13), fwd_sqnr=37.6, why="1.04x <= 1.05x"),
+      dict(fwd_speed=(1.2, 1.3, 1.4), fwd_sqnr=20.0, why="SQNR 20.0 dB < 25 dB"))
+  def test_a_slow_or_inaccurate_forward_is_not_served(self, fwd_speed, fwd_sqnr, why):
+    serve = selection.select(self._report(fwd_speed=fwd_speed, fwd_sqnr=fwd_sqnr),
+                             Criteria(), objective="serve")
+    self.assertEqual(set(kernels_of(serve, "s").values()), {"xla_bf16"})
+    self.assertIn("no eligible kernel", serve["sites"]["s"]["fwd"]["reason"])
+    if "SQNR" not in why:
+      self.assertIn(why, serve["sites"]["s"]["fwd"]["reason"])
+
+  def test_an_unknown_objective_is_refused(self):
+    with self.assertRaisesRegex(ValueError, "objective must be one of"):
+      selection.select(self._report(), Criteria(), objective="infer")
+
+
 class UnresolvedSpeedTest(chex.TestCase):
   """Speedups no timing resolves are not taken, even from reports measured before the probe
   judged them: an outer product's, and a chained call's under a kernel's own cost."""

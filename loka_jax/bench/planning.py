@@ -15,6 +15,7 @@ from loka_jax.train import experiment
 from loka_jax.train.loop import TrainConfig
 
 PLAN_FILE = "plan.json"
+SERVING_PLAN_FILE = "plan_serve.json"
 
 
 def plan_dir(plans_root: str, model: str, preset: str) -> str:
@@ -41,6 +42,19 @@ def load(plans_root: str, model: str, preset: str) -> Optional[KernelPlan]:
   """The target's KernelPlan, or None when its plan file does not exist yet."""
   path = plan_path(plans_root, model, preset)
   return dispatch.load_plan(path) if os.path.exists(path) else None
+
+
+def serving_plan(plans_root: str, model: str, preset: str) -> dispatch.Plan:
+  """The target's serving plan: per site the fastest eligible forward on the forward alone
+  (`dispatch.select(objective="serve")`), from the probe report and default budget its
+  training plan was selected with. Written once to plan_serve.json beside it, then read."""
+  path = os.path.join(plan_dir(plans_root, model, preset), SERVING_PLAN_FILE)
+  if not os.path.exists(path):
+    from loka_jax.dispatch.pipeline import default_criteria
+    report = load_report(plans_root, model, preset)
+    dispatch.save_plan(dispatch.select(report, default_criteria(report), objective="serve"),
+                       path)
+  return dispatch.read_plan(path)
 
 
 def make_plan(spec: experiment.RunSpec, plans_root: str, train_config: TrainConfig, *,

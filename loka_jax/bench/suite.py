@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import time
 import traceback
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -127,6 +128,9 @@ class SpeedSettings:
   # Variants timed, after their bf16 pair, against the variants their targets compare them
   # with, in one interleaving each (`TargetBench.head_to_head`); they run last in a target.
   head_to_head: Tuple[str, ...] = ("loka",)
+  # LoKA's inference serves the export of its serving plan (forwards chosen on the forward
+  # alone, `planning.serving_plan`) rather than of its training plan.
+  serve_plan: bool = False
 
 
 def plan_for(target: Target, variant: Variant, batch, settings: SpeedSettings) -> tuple:
@@ -192,7 +196,15 @@ def _build_arm(bench: speed.TargetBench, target: Target, v: Variant, batch,
   arm = bench.add(v.name, model)
   if v.kernels_from == PLAN:
     report = planning.load_report(settings.plans_dir, target.model, target.preset)
-    arm, export_fields = serve_exported(bench, arm, model, row["plan"], report)
+    served = row["plan"]
+    if settings.serve_plan:
+      served = planning.serving_plan(settings.plans_dir, target.model, target.preset)
+      row["serve_plan"] = os.path.join(
+          planning.plan_dir(settings.plans_dir, target.model, target.preset),
+          planning.SERVING_PLAN_FILE)
+      row["serve_kernels"] = sorted({served["sites"][n]["fwd"]["kernel"]
+                                     for n in served["sites"]})
+    arm, export_fields = serve_exported(bench, arm, model, served, report)
     row.update(export_fields)
   elif v.served:  # no FP8 site: every weight is exported in bf16, no report needed
     arm, export_fields = serve_exported(bench, arm, model, ALL_BF16_PLAN, None)

@@ -100,6 +100,16 @@ def same_program_as_bf16_mods(loka_row: Mapping) -> bool:
   return bool(kernels) and set(kernels) == {"xla_bf16"}
 
 
+def exports_every_site_high(loka_row: Mapping) -> bool:
+  """Whether the LoKA row served an export with every site "high" (its `export_modes`; a
+  serving plan may put FP8 forwards under a bf16 training plan), i.e. the very served
+  bf16+Mods model. Rows from before `export_modes` fall back on the training kernels."""
+  modes = loka_row.get("export_modes")
+  if modes is not None:
+    return {m for m, n in modes.items() if n} == {"high"}
+  return same_program_as_bf16_mods(loka_row)
+
+
 def _identical_programs(r: Mapping, what: str, same_as: str) -> Tuple[bool, str]:
   """(met, note) of a ratio between two identical programs: they can only differ by timing
   noise, which a CI holding 1.0 shows; a CI excluding 1.0 is a measurement problem, not a
@@ -133,8 +143,7 @@ def check_speed(rows: Sequence[Mapping]) -> List[Dict]:
         # the same way separates what FP8 gains from what storing the weights once gains.
         r = over(loka, variants[SERVED], mode)
         met, note = r["ci"][0] >= NOT_SLOWER, "both infer from exported weights"
-        if not met and same_program_as_bf16_mods(loka):
-          # An all-bf16 plan exports every site "high": the very served bf16+Mods model.
+        if not met and exports_every_site_high(loka):
           met, note = _identical_programs(r, "exported model", "served bf16+Mods'")
         out.append(_verdict(f"loka_not_slower_than_{SERVED}", subject, mode, r, met,
                             f"CI low >= {NOT_SLOWER}", note))

@@ -15,6 +15,13 @@ over bf16 above `min_speedup`: `eligibility.py`) and its pessimistic whole-site 
 (forward + backward, upper CI ends) beats the per-pass choice's; on a tie the stateless
 per-pass choice stays.
 
+A serving plan (`objective="serve"`) is for inference, which runs forwards only: per site,
+the fastest eligible forward judged on the forward pass alone (its SQNR, underflow and
+speedup), among per-pass kernels and fused ops alike, since a fused op's backward never runs
+there. Its gradient passes say so; where the forward is a fused op they name it too (a fused
+op runs all passes or none). `dispatch.export` serves it; training refuses it
+(`train.experiment.load_plan`).
+
 Timings: the report's own when `timing_valid` (and the target device is the report's);
 otherwise a committed timing table of the target device (nearest measured shape, marked
 `estimated`); otherwise none, and then no FP8 kernel is fast enough to choose (unless the
@@ -39,6 +46,10 @@ from loka_jax.kernels import FUSED_OP, PASSES, PER_PASS, registry
 from loka_jax.probe import eligibility
 from loka_jax.probe.eligibility import FUSED_SCOPE, UNRESOLVED, Criteria, Verdict
 from loka_jax.probe.report import load_report, validate_report
+
+
+TRAIN, SERVE = "train", "serve"  # a plan's objective: every pass, or forwards only
+OBJECTIVES = (TRAIN, SERVE)
 
 
 # ----------------------------------------------------------------------------- budgets
@@ -413,6 +424,47 @@ def _consider_fused(out: Dict[str, Dict], site: Mapping, verdicts: Mapping,
               **_details(v, e)}
 
 
+def select_serving_site(report: Mapping, name: str, criteria: Criteria, source: TimingSource,
+                        info: Mapping[str, Mapping]) -> Dict[str, Dict[str, Any]]:
+  """{pass: {"kernel", "reason", details}} of one site for inference (module docstring)."""
+  site, notes = effective_site(report, name, source)
+  entries = site["passes"].get("fwd", {})
+  no_backward = "serving plan: inference runs no backward"
+  if not entries:
+    return {p: {"kernel": FALLBACK, "reason": "pass fwd not evaluated in the report"
+                if p == "fwd" else no_backward} for p in PASSES}
+  usable, skipped = {}, []
+  for k, e in entries.items():
+    if k == FALLBACK:
+      continue
+    if _kernel_object(k) is None:
+      skipped.append(f"{k} not registered here")
+    elif info.get(k, {}).get("sort") in (PER_PASS, FUSED_OP):
+      usable[k] = eligibility.assess({**e, "kernel": k}, "fwd", criteria,
+                                     fp8=info.get(k, {}).get("fp8", True))
+  eligible = sorted((v for v in usable.values() if v.eligible),
+                    key=lambda v: rank_key(v, criteria.metric))
+  if not eligible:
+    no_timing = source.kind == "none" and criteria.min_speedup is not None
+    return {p: {"kernel": FALLBACK, "reason": _no_eligible_reason(
+        usable, entries, criteria, no_timing, source, notes + skipped) if p == "fwd"
+        else no_backward} for p in PASSES}
+  best = eligible[0]
+  e = entries[best.kernel]
+  lead = ("fastest eligible forward (serving)" if criteria.min_speedup is not None
+          else "most accurate safe forward (serving, accuracy only)")
+  speed = f"{_speed_text(e)}, " if e.get("speedup") else ""
+  out = {"fwd": {"kernel": best.kernel,
+                 "reason": f"{lead}: {speed}{_accuracy_text(best, criteria.metric)}",
+                 **_details(best, e)}}
+  fused = info.get(best.kernel, {}).get("sort") == FUSED_OP
+  for p in PASSES[1:]:
+    out[p] = {"kernel": best.kernel if fused else FALLBACK,
+              "reason": no_backward + (f" (the fused op {best.kernel} names every pass)"
+                                       if fused else "")}
+  return out
+
+
 # ----------------------------------------------------------------------------- the plan
 
 
@@ -440,7 +492,7 @@ def kernels_info(report: Mapping) -> Dict[str, Dict[str, Any]]:
 
 def select(report: Union[Mapping, str], criteria: Criteria = Criteria(), *,
            budget_per_site=None, timing_table=None, target_device: Optional[str] = None,
-           table_dir: str = tables_lib.TIMINGS_DIR) -> Plan:
+           table_dir: str = tables_lib.TIMINGS_DIR, objective: str = TRAIN) -> Plan:
   """The Plan for a ProbeReport (a loaded report or its path) under the error budget.
 
   Args:
@@ -452,7 +504,10 @@ def select(report: Union[Mapping, str], criteria: Criteria = Criteria(), *,
       report's timings are not valid for the target.
     target_device: the device kind the plan is for (default: the report's device).
     table_dir: where committed tables live.
+    objective: "train" (every pass) or "serve" (forwards only, for `dispatch.export`).
   """
+  if objective not in OBJECTIVES:
+    raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
   path = None
   if isinstance(report, (str, os.PathLike)):
     path = os.fspath(report)
@@ -463,7 +518,8 @@ def select(report: Union[Mapping, str], criteria: Criteria = Criteria(), *,
   source = resolve_timing(report, timing_table=timing_table, target_device=target_device,
                           table_dir=table_dir)
   info = kernels_info(report)
-  sites = {name: select_site(report, name, budget.for_site(name), source, info)
+  select_one = select_serving_site if objective == SERVE else select_site
+  sites = {name: select_one(report, name, budget.for_site(name), source, info)
            for name in report["sites"]}
   provenance = {
       "report_sha256": report_hash(report), "report_path": path,
@@ -472,7 +528,7 @@ def select(report: Union[Mapping, str], criteria: Criteria = Criteria(), *,
       "device": source.info.get("device"), "jax": report.get("jax"),
       "selected_with_jax": jax.__version__,
       "created": datetime.datetime.now().isoformat(timespec="seconds"),
-      "budget": budget.to_dict(), "timing_source": source.info}
+      "budget": budget.to_dict(), "timing_source": source.info, "objective": objective}
   if report.get("pending"):
     provenance["report_pending"] = list(report["pending"])
   return Plan({"schema": SCHEMA, "model": report.get("model"), "preset": report.get("preset"),

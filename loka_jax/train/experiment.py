@@ -74,9 +74,14 @@ def load_plan(path: Optional[str]) -> KernelPlan:
         f"KernelPlan, which this checkout does not have yet ({e}); use --precision=bf16 or "
         "--precision=fp8_all until the Dispatch package lands") from e
   try:
+    from loka_jax.dispatch import read_plan
+    objective = read_plan(path)["provenance"].get("objective")
     plan = dispatch_load_plan(path)
   except ValueError as e:  # unreadable, corrupt or malformed: the message names the file
     raise PlanError(str(e)) from e
+  if objective == "serve":  # its gradient passes were never judged: bf16 or a fused op's
+    raise PlanError(f"{path} is a serving plan (`--objective=serve`: forwards chosen for "
+                    "inference, gradients not judged); train with a training plan")
   if not isinstance(plan, KernelPlan):
     raise TypeError(f"loka_jax.dispatch.load_plan({path!r}) returned {type(plan).__name__}, "
                     "expected a KernelPlan")
