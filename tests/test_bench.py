@@ -572,7 +572,7 @@ class ServingPlanBenchTest(chex.TestCase):
     serving = dispatch.read_plan(row["serve_plan"])
     self.assertEqual(serving["provenance"]["objective"], "serve")
     self.assertEqual(row["serve_plan"], os.path.join(
-        planning.plan_dir(plans, target.model, target.preset), planning.SERVING_PLAN_FILE))
+        planning.plan_dir(plans, target.model, target.preset), "plan_serve.json"))
 
 
 class DeadlineTest(absltest.TestCase):

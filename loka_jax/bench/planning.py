@@ -44,11 +44,15 @@ def load(plans_root: str, model: str, preset: str) -> Optional[KernelPlan]:
   return dispatch.load_plan(path) if os.path.exists(path) else None
 
 
+def serving_plan_path(plans_root: str, model: str, preset: str) -> str:
+  return os.path.join(plan_dir(plans_root, model, preset), SERVING_PLAN_FILE)
+
+
 def serving_plan(plans_root: str, model: str, preset: str) -> dispatch.Plan:
   """The target's serving plan: per site the fastest eligible forward on the forward alone
   (`dispatch.select(objective="serve")`), from the probe report and default budget its
   training plan was selected with. Written once to plan_serve.json beside it, then read."""
-  path = os.path.join(plan_dir(plans_root, model, preset), SERVING_PLAN_FILE)
+  path = serving_plan_path(plans_root, model, preset)
   if not os.path.exists(path):
     from loka_jax.dispatch.pipeline import default_criteria
     report = load_report(plans_root, model, preset)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import os
 import time
 import traceback
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -199,9 +198,8 @@ def _build_arm(bench: speed.TargetBench, target: Target, v: Variant, batch,
     served = row["plan"]
     if settings.serve_plan:
       served = planning.serving_plan(settings.plans_dir, target.model, target.preset)
-      row["serve_plan"] = os.path.join(
-          planning.plan_dir(settings.plans_dir, target.model, target.preset),
-          planning.SERVING_PLAN_FILE)
+      row["serve_plan"] = planning.serving_plan_path(settings.plans_dir, target.model,
+                                                     target.preset)
       row["serve_kernels"] = sorted({served["sites"][n]["fwd"]["kernel"]
                                      for n in served["sites"]})
     arm, export_fields = serve_exported(bench, arm, model, served, report)
