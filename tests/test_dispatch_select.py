@@ -283,6 +283,28 @@ class ServingPlanTest(chex.TestCase):
     from loka_jax.dispatch.plan import to_kernel_plan
     self.assertEqual(to_kernel_plan(serve).choice_for("s").fwd, "flax_fp8_delayed_fwd")
 
+  def test_of_ops_sharing_one_forward_the_one_with_bf16_gradients_is_named(self):
+    # The three delayed ops run the same forward: one measurement, SQNR differing only by
+    # sampling. Named for every pass, the op with bf16 gradients reads as what it serves.
+    scope = {"time_scope": "grad_lhs+grad_rhs"}
+    bwd = dict(speedup=(0.9, 0.92, 0.94), base_us=200.0, **scope)
+
+    def op(fwd_sqnr, grad_lhs_sqnr, grad_rhs_sqnr):
+      return {"fwd": hm.entry(sqnr=fwd_sqnr, speedup=(1.06, 1.08, 1.13)),
+              "grad_lhs": hm.entry(sqnr=grad_lhs_sqnr, **bwd),
+              "grad_rhs": hm.entry(sqnr=grad_rhs_sqnr, **bwd)}
+    ops = {"flax_fp8_delayed": op(38.0, 25.0, 11.0),
+           "flax_fp8_delayed_grad_lhs": op(37.8, 25.0, 55.0),
+           "flax_fp8_delayed_fwd": op(37.6, 52.0, 55.0)}
+    rep = hm.report({"s": hm.site({p: {k: v[p] for k, v in ops.items()} for p in PASSES})})
+    serve = selection.select(rep, Criteria(), objective="serve")
+    self.assertEqual(set(kernels_of(serve, "s").values()), {"flax_fp8_delayed_fwd"})
+    # with a faster forward of its own, full delayed scaling would still win
+    ops["flax_fp8_delayed"]["fwd"] = hm.entry(sqnr=38.0, speedup=(1.2, 1.25, 1.3))
+    rep = hm.report({"s": hm.site({p: {k: v[p] for k, v in ops.items()} for p in PASSES})})
+    serve = selection.select(rep, Criteria(), objective="serve")
+    self.assertEqual(set(kernels_of(serve, "s").values()), {"flax_fp8_delayed"})
+
   def test_a_per_pass_forward_leaves_the_gradients_in_bf16(self):
     serve = selection.select(self._report(fwd_speed=(1.0, 1.01, 1.02),
                                           per_pass_fwd=(1.2, 1.25, 1.3)),

@@ -18,8 +18,10 @@ per-pass choice stays.
 A serving plan (`objective="serve"`) is for inference, which runs forwards only: per site,
 the fastest eligible forward judged on the forward pass alone (its SQNR, underflow and
 speedup), among per-pass kernels and fused ops alike, since a fused op's backward never runs
-there. Its gradient passes say so; where the forward is a fused op they name it too (a fused
-op runs all passes or none). `dispatch.export` serves it; training refuses it
+there. Ranking as above, except that on a speed tie the candidate whose gradients would be
+the most accurate comes first (per-pass kernels leave them to bf16; Flax's delayed ops share
+one forward, and the one with bf16 gradients wins). Its gradient passes say so; where the
+forward is a fused op they name it too (a fused op runs all passes or none). `dispatch.export` serves it; training refuses it
 (`train.experiment.load_plan`).
 
 Timings: the report's own when `timing_valid` (and the target device is the report's);
@@ -442,8 +444,21 @@ def select_serving_site(report: Mapping, name: str, criteria: Criteria, source: 
     elif info.get(k, {}).get("sort") in (PER_PASS, FUSED_OP):
       usable[k] = eligibility.assess({**e, "kernel": k}, "fwd", criteria,
                                      fp8=info.get(k, {}).get("fp8", True))
+  def gradient_accuracy(kernel: str) -> float:
+    # The three delayed ops share one measured forward: on a speed tie, prefer the op whose
+    # (never run) gradients are the most accurate, so the plan does not read as FP8
+    # gradients; a per-pass kernel leaves them to bf16.
+    if info.get(kernel, {}).get("sort") != FUSED_OP:
+      return math.inf
+    passes = site["passes"]
+    return min((_accuracy(eligibility.assess({**passes[p][kernel], "kernel": kernel}, p,
+                                             criteria), criteria.metric)
+                for p in PASSES[1:] if kernel in passes.get(p, {})), default=-math.inf)
+
   eligible = sorted((v for v in usable.values() if v.eligible),
-                    key=lambda v: rank_key(v, criteria.metric))
+                    key=lambda v: (-_num(v.speedup_lo), -_num(v.speedup_mid),
+                                   -gradient_accuracy(v.kernel),
+                                   -_accuracy(v, criteria.metric), v.kernel))
   if not eligible:
     no_timing = source.kind == "none" and criteria.min_speedup is not None
     return {p: {"kernel": FALLBACK, "reason": _no_eligible_reason(
