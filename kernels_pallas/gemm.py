@@ -274,6 +274,11 @@ TARGET_PROGRAMS = 256
 MIN_SPLIT_K = 2048
 
 
+def _splittable(a_t: bool, b_t: bool, epilogue: epilogue_lib.Epilogue) -> bool:
+  """Whether K can be sliced as a free reshape: both operands K first, a plain epilogue."""
+  return a_t and not b_t and epilogue == epilogue_lib.Epilogue()
+
+
 def split_k_for(dims, *, a_t: bool, b_t: bool, epilogue: epilogue_lib.Epilogue,
                 scales: str = ROWWISE_SCALES) -> int:
   """Slices to cut K into (1: none), each summed by its own programs, then added in fp32.
@@ -287,7 +292,7 @@ def split_k_for(dims, *, a_t: bool, b_t: bool, epilogue: epilogue_lib.Epilogue,
   multiple of 128-wide blocks per slice (so block scales split with it). Slices double while
   the programs stay within TARGET_PROGRAMS and each slice keeps MIN_SPLIT_K."""
   Bt, M, N, K = dims
-  if not a_t or b_t or epilogue != epilogue_lib.Epilogue():
+  if not _splittable(a_t, b_t, epilogue):
     return 1
   cfg = default_config(dims, epilogue, scales)
   programs = (-(-Bt // cfg.batch_per_program) * -(-M // cfg.block_m)
@@ -365,8 +370,7 @@ def gemm(a, b, sa, sb, *, a_t: bool = False, b_t: bool = False, scales: str = RO
     split_k = (1 if config is not None else
                split_k_for(dims, a_t=a_t, b_t=b_t, epilogue=epilogue, scales=scales))
   if split_k > 1:
-    if (not a_t or b_t or epilogue != epilogue_lib.Epilogue() or config is not None
-        or K % (split_k * BLOCK)):
+    if not _splittable(a_t, b_t, epilogue) or config is not None or K % (split_k * BLOCK):
       raise ValueError(f"gemm: split_k={split_k} needs both operands stored K first "
                        f"(a_t=True, b_t=False; got {a_t}, {b_t}), a plain epilogue, no fixed "
                        f"config and K a multiple of {split_k} x {BLOCK} (K={K})")

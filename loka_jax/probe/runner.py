@@ -117,10 +117,11 @@ def _read_eval_cache(path: str) -> Dict[str, List[Dict]]:
     return out
   for _, row, error in jsonio.jsonl_rows(path):
     try:
-      if error is None:
-        out.setdefault(_eval_cache_key(row["key"]), []).append(row)
+      key = None if error else _eval_cache_key(row["key"])
     except (KeyError, TypeError, AttributeError):
-      pass  # a line torn by a killed run (or not a row) is measured again
+      key = None
+    if key is not None:  # else a line torn by a killed run (or not a row): measured again
+      out.setdefault(key, []).append(row)
   return out
 
 
