@@ -20,6 +20,7 @@ from loka_jax.dispatch import pipeline, validate
 from loka_jax.dispatch.plan import FALLBACK, SCHEMA, Plan
 from loka_jax.kernels import Kernel, registry, reference_einsum
 from loka_jax.train import TrainConfig, experiment
+from loka_jax.train import report as train_report
 from loka_jax.train.loop import train
 
 BAD_SITE = "head/dense_0"
@@ -526,6 +527,140 @@ class FusedBackOffTest(chex.TestCase):
                                   mock.Mock(report=self._report()), "s", "test",
                                   step="speed", to_fallback=True)
     self.assertEqual(set(kernels(plan, "s").values()), {FALLBACK})
+
+
+def promotion_report():
+  """The tiny Wukong's three sites as a hand-made report: FP8 kernels that are accurate but
+  slower than bf16 alone (what selection never picks), and one that is inaccurate."""
+  delayed = {"time_scope": "grad_lhs+grad_rhs", "base_us": 200.0}
+
+  def kernels(delayed_grad_sqnr):
+    return {
+        "fwd": {"xla_fp8_tensorwise": hm.entry(sqnr=40.0, speedup=(0.80, 0.85, 0.90)),
+                "xla_fp8_rowwise": hm.entry(sqnr=45.0, speedup=(0.60, 0.65, 0.70)),
+                "test_two_bit": hm.entry(sqnr=3.0, speedup=(2.0, 2.1, 2.2)),
+                "flax_fp8_delayed": hm.entry(sqnr=40.0, speedup=(0.95, 1.0, 1.05))},
+        **{p: {"xla_fp8_tensorwise": hm.entry(sqnr=30.0, speedup=(0.70, 0.75, 0.80)),
+               "xla_fp8_rowwise": hm.entry(sqnr=35.0, speedup=(0.50, 0.55, 0.60)),
+               "test_two_bit": hm.entry(sqnr=3.0, speedup=(2.0, 2.1, 2.2)),
+               "flax_fp8_delayed": hm.entry(sqnr=delayed_grad_sqnr, speedup=(0.90, 0.95, 1.0),
+                                            **delayed)}
+           for p in ("grad_lhs", "grad_rhs")}}
+
+  return hm.report({GOOD_SITE: hm.site(kernels(30.0)), OTHER_SITE: hm.site(kernels(12.0)),
+                    BAD_SITE: hm.site(kernels(30.0))}, model="wukong")
+
+
+class PromotionTest(chex.TestCase):
+  """Sites that selection left in bf16 because each pass alone is slower are promoted to FP8
+  when the whole step is faster, and only then."""
+
+  def _context(self, report):
+    """The shared context with `report`. Timing a step donates the context's state and puts a
+    new copy on the copy made here, so the shared one gets it back afterwards."""
+    base = context()
+    ctx = dataclasses.replace(base, report=report)
+    self.addCleanup(lambda: setattr(base, "state", ctx.state))
+    return ctx
+
+  def test_proposes_per_sort_the_safe_kernel_that_loses_least_alone(self):
+    plan = plan_of({BAD_SITE: "xla_fp8_rowwise"})          # already FP8: not promotable
+    names = [GOOD_SITE, OTHER_SITE, BAD_SITE, "layer_0/lcb"]  # lcb: not in the report
+    got = {p.kernel: p for p in validate.promotions(promotion_report(), plan, names)}
+    self.assertEqual(sorted(got), ["flax_fp8_delayed", "xla_fp8_tensorwise"])
+    # Tensorwise loses least of the per-pass kernels; the two-bit kernel is fast but unsafe.
+    self.assertEqual(got["xla_fp8_tensorwise"].sites, (GOOD_SITE, OTHER_SITE))
+    np.testing.assert_allclose(got["xla_fp8_tensorwise"].alone,
+                               3 / (1 / 0.80 + 2 / 0.70), rtol=1e-6)
+    # The delayed op's weight gradient is 12 dB at OTHER_SITE: below the 20 dB budget there.
+    self.assertEqual(got["flax_fp8_delayed"].sites, (GOOD_SITE,))
+
+  def test_a_site_validation_backed_off_is_never_promoted_again(self):
+    plan = validate.back_off_site(plan_of({GOOD_SITE: "xla_fp8_tensorwise"}),
+                                  mock.Mock(report=None), GOOD_SITE, "test", step="speed",
+                                  to_fallback=True)
+    self.assertEqual(validate.promotable_sites(plan, [GOOD_SITE, OTHER_SITE]), [OTHER_SITE])
+    got = validate.promotions(promotion_report(), plan, [GOOD_SITE, OTHER_SITE])
+    self.assertEqual([p.sites for p in got], [(OTHER_SITE,)])
+
+  def test_promote_puts_the_kernel_in_every_pass_and_records_it(self):
+    plan = plan_of({BAD_SITE: "xla_fp8_rowwise"})
+    out = validate.promote(plan, [GOOD_SITE, OTHER_SITE], "xla_fp8_tensorwise", "test",
+                           step=validate.PROMOTION)
+    for site in (GOOD_SITE, OTHER_SITE):
+      self.assertEqual(kernels(out, site), {p: "xla_fp8_tensorwise" for p in hm.PASSES})
+      self.assertEqual(out["sites"][site]["fwd"]["promoted_from"], FALLBACK)
+    self.assertEqual(kernels(out, BAD_SITE), {p: "xla_fp8_rowwise" for p in hm.PASSES})
+    self.assertEqual(out["validation"][-1]["sites"], sorted([GOOD_SITE, OTHER_SITE]))
+    self.assertEqual(plan["validation"], [])  # the original is unchanged
+    with self.assertRaisesRegex(ValueError, "does not run xla_bf16"):
+      validate.promote(plan, [BAD_SITE], "xla_fp8_tensorwise", "test")
+
+  def test_pays_only_when_training_is_provably_faster_and_inference_not_slower(self):
+    def summaries(train_ci, infer_ci):
+      return {"train": {"p": {"speedup_ci": train_ci}}, "infer": {"p": {"speedup_ci": infer_ci}}}
+    self.assertTrue(validate.promotion_pays(summaries([1.01, 1.05], [0.97, 1.02]), "p"))
+    self.assertFalse(validate.promotion_pays(summaries([0.99, 1.05], [1.1, 1.2]), "p"))
+    self.assertFalse(validate.promotion_pays(summaries([1.01, 1.05], [0.95, 0.99]), "p"))
+
+  def test_skipped_on_a_cpu_unless_forced(self):
+    ctx = self._context(promotion_report())
+    out = validate.check_promotion(plan_of({}), ctx, validate.ValidationConfig(speed=True))
+    (record,) = validate.validation_records(out, validate.PROMOTION)
+    self.assertTrue(record["skipped"] and record["final"])
+    self.assertIn("not on a GPU", record["reason"])
+
+  def test_a_promotion_slower_in_the_step_is_not_kept(self):
+    # The only proposal stalls 4 ms in every pass: timed for real, its step cannot be faster.
+    report = hm.report({GOOD_SITE: hm.site(hm.same_passes(
+        {"test_slow": hm.entry(sqnr=40.0, speedup=(0.90, 0.95, 1.0))}))}, model="wukong")
+    ctx = self._context(report)
+    plan = plan_of({})
+    out = validate.check_promotion(plan, ctx, validate.ValidationConfig(promote=True))
+    (record,) = validate.validation_records(out, validate.PROMOTION)
+    self.assertEqual(list(record["proposals"]), ["test_slow"])
+    self.assertFalse(record["proposals"]["test_slow"]["pays"])
+    self.assertLess(record["proposals"]["test_slow"]["train"]["speedup_ci"][0], 1.0)
+    self.assertIsNone(record["promoted"])
+    self.assertEqual(out["sites"], plan["sites"])
+
+  def test_the_fastest_paying_proposal_is_kept_and_validated_after(self):
+    # Which plan is faster on a GPU cannot be shown on a CPU: the step timings are given, and
+    # the test checks what is timed and what is kept.
+    timed = {}
+
+    def measure(ctx, plans, baseline, *args):
+      timed.update(plans)
+      speed = {"plan": (1.0, [1.0, 1.0]), "promote xla_fp8_tensorwise": (1.08, [1.04, 1.12]),
+               "promote flax_fp8_delayed": (1.03, [1.01, 1.05])}
+      return {m: {n: {"speedup": speed[n][0], "speedup_ci": speed[n][1]} for n in plans}
+              for m in ("train", "infer")}
+
+    ctx = self._context(promotion_report())
+    config = validate.ValidationConfig(promote=True, speed=False, shadow_steps=0,
+                                       max_rel_logloss=1.0)
+    with mock.patch.object(validate, "measure_steps", side_effect=measure):
+      out = validate.validate_end_to_end(plan_of({}), ctx, config)
+    self.assertEqual(sorted(timed), ["plan", "promote flax_fp8_delayed",
+                                     "promote xla_fp8_tensorwise"])
+    self.assertEqual(timed["promote xla_fp8_tensorwise"].choice_for(OTHER_SITE).for_pass("fwd"),
+                     "xla_fp8_tensorwise")
+    self.assertEqual(timed["plan"].choice_for(OTHER_SITE).for_pass("fwd"), FALLBACK)
+    for site in (GOOD_SITE, OTHER_SITE, BAD_SITE):
+      self.assertEqual(kernels(out, site), {p: "xla_fp8_tensorwise" for p in hm.PASSES})
+    (record,) = validate.validation_records(out, validate.PROMOTION)
+    self.assertEqual(record["promoted"], "xla_fp8_tensorwise")
+    self.assertTrue(record["proposals"]["flax_fp8_delayed"]["pays"])
+    # The held-out check then judged the promoted plan.
+    (held,) = validate.validation_records(out, "quality_held_out")
+    self.assertTrue(held["passed"])
+    (done,) = validate.validation_records(out, "validated")
+    self.assertEqual(done["promoted"], sorted([GOOD_SITE, OTHER_SITE, BAD_SITE]))
+    self.assertNotIn(validate.PROMOTION, done["passed"])
+    lines = train_report.validation_lines(out)
+    self.assertIn("promoted 3 sites -> xla_fp8_tensorwise", lines)
+    self.assertIn("xla_fp8_tensorwise at 3 sites: train 1.080x [1.040, 1.120]", lines)
+    self.assertIn("(promoted: ", lines)
 
 
 class BuildRunChecksPlanTest(chex.TestCase):

@@ -3,7 +3,7 @@
 A plan is JSON: per-site choices (each pass with its `kernel` and the `reason` it was chosen),
 regex `rules` and a `default` for hand overrides, the `provenance` of the selection and the
 `validation` steps that later changed it. `Plan` is a read-only view of that JSON; functions
-that change a plan (`back_off`, `add_validation`) return a new one. `to_kernel_plan` compiles
+that change a plan (`back_off`, `promote`, `add_validation`) return a new one. `to_kernel_plan` compiles
 it to the static `KernelPlan` that sites read at trace time.
 """
 from __future__ import annotations
@@ -266,6 +266,25 @@ def back_off(plan: PlanLike, site: str, pass_name: Optional[str], reason: str, *
   data["validation"].append({"time": _now(), "step": step, "site": site,
                              "passes": list(changed), "from": changed, "to": to,
                              "reason": reason})
+  return Plan(data)
+
+
+def promote(plan: PlanLike, sites: Sequence[str], kernel: str, reason: str, *,
+            step: str = "promotion") -> Plan:
+  """A new plan where each of `sites` runs `kernel` in every pass, recorded in `validation`
+  as one entry: the opposite of `back_off`, for sites the plan runs in xla_bf16 that the
+  whole step, not the site timed alone, shows to be faster on FP8 (validate.check_promotion)."""
+  data = as_plan(plan).to_dict()
+  registry.get(kernel)  # an unknown kernel fails here
+  for site in sites:
+    current = Plan(data).choice_for(site)
+    if current is None or any(current.for_pass(p) != FALLBACK for p in PASSES):
+      raise ValueError(f"promote: site {site!r} does not run {FALLBACK} in every pass")
+    data["sites"][site] = {p: {"kernel": kernel, "reason": f"promoted from {FALLBACK} "
+                                                           f"({step}): {reason}",
+                               "promoted_from": FALLBACK} for p in PASSES}
+  data["validation"].append({"time": _now(), "step": step, "sites": sorted(sites),
+                             "to": kernel, "reason": reason})
   return Plan(data)
 
 

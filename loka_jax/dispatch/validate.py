@@ -38,6 +38,16 @@ Speed (on a GPU only: CPU timings say nothing about GPU kernels; `speed=True` fo
   bf16+Mods' kernels, so its lower bound is noise: recorded (`same_kernels_as_bf16_mods`),
   not acted on (on Wukong `large` such a noise CI, 0.976, once sent gradient-only sites back).
 
+Speed promotion (first, on a GPU only; `promote=True` forces it): selection judges each site
+alone, which is pessimistic for FP8 in a whole step (the step shares quantized operands
+between passes, and XLA may run bf16's passes slower in the step than alone: at 8192x2048x8
+no XLA tensorwise pass cleared 1.05x alone, yet tensorwise everywhere trains 1.05x faster).
+So for each kernel sort the FP8 kernel that loses least alone is put at every xla_bf16 site
+where it is safe in every pass (`promotions`), each such plan is timed against the plan in one
+interleaving, and the fastest whose train step is provably faster and whose inference is not
+provably slower is kept. Sites validation backed off are never promoted again, and the
+quality checks that follow judge promoted sites like any other.
+
 Many FP8 sites (more than `max_measured_sites`, default 16): measuring every site's
 contribution costs a compilation of the whole model per site and round, hours for a large
 preset. Such a round ranks the sites from the probe report instead (the forward error for the
@@ -63,7 +73,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from loka_jax import _compat, timing
-from loka_jax.dispatch.plan import FALLBACK, Plan, add_validation, as_plan, back_off
+from loka_jax.dispatch.plan import FALLBACK, Plan, add_validation, as_plan, back_off, promote
 from loka_jax.kernels import FP8_META, FUSED_OP, PASSES, PER_PASS, KernelChoice, KernelPlan
 from loka_jax.kernels import registry
 from loka_jax.kernels.flax_delayed import merge_fp8_meta
@@ -85,6 +95,7 @@ class ValidationConfig:
   grad_batches: int = 2              # training batches of the gradient contributions
   max_rounds: int = 64               # back-offs per check at most
   speed: Optional[bool] = None       # None: only on a GPU; True forces it (tests)
+  promote: Optional[bool] = None     # the speed promotion: None only on a GPU; True forces it
   speed_repeats: int = 20            # timing repeats (benchmark protocol: >= 20)
   # Each timing sample runs whole steps back to back for at least this long (one step when it
   # is longer): single short steps carry host jitter that can fail a plan on noise.
@@ -813,17 +824,146 @@ def check_speed(plan, ctx: ValidationContext, config: ValidationConfig = Validat
   return plan
 
 
+# ----------------------------------------------------------------------------- promotion
+
+PROMOTION = "speed_promotion"
+
+
+def promotion_enabled(config: ValidationConfig) -> Tuple[bool, str]:
+  """(run the promotion, why or why not): on a GPU unless `promote` says otherwise; forcing
+  `speed` does not force it (a CPU step says nothing of which plan is faster on a GPU)."""
+  if config.promote is not None:
+    return config.promote, ("forced on" if config.promote else "switched off (promote=False)")
+  if _compat.on_gpu():
+    return True, f"on {jax.devices()[0].device_kind}"
+  return False, (f"not on a GPU ({jax.default_backend()}): CPU timings say nothing about GPU "
+                 "kernels; run the pipeline on the target GPU to promote sites")
+
+
+def promotable_sites(plan: Plan, names: Sequence[str]) -> List[str]:
+  """The sites promotion may change: xla_bf16 in every pass, and never backed off by
+  validation (a site sent back for quality or speed stays where validation put it)."""
+  backed_off = {r["site"] for r in plan["validation"] if "site" in r and "to" in r}
+  out = []
+  for name in names:
+    choice = plan.choice_for(name)
+    if (name not in backed_off and choice is not None
+        and all(choice.for_pass(p) == FALLBACK for p in PASSES)):
+      out.append(name)
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Promotion:
+  """One kernel put at every promotable site where it is safe in every pass."""
+  kernel: str
+  sites: Tuple[str, ...]
+  alone: float  # pessimistic speedup over xla_bf16 of those sites timed alone (the probe's)
+
+
+def promotions(report: Mapping, plan: Plan, names: Sequence[str]) -> List[Promotion]:
+  """Per kernel sort (per-pass kernels, fused ops), the FP8 kernel whose promotion loses least
+  alone: the highest pessimistic speedup over the sites where it is safe in every pass under
+  the site's budget (accuracy only: selection has already found none of them fast enough).
+
+  A site timed alone is a pessimistic witness for per-pass kernels: each pass quantizes its
+  own operands, where a whole step shares them (the gradient quantized once for both gradient
+  passes, the forward's FP8 activation reused), and bf16's passes alone can be faster than the
+  same passes in the step (docs/BENCHMARKS.md, section 7, nineteenth session: XLA tensorwise
+  at 8192x2048x8 is 0.78x bf16 per site alone and about 1.13x in the step). Only the whole
+  step can tell, so this only proposes; `check_promotion` measures."""
+  from loka_jax.probe import eligibility
+  per_kernel: Dict[str, List[Tuple[str, float, float]]] = {}
+  sort_of: Dict[str, str] = {}
+  for site in promotable_sites(plan, names):
+    if site not in report.get("sites", {}):
+      continue
+    verdicts, effective, info = _site_verdicts(report, plan, site)
+    for kernel, meta in info.items():
+      if not meta.get("fp8", kernel != FALLBACK) or kernel not in registry.names():
+        continue
+      v = [verdicts.get(p, {}).get(kernel) for p in PASSES]
+      times = eligibility.site_times(effective.get("passes", {}), kernel)
+      if times is None or not all(x is not None and x.safe for x in v):
+        continue
+      per_kernel.setdefault(kernel, []).append((site, *times))
+      sort_of[kernel] = meta.get("sort")
+  best: Dict[str, Promotion] = {}
+  for kernel, rows in sorted(per_kernel.items()):
+    alone = sum(r[1] for r in rows) / sum(r[2] for r in rows)
+    candidate = Promotion(kernel, tuple(r[0] for r in rows), alone)
+    current = best.get(sort_of[kernel])
+    if current is None or (alone, len(rows)) > (current.alone, len(current.sites)):
+      best[sort_of[kernel]] = candidate
+  return [best[k] for k in sorted(best)]
+
+
+def promotion_pays(summaries: Mapping[str, Mapping[str, dict]], name: str,
+                   min_gain: float = 1.0) -> bool:
+  """Whether variant `name` beats the plan it was timed against: its train step provably
+  faster (speedup CI lower bound above `min_gain`) and its inference step not provably slower
+  (CI upper bound at least 1)."""
+  return (summaries["train"][name]["speedup_ci"][0] > min_gain
+          and summaries["infer"][name]["speedup_ci"][1] >= 1.0)
+
+
+def check_promotion(plan, ctx: ValidationContext, config: ValidationConfig = ValidationConfig(),
+                    progress: Optional[Progress] = None) -> Plan:
+  """Promotes xla_bf16 sites to FP8 where the whole step says so: each proposal of
+  `promotions` is timed against the plan in one interleaving (train and inference steps), and
+  the one with the fastest train step among those that pay (`promotion_pays`) is kept. The
+  quality checks that follow judge the promoted sites like any other, and back them off if
+  they must."""
+  plan = as_plan(plan)
+  progress = progress or Progress()
+  enabled, why = promotion_enabled(config)
+  if not enabled:
+    return _final(plan, {"step": PROMOTION, "skipped": True, "reason": why})
+  if ctx.report is None:
+    return _final(plan, {"step": PROMOTION, "skipped": True,
+                         "reason": "no probe report to propose kernels from"})
+  proposals = promotions(ctx.report, plan, ctx.site_names())
+  if not proposals:
+    return _final(plan, {"step": PROMOTION, "skipped": True,
+                         "reason": "no xla_bf16 site has an FP8 kernel safe in every pass"})
+  progress.checkpoint(plan, "the speed promotion")
+  promoted = {f"promote {p.kernel}": promote(
+      plan, p.sites, p.kernel, f"{p.kernel} is safe in every pass here and {p.alone:.2f}x "
+      f"bf16 over its {len(p.sites)} sites timed alone; promoted if the whole step pays")
+      for p in proposals}
+  got = measure_steps(ctx, {"plan": plan.kernel_plan(),
+                            **{n: q.kernel_plan() for n, q in promoted.items()}},
+                      "plan", config.speed_repeats, config.seed, config.speed_min_sample_s)
+  record: Dict[str, Any] = {"step": PROMOTION, "device": jax.devices()[0].device_kind,
+                            "why": why, "repeats": config.speed_repeats, "proposals": {}}
+  for p in proposals:
+    name = f"promote {p.kernel}"
+    record["proposals"][p.kernel] = {
+        "sites": len(p.sites), "alone": p.alone, "pays": promotion_pays(got, name),
+        **{m: {"speedup": got[m][name]["speedup"], "speedup_ci": got[m][name]["speedup_ci"]}
+           for m in STEP_PASSES}}
+  paying = [p for p in proposals if record["proposals"][p.kernel]["pays"]]
+  if not paying:
+    record["promoted"] = None
+    return _final(plan, record)
+  chosen = max(paying, key=lambda p: (record["proposals"][p.kernel]["train"]["speedup"],
+                                      p.kernel))
+  record["promoted"] = chosen.kernel
+  record["sites"] = list(chosen.sites)
+  return _final(promoted[f"promote {chosen.kernel}"], record)
+
+
 # ----------------------------------------------------------------------------- all
 
-CHECKS = (("quality_held_out", check_held_out), ("quality_shadow", check_shadow),
-          ("speed", check_speed))
+CHECKS = ((PROMOTION, check_promotion), ("quality_held_out", check_held_out),
+          ("quality_shadow", check_shadow), ("speed", check_speed))
 
 
 def validate_end_to_end(plan, ctx: ValidationContext,
                         config: ValidationConfig = ValidationConfig(), *,
                         progress: Optional[Progress] = None, resume_from=None) -> Plan:
-  """Held-out quality, shadow training, then speed; returns the plan with every step and
-  back-off recorded and a final 'validated' record summing them up.
+  """Speed promotion, held-out quality, shadow training, then speed; returns the plan with
+  every step, promotion and back-off recorded and a final 'validated' record summing them up.
 
   `plan` is the selected plan; `resume_from`, the plan an interrupted call saved through
   `progress` (its finished checks are skipped, an unfinished one goes on from its last
@@ -837,7 +977,7 @@ def validate_end_to_end(plan, ctx: ValidationContext,
   for step, check in CHECKS:
     if finished(plan, step):
       continue
-    if not fp8_sites(plan, ctx.site_names()):  # e.g. every site backed off by a check before
+    if step != PROMOTION and not fp8_sites(plan, ctx.site_names()):  # e.g. all backed off
       plan = _final(plan, {"step": step, "skipped": True,
                            "reason": "no FP8 site in the plan: it runs bf16+Mods, which is "
                                      "what it would be compared with"})
@@ -847,12 +987,13 @@ def validate_end_to_end(plan, ctx: ValidationContext,
   after = fp8_sites(plan, ctx.site_names())
   last = {}
   for r in plan["validation"]:
-    if r.get("step") in dict(CHECKS):
+    if r.get("step") in dict(CHECKS) and r["step"] != PROMOTION:  # promotion cannot fail
       last[r["step"]] = r
   return add_validation(plan, {
       "step": "validated", "config": config.to_dict(),
       "fp8_sites_before": len(before), "fp8_sites_after": len(after),
       "backed_off": sorted(s for s in before if before[s] != after.get(s)),
+      "promoted": sorted(s for s in after if s not in before),
       "passed": {k: (None if v.get("skipped") else v.get("passed")) for k, v in last.items()}})
 
 

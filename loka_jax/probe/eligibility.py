@@ -136,12 +136,13 @@ def assess(entry: Mapping, pass_name: str, criteria: Criteria = Criteria(),
                  underflow_hi, speedup_lo, speedup_mid)
 
 
-def fused_site_speedup(passes: Mapping[str, Mapping], kernel: str) -> Optional[float]:
-  """Pessimistic whole-site speedup of a fused op over the baseline, or None if untimed.
+def site_times(passes: Mapping[str, Mapping], kernel: str) -> Optional[Tuple[float, float]]:
+  """(baseline us, kernel us) of a whole site (every pass on `kernel`), pessimistic for the
+  kernel, or None if a pass is untimed.
 
   Each timed scope (the forward; the backward once when timed as one, `FUSED_SCOPE`, else
   each gradient pass) contributes the baseline's time, `time_us * speedup` at the medians,
-  and the op's time at the scope's speedup lower bound.
+  and the kernel's time at the scope's speedup lower bound.
   """
   base_total = op_total = 0.0
   for p in PASSES:
@@ -155,7 +156,14 @@ def fused_site_speedup(passes: Mapping[str, Mapping], kernel: str) -> Optional[f
     base = float(t[1]) * float(s[1])
     base_total += base
     op_total += base / float(s[0])
-  return base_total / op_total if op_total > 0 else None
+  return base_total, op_total
+
+
+def fused_site_speedup(passes: Mapping[str, Mapping], kernel: str) -> Optional[float]:
+  """Pessimistic whole-site speedup of a fused op over the baseline (`site_times`), or None
+  if untimed."""
+  times = site_times(passes, kernel)
+  return times[0] / times[1] if times and times[1] > 0 else None
 
 
 def assess_fused(passes: Mapping[str, Mapping], kernel: str, criteria: Criteria = Criteria(),

@@ -93,8 +93,17 @@ def validation_lines(plan) -> str:
     if "to" in r and "site" in r:  # a back_off record (its step names the check)
       passes = ", ".join(r.get("passes", [])) or "-"
       out.append(f"  - back-off {r['site']} [{passes}] -> {r['to']}: {r.get('reason')}")
+    elif "to" in r and "sites" in r:  # a promote record
+      out.append(f"  - promoted {len(r['sites'])} sites -> {r['to']}: {r.get('reason')}")
     elif r.get("skipped"):
       out.append(f"- {step}: skipped ({r.get('reason', '')})")
+    elif step == "speed_promotion":
+      tried = "; ".join(
+          f"{k} at {v['sites']} sites: train {v['train']['speedup']:.3f}x "
+          f"[{v['train']['speedup_ci'][0]:.3f}, {v['train']['speedup_ci'][1]:.3f}], inference "
+          f"{v['infer']['speedup']:.3f}x" for k, v in r["proposals"].items())
+      out.append(f"- speed promotion ({r['device']}; vs the plan): {tried}: "
+                 + (f"promoted {r['promoted']}" if r["promoted"] else "none pays"))
     elif step == "quality_held_out":
       out.append(f"- held-out (round {r['round']}): log loss {r['logloss']:.5f} vs bf16+Mods "
                  f"{r['logloss_bf16']:.5f} ({100 * r['rel_logloss_change']:+.4f}%, budget "
@@ -113,7 +122,8 @@ def validation_lines(plan) -> str:
                  f"{'pass' if r['passed'] else 'FAIL'}")
     elif step == "validated":
       out.append(f"- validated: FP8 sites {r['fp8_sites_before']} -> {r['fp8_sites_after']}"
-                 + (f" (backed off: {', '.join(r['backed_off'])})" if r["backed_off"] else ""))
+                 + (f" (backed off: {', '.join(r['backed_off'])})" if r["backed_off"] else "")
+                 + (f" (promoted: {', '.join(r['promoted'])})" if r.get("promoted") else ""))
     elif step == "not_validated":
       out.append(f"- not validated: {r.get('reason', '')}")
   return "\n".join(out)
