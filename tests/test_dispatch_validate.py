@@ -610,6 +610,14 @@ class PromotionTest(chex.TestCase):
     self.assertTrue(record["skipped"] and record["final"])
     self.assertIn("not on a GPU", record["reason"])
 
+  def test_a_validation_resumed_from_before_promotion_keeps_its_rounds(self):
+    ctx = self._context(promotion_report())
+    begun = validate.add_validation(plan_of({}), {"step": "quality_held_out", "round": 0})
+    out = validate.check_promotion(begun, ctx, validate.ValidationConfig(promote=True))
+    (record,) = validate.validation_records(out, validate.PROMOTION)
+    self.assertTrue(record["skipped"])
+    self.assertIn("quality_held_out already judged this plan", record["reason"])
+
   def test_a_promotion_slower_in_the_step_is_not_kept(self):
     # The only proposal stalls 4 ms in every pass: timed for real, its step cannot be faster.
     report = hm.report({GOOD_SITE: hm.site(hm.same_passes(

@@ -288,7 +288,7 @@ def probe_and_plan(spec, workdir: str, *, train_config, probe_config=None, probe
     save_plan(plan, paths["plan"])
   else:
     partial = _usable_plan(paths["validating"], digest, budget)
-    _log("validating the plan end to end (held-out, shadow training, speed)"
+    _log("validating the plan end to end (speed promotion, held-out, shadow training, speed)"
          + (f", resuming {paths['validating']}" if partial is not None else ""))
     progress = validate_lib.Progress(save=lambda p: save_plan(p, paths["validating"]),
                                      deadline=deadline)

@@ -688,14 +688,20 @@ def check_shadow(plan, ctx: ValidationContext, config: ValidationConfig = Valida
 STEP_PASSES = {"train": PASSES, "infer": ("fwd",)}
 
 
-def speed_enabled(config: ValidationConfig) -> Tuple[bool, str]:
-  """(run the speed check, why or why not)."""
-  if config.speed is not None:
-    return config.speed, ("forced on" if config.speed else "switched off (speed=False)")
+def _on_gpu_unless(forced: Optional[bool], field: str, what: str) -> Tuple[bool, str]:
+  """(run a timed check, why or why not): `forced` (the config's `field`) when set, else
+  only on a GPU (CPU timings say nothing about GPU kernels)."""
+  if forced is not None:
+    return forced, ("forced on" if forced else f"switched off ({field}=False)")
   if _compat.on_gpu():
     return True, f"on {jax.devices()[0].device_kind}"
   return False, (f"not on a GPU ({jax.default_backend()}): CPU timings say nothing about GPU "
-                 "kernels; run the pipeline on the target GPU to validate speed")
+                 f"kernels; run the pipeline on the target GPU to {what}")
+
+
+def speed_enabled(config: ValidationConfig) -> Tuple[bool, str]:
+  """(run the speed check, why or why not)."""
+  return _on_gpu_unless(config.speed, "speed", "validate speed")
 
 
 def _step_calls(ctx: ValidationContext, kplan: KernelPlan, shared: Dict[str, Any]):
@@ -832,12 +838,7 @@ PROMOTION = "speed_promotion"
 def promotion_enabled(config: ValidationConfig) -> Tuple[bool, str]:
   """(run the promotion, why or why not): on a GPU unless `promote` says otherwise; forcing
   `speed` does not force it (a CPU step says nothing of which plan is faster on a GPU)."""
-  if config.promote is not None:
-    return config.promote, ("forced on" if config.promote else "switched off (promote=False)")
-  if _compat.on_gpu():
-    return True, f"on {jax.devices()[0].device_kind}"
-  return False, (f"not on a GPU ({jax.default_backend()}): CPU timings say nothing about GPU "
-                 "kernels; run the pipeline on the target GPU to promote sites")
+  return _on_gpu_unless(config.promote, "promote", "promote sites")
 
 
 def promotable_sites(plan: Plan, names: Sequence[str]) -> List[str]:
@@ -922,6 +923,12 @@ def check_promotion(plan, ctx: ValidationContext, config: ValidationConfig = Val
   if ctx.report is None:
     return _final(plan, {"step": PROMOTION, "skipped": True,
                          "reason": "no probe report to propose kernels from"})
+  later = {step for step, _ in CHECKS if step != PROMOTION}
+  begun = sorted({r["step"] for r in plan["validation"] if r.get("step") in later})
+  if begun:  # a validation resumed from before promotion existed: its rounds stand
+    return _final(plan, {"step": PROMOTION, "skipped": True,
+                         "reason": f"{', '.join(begun)} already judged this plan; promotion "
+                                   "comes first or not at all"})
   proposals = promotions(ctx.report, plan, ctx.site_names())
   if not proposals:
     return _final(plan, {"step": PROMOTION, "skipped": True,
