@@ -3,8 +3,8 @@
 A plan is JSON: per-site choices (each pass with its `kernel` and the `reason` it was chosen),
 regex `rules` and a `default` for hand overrides, the `provenance` of the selection and the
 `validation` steps that later changed it. `Plan` is a read-only view of that JSON; functions
-that change a plan (`back_off`, `promote`, `add_validation`) return a new one. `to_kernel_plan` compiles
-it to the static `KernelPlan` that sites read at trace time.
+that change a plan (`back_off`, `promote`, `add_validation`) return a new one.
+`to_kernel_plan` compiles it to the static `KernelPlan` that sites read at trace time.
 """
 from __future__ import annotations
 

@@ -899,12 +899,11 @@ def promotions(report: Mapping, plan: Plan, names: Sequence[str]) -> List[Promot
   return [best[k] for k in sorted(best)]
 
 
-def promotion_pays(summaries: Mapping[str, Mapping[str, dict]], name: str,
-                   min_gain: float = 1.0) -> bool:
+def promotion_pays(summaries: Mapping[str, Mapping[str, dict]], name: str) -> bool:
   """Whether variant `name` beats the plan it was timed against: its train step provably
-  faster (speedup CI lower bound above `min_gain`) and its inference step not provably slower
-  (CI upper bound at least 1)."""
-  return (summaries["train"][name]["speedup_ci"][0] > min_gain
+  faster (speedup CI lower bound above 1) and its inference step not provably slower (CI
+  upper bound at least 1)."""
+  return (summaries["train"][name]["speedup_ci"][0] > 1.0
           and summaries["infer"][name]["speedup_ci"][1] >= 1.0)
 
 
