@@ -202,6 +202,47 @@ class AttributionTest(absltest.TestCase):
       self.assertEqual(profile.device_events(path)[0], [])
 
 
+# The shape of a compiled FP8 train step's text (an H200 step of the 8192x2048x8 tower, cut
+# down): XLA's transposed copy of a quantized operand carries no op_name of its own.
+FP8_HLO = """HloModule jit_train_step, is_scheduled=true
+
+ENTRY %main.1 (x: bf16[64,32]) -> bf16[32,32] {
+  %x = bf16[64,32]{1,0} parameter(0), metadata={op_name="x"}
+  %loop_convert_fusion.8 = f8e4m3fn[64,32]{1,0} fusion(%x), kind=kLoop, calls=%fused.1, metadata={op_name="jit(train_step)/jvp(Tower)/mlp/dense_1/convert_element_type" scheduling_name="loop_convert_fusion.8"}
+  %wrapped_transpose.14 = f8e4m3fn[32,64]{1,0} fusion(%loop_convert_fusion.8), kind=kInput, calls=%wrapped_transpose_computation.14, metadata={scheduling_name="wrapped_transpose.14"}
+  %bitcast.405.0 = f8e4m3fn[32,64]{1,0} bitcast(%wrapped_transpose.14)
+  %cublas-gemm.1 = (bf16[32,32]{1,0}, s8[1024]{0}) custom-call(%wrapped_transpose.14, %bitcast.405.0), custom_call_target="__cublas$lt$matmul$f8", metadata={op_name="jit(train_step)/transpose(jvp(Tower))/mlp/dense_1/dot_general"}
+  %copy.7 = bf16[64,32]{0,1} copy(%x)
+  ROOT %get-tuple-element.1 = bf16[32,32]{1,0} get-tuple-element(%cublas-gemm.1), index=0
+}
+"""
+
+
+class InheritedOpNameTest(absltest.TestCase):
+  """Instructions XLA makes without an op_name take their user's (else their operand's), so
+  the FP8 GEMM's transposed operand copies count to the GEMM's site and pass."""
+
+  def test_a_transposed_copy_belongs_to_the_gemm_that_reads_it(self):
+    own = profile.hlo_op_names(FP8_HLO, inherit=False)
+    self.assertNotIn("wrapped_transpose.14", own)
+    names = profile.hlo_op_names(FP8_HLO)
+    gemm = own["cublas-gemm.1"]
+    self.assertEqual(names["wrapped_transpose.14"], gemm)  # its user, not its producer
+    self.assertEqual(names["bitcast.405.0"], gemm)
+    self.assertEqual(names["copy.7"], own["x"])  # no user: its operand's
+    for name, op_name in own.items():  # an instruction's own op_name is never replaced
+      self.assertEqual(names[name], op_name)
+    events = [{"name": "wrapped_transpose_14", "dur_us": 10.0, "ts": 0.0, "pid": 1,
+               "hlo_op": "wrapped_transpose.14"},
+              {"name": "nvjet_sm90_qqtst_128x128", "dur_us": 30.0, "ts": 20.0, "pid": 1,
+               "hlo_op": "cublas-gemm.1"}]
+    got = profile.split(events, names, ["mlp/dense_1"], steps=1)
+    self.assertEqual(got["sites_us"], {"mlp/dense_1": {"forward": 0.0, "backward": 40.0}})
+    self.assertEqual(got["outside_sites_us"], 0.0)
+    without = profile.split(events, own, ["mlp/dense_1"], steps=1)
+    self.assertEqual(without["outside_sites_us"], 10.0)
+
+
 class CliTest(absltest.TestCase):
 
   def test_profiles_and_writes_its_files(self):

@@ -6,8 +6,9 @@ attributes each kernel to a GEMM site and pass through the compiled HLO: every H
 instruction carries the jax name stack of the code it came from (`op_name="jit(train_step)/
 transpose(jvp(Wukong))/layer_0/fmb/mlp/dense_0/..."`), so a kernel event naming its HLO
 instruction (`hlo_op`), or covered by a device op-line span named by one, names its site,
-and `transpose(` marks the backward pass; each profile records how many kernels mapped
-(`attribution`). Kernels are also classed by what they are (cuBLASLt FP8 GEMM,
+and `transpose(` marks the backward pass (an instruction XLA made without an op_name, such
+as the FP8 GEMM's transposed operand copy, takes its user's: `hlo_op_names`); each profile
+records how many kernels mapped (`attribution`). Kernels are also classed by what they are (cuBLASLt FP8 GEMM,
 cuBLAS/cuBLASLt GEMM, XLA's Triton GEMM, a Pallas kernel, a fusion, a copy, ...) from their
 names. This is the profile the headline benchmark asks for where a target is missed:
 the per-site time split, which kernels ran, and what XLA fused.
@@ -39,6 +40,9 @@ KERNEL_CLASSES = (
     ("collective", r"nccl|all_reduce|all-reduce|all_gather|reduce_scatter"),
 )
 _OP_NAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?op_name="([^"]+)"', re.M)
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$', re.M)
+_REFERENCE = re.compile(r'%([\w.\-]+)')
+_HOPS = 3
 
 
 def kernel_class(name: str) -> str:
@@ -49,9 +53,38 @@ def kernel_class(name: str) -> str:
   return "other"
 
 
-def hlo_op_names(hlo_text: str) -> Dict[str, str]:
-  """{HLO instruction name: its op_name metadata} of a compiled module's text."""
-  return {m.group(1): m.group(2) for m in _OP_NAME.finditer(hlo_text)}
+def hlo_op_names(hlo_text: str, inherit: bool = True) -> Dict[str, str]:
+  """{HLO instruction name: its op_name metadata} of a compiled module's text.
+
+  XLA makes some instructions with no op_name of their own: the FP8 GEMM's transposed operand
+  copies (`wrapped_transpose.N`: Hopper's FP8 GEMM takes only the "TN" layout, so a weight
+  gradient's operands are copied transposed) and layout fusions. With `inherit`, such an
+  instruction takes the op_name of its first user that has one (what it was made for: the
+  copy belongs to the GEMM that reads it, with that GEMM's site and pass), else of its first
+  operand, over up to `_HOPS` hops (a copy feeding a layout fusion feeding the GEMM).
+  """
+  own = {m.group(1): m.group(2) for m in _OP_NAME.finditer(hlo_text)}
+  if not inherit:
+    return own
+  operands = {m.group(1): _REFERENCE.findall(m.group(2).split("metadata=")[0])
+              for m in _INSTRUCTION.finditer(hlo_text)}
+  users: Dict[str, List[str]] = collections.defaultdict(list)
+  for name, refs in operands.items():
+    for ref in refs:
+      if ref in operands and ref != name:
+        users[ref].append(name)
+  out = dict(own)
+  for _ in range(_HOPS):
+    found = {}
+    for name in operands:
+      if name not in out:
+        named = next((n for n in users[name] + operands[name] if n in out), None)
+        if named is not None:
+          found[name] = out[named]
+    if not found:
+      break
+    out.update(found)
+  return out
 
 
 def site_of(op_name: str, sites: Iterable[str]) -> Optional[str]:
