@@ -505,6 +505,14 @@ def _rel(value: float, base: float) -> float:
   return (value - base) / base if base else math.inf
 
 
+def held_out_change(ctx: ValidationContext, kplan: KernelPlan,
+                    eval_batch_size: Optional[int] = None) -> float:
+  """Relative held-out log-loss change of `kplan` against bf16+Mods on the context's
+  parameters: the numerics of the plan's forwards alone move it."""
+  base = held_out(ctx, BASELINE, eval_batch_size)
+  return _rel(held_out(ctx, kplan, eval_batch_size)["logloss"], base["logloss"])
+
+
 def _gradient(ctx: ValidationContext, kplan: KernelPlan, batches: int) -> np.ndarray:
   """The flattened parameter gradient under `kplan`, summed over the context's first
   `batches` training batches."""
@@ -558,8 +566,7 @@ def check_held_out(plan, ctx: ValidationContext, config: ValidationConfig = Vali
     else:
       for site, choice in candidates.items():
         if (site, choice) not in contributions:
-          alone = held_out(ctx, only_site(site, choice), size)
-          contributions[(site, choice)] = _rel(alone["logloss"], base["logloss"])
+          contributions[(site, choice)] = held_out_change(ctx, only_site(site, choice), size)
       current = {s: contributions[(s, c)] for s, c in candidates.items()}
       record["contributions"] = current
       # The site that pushes hardest in the direction of the excess: one that moves the loss

@@ -1,0 +1,82 @@
+r"""How far FP8 forwards move held-out log loss on fixed parameters, all sites and each alone.
+
+  python -m experiments.held_out_sites --model=wukong --preset=tiny --mods=all --steps=200 \
+      --num_eval=65536 --workdir=DIR
+
+Trains bf16 (with --mods) for --steps, or reuses a finished run in --workdir, then for each
+kernel of --kernels measures the relative held-out log-loss change against that model with the
+kernel in every pass of all --sites together, and of each site alone. It is the measurement
+validation's held-out check makes per site (`validate.held_out_change`): the parameters are
+the same, so only the kernel's numerics move it, and the check's budget (0.02%) can be read
+against it. Writes WORKDIR/held_out_sites.json and prints a table.
+"""
+import os
+import re
+
+from absl import app, flags
+
+from loka_jax import flags as common  # noqa: F401  (the common flags, defined once)
+
+KERNELS = flags.DEFINE_list("kernels", ["flax_fp8_delayed_fwd", "xla_fp8_tensorwise"],
+                            "Kernels to put at the sites, one at a time.")
+SITES = flags.DEFINE_string("sites", ".*", "Regex (fullmatch) of the sites to measure.")
+NUM_EVAL = flags.DEFINE_integer("num_eval", 65536, "Held-out examples.")
+BATCH_SIZE = flags.DEFINE_integer("batch_size", 256, "Training batch size.")
+EVAL_BATCH = flags.DEFINE_integer("eval_batch_size", 4096, "Held-out evaluation batch size.")
+
+
+def main(argv):
+  del argv
+  from loka_jax import jsonio
+  from loka_jax.dispatch import pipeline, validate
+  from loka_jax.kernels import KernelChoice, KernelPlan, registry
+  from loka_jax.train import TrainConfig, experiment
+  from loka_jax.train.loop import train
+
+  unknown = [k for k in KERNELS.value if k not in registry.names()]
+  if unknown:
+    raise SystemExit(f"--kernels: unknown {unknown}; registered: {sorted(registry.names())}")
+  workdir = common.WORKDIR.value or "held_out_sites_run"
+  spec = experiment.RunSpec(model=common.MODEL.value, preset=common.PRESET.value,
+                            data=common.DATA.value, data_spec=common.DATA_SPEC.value,
+                            data_path=common.DATA_PATH.value,
+                            data_cache=common.DATA_CACHE.value,
+                            mods=experiment.parse_mods(common.MODS.value),
+                            seed=common.SEED.value, num_eval=NUM_EVAL.value)
+  config = TrainConfig(steps=common.STEPS.value, seed=common.SEED.value,
+                       batch_size=BATCH_SIZE.value, log_every=0, progress=False)
+  model, source, _ = experiment.build_run(spec)
+  train(model, source, os.path.join(workdir, "run"), config, run_info=spec.run_info())
+  ctx = pipeline.context_for_run(spec, os.path.join(workdir, "run"), config)
+  sites = [s for s in ctx.site_names() if re.fullmatch(SITES.value, s)]
+  if not sites:
+    raise SystemExit(f"--sites={SITES.value!r} matches none of the model's sites: "
+                     f"{ctx.site_names()}")
+
+  base = validate.held_out(ctx, validate.BASELINE, EVAL_BATCH.value)
+  out = {"spec": spec.run_info(), "steps": config.steps, "num_eval": base["num_examples"],
+         "logloss": base["logloss"], "changes": {}}
+  for kernel in KERNELS.value:
+    choice = KernelChoice.uniform(kernel)
+    every = KernelPlan(sites=tuple((s, choice) for s in sites), rules=(),
+                       default=validate.BASELINE.default)
+    changes = {"all": validate.held_out_change(ctx, every, EVAL_BATCH.value)}
+    for i, site in enumerate(sites):
+      changes[site] = validate.held_out_change(ctx, validate.only_site(site, choice),
+                                               EVAL_BATCH.value)
+      print(f"[held_out_sites] {kernel} {i + 1}/{len(sites)} {site}: "
+            f"{100 * changes[site]:+.4f}%", flush=True)
+    out["changes"][kernel] = changes
+  jsonio.write_json_atomic(os.path.join(workdir, "held_out_sites.json"), out)
+
+  print(f"\nHeld-out log loss of the bf16 model: {base['logloss']:.5f} on "
+        f"{base['num_examples']:,} examples; relative change with each kernel:\n")
+  print("| site | " + " | ".join(KERNELS.value) + " |")
+  print("|---|" + "---|" * len(KERNELS.value))
+  for site in ["all"] + sites:
+    print(f"| {site} | " + " | ".join(f"{100 * out['changes'][k][site]:+.4f}%"
+                                      for k in KERNELS.value) + " |")
+
+
+if __name__ == "__main__":
+  app.run(main)
