@@ -30,6 +30,7 @@ def main(argv):
   from loka_jax import jsonio
   from loka_jax.dispatch import pipeline, validate
   from loka_jax.kernels import KernelChoice, KernelPlan, registry
+  from loka_jax.models.presets import site_products
   from loka_jax.train import TrainConfig, experiment
   from loka_jax.train.loop import train
 
@@ -46,12 +47,12 @@ def main(argv):
   config = TrainConfig(steps=common.STEPS.value, seed=common.SEED.value,
                        batch_size=BATCH_SIZE.value, log_every=0, progress=False)
   model, source, _ = experiment.build_run(spec)
+  names = list(site_products(model, None, source.train_batch(0, 8)))
+  sites = [s for s in names if re.fullmatch(SITES.value, s)]
+  if not sites:  # before any training
+    raise SystemExit(f"--sites={SITES.value!r} matches none of the model's sites: {names}")
   train(model, source, os.path.join(workdir, "run"), config, run_info=spec.run_info())
   ctx = pipeline.context_for_run(spec, os.path.join(workdir, "run"), config)
-  sites = [s for s in ctx.site_names() if re.fullmatch(SITES.value, s)]
-  if not sites:
-    raise SystemExit(f"--sites={SITES.value!r} matches none of the model's sites: "
-                     f"{ctx.site_names()}")
 
   base = validate.held_out(ctx, validate.BASELINE, EVAL_BATCH.value)
   out = {"spec": spec.run_info(), "steps": config.steps, "num_eval": base["num_examples"],

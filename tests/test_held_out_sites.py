@@ -42,10 +42,11 @@ class HeldOutSitesTest(absltest.TestCase):
     got = run_cli("--kernels=no_such_kernel", f"--workdir={tempfile.mkdtemp()}")
     self.assertNotEqual(got.returncode, 0)
     self.assertIn("--kernels: unknown ['no_such_kernel']", got.stderr)
-    got = run_cli("--sites=no/such/site", "--steps=2", "--batch_size=32", "--num_eval=256",
-                  f"--workdir={tempfile.mkdtemp()}")
+    workdir = tempfile.mkdtemp()
+    got = run_cli("--sites=no/such/site", "--num_eval=256", f"--workdir={workdir}")
     self.assertNotEqual(got.returncode, 0)
     self.assertIn("matches none of the model's sites", got.stderr)
+    self.assertFalse(os.path.exists(os.path.join(workdir, "run")))  # refused before training
 
 
 if __name__ == "__main__":
