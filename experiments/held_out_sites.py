@@ -45,7 +45,8 @@ def main(argv):
                             mods=experiment.parse_mods(common.MODS.value),
                             seed=common.SEED.value, num_eval=NUM_EVAL.value)
   config = TrainConfig(steps=common.STEPS.value, seed=common.SEED.value,
-                       batch_size=BATCH_SIZE.value, log_every=0, progress=False)
+                       batch_size=BATCH_SIZE.value, progress=False,
+                       log_every=max(1, common.STEPS.value // 10))  # training progress
   model, source, _ = experiment.build_run(spec)
   names = list(site_products(model, None, source.train_batch(0, 8)))
   sites = [s for s in names if re.fullmatch(SITES.value, s)]
