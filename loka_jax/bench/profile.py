@@ -8,10 +8,10 @@ transpose(jvp(Wukong))/layer_0/fmb/mlp/dense_0/..."`), so a kernel event naming 
 instruction (`hlo_op`), or covered by a device op-line span named by one, names its site,
 and `transpose(` marks the backward pass (an instruction XLA made without an op_name, such
 as the FP8 GEMM's transposed operand copy, takes its user's: `hlo_op_names`); each profile
-records how many kernels mapped (`attribution`). Kernels are also classed by what they are (cuBLASLt FP8 GEMM,
-cuBLAS/cuBLASLt GEMM, XLA's Triton GEMM, a Pallas kernel, a fusion, a copy, ...) from their
-names. This is the profile the headline benchmark asks for where a target is missed:
-the per-site time split, which kernels ran, and what XLA fused.
+records how many kernels mapped (`attribution`). Kernels are also classed by what they are
+(cuBLASLt FP8 GEMM, cuBLAS/cuBLASLt GEMM, XLA's Triton GEMM, a Pallas kernel, a fusion, a
+copy, ...) from their names. This is the profile the headline benchmark asks for where a
+target is missed: the per-site time split, which kernels ran, and what XLA fused.
 """
 from __future__ import annotations
 

@@ -274,10 +274,11 @@ def promote(plan: PlanLike, sites: Sequence[str], kernel: str, reason: str, *,
   """A new plan where each of `sites` runs `kernel` in every pass, recorded in `validation`
   as one entry: the opposite of `back_off`, for sites the plan runs in xla_bf16 that the
   whole step, not the site timed alone, shows to be faster on FP8 (validate.check_promotion)."""
-  data = as_plan(plan).to_dict()
+  original = as_plan(plan)
+  data = original.to_dict()
   registry.get(kernel)  # an unknown kernel fails here
   for site in sites:
-    current = Plan(data).choice_for(site)
+    current = original.choice_for(site)
     if current is None or any(current.for_pass(p) != FALLBACK for p in PASSES):
       raise ValueError(f"promote: site {site!r} does not run {FALLBACK} in every pass")
     data["sites"][site] = {p: {"kernel": kernel, "reason": f"promoted from {FALLBACK} "

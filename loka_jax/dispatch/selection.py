@@ -21,8 +21,8 @@ speedup), among per-pass kernels and fused ops alike, since a fused op's backwar
 there. Ranking as above, except that on a speed tie the candidate whose gradients would be
 the most accurate comes first (per-pass kernels leave them to bf16; Flax's delayed ops share
 one forward, and the one with bf16 gradients wins). Its gradient passes say so; where the
-forward is a fused op they name it too (a fused op runs all passes or none). `dispatch.export` serves it; training refuses it
-(`train.experiment.load_plan`).
+forward is a fused op they name it too (a fused op runs all passes or none).
+`dispatch.export` serves it; training refuses it (`train.experiment.load_plan`).
 
 Timings: the report's own when `timing_valid` (and the target device is the report's);
 otherwise a committed timing table of the target device (nearest measured shape, marked

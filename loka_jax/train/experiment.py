@@ -67,16 +67,16 @@ def load_plan(path: Optional[str]) -> KernelPlan:
     raise PlanError("--precision=loka needs --plan=PLAN.json (a loka.plan/1 file from "
                      "`python -m experiments.dispatch`)")
   try:
-    from loka_jax.dispatch import load_plan as dispatch_load_plan
+    from loka_jax.dispatch import read_plan, to_kernel_plan
   except ImportError as e:
     raise PlanError(
         f"--precision=loka needs the plan loader loka_jax.dispatch.load_plan(path) -> "
         f"KernelPlan, which this checkout does not have yet ({e}); use --precision=bf16 or "
         "--precision=fp8_all until the Dispatch package lands") from e
   try:
-    from loka_jax.dispatch import read_plan
-    objective = read_plan(path)["provenance"].get("objective")
-    plan = dispatch_load_plan(path)
+    plan_file = read_plan(path)  # read once: its provenance, then its kernels
+    objective = plan_file["provenance"].get("objective")
+    plan = to_kernel_plan(plan_file)
   except ValueError as e:  # unreadable, corrupt or malformed: the message names the file
     raise PlanError(str(e)) from e
   if objective == "serve":  # its gradient passes were never judged: bf16 or a fused op's
