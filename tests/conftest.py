@@ -48,6 +48,14 @@ if "LOKA_TEST_XLA_FLAGS_CHECKED" not in os.environ:
     os.environ["XLA_FLAGS"] += " " + _flag
   os.environ["LOKA_TEST_XLA_FLAGS_CHECKED"] = "1"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tests make their directories with tempfile and leave them (one checkpoint test writes 1.5
+# GB): all of them go under one root per run, which the xdist workers and subprocesses inherit
+# through TMPDIR and which the process that made it removes.
+if "LOKA_TEST_TMP_ROOT" not in os.environ:
+  os.environ["LOKA_TEST_TMP_ROOT"] = os.environ["TMPDIR"] = tempfile.mkdtemp(
+      prefix="loka_jax_test_tmp_")
+  atexit.register(shutil.rmtree, os.environ["LOKA_TEST_TMP_ROOT"], ignore_errors=True)
+tempfile.tempdir = None   # gettempdir() reads TMPDIR again
 # Many tests compile the same tiny steps (a model's train step in several tests, a CLI run and
 # its resumption): one persistent cache per run, which the xdist workers and every CLI or
 # notebook subprocess inherit through the environment. Removed by the process that made it.
