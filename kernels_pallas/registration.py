@@ -10,6 +10,12 @@ Per-pass kernels (mix freely with others per pass):
                         fp32 promotion of every K block's partial product.
   pallas_fp8_batched    batched specs ('bnd,bdk->bnk', DLRM's 'bfd,bgd->bfg', their passes);
                         rowwise e4m3, batch entries on the grid.
+Fused-op kernels (own all three passes):
+  pallas_fp8_delayed, pallas_fp8_delayed_grad_lhs, pallas_fp8_delayed_fwd
+                        Flax's delayed-scaling recipe (e4m3 / e5m2, amax history 1024) with
+                        one Pallas pass per operand for the amax, the cast and the transposed
+                        copy, and XLA's FP8 dots; FP8 in every pass, in fwd + grad_lhs, or in
+                        the forward alone (kernels_pallas.delayed_op).
 Fused epilogue kernels (`pallas_fp8_rowwise_fused_<epilogue>`) compute act(norm(x W + b)),
 not a site's plain product: Mods layers call them through kernels_pallas.fused.fused_dense.
 """
@@ -20,9 +26,10 @@ from typing import Optional
 
 import jax
 
-from kernels_pallas import fused, products
+from kernels_pallas import delayed_op, fused, products
 from loka_jax.kernels import registry
 from loka_jax.kernels.base import FUSED_OP, Kernel
+from loka_jax.kernels.spec import ACT_WEIGHT
 
 BACKEND = "pallas_triton"
 
@@ -70,6 +77,24 @@ class PallasFp8(Kernel):
 
 
 @dataclasses.dataclass(frozen=True)
+class PallasDelayed(Kernel):
+  """Delayed-scaling FP8 as one fused op, quantized in one Pallas pass per operand."""
+  amax_history_length: int = 1024
+  mode: str = delayed_op.ALL
+
+  def make_module(self, name: str):
+    return delayed_op.PallasDelayedEinsum(amax_history_length=self.amax_history_length,
+                                          mode=self.mode, name=name)
+
+  def unsupported_reason(self, spec, pass_name, kind, lhs_shape, rhs_shape):
+    reason = super().unsupported_reason(spec, pass_name, kind, lhs_shape, rhs_shape)
+    if reason:
+      return reason
+    reason = delayed_op.dense_spec_reason(spec, pass_name) or device_reason()
+    return f"kernel {self.name}: {reason}" if reason else None
+
+
+@dataclasses.dataclass(frozen=True)
 class PallasFusedEpilogue(Kernel):
   """GEMM + bias + BlockNorm + activation (+ output quantization) as one kernel."""
   block_size: Optional[int] = None
@@ -112,6 +137,15 @@ def register_all() -> None:
       name="pallas_fp8_batched", backend=BACKEND, mode="rowwise", batched=True,
       description="Pallas Triton FP8 batched (interaction shapes): rowwise e4m3, batch on "
                   "the grid"))
+  for mode, suffix, what in ((delayed_op.ALL, "", "FP8 in every pass"),
+                            (delayed_op.GRAD_LHS, "_grad_lhs",
+                             "FP8 fwd and grad_lhs, grad_rhs in the compute dtype"),
+                            (delayed_op.FWD, "_fwd", "FP8 fwd, both gradients in the compute dtype")):
+    registry.register(PallasDelayed(
+        name=f"pallas_fp8_delayed{suffix}", backend=BACKEND, sort=FUSED_OP, stateful=True,
+        kinds=frozenset({ACT_WEIGHT}), mode=mode,
+        description=f"delayed scaling (amax history 1024), e4m3 / e5m2; amax, cast and "
+                    f"transposed copy in one Pallas pass per operand, XLA FP8 dots; {what}"))
   for block_size in (None, 256):
     for activation in ("relu", "hard_swish"):
       for quant in (False, True):
