@@ -137,9 +137,10 @@ def plan_for(target: Target, variant: Variant, batch, settings: SpeedSettings) -
   if variant.kernels_from == PALLAS:
     model = target.build(SiteConfig.for_precision("bf16"), variant.mods)
     products = site_products(model, None, batch)  # abstract trace: no compilation
-    plan, chosen = pallas_plan(products)
+    plan, chosen = pallas_plan(products, variant.preference, variant.fallback)
     kernels = sorted(set(chosen.values()))
-    return plan, {"pallas_coverage": pallas_coverage(chosen), "kernels": kernels}, None
+    return plan, {"pallas_coverage": pallas_coverage(chosen, variant.preference),
+                  "kernels": kernels}, None
   if variant.kernels_from == PLAN:
     plan = planning.load(settings.plans_dir, target.model, target.preset)
     if plan is None:

@@ -24,6 +24,10 @@ class Variant:
   # Inference served by the exported model (weights stored once in their serving dtype),
   # as the LoKA arm's is; the others infer from the training state's float32 parameters.
   served: bool = False
+  # kernels_from=PALLAS: the kernels tried per site, first supported wins, and the kernel of
+  # the sites none of them supports.
+  preference: Sequence[str] = ()
+  fallback: str = ""
 
   @property
   def label(self) -> str:
@@ -43,7 +47,14 @@ VARIANTS: Dict[str, Variant] = {
                                          "flax_fp8_delayed_grad_lhs"),
     "fp8_tensorwise": Variant("fp8_tensorwise", "fp8_all", "xla_fp8_tensorwise"),
     "fp8_rowwise": Variant("fp8_rowwise", "fp8_all", "xla_fp8_rowwise"),
-    "pallas": Variant("pallas", "fp8_all", "pallas_fp8_rowwise", kernels_from=PALLAS),
+    "pallas": Variant("pallas", "fp8_all", "pallas_fp8_rowwise", kernels_from=PALLAS,
+                      preference=("pallas_fp8_rowwise", "pallas_fp8_batched"),
+                      fallback="xla_fp8_rowwise"),
+    # Delayed scaling with the Pallas one-pass quantize where a site's product is an
+    # activation times a 2-D weight, Flax's op at the others (act x act products).
+    "pallas_delayed": Variant("pallas_delayed", "fp8_all", "pallas_fp8_delayed",
+                              kernels_from=PALLAS, preference=("pallas_fp8_delayed",),
+                              fallback="flax_fp8_delayed"),
     "loka": Variant("loka", "loka", mods=("all",), kernels_from=PLAN),
 }
 LABELS = {"fp32": "fp32", "bf16": "bf16", "bf16_mods": "bf16+Mods",
@@ -51,15 +62,15 @@ LABELS = {"fp32": "fp32", "bf16": "bf16", "bf16_mods": "bf16+Mods",
           "flax_fp8_delayed_fwd": "FP8 fwd (delayed), bf16 grads",
           "flax_fp8_delayed_grad_lhs": "FP8 fwd + grad_lhs (delayed), bf16 grad_rhs",
           "fp8_tensorwise": "XLA FP8 tensorwise", "fp8_rowwise": "XLA FP8 rowwise",
-          "pallas": "Pallas FP8", "loka": "LoKA"}
+          "pallas": "Pallas FP8", "pallas_delayed": "Pallas FP8 (delayed)", "loka": "LoKA"}
 # The one-kernel-everywhere peers LoKA must match or beat (issue 8, targets).
 PEERS = ("flax_fp8_delayed", "flax_fp8_delayed_fwd", "flax_fp8_delayed_grad_lhs",
-         "fp8_tensorwise", "fp8_rowwise", "pallas")
+         "fp8_tensorwise", "fp8_rowwise", "pallas", "pallas_delayed")
 BASELINE = "bf16"
-# Pallas kernels tried per site, first supported wins (rowwise led the GEMM bench; the batched
-# kernel covers the act x act batched products the 2-D kernels cannot).
-PALLAS_PREFERENCE = ("pallas_fp8_rowwise", "pallas_fp8_batched")
-PALLAS_FALLBACK = "xla_fp8_rowwise"
+# The `pallas` variant's kernels per site, first supported wins (rowwise led the GEMM bench;
+# the batched kernel covers the act x act batched products the 2-D kernels cannot).
+PALLAS_PREFERENCE = VARIANTS["pallas"].preference
+PALLAS_FALLBACK = VARIANTS["pallas"].fallback
 
 
 def parse_variants(names: Sequence[str]) -> Tuple[Variant, ...]:
@@ -99,11 +110,12 @@ def pallas_plan(products: Mapping[str, object],
   return KernelPlan(sites=tuple(sites), default=KernelChoice.uniform(fallback)), chosen
 
 
-def pallas_coverage(chosen: Mapping[str, str]) -> Optional[float]:
-  """Fraction of sites that got a Pallas kernel (None without sites)."""
+def pallas_coverage(chosen: Mapping[str, str],
+                    preference: Sequence[str] = PALLAS_PREFERENCE) -> Optional[float]:
+  """Fraction of sites that got one of the `preference` kernels (None without sites)."""
   if not chosen:
     return None
-  return sum(k != PALLAS_FALLBACK for k in chosen.values()) / len(chosen)
+  return sum(k in preference for k in chosen.values()) / len(chosen)
 
 
 __all__ = ["Variant", "VARIANTS", "LABELS", "PEERS", "BASELINE", "parse_variants",

@@ -1,0 +1,100 @@
+"""GPU checks of the delayed-scaling Pallas ops (compiled Triton quantize, cuBLASLt FP8 dots).
+
+Run on an H100/H200: `python -m pytest tests_gpu/test_pallas_delayed_gpu.py -q`.
+(a) the one-pass quantize against its pure-jnp twin, code for code, at ragged shapes;
+(b) every FP8 pass against the fp32 HIGHEST product of the op's own dequantized operands;
+(c) the train step's HLO: no transpose of an FP8 tensor runs outside the Pallas kernels (the
+layout the quantize writes is the one the FP8 GEMMs read).
+"""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas import delayed as kd
+from kernels_pallas import delayed_op
+from loka_jax import kernels
+from loka_jax.kernels.flax_delayed import FP8_META, merge_fp8_meta, run_delayed_passes
+from loka_jax.precision import metrics
+
+
+def _heavy(key, shape, dtype=jnp.bfloat16):
+  k1, k2 = jax.random.split(key)
+  scale = jnp.exp(0.5 * jax.random.normal(k2, shape[:-1] + (1,)))
+  return (jax.random.normal(k1, shape) * scale).astype(dtype)
+
+
+def _codes_equal(got, want):
+  got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
+  same = (got == want) | (np.isnan(got) & np.isnan(want))
+  assert np.all(same), f"{np.sum(~same)} codes differ"
+
+
+@pytest.mark.parametrize("shape", [(8192, 2048), (1000, 300), (4096, 12320)])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_quantize_matches_its_reference(shape, fmt):
+  x = _heavy(jax.random.key(shape[0]), shape)
+  x = x.at[5, 7].set(jnp.nan).at[9, 3].set(jnp.inf).at[11].set(0.0)
+  scale = jnp.float32(float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(x), x, 0)))) / 300.0)
+  got = jax.jit(lambda x: kd.quantize_delayed(x, scale, fmt, transposed=True))(x)
+  want = kd.quantize_delayed_reference(x, scale, fmt, transposed=True)
+  _codes_equal(got[0], want[0])
+  _codes_equal(got[1], want[1])
+  assert float(got[2]) == float(want[2])
+
+
+@pytest.mark.parametrize("name,fp8", [("pallas_fp8_delayed", ("fwd", "grad_lhs", "grad_rhs")),
+                                      ("pallas_fp8_delayed_grad_lhs", ("fwd", "grad_lhs")),
+                                      ("pallas_fp8_delayed_fwd", ("fwd",))])
+@pytest.mark.parametrize("m,k,n", [(8192, 2048, 2048), (1000, 1000, 300)])
+def test_passes_against_their_own_dequantized_operands(name, fp8, m, k, n):
+  keys = jax.random.split(jax.random.key(m + n), 3)
+  x = _heavy(keys[0], (m, k))
+  w = (jax.random.normal(keys[1], (k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
+  g = (_heavy(keys[2], (m, n)) * 1e-3).astype(jnp.bfloat16)
+  run = jax.jit(lambda x, w, g: run_delayed_passes("mk,kn->mn", x, w, g, warmup=2,
+                                                   kernel=name))
+  out, dx, dw, _ = run(x, w, g)
+  # The state the measured call started from: two warm-up steps on the same operands.
+  module = kernels.get(name).make_module(name=None)
+  variables = module.init(jax.random.PRNGKey(0), "mk,kn->mn", x, w)
+  for _ in range(2):
+    _, vjp = jax.vjp(lambda v: module.apply(v, "mk,kn->mn", x, w), variables)
+    variables = {FP8_META: merge_fp8_meta(vjp(g)[0][FP8_META])}
+  meta = variables[FP8_META]
+
+  def dq(a, scale_name, history_name, fmt, dtype):
+    s = delayed_op.next_scale(meta[scale_name], meta[history_name], dtype)
+    return np.asarray(kd.quantize_delayed_reference(a, s, fmt)[0].astype(jnp.float32)) * float(s[0])
+
+  qx = dq(x, "input_scale", "input_amax_history", "e4m3", jnp.float8_e4m3fn)
+  qw = dq(w, "kernel_scale", "kernel_amax_history", "e4m3", jnp.float8_e4m3fn)
+  refs = {"fwd": qx @ qw}
+  if "grad_lhs" in fp8:
+    qg = dq(g, "output_grad_scale", "output_grad_amax_history", "e5m2", jnp.float8_e5m2)
+    refs.update(grad_lhs=qg @ qw.T, grad_rhs=qx.T @ qg)
+  f32 = lambda a: np.asarray(a, np.float32)
+  exact = {"fwd": f32(x) @ f32(w), "grad_lhs": f32(g) @ f32(w).T, "grad_rhs": f32(x).T @ f32(g)}
+  for p, got in (("fwd", out), ("grad_lhs", dx), ("grad_rhs", dw)):
+    assert np.all(np.isfinite(f32(got))), p
+    ref = refs[p] if p in fp8 else exact[p]
+    # Fast accumulation (fwd) and bf16 outputs: about 40 dB against the dequantized product.
+    assert float(metrics.sqnr_db(got, ref)) > (35.0 if p in fp8 else 40.0), p
+
+
+def test_train_step_transposes_no_fp8_tensor():
+  x = _heavy(jax.random.key(0), (4096, 1024))
+  w = (jax.random.normal(jax.random.key(1), (1024, 1024)) / 32).astype(jnp.bfloat16)
+  module = delayed_op.PallasDelayedEinsum()
+  variables = module.init(jax.random.PRNGKey(0), "mk,kn->mn", x, w)
+
+  def loss(v, x, w):
+    return jnp.sum(module.apply(v, "mk,kn->mn", x, w).astype(jnp.float32) ** 2)
+
+  hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(variables, x, w).compile().as_text()
+  transposes = [l for l in hlo.splitlines()
+                if re.search(r"= f8e\dm\d\w*\[[\d,]+\]\S* (transpose|copy)\(", l)]
+  assert not transposes, "\n".join(transposes[:5])
+  assert "__gpu$xla.gpu.triton" in hlo or "triton" in hlo
