@@ -17,13 +17,18 @@ from loka_jax.bench.variants import LABELS, VARIANTS  # noqa: E402
 def variant_color(variant: str) -> str:
   """A fixed colour per variant, the same in every plot; LoKA, the subject, in black.
 
-  Matplotlib's default cycle has ten colours and the suites have eleven variants, so the
-  cycle alone gives fp32 and LoKA the same blue.
+  Matplotlib's default cycle has ten colours and the suites have more variants: past ten,
+  the lighter shades of the tab20 palette (C0..C9 are tab20's darker ones).
   """
   if variant == "loka":
     return "k"
   names = [v for v in VARIANTS if v != "loka"]
-  return f"C{names.index(variant) % 10}" if variant in names else "0.5"
+  if variant not in names:
+    return "0.5"
+  i = names.index(variant)
+  if i < 10:
+    return f"C{i}"
+  return matplotlib.colors.to_hex(matplotlib.colormaps["tab20"](2 * (i - 10) + 1))
 
 
 def speedup_plot(rows: Sequence[Mapping], suite: str, path: str) -> str:
@@ -45,8 +50,9 @@ def speedup_plot(rows: Sequence[Mapping], suite: str, path: str) -> str:
       for t in targets:
         s = by.get((t, v), {}).get(mode)
         vals.append(np.nan if s is None else s["speedup"])
-        lo.append(0 if s is None else s["speedup"] - s["speedup_ci"][0])
-        hi.append(0 if s is None else s["speedup_ci"][1] - s["speedup"])
+        # A ratio of medians can fall just outside its bootstrap interval: no negative bars.
+        lo.append(0 if s is None else max(0.0, s["speedup"] - s["speedup_ci"][0]))
+        hi.append(0 if s is None else max(0.0, s["speedup_ci"][1] - s["speedup"]))
       ax.bar(x + (j - (len(variants) - 1) / 2) * width, vals, width, yerr=[lo, hi],
              label=LABELS.get(v, v), color=variant_color(v), ecolor="0.45", capsize=2)
     ax.axhline(1.0, color="k", lw=0.8)
