@@ -140,7 +140,8 @@ def register_all() -> None:
   for mode, suffix, what in ((delayed_op.ALL, "", "FP8 in every pass"),
                             (delayed_op.GRAD_LHS, "_grad_lhs",
                              "FP8 fwd and grad_lhs, grad_rhs in the compute dtype"),
-                            (delayed_op.FWD, "_fwd", "FP8 fwd, both gradients in the compute dtype")):
+                            (delayed_op.FWD, "_fwd",
+                             "FP8 fwd, both gradients in the compute dtype")):
     registry.register(PallasDelayed(
         name=f"pallas_fp8_delayed{suffix}", backend=BACKEND, sort=FUSED_OP, stateful=True,
         kinds=frozenset({ACT_WEIGHT}), mode=mode,
