@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas import compat
-from kernels_pallas.quantize import finite_abs, saturating_cast
+from kernels_pallas.quantize import finite_abs, load_tile, saturating_cast
 from loka_jax.precision import formats as formats_lib
 
 # Tiles of 64 x 128 (16K elements, 32 KB of bf16) keep a wide layer's quantize at thousands of
@@ -37,10 +37,6 @@ from loka_jax.precision import formats as formats_lib
 # transposed copy uses square 64 x 64 tiles, so both stores are 128-byte rows of FP8.
 _BLOCK = (64, 128)
 _BLOCK_TRANSPOSED = (64, 64)
-
-
-def _mask2(rows, cols, nrows, ncols):
-  return (rows < nrows)[:, None] & (cols < ncols)[None, :]
 
 
 def _delayed_kernel(x_ref, s_ref, *refs, R, C, br, bc, fmt, row_major, transposed):
@@ -51,11 +47,7 @@ def _delayed_kernel(x_ref, s_ref, *refs, R, C, br, bc, fmt, row_major, transpose
   qt_ref = refs.pop(0) if transposed else None
   (a_ref,) = refs
   i, j = pl.program_id(0), pl.program_id(1)
-  rows = i * br + jnp.arange(br)
-  cols = j * bc + jnp.arange(bc)
-  mask = _mask2(rows, cols, R, C)
-  x = compat.load(x_ref.at[pl.ds(i * br, br), pl.ds(j * bc, bc)], mask=mask,
-                  other=0.0).astype(jnp.float32)
+  x, mask = load_tile(x_ref, i, j, br=br, bc=bc, R=R, C=C)
   q = saturating_cast(x / s_ref[0], fmt)
   if row_major:
     compat.store(q_ref.at[pl.ds(i * br, br), pl.ds(j * bc, bc)], q, mask=mask)

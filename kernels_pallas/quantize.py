@@ -53,6 +53,14 @@ def _mask2(rows, cols, nrows, ncols):
   return (rows < nrows)[:, None] & (cols < ncols)[None, :]
 
 
+def load_tile(x_ref, i, j, *, br, bc, R, C):
+  """(tile, mask): the (br, bc) tile (i, j) of an (R, C) ref in float32, 0 outside the
+  tensor, and the mask of its in-bounds elements (for the stores)."""
+  mask = _mask2(i * br + jnp.arange(br), j * bc + jnp.arange(bc), R, C)
+  x = compat.load(x_ref.at[pl.ds(i * br, br), pl.ds(j * bc, bc)], mask=mask, other=0.0)
+  return x.astype(jnp.float32), mask
+
+
 # --- Layout: any tensor + contracting axes -> (P, R, C) and back. ---
 
 def pcr_view(shape: Sequence[int], axes: Tuple[int, ...]):
@@ -168,9 +176,7 @@ def _block_kernel(x_ref, q_ref, s_ref, *, R, C, br, bc, fmt, reduce_axis):
   i, j = pl.program_id(1), pl.program_id(2)
   rows = i * br + jnp.arange(br)
   cols = j * bc + jnp.arange(bc)
-  mask = _mask2(rows, cols, R, C)
-  x = compat.load(x_ref.at[pl.ds(i * br, br), pl.ds(j * bc, bc)], mask=mask,
-                  other=0.0).astype(jnp.float32)
+  x, mask = load_tile(x_ref, i, j, br=br, bc=bc, R=R, C=C)
   ax = finite_abs(x)
   if reduce_axis is None:
     scale = scale_from_amax(jnp.max(ax), fmt.max)
