@@ -8,7 +8,9 @@ kernel of --kernels measures the relative held-out log-loss change against that 
 kernel in every pass of all --sites together, and of each site alone. It is the measurement
 validation's held-out check makes per site (`validate.held_out_change`): the parameters are
 the same, so only the kernel's numerics move it, and the check's budget (0.02%) can be read
-against it. Writes WORKDIR/held_out_sites.json and prints a table.
+against it. Each change comes with its standard error over the eval examples
+(`validate.held_out_change_se`): a change within about two of them is one this eval set
+cannot tell from none. Writes WORKDIR/held_out_sites.json and prints a table.
 """
 import os
 import re
@@ -57,27 +59,31 @@ def main(argv):
 
   base = validate.held_out(ctx, validate.BASELINE, EVAL_BATCH.value)
   out = {"spec": spec.run_info(), "steps": config.steps, "num_eval": base["num_examples"],
-         "logloss": base["logloss"], "changes": {}}
+         "logloss": base["logloss"], "changes": {}, "standard_errors": {}}
   for kernel in KERNELS.value:
     choice = KernelChoice.uniform(kernel)
     every = KernelPlan(sites=tuple((s, choice) for s in sites), rules=(),
                        default=validate.BASELINE.default)
-    changes = {"all": validate.held_out_change(ctx, every, EVAL_BATCH.value)}
+    rel, se = validate.held_out_change_se(ctx, every, EVAL_BATCH.value)
+    changes, errors = {"all": rel}, {"all": se}
     for i, site in enumerate(sites):
-      changes[site] = validate.held_out_change(ctx, validate.only_site(site, choice),
-                                               EVAL_BATCH.value)
+      changes[site], errors[site] = validate.held_out_change_se(
+          ctx, validate.only_site(site, choice), EVAL_BATCH.value)
       print(f"[held_out_sites] {kernel} {i + 1}/{len(sites)} {site}: "
-            f"{100 * changes[site]:+.4f}%", flush=True)
+            f"{100 * changes[site]:+.4f}% +- {100 * errors[site]:.4f}%", flush=True)
     out["changes"][kernel] = changes
+    out["standard_errors"][kernel] = errors
   jsonio.write_json_atomic(os.path.join(workdir, "held_out_sites.json"), out)
 
   print(f"\nHeld-out log loss of the bf16 model: {base['logloss']:.5f} on "
-        f"{base['num_examples']:,} examples; relative change with each kernel:\n")
+        f"{base['num_examples']:,} examples; relative change with each kernel, +- one "
+        "standard error over the eval examples:\n")
   print("| site | " + " | ".join(KERNELS.value) + " |")
   print("|---|" + "---|" * len(KERNELS.value))
   for site in ["all"] + sites:
-    print(f"| {site} | " + " | ".join(f"{100 * out['changes'][k][site]:+.4f}%"
-                                      for k in KERNELS.value) + " |")
+    print(f"| {site} | " + " | ".join(
+        f"{100 * out['changes'][k][site]:+.4f}% +- {100 * out['standard_errors'][k][site]:.4f}%"
+        for k in KERNELS.value) + " |")
 
 
 if __name__ == "__main__":

@@ -137,6 +137,9 @@ class HeldOutTest(chex.TestCase):
     first, last = measured[0], measured[-1]
     self.assertFalse(first["passed"])
     self.assertGreater(abs(first["rel_logloss_change"]), 0.002)
+    # The two-bit site's change is far outside its spread over the eval examples.
+    self.assertGreater(abs(first["rel_logloss_change"]), 2 * first["rel_logloss_change_se"])
+    self.assertGreater(first["rel_logloss_change_se"], 0.0)
     contrib = first["contributions"]
     self.assertGreater(abs(contrib[BAD_SITE]), abs(contrib[GOOD_SITE]))
     self.assertTrue(last["passed"])

@@ -33,10 +33,13 @@ class HeldOutSitesTest(absltest.TestCase):
     self.assertEqual(out["num_eval"], 512)
     for kernel in ("xla_bf16", "xla_fp8_rowwise"):
       self.assertEqual(sorted(out["changes"][kernel]), sorted(("all",) + SITES))
-    # The baseline's own kernel is the same program: exactly no change, at every site.
+    # The baseline's own kernel is the same program: exactly no change, at every site, and
+    # no spread over the examples either.
     self.assertEqual(set(out["changes"]["xla_bf16"].values()), {0.0})
+    self.assertEqual(set(out["standard_errors"]["xla_bf16"].values()), {0.0})
     self.assertTrue(any(v != 0.0 for v in out["changes"]["xla_fp8_rowwise"].values()))
-    self.assertIn("| all | +0.0000% |", got.stdout)
+    self.assertTrue(all(v > 0.0 for v in out["standard_errors"]["xla_fp8_rowwise"].values()))
+    self.assertIn("| all | +0.0000% +- 0.0000% |", got.stdout)
 
   def test_bad_arguments_fail_with_a_clear_message(self):
     got = run_cli("--kernels=no_such_kernel", f"--workdir={tempfile.mkdtemp()}")

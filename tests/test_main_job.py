@@ -70,7 +70,9 @@ class MainJobTest(chex.TestCase):
     self.assertEqual(other.returncode, 0, other.stderr[-3000:])
     self.assertNotIn("validated plan found", other.stdout)
     with open(os.path.join(workdir, "report.md")) as f:
-      self.assertIn("held-out (round 0)", f.read())             # FP8 sites: measured
+      text = f.read()
+    self.assertIn("held-out (round 0)", text)                    # FP8 sites: measured,
+    self.assertIn("(one standard error)", text)                  # with the eval set's spread
 
 
 if __name__ == "__main__":

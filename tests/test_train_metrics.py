@@ -128,6 +128,46 @@ class AccumulatorTest(chex.TestCase):
       metrics.EvalAccumulator().result()
 
 
+class PairedLogLossTest(chex.TestCase):
+
+  def test_change_and_error_by_hand(self):
+    rng = np.random.default_rng(0)
+    labels = (rng.random(400) < 0.3).astype(np.float64)
+    base = rng.normal(size=400)
+    moved = base + rng.normal(scale=0.05, size=400)
+    loss = lambda z: np.log1p(np.exp(-np.abs(z))) + np.maximum(z, 0) - labels * z
+    d = loss(moved) - loss(base)
+    rel, se = metrics.paired_logloss_change(moved, base, labels)
+    self.assertAlmostEqual(rel, d.mean() / loss(base).mean(), places=12)
+    self.assertAlmostEqual(se, math.sqrt(np.var(d, ddof=1) / 400) / loss(base).mean(),
+                           places=12)
+    # The same logits: no change and no spread.
+    self.assertEqual(metrics.paired_logloss_change(base, base, labels), (0.0, 0.0))
+
+  def test_a_constant_shift_has_no_spread_but_noise_has(self):
+    labels = np.array([0.0, 1.0] * 50)
+    base = np.zeros(100)
+    # Every example moves its loss by the same amount: the error is 0 to rounding.
+    _, se = metrics.paired_logloss_change(base + 0.1, base, np.ones(100))
+    self.assertLess(se, 1e-12)
+    _, se = metrics.paired_logloss_change(base + np.linspace(-1, 1, 100), base, labels)
+    self.assertGreater(se, 1e-3)
+
+  def test_mismatched_or_too_few_examples_are_refused(self):
+    with self.assertRaisesRegex(ValueError, "one per example"):
+      metrics.paired_logloss_change(np.zeros(3), np.zeros(4), np.zeros(3))
+    with self.assertRaisesRegex(ValueError, "two or more"):
+      metrics.paired_logloss_change(np.zeros(1), np.zeros(1), np.zeros(1))
+
+  def test_the_accumulator_keeps_every_score_in_order(self):
+    acc = metrics.EvalAccumulator()
+    acc.add(np.array([0.5, -1.0, 2.0]), np.array([1, 0, 1]), valid=2)
+    acc.add(np.array([[3.0]]), np.array([0]))
+    logits, labels = acc.scores()
+    np.testing.assert_array_equal(logits, [0.5, -1.0, 3.0])
+    np.testing.assert_array_equal(labels, [1, 0, 0])
+
+
 class JsonSafeTest(chex.TestCase):
 
   def test_non_finite_becomes_null_with_error(self):

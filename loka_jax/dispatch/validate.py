@@ -78,6 +78,7 @@ from loka_jax.kernels import FP8_META, FUSED_OP, PASSES, PER_PASS, KernelChoice,
 from loka_jax.kernels import registry
 from loka_jax.kernels.flax_delayed import merge_fp8_meta
 from loka_jax.train.loop import compiled_steps, evaluate, loss_fn
+from loka_jax.train.metrics import paired_logloss_change
 from loka_jax.train.optim import OptimConfig
 from loka_jax.train.state import one_example
 
@@ -488,14 +489,15 @@ def _make_model_and_meta(ctx: ValidationContext, kplan: KernelPlan):
 
 def held_out(ctx: ValidationContext, kplan: KernelPlan, eval_batch_size: Optional[int] = None,
              state=None) -> Dict[str, float]:
-  """Held-out logloss / NE / AUC of the context's parameters (or `state`) under `kplan`."""
+  """Held-out logloss / NE / AUC of the context's parameters (or `state`) under `kplan`, with
+  every example's logit and label (`evaluate`'s scores) for paired comparisons."""
   key = ("held_out", kplan, eval_batch_size) if state is None else None
   if key is not None and key in ctx._cache:
     return ctx._cache[key]
   model, own = state_for(ctx, kplan) if state is None else (model_and_meta(ctx, kplan)[0], state)
   _, eval_step = compiled_steps(model, ctx.optim, "stop")
   size = min(eval_batch_size or ctx.batch_size, ctx.source.num_eval_examples())
-  result = evaluate(eval_step, own, ctx.source, size)
+  result = evaluate(eval_step, own, ctx.source, size, keep_scores=True)
   if key is not None:
     ctx._cache[key] = result
   return result
@@ -509,8 +511,16 @@ def held_out_change(ctx: ValidationContext, kplan: KernelPlan,
                     eval_batch_size: Optional[int] = None) -> float:
   """Relative held-out log-loss change of `kplan` against bf16+Mods on the context's
   parameters: the numerics of the plan's forwards alone move it."""
+  return held_out_change_se(ctx, kplan, eval_batch_size)[0]
+
+
+def held_out_change_se(ctx: ValidationContext, kplan: KernelPlan,
+                       eval_batch_size: Optional[int] = None) -> Tuple[float, float]:
+  """(`held_out_change`, its standard error over the eval examples): a change within about
+  two standard errors of 0 is one this eval set cannot tell from none."""
   base = held_out(ctx, BASELINE, eval_batch_size)
-  return _rel(held_out(ctx, kplan, eval_batch_size)["logloss"], base["logloss"])
+  got = held_out(ctx, kplan, eval_batch_size)
+  return paired_logloss_change(got["logits"], base["logits"], base["labels"])
 
 
 def _gradient(ctx: ValidationContext, kplan: KernelPlan, batches: int) -> np.ndarray:
@@ -542,13 +552,13 @@ def check_held_out(plan, ctx: ValidationContext, config: ValidationConfig = Vali
   for round_ in range(first, config.max_rounds + 1):
     progress.checkpoint(plan, f"held-out round {round_}")
     got = held_out(ctx, plan.kernel_plan(), size)
-    rel = _rel(got["logloss"], base["logloss"])
+    rel, se = paired_logloss_change(got["logits"], base["logits"], base["labels"])
     passed = abs(rel) <= config.max_rel_logloss
     candidates = fp8_sites(plan, ctx.site_names())
     record = {"step": "quality_held_out", "round": round_, "logloss": got["logloss"],
               "logloss_bf16": base["logloss"], "ne": got["ne"], "ne_bf16": base["ne"],
               "auc": got["auc"], "auc_bf16": base["auc"], "rel_logloss_change": rel,
-              "budget": config.max_rel_logloss, "passed": passed,
+              "rel_logloss_change_se": se, "budget": config.max_rel_logloss, "passed": passed,
               "num_eval_examples": got["num_examples"]}
     if passed or not candidates or round_ == config.max_rounds:
       if not passed:

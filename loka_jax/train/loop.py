@@ -235,8 +235,11 @@ def locate_non_finite(model, state: TrainState, batch, step: int) -> Optional[st
 # ----------------------------------------------------------------------------- evaluation
 
 
-def evaluate(eval_step, state: TrainState, source, batch_size: int) -> Dict[str, float]:
-  """Held-out logloss, NE, AUC over `source.eval_batches`, streamed batch by batch."""
+def evaluate(eval_step, state: TrainState, source, batch_size: int, *,
+             keep_scores: bool = False) -> Dict[str, Any]:
+  """Held-out logloss, NE, AUC over `source.eval_batches`, streamed batch by batch; with
+  `keep_scores`, also every example's logit and label ('logits', 'labels': arrays), for
+  paired comparisons of two models on the same examples."""
   acc = metrics_lib.EvalAccumulator()
   for batch in source.eval_batches(batch_size):
     valid = len(batch["label"])
@@ -247,7 +250,10 @@ def evaluate(eval_step, state: TrainState, source, batch_size: int) -> Dict[str,
   if acc.count == 0:
     raise ValueError(f"data source {source.name!r} yielded no eval batch of size {batch_size} "
                      f"({source.num_eval_examples()} eval examples); lower the eval batch size")
-  return acc.result()
+  result = acc.result()
+  if keep_scores:
+    result["logits"], result["labels"] = acc.scores()
+  return result
 
 
 # ----------------------------------------------------------------------------- files

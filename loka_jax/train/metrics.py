@@ -10,7 +10,7 @@ rate achieves, lower is better.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -100,6 +100,10 @@ class EvalAccumulator:
     self._logits.append(logits)
     self._labels.append(labels)
 
+  def scores(self) -> Tuple[np.ndarray, np.ndarray]:
+    """(logits, labels) of every example added, in order."""
+    return np.concatenate(self._logits), np.concatenate(self._labels)
+
   def result(self) -> Dict[str, float]:
     """{'logloss', 'ne', 'auc', 'base_ctr', 'num_examples'} over everything added."""
     if self.count == 0:
@@ -115,6 +119,27 @@ class EvalAccumulator:
         "base_ctr": base_ctr,
         "num_examples": self.count,
     }
+
+
+def paired_logloss_change(logits, base_logits, labels) -> Tuple[float, float]:
+  """(relative change of the mean log loss from `base_logits` to `logits` on the same
+  examples, its standard error).
+
+  The error comes from the spread of the per-example differences: how far the change
+  measured on this eval set may lie from the change over the data distribution it samples.
+  Paired, so what both arms share (the examples, the model) cancels.
+  """
+  logits, base_logits, labels = (np.asarray(a, np.float64).ravel()
+                                 for a in (logits, base_logits, labels))
+  if not logits.shape == base_logits.shape == labels.shape or logits.size < 2:
+    raise ValueError(f"paired log loss: {logits.size} logits, {base_logits.size} base logits "
+                     f"and {labels.size} labels; give two or more of each, one per example")
+  base = bce_with_logits_np(base_logits, labels)
+  diff = bce_with_logits_np(logits, labels) - base
+  scale = base.mean()
+  if not scale > 0:
+    raise ValueError("paired log loss: the base log loss is 0; no relative change exists")
+  return float(diff.mean() / scale), float(diff.std(ddof=1) / np.sqrt(diff.size) / scale)
 
 
 def json_safe(metrics: Mapping) -> Dict:

@@ -105,9 +105,11 @@ def validation_lines(plan) -> str:
       out.append(f"- speed promotion ({r['device']}; vs the plan): {tried}: "
                  + (f"promoted {r['promoted']}" if r["promoted"] else "none pays"))
     elif step == "quality_held_out":
+      se = r.get("rel_logloss_change_se")   # records before it was measured have none
+      se_text = "" if se is None else f" +- {100 * se:.4f}% (one standard error)"
       out.append(f"- held-out (round {r['round']}): log loss {r['logloss']:.5f} vs bf16+Mods "
-                 f"{r['logloss_bf16']:.5f} ({100 * r['rel_logloss_change']:+.4f}%, budget "
-                 f"{100 * r['budget']:g}%): {'pass' if r['passed'] else 'FAIL'}")
+                 f"{r['logloss_bf16']:.5f} ({100 * r['rel_logloss_change']:+.4f}%{se_text}, "
+                 f"budget {100 * r['budget']:g}%): {'pass' if r['passed'] else 'FAIL'}")
     elif step == "quality_shadow":
       detail = ("non-finite loss" if not r.get("finite") else
                 f"train loss {100 * r['rel_train_loss']:+.3f}%, held-out "
