@@ -488,7 +488,7 @@ def _make_model_and_meta(ctx: ValidationContext, kplan: KernelPlan):
 
 
 def held_out(ctx: ValidationContext, kplan: KernelPlan, eval_batch_size: Optional[int] = None,
-             state=None) -> Dict[str, float]:
+             state=None) -> Dict[str, Any]:
   """Held-out logloss / NE / AUC of the context's parameters (or `state`) under `kplan`, with
   every example's logit and label (`evaluate`'s scores) for paired comparisons."""
   key = ("held_out", kplan, eval_batch_size) if state is None else None
