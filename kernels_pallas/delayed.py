@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from kernels_pallas import compat
 from kernels_pallas.quantize import finite_abs, load_tile, saturating_cast
 from loka_jax.precision import formats as formats_lib
+from loka_jax.precision import scaling
 
 # Tiles of 64 x 128 (16K elements, 32 KB of bf16) keep a wide layer's quantize at thousands of
 # programs (8192 x 2048: 2,048) while each program still moves whole cache lines; a
@@ -112,12 +113,7 @@ def quantize_delayed(x2: jax.Array, scale: jax.Array, fmt="e4m3", *, row_major: 
 
 def quantize_delayed_reference(x2: jax.Array, scale: jax.Array, fmt="e4m3", *,
                                row_major: bool = True, transposed: bool = False):
-  """The pure-jnp twin of `quantize_delayed`."""
-  fmt = formats_lib.get_format(fmt)
-  x = x2.astype(jnp.float32)
-  y = x / scale.reshape(()).astype(jnp.float32)
-  clipped = jnp.clip(y, -fmt.max, fmt.max)
-  q = jnp.where(jnp.isnan(y), y, clipped).astype(fmt.dtype)
-  ax = jnp.abs(x)
-  amax = jnp.max(jnp.where(jnp.isfinite(ax), ax, 0.0))
+  """The pure-jnp twin of `quantize_delayed`: the library's own cast and finite amax."""
+  q = scaling.quantize_with_scale(x2, scale.reshape(()).astype(jnp.float32), fmt)
+  amax = jnp.max(scaling.finite_abs(x2.astype(jnp.float32)))
   return (q if row_major else None), (q.T if transposed else None), amax

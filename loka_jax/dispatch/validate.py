@@ -551,8 +551,8 @@ def check_held_out(plan, ctx: ValidationContext, config: ValidationConfig = Vali
   first = _rounds_done(plan, "quality_held_out")
   for round_ in range(first, config.max_rounds + 1):
     progress.checkpoint(plan, f"held-out round {round_}")
-    got = held_out(ctx, plan.kernel_plan(), size)
-    rel, se = paired_logloss_change(got["logits"], base["logits"], base["labels"])
+    got = held_out(ctx, plan.kernel_plan(), size)   # cached: the change below reads it too
+    rel, se = held_out_change_se(ctx, plan.kernel_plan(), size)
     passed = abs(rel) <= config.max_rel_logloss
     candidates = fp8_sites(plan, ctx.site_names())
     record = {"step": "quality_held_out", "round": round_, "logloss": got["logloss"],
