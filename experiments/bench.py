@@ -52,6 +52,10 @@ SERVE_PLAN = flags.DEFINE_bool(
     "serve_plan", False, "LoKA's inference serves the export of a serving plan (per site the "
     "fastest eligible forward judged on the forward alone, selected from the same probe "
     "report; plans/<target>/plan_serve.json) instead of its training plan's.")
+SERVE_PROMOTION = flags.DEFINE_enum(
+    "serve_promotion", "auto", ["auto", "on", "off"], "With --serve_plan, when the serving "
+    "plan is first selected: time the export of its serving proposal (more forwards in FP8, "
+    "judged on accuracy alone) against it and keep the faster. auto: on a GPU only.")
 PROBE_STEPS = flags.DEFINE_integer("probe_steps", 100, "Training steps of each probe.")
 PROBE_SAMPLES = flags.DEFINE_integer("probe_samples", 32, "Draws per site of each probe's "
                                      "error evaluation (fewer: faster, wider CIs).")
@@ -126,6 +130,8 @@ def main(argv):
                                  probe_timing_cache=PROBE_TIMING_CACHE.value,
                                  head_to_head=tuple(HEAD_TO_HEAD.value),
                                  serve_plan=SERVE_PLAN.value,
+                                 serve_promotion={"auto": None, "on": True,
+                                                  "off": False}[SERVE_PROMOTION.value],
                                  min_call_s=(suite.speed.MIN_CALL_S if MIN_CALL_MS.value is None
                                              else MIN_CALL_MS.value * 1e-3),
                                  seed=common_flags.SEED.value)

@@ -510,7 +510,7 @@ class ServingPlanBenchTest(chex.TestCase):
   plan selected from the same report; the row names both, and its export modes (not the
   training kernels) decide whether it is the served bf16+Mods program."""
 
-  def _plans(self, target):
+  def _plans(self, target, fwd_speed=(1.06, 1.08, 1.13)):
     import jax
     import test_dispatch_reports as hm
     from test_dispatch_export import probe_stats
@@ -528,7 +528,7 @@ class ServingPlanBenchTest(chex.TestCase):
     # (its backward at 0.92x), and per-pass FP8 is slow everywhere.
     scope = {"time_scope": "grad_lhs+grad_rhs"}
     bwd = dict(speedup=(0.9, 0.92, 0.94), base_us=200.0, **scope)
-    fused = {"fwd": hm.entry(sqnr=37.6, speedup=(1.06, 1.08, 1.13)),
+    fused = {"fwd": hm.entry(sqnr=37.6, speedup=fwd_speed),
              "grad_lhs": hm.entry(sqnr=55.0, **bwd), "grad_rhs": hm.entry(sqnr=55.0, **bwd)}
     slow = hm.entry(speedup=(0.8, 0.85, 0.9))
     report = hm.report({n: {**hm.site({p: {"xla_fp8_tensorwise": slow,
@@ -542,11 +542,11 @@ class ServingPlanBenchTest(chex.TestCase):
                        planning.plan_path(plans, target.model, target.preset))
     return plans, len(stats)
 
-  def _loka_row(self, target, plans, serve_plan):
+  def _loka_row(self, target, plans, serve_plan, serve_promotion=None):
     out = _tempdir(self)
     results = ResultsFile(os.path.join(out, "bench.jsonl"), suite.KEY_FIELDS)
     settings = suite.SpeedSettings(repeats=3, probe=False, plans_dir=plans, head_to_head=(),
-                                   serve_plan=serve_plan)
+                                   serve_plan=serve_plan, serve_promotion=serve_promotion)
     self.assertTrue(suite.run_target(target, variants.parse_variants(["loka"]), results,
                                      settings=settings, deadline=float("inf"), device="cpu",
                                      log=lambda _: None))
@@ -573,6 +573,49 @@ class ServingPlanBenchTest(chex.TestCase):
     self.assertEqual(serving["provenance"]["objective"], "serve")
     self.assertEqual(row["serve_plan"], os.path.join(
         planning.plan_dir(plans, target.model, target.preset), "plan_serve.json"))
+    # every forward is FP8 already: nothing to propose
+    self.assertEqual(row["serve_promotion"]["sites"], 0)
+    self.assertIn("no site served in xla_bf16", row["serve_promotion"]["skipped"])
+
+  def _promotion_record(self, row):
+    from loka_jax import dispatch
+    records = [r for r in dispatch.read_plan(row["serve_plan"])["validation"]
+               if r["step"] == "serve_promotion"]
+    self.assertLen(records, 1)
+    return records[0]
+
+  def test_the_serving_proposal_is_timed_against_the_selected_plan_and_the_faster_kept(self):
+    # The delayed forward reads 1.03x alone (under the 1.05x bar): selection serves bf16,
+    # the proposal serves every site in FP8, and the two exports are timed (forced on: a
+    # CPU's timing decides nothing about a GPU, only that the decision is carried out).
+    target = suite.tower_targets(["32x16x2"])[0]
+    plans, sites = self._plans(target, fwd_speed=(0.98, 1.03, 1.07))
+    row = self._loka_row(target, plans, serve_plan=True, serve_promotion=True)
+    record = self._promotion_record(row)
+    self.assertLen(record["sites"], sites)
+    lo, hi = record["infer"]["speedup_ci"]
+    self.assertLessEqual(lo, record["infer"]["speedup"])
+    self.assertLessEqual(record["infer"]["speedup"], hi)
+    self.assertEqual(record["promoted"], lo > 1.0)
+    self.assertEqual(row["serve_promotion"], {"sites": sites, "promoted": record["promoted"],
+                                              "speedup": record["infer"]["speedup"],
+                                              "speedup_ci": record["infer"]["speedup_ci"]})
+    # the row serves what was kept, and a later run reads the decision instead of timing again
+    self.assertEqual(row["export_modes"],
+                     {"fp8": sites} if record["promoted"] else {"high": sites})
+    again = self._loka_row(target, plans, serve_plan=True, serve_promotion=True)
+    self.assertEqual(self._promotion_record(again), record)
+    self.assertEqual(again["export_modes"], row["export_modes"])
+
+  def test_off_a_gpu_the_serving_promotion_is_skipped_unless_forced(self):
+    target = suite.tower_targets(["32x16x2"])[0]
+    plans, sites = self._plans(target, fwd_speed=(0.98, 1.03, 1.07))
+    row = self._loka_row(target, plans, serve_plan=True)
+    record = self._promotion_record(row)
+    self.assertTrue(record["skipped"])
+    self.assertIn("not on a GPU", record["reason"])
+    self.assertEqual(row["export_modes"], {"high": sites})
+    self.assertEqual(row["serve_kernels"], ["xla_bf16"])
 
 
 class DeadlineTest(absltest.TestCase):

@@ -328,6 +328,50 @@ class ServingPlanTest(chex.TestCase):
       selection.select(self._report(), Criteria(), objective="infer")
 
 
+class ServingProposalTest(chex.TestCase):
+  """`serving_proposal`: sites served in bf16 whose forward is safe on accuracy alone, and
+  that the export serves as a static-scale e4m3 dot, get that forward; nothing else moves."""
+
+  def _report(self):
+    def fwd_only(kernel, sqnr, speed):
+      return {"fwd": {kernel: hm.entry(sqnr=sqnr, speedup=speed)},
+              "grad_lhs": {}, "grad_rhs": {}}
+    return hm.report({
+        "alone_too_slow": hm.site(fwd_only("xla_fp8_tensorwise", 37.6, (0.98, 1.03, 1.07))),
+        "rowwise_slow": hm.site(fwd_only("xla_fp8_rowwise", 40.0, (0.7, 0.75, 0.8))),
+        "already_fast": hm.site(fwd_only("xla_fp8_tensorwise", 37.6, (1.06, 1.08, 1.13))),
+        "inaccurate": hm.site(fwd_only("xla_fp8_tensorwise", 20.0, (1.2, 1.3, 1.4))),
+        "block_scaled": hm.site(fwd_only("pallas_fp8_blockwise", 40.0, (0.9, 0.95, 1.0)))})
+
+  def test_only_safe_static_scale_forwards_of_bf16_sites_are_proposed(self):
+    rep = self._report()
+    selected = selection.select(rep, Criteria(), objective="serve")
+    proposal, changed = selection.serving_proposal(rep, selected, Criteria())
+    self.assertEqual(sorted(changed), ["alone_too_slow", "rowwise_slow"])
+    fwd = {n: proposal["sites"][n]["fwd"]["kernel"] for n in proposal["sites"]}
+    self.assertEqual(fwd, {"alone_too_slow": "xla_fp8_tensorwise",
+                           "rowwise_slow": "xla_fp8_rowwise",
+                           "already_fast": "xla_fp8_tensorwise",
+                           "inaccurate": "xla_bf16", "block_scaled": "xla_bf16"})
+    self.assertEqual(proposal["sites"]["already_fast"], selected["sites"]["already_fast"])
+    entry = proposal["sites"]["alone_too_slow"]["fwd"]
+    self.assertEqual(entry["promoted_from"], "xla_bf16")
+    self.assertIn("serving promotion from xla_bf16", entry["reason"])
+    self.assertIn("accuracy only", entry["reason"])
+    # the gradients a serving plan never runs stay where selection put them
+    self.assertEqual(proposal["sites"]["alone_too_slow"]["grad_rhs"]["kernel"], "xla_bf16")
+    self.assertEqual(proposal["provenance"], selected["provenance"])
+    self.assertEqual(selected["sites"]["alone_too_slow"]["fwd"]["kernel"], "xla_bf16")
+
+  def test_a_plan_with_nothing_left_to_promote_is_returned_as_is(self):
+    rep = hm.report({"s": hm.site(hm.same_passes({"xla_fp8_tensorwise": hm.entry(
+        sqnr=20.0, speedup=(0.8, 0.85, 0.9))}))})
+    selected = selection.select(rep, Criteria(), objective="serve")
+    proposal, changed = selection.serving_proposal(rep, selected, Criteria())
+    self.assertEqual(changed, [])
+    self.assertEqual(proposal.to_dict(), selected.to_dict())
+
+
 class UnresolvedSpeedTest(chex.TestCase):
   """Speedups no timing resolves are not taken, even from reports measured before the probe
   judged them: an outer product's, and a chained call's under a kernel's own cost."""

@@ -7,7 +7,7 @@ Planning is `loka_jax.dispatch.pipeline.probe_and_plan`: probe -> select -> vali
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from loka_jax import dispatch
 from loka_jax.kernels import KernelPlan
@@ -48,16 +48,29 @@ def serving_plan_path(plans_root: str, model: str, preset: str) -> str:
   return os.path.join(plan_dir(plans_root, model, preset), SERVING_PLAN_FILE)
 
 
-def serving_plan(plans_root: str, model: str, preset: str) -> dispatch.Plan:
-  """The target's serving plan: per site the fastest eligible forward on the forward alone
+def select_serving(plans_root: str, model: str, preset: str
+                   ) -> Tuple[dispatch.Plan, dispatch.Plan, List[str]]:
+  """(the target's serving plan as selected, its serving proposal, the sites the proposal
+  serves in FP8 besides): per site the fastest eligible forward on the forward alone
   (`dispatch.select(objective="serve")`), from the probe report and default budget its
-  training plan was selected with. Written once to plan_serve.json beside it, then read."""
+  training plan was selected with, and `dispatch.serving_proposal` of it."""
+  from loka_jax.dispatch.pipeline import default_criteria
+  report = load_report(plans_root, model, preset)
+  criteria = default_criteria(report)
+  selected = dispatch.select(report, criteria, objective="serve")
+  proposal, sites = dispatch.serving_proposal(report, selected, criteria)
+  return selected, proposal, sites
+
+
+def serving_plan(plans_root: str, model: str, preset: str,
+                 decide: Optional[Callable] = None) -> dispatch.Plan:
+  """The target's serving plan, written once to plan_serve.json beside its training plan,
+  then read. The first call selects it (`select_serving`) and saves what
+  `decide(selected, proposal, sites)` returns (default: the selected plan)."""
   path = serving_plan_path(plans_root, model, preset)
   if not os.path.exists(path):
-    from loka_jax.dispatch.pipeline import default_criteria
-    report = load_report(plans_root, model, preset)
-    dispatch.save_plan(dispatch.select(report, default_criteria(report), objective="serve"),
-                       path)
+    selected, proposal, sites = select_serving(plans_root, model, preset)
+    dispatch.save_plan(selected if decide is None else decide(selected, proposal, sites), path)
   return dispatch.read_plan(path)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import jax
 import numpy as np
@@ -204,8 +204,9 @@ class TargetBench:
       out[mode] = summary
     return out
 
-  def head_to_head(self, arm: Arm, others: Dict[str, Arm], repeats: int,
-                   seed: int = 0) -> Dict[str, Dict[str, Dict[str, Any]]]:
+  def head_to_head(self, arm: Arm, others: Dict[str, Arm], repeats: int, seed: int = 0,
+                   modes: Sequence[str] = ("train", "infer")
+                   ) -> Dict[str, Dict[str, Dict[str, Any]]]:
     """{other: {'train'|'infer': `arm`'s speed over `other`}}, each pair timed in one
     interleaving of the two alone.
 
@@ -216,7 +217,7 @@ class TargetBench:
     out: Dict[str, Dict[str, Dict[str, Any]]] = {}
     for name, other in others.items():
       out[name] = {}
-      for mode in ("train", "infer"):
+      for mode in modes:
         timings = self._time_calls({name: getattr(other, mode), arm.name: getattr(arm, mode)},
                                    mode, repeats)
         summary = timing.summarize(timings, name, seed=seed)

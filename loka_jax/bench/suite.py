@@ -9,6 +9,7 @@ GEMM backends of the compiled step. A rerun skips finished rows; a failure is a 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import time
 import traceback
@@ -130,6 +131,9 @@ class SpeedSettings:
   # LoKA's inference serves the export of its serving plan (forwards chosen on the forward
   # alone, `planning.serving_plan`) rather than of its training plan.
   serve_plan: bool = False
+  # When the serving plan is first selected, time the export of its serving proposal against
+  # it and keep the proposal when provably faster (`decide_serving`). None: on a GPU only.
+  serve_promotion: Optional[bool] = None
 
 
 def plan_for(target: Target, variant: Variant, batch, settings: SpeedSettings) -> tuple:
@@ -181,6 +185,59 @@ def serve_exported(bench: speed.TargetBench, arm: speed.Arm, model, plan, report
   return bench.with_inference(arm, exported.forward, exported.variables), fields
 
 
+SERVE_PROMOTION = "serve_promotion"
+
+
+def decide_serving(bench: speed.TargetBench, arm: speed.Arm, model, report,
+                   settings: SpeedSettings, chosen: Dict, selected, proposal,
+                   sites: Sequence[str]):
+  """The serving plan to keep: `proposal` (`dispatch.serving_proposal`: `sites` served in FP8
+  besides) when its export serves provably faster than `selected`'s, both timed in one
+  interleaving of inference steps (speedup CI above 1); else `selected`. On a GPU only unless
+  `settings.serve_promotion` says otherwise. The decision is recorded in the plan's
+  `validation` (`serve_promotion`); `chosen` receives the kept plan's export arm and row
+  fields, so it is not built again."""
+  from loka_jax.dispatch import add_validation
+  from loka_jax.dispatch.validate import on_gpu_unless
+  record = {"step": SERVE_PROMOTION, "sites": list(sites)}
+  if not sites:
+    return add_validation(selected, {**record, "skipped": True, "reason": (
+        "no site served in xla_bf16 has an FP8 forward safe on accuracy alone that the "
+        "export serves as a static-scale e4m3 dot")})
+  enabled, why = on_gpu_unless(settings.serve_promotion, "serve_promotion",
+                               "promote serving forwards")
+  if not enabled:
+    return add_validation(selected, {**record, "skipped": True, "reason": why})
+  exports = {name: serve_exported(bench, arm, model, plan, report)
+             for name, plan in (("selected", selected), ("proposal", proposal))}
+  pair = bench.head_to_head(exports["proposal"][0], {"selected": exports["selected"][0]},
+                            settings.repeats, seed=settings.seed, modes=("infer",))
+  infer = pair["selected"]["infer"]
+  keep = infer["ci"][0] > 1.0
+  record.update(device=jax.devices()[0].device_kind, why=why, repeats=settings.repeats,
+                infer={"speedup": infer["ratio"], "speedup_ci": infer["ci"],
+                       "proposal_median_us": infer["median_us"],
+                       "selected_median_us": infer["other_median_us"]},
+                promoted=keep)
+  kept = "proposal" if keep else "selected"
+  chosen["arm"], chosen["fields"] = exports[kept]
+  chosen["other"] = exports["selected" if keep else "proposal"][0]
+  return add_validation(proposal if keep else selected, record)
+
+
+def _serving_summary(plan) -> Dict:
+  """The row's account of the serving plan's promotion record (empty: none recorded)."""
+  records = [r for r in plan["validation"] if r.get("step") == SERVE_PROMOTION]
+  if not records:
+    return {}
+  r = records[-1]
+  out = {"sites": len(r.get("sites", []))}
+  if r.get("skipped"):
+    return {**out, "skipped": r.get("reason")}
+  return {**out, "promoted": r["promoted"], "speedup": r["infer"]["speedup"],
+          "speedup_ci": r["infer"]["speedup_ci"]}
+
+
 def _build_arm(bench: speed.TargetBench, target: Target, v: Variant, batch,
                settings: SpeedSettings) -> Tuple[Optional[speed.Arm], Dict, Optional[str]]:
   """(the variant's arm, its row fields, why it cannot be built yet: None when it can)."""
@@ -196,14 +253,18 @@ def _build_arm(bench: speed.TargetBench, target: Target, v: Variant, batch,
   arm = bench.add(v.name, model)
   if v.kernels_from == PLAN:
     report = planning.load_report(settings.plans_dir, target.model, target.preset)
-    served = row["plan"]
+    served, chosen = row["plan"], {}
     if settings.serve_plan:
-      served = planning.serving_plan(settings.plans_dir, target.model, target.preset)
+      decide = functools.partial(decide_serving, bench, arm, model, report, settings, chosen)
+      served = planning.serving_plan(settings.plans_dir, target.model, target.preset, decide)
       row["serve_plan"] = planning.serving_plan_path(settings.plans_dir, target.model,
                                                      target.preset)
       row["serve_kernels"] = sorted({served["sites"][n]["fwd"]["kernel"]
                                      for n in served["sites"]})
-    arm, export_fields = serve_exported(bench, arm, model, served, report)
+      row["serve_promotion"] = _serving_summary(served)
+    chosen.pop("other", None)  # the export not kept: its buffers go now
+    arm, export_fields = (chosen["arm"], chosen["fields"]) if chosen else serve_exported(
+        bench, arm, model, served, report)
     row.update(export_fields)
   elif v.served:  # no FP8 site: every weight is exported in bf16, no report needed
     arm, export_fields = serve_exported(bench, arm, model, ALL_BF16_PLAN, None)

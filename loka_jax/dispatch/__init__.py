@@ -18,6 +18,7 @@ _EXPORTS = {
     "validate_plan": "plan",
     "Budget": "selection", "TimingSource": "selection", "make_budget": "selection",
     "report_hash": "selection", "resolve_timing": "selection", "select": "selection",
+    "serving_proposal": "selection",
     "PlanMismatchError": "check", "check_plan": "check", "model_sites": "check",
     "plan_problems": "check",
     "Wrapped": "binding", "apply": "binding", "routing": "binding", "wrap": "binding",

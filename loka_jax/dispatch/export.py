@@ -299,6 +299,15 @@ def _amax(stats: Mapping, operand: str) -> Optional[float]:
   return float(value)
 
 
+def serves_static_fp8(kernel_name: str) -> bool:
+  """Whether a site whose forward runs `kernel_name` exports as `fp8` (given the report's amax
+  statistics): an FP8 kernel of tensorwise or rowwise scaling, whose scales can be applied
+  after one e4m3 dot. Block-scaled kernels export as `fp8_weights`, the rest as `high`."""
+  from loka_jax.probe.candidates import granularity_of
+  kernel = registry.get(kernel_name)
+  return kernel.fp8 and (granularity_of(kernel) or TENSORWISE) in (TENSORWISE, ROWWISE)
+
+
 def _plan_site(name: str, product, kernel_plan: KernelPlan, report, headroom: float
                ) -> SiteExport:
   """The export mode of one site from the plan's forward kernel and the report's stats."""
@@ -313,7 +322,7 @@ def _plan_site(name: str, product, kernel_plan: KernelPlan, report, headroom: fl
   operands = ("lhs",) if product.kind == ACT_WEIGHT else ("lhs", "rhs")
   amax = {op: _amax(stats, op) for op in operands}
   granularity = granularity_of(kernel) or TENSORWISE
-  if granularity not in (TENSORWISE, ROWWISE):
+  if not serves_static_fp8(fwd):
     if product.kind != ACT_WEIGHT:
       return SiteExport(mode=HIGH, granularity=None, reason=f"{fwd} is {granularity}: an act x "
                         "act site has no weight to store; bf16 product", **base)

@@ -705,7 +705,7 @@ def check_shadow(plan, ctx: ValidationContext, config: ValidationConfig = Valida
 STEP_PASSES = {"train": PASSES, "infer": ("fwd",)}
 
 
-def _on_gpu_unless(forced: Optional[bool], field: str, what: str) -> Tuple[bool, str]:
+def on_gpu_unless(forced: Optional[bool], field: str, what: str) -> Tuple[bool, str]:
   """(run a timed check, why or why not): `forced` (the config's `field`) when set, else
   only on a GPU (CPU timings say nothing about GPU kernels)."""
   if forced is not None:
@@ -718,7 +718,7 @@ def _on_gpu_unless(forced: Optional[bool], field: str, what: str) -> Tuple[bool,
 
 def speed_enabled(config: ValidationConfig) -> Tuple[bool, str]:
   """(run the speed check, why or why not)."""
-  return _on_gpu_unless(config.speed, "speed", "validate speed")
+  return on_gpu_unless(config.speed, "speed", "validate speed")
 
 
 def _step_calls(ctx: ValidationContext, kplan: KernelPlan, shared: Dict[str, Any]):
@@ -855,7 +855,7 @@ PROMOTION = "speed_promotion"
 def promotion_enabled(config: ValidationConfig) -> Tuple[bool, str]:
   """(run the promotion, why or why not): on a GPU unless `promote` says otherwise; forcing
   `speed` does not force it (a CPU step says nothing of which plan is faster on a GPU)."""
-  return _on_gpu_unless(config.promote, "promote", "promote sites")
+  return on_gpu_unless(config.promote, "promote", "promote sites")
 
 
 def promotable_sites(plan: Plan, names: Sequence[str]) -> List[str]:
