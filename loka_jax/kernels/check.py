@@ -74,7 +74,9 @@ def check_kernel(name: str, problem: Problem, *, warmup: int = 3,
         a, b = pass_operands(p, x, w, g)
         ref = reference_einsum(DENSE_SPEC.for_pass(p), a, b)
         rows.append(_row(name, p, results[p].astype(jnp.float32), ref,
-                         backend=kernel.backend if not want_backend else "flax_fused"))
+                         # one op for every pass: its backend, not one per GEMM
+                         backend=kernel.backend if not want_backend
+                         else f"{kernel.backend}_fused"))
       return rows
     for p in PASSES:
       if p not in kernel.passes:
