@@ -618,6 +618,39 @@ class ServingPlanBenchTest(chex.TestCase):
     self.assertEqual(row["serve_kernels"], ["xla_bf16"])
 
 
+class SameProgramTest(absltest.TestCase):
+  """The rule `targets.same_program_as_bf16_mods` rests on: a LoKA plan with every site on
+  xla_bf16 compiles to bf16+Mods' own train and inference programs (so validation's
+  all-bf16 baseline and the bench's bf16+Mods arm time one program)."""
+
+  def _programs(self, target, site):
+    from loka_jax.train import loop
+    from loka_jax.train.optim import OptimConfig, make_optimizer
+    from loka_jax.train.state import create_train_state
+    model = target.build(site, variants.VARIANTS["bf16_mods"].mods)
+    batch = target.source(0).train_batch(0, 64)
+    optim = OptimConfig()
+    state = create_train_state(model, make_optimizer(optim), batch, 0)
+    train_step, eval_step = loop.compiled_steps(model, optim, "stop")
+
+    def text(fn):  # instruction numbering and source metadata differ between two builds
+      hlo = fn.lower(state, batch).compile().as_text()
+      return re.sub(r"\.\d+", "", re.sub(r"metadata=\{[^}]*\}", "", hlo))
+    return text(train_step), text(eval_step)
+
+  def test_an_all_bf16_plan_compiles_to_the_bf16_mods_program(self):
+    target = suite.tower_targets(["64x32x3"])[0]
+    bf16_mods = self._programs(target, SiteConfig.for_precision("bf16"))
+    all_bf16 = self._programs(target, speed.site_config(variants.VARIANTS["loka"],
+                                                        KernelPlan.uniform("xla_bf16")))
+    self.assertEqual(all_bf16, bf16_mods)
+    # and the comparison can tell two programs apart: one FP8 site changes it
+    fp8 = KernelPlan(sites=(("mlp/dense_1", KernelChoice.uniform("xla_fp8_tensorwise")),),
+                     default=KernelChoice.uniform("xla_bf16"))
+    self.assertNotEqual(self._programs(target, speed.site_config(variants.VARIANTS["loka"],
+                                                                 fp8))[0], bf16_mods[0])
+
+
 class DeadlineTest(absltest.TestCase):
 
   def test_past_the_deadline_nothing_is_built_and_a_rerun_finishes(self):
