@@ -607,6 +607,25 @@ class ServingPlanBenchTest(chex.TestCase):
     self.assertEqual(self._promotion_record(again), record)
     self.assertEqual(again["export_modes"], row["export_modes"])
 
+  def test_a_proposal_that_fails_to_export_leaves_the_selected_plan_served(self):
+    from loka_jax.dispatch import export as export_lib
+    target = suite.tower_targets(["32x16x2"])[0]
+    plans, sites = self._plans(target, fwd_speed=(0.98, 1.03, 1.07))
+    real_export = export_lib.export
+
+    def export_or_fail(model, params, plan, report, **kw):
+      if any(plan["sites"][n]["fwd"]["kernel"] != "xla_bf16" for n in plan["sites"]):
+        raise export_lib.ExportError("site mlp/dense_0: cannot store its weight")
+      return real_export(model, params, plan, report, **kw)
+
+    with mock.patch.object(export_lib, "export", side_effect=export_or_fail):
+      row = self._loka_row(target, plans, serve_plan=True, serve_promotion=True)
+    record = self._promotion_record(row)
+    self.assertTrue(record["skipped"])
+    self.assertIn("the proposal failed: ExportError: site mlp/dense_0", record["reason"])
+    self.assertEqual(row["export_modes"], {"high": sites})
+    self.assertEqual(row["serve_promotion"]["sites"], sites)
+
   def test_off_a_gpu_the_serving_promotion_is_skipped_unless_forced(self):
     target = suite.tower_targets(["32x16x2"])[0]
     plans, sites = self._plans(target, fwd_speed=(0.98, 1.03, 1.07))

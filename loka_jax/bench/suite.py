@@ -208,10 +208,16 @@ def decide_serving(bench: speed.TargetBench, arm: speed.Arm, model, report,
                                "promote serving forwards")
   if not enabled:
     return add_validation(selected, {**record, "skipped": True, "reason": why})
-  exports = {name: serve_exported(bench, arm, model, plan, report)
-             for name, plan in (("selected", selected), ("proposal", proposal))}
-  pair = bench.head_to_head(exports["proposal"][0], {"selected": exports["selected"][0]},
-                            settings.repeats, seed=settings.seed, modes=("infer",))
+  exports = {"selected": serve_exported(bench, arm, model, selected, report)}
+  try:  # a proposal that cannot be served or timed costs the row nothing: selected stands
+    exports["proposal"] = serve_exported(bench, arm, model, proposal, report)
+    pair = bench.head_to_head(exports["proposal"][0], {"selected": exports["selected"][0]},
+                              settings.repeats, seed=settings.seed, modes=("infer",))
+  except Exception as e:  # e.g. an export error, or out of memory with both exports alive
+    exports.pop("proposal", None)
+    chosen["arm"], chosen["fields"] = exports["selected"]
+    return add_validation(selected, {**record, "skipped": True, "reason": (
+        f"the proposal failed: {type(e).__name__}: {str(e)[:300]}")})
   infer = pair["selected"]["infer"]
   keep = infer["ci"][0] > 1.0
   record.update(device=jax.devices()[0].device_kind, why=why, repeats=settings.repeats,
