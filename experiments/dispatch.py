@@ -2,7 +2,8 @@
 
   python -m experiments.dispatch --report=/tmp/wk_probe/probe_report.json --out=plan.json \
       [--metric=sqnr|mere --max_error=... --min_speedup=1.05 --target_device=...]
-      [--objective=serve: forwards only, for the exported inference model]
+      [--objective=serve: forwards only, for the exported inference model
+       [--serving_proposal=PATH: also the plan with every accurate-enough forward in FP8]]
 
 Prints the per-site choice table (site, pass, kernel, reason) and writes the plan
 (`loka.plan/1`, docs/FORMATS.md); train with it: `python -m experiments.train
@@ -55,6 +56,11 @@ OBJECTIVE = flags.DEFINE_enum(
     "objective", selection.TRAIN, selection.OBJECTIVES,
     "train: every pass (for --precision=loka); serve: forwards only, judged on the forward "
     "alone, for the exported inference model (`dispatch.export`); training refuses it.")
+SERVING_PROPOSAL = flags.DEFINE_string(
+    "serving_proposal", None, "With --objective=serve: also write the serving proposal here "
+    "(`dispatch.serving_proposal`: every bf16 forward that is safe on accuracy alone and that "
+    "the export serves as a static-scale e4m3 dot, in FP8). Untimed: time its export against "
+    "the plan's before serving it (`experiments.bench --serve_plan` does, on a GPU).")
 CHECK = flags.DEFINE_bool("check", True, "Check the plan against the probed model.")
 BATCH_SIZE = flags.DEFINE_integer("batch_size", 0, "Batch of the check; 0: the report's run's.")
 
@@ -137,6 +143,8 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not REPORT.value or not OUT.value:
     raise app.UsageError("--report=PROBE_REPORT.json and --out=PLAN.json are required")
+  if SERVING_PROPOSAL.value and OBJECTIVE.value != selection.SERVE:
+    raise app.UsageError("--serving_proposal needs --objective=serve")
   try:
     criteria = criteria_from_flags()
     budgets = site_budgets()
@@ -150,15 +158,25 @@ def main(argv):
     plan = plan_lib.Plan({**plan.to_dict(), "provenance": {
         **plan["provenance"], "report_path": os.path.abspath(REPORT.value)}})
     checked = check_against_run(plan, report) if CHECK.value else "not checked (--nocheck)"
+    proposal, proposed = (selection.serving_proposal(
+        report, plan, criteria, budget_per_site=budgets, timing_table=TIMING_TABLE.value,
+        target_device=TARGET_DEVICE.value) if SERVING_PROPOSAL.value else (None, []))
   except (ProbeReportError, TimingTableError, check_lib.PlanMismatchError,
           plan_lib.PlanFileError, experiment.PlanError, ValueError) as e:
     sys.exit(f"error: {e}")
   plan_lib.save_plan(plan, OUT.value)
+  if proposal is not None:
+    plan_lib.save_plan(proposal, SERVING_PROPOSAL.value)
   print(plan_lib.choice_table(plan))
   print()
   print(_summary(plan))
   print(f"check: {checked}")
   print(f"plan: {OUT.value}")
+  if proposal is not None:
+    print(f"serving proposal: {len(proposed)} more FP8 forward(s)"
+          + (f" ({', '.join(proposed)})" if proposed else "")
+          + f": {SERVING_PROPOSAL.value} (untimed: time its export against the plan's "
+            "before serving it)")
 
 
 if __name__ == "__main__":

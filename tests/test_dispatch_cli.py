@@ -84,6 +84,27 @@ class DispatchCliTest(chex.TestCase):
                       for p in ("grad_lhs", "grad_rhs")}, {"xla_bf16"})
     self.assertIn("serving plan: inference runs no backward", result.stdout)
 
+  def test_a_serving_proposal_puts_the_accurate_forwards_the_speed_bar_left_in_fp8(self):
+    out = os.path.join(self.workdir, "plan_serve_strict.json")
+    proposal_path = os.path.join(self.workdir, "plan_serve_proposal.json")
+    # rowwise's forward (1.20x pessimistic) misses a 1.5x bar: the plan serves bf16
+    result = run_cli(f"--report={self.report_path}", f"--out={out}", "--objective=serve",
+                     "--min_speedup=1.5", "--nocheck", f"--serving_proposal={proposal_path}")
+    self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+    plan, proposal = dispatch.read_plan(out), dispatch.read_plan(proposal_path)
+    self.assertEqual({plan["sites"][n]["fwd"]["kernel"] for n in DLRM_TINY}, {"xla_bf16"})
+    # tensorwise fails the 25 dB forward bar; rowwise is safe and the export serves it
+    self.assertEqual({proposal["sites"][n]["fwd"]["kernel"] for n in DLRM_TINY},
+                     {"xla_fp8_rowwise"})
+    self.assertEqual({proposal["sites"][n][p]["kernel"] for n in DLRM_TINY
+                      for p in ("grad_lhs", "grad_rhs")}, {"xla_bf16"})
+    self.assertIn(f"serving proposal: {len(DLRM_TINY)} more FP8 forward(s)", result.stdout)
+    self.assertIn("untimed", result.stdout)
+    refused = run_cli(f"--report={self.report_path}", f"--out={out}",
+                      f"--serving_proposal={proposal_path}")
+    self.assertNotEqual(refused.returncode, 0)
+    self.assertIn("--serving_proposal needs --objective=serve", refused.stderr)
+
   def test_a_plan_that_does_not_fit_the_model_fails_listing_the_sites(self):
     out = os.path.join(self.workdir, "plan_wukong.json")
     result = run_cli(f"--report={self.report_path}", f"--out={out}", "--model=wukong")
