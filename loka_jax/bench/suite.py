@@ -226,8 +226,7 @@ def decide_serving(bench: speed.TargetBench, arm: speed.Arm, model, report,
                        "selected_median_us": infer["other_median_us"]},
                 promoted=keep)
   kept = "proposal" if keep else "selected"
-  chosen["arm"], chosen["fields"] = exports[kept]
-  chosen["other"] = exports["selected" if keep else "proposal"][0]
+  chosen["arm"], chosen["fields"] = exports[kept]  # the other export goes with `exports`
   return add_validation(proposal if keep else selected, record)
 
 
@@ -268,7 +267,6 @@ def _build_arm(bench: speed.TargetBench, target: Target, v: Variant, batch,
       row["serve_kernels"] = sorted({served["sites"][n]["fwd"]["kernel"]
                                      for n in served["sites"]})
       row["serve_promotion"] = _serving_summary(served)
-    chosen.pop("other", None)  # the export not kept: its buffers go now
     arm, export_fields = (chosen["arm"], chosen["fields"]) if chosen else serve_exported(
         bench, arm, model, served, report)
     row.update(export_fields)
