@@ -66,6 +66,30 @@ def next_history(history, amax):
   return fp8_ops.compute_amax_history(amax, history)
 
 
+def delayed_dense_reference(x2, w, g, meta) -> dict:
+  """{pass: fp32 product} of the operands quantized (`quantize_delayed_reference`) with the
+  scales the op derives from its state `meta` (the `fp8_meta` it starts a step from), then
+  dequantized: what each FP8 pass computes, up to accumulation and its output dtype.
+  'grad_lhs' and 'grad_rhs' only where `meta` holds the output gradient's state."""
+  from kernels_pallas.delayed import quantize_delayed_reference
+
+  def dequantized(a, scale, history, fmt, dtype):
+    s = next_scale(meta[scale], meta[history], dtype)
+    q = quantize_delayed_reference(a, s, fmt)[0]
+    return q.astype(jnp.float32) * s.reshape(()).astype(jnp.float32)
+
+  hi = lax.Precision.HIGHEST
+  qx = dequantized(x2, "input_scale", "input_amax_history", "e4m3", jnp.float8_e4m3fn)
+  qw = dequantized(w, "kernel_scale", "kernel_amax_history", "e4m3", jnp.float8_e4m3fn)
+  out = {"fwd": jnp.matmul(qx, qw, precision=hi)}
+  if "output_grad_scale" in meta:
+    qg = dequantized(g, "output_grad_scale", "output_grad_amax_history", "e5m2",
+                     jnp.float8_e5m2)
+    out.update(grad_lhs=jnp.matmul(qg, qw.T, precision=hi),
+               grad_rhs=jnp.matmul(qx.T, qg, precision=hi))
+  return out
+
+
 def _scaled(product, scale_a, scale_b, dtype):
   """The product times one scalar scale, in the product's dtype (as Flax's `out_dq`)."""
   return product * (scale_a * scale_b).reshape(()).astype(dtype)

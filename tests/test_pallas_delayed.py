@@ -91,24 +91,6 @@ class QuantizeDelayedTest(parameterized.TestCase):
       self.assertIn("__gpu$xla.gpu.triton", text, (row_major, transposed))
 
 
-def _dequantized_products(x, w, g, meta):
-  """fp32 HIGHEST products of the operands quantized with the op's own scales: those its
-  measured call derived from `meta`, the state that call started from."""
-  def q(a, scale, fmt):
-    return f32(kd.quantize_delayed_reference(a, scale, fmt)[0]) * float(scale[0])
-  sx = delayed_op.next_scale(meta["input_scale"], meta["input_amax_history"], jnp.float8_e4m3fn)
-  sw = delayed_op.next_scale(meta["kernel_scale"], meta["kernel_amax_history"],
-                             jnp.float8_e4m3fn)
-  qx, qw = q(x, sx, "e4m3"), q(w, sw, "e4m3")
-  out = {"fwd": qx @ qw}
-  if "output_grad_scale" in meta:
-    sg = delayed_op.next_scale(meta["output_grad_scale"], meta["output_grad_amax_history"],
-                               jnp.float8_e5m2)
-    qg = q(g, sg, "e5m2")
-    out.update(grad_lhs=qg @ qw.T, grad_rhs=qx.T @ qg)
-  return out
-
-
 class PallasDelayedOpTest(parameterized.TestCase):
 
   @parameterized.parameters(
@@ -120,7 +102,7 @@ class PallasDelayedOpTest(parameterized.TestCase):
     x, w, g = _operands(5, 40, 96, 48)
     # The state returned is the one the measured (fourth) call started from.
     *ours, meta = run_delayed_passes("mk,kn->mn", x, w, g, warmup=3, kernel=name)
-    refs = _dequantized_products(x, w, g, meta)
+    refs = delayed_op.delayed_dense_reference(x, w, g, meta)
     _, vjp = jax.vjp(lambda a, b: jnp.einsum("mk,kn->mn", a, b), x, w)
     exact = dict(zip(kernels.PASSES, (f32(x) @ f32(w), *vjp(g))))
     for p, got in zip(kernels.PASSES, ours):
