@@ -17,7 +17,7 @@ from absl.testing import absltest
 
 import test_dispatch_reports as hm
 from loka_jax.dispatch import pipeline, validate
-from loka_jax.dispatch.plan import FALLBACK, SCHEMA, Plan
+from loka_jax.dispatch.plan import FALLBACK, SCHEMA, Plan, read_plan, save_plan
 from loka_jax.kernels import Kernel, registry, reference_einsum
 from loka_jax.train import TrainConfig, experiment
 from loka_jax.train import report as train_report
@@ -353,6 +353,82 @@ class ResumeTest(chex.TestCase):
     self.assertLen(validate.validation_records(again, "quality_held_out"),
                    len(validate.validation_records(out, "quality_held_out")))
 
+
+  def _paused_after_one_site(self, check, step, plan, config):
+    """Runs `check` until its first site measurement is saved, then past the deadline; returns
+    the saved plan and the sites each call measured."""
+    ctx = context()
+    measured = {"first": [], "resumed": []}
+    phase = ["first"]
+    real = validate.only_site
+
+    def counting(site, choice):
+      measured[phase[0]].append(site)
+      return real(site, choice)
+    saved = []
+    progress = validate.Progress()
+
+    def save(plan):
+      saved.append(plan)
+      if validate.validation_records(plan, validate.site_step(step)):
+        progress.deadline = time.time() + 3600.0   # far off, but ...
+        progress.longest_measurement_s = 7200.0    # ... the next site would end after it
+    progress.save = save
+    with mock.patch.object(validate, "only_site", counting):
+      with self.assertRaisesRegex(validate.ValidationPaused, "slowest site measurement"):
+        check(plan, ctx, config, progress)
+      partial = saved[-1]
+      (site_record,) = validate.validation_records(partial, validate.site_step(step))
+      self.assertEqual(measured["first"], [site_record["site"]])
+      phase[0] = "resumed"
+      out = check(partial, ctx, config, validate.Progress())
+    return out, measured, site_record
+
+  def test_a_held_out_round_paused_between_sites_resumes_without_measuring_them_again(self):
+    plan = plan_of({BAD_SITE: "test_two_bit", GOOD_SITE: "xla_fp8_rowwise"})
+    config = validate.ValidationConfig(max_rel_logloss=0.002, shadow_steps=0)
+    out, measured, first = self._paused_after_one_site(
+        lambda p, c, cfg, prog: validate.check_held_out(p, c, cfg, prog),
+        "quality_held_out", plan, config)
+    self.assertEqual(first["site"], BAD_SITE)       # sites are measured in name order
+    self.assertEqual(measured["resumed"], [GOOD_SITE])
+    self.assertEqual(kernels(out, BAD_SITE), {p: FALLBACK for p in hm.PASSES})
+    self.assertEqual(kernels(out, GOOD_SITE), {p: "xla_fp8_rowwise" for p in hm.PASSES})
+    (round0,) = [r for r in validate.validation_records(out, "quality_held_out")
+                 if r.get("round") == 0]
+    # The round's table holds the value the first call recorded, not a second measurement.
+    self.assertEqual(round0["contributions"][BAD_SITE], first["value"])
+    self.assertGreater(abs(first["value"]), abs(round0["contributions"][GOOD_SITE]))
+    self.assertEqual(first["choice"], {p: "test_two_bit" for p in hm.PASSES})
+
+  def test_a_shadow_round_paused_between_sites_resumes_without_measuring_them_again(self):
+    plan = plan_of({BAD_SITE: {"grad_rhs": "test_flipped"}, GOOD_SITE: "xla_fp8_rowwise"})
+    config = validate.ValidationConfig(max_rel_logloss=0.002, shadow_steps=20,
+                                       shadow_window=10)
+    out, measured, first = self._paused_after_one_site(
+        lambda p, c, cfg, prog: validate.check_shadow(p, c, cfg, prog),
+        "quality_shadow", plan, config)
+    self.assertEqual(measured["resumed"], [GOOD_SITE])
+    self.assertEqual(kernels(out, BAD_SITE)["grad_rhs"], FALLBACK)
+    (round0,) = [r for r in validate.validation_records(out, "quality_shadow")
+                 if r.get("round") == 0]
+    self.assertEqual(round0["gradient_contributions"][BAD_SITE], first["value"])
+    self.assertGreater(first["value"], round0["gradient_contributions"][GOOD_SITE])
+
+  def test_site_measurements_survive_the_plan_file_including_non_finite_ones(self):
+    plan = plan_of({BAD_SITE: "test_two_bit", GOOD_SITE: "xla_fp8_rowwise"})
+    candidates = validate.fp8_sites(plan, [BAD_SITE, GOOD_SITE])
+    values = {BAD_SITE: float("inf"), GOOD_SITE: 0.25}
+    plan, current = validate.measure_sites(plan, "quality_shadow", 0, candidates, {},
+                                           lambda site, choice: values[site],
+                                           validate.Progress())
+    self.assertEqual(current, values)
+    path = os.path.join(tempfile.mkdtemp(prefix="loka_site_records_"), "plan.json")
+    save_plan(plan, path)   # strict JSON: no Infinity token
+    again = read_plan(path)
+    self.assertEqual(validate.saved_site_measurements(again, "quality_shadow"),
+                     {(s, c): values[s] for s, c in candidates.items()})
+    self.assertEqual(validate.saved_site_measurements(again, "quality_held_out"), {})
 
   def test_a_plan_without_fp8_sites_skips_every_check(self):
     out = validate.validate_end_to_end(plan_of({}), context(),

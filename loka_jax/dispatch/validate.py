@@ -58,7 +58,11 @@ Every measurement is a `validation` record of the plan (`add_validation`) and ev
 `back_off` record, so the plan file tells how it came to be. A check's last record carries
 `final: true`. `Progress` saves the plan at every round and stops at a deadline, and
 `validate_end_to_end(..., resume_from=saved)` goes on from a saved plan: a validation that
-outlasts one GPU call finishes over several.
+outlasts one GPU call finishes over several. A round that measures sites one at a time is
+itself longer than a call on a large preset (one compilation of the whole model per site,
+about 2 minutes on Wukong `large`): each site's measurement is recorded as it is taken
+(`quality_held_out_site`, `quality_shadow_site`), the plan saved before the next, and a
+resumed round measures only the sites not yet recorded.
 """
 from __future__ import annotations
 
@@ -319,18 +323,31 @@ class ValidationPaused(RuntimeError):
 class Progress:
   """Where a long validation saves its plan and when it must stop.
 
-  `save(plan)` is called at the start of every back-off round and after every check, so an
-  interrupted validation loses at most the round it was in; once `deadline` (a time.time()
-  value) has passed, no new round starts: the plan is saved and ValidationPaused raised."""
+  `save(plan)` is called at the start of every back-off round, before every site measured
+  within a round, and after every check, so an interrupted validation loses at most the
+  measurement it was in. Once `deadline` (a time.time() value) has passed no new round starts,
+  and no site measurement starts that would not end by it at the pace of the slowest one of
+  this call (a process killed by a hard time limit mid-measurement loses it): the plan is
+  saved and ValidationPaused raised."""
   save: Optional[Callable[[Plan], None]] = None
   deadline: Optional[float] = None
+  longest_measurement_s: float = 0.0
 
-  def checkpoint(self, plan: Plan, where: str) -> None:
+  def checkpoint(self, plan: Plan, where: str, *, measurement: bool = False) -> None:
+    """Saves `plan`; pauses when the deadline has passed or, before a site `measurement`,
+    when it would pass within the slowest measurement of this call."""
     if self.save is not None:
       self.save(plan)
-    if self.deadline is not None and time.time() > self.deadline:
-      raise ValidationPaused(f"validation paused before {where}: the deadline has passed; "
-                             "the plan so far is saved, call again to resume")
+    ahead_s = self.longest_measurement_s if measurement else 0.0
+    if self.deadline is not None and time.time() + ahead_s > self.deadline:
+      raise ValidationPaused(f"validation paused before {where}: the deadline has passed"
+                             + (f" or comes within the {ahead_s:.0f} s the slowest site "
+                                "measurement of this call took" if ahead_s else "")
+                             + "; the plan so far is saved, call again to resume")
+
+  def measured(self, seconds: float) -> None:
+    """One site measured, taking `seconds`."""
+    self.longest_measurement_s = max(self.longest_measurement_s, seconds)
 
 
 def finished(plan, step: str) -> bool:
@@ -341,6 +358,46 @@ def finished(plan, step: str) -> bool:
 def _rounds_done(plan: Plan, step: str) -> int:
   """Rounds of `step` recorded before a resumed call (numbering goes on from there)."""
   return sum(1 for r in plan["validation"] if r.get("step") == step and "round" in r)
+
+
+def site_step(step: str) -> str:
+  """The record name of one site's measurement within a round of `step`."""
+  return f"{step}_site"
+
+
+def saved_site_measurements(plan: Plan, step: str) -> Dict[Tuple[str, KernelChoice], float]:
+  """{(site, choice): value} of every site measurement recorded for `step` (a non-finite
+  value is stored as null). Such a measurement is of the site alone against bf16+Mods on
+  the validation's state, so it holds in every later round and call while the site keeps
+  that choice."""
+  out = {}
+  for r in plan["validation"]:
+    if r.get("step") == site_step(step):
+      value = r["value"]
+      out[(r["site"], KernelChoice.from_dict(r["choice"]))] = (
+          math.inf if value is None else float(value))
+  return out
+
+
+def measure_sites(plan: Plan, step: str, round_: int, candidates: Mapping[str, KernelChoice],
+                  measured: Dict[Tuple[str, KernelChoice], float],
+                  measure: Callable[[str, KernelChoice], float], progress: Progress
+                  ) -> Tuple[Plan, Dict[str, float]]:
+  """(plan, {site: value}) for every candidate: from `measured` (updated in place) or taken
+  now by `measure(site, choice)`, each new value recorded in the plan at once and the plan
+  saved before the next site, so a call that stops mid-round keeps what it measured."""
+  for site, choice in sorted(candidates.items()):
+    if (site, choice) in measured:
+      continue
+    progress.checkpoint(plan, f"{step} round {round_}, site {site}", measurement=True)
+    start = time.time()
+    value = float(measure(site, choice))
+    progress.measured(time.time() - start)
+    measured[(site, choice)] = value
+    plan = add_validation(plan, {"step": site_step(step), "round": round_, "site": site,
+                                 "choice": choice.to_dict(),
+                                 "value": value if math.isfinite(value) else None})
+  return plan, {s: measured[(s, c)] for s, c in candidates.items()}
 
 
 def _final(plan: Plan, record: Dict[str, Any]) -> Plan:
@@ -547,7 +604,7 @@ def check_held_out(plan, ctx: ValidationContext, config: ValidationConfig = Vali
   progress = progress or Progress()
   size = config.eval_batch_size
   base = held_out(ctx, BASELINE, size)
-  contributions: Dict[Tuple[str, KernelChoice], float] = {}
+  contributions = saved_site_measurements(plan, "quality_held_out")
   first = _rounds_done(plan, "quality_held_out")
   for round_ in range(first, config.max_rounds + 1):
     progress.checkpoint(plan, f"held-out round {round_}")
@@ -574,10 +631,9 @@ def check_held_out(plan, ctx: ValidationContext, config: ValidationConfig = Vali
       record["report_scores"] = scores
       reasons = {s: f"{excess}; ranked by the probe report's forward error" for s in worst}
     else:
-      for site, choice in candidates.items():
-        if (site, choice) not in contributions:
-          contributions[(site, choice)] = held_out_change(ctx, only_site(site, choice), size)
-      current = {s: contributions[(s, c)] for s, c in candidates.items()}
+      plan, current = measure_sites(
+          plan, "quality_held_out", round_, candidates, contributions,
+          lambda site, choice: held_out_change(ctx, only_site(site, choice), size), progress)
       record["contributions"] = current
       # The site that pushes hardest in the direction of the excess: one that moves the loss
       # the other way is offsetting, and backing it off would widen the gap.
@@ -641,7 +697,7 @@ def check_shadow(plan, ctx: ValidationContext, config: ValidationConfig = Valida
                              "checkpoint or the learning rate is at fault, not the plan")
   base_window = float(np.mean(base["losses"][-window:]))
   base_grad = None
-  contributions: Dict[Tuple[str, KernelChoice], float] = {}
+  contributions = saved_site_measurements(plan, "quality_shadow")
   first = _rounds_done(plan, "quality_shadow")
   for round_ in range(first, config.max_rounds + 1):
     progress.checkpoint(plan, f"shadow round {round_}")
@@ -678,16 +734,19 @@ def check_shadow(plan, ctx: ValidationContext, config: ValidationConfig = Valida
       reasons = {s: f"shadow training: {what}; ranked by the probe report's error (all passes)"
                  for s in worst}
     else:
-      if base_grad is None:
-        base_grad = _gradient(ctx, BASELINE, config.grad_batches)
-      norm = float(np.linalg.norm(base_grad)) or 1.0
-      for site, choice in candidates.items():
-        if (site, choice) not in contributions:
-          g = _gradient(ctx, only_site(site, choice), config.grad_batches)
-          contributions[(site, choice)] = (float(np.linalg.norm(g - base_grad)) / norm
-                                           if np.all(np.isfinite(g)) else math.inf)
-      current = {s: contributions[(s, c)] for s, c in candidates.items()}
-      record["gradient_contributions"] = current
+      def gradient_change(site, choice):
+        nonlocal base_grad
+        if base_grad is None:   # only when some site is left to measure
+          base_grad = _gradient(ctx, BASELINE, config.grad_batches)
+        g = _gradient(ctx, only_site(site, choice), config.grad_batches)
+        norm = float(np.linalg.norm(base_grad)) or 1.0
+        return (float(np.linalg.norm(g - base_grad)) / norm if np.all(np.isfinite(g))
+                else math.inf)
+      plan, current = measure_sites(plan, "quality_shadow", round_, candidates, contributions,
+                                    gradient_change, progress)
+      # JSON has no infinity: a site whose gradient is not finite reads null.
+      record["gradient_contributions"] = {s: (v if math.isfinite(v) else None)
+                                          for s, v in current.items()}
       site = max(current, key=lambda s: (current[s], s))
       worst = [site]
       reasons = {site: f"shadow training: {what}; this site moves the gradient most "
