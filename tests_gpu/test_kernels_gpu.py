@@ -45,3 +45,20 @@ def test_flax_delayed_on_gpu():
       "mk,kn->mn", x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), g.astype(jnp.bfloat16))
   for got, want in ((out, x @ w), (dx, g @ w.T), (dw, x.T @ g)):
     assert float(metrics.sqnr_db(got, want)) >= 18.0
+
+
+@pytest.mark.parametrize("name", XLA_FP8)
+@pytest.mark.parametrize("pass_name", kernels.PASSES)
+@pytest.mark.parametrize("n", [1, 8])
+def test_fp8_kernel_at_a_narrow_output_in_bf16(name, pass_name, n):
+  """A tower's logit head (K x 1): the probe read XLA tensorwise's forward there at 12-18 dB
+  on the GPU (docs/BENCHMARKS.md, twenty-second session). The sites' output dtype, bf16."""
+  kernel = kernels.get(name)
+  x, w, g = check.Problem(8192, 2048, n, seed=13).operands()
+  spec = DENSE.for_pass(pass_name)
+  a, b = (t.astype(jnp.bfloat16) for t in check.pass_operands(pass_name, x, w, g))
+  out = jax.jit(functools.partial(kernel.einsum, spec, pass_name=pass_name,
+                                  out_dtype=jnp.bfloat16))(a, b)
+  qa, qb = kernel.quantized_operands(spec, a, b, pass_name=pass_name)
+  ref_b = reference_einsum(spec, qa.dequantize(), qb.dequantize())
+  assert float(metrics.sqnr_db(out, ref_b)) >= 35.0

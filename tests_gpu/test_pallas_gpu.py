@@ -64,6 +64,22 @@ def test_dense_passes(name, pass_name, m, k, n):
   _close(out, reference_einsum(spec, da, db), rtol=2e-3)
 
 
+@pytest.mark.parametrize("name", ["pallas_fp8_rowwise", "pallas_fp8_blockwise"])
+@pytest.mark.parametrize("pass_name", ["fwd", "grad_lhs", "grad_rhs"])
+@pytest.mark.parametrize("n", [1, 8])
+def test_dense_passes_at_a_narrow_output_in_bf16(name, pass_name, n):
+  """A tower's logit head (K x 1), in the sites' output dtype: the probe read these kernels'
+  forward there at -1.2 and 13.3 dB and their weight gradient at 3 dB on the GPU
+  (docs/BENCHMARKS.md, twenty-second session)."""
+  a, b = _operands(pass_name, 8192, 2048, n, seed=n)
+  spec = DENSE.for_pass(pass_name)
+  kernel = kernels.get(name)
+  out = jax.jit(lambda a, b: kernel.einsum(spec, a, b, pass_name=pass_name,
+                                           out_dtype=jnp.bfloat16))(a, b)
+  da, db = products.dequantized_operands(spec, a, b, mode=kernel.mode, pass_name=pass_name)
+  assert float(metrics.sqnr_db(out, reference_einsum(spec, da, db))) >= 35.0
+
+
 def test_largest_k_tail():
   """K = 123200 (962.5 x 128): the masked K tail on the benchmark's largest contraction."""
   a, b = _operands("fwd", 256, 123200, 256, seed=3)
