@@ -32,7 +32,8 @@ def _codes_equal(got, want):
   assert np.all(same), f"{np.sum(~same)} codes differ"
 
 
-@pytest.mark.parametrize("shape", [(8192, 2048), (1000, 300), (4096, 12320), (4096, 1)])
+@pytest.mark.parametrize("shape", [(8192, 2048), (1000, 300), (4096, 12320), (4096, 1)],
+                         ids=lambda shape: "x".join(map(str, shape)))
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_quantize_matches_its_reference(shape, fmt):
   x = _heavy(jax.random.key(shape[0]), shape)
