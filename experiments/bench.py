@@ -29,7 +29,8 @@ VARIANTS = flags.DEFINE_list("variants", ["all"],
                              "(inference from exported bf16 weights, as LoKA's), "
                              "flax_fp8_delayed, flax_fp8_delayed_fwd, flax_fp8_delayed_grad_lhs, "
                              "fp8_tensorwise, "
-                             "fp8_rowwise, pallas, loka "
+                             "fp8_rowwise, pallas, pallas_delayed (the one-pass delayed ops), "
+                             "loka "
                              "(or 'all'); bf16 always runs.")
 REPEATS = flags.DEFINE_integer("repeats", 20, "Timed repeats per variant (interleaved).")
 MIN_CALL_MS = flags.DEFINE_float(

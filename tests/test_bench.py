@@ -767,6 +767,15 @@ class CliTest(absltest.TestCase):
       self.assertTrue(os.path.exists(os.path.join(out, name)), name)
 
 
+  def test_the_variants_flag_names_every_variant(self):
+    help_text = subprocess.run([sys.executable, "-m", "experiments.bench", "--helpfull"],
+                               cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                               capture_output=True, text=True, timeout=120).stdout
+    start = help_text.index("--variants:")
+    flag_help = " ".join(help_text[start:start + 1200].split())
+    for name in variants.VARIANTS:
+      self.assertRegex(flag_help, rf"\b{name}\b", name)
+
   def test_a_missing_plan_alone_builds_no_baseline(self):
     out = _tempdir(self)
     results = ResultsFile(os.path.join(out, "bench.jsonl"), suite.KEY_FIELDS)
