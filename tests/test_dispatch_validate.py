@@ -430,6 +430,31 @@ class ResumeTest(chex.TestCase):
                      {(s, c): values[s] for s, c in candidates.items()})
     self.assertEqual(validate.saved_site_measurements(again, "quality_held_out"), {})
 
+  def test_a_calls_first_site_waits_when_an_earlier_call_measured_slow_sites(self):
+    plan = plan_of({BAD_SITE: "test_two_bit", GOOD_SITE: "xla_fp8_rowwise"})
+    candidates = validate.fp8_sites(plan, [BAD_SITE, GOOD_SITE])
+    bad_only = {BAD_SITE: candidates[BAD_SITE]}
+    plan, _ = validate.measure_sites(plan, "quality_held_out", 0, bad_only, {},
+                                     lambda site, choice: 0.5, validate.Progress())
+    (record,) = validate.validation_records(plan, "quality_held_out_site")
+    self.assertGreaterEqual(record["seconds"], 0.0)
+    # The earlier call's site took an hour; this call has half an hour left: nothing starts.
+    slow = validate.add_validation(plan, {**record, "site": "earlier/site", "seconds": 3600.0})
+    measured = []
+    with self.assertRaises(validate.ValidationPaused):
+      validate.measure_sites(slow, "quality_held_out", 0, candidates, {},
+                             lambda site, choice: measured.append(site) or 0.0,
+                             validate.Progress(deadline=time.time() + 1800.0))
+    self.assertEqual(measured, [])
+    # With the hour left it measures the site it lacks, and only that one.
+    out, current = validate.measure_sites(
+        slow, "quality_held_out", 0, candidates,
+        validate.saved_site_measurements(slow, "quality_held_out"),
+        lambda site, choice: measured.append(site) or 0.25,
+        validate.Progress(deadline=time.time() + 7200.0))
+    self.assertEqual(measured, [GOOD_SITE])
+    self.assertEqual(current, {BAD_SITE: 0.5, GOOD_SITE: 0.25})
+
   def test_a_plan_without_fp8_sites_skips_every_check(self):
     out = validate.validate_end_to_end(plan_of({}), context(),
                                        validate.ValidationConfig(speed=True))

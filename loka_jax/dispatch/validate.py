@@ -385,18 +385,26 @@ def measure_sites(plan: Plan, step: str, round_: int, candidates: Mapping[str, K
                   ) -> Tuple[Plan, Dict[str, float]]:
   """(plan, {site: value}) for every candidate: from `measured` (updated in place) or taken
   now by `measure(site, choice)`, each new value recorded in the plan at once and the plan
-  saved before the next site, so a call that stops mid-round keeps what it measured."""
+  saved before the next site, so a call that stops mid-round keeps what it measured. The
+  pace starts from the slowest measurement an earlier call recorded, so even a call's first
+  site does not start when it would end past the deadline."""
+  earlier = [r["seconds"] for r in plan["validation"]
+             if r.get("step") == site_step(step) and r.get("seconds") is not None]
+  if earlier:
+    progress.measured(max(earlier))
   for site, choice in sorted(candidates.items()):
     if (site, choice) in measured:
       continue
     progress.checkpoint(plan, f"{step} round {round_}, site {site}", measurement=True)
     start = time.time()
     value = float(measure(site, choice))
-    progress.measured(time.time() - start)
+    seconds = time.time() - start
+    progress.measured(seconds)
     measured[(site, choice)] = value
     plan = add_validation(plan, {"step": site_step(step), "round": round_, "site": site,
                                  "choice": choice.to_dict(),
-                                 "value": value if math.isfinite(value) else None})
+                                 "value": value if math.isfinite(value) else None,
+                                 "seconds": round(seconds, 2)})
   return plan, {s: measured[(s, c)] for s, c in candidates.items()}
 
 
