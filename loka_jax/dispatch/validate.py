@@ -326,8 +326,8 @@ class Progress:
   `save(plan)` is called at the start of every back-off round, before every site measured
   within a round, and after every check, so an interrupted validation loses at most the
   measurement it was in. Once `deadline` (a time.time() value) has passed no new round starts,
-  and no site measurement starts that would not end by it at the pace of the slowest one of
-  this call (a process killed by a hard time limit mid-measurement loses it): the plan is
+  and no site measurement starts that would not end by it at the pace of the slowest one
+  measured (in this call, or recorded in the plan by an earlier one) (a process killed by a hard time limit mid-measurement loses it): the plan is
   saved and ValidationPaused raised."""
   save: Optional[Callable[[Plan], None]] = None
   deadline: Optional[float] = None
@@ -335,14 +335,14 @@ class Progress:
 
   def checkpoint(self, plan: Plan, where: str, *, measurement: bool = False) -> None:
     """Saves `plan`; pauses when the deadline has passed or, before a site `measurement`,
-    when it would pass within the slowest measurement of this call."""
+    when it would pass within the slowest site measurement known."""
     if self.save is not None:
       self.save(plan)
     ahead_s = self.longest_measurement_s if measurement else 0.0
     if self.deadline is not None and time.time() + ahead_s > self.deadline:
       raise ValidationPaused(f"validation paused before {where}: the deadline has passed"
                              + (f" or comes within the {ahead_s:.0f} s the slowest site "
-                                "measurement of this call took" if ahead_s else "")
+                                "measurement took" if ahead_s else "")
                              + "; the plan so far is saved, call again to resume")
 
   def measured(self, seconds: float) -> None:
