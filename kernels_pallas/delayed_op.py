@@ -7,7 +7,8 @@ e5m2 output gradient, each tensor's scale from the max of its amax history, stat
 reads the tensor contraction-major, its transposed copy come from a single read. The products
 stay XLA's FP8 dots (cuBLASLt on Hopper), given their operands already in the "TN" layout:
 
-  fwd       out[M,N]  = x_q[M,K]   . w_qT[N,K]    (fast accumulation, as Flax's forward)
+  fwd       out[M,N]  = x_q[M,K]   . w_qT[N,K]    (fast accumulation, as Flax's forward;
+                                                  precise below NARROW_OUTPUT columns)
   grad_lhs  dx[M,K]   = g_q[M,N]   . w_q[K,N]     (precise accumulation, as Flax's)
   grad_rhs  dw[K,N]   = x_qT[K,M]  . g_qT[N,M]    (precise accumulation)
 
@@ -95,13 +96,27 @@ def _scaled(product, scale_a, scale_b, dtype):
   return product * (scale_a * scale_b).reshape(()).astype(dtype)
 
 
+# Below this many output columns the forward accumulates precisely. On the GPU the probe read
+# the op's forward at 3.1-7.8 dB at the towers' K -> 1 heads, against 20-29 dB for Flax's, while
+# its weight gradient there, the same "TN" FP8 dot with N = 1 but precise accumulation, read
+# 24-26 dB (docs/BENCHMARKS.md, twenty-second session). Such a head's product costs microseconds.
+NARROW_OUTPUT = 16
+
+
+def forward_precision(n: int) -> lax.Precision:
+  """The forward dot's precision for `n` output columns: fast accumulation (DEFAULT, as Flax's
+  forward), precise (HIGHEST) below NARROW_OUTPUT."""
+  return lax.Precision.HIGHEST if n < NARROW_OUTPUT else lax.Precision.DEFAULT
+
+
 def _forward(x2, w, x_scale, w_scale, x_history, w_history, mode):
   dt = w.dtype
   sx = next_scale(x_scale, x_history, jnp.float8_e4m3fn)
   sw = next_scale(w_scale, w_history, jnp.float8_e4m3fn)
   x_q, x_qt, x_amax = quantize_delayed(x2, sx, "e4m3", row_major=True, transposed=mode == ALL)
   w_q, w_qt, w_amax = quantize_delayed(w, sw, "e4m3", row_major=mode != FWD, transposed=True)
-  out = _scaled(lax.dot_general(x_q, w_qt, _CONTRACT_LAST, precision=lax.Precision.DEFAULT,
+  out = _scaled(lax.dot_general(x_q, w_qt, _CONTRACT_LAST,
+                                precision=forward_precision(w.shape[1]),
                                 preferred_element_type=dt), sx, sw, dt)
   state = (sx, sw, next_history(x_history, x_amax), next_history(w_history, w_amax))
   return out, state, (x_qt, w_q)
