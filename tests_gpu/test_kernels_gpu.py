@@ -47,18 +47,31 @@ def test_flax_delayed_on_gpu():
     assert float(metrics.sqnr_db(got, want)) >= 18.0
 
 
+NARROW_MK = (8192, 2048)   # a tower's logit head: M rows, K -> n
+
+
 @pytest.mark.parametrize("name", XLA_FP8)
 @pytest.mark.parametrize("pass_name", kernels.PASSES)
 @pytest.mark.parametrize("n", [1, 8])
-def test_fp8_kernel_at_a_narrow_output_in_bf16(name, pass_name, n):
-  """A tower's logit head (K x 1): the probe read XLA tensorwise's forward there at 12-18 dB
-  on the GPU (docs/BENCHMARKS.md, twenty-second session). The sites' output dtype, bf16."""
+@pytest.mark.parametrize("vmapped", [False, True])
+def test_fp8_kernel_at_a_narrow_output_in_bf16(name, pass_name, n, vmapped):
+  """A tower's logit head (K x n), in the sites' output dtype: the probe, which evaluates
+  kernels vmapped over samples, read XLA tensorwise's forward there at 12-18 dB on the GPU
+  (docs/BENCHMARKS.md, twenty-second session). Plain and vmapped, to tell a kernel fault from
+  an evaluation one."""
   kernel = kernels.get(name)
-  x, w, g = check.Problem(8192, 2048, n, seed=13).operands()
   spec = DENSE.for_pass(pass_name)
-  a, b = (t.astype(jnp.bfloat16) for t in check.pass_operands(pass_name, x, w, g))
-  out = jax.jit(functools.partial(kernel.einsum, spec, pass_name=pass_name,
-                                  out_dtype=jnp.bfloat16))(a, b)
-  qa, qb = kernel.quantized_operands(spec, a, b, pass_name=pass_name)
-  ref_b = reference_einsum(spec, qa.dequantize(), qb.dequantize())
-  assert float(metrics.sqnr_db(out, ref_b)) >= 35.0
+  problems = []
+  for seed in range(3 if vmapped else 1):
+    x, w, g = check.Problem(*NARROW_MK, n, seed=13 + seed).operands()
+    problems.append(tuple(t.astype(jnp.bfloat16)
+                          for t in check.pass_operands(pass_name, x, w, g)))
+  run = functools.partial(kernel.einsum, spec, pass_name=pass_name, out_dtype=jnp.bfloat16)
+  if vmapped:
+    outs = jax.jit(jax.vmap(run))(*(jnp.stack(t) for t in zip(*problems)))
+  else:
+    outs = jax.jit(run)(*problems[0])[None]
+  for out, (a, b) in zip(outs, problems):
+    qa, qb = kernel.quantized_operands(spec, a, b, pass_name=pass_name)
+    ref_b = reference_einsum(spec, qa.dequantize(), qb.dequantize())
+    assert float(metrics.sqnr_db(out, ref_b)) >= 35.0

@@ -3,7 +3,8 @@
 Run on an H100/H200: `python -m pytest tests_gpu/test_pallas_delayed_gpu.py -q`.
 (a) the one-pass quantize against its pure-jnp twin, code for code, at ragged shapes;
 (b) every FP8 pass against the fp32 HIGHEST product of the op's own dequantized operands;
-(c) the forward's FP8 dot alone at narrow outputs (N = 1, 8, 16), at the op's precision;
+(c) narrow outputs (N = 1, 8, 16), plain and vmapped as the probe evaluates: the forward's
+FP8 dot alone at the op's precision, and the whole forward;
 (d) the train step's HLO: no transpose of an FP8 tensor runs outside the Pallas kernels (the
 layout the quantize writes is the one the FP8 GEMMs read).
 """
@@ -71,24 +72,57 @@ def test_passes_against_their_own_dequantized_operands(name, fp8, m, k, n):
     assert float(metrics.sqnr_db(got, ref)) > (35.0 if p in fp8 else 40.0), p
 
 
+NARROW_MK = (16384, 4096)   # the largest tower's logit head: M rows, K -> n
+
+
 @pytest.mark.parametrize("n", [1, 8, 16])
-def test_forward_dot_at_narrow_outputs(n):
-  # The forward's FP8 dot alone, at the precision the op gives it for n columns, from codes
-  # cast by the pure-jnp reference (so the quantize is out of it; its (4096, 1) case is
-  # above): at a tower's 4096 -> 1 head the probe read 7.8 dB for the op's forward with fast
-  # accumulation on an H100 (BENCHMARKS, twenty-second session).
-  keys = jax.random.split(jax.random.key(n), 2)
-  x = _heavy(keys[0], (16384, 4096))
-  w = (jax.random.normal(keys[1], (4096, n)) / 64).astype(jnp.bfloat16)
-  sx = jnp.float32(float(jnp.max(jnp.abs(x))) / 448.0)
-  sw = jnp.float32(float(jnp.max(jnp.abs(w))) / 448.0)
-  x_q = kd.quantize_delayed_reference(x, sx, "e4m3")[0]
-  w_q = kd.quantize_delayed_reference(w, sw, "e4m3")[0]
+@pytest.mark.parametrize("vmapped", [False, True])
+def test_forward_at_narrow_outputs(n, vmapped):
+  # At the largest tower's 4096 -> 1 head the probe, which evaluates fused ops vmapped over
+  # samples, read the op's forward with fast accumulation at 7.8 dB on an H100 (BENCHMARKS,
+  # twenty-second session). Checked plain and vmapped: (1) the forward's FP8 dot alone, at
+  # the precision the op gives it, from codes cast by the pure-jnp reference (the quantize's
+  # (4096, 1) case is above); (2) the whole forward against its dequantized reference.
+  m, k = NARROW_MK
   f32 = lambda a: np.asarray(a.astype(jnp.float32))
-  got = jax.jit(lambda a, b: jax.lax.dot_general(
-      a, b, (((1,), (1,)), ((), ())), precision=delayed_op.forward_precision(n),
-      preferred_element_type=jnp.bfloat16))(x_q, w_q.T)
-  assert float(metrics.sqnr_db(got, f32(x_q) @ f32(w_q))) > 35.0
+  problems = []
+  for seed in range(2 if vmapped else 1):
+    keys = jax.random.split(jax.random.key(n + 10 * seed), 2)
+    problems.append((_heavy(keys[0], (m, k)),
+                     (jax.random.normal(keys[1], (k, n)) / 64).astype(jnp.bfloat16)))
+  history = jnp.zeros((16,), jnp.float32)
+  metas = [dict(input_scale=jnp.ones((1,)), kernel_scale=jnp.ones((1,)),
+                input_amax_history=history.at[0].set(jnp.max(jnp.abs(x)).astype(jnp.float32)),
+                kernel_amax_history=history.at[0].set(jnp.max(jnp.abs(w)).astype(jnp.float32)))
+           for x, w in problems]
+
+  def dot(x, w, sx, sw):
+    x_q = kd.quantize_delayed_reference(x, sx, "e4m3")[0]
+    w_q = kd.quantize_delayed_reference(w, sw, "e4m3")[0]
+    return jax.lax.dot_general(x_q, w_q.T, (((1,), (1,)), ((), ())),
+                               precision=delayed_op.forward_precision(n),
+                               preferred_element_type=jnp.bfloat16).astype(jnp.float32) * sx * sw
+
+  def forward(x, w, meta):
+    return delayed_op.delayed_dense(x, w, meta["input_scale"], meta["kernel_scale"],
+                                    meta["input_amax_history"], meta["kernel_amax_history"],
+                                    None, None, delayed_op.FWD)
+
+  scales = [(delayed_op.next_scale(mt["input_scale"], mt["input_amax_history"],
+                                   jnp.float8_e4m3fn).reshape(()),
+             delayed_op.next_scale(mt["kernel_scale"], mt["kernel_amax_history"],
+                                   jnp.float8_e4m3fn).reshape(())) for mt in metas]
+  stack = lambda items: jax.tree.map(lambda *t: jnp.stack(t), *items)
+  if vmapped:
+    dots = jax.jit(jax.vmap(dot))(*stack(problems), *stack(scales))
+    outs = jax.jit(jax.vmap(forward))(*stack(problems), stack(metas))
+  else:
+    dots = jax.jit(dot)(*problems[0], *scales[0])[None]
+    outs = jax.jit(forward)(*problems[0], metas[0])[None]
+  for got_dot, got, (x, w), meta in zip(dots, outs, problems, metas):
+    want = f32(delayed_op.delayed_dense_reference(x, w, None, meta)["fwd"])
+    assert float(metrics.sqnr_db(got_dot, want)) > 35.0, "the FP8 dot alone"
+    assert float(metrics.sqnr_db(got, want)) > 35.0, "the op's forward"
 
 
 def test_train_step_transposes_no_fp8_tensor():

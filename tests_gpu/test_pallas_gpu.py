@@ -64,20 +64,30 @@ def test_dense_passes(name, pass_name, m, k, n):
   _close(out, reference_einsum(spec, da, db), rtol=2e-3)
 
 
+NARROW_MK = (8192, 2048)   # a tower's logit head: M rows, K -> n
+
+
 @pytest.mark.parametrize("name", ["pallas_fp8_rowwise", "pallas_fp8_blockwise"])
 @pytest.mark.parametrize("pass_name", ["fwd", "grad_lhs", "grad_rhs"])
 @pytest.mark.parametrize("n", [1, 8])
-def test_dense_passes_at_a_narrow_output_in_bf16(name, pass_name, n):
-  """A tower's logit head (K x 1), in the sites' output dtype: the probe read these kernels'
-  forward there at -1.2 and 13.3 dB and their weight gradient at 3 dB on the GPU
-  (docs/BENCHMARKS.md, twenty-second session)."""
-  a, b = _operands(pass_name, 8192, 2048, n, seed=n)
+@pytest.mark.parametrize("vmapped", [False, True])
+def test_dense_passes_at_a_narrow_output_in_bf16(name, pass_name, n, vmapped):
+  """A tower's logit head (K x n), in the sites' output dtype: the probe, which evaluates
+  kernels vmapped over samples, read these kernels' forward there at -1.2 and 13.3 dB and
+  their weight gradient at 3 dB on the GPU (docs/BENCHMARKS.md, twenty-second session).
+  Plain and vmapped, to tell a kernel fault from an evaluation one."""
   spec = DENSE.for_pass(pass_name)
   kernel = kernels.get(name)
-  out = jax.jit(lambda a, b: kernel.einsum(spec, a, b, pass_name=pass_name,
-                                           out_dtype=jnp.bfloat16))(a, b)
-  da, db = products.dequantized_operands(spec, a, b, mode=kernel.mode, pass_name=pass_name)
-  assert float(metrics.sqnr_db(out, reference_einsum(spec, da, db))) >= 35.0
+  problems = [_operands(pass_name, *NARROW_MK, n, seed=n + seed)
+              for seed in range(3 if vmapped else 1)]
+  run = lambda a, b: kernel.einsum(spec, a, b, pass_name=pass_name, out_dtype=jnp.bfloat16)
+  if vmapped:
+    outs = jax.jit(jax.vmap(run))(*(jnp.stack(t) for t in zip(*problems)))
+  else:
+    outs = jax.jit(run)(*problems[0])[None]
+  for out, (a, b) in zip(outs, problems):
+    da, db = products.dequantized_operands(spec, a, b, mode=kernel.mode, pass_name=pass_name)
+    assert float(metrics.sqnr_db(out, reference_einsum(spec, da, db))) >= 35.0
 
 
 def test_largest_k_tail():
