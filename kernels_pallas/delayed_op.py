@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax.linen import fp8_ops
 from jax import lax
 
-from kernels_pallas.delayed import quantize_delayed
+from kernels_pallas.delayed import quantize_delayed, quantize_delayed_reference
 from loka_jax.kernels.flax_delayed import FP8_META
 from loka_jax.kernels.spec import EinsumSpec
 
@@ -72,8 +72,6 @@ def delayed_dense_reference(x2, w, g, meta) -> dict:
   scales the op derives from its state `meta` (the `fp8_meta` it starts a step from), then
   dequantized: what each FP8 pass computes, up to accumulation and its output dtype.
   'grad_lhs' and 'grad_rhs' only where `meta` holds the output gradient's state."""
-  from kernels_pallas.delayed import quantize_delayed_reference
-
   def dequantized(a, scale, history, fmt, dtype):
     s = next_scale(meta[scale], meta[history], dtype)
     q = quantize_delayed_reference(a, s, fmt)[0]

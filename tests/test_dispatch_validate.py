@@ -419,7 +419,7 @@ class ResumeTest(chex.TestCase):
     plan = plan_of({BAD_SITE: "test_two_bit", GOOD_SITE: "xla_fp8_rowwise"})
     candidates = validate.fp8_sites(plan, [BAD_SITE, GOOD_SITE])
     values = {BAD_SITE: float("inf"), GOOD_SITE: 0.25}
-    plan, current = validate.measure_sites(plan, "quality_shadow", 0, candidates, {},
+    plan, current = validate.measure_sites(plan, "quality_shadow", 0, candidates,
                                            lambda site, choice: values[site],
                                            validate.Progress())
     self.assertEqual(current, values)
@@ -434,7 +434,7 @@ class ResumeTest(chex.TestCase):
     plan = plan_of({BAD_SITE: "test_two_bit", GOOD_SITE: "xla_fp8_rowwise"})
     candidates = validate.fp8_sites(plan, [BAD_SITE, GOOD_SITE])
     bad_only = {BAD_SITE: candidates[BAD_SITE]}
-    plan, _ = validate.measure_sites(plan, "quality_held_out", 0, bad_only, {},
+    plan, _ = validate.measure_sites(plan, "quality_held_out", 0, bad_only,
                                      lambda site, choice: 0.5, validate.Progress())
     (record,) = validate.validation_records(plan, "quality_held_out_site")
     self.assertGreaterEqual(record["seconds"], 0.0)
@@ -442,14 +442,13 @@ class ResumeTest(chex.TestCase):
     slow = validate.add_validation(plan, {**record, "site": "earlier/site", "seconds": 3600.0})
     measured = []
     with self.assertRaises(validate.ValidationPaused):
-      validate.measure_sites(slow, "quality_held_out", 0, candidates, {},
+      validate.measure_sites(slow, "quality_held_out", 0, candidates,
                              lambda site, choice: measured.append(site) or 0.0,
                              validate.Progress(deadline=time.time() + 1800.0))
     self.assertEqual(measured, [])
     # With the hour left it measures the site it lacks, and only that one.
     out, current = validate.measure_sites(
         slow, "quality_held_out", 0, candidates,
-        validate.saved_site_measurements(slow, "quality_held_out"),
         lambda site, choice: measured.append(site) or 0.25,
         validate.Progress(deadline=time.time() + 7200.0))
     self.assertEqual(measured, [GOOD_SITE])

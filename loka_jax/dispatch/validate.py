@@ -327,8 +327,8 @@ class Progress:
   within a round, and after every check, so an interrupted validation loses at most the
   measurement it was in. Once `deadline` (a time.time() value) has passed no new round starts,
   and no site measurement starts that would not end by it at the pace of the slowest one
-  measured (in this call, or recorded in the plan by an earlier one) (a process killed by a hard time limit mid-measurement loses it): the plan is
-  saved and ValidationPaused raised."""
+  measured, in this call or recorded in the plan by an earlier one (a process killed by a
+  hard time limit mid-measurement loses it): the plan is saved and ValidationPaused raised."""
   save: Optional[Callable[[Plan], None]] = None
   deadline: Optional[float] = None
   longest_measurement_s: float = 0.0
@@ -380,14 +380,15 @@ def saved_site_measurements(plan: Plan, step: str) -> Dict[Tuple[str, KernelChoi
 
 
 def measure_sites(plan: Plan, step: str, round_: int, candidates: Mapping[str, KernelChoice],
-                  measured: Dict[Tuple[str, KernelChoice], float],
                   measure: Callable[[str, KernelChoice], float], progress: Progress
                   ) -> Tuple[Plan, Dict[str, float]]:
-  """(plan, {site: value}) for every candidate: from `measured` (updated in place) or taken
-  now by `measure(site, choice)`, each new value recorded in the plan at once and the plan
-  saved before the next site, so a call that stops mid-round keeps what it measured. The
-  pace starts from the slowest measurement an earlier call recorded, so even a call's first
-  site does not start when it would end past the deadline."""
+  """(plan, {site: value}) for every candidate: as the plan records it (this round, an earlier
+  one or an earlier call: `saved_site_measurements`) or taken now by `measure(site, choice)`,
+  each new value recorded in the plan at once and the plan saved before the next site, so a
+  call that stops mid-round keeps what it measured. The pace starts from the slowest
+  measurement recorded, so even a call's first site does not start when it would end past
+  the deadline."""
+  measured = saved_site_measurements(plan, step)
   earlier = [r["seconds"] for r in plan["validation"]
              if r.get("step") == site_step(step) and r.get("seconds") is not None]
   if earlier:
@@ -612,7 +613,6 @@ def check_held_out(plan, ctx: ValidationContext, config: ValidationConfig = Vali
   progress = progress or Progress()
   size = config.eval_batch_size
   base = held_out(ctx, BASELINE, size)
-  contributions = saved_site_measurements(plan, "quality_held_out")
   first = _rounds_done(plan, "quality_held_out")
   for round_ in range(first, config.max_rounds + 1):
     progress.checkpoint(plan, f"held-out round {round_}")
@@ -640,7 +640,7 @@ def check_held_out(plan, ctx: ValidationContext, config: ValidationConfig = Vali
       reasons = {s: f"{excess}; ranked by the probe report's forward error" for s in worst}
     else:
       plan, current = measure_sites(
-          plan, "quality_held_out", round_, candidates, contributions,
+          plan, "quality_held_out", round_, candidates,
           lambda site, choice: held_out_change(ctx, only_site(site, choice), size), progress)
       record["contributions"] = current
       # The site that pushes hardest in the direction of the excess: one that moves the loss
@@ -705,7 +705,6 @@ def check_shadow(plan, ctx: ValidationContext, config: ValidationConfig = Valida
                              "checkpoint or the learning rate is at fault, not the plan")
   base_window = float(np.mean(base["losses"][-window:]))
   base_grad = None
-  contributions = saved_site_measurements(plan, "quality_shadow")
   first = _rounds_done(plan, "quality_shadow")
   for round_ in range(first, config.max_rounds + 1):
     progress.checkpoint(plan, f"shadow round {round_}")
@@ -750,7 +749,7 @@ def check_shadow(plan, ctx: ValidationContext, config: ValidationConfig = Valida
         norm = float(np.linalg.norm(base_grad)) or 1.0
         return (float(np.linalg.norm(g - base_grad)) / norm if np.all(np.isfinite(g))
                 else math.inf)
-      plan, current = measure_sites(plan, "quality_shadow", round_, candidates, contributions,
+      plan, current = measure_sites(plan, "quality_shadow", round_, candidates,
                                     gradient_change, progress)
       # JSON has no infinity: a site whose gradient is not finite reads null.
       record["gradient_contributions"] = {s: (v if math.isfinite(v) else None)
