@@ -7,8 +7,7 @@ e5m2 output gradient, each tensor's scale from the max of its amax history, stat
 reads the tensor contraction-major, its transposed copy come from a single read. The products
 stay XLA's FP8 dots (cuBLASLt on Hopper), given their operands already in the "TN" layout:
 
-  fwd       out[M,N]  = x_q[M,K]   . w_qT[N,K]    (fast accumulation, as Flax's forward;
-                                                  precise below NARROW_OUTPUT columns)
+  fwd       out[M,N]  = x_q[M,K]   . w_qT[N,K]    (fast accumulation, as Flax's forward)
   grad_lhs  dx[M,K]   = g_q[M,N]   . w_q[K,N]     (precise accumulation, as Flax's)
   grad_rhs  dw[K,N]   = x_qT[K,M]  . g_qT[N,M]    (precise accumulation)
 
@@ -94,18 +93,12 @@ def _scaled(product, scale_a, scale_b, dtype):
   return product * (scale_a * scale_b).reshape(()).astype(dtype)
 
 
-# Below this many output columns the forward accumulates precisely. On the GPU the probe read
-# the op's forward at 3.1-7.8 dB at the towers' K -> 1 heads, against 20-29 dB for Flax's, while
-# its weight gradient there, the same "TN" FP8 dot with N = 1 but precise accumulation, read
-# 24-26 dB (docs/BENCHMARKS.md, twenty-second session). A head is a sliver of a step (its bf16
-# forward at 16384x4096x1: 63 us on an H100, in a 9.7 ms step).
-NARROW_OUTPUT = 16
-
-
-def forward_precision(n: int) -> lax.Precision:
-  """The forward dot's precision for `n` output columns: fast accumulation (DEFAULT, as Flax's
-  forward), precise (HIGHEST) below NARROW_OUTPUT."""
-  return lax.Precision.HIGHEST if n < NARROW_OUTPUT else lax.Precision.DEFAULT
+# The forward dot keeps fast accumulation at every width, a K -> 1 logit head included. A
+# precise forward below 16 columns was tried (twenty-second session) after the probe read the
+# op's forward low at such heads; on the GPU, XLA's FP8 dot at N = 1 read 31.2-31.7 dB against
+# its dequantized product with precise accumulation while the fast forward cleared 35 dB
+# (tests_gpu, H200, docs/BENCHMARKS.md twenty-third session), so the precise forward went.
+FORWARD_PRECISION = lax.Precision.DEFAULT
 
 
 def _forward(x2, w, x_scale, w_scale, x_history, w_history, mode):
@@ -115,7 +108,7 @@ def _forward(x2, w, x_scale, w_scale, x_history, w_history, mode):
   x_q, x_qt, x_amax = quantize_delayed(x2, sx, "e4m3", row_major=True, transposed=mode == ALL)
   w_q, w_qt, w_amax = quantize_delayed(w, sw, "e4m3", row_major=mode != FWD, transposed=True)
   out = _scaled(lax.dot_general(x_q, w_qt, _CONTRACT_LAST,
-                                precision=forward_precision(w.shape[1]),
+                                precision=FORWARD_PRECISION,
                                 preferred_element_type=dt), sx, sw, dt)
   state = (sx, sw, next_history(x_history, x_amax), next_history(w_history, w_amax))
   return out, state, (x_qt, w_q)

@@ -170,17 +170,17 @@ class PallasDelayedOpTest(parameterized.TestCase):
       delayed_op.PallasDelayedEinsum(mode="both").init(
           jax.random.PRNGKey(0), "mk,kn->mn", jnp.ones((2, 4)), jnp.ones((4, 2)))
 
-  def test_the_forward_accumulates_precisely_only_at_narrow_outputs(self):
-    """A K -> 1 head's FP8 forward with fast accumulation read 3-8 dB on the GPU: below
-    NARROW_OUTPUT columns the forward dot runs at HIGHEST precision, elsewhere at DEFAULT."""
+  def test_the_forward_accumulates_fast_at_every_width(self):
+    """On the GPU XLA's FP8 dot at N = 1 reads lower with precise accumulation (31 dB against
+    its dequantized product) than with fast (above 35): the forward runs at DEFAULT at every
+    width, a K -> 1 head included."""
     module = delayed_op.PallasDelayedEinsum(mode=delayed_op.FWD)
-    for n, want in ((1, "HIGHEST"), (delayed_op.NARROW_OUTPUT - 1, "HIGHEST"),
-                    (delayed_op.NARROW_OUTPUT, "DEFAULT")):
+    for n in (1, 8, 16):
       x, w, _ = _operands(n, 32, 64, n)
       variables = module.init(jax.random.PRNGKey(0), "mk,kn->mn", x, w)
       text = str(jax.make_jaxpr(lambda v: module.apply(v, "mk,kn->mn", x, w))(variables))
       precisions = re.findall(r"precision=\(?Precision\.(\w+)", text)
-      self.assertEqual(set(precisions), {want}, (n, precisions))
+      self.assertEqual(set(precisions), {"DEFAULT"}, (n, precisions))
 
   def test_registered_as_stateful_fused_ops(self):
     for name in PALLAS_DELAYED:

@@ -71,11 +71,13 @@ class XlaFp8(Kernel):
     return (quantize(a, fa, self.granularity, spec.contracting_axes("lhs")),
             quantize(b, fb, self.granularity, spec.contracting_axes("rhs")))
 
+  def accumulates_fast(self, pass_name: str) -> bool:
+    return self.fast_accum == ALL_FAST or (self.fast_accum == FWD_ONLY_FAST and pass_name == "fwd")
+
   def einsum(self, spec, a, b, *, pass_name, out_dtype):
     check_operands(f"kernel {self.name} ({pass_name})", spec, a, b)
     qa, qb = self.quantized_operands(spec, a, b, pass_name=pass_name)
-    fast = self.fast_accum == ALL_FAST or (self.fast_accum == FWD_ONLY_FAST and pass_name == "fwd")
-    precision = lax.Precision.DEFAULT if fast else lax.Precision.HIGHEST
+    precision = lax.Precision.DEFAULT if self.accumulates_fast(pass_name) else lax.Precision.HIGHEST
     if self.granularity == TENSORWISE:
       # One scalar scale for the whole product: the dot writes the output dtype and the scale
       # follows in it, the form of Flax's delayed-scaling forward, which cuBLASLt runs as one
