@@ -264,6 +264,40 @@ class RenderTest(absltest.TestCase):
         self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
 
 
+class BaselineDriftTest(absltest.TestCase):
+
+  def _rows(self, rng):
+    return [_row("dlrm", "large", v, s, s, rng)
+            for v, s in (("bf16", 1.0), ("bf16_mods", 1.0), ("fp8_tensorwise", 0.98),
+                         ("flax_fp8_delayed", 0.97))]
+
+  def test_a_pair_whose_bf16_ran_fast_is_marked_and_explained(self):
+    rows = self._rows(np.random.default_rng(5))
+    drifted = rows[3]["train"]
+    drifted["baseline_samples_us"] = [0.8 * us for us in drifted["baseline_samples_us"]]
+    drift = tables.baseline_drift(rows)
+    self.assertAlmostEqual(drift[(3, "train")], -0.2, delta=0.02)
+    self.assertLess(abs(drift[(3, "infer")]), 0.05)
+    self.assertLess(max(abs(drift[(i, "train")]) for i in range(3)), 0.05)
+    text = tables.speed_table(rows, "models")
+    marked = [line for line in text.splitlines() if tables.DRIFT_MARK in line]
+    self.assertLen(marked, 2)   # the ratio cell and its note
+    self.assertIn("| Flax FP8 (delayed) |", marked[0])
+    self.assertRegex(marked[1], r"dlrm/large Flax FP8 \(delayed\), train: bf16 ran 2\d% faster")
+
+  def test_too_few_pairs_or_different_timing_are_not_compared(self):
+    rows = self._rows(np.random.default_rng(6))[:2]
+    rows[1]["train"]["baseline_samples_us"] = [0.5 * us for us in
+                                               rows[1]["train"]["baseline_samples_us"]]
+    self.assertEqual(tables.baseline_drift(rows), {})
+    rows = self._rows(np.random.default_rng(7))
+    for r in rows[:2]:
+      r["min_call_s"] = 0.02   # timed with longer calls: a group of two
+    rows[0]["train"]["baseline_samples_us"] = [0.5 * us for us in
+                                               rows[0]["train"]["baseline_samples_us"]]
+    self.assertNotIn(tables.DRIFT_MARK, tables.speed_table(rows, "models"))
+
+
 class VariantColourTest(absltest.TestCase):
 
   def test_every_variant_has_its_own_colour(self):

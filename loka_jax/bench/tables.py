@@ -1,10 +1,21 @@
 """Markdown tables of the benchmark rows: speed, quality, targets."""
 from __future__ import annotations
 
-from typing import List, Mapping, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
 
 from loka_jax.bench import quality as quality_lib
 from loka_jax.bench.variants import LABELS, VARIANTS
+
+# A row's ratio is over the bf16 timed in its own pair. Where that pair's bf16 ran far from
+# the bf16 of the target's other pairs timed the same way, the ratio carries the drift: on
+# DLRM `large` (H200, 2026-11-28) bf16 ran at 5.4-6.5 ms in one pair against 6.9-7.7 ms in
+# the other five, and that row read 0.77x while its median step was 0.97x bf16's. The table
+# marks such ratios.
+BASELINE_DRIFT = 0.10
+DRIFT_MARK = "†"
+MIN_PAIRS = 3   # pairs of a target (timed alike) needed before one of them is called off
 
 
 def _ci(s: Mapping) -> str:
@@ -20,15 +31,51 @@ def _variant_order(name: str) -> int:
   return names.index(name) if name in names else len(names)
 
 
+def _pair_baseline_us(row: Mapping, mode: str) -> Optional[float]:
+  samples = (row.get(mode) or {}).get("baseline_samples_us")
+  return float(np.median(samples)) if samples else None
+
+
+def _timed_alike(row: Mapping) -> Tuple:
+  return (row["model"], row["preset"], row.get("device"), str(row.get("inner")),
+          row.get("min_call_s"))
+
+
+def baseline_drift(rows: Sequence[Mapping]) -> Dict[Tuple[int, str], float]:
+  """{(index in rows, mode): drift}: how far the bf16 timed in a row's pair ran from the
+  median of the bf16 of every pair of that target timed alike (same device, steps a call and
+  minimum call; at least MIN_PAIRS of them), as that pair's median over the median of them
+  all, less 1 (negative: faster in this pair). Rows without samples are left out."""
+  groups: Dict[Tuple, List[Tuple[int, str, float]]] = {}
+  for index, r in enumerate(rows):
+    if "error" in r:
+      continue
+    for mode in ("train", "infer"):
+      us = _pair_baseline_us(r, mode)
+      if us is not None:
+        groups.setdefault(_timed_alike(r) + (mode,), []).append((index, mode, us))
+  drift = {}
+  for members in groups.values():
+    if len(members) < MIN_PAIRS:
+      continue
+    reference = float(np.median([us for _, _, us in members]))
+    drift.update({(index, mode): us / reference - 1.0 for index, mode, us in members})
+  return drift
+
+
 def speed_table(rows: Sequence[Mapping], suite: str) -> str:
-  """One line per (target, variant): examples/s and speedup vs the same run's bf16."""
+  """One line per (target, variant): examples/s and speedup vs the same run's bf16. A ratio
+  whose pair's bf16 drifted past BASELINE_DRIFT (`baseline_drift`) is marked, with a note
+  under the table."""
   lines = [f"| {'tower' if suite == 'towers' else 'model'} | preset | variant | batch | "
            "train ex/s | train vs bf16 [95% CI] | infer ex/s | infer vs bf16 [95% CI] | "
            "train mem GiB | kernels | device |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
   chosen = [r for r in rows if r.get("suite") == suite]
   chosen.sort(key=lambda r: (r["model"], r["preset"], _variant_order(r["variant"])))
-  for r in chosen:
+  marks = {key: d for key, d in baseline_drift(chosen).items() if abs(d) > BASELINE_DRIFT}
+  notes = []
+  for index, r in enumerate(chosen):
     if "error" in r:
       lines.append(f"| {r['model']} | {r['preset']} | {LABELS.get(r['variant'], r['variant'])} "
                    f"| {r.get('batch_size', '-')} | error: {r['error'][:80]} | | | | | | "
@@ -39,12 +86,23 @@ def speed_table(rows: Sequence[Mapping], suite: str) -> str:
     if r.get("export"):
       modes = ", ".join(f"{n} {m}" for m, n in sorted((r.get("export_modes") or {}).items()))
       kernels += f" (infer: exported, {modes or 'no sites'})"
+    ratio = {}
+    for mode, summary in (("train", t), ("infer", i)):
+      ratio[mode] = _ci(summary)
+      if (index, mode) in marks:
+        ratio[mode] += f" {DRIFT_MARK}"
+        drift = marks[(index, mode)]
+        notes.append(f"{DRIFT_MARK} {r['model']}/{r['preset']} "
+                     f"{LABELS.get(r['variant'], r['variant'])}, {mode}: bf16 ran "
+                     f"{abs(drift):.0%} {'faster' if drift < 0 else 'slower'} in this pair than "
+                     "the median of this target's pairs, and the ratio carries that drift; the "
+                     "ex/s columns compare medians timed apart.")
     lines.append(
         f"| {r['model']} | {r['preset']} | {LABELS.get(r['variant'], r['variant'])} | "
-        f"{r['batch_size']} | {t['examples_per_s']:,.0f} | {_ci(t)} | "
-        f"{i['examples_per_s']:,.0f} | {_ci(i)} | {_gib(r.get('train_memory_bytes'))} | "
+        f"{r['batch_size']} | {t['examples_per_s']:,.0f} | {ratio['train']} | "
+        f"{i['examples_per_s']:,.0f} | {ratio['infer']} | {_gib(r.get('train_memory_bytes'))} | "
         f"{kernels or '-'} | {r['device']} |")
-  return "\n".join(lines)
+  return "\n".join(lines + ([""] + notes if notes else []))
 
 
 def quality_table(rows: Sequence[Mapping]) -> str:
