@@ -10,7 +10,7 @@ from loka_jax.bench.variants import LABELS, VARIANTS
 
 # A row's ratio is over the bf16 timed in its own pair. Where that pair's bf16 ran far from
 # the bf16 of the target's other pairs timed the same way, the ratio carries the drift: on
-# DLRM `large` (H200, 2026-11-28) bf16 ran at 5.4-6.5 ms in one pair against 6.9-7.7 ms in
+# DLRM `large` (H200, 2026-11-28) bf16 ran at 5.4-6.5 ms in one pair against 6.8-7.8 ms in
 # the other five, and that row read 0.77x while its median step was 0.97x bf16's. The table
 # marks such ratios.
 BASELINE_DRIFT = 0.10

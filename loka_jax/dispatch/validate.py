@@ -59,8 +59,9 @@ Every measurement is a `validation` record of the plan (`add_validation`) and ev
 `final: true`. `Progress` saves the plan at every round and stops at a deadline, and
 `validate_end_to_end(..., resume_from=saved)` goes on from a saved plan: a validation that
 outlasts one GPU call finishes over several. A round that measures sites one at a time is
-itself longer than a call on a large preset (one compilation of the whole model per site,
-about 2 minutes on Wukong `large`): each site's measurement is recorded as it is taken
+itself longer than a call on a large preset (one compilation of the whole model per site:
+Wukong `large`'s held-out rounds, each one such measurement, ran 25 s apart on an H200, and
+a fresh host first trains the state again): each site's measurement is recorded as it is taken
 (`quality_held_out_site`, `quality_shadow_site`), the plan saved before the next, and a
 resumed round measures only the sites not yet recorded.
 """
