@@ -11,6 +11,10 @@ stay XLA's FP8 dots (cuBLASLt on Hopper), given their operands already in the "T
   grad_lhs  dx[M,K]   = g_q[M,N]   . w_q[K,N]     (precise accumulation, as Flax's)
   grad_rhs  dw[K,N]   = x_qT[K,M]  . g_qT[N,M]    (precise accumulation)
 
+At one output column (a logit head's N = 1) the precise dot carries an error of its own,
+about 31 dB against its operands' exact product on sm_90 (`check.PRECISE_AT_ONE_COLUMN_DB`),
+which Flax's layout of the weight gradient does not show; plans keep heads in bf16.
+
 Modes, by which passes run in FP8 (the others are the plain product's, in the compute dtype,
 from the unquantized operands), the same three as the Flax family:
   all       every pass (`pallas_fp8_delayed`; its backward keeps only FP8 residuals),

@@ -218,6 +218,21 @@ class FlaxDelayedGradLhsTest(parameterized.TestCase):
     self.assertNotEqual(float(meta["output_grad_scale"][0]), 1.0)
 
 
+class OwnErrorTest(absltest.TestCase):
+
+  def test_independent_errors_add_in_power(self):
+    # Two independent errors of known size on one signal: the measured SQNR of the sum is
+    # what `with_own_error_db` predicts from the two readings alone.
+    ky, k1, k2 = jax.random.split(jax.random.PRNGKey(3), 3)
+    y = jax.random.normal(ky, (4096, 64))
+    e1 = 0.05 * jax.random.normal(k1, y.shape)
+    e2 = 0.02 * jax.random.normal(k2, y.shape)
+    first, own = (float(metrics.sqnr_db(y + e, y)) for e in (e1, e2))
+    both = float(metrics.sqnr_db(y + e1 + e2, y))
+    self.assertAlmostEqual(float(check.with_own_error_db(first, own)), both, delta=0.1)
+    self.assertLess(both, min(first, own))
+
+
 class EinsumSpecTest(parameterized.TestCase):
 
   @parameterized.parameters(

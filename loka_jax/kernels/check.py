@@ -40,6 +40,19 @@ class Problem:
     return x, w, g
 
 
+# XLA's FP8 dot with precise accumulation (cuBLASLt on sm_90) at ONE output column reads
+# 31.2-31.7 dB against the exact product of its own dequantized operands, plain and vmapped
+# alike, where the fast forward and every N = 8 case clear 35 (H200, docs/BENCHMARKS.md,
+# twenty-third session): a floor of its own under every such product's reading.
+PRECISE_AT_ONE_COLUMN_DB = 30.0
+
+
+def with_own_error_db(sqnr_db, own_db):
+  """The SQNR of a product whose error is `sqnr_db`'s plus an independent error of its own
+  reading `own_db` against the same signal (error powers add)."""
+  return -10.0 * np.log10(10.0 ** (-np.asarray(sqnr_db) / 10.0) + 10.0 ** (-own_db / 10.0))
+
+
 def logit_head_samples(samples: int, m: int, k: int, n: int = 1, seed: int = 0):
   """`samples` float32 problems (stacked) shaped like a trained tower's K -> n logit head:
   every activation row near one shared positive mean vector (at 8192x2048x8 the probe found
