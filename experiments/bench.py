@@ -16,7 +16,7 @@ import time
 
 from absl import app, flags
 
-from loka_jax import flags as common_flags  # noqa: F401  (the common flags, defined once)
+from loka_jax import flags as common_flags  # the common flags, defined once
 
 SUITES = ("towers", "models", "quality", "all")
 SUITE = flags.DEFINE_enum("suite", "models", SUITES, "Which benchmark suite.")
@@ -66,6 +66,7 @@ PROBE_TIMING_CACHE = flags.DEFINE_string(
     "probe_timing_cache", None, "Timings measured ahead by `experiments.probe --time_only` "
     "(a directory, e.g. carried to the GPU host): the probes skip their timing phase where "
     "it holds the shapes.")
+TIMING_COMPILE_WORKERS = common_flags.define_timing_compile_workers()
 PLANS = flags.DEFINE_string("plans_dir", None, "Plan directory (default: WORKDIR/plans).")
 Q_PRESET = flags.DEFINE_string("quality_preset", "small", "Preset of the synthetic quality runs.")
 Q_STEPS = flags.DEFINE_integer("quality_steps", 500, "Training steps of every quality arm.")
@@ -129,6 +130,7 @@ def main(argv):
                                  probe_samples=PROBE_SAMPLES.value,
                                  probe_kernels=tuple(PROBE_KERNELS.value),
                                  probe_timing_cache=PROBE_TIMING_CACHE.value,
+                                 probe_timing_compile_workers=TIMING_COMPILE_WORKERS.value,
                                  head_to_head=tuple(HEAD_TO_HEAD.value),
                                  serve_plan=SERVE_PLAN.value,
                                  serve_promotion={"auto": None, "on": True,

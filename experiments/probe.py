@@ -82,6 +82,7 @@ SITE_PLOTS = flags.DEFINE_bool("site_plots", True, "Write one distribution plot 
 BUDGET_S = flags.DEFINE_float("budget_s", 0, "Wall-clock budget; 0: none. Out of time: "
                               "exit 3, rerun to finish.")
 compile_workers = common.define_compile_workers()
+TIMING_COMPILE_WORKERS = common.define_timing_compile_workers()
 COMPILATION_CACHE = flags.DEFINE_string(
     "compilation_cache", os.path.join(os.path.expanduser("~"), ".cache", "loka_jax", "jax_cache"),
     "Persistent XLA compilation cache ('' disables).")
@@ -127,6 +128,7 @@ def _options(criteria: eligibility.Criteria) -> ProbeOptions:
       write_table=_auto(WRITE_TABLE.value), max_eval_elements=MAX_EVAL_ELEMENTS.value,
       plots=PLOTS.value, site_plots=SITE_PLOTS.value, budget_s=BUDGET_S.value or None,
       compile_workers=compile_workers(),
+      timing_compile_workers=TIMING_COMPILE_WORKERS.value,
       criteria=criteria, seed=common.SEED.value)
 
 

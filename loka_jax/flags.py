@@ -31,3 +31,14 @@ def define_compile_workers():
       "compile_workers", -1, "Threads compiling the probe's error evaluation of upcoming "
       "sites ahead (-1: the CPUs, up to 16; 0: compile each function on its first call).")
   return lambda: None if holder.value < 0 else holder.value
+
+
+def define_timing_compile_workers():
+  """Defines --timing_compile_workers, in the scripts whose probes time kernels; returns its
+  flag holder (`ProbeOptions.timing_compile_workers`)."""
+  return flags.DEFINE_integer(
+      "timing_compile_workers", 1, "Threads compiling one site shape's timed kernel programs "
+      "before any is timed (1: each compiles in turn, just before its warm-up). The timing "
+      "is the same; on the GPU each compile autotunes its GEMMs on the device, so check "
+      "that the timings agree with 1 before relying on more (docs/BENCHMARKS.md).",
+      lower_bound=1)

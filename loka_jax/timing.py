@@ -157,6 +157,27 @@ def dynamic_loop(fn: Callable) -> Callable:
   return jax.jit(run)
 
 
+@dataclasses.dataclass(frozen=True)
+class ChainExecutables:
+  """What a `ChainSampler` runs, compiled: the timed program, its floor (None: one call, no
+  chain) and whether the timed program is `dynamic_loop`'s (a trip count first)."""
+  compiled: object
+  floor: Optional[object]
+  looped: bool
+  calls: int
+
+
+def compile_chain(fn: Callable, args: Sequence, calls: int) -> ChainExecutables:
+  """Compiles what `ChainSampler(fn, args, calls)` times. Runs nothing, so several may
+  compile at once on threads (XLA compiles with the GIL released) before any is timed."""
+  args, calls = tuple(args), max(1, int(calls))
+  if loop_unroll() == 1 and calls == 1:
+    return ChainExecutables(dynamic_loop(fn).lower(jnp.int32(1), *args).compile(), None,
+                            True, calls)
+  floor = chain(floor_fn, calls).lower(*args).compile() if calls > 1 else None
+  return ChainExecutables(chain(fn, calls).lower(*args).compile(), floor, False, calls)
+
+
 class ChainSampler:
   """Per-call seconds of fn(*args) from `chain(fn, calls)`, dispatched `dispatches` times back
   to back per sample, less the same chain of `floor_fn` timed beside it (one call: no chain,
@@ -164,20 +185,21 @@ class ChainSampler:
 
   Where nothing is chained (`loop_unroll()` is 1: a CPU) the calls of a sample run in one
   device loop instead (`dynamic_loop`, compiled once for any count): a CPU loop costs
-  nothing an iteration, and a host dispatch per call would be most of a short sample."""
+  nothing an iteration, and a host dispatch per call would be most of a short sample.
+  `executables`: `compile_chain(fn, args, calls)`'s result, compiled ahead (else here)."""
 
-  def __init__(self, fn: Callable, args: Sequence, calls: int, warmup: int = 3):
-    self.args, self.calls, self.dispatches = tuple(args), max(1, int(calls)), 1
+  def __init__(self, fn: Callable, args: Sequence, calls: int, warmup: int = 3,
+               executables: Optional[ChainExecutables] = None):
+    self.args = tuple(args)
+    built = executables or compile_chain(fn, self.args, calls)
+    if built.calls != max(1, int(calls)):
+      raise ValueError(f"ChainSampler: executables compiled for {built.calls} chained calls, "
+                       f"asked for {calls}")
+    self.calls, self.dispatches = built.calls, 1
     self.unroll = self.calls  # calls in one straight-line program
-    self.looped = loop_unroll() == 1 and self.calls == 1
+    self.looped = built.looped
     self.trips = jnp.int32(1)
-    if self.looped:
-      self.compiled = dynamic_loop(fn).lower(self.trips, *self.args).compile()
-      self.floor = None
-    else:
-      self.compiled = chain(fn, self.calls).lower(*self.args).compile()
-      self.floor = (chain(floor_fn, self.calls).lower(*self.args).compile()
-                    if self.calls > 1 else None)
+    self.compiled, self.floor = built.compiled, built.floor
     self.floor_seconds: list = []
     for _ in range(warmup):
       self._run(self.compiled, 1)

@@ -1,4 +1,6 @@
-"""`python -m experiments.probe` end to end on a tiny Wukong, then resumed with a timing table."""
+"""`python -m experiments.probe` end to end on a tiny Wukong, then resumed with a timing table;
+`experiments.compare_timing_caches` on two small caches."""
+import json
 import os
 import subprocess
 import sys
@@ -8,6 +10,7 @@ import chex
 from absl.testing import absltest
 
 from loka_jax.dispatch import timing_table
+from loka_jax.probe import kernel_timing
 from loka_jax.probe import report as report_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,10 +22,10 @@ ARGS = ("--model=wukong", "--preset=tiny", "--steps=4", "--batch_size=64", "--nu
         f"--compilation_cache={os.environ['JAX_COMPILATION_CACHE_DIR']}")
 
 
-def run_cli(*args, timeout=300):
+def run_cli(*args, timeout=300, module="experiments.probe"):
   env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg",
              PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-  return subprocess.run([sys.executable, "-m", "experiments.probe", *args], cwd=REPO, env=env,
+  return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=timeout)
 
 
@@ -121,6 +124,47 @@ class ProbeCliTest(chex.TestCase):
                      f"--timing_cache={workdir}")
     self.assertNotEqual(result.returncode, 0)
     self.assertIn("timing kernels needs a GPU", result.stderr)
+    result = run_cli("--model=wukong", "--preset=tiny", "--timing_compile_workers=0")
+    self.assertNotEqual(result.returncode, 0)
+    self.assertIn("--timing_compile_workers=0: 0 is not a positive integer", result.stderr)
+
+
+class CompareTimingCachesCliTest(absltest.TestCase):
+
+  def test_compares_two_caches_and_refuses_a_broken_one(self):
+    d = tempfile.mkdtemp(prefix="loka_compare_caches_")
+
+    def write(name, fp8_us):
+      entries = {}
+      for kernel, us in (("xla_bf16", 30.0), ("xla_fp8_rowwise", fp8_us)):
+        key = kernel_timing.cache_key(kernel, "fwd", "mk,kn->mn", [64, 36], [36, 32],
+                                      "bfloat16")
+        entries[key] = {"kernel": kernel, "pass": "fwd", "spec": "mk,kn->mn",
+                        "lhs_shape": [64, 36], "rhs_shape": [36, 32], "dtype": "bfloat16",
+                        "median_us": us, "ci_us": [0.95 * us, 1.05 * us]}
+      path = os.path.join(d, name)
+      with open(path, "w") as f:
+        json.dump({"schema": kernel_timing.CACHE_SCHEMA, "device_kind": "NVIDIA H200",
+                   "entries": entries}, f)
+      return path
+
+    first, second = write("one.json", 20.0), write("eight.json", 25.0)
+    out = os.path.join(d, "rows.json")
+    result = run_cli(first, second, f"--out={out}", module="experiments.compare_timing_caches")
+    self.assertEqual(result.returncode, 0, result.stderr)
+    summary = json.loads(result.stdout.splitlines()[0])
+    self.assertEqual(summary["entries"], 2)
+    self.assertAlmostEqual(summary["max_speedup_change"], 0.2)  # 1.5x -> 1.2x
+    self.assertIn("| xla_fp8_rowwise | fwd | [64, 36] | [36, 32] | 20.0 | 25.0 | 1.250 |",
+                  result.stdout)
+    with open(out) as f:
+      self.assertLen(json.load(f)["rows"], 2)
+    broken = os.path.join(d, "broken.json")
+    with open(broken, "w") as f:
+      f.write("{not json")
+    result = run_cli(first, broken, module="experiments.compare_timing_caches")
+    self.assertNotEqual(result.returncode, 0)
+    self.assertIn("broken.json: not a readable timing cache", result.stderr)
 
 
 if __name__ == "__main__":

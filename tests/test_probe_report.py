@@ -4,9 +4,11 @@ import json
 import math
 import os
 import tempfile
+import threading
 from unittest import mock
 
 import chex
+import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
@@ -276,6 +278,78 @@ class KernelTimingTest(absltest.TestCase):
     self.assertTrue(all(e["unroll"] == timing_lib.loop_unroll() and e["inner"] > 1
                         for e in got))
 
+  def test_compiling_ahead_on_threads_times_the_same_kernel_passes(self):
+    site = collector.make_site_probe("d", "mk,kn->mn", "act_weight", (32, 48), (48, 16), CONFIG)
+    kernels, _ = candidates.candidate_kernels(["xla_bf16", "xla_fp8_rowwise",
+                                               "flax_fp8_delayed"], "cpu")
+    threads = []
+    real = timing_lib.compile_chain
+
+    def recording(*args, **kw):
+      threads.append(threading.current_thread().name)
+      return real(*args, **kw)
+
+    got, compiles = {}, {}
+    for workers in (1, 3):
+      cache = kernel_timing.TimingCache(os.path.join(tempfile.mkdtemp(), "cpu.json"), "cpu")
+      threads.clear()
+      with mock.patch.object(timing_lib, "compile_chain", side_effect=recording):
+        entries = kernel_timing.measure_site(site.layout, kernels, "bfloat16", cache,
+                                             unsupported={}, repeats=3,
+                                             compile_workers=workers)
+      # (`inner`, the calls a sample divides by, is sized from a timed call: not compared.)
+      got[workers] = {(e["kernel"], e["pass"]): (e.get("time_scope"), e["repeats"], e["unroll"])
+                      for e in entries}
+      compiles[workers] = len(threads)
+      on_pool = [t.startswith("loka-timing-compile") for t in threads]
+      self.assertTrue(all(on_pool) if workers > 1 else not any(on_pool), threads)
+      self.assertTrue(all(e["median_us"] > 0 and "error" not in e for e in entries))
+    self.assertEqual(got[1], got[3])
+    self.assertEqual(compiles[1], compiles[3])  # each program compiled once, ahead or not
+    self.assertGreater(compiles[3], 3)
+
+  def test_a_variant_that_fails_to_compile_ahead_is_reported_not_raised(self):
+    x = jnp.ones((8, 8), jnp.float32)
+
+    def broken(a):
+      raise TypeError("no such product")
+
+    out = kernel_timing._time_interleaved({"ok": (lambda a: a @ a, (x,)),
+                                           "broken": (broken, (x,))},
+                                          repeats=2, compile_workers=2)
+    self.assertLen(out["ok"]["seconds"], 2)
+    self.assertIn("TypeError: no such product", out["broken"]["error"])
+
+  def test_two_caches_compared_entry_by_entry(self):
+    def entry(kernel, pass_name, us, scope=None):
+      e = {"kernel": kernel, "pass": pass_name, "spec": "mk,kn->mn", "lhs_shape": [64, 32],
+           "rhs_shape": [32, 16], "dtype": "bfloat16", "median_us": us,
+           "ci_us": [0.95 * us, 1.05 * us]}
+      return {**e, "time_scope": scope} if scope else e
+
+    def cache(bf16_us, fp8_us, fused_bwd_us):
+      es = [entry("xla_bf16", "fwd", bf16_us), entry("xla_fp8_rowwise", "fwd", fp8_us),
+            entry("xla_bf16", kernel_timing.FUSED_SCOPE, 30.0, kernel_timing.FUSED_SCOPE),
+            entry("flax_fp8_delayed", "grad_lhs", fused_bwd_us, kernel_timing.FUSED_SCOPE),
+            {**entry("pallas_fp8_rowwise", "fwd", 1.0), "error": "failed to compile"}]
+      return {kernel_timing.cache_key(e["kernel"], e["pass"], e["spec"], e["lhs_shape"],
+                                      e["rhs_shape"], e["dtype"]): e for e in es}
+
+    got = kernel_timing.compare_caches(cache(10.0, 8.0, 20.0), cache(10.0, 16.0, 20.0))
+    rows = {(r["kernel"], r["pass"]): r for r in got["rows"]}
+    self.assertLen(rows, 4)  # the failed entry is left out
+    fp8 = rows[("xla_fp8_rowwise", "fwd")]
+    self.assertEqual((fp8["ratio"], fp8["ci_overlap"]), (2.0, False))
+    self.assertEqual((fp8["speedup_first"], fp8["speedup_second"]), (1.25, 0.625))
+    fused = rows[("flax_fp8_delayed", "grad_lhs")]  # against the baseline's whole backward
+    self.assertEqual((fused["speedup_first"], fused["ci_overlap"]), (1.5, True))
+    self.assertNotIn("speedup_first", rows[("xla_bf16", "fwd")])
+    summary = got["summary"]
+    self.assertEqual((summary["entries"], summary["median_ratio"]), (4, 1.0))
+    self.assertEqual((summary["ci_overlap_share"], summary["max_speedup_change"]), (0.75, 0.5))
+    with self.assertRaisesRegex(ValueError, "share no measured kernel pass"):
+      kernel_timing.compare_caches(cache(10.0, 8.0, 20.0), {})
+
   def test_speedups_no_timing_resolves_are_left_out(self):
     # One output column: grad_lhs sums over K = 1, an outer product XLA fuses: no speedup,
     # measured or from a table. fwd and grad_rhs are real products and keep theirs.
@@ -319,9 +393,9 @@ class KernelTimingTest(absltest.TestCase):
     for short_flops, chain in ((kernel_timing.SHORT_FLOPS, 4), (1, 1)):
       chains = []
 
-      def sampler(fn, args, calls, warmup=3):
+      def sampler(fn, args, calls, warmup=3, **kw):
         chains.append(calls)
-        return real_sampler(fn, args, calls, warmup)
+        return real_sampler(fn, args, calls, warmup, **kw)
       cache = kernel_timing.TimingCache(os.path.join(tempfile.mkdtemp(), "cpu.json"), "cpu")
       with mock.patch.object(timing_lib, "loop_unroll", lambda: 4), \
            mock.patch.object(timing_lib, "ChainSampler", sampler), \

@@ -1,6 +1,7 @@
 """The timing loops call the timed function exactly as often as they divide by, however many
 calls share one device-loop iteration, and return its result; the compiled loop keeps every
 call of a pure product (XLA neither hoists nor merges them)."""
+import concurrent.futures
 import re
 import time
 from unittest import mock
@@ -95,6 +96,19 @@ class LoopCallsTest(parameterized.TestCase):
     single = timing.ChainSampler(lambda x, y: x @ y, (a, b), calls=1, warmup=1)
     single.sample()
     self.assertIsNone(single.floor_us)  # one call: no chain, nothing to subtract
+
+  def test_a_chain_sampler_runs_executables_compiled_ahead_on_another_thread(self):
+    a, b = _operands()
+    fn = lambda x, y: x @ y
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      built = pool.submit(timing.compile_chain, fn, (a, b), 3).result()
+    self.assertEqual((built.calls, built.looped), (3, False))
+    sampler = timing.ChainSampler(fn, (a, b), calls=3, warmup=1, executables=built)
+    self.assertIs(sampler.compiled, built.compiled)  # nothing compiled again
+    self.assertGreater(sampler.sample(), 0.0)
+    self.assertGreater(sampler.floor_us, 0.0)
+    with self.assertRaisesRegex(ValueError, "compiled for 3 chained calls, asked for 2"):
+      timing.ChainSampler(fn, (a, b), calls=2, executables=built)
 
   def test_depend_on_keeps_every_value_and_dtype(self):
     leaves = {"f": jnp.arange(6.0).reshape(2, 3), "bf": jnp.ones((2,), jnp.bfloat16) * 3,

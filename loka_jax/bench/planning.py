@@ -78,10 +78,12 @@ def make_plan(spec: experiment.RunSpec, plans_root: str, train_config: TrainConf
               budget_s: Optional[float], build: Optional[Callable] = None,
               samples: int = 32, repeats: int = 20,
               kernels: Sequence[str] = (), timing_cache: Optional[str] = None,
+              timing_compile_workers: int = 1,
               deadline: Optional[float] = None) -> Optional[str]:
   """Probes `spec` (its model with Mods, in bf16), selects and validates its plan
   (`dispatch.pipeline.probe_and_plan`); returns the plan's path, or None when the budget ran
-  out first (a rerun resumes). `kernels`: the probe's candidates (empty: the default list)."""
+  out first (a rerun resumes). `kernels`: the probe's candidates (empty: the default list);
+  `timing_compile_workers`: `ProbeOptions.timing_compile_workers`."""
   from loka_jax.dispatch.pipeline import probe_and_plan  # heavy: only when planning
   from loka_jax.probe.runner import ProbeOptions
   workdir = plan_dir(plans_root, spec.model, spec.preset)
@@ -89,7 +91,8 @@ def make_plan(spec: experiment.RunSpec, plans_root: str, train_config: TrainConf
   if os.path.exists(path):
     return path
   options = ProbeOptions(samples=samples, repeats=repeats, budget_s=budget_s, plots=False,
-                         site_plots=False, kernels=tuple(kernels), timing_cache=timing_cache)
+                         site_plots=False, kernels=tuple(kernels), timing_cache=timing_cache,
+                         timing_compile_workers=timing_compile_workers)
   try:
     probe_and_plan(spec, workdir, train_config=train_config, probe_options=options,
                    build=build, deadline=deadline)

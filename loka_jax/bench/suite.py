@@ -123,6 +123,7 @@ class SpeedSettings:
   probe_samples: int = 32       # draws per site of each probe's error evaluation
   probe_kernels: Tuple[str, ...] = ()  # each probe's candidates (empty: the default list)
   probe_timing_cache: Optional[str] = None  # timings measured ahead (`probe --time_only`)
+  probe_timing_compile_workers: int = 1  # `ProbeOptions.timing_compile_workers`
   min_call_s: float = speed.MIN_CALL_S  # steps shorter than this run N to a timed call
   seed: int = 0
   # Variants timed, after their bf16 pair, against the variants their targets compare them
@@ -169,7 +170,9 @@ def _probe_for_plan(target: Target, variant: Variant, settings: SpeedSettings,
   planning.make_plan(target.run_spec(variant.mods), settings.plans_dir, config,
                      budget_s=budget, build=target.probe_build(),
                      samples=settings.probe_samples, kernels=settings.probe_kernels,
-                     timing_cache=settings.probe_timing_cache, deadline=deadline)
+                     timing_cache=settings.probe_timing_cache,
+                     timing_compile_workers=settings.probe_timing_compile_workers,
+                     deadline=deadline)
   gc.collect()  # the probe's training state must be gone before the baseline's is built
 
 

@@ -23,6 +23,7 @@ backward 0.89-1.04x (H200, docs/BENCHMARKS.md section 7).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import json
 import os
@@ -190,9 +191,32 @@ SHORT_FLOPS = 1e10
 LONG_SAMPLE_SECONDS = 0.02
 
 
+def _compile_ahead(variants: Mapping[str, Tuple[Callable, Sequence]], calls: int,
+                   workers: int) -> Dict[str, object]:
+  """{name: `timing.compile_chain`'s executables, or the exception its compile raised}, the
+  compiles spread over `workers` threads; {} for one worker (each sampler compiles its own,
+  in turn). Nearly all of a shape's timing is compiles: 46 kernel passes of DCNv2 `large`'s
+  4096x13 . 13x1024 took 114 s on the H200, where their samples are 20 chains of
+  microsecond kernels each. The GPU autotunes each compile's GEMMs on the device, so
+  compiles run side by side may autotune against each other's measurements: the default
+  stays one worker until the GPU shows the two agree (docs/BENCHMARKS.md, list item 17)."""
+  if workers <= 1 or not variants:
+    return {}
+  with concurrent.futures.ThreadPoolExecutor(min(workers, len(variants)),
+                                             thread_name_prefix="loka-timing-compile") as pool:
+    futures = {name: pool.submit(timing_lib.compile_chain, fn, args, calls)
+               for name, (fn, args) in variants.items()}
+    concurrent.futures.wait(list(futures.values()))
+  out = {}
+  for name, future in futures.items():
+    error = future.exception()
+    out[name] = error if error is not None else future.result()
+  return out
+
+
 def _time_interleaved(variants: Mapping[str, Tuple[Callable, Sequence]], *, repeats: int,
                       warmup: int = 3, min_call_seconds: float = 1e-3, max_inner: int = 1000,
-                      short: bool = False) -> Dict[str, Dict]:
+                      short: bool = False, compile_workers: int = 1) -> Dict[str, Dict]:
   """{name: {'seconds': per-call seconds [repeats], 'inner', 'backend', 'unroll',
   'floor_us'}}, interleaved. `short` (`SHORT_FLOPS`): a sample is one chain of
   `timing.loop_unroll()` calls less its floor (`timing.ChainSampler`), since one short call a
@@ -204,13 +228,19 @@ def _time_interleaved(variants: Mapping[str, Tuple[Callable, Sequence]], *, repe
   back to back, as many as fill LONG_SAMPLE_SECONDS (at least LONG_DISPATCHES), so a
   dispatch's latency (200-300 us from call to result on the H200) is shared by enough device
   time. Where nothing is chained (`loop_unroll()` is 1: a CPU) a short product's sample is
-  one device loop of as many calls as fill `min_call_seconds` (`ChainSampler.set_calls`)."""
+  one device loop of as many calls as fill `min_call_seconds` (`ChainSampler.set_calls`).
+  `compile_workers` > 1 compiles every variant first, that many at a time (`_compile_ahead`);
+  the timing itself is the same either way."""
   platform = jax.default_backend()
+  calls = timing_lib.loop_unroll() if short else 1
+  ahead = _compile_ahead(variants, calls, compile_workers)
   prepared, failed = {}, {}
   for name, (fn, args) in variants.items():
     try:
-      sampler = timing_lib.ChainSampler(fn, args, timing_lib.loop_unroll() if short else 1,
-                                        warmup)
+      built = ahead.get(name)
+      if isinstance(built, BaseException):
+        raise built
+      sampler = timing_lib.ChainSampler(fn, args, calls, warmup, executables=built)
       backend = backend_from_hlo(sampler.compiled.as_text(), platform)
       if short and sampler.calls == 1:  # nothing to chain (a CPU): one loop of calls
         sampler.set_calls(timing_lib.calls_for(sampler.one_dispatch, min_call_seconds,
@@ -266,11 +296,12 @@ def _site_keys(layout: SiteLayout, kernels, dtype: str, unsupported) -> Dict[Tup
 
 def measure_site(layout: SiteLayout, kernels, dtype: str, cache: TimingCache, *,
                  unsupported: Mapping[str, Mapping[str, str]], repeats: int = 20,
-                 deadline: Optional[float] = None) -> List[Dict]:
+                 deadline: Optional[float] = None, compile_workers: int = 1) -> List[Dict]:
   """Times every (kernel, pass) of this site shape missing from `cache` (and the baseline,
   again, whenever something is measured; with the fused ops, the baseline's one-call
   backward); returns the new entries. Stops before starting when `deadline` (a time.time())
-  has passed."""
+  has passed. `compile_workers`: threads compiling the shape's programs before any is timed
+  (`_time_interleaved`)."""
   keys = _site_keys(layout, kernels, dtype, unsupported)
   by_name = {k.name: k for k in kernels}
   fused = sorted({name for name, _ in keys if by_name[name].sort == FUSED_OP})
@@ -310,7 +341,8 @@ def measure_site(layout: SiteLayout, kernels, dtype: str, cache: TimingCache, *,
   if time_bwd:
     variants[f"{BASELINE}|{FUSED_BWD}"] = _baseline_bwd_variant(by_name[BASELINE], layout, jdt)
   flops = layout.spec.flops(layout.lhs.shape, layout.rhs.shape)
-  measured = _time_interleaved(variants, repeats=repeats, short=flops < SHORT_FLOPS)
+  measured = _time_interleaved(variants, repeats=repeats, short=flops < SHORT_FLOPS,
+                               compile_workers=compile_workers)
   entries = []
   for name, p in sorted(wanted):
     kernel = by_name[name]
@@ -570,3 +602,44 @@ def device_kind() -> str:
 
 def on_gpu() -> bool:
   return _compat.on_gpu()
+
+
+def compare_caches(first: Mapping[str, Dict], second: Mapping[str, Dict]) -> Dict:
+  """Two timing caches' entries ({key: entry}) of the same kernel passes, measured apart
+  (say with one and with several compile workers): per entry both medians, their ratio
+  (second / first) and whether the 95% CIs overlap; and per kernel pass its speedup over
+  the baseline's same pass in each cache, which is what selection reads. `summary`: how many
+  entries, the ratios' median and 5-95% range, the share of overlapping CIs, and the
+  largest speedup change."""
+  rows = []
+  for key in sorted(set(first) & set(second)):
+    a, b = first[key], second[key]
+    if not (_usable(a) and _usable(b)):
+      continue
+    overlap = a["ci_us"][0] <= b["ci_us"][1] and b["ci_us"][0] <= a["ci_us"][1]
+    row = {"kernel": a["kernel"], "pass": a["pass"], "lhs_shape": a["lhs_shape"],
+           "rhs_shape": a["rhs_shape"], "first_us": a["median_us"],
+           "second_us": b["median_us"], "ratio": b["median_us"] / a["median_us"],
+           "ci_overlap": bool(overlap)}
+    # A fused op's backward (both gradients in one call, filed under each gradient pass)
+    # against the baseline's backward timed the same way, keyed by the grad_lhs problem.
+    whole_bwd = a.get("time_scope") == FUSED_SCOPE
+    base = (None if whole_bwd and a["pass"] != "grad_lhs" else
+            cache_key(BASELINE, FUSED_SCOPE if whole_bwd else a["pass"], a["spec"],
+                      a["lhs_shape"], a["rhs_shape"], a["dtype"]))
+    if (a["kernel"] != BASELINE and base is not None and _usable(first.get(base))
+        and _usable(second.get(base))):
+      row["speedup_first"] = first[base]["median_us"] / a["median_us"]
+      row["speedup_second"] = second[base]["median_us"] / b["median_us"]
+    rows.append(row)
+  if not rows:
+    raise ValueError("compare_caches: the two caches share no measured kernel pass")
+  ratios = np.array([r["ratio"] for r in rows])
+  changes = [abs(r["speedup_second"] / r["speedup_first"] - 1) for r in rows
+             if "speedup_first" in r]
+  summary = {"entries": len(rows), "median_ratio": float(np.median(ratios)),
+             "ratio_p5": float(np.percentile(ratios, 5)),
+             "ratio_p95": float(np.percentile(ratios, 95)),
+             "ci_overlap_share": float(np.mean([r["ci_overlap"] for r in rows])),
+             "max_speedup_change": float(max(changes)) if changes else None}
+  return {"rows": rows, "summary": summary}

@@ -71,6 +71,8 @@ class ProbeOptions:
   budget_s: Optional[float] = None         # wall-clock budget of this call (None: none)
   compile_workers: Optional[int] = None    # threads compiling evaluation ahead (None: CPUs
                                            # up to 16; 0: compile on first call, in turn)
+  timing_compile_workers: int = 1          # threads compiling a shape's timed programs
+                                           # before they are timed (1: each in turn)
   criteria: eligibility.Criteria = eligibility.Criteria()
   seed: int = 0
 
@@ -293,7 +295,8 @@ def time_site_shapes(spec: experiment.RunSpec, batch_size: int, cache_dir: str,
     unsupported = evaluate.unsupported_passes(layout, setup.kernels)
     got = kernel_timing.measure_site(layout, setup.kernels, dtype, cache,
                                      unsupported=unsupported, repeats=options.repeats,
-                                     deadline=starts.start_by())
+                                     deadline=starts.start_by(),
+                                     compile_workers=options.timing_compile_workers)
     if got:
       starts.record(time.time() - t0)
     done = kernel_timing.site_timings(layout, setup.kernels, dtype, cache,
@@ -505,7 +508,8 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
         t0 = time.time()
         got = kernel_timing.measure_site(layout, kernels, compute_dtype, cache,
                                          unsupported=unsupported_of(entry),
-                                         repeats=options.repeats, deadline=starts.start_by())
+                                         repeats=options.repeats, deadline=starts.start_by(),
+                                         compile_workers=options.timing_compile_workers)
         if got:
           starts.record(time.time() - t0)
           new_entries.extend(got)

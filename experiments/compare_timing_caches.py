@@ -1,0 +1,52 @@
+"""Compares two probe timing caches of the same kernel passes, measured apart.
+
+  python3 -m experiments.compare_timing_caches FIRST.json SECOND.json [--out=ROWS.json]
+
+Made to check `--timing_compile_workers` on the GPU: time the same shapes twice, each in a
+fresh process with no compilation cache, once with one compile worker and once with more,
+and compare. Prints the summary (entries, median ratio second/first and its 5-95% range,
+the share of overlapping 95% CIs, the largest change of a speedup over the baseline) and
+the ten entries that moved most.
+"""
+import json
+
+from absl import app, flags
+
+from loka_jax import jsonio
+from loka_jax.probe import kernel_timing
+
+OUT = flags.DEFINE_string("out", None, "Write every compared row here (JSON).")
+
+
+def _entries(path: str):
+  try:
+    with open(path) as f:
+      data = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise app.UsageError(f"{path}: not a readable timing cache ({e})") from e
+  if data.get("schema") != kernel_timing.CACHE_SCHEMA:
+    raise app.UsageError(f"{path}: schema {data.get('schema')!r}, expected "
+                         f"{kernel_timing.CACHE_SCHEMA!r}")
+  return data["entries"]
+
+
+def main(argv):
+  if len(argv) != 3:
+    raise app.UsageError("give two timing cache files: FIRST.json SECOND.json")
+  try:
+    result = kernel_timing.compare_caches(_entries(argv[1]), _entries(argv[2]))
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
+  if OUT.value:
+    jsonio.write_json_atomic(OUT.value, result)
+  print(json.dumps(result["summary"]))
+  moved = sorted(result["rows"], key=lambda r: -abs(r["ratio"] - 1))[:10]
+  print("| kernel | pass | lhs | rhs | first us | second us | ratio | CIs overlap |")
+  print("|---|---|---|---|---|---|---|---|")
+  for r in moved:
+    print(f"| {r['kernel']} | {r['pass']} | {r['lhs_shape']} | {r['rhs_shape']} | "
+          f"{r['first_us']:.1f} | {r['second_us']:.1f} | {r['ratio']:.3f} | {r['ci_overlap']} |")
+
+
+if __name__ == "__main__":
+  app.run(main)
