@@ -206,8 +206,7 @@ def _compile_ahead(variants: Mapping[str, Tuple[Callable, Sequence]], calls: int
                                              thread_name_prefix="loka-timing-compile") as pool:
     futures = {name: pool.submit(timing_lib.compile_chain, fn, args, calls)
                for name, (fn, args) in variants.items()}
-    concurrent.futures.wait(list(futures.values()))
-  out = {}
+  out = {}  # (leaving the pool waited for every compile)
   for name, future in futures.items():
     error = future.exception()
     out[name] = error if error is not None else future.result()
