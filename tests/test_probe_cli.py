@@ -1,5 +1,5 @@
 """`python -m experiments.probe` end to end on a tiny Wukong, then resumed with a timing table;
-`experiments.compare_timing_caches` on two small caches."""
+`experiments.compare_timing_caches` and `experiments.merge_timing_caches` on small caches."""
 import json
 import os
 import subprocess
@@ -165,6 +165,41 @@ class CompareTimingCachesCliTest(absltest.TestCase):
     result = run_cli(first, broken, module="experiments.compare_timing_caches")
     self.assertNotEqual(result.returncode, 0)
     self.assertIn("broken.json: not a readable timing cache", result.stderr)
+
+
+class MergeTimingCachesCliTest(absltest.TestCase):
+
+  def test_merges_caches_of_one_card_and_refuses_two_cards(self):
+    d = tempfile.mkdtemp(prefix="loka_merge_caches_")
+
+    def write(name, kind, shapes):
+      cache = kernel_timing.TimingCache(os.path.join(d, name), kind)
+      for k in shapes:
+        key = kernel_timing.cache_key("xla_bf16", "fwd", "mk,kn->mn", [64, k], [k, 32],
+                                      "bfloat16")
+        cache.put(key, {"kernel": "xla_bf16", "pass": "fwd", "spec": "mk,kn->mn",
+                        "lhs_shape": [64, k], "rhs_shape": [k, 32], "dtype": "bfloat16",
+                        "median_us": float(k)})
+      cache.save()
+      return cache.path
+
+    own = write("own.json", "NVIDIA H200", [32])
+    other = write("other.json", "NVIDIA H200", [32, 64])
+    result = run_cli(f"--out={own}", own, other, module="experiments.merge_timing_caches")
+    self.assertEqual(result.returncode, 0, result.stderr)
+    self.assertIn("wrote", result.stdout)
+    merged = kernel_timing.TimingCache(own, "NVIDIA H200")
+    self.assertEqual(sorted(e["lhs_shape"][1] for e in merged.entries.values()), [32, 64])
+    h100 = write("h100.json", "NVIDIA H100 80GB HBM3", [128])
+    result = run_cli(f"--out={os.path.join(d, 'x.json')}", own, h100,
+                     module="experiments.merge_timing_caches")
+    self.assertNotEqual(result.returncode, 0)
+    self.assertIn("different device kinds", result.stderr)
+    result = run_cli(f"--out={os.path.join(d, 'x.json')}", os.path.join(d, "missing.json"),
+                     module="experiments.merge_timing_caches")
+    self.assertNotEqual(result.returncode, 0)
+    self.assertIn("missing.json: not a readable timing cache", result.stderr)
+
 
 
 if __name__ == "__main__":

@@ -350,6 +350,31 @@ class KernelTimingTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "share no measured kernel pass"):
       kernel_timing.compare_caches(cache(10.0, 8.0, 20.0), {})
 
+  def test_merged_caches_keep_each_problem_from_one_measurement(self):
+    def entries(us, problems):
+      out = {}
+      for lhs in problems:
+        for kernel in ("xla_bf16", "xla_fp8_rowwise"):
+          e = {"kernel": kernel, "pass": "fwd", "spec": "mk,kn->mn", "lhs_shape": [64, lhs],
+               "rhs_shape": [lhs, 16], "dtype": "bfloat16", "median_us": us}
+          out[kernel_timing.cache_key(kernel, "fwd", e["spec"], e["lhs_shape"],
+                                      e["rhs_shape"], e["dtype"])] = e
+      return out
+
+    own = entries(10.0, [32, 48])
+    other = entries(20.0, [48, 96])
+    del other[next(k for k, e in other.items()            # a problem the target timed in
+                   if e["lhs_shape"] == [64, 48] and e["kernel"] == "xla_bf16")]  # part only
+    merged, taken = kernel_timing.merge_caches([own, other])
+    self.assertEqual(taken, [2, 1])
+    by_problem = {}
+    for e in merged.values():
+      by_problem.setdefault(e["lhs_shape"][1], set()).add(e["median_us"])
+    # 32 and 48 wholly the target's own (never the other's kernel over its baseline), 96 the
+    # other's: each problem from one measurement.
+    self.assertEqual(by_problem, {32: {10.0}, 48: {10.0}, 96: {20.0}})
+    self.assertLen(merged, 6)
+
   def test_speedups_no_timing_resolves_are_left_out(self):
     # One output column: grad_lhs sums over K = 1, an outer product XLA fuses: no speedup,
     # measured or from a table. fwd and grad_rhs are real products and keep theirs.

@@ -642,3 +642,24 @@ def compare_caches(first: Mapping[str, Dict], second: Mapping[str, Dict]) -> Dic
              "ci_overlap_share": float(np.mean([r["ci_overlap"] for r in rows])),
              "max_speedup_change": float(max(changes)) if changes else None}
   return {"rows": rows, "summary": summary}
+
+
+def _problem(entry: Mapping) -> Tuple:
+  return (entry["spec"], tuple(entry["lhs_shape"]), tuple(entry["rhs_shape"]), entry["dtype"])
+
+
+def merge_caches(sources: Sequence[Mapping[str, Dict]]) -> Tuple[Dict[str, Dict], List[int]]:
+  """One cache's entries from several of the same device kind ({key: entry} each, first
+  first): each product problem (spec, shapes, dtype) takes every entry of the first source
+  that timed it, so a problem's kernels and its baseline stay one interleaved measurement,
+  never one source's kernel over another's baseline. Returns (entries, problems taken from
+  each source). Models share shapes (DLRM and DCNv2 `large` share their bottom MLP and four
+  top-MLP layers), and a probe finds a shape in its cache and does not time it again."""
+  owner: Dict[Tuple, int] = {}
+  for i, entries in enumerate(sources):
+    for entry in entries.values():
+      owner.setdefault(_problem(entry), i)
+  merged = {key: entry for i, entries in enumerate(sources) for key, entry in entries.items()
+            if owner[_problem(entry)] == i}
+  taken = [sum(1 for o in owner.values() if o == i) for i in range(len(sources))]
+  return merged, taken
