@@ -656,7 +656,10 @@ def merge_caches(sources: Sequence[Mapping[str, Dict]]) -> Tuple[Dict[str, Dict]
   that timed it, so a problem's kernels and its baseline stay one interleaved measurement,
   never one source's kernel over another's baseline. Returns (entries, problems taken from
   each source). Models share shapes (DLRM and DCNv2 `large` share their bottom MLP and four
-  top-MLP layers), and a probe finds a shape in its cache and does not time it again."""
+  top-MLP layers), and a probe finds a shape in its cache and does not time it again.
+  A site shape timed whole by one source keeps all its problems from it, unless an earlier
+  source timed another shape with one of the same problems: then a fused op's grad_rhs
+  entry (its one-call backward) meets the baseline backward of another run."""
   owner: Dict[Tuple, int] = {}
   for i, entries in enumerate(sources):
     for entry in entries.values():
