@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from loka_jax import jsonio
 from loka_jax.dispatch import validate as validate_lib
@@ -36,7 +36,7 @@ from loka_jax.dispatch.check import check_plan
 from loka_jax.dispatch.plan import FALLBACK, Plan, add_validation, read_plan, save_plan
 from loka_jax.dispatch.selection import make_budget, report_hash, resolve_timing, select
 from loka_jax.kernels import PASSES, registry
-from loka_jax.probe.eligibility import Criteria
+from loka_jax.probe.eligibility import FUSED_SCOPE, Criteria
 
 REPORT_JSON = "probe_report.json"
 SELECTED_JSON = "plan_selected.json"
@@ -136,6 +136,33 @@ def retrain_probe_state(spec, model, source, train_config, report: Optional[Mapp
   return restore_run(state_dir, model, source, train_config, array_extras=False)
 
 
+def _timed_scopes(passes: Mapping[str, Mapping], choice) -> List[Optional[Tuple]]:
+  """(baseline us, plan us, estimated) of each timed scope of one site under `choice`, at the
+  medians; None for a scope without both times. A fused op's backward, timed as one call and
+  filed under both gradient passes (`FUSED_SCOPE`), is one scope, against the baseline's
+  backward timed the same way where the entry holds it (`baseline_us`), as selection
+  compares them (`eligibility.site_times`); else against the two gradient passes."""
+  scopes = []
+  for p in PASSES:
+    kernel = choice.for_pass(p)
+    entry = passes.get(p, {}).get(kernel) or {}
+    whole_bwd = entry.get("time_scope") == FUSED_SCOPE
+    if p == "grad_rhs" and (passes.get("grad_lhs", {}).get(kernel) or {}).get(
+        "time_scope") == FUSED_SCOPE:
+      continue  # counted once, under grad_lhs
+    base_passes = ("grad_lhs", "grad_rhs") if whole_bwd else (p,)
+    base = [(passes.get(q, {}).get(FALLBACK) or {}).get("time_us") for q in base_passes]
+    k = entry.get("time_us")
+    if whole_bwd and entry.get("baseline_us"):
+      base = [entry["baseline_us"]]
+    if not k or not all(base):
+      scopes.append(None)
+      continue
+    scopes.append((sum(float(b[1]) for b in base), float(k[1]),
+                   entry.get("timing") == "estimated"))
+  return scopes
+
+
 def plan_speedup_estimate(plan, report: Mapping) -> Dict[str, Any]:
   """The plan's speedup over xla_bf16 summed over every site's GEMM passes (GEMM time only:
   norms, activations and the optimizer are not counted).
@@ -166,14 +193,13 @@ def plan_speedup_estimate(plan, report: Mapping) -> Dict[str, Any]:
       fp8 = registry.get(kernel).fp8 if kernel in registry.names() else False
       base_flops += flops
       plan_flops += flops / 2.0 if fp8 else flops
-      entries = site["passes"].get(p, {})
-      b, k = entries.get(FALLBACK, {}).get("time_us"), entries.get(kernel, {}).get("time_us")
-      if not b or not k:
+    for scope in _timed_scopes(site["passes"], choice):
+      if scope is None:
         timed = False
         continue
-      base_us += float(b[1])
-      plan_us += float(k[1])
-      estimated = estimated or entries[kernel].get("timing") == "estimated"
+      base_us += scope[0]
+      plan_us += scope[1]
+      estimated = estimated or scope[2]
   if timed and plan_us > 0:
     return {"speedup": base_us / plan_us, "source": "estimated" if estimated else "measured",
             "bf16_us": base_us, "plan_us": plan_us}

@@ -705,7 +705,7 @@ def check_shadow(plan, ctx: ValidationContext, config: ValidationConfig = Valida
     raise FloatingPointError("the bf16+Mods shadow run itself produced a non-finite loss: the "
                              "checkpoint or the learning rate is at fault, not the plan")
   base_window = float(np.mean(base["losses"][-window:]))
-  base_grad = None
+  reference = {}   # the baseline gradient and its norm, once a site is left to measure
   first = _rounds_done(plan, "quality_shadow")
   for round_ in range(first, config.max_rounds + 1):
     progress.checkpoint(plan, f"shadow round {round_}")
@@ -743,12 +743,12 @@ def check_shadow(plan, ctx: ValidationContext, config: ValidationConfig = Valida
                  for s in worst}
     else:
       def gradient_change(site, choice):
-        nonlocal base_grad
-        if base_grad is None:   # only when some site is left to measure
-          base_grad = _gradient(ctx, BASELINE, config.grad_batches)
+        if not reference:
+          reference["grad"] = _gradient(ctx, BASELINE, config.grad_batches)
+          reference["norm"] = float(np.linalg.norm(reference["grad"])) or 1.0
         g = _gradient(ctx, only_site(site, choice), config.grad_batches)
-        norm = float(np.linalg.norm(base_grad)) or 1.0
-        return (float(np.linalg.norm(g - base_grad)) / norm if np.all(np.isfinite(g))
+        return (float(np.linalg.norm(g - reference["grad"])) / reference["norm"]
+                if np.all(np.isfinite(g))
                 else math.inf)
       plan, current = measure_sites(plan, "quality_shadow", round_, candidates,
                                     gradient_change, progress)
