@@ -71,6 +71,10 @@ PLANS = flags.DEFINE_string("plans_dir", None, "Plan directory (default: WORKDIR
 Q_PRESET = flags.DEFINE_string("quality_preset", "small", "Preset of the synthetic quality runs.")
 Q_STEPS = flags.DEFINE_integer("quality_steps", 500, "Training steps of every quality arm.")
 Q_MIN_EVAL = flags.DEFINE_integer("quality_eval", 200_000, "Held-out examples (>=, synthetic).")
+Q_WARMUP = flags.DEFINE_integer(
+    "quality_warmup_steps", 0, "Linear warm-up of both learning rates in the synthetic quality "
+    "runs (0: none). Rows of each recipe are compared only with rows of the same one.",
+    lower_bound=0)
 Q_NOISE = flags.DEFINE_list("noise_seeds", ["1", "2"], "Extra bf16 seeds (noise floor).")
 Q_DATA = flags.DEFINE_list("quality_data", ["synthetic", "movielens"],
                            "Quality data: synthetic (every --models) and/or movielens.")
@@ -161,7 +165,8 @@ def main(argv):
       runs += [(m, quality.QualitySettings(
           data="synthetic", preset=Q_PRESET.value, steps=Q_STEPS.value, batch_size=batch,
           seed=common_flags.SEED.value, noise_seeds=noise, arms=tuple(ARMS.value),
-          min_eval=Q_MIN_EVAL.value, plans_dir=plans_dir)) for m in models]
+          min_eval=Q_MIN_EVAL.value, plans_dir=plans_dir, warmup_steps=Q_WARMUP.value))
+          for m in models]
     if "movielens" in Q_DATA.value:
       runs += [(m, quality.QualitySettings(
           data="movielens", preset=ML_PRESET.value, steps=ML_STEPS.value,

@@ -236,6 +236,34 @@ class TargetCheckTest(parameterized.TestCase):
     self.assertFalse(_verdict(differ, "loka_quality_vs_bf16", "synthetic:wukong/small",
                               "quality")["met"])
 
+  def test_quality_compares_rows_of_one_recipe(self):
+    def q(arm, seed, logloss, warmup=None):
+      row = {"suite": "quality", "data": "synthetic", "model": "dlrm", "preset": "large",
+             "arm": arm, "seed": seed, "device": "H200", "logloss": logloss, "ne": 0.9,
+             "auc": 0.75, "eval_fingerprint": "abc"}
+      return row if warmup is None else dict(row, warmup_steps=warmup)
+    # Plain recipe: LoKA 0.005 worse (missed). Warm-up recipe: its own bf16 seeds and arms,
+    # LoKA within its bound; mixing the two would pair LoKA-with-warm-up against plain bf16.
+    rows = [q("bf16", s, 0.484 + 0.001 * d) for s, d in ((0, 0), (1, 1), (2, -1))]
+    rows += [q("bf16_mods", 0, 0.482), q("loka", 0, 0.487)]
+    rows += [q("bf16", s, 0.470 + 0.0002 * d, 50) for s, d in ((0, 0), (1, 1), (2, -1))]
+    rows += [q("bf16_mods", 0, 0.4701, 50), q("loka", 0, 0.4702, 50)]
+    verdicts = targets.check_quality(rows)
+    plain = _verdict(verdicts, "loka_quality_vs_bf16_mods", "synthetic:dlrm/large", "quality")
+    self.assertFalse(plain["met"])
+    self.assertAlmostEqual(plain["value"], 0.005, places=7)
+    warm = _verdict(verdicts, "loka_quality_vs_bf16_mods", "synthetic:dlrm/large (warmup 50)",
+                    "quality")
+    self.assertTrue(warm["met"])
+    self.assertAlmostEqual(warm["value"], 0.0001, places=7)
+    self.assertAlmostEqual(warm["ci"][1], 2 * 0.0002, places=6)  # its own seeds' std
+    table = tables.quality_table(rows)
+    self.assertIn("| synthetic | dlrm | large (warmup 50) | loka | 1 | 0.47020 |", table)
+    self.assertIn("| synthetic | dlrm | large | loka | 1 | 0.48700 |", table)
+    self.assertIn("dlrm/large (warmup 50)", tables.glance_table(verdicts))
+    with self.assertRaisesRegex(ValueError, "warmup_steps must be in"):
+      quality.QualitySettings(steps=10, warmup_steps=11)
+
 
 class RenderTest(absltest.TestCase):
 
@@ -854,6 +882,24 @@ class QualityProtocolTest(absltest.TestCase):
                               device="cpu", log=logs.append)
     self.assertTrue(again)
     self.assertLen(open(os.path.join(out, "quality.jsonl")).read().splitlines(), 3)
+
+  def test_a_warm_up_recipe_trains_its_own_runs(self):
+    out = _tempdir(self)
+    results = ResultsFile(os.path.join(out, "quality.jsonl"), quality.KEY_FIELDS)
+    common = dict(preset="tiny", steps=4, batch_size=64, min_eval=100, arms=("bf16",),
+                  noise_seeds=())
+    for warmup in (0, 2):
+      self.assertTrue(quality.run_model(
+          "dlrm", quality.QualitySettings(warmup_steps=warmup, **common), results, out,
+          deadline=float("inf"), device="cpu", log=lambda _: None))
+    rows = list(results.rows())
+    self.assertEqual(sorted(quality.row_warmup(r) for r in rows), [0, 2])
+    self.assertNotIn("warmup_steps", rows[0])  # plain rows keep the keys they always had
+    # Step 1 of a warm-up from 0 applies no update, so the two runs must differ.
+    self.assertNotEqual(rows[0]["logloss"], rows[1]["logloss"])
+    run_dir = os.path.join(out, "synthetic", "dlrm_tiny", "bf16_seed0_warmup2")
+    config = json.load(open(os.path.join(run_dir, "config.json")))
+    self.assertEqual(config["train"]["optim"]["warmup_steps"], 2)
 
 
 if __name__ == "__main__":

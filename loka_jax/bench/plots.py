@@ -71,14 +71,13 @@ def speedup_plot(rows: Sequence[Mapping], suite: str, path: str) -> str:
 
 def loss_gap_plot(rows: Sequence[Mapping], path: str) -> str:
   """Bars: log-loss gap of every arm vs bf16 per data/model, with the neutral bound shaded."""
-  groups = sorted({(r["data"], r["model"], r["preset"]) for r in rows
-                   if r.get("suite") == "quality" and r.get("logloss") is not None})
+  groups = quality_lib.comparisons(rows)
   arms = [a for a in quality_lib.ARMS if a != "bf16"]
   fig, ax = plt.subplots(figsize=(max(6, 2.0 * len(groups)), 4))
   width = 0.8 / len(arms)
-  for g_i, (data, model, preset) in enumerate(groups):
-    means = quality_lib.arm_means(rows, data, model, preset)
-    floor = quality_lib.noise_floor(rows, data, model, preset)
+  for g_i, c in enumerate(groups):
+    means = quality_lib.arm_means(rows, c.data, c.model, c.preset, warmup_steps=c.warmup_steps)
+    floor = quality_lib.noise_floor(rows, c.data, c.model, c.preset, c.warmup_steps)
     base = means.get("bf16", {}).get("logloss")
     if floor["bound"] is not None:
       ax.fill_between([g_i - 0.45, g_i + 0.45], -floor["bound"], floor["bound"], color="0.85")
@@ -89,7 +88,7 @@ def loss_gap_plot(rows: Sequence[Mapping], path: str) -> str:
              color=f"C{j}", label=arm if g_i == 0 else None)
   ax.axhline(0.0, color="k", lw=0.8)
   ax.set_xticks(range(len(groups)))
-  ax.set_xticklabels([f"{d}:{m}/{p}" for d, m, p in groups], rotation=15, ha="right",
+  ax.set_xticklabels([c.subject for c in groups], rotation=15, ha="right",
                      fontsize=8)
   ax.set_ylabel("held-out log loss - bf16")
   ax.set_title("Loss gap vs bf16 (grey: neutral bound)")

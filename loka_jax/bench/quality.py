@@ -8,6 +8,13 @@ largest tower, whose weight gradients measure 9-11 dB there) and LoKA (Mods + th
 plan). Synthetic data: the arms at `seed`, plus bf16 at `noise_seeds`.
 MovieLens-100K: every arm at every seed (5 by default). One row per finished run, with the
 fingerprint of the eval set it was scored on, so identical eval sets are checked, not assumed.
+
+The recipe is Adam (embeddings: row-wise Adagrad) at constant rates from step 0. At the `large`
+presets that recipe is unstable for the first steps even in bf16 (DLRM `large` spiked to a
+training loss of 2.5 at step 3 on the CPU, batch 512), and FP8 at a few wide layers made the
+spikes larger and their harm lasting (docs/BENCHMARKS.md, twenty-fifth session).
+`warmup_steps` (a linear warm-up of both rates) gives a second recipe; its rows carry
+`warmup_steps` and are compared only with rows of the same recipe.
 """
 from __future__ import annotations
 
@@ -27,8 +34,11 @@ from loka_jax.bench import planning
 from loka_jax.bench.results import ResultsFile
 from loka_jax.train import experiment
 from loka_jax.train.loop import TrainConfig, train
+from loka_jax.train.optim import OptimConfig
 
-KEY_FIELDS = ("suite", "data", "model", "preset", "arm", "seed", "device")
+# `warmup_steps` is absent (None) from rows of the plain recipe, so rows written before it
+# existed keep their keys.
+KEY_FIELDS = ("suite", "data", "model", "preset", "arm", "seed", "device", "warmup_steps")
 MIN_EVAL = 200_000
 NEUTRAL_REL = 2e-4  # DESIGN.md: 0.02% relative log loss
 
@@ -65,6 +75,37 @@ class QualitySettings:
   data_cache: Optional[str] = None
   plans_dir: str = "plans"
   keep_runs: bool = False              # keep finished runs' checkpoints
+  warmup_steps: int = 0                # linear warm-up of both learning rates (0: none)
+
+  def __post_init__(self):
+    if not 0 <= self.warmup_steps <= self.steps:
+      raise ValueError(f"warmup_steps must be in [0, steps={self.steps}], got "
+                       f"{self.warmup_steps}")
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Comparison:
+  """The rows compared with one another: one data set, model, preset and training recipe."""
+  data: str
+  model: str
+  preset: str
+  warmup_steps: int = 0
+
+  @property
+  def subject(self) -> str:
+    recipe = f" (warmup {self.warmup_steps})" if self.warmup_steps else ""
+    return f"{self.data}:{self.model}/{self.preset}{recipe}"
+
+
+def row_warmup(row: Mapping) -> int:
+  return int(row.get("warmup_steps") or 0)
+
+
+def comparisons(rows: Sequence[Mapping], scored_only: bool = True) -> List[Comparison]:
+  """Every comparison the quality rows hold (`scored_only`: rows with a log loss), sorted."""
+  return sorted({Comparison(r["data"], r["model"], r["preset"], row_warmup(r)) for r in rows
+                 if r.get("suite") == "quality"
+                 and (r.get("logloss") is not None or not scored_only)})
 
 
 def num_eval_for(min_eval: int, eval_batch: int) -> int:
@@ -111,7 +152,8 @@ def run_arm(model: str, arm: QualityArm, seed: int, settings: QualitySettings, w
   built_model, source, _ = experiment.build_run(spec)
   config = TrainConfig(steps=settings.steps, batch_size=batch, seed=seed, eval_batch_size=batch,
                        log_every=max(settings.steps // 10, 1),
-                       checkpoint_every=max(settings.steps // 4, 1), progress=False)
+                       checkpoint_every=max(settings.steps // 4, 1), progress=False,
+                       optim=OptimConfig(warmup_steps=settings.warmup_steps))
   t0 = time.time()
   final = train(built_model, source, workdir, config, run_info=spec.run_info())
   return {"ne": final.get("ne"), "logloss": final.get("logloss"), "auc": final.get("auc"),
@@ -125,14 +167,15 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
               log: Callable[[str], None] = print) -> bool:
   """Every unfinished run of `model`; False when the deadline stopped it."""
   for arm, seed in runs(settings):
-    key = ("quality", settings.data, model, settings.preset, arm.name, seed, device)
+    key = ("quality", settings.data, model, settings.preset, arm.name, seed, device,
+           settings.warmup_steps or None)
     if results.done(key):
       continue
     if time.time() > deadline:
       log(f"  deadline: quality {model}/{arm.name}/seed{seed} left for the next run")
       return False
-    row = dict(zip(KEY_FIELDS, key), jax=jax.__version__, precision=arm.precision,
-               mods=list(arm.mods))
+    row = {f: v for f, v in zip(KEY_FIELDS, key) if v is not None}
+    row.update(jax=jax.__version__, precision=arm.precision, mods=list(arm.mods))
     plan = None
     if arm.precision == "loka":
       plan = planning.plan_path(settings.plans_dir, model, settings.preset)
@@ -142,9 +185,11 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
         log(f"  quality {model}/loka: skipped, no plan at {plan} yet")
         continue
       row["plan"] = plan
+    recipe = f"_warmup{settings.warmup_steps}" if settings.warmup_steps else ""
     workdir = os.path.join(root, settings.data, f"{model}_{settings.preset}",
-                           f"{arm.name}_seed{seed}")
-    log(f"  quality {settings.data} {model}/{settings.preset} {arm.name} seed {seed}")
+                           f"{arm.name}_seed{seed}{recipe}")
+    log(f"  quality {settings.data} {model}/{settings.preset} {arm.name} seed {seed}"
+        + (f" warmup {settings.warmup_steps}" if settings.warmup_steps else ""))
     try:
       row.update(run_arm(model, arm, seed, settings, workdir, plan))
     except Exception as e:  # a diverged or failing arm is a result too
@@ -156,12 +201,17 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
   return True
 
 
-def noise_floor(rows: Sequence[Mapping], data: str, model: str, preset: str) -> Dict:
+def _in(row: Mapping, data: str, model: str, preset: str, warmup_steps: int) -> bool:
+  return (row.get("suite") == "quality" and row.get("data") == data
+          and row.get("model") == model and row.get("preset") == preset
+          and row_warmup(row) == warmup_steps and row.get("logloss") is not None)
+
+
+def noise_floor(rows: Sequence[Mapping], data: str, model: str, preset: str,
+                warmup_steps: int = 0) -> Dict:
   """bf16 seed-to-seed std of log loss and the neutral bound max(0.02% rel, 2 std)."""
   losses = [r["logloss"] for r in rows
-            if r.get("suite") == "quality" and r.get("data") == data and r.get("model") == model
-            and r.get("preset") == preset and r.get("arm") == "bf16"
-            and r.get("logloss") is not None]
+            if _in(r, data, model, preset, warmup_steps) and r.get("arm") == "bf16"]
   mean = float(np.mean(losses)) if losses else None
   std = float(np.std(losses, ddof=1)) if len(losses) >= 2 else None
   rel = NEUTRAL_REL * abs(mean) if mean is not None else None
@@ -171,13 +221,12 @@ def noise_floor(rows: Sequence[Mapping], data: str, model: str, preset: str) -> 
 
 
 def arm_means(rows: Sequence[Mapping], data: str, model: str, preset: str,
-              seeds: Optional[Sequence[int]] = None) -> Dict[str, Dict]:
+              seeds: Optional[Sequence[int]] = None, warmup_steps: int = 0
+              ) -> Dict[str, Dict]:
   """Per arm: mean log loss / NE / AUC over its seeds (`seeds`: only those)."""
   per: Dict[str, List[Mapping]] = {}
   for r in rows:
-    if (r.get("suite") == "quality" and r.get("data") == data and r.get("model") == model
-        and r.get("preset") == preset and r.get("logloss") is not None
-        and (seeds is None or r.get("seed") in seeds)):
+    if _in(r, data, model, preset, warmup_steps) and (seeds is None or r.get("seed") in seeds):
       per.setdefault(r["arm"], []).append(r)
   out = {}
   for arm, rs in per.items():

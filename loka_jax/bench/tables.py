@@ -109,11 +109,11 @@ def quality_table(rows: Sequence[Mapping]) -> str:
   """Per data/model/preset and arm: mean held-out log loss, NE, AUC over its seeds."""
   lines = ["| data | model | preset | arm | seeds | log loss | NE | AUC | delta log loss vs bf16 "
            "| bf16 seed std | neutral bound |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-  groups = sorted({(r["data"], r["model"], r["preset"]) for r in rows
-                   if r.get("suite") == "quality"})
-  for data, model, preset in groups:
-    means = quality_lib.arm_means(rows, data, model, preset)
-    floor = quality_lib.noise_floor(rows, data, model, preset)
+  for c in quality_lib.comparisons(rows, scored_only=False):
+    data, model = c.data, c.model
+    preset = c.preset + (f" (warmup {c.warmup_steps})" if c.warmup_steps else "")
+    means = quality_lib.arm_means(rows, c.data, c.model, c.preset, warmup_steps=c.warmup_steps)
+    floor = quality_lib.noise_floor(rows, c.data, c.model, c.preset, c.warmup_steps)
     base = means.get("bf16", {}).get("logloss")
     for arm in quality_lib.ARMS:
       if arm not in means:

@@ -173,12 +173,11 @@ def check_speed(rows: Sequence[Mapping]) -> List[Dict]:
 def check_quality(rows: Sequence[Mapping]) -> List[Dict]:
   """LoKA quality neutral vs bf16+Mods and bf16; the FP8 peers' gaps reported beside it."""
   out = []
-  groups = sorted({(r["data"], r["model"], r["preset"]) for r in rows
-                   if r.get("suite") == "quality" and r.get("logloss") is not None})
-  for data, model, preset in groups:
-    subject = f"{data}:{model}/{preset}"
-    floor = quality_lib.noise_floor(rows, data, model, preset)
-    means = quality_lib.arm_means(rows, data, model, preset)
+  for c in quality_lib.comparisons(rows):
+    subject = c.subject
+    floor = quality_lib.noise_floor(rows, c.data, c.model, c.preset, c.warmup_steps)
+    means = quality_lib.arm_means(rows, c.data, c.model, c.preset,
+                                  warmup_steps=c.warmup_steps)
     fingerprints = {fp for m in means.values() for fp in m["eval_fingerprints"]}
     same_eval = len(fingerprints) <= 1
     for arm in ("loka",) + REPORTED_QUALITY_ARMS:
@@ -191,7 +190,8 @@ def check_quality(rows: Sequence[Mapping]) -> List[Dict]:
         common = sorted(set(means[arm]["seeds"]) & set(means[base]["seeds"]))
         if not common:
           continue
-        paired = quality_lib.arm_means(rows, data, model, preset, seeds=common)
+        paired = quality_lib.arm_means(rows, c.data, c.model, c.preset, seeds=common,
+                                       warmup_steps=c.warmup_steps)
         delta = paired[arm]["logloss"] - paired[base]["logloss"]
         met = abs(delta) <= floor["bound"] if arm == "loka" else None
         note = (f"bound max(0.02% rel, 2 x bf16 std over {floor['bf16_seeds']} seeds) = "
