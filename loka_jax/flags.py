@@ -38,7 +38,9 @@ def define_timing_compile_workers():
   flag holder (`ProbeOptions.timing_compile_workers`)."""
   return flags.DEFINE_integer(
       "timing_compile_workers", 1, "Threads compiling one site shape's timed kernel programs "
-      "before any is timed (1: each compiles in turn, just before its warm-up). The timing "
-      "is the same; on the GPU each compile autotunes its GEMMs on the device, so check "
-      "that the timings agree with 1 before relying on more (docs/BENCHMARKS.md).",
+      "before any is timed (1: each compiles in turn, just before its warm-up). Keep 1 on "
+      "the GPU: each compile autotunes its GEMMs on the device, and with 8 workers on an "
+      "H200 XLA's autotuner timed out in its delay kernel and every kernel read slower "
+      "(median 1.068x, all 46 above 1.02x; docs/BENCHMARKS.md, twenty-fifth session). "
+      "More workers save time where compiles do not autotune (the CPU).",
       lower_bound=1)
