@@ -11,7 +11,7 @@ fingerprint of the eval set it was scored on, so identical eval sets are checked
 
 The recipe is Adam (embeddings: row-wise Adagrad) at constant rates from step 0. At the `large`
 presets that recipe is unstable for the first steps even in bf16 (DLRM `large` spiked to a
-training loss of 2.5 at step 3 on the CPU, batch 512), and FP8 at a few wide layers made the
+training loss of 2.5 at step 4 on the CPU, batch 512), and FP8 at a few wide layers made the
 spikes larger and their harm lasting (docs/BENCHMARKS.md, twenty-fifth session).
 `warmup_steps` (a linear warm-up of both rates) gives a second recipe; its rows carry
 `warmup_steps` and are compared only with rows of the same recipe.
