@@ -52,6 +52,13 @@ def _verdict(verdicts, target, subject, mode):
   return found[0]
 
 
+def _quality_row(model, preset, arm, seed, logloss, **fields):
+  """A synthetic-data quality row as `quality.run_model` writes it."""
+  return {"suite": "quality", "data": "synthetic", "model": model, "preset": preset, "arm": arm,
+          "seed": seed, "device": "H100", "logloss": logloss, "ne": logloss / 0.5, "auc": 0.7,
+          "eval_fingerprint": "abc", **fields}
+
+
 class TargetCheckTest(parameterized.TestCase):
 
   def setUp(self):
@@ -205,9 +212,7 @@ class TargetCheckTest(parameterized.TestCase):
 
   def test_quality_neutral_and_not(self):
     def q(arm, seed, logloss, fp="abc"):
-      return {"suite": "quality", "data": "synthetic", "model": "wukong", "preset": "small",
-              "arm": arm, "seed": seed, "device": "H100", "logloss": logloss, "ne": logloss / 0.5,
-              "auc": 0.7, "eval_fingerprint": fp}
+      return _quality_row("wukong", "small", arm, seed, logloss, eval_fingerprint=fp)
     # bf16 seeds: 0.4000, 0.4002, 0.3998 -> std 2e-4, bound max(8e-5, 4e-4) = 4e-4.
     rows = [q("bf16", 0, 0.4000), q("bf16", 1, 0.4002), q("bf16", 2, 0.3998),
             q("bf16_mods", 0, 0.4001), q("loka", 0, 0.4003), q("fp8_naive", 0, 0.4100),
@@ -238,10 +243,8 @@ class TargetCheckTest(parameterized.TestCase):
 
   def test_quality_compares_rows_of_one_recipe(self):
     def q(arm, seed, logloss, warmup=None):
-      row = {"suite": "quality", "data": "synthetic", "model": "dlrm", "preset": "large",
-             "arm": arm, "seed": seed, "device": "H200", "logloss": logloss, "ne": 0.9,
-             "auc": 0.75, "eval_fingerprint": "abc"}
-      return row if warmup is None else dict(row, warmup_steps=warmup)
+      return _quality_row("dlrm", "large", arm, seed, logloss,
+                          **({} if warmup is None else {"warmup_steps": warmup}))
     # Plain recipe: LoKA 0.005 worse (missed). Warm-up recipe: its own bf16 seeds and arms,
     # LoKA within its bound; mixing the two would pair LoKA-with-warm-up against plain bf16.
     rows = [q("bf16", s, 0.484 + 0.001 * d) for s, d in ((0, 0), (1, 1), (2, -1))]
