@@ -76,8 +76,8 @@ def loss_gap_plot(rows: Sequence[Mapping], path: str) -> str:
   fig, ax = plt.subplots(figsize=(max(6, 2.0 * len(groups)), 4))
   width = 0.8 / len(arms)
   for g_i, c in enumerate(groups):
-    means = quality_lib.arm_means(rows, c.data, c.model, c.preset, warmup_steps=c.warmup_steps)
-    floor = quality_lib.noise_floor(rows, c.data, c.model, c.preset, c.warmup_steps)
+    means = quality_lib.arm_means(rows, c)
+    floor = quality_lib.noise_floor(rows, c)
     base = means.get("bf16", {}).get("logloss")
     if floor["bound"] is not None:
       ax.fill_between([g_i - 0.45, g_i + 0.45], -floor["bound"], floor["bound"], color="0.85")

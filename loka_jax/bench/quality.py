@@ -92,9 +92,19 @@ class Comparison:
   warmup_steps: int = 0
 
   @property
+  def preset_label(self) -> str:
+    """The preset, with the warm-up recipe where it is one."""
+    return self.preset + (f" (warmup {self.warmup_steps})" if self.warmup_steps else "")
+
+  @property
   def subject(self) -> str:
-    recipe = f" (warmup {self.warmup_steps})" if self.warmup_steps else ""
-    return f"{self.data}:{self.model}/{self.preset}{recipe}"
+    return f"{self.data}:{self.model}/{self.preset_label}"
+
+  def holds(self, row: Mapping) -> bool:
+    """Whether `row` is a scored quality row of this comparison."""
+    return (row.get("suite") == "quality" and row.get("data") == self.data
+            and row.get("model") == self.model and row.get("preset") == self.preset
+            and row_warmup(row) == self.warmup_steps and row.get("logloss") is not None)
 
 
 def row_warmup(row: Mapping) -> int:
@@ -201,17 +211,9 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
   return True
 
 
-def _in(row: Mapping, data: str, model: str, preset: str, warmup_steps: int) -> bool:
-  return (row.get("suite") == "quality" and row.get("data") == data
-          and row.get("model") == model and row.get("preset") == preset
-          and row_warmup(row) == warmup_steps and row.get("logloss") is not None)
-
-
-def noise_floor(rows: Sequence[Mapping], data: str, model: str, preset: str,
-                warmup_steps: int = 0) -> Dict:
+def noise_floor(rows: Sequence[Mapping], comparison: Comparison) -> Dict:
   """bf16 seed-to-seed std of log loss and the neutral bound max(0.02% rel, 2 std)."""
-  losses = [r["logloss"] for r in rows
-            if _in(r, data, model, preset, warmup_steps) and r.get("arm") == "bf16"]
+  losses = [r["logloss"] for r in rows if comparison.holds(r) and r.get("arm") == "bf16"]
   mean = float(np.mean(losses)) if losses else None
   std = float(np.std(losses, ddof=1)) if len(losses) >= 2 else None
   rel = NEUTRAL_REL * abs(mean) if mean is not None else None
@@ -220,13 +222,12 @@ def noise_floor(rows: Sequence[Mapping], data: str, model: str, preset: str,
   return {"bf16_seeds": len(losses), "bf16_mean": mean, "bf16_std": std, "bound": bound}
 
 
-def arm_means(rows: Sequence[Mapping], data: str, model: str, preset: str,
-              seeds: Optional[Sequence[int]] = None, warmup_steps: int = 0
-              ) -> Dict[str, Dict]:
+def arm_means(rows: Sequence[Mapping], comparison: Comparison,
+              seeds: Optional[Sequence[int]] = None) -> Dict[str, Dict]:
   """Per arm: mean log loss / NE / AUC over its seeds (`seeds`: only those)."""
   per: Dict[str, List[Mapping]] = {}
   for r in rows:
-    if _in(r, data, model, preset, warmup_steps) and (seeds is None or r.get("seed") in seeds):
+    if comparison.holds(r) and (seeds is None or r.get("seed") in seeds):
       per.setdefault(r["arm"], []).append(r)
   out = {}
   for arm, rs in per.items():

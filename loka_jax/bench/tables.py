@@ -110,10 +110,8 @@ def quality_table(rows: Sequence[Mapping]) -> str:
   lines = ["| data | model | preset | arm | seeds | log loss | NE | AUC | delta log loss vs bf16 "
            "| bf16 seed std | neutral bound |", "|---|---|---|---|---|---|---|---|---|---|---|"]
   for c in quality_lib.comparisons(rows, scored_only=False):
-    data, model = c.data, c.model
-    preset = c.preset + (f" (warmup {c.warmup_steps})" if c.warmup_steps else "")
-    means = quality_lib.arm_means(rows, c.data, c.model, c.preset, warmup_steps=c.warmup_steps)
-    floor = quality_lib.noise_floor(rows, c.data, c.model, c.preset, c.warmup_steps)
+    means = quality_lib.arm_means(rows, c)
+    floor = quality_lib.noise_floor(rows, c)
     base = means.get("bf16", {}).get("logloss")
     for arm in quality_lib.ARMS:
       if arm not in means:
@@ -122,7 +120,7 @@ def quality_table(rows: Sequence[Mapping]) -> str:
       delta = "-" if base is None else f"{m['logloss'] - base:+.5f}"
       std = "-" if floor["bf16_std"] is None else f"{floor['bf16_std']:.5f}"
       bound = "-" if floor["bound"] is None else f"{floor['bound']:.5f}"
-      lines.append(f"| {data} | {model} | {preset} | {arm} | {len(m['seeds'])} | "
+      lines.append(f"| {c.data} | {c.model} | {c.preset_label} | {arm} | {len(m['seeds'])} | "
                    f"{m['logloss']:.5f} | {m.get('ne', float('nan')):.5f} | "
                    f"{m.get('auc', float('nan')):.4f} | {delta} | {std} | {bound} |")
   errors = [r for r in rows if r.get("suite") == "quality" and "error" in r]

@@ -174,10 +174,8 @@ def check_quality(rows: Sequence[Mapping]) -> List[Dict]:
   """LoKA quality neutral vs bf16+Mods and bf16; the FP8 peers' gaps reported beside it."""
   out = []
   for c in quality_lib.comparisons(rows):
-    subject = c.subject
-    floor = quality_lib.noise_floor(rows, c.data, c.model, c.preset, c.warmup_steps)
-    means = quality_lib.arm_means(rows, c.data, c.model, c.preset,
-                                  warmup_steps=c.warmup_steps)
+    floor = quality_lib.noise_floor(rows, c)
+    means = quality_lib.arm_means(rows, c)
     fingerprints = {fp for m in means.values() for fp in m["eval_fingerprints"]}
     same_eval = len(fingerprints) <= 1
     for arm in ("loka",) + REPORTED_QUALITY_ARMS:
@@ -190,8 +188,7 @@ def check_quality(rows: Sequence[Mapping]) -> List[Dict]:
         common = sorted(set(means[arm]["seeds"]) & set(means[base]["seeds"]))
         if not common:
           continue
-        paired = quality_lib.arm_means(rows, c.data, c.model, c.preset, seeds=common,
-                                       warmup_steps=c.warmup_steps)
+        paired = quality_lib.arm_means(rows, c, seeds=common)
         delta = paired[arm]["logloss"] - paired[base]["logloss"]
         met = abs(delta) <= floor["bound"] if arm == "loka" else None
         note = (f"bound max(0.02% rel, 2 x bf16 std over {floor['bf16_seeds']} seeds) = "
@@ -199,8 +196,8 @@ def check_quality(rows: Sequence[Mapping]) -> List[Dict]:
         if delta < -floor["bound"]:
           # Neutrality is two-sided, but a reader must not take a gain for a loss.
           note += f"; {arm} is better than {base} by more than the bound"
-        out.append({"target": f"{arm}_quality_vs_{base}", "subject": subject, "mode": "quality",
-                    "value": delta, "ci": [-floor["bound"], floor["bound"]],
+        out.append({"target": f"{arm}_quality_vs_{base}", "subject": c.subject,
+                    "mode": "quality", "value": delta, "ci": [-floor["bound"], floor["bound"]],
                     "met": met if same_eval else False,
                     "need": "|delta log loss| <= bound" if arm == "loka" else "reported",
                     "note": note})

@@ -197,11 +197,11 @@ def _compile_ahead(variants: Mapping[str, Tuple[Callable, Sequence]], calls: int
   compiles spread over `workers` threads; {} for one worker (each sampler compiles its own,
   in turn). Nearly all of a shape's timing is compiles: 46 kernel passes of DCNv2 `large`'s
   4096x13 . 13x1024 took 114 s on the H200, where their samples are 20 chains of
-  microsecond kernels each. The GPU autotunes each compile's GEMMs on the device, so
-  compiles run side by side may autotune against each other's measurements (XLA profiles
-  under a GPU lock, but parallel autotuning was reported to stall in its delay kernel until
-  a timeout: openxla/xla pull requests 41399 and 42415): the default stays one worker until
-  the GPU shows the two agree (docs/BENCHMARKS.md, list item 17)."""
+  microsecond kernels each. The GPU autotunes each compile's GEMMs on the device, and
+  compiles run side by side autotune against each other's measurements: with 8 workers on
+  an H200 XLA's autotuner timed out in its delay kernel and every kernel then read slower
+  (median 1.068x; docs/BENCHMARKS.md, twenty-fifth session), so the default is one worker
+  and more are for compiles that do not autotune (the CPU)."""
   if workers <= 1 or not variants:
     return {}
   with concurrent.futures.ThreadPoolExecutor(min(workers, len(variants)),
