@@ -157,6 +157,49 @@ class AttributionTest(absltest.TestCase):
     self.assertEqual((got["attribution"]["hlo_op_in_module"], got["attribution"]["with_tf_op"]),
                      (0, 3))
 
+  def test_time_outside_the_sites_is_split_by_name_scope(self):
+    # Kernels outside every site, named through their tf_op (the profiler's copy of the
+    # op_name): each counts to its module path, its pass marked, the loss and optimizer under
+    # one label; a kernel naming nothing has its own row; a site's kernel is not counted.
+    site = self.sites[0]
+    names = {"jit(train_step)/transpose(jvp(Wukong))/embedding/table_3/jit(_take)/scatter-add":
+             3.0, "jit(train_step)/jvp(Wukong)/embedding/table_3/gather": 2.0,
+             "jit(train_step)/cond/branch_1_fun/jit(tree_bias_correction)/mul": 4.0,
+             "jit(train_step)/jvp()/log;jit(train_step)/jvp()/mul": 1.0}
+    events = [{"ph": "X", "pid": 1, "name": f"loop_fusion_{i}", "dur": us,
+               "args": {"hlo_op": f"fusion.{900000 + i}", "tf_op": op_name}}
+              for i, (op_name, us) in enumerate(names.items())]
+    events += [{"ph": "X", "pid": 1, "name": "input_reduce_fusion_77", "dur": 7.0, "args": {}},
+               {"ph": "X", "pid": 1, "name": "nvjet_sm90_tst_64x64", "dur": 9.0,
+                "args": {"hlo_op": self._instruction_of(site, "forward")}}]
+    got = self._split(events)
+    self.assertEqual(got["outside_by_scope_us"], {
+        "Wukong/embedding (bwd)": 3.0, "Wukong/embedding": 2.0, "cond/branch_1_fun": 4.0,
+        "(outside the model)": 1.0, "(no op name)": 7.0})
+    self.assertAlmostEqual(got["outside_sites_us"], 17.0)
+    # Side by side: ranked by the largest value in any profile, absent scopes read 0.
+    other = dict(got, outside_by_scope_us={"Wukong/embedding (bwd)": 8.0, "cond/branch_1_fun":
+                                           4.0})
+    table = profile.markdown({"bf16 train": got, "loka train": other})
+    self.assertIn("| scope | bf16 train | loka train |", table)
+    rows = [line for line in table.splitlines() if line.startswith("| Wukong/embedding")]
+    self.assertEqual(rows, ["| Wukong/embedding (bwd) | 3 | 8 |", "| Wukong/embedding | 2 | 0 |"])
+    cut = profile._scope_table({"a": got}, ["a"], top=2)
+    self.assertEqual(cut[-3:], ["| (no op name) | 7 |", "| cond/branch_1_fun | 4 |",
+                                "| 3 other scopes | 6 |"])
+    # A profile written before this split (no outside_by_scope_us) gets no such table.
+    old = {k: v for k, v in got.items() if k != "outside_by_scope_us"}
+    self.assertNotIn("by name scope", profile.markdown({"bf16 train": old}))
+
+  def test_every_instruction_of_a_compiled_step_has_a_scope(self):
+    # On the real compiled Wukong step: an instruction inside the model scopes under the
+    # model's own name, its backward marked, and no scope keeps a jit/jvp frame.
+    scopes = {profile.scope_of(op_name) for op_name in self.op_names.values()}
+    self.assertTrue(any(s.startswith("Wukong/") and s.endswith(" (bwd)") for s in scopes))
+    self.assertTrue(any(s.startswith("Wukong/") and not s.endswith(")") for s in scopes))
+    for s in scopes:
+      self.assertNotRegex(s, r"jit\(|jvp\(|transpose\(", s)
+
   def test_kernel_streams_only_and_op_spans_name_the_kernels(self):
     # A trace that names its device threads: kernels on the stream lines carry no hlo_op;
     # an op line (one span per HLO instruction) covers them in time. Only the kernels count

@@ -1,4 +1,5 @@
-"""Where a step's device time goes: per GEMM site, per pass, per kernel class.
+"""Where a step's device time goes: per GEMM site, per pass, per kernel class, and the time
+outside the sites per name scope.
 
 `profile_calls` runs argument-less step calls under `jax.profiler.trace` (a Perfetto trace),
 `device_events` reads the device's kernel events (and op-line spans) back, and `split`
@@ -10,8 +11,10 @@ and `transpose(` marks the backward pass (an instruction XLA made without an op_
 as the FP8 GEMM's transposed operand copy, takes its user's: `hlo_op_names`); each profile
 records how many kernels mapped (`attribution`). Kernels are also classed by what they are
 (cuBLASLt FP8 GEMM, cuBLAS/cuBLASLt GEMM, XLA's Triton GEMM, a Pallas kernel, a fusion, a
-copy, ...) from their names. This is the profile the headline benchmark asks for where a
-target is missed: the per-site time split, which kernels ran, and what XLA fused.
+copy, ...) from their names, and the kernels outside every site by the module path of their
+op_name (`scope_of`), which two programs with differently numbered fusions share. This is
+the profile the headline benchmark asks for where a target is missed: the per-site time
+split, which kernels ran, and what XLA fused.
 """
 from __future__ import annotations
 
@@ -95,6 +98,32 @@ def site_of(op_name: str, sites: Iterable[str]) -> Optional[str]:
 
 def pass_of(op_name: str) -> str:
   return "backward" if "transpose(" in op_name else "forward"
+
+
+_WRAPPER = re.compile(r"^(?:transpose|jvp|vmap|remat|checkpoint)\((.*)\)$")
+OUTSIDE_THE_MODEL = "(outside the model)"
+
+
+def scope_of(op_name: Optional[str], depth: int = 2) -> str:
+  """Where in the program a kernel outside the sites came from, coarse enough to compare
+  two programs whose kernels are numbered differently: the op_name's module path cut to
+  `depth` names (`jit(...)` frames dropped, `jvp(...)` / `transpose(...)` unwrapped, the
+  primitive itself dropped), with " (bwd)" for the backward pass. `jit(train_step)/
+  transpose(jvp(DLRM))/embeddings/embeddings.bags/jit(_take)/scatter-add` is
+  "DLRM/embeddings (bwd)"; the loss and optimizer, outside every module, share one label."""
+  if not op_name:
+    return "(no op name)"
+  first = op_name.split(";")[0]  # a fusion of several ops names them all, ';'-separated
+  path = []
+  for frame in first.split("/")[:-1]:
+    if frame.startswith("jit("):
+      continue
+    while (wrapped := _WRAPPER.match(frame)):
+      frame = wrapped.group(1)
+    if frame:
+      path.append(frame)
+  label = "/".join(path[:depth]) or OUTSIDE_THE_MODEL
+  return label + (" (bwd)" if pass_of(first) == "backward" else "")
 
 
 def profile_calls(calls: Mapping[str, Callable[[], object]], logdir: str,
@@ -227,6 +256,7 @@ def split(events: Sequence[Mapping], op_names: Mapping[str, str], sites: Iterabl
       lambda: {"forward": 0.0, "backward": 0.0})
   by_class: Dict[str, float] = collections.Counter()
   by_kernel: Dict[str, float] = collections.Counter()
+  by_scope: Dict[str, float] = collections.Counter()  # the time outside the sites
   total = unattributed = 0.0
   with_op = in_module = with_tf_op = 0
   arg_keys = set()
@@ -251,11 +281,15 @@ def split(events: Sequence[Mapping], op_names: Mapping[str, str], sites: Iterabl
     seen.setdefault(e["name"], {"hlo_op": e.get("hlo_op"), "op_name": op_name, "site": site})
     if site is None:
       unattributed += us
+      by_scope[scope_of(op_name)] += us
     else:
       by_site[site][pass_of(op_name)] += us
   return {"steps": steps, "device_us_per_step": total,
           "sites_us": {s: dict(v) for s, v in sorted(by_site.items())},
           "outside_sites_us": unattributed,
+          # Where that time went, so two programs' extra time outside the sites can be
+          # compared scope by scope (their fusions are numbered differently).
+          "outside_by_scope_us": dict(by_scope.most_common()),
           # Why kernels did or did not map to sites: how many named an HLO instruction, how
           # many of those the compiled module has, and which event args the trace carried.
           "attribution": {"kernel_events": len(events), "with_hlo_op": with_op,
@@ -290,6 +324,7 @@ def markdown(profiles: Mapping[str, Mapping]) -> str:
     lines.append(f"| {s} | " + " | ".join(cells) + " |")
   lines.append("| outside the sites | " + " | ".join(
       f"{profiles[n]['outside_sites_us']:,.0f}" for n in names) + " |")
+  lines += _scope_table(profiles, names)
   for n in names:
     a = profiles[n].get("attribution")
     if a and not profiles[n]["sites_us"] and a["kernel_events"]:
@@ -308,6 +343,28 @@ def markdown(profiles: Mapping[str, Mapping]) -> str:
     lines += [f"| `{k['name'][:90]}` | {k['class']} | {k['us']:,.1f} | {_mapped_to(k)} |"
               for k in profiles[n]["top_kernels_us"]]
   return "\n".join(lines)
+
+
+def _scope_table(profiles: Mapping[str, Mapping], names: Sequence[str],
+                 top: int = 12) -> List[str]:
+  """The time outside the sites by name scope: the `top` scopes by their largest value in any
+  profile, the rest summed. Profiles written before the split by scope are left out."""
+  have = [n for n in names if "outside_by_scope_us" in profiles[n]]
+  if not have:
+    return []
+  scopes = {s for n in have for s in profiles[n]["outside_by_scope_us"]}
+  ranked = sorted(scopes, key=lambda s: (-max(profiles[n]["outside_by_scope_us"].get(s, 0.0)
+                                               for n in have), s))
+  lines = ["", "Outside the sites, by name scope (us / step):", "",
+           "| scope | " + " | ".join(have) + " |", "|---|" + "---|" * len(have)]
+  for s in ranked[:top]:
+    lines.append(f"| {s} | " + " | ".join(
+        f"{profiles[n]['outside_by_scope_us'].get(s, 0.0):,.0f}" for n in have) + " |")
+  if len(ranked) > top:
+    lines.append(f"| {len(ranked) - top} other scopes | " + " | ".join(
+        f"{sum(profiles[n]['outside_by_scope_us'].get(s, 0.0) for s in ranked[top:]):,.0f}"
+        for n in have) + " |")
+  return lines
 
 
 def _mapped_to(kernel: Mapping) -> str:
