@@ -19,6 +19,9 @@ from loka_jax.train import OptimConfig, experiment
 BATCH_SIZE = flags.DEFINE_integer("batch_size", 0, "Training batch; 0: the preset's.")
 NUM_EVAL = flags.DEFINE_integer("num_eval", 2048, "Held-out examples (the same for every arm).")
 LR = flags.DEFINE_float("lr", OptimConfig.learning_rate, "Adam learning rate (dense towers).")
+WARMUP = flags.DEFINE_integer(
+    "warmup_steps", 0, "Linear warm-up of both learning rates over this many steps (0: none); "
+    "the large presets spike in their first steps without one.")
 COMBINATIONS = flags.DEFINE_list(
     "combinations", [], "Mods combinations to run: 'none', 'all' or mods joined by '+' "
     "(e.g. no_bias+hard_swish); empty: all 8.")
@@ -55,6 +58,7 @@ def main(argv):
         batch_size=BATCH_SIZE.value or None, num_eval=NUM_EVAL.value, seed=common.SEED.value,
         kernel=common.KERNEL.value, data=common.DATA.value, data_path=common.DATA_PATH.value,
         data_cache=common.DATA_CACHE.value, learning_rate=LR.value,
+        warmup_steps=WARMUP.value,
         combinations=ablation.parse_combinations(COMBINATIONS.value),
         precisions=tuple(PRECISIONS.value), noise_seeds=tuple(int(s) for s in NOISE_SEEDS.value),
         timing=TIMING.value, repeats=REPEATS.value, workers=WORKERS.value,

@@ -58,6 +58,32 @@ class CombinationsTest(chex.TestCase):
       ablation.AblationConfig(noise_seeds=(0,))
     with self.assertRaisesRegex(ValueError, "timing"):
       ablation.AblationConfig(timing="sometimes")
+    with self.assertRaisesRegex(ValueError, r"warmup_steps must be in \[0, steps=60\], got 61"):
+      ablation.AblationConfig(warmup_steps=61)
+
+  def test_warmup_reaches_every_arm_and_keeps_old_workdirs(self):
+    warm = ablation.AblationConfig(steps=60, warmup_steps=20)
+    self.assertEqual(ablation.train_config(warm, seed=3).optim.warmup_steps, 20)
+    self.assertEqual(ablation.train_config(ablation.AblationConfig(), 0).optim.warmup_steps, 0)
+    self.assertEqual(warm.shared_settings()["warmup_steps"], 20)
+    # Without a warm-up the settings are those a workdir written before it existed holds,
+    # so such a workdir resumes; one with a warm-up is refused there, and vice versa.
+    self.assertNotIn("warmup_steps", ablation.AblationConfig().shared_settings())
+    old = tempfile.mkdtemp(prefix="loka_ablation_warmup_")
+    ablation.check_settings(ablation.AblationConfig(), old)
+    ablation.check_settings(ablation.AblationConfig(), old)
+    with self.assertRaisesRegex(ablation.SettingsError, r"warmup_steps: None -> 20"):
+      ablation.check_settings(warm, old)
+    new = tempfile.mkdtemp(prefix="loka_ablation_warmup_")
+    ablation.check_settings(warm, new)
+    with self.assertRaisesRegex(ablation.SettingsError, r"warmup_steps: 20 -> None"):
+      ablation.check_settings(ablation.AblationConfig(), new)
+    # The table's header names the recipe only where it has a warm-up.
+    warm_result = ablation.summarize(warm, {}, [], "cpu")
+    self.assertIn("60 steps x batch 256 (learning-rate warm-up 20 steps), 2048 held-out",
+                  ablation.markdown_table(warm_result))
+    self.assertNotIn("warm-up", ablation.markdown_table(
+        ablation.summarize(ablation.AblationConfig(), {}, [], "cpu")))
 
 
 class SummaryTest(chex.TestCase):

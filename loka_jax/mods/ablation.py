@@ -102,6 +102,9 @@ class AblationConfig:
   data_path: Optional[str] = None
   data_cache: Optional[str] = None
   learning_rate: float = OptimConfig.learning_rate
+  # A linear warm-up of the learning rates over this many steps (0: none). The `large`
+  # presets' first steps spike without one, in bf16 as well (docs/BENCHMARKS.md, section 7).
+  warmup_steps: int = 0
   combinations: Tuple[Combination, ...] = all_combinations()
   precisions: Tuple[str, ...] = PRECISIONS
   noise_seeds: Tuple[int, ...] = ()         # extra bf16 baseline seeds for the noise floor
@@ -120,6 +123,9 @@ class AblationConfig:
     if self.steps < 1 or self.num_eval < 1 or self.workers < 1 or self.repeats < 1:
       raise ValueError(f"ablation: steps={self.steps}, num_eval={self.num_eval}, "
                        f"workers={self.workers} and repeats={self.repeats} must all be >= 1")
+    if not 0 <= self.warmup_steps <= self.steps:
+      raise ValueError(f"warmup_steps must be in [0, steps={self.steps}], got "
+                       f"{self.warmup_steps}")
     if self.seed in self.noise_seeds:
       raise ValueError(f"noise_seeds {self.noise_seeds} must differ from seed {self.seed}")
 
@@ -132,6 +138,8 @@ class AblationConfig:
     d = dataclasses.asdict(self)
     out = {k: v for k, v in d.items() if k not in FREE_SETTINGS}
     out["batch_size"] = self.batch
+    if not self.warmup_steps:  # a workdir from before the warm-up existed keeps its settings
+      del out["warmup_steps"]
     return out
 
 
@@ -165,7 +173,8 @@ def train_config(config: AblationConfig, seed: int) -> TrainConfig:
   return TrainConfig(steps=config.steps, batch_size=config.batch, seed=seed,
                      log_every=max(1, config.steps // 4), checkpoint_every=0,
                      keep_checkpoints=1, progress=False,
-                     optim=OptimConfig(learning_rate=config.learning_rate))
+                     optim=OptimConfig(learning_rate=config.learning_rate,
+                                       warmup_steps=config.warmup_steps))
 
 
 # ----------------------------------------------------------------------------- the runs
@@ -481,7 +490,9 @@ def markdown_table(result: Mapping[str, Any]) -> str:
            f"{noise['seeds']}" if noise["std"] is not None else
            "no seed-to-seed noise floor (add noise seeds): only the 0.02% bound applies")
   lines = [
-      f"Mods ablation: {s['model']}/{s['preset']}, {s['steps']} steps x batch {s['batch_size']}, "
+      f"Mods ablation: {s['model']}/{s['preset']}, {s['steps']} steps x batch {s['batch_size']}"
+      + (f" (learning-rate warm-up {s['warmup_steps']} steps)" if s.get("warmup_steps") else "")
+      + ", "
       f"{s['num_eval']} held-out examples, seed {s['seed']}; FP8 = fp8_all with {s['kernel']}; "
       f"BlockNorm block {s['block_size']}; device {result['device']}, jax {result['jax']}.",
       f"Neutral: |delta log loss| <= {_fmt(noise['tolerance'])} ({floor}).",
