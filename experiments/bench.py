@@ -67,6 +67,9 @@ PROBE_TIMING_CACHE = flags.DEFINE_string(
     "(a directory, e.g. carried to the GPU host): the probes skip their timing phase where "
     "it holds the shapes.")
 TIMING_COMPILE_WORKERS = common_flags.define_timing_compile_workers()
+FROM_INIT_STEPS = flags.DEFINE_integer(
+    "validation_from_init_steps", 0, "When a target's plan is made: validation's training "
+    "from a fresh initialization, plan vs bf16+Mods, with the probe's recipe (0: skip).")
 PLANS = flags.DEFINE_string("plans_dir", None, "Plan directory (default: WORKDIR/plans).")
 Q_PRESET = flags.DEFINE_string("quality_preset", "small", "Preset of the synthetic quality runs.")
 Q_STEPS = flags.DEFINE_integer("quality_steps", 500, "Training steps of every quality arm.")
@@ -135,6 +138,7 @@ def main(argv):
                                  probe_kernels=tuple(PROBE_KERNELS.value),
                                  probe_timing_cache=PROBE_TIMING_CACHE.value,
                                  probe_timing_compile_workers=TIMING_COMPILE_WORKERS.value,
+                                 validation_from_init_steps=FROM_INIT_STEPS.value,
                                  head_to_head=tuple(HEAD_TO_HEAD.value),
                                  serve_plan=SERVE_PLAN.value,
                                  serve_promotion={"auto": None, "on": True,
@@ -217,7 +221,8 @@ def _quality_plan_maker(qs, settings, deadline):
                          batch_size=qs.batch_size or experiment.preset_batch_size(
                              model, qs.preset))
     return planning.make_plan(spec, qs.plans_dir, config, budget_s=budget,
-                              samples=settings.probe_samples, kernels=settings.probe_kernels)
+                              samples=settings.probe_samples, kernels=settings.probe_kernels,
+                              from_init_steps=settings.validation_from_init_steps)
   return make
 
 

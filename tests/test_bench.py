@@ -419,6 +419,20 @@ class SelectionTest(absltest.TestCase):
     self.assertLen(quality.runs(ml), 5)
 
 
+class ValidationFromInitTest(absltest.TestCase):
+
+  def test_a_target_probed_for_its_plan_is_validated_from_init_as_asked(self):
+    # `--validation_from_init_steps` reaches the validation of the plan the suite makes.
+    (target,) = suite.tower_targets(["64x32x2"])
+    plans = tempfile.mkdtemp(prefix="loka_bench_from_init_")
+    for steps in (0, 7):
+      settings = suite.SpeedSettings(plans_dir=plans, validation_from_init_steps=steps)
+      with mock.patch("loka_jax.dispatch.pipeline.probe_and_plan") as probe_and_plan:
+        suite._probe_for_plan(target, variants.VARIANTS["loka"], settings,
+                              deadline=time.time() + 600, log=lambda line: None)
+      self.assertEqual(probe_and_plan.call_args.kwargs["validation"].from_init_steps, steps)
+
+
 class TowerSourceTest(chex.TestCase):
   """The towers' data: pure in (task_seed, seed, step), heavy-tailed inputs with the
   per-channel scales, labels that follow the hidden teacher."""

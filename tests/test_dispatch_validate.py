@@ -189,6 +189,103 @@ class ShadowTest(chex.TestCase):
     self.assertFalse(validate.shadow_diverged(bound, bound, bound))
 
 
+class FromInitTest(chex.TestCase):
+  """Training from a fresh initialization: what the shadow check cannot see from a trained
+  state (early training), judged and backed off the same way."""
+
+  def test_a_run_from_init_starts_where_training_from_scratch_starts(self):
+    from loka_jax.train.loop import loss_fn
+    from loka_jax.train.optim import make_optimizer
+    from loka_jax.train.state import create_train_state
+    ctx = context()
+    before = jax.tree.map(lambda x: np.array(x, copy=True), ctx.state)
+    run = validate.shadow_run(ctx, validate.BASELINE, steps=3, start=validate.INIT, seed=5)
+    self.assertTrue(run["finite"])
+    # The first step's loss is a freshly initialized model's (seed 5) on the data's first
+    # batch, computed here without validation's code; the trained state's is far from it.
+    model = ctx.build(validate.BASELINE)
+    fresh = create_train_state(model, make_optimizer(ctx.optim), ctx.source.train_batch(0, 1),
+                               5)
+    first = ctx.source.train_batch(0, ctx.batch_size)
+    rng = jax.random.PRNGKey(0)
+    expected = float(loss_fn(model, fresh.params, fresh.fp8_meta, first, rng)[0])
+    trained = float(loss_fn(model, ctx.state.params, ctx.state.fp8_meta, first, rng)[0])
+    self.assertAlmostEqual(run["losses"][0], expected, delta=1e-3 * abs(expected))
+    self.assertGreater(abs(trained - expected), 0.01)
+    other_seed = validate.shadow_run(ctx, validate.BASELINE, steps=3, start=validate.INIT,
+                                     seed=6)
+    self.assertNotAlmostEqual(other_seed["losses"][0], run["losses"][0], places=4)
+    # The shadow run from the checkpoint starts from the trained state instead, and neither
+    # changed the context's state.
+    shadow = validate.shadow_run(ctx, validate.BASELINE, steps=1)
+    trained_first = float(loss_fn(model, ctx.state.params, ctx.state.fp8_meta, ctx.batch(0),
+                                  rng)[0])
+    self.assertAlmostEqual(shadow["losses"][0], trained_first, delta=1e-3 * trained_first)
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, ctx.state), before)
+    with self.assertRaisesRegex(ValueError, "start='scratch'"):
+      validate.shadow_run(ctx, validate.BASELINE, steps=1, start="scratch")
+
+  def test_delayed_scaling_from_init_starts_from_its_initial_state(self):
+    # From scratch, delayed scaling's state starts at scale 1, not calibrated on the trained
+    # parameters as the checks from the checkpoint have it: the first loss tells them apart.
+    from loka_jax.train.loop import loss_fn
+    from loka_jax.train.optim import make_optimizer
+    from loka_jax.train.state import create_train_state
+    ctx = context()
+    kplan = plan_of({GOOD_SITE: "flax_fp8_delayed", OTHER_SITE: "flax_fp8_delayed"}
+                    ).kernel_plan()
+    model, calibrated = validate.model_and_meta(ctx, kplan)
+    fresh = create_train_state(model, make_optimizer(ctx.optim), ctx.source.train_batch(0, 1),
+                               0)
+    first = ctx.source.train_batch(0, ctx.batch_size)
+    rng = jax.random.PRNGKey(0)
+    expected = float(loss_fn(model, fresh.params, fresh.fp8_meta, first, rng)[0])
+    other = float(loss_fn(model, fresh.params, calibrated, first, rng)[0])
+    self.assertGreater(abs(expected - other), 1e-3)
+    run = validate.shadow_run(ctx, kplan, steps=2, start=validate.INIT, seed=0)
+    self.assertAlmostEqual(run["losses"][0], expected, delta=3e-4)
+
+  def test_a_climbing_weight_gradient_from_init_is_backed_off(self):
+    ctx = context()
+    plan = plan_of({BAD_SITE: {"grad_rhs": "test_flipped"}, GOOD_SITE: "xla_fp8_rowwise"})
+    skipped = validate.check_from_init(plan, ctx, validate.ValidationConfig())
+    (record,) = validate.validation_records(skipped, "quality_from_init")
+    self.assertEqual((record["skipped"], record["reason"]), (True, "from_init_steps=0"))
+    config = validate.ValidationConfig(from_init_steps=20, shadow_window=10)
+    out = validate.check_from_init(plan, ctx, config)
+    self.assertEqual(kernels(out, BAD_SITE)["grad_rhs"], FALLBACK)
+    self.assertEqual(kernels(out, GOOD_SITE), {p: "xla_fp8_rowwise" for p in hm.PASSES})
+    rounds = [r for r in validate.validation_records(out, "quality_from_init") if "round" in r]
+    self.assertFalse(rounds[0]["passed"])
+    self.assertEqual(rounds[0]["start"], "init")
+    self.assertGreater(max(rounds[0]["rel_train_loss"], rounds[0]["rel_logloss_change"]),
+                       config.shadow_max_rel_loss)
+    self.assertGreaterEqual(rounds[0]["peak_loss"], rounds[0]["train_loss"])
+    self.assertTrue(rounds[-1]["passed"])
+    back = [r for r in validate.validation_records(out, "quality_from_init") if "to" in r]
+    self.assertIn("training from initialization", back[0]["reason"])
+    # The sites' gradient changes are recorded under the shadow check's name, which reads
+    # them back instead of measuring again.
+    self.assertIn((BAD_SITE, plan.choice_for(BAD_SITE)),
+                  validate.saved_site_measurements(out, "quality_shadow"))
+    self.assertEqual(validate.validation_records(out, "quality_from_init_site"), [])
+    text = train_report.validation_lines(out)
+    self.assertRegex(text, r"training from initialization 20 steps \(round 0\): .*worst step's "
+                           r"loss .*FAIL")
+
+  def test_a_plan_whose_model_initializes_other_parameters_is_refused(self):
+    ctx = context()
+    validate.initial_state(ctx, validate.BASELINE, seed=0)   # records bf16+Mods' sums
+    key = ("init_param_sums", 0)
+    kept = ctx._cache[key]
+    try:
+      ctx._cache[key] = jax.tree.map(lambda x: x + 1.0, kept)
+      with self.assertRaisesRegex(ValueError, "initializes other parameters"):
+        validate.initial_state(ctx, plan_of({GOOD_SITE: "xla_fp8_rowwise"}).kernel_plan(), 0)
+    finally:
+      ctx._cache[key] = kept
+
+
 class SpeedTest(chex.TestCase):
 
   def test_skipped_on_a_cpu_with_the_reason(self):
@@ -457,13 +554,13 @@ class ResumeTest(chex.TestCase):
   def test_a_plan_without_fp8_sites_skips_every_check(self):
     out = validate.validate_end_to_end(plan_of({}), context(),
                                        validate.ValidationConfig(speed=True))
-    for step in ("quality_held_out", "quality_shadow", "speed"):
+    for step in ("quality_held_out", "quality_shadow", "quality_from_init", "speed"):
       (record,) = validate.validation_records(out, step)
       self.assertTrue(record["skipped"] and record["final"], step)
       self.assertIn("no FP8 site", record["reason"])
     (done,) = validate.validation_records(out, "validated")
     self.assertEqual(done["passed"], {"quality_held_out": None, "quality_shadow": None,
-                                      "speed": None})
+                                      "quality_from_init": None, "speed": None})
 
   def test_the_pipeline_pauses_at_its_deadline_and_the_next_call_finishes(self):
     workdir = tempfile.mkdtemp(prefix="loka_pipeline_pause_")

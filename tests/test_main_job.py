@@ -14,8 +14,8 @@ from loka_jax import dispatch
 from test_ablation import PNG_MAGIC, REPO, cpu_env
 
 FLAGS = ("--probe_steps=10", "--samples=2", "--probe_sites=layer_0/fmb/mlp/dense_[01]",
-         "--steps=8", "--shadow_steps=6", "--num_eval=256", "--batch_size=64", "--cadence=5",
-         "--compilation_cache=")
+         "--steps=8", "--shadow_steps=6", "--from_init_steps=6", "--num_eval=256",
+         "--batch_size=64", "--cadence=5", "--compilation_cache=")
 
 
 def run_main(workdir):
@@ -40,7 +40,8 @@ class MainJobTest(chex.TestCase):
     self.assertEqual(plan["schema"], "loka.plan/1")
     self.assertCountEqual(plan["sites"], ["layer_0/fmb/mlp/dense_0", "layer_0/fmb/mlp/dense_1"])
     steps = [r["step"] for r in plan["validation"]]
-    for step in ("quality_held_out", "quality_shadow", "speed", "validated"):
+    for step in ("quality_held_out", "quality_shadow", "quality_from_init", "speed",
+                 "validated"):
       self.assertIn(step, steps)
     speed = [r for r in plan["validation"] if r["step"] == "speed"]
     self.assertTrue(speed[0]["skipped"])                        # a CPU: recorded, not timed
@@ -73,6 +74,7 @@ class MainJobTest(chex.TestCase):
       text = f.read()
     self.assertIn("held-out (round 0)", text)                    # FP8 sites: measured,
     self.assertIn("(one standard error)", text)                  # with the eval set's spread
+    self.assertIn("training from initialization 6 steps (round 0)", text)
 
 
 if __name__ == "__main__":

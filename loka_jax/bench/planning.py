@@ -78,13 +78,15 @@ def make_plan(spec: experiment.RunSpec, plans_root: str, train_config: TrainConf
               budget_s: Optional[float], build: Optional[Callable] = None,
               samples: int = 32, repeats: int = 20,
               kernels: Sequence[str] = (), timing_cache: Optional[str] = None,
-              timing_compile_workers: int = 1,
+              timing_compile_workers: int = 1, from_init_steps: int = 0,
               deadline: Optional[float] = None) -> Optional[str]:
   """Probes `spec` (its model with Mods, in bf16), selects and validates its plan
   (`dispatch.pipeline.probe_and_plan`); returns the plan's path, or None when the budget ran
   out first (a rerun resumes). `kernels`: the probe's candidates (empty: the default list);
-  `timing_compile_workers`: `ProbeOptions.timing_compile_workers`."""
+  `timing_compile_workers`: `ProbeOptions.timing_compile_workers`; `from_init_steps`:
+  `ValidationConfig.from_init_steps` (validation's training from initialization)."""
   from loka_jax.dispatch.pipeline import probe_and_plan  # heavy: only when planning
+  from loka_jax.dispatch.validate import ValidationConfig
   from loka_jax.probe.runner import ProbeOptions
   workdir = plan_dir(plans_root, spec.model, spec.preset)
   path = os.path.join(workdir, PLAN_FILE)
@@ -95,7 +97,8 @@ def make_plan(spec: experiment.RunSpec, plans_root: str, train_config: TrainConf
                          timing_compile_workers=timing_compile_workers)
   try:
     probe_and_plan(spec, workdir, train_config=train_config, probe_options=options,
-                   build=build, deadline=deadline)
+                   build=build, deadline=deadline,
+                   validation=ValidationConfig(from_init_steps=from_init_steps))
   except RuntimeError as e:  # the probe's budget or validation's deadline: a rerun resumes
     print(f"[bench] plan for {spec.model}/{spec.preset} not ready: {e}", flush=True)
     return None

@@ -24,6 +24,16 @@ Quality, on the SAME trained bf16+Mods parameters (a plan changes kernels, never
      passes, so the site whose plan moves the parameter gradient most (relative L2 change of
      the whole gradient on training batches when only that site runs its plan) is backed off
      and the shadow run repeated.
+  3. training from initialization (`from_init_steps`; 0, the default, skips it): the same
+     comparison, but both runs start from a fresh initialization (the config's seed, fresh
+     delayed-scaling state) on the data from its start, with the probe's optimizer. The two
+     checks above start from a trained state, so they cannot see early training. At the
+     `large` presets, Adam without a warm-up spikes in the first steps even in bf16, and FP8
+     in the gradient passes makes the spike larger; on DLRM `large` that cost +0.004
+     held-out log loss after 500 steps, with a plan that had passed both checks (H200,
+     docs/BENCHMARKS.md, section 7). Its verdict and back-offs follow the shadow check's:
+     the same one-sided bound, and the site whose plan moves the trained gradient most is
+     stepped down first.
 Speed (on a GPU only: CPU timings say nothing about GPU kernels; `speed=True` forces it):
   whole jitted train (fwd + bwd + optimizer) and inference steps, plan vs bf16+Mods,
   interleaved, >= 20 repeats, bootstrap 95% CI of the speedup (loka_jax/timing.py). While a
@@ -98,6 +108,9 @@ class ValidationConfig:
   shadow_steps: int = 200            # shadow training steps; 0 skips the shadow check
   shadow_window: int = 50            # last steps whose mean training loss is compared
   shadow_max_rel_loss: float = 0.005  # divergence bound of the shadow runs (relative)
+  # Training steps from a fresh initialization, plan vs bf16+Mods (0 skips the check; the
+  # bound and window are the shadow check's).
+  from_init_steps: int = 0
   grad_batches: int = 2              # training batches of the gradient contributions
   max_rounds: int = 64               # back-offs per check at most
   speed: Optional[bool] = None       # None: only on a GPU; True forces it (tests)
@@ -119,9 +132,10 @@ class ValidationConfig:
   def __post_init__(self):
     if self.max_rel_logloss < 0 or self.shadow_max_rel_loss < 0:
       raise ValueError("max_rel_logloss and shadow_max_rel_loss must be >= 0")
-    if self.shadow_steps < 0 or self.shadow_window < 1:
-      raise ValueError(f"shadow_steps must be >= 0 and shadow_window >= 1, got "
-                       f"{self.shadow_steps}, {self.shadow_window}")
+    if self.shadow_steps < 0 or self.from_init_steps < 0 or self.shadow_window < 1:
+      raise ValueError(f"shadow_steps and from_init_steps must be >= 0 and shadow_window >= "
+                       f"1, got {self.shadow_steps}, {self.from_init_steps}, "
+                       f"{self.shadow_window}")
     if self.max_measured_sites is not None and self.max_measured_sites < 1:
       raise ValueError(f"max_measured_sites must be >= 1 or None, got "
                        f"{self.max_measured_sites}")
@@ -658,21 +672,36 @@ def check_held_out(plan, ctx: ValidationContext, config: ValidationConfig = Vali
   return plan
 
 
-def shadow_run(ctx: ValidationContext, kplan: KernelPlan, steps: int, eval_batch_size=None
-               ) -> Dict[str, Any]:
-  """`steps` training steps from the context's state under `kplan`: losses, finiteness and
-  the held-out metrics at the end (cached per plan)."""
-  key = ("shadow", kplan, steps, eval_batch_size)
+CHECKPOINT, INIT = "checkpoint", "init"
+
+
+def shadow_run(ctx: ValidationContext, kplan: KernelPlan, steps: int, eval_batch_size=None,
+               start: str = CHECKPOINT, seed: int = 0) -> Dict[str, Any]:
+  """`steps` training steps under `kplan`: losses, finiteness and the held-out metrics at the
+  end (cached per plan). `start`: CHECKPOINT, the context's trained state and the batches
+  after it; INIT, a fresh initialization from `seed` (`initial_state`) and the data from its
+  start."""
+  if start not in (CHECKPOINT, INIT):
+    raise ValueError(f"start={start!r}; use {CHECKPOINT!r} or {INIT!r}")
+  key = ("shadow", kplan, steps, eval_batch_size, start, seed)
   if key in ctx._cache:
     return ctx._cache[key]
   model, meta = model_and_meta(ctx, kplan)
   train_step, _ = compiled_steps(model, ctx.optim, "stop")
   meta = _fresh_copy(meta)
+  if start == INIT:
+    batch = lambda i: ctx.source.train_batch(i, ctx.batch_size)
+  else:
+    batch = ctx.batch
   with working_state(ctx) as state:
-    state = state.replace(fp8_meta=meta)
+    if start == INIT:
+      _free(state)  # the trained state's device copy: the backup puts it back afterwards
+      state = initial_state(ctx, kplan, seed)
+    else:
+      state = state.replace(fp8_meta=meta)
     losses, oks = [], []
     for i in range(steps):
-      state, m = train_step(state, ctx.batch(i))
+      state, m = train_step(state, batch(i))
       losses.append(m["loss"])
       oks.append(m["ok"])
     losses = np.asarray(jax.device_get(losses), np.float64)
@@ -682,6 +711,34 @@ def shadow_run(ctx: ValidationContext, kplan: KernelPlan, steps: int, eval_batch
   out = {"losses": losses, "finite": finite, "held_out": final}
   ctx._cache[key] = out
   return out
+
+
+def _free(tree) -> None:
+  """Deletes the device buffers of `tree` (a state `working_state` holds a backup of)."""
+  for leaf in jax.tree.leaves(tree):
+    if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+      leaf.delete()
+
+
+def initial_state(ctx: ValidationContext, kplan: KernelPlan, seed: int):
+  """A fresh TrainState of `kplan`'s model, as training from scratch starts: parameters and
+  optimizer state from `seed`, delayed-scaling state at its initial values. Every plan's
+  parameters must equal bf16+Mods' (a plan changes kernels, never weights); a sum of each
+  parameter, taken once for bf16+Mods, checks it."""
+  from loka_jax.train.optim import make_optimizer
+  from loka_jax.train.state import create_train_state
+  model = model_and_meta(ctx, kplan)[0]
+  state = create_train_state(model, make_optimizer(ctx.optim), ctx.source.train_batch(0, 1),
+                             seed)
+  sums = jax.device_get(jax.tree.map(lambda x: jnp.sum(x.astype(jnp.float32)), state.params))
+  key = ("init_param_sums", seed)
+  if kplan == BASELINE:
+    ctx._cache[key] = sums
+  elif key in ctx._cache and not jax.tree.all(jax.tree.map(
+      lambda a, b: bool(np.array_equal(a, b)), sums, ctx._cache[key])):
+    raise ValueError("the planned model initializes other parameters than bf16+Mods from the "
+                     "same seed; a plan may change kernels only")
+  return state
 
 
 def shadow_diverged(rel_train: float, rel_eval: float, bound: float) -> bool:
@@ -694,33 +751,59 @@ def check_shadow(plan, ctx: ValidationContext, config: ValidationConfig = Valida
                  progress: Optional[Progress] = None) -> Plan:
   """Shadow training, plan vs bf16+Mods from the same checkpoint; backs off the site that
   moves the gradient most while the runs diverge (bound: `shadow_max_rel_loss`)."""
+  return _check_training(plan, ctx, config, progress, "quality_shadow", CHECKPOINT,
+                         config.shadow_steps, "shadow_steps")
+
+
+def check_from_init(plan, ctx: ValidationContext, config: ValidationConfig = ValidationConfig(),
+                    progress: Optional[Progress] = None) -> Plan:
+  """Training from a fresh initialization, plan vs bf16+Mods (`from_init_steps`); backs off
+  as the shadow check does while the runs diverge (bound: `shadow_max_rel_loss`)."""
+  return _check_training(plan, ctx, config, progress, "quality_from_init", INIT,
+                         config.from_init_steps, "from_init_steps")
+
+
+_TRAINING = {CHECKPOINT: "shadow training", INIT: "training from initialization"}
+
+
+def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
+                    progress: Optional[Progress], step: str, start: str, steps: int,
+                    field: str) -> Plan:
+  """The shadow check and the check from initialization: `steps` training steps from
+  `start`, plan vs bf16+Mods, backing off while the plan's loss climbs above the baseline's."""
   plan = as_plan(plan)
   progress = progress or Progress()
-  if config.shadow_steps == 0:
-    return _final(plan, {"step": "quality_shadow", "skipped": True, "reason": "shadow_steps=0"})
+  if steps == 0:
+    return _final(plan, {"step": step, "skipped": True, "reason": f"{field}=0"})
   size = config.eval_batch_size
-  window = min(config.shadow_window, config.shadow_steps)
-  base = shadow_run(ctx, BASELINE, config.shadow_steps, size)
+  window = min(config.shadow_window, steps)
+  run_of = lambda kplan: shadow_run(ctx, kplan, steps, size, start, config.seed)
+  base = run_of(BASELINE)
   if not base["finite"]:
-    raise FloatingPointError("the bf16+Mods shadow run itself produced a non-finite loss: the "
-                             "checkpoint or the learning rate is at fault, not the plan")
+    raise FloatingPointError(
+        f"the bf16+Mods run of the {step} check itself produced a non-finite loss: the "
+        + ("checkpoint or " if start == CHECKPOINT else "") + "the learning rate is at fault, "
+        "not the plan")
   base_window = float(np.mean(base["losses"][-window:]))
   reference = {}   # the baseline gradient and its norm, once a site is left to measure
-  first = _rounds_done(plan, "quality_shadow")
+  first = _rounds_done(plan, step)
   for round_ in range(first, config.max_rounds + 1):
-    progress.checkpoint(plan, f"shadow round {round_}")
+    progress.checkpoint(plan, f"{step} round {round_}")
     candidates = fp8_sites(plan, ctx.site_names())
-    run = shadow_run(ctx, plan.kernel_plan(), config.shadow_steps, size)
-    record: Dict[str, Any] = {"step": "quality_shadow", "round": round_,
-                              "steps": config.shadow_steps, "window": window,
+    run = run_of(plan.kernel_plan())
+    record: Dict[str, Any] = {"step": step, "round": round_, "start": start,
+                              "steps": steps, "window": window,
                               "bound": config.shadow_max_rel_loss, "finite": run["finite"],
-                              "train_loss_bf16": base_window}
+                              "train_loss_bf16": base_window,
+                              # The worst step of each run: an early spike shows here.
+                              "peak_loss_bf16": float(np.max(base["losses"]))}
     if run["finite"]:
       plan_window = float(np.mean(run["losses"][-window:]))
       rel_train = _rel(plan_window, base_window)
       rel_eval = _rel(run["held_out"]["logloss"], base["held_out"]["logloss"])
       diverged = shadow_diverged(rel_train, rel_eval, config.shadow_max_rel_loss)
       record.update(train_loss=plan_window, rel_train_loss=rel_train,
+                    peak_loss=float(np.max(run["losses"])),
                     logloss=run["held_out"]["logloss"],
                     logloss_bf16=base["held_out"]["logloss"], rel_logloss_change=rel_eval)
     else:
@@ -739,8 +822,8 @@ def check_shadow(plan, ctx: ValidationContext, config: ValidationConfig = Valida
       scores = report_scores(ctx.report, plan, candidates, "error")
       worst = worst_by_report(scores)
       record["report_scores"] = scores
-      reasons = {s: f"shadow training: {what}; ranked by the probe report's error (all passes)"
-                 for s in worst}
+      reasons = {s: f"{_TRAINING[start]}: {what}; ranked by the probe report's error (all "
+                    "passes)" for s in worst}
     else:
       def gradient_change(site, choice):
         if not reference:
@@ -750,6 +833,8 @@ def check_shadow(plan, ctx: ValidationContext, config: ValidationConfig = Valida
         return (float(np.linalg.norm(g - reference["grad"])) / reference["norm"]
                 if np.all(np.isfinite(g))
                 else math.inf)
+      # Recorded under the shadow check's name in either check: the value (this site's
+      # gradient change on the trained state) is the same, so neither measures it twice.
       plan, current = measure_sites(plan, "quality_shadow", round_, candidates,
                                     gradient_change, progress)
       # JSON has no infinity: a site whose gradient is not finite reads null.
@@ -757,11 +842,11 @@ def check_shadow(plan, ctx: ValidationContext, config: ValidationConfig = Valida
                                           for s, v in current.items()}
       site = max(current, key=lambda s: (current[s], s))
       worst = [site]
-      reasons = {site: f"shadow training: {what}; this site moves the gradient most "
+      reasons = {site: f"{_TRAINING[start]}: {what}; this site moves the gradient most "
                        f"({current[site]:.3g} relative)"}
     plan = add_validation(plan, record)
     for site in worst:
-      plan = back_off_site(plan, ctx, site, reasons[site], step="quality_shadow")
+      plan = back_off_site(plan, ctx, site, reasons[site], step=step)
   return plan
 
 
@@ -1046,7 +1131,8 @@ def check_promotion(plan, ctx: ValidationContext, config: ValidationConfig = Val
 # ----------------------------------------------------------------------------- all
 
 CHECKS = ((PROMOTION, check_promotion), ("quality_held_out", check_held_out),
-          ("quality_shadow", check_shadow), ("speed", check_speed))
+          ("quality_shadow", check_shadow), ("quality_from_init", check_from_init),
+          ("speed", check_speed))
 
 
 def validate_end_to_end(plan, ctx: ValidationContext,

@@ -110,11 +110,14 @@ def validation_lines(plan) -> str:
       out.append(f"- held-out (round {r['round']}): log loss {r['logloss']:.5f} vs bf16+Mods "
                  f"{r['logloss_bf16']:.5f} ({100 * r['rel_logloss_change']:+.4f}%{se_text}, "
                  f"budget {100 * r['budget']:g}%): {'pass' if r['passed'] else 'FAIL'}")
-    elif step == "quality_shadow":
+    elif step in ("quality_shadow", "quality_from_init"):
       detail = ("non-finite loss" if not r.get("finite") else
                 f"train loss {100 * r['rel_train_loss']:+.3f}%, held-out "
                 f"{100 * r['rel_logloss_change']:+.3f}%")
-      out.append(f"- shadow training {r['steps']} steps (round {r['round']}): {detail} "
+      if step == "quality_from_init" and r.get("finite"):
+        detail += f"; worst step's loss {r['peak_loss']:.3g} vs {r['peak_loss_bf16']:.3g}"
+      what = "shadow training" if step == "quality_shadow" else "training from initialization"
+      out.append(f"- {what} {r['steps']} steps (round {r['round']}): {detail} "
                  f"(bound {100 * r['bound']:g}%): {'pass' if r['passed'] else 'FAIL'}")
     elif step == "speed":
       out.append(f"- speed (round {r['round']}, {r['device']}): train "
