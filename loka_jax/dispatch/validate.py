@@ -686,13 +686,12 @@ def shadow_run(ctx: ValidationContext, kplan: KernelPlan, steps: int, eval_batch
   key = ("shadow", kplan, steps, eval_batch_size, start, seed)
   if key in ctx._cache:
     return ctx._cache[key]
-  model, meta = model_and_meta(ctx, kplan)
+  model, meta = model_and_meta(ctx, kplan)  # also before the state leaves the device
   train_step, _ = compiled_steps(model, ctx.optim, "stop")
-  meta = _fresh_copy(meta)
   if start == INIT:
     batch = lambda i: ctx.source.train_batch(i, ctx.batch_size)
   else:
-    batch = ctx.batch
+    batch, meta = ctx.batch, _fresh_copy(meta)
   with working_state(ctx) as state:
     if start == INIT:
       _free(state)  # the trained state's device copy: the backup puts it back afterwards
@@ -723,8 +722,8 @@ def _free(tree) -> None:
 def initial_state(ctx: ValidationContext, kplan: KernelPlan, seed: int):
   """A fresh TrainState of `kplan`'s model, as training from scratch starts: parameters and
   optimizer state from `seed`, delayed-scaling state at its initial values. Every plan's
-  parameters must equal bf16+Mods' (a plan changes kernels, never weights); a sum of each
-  parameter, taken once for bf16+Mods, checks it."""
+  parameters must equal bf16+Mods' (a plan changes kernels, never weights): once bf16+Mods'
+  state was made (the checks make it first), a sum of each parameter checks it."""
   from loka_jax.train.optim import make_optimizer
   from loka_jax.train.state import create_train_state
   model = model_and_meta(ctx, kplan)[0]
@@ -781,9 +780,9 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
   base = run_of(BASELINE)
   if not base["finite"]:
     raise FloatingPointError(
-        f"the bf16+Mods run of the {step} check itself produced a non-finite loss: the "
-        + ("checkpoint or " if start == CHECKPOINT else "") + "the learning rate is at fault, "
-        "not the plan")
+        f"the bf16+Mods run of the {step} check itself produced a non-finite loss: "
+        + ("the checkpoint or " if start == CHECKPOINT else "") + "the learning rate is at "
+        "fault, not the plan")
   base_window = float(np.mean(base["losses"][-window:]))
   reference = {}   # the baseline gradient and its norm, once a site is left to measure
   first = _rounds_done(plan, step)
