@@ -28,7 +28,9 @@ KEEP_CHECKPOINTS = flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept
 LR = flags.DEFINE_float("lr", OptimConfig.learning_rate, "Adam(W) learning rate (dense towers).")
 EMBEDDING_LR = flags.DEFINE_float("embedding_lr", OptimConfig.embedding_learning_rate,
                                   "Row-wise Adagrad learning rate (embedding tables).")
-WARMUP_STEPS = flags.DEFINE_integer("warmup_steps", 0, "Linear learning-rate warmup steps.")
+WARMUP_STEPS = flags.DEFINE_integer(
+    "warmup_steps", 0, "Linear learning-rate warmup steps. The `large` presets want about 50 "
+    "(without, their first steps spike, in bf16 too); a run without prints a note.")
 WEIGHT_DECAY = flags.DEFINE_float("weight_decay", 0.0, "AdamW weight decay (dense towers).")
 NAN_POLICY = flags.DEFINE_enum("nan_policy", "stop", NAN_POLICIES,
                                "On a non-finite loss/gradient: stop (keeping the last good "
@@ -75,6 +77,8 @@ def main(argv):
       progress=PROGRESS.value,
       optim=OptimConfig(learning_rate=LR.value, embedding_learning_rate=EMBEDDING_LR.value,
                         warmup_steps=WARMUP_STEPS.value, weight_decay=WEIGHT_DECAY.value))
+  for note in experiment.recipe_notes(spec.preset, config.optim):
+    print(f"note: {note}", file=sys.stderr, flush=True)
   try:
     if MESH.value:
       if DRIFT_EVERY.value:

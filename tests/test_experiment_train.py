@@ -52,6 +52,28 @@ class TrainCliTest(chex.TestCase):
     with open(os.path.join(workdir, "config.json")) as f:
       self.assertEqual(json.load(f)["run"]["precision"], "bf16")
 
+  def test_a_large_preset_without_warmup_gets_a_note(self):
+    # The note comes before anything is built; a flag combination refused right after it
+    # keeps the test from building a `large` model.
+    refused = ("--model=dlrm", "--preset=large", "--mesh=data:1", "--drift_every=5",
+               "--workdir=" + tempfile.mkdtemp())
+    plain = run_cli(*refused)
+    self.assertIn("--drift_every does not run in a sharded run yet", plain.stderr)
+    self.assertIn("note: the `large` presets spike in their first steps without a "
+                  "learning-rate warm-up", plain.stderr)
+    self.assertIn("--warmup_steps=50", plain.stderr)
+    warm = run_cli(*refused, "--warmup_steps=50")
+    self.assertIn("--drift_every does not run in a sharded run yet", warm.stderr)
+    self.assertNotIn("note:", warm.stderr)
+
+  def test_recipe_notes(self):
+    from loka_jax.train import OptimConfig
+    (note,) = experiment.recipe_notes("large", OptimConfig())
+    self.assertIn("--warmup_steps=50", note)
+    self.assertEqual(experiment.recipe_notes("large", OptimConfig(warmup_steps=10)), ())
+    self.assertEqual(experiment.recipe_notes("small", OptimConfig()), ())
+    self.assertEqual(experiment.recipe_notes("tiny", OptimConfig()), ())
+
   def test_loka_without_plan_is_a_clear_error(self):
     result = run_cli("--model=wukong", "--precision=loka", "--workdir=" + tempfile.mkdtemp())
     self.assertNotEqual(result.returncode, 0)
