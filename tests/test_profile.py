@@ -159,8 +159,9 @@ class AttributionTest(absltest.TestCase):
 
   def test_time_outside_the_sites_is_split_by_name_scope(self):
     # Kernels outside every site, named through their tf_op (the profiler's copy of the
-    # op_name): each counts to its module path, its pass marked, the loss and optimizer under
-    # one label; a kernel naming nothing has its own row; a site's kernel is not counted.
+    # op_name): each counts to its module path, its pass marked, the loss under one label,
+    # the update the training step guards with a cond under another; a kernel naming
+    # nothing has its own row; a site's kernel is not counted.
     site = self.sites[0]
     names = {"jit(train_step)/transpose(jvp(Wukong))/embedding/table_3/jit(_take)/scatter-add":
              3.0, "jit(train_step)/jvp(Wukong)/embedding/table_3/gather": 2.0,
@@ -174,31 +175,64 @@ class AttributionTest(absltest.TestCase):
                 "args": {"hlo_op": self._instruction_of(site, "forward")}}]
     got = self._split(events)
     self.assertEqual(got["outside_by_scope_us"], {
-        "Wukong/embedding (bwd)": 3.0, "Wukong/embedding": 2.0, "cond/branch_1_fun": 4.0,
+        "Wukong/embedding (bwd)": 3.0, "Wukong/embedding": 2.0, "(optimizer update)": 4.0,
         "(outside the model)": 1.0, "(no op name)": 7.0})
     self.assertAlmostEqual(got["outside_sites_us"], 17.0)
     # Side by side: ranked by the largest value in any profile, absent scopes read 0.
-    other = dict(got, outside_by_scope_us={"Wukong/embedding (bwd)": 8.0, "cond/branch_1_fun":
+    other = dict(got, outside_by_scope_us={"Wukong/embedding (bwd)": 8.0, "(optimizer update)":
                                            4.0})
     table = profile.markdown({"bf16 train": got, "loka train": other})
     self.assertIn("| scope | bf16 train | loka train |", table)
     rows = [line for line in table.splitlines() if line.startswith("| Wukong/embedding")]
     self.assertEqual(rows, ["| Wukong/embedding (bwd) | 3 | 8 |", "| Wukong/embedding | 2 | 0 |"])
     cut = profile._scope_table({"a": got}, ["a"], top=2)
-    self.assertEqual(cut[-3:], ["| (no op name) | 7 |", "| cond/branch_1_fun | 4 |",
+    self.assertEqual(cut[-3:], ["| (no op name) | 7 |", "| (optimizer update) | 4 |",
                                 "| 3 other scopes | 6 |"])
     # A profile written before this split (no outside_by_scope_us) gets no such table.
     old = {k: v for k, v in got.items() if k != "outside_by_scope_us"}
     self.assertNotIn("by name scope", profile.markdown({"bf16 train": old}))
 
+  def test_a_scope_that_grew_shows_what_it_ran(self):
+    # Two programs whose embedding backward differs: the scope's kernels per step and largest
+    # kernels are kept per scope, and the table of differences names the scope that grew
+    # (by at least 50 us) with what each program ran there; scopes that agree are left out.
+    bwd = "jit(train_step)/transpose(jvp(DCNv2))/embeddings/bags/jit(_take)/scatter-add"
+    loss = "jit(train_step)/jvp()/log"
+    def events(scatter_us):
+      out = [{"ph": "X", "pid": 1, "name": f"input_scatter_fusion_{i}", "dur": us,
+              "args": {"hlo_op": f"scatter.{i}", "tf_op": bwd}}
+             for i, us in enumerate(scatter_us)]
+      return out + [{"ph": "X", "pid": 1, "name": "loop_log_fusion", "dur": 30.0,
+                     "args": {"hlo_op": "fusion.7", "tf_op": loss}}]
+    fast = self._split(events([70.0, 72.0, 66.0]), steps=2)
+    slow = self._split(events([115.0, 124.0, 98.0]), steps=2)
+    ran = slow["outside_scope_kernels"]["DCNv2/embeddings (bwd)"]
+    self.assertAlmostEqual(ran["kernels_per_step"], 1.5)
+    self.assertEqual([(k["name"], k["us"], k["hlo_op"]) for k in ran["top"]],
+                     [("input_scatter_fusion_1", 62.0, "scatter.1"),
+                      ("input_scatter_fusion_0", 57.5, "scatter.0"),
+                      ("input_scatter_fusion_2", 49.0, "scatter.2")])
+    many = self._split(events([1.0] * 8))["outside_scope_kernels"]["DCNv2/embeddings (bwd)"]
+    self.assertEqual((many["kernels_per_step"], len(many["top"])), (8, 5))
+    table = profile.markdown({"bf16_mods train": fast, "loka train": slow})
+    self.assertIn("What ran in `DCNv2/embeddings (bwd)` (differs by 64 us / step):", table)
+    self.assertIn("| loka train | 1.5 | 168 | `input_scatter_fusion_1` 62.0, "
+                  "`input_scatter_fusion_0` 57.5, `input_scatter_fusion_2` 49.0 |", table)
+    self.assertNotIn("What ran in `(outside the model)`", table)  # 15 us in both
+    # One profile, or profiles from before this split, get no such table.
+    self.assertNotIn("What ran in", profile.markdown({"loka train": slow}))
+    old = {k: v for k, v in slow.items() if k != "outside_scope_kernels"}
+    self.assertNotIn("What ran in", profile.markdown({"bf16_mods train": fast, "old": old}))
+
   def test_every_instruction_of_a_compiled_step_has_a_scope(self):
     # On the real compiled Wukong step: an instruction inside the model scopes under the
     # model's own name, its backward marked, and no scope keeps a jit/jvp frame.
     scopes = {profile.scope_of(op_name) for op_name in self.op_names.values()}
+    self.assertIn("(optimizer update)", scopes)  # Adam, under the step's non-finite guard
     self.assertTrue(any(s.startswith("Wukong/") and s.endswith(" (bwd)") for s in scopes))
     self.assertTrue(any(s.startswith("Wukong/") and not s.endswith(")") for s in scopes))
     for s in scopes:
-      self.assertNotRegex(s, r"jit\(|jvp\(|transpose\(", s)
+      self.assertNotRegex(s, r"jit\(|jvp\(|transpose\(|cond|branch_", s)
 
   def test_kernel_streams_only_and_op_spans_name_the_kernels(self):
     # A trace that names its device threads: kernels on the stream lines carry no hlo_op;

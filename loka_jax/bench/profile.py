@@ -101,28 +101,40 @@ def pass_of(op_name: str) -> str:
 
 
 _WRAPPER = re.compile(r"^(?:transpose|jvp|vmap|remat|checkpoint)\((.*)\)$")
+# Control-flow frames of the name stack: not modules, so never part of a scope's path.
+_CONTROL_FLOW = re.compile(r"^(?:cond|while|body|cond_fun|body_fun|branch_\d+_fun)$")
 OUTSIDE_THE_MODEL = "(outside the model)"
+# The training step applies its update under a `lax.cond` (never a non-finite update:
+# `train.loop`), so what runs in a cond outside every module is the optimizer's update. At
+# the large presets it is a fifth of the step (dense Adam over the embedding tables), worth
+# its own row rather than a share of the loss's.
+OPTIMIZER_UPDATE = "(optimizer update)"
 
 
 def scope_of(op_name: Optional[str], depth: int = 2) -> str:
   """Where in the program a kernel outside the sites came from, coarse enough to compare
   two programs whose kernels are numbered differently: the op_name's module path cut to
-  `depth` names (`jit(...)` frames dropped, `jvp(...)` / `transpose(...)` unwrapped, the
-  primitive itself dropped), with " (bwd)" for the backward pass. `jit(train_step)/
-  transpose(jvp(DLRM))/embeddings/embeddings.bags/jit(_take)/scatter-add` is
-  "DLRM/embeddings (bwd)"; the loss and optimizer, outside every module, share one label."""
+  `depth` names (`jit(...)` frames and control-flow frames dropped, `jvp(...)` /
+  `transpose(...)` unwrapped, the primitive itself dropped), with " (bwd)" for the backward
+  pass. `jit(train_step)/transpose(jvp(DLRM))/embeddings/embeddings.bags/jit(_take)/
+  scatter-add` is "DLRM/embeddings (bwd)"; the loss, outside every module, is "(outside the
+  model)", and the guarded optimizer update (`jit(train_step)/cond/branch_1_fun/...`)
+  "(optimizer update)"."""
   if not op_name:
     return "(no op name)"
   first = op_name.split(";")[0]  # a fusion of several ops names them all, ';'-separated
-  path = []
+  path, guarded = [], False
   for frame in first.split("/")[:-1]:
     if frame.startswith("jit("):
       continue
     while (wrapped := _WRAPPER.match(frame)):
       frame = wrapped.group(1)
+    if _CONTROL_FLOW.match(frame):
+      guarded = guarded or (frame == "cond" and not path)
+      continue
     if frame:
       path.append(frame)
-  label = "/".join(path[:depth]) or OUTSIDE_THE_MODEL
+  label = "/".join(path[:depth]) or (OPTIMIZER_UPDATE if guarded else OUTSIDE_THE_MODEL)
   return label + (" (bwd)" if pass_of(first) == "backward" else "")
 
 
@@ -241,8 +253,10 @@ def _instruction(event: Mapping, op_names: Mapping[str, str], normal: Mapping[st
 
 
 def split(events: Sequence[Mapping], op_names: Mapping[str, str], sites: Iterable[str],
-          steps: int, top: int = 15, spans: Sequence[Mapping] = ()) -> Dict:
-  """Per-step device time by site and pass, by kernel class and by kernel (top `top`).
+          steps: int, top: int = 15, spans: Sequence[Mapping] = (),
+          top_in_scope: int = 5) -> Dict:
+  """Per-step device time by site and pass, by kernel class and by kernel (top `top`), and
+  outside the sites by name scope (each scope's kernels per step and its top `top_in_scope`).
 
   A kernel names its HLO instruction through its `hlo_op` arg, else through the innermost op
   span (`device_events`) covering its start, else through its own name (`_instruction`); the
@@ -257,6 +271,8 @@ def split(events: Sequence[Mapping], op_names: Mapping[str, str], sites: Iterabl
   by_class: Dict[str, float] = collections.Counter()
   by_kernel: Dict[str, float] = collections.Counter()
   by_scope: Dict[str, float] = collections.Counter()  # the time outside the sites
+  in_scope: Dict[str, Dict[str, float]] = collections.defaultdict(collections.Counter)
+  launches: Dict[str, int] = collections.Counter()
   total = unattributed = 0.0
   with_op = in_module = with_tf_op = 0
   arg_keys = set()
@@ -281,7 +297,10 @@ def split(events: Sequence[Mapping], op_names: Mapping[str, str], sites: Iterabl
     seen.setdefault(e["name"], {"hlo_op": e.get("hlo_op"), "op_name": op_name, "site": site})
     if site is None:
       unattributed += us
-      by_scope[scope_of(op_name)] += us
+      scope = scope_of(op_name)
+      by_scope[scope] += us
+      in_scope[scope][e["name"]] += us
+      launches[scope] += 1
     else:
       by_site[site][pass_of(op_name)] += us
   return {"steps": steps, "device_us_per_step": total,
@@ -290,6 +309,13 @@ def split(events: Sequence[Mapping], op_names: Mapping[str, str], sites: Iterabl
           # Where that time went, so two programs' extra time outside the sites can be
           # compared scope by scope (their fusions are numbered differently).
           "outside_by_scope_us": dict(by_scope.most_common()),
+          # What each scope ran: how many kernels a step, and the largest, so a scope that
+          # grew shows whether it ran more kernels or slower ones.
+          "outside_scope_kernels": {
+              scope: {"kernels_per_step": launches[scope] / steps,
+                      "top": [{"name": n, "us": us, "hlo_op": seen[n]["hlo_op"]}
+                              for n, us in in_scope[scope].most_common(top_in_scope)]}
+              for scope, _ in by_scope.most_common()},
           # Why kernels did or did not map to sites: how many named an HLO instruction, how
           # many of those the compiled module has, and which event args the trace carried.
           "attribution": {"kernel_events": len(events), "with_hlo_op": with_op,
@@ -325,6 +351,7 @@ def markdown(profiles: Mapping[str, Mapping]) -> str:
   lines.append("| outside the sites | " + " | ".join(
       f"{profiles[n]['outside_sites_us']:,.0f}" for n in names) + " |")
   lines += _scope_table(profiles, names)
+  lines += _scope_differences(profiles, names)
   for n in names:
     a = profiles[n].get("attribution")
     if a and not profiles[n]["sites_us"] and a["kernel_events"]:
@@ -364,6 +391,36 @@ def _scope_table(profiles: Mapping[str, Mapping], names: Sequence[str],
     lines.append(f"| {len(ranked) - top} other scopes | " + " | ".join(
         f"{sum(profiles[n]['outside_by_scope_us'].get(s, 0.0) for s in ranked[top:]):,.0f}"
         for n in have) + " |")
+  return lines
+
+
+def _scope_differences(profiles: Mapping[str, Mapping], names: Sequence[str],
+                       scopes: int = 3, min_spread_us: float = 50.0) -> List[str]:
+  """The scopes outside the sites whose time differs most between the profiles (at least
+  `min_spread_us` between the largest and the smallest, the `scopes` largest such), each with
+  what every profile ran there: kernels per step, time, and its largest kernels. Comparing a
+  scope's kernels says whether a program runs more of them or the same ones slower."""
+  have = [n for n in names if "outside_scope_kernels" in profiles[n]]
+  if len(have) < 2:
+    return []
+  spread = {}
+  for s in {s for n in have for s in profiles[n]["outside_by_scope_us"]}:
+    values = [profiles[n]["outside_by_scope_us"].get(s, 0.0) for n in have]
+    if max(values) - min(values) >= min_spread_us:
+      spread[s] = max(values) - min(values)
+  lines = []
+  for s in sorted(spread, key=lambda s: (-spread[s], s))[:scopes]:
+    lines += ["", f"What ran in `{s}` (differs by {spread[s]:,.0f} us / step):", "",
+              "| profile | kernels / step | us / step | largest kernels (us / step) |",
+              "|---|---|---|---|"]
+    for n in have:
+      ran = profiles[n]["outside_scope_kernels"].get(s)
+      if ran is None:
+        lines.append(f"| {n} | 0 | 0 | - |")
+        continue
+      top = ", ".join(f"`{k['name'][:60]}` {k['us']:,.1f}" for k in ran["top"])
+      lines.append(f"| {n} | {ran['kernels_per_step']:,.1f} | "
+                   f"{profiles[n]['outside_by_scope_us'][s]:,.0f} | {top} |")
   return lines
 
 
