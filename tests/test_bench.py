@@ -772,6 +772,49 @@ class DeadlineTest(absltest.TestCase):
     self.assertEqual([r["variant"] for r in results.rows()], ["bf16", "bf16_mods"])
 
 
+class ProbeThenRowsTest(absltest.TestCase):
+
+  def test_a_probe_that_leaves_no_plan_builds_no_baseline(self):
+    # The probe has the run's time (its budget is the time to the deadline) and stops short
+    # of a plan when its next step would not fit: the target waits for the next run, its
+    # peers too, instead of compiling a baseline the deadline throws away.
+    from loka_jax import dispatch
+    from loka_jax.bench import planning
+    out = _tempdir(self)
+    results = ResultsFile(os.path.join(out, "bench.jsonl"), suite.KEY_FIELDS)
+    target = suite.tower_targets(["32x16x2"])[0]
+    settings = suite.SpeedSettings(repeats=3, plans_dir=os.path.join(out, "plans"),
+                                   head_to_head=())
+    pending = variants.parse_variants(["bf16_mods", "loka"])
+    logs = []
+    with mock.patch.object(planning, "make_plan", return_value=None) as make_plan, \
+        mock.patch.object(speed.TargetBench, "set_baseline",
+                          side_effect=AssertionError("baseline built after the probe")):
+      done = suite.run_target(target, pending, results, settings=settings,
+                              deadline=time.time() + 600, device="cpu", log=logs.append)
+    self.assertFalse(done)
+    make_plan.assert_called_once()
+    self.assertIn(f"  the probe ran to its budget and the LoKA plan is not ready: "
+                  f"{target.name} left for the next run, its baseline not built", logs)
+    self.assertEqual(list(results.rows()), [])
+
+    # A probe that writes its plan: the baseline and the other rows follow in the same run.
+    def plan_made(spec, plans_root, *args, **kwargs):
+      path = planning.plan_path(plans_root, spec.model, spec.preset)
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      dispatch.save_plan({"schema": "loka.plan/1", "sites": {},
+                          "default": {p: "xla_bf16" for p in ("fwd", "grad_lhs", "grad_rhs")}},
+                         path)
+      return path
+    logs = []
+    with mock.patch.object(planning, "make_plan", side_effect=plan_made):
+      suite.run_target(target, variants.parse_variants(["bf16_mods"]) + pending[1:], results,
+                       settings=settings, deadline=time.time() + 600, device="cpu",
+                       log=logs.append)
+    self.assertTrue(any("bf16 compiled" in line for line in logs), logs)
+    self.assertContainsSubset({"bf16", "bf16_mods"}, {r["variant"] for r in results.rows()})
+
+
 class HeadToHeadTest(absltest.TestCase):
 
   def test_the_subject_runs_last_and_is_timed_against_each_reference(self):

@@ -159,13 +159,14 @@ def plan_for(target: Target, variant: Variant, batch, settings: SpeedSettings) -
 
 
 def _probe_for_plan(target: Target, variant: Variant, settings: SpeedSettings,
-                    deadline: float, log) -> None:
-  """Probes the target for its LoKA plan when the plan is missing (resumable)."""
+                    deadline: float, log) -> bool:
+  """Probes the target for its LoKA plan when the plan is missing (resumable); whether it
+  probed."""
   if planning.load(settings.plans_dir, target.model, target.preset) is not None:
-    return
+    return False
   budget = deadline - time.time()
   if budget < 30:
-    return
+    return False
   log(f"probing {target.name} for its LoKA plan (budget {budget:.0f}s)")
   config = TrainConfig(steps=settings.probe_steps, batch_size=target.batch(), progress=False,
                        seed=settings.seed)
@@ -176,6 +177,7 @@ def _probe_for_plan(target: Target, variant: Variant, settings: SpeedSettings,
                      timing_compile_workers=settings.probe_timing_compile_workers,
                      from_init_steps=settings.validation_from_init_steps, deadline=deadline)
   gc.collect()  # the probe's training state must be gone before the baseline's is built
+  return True
 
 
 def serve_exported(bench: speed.TargetBench, arm: speed.Arm, model, plan, report):
@@ -323,14 +325,23 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
   # Head-to-head subjects last: the arms they are compared with are timed (and alive) first.
   pending.sort(key=lambda v: v.name in settings.head_to_head)
   log(f"{target.name}: {', '.join(v.name for v in pending)}")
+  probed = False
   if settings.probe:
     # Probe before the baseline's state exists: a large preset (Wukong large: 50 GiB of
     # parameters and Adam state) cannot hold the probe's training state beside it.
     for v in pending:
       if v.kernels_from == PLAN:
-        _probe_for_plan(target, v, settings, deadline, log)
+        probed = _probe_for_plan(target, v, settings, deadline, log) or probed
   waiting = [v for v in pending if v.kernels_from == PLAN
              and planning.load(settings.plans_dir, target.model, target.preset) is None]
+  if waiting and probed:
+    # The probe had this run's time (its budget is the time to the deadline) and stopped
+    # short of a plan because its next step would not fit: what is left cannot build the
+    # baseline and time a row (DHEN large on the H200: a 77 s compile thrown away). The
+    # other variants wait too: the head-to-head rebuilds them beside LoKA's row anyway.
+    log(f"  the probe ran to its budget and the LoKA plan is not ready: {target.name} left "
+        "for the next run, its baseline not built")
+    return False
   if waiting and len(waiting) == len(pending):
     # Nothing to time until the plan exists: building the baseline (Wukong large: a 50 GiB
     # state and a minute of compilation) would only be thrown away.
