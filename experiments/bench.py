@@ -70,6 +70,10 @@ TIMING_COMPILE_WORKERS = common_flags.define_timing_compile_workers()
 FROM_INIT_STEPS = flags.DEFINE_integer(
     "validation_from_init_steps", 0, "When a target's plan is made: validation's training "
     "from a fresh initialization, plan vs bf16+Mods, with the probe's recipe (0: skip).")
+FROM_INIT_WARMUP = flags.DEFINE_integer(
+    "validation_from_init_warmup_steps", None, "A linear learning-rate warm-up over N steps "
+    "for that training (default: the probe's recipe, none); e.g. the quality runs' "
+    "--quality_warmup_steps, so the check trains as the model is trained.")
 PLANS = flags.DEFINE_string("plans_dir", None, "Plan directory (default: WORKDIR/plans).")
 Q_PRESET = flags.DEFINE_string("quality_preset", "small", "Preset of the synthetic quality runs.")
 Q_STEPS = flags.DEFINE_integer("quality_steps", 500, "Training steps of every quality arm.")
@@ -139,6 +143,7 @@ def main(argv):
                                  probe_timing_cache=PROBE_TIMING_CACHE.value,
                                  probe_timing_compile_workers=TIMING_COMPILE_WORKERS.value,
                                  validation_from_init_steps=FROM_INIT_STEPS.value,
+                                 validation_from_init_warmup_steps=FROM_INIT_WARMUP.value,
                                  head_to_head=tuple(HEAD_TO_HEAD.value),
                                  serve_plan=SERVE_PLAN.value,
                                  serve_promotion={"auto": None, "on": True,
@@ -222,7 +227,8 @@ def _quality_plan_maker(qs, settings, deadline):
                              model, qs.preset))
     return planning.make_plan(spec, qs.plans_dir, config, budget_s=budget,
                               samples=settings.probe_samples, kernels=settings.probe_kernels,
-                              from_init_steps=settings.validation_from_init_steps)
+                              from_init_steps=settings.validation_from_init_steps,
+                              from_init_warmup_steps=settings.validation_from_init_warmup_steps)
   return make
 
 

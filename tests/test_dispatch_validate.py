@@ -273,6 +273,38 @@ class FromInitTest(chex.TestCase):
     self.assertRegex(text, r"training from initialization 20 steps \(round 0\): .*worst step's "
                            r"loss .*FAIL")
 
+  def test_the_check_from_init_trains_with_the_warm_up_it_is_given(self):
+    # A linear warm-up starts at learning rate 0, so the first update changes nothing: the
+    # second step's loss is then the fresh model's own on the second batch, computed here
+    # without validation's code. The probe's recipe (no warm-up) has moved by then.
+    from loka_jax.train.loop import loss_fn
+    from loka_jax.train.optim import make_optimizer
+    from loka_jax.train.state import create_train_state
+    ctx = context()
+    self.assertEqual(ctx.optim.warmup_steps, 0)
+    model = ctx.build(validate.BASELINE)
+    fresh = create_train_state(model, make_optimizer(ctx.optim), ctx.source.train_batch(0, 1),
+                               5)
+    second = float(loss_fn(model, fresh.params, fresh.fp8_meta,
+                           ctx.source.train_batch(1, ctx.batch_size), jax.random.PRNGKey(0))[0])
+    warm = validate.shadow_run(ctx, validate.BASELINE, steps=2, start=validate.INIT, seed=5,
+                               optim=dataclasses.replace(ctx.optim, warmup_steps=10))
+    plain = validate.shadow_run(ctx, validate.BASELINE, steps=2, start=validate.INIT, seed=5)
+    self.assertAlmostEqual(warm["losses"][1], second, delta=1e-3 * abs(second))
+    self.assertGreater(abs(plain["losses"][1] - second), 1e-3 * abs(second))
+    # The check passes it on and records it in each round.
+    plan = plan_of({GOOD_SITE: "xla_fp8_rowwise"})
+    for warmup, recorded in ((None, 0), (10, 10)):
+      config = validate.ValidationConfig(from_init_steps=4, shadow_window=2,
+                                         from_init_warmup_steps=warmup)
+      out = validate.check_from_init(plan, ctx, config)
+      rounds = [r for r in validate.validation_records(out, "quality_from_init") if "round" in r]
+      self.assertEqual({r["warmup_steps"] for r in rounds}, {recorded})
+      self.assertEqual("training from initialization (warm-up 10) 4 steps" in
+                       train_report.validation_lines(out), warmup == 10)
+    with self.assertRaisesRegex(ValueError, "from_init_warmup_steps must be >= 0"):
+      validate.ValidationConfig(from_init_warmup_steps=-1)
+
   def test_a_plan_whose_model_initializes_other_parameters_is_refused(self):
     ctx = context()
     validate.initial_state(ctx, validate.BASELINE, seed=0)   # records bf16+Mods' sums

@@ -106,8 +106,8 @@ _CONTROL_FLOW = re.compile(r"^(?:cond|while|body|cond_fun|body_fun|branch_\d+_fu
 OUTSIDE_THE_MODEL = "(outside the model)"
 # The training step applies its update under a `lax.cond` (never a non-finite update:
 # `train.loop`), so what runs in a cond outside every module is the optimizer's update. At
-# the large presets it is a fifth of the step (dense Adam over the embedding tables), worth
-# its own row rather than a share of the loss's.
+# the large presets it is a fifth of the step (its update of the embedding tables' every
+# row), worth its own row rather than a share of the loss's.
 OPTIMIZER_UPDATE = "(optimizer update)"
 
 

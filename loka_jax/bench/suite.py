@@ -126,6 +126,7 @@ class SpeedSettings:
   probe_timing_compile_workers: int = 1  # `ProbeOptions.timing_compile_workers`
   # Validation's training from initialization (`ValidationConfig.from_init_steps`; 0: skip).
   validation_from_init_steps: int = 0
+  validation_from_init_warmup_steps: Optional[int] = None  # its warm-up; None: the probe's
   min_call_s: float = speed.MIN_CALL_S  # steps shorter than this run N to a timed call
   seed: int = 0
   # Variants timed, after their bf16 pair, against the variants their targets compare them
@@ -175,7 +176,9 @@ def _probe_for_plan(target: Target, variant: Variant, settings: SpeedSettings,
                      samples=settings.probe_samples, kernels=settings.probe_kernels,
                      timing_cache=settings.probe_timing_cache,
                      timing_compile_workers=settings.probe_timing_compile_workers,
-                     from_init_steps=settings.validation_from_init_steps, deadline=deadline)
+                     from_init_steps=settings.validation_from_init_steps,
+                     from_init_warmup_steps=settings.validation_from_init_warmup_steps,
+                     deadline=deadline)
   gc.collect()  # the probe's training state must be gone before the baseline's is built
   return True
 

@@ -26,14 +26,18 @@ Quality, on the SAME trained bf16+Mods parameters (a plan changes kernels, never
      and the shadow run repeated.
   3. training from initialization (`from_init_steps`; 0, the default, skips it): the same
      comparison, but both runs start from a fresh initialization (the config's seed, fresh
-     delayed-scaling state) on the data from its start, with the probe's optimizer. The two
+     delayed-scaling state) on the data from its start, with the probe's optimizer or,
+     with `from_init_warmup_steps`, the same with a linear learning-rate warm-up. The two
      checks above start from a trained state, so they cannot see early training. At the
      `large` presets, Adam without a warm-up spikes in the first steps even in bf16, and FP8
      in the gradient passes makes the spike larger; on DLRM `large` that cost +0.004
      held-out log loss after 500 steps, with a plan that had passed both checks (H200,
      docs/BENCHMARKS.md, section 7). Its verdict and back-offs follow the shadow check's:
      the same one-sided bound, and the site whose plan moves the trained gradient most is
-     stepped down first.
+     stepped down first. On the H200 it caught that plan under the probe's recipe (held-out
+     +2.2% after 200 steps; the worst step's loss 38 against bf16+Mods' 15), a miss the
+     checks from the trained state had passed. Give it the warm-up the model is trained
+     with where that differs, or it judges a recipe nobody uses.
 Speed (on a GPU only: CPU timings say nothing about GPU kernels; `speed=True` forces it):
   whole jitted train (fwd + bwd + optimizer) and inference steps, plan vs bf16+Mods,
   interleaved, >= 20 repeats, bootstrap 95% CI of the speedup (loka_jax/timing.py). While a
@@ -111,6 +115,10 @@ class ValidationConfig:
   # Training steps from a fresh initialization, plan vs bf16+Mods (0 skips the check; the
   # bound and window are the shadow check's).
   from_init_steps: int = 0
+  # Its learning-rate warm-up: None, the probe's recipe; N, a linear warm-up over N steps, so
+  # the check trains as the model will be trained (DLRM large: a plan that fails from init
+  # under the probe's plain recipe is neutral with a 50-step warm-up).
+  from_init_warmup_steps: Optional[int] = None
   grad_batches: int = 2              # training batches of the gradient contributions
   max_rounds: int = 64               # back-offs per check at most
   speed: Optional[bool] = None       # None: only on a GPU; True forces it (tests)
@@ -136,6 +144,9 @@ class ValidationConfig:
       raise ValueError(f"shadow_steps and from_init_steps must be >= 0 and shadow_window >= "
                        f"1, got {self.shadow_steps}, {self.from_init_steps}, "
                        f"{self.shadow_window}")
+    if self.from_init_warmup_steps is not None and self.from_init_warmup_steps < 0:
+      raise ValueError(f"from_init_warmup_steps must be >= 0 or None, got "
+                       f"{self.from_init_warmup_steps}")
     if self.max_measured_sites is not None and self.max_measured_sites < 1:
       raise ValueError(f"max_measured_sites must be >= 1 or None, got "
                        f"{self.max_measured_sites}")
@@ -676,18 +687,20 @@ CHECKPOINT, INIT = "checkpoint", "init"
 
 
 def shadow_run(ctx: ValidationContext, kplan: KernelPlan, steps: int, eval_batch_size=None,
-               start: str = CHECKPOINT, seed: int = 0) -> Dict[str, Any]:
+               start: str = CHECKPOINT, seed: int = 0,
+               optim: Optional[OptimConfig] = None) -> Dict[str, Any]:
   """`steps` training steps under `kplan`: losses, finiteness and the held-out metrics at the
   end (cached per plan). `start`: CHECKPOINT, the context's trained state and the batches
   after it; INIT, a fresh initialization from `seed` (`initial_state`) and the data from its
-  start."""
+  start. `optim`: the optimizer (None: the context's, the probe's recipe)."""
   if start not in (CHECKPOINT, INIT):
     raise ValueError(f"start={start!r}; use {CHECKPOINT!r} or {INIT!r}")
-  key = ("shadow", kplan, steps, eval_batch_size, start, seed)
+  optim = optim or ctx.optim
+  key = ("shadow", kplan, steps, eval_batch_size, start, seed, optim)
   if key in ctx._cache:
     return ctx._cache[key]
   model, meta = model_and_meta(ctx, kplan)  # also before the state leaves the device
-  train_step, _ = compiled_steps(model, ctx.optim, "stop")
+  train_step, _ = compiled_steps(model, optim, "stop")
   if start == INIT:
     batch = lambda i: ctx.source.train_batch(i, ctx.batch_size)
   else:
@@ -695,7 +708,7 @@ def shadow_run(ctx: ValidationContext, kplan: KernelPlan, steps: int, eval_batch
   with working_state(ctx) as state:
     if start == INIT:
       _free(state)  # the trained state's device copy: the backup puts it back afterwards
-      state = initial_state(ctx, kplan, seed)
+      state = initial_state(ctx, kplan, seed, optim)
     else:
       state = state.replace(fp8_meta=meta)
     losses, oks = [], []
@@ -719,16 +732,18 @@ def _free(tree) -> None:
       leaf.delete()
 
 
-def initial_state(ctx: ValidationContext, kplan: KernelPlan, seed: int):
+def initial_state(ctx: ValidationContext, kplan: KernelPlan, seed: int,
+                  optim: Optional[OptimConfig] = None):
   """A fresh TrainState of `kplan`'s model, as training from scratch starts: parameters and
-  optimizer state from `seed`, delayed-scaling state at its initial values. Every plan's
+  optimizer state (of `optim`, default the context's) from `seed`, delayed-scaling state at
+  its initial values. Every plan's
   parameters must equal bf16+Mods' (a plan changes kernels, never weights): once bf16+Mods'
   state was made (the checks make it first), a sum of each parameter checks it."""
   from loka_jax.train.optim import make_optimizer
   from loka_jax.train.state import create_train_state
   model = model_and_meta(ctx, kplan)[0]
-  state = create_train_state(model, make_optimizer(ctx.optim), ctx.source.train_batch(0, 1),
-                             seed)
+  state = create_train_state(model, make_optimizer(optim or ctx.optim),
+                             ctx.source.train_batch(0, 1), seed)
   sums = jax.device_get(jax.tree.map(lambda x: jnp.sum(x.astype(jnp.float32)), state.params))
   key = ("init_param_sums", seed)
   if kplan == BASELINE:
@@ -758,8 +773,10 @@ def check_from_init(plan, ctx: ValidationContext, config: ValidationConfig = Val
                     progress: Optional[Progress] = None) -> Plan:
   """Training from a fresh initialization, plan vs bf16+Mods (`from_init_steps`); backs off
   as the shadow check does while the runs diverge (bound: `shadow_max_rel_loss`)."""
+  optim = (None if config.from_init_warmup_steps is None else
+           dataclasses.replace(ctx.optim, warmup_steps=config.from_init_warmup_steps))
   return _check_training(plan, ctx, config, progress, "quality_from_init", INIT,
-                         config.from_init_steps, "from_init_steps")
+                         config.from_init_steps, "from_init_steps", optim)
 
 
 _TRAINING = {CHECKPOINT: "shadow training", INIT: "training from initialization"}
@@ -767,7 +784,7 @@ _TRAINING = {CHECKPOINT: "shadow training", INIT: "training from initialization"
 
 def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
                     progress: Optional[Progress], step: str, start: str, steps: int,
-                    field: str) -> Plan:
+                    field: str, optim: Optional[OptimConfig] = None) -> Plan:
   """The shadow check and the check from initialization: `steps` training steps from
   `start`, plan vs bf16+Mods, backing off while the plan's loss climbs above the baseline's."""
   plan = as_plan(plan)
@@ -776,7 +793,7 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
     return _final(plan, {"step": step, "skipped": True, "reason": f"{field}=0"})
   size = config.eval_batch_size
   window = min(config.shadow_window, steps)
-  run_of = lambda kplan: shadow_run(ctx, kplan, steps, size, start, config.seed)
+  run_of = lambda kplan: shadow_run(ctx, kplan, steps, size, start, config.seed, optim)
   base = run_of(BASELINE)
   if not base["finite"]:
     raise FloatingPointError(
@@ -792,6 +809,7 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
     run = run_of(plan.kernel_plan())
     record: Dict[str, Any] = {"step": step, "round": round_, "start": start,
                               "steps": steps, "window": window,
+                              "warmup_steps": (optim or ctx.optim).warmup_steps,
                               "bound": config.shadow_max_rel_loss, "finite": run["finite"],
                               "train_loss_bf16": base_window,
                               # The worst step of each run: an early spike shows here.
