@@ -1,0 +1,89 @@
+"""Which candidate kernels the selection ever picks, over many probe reports of one card.
+
+A probe evaluates and times every candidate kernel at every site and pass. At the `large`
+presets the timing is most of a probe's GPU time (DHEN `large` on the H200: 80-264 s a GEMM
+shape, compile-bound), and some candidates never win there: over the H200's reports the
+Pallas per-pass GEMMs never exceed 0.75x bf16, since Pallas's Triton lowering gives the FP8
+dot no wgmma (docs/results/kernel_resources_sm90.md). `kernel_usage` counts, per kernel, the
+passes that timed it, the passes where `dispatch.select` picks it for training and for
+serving, and the passes where it is the fastest timed. A new model's probe on that card can
+leave out the per-pass kernels that nothing picks (`droppable`, for `--probe_kernels`), with
+the counts as the evidence. Fused ops are always kept: validation's speed promotion tries
+them at sites the selection left in bf16, so a kernel the selection never picks may still
+be promoted.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Dict, Iterable, List, Mapping, Optional
+
+from loka_jax import kernels as kernels_lib
+from loka_jax.dispatch import selection
+from loka_jax.kernels.base import PER_PASS
+from loka_jax.kernels.choice import PASSES
+from loka_jax.probe.eligibility import Criteria
+
+BASELINE = selection.FALLBACK
+_COUNTS = ("timed", "picked", "served", "fastest")
+
+
+def kernel_usage(reports: Iterable[Mapping], criteria: Optional[Criteria] = None
+                 ) -> Dict[str, Dict[str, float]]:
+  """{kernel: {"timed", "picked", "served", "fastest", "max_speedup"}} over every (site,
+  pass) of the reports: the passes with a measured speedup; those where `dispatch.select`
+  under `criteria` (default: each report's default budget) picks the kernel for training,
+  and the forward passes where it picks it for serving (`objective="serve"`); those where
+  its median speedup is the largest timed; and its largest median speedup over bf16."""
+  from loka_jax.dispatch.pipeline import default_criteria  # heavy: only when counting
+  usage: Dict[str, Dict[str, float]] = collections.defaultdict(
+      lambda: {**dict.fromkeys(_COUNTS, 0), "max_speedup": 0.0})
+  for report in reports:
+    budget = criteria or default_criteria(report)
+    train = selection.select(report, budget)
+    serve = selection.select(report, budget, objective=selection.SERVE)
+    for name, site in report["sites"].items():
+      for pass_name in PASSES:
+        entries = site.get("passes", {}).get(pass_name) or {}
+        if not entries:
+          continue
+        speedups = {k: e["speedup"][1] for k, e in entries.items()
+                    if isinstance(e, Mapping) and e.get("speedup")}
+        for kernel, speedup in speedups.items():
+          usage[kernel]["timed"] += 1
+          usage[kernel]["max_speedup"] = max(usage[kernel]["max_speedup"], speedup)
+        if speedups:
+          usage[max(speedups, key=speedups.get)]["fastest"] += 1
+        for plan, count in ((train, "picked"), (serve, "served")):
+          choice = plan.choice_for(name)
+          if choice is not None and (count == "picked" or pass_name == "fwd"):
+            usage[choice.for_pass(pass_name)][count] += 1
+  return {k: dict(v) for k, v in usage.items()}
+
+
+def droppable(usage: Mapping[str, Mapping]) -> List[str]:
+  """The timed per-pass kernels that neither selection picked anywhere; never the baseline
+  (every plan's fallback) or a fused op (validation may promote it)."""
+  return sorted(k for k, u in usage.items()
+                if k != BASELINE and u["timed"] and not (u["picked"] or u["served"])
+                and k in kernels_lib.names() and kernels_lib.get(k).sort == PER_PASS)
+
+
+def kept_kernels(usage: Mapping[str, Mapping]) -> List[str]:
+  """A `--probe_kernels` list without the droppable kernels: the baseline first, then the
+  rest of the timed ones, most picked first."""
+  gone = set(droppable(usage)) | {BASELINE}
+  rest = sorted((k for k, u in usage.items() if k not in gone and u["timed"]),
+                key=lambda k: (-usage[k]["picked"], -usage[k]["served"], k))
+  return [BASELINE] + rest
+
+
+def markdown(usage: Mapping[str, Mapping]) -> str:
+  """The counts as a table, most picked first."""
+  lines = ["| kernel | passes timed | picked (train) | picked (serve) | fastest timed | "
+           "best median speedup |", "|---|---|---|---|---|---|"]
+  for k in sorted(usage, key=lambda k: (-usage[k]["picked"], -usage[k]["served"],
+                                        -usage[k]["timed"], k)):
+    u = usage[k]
+    lines.append(f"| {k} | {u['timed']} | {u['picked']} | {u['served']} | {u['fastest']} | "
+                 f"{u['max_speedup']:.2f}x |")
+  return "\n".join(lines)
