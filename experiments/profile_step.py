@@ -9,10 +9,17 @@ Every variant is built as the headline benchmark builds it (`loka_jax.bench`: on
 training state, LoKA from its plan under --plans_dir, inference of LoKA from its exported
 model), each step runs --iterations times under the JAX profiler, and the device kernels of
 the trace are attributed to GEMM sites through the compiled HLO's op names. Writes
-WORKDIR/profile.json, WORKDIR/profile.md, the raw traces under WORKDIR/traces/ and each
-step's compiled HLO (what XLA fused) under WORKDIR/hlo/. Needs a GPU
-for device kernels: a CPU run has none and says so.
+WORKDIR/profile.json, WORKDIR/profile.md, WORKDIR/profile.png (each step's device time in
+parts: the GEMM sites' forward and backward, the largest scopes outside them), the raw traces
+under WORKDIR/traces/ and each step's compiled HLO (what XLA fused) under WORKDIR/hlo/
+(`experiments.hlo_scope` compares one scope of two of them). Needs a GPU for device kernels:
+a CPU run has none and says so.
+
+  python -m experiments.profile_step --render=DIR/profile.json
+
+draws a saved profile again (FILE.json -> FILE.png) and prints its tables, on any machine.
 """
+import json
 import os
 
 from absl import app, flags
@@ -25,6 +32,9 @@ VARIANTS = flags.DEFINE_list("variants", ["bf16", "bf16_mods"],
 PLANS = flags.DEFINE_string("plans_dir", None, "Plans of the LoKA variant (as the bench's).")
 BATCH = flags.DEFINE_integer("batch_size", 0, "Batch size; 0: the target's.")
 ITERATIONS = flags.DEFINE_integer("iterations", 5, "Profiled steps per variant and mode.")
+RENDER = flags.DEFINE_string(
+    "render", None, "A saved profile.json: draw its plot (FILE.png beside it) and print its "
+    "tables with this version's layout; nothing is measured.")
 COMMAND_BUFFERS = flags.DEFINE_bool(
     "command_buffers", False,
     "Keep XLA's CUDA-graph command buffers. Off by default: a kernel launched from a command "
@@ -33,14 +43,29 @@ COMMAND_BUFFERS = flags.DEFINE_bool(
     "train step outside the sites).")
 
 
+def _render(path: str) -> None:
+  from loka_jax.bench import plots, profile
+  try:
+    with open(path) as f:
+      saved = json.load(f)
+    profiles, title = saved["profiles"], f"{saved['target']} on {saved['device']}"
+    table = profile.markdown(profiles)
+  except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+    raise app.UsageError(f"{path}: not a profile.json written by this script ({e!r})") from e
+  png = plots.profile_plot(profiles, os.path.splitext(path)[0] + ".png", title)
+  print(f"# Step profile: {title}\n\n{table}\n\n[profile] plot: {png}")
+
+
 def main(argv):
   del argv
+  if RENDER.value:
+    return _render(RENDER.value)
   if not COMMAND_BUFFERS.value:  # read when JAX starts its GPU backend, so before any use
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_gpu_enable_command_buffer=").strip()
   import jax
   from loka_jax import _compat, jsonio
-  from loka_jax.bench import planning, profile, speed, suite
+  from loka_jax.bench import planning, plots, profile, speed, suite
   from loka_jax.bench.variants import PLAN, parse_variants
   from loka_jax.models.presets import site_products
   from loka_jax.models.site import SiteConfig
@@ -96,6 +121,10 @@ def main(argv):
   with open(os.path.join(workdir, "profile.md"), "w") as f:
     f.write(f"# Step profile: {target.name} on {device}\n\n{table}\n")
   print(table)
+  if any(p["device_us_per_step"] for p in profiles.values()):  # a CPU run has nothing to draw
+    png = plots.profile_plot(profiles, os.path.join(workdir, "profile.png"),
+                             f"{target.name} on {device}")
+    print(f"[profile] plot: {png}")
 
 
 if __name__ == "__main__":

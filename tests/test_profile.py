@@ -340,6 +340,59 @@ class CliTest(absltest.TestCase):
       self.assertFalse(data["command_buffers"])
       with open(os.path.join(tmp, "hlo", "bf16_mods_train.txt")) as f:
         self.assertIn("HloModule", f.read())
+      # A CPU trace holds no device time: nothing to draw.
+      self.assertFalse(os.path.exists(os.path.join(tmp, "profile.png")))
+
+  def test_renders_a_saved_profile(self):
+    # A profile.json from the GPU drawn again on any machine: its plot beside it, its tables
+    # printed; a file that is not one is refused by name.
+    from test_ablation import REPO, cpu_env
+    step = {"steps": 5, "device_us_per_step": 100.0, "outside_sites_us": 40.0,
+            "sites_us": {"mlp/dense_0": {"forward": 25.0, "backward": 35.0}},
+            "outside_by_scope_us": {"M/embeddings (bwd)": 30.0, "(optimizer update)": 10.0},
+            "classes_us": {"gemm_cublas": 60.0, "fusion": 40.0}, "top_kernels_us": []}
+    with tempfile.TemporaryDirectory() as tmp:
+      path = os.path.join(tmp, "saved.json")
+      with open(path, "w") as f:
+        json.dump({"target": "m/large", "device": "NVIDIA H200", "sites": ["mlp/dense_0"],
+                   "profiles": {"bf16 train": step, "loka train": step}}, f)
+      run = lambda flag: subprocess.run(
+          [sys.executable, "-m", "experiments.profile_step", flag], cwd=REPO, env=cpu_env(),
+          capture_output=True, text=True, timeout=300)
+      done = run(f"--render={path}")
+      self.assertEqual(done.returncode, 0, done.stderr[-3000:])
+      self.assertIn("| M/embeddings (bwd) | 30 | 30 |", done.stdout)
+      with open(os.path.join(tmp, "saved.png"), "rb") as f:
+        self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+      refused = run(f"--render={os.path.join(tmp, 'missing.json')}")
+      self.assertNotEqual(refused.returncode, 0)
+      self.assertIn("missing.json: not a profile.json", refused.stderr)
+
+
+class StepPartsTest(absltest.TestCase):
+
+  def test_parts_sum_to_each_step_and_share_their_labels(self):
+    # Each step's time in parts that add up to it: the sites' two passes, the largest scopes
+    # outside them by their largest value in any profile, the rest; a profile from before the
+    # split by scope has all its outside time in the rest.
+    def step(fwd, bwd, outside, scopes=None):
+      out = {"device_us_per_step": fwd + bwd + outside, "outside_sites_us": outside,
+             "sites_us": {"a": {"forward": fwd / 2, "backward": bwd / 2},
+                          "b": {"forward": fwd / 2, "backward": bwd / 2}}}
+      if scopes is not None:
+        out["outside_by_scope_us"] = scopes
+      return out
+    profiles = {"x": step(10.0, 20.0, 70.0, {"emb (bwd)": 40.0, "opt": 25.0, "loss": 5.0}),
+                "y": step(8.0, 12.0, 90.0, {"emb (bwd)": 20.0, "opt": 25.0, "copy": 45.0}),
+                "old": step(1.0, 2.0, 3.0)}
+    labels, parts = profile.step_parts(profiles, scopes=2)
+    self.assertEqual(labels, [profile.SITES_FWD, profile.SITES_BWD, "copy", "emb (bwd)",
+                              profile.OTHER_OUTSIDE])
+    self.assertEqual(parts, {"x": [10.0, 20.0, 0.0, 40.0, 30.0],
+                             "y": [8.0, 12.0, 45.0, 20.0, 25.0],
+                             "old": [1.0, 2.0, 0.0, 0.0, 3.0]})
+    for name, p in profiles.items():
+      self.assertAlmostEqual(sum(parts[name]), p["device_us_per_step"])
 
 
 if __name__ == "__main__":

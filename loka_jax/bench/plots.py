@@ -1,4 +1,5 @@
-"""PNG plots of the benchmark rows: speedup per variant per target, log-loss gap per arm."""
+"""PNG plots of the benchmark rows (speedup per variant per target, log-loss gap per arm) and
+of step profiles (where each step's device time goes)."""
 from __future__ import annotations
 
 import os
@@ -95,6 +96,37 @@ def loss_gap_plot(rows: Sequence[Mapping], path: str) -> str:
   if groups:
     ax.legend(fontsize=8)
   fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+def profile_plot(profiles: Mapping[str, Mapping], path: str, title: str = "") -> str:
+  """Stacked bars, one per profiled step: its device time split into the GEMM sites'
+  forward and backward and the largest scopes outside the sites (`profile.step_parts`)."""
+  from loka_jax.bench.profile import step_parts
+  labels, parts = step_parts(profiles)
+  names = list(parts)
+  legend_rows = -(-len(labels) // 4)
+  height_in = 1.4 + 0.45 * len(names) + 0.2 * legend_rows
+  fig, ax = plt.subplots(figsize=(9, height_in))
+  left = np.zeros(len(names))
+  colors = ["#1f77b4", "#aec7e8", "C2", "C3", "C4", "C5", "0.75"]
+  for i, label in enumerate(labels):
+    widths = np.array([parts[n][i] for n in names]) / 1000.0
+    ax.barh(names, widths, left=left, label=label,
+            color=colors[i] if i < len(colors) - 1 and i < len(labels) - 1 else colors[-1])
+    left += widths
+  for y, total in enumerate(left):
+    ax.text(total, y, f" {total:.2f} ms", va="center", fontsize=7)
+  ax.invert_yaxis()  # the first profile on top, as in the tables
+  ax.set_xlabel("device time per step (ms)")
+  ax.set_title(title or "Where each step's device time goes")
+  ax.set_xlim(0, max(left.max(), 1e-3) * 1.15)
+  # Below the axes: inside them the legend hides the bars.
+  fig.legend(*ax.get_legend_handles_labels(), loc="lower center", fontsize=7,
+             ncol=min(len(labels), 4))
+  fig.tight_layout(rect=(0, (0.1 + 0.2 * legend_rows) / height_in, 1, 1))
   fig.savefig(path, dpi=110)
   plt.close(fig)
   return path

@@ -394,6 +394,31 @@ def _scope_table(profiles: Mapping[str, Mapping], names: Sequence[str],
   return lines
 
 
+SITES_FWD, SITES_BWD = "GEMM sites, forward", "GEMM sites, backward"
+OTHER_OUTSIDE = "other scopes outside the sites"
+
+
+def step_parts(profiles: Mapping[str, Mapping], scopes: int = 4
+               ) -> Tuple[List[str], Dict[str, List[float]]]:
+  """(part labels, {profile: us per part}): each profiled step's device time in parts that
+  sum to it, the same parts for every profile so they can be drawn side by side: the GEMM
+  sites' forward and backward, the `scopes` scopes outside the sites with the largest value
+  in any profile, and the rest outside the sites (all of it for a profile written before the
+  split by scope)."""
+  ranked = sorted({s for p in profiles.values() for s in p.get("outside_by_scope_us", {})},
+                  key=lambda s: (-max(p.get("outside_by_scope_us", {}).get(s, 0.0)
+                                      for p in profiles.values()), s))[:scopes]
+  labels = [SITES_FWD, SITES_BWD, *ranked, OTHER_OUTSIDE]
+  parts = {}
+  for name, p in profiles.items():
+    fwd = sum(v["forward"] for v in p["sites_us"].values())
+    bwd = sum(v["backward"] for v in p["sites_us"].values())
+    by_scope = p.get("outside_by_scope_us", {})
+    named = [by_scope.get(s, 0.0) for s in ranked]
+    parts[name] = [fwd, bwd, *named, p["outside_sites_us"] - sum(named)]
+  return labels, parts
+
+
 def _scope_differences(profiles: Mapping[str, Mapping], names: Sequence[str],
                        scopes: int = 3, min_spread_us: float = 50.0) -> List[str]:
   """The scopes outside the sites whose time differs most between the profiles (at least
