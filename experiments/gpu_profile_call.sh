@@ -1,0 +1,45 @@
+#!/bin/bash
+# One GPU call that profiles a target's training and inference steps (experiments.profile_step)
+# from a committed plan and probe report, and brings back the tables, the plot and the
+# training HLOs of the variants named in HLO (for `experiments.hlo_scope` on any machine).
+#
+#   MODEL=dcnv2 PRESET=large VARIANTS=bf16_mods,pallas_delayed,loka HLO=bf16_mods,loka \
+#   PLAN=docs/results/plan_dcnv2_large_h200_2026-11-28.json \
+#   REPORT=docs/results/probe_report_dcnv2_large_h200_2026-11-28.json.gz \
+#     bash experiments/gpu_profile_call.sh        (the device call carries .whl)
+#
+# Environment: MODEL, PRESET (required); VARIANTS (bf16_mods,loka); HLO (the training HLOs to
+# bring back, gzipped; default none); PLAN and REPORT (needed when VARIANTS has loka; REPORT
+# may be gzipped); WORK (/tmp/profile); LIMIT (540: hard seconds); OUT (set on the device;
+# elsewhere $WORK/out). Writes $OUT/profile_$MODEL.{md,json,png}, $OUT/profile_$MODEL.log and
+# $OUT/hlo_${MODEL}_${variant}_train.txt.gz.
+set -u
+MODEL=${MODEL:?set MODEL} PRESET=${PRESET:?set PRESET}
+WORK=${WORK:-/tmp/profile}
+OUT=${OUT:-$WORK/out}
+mkdir -p "$WORK" "$OUT"
+if ! python3 -c "import ml_collections" 2>/dev/null && [ -d .whl ]; then  # the GPU host lacks it
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
+fi
+PLANS="$WORK/plans/${MODEL}_${PRESET}"
+if [ -n "${PLAN:-}" ]; then
+  mkdir -p "$PLANS" && cp "$PLAN" "$PLANS/plan.json" || exit 1
+  case "${REPORT:?set REPORT beside PLAN}" in
+    *.gz) gunzip -c "$REPORT" > "$PLANS/probe_report.json" ;;
+    *) cp "$REPORT" "$PLANS/probe_report.json" ;;
+  esac || exit 1
+fi
+timeout "${LIMIT:-540}" python3 -m experiments.profile_step --model="$MODEL" --preset="$PRESET" \
+  --variants="${VARIANTS:-bf16_mods,loka}" --plans_dir="$WORK/plans" --workdir="$WORK/run" \
+  > "$OUT/profile_$MODEL.log" 2>&1
+rc=$?
+for ext in md json png; do
+  [ -f "$WORK/run/profile.$ext" ] && cp "$WORK/run/profile.$ext" "$OUT/profile_$MODEL.$ext"
+done
+for v in ${HLO//,/ }; do
+  [ -f "$WORK/run/hlo/${v}_train.txt" ] && gzip -c "$WORK/run/hlo/${v}_train.txt" \
+    > "$OUT/hlo_${MODEL}_${v}_train.txt.gz"
+done
+echo "profile rc=$rc"
+grep -v -e '^W[0-9]' -e '^I[0-9]' "$OUT/profile_$MODEL.log" | tail -40

@@ -1,0 +1,43 @@
+"""experiments/gpu_profile_call.sh, the one-call profile of a target, run on the CPU: it
+brings back the profile's files and the named training HLOs, and refuses a call without a
+target."""
+import gzip
+import json
+import os
+import subprocess
+import tempfile
+
+from absl.testing import absltest
+
+from test_ablation import REPO, cpu_env
+
+
+class GpuProfileCallTest(absltest.TestCase):
+
+  def test_brings_back_the_profile_and_the_named_hlos(self):
+    with tempfile.TemporaryDirectory() as tmp:
+      env = dict(cpu_env(), MODEL="dlrm", PRESET="tiny", VARIANTS="bf16_mods",
+                 HLO="bf16_mods", WORK=tmp, OUT=os.path.join(tmp, "out"))
+      done = subprocess.run(["bash", "experiments/gpu_profile_call.sh"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=600)
+      self.assertEqual(done.returncode, 0, done.stderr[-2000:])
+      self.assertIn("profile rc=0", done.stdout)
+      out = os.path.join(tmp, "out")
+      with open(os.path.join(out, "profile_dlrm.json")) as f:
+        self.assertEqual(set(json.load(f)["profiles"]),
+                         {"bf16 train", "bf16 infer", "bf16_mods train", "bf16_mods infer"})
+      self.assertTrue(os.path.exists(os.path.join(out, "profile_dlrm.md")))
+      with gzip.open(os.path.join(out, "hlo_dlrm_bf16_mods_train.txt.gz"), "rt") as f:
+        self.assertIn("HloModule", f.read())
+      self.assertFalse(os.path.exists(os.path.join(out, "hlo_dlrm_bf16_train.txt.gz")))
+
+  def test_a_call_without_a_target_is_refused(self):
+    env = {k: v for k, v in cpu_env().items() if k not in ("MODEL", "PRESET")}
+    done = subprocess.run(["bash", "experiments/gpu_profile_call.sh"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    self.assertNotEqual(done.returncode, 0)
+    self.assertIn("MODEL", done.stderr)
+
+
+if __name__ == "__main__":
+  absltest.main()
