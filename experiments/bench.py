@@ -74,6 +74,9 @@ FROM_INIT_WARMUP = flags.DEFINE_integer(
     "validation_from_init_warmup_steps", None, "A linear learning-rate warm-up over N steps "
     "for that training (default: the probe's recipe, none); e.g. the quality runs' "
     "--quality_warmup_steps, so the check trains as the model is trained.")
+FROM_INIT_SEEDS = flags.DEFINE_integer(
+    "validation_from_init_seeds", 1, "Seeds of that training, both runs per seed; the "
+    "verdict reads the mean over seeds (an early loss spike varies from seed to seed).")
 PLANS = flags.DEFINE_string("plans_dir", None, "Plan directory (default: WORKDIR/plans).")
 Q_PRESET = flags.DEFINE_string("quality_preset", "small", "Preset of the synthetic quality runs.")
 Q_STEPS = flags.DEFINE_integer("quality_steps", 500, "Training steps of every quality arm.")
@@ -144,6 +147,7 @@ def main(argv):
                                  probe_timing_compile_workers=TIMING_COMPILE_WORKERS.value,
                                  validation_from_init_steps=FROM_INIT_STEPS.value,
                                  validation_from_init_warmup_steps=FROM_INIT_WARMUP.value,
+                                 validation_from_init_seeds=FROM_INIT_SEEDS.value,
                                  head_to_head=tuple(HEAD_TO_HEAD.value),
                                  serve_plan=SERVE_PLAN.value,
                                  serve_promotion={"auto": None, "on": True,
@@ -227,8 +231,7 @@ def _quality_plan_maker(qs, settings, deadline):
                              model, qs.preset))
     return planning.make_plan(spec, qs.plans_dir, config, budget_s=budget,
                               samples=settings.probe_samples, kernels=settings.probe_kernels,
-                              from_init_steps=settings.validation_from_init_steps,
-                              from_init_warmup_steps=settings.validation_from_init_warmup_steps)
+                              validation=settings.validation())
   return make
 
 

@@ -50,6 +50,9 @@ FROM_INIT_STEPS = flags.DEFINE_integer(
     "from_init_steps", 0, "Validation's training from a fresh initialization, plan vs "
     "bf16+Mods, with the probe's recipe (0: skip). The other checks start from the probe's "
     "trained state and cannot see early training.")
+FROM_INIT_SEEDS = flags.DEFINE_integer(
+    "from_init_seeds", 1, "Seeds of that training, both runs per seed; the verdict reads the "
+    "mean over seeds.")
 VALIDATE = flags.DEFINE_bool("validate", True, "Validate the plan end to end.")
 NAIVE_FP8 = flags.DEFINE_bool("naive_fp8", True,
                               "Also train the naive arm: --kernel on every site, same Mods.")
@@ -170,7 +173,7 @@ def main(argv):
       criteria=_criteria(),
       validation=validate_lib.ValidationConfig(
           max_rel_logloss=MAX_REL_LOGLOSS.value, shadow_steps=SHADOW_STEPS.value,
-          from_init_steps=FROM_INIT_STEPS.value,
+          from_init_steps=FROM_INIT_STEPS.value, from_init_seeds=FROM_INIT_SEEDS.value,
           seed=common.SEED.value) if VALIDATE.value else None)
   plan = result.plan
   steps = common.STEPS.value

@@ -422,19 +422,20 @@ class SelectionTest(absltest.TestCase):
 class ValidationFromInitTest(absltest.TestCase):
 
   def test_a_target_probed_for_its_plan_is_validated_from_init_as_asked(self):
-    # `--validation_from_init_steps` and its warm-up reach the validation of the plan the
-    # suite makes.
+    # `--validation_from_init_steps`, its warm-up and its seeds reach the validation of the
+    # plan the suite makes.
     (target,) = suite.tower_targets(["64x32x2"])
     plans = tempfile.mkdtemp(prefix="loka_bench_from_init_")
-    for steps, warmup in ((0, None), (7, 3)):
+    for steps, warmup, seeds in ((0, None, 1), (7, 3, 2)):
       settings = suite.SpeedSettings(plans_dir=plans, validation_from_init_steps=steps,
-                                     validation_from_init_warmup_steps=warmup)
+                                     validation_from_init_warmup_steps=warmup,
+                                     validation_from_init_seeds=seeds)
       with mock.patch("loka_jax.dispatch.pipeline.probe_and_plan") as probe_and_plan:
         suite._probe_for_plan(target, variants.VARIANTS["loka"], settings,
                               deadline=time.time() + 600, log=lambda line: None)
       validation = probe_and_plan.call_args.kwargs["validation"]
-      self.assertEqual((validation.from_init_steps, validation.from_init_warmup_steps),
-                       (steps, warmup))
+      self.assertEqual((validation.from_init_steps, validation.from_init_warmup_steps,
+                        validation.from_init_seeds), (steps, warmup, seeds))
 
 
 class TowerSourceTest(chex.TestCase):

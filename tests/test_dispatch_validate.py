@@ -305,6 +305,33 @@ class FromInitTest(chex.TestCase):
     with self.assertRaisesRegex(ValueError, "from_init_warmup_steps must be >= 0"):
       validate.ValidationConfig(from_init_warmup_steps=-1)
 
+  def test_several_seeds_are_judged_by_their_mean(self):
+    # Two seeds: each seed's relative differences are those of a one-seed check from that
+    # seed, and the verdict's are their mean; the records name the seeds.
+    ctx = context()
+    plan = plan_of({GOOD_SITE: "xla_fp8_rowwise"})
+    def round_zero(**kw):
+      config = validate.ValidationConfig(from_init_steps=6, shadow_window=3,
+                                         shadow_max_rel_loss=1.0, **kw)
+      out = validate.check_from_init(plan, ctx, config)
+      return [r for r in validate.validation_records(out, "quality_from_init")
+              if "round" in r][0]
+    one = [round_zero(seed=s) for s in (3, 4)]
+    both = round_zero(seed=3, from_init_seeds=2)
+    self.assertEqual(both["seeds"], [3, 4])
+    for key in ("rel_train_loss", "rel_logloss_change"):
+      self.assertEqual([p[key] for p in both["per_seed"]], [r[key] for r in one])
+      self.assertAlmostEqual(both[key], (one[0][key] + one[1][key]) / 2)
+    self.assertNotAlmostEqual(one[0]["rel_train_loss"], one[1]["rel_train_loss"], places=9)
+    self.assertEqual(both["peak_loss"], max(r["peak_loss"] for r in one))
+    self.assertIn("training from initialization (mean of 2 seeds) 6 steps",
+                  train_report.validation_lines(validate.check_from_init(
+                      plan, ctx, validate.ValidationConfig(from_init_steps=6, shadow_window=3,
+                                                           seed=3, from_init_seeds=2))))
+    self.assertNotIn("seeds", one[0])
+    with self.assertRaisesRegex(ValueError, "from_init_seeds must be >= 1"):
+      validate.ValidationConfig(from_init_seeds=0)
+
   def test_a_plan_whose_model_initializes_other_parameters_is_refused(self):
     ctx = context()
     validate.initial_state(ctx, validate.BASELINE, seed=0)   # records bf16+Mods' sums

@@ -78,15 +78,13 @@ def make_plan(spec: experiment.RunSpec, plans_root: str, train_config: TrainConf
               budget_s: Optional[float], build: Optional[Callable] = None,
               samples: int = 32, repeats: int = 20,
               kernels: Sequence[str] = (), timing_cache: Optional[str] = None,
-              timing_compile_workers: int = 1, from_init_steps: int = 0,
-              from_init_warmup_steps: Optional[int] = None,
+              timing_compile_workers: int = 1, validation=None,
               deadline: Optional[float] = None) -> Optional[str]:
   """Probes `spec` (its model with Mods, in bf16), selects and validates its plan
   (`dispatch.pipeline.probe_and_plan`); returns the plan's path, or None when the budget ran
   out first (a rerun resumes). `kernels`: the probe's candidates (empty: the default list);
-  `timing_compile_workers`: `ProbeOptions.timing_compile_workers`; `from_init_steps`:
-  `ValidationConfig.from_init_steps` (validation's training from initialization) and
-  `from_init_warmup_steps` its warm-up (None: the probe's recipe)."""
+  `timing_compile_workers`: `ProbeOptions.timing_compile_workers`; `validation`: the
+  `ValidationConfig` (None: the defaults)."""
   from loka_jax.dispatch.pipeline import probe_and_plan  # heavy: only when planning
   from loka_jax.dispatch.validate import ValidationConfig
   from loka_jax.probe.runner import ProbeOptions
@@ -100,8 +98,7 @@ def make_plan(spec: experiment.RunSpec, plans_root: str, train_config: TrainConf
   try:
     probe_and_plan(spec, workdir, train_config=train_config, probe_options=options,
                    build=build, deadline=deadline,
-                   validation=ValidationConfig(from_init_steps=from_init_steps,
-                                               from_init_warmup_steps=from_init_warmup_steps))
+                   validation=validation or ValidationConfig())
   except RuntimeError as e:  # the probe's budget or validation's deadline: a rerun resumes
     print(f"[bench] plan for {spec.model}/{spec.preset} not ready: {e}", flush=True)
     return None

@@ -124,9 +124,11 @@ class SpeedSettings:
   probe_kernels: Tuple[str, ...] = ()  # each probe's candidates (empty: the default list)
   probe_timing_cache: Optional[str] = None  # timings measured ahead (`probe --time_only`)
   probe_timing_compile_workers: int = 1  # `ProbeOptions.timing_compile_workers`
-  # Validation's training from initialization (`ValidationConfig.from_init_steps`; 0: skip).
+  # Validation's training from initialization (`ValidationConfig.from_init_steps`; 0: skip),
+  # its warm-up (None: the probe's recipe) and its seeds.
   validation_from_init_steps: int = 0
-  validation_from_init_warmup_steps: Optional[int] = None  # its warm-up; None: the probe's
+  validation_from_init_warmup_steps: Optional[int] = None
+  validation_from_init_seeds: int = 1
   min_call_s: float = speed.MIN_CALL_S  # steps shorter than this run N to a timed call
   seed: int = 0
   # Variants timed, after their bf16 pair, against the variants their targets compare them
@@ -138,6 +140,14 @@ class SpeedSettings:
   # When the serving plan is first selected, time the export of its serving proposal against
   # it and keep the proposal when provably faster (`decide_serving`). None: on a GPU only.
   serve_promotion: Optional[bool] = None
+
+  def validation(self):
+    """The `ValidationConfig` of the plans this run makes (its defaults but for the check
+    from initialization)."""
+    from loka_jax.dispatch.validate import ValidationConfig  # heavy: only when planning
+    return ValidationConfig(from_init_steps=self.validation_from_init_steps,
+                            from_init_warmup_steps=self.validation_from_init_warmup_steps,
+                            from_init_seeds=self.validation_from_init_seeds)
 
 
 def plan_for(target: Target, variant: Variant, batch, settings: SpeedSettings) -> tuple:
@@ -176,9 +186,7 @@ def _probe_for_plan(target: Target, variant: Variant, settings: SpeedSettings,
                      samples=settings.probe_samples, kernels=settings.probe_kernels,
                      timing_cache=settings.probe_timing_cache,
                      timing_compile_workers=settings.probe_timing_compile_workers,
-                     from_init_steps=settings.validation_from_init_steps,
-                     from_init_warmup_steps=settings.validation_from_init_warmup_steps,
-                     deadline=deadline)
+                     validation=settings.validation(), deadline=deadline)
   gc.collect()  # the probe's training state must be gone before the baseline's is built
   return True
 

@@ -117,8 +117,10 @@ def validation_lines(plan) -> str:
       if step == "quality_from_init" and r.get("finite"):
         detail += f"; worst step's loss {r['peak_loss']:.3g} vs {r['peak_loss_bf16']:.3g}"
       what = "shadow training" if step == "quality_shadow" else "training from initialization"
-      if r.get("warmup_steps"):
-        what += f" (warm-up {r['warmup_steps']})"
+      recipe = ([f"warm-up {r['warmup_steps']}"] if r.get("warmup_steps") else []) + (
+          [f"mean of {len(r['seeds'])} seeds"] if len(r.get("seeds", ())) > 1 else [])
+      if recipe:
+        what += f" ({', '.join(recipe)})"
       out.append(f"- {what} {r['steps']} steps (round {r['round']}): {detail} "
                  f"(bound {100 * r['bound']:g}%): {'pass' if r['passed'] else 'FAIL'}")
     elif step == "speed":
