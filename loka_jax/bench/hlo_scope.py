@@ -20,11 +20,9 @@ import dataclasses
 import re
 from typing import Dict, List, Mapping, Sequence, Tuple
 
-from loka_jax.bench.profile import hlo_op_names, scope_of
+from loka_jax.bench.profile import INSTRUCTION_LINE, REFERENCE, hlo_op_names, scope_of
 
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
-_REFERENCE = re.compile(r"%([\w.\-]+)")
 _CALLED = re.compile(r"\b(calls|to_apply)=%([\w.\-]+)")
 # Bookkeeping inside a fusion body, not an operation worth naming in a signature.
 _PLUMBING = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
@@ -79,13 +77,13 @@ def parse(hlo_text: str) -> Dict[str, List[Instruction]]:
     if line.startswith("}"):
       current = None
       continue
-    definition = _INSTRUCTION.match(line) if current is not None else None
+    definition = INSTRUCTION_LINE.match(line) if current is not None else None
     if not definition:
       continue
     shape, opcode, operands, attributes = _split_definition(definition.group(2))
     computations[current].append(Instruction(
         name=definition.group(1), computation=current, position=len(computations[current]),
-        opcode=opcode, shape=shape, operands=tuple(_REFERENCE.findall(operands)),
+        opcode=opcode, shape=shape, operands=tuple(REFERENCE.findall(operands)),
         called=tuple(m.group(2) for m in _CALLED.finditer(attributes.split("metadata=")[0]))))
   return computations
 

@@ -43,8 +43,8 @@ KERNEL_CLASSES = (
     ("collective", r"nccl|all_reduce|all-reduce|all_gather|reduce_scatter"),
 )
 _OP_NAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?op_name="([^"]+)"', re.M)
-_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$', re.M)
-_REFERENCE = re.compile(r'%([\w.\-]+)')
+INSTRUCTION_LINE = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$', re.M)
+REFERENCE = re.compile(r'%([\w.\-]+)')
 _HOPS = 3
 
 
@@ -69,8 +69,8 @@ def hlo_op_names(hlo_text: str, inherit: bool = True) -> Dict[str, str]:
   own = {m.group(1): m.group(2) for m in _OP_NAME.finditer(hlo_text)}
   if not inherit:
     return own
-  operands = {m.group(1): _REFERENCE.findall(m.group(2).split("metadata=")[0])
-              for m in _INSTRUCTION.finditer(hlo_text)}
+  operands = {m.group(1): REFERENCE.findall(m.group(2).split("metadata=")[0])
+              for m in INSTRUCTION_LINE.finditer(hlo_text)}
   users: Dict[str, List[str]] = collections.defaultdict(list)
   for name, refs in operands.items():
     for ref in refs:
@@ -372,6 +372,15 @@ def markdown(profiles: Mapping[str, Mapping]) -> str:
   return "\n".join(lines)
 
 
+def _ranked_scopes(profiles: Iterable[Mapping]) -> List[str]:
+  """Every scope outside the sites, largest first by its largest value in any profile (a
+  profile written before the split by scope has none)."""
+  profiles = list(profiles)
+  scopes = {s for p in profiles for s in p.get("outside_by_scope_us", {})}
+  return sorted(scopes, key=lambda s: (-max(p.get("outside_by_scope_us", {}).get(s, 0.0)
+                                            for p in profiles), s))
+
+
 def _scope_table(profiles: Mapping[str, Mapping], names: Sequence[str],
                  top: int = 12) -> List[str]:
   """The time outside the sites by name scope: the `top` scopes by their largest value in any
@@ -379,9 +388,7 @@ def _scope_table(profiles: Mapping[str, Mapping], names: Sequence[str],
   have = [n for n in names if "outside_by_scope_us" in profiles[n]]
   if not have:
     return []
-  scopes = {s for n in have for s in profiles[n]["outside_by_scope_us"]}
-  ranked = sorted(scopes, key=lambda s: (-max(profiles[n]["outside_by_scope_us"].get(s, 0.0)
-                                               for n in have), s))
+  ranked = _ranked_scopes(profiles[n] for n in have)
   lines = ["", "Outside the sites, by name scope (us / step):", "",
            "| scope | " + " | ".join(have) + " |", "|---|" + "---|" * len(have)]
   for s in ranked[:top]:
@@ -405,9 +412,7 @@ def step_parts(profiles: Mapping[str, Mapping], scopes: int = 4
   sites' forward and backward, the `scopes` scopes outside the sites with the largest value
   in any profile, and the rest outside the sites (all of it for a profile written before the
   split by scope)."""
-  ranked = sorted({s for p in profiles.values() for s in p.get("outside_by_scope_us", {})},
-                  key=lambda s: (-max(p.get("outside_by_scope_us", {}).get(s, 0.0)
-                                      for p in profiles.values()), s))[:scopes]
+  ranked = _ranked_scopes(profiles.values())[:scopes]
   labels = [SITES_FWD, SITES_BWD, *ranked, OTHER_OUTSIDE]
   parts = {}
   for name, p in profiles.items():
