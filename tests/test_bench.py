@@ -799,8 +799,9 @@ class ProbeThenRowsTest(absltest.TestCase):
                               deadline=time.time() + 600, device="cpu", log=logs.append)
     self.assertFalse(done)
     make_plan.assert_called_once()
-    self.assertIn(f"  the probe ran to its budget and the LoKA plan is not ready: "
-                  f"{target.name} left for the next run, its baseline not built", logs)
+    self.assertIn(f"  planning (probe or validation) ran to its budget and the LoKA plan is "
+                  f"not ready: {target.name} left for the next run, its baseline not built",
+                  logs)
     self.assertEqual(list(results.rows()), [])
 
     # A probe that writes its plan: the baseline and the other rows follow in the same run.

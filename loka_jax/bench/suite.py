@@ -346,12 +346,13 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
   waiting = [v for v in pending if v.kernels_from == PLAN
              and planning.load(settings.plans_dir, target.model, target.preset) is None]
   if waiting and probed:
-    # The probe had this run's time (its budget is the time to the deadline) and stopped
-    # short of a plan because its next step would not fit: what is left cannot build the
-    # baseline and time a row (DHEN large on the H200: a 77 s compile thrown away). The
-    # other variants wait too: the head-to-head rebuilds them beside LoKA's row anyway.
-    log(f"  the probe ran to its budget and the LoKA plan is not ready: {target.name} left "
-        "for the next run, its baseline not built")
+    # Planning (the probe, then the plan's validation) had this run's time (its budget is
+    # the time to the deadline) and stopped short of a plan because its next step would not
+    # fit: what is left cannot build the baseline and time a row (DHEN large on the H200: a
+    # 77 s compile thrown away). The other variants wait too: the head-to-head rebuilds them
+    # beside LoKA's row anyway.
+    log(f"  planning (probe or validation) ran to its budget and the LoKA plan is not "
+        f"ready: {target.name} left for the next run, its baseline not built")
     return False
   if waiting and len(waiting) == len(pending):
     # Nothing to time until the plan exists: building the baseline (Wukong large: a 50 GiB
