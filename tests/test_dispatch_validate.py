@@ -403,22 +403,86 @@ class SpeedTest(chex.TestCase):
     self.assertEqual(kernels(out, OTHER_SITE), {p: FALLBACK for p in hm.PASSES})
     self.assertLen([r for r in records if "round" in r], 2)  # the stalls went in one round
 
-  def test_clearly_slow_sites_rank_by_slowdown_and_need_every_failing_step(self):
-    def timed(train_ci_low, infer_ci_low):
-      return {"train": {"speedup_ci": [train_ci_low, 2.0]},
-              "infer": {"speedup_ci": [infer_ci_low, 2.0]}}
-    measured = {"a": timed(1.10, 1.20), "b": timed(1.01, 0.90), "c": timed(0.97, 1.05),
-                "d": timed(1.02, 1.02)}
-    context = {m: {f"without {s}": t[m] for s, t in measured.items()}
-               for m in ("train", "infer")}
+  def test_clearly_slow_sites_rank_by_slowdown_and_need_a_clear_ci(self):
+    # ci_lows: each site's lowest CI lower bound over the failing steps ("without SITE" vs
+    # the plan); a site other than the slowest goes only when that bound is above 1.
+    ci_lows = {"a": 1.10, "b": 0.90, "c": 0.97, "d": 1.02}
     slowdowns = {"a": 1.05, "b": 1.30, "c": 1.02, "d": 1.10}
-    self.assertEqual(validate.clearly_slow_sites(context, ["train", "infer"], slowdowns),
-                     ["b", "d", "a"])  # b is the slowest: always first
-    self.assertEqual(validate.clearly_slow_sites(context, ["infer"], slowdowns),
+    self.assertEqual(validate.clearly_slow_sites(ci_lows, slowdowns),
+                     ["b", "d", "a"])  # b is the slowest: always first, whatever its CI
+    self.assertEqual(validate.clearly_slow_sites({**ci_lows, "c": 1.001}, slowdowns),
                      ["b", "d", "a", "c"])
-    self.assertEqual(validate.clearly_slow_sites(context, ["train"], {"c": 1.0, "b": 0.9}),
+    self.assertEqual(validate.clearly_slow_sites({"c": 1.2, "b": 1.5}, {"c": 1.0, "b": 0.9}),
                      ["c", "b"])
 
+  def test_a_speed_round_paused_between_sites_resumes_without_timing_them_again(self):
+    # A speed round times each site in context as its own pair (the plan, the plan without
+    # it) and saves it at once: at DHEN large one pair compiles in about 80 s, so a round
+    # over 14 sites outlasts a call and must resume where it stopped.
+    plan = plan_of({BAD_SITE: "test_slow", GOOD_SITE: "xla_fp8_rowwise"})
+    config = validate.ValidationConfig(speed=True, min_speedup=0.5)
+    ctx = context()
+    timed = {"first": [], "resumed": []}
+    phase = ["first"]
+    real = validate.in_context_slowdown
+
+    def counting(ctx_, plan_, site, failing, config_):
+      timed[phase[0]].append(site)
+      return real(ctx_, plan_, site, failing, config_)
+    saved = []
+    progress = validate.Progress()
+
+    def save(p):
+      saved.append(p)
+      if validate.validation_records(p, "speed_site"):
+        progress.deadline = time.time() + 3600.0
+        progress.longest_measurement_s = 7200.0   # the next site would end past it
+    progress.save = save
+    with mock.patch.object(validate, "in_context_slowdown", counting):
+      with self.assertRaisesRegex(validate.ValidationPaused, "speed round 0, site"):
+        validate.check_speed(plan, ctx, config, progress)
+      partial = saved[-1]
+      (first,) = validate.validation_records(partial, "speed_site")
+      self.assertEqual(timed["first"], [first["site"]])
+      self.assertEqual(first["round"], 0)
+      self.assertIn("ci_low", first)
+      phase[0] = "resumed"
+      out = validate.check_speed(partial, ctx, config, validate.Progress())
+    other = GOOD_SITE if first["site"] == BAD_SITE else BAD_SITE
+    self.assertEqual(timed["resumed"], [other])   # the saved site is not timed again
+    (round0,) = [r for r in validate.validation_records(out, "speed") if r.get("round") == 0]
+    self.assertEqual(round0["in_context_slowdown"][first["site"]], first["value"])
+    self.assertEqual(round0["in_context_ci_low"][first["site"]], first["ci_low"])
+    self.assertGreater(round0["in_context_slowdown"][BAD_SITE],
+                       round0["in_context_slowdown"][GOOD_SITE])
+    self.assertEqual(kernels(out, BAD_SITE), {p: FALLBACK for p in hm.PASSES})
+
+  def test_an_in_context_slowdown_is_not_reused_in_another_round(self):
+    # A site's cost in context depends on every other site of the plan, which each round
+    # changes: a value from round 0 must not stand in for round 1's.
+    plan = plan_of({BAD_SITE: "test_slow", GOOD_SITE: "xla_fp8_rowwise"})
+    candidates = validate.fp8_sites(plan, [BAD_SITE, GOOD_SITE])
+    scope0 = {"round": 0, "failing": ["train"]}
+    plan, _ = validate.measure_sites(plan, "speed", 0, candidates,
+                                     lambda site, choice: (2.0, {"ci_low": 1.5}),
+                                     validate.Progress(), scope0)
+    self.assertEqual({s: r["ci_low"] for s, r in
+                      validate.site_records(plan, "speed", scope0).items()},
+                     {BAD_SITE: 1.5, GOOD_SITE: 1.5})
+    measured = []
+    for scope in ({"round": 1, "failing": ["train"]}, {"round": 0, "failing": ["infer"]}):
+      _, values = validate.measure_sites(
+          plan, "speed", scope["round"], candidates,
+          lambda site, choice: measured.append(site) or (1.0, {"ci_low": 0.9}),
+          validate.Progress(), scope)
+      self.assertEqual(values, {BAD_SITE: 1.0, GOOD_SITE: 1.0})
+    self.assertLen(measured, 4)
+    # In its own round and for its own failing steps the saved value stands.
+    _, values = validate.measure_sites(plan, "speed", 0, candidates,
+                                       lambda site, choice: measured.append(site) or 0.0,
+                                       validate.Progress(), scope0)
+    self.assertEqual(values, {BAD_SITE: 2.0, GOOD_SITE: 2.0})
+    self.assertLen(measured, 4)
 
 
 def ranking_report(sqnr):

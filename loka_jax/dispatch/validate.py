@@ -76,8 +76,9 @@ outlasts one GPU call finishes over several. A round that measures sites one at 
 itself longer than a call on a large preset (one compilation of the whole model per site:
 Wukong `large`'s held-out rounds, each one such measurement, ran 25 s apart on an H200, and
 a fresh host first trains the state again): each site's measurement is recorded as it is taken
-(`quality_held_out_site`, `quality_shadow_site`), the plan saved before the next, and a
-resumed round measures only the sites not yet recorded.
+(`quality_held_out_site`, `quality_shadow_site`, and `speed_site` for a speed round's
+in-context slowdowns, each timed as the plan against the plan without the site), the plan
+saved before the next, and a resumed round measures only the sites not yet recorded.
 """
 from __future__ import annotations
 
@@ -398,14 +399,17 @@ def site_step(step: str) -> str:
   return f"{step}_site"
 
 
-def saved_site_measurements(plan: Plan, step: str) -> Dict[Tuple[str, KernelChoice], float]:
+def saved_site_measurements(plan: Plan, step: str, scope: Optional[Mapping[str, Any]] = None
+                            ) -> Dict[Tuple[str, KernelChoice], float]:
   """{(site, choice): value} of every site measurement recorded for `step` (a non-finite
-  value is stored as null). Such a measurement is of the site alone against bf16+Mods on
-  the validation's state, so it holds in every later round and call while the site keeps
-  that choice."""
+  value is stored as null) whose record matches `scope` (field: value; None: any). A
+  quality measurement is of the site alone against bf16+Mods on the validation's state, so
+  it holds in every later round and call while the site keeps that choice; the speed
+  check's in-context slowdowns hold only within their round (`measure_sites`' scope)."""
   out = {}
   for r in plan["validation"]:
-    if r.get("step") == site_step(step):
+    if r.get("step") == site_step(step) and all(r.get(k) == v for k, v in
+                                                 (scope or {}).items()):
       value = r["value"]
       out[(r["site"], KernelChoice.from_dict(r["choice"]))] = (
           math.inf if value is None else float(value))
@@ -413,15 +417,19 @@ def saved_site_measurements(plan: Plan, step: str) -> Dict[Tuple[str, KernelChoi
 
 
 def measure_sites(plan: Plan, step: str, round_: int, candidates: Mapping[str, KernelChoice],
-                  measure: Callable[[str, KernelChoice], float], progress: Progress
+                  measure: Callable[[str, KernelChoice], Any], progress: Progress,
+                  scope: Optional[Mapping[str, Any]] = None
                   ) -> Tuple[Plan, Dict[str, float]]:
   """(plan, {site: value}) for every candidate: as the plan records it (this round, an earlier
   one or an earlier call: `saved_site_measurements`) or taken now by `measure(site, choice)`,
   each new value recorded in the plan at once and the plan saved before the next site, so a
   call that stops mid-round keeps what it measured. The pace starts from the slowest
   measurement recorded, so even a call's first site does not start when it would end past
-  the deadline."""
-  measured = saved_site_measurements(plan, step)
+  the deadline. `measure` returns the value, or (value, extras) to record the extras beside
+  it. `scope` (field: value) is recorded with each new measurement, and only measurements
+  recorded with it are reused: a value that holds only where it was taken (the speed check's,
+  in one round for its failing steps) is not carried past it."""
+  measured = saved_site_measurements(plan, step, scope)
   earlier = [r["seconds"] for r in plan["validation"]
              if r.get("step") == site_step(step) and r.get("seconds") is not None]
   if earlier:
@@ -431,15 +439,23 @@ def measure_sites(plan: Plan, step: str, round_: int, candidates: Mapping[str, K
       continue
     progress.checkpoint(plan, f"{step} round {round_}, site {site}", measurement=True)
     start = time.time()
-    value = float(measure(site, choice))
+    got = measure(site, choice)
+    value, extras = (float(got[0]), dict(got[1])) if isinstance(got, tuple) else (float(got), {})
     seconds = time.time() - start
     progress.measured(seconds)
     measured[(site, choice)] = value
-    plan = add_validation(plan, {"step": site_step(step), "round": round_, "site": site,
-                                 "choice": choice.to_dict(),
+    plan = add_validation(plan, {"step": site_step(step), "round": round_, **(scope or {}),
+                                 "site": site, "choice": choice.to_dict(),
                                  "value": value if math.isfinite(value) else None,
-                                 "seconds": round(seconds, 2)})
+                                 **extras, "seconds": round(seconds, 2)})
   return plan, {s: measured[(s, c)] for s, c in candidates.items()}
+
+
+def site_records(plan: Plan, step: str, scope: Mapping[str, Any]) -> Dict[str, Dict[str, Any]]:
+  """{site: its latest measurement record of `step` matching `scope`}: the extras a
+  `measure` returned beside each value."""
+  return {r["site"]: r for r in plan["validation"]
+          if r.get("step") == site_step(step) and all(r.get(k) == v for k, v in scope.items())}
 
 
 def _final(plan: Plan, record: Dict[str, Any]) -> Plan:
@@ -957,16 +973,28 @@ def measure_steps(ctx: ValidationContext, plans: Mapping[str, KernelPlan], basel
   return out
 
 
-def clearly_slow_sites(context: Mapping[str, Mapping[str, dict]], failing: Sequence[str],
-                       slowdowns: Mapping[str, float]) -> List[str]:
+def clearly_slow_sites(ci_lows: Mapping[str, float], slowdowns: Mapping[str, float]
+                       ) -> List[str]:
   """The sites a speed round backs off, slowest first: the one with the largest in-context
   slowdown, and every other whose reversion alone makes each failing step faster with the
-  speedup's CI lower bound above 1 (`context`: measure_steps of the plan and its "without
-  SITE" variants, against the plan)."""
+  speedup's CI lower bound above 1 (`ci_lows`: per site, the lowest over the failing steps
+  of that bound, "without SITE" against the plan)."""
   worst = max(slowdowns, key=lambda s: (slowdowns[s], s))
-  clear = [s for s in slowdowns if s != worst
-           and all(context[m][f"without {s}"]["speedup_ci"][0] > 1.0 for m in failing)]
+  clear = [s for s in slowdowns if s != worst and ci_lows[s] > 1.0]
   return [worst] + sorted(clear, key=lambda s: (-slowdowns[s], s))
+
+
+def in_context_slowdown(ctx: ValidationContext, plan: Plan, site: str, failing: Sequence[str],
+                        config: ValidationConfig) -> Tuple[float, Dict[str, Any]]:
+  """(the time `site` costs the failing steps in context, extras): the plan and the plan
+  without the site timed in one interleaving; the slowdown is the product over `failing` of
+  the speedup of "without SITE" against the plan, and `ci_low` the lowest CI lower bound of
+  those speedups. One pair per site, so a round over many sites of a large preset (DHEN
+  large: about 80 s to compile a plan's steps) is saved site by site (`measure_sites`)."""
+  got = measure_steps(ctx, {"plan": plan.kernel_plan(), "without": without_site(plan, site)},
+                      "plan", config.speed_repeats, config.seed, config.speed_min_sample_s)
+  return (float(np.prod([got[m]["without"]["speedup"] for m in failing])),
+          {"ci_low": float(min(got[m]["without"]["speedup_ci"][0] for m in failing))})
 
 
 def check_speed(plan, ctx: ValidationContext, config: ValidationConfig = ValidationConfig(),
@@ -1019,15 +1047,18 @@ def check_speed(plan, ctx: ValidationContext, config: ValidationConfig = Validat
       reasons = {s: f"{excess}; ranked by the probe report's GEMM time vs xla_bf16 "
                     f"({scores[s]:+.1f} us)" for s in worst}
     else:
-      variants = {"plan": plan.kernel_plan()}
-      variants.update({f"without {s}": without_site(plan, s) for s in candidates})
-      context = measure_steps(ctx, variants, "plan", config.speed_repeats, config.seed,
-                              config.speed_min_sample_s)
-      # speedup of "without s" vs the plan = the time site s costs in context.
-      slowdowns = {s: float(np.prod([context[m][f"without {s}"]["speedup"] for m in failing]))
-                   for s in candidates}
+      # Each site's cost in context depends on the rest of the plan and on which steps
+      # fail, so a saved value is reused only in this round and for these steps.
+      scope = {"round": round_, "failing": failing}
+      round_plan = plan
+      plan, slowdowns = measure_sites(
+          plan, "speed", round_, candidates,
+          lambda site, choice: in_context_slowdown(ctx, round_plan, site, failing, config),
+          progress, scope)
+      ci_lows = {s: r["ci_low"] for s, r in site_records(plan, "speed", scope).items()}
       record["in_context_slowdown"] = slowdowns
-      worst = clearly_slow_sites(context, failing, slowdowns)
+      record["in_context_ci_low"] = {s: ci_lows[s] for s in candidates}
+      worst = clearly_slow_sites(ci_lows, slowdowns)
       reasons = {s: f"{excess}; this site's in-context slowdown {slowdowns[s]:.3f}x"
                     + ("" if s == worst[0] else " (its reversion alone speeds the step up, CI "
                        "above 1)") for s in worst}
