@@ -862,6 +862,31 @@ class HeadToHeadTest(absltest.TestCase):
                     logs)
 
 
+  def test_a_reference_is_not_rebuilt_when_its_build_would_end_past_the_deadline(self):
+    # LoKA's row is written only after its pairs: a rebuild the call's hard limit cuts short
+    # would lose the row itself, so a rebuild starts only when the longest build of the run
+    # would still end by the deadline.
+    subject = speed.Arm("loka", None, None, {}, {})
+    rows = {"bf16_mods": {"variant": "bf16_mods"}, "loka": {"variant": "loka"}}
+
+    class PairsOf:  # records which arms LoKA was paired with
+      def head_to_head(self, arm, others, repeats, seed):
+        self.paired = sorted(others)
+        return {}
+    settings = suite.SpeedSettings(repeats=3, probe=False)
+    for build_s, rebuilt in ((120.0, []), (5.0, ["bf16_mods"])):
+      built, logs, bench = [], [], PairsOf()
+      fields = suite._head_to_head(
+          bench, subject, {}, rows, lambda name: built.append(name) or subject,
+          time.time() + 60.0, settings, logs.append, build_s)
+      self.assertEqual(built, rebuilt, logs)
+      self.assertEqual(bench.paired, rebuilt)
+      self.assertEqual(fields, {})
+      if not rebuilt:
+        self.assertIn("  loka vs bf16_mods: not built again, since a build (120 s at most so "
+                      "far) would end past the deadline (the ratio of rows stands)", logs)
+
+
 class CliTest(absltest.TestCase):
 
   def test_runs_filters_and_resumes(self):
