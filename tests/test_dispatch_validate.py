@@ -993,6 +993,47 @@ class PromotionTest(chex.TestCase):
     self.assertIn("xla_fp8_tensorwise at 3 sites: train 1.080x [1.040, 1.120]", lines)
     self.assertIn("(promoted: ", lines)
 
+  def test_a_promotion_paused_between_proposals_resumes_with_the_ones_it_lacks(self):
+    # Each proposal is its own pair with the plan (two whole-model compiles), saved once
+    # timed: several proposals of a large preset outlast one call. The clock is the test's:
+    # each pair takes 100 s of it, and the first call's deadline is 150 s away.
+    clock = [1000.0]
+    timed = []
+    speeds = {"promote xla_fp8_tensorwise": (1.08, [1.04, 1.12]),
+              "promote flax_fp8_delayed": (1.03, [1.01, 1.05])}
+
+    def measure(ctx, plans, baseline, *args):
+      (name,) = [n for n in plans if n != "plan"]
+      timed.append(name)
+      clock[0] += 100.0
+      return {m: {"plan": {"speedup": 1.0, "speedup_ci": [1.0, 1.0]},
+                  name: {"speedup": speeds[name][0], "speedup_ci": speeds[name][1]}}
+              for m in ("train", "infer")}
+
+    ctx = self._context(promotion_report())
+    config = validate.ValidationConfig(promote=True)
+    saved = []
+    fake_time = mock.Mock(time=lambda: clock[0])
+    with mock.patch.object(validate, "measure_steps", side_effect=measure), \
+        mock.patch.object(validate, "time", fake_time):
+      progress = validate.Progress(save=saved.append, deadline=clock[0] + 150.0)
+      with self.assertRaisesRegex(validate.ValidationPaused, "speed promotion, proposal"):
+        validate.check_promotion(plan_of({}), ctx, config, progress)
+      partial = saved[-1]
+      (first,) = validate.validation_records(partial, validate.PROPOSAL)
+      self.assertEqual(timed, [f"promote {first['kernel']}"])
+      self.assertEqual(first["seconds"], 100.0)
+      out = validate.check_promotion(partial, ctx, config, validate.Progress())
+    self.assertEqual(sorted(timed), sorted(speeds))   # the second call timed only the other
+    (record,) = validate.validation_records(out, validate.PROMOTION)
+    self.assertEqual(record["promoted"], "xla_fp8_tensorwise")
+    self.assertEqual(record["proposals"][first["kernel"]]["train"], first["train"])
+    self.assertTrue(all(p["pays"] for p in record["proposals"].values()))
+    # The promoted plan keeps both proposals' records.
+    self.assertLen(validate.validation_records(out, validate.PROPOSAL), 2)
+    for site in (GOOD_SITE, OTHER_SITE):
+      self.assertEqual(kernels(out, site), {p: "xla_fp8_tensorwise" for p in hm.PASSES})
+
 
 class BuildRunChecksPlanTest(chex.TestCase):
 

@@ -1145,11 +1145,48 @@ def promotion_pays(summaries: Mapping[str, Mapping[str, dict]], name: str) -> bo
           and summaries["infer"][name]["speedup_ci"][1] >= 1.0)
 
 
+PROPOSAL = "speed_promotion_proposal"
+
+
+def _timed_proposals(plan: Plan, ctx: ValidationContext, config: ValidationConfig,
+                     proposals: Sequence[Promotion], promoted: Mapping[str, Plan],
+                     progress: Progress) -> Tuple[Plan, Dict[str, Dict[str, Any]]]:
+  """(plan, {kernel: its PROPOSAL record: pays, train, infer}): each proposal (`promoted`:
+  {kernel: the plan with it}) timed against the plan in an
+  interleaving of its own and recorded at once (a PROPOSAL record), so a promotion that
+  outlasts a call resumes with the proposals it lacks: each pair compiles two whole models
+  (InterFormer `small`: 40-84 s a compile on an H200), and several proposals of a large
+  preset outlast one call. No pair starts that would not end by the deadline at the pace of
+  the slowest recorded; that pace is the promotion's own, not the site measurements'."""
+  pace = Progress(save=progress.save, deadline=progress.deadline)
+  done = {r["kernel"]: r for r in plan["validation"] if r.get("step") == PROPOSAL}
+  if done:
+    pace.measured(max(float(r.get("seconds") or 0.0) for r in done.values()))
+  for p in proposals:
+    if p.kernel in done:
+      continue
+    name = f"promote {p.kernel}"
+    pace.checkpoint(plan, f"the speed promotion, proposal {p.kernel}", measurement=True)
+    start = time.time()
+    pair = {"plan": plan.kernel_plan(), name: promoted[p.kernel].kernel_plan()}
+    got = measure_steps(ctx, pair, "plan", config.speed_repeats, config.seed,
+                        config.speed_min_sample_s)
+    seconds = time.time() - start
+    pace.measured(seconds)
+    done[p.kernel] = {"step": PROPOSAL, "kernel": p.kernel, "pays": promotion_pays(got, name),
+                      **{m: {"speedup": got[m][name]["speedup"],
+                             "speedup_ci": got[m][name]["speedup_ci"]} for m in STEP_PASSES},
+                      "seconds": round(seconds, 2)}
+    plan = add_validation(plan, done[p.kernel])
+  return plan, done
+
+
 def check_promotion(plan, ctx: ValidationContext, config: ValidationConfig = ValidationConfig(),
                     progress: Optional[Progress] = None) -> Plan:
   """Promotes xla_bf16 sites to FP8 where the whole step says so: each proposal of
-  `promotions` is timed against the plan in one interleaving (train and inference steps), and
-  the one with the fastest train step among those that pay (`promotion_pays`) is kept. The
+  `promotions` is timed against the plan in an interleaving of its own (train and inference
+  steps; `_timed_proposals`, resumable proposal by proposal), and the one with the fastest
+  train step among those that pay (`promotion_pays`) is kept. The
   quality checks that follow judge the promoted sites like any other, and back them off if
   they must."""
   plan = as_plan(plan)
@@ -1171,21 +1208,17 @@ def check_promotion(plan, ctx: ValidationContext, config: ValidationConfig = Val
     return _final(plan, {"step": PROMOTION, "skipped": True,
                          "reason": "no xla_bf16 site has an FP8 kernel safe in every pass"})
   progress.checkpoint(plan, "the speed promotion")
-  promoted = {f"promote {p.kernel}": promote(
-      plan, p.sites, p.kernel, f"{p.kernel} is safe in every pass here and {p.alone:.2f}x "
-      f"bf16 over its {len(p.sites)} sites timed alone; promoted if the whole step pays")
-      for p in proposals}
-  got = measure_steps(ctx, {"plan": plan.kernel_plan(),
-                            **{n: q.kernel_plan() for n, q in promoted.items()}},
-                      "plan", config.speed_repeats, config.seed, config.speed_min_sample_s)
+  def promoted(base: Plan, p: Promotion) -> Plan:
+    return promote(base, p.sites, p.kernel, f"{p.kernel} is safe in every pass here and "
+                   f"{p.alone:.2f}x bf16 over its {len(p.sites)} sites timed alone; promoted "
+                   "if the whole step pays")
+  plan, timed = _timed_proposals(plan, ctx, config, proposals,
+                                 {p.kernel: promoted(plan, p) for p in proposals}, progress)
   record: Dict[str, Any] = {"step": PROMOTION, "device": jax.devices()[0].device_kind,
                             "why": why, "repeats": config.speed_repeats, "proposals": {}}
   for p in proposals:
-    name = f"promote {p.kernel}"
-    record["proposals"][p.kernel] = {
-        "sites": len(p.sites), "alone": p.alone, "pays": promotion_pays(got, name),
-        **{m: {"speedup": got[m][name]["speedup"], "speedup_ci": got[m][name]["speedup_ci"]}
-           for m in STEP_PASSES}}
+    record["proposals"][p.kernel] = {"sites": len(p.sites), "alone": p.alone,
+                                     **{k: timed[p.kernel][k] for k in ("pays", *STEP_PASSES)}}
   paying = [p for p in proposals if record["proposals"][p.kernel]["pays"]]
   if not paying:
     record["promoted"] = None
@@ -1194,7 +1227,7 @@ def check_promotion(plan, ctx: ValidationContext, config: ValidationConfig = Val
                                       p.kernel))
   record["promoted"] = chosen.kernel
   record["sites"] = list(chosen.sites)
-  return _final(promoted[f"promote {chosen.kernel}"], record)
+  return _final(promoted(plan, chosen), record)   # the plan, its proposals' records kept
 
 
 # ----------------------------------------------------------------------------- all
