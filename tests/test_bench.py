@@ -861,7 +861,6 @@ class HeadToHeadTest(absltest.TestCase):
     self.assertTrue(any("fp8_rowwise vs fp8_tensorwise, one interleaving" in l for l in logs),
                     logs)
 
-
   def test_a_reference_is_not_rebuilt_when_its_build_would_end_past_the_deadline(self):
     # LoKA's row is written only after its pairs: a rebuild the call's hard limit cuts short
     # would lose the row itself, so a rebuild starts only when the longest build of the run
