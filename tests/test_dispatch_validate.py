@@ -441,7 +441,10 @@ class SpeedTest(chex.TestCase):
     with mock.patch.object(validate, "in_context_slowdown", counting):
       with self.assertRaisesRegex(validate.ValidationPaused, "speed round 0, site"):
         validate.check_speed(plan, ctx, config, progress)
-      partial = saved[-1]
+      # The next call reads the plan back from its file (plan_validating.json).
+      path = os.path.join(tempfile.mkdtemp(prefix="loka_speed_resume_"), "plan.json")
+      save_plan(saved[-1], path)
+      partial = read_plan(path)
       (first,) = validate.validation_records(partial, "speed_site")
       self.assertEqual(timed["first"], [first["site"]])
       self.assertEqual(first["round"], 0)
