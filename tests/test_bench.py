@@ -885,6 +885,26 @@ class HeadToHeadTest(absltest.TestCase):
         self.assertIn("  loka vs bf16_mods: not built again, since a build (120 s at most so "
                       "far) would end past the deadline (the ratio of rows stands)", logs)
 
+  def test_a_rebuild_longer_than_the_runs_builds_paces_the_next(self):
+    # The first rebuild takes 0.35 s where the run's builds had taken 0.05 s: the second
+    # would then end past a deadline 0.6 s away, so it is not started.
+    subject = speed.Arm("loka", None, None, {}, {})
+    rows = {n: {"variant": n} for n in ("bf16_mods", targets.SERVED, "loka")}
+
+    class PairsOf:
+      def head_to_head(self, arm, others, repeats, seed):
+        return {}
+    built, logs = [], []
+
+    def slow_build(name):
+      time.sleep(0.35)
+      built.append(name)
+      return subject
+    suite._head_to_head(PairsOf(), subject, {}, rows, slow_build, time.time() + 0.6,
+                        suite.SpeedSettings(repeats=3, probe=False), logs.append, 0.05)
+    self.assertEqual(built, ["bf16_mods"], logs)
+    self.assertTrue(any(f"loka vs {targets.SERVED}: not built again" in l for l in logs), logs)
+
 
 class CliTest(absltest.TestCase):
 

@@ -469,8 +469,8 @@ class SpeedTest(chex.TestCase):
     plan, _ = validate.measure_sites(plan, "speed", 0, candidates,
                                      lambda site, choice: (2.0, {"ci_low": 1.5}),
                                      validate.Progress(), scope0)
-    self.assertEqual({s: r["ci_low"] for s, r in
-                      validate.site_records(plan, "speed", scope0).items()},
+    self.assertEqual({r["site"]: r["ci_low"] for r in
+                      validate.site_records(plan, "speed", scope0)},
                      {BAD_SITE: 1.5, GOOD_SITE: 1.5})
     measured = []
     for scope in ({"round": 1, "failing": ["train"]}, {"round": 0, "failing": ["infer"]}):

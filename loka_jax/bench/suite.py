@@ -311,8 +311,10 @@ def _head_to_head(bench: speed.TargetBench, arm: speed.Arm, alive: Dict[str, spe
             "most so far) would end past the deadline (the ratio of rows stands)")
         continue
       log(f"  {arm.name} vs {name}: building {name} again for the pair")
+      started = time.time()
       try:
         alive[name] = build(name)
+        build_s = max(build_s, time.time() - started)
       except Exception as e:  # that pair falls back to the ratio of rows; the others stand
         log(f"  {arm.name} vs {name}: {name} failed to build: {type(e).__name__}: "
             f"{str(e)[:300]}")

@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -399,21 +400,48 @@ def site_step(step: str) -> str:
   return f"{step}_site"
 
 
+def site_records(plan: Plan, step: str, scope: Optional[Mapping[str, Any]] = None
+                 ) -> List[Dict[str, Any]]:
+  """The site measurement records of `step` whose fields match `scope` (field: value;
+  None: any), in order."""
+  return [r for r in plan["validation"]
+          if r.get("step") == site_step(step)
+          and all(r.get(k) == v for k, v in (scope or {}).items())]
+
+
 def saved_site_measurements(plan: Plan, step: str, scope: Optional[Mapping[str, Any]] = None
                             ) -> Dict[Tuple[str, KernelChoice], float]:
   """{(site, choice): value} of every site measurement recorded for `step` (a non-finite
-  value is stored as null) whose record matches `scope` (field: value; None: any). A
-  quality measurement is of the site alone against bf16+Mods on the validation's state, so
-  it holds in every later round and call while the site keeps that choice; the speed
-  check's in-context slowdowns hold only within their round (`measure_sites`' scope)."""
-  out = {}
-  for r in plan["validation"]:
-    if r.get("step") == site_step(step) and all(r.get(k) == v for k, v in
-                                                 (scope or {}).items()):
-      value = r["value"]
-      out[(r["site"], KernelChoice.from_dict(r["choice"]))] = (
-          math.inf if value is None else float(value))
-  return out
+  value is stored as null) whose record matches `scope` (`site_records`). A quality
+  measurement is of the site alone against bf16+Mods on the validation's state, so it holds
+  in every later round and call while the site keeps that choice; the speed check's
+  in-context slowdowns hold only within their round (`measure_sites`' scope)."""
+  return {(r["site"], KernelChoice.from_dict(r["choice"])):
+          math.inf if r["value"] is None else float(r["value"])
+          for r in site_records(plan, step, scope)}
+
+
+def take_in_turn(plan: Plan, progress: Progress, record_step: str,
+                 pending: Sequence[Tuple[str, Dict[str, Any], Callable[[], Dict[str, Any]]]]
+                 ) -> Plan:
+  """Takes each pending measurement (where, its identifying fields, a call returning its
+  result fields) in turn and records it at once as a `record_step` record with the
+  `seconds` it took, saving the plan before the next, so a call that stops midway keeps
+  what it measured. None starts that would not end by the deadline at the pace of the
+  slowest `record_step` record, from this call or an earlier one."""
+  earlier = [r["seconds"] for r in plan["validation"]
+             if r.get("step") == record_step and r.get("seconds") is not None]
+  if earlier:
+    progress.measured(max(earlier))
+  for where, fields, measure in pending:
+    progress.checkpoint(plan, where, measurement=True)
+    start = time.time()
+    result = measure()
+    seconds = time.time() - start
+    progress.measured(seconds)
+    plan = add_validation(plan, {"step": record_step, **fields, **result,
+                                 "seconds": round(seconds, 2)})
+  return plan
 
 
 def measure_sites(plan: Plan, step: str, round_: int, candidates: Mapping[str, KernelChoice],
@@ -421,41 +449,26 @@ def measure_sites(plan: Plan, step: str, round_: int, candidates: Mapping[str, K
                   scope: Optional[Mapping[str, Any]] = None
                   ) -> Tuple[Plan, Dict[str, float]]:
   """(plan, {site: value}) for every candidate: as the plan records it (this round, an earlier
-  one or an earlier call: `saved_site_measurements`) or taken now by `measure(site, choice)`,
-  each new value recorded in the plan at once and the plan saved before the next site, so a
-  call that stops mid-round keeps what it measured. The pace starts from the slowest
-  measurement recorded, so even a call's first site does not start when it would end past
-  the deadline. `measure` returns the value, or (value, extras) to record the extras beside
-  it. `scope` (field: value) is recorded with each new measurement, and only measurements
-  recorded with it are reused: a value that holds only where it was taken (the speed check's,
-  in one round for its failing steps) is not carried past it."""
-  measured = saved_site_measurements(plan, step, scope)
-  earlier = [r["seconds"] for r in plan["validation"]
-             if r.get("step") == site_step(step) and r.get("seconds") is not None]
-  if earlier:
-    progress.measured(max(earlier))
-  for site, choice in sorted(candidates.items()):
-    if (site, choice) in measured:
-      continue
-    progress.checkpoint(plan, f"{step} round {round_}, site {site}", measurement=True)
-    start = time.time()
+  one or an earlier call: `saved_site_measurements`) or taken now by `measure(site, choice)`
+  (`take_in_turn`: recorded at once, so a call that stops mid-round keeps what it measured;
+  even a call's first site waits for the pace of the slowest recorded). `measure` returns
+  the value, or (value, extras) to record the extras beside it. `scope` (field: value) is
+  recorded with each new measurement, and only measurements recorded with it are reused: a
+  value that holds only where it was taken (the speed check's, in one round for its failing
+  steps) is not carried past it."""
+  def result(site: str, choice: KernelChoice) -> Dict[str, Any]:
     got = measure(site, choice)
     value, extras = (float(got[0]), dict(got[1])) if isinstance(got, tuple) else (float(got), {})
-    seconds = time.time() - start
-    progress.measured(seconds)
-    measured[(site, choice)] = value
-    plan = add_validation(plan, {"step": site_step(step), "round": round_, **(scope or {}),
-                                 "site": site, "choice": choice.to_dict(),
-                                 "value": value if math.isfinite(value) else None,
-                                 **extras, "seconds": round(seconds, 2)})
+    return {"value": value if math.isfinite(value) else None, **extras}
+
+  saved = saved_site_measurements(plan, step, scope)
+  pending = [(f"{step} round {round_}, site {site}",
+              {"round": round_, **(scope or {}), "site": site, "choice": choice.to_dict()},
+              functools.partial(result, site, choice))
+             for site, choice in sorted(candidates.items()) if (site, choice) not in saved]
+  plan = take_in_turn(plan, progress, site_step(step), pending)
+  measured = saved_site_measurements(plan, step, scope)
   return plan, {s: measured[(s, c)] for s, c in candidates.items()}
-
-
-def site_records(plan: Plan, step: str, scope: Mapping[str, Any]) -> Dict[str, Dict[str, Any]]:
-  """{site: its latest measurement record of `step` matching `scope`}: the extras a
-  `measure` returned beside each value."""
-  return {r["site"]: r for r in plan["validation"]
-          if r.get("step") == site_step(step) and all(r.get(k) == v for k, v in scope.items())}
 
 
 def _final(plan: Plan, record: Dict[str, Any]) -> Plan:
@@ -1055,7 +1068,7 @@ def check_speed(plan, ctx: ValidationContext, config: ValidationConfig = Validat
           plan, "speed", round_, candidates,
           lambda site, choice: in_context_slowdown(ctx, round_plan, site, failing, config),
           progress, scope)
-      ci_lows = {s: r["ci_low"] for s, r in site_records(plan, "speed", scope).items()}
+      ci_lows = {r["site"]: r["ci_low"] for r in site_records(plan, "speed", scope)}
       record["in_context_slowdown"] = slowdowns
       record["in_context_ci_low"] = {s: ci_lows[s] for s in candidates}
       worst = clearly_slow_sites(ci_lows, slowdowns)
@@ -1152,33 +1165,25 @@ def _timed_proposals(plan: Plan, ctx: ValidationContext, config: ValidationConfi
                      proposals: Sequence[Promotion], promoted: Mapping[str, Plan],
                      progress: Progress) -> Tuple[Plan, Dict[str, Dict[str, Any]]]:
   """(plan, {kernel: its PROPOSAL record: pays, train, infer}): each proposal (`promoted`:
-  {kernel: the plan with it}) timed against the plan in an
-  interleaving of its own and recorded at once (a PROPOSAL record), so a promotion that
-  outlasts a call resumes with the proposals it lacks: each pair compiles two whole models
-  (InterFormer `small`: 40-84 s a compile on an H200), and several proposals of a large
-  preset outlast one call. No pair starts that would not end by the deadline at the pace of
-  the slowest recorded; that pace is the promotion's own, not the site measurements'."""
-  pace = Progress(save=progress.save, deadline=progress.deadline)
-  done = {r["kernel"]: r for r in plan["validation"] if r.get("step") == PROPOSAL}
-  if done:
-    pace.measured(max(float(r.get("seconds") or 0.0) for r in done.values()))
-  for p in proposals:
-    if p.kernel in done:
-      continue
-    name = f"promote {p.kernel}"
-    pace.checkpoint(plan, f"the speed promotion, proposal {p.kernel}", measurement=True)
-    start = time.time()
-    pair = {"plan": plan.kernel_plan(), name: promoted[p.kernel].kernel_plan()}
-    got = measure_steps(ctx, pair, "plan", config.speed_repeats, config.seed,
-                        config.speed_min_sample_s)
-    seconds = time.time() - start
-    pace.measured(seconds)
-    done[p.kernel] = {"step": PROPOSAL, "kernel": p.kernel, "pays": promotion_pays(got, name),
-                      **{m: {"speedup": got[m][name]["speedup"],
-                             "speedup_ci": got[m][name]["speedup_ci"]} for m in STEP_PASSES},
-                      "seconds": round(seconds, 2)}
-    plan = add_validation(plan, done[p.kernel])
-  return plan, done
+  {kernel: the plan with it}) timed against the plan in an interleaving of its own and
+  recorded at once (`take_in_turn`), so a promotion that outlasts a call resumes with the
+  proposals it lacks: each pair compiles two whole models (InterFormer `small`: 40-84 s a
+  compile on an H200), and several proposals of a large preset outlast one call. Its pace
+  is its own, not the site measurements'."""
+  def timed(kernel: str) -> Dict[str, Any]:
+    name = f"promote {kernel}"
+    got = measure_steps(ctx, {"plan": plan.kernel_plan(), name: promoted[kernel].kernel_plan()},
+                        "plan", config.speed_repeats, config.seed, config.speed_min_sample_s)
+    return {"pays": promotion_pays(got, name),
+            **{m: {"speedup": got[m][name]["speedup"], "speedup_ci": got[m][name]["speedup_ci"]}
+               for m in STEP_PASSES}}
+
+  done = {r["kernel"] for r in plan["validation"] if r.get("step") == PROPOSAL}
+  pending = [(f"the speed promotion, proposal {p.kernel}", {"kernel": p.kernel},
+              functools.partial(timed, p.kernel)) for p in proposals if p.kernel not in done]
+  plan = take_in_turn(plan, Progress(save=progress.save, deadline=progress.deadline),
+                      PROPOSAL, pending)
+  return plan, {r["kernel"]: r for r in plan["validation"] if r.get("step") == PROPOSAL}
 
 
 def check_promotion(plan, ctx: ValidationContext, config: ValidationConfig = ValidationConfig(),
