@@ -50,23 +50,27 @@ class FlippedKernel(Kernel):
     return (-10.0 * reference_einsum(spec, a, b)).astype(out_dtype)
 
 
-def _sleep(x):
-  time.sleep(0.004)
-  return x
-
-
 @dataclasses.dataclass(frozen=True)
 class SlowKernel(Kernel):
-  """Test-only: the bf16 product after a 4 ms host stall (a kernel that loses in context)."""
+  """Test-only: the bf16 product after a host stall of `stall_s` (a kernel that loses in
+  context)."""
+  stall_s: float = 0.004
 
   def einsum(self, spec, a, b, *, pass_name, out_dtype):
+    def stall(x):
+      time.sleep(self.stall_s)
+      return x
     out = reference_einsum(spec, a, b).astype(out_dtype)
-    return jax.pure_callback(_sleep, jax.ShapeDtypeStruct(out.shape, out.dtype), out)
+    return jax.pure_callback(stall, jax.ShapeDtypeStruct(out.shape, out.dtype), out)
 
 
+# A step of the tiny model takes 0.3-1.6 ms on an idle CPU and several times that, in bursts,
+# on a host running the suite on every core; the 12 ms stall keeps a step that has it slower
+# than one without it through such bursts.
 TEST_KERNELS = (TwoBitKernel("test_two_bit", "xla", description="test: 2-bit operands"),
                 FlippedKernel("test_flipped", "xla", description="test: -10x product"),
-                SlowKernel("test_slow", "xla", description="test: 4 ms stall"))
+                SlowKernel("test_slow", "xla", description="test: 4 ms stall"),
+                SlowKernel("test_stall", "xla", description="test: 12 ms stall", stall_s=0.012))
 
 
 def setUpModule():
@@ -394,14 +398,23 @@ class SpeedTest(chex.TestCase):
         self.assertLess(min(rounds[1][m]["speedup_ci"][0] for m in rounds[1]["failing"]), 0.5)
 
   def test_every_clearly_slow_site_is_backed_off_in_one_round(self):
-    plan = plan_of({BAD_SITE: "test_slow", OTHER_SITE: "test_slow"})
+    plan = plan_of({BAD_SITE: "test_stall", OTHER_SITE: "test_stall"})
     out = validate.check_speed(plan, context(), validate.ValidationConfig(speed=True))
     records = validate.validation_records(out, "speed")
-    self.assertIn("in_context_slowdown", records[0])
-    self.assertEqual(sorted(r["site"] for r in records[1:3]), sorted([BAD_SITE, OTHER_SITE]))
-    self.assertIn("CI above 1", records[2]["reason"])
+    first, later = records[0], records[1:]
+    slowest = max(first["in_context_slowdown"], key=first["in_context_slowdown"].get)
+    second = ({BAD_SITE, OTHER_SITE} - {slowest}).pop()
+    backed_off = [r["site"] for r in later[:next((i for i, r in enumerate(later) if "round" in r),
+                                                 len(later))]]
+    self.assertEqual(backed_off[0], slowest)
     self.assertEqual(kernels(out, OTHER_SITE), {p: FALLBACK for p in hm.PASSES})
-    self.assertLen([r for r in records if "round" in r], 2)  # the stalls went in one round
+    self.assertEqual(kernels(out, BAD_SITE), {p: FALLBACK for p in hm.PASSES})
+    if first["in_context_ci_low"][second] > 1.0:  # the rule: the other goes in the same round
+      self.assertEqual(backed_off, [slowest, second])
+      self.assertIn("CI above 1", later[1]["reason"])
+      self.assertLen([r for r in records if "round" in r], 2)  # the stalls went in one round
+    else:  # a burst of host load hid the stall: it waits for the next round, as the rule says
+      self.assertEqual(backed_off, [slowest])
 
   def test_clearly_slow_sites_rank_by_slowdown_and_need_a_clear_ci(self):
     # ci_lows: each site's lowest CI lower bound over the failing steps ("without SITE" vs
