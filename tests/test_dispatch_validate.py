@@ -589,6 +589,35 @@ class ResumeTest(chex.TestCase):
     self.assertLen(validate.validation_records(again, "quality_held_out"),
                    len(validate.validation_records(out, "quality_held_out")))
 
+  def test_checks_the_config_rules_out_are_recorded_past_the_deadline_not_paused_before(self):
+    # A call that ends in the shadow check must not leave a next call (minutes of start-up at
+    # a large preset) only to record that the check from initialization and the speed check
+    # are off: what the config rules out costs no time, so it is recorded at once.
+    ctx = context()
+    selected = plan_of({GOOD_SITE: "xla_fp8_rowwise"})
+    config = validate.ValidationConfig(max_rel_logloss=0.01, shadow_max_rel_loss=0.05,
+                                       shadow_steps=4, from_init_steps=0, speed=False,
+                                       promote=False)
+    progress = validate.Progress(deadline=None)
+
+    def save(plan):
+      if validate.finished(plan, "quality_shadow"):
+        progress.deadline = 0.0   # the deadline passes as the shadow check ends
+    progress.save = save
+    out = validate.validate_end_to_end(selected, ctx, config, progress=progress)
+    for step, reason in (("quality_from_init", "from_init_steps=0"),
+                         ("speed", "switched off (speed=False)")):
+      (record,) = validate.validation_records(out, step)
+      self.assertTrue(record["skipped"] and record["final"], step)
+      self.assertEqual(record["reason"], reason)
+    self.assertEqual(kernels(out, GOOD_SITE)["fwd"], "xla_fp8_rowwise")  # the checks ran on it
+    self.assertTrue(validate.validation_records(out, "validated"))
+    # A check with something to run still pauses there.
+    progress.deadline = None
+    with self.assertRaisesRegex(validate.ValidationPaused, "before the quality_from_init check"):
+      validate.validate_end_to_end(selected, ctx, dataclasses.replace(config, from_init_steps=2),
+                                   progress=progress)
+
 
   def _paused_after_one_site(self, check, step, plan, config):
     """Runs `check` until its first site measurement is saved, then past the deadline; returns

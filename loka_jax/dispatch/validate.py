@@ -802,7 +802,7 @@ def check_shadow(plan, ctx: ValidationContext, config: ValidationConfig = Valida
   """Shadow training, plan vs bf16+Mods from the same checkpoint; backs off the site that
   moves the gradient most while the runs diverge (bound: `shadow_max_rel_loss`)."""
   return _check_training(plan, ctx, config, progress, "quality_shadow", CHECKPOINT,
-                         config.shadow_steps, "shadow_steps")
+                         config.shadow_steps)
 
 
 def check_from_init(plan, ctx: ValidationContext, config: ValidationConfig = ValidationConfig(),
@@ -812,7 +812,7 @@ def check_from_init(plan, ctx: ValidationContext, config: ValidationConfig = Val
   optim = (None if config.from_init_warmup_steps is None else
            dataclasses.replace(ctx.optim, warmup_steps=config.from_init_warmup_steps))
   return _check_training(plan, ctx, config, progress, "quality_from_init", INIT,
-                         config.from_init_steps, "from_init_steps", optim)
+                         config.from_init_steps, optim)
 
 
 _TRAINING = {CHECKPOINT: "shadow training", INIT: "training from initialization"}
@@ -820,13 +820,14 @@ _TRAINING = {CHECKPOINT: "shadow training", INIT: "training from initialization"
 
 def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
                     progress: Optional[Progress], step: str, start: str, steps: int,
-                    field: str, optim: Optional[OptimConfig] = None) -> Plan:
+                    optim: Optional[OptimConfig] = None) -> Plan:
   """The shadow check and the check from initialization: `steps` training steps from
   `start`, plan vs bf16+Mods, backing off while the plan's loss climbs above the baseline's."""
   plan = as_plan(plan)
   progress = progress or Progress()
-  if steps == 0:
-    return _final(plan, {"step": step, "skipped": True, "reason": f"{field}=0"})
+  why = ruled_out_by_config(step, config)
+  if why is not None:
+    return _final(plan, {"step": step, "skipped": True, "reason": why})
   size = config.eval_batch_size
   window = min(config.shadow_window, steps)
   # From the checkpoint there is one start; from initialization each seed is one.
@@ -1017,8 +1018,8 @@ def check_speed(plan, ctx: ValidationContext, config: ValidationConfig = Validat
   least `min_speedup` x bf16+Mods (CI lower bound)."""
   plan = as_plan(plan)
   progress = progress or Progress()
-  enabled, why = speed_enabled(config)
-  if not enabled:
+  why = ruled_out_by_config("speed", config)
+  if why is not None:
     return _final(plan, {"step": "speed", "skipped": True, "reason": why})
   device = jax.devices()[0].device_kind
   first = _rounds_done(plan, "speed")
@@ -1196,8 +1197,8 @@ def check_promotion(plan, ctx: ValidationContext, config: ValidationConfig = Val
   they must."""
   plan = as_plan(plan)
   progress = progress or Progress()
-  enabled, why = promotion_enabled(config)
-  if not enabled:
+  why = ruled_out_by_config(PROMOTION, config)
+  if why is not None:
     return _final(plan, {"step": PROMOTION, "skipped": True, "reason": why})
   if ctx.report is None:
     return _final(plan, {"step": PROMOTION, "skipped": True,
@@ -1240,6 +1241,21 @@ def check_promotion(plan, ctx: ValidationContext, config: ValidationConfig = Val
 CHECKS = ((PROMOTION, check_promotion), ("quality_held_out", check_held_out),
           ("quality_shadow", check_shadow), ("quality_from_init", check_from_init),
           ("speed", check_speed))
+_STEPS_FIELD = {"quality_shadow": "shadow_steps", "quality_from_init": "from_init_steps"}
+
+
+def ruled_out_by_config(step: str, config: ValidationConfig) -> Optional[str]:
+  """Why the config alone rules the `step` check out (no steps to train, or a timed check
+  off or not on a GPU), or None. Such a check has nothing to measure, so a validation at
+  its deadline records it instead of pausing before it."""
+  if step == PROMOTION:
+    enabled, why = promotion_enabled(config)
+  elif step == "speed":
+    enabled, why = speed_enabled(config)
+  else:
+    field = _STEPS_FIELD.get(step)
+    enabled, why = field is None or getattr(config, field) > 0, f"{field}=0"
+  return None if enabled else why
 
 
 def validate_end_to_end(plan, ctx: ValidationContext,
@@ -1264,6 +1280,10 @@ def validate_end_to_end(plan, ctx: ValidationContext,
       plan = _final(plan, {"step": step, "skipped": True,
                            "reason": "no FP8 site in the plan: it runs bf16+Mods, which is "
                                      "what it would be compared with"})
+      continue
+    why = ruled_out_by_config(step, config)
+    if why is not None:  # recorded even past the deadline: a resumed call would only do this
+      plan = _final(plan, {"step": step, "skipped": True, "reason": why})
       continue
     progress.checkpoint(plan, f"the {step} check")
     plan = check(plan, ctx, config, progress)
