@@ -10,6 +10,12 @@ longer than one call (--max_minutes: no new row starts after it) finishes over s
 The LoKA arm needs each target's plan (DIR/plans/<model>_<preset>/plan.json): a missing one is
 probed first (--probe), resumably. Every call ends by writing DIR/report.md (tables and the
 target checks), DIR/targets.json and PNG plots under DIR/plots/.
+
+--mods (default: all) sets the Mods of the Mods arms (bf16_mods, bf16_mods_served, loka, and
+quality's bf16_mods and loka) and of LoKA's probe, e.g. --mods=no_bias,blocknorm to see
+whether a plan holds without Hard Swish. Another set than all is its own subject: its rows
+carry `mods_set` and are compared only with one another, and its plans live under
+DIR/plans/mods_<set>/.
 """
 import os
 import time
@@ -120,7 +126,7 @@ def main(argv):
   _setup(workdir)
   import jax
   from loka_jax import _compat
-  from loka_jax.bench import plots, quality, suite, tables, targets
+  from loka_jax.bench import mods_set, plots, quality, suite, tables, targets
   from loka_jax.bench.results import ResultsFile
   from loka_jax.bench.towers import TOWER_SHAPES
   from loka_jax.bench.variants import parse_variants
@@ -138,6 +144,10 @@ def main(argv):
   speed_rows = ResultsFile(os.path.join(workdir, "bench.jsonl"), suite.KEY_FIELDS)
   quality_rows = ResultsFile(os.path.join(workdir, "quality.jsonl"), quality.KEY_FIELDS)
   variants = parse_variants(VARIANTS.value)
+  try:
+    mods = mods_set.parse(common_flags.MODS.value or mods_set.DEFAULT)
+  except ValueError as e:
+    raise app.UsageError(f"--mods: {e}") from e
   models = MODELS_FLAG.value or list(MODEL_NAMES)
   settings = suite.SpeedSettings(repeats=REPEATS.value, plans_dir=plans_dir, probe=PROBE.value,
                                  probe_steps=PROBE_STEPS.value,
@@ -154,7 +164,7 @@ def main(argv):
                                                   "off": False}[SERVE_PROMOTION.value],
                                  min_call_s=(suite.speed.MIN_CALL_S if MIN_CALL_MS.value is None
                                              else MIN_CALL_MS.value * 1e-3),
-                                 seed=common_flags.SEED.value)
+                                 seed=common_flags.SEED.value, mods=mods)
   batch = BATCH.value or None
   _log(f"device {device}; suite {SUITE.value}; results under {workdir}")
 
@@ -178,14 +188,14 @@ def main(argv):
       runs += [(m, quality.QualitySettings(
           data="synthetic", preset=Q_PRESET.value, steps=Q_STEPS.value, batch_size=batch,
           seed=common_flags.SEED.value, noise_seeds=noise, arms=tuple(ARMS.value),
-          min_eval=Q_MIN_EVAL.value, plans_dir=plans_dir, warmup_steps=Q_WARMUP.value))
-          for m in models]
+          min_eval=Q_MIN_EVAL.value, plans_dir=plans_dir, warmup_steps=Q_WARMUP.value,
+          mods=mods)) for m in models]
     if "movielens" in Q_DATA.value:
       runs += [(m, quality.QualitySettings(
           data="movielens", preset=ML_PRESET.value, steps=ML_STEPS.value,
           batch_size=ML_BATCH.value, seeds=tuple(range(ML_SEEDS.value)), arms=tuple(ARMS.value),
           data_cache=common_flags.DATA_CACHE.value,
-          plans_dir=os.path.join(plans_dir, "movielens"))) for m in ML_MODELS.value]
+          plans_dir=os.path.join(plans_dir, "movielens"), mods=mods)) for m in ML_MODELS.value]
     for model, qs in runs:
       names = (f"{model}/{qs.preset}", model, qs.preset, qs.data)
       if ONLY.value and not any(n in ONLY.value for n in names):
@@ -212,7 +222,8 @@ def main(argv):
 
 
 def _quality_plan_maker(qs, settings, deadline):
-  """Probes a quality model (its preset, with Mods) when its LoKA plan is missing."""
+  """Probes a quality model (its preset, with the run's Mods) when its LoKA plan is
+  missing."""
   if not PROBE.value:
     return None
   from loka_jax.bench import planning
@@ -224,12 +235,12 @@ def _quality_plan_maker(qs, settings, deadline):
     if budget < 30:
       return None
     spec = experiment.RunSpec(model=model, preset=qs.preset, data=qs.data,
-                              data_cache=qs.data_cache, precision="bf16", mods=("all",),
+                              data_cache=qs.data_cache, precision="bf16", mods=qs.mods,
                               seed=qs.seed)
     config = TrainConfig(steps=settings.probe_steps, progress=False, seed=qs.seed,
                          batch_size=qs.batch_size or experiment.preset_batch_size(
                              model, qs.preset))
-    return planning.make_plan(spec, qs.plans_dir, config, budget_s=budget,
+    return planning.make_plan(spec, qs.plans_root, config, budget_s=budget,
                               samples=settings.probe_samples, kernels=settings.probe_kernels,
                               validation=settings.validation())
   return make

@@ -12,6 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from loka_jax.bench import quality as quality_lib  # noqa: E402
+from loka_jax.bench.mods_set import row_subject  # noqa: E402
 from loka_jax.bench.variants import LABELS, VARIANTS  # noqa: E402
 
 
@@ -36,10 +37,10 @@ def speedup_plot(rows: Sequence[Mapping], suite: str, path: str) -> str:
   """Grouped bars: train and inference speedup vs bf16 (with 95% CI) per variant per target."""
   rows = [r for r in rows if r.get("suite") == suite and "train" in r and "error" not in r]
   # A target with its bf16 row alone has nothing to compare yet: no empty group for it.
-  measured = {f"{r['model']}/{r['preset']}" for r in rows if r["variant"] != "bf16"}
-  targets = sorted(measured or {f"{r['model']}/{r['preset']}" for r in rows})
+  measured = {row_subject(r) for r in rows if r["variant"] != "bf16"}
+  targets = sorted(measured or {row_subject(r) for r in rows})
   variants = [v for v in VARIANTS if any(r["variant"] == v for r in rows)]
-  by = {(f"{r['model']}/{r['preset']}", r["variant"]): r for r in rows}
+  by = {(row_subject(r), r["variant"]): r for r in rows}
   # Wide enough to tell the bars apart, not so wide that a page shrinks it past reading.
   width_in = min(16, max(6, 1.4 * len(targets) * max(len(variants), 1) / 3))
   fig, axes = plt.subplots(2, 1, figsize=(width_in, 7), squeeze=False)

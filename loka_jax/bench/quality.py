@@ -30,15 +30,16 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import jax
 import numpy as np
 
-from loka_jax.bench import planning
+from loka_jax.bench import mods_set, planning
 from loka_jax.bench.results import ResultsFile
 from loka_jax.train import experiment
 from loka_jax.train.loop import TrainConfig, train
 from loka_jax.train.optim import OptimConfig
 
-# `warmup_steps` is absent (None) from rows of the plain recipe, so rows written before it
-# existed keep their keys.
-KEY_FIELDS = ("suite", "data", "model", "preset", "arm", "seed", "device", "warmup_steps")
+# `warmup_steps` is absent (None) from rows of the plain recipe, and `mods_set` from rows of
+# the default Mods set (`mods_set.DEFAULT`), so rows written before them keep their keys.
+KEY_FIELDS = ("suite", "data", "model", "preset", "arm", "seed", "device", "warmup_steps",
+              "mods_set")
 MIN_EVAL = 200_000
 NEUTRAL_REL = 2e-4  # DESIGN.md: 0.02% relative log loss
 
@@ -76,25 +77,42 @@ class QualitySettings:
   plans_dir: str = "plans"
   keep_runs: bool = False              # keep finished runs' checkpoints
   warmup_steps: int = 0                # linear warm-up of both learning rates (0: none)
+  # The Mods of the Mods arms (bf16_mods, loka) and of LoKA's probe (`mods_set`).
+  mods: Tuple[str, ...] = mods_set.DEFAULT
 
   def __post_init__(self):
     if not 0 <= self.warmup_steps <= self.steps:
       raise ValueError(f"warmup_steps must be in [0, steps={self.steps}], got "
                        f"{self.warmup_steps}")
+    self.mods = mods_set.parse(self.mods)
+
+  @property
+  def mods_label(self) -> Optional[str]:
+    return mods_set.label(self.mods)
+
+  @property
+  def plans_root(self) -> str:
+    """Where the LoKA arm's plans live (a folder of their own for a Mods set not the
+    default)."""
+    return mods_set.plans_root(self.plans_dir, self.mods)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Comparison:
-  """The rows compared with one another: one data set, model, preset and training recipe."""
+  """The rows compared with one another: one data set, model, preset, training recipe and
+  Mods set (its label; None: every Mod)."""
   data: str
   model: str
   preset: str
   warmup_steps: int = 0
+  mods_set: str = ""
 
   @property
   def preset_label(self) -> str:
-    """The preset, with the warm-up recipe where it is one."""
-    return self.preset + (f" (warmup {self.warmup_steps})" if self.warmup_steps else "")
+    """The preset, with the warm-up recipe and the Mods set where they are not the
+    defaults."""
+    recipe = self.preset + (f" (warmup {self.warmup_steps})" if self.warmup_steps else "")
+    return mods_set.preset_label(recipe, self.mods_set or None)
 
   @property
   def subject(self) -> str:
@@ -104,7 +122,8 @@ class Comparison:
     """Whether `row` is a scored quality row of this comparison."""
     return (row.get("suite") == "quality" and row.get("data") == self.data
             and row.get("model") == self.model and row.get("preset") == self.preset
-            and row_warmup(row) == self.warmup_steps and row.get("logloss") is not None)
+            and row_warmup(row) == self.warmup_steps
+            and (mods_set.of_row(row) or "") == self.mods_set and row.get("logloss") is not None)
 
 
 def row_warmup(row: Mapping) -> int:
@@ -113,7 +132,8 @@ def row_warmup(row: Mapping) -> int:
 
 def comparisons(rows: Sequence[Mapping], scored_only: bool = True) -> List[Comparison]:
   """Every comparison the quality rows hold (`scored_only`: rows with a log loss), sorted."""
-  return sorted({Comparison(r["data"], r["model"], r["preset"], row_warmup(r)) for r in rows
+  return sorted({Comparison(r["data"], r["model"], r["preset"], row_warmup(r),
+                            mods_set.of_row(r) or "") for r in rows
                  if r.get("suite") == "quality"
                  and (r.get("logloss") is not None or not scored_only)})
 
@@ -129,7 +149,7 @@ def runs(settings: QualitySettings) -> List[Tuple[QualityArm, int]]:
   if unknown:
     raise ValueError(f"unknown quality arm(s) {unknown}; valid: {', '.join(ARMS)}")
   seeds = settings.seeds or (settings.seed,)
-  out = [(ARMS[a], s) for s in seeds for a in settings.arms]
+  out = [(mods_set.apply(ARMS[a], settings.mods), s) for s in seeds for a in settings.arms]
   if not settings.seeds:
     out += [(ARMS["bf16"], s) for s in settings.noise_seeds if s != settings.seed]
   return out
@@ -178,7 +198,7 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
   """Every unfinished run of `model`; False when the deadline stopped it."""
   for arm, seed in runs(settings):
     key = ("quality", settings.data, model, settings.preset, arm.name, seed, device,
-           settings.warmup_steps or None)
+           settings.warmup_steps or None, settings.mods_label)
     if results.done(key):
       continue
     if time.time() > deadline:
@@ -188,18 +208,20 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
     row.update(jax=jax.__version__, precision=arm.precision, mods=list(arm.mods))
     plan = None
     if arm.precision == "loka":
-      plan = planning.plan_path(settings.plans_dir, model, settings.preset)
+      plan = planning.plan_path(settings.plans_root, model, settings.preset)
       if not os.path.exists(plan) and plan_maker is not None:
         plan = plan_maker(model) or plan
       if not os.path.exists(plan):
         log(f"  quality {model}/loka: skipped, no plan at {plan} yet")
         continue
       row["plan"] = plan
-    recipe = f"_warmup{settings.warmup_steps}" if settings.warmup_steps else ""
+    recipe = ((f"_warmup{settings.warmup_steps}" if settings.warmup_steps else "")
+              + (f"_mods_{settings.mods_label}" if settings.mods_label else ""))
     workdir = os.path.join(root, settings.data, f"{model}_{settings.preset}",
                            f"{arm.name}_seed{seed}{recipe}")
     log(f"  quality {settings.data} {model}/{settings.preset} {arm.name} seed {seed}"
-        + (f" warmup {settings.warmup_steps}" if settings.warmup_steps else ""))
+        + (f" warmup {settings.warmup_steps}" if settings.warmup_steps else "")
+        + (f" Mods {settings.mods_label}" if settings.mods_label else ""))
     try:
       row.update(run_arm(model, arm, seed, settings, workdir, plan))
     except Exception as e:  # a diverged or failing arm is a result too

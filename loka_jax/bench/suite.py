@@ -17,7 +17,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import jax
 
-from loka_jax.bench import planning, speed, towers
+from loka_jax.bench import mods_set, planning, speed, towers
 from loka_jax.bench.results import ResultsFile
 from loka_jax.bench.targets import interleaved_references, speed_index
 from loka_jax.bench.variants import (PALLAS, PLAN, VARIANTS, Variant, pallas_coverage,
@@ -29,7 +29,9 @@ from loka_jax.models.site import SiteConfig
 from loka_jax.train import experiment
 from loka_jax.train.loop import TrainConfig
 
-KEY_FIELDS = ("suite", "model", "preset", "variant", "device")
+# `mods_set` is absent (None) from rows of the default Mods set (`mods_set.DEFAULT`), so rows
+# written before it existed keep their keys.
+KEY_FIELDS = ("suite", "model", "preset", "variant", "device", "mods_set")
 TOWER = "tower"
 PLAN_EVAL_EXAMPLES = 65536  # held-out examples a target's LoKA plan is validated on (at most)
 
@@ -140,6 +142,17 @@ class SpeedSettings:
   # When the serving plan is first selected, time the export of its serving proposal against
   # it and keep the proposal when provably faster (`decide_serving`). None: on a GPU only.
   serve_promotion: Optional[bool] = None
+  # The Mods of the Mods arms (bf16_mods, bf16_mods_served, loka) and of the probe that plans
+  # LoKA: every Mod by default; another set is its own subject (`mods_set`).
+  mods: Tuple[str, ...] = mods_set.DEFAULT
+
+  def __post_init__(self):
+    self.mods = mods_set.parse(self.mods)
+
+  @property
+  def plans_root(self) -> str:
+    """Where this run's plans live (a folder of their own for a Mods set not the default)."""
+    return mods_set.plans_root(self.plans_dir, self.mods)
 
   def validation(self):
     """The `ValidationConfig` of the plans this run makes (its defaults but for the check
@@ -160,10 +173,10 @@ def plan_for(target: Target, variant: Variant, batch, settings: SpeedSettings) -
     return plan, {"pallas_coverage": pallas_coverage(chosen, variant.preference),
                   "kernels": kernels}, None
   if variant.kernels_from == PLAN:
-    plan = planning.load(settings.plans_dir, target.model, target.preset)
+    plan = planning.load(settings.plans_root, target.model, target.preset)
     if plan is None:
       return None, {}, "the LoKA plan is not ready (the probe resumes on the next run)"
-    fields = {"plan": planning.plan_path(settings.plans_dir, target.model, target.preset),
+    fields = {"plan": planning.plan_path(settings.plans_root, target.model, target.preset),
               "kernels": plan.kernel_names()}
     return plan, fields, None
   return None, {}, None
@@ -173,7 +186,7 @@ def _probe_for_plan(target: Target, variant: Variant, settings: SpeedSettings,
                     deadline: float, log) -> bool:
   """Probes the target for its LoKA plan when the plan is missing (resumable); whether it
   probed."""
-  if planning.load(settings.plans_dir, target.model, target.preset) is not None:
+  if planning.load(settings.plans_root, target.model, target.preset) is not None:
     return False
   budget = deadline - time.time()
   if budget < 30:
@@ -181,7 +194,7 @@ def _probe_for_plan(target: Target, variant: Variant, settings: SpeedSettings,
   log(f"probing {target.name} for its LoKA plan (budget {budget:.0f}s)")
   config = TrainConfig(steps=settings.probe_steps, batch_size=target.batch(), progress=False,
                        seed=settings.seed)
-  planning.make_plan(target.run_spec(variant.mods), settings.plans_dir, config,
+  planning.make_plan(target.run_spec(variant.mods), settings.plans_root, config,
                      budget_s=budget, build=target.probe_build(),
                      samples=settings.probe_samples, kernels=settings.probe_kernels,
                      timing_cache=settings.probe_timing_cache,
@@ -275,12 +288,12 @@ def _build_arm(bench: speed.TargetBench, target: Target, v: Variant, batch,
   model = target.build(speed.site_config(v, plan), v.mods)
   arm = bench.add(v.name, model)
   if v.kernels_from == PLAN:
-    report = planning.load_report(settings.plans_dir, target.model, target.preset)
+    report = planning.load_report(settings.plans_root, target.model, target.preset)
     served, chosen = row["plan"], {}
     if settings.serve_plan:
       decide = functools.partial(decide_serving, bench, arm, model, report, settings, chosen)
-      served = planning.serving_plan(settings.plans_dir, target.model, target.preset, decide)
-      row["serve_plan"] = planning.serving_plan_path(settings.plans_dir, target.model,
+      served = planning.serving_plan(settings.plans_root, target.model, target.preset, decide)
+      row["serve_plan"] = planning.serving_plan_path(settings.plans_root, target.model,
                                                      target.preset)
       row["serve_kernels"] = sorted({served["sites"][n]["fwd"]["kernel"]
                                      for n in served["sites"]})
@@ -335,8 +348,10 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
                settings: SpeedSettings, deadline: float, device: str,
                log: Callable[[str], None] = print) -> bool:
   """Measures the target's unfinished variants; False when some are left (deadline, plan)."""
-  key = (target.suite, target.model, target.preset, device)
-  pending = [v for v in variants if not results.done((*key[:3], v.name, device))]
+  set_label = mods_set.label(settings.mods)
+  key = (target.suite, target.model, target.preset, device, set_label)  # its speed_index key
+  variants = [mods_set.apply(v, settings.mods) for v in variants]
+  pending = [v for v in variants if not results.done((*key[:3], v.name, device, set_label))]
   if not pending:
     return True
   # Head-to-head subjects last: the arms they are compared with are timed (and alive) first.
@@ -350,7 +365,7 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
       if v.kernels_from == PLAN:
         probed = _probe_for_plan(target, v, settings, deadline, log) or probed
   waiting = [v for v in pending if v.kernels_from == PLAN
-             and planning.load(settings.plans_dir, target.model, target.preset) is None]
+             and planning.load(settings.plans_root, target.model, target.preset) is None]
   if waiting and probed:
     # Planning (the probe, then the plan's validation) had this run's time (its budget is
     # the time to the deadline) and stopped short of a plan because its next step would not
@@ -374,6 +389,8 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
   base = {"suite": target.suite, "model": target.model, "preset": target.preset,
           "device": device, "jax": jax.__version__, "batch_size": target.batch(),
           "flops_per_example": target.flops_per_example()}
+  if set_label is not None:
+    base["mods_set"] = set_label
   batch = target.source(settings.seed).train_batch(0, target.batch())
   bench = speed.TargetBench(batch, seed=settings.seed, min_call_s=settings.min_call_s)
   t0 = time.time()
@@ -389,7 +406,8 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
   alive: Dict[str, speed.Arm] = {}  # arms built here on the shared state, kept for the pairs
 
   def build_again(name: str) -> speed.Arm:
-    arm, _, missing = _build_arm(bench, target, VARIANTS[name], batch, settings)
+    arm, _, missing = _build_arm(bench, target, mods_set.apply(VARIANTS[name], settings.mods),
+                                 batch, settings)
     if missing:
       raise RuntimeError(f"{name}: {missing}")
     return arm

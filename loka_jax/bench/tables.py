@@ -6,6 +6,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from loka_jax.bench import quality as quality_lib
+from loka_jax.bench.mods_set import of_row, preset_label, row_subject
 from loka_jax.bench.variants import LABELS, VARIANTS
 
 # A row's ratio is over the bf16 timed in its own pair. Where that pair's bf16 ran far from
@@ -36,9 +37,12 @@ def _pair_baseline_us(row: Mapping, mode: str) -> Optional[float]:
   return float(np.median(samples)) if samples else None
 
 
+def _preset(row: Mapping) -> str:
+  return preset_label(row["preset"], of_row(row))
+
+
 def _timed_alike(row: Mapping) -> Tuple:
-  return (row["model"], row["preset"], row.get("device"), str(row.get("inner")),
-          row.get("min_call_s"))
+  return (row_subject(row), row.get("device"), str(row.get("inner")), row.get("min_call_s"))
 
 
 def baseline_drift(rows: Sequence[Mapping]) -> Dict[Tuple[int, str], float]:
@@ -72,12 +76,12 @@ def speed_table(rows: Sequence[Mapping], suite: str) -> str:
            "train mem GiB | kernels | device |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
   chosen = [r for r in rows if r.get("suite") == suite]
-  chosen.sort(key=lambda r: (r["model"], r["preset"], _variant_order(r["variant"])))
+  chosen.sort(key=lambda r: (row_subject(r), _variant_order(r["variant"])))
   marks = {key: d for key, d in baseline_drift(chosen).items() if abs(d) > BASELINE_DRIFT}
   notes = []
   for index, r in enumerate(chosen):
     if "error" in r:
-      lines.append(f"| {r['model']} | {r['preset']} | {LABELS.get(r['variant'], r['variant'])} "
+      lines.append(f"| {r['model']} | {_preset(r)} | {LABELS.get(r['variant'], r['variant'])} "
                    f"| {r.get('batch_size', '-')} | error: {r['error'][:80]} | | | | | | "
                    f"{r['device']} |")
       continue
@@ -92,13 +96,13 @@ def speed_table(rows: Sequence[Mapping], suite: str) -> str:
       if (index, mode) in marks:
         ratio[mode] += f" {DRIFT_MARK}"
         drift = marks[(index, mode)]
-        notes.append(f"{DRIFT_MARK} {r['model']}/{r['preset']} "
+        notes.append(f"{DRIFT_MARK} {row_subject(r)} "
                      f"{LABELS.get(r['variant'], r['variant'])}, {mode}: bf16 ran "
                      f"{abs(drift):.0%} {'faster' if drift < 0 else 'slower'} in this pair than "
                      "the median of this target's pairs, and the ratio carries that drift; the "
                      "ex/s columns compare medians timed apart.")
     lines.append(
-        f"| {r['model']} | {r['preset']} | {LABELS.get(r['variant'], r['variant'])} | "
+        f"| {r['model']} | {_preset(r)} | {LABELS.get(r['variant'], r['variant'])} | "
         f"{r['batch_size']} | {t['examples_per_s']:,.0f} | {ratio['train']} | "
         f"{i['examples_per_s']:,.0f} | {ratio['infer']} | {_gib(r.get('train_memory_bytes'))} | "
         f"{kernels or '-'} | {r['device']} |")

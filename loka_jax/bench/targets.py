@@ -12,6 +12,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from loka_jax.bench import mods_set
 from loka_jax.bench import quality as quality_lib
 from loka_jax.bench.variants import PEERS
 
@@ -70,12 +71,19 @@ def over(row_a: Mapping, row_b: Mapping, mode: str) -> Dict:
 
 
 def speed_index(rows: Sequence[Mapping]) -> Dict[Tuple, Dict[str, Mapping]]:
-  """{(suite, model, preset, device): {variant: row}} of the finished speed rows."""
+  """{(suite, model, preset, device, Mods-set label): {variant: row}} of the finished speed
+  rows (the label None for the default Mods set)."""
   out: Dict[Tuple, Dict[str, Mapping]] = {}
   for r in rows:
     if r.get("suite") in ("towers", "models") and "error" not in r and "train" in r:
-      out.setdefault((r["suite"], r["model"], r["preset"], r["device"]), {})[r["variant"]] = r
+      key = (r["suite"], r["model"], r["preset"], r["device"], mods_set.of_row(r))
+      out.setdefault(key, {})[r["variant"]] = r
   return out
+
+
+def _sort_key(item) -> Tuple:
+  (suite, model, preset, device, set_label), _ = item
+  return (suite, model, preset, device, set_label or "")
 
 
 def _verdict(target: str, subject: str, mode: str, value: Optional[Dict], met: Optional[bool],
@@ -123,8 +131,9 @@ def _identical_programs(r: Mapping, what: str, same_as: str) -> Tuple[bool, str]
 def check_speed(rows: Sequence[Mapping]) -> List[Dict]:
   """The speed targets for every target that has a LoKA row."""
   out = []
-  for (suite, model, preset, device), variants in sorted(speed_index(rows).items()):
-    subject = f"{model}/{preset}"
+  for (suite, model, preset, device, set_label), variants in sorted(speed_index(rows).items(),
+                                                                   key=_sort_key):
+    subject = f"{model}/{mods_set.preset_label(preset, set_label)}"
     loka = variants.get("loka")
     for mode in MODES:
       if loka is None:

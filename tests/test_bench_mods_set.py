@@ -1,0 +1,225 @@
+"""A benchmark run with a Mods set other than every Mod: its arms build with that set, its rows
+are a subject of their own (never standing in for the default's, never judged against them),
+and its plans live in their own folder. Checked on tiny towers on the CPU and on hand-made
+rows with known answers."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from unittest import mock
+
+import numpy as np
+from absl.testing import absltest
+
+from loka_jax.bench import collect, mods_set, quality, suite, tables, targets, variants
+from loka_jax.bench.results import ResultsFile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NB_BN = ("no_bias", "blocknorm")
+LABEL = "no_bias+blocknorm"
+
+
+def _tempdir(test):
+  path = tempfile.mkdtemp(prefix="loka_mods_set_")
+  test.addCleanup(shutil.rmtree, path, ignore_errors=True)
+  return path
+
+
+def _speed(speedup, rng, base_us=100.0, n=20):
+  base = base_us * (1 + 0.01 * rng.standard_normal(n))
+  var = base_us / speedup * (1 + 0.01 * rng.standard_normal(n))
+  return {"median_us": float(np.median(var)), "speedup": float(np.median(base) / np.median(var)),
+          "speedup_ci": [speedup * 0.99, speedup * 1.01],
+          "examples_per_s": 4096 / np.median(var) * 1e6, "samples_us": var.tolist(),
+          "baseline_samples_us": base.tolist()}
+
+
+def _row(variant, speedup, rng, set_label=None):
+  row = {"suite": "models", "model": "dlrm", "preset": "large", "variant": variant,
+         "device": "H200", "batch_size": 4096, "train": _speed(speedup, rng),
+         "infer": _speed(speedup, rng), "train_memory_bytes": 2 ** 31}
+  return row if set_label is None else {**row, "mods_set": set_label}
+
+
+class ParseTest(absltest.TestCase):
+
+  def test_a_set_is_canonical_and_every_mod_is_the_default(self):
+    self.assertEqual(mods_set.parse("blocknorm,no_bias"), NB_BN)  # MODS' order
+    self.assertEqual(mods_set.parse(["hard_swish", "blocknorm", "no_bias"]), mods_set.DEFAULT)
+    self.assertEqual(mods_set.parse("all"), mods_set.DEFAULT)
+    self.assertIsNone(mods_set.label("all"))
+    self.assertEqual(mods_set.label(["blocknorm", "no_bias"]), LABEL)
+    self.assertEqual(mods_set.plans_root("P", "all"), "P")
+    self.assertEqual(mods_set.plans_root("P", NB_BN), os.path.join("P", f"mods_{LABEL}"))
+
+  def test_an_empty_or_unknown_set_is_refused_by_name(self):
+    with self.assertRaisesRegex(ValueError, "the Mods set is empty"):
+      mods_set.parse(" , ")
+    with self.assertRaisesRegex(ValueError, r"unknown Mod\(s\) \['swish'\]"):
+      mods_set.parse("no_bias,swish")
+    with self.assertRaisesRegex(ValueError, "unknown Mod"):
+      suite.SpeedSettings(mods=("layernorm",))
+    with self.assertRaisesRegex(ValueError, "empty"):
+      quality.QualitySettings(mods=())
+
+  def test_arms_without_mods_are_left_as_they_are(self):
+    bf16 = variants.VARIANTS["bf16"]
+    self.assertIs(mods_set.apply(bf16, NB_BN), bf16)
+    self.assertEqual(mods_set.apply(variants.VARIANTS["loka"], NB_BN).mods, NB_BN)
+    self.assertEqual(mods_set.apply(quality.ARMS["bf16_mods"], NB_BN).mods, NB_BN)
+    self.assertEqual(mods_set.apply(quality.ARMS["fp8_naive"], NB_BN).mods, ())
+
+
+class SpeedRunTest(absltest.TestCase):
+
+  def test_the_arms_build_with_the_set_and_its_rows_are_their_own(self):
+    out = _tempdir(self)
+    results = ResultsFile(os.path.join(out, "bench.jsonl"), suite.KEY_FIELDS)
+    target = suite.tower_targets(["32x16x2"])[0]
+    chosen = variants.parse_variants(["bf16_mods"])
+    real_build = suite.Target.build
+    built = []
+
+    def spy(self_, site, mods=()):   # records what was built, builds it for real
+      built.append(tuple(mods))
+      return real_build(self_, site, mods)
+
+    def run(mods):
+      settings = suite.SpeedSettings(repeats=3, probe=False, min_call_s=5e-4, mods=mods)
+      with mock.patch.object(suite.Target, "build", spy):
+        return suite.run_target(target, chosen, results, settings=settings,
+                                deadline=float("inf"), device="cpu", log=lambda _: None)
+    self.assertTrue(run(mods_set.DEFAULT))
+    self.assertEqual(built, [(), ("all",)])
+    built.clear()
+    self.assertTrue(run(NB_BN))          # the default's rows do not stand in for the set's
+    self.assertEqual(built, [(), NB_BN])
+    rows = list(results.rows())
+    self.assertEqual([(r["variant"], r.get("mods_set")) for r in rows],
+                     [("bf16", None), ("bf16_mods", None), ("bf16", LABEL),
+                      ("bf16_mods", LABEL)])
+    self.assertEqual(rows[3]["mods"], list(NB_BN))
+    self.assertNotIn("mods_set", rows[1])  # the default's rows keep the keys they always had
+    built.clear()
+    self.assertTrue(run(NB_BN))          # a rerun of the set skips its finished rows
+    self.assertEqual(built, [])
+    self.assertLen(list(results.rows()), 4)
+    # Reports name the set and keep the two apart.
+    text = tables.speed_table(rows, "towers")
+    self.assertIn(f"| tower | 32x16x2 (Mods {LABEL}) | bf16+Mods |", text)
+    self.assertIn("| tower | 32x16x2 | bf16+Mods |", text)
+    self.assertEqual(set(targets.speed_index(rows)),
+                     {("towers", "tower", "32x16x2", "cpu", None),
+                      ("towers", "tower", "32x16x2", "cpu", LABEL)})
+
+  def test_its_loka_plan_is_looked_up_in_the_sets_own_folder(self):
+    out = _tempdir(self)
+    plans = os.path.join(out, "plans")
+    target = suite.tower_targets(["32x16x2"])[0]
+    loka = mods_set.apply(variants.VARIANTS["loka"], NB_BN)
+    settings = suite.SpeedSettings(probe=False, plans_dir=plans, mods=NB_BN)
+    with mock.patch.object(suite.planning, "load", return_value=None) as load:
+      plan, _, missing = suite.plan_for(target, loka, None, settings)
+    self.assertIsNone(plan)
+    self.assertIn("not ready", missing)
+    load.assert_called_once_with(os.path.join(plans, f"mods_{LABEL}"), "tower", "32x16x2")
+
+
+class VerdictTest(absltest.TestCase):
+
+  def test_each_set_is_judged_against_its_own_bf16_mods(self):
+    rng = np.random.default_rng(0)
+    # Default set: LoKA 1.10x its bf16+Mods (met). Without Hard Swish: 0.90x its own (missed);
+    # judged against the default's bf16+Mods it would read 0.90 / 1.0 as well, but against the
+    # set's 1.2x bf16+Mods it reads 0.75: the set's own row must be the one used.
+    rows = [_row("bf16", 1.0, rng), _row("bf16_mods", 1.0, rng), _row("loka", 1.1, rng),
+            _row("bf16", 1.0, rng, LABEL), _row("bf16_mods", 1.2, rng, LABEL),
+            _row("loka", 0.9, rng, LABEL)]
+    verdicts = {(v["subject"], v["mode"]): v for v in targets.check_speed(rows)
+                if v["target"] == "loka_not_slower_than_bf16_mods"}
+    self.assertTrue(verdicts[("dlrm/large", "train")]["met"])
+    other = verdicts[(f"dlrm/large (Mods {LABEL})", "train")]
+    self.assertFalse(other["met"])
+    self.assertAlmostEqual(other["value"], 0.75, delta=0.02)
+    self.assertIn(f"dlrm/large (Mods {LABEL})",
+                  tables.glance_table(targets.check_speed(rows)))
+
+  def test_collected_files_keep_both_sets_rows(self):
+    out = _tempdir(self)
+    rng = np.random.default_rng(1)
+    paths = []
+    for name, label in (("a.jsonl", None), ("b.jsonl", LABEL)):
+      paths.append(os.path.join(out, name))
+      with open(paths[-1], "w") as f:
+        f.write(json.dumps(_row("bf16_mods", 1.0, rng, label)) + "\n")
+    self.assertLen(collect.read_rows(paths), 2)
+
+  def test_quality_rows_of_a_set_are_compared_only_with_one_another(self):
+    def q(arm, seed, logloss, label=None):
+      row = {"suite": "quality", "data": "synthetic", "model": "dlrm", "preset": "large",
+             "arm": arm, "seed": seed, "device": "H200", "logloss": logloss, "ne": 0.9,
+             "auc": 0.7, "eval_fingerprint": "e", "warmup_steps": 50}
+      return row if label is None else {**row, "mods_set": label}
+    rows = [q("bf16", s, 0.4700 + 0.0002 * d) for s, d in ((0, 0), (1, 1), (2, -1))]
+    rows += [q("bf16_mods", 0, 0.4716), q("loka", 0, 0.4717)]           # +0.0017 vs bf16
+    rows += [q("bf16", s, 0.4700 + 0.0002 * d, LABEL) for s, d in ((0, 0), (1, 1), (2, -1))]
+    rows += [q("bf16_mods", 0, 0.4701, LABEL), q("loka", 0, 0.4702, LABEL)]
+    verdicts = {v["subject"]: v for v in targets.check_quality(rows)
+                if v["target"] == "loka_quality_vs_bf16"}
+    self.assertFalse(verdicts["synthetic:dlrm/large (warmup 50)"]["met"])
+    mine = verdicts[f"synthetic:dlrm/large (warmup 50) (Mods {LABEL})"]
+    self.assertTrue(mine["met"])
+    self.assertAlmostEqual(mine["value"], 0.0002, places=7)
+    self.assertIn(f"| synthetic | dlrm | large (warmup 50) (Mods {LABEL}) | loka | 1 |",
+                  tables.quality_table(rows))
+
+
+class QualityRunTest(absltest.TestCase):
+
+  def test_the_sets_arms_train_apart_and_look_for_the_sets_plan(self):
+    out = _tempdir(self)
+    results = ResultsFile(os.path.join(out, "quality.jsonl"), quality.KEY_FIELDS)
+    common = dict(preset="tiny", steps=2, batch_size=64, min_eval=64, noise_seeds=(),
+                  arms=("bf16_mods", "loka"), plans_dir=os.path.join(out, "plans"))
+    logs = []
+    for mods in (mods_set.DEFAULT, NB_BN):
+      self.assertTrue(quality.run_model("dlrm", quality.QualitySettings(mods=mods, **common),
+                                        results, out, deadline=float("inf"), device="cpu",
+                                        log=logs.append))
+    rows = list(results.rows())
+    self.assertEqual([(r["arm"], r.get("mods_set"), r["mods"]) for r in rows],
+                     [("bf16_mods", None, ["all"]), ("bf16_mods", LABEL, list(NB_BN))])
+    self.assertNotEqual(rows[0]["logloss"], rows[1]["logloss"])  # Hard Swish on, then off
+    self.assertTrue(os.path.isdir(os.path.join(out, "synthetic", "dlrm_tiny",
+                                               f"bf16_mods_seed0_mods_{LABEL}")))
+    missing = [line for line in logs if "no plan at" in line]
+    self.assertLen(missing, 2)
+    self.assertIn(os.path.join(out, "plans", f"mods_{LABEL}", "dlrm_tiny", "plan.json"),
+                  missing[1])
+
+
+class CliTest(absltest.TestCase):
+
+  def test_the_mods_flag_reaches_the_rows_and_a_bad_one_is_refused(self):
+    out = _tempdir(self)
+    cmd = [sys.executable, "-m", "experiments.bench", "--suite=towers", "--towers=32x16x2",
+           "--variants=bf16_mods", "--repeats=3", "--max_minutes=3", f"--workdir={out}",
+           "--noprobe", "--min_call_ms=0.5"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    bad = subprocess.run(cmd + ["--mods=no_bias,swish"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=240)
+    self.assertNotEqual(bad.returncode, 0)
+    self.assertIn("--mods: unknown Mod(s) ['swish']", bad.stderr)
+    run = subprocess.run(cmd + ["--mods=blocknorm,no_bias"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=240)
+    self.assertEqual(run.returncode, 0, run.stderr[-3000:])
+    rows = [json.loads(line) for line in open(os.path.join(out, "bench.jsonl"))]
+    self.assertEqual([(r["variant"], r.get("mods_set"), r["mods"]) for r in rows],
+                     [("bf16", LABEL, []), ("bf16_mods", LABEL, list(NB_BN))])
+    self.assertIn(f"32x16x2 (Mods {LABEL})", open(os.path.join(out, "report.md")).read())
+
+
+if __name__ == "__main__":
+  absltest.main()
