@@ -661,6 +661,31 @@ class ServingPlanBenchTest(chex.TestCase):
     self.assertEqual(row["serve_promotion"]["sites"], 0)
     self.assertIn("no site served in xla_bf16", row["serve_promotion"]["skipped"])
 
+  def test_a_forward_held_out_validation_backed_off_is_not_served_in_fp8(self):
+    from loka_jax import dispatch
+    from loka_jax.bench import planning
+    target = suite.tower_targets(["32x16x2"])[0]
+    for fwd_speed, where in (((1.06, 1.08, 1.13), "selected"), ((0.98, 1.03, 1.07), "proposal")):
+      plans, _ = self._plans(target, fwd_speed=fwd_speed)
+      path = planning.plan_path(plans, target.model, target.preset)
+      trained = dispatch.read_plan(path)
+      held, other = sorted(trained["sites"])[:2]
+      dispatch.save_plan(dispatch.back_off(trained, held, None, "held-out +0.05%",
+                                           step="quality_held_out"), path)
+      selected, proposal, promoted = planning.select_serving(plans, target.model,
+                                                             target.preset)
+      served = {"selected": selected, "proposal": proposal}[where]
+      self.assertEqual(served["sites"][other]["fwd"]["kernel"], "flax_fp8_delayed_fwd", where)
+      for plan in (selected, proposal):
+        self.assertEqual({p: e["kernel"] for p, e in plan["sites"][held].items()},
+                         {p: "xla_bf16" for p in ("fwd", "grad_lhs", "grad_rhs")}, where)
+      self.assertNotIn(held, promoted)
+      self.assertEqual(bool(promoted), where == "proposal")
+      record = [r for r in selected["validation"] if r.get("step") == "serve_selection"]
+      if where == "selected":
+        self.assertEqual([r["site"] for r in record], [held])
+        self.assertIn("held-out +0.05%", record[0]["reason"])
+
   def _promotion_record(self, row):
     from loka_jax import dispatch
     records = [r for r in dispatch.read_plan(row["serve_plan"])["validation"]

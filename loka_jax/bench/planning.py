@@ -7,9 +7,10 @@ Planning is `loka_jax.dispatch.pipeline.probe_and_plan`: probe -> select -> vali
 from __future__ import annotations
 
 import os
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 from loka_jax import dispatch
+from loka_jax.dispatch.plan import FALLBACK
 from loka_jax.kernels import KernelPlan
 from loka_jax.train import experiment
 from loka_jax.train.loop import TrainConfig
@@ -48,18 +49,38 @@ def serving_plan_path(plans_root: str, model: str, preset: str) -> str:
   return os.path.join(plan_dir(plans_root, model, preset), SERVING_PLAN_FILE)
 
 
+SERVE_SELECTION = "serve_selection"
+
+
+def _held_out_forwards_in_bf16(plan: dispatch.Plan, held: Mapping[str, str]) -> dispatch.Plan:
+  """`plan` with the forward of every site in `held` ({site: why}) back in xla_bf16."""
+  for site, why in sorted(held.items()):
+    if site in plan["sites"] and plan["sites"][site]["fwd"]["kernel"] != FALLBACK:
+      plan = dispatch.back_off(plan, site, None, "held-out validation of the training plan "
+                               f"backed this site off: {why}", step=SERVE_SELECTION)
+  return plan
+
+
 def select_serving(plans_root: str, model: str, preset: str
                    ) -> Tuple[dispatch.Plan, dispatch.Plan, List[str]]:
   """(the target's serving plan as selected, its serving proposal, the sites the proposal
   serves in FP8 besides): per site the fastest eligible forward on the forward alone
   (`dispatch.select(objective="serve")`), from the probe report and default budget its
-  training plan was selected with, and `dispatch.serving_proposal` of it."""
+  training plan was selected with, and `dispatch.serving_proposal` of it. A site whose
+  forward the training plan's held-out check backed off serves in bf16 in both: selection
+  reads the probe report, which does not know what validation measured (DHEN large's
+  `head/dense_0`, H200, docs/BENCHMARKS.md section 7, twenty-ninth session)."""
   from loka_jax.dispatch.pipeline import default_criteria
+  from loka_jax.dispatch.validate import held_out_backed_off
   report = load_report(plans_root, model, preset)
   criteria = default_criteria(report)
-  selected = dispatch.select(report, criteria, objective="serve")
+  path = plan_path(plans_root, model, preset)
+  held = held_out_backed_off(dispatch.read_plan(path)) if os.path.exists(path) else {}
+  selected = _held_out_forwards_in_bf16(dispatch.select(report, criteria, objective="serve"),
+                                        held)
   proposal, sites = dispatch.serving_proposal(report, selected, criteria)
-  return selected, proposal, sites
+  proposal = _held_out_forwards_in_bf16(proposal, held)
+  return selected, proposal, [s for s in sites if s not in held]
 
 
 def serving_plan(plans_root: str, model: str, preset: str,

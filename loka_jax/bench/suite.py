@@ -182,6 +182,15 @@ def plan_for(target: Target, variant: Variant, batch, settings: SpeedSettings) -
   return None, {}, None
 
 
+def probe_run(target: Target, mods: Sequence[str], settings: SpeedSettings
+              ) -> Tuple[experiment.RunSpec, TrainConfig]:
+  """(spec, training config) of the probe run that plans the target's LoKA arm: its trained
+  state is what validation, and any later check of the plan, runs on."""
+  return target.run_spec(mods), TrainConfig(steps=settings.probe_steps,
+                                            batch_size=target.batch(), progress=False,
+                                            seed=settings.seed)
+
+
 def _probe_for_plan(target: Target, variant: Variant, settings: SpeedSettings,
                     deadline: float, log) -> bool:
   """Probes the target for its LoKA plan when the plan is missing (resumable); whether it
@@ -192,9 +201,8 @@ def _probe_for_plan(target: Target, variant: Variant, settings: SpeedSettings,
   if budget < 30:
     return False
   log(f"probing {target.name} for its LoKA plan (budget {budget:.0f}s)")
-  config = TrainConfig(steps=settings.probe_steps, batch_size=target.batch(), progress=False,
-                       seed=settings.seed)
-  planning.make_plan(target.run_spec(variant.mods), settings.plans_root, config,
+  spec, config = probe_run(target, variant.mods, settings)
+  planning.make_plan(spec, settings.plans_root, config,
                      budget_s=budget, build=target.probe_build(),
                      samples=settings.probe_samples, kernels=settings.probe_kernels,
                      timing_cache=settings.probe_timing_cache,

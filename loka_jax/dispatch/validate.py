@@ -1300,6 +1300,14 @@ def validate_end_to_end(plan, ctx: ValidationContext,
       "passed": {k: (None if v.get("skipped") else v.get("passed")) for k, v in last.items()}})
 
 
+def held_out_backed_off(plan) -> Dict[str, str]:
+  """{site: reason} of the sites whose forward the held-out check moved off its selected
+  kernel. That check scores the plan's forwards alone on fixed parameters, so what it took
+  back counts against serving the site's forward in FP8 too (`bench.planning`)."""
+  return {r["site"]: r.get("reason", "") for r in validation_records(plan, "quality_held_out")
+          if "site" in r and "to" in r and "fwd" in (r.get("passes") or PASSES)}
+
+
 def validation_records(plan, step: Optional[str] = None) -> List[Dict[str, Any]]:
   """The plan's validation records (of one step)."""
   return [r for r in as_plan(plan)["validation"] if step is None or r.get("step") == step]

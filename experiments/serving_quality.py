@@ -1,0 +1,72 @@
+r"""How far serving a benchmark target from its exports moves held-out log loss.
+
+  python -m experiments.serving_quality --target=dhen/large --plans_dir=WORKDIR/plans \
+      [--mods=no_bias,blocknorm] [--probe_steps=100] [--out=FILE.json]
+
+For a target the bench planned (`experiments.bench`, its plans under WORKDIR/plans), scores on
+the probe's trained parameters, paired example by example with bf16+Mods: bf16+Mods served
+from its all-bf16 export, LoKA's training plan served from its export, and its serving plan
+(plan_serve.json, with --serve_plan) where it exists. Validation judges the plans' forwards as
+training runs them; the export serves them with e4m3 weights stored once and static
+activation scales, and a serving plan adds FP8 forwards judged on accuracy alone, so this is
+the served model's own quality check. The probe's checkpoint is used where it is; elsewhere
+its training run is made again (as validation does). Writes the measurements as JSON (default:
+the target's plan folder, serve_quality.json) and prints a table.
+"""
+import os
+
+from absl import app, flags
+
+from loka_jax import flags as common_flags  # the common flags (--mods, --seed), defined once
+
+TARGET = flags.DEFINE_string("target", None, "model/preset, or tower/BxWIDTHxDEPTH.",
+                             required=True)
+PLANS = flags.DEFINE_string("plans_dir", None, "The bench's plan folder (WORKDIR/plans).",
+                            required=True)
+PROBE_STEPS = flags.DEFINE_integer("probe_steps", 100, "The bench's --probe_steps.")
+BATCH = flags.DEFINE_integer("batch_size", 0, "The bench's --batch_size (0: the preset's).")
+OUT = flags.DEFINE_string("out", None, "JSON file (default: PLAN_FOLDER/serve_quality.json).")
+
+
+def main(argv):
+  del argv
+  from loka_jax import jsonio
+  from loka_jax.bench import mods_set, planning, suite
+  from loka_jax.dispatch import pipeline, read_plan, serve_quality
+  from loka_jax.train import experiment
+
+  experiment.quiet_library_logs()
+  model, _, preset = TARGET.value.partition("/")
+  if not preset:
+    raise app.UsageError(f"--target={TARGET.value}: expected model/preset or tower/BxWxD")
+  kind = "towers" if model == suite.TOWER else "models"
+  target = suite.Target(kind, model, preset, BATCH.value or None)
+  settings = suite.SpeedSettings(plans_dir=PLANS.value, probe_steps=PROBE_STEPS.value,
+                                 seed=common_flags.SEED.value,
+                                 mods=mods_set.parse(common_flags.MODS.value or
+                                                     mods_set.DEFAULT))
+  folder = planning.plan_dir(settings.plans_root, model, preset)
+  plans = {name: os.path.join(folder, file) for name, file in
+           (("loka", planning.PLAN_FILE), ("loka_serving_plan", planning.SERVING_PLAN_FILE))
+           if os.path.exists(os.path.join(folder, file))}
+  if "loka" not in plans:
+    raise app.UsageError(f"no plan at {os.path.join(folder, planning.PLAN_FILE)}: plan the "
+                         "target with experiments.bench first")
+  report = planning.load_report(settings.plans_root, model, preset)
+  spec, config = suite.probe_run(target, settings.mods, settings)
+  ctx = pipeline.context_for_run(spec, os.path.join(folder, pipeline.PROBE_DIR), config,
+                                 report, target.probe_build(),
+                                 rebuild_dir=os.path.join(folder, pipeline.STATE_DIR))
+  print(f"[serving_quality] {target.name}: scoring {', '.join(plans)} and served bf16+Mods "
+        f"on {ctx.source.num_eval_examples()} held-out examples", flush=True)
+  measured = serve_quality.served_quality(
+      ctx, {name: read_plan(path) for name, path in plans.items()}, report)
+  out = OUT.value or os.path.join(folder, "serve_quality.json")
+  jsonio.write_json_atomic(out, {"target": target.name, "mods_set": mods_set.label(settings.mods),
+                                 "plans": plans, "served": measured})
+  print(serve_quality.table(measured))
+  print(f"[serving_quality] wrote {out}")
+
+
+if __name__ == "__main__":
+  app.run(main)

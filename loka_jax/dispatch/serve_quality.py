@@ -1,0 +1,82 @@
+"""How far serving a model from its export moves held-out log loss.
+
+Validation judges a plan's forwards as the training step runs them (delayed or current
+scaling, weights cast on every call). The exported model serves them differently: weights
+stored once in e4m3 and activation scales fixed from the probe's amax statistics, and a
+serving plan may put FP8 forwards at sites the training plan keeps in bf16 (chosen on the
+forward's accuracy and speed alone). So the served model's quality is its own measurement:
+each export's held-out log loss on the probe's trained parameters, paired example by
+example with bf16+Mods' (unexported, and served from its own all-bf16 export), with the
+standard error of each change over the eval examples and the verdict of validation's
+held-out budget.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping, Optional
+
+import jax
+
+from loka_jax.dispatch import export as export_lib
+from loka_jax.dispatch.validate import BASELINE, ValidationContext, held_out
+from loka_jax.train.loop import evaluate
+from loka_jax.train.metrics import paired_logloss_change
+
+SERVED_BF16 = "bf16_mods_served"
+DEFAULT_BUDGET = 2e-4   # validation's held-out budget: 0.02% relative log loss
+
+
+def exported_held_out(ctx: ValidationContext, plan, report: Optional[Mapping],
+                      eval_batch_size: Optional[int] = None) -> Dict[str, Any]:
+  """Held-out log loss / NE / AUC (with every example's logit and label) of the context's
+  trained parameters served from their export under `plan`, calibrated by `report`, and
+  the export's modes per site."""
+  module = ctx.build(BASELINE)   # the bf16+Mods tower the plans were selected on
+  exported = export_lib.export(module, ctx.state.params, plan, report, batch=ctx.batch())
+  forward = jax.jit(exported.forward)
+  size = min(eval_batch_size or ctx.batch_size, ctx.source.num_eval_examples())
+  result = evaluate(lambda _, batch: forward(exported.variables, batch), None, ctx.source,
+                    size, keep_scores=True)
+  return {**result, "export_modes": exported.mode_counts(),
+          "saved_fraction": exported.memory["saved_fraction"]}
+
+
+def _change(got: Mapping, base: Mapping) -> Dict[str, float]:
+  change, se = paired_logloss_change(got["logits"], base["logits"], base["labels"])
+  return {"rel_logloss_change": change, "se": se}
+
+
+def served_quality(ctx: ValidationContext, plans: Mapping[str, Any], report: Optional[Mapping],
+                   eval_batch_size: Optional[int] = None,
+                   budget: float = DEFAULT_BUDGET) -> Dict[str, Dict[str, Any]]:
+  """{name: measurement} for bf16+Mods served from its all-bf16 export (`SERVED_BF16`) and
+  each of `plans` ({name: plan}) served from its export: held-out `logloss`, `ne`, `auc`,
+  `num_examples`, `export_modes`, the change against unexported bf16+Mods
+  (`vs_bf16_mods`) and against served bf16+Mods (`vs_served_bf16_mods`), each a relative
+  log-loss change with its standard error, and `within_budget`: whether the change against
+  served bf16+Mods, which isolates what FP8 serving adds, is within `budget`."""
+  reference = held_out(ctx, BASELINE, eval_batch_size)
+  served_bf16 = exported_held_out(ctx, BASELINE, None, eval_batch_size)
+  out = {}
+  for name, got in [(SERVED_BF16, served_bf16)] + [
+      (n, exported_held_out(ctx, p, report, eval_batch_size)) for n, p in plans.items()]:
+    vs_served = _change(got, served_bf16)
+    out[name] = {k: got[k] for k in ("logloss", "ne", "auc", "num_examples",
+                                     "export_modes", "saved_fraction") if k in got}
+    out[name].update(vs_bf16_mods=_change(got, reference), vs_served_bf16_mods=vs_served,
+                     budget=budget,
+                     within_budget=abs(vs_served["rel_logloss_change"]) <= budget)
+  return out
+
+
+def table(measured: Mapping[str, Mapping[str, Any]]) -> str:
+  """A markdown table of `served_quality`'s result, one line per served model."""
+  def pct(change: Mapping[str, float]) -> str:
+    return f"{change['rel_logloss_change']:+.4%} +- {change['se']:.4%}"
+  lines = ["| served model | export modes | held-out log loss | vs bf16+Mods | "
+           "vs served bf16+Mods | within budget |", "|---|---|---|---|---|---|"]
+  for name, m in measured.items():
+    modes = ", ".join(f"{n} {mode}" for mode, n in sorted(m["export_modes"].items()) if n)
+    lines.append(f"| {name} | {modes} | {m['logloss']:.5f} | {pct(m['vs_bf16_mods'])} | "
+                 f"{pct(m['vs_served_bf16_mods'])} | "
+                 f"{'yes' if m['within_budget'] else 'no'} ({m['budget']:.2%}) |")
+  return "\n".join(lines)

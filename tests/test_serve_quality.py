@@ -1,0 +1,122 @@
+"""The served model's held-out quality: each export scored on the probe's trained parameters,
+paired with bf16+Mods, on a tiny DLRM trained on the CPU with real probe statistics."""
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import jax
+import numpy as np
+from absl.testing import absltest
+
+from loka_jax.bench import planning, suite
+from loka_jax.dispatch import export as export_lib
+from loka_jax.dispatch import pipeline, serve_quality
+from loka_jax.dispatch.validate import BASELINE
+from loka_jax.probe import ProbeOptions
+from loka_jax.train import experiment
+from loka_jax.train.loop import TrainConfig, train
+from loka_jax.train.metrics import bce_with_logits
+from test_dispatch_export import make_plan, probe_stats
+
+BATCH = 64
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class ServedQualityTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.dir = tempfile.mkdtemp(prefix="loka_serve_quality_")
+    spec = experiment.RunSpec(model="dlrm", preset="tiny", mods=("all",), num_eval=512)
+    config = TrainConfig(steps=30, batch_size=BATCH, log_every=0, progress=False)
+    model, source, _ = experiment.build_run(spec)
+    train(model, source, cls.dir, config, run_info=spec.run_info())
+    cls.ctx = pipeline.context_for_run(spec, cls.dir, config)
+    cls.report = probe_stats(cls.ctx.build(BASELINE), {"params": cls.ctx.state.params},
+                             cls.ctx.source)
+    cls.plan = make_plan(cls.report["sites"])   # FP8 forwards at every site but the last
+
+  @classmethod
+  def tearDownClass(cls):
+    shutil.rmtree(cls.dir, ignore_errors=True)
+    super().tearDownClass()
+
+  def _measure(self, report):
+    return serve_quality.served_quality(self.ctx, {"plan": self.plan}, report)
+
+  def test_each_export_is_scored_on_its_own_forward(self):
+    got = self._measure(self.report)
+    # The same number from the exported model applied by hand to the held-out batches.
+    exported = export_lib.export(self.ctx.build(BASELINE), self.ctx.state.params, self.plan,
+                                 self.report, batch=self.ctx.batch())
+    losses = [np.asarray(bce_with_logits(exported.apply(b), b["label"]))
+              for b in self.ctx.source.eval_batches(BATCH)]
+    self.assertAlmostEqual(got["plan"]["logloss"], float(np.mean(np.concatenate(losses))),
+                           places=5)
+    self.assertEqual(got["plan"]["num_examples"], 512)
+    self.assertGreater(got["plan"]["export_modes"]["fp8"], 0)
+    fp8 = got["plan"]["vs_served_bf16_mods"]
+    self.assertNotEqual(fp8["rel_logloss_change"], 0.0)   # e4m3 serving moves the loss
+    self.assertGreater(fp8["se"], 0.0)
+
+  def test_bf16_mods_served_from_its_export_scores_as_unexported(self):
+    served = self._measure(self.report)[serve_quality.SERVED_BF16]
+    self.assertEqual(served["export_modes"].get("fp8", 0), 0)
+    self.assertLess(abs(served["vs_bf16_mods"]["rel_logloss_change"]), 1e-5)
+    self.assertTrue(served["within_budget"])
+
+  def test_an_export_clipped_by_its_scales_is_out_of_budget(self):
+    # Activation scales from amax 1000x too small: nearly every activation saturates.
+    clipped = copy.deepcopy(self.report)
+    for site in clipped["sites"].values():
+      for operand in site["stats"].values():
+        if isinstance(operand, dict) and "max" in (operand.get("amax") or {}):
+          operand["amax"]["max"] = float(operand["amax"]["max"]) / 1000.0
+    good = self._measure(self.report)["plan"]["vs_served_bf16_mods"]
+    bad = self._measure(clipped)["plan"]
+    change = bad["vs_served_bf16_mods"]
+    self.assertFalse(bad["within_budget"])
+    self.assertGreater(abs(change["rel_logloss_change"]),
+                       max(10 * abs(good["rel_logloss_change"]), 2 * change["se"]))
+
+
+if __name__ == "__main__":
+  absltest.main()
+
+
+class CliTest(absltest.TestCase):
+
+  def test_scores_a_planned_targets_exports_and_writes_them(self):
+    root = tempfile.mkdtemp(prefix="loka_serve_quality_cli_")
+    self.addCleanup(shutil.rmtree, root, ignore_errors=True)
+    plans = os.path.join(root, "plans")
+    target = suite.Target("models", "dlrm", "tiny")
+    settings = suite.SpeedSettings(plans_dir=plans, probe_steps=4)
+    spec, config = suite.probe_run(target, ("all",), settings)
+    folder = planning.plan_dir(plans, "dlrm", "tiny")
+    pipeline.probe_and_plan(spec, folder, train_config=config, validation=None,
+                            probe_options=ProbeOptions(samples=2, repeats=2, bootstrap=20,
+                                                       plots=False, site_plots=False,
+                                                       kernels=("xla_bf16", "xla_fp8_rowwise")))
+    out = os.path.join(root, "served.json")
+    run = subprocess.run([sys.executable, "-m", "experiments.serving_quality",
+                          "--target=dlrm/tiny", f"--plans_dir={plans}", "--probe_steps=4",
+                          f"--out={out}"], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)
+    self.assertEqual(run.returncode, 0, run.stderr[-3000:])
+    written = json.load(open(out))
+    self.assertEqual(written["target"], "dlrm/tiny")
+    self.assertEqual(sorted(written["served"]), ["bf16_mods_served", "loka"])
+    self.assertEqual(written["served"]["loka"]["num_examples"], target.plan_eval_examples())
+    self.assertIn("| loka |", run.stdout)
+    missing = subprocess.run([sys.executable, "-m", "experiments.serving_quality",
+                              "--target=dlrm/small", f"--plans_dir={plans}"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300,
+                             env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    self.assertNotEqual(missing.returncode, 0)
+    self.assertIn("no plan at", missing.stderr)
