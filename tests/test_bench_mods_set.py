@@ -4,10 +4,8 @@ and its plans live in their own folder. Checked on tiny towers on the CPU and on
 rows with known answers."""
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from unittest import mock
 
 import numpy as np
@@ -15,25 +13,11 @@ from absl.testing import absltest
 
 from loka_jax.bench import collect, mods_set, quality, suite, tables, targets, variants
 from loka_jax.bench.results import ResultsFile
+from test_bench_report import _speed, _tempdir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NB_BN = ("no_bias", "blocknorm")
 LABEL = "no_bias+blocknorm"
-
-
-def _tempdir(test):
-  path = tempfile.mkdtemp(prefix="loka_mods_set_")
-  test.addCleanup(shutil.rmtree, path, ignore_errors=True)
-  return path
-
-
-def _speed(speedup, rng, base_us=100.0, n=20):
-  base = base_us * (1 + 0.01 * rng.standard_normal(n))
-  var = base_us / speedup * (1 + 0.01 * rng.standard_normal(n))
-  return {"median_us": float(np.median(var)), "speedup": float(np.median(base) / np.median(var)),
-          "speedup_ci": [speedup * 0.99, speedup * 1.01],
-          "examples_per_s": 4096 / np.median(var) * 1e6, "samples_us": var.tolist(),
-          "baseline_samples_us": base.tolist()}
 
 
 def _row(variant, speedup, rng, set_label=None):

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import tempfile
 
-import jax
 import numpy as np
 from absl.testing import absltest
 
