@@ -100,7 +100,7 @@ class QualitySettings:
 @dataclasses.dataclass(frozen=True, order=True)
 class Comparison:
   """The rows compared with one another: one data set, model, preset, training recipe and
-  Mods set (its label; None: every Mod)."""
+  Mods set (its label; empty: every Mod)."""
   data: str
   model: str
   preset: str
