@@ -73,6 +73,7 @@ PROBE_TIMING_CACHE = flags.DEFINE_string(
     "(a directory, e.g. carried to the GPU host): the probes skip their timing phase where "
     "it holds the shapes.")
 TIMING_COMPILE_WORKERS = common_flags.define_timing_compile_workers()
+MIN_TIMING_GFLOPS = common_flags.define_min_timing_gflops()
 FROM_INIT_STEPS = flags.DEFINE_integer(
     "validation_from_init_steps", 0, "When a target's plan is made: validation's training "
     "from a fresh initialization, plan vs bf16+Mods, with the probe's recipe (0: skip).")
@@ -155,6 +156,7 @@ def main(argv):
                                  probe_kernels=tuple(PROBE_KERNELS.value),
                                  probe_timing_cache=PROBE_TIMING_CACHE.value,
                                  probe_timing_compile_workers=TIMING_COMPILE_WORKERS.value,
+                                 probe_min_timing_gflops=MIN_TIMING_GFLOPS.value,
                                  validation_from_init_steps=FROM_INIT_STEPS.value,
                                  validation_from_init_warmup_steps=FROM_INIT_WARMUP.value,
                                  validation_from_init_seeds=FROM_INIT_SEEDS.value,

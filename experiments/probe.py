@@ -83,6 +83,7 @@ BUDGET_S = flags.DEFINE_float("budget_s", 0, "Wall-clock budget; 0: none. Out of
                               "exit 3, rerun to finish.")
 compile_workers = common.define_compile_workers()
 TIMING_COMPILE_WORKERS = common.define_timing_compile_workers()
+MIN_TIMING_GFLOPS = common.define_min_timing_gflops()
 COMPILATION_CACHE = flags.DEFINE_string(
     "compilation_cache", os.path.join(os.path.expanduser("~"), ".cache", "loka_jax", "jax_cache"),
     "Persistent XLA compilation cache ('' disables).")
@@ -129,7 +130,7 @@ def _options(criteria: eligibility.Criteria) -> ProbeOptions:
       plots=PLOTS.value, site_plots=SITE_PLOTS.value, budget_s=BUDGET_S.value or None,
       compile_workers=compile_workers(),
       timing_compile_workers=TIMING_COMPILE_WORKERS.value,
-      criteria=criteria, seed=common.SEED.value)
+      min_timing_gflops=MIN_TIMING_GFLOPS.value, criteria=criteria, seed=common.SEED.value)
 
 
 def _print_summary(result) -> None:
@@ -174,8 +175,9 @@ def main(argv):
                               probe_config, _options(criteria))
     except (ProbeSetupError, TimingCacheError) as e:
       sys.exit(f"error: {e}")
-    print(f"timed {done['timed']} of {done['shapes']} site shapes on {done['device_kind']}: "
-          f"{done['cache']}")
+    print(f"timed {done['timed']} of {done['shapes']} site shapes on {done['device_kind']}"
+          + (f" ({done['skipped']} below --min_timing_gflops, not timed)" if done["skipped"]
+             else "") + f": {done['cache']}")
     if done["pending"]:
       print(f"INCOMPLETE: {done['pending']} shapes left (budget). Rerun the same command.")
       sys.exit(3)

@@ -44,3 +44,15 @@ def define_timing_compile_workers():
       "(median 1.068x, all 46 above 1.02x; docs/BENCHMARKS.md, twenty-fifth session). "
       "More workers save time where compiles do not autotune (the CPU).",
       lower_bound=1)
+
+
+def define_min_timing_gflops():
+  """Defines --min_timing_gflops, in the scripts whose probes time kernels; returns its flag
+  holder (`ProbeOptions.min_timing_gflops`)."""
+  return flags.DEFINE_float(
+      "min_timing_gflops", 0.0, "Site shapes whose forward product is below this many GFLOP "
+      "are not timed, and selection keeps them in bf16 (0: time every shape). A shape's "
+      "timing is mostly compiles (about 100 s a shape at DHEN large on the H200); across "
+      "the H200 table's 140 shape-pass groups below 5 GFLOP no FP8 kernel reached 1.05x but "
+      "one, a 4096x1 output's grad_lhs (docs/BENCHMARKS.md, twenty-ninth session).",
+      lower_bound=0.0)

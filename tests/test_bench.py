@@ -437,6 +437,17 @@ class ValidationFromInitTest(absltest.TestCase):
       self.assertEqual((validation.from_init_steps, validation.from_init_warmup_steps,
                         validation.from_init_seeds), (steps, warmup, seeds))
 
+  def test_the_probes_timing_floor_reaches_its_options(self):
+    (target,) = suite.tower_targets(["64x32x2"])
+    plans = tempfile.mkdtemp(prefix="loka_bench_floor_")
+    for floor in (0.0, 2.5):
+      settings = suite.SpeedSettings(plans_dir=plans, probe_min_timing_gflops=floor)
+      with mock.patch("loka_jax.dispatch.pipeline.probe_and_plan") as probe_and_plan:
+        suite._probe_for_plan(target, variants.VARIANTS["loka"], settings,
+                              deadline=time.time() + 600, log=lambda line: None)
+      self.assertEqual(probe_and_plan.call_args.kwargs["probe_options"].min_timing_gflops,
+                       floor)
+
 
 class TowerSourceTest(chex.TestCase):
   """The towers' data: pure in (task_seed, seed, step), heavy-tailed inputs with the

@@ -207,3 +207,64 @@ class WithoutTheCheckpointTest(chex.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+class TimingFloorTest(chex.TestCase):
+  """`min_timing_gflops`: shapes below it are not timed (no compile, no measurement), their
+  passes say so, the report is complete, and selection keeps them in bf16."""
+
+  def test_small_shapes_are_skipped_and_selected_bf16(self):
+    from loka_jax import dispatch
+    from loka_jax.probe.eligibility import Criteria
+    model, source, _ = experiment.build_run(spec())
+    setup_sites = runner._setup(spec(), BATCH, ProbeConfig(), options(None), None).sites
+    gflops = sorted({runner.shape_gflops(l) for _, l in runner.distinct_shapes(
+        setup_sites).values()})
+    self.assertGreaterEqual(len(gflops), 2)
+    floor = (gflops[0] + gflops[-1]) / 2            # the smallest shape below, the largest above
+    small = {n for n, s in setup_sites.items() if runner.shape_gflops(s.layout) < floor}
+    self.assertTrue(small and small != set(setup_sites))
+
+    timed_layouts = []
+    real = kernel_timing.measure_site
+
+    def recording(layout, *args, **kwargs):
+      timed_layouts.append(runner.shape_gflops(layout))
+      return real(layout, *args, **kwargs)
+    cache_dir = tempfile.mkdtemp(prefix="loka_timing_floor_")
+    with mock.patch.object(kernel_timing, "on_gpu", return_value=True), \
+        mock.patch.object(kernel_timing, "measure_site", side_effect=recording):
+      ahead = runner.time_site_shapes(spec(), BATCH, cache_dir,
+                                      options=options(cache_dir, min_timing_gflops=floor))
+    self.assertTrue(timed_layouts and min(timed_layouts) >= floor)
+    self.assertEqual(ahead["skipped"] + ahead["timed"], ahead["shapes"])
+    self.assertGreater(ahead["skipped"], 0)
+
+    timed_layouts.clear()
+    workdir = tempfile.mkdtemp(prefix="loka_timing_floor_probe_")
+    # As on a GPU, so the report's timings are the ones selection reads.
+    with mock.patch.object(kernel_timing, "on_gpu", return_value=True), \
+        mock.patch.object(kernel_timing, "measure_site", side_effect=recording):
+      result = runner.run_probe(
+          spec(), workdir, TrainConfig(steps=4, batch_size=BATCH, progress=False, log_every=0),
+          ProbeConfig(cadence=2), options(cache_dir, time=True, write_table=False,
+                                          min_timing_gflops=floor))
+    self.assertTrue(timed_layouts and min(timed_layouts) >= floor)
+    self.assertTrue(result.complete, result.report.get("pending"))
+    self.assertTrue(result.report["timing_valid"])
+    self.assertEqual(result.report["timing_source"]["min_timing_gflops"], floor)
+    for name, site in result.report["sites"].items():
+      for p, per_kernel in site["passes"].items():
+        for k in KERNELS:
+          e = per_kernel[k]
+          if name in small:
+            self.assertEqual((e["timing"], e["time_us"], e["speedup"]),
+                             (runner.SKIPPED, None, None), (name, p, k))
+          else:
+            self.assertIsNotNone(e["time_us"], (name, p, k))
+    plan = dispatch.select(result.report, Criteria())
+    for name in small:
+      for p in ("fwd", "grad_lhs", "grad_rhs"):
+        choice = plan["sites"][name][p]
+        self.assertEqual(choice["kernel"], "xla_bf16", (name, p))
+        self.assertIn("min_timing_gflops", choice["reason"], (name, p))

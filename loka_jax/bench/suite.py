@@ -126,6 +126,7 @@ class SpeedSettings:
   probe_kernels: Tuple[str, ...] = ()  # each probe's candidates (empty: the default list)
   probe_timing_cache: Optional[str] = None  # timings measured ahead (`probe --time_only`)
   probe_timing_compile_workers: int = 1  # `ProbeOptions.timing_compile_workers`
+  probe_min_timing_gflops: float = 0.0  # `ProbeOptions.min_timing_gflops`
   # Validation's training from initialization (`ValidationConfig.from_init_steps`; 0: skip),
   # its warm-up (None: the probe's recipe) and its seeds.
   validation_from_init_steps: int = 0
@@ -207,6 +208,7 @@ def _probe_for_plan(target: Target, variant: Variant, settings: SpeedSettings,
                      samples=settings.probe_samples, kernels=settings.probe_kernels,
                      timing_cache=settings.probe_timing_cache,
                      timing_compile_workers=settings.probe_timing_compile_workers,
+                     min_timing_gflops=settings.probe_min_timing_gflops,
                      validation=settings.validation(), deadline=deadline)
   gc.collect()  # the probe's training state must be gone before the baseline's is built
   return True

@@ -281,7 +281,9 @@ def rank_key(v: Verdict, metric: str):
 def _speed_text(entry: Mapping) -> str:
   s = entry.get("speedup")
   if not s:
-    return "speed unresolved" if entry.get("timing") == UNRESOLVED else "speed unknown"
+    if entry.get("timing") == UNRESOLVED:
+      return "speed unresolved"
+    return entry.get("timing_note") or "speed unknown"
   text = f"{s[1]:.2f}x [{s[0]:.2f}, {s[-1]:.2f}]"
   if entry.get("timing") in ("estimated", "table"):
     text += f" ({entry['timing']})"

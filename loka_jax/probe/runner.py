@@ -29,6 +29,7 @@ import numpy as np
 
 from loka_jax import jsonio
 from loka_jax.dispatch import timing_table as tables_lib
+from loka_jax.kernels import EinsumSpec
 from loka_jax.probe import candidates as candidates_lib
 from loka_jax.probe import collector as collector_lib
 from loka_jax.probe import eligibility, evaluate, executables, kernel_timing, plots
@@ -73,6 +74,12 @@ class ProbeOptions:
                                            # up to 16; 0: compile on first call, in turn)
   timing_compile_workers: int = 1          # threads compiling a shape's timed programs
                                            # before they are timed (1: each in turn)
+  # Shapes whose forward product is below this many GFLOP are not timed (0: every shape is):
+  # their passes get `timing: "skipped"`, no speedup, so selection keeps them in bf16. A
+  # shape's timing is mostly compiles (about 100 s a shape at DHEN large on the H200), and
+  # across the H200 table's 140 shape-pass groups below 5 GFLOP no FP8 kernel reached 1.05x
+  # but one (a 4096x1 output's grad_lhs).
+  min_timing_gflops: float = 0.0
   criteria: eligibility.Criteria = eligibility.Criteria()
   seed: int = 0
 
@@ -223,6 +230,27 @@ def _setup(spec: experiment.RunSpec, batch_size: int, probe_config: ProbeConfig,
                 dict(excluded), [k.name for k in kernels])
 
 
+SKIPPED = "skipped"   # a pass not timed: its shape is below `min_timing_gflops`
+
+
+def shape_gflops(layout) -> float:
+  """GFLOP of a site's forward product (2 x the product of every index size)."""
+  return EinsumSpec.parse(str(layout.spec)).flops(layout.lhs.shape, layout.rhs.shape) / 1e9
+
+
+def below_timing_floor(layout, options: ProbeOptions) -> bool:
+  """Whether the site's shape is too small to be timed (`ProbeOptions.min_timing_gflops`)."""
+  return options.min_timing_gflops > 0 and shape_gflops(layout) < options.min_timing_gflops
+
+
+def skipped_timings(passes: Mapping[str, Mapping[str, Any]], options: ProbeOptions
+                    ) -> Dict[str, Dict[str, Dict]]:
+  """{pass: {kernel: timing}} of a site whose shape is not timed: no speed, and why."""
+  note = f"not timed: the shape is below min_timing_gflops={options.min_timing_gflops:g}"
+  return {p: {k: {"time_us": None, "speedup": None, "backend": None, "timing": SKIPPED,
+                  "timing_note": note} for k in per_kernel} for p, per_kernel in passes.items()}
+
+
 def distinct_shapes(sites: Mapping[str, Any]) -> Dict[Tuple, Tuple[str, Any]]:
   """{(spec, lhs shape, rhs shape): (first site, its layout)} in call order: what timing
   measures (timings depend on shapes only)."""
@@ -274,8 +302,8 @@ def time_site_shapes(spec: experiment.RunSpec, batch_size: int, cache_dir: str,
   The timings depend on shapes only, so they can be measured ahead, on any machine of the
   target kind: a later probe whose `ProbeOptions.timing_cache` is this directory finds them
   and skips its own timing phase (Wukong large: 17 shapes, most of a GPU call). Resumable,
-  and it stops at `options.budget_s`. Returns {"cache", "device_kind", "shapes", "timed",
-  "pending"}.
+  and it stops at `options.budget_s`; shapes below `options.min_timing_gflops` are left out.
+  Returns {"cache", "device_kind", "shapes", "timed", "pending", "skipped"}.
   """
   start = time.time()
   deadline = None if options.budget_s is None else start + options.budget_s
@@ -287,9 +315,12 @@ def time_site_shapes(spec: experiment.RunSpec, batch_size: int, cache_dir: str,
   cache = kernel_timing.TimingCache(kernel_timing.default_cache_path(cache_dir, kind), kind)
   dtype = str(np.dtype(site_config_dtype(spec)))
   layouts = distinct_shapes(setup.sites)
-  timed = pending = 0
+  timed = pending = skipped = 0
   starts = kernel_timing.ShapeStarts(deadline)
   for i, (name, layout) in enumerate(layouts.values()):
+    if below_timing_floor(layout, options):
+      skipped += 1
+      continue
     t0 = time.time()
     # The same (kernel, pass) set the probe's timing phase will look up.
     unsupported = evaluate.unsupported_passes(layout, setup.kernels)
@@ -309,7 +340,7 @@ def time_site_shapes(spec: experiment.RunSpec, batch_size: int, cache_dir: str,
       _log(f"timed shape {i + 1}/{len(layouts)} of {name} ({len(got)} kernel passes) in "
            f"{time.time() - t0:.1f}s")
   return {"cache": cache.path, "device_kind": kind, "shapes": len(layouts), "timed": timed,
-          "pending": pending}
+          "pending": pending, "skipped": skipped}
 
 
 def _trained_key(spec: experiment.RunSpec, train_config: TrainConfig,
@@ -502,8 +533,13 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
     new_entries = []
     first_of_shape = {name for name, _ in distinct_shapes(sites).values()}
     starts = kernel_timing.ShapeStarts(deadline)
+    if options.min_timing_gflops > 0:
+      timing_source["min_timing_gflops"] = options.min_timing_gflops
     for name, entry in site_entries.items():
       layout = sites[name].layout
+      if below_timing_floor(layout, options):
+        timings[name] = skipped_timings(entry["passes"], options)
+        continue
       if name in first_of_shape:
         t0 = time.time()
         got = kernel_timing.measure_site(layout, kernels, compute_dtype, cache,
