@@ -4,7 +4,8 @@ r"""The headline benchmark's tables, target verdicts and plots from result rows 
       [--device="NVIDIA H200"]
 
 Merges speed and quality rows from the files in order (a later row of the same target,
-variant or arm, seed and device replaces an earlier one: `loka_jax.bench.collect`) and
+variant or arm, seed, device, recipe and Mods set replaces an earlier one:
+`loka_jax.bench.collect`) and
 writes what `experiments.bench` writes at the end of a call: DIR/report.md (tables and the
 targets met or missed), DIR/targets.json and PNG plots under DIR/plots/. No GPU needed: this
 is how docs/BENCHMARKS.md's summary is made from the rows committed under docs/results/.
