@@ -63,6 +63,12 @@ SERVE_PROMOTION = flags.DEFINE_enum(
     "serve_promotion", "auto", ["auto", "on", "off"], "With --serve_plan, when the serving "
     "plan is first selected: time the export of its serving proposal (more forwards in FP8, "
     "judged on accuracy alone) against it and keep the faster. auto: on a GPU only.")
+SERVE_QUALITY_GATE = flags.DEFINE_bool(
+    "serve_quality_gate", True, "With --serve_plan, before a target's serving plan is first "
+    "written: score the serving proposal, the selected serving plan and the training plan "
+    "served from their exports on the probe's trained parameters (held-out log loss against "
+    "served bf16+Mods, the 0.02% budget) and serve the first within it "
+    "(plans/<target>/serve_quality.json).")
 PROBE_STEPS = flags.DEFINE_integer("probe_steps", 100, "Training steps of each probe.")
 PROBE_SAMPLES = flags.DEFINE_integer("probe_samples", 32, "Draws per site of each probe's "
                                      "error evaluation (fewer: faster, wider CIs).")
@@ -162,6 +168,7 @@ def main(argv):
                                  validation_from_init_seeds=FROM_INIT_SEEDS.value,
                                  head_to_head=tuple(HEAD_TO_HEAD.value),
                                  serve_plan=SERVE_PLAN.value,
+                                 serve_quality_gate=SERVE_QUALITY_GATE.value,
                                  serve_promotion={"auto": None, "on": True,
                                                   "off": False}[SERVE_PROMOTION.value],
                                  min_call_s=(suite.speed.MIN_CALL_S if MIN_CALL_MS.value is None

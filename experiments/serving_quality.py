@@ -11,7 +11,8 @@ training runs them; the export serves them with e4m3 weights stored once and sta
 activation scales, and a serving plan adds FP8 forwards judged on accuracy alone, so this is
 the served model's own quality check. The probe's checkpoint is used where it is; elsewhere
 its training run is made again (as validation does). Writes the measurements as JSON (default:
-the target's plan folder, serve_quality.json) and prints a table.
+the target's plan folder, serving_quality_report.json; the bench's own gate writes
+serve_quality.json there) and prints a table.
 """
 import os
 
@@ -25,14 +26,15 @@ PLANS = flags.DEFINE_string("plans_dir", None, "The bench's plan folder (WORKDIR
                             required=True)
 PROBE_STEPS = flags.DEFINE_integer("probe_steps", 100, "The bench's --probe_steps.")
 BATCH = flags.DEFINE_integer("batch_size", 0, "The bench's --batch_size (0: the preset's).")
-OUT = flags.DEFINE_string("out", None, "JSON file (default: PLAN_FOLDER/serve_quality.json).")
+OUT = flags.DEFINE_string("out", None,
+                          "JSON file (default: PLAN_FOLDER/serving_quality_report.json).")
 
 
 def main(argv):
   del argv
   from loka_jax import jsonio
   from loka_jax.bench import mods_set, planning, suite
-  from loka_jax.dispatch import pipeline, read_plan, serve_quality
+  from loka_jax.dispatch import read_plan, serve_quality
   from loka_jax.train import experiment
 
   experiment.quiet_library_logs()
@@ -53,15 +55,12 @@ def main(argv):
     raise app.UsageError(f"no plan at {os.path.join(folder, planning.PLAN_FILE)}: plan the "
                          "target with experiments.bench first")
   report = planning.load_report(settings.plans_root, model, preset)
-  spec, config = suite.probe_run(target, settings.mods, settings)
-  ctx = pipeline.context_for_run(spec, os.path.join(folder, pipeline.PROBE_DIR), config,
-                                 report, target.probe_build(),
-                                 rebuild_dir=os.path.join(folder, pipeline.STATE_DIR))
+  ctx = suite.probe_context(target, settings)()
   print(f"[serving_quality] {target.name}: scoring {', '.join(plans)} and served bf16+Mods "
         f"on {ctx.source.num_eval_examples()} held-out examples", flush=True)
   measured = serve_quality.served_quality(
       ctx, {name: read_plan(path) for name, path in plans.items()}, report)
-  out = OUT.value or os.path.join(folder, "serve_quality.json")
+  out = OUT.value or os.path.join(folder, "serving_quality_report.json")
   jsonio.write_json_atomic(out, {"target": target.name, "mods_set": mods_set.label(settings.mods),
                                  "plans": plans, "served": measured})
   print(serve_quality.table(measured))

@@ -637,11 +637,14 @@ class ServingPlanBenchTest(chex.TestCase):
                        planning.plan_path(plans, target.model, target.preset))
     return plans, len(stats)
 
-  def _loka_row(self, target, plans, serve_plan, serve_promotion=None):
+  def _loka_row(self, target, plans, serve_plan, serve_promotion=None, gate=False):
+    # The gate is off where a test times the serving decision: on a 512-example eval set
+    # e4m3 serving moves log loss by more than the 0.02% budget (+-0.09% standard error).
     out = _tempdir(self)
     results = ResultsFile(os.path.join(out, "bench.jsonl"), suite.KEY_FIELDS)
     settings = suite.SpeedSettings(repeats=3, probe=False, plans_dir=plans, head_to_head=(),
-                                   serve_plan=serve_plan, serve_promotion=serve_promotion)
+                                   serve_plan=serve_plan, serve_promotion=serve_promotion,
+                                   serve_quality_gate=gate, probe_steps=10)
     self.assertTrue(suite.run_target(target, variants.parse_variants(["loka"]), results,
                                      settings=settings, deadline=float("inf"), device="cpu",
                                      log=lambda _: None))
@@ -696,6 +699,82 @@ class ServingPlanBenchTest(chex.TestCase):
       if where == "selected":
         self.assertEqual([r["site"] for r in record], [held])
         self.assertIn("held-out +0.05%", record[0]["reason"])
+
+  def _clip_scales(self, plans, target):
+    """The report's activation amax 1000x too small: every FP8 export saturates."""
+    from loka_jax.bench import planning
+    from loka_jax.probe.report import save_report
+    report = planning.load_report(plans, target.model, target.preset)
+    for site in report["sites"].values():
+      for operand in site["stats"].values():
+        if isinstance(operand, dict) and "max" in (operand.get("amax") or {}):
+          operand["amax"]["max"] = float(operand["amax"]["max"]) / 1000.0
+    save_report(report, planning.report_path(plans, target.model, target.preset))
+
+  def test_the_quality_gate_serves_no_export_outside_the_budget(self):
+    from loka_jax.bench import serving_gate
+    target = suite.tower_targets(["32x16x2"])[0]
+    # The selected serving plan is FP8 everywhere, its scales clipped: outside the budget.
+    # The training plan (bf16 everywhere) is served instead, which the gate scored within.
+    plans, sites = self._plans(target)
+    self._clip_scales(plans, target)
+    row = self._loka_row(target, plans, serve_plan=True, serve_promotion=True, gate=True)
+    scores = serving_gate.load(plans, target.model, target.preset)
+    self.assertEqual(sorted(scores), ["bf16_mods_served", "selected", "training"])
+    self.assertFalse(scores["selected"]["within_budget"])
+    self.assertTrue(scores["training"]["within_budget"])
+    self.assertEqual(row["export_modes"], {"high": sites})
+    record = self._promotion_record(row)
+    self.assertIn("the selected serving plan is not served", record["quality_fallback"])
+    self.assertIn("training plan", record["quality_fallback"])
+    self.assertFalse(record["quality"]["selected"]["within_budget"])
+    # The proposal (FP8 at every site the selected bf16 plan leaves) is outside it too: it
+    # is neither timed nor served.
+    plans, sites = self._plans(target, fwd_speed=(0.98, 1.03, 1.07))
+    self._clip_scales(plans, target)
+    row = self._loka_row(target, plans, serve_plan=True, serve_promotion=True, gate=True)
+    record = self._promotion_record(row)
+    self.assertTrue(record["skipped"])
+    self.assertIn("the proposal is not served", record["reason"])
+    self.assertNotIn("infer", record)
+    self.assertEqual(row["export_modes"], {"high": sites})
+    # A later run reads the saved scores: the probe's state is not restored again.
+    with mock.patch("loka_jax.dispatch.pipeline.context_for_run",
+                    side_effect=AssertionError("scored again")):
+      self.assertEqual(serving_gate.score(plans, target.model, target.preset, None),
+                       serving_gate.load(plans, target.model, target.preset))
+
+  def test_with_every_candidate_outside_the_budget_every_forward_is_served_bf16(self):
+    from loka_jax.bench import planning
+    target = suite.tower_targets(["32x16x2"])[0]
+    plans, sites = self._plans(target)
+    selected, _, _ = planning.select_serving(plans, target.model, target.preset)
+    change = {"rel_logloss_change": 0.01, "se": 0.001}
+    outside = {"within_budget": False, "budget": 2e-4, "vs_served_bf16_mods": change}
+    served, why = suite._within_quality(
+        selected, {"selected": outside, "training": outside},
+        planning.plan_path(plans, target.model, target.preset))
+    self.assertIn("every forward in bf16", why)
+    self.assertEqual({c["fwd"]["kernel"] for c in served["sites"].values()}, {"xla_bf16"})
+    self.assertLen([r for r in served["validation"] if r["step"] == "serve_quality"], sites)
+    kept, why = suite._within_quality(selected, {"selected": {**outside, "within_budget": True}},
+                                      "unused")
+    self.assertIs(kept, selected)
+    self.assertIsNone(why)
+
+  def test_a_corrupt_scores_file_is_refused_by_name(self):
+    from loka_jax.bench import serving_gate
+    plans = _tempdir(self)
+    path = serving_gate.quality_path(plans, "tower", "32x16x2")
+    os.makedirs(os.path.dirname(path))
+    with open(path, "w") as f:
+      f.write('{"served": {"selected": {"logloss": 0.5}}}')
+    with self.assertRaisesRegex(ValueError, "serve_quality.json: no served-quality scores"):
+      serving_gate.load(plans, "tower", "32x16x2")
+    with open(path, "w") as f:
+      f.write('{"served": ')
+    with self.assertRaisesRegex(ValueError, "truncated or corrupt"):
+      serving_gate.load(plans, "tower", "32x16x2")
 
   def _promotion_record(self, row):
     from loka_jax import dispatch

@@ -52,13 +52,21 @@ def serving_plan_path(plans_root: str, model: str, preset: str) -> str:
 SERVE_SELECTION = "serve_selection"
 
 
+def forwards_in_bf16(plan: dispatch.Plan, reasons: Mapping[str, str], step: str
+                     ) -> dispatch.Plan:
+  """`plan` with every pass of each site in `reasons` ({site: why}) back in xla_bf16 where
+  its forward is FP8, each recorded as a `step` back-off."""
+  for site, why in sorted(reasons.items()):
+    if site in plan["sites"] and plan["sites"][site]["fwd"]["kernel"] != FALLBACK:
+      plan = dispatch.back_off(plan, site, None, why, step=step)
+  return plan
+
+
 def _held_out_forwards_in_bf16(plan: dispatch.Plan, held: Mapping[str, str]) -> dispatch.Plan:
   """`plan` with the forward of every site in `held` ({site: why}) back in xla_bf16."""
-  for site, why in sorted(held.items()):
-    if site in plan["sites"] and plan["sites"][site]["fwd"]["kernel"] != FALLBACK:
-      plan = dispatch.back_off(plan, site, None, "held-out validation of the training plan "
-                               f"backed this site off: {why}", step=SERVE_SELECTION)
-  return plan
+  return forwards_in_bf16(plan, {site: "held-out validation of the training plan backed this "
+                                       f"site off: {why}" for site, why in held.items()},
+                          SERVE_SELECTION)
 
 
 def select_serving(plans_root: str, model: str, preset: str

@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+import os
 import time
 import traceback
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import jax
 
-from loka_jax.bench import mods_set, planning, speed, towers
+from loka_jax.bench import mods_set, planning, serving_gate, speed, towers
 from loka_jax.bench.results import ResultsFile
 from loka_jax.bench.targets import interleaved_references, speed_index
 from loka_jax.bench.variants import (PALLAS, PLAN, VARIANTS, Variant, pallas_coverage,
@@ -143,6 +144,9 @@ class SpeedSettings:
   # When the serving plan is first selected, time the export of its serving proposal against
   # it and keep the proposal when provably faster (`decide_serving`). None: on a GPU only.
   serve_promotion: Optional[bool] = None
+  # With `serve_plan`: score the serving candidates' served quality on the probe's trained
+  # parameters first and serve only one within the held-out budget (`serving_gate`).
+  serve_quality_gate: bool = True
   # The Mods of the Mods arms (bf16_mods, bf16_mods_served, loka) and of the probe that plans
   # LoKA: every Mod by default; another set is its own subject (`mods_set`).
   mods: Tuple[str, ...] = mods_set.DEFAULT
@@ -214,6 +218,34 @@ def _probe_for_plan(target: Target, variant: Variant, settings: SpeedSettings,
   return True
 
 
+def _score_serving(target: Target, settings: SpeedSettings, deadline: float, log) -> bool:
+  """Scores the target's serving candidates on the probe's trained parameters before its
+  serving plan is first written (`serving_gate`); False when the deadline has passed first.
+  Runs before the baseline is built: the probe's state and the bench's are never both
+  alive."""
+  root = settings.plans_root
+  if (os.path.exists(planning.serving_plan_path(root, target.model, target.preset))
+      or serving_gate.load(root, target.model, target.preset) is not None):
+    return True
+  if time.time() > deadline:
+    log(f"  deadline: {target.name}'s served models left to score in the next run")
+    return False
+  serving_gate.score(root, target.model, target.preset, probe_context(target, settings), log)
+  return True
+
+
+def probe_context(target: Target, settings: SpeedSettings) -> Callable:
+  """() -> the ValidationContext of the probe run that planned the target's LoKA arm: its
+  checkpoint, or where that is absent the run trained again (as validation does)."""
+  from loka_jax.dispatch import pipeline
+  folder = planning.plan_dir(settings.plans_root, target.model, target.preset)
+  spec, config = probe_run(target, settings.mods, settings)
+  report = planning.load_report(settings.plans_root, target.model, target.preset)
+  return lambda: pipeline.context_for_run(
+      spec, os.path.join(folder, pipeline.PROBE_DIR), config, report, target.probe_build(),
+      rebuild_dir=os.path.join(folder, pipeline.STATE_DIR))
+
+
 def serve_exported(bench: speed.TargetBench, arm: speed.Arm, model, plan, report):
   """(arm, row fields): the LoKA arm with its inference served by the exported model, i.e.
   FP8-stored weights and static activation scales from the probe's amax (`dispatch.export`),
@@ -230,7 +262,7 @@ SERVE_PROMOTION = "serve_promotion"
 
 
 def decide_serving(bench: speed.TargetBench, arm: speed.Arm, model, report,
-                   settings: SpeedSettings, chosen: Dict, selected, proposal,
+                   settings: SpeedSettings, chosen: Dict, target: Target, selected, proposal,
                    sites: Sequence[str]):
   """The serving plan to keep: `proposal` (`dispatch.serving_proposal`: `sites` served in FP8
   besides) when its export serves provably faster than `selected`'s, both timed in one
@@ -241,6 +273,19 @@ def decide_serving(bench: speed.TargetBench, arm: speed.Arm, model, report,
   from loka_jax.dispatch import add_validation
   from loka_jax.dispatch.validate import on_gpu_unless
   record = {"step": SERVE_PROMOTION, "sites": list(sites)}
+  scores = (serving_gate.load(settings.plans_root, target.model, target.preset)
+            if settings.serve_quality_gate else None)
+  selected, fallback = _within_quality(
+      selected, scores, planning.plan_path(settings.plans_root, target.model, target.preset))
+  if fallback:
+    record["quality_fallback"] = fallback
+  if scores is not None:
+    record["quality"] = {n: {**m["vs_served_bf16_mods"], "within_budget": m["within_budget"]}
+                         for n, m in scores.items()}
+  outside = serving_gate.verdict(scores, "proposal")
+  if sites and outside:
+    return add_validation(selected, {**record, "skipped": True, "reason": (
+        f"the proposal is not served: {outside}")})
   if not sites:
     return add_validation(selected, {**record, "skipped": True, "reason": (
         "no site served in xla_bf16 has an FP8 forward safe on accuracy alone that the "
@@ -269,6 +314,25 @@ def decide_serving(bench: speed.TargetBench, arm: speed.Arm, model, report,
   kept = "proposal" if keep else "selected"
   chosen["arm"], chosen["fields"] = exports[kept]  # the other export goes with `exports`
   return add_validation(proposal if keep else selected, record)
+
+
+def _within_quality(selected, scores, training_path: str):
+  """(the plan to serve unless the proposal wins, why it is not `selected`): `selected` when
+  its served quality is within the budget (or unscored), else the training plan when its
+  export is, else bf16+Mods' all-bf16 forwards (`serving_gate`)."""
+  outside = serving_gate.verdict(scores, "selected")
+  if outside is None:
+    return selected, None
+  why = f"the selected serving plan is not served: {outside}"
+  training_outside = serving_gate.verdict(scores, "training")
+  if training_outside is None:
+    from loka_jax import dispatch
+    return (dispatch.read_plan(training_path),
+            why + "; served from the training plan's forwards instead")
+  reasons = {n: f"{why}; the training plan's export too: {training_outside}"
+             for n in selected["sites"]}
+  return (planning.forwards_in_bf16(selected, reasons, serving_gate.QUALITY_STEP),
+          why + "; served with every forward in bf16 instead")
 
 
 def _serving_summary(plan) -> Dict:
@@ -301,7 +365,8 @@ def _build_arm(bench: speed.TargetBench, target: Target, v: Variant, batch,
     report = planning.load_report(settings.plans_root, target.model, target.preset)
     served, chosen = row["plan"], {}
     if settings.serve_plan:
-      decide = functools.partial(decide_serving, bench, arm, model, report, settings, chosen)
+      decide = functools.partial(decide_serving, bench, arm, model, report, settings, chosen,
+                                 target)
       served = planning.serving_plan(settings.plans_root, target.model, target.preset, decide)
       row["serve_plan"] = planning.serving_plan_path(settings.plans_root, target.model,
                                                      target.preset)
@@ -385,6 +450,10 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
     log(f"  planning (probe or validation) ran to its budget and the LoKA plan is not "
         f"ready: {target.name} left for the next run, its baseline not built")
     return False
+  if (settings.serve_plan and settings.serve_quality_gate and not waiting
+      and any(v.kernels_from == PLAN for v in pending)):
+    if not _score_serving(target, settings, deadline, log):
+      return False
   if waiting and len(waiting) == len(pending):
     # Nothing to time until the plan exists: building the baseline (Wukong large: a 50 GiB
     # state and a minute of compilation) would only be thrown away.
