@@ -269,7 +269,9 @@ def decide_serving(bench: speed.TargetBench, arm: speed.Arm, model, report,
   interleaving of inference steps (speedup CI above 1); else `selected`. On a GPU only unless
   `settings.serve_promotion` says otherwise. The decision is recorded in the plan's
   `validation` (`serve_promotion`); `chosen` receives the kept plan's export arm and row
-  fields, so it is not built again."""
+  fields, so it is not built again. With the served-quality gate, only a candidate whose
+  saved score (`serving_gate`) is within the budget is served: a proposal outside it is not
+  timed, and a selected plan outside it gives way (`_within_quality`)."""
   from loka_jax.dispatch import add_validation
   from loka_jax.dispatch.validate import on_gpu_unless
   record = {"step": SERVE_PROMOTION, "sites": list(sites)}
