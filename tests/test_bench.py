@@ -431,7 +431,7 @@ class ValidationFromInitTest(absltest.TestCase):
                                      validation_from_init_warmup_steps=warmup,
                                      validation_from_init_seeds=seeds)
       with mock.patch("loka_jax.dispatch.pipeline.probe_and_plan") as probe_and_plan:
-        suite._probe_for_plan(target, variants.VARIANTS["loka"], settings,
+        suite._probe_for_plan(target, settings,
                               deadline=time.time() + 600, log=lambda line: None)
       validation = probe_and_plan.call_args.kwargs["validation"]
       self.assertEqual((validation.from_init_steps, validation.from_init_warmup_steps,
@@ -443,7 +443,7 @@ class ValidationFromInitTest(absltest.TestCase):
     for floor in (0.0, 2.5):
       settings = suite.SpeedSettings(plans_dir=plans, probe_min_timing_gflops=floor)
       with mock.patch("loka_jax.dispatch.pipeline.probe_and_plan") as probe_and_plan:
-        suite._probe_for_plan(target, variants.VARIANTS["loka"], settings,
+        suite._probe_for_plan(target, settings,
                               deadline=time.time() + 600, log=lambda line: None)
       self.assertEqual(probe_and_plan.call_args.kwargs["probe_options"].min_timing_gflops,
                        floor)

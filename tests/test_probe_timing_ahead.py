@@ -239,6 +239,10 @@ class TimingFloorTest(chex.TestCase):
     self.assertTrue(timed_layouts and min(timed_layouts) >= floor)
     self.assertEqual(ahead["skipped"] + ahead["timed"], ahead["shapes"])
     self.assertGreater(ahead["skipped"], 0)
+    described = runner.describe_probe(
+        spec(), TrainConfig(steps=4, batch_size=BATCH, progress=False, log_every=0),
+        options=options(None, min_timing_gflops=floor))
+    self.assertEqual(described["shapes_to_time"], ahead["timed"])
 
     timed_layouts.clear()
     workdir = tempfile.mkdtemp(prefix="loka_timing_floor_probe_")

@@ -96,7 +96,7 @@ class CliTest(absltest.TestCase):
     plans = os.path.join(root, "plans")
     target = suite.Target("models", "dlrm", "tiny")
     settings = suite.SpeedSettings(plans_dir=plans, probe_steps=4)
-    spec, config = suite.probe_run(target, ("all",), settings)
+    spec, config = suite.probe_run(target, settings)
     folder = planning.plan_dir(plans, "dlrm", "tiny")
     pipeline.probe_and_plan(spec, folder, train_config=config, validation=None,
                             probe_options=ProbeOptions(samples=2, repeats=2, bootstrap=20,

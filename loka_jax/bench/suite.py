@@ -187,17 +187,17 @@ def plan_for(target: Target, variant: Variant, batch, settings: SpeedSettings) -
   return None, {}, None
 
 
-def probe_run(target: Target, mods: Sequence[str], settings: SpeedSettings
+def probe_run(target: Target, settings: SpeedSettings
               ) -> Tuple[experiment.RunSpec, TrainConfig]:
-  """(spec, training config) of the probe run that plans the target's LoKA arm: its trained
-  state is what validation, and any later check of the plan, runs on."""
-  return target.run_spec(mods), TrainConfig(steps=settings.probe_steps,
+  """(spec, training config) of the probe run that plans the target's LoKA arm (the run's
+  Mods set): its trained state is what validation, and any later check of the plan, runs
+  on."""
+  return target.run_spec(settings.mods), TrainConfig(steps=settings.probe_steps,
                                             batch_size=target.batch(), progress=False,
                                             seed=settings.seed)
 
 
-def _probe_for_plan(target: Target, variant: Variant, settings: SpeedSettings,
-                    deadline: float, log) -> bool:
+def _probe_for_plan(target: Target, settings: SpeedSettings, deadline: float, log) -> bool:
   """Probes the target for its LoKA plan when the plan is missing (resumable); whether it
   probed."""
   if planning.load(settings.plans_root, target.model, target.preset) is not None:
@@ -206,7 +206,7 @@ def _probe_for_plan(target: Target, variant: Variant, settings: SpeedSettings,
   if budget < 30:
     return False
   log(f"probing {target.name} for its LoKA plan (budget {budget:.0f}s)")
-  spec, config = probe_run(target, variant.mods, settings)
+  spec, config = probe_run(target, settings)
   planning.make_plan(spec, settings.plans_root, config,
                      budget_s=budget, build=target.probe_build(),
                      samples=settings.probe_samples, kernels=settings.probe_kernels,
@@ -239,7 +239,7 @@ def probe_context(target: Target, settings: SpeedSettings) -> Callable:
   checkpoint, or where that is absent the run trained again (as validation does)."""
   from loka_jax.dispatch import pipeline
   folder = planning.plan_dir(settings.plans_root, target.model, target.preset)
-  spec, config = probe_run(target, settings.mods, settings)
+  spec, config = probe_run(target, settings)
   report = planning.load_report(settings.plans_root, target.model, target.preset)
   return lambda: pipeline.context_for_run(
       spec, os.path.join(folder, pipeline.PROBE_DIR), config, report, target.probe_build(),
@@ -438,9 +438,8 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
   if settings.probe:
     # Probe before the baseline's state exists: a large preset (Wukong large: 50 GiB of
     # parameters and Adam state) cannot hold the probe's training state beside it.
-    for v in pending:
-      if v.kernels_from == PLAN:
-        probed = _probe_for_plan(target, v, settings, deadline, log) or probed
+    if any(v.kernels_from == PLAN for v in pending):
+      probed = _probe_for_plan(target, settings, deadline, log)
   waiting = [v for v in pending if v.kernels_from == PLAN
              and planning.load(settings.plans_root, target.model, target.preset) is None]
   if waiting and probed:

@@ -269,7 +269,8 @@ def describe_probe(spec: experiment.RunSpec, train_config: TrainConfig,
   (parameters and optimizer state) and of the statistics, which together make the probe's
   checkpoint, for planning a run on a card and disk of known size; and the distinct
   functions the error evaluation compiles for `options.kernels`, with the number of sites
-  that bring new ones."""
+  that bring new ones; and the distinct shapes timing measures at
+  `options.min_timing_gflops` (`shapes_to_time`)."""
   from loka_jax.train.optim import make_optimizer
   from loka_jax.train.state import abstract_train_state
   setup = _setup(spec, train_config.batch_size, probe_config, options, build)
@@ -288,7 +289,9 @@ def describe_probe(spec: experiment.RunSpec, train_config: TrainConfig,
     keys = {(fn, executables.signature(args)) for fn, args in jobs}
     compiling += bool(keys - seen)
     seen |= keys
-  return {"sites": len(setup.sites), "distinct_shapes": len(distinct_shapes(setup.sites)),
+  layouts = [layout for _, layout in distinct_shapes(setup.sites).values()]
+  return {"sites": len(setup.sites), "distinct_shapes": len(layouts),
+          "shapes_to_time": sum(not below_timing_floor(l, options) for l in layouts),
           "state_bytes": nbytes(state), "statistics_bytes": nbytes(stats),
           "evaluation_functions": len(seen), "sites_compiling": compiling}
 
