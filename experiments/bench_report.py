@@ -1,7 +1,7 @@
 r"""The headline benchmark's tables, target verdicts and plots from result rows already measured.
 
   python -m experiments.bench_report --rows=OLDEST.jsonl,...,NEWEST.jsonl --out=DIR \
-      [--device="NVIDIA H200"]
+      [--device="NVIDIA H200"] [--served_quality=REPORT.json,...]
 
 Merges speed and quality rows from the files in order (a later row of the same target,
 variant or arm, seed, device, recipe and Mods set replaces an earlier one:
@@ -10,6 +10,8 @@ writes what `experiments.bench` writes at the end of a call: DIR/report.md (tabl
 targets met or missed), DIR/targets.json and PNG plots under DIR/plots/. No GPU needed: this
 is how docs/BENCHMARKS.md's summary is made from the rows committed under docs/results/.
 Plots put one bar per target and variant, so rows of two device kinds need --device.
+--served_quality takes `experiments.serving_quality` reports: an inference verdict measured on
+a served model outside the quality budget is missed (`loka_jax.bench.served_check`).
 """
 import os
 
@@ -19,12 +21,16 @@ ROWS = flags.DEFINE_list("rows", None, "Result JSONL files (bench.jsonl, quality
                          "oldest first.", required=True)
 OUT = flags.DEFINE_string("out", None, "Output directory.", required=True)
 DEVICE = flags.DEFINE_string("device", None, "Only rows measured on this device kind.")
+SERVED = flags.DEFINE_list(
+    "served_quality", [], "Reports of experiments.serving_quality (JSON), oldest first: the "
+    "held-out quality of the models LoKA rows served before the bench's served-quality gate; "
+    "a row whose served model is outside the budget has its inference verdicts missed.")
 
 
 def main(argv):
   del argv
   from loka_jax import jsonio
-  from loka_jax.bench import collect, plots, tables, targets
+  from loka_jax.bench import collect, plots, served_check, tables, targets
 
   rows = collect.read_rows(ROWS.value, DEVICE.value)
   kinds = collect.devices(rows)
@@ -35,7 +41,11 @@ def main(argv):
     raise app.UsageError(f"rows of {len(kinds)} device kinds ({', '.join(kinds)}): pick one "
                          "with --device (a ratio means something only on one card)")
   os.makedirs(OUT.value, exist_ok=True)
-  verdicts = targets.check_all(rows)
+  try:
+    reports = served_check.load_reports(SERVED.value)
+  except served_check.ServedQualityError as e:
+    raise app.UsageError(str(e)) from e
+  verdicts = targets.check_all(rows, reports)
   jsonio.write_json_atomic(os.path.join(OUT.value, "targets.json"), verdicts)
   report = tables.report(rows, verdicts)
   with open(os.path.join(OUT.value, "report.md"), "w") as f:

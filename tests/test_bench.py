@@ -712,7 +712,7 @@ class ServingPlanBenchTest(chex.TestCase):
     save_report(report, planning.report_path(plans, target.model, target.preset))
 
   def test_the_quality_gate_serves_no_export_outside_the_budget(self):
-    from loka_jax.bench import serving_gate
+    from loka_jax.bench import served_check, serving_gate
     target = suite.tower_targets(["32x16x2"])[0]
     # The selected serving plan is FP8 everywhere, its scales clipped: outside the budget.
     # The training plan (bf16 everywhere) is served instead, which the gate scored within.
@@ -728,6 +728,13 @@ class ServingPlanBenchTest(chex.TestCase):
     self.assertIn("the selected serving plan is not served", record["quality_fallback"])
     self.assertIn("training plan", record["quality_fallback"])
     self.assertFalse(record["quality"]["selected"]["within_budget"])
+    # The row carries the score of what it served, the training plan's export: the report
+    # judges its inference verdicts by it (`served_check`).
+    self.assertEqual(record["served"], "training")
+    self.assertEqual(row["serve_promotion"]["quality"], record["quality"]["training"])
+    self.assertEqual(row["serve_promotion"]["quality"]["rel_logloss_change"],
+                     scores["training"]["vs_served_bf16_mods"]["rel_logloss_change"])
+    self.assertTrue(served_check.for_row(row, {})["within_budget"])
     # The proposal (FP8 at every site the selected bf16 plan leaves) is outside it too: it
     # is neither timed nor served.
     plans, sites = self._plans(target, fwd_speed=(0.98, 1.03, 1.07))
@@ -745,21 +752,23 @@ class ServingPlanBenchTest(chex.TestCase):
                        serving_gate.load(plans, target.model, target.preset))
 
   def test_with_every_candidate_outside_the_budget_every_forward_is_served_bf16(self):
-    from loka_jax.bench import planning
+    from loka_jax.bench import planning, serving_gate
     target = suite.tower_targets(["32x16x2"])[0]
     plans, sites = self._plans(target)
     selected, _, _ = planning.select_serving(plans, target.model, target.preset)
     change = {"rel_logloss_change": 0.01, "se": 0.001}
     outside = {"within_budget": False, "budget": 2e-4, "vs_served_bf16_mods": change}
-    served, why = suite._within_quality(
+    served, candidate, why = suite._within_quality(
         selected, {"selected": outside, "training": outside},
         planning.plan_path(plans, target.model, target.preset))
     self.assertIn("every forward in bf16", why)
+    self.assertEqual(candidate, serving_gate.ALL_BF16)
     self.assertEqual({c["fwd"]["kernel"] for c in served["sites"].values()}, {"xla_bf16"})
     self.assertLen([r for r in served["validation"] if r["step"] == "serve_quality"], sites)
-    kept, why = suite._within_quality(selected, {"selected": {**outside, "within_budget": True}},
-                                      "unused")
+    kept, candidate, why = suite._within_quality(
+        selected, {"selected": {**outside, "within_budget": True}}, "unused")
     self.assertIs(kept, selected)
+    self.assertEqual(candidate, "selected")
     self.assertIsNone(why)
 
   def test_a_corrupt_scores_file_is_refused_by_name(self):

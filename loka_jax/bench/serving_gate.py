@@ -25,6 +25,7 @@ from loka_jax.bench import planning
 QUALITY_FILE = "serve_quality.json"
 QUALITY_STEP = "serve_quality"   # a serving plan's back-off for the served quality
 CANDIDATES = ("proposal", "selected", "training")   # the order the bench serves them in
+ALL_BF16 = "all_bf16"   # served when no candidate is within the budget: bf16+Mods' export
 
 
 def quality_path(plans_root: str, model: str, preset: str) -> str:

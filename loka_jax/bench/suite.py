@@ -277,13 +277,14 @@ def decide_serving(bench: speed.TargetBench, arm: speed.Arm, model, report,
   record = {"step": SERVE_PROMOTION, "sites": list(sites)}
   scores = (serving_gate.load(settings.plans_root, target.model, target.preset)
             if settings.serve_quality_gate else None)
-  selected, fallback = _within_quality(
+  selected, candidate, fallback = _within_quality(
       selected, scores, planning.plan_path(settings.plans_root, target.model, target.preset))
   if fallback:
     record["quality_fallback"] = fallback
   if scores is not None:
-    record["quality"] = {n: {**m["vs_served_bf16_mods"], "within_budget": m["within_budget"]}
-                         for n, m in scores.items()}
+    record["quality"] = {n: {**m["vs_served_bf16_mods"], "within_budget": m["within_budget"],
+                             "budget": m["budget"]} for n, m in scores.items()}
+  record["served"] = candidate   # which candidate's forwards the plan serves (its score)
   outside = serving_gate.verdict(scores, "proposal")
   if sites and outside:
     return add_validation(selected, {**record, "skipped": True, "reason": (
@@ -315,35 +316,42 @@ def decide_serving(bench: speed.TargetBench, arm: speed.Arm, model, report,
                 promoted=keep)
   kept = "proposal" if keep else "selected"
   chosen["arm"], chosen["fields"] = exports[kept]  # the other export goes with `exports`
+  if keep:
+    record["served"] = "proposal"
   return add_validation(proposal if keep else selected, record)
 
 
 def _within_quality(selected, scores, training_path: str):
-  """(the plan to serve unless the proposal wins, why it is not `selected`): `selected` when
-  its served quality is within the budget (or unscored), else the training plan when its
-  export is, else bf16+Mods' all-bf16 forwards (`serving_gate`)."""
+  """(the plan to serve unless the proposal wins, the candidate it is, why it is not
+  `selected`): `selected` when its served quality is within the budget (or unscored), else
+  the training plan (`"training"`) when its export is, else bf16+Mods' all-bf16 forwards
+  (`serving_gate.ALL_BF16`)."""
   outside = serving_gate.verdict(scores, "selected")
   if outside is None:
-    return selected, None
+    return selected, "selected", None
   why = f"the selected serving plan is not served: {outside}"
   training_outside = serving_gate.verdict(scores, "training")
   if training_outside is None:
     from loka_jax import dispatch
-    return (dispatch.read_plan(training_path),
+    return (dispatch.read_plan(training_path), "training",
             why + "; served from the training plan's forwards instead")
   reasons = {n: f"{why}; the training plan's export too: {training_outside}"
              for n in selected["sites"]}
   return (planning.forwards_in_bf16(selected, reasons, serving_gate.QUALITY_STEP),
-          why + "; served with every forward in bf16 instead")
+          serving_gate.ALL_BF16, why + "; served with every forward in bf16 instead")
 
 
 def _serving_summary(plan) -> Dict:
-  """The row's account of the serving plan's promotion record (empty: none recorded)."""
+  """The row's account of the serving plan's promotion record (empty: none recorded), with
+  the served candidate's held-out score where the gate scored it (`quality`)."""
   records = [r for r in plan["validation"] if r.get("step") == SERVE_PROMOTION]
   if not records:
     return {}
   r = records[-1]
   out = {"sites": len(r.get("sites", []))}
+  score = (r.get("quality") or {}).get(r.get("served"))
+  if score is not None:
+    out["quality"] = score
   if r.get("skipped"):
     return {**out, "skipped": r.get("reason")}
   return {**out, "promoted": r["promoted"], "speedup": r["infer"]["speedup"],

@@ -153,13 +153,15 @@ GLANCE = (("train vs bf16+Mods", "loka_not_slower_than_bf16_mods", "train"),
           ("infer vs bf16+Mods", "loka_not_slower_than_bf16_mods", "infer"),
           ("infer vs served bf16+Mods", "loka_not_slower_than_bf16_mods_served", "infer"),
           ("infer vs best peer", "loka_at_least_best_peer", "infer"),
-          ("quality: delta log loss vs bf16+Mods", "loka_quality_vs_bf16_mods", "quality"))
+          ("quality: delta log loss vs bf16+Mods", "loka_quality_vs_bf16_mods", "quality"),
+          ("served quality vs served bf16+Mods", "loka_served_quality", "served"))
 
 
 def _glance_cell(v: Mapping) -> str:
   if v["value"] is None:
     return "-"
-  text = f"{v['value']:+.1e}" if v["mode"] == "quality" else f"{v['value']:.3f}x"
+  text = {"quality": f"{v['value']:+.1e}",   # a log-loss difference
+          "served": f"{v['value']:+.3%}"}.get(v["mode"], f"{v['value']:.3f}x")  # relative
   return text + (" MISSED" if v["met"] is False else "")
 
 

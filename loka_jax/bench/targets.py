@@ -14,6 +14,7 @@ import numpy as np
 
 from loka_jax.bench import mods_set
 from loka_jax.bench import quality as quality_lib
+from loka_jax.bench import served_check
 from loka_jax.bench.variants import PEERS
 
 NOT_SLOWER = 0.98
@@ -128,54 +129,99 @@ def _identical_programs(r: Mapping, what: str, same_as: str) -> Tuple[bool, str]
                   "yet the CI excludes 1.0, a measurement problem to look into"))
 
 
-def check_speed(rows: Sequence[Mapping]) -> List[Dict]:
-  """The speed targets for every target that has a LoKA row."""
+def _served_quality(subject: str, loka: Mapping,
+                    reports: Mapping[served_check.ReportKey, Mapping]) -> Tuple[List[Dict],
+                                                                                Optional[str]]:
+  """(the served-quality verdict of the model LoKA's row served, where one measured it; why
+  its inference verdicts do not count: a served model outside the quality budget)."""
+  score = served_check.for_row(loka, reports)
+  if score is None:
+    return [], None
+  need = "|served change| <= budget"
+  if "mismatch" in score:
+    return [_verdict("loka_served_quality", subject, "served", None, None, need,
+                     "not applied: " + score["mismatch"])], None
+  value = {"ratio": score["rel_logloss_change"], "ci": [-score["budget"], score["budget"]]}
+  verdict = _verdict("loka_served_quality", subject, "served", value, score["within_budget"],
+                     need, served_check.describe(score))
+  return [verdict], (None if score["within_budget"] else
+                     "not counted: the inference was timed on a served model outside the "
+                     "quality budget, " + served_check.describe(score))
+
+
+def _void_inference(verdicts: List[Dict], why: Optional[str]) -> List[Dict]:
+  """`verdicts` with every inference verdict missed (and `why` in its note) when `why`."""
+  if why is None:
+    return verdicts
+  return [v if v["mode"] != "infer" else
+          {**v, "met": False if v["met"] is not None else None,
+           "note": "; ".join(n for n in (v["note"], why) if n)} for v in verdicts]
+
+
+def check_speed(rows: Sequence[Mapping],
+                served_reports: Optional[Mapping[served_check.ReportKey, Mapping]] = None
+                ) -> List[Dict]:
+  """The speed targets for every target that has a LoKA row, and the quality of the model its
+  inference served (`served_check`: the row's own gate score, else `served_reports`)."""
   out = []
-  for (suite, model, preset, device, set_label), variants in sorted(speed_index(rows).items(),
-                                                                   key=_sort_key):
+  for (_, model, preset, _, set_label), variants in sorted(speed_index(rows).items(),
+                                                          key=_sort_key):
     subject = f"{model}/{mods_set.preset_label(preset, set_label)}"
+    verdicts = _speed_verdicts(subject, model, preset, variants)
     loka = variants.get("loka")
-    for mode in MODES:
-      if loka is None:
-        out.append(_verdict("loka_not_slower_than_bf16_mods", subject, mode, None, None,
-                            f"CI low >= {NOT_SLOWER}", "no LoKA row yet"))
-        continue
-      if "bf16_mods" in variants:
-        r = over(loka, variants["bf16_mods"], mode)
-        met, note = r["ci"][0] >= NOT_SLOWER, ""
-        if not met and mode == "train" and same_program_as_bf16_mods(loka):
-          met, note = _identical_programs(r, "train step", "the bf16+Mods step")
-        out.append(_verdict("loka_not_slower_than_bf16_mods", subject, mode, r, met,
-                            f"CI low >= {NOT_SLOWER}", note))
-      if mode == "infer" and SERVED in variants:
-        # LoKA infers from its export (weights stored once in e4m3 or bf16); bf16+Mods served
-        # the same way separates what FP8 gains from what storing the weights once gains.
-        r = over(loka, variants[SERVED], mode)
-        met, note = r["ci"][0] >= NOT_SLOWER, "both infer from exported weights"
-        if not met and exports_every_site_high(loka):
-          met, note = _identical_programs(r, "exported model", "served bf16+Mods'")
-        out.append(_verdict(f"loka_not_slower_than_{SERVED}", subject, mode, r, met,
-                            f"CI low >= {NOT_SLOWER}", note))
-      best = _best_peer(variants, mode)
-      if best is not None:
-        r = over(loka, variants[best], mode)
-        out.append(_verdict("loka_at_least_best_peer", subject, mode, r,
-                            r["ci"][0] >= NOT_SLOWER, f"CI low >= {NOT_SLOWER}",
-                            f"best peer: {best}"))
-        out.append(_verdict("loka_over_best_single_kernel", subject, mode, r,
-                            r["ratio"] >= OVER_BEST_SINGLE, f">= {OVER_BEST_SINGLE}x",
-                            f"best single kernel everywhere: {best}"))
-      if model == "wukong" and preset == "large":
-        for base in ("bf16_mods", "bf16", SERVED):
-          if base not in variants or (base == SERVED and mode == "train"):
-            continue
-          r = over(loka, variants[base], mode)
-          need = WUKONG_LARGE[mode]
-          # The bar is set over bf16+Mods; over plain bf16 (and served bf16+Mods, for
-          # inference) it is reported beside it.
-          out.append(_verdict(f"wukong_large_over_{base}", subject, mode, r,
-                              r["ratio"] >= need if base == "bf16_mods" else None,
-                              f">= {need}x" if base == "bf16_mods" else "reported"))
+    if loka is not None:
+      served, why = _served_quality(subject, loka, served_reports or {})
+      verdicts = _void_inference(verdicts, why) + served
+    out.extend(verdicts)
+  return out
+
+
+def _speed_verdicts(subject: str, model: str, preset: str,
+                    variants: Mapping[str, Mapping]) -> List[Dict]:
+  """One target's speed verdicts (`variants`: its finished rows by variant)."""
+  out = []
+  loka = variants.get("loka")
+  for mode in MODES:
+    if loka is None:
+      out.append(_verdict("loka_not_slower_than_bf16_mods", subject, mode, None, None,
+                          f"CI low >= {NOT_SLOWER}", "no LoKA row yet"))
+      continue
+    if "bf16_mods" in variants:
+      r = over(loka, variants["bf16_mods"], mode)
+      met, note = r["ci"][0] >= NOT_SLOWER, ""
+      if not met and mode == "train" and same_program_as_bf16_mods(loka):
+        met, note = _identical_programs(r, "train step", "the bf16+Mods step")
+      out.append(_verdict("loka_not_slower_than_bf16_mods", subject, mode, r, met,
+                          f"CI low >= {NOT_SLOWER}", note))
+    if mode == "infer" and SERVED in variants:
+      # LoKA infers from its export (weights stored once in e4m3 or bf16); bf16+Mods served
+      # the same way separates what FP8 gains from what storing the weights once gains.
+      r = over(loka, variants[SERVED], mode)
+      met, note = r["ci"][0] >= NOT_SLOWER, "both infer from exported weights"
+      if not met and exports_every_site_high(loka):
+        met, note = _identical_programs(r, "exported model", "served bf16+Mods'")
+      out.append(_verdict(f"loka_not_slower_than_{SERVED}", subject, mode, r, met,
+                          f"CI low >= {NOT_SLOWER}", note))
+    best = _best_peer(variants, mode)
+    if best is not None:
+      r = over(loka, variants[best], mode)
+      out.append(_verdict("loka_at_least_best_peer", subject, mode, r,
+                          r["ci"][0] >= NOT_SLOWER, f"CI low >= {NOT_SLOWER}",
+                          f"best peer: {best}"))
+      out.append(_verdict("loka_over_best_single_kernel", subject, mode, r,
+                          r["ratio"] >= OVER_BEST_SINGLE, f">= {OVER_BEST_SINGLE}x",
+                          f"best single kernel everywhere: {best}"))
+    if model == "wukong" and preset == "large":
+      for base in ("bf16_mods", "bf16", SERVED):
+        if base not in variants or (base == SERVED and mode == "train"):
+          continue
+        r = over(loka, variants[base], mode)
+        need = WUKONG_LARGE[mode]
+        # The bar is set over bf16+Mods; over plain bf16 (and served bf16+Mods, for
+        # inference) it is reported beside it.
+        out.append(_verdict(f"wukong_large_over_{base}", subject, mode, r,
+                            r["ratio"] >= need if base == "bf16_mods" else None,
+                            f">= {need}x" if base == "bf16_mods" else "reported"))
   return out
 
 
@@ -213,5 +259,7 @@ def check_quality(rows: Sequence[Mapping]) -> List[Dict]:
   return out
 
 
-def check_all(rows: Sequence[Mapping]) -> List[Dict]:
-  return check_speed(rows) + check_quality(rows)
+def check_all(rows: Sequence[Mapping],
+              served_reports: Optional[Mapping[served_check.ReportKey, Mapping]] = None
+              ) -> List[Dict]:
+  return check_speed(rows, served_reports) + check_quality(rows)
