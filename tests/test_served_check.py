@@ -3,32 +3,21 @@ which score applies to a row, how an outside-the-budget score voids the inferenc
 and nothing else, and the report's `--served_quality` flag end to end."""
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
 from absl.testing import absltest
 
 from loka_jax.bench import served_check, tables, targets
+from tests import test_bench_report as report_test
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUDGET = 2e-4
 
 
-def _tempdir(test):
-  path = tempfile.mkdtemp(prefix="loka_served_check_")
-  test.addCleanup(shutil.rmtree, path, ignore_errors=True)
-  return path
-
-
-def _speed(speedup, rng, base_us=100.0, n=20):
-  base = base_us * (1 + 0.01 * rng.standard_normal(n))
-  var = base_us / speedup * (1 + 0.01 * rng.standard_normal(n))
-  return {"median_us": float(np.median(var)), "speedup": float(np.median(base) / np.median(var)),
-          "speedup_ci": [speedup * 0.99, speedup * 1.01], "samples_us": var.tolist(),
-          "baseline_samples_us": base.tolist(), "examples_per_s": 1.0}
+# Rows timed like the report's tests (`_speed`: raw samples around a speedup) and a temp dir.
+_tempdir, _speed = report_test._tempdir, report_test._speed
 
 
 def _rows(rng, model="dhen", preset="large", loka_fields=None):

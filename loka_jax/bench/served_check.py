@@ -22,8 +22,10 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 from loka_jax import jsonio
 from loka_jax.bench import mods_set
 
-SERVING_PLAN = "loka_serving_plan"   # the report's name for the plan the row served with --serve_plan
-TRAINING_PLAN = "loka"                # ... and for the training plan's export, served without it
+# The report's names for the export a row served: its serving plan's with --serve_plan, else
+# the training plan's.
+SERVING_PLAN = "loka_serving_plan"
+TRAINING_PLAN = "loka"
 
 ReportKey = Tuple[str, str, Optional[str]]   # (model, preset, Mods-set label)
 
