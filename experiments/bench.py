@@ -90,6 +90,11 @@ FROM_INIT_WARMUP = flags.DEFINE_integer(
 FROM_INIT_SEEDS = flags.DEFINE_integer(
     "validation_from_init_seeds", 1, "Seeds of that training, both runs per seed; the "
     "verdict reads the mean over seeds (an early loss spike varies from seed to seed).")
+FROM_INIT_QUALITY = flags.DEFINE_bool(
+    "validation_from_init_quality_bound", False, "That training also fails a plan whose mean "
+    "held-out log loss over the seeds is above the quality target's bound, max(0.02%, 2 x "
+    "the bf16+Mods seeds' relative std), not only one that diverges (0.5%); with the "
+    "quality runs' steps and warm-up it judges what the quality target does.")
 PLANS = flags.DEFINE_string("plans_dir", None, "Plan directory (default: WORKDIR/plans).")
 Q_PRESET = flags.DEFINE_string("quality_preset", "small", "Preset of the synthetic quality runs.")
 Q_STEPS = flags.DEFINE_integer("quality_steps", 500, "Training steps of every quality arm.")
@@ -166,6 +171,7 @@ def main(argv):
                                  validation_from_init_steps=FROM_INIT_STEPS.value,
                                  validation_from_init_warmup_steps=FROM_INIT_WARMUP.value,
                                  validation_from_init_seeds=FROM_INIT_SEEDS.value,
+                                 validation_from_init_quality_bound=FROM_INIT_QUALITY.value,
                                  head_to_head=tuple(HEAD_TO_HEAD.value),
                                  serve_plan=SERVE_PLAN.value,
                                  serve_quality_gate=SERVE_QUALITY_GATE.value,

@@ -426,16 +426,18 @@ class ValidationFromInitTest(absltest.TestCase):
     # plan the suite makes.
     (target,) = suite.tower_targets(["64x32x2"])
     plans = tempfile.mkdtemp(prefix="loka_bench_from_init_")
-    for steps, warmup, seeds in ((0, None, 1), (7, 3, 2)):
+    for steps, warmup, seeds, quality in ((0, None, 1, False), (7, 3, 2, True)):
       settings = suite.SpeedSettings(plans_dir=plans, validation_from_init_steps=steps,
                                      validation_from_init_warmup_steps=warmup,
-                                     validation_from_init_seeds=seeds)
+                                     validation_from_init_seeds=seeds,
+                                     validation_from_init_quality_bound=quality)
       with mock.patch("loka_jax.dispatch.pipeline.probe_and_plan") as probe_and_plan:
         suite._probe_for_plan(target, settings,
                               deadline=time.time() + 600, log=lambda line: None)
       validation = probe_and_plan.call_args.kwargs["validation"]
       self.assertEqual((validation.from_init_steps, validation.from_init_warmup_steps,
-                        validation.from_init_seeds), (steps, warmup, seeds))
+                        validation.from_init_seeds, validation.from_init_quality_bound),
+                       (steps, warmup, seeds, quality))
 
   def test_the_probes_timing_floor_reaches_its_options(self):
     (target,) = suite.tower_targets(["64x32x2"])

@@ -309,6 +309,59 @@ class FromInitTest(chex.TestCase):
     with self.assertRaisesRegex(ValueError, "from_init_warmup_steps must be >= 0"):
       validate.ValidationConfig(from_init_warmup_steps=-1)
 
+  def test_the_quality_bound_fails_a_plan_the_divergence_bound_passes(self):
+    # With the divergence bound out of reach, the plain check passes a plan whose held-out
+    # log loss ends above bf16+Mods'; the quality bound (below that change) fails it and
+    # backs off the climbing site, a bound above it passes it.
+    ctx = context()
+    plan = plan_of({BAD_SITE: {"grad_rhs": "test_flipped"}, GOOD_SITE: "xla_fp8_rowwise"})
+    base = dict(from_init_steps=20, shadow_window=10, shadow_max_rel_loss=1e9)
+
+    def rounds(out):
+      return [r for r in validate.validation_records(out, "quality_from_init") if "round" in r]
+
+    plain = validate.check_from_init(plan, ctx, validate.ValidationConfig(**base))
+    (only,) = rounds(plain)
+    change = only["rel_logloss_change"]
+    self.assertTrue(only["passed"])
+    self.assertGreater(change, 0.0)
+    self.assertNotIn("held_out_bound", only)
+    strict = validate.ValidationConfig(**base, from_init_quality_bound=True,
+                                       max_rel_logloss=change / 2)
+    out = validate.check_from_init(plan, ctx, strict)
+    first = rounds(out)[0]
+    self.assertFalse(first["passed"])
+    self.assertEqual((first["held_out_bound"], first["held_out_noise"]), (change / 2, None))
+    self.assertAlmostEqual(first["rel_logloss_change"], change, delta=1e-9)
+    self.assertEqual(kernels(out, BAD_SITE)["grad_rhs"], FALLBACK)
+    back = [r for r in validate.validation_records(out, "quality_from_init") if "to" in r]
+    self.assertIn("is above the quality bound", back[0]["reason"])
+    self.assertIn("held-out bound", train_report.validation_lines(out))
+    loose = validate.ValidationConfig(**base, from_init_quality_bound=True,
+                                      max_rel_logloss=2 * change)
+    self.assertTrue(rounds(validate.check_from_init(plan, ctx, loose))[0]["passed"])
+
+  def test_the_quality_bound_reads_its_noise_from_the_bf16_mods_seeds(self):
+    # Two seeds: the bound is twice the relative std (ddof 1) of bf16+Mods' held-out log
+    # loss over them, computed here from the two runs made outside the check.
+    ctx = context()
+    plan = plan_of({GOOD_SITE: "xla_fp8_rowwise"})
+    losses = [validate.shadow_run(ctx, validate.BASELINE, steps=6, start=validate.INIT,
+                                  seed=s)["held_out"]["logloss"] for s in (3, 4)]
+    noise = abs(losses[0] - losses[1]) / np.sqrt(2) / np.mean(losses)
+    self.assertGreater(noise, 0.0)
+    config = validate.ValidationConfig(from_init_steps=6, shadow_window=3, seed=3,
+                                       from_init_seeds=2, from_init_quality_bound=True,
+                                       max_rel_logloss=0.0, shadow_max_rel_loss=1e9)
+    record = [r for r in validate.validation_records(
+        validate.check_from_init(plan, ctx, config), "quality_from_init") if "round" in r][0]
+    self.assertAlmostEqual(record["held_out_noise"], noise, delta=1e-6 * noise)
+    self.assertAlmostEqual(record["held_out_bound"], 2 * noise, delta=1e-6 * noise)
+    self.assertEqual(record["passed"], record["rel_logloss_change"] <= 2 * noise)
+    # The budget floors it: a budget above the noise is the bound.
+    self.assertEqual(validate.from_init_quality_bound(
+        dataclasses.replace(config, max_rel_logloss=1.0), losses)["bound"], 1.0)
+
   def test_several_seeds_are_judged_by_their_mean(self):
     # Two seeds: each seed's relative differences are those of a one-seed check from that
     # seed, and the verdict's are their mean; the records name the seeds.

@@ -133,6 +133,9 @@ class SpeedSettings:
   validation_from_init_steps: int = 0
   validation_from_init_warmup_steps: Optional[int] = None
   validation_from_init_seeds: int = 1
+  # Whether it also judges held-out log loss against the quality target's bound
+  # (`ValidationConfig.from_init_quality_bound`).
+  validation_from_init_quality_bound: bool = False
   min_call_s: float = speed.MIN_CALL_S  # steps shorter than this run N to a timed call
   seed: int = 0
   # Variants timed, after their bf16 pair, against the variants their targets compare them
@@ -165,7 +168,8 @@ class SpeedSettings:
     from loka_jax.dispatch.validate import ValidationConfig  # heavy: only when planning
     return ValidationConfig(from_init_steps=self.validation_from_init_steps,
                             from_init_warmup_steps=self.validation_from_init_warmup_steps,
-                            from_init_seeds=self.validation_from_init_seeds)
+                            from_init_seeds=self.validation_from_init_seeds,
+                            from_init_quality_bound=self.validation_from_init_quality_bound)
 
 
 def plan_for(target: Target, variant: Variant, batch, settings: SpeedSettings) -> tuple:

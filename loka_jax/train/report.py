@@ -121,8 +121,10 @@ def validation_lines(plan) -> str:
           [f"mean of {len(r['seeds'])} seeds"] if len(r.get("seeds", ())) > 1 else [])
       if recipe:
         what += f" ({', '.join(recipe)})"
+      bounds = f"bound {100 * r['bound']:g}%" + (
+          f", held-out bound {100 * r['held_out_bound']:.3f}%" if "held_out_bound" in r else "")
       out.append(f"- {what} {r['steps']} steps (round {r['round']}): {detail} "
-                 f"(bound {100 * r['bound']:g}%): {'pass' if r['passed'] else 'FAIL'}")
+                 f"({bounds}): {'pass' if r['passed'] else 'FAIL'}")
     elif step == "speed":
       out.append(f"- speed (round {r['round']}, {r['device']}): train "
                  f"{r['train']['speedup']:.3f}x [{r['train']['speedup_ci'][0]:.3f}, "
