@@ -184,6 +184,14 @@ class SummaryTest(chex.TestCase):
       png = f.read()
     self.assertTrue(png.startswith(PNG_MAGIC))
     self.assertGreater(len(png), 20_000)
+    # Without timing rows there is no latency panel: the figure is the quality panel alone
+    # (the PNG's width, bytes 16-20 of its header, says how many panels it drew).
+    untimed = ablation.summarize(self.config, self.finals, [], "cpu")
+    path = ablation.plot(untimed, os.path.join(workdir, "untimed.png"))
+    with open(path, "rb") as f:
+      untimed_png = f.read()
+    width = lambda data: int.from_bytes(data[16:20], "big")
+    self.assertLess(width(untimed_png), 0.7 * width(png))
     reading = ablation.reading(result)
     self.assertIn("FP8 vs bf16 with the same Mods (2 combination(s)): neutral for baseline; "
                   "worse for NB+BN+HS.", reading)
