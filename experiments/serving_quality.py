@@ -49,9 +49,10 @@ def main(argv):
                                                      mods_set.DEFAULT))
   folder = planning.plan_dir(settings.plans_root, model, preset)
   plans = {name: os.path.join(folder, file) for name, file in
-           (("loka", planning.PLAN_FILE), ("loka_serving_plan", planning.SERVING_PLAN_FILE))
+           ((serve_quality.TRAINING_PLAN, planning.PLAN_FILE),
+            (serve_quality.SERVING_PLAN, planning.SERVING_PLAN_FILE))
            if os.path.exists(os.path.join(folder, file))}
-  if "loka" not in plans:
+  if serve_quality.TRAINING_PLAN not in plans:
     raise app.UsageError(f"no plan at {os.path.join(folder, planning.PLAN_FILE)}: plan the "
                          "target with experiments.bench first")
   report = planning.load_report(settings.plans_root, model, preset)

@@ -359,7 +359,7 @@ class FromInitTest(chex.TestCase):
     self.assertAlmostEqual(record["held_out_bound"], 2 * noise, delta=1e-6 * noise)
     self.assertEqual(record["passed"], record["rel_logloss_change"] <= 2 * noise)
     # The budget floors it: a budget above the noise is the bound.
-    self.assertEqual(validate.from_init_quality_bound(
+    self.assertEqual(validate.held_out_quality_bound(
         dataclasses.replace(config, max_rel_logloss=1.0), losses)["bound"], 1.0)
 
   def test_several_seeds_are_judged_by_their_mean(self):

@@ -21,11 +21,7 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 from loka_jax import jsonio
 from loka_jax.bench import mods_set
-
-# The report's names for the export a row served: its serving plan's with --serve_plan, else
-# the training plan's.
-SERVING_PLAN = "loka_serving_plan"
-TRAINING_PLAN = "loka"
+from loka_jax.dispatch.serve_quality import SERVING_PLAN, TRAINING_PLAN, change_text
 
 ReportKey = Tuple[str, str, Optional[str]]   # (model, preset, Mods-set label)
 
@@ -95,6 +91,6 @@ def for_row(loka_row: Mapping, reports: Mapping[ReportKey, Mapping]) -> Optional
 
 def describe(score: Mapping) -> str:
   """A verdict's note on the served model's score."""
-  return (f"served held-out log loss {score['rel_logloss_change']:+.4%} +- {score['se']:.4%} "
-          f"from served bf16+Mods, {'within' if score['within_budget'] else 'outside'} the "
-          f"{score['budget']:.2%} budget ({score['source']})")
+  return (f"served held-out log loss {change_text(score)} from served bf16+Mods, "
+          f"{'within' if score['within_budget'] else 'outside'} the {score['budget']:.2%} "
+          f"budget ({score['source']})")

@@ -70,9 +70,8 @@ def score(plans_root: str, model: str, preset: str, context_factory, log=print
   jsonio.write_json_atomic(quality_path(plans_root, model, preset),
                            {"target": f"{model}/{preset}", "served": measured})
   for name, m in measured.items():
-    change = m["vs_served_bf16_mods"]
-    log(f"  served {name}: {change['rel_logloss_change']:+.4%} +- {change['se']:.4%} vs "
-        f"served bf16+Mods ({'within' if m['within_budget'] else 'outside'} the budget)")
+    log(f"  served {name}: {serve_quality.change_text(m['vs_served_bf16_mods'])} vs served "
+        f"bf16+Mods ({'within' if m['within_budget'] else 'outside'} the budget)")
   return measured
 
 
@@ -82,6 +81,6 @@ def verdict(scores: Optional[Mapping[str, Any]], name: str) -> Optional[str]:
   m = (scores or {}).get(name)
   if m is None or m["within_budget"]:
     return None
-  change = m["vs_served_bf16_mods"]
-  return (f"its served held-out log loss is {change['rel_logloss_change']:+.4%} +- "
-          f"{change['se']:.4%} from served bf16+Mods, outside the {m['budget']:.2%} budget")
+  from loka_jax.dispatch.serve_quality import change_text
+  return (f"its served held-out log loss is {change_text(m['vs_served_bf16_mods'])} from "
+          f"served bf16+Mods, outside the {m['budget']:.2%} budget")

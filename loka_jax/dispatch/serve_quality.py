@@ -22,6 +22,10 @@ from loka_jax.train.loop import evaluate
 from loka_jax.train.metrics import paired_logloss_change
 
 SERVED_BF16 = "bf16_mods_served"
+# The names `experiments.serving_quality` scores a LoKA target's exports under: its training
+# plan's, and its serving plan's (plan_serve.json, with the bench's --serve_plan).
+TRAINING_PLAN = "loka"
+SERVING_PLAN = "loka_serving_plan"
 DEFAULT_BUDGET = 2e-4   # validation's held-out budget: 0.02% relative log loss
 
 
@@ -68,15 +72,18 @@ def served_quality(ctx: ValidationContext, plans: Mapping[str, Any], report: Opt
   return out
 
 
+def change_text(change: Mapping[str, float]) -> str:
+  """A relative log-loss change with its standard error, e.g. '+0.0842% +- 0.0143%'."""
+  return f"{change['rel_logloss_change']:+.4%} +- {change['se']:.4%}"
+
+
 def table(measured: Mapping[str, Mapping[str, Any]]) -> str:
   """A markdown table of `served_quality`'s result, one line per served model."""
-  def pct(change: Mapping[str, float]) -> str:
-    return f"{change['rel_logloss_change']:+.4%} +- {change['se']:.4%}"
   lines = ["| served model | export modes | held-out log loss | vs bf16+Mods | "
            "vs served bf16+Mods | within budget |", "|---|---|---|---|---|---|"]
   for name, m in measured.items():
     modes = ", ".join(f"{n} {mode}" for mode, n in sorted(m["export_modes"].items()) if n)
-    lines.append(f"| {name} | {modes} | {m['logloss']:.5f} | {pct(m['vs_bf16_mods'])} | "
-                 f"{pct(m['vs_served_bf16_mods'])} | "
+    lines.append(f"| {name} | {modes} | {m['logloss']:.5f} | {change_text(m['vs_bf16_mods'])} | "
+                 f"{change_text(m['vs_served_bf16_mods'])} | "
                  f"{'yes' if m['within_budget'] else 'no'} ({m['budget']:.2%}) |")
   return "\n".join(lines)

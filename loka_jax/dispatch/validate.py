@@ -809,8 +809,8 @@ def shadow_diverged(rel_train: float, rel_eval: float, bound: float) -> bool:
   return max(rel_train, rel_eval) > bound
 
 
-def from_init_quality_bound(config: ValidationConfig,
-                            baseline_loglosses: Sequence[float]) -> Dict[str, Any]:
+def held_out_quality_bound(config: ValidationConfig,
+                           baseline_loglosses: Sequence[float]) -> Dict[str, Any]:
   """The check from initialization's held-out bound (`from_init_quality_bound`):
   {"bound": max(max_rel_logloss, 2 x noise), "noise": the relative std (ddof 1) of
   bf16+Mods' held-out log loss over the seeds, None with one seed}. The quality target's
@@ -867,7 +867,7 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
         + ("the checkpoint or " if start == CHECKPOINT else "") + "the learning rate is at "
         "fault, not the plan")
   base_windows = [float(np.mean(b["losses"][-window:])) for b in bases]
-  held_bound = (from_init_quality_bound(config, [b["held_out"]["logloss"] for b in bases])
+  held_bound = (held_out_quality_bound(config, [b["held_out"]["logloss"] for b in bases])
                 if start == INIT and config.from_init_quality_bound else None)
   reference = {}   # the baseline gradient and its norm, once a site is left to measure
   first = _rounds_done(plan, step)
@@ -894,8 +894,8 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
                    for r, b in zip(runs, bases)]
       # The mean over seeds of each seed's relative difference (one seed: that difference).
       rel_train, rel_eval = float(np.mean(rel_trains)), float(np.mean(rel_evals))
-      diverged = (shadow_diverged(rel_train, rel_eval, config.shadow_max_rel_loss)
-                  or (held_bound is not None and rel_eval > held_bound["bound"]))
+      climbed = shadow_diverged(rel_train, rel_eval, config.shadow_max_rel_loss)
+      diverged = climbed or (held_bound is not None and rel_eval > held_bound["bound"])
       record.update(train_loss=float(np.mean(windows)), rel_train_loss=rel_train,
                     peak_loss=float(max(np.max(r["losses"]) for r in runs)),
                     logloss=float(np.mean([r["held_out"]["logloss"] for r in runs])),
@@ -914,8 +914,7 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
       return _final(plan, record)
     if not finite:
       what = "non-finite loss"
-    elif shadow_diverged(record["rel_train_loss"], record["rel_logloss_change"],
-                         config.shadow_max_rel_loss):
+    elif climbed:
       what = (f"losses diverge beyond {100 * config.shadow_max_rel_loss:g}% (train "
               f"{100 * record['rel_train_loss']:+.3f}%, held-out "
               f"{100 * record['rel_logloss_change']:+.3f}%)")
