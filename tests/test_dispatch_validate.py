@@ -94,6 +94,13 @@ def plan_of(entries):
                "default": {p: FALLBACK for p in hm.PASSES}})
 
 
+def read_plan_roundtrip(plan):
+  """The plan as a later call reads it: saved to a file (strict JSON) and read back."""
+  path = os.path.join(tempfile.mkdtemp(prefix="loka_plan_roundtrip_"), "plan.json")
+  save_plan(plan, path)
+  return read_plan(path)
+
+
 def kernels(plan, site):
   return {p: plan["sites"][site][p]["kernel"] for p in hm.PASSES}
 
@@ -732,6 +739,96 @@ class ResumeTest(chex.TestCase):
                  if r.get("round") == 0]
     self.assertEqual(round0["gradient_contributions"][BAD_SITE], first["value"])
     self.assertGreater(first["value"], round0["gradient_contributions"][GOOD_SITE])
+
+  def test_a_from_init_round_paused_among_its_sites_resumes_without_training_again(self):
+    # The round's runs (bf16+Mods and the plan, two seeds) are recorded as they finish; a
+    # call paused while the round's sites are measured leaves them in the plan, and the next
+    # call trains only the backed-off plan's runs of round 1. Its verdicts equal those of
+    # one uninterrupted call, and the log shows the round's verdict before its sites.
+    ctx = context()
+    plan = plan_of({BAD_SITE: {"grad_rhs": "test_flipped"}, GOOD_SITE: "xla_fp8_rowwise"})
+    config = validate.ValidationConfig(from_init_steps=20, shadow_window=10, seed=3,
+                                       from_init_seeds=2)
+    trained = {"first": [], "resumed": []}
+    phase = ["first"]
+    real = validate.shadow_run
+
+    def counting(ctx_, kplan, steps, *args, **kwargs):
+      trained[phase[0]].append((kplan == validate.BASELINE, args[2] if len(args) > 2 else
+                                kwargs.get("seed")))
+      return real(ctx_, kplan, steps, *args, **kwargs)
+    saved, lines = [], []
+    progress = validate.Progress(log=lines.append)
+
+    def save(p):
+      saved.append(p)
+      if validate.validation_records(p, validate.site_step("quality_shadow")):
+        progress.deadline = time.time() + 3600.0
+        progress.longest_measurement_s = 7200.0
+    progress.save = save
+    ctx._cache.clear()   # no run of another test stands in for training
+    with mock.patch.object(validate, "shadow_run", counting):
+      with self.assertRaises(validate.ValidationPaused):
+        validate.check_from_init(plan, ctx, config, progress)
+      partial = saved[-1]
+      runs = validate.validation_records(partial, validate.run_step("quality_from_init"))
+      self.assertEqual(sorted((r["arm"], r["seed"]) for r in runs),
+                       [("bf16_mods", 3), ("bf16_mods", 4), ("plan", 3), ("plan", 4)])
+      self.assertEqual(sorted(trained["first"]), [(False, 3), (False, 4), (True, 3), (True, 4)])
+      ctx._cache.clear()
+      phase[0] = "resumed"
+      out = validate.check_from_init(read_plan_roundtrip(partial), ctx, config,
+                                     validate.Progress())
+    self.assertEqual(trained["resumed"], [(False, 3), (False, 4)])   # round 1's plan only
+    self.assertEqual(kernels(out, BAD_SITE)["grad_rhs"], FALLBACK)
+    whole = validate.check_from_init(plan, ctx, config)
+    def verdicts(p):
+      return [(r["round"], r["passed"], r["rel_train_loss"], r["rel_logloss_change"])
+              for r in validate.validation_records(p, "quality_from_init") if "round" in r]
+    self.assertEqual(verdicts(out), verdicts(whole))
+    self.assertFalse(verdicts(out)[0][1])
+    verdict = next(i for i, l in enumerate(lines) if l.startswith("training from init"))
+    site = next(i for i, l in enumerate(lines) if l.startswith("quality_shadow round 0, site"))
+    self.assertLess(verdict, site)
+    self.assertIn("FAIL", lines[verdict])
+    self.assertEqual(sum(l.startswith("quality_from_init run") for l in lines), 4)
+
+  def test_a_run_record_is_reused_only_under_its_own_recipe(self):
+    ctx = context()
+    plan = plan_of({GOOD_SITE: "xla_fp8_rowwise"})
+    recipe = {"steps": 4, "start": validate.INIT, "window": 2, "warmup_steps": 0}
+    calls = []
+    real = validate.shadow_run
+
+    def counting(*args, **kwargs):
+      calls.append(args[1])
+      return real(*args, **kwargs)
+    with mock.patch.object(validate, "shadow_run", counting):
+      once, (summary,) = validate._training_runs(
+          plan, ctx, validate.Progress(), "quality_from_init", validate.BASELINE_ARM,
+          validate.BASELINE, [0], recipe, None, None)
+      _, (again,) = validate._training_runs(
+          read_plan_roundtrip(once), ctx, validate.Progress(), "quality_from_init",
+          validate.BASELINE_ARM, validate.BASELINE, [0], recipe, None, None)
+      self.assertLen(calls, 1)
+      self.assertEqual(again, summary)
+      for other in ({**recipe, "warmup_steps": 5}, {**recipe, "steps": 5}):
+        validate._training_runs(once, ctx, validate.Progress(), "quality_from_init",
+                                validate.BASELINE_ARM, validate.BASELINE, [0], other, None,
+                                None)
+      validate._training_runs(once, ctx, validate.Progress(), "quality_shadow",
+                              validate.BASELINE_ARM, validate.BASELINE, [0], recipe, None, None)
+    self.assertLen(calls, 4)
+    # The summary is the run's own: its window's mean loss and its held-out log loss.
+    run = real(ctx, validate.BASELINE, 4, None, validate.INIT, 0, None)
+    self.assertAlmostEqual(summary["window_loss"], float(np.mean(run["losses"][-2:])))
+    self.assertAlmostEqual(summary["logloss"], run["held_out"]["logloss"])
+    # A non-finite run is stored without NaN and reads back as not finite.
+    bad = validate.run_summary({"losses": np.array([0.7, np.nan]), "finite": False,
+                                "held_out": None}, 2)
+    stored = read_plan_roundtrip(validate.add_validation(plan, {"step": "x_run", **bad}))
+    self.assertEqual(stored["validation"][-1]["finite"], False)
+    self.assertIsNone(stored["validation"][-1]["window_loss"])
 
   def test_site_measurements_survive_the_plan_file_including_non_finite_ones(self):
     plan = plan_of({BAD_SITE: "test_two_bit", GOOD_SITE: "xla_fp8_rowwise"})

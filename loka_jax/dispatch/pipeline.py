@@ -317,7 +317,7 @@ def probe_and_plan(spec, workdir: str, *, train_config, probe_config=None, probe
     _log("validating the plan end to end (speed promotion, held-out, shadow training, speed)"
          + (f", resuming {paths['validating']}" if partial is not None else ""))
     progress = validate_lib.Progress(save=lambda p: save_plan(p, paths["validating"]),
-                                     deadline=deadline)
+                                     deadline=deadline, log=_log)
     plan = validate_lib.validate_end_to_end(selected, context(), validation,
                                             progress=progress, resume_from=partial)
     save_plan(plan, paths["plan"])

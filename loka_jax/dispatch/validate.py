@@ -83,7 +83,12 @@ Wukong `large`'s held-out rounds, each one such measurement, ran 25 s apart on a
 a fresh host first trains the state again): each site's measurement is recorded as it is taken
 (`quality_held_out_site`, `quality_shadow_site`, and `speed_site` for a speed round's
 in-context slowdowns, each timed as the plan against the plan without the site), the plan
-saved before the next, and a resumed round measures only the sites not yet recorded.
+saved before the next, and a resumed round measures only the sites not yet recorded. The
+training checks' runs are kept the same way (`quality_shadow_run`, `quality_from_init_run`:
+each run's window loss, worst step and held-out log loss, under its recipe and the plan's FP8
+sites), so a round paused while its sites are measured does not train its runs again: at
+DCNv2 `large` with the quality recipe a round's six 500-step runs took about 150 s of a
+call (H200, docs/BENCHMARKS.md section 7, thirty-first session).
 """
 from __future__ import annotations
 
@@ -375,10 +380,27 @@ class Progress:
   measurement it was in. Once `deadline` (a time.time() value) has passed no new round starts,
   and no site measurement starts that would not end by it at the pace of the slowest one
   measured, in this call or recorded in the plan by an earlier one (a process killed by a
-  hard time limit mid-measurement loses it): the plan is saved and ValidationPaused raised."""
+  hard time limit mid-measurement loses it): the plan is saved and ValidationPaused raised.
+  `log`, where given, receives a line per record as it is made (a round's verdict, a
+  back-off, each site measurement and training run), so a long validation shows where it is.
+  """
   save: Optional[Callable[[Plan], None]] = None
   deadline: Optional[float] = None
   longest_measurement_s: float = 0.0
+  log: Optional[Callable[[str], None]] = None
+
+  def note(self, plan: Plan, since: int) -> Plan:
+    """Logs the plan's validation records from index `since` on; returns the plan."""
+    self.note_records(plan["validation"][since:])
+    return plan
+
+  def note_records(self, records: Sequence[Mapping[str, Any]]) -> None:
+    if self.log is not None:
+      from loka_jax.train.report import validation_line
+      for record in records:
+        line = validation_line(record, measurements=True)
+        if line is not None:
+          self.log(line.strip().lstrip("- "))
 
   def checkpoint(self, plan: Plan, where: str, *, measurement: bool = False) -> None:
     """Saves `plan`; pauses when the deadline has passed or, before a site `measurement`,
@@ -451,8 +473,8 @@ def take_in_turn(plan: Plan, progress: Progress, record_step: str,
     result = measure()
     seconds = time.time() - start
     progress.measured(seconds)
-    plan = add_validation(plan, {"step": record_step, **fields, **result,
-                                 "seconds": round(seconds, 2)})
+    plan = progress.note(add_validation(plan, {"step": record_step, **fields, **result,
+                                               "seconds": round(seconds, 2)}), -1)
   return plan
 
 
@@ -703,7 +725,7 @@ def check_held_out(plan, ctx: ValidationContext, config: ValidationConfig = Vali
       if not passed:
         record["note"] = ("no FP8 site left to back off" if not candidates
                           else f"stopped after {config.max_rounds} back-offs")
-      return _final(plan, record)
+      return progress.note(_final(plan, record), -1)
     excess = (f"held-out log loss {100 * rel:+.4f}% vs bf16+Mods exceeds "
               f"{100 * config.max_rel_logloss:g}%")
     if _ranked_by_report(ctx, config, candidates):
@@ -723,11 +745,13 @@ def check_held_out(plan, ctx: ValidationContext, config: ValidationConfig = Vali
       site = max(current, key=lambda s: (sign * current[s], s))
       worst = [site]
       reasons = {site: f"{excess}; this site alone: {100 * current[site]:+.4f}%"}
+    since = len(plan["validation"])
     plan = add_validation(plan, record)
     for site in worst:
       # Held-out loss is the planned forward's: only a more accurate forward can help.
       plan = back_off_site(plan, ctx, site, reasons[site], step="quality_held_out",
                            must_improve=("fwd",))
+    plan = progress.note(plan, since)
   return plan
 
 
@@ -771,6 +795,51 @@ def shadow_run(ctx: ValidationContext, kplan: KernelPlan, steps: int, eval_batch
   out = {"losses": losses, "finite": finite, "held_out": final}
   ctx._cache[key] = out
   return out
+
+
+BASELINE_ARM, PLAN_ARM = "bf16_mods", "plan"
+
+
+def run_step(step: str) -> str:
+  """The record name of one training run within a check of `step`."""
+  return f"{step}_run"
+
+
+def run_summary(run: Mapping[str, Any], window: int) -> Dict[str, Any]:
+  """What the training checks judge of a `shadow_run`: whether it stayed finite, its mean
+  loss over the last `window` steps, its worst step's loss and its held-out log loss (None
+  where not finite: JSON has no NaN)."""
+  finite = bool(run["finite"])
+  losses = run["losses"]
+  return {"finite": finite,
+          "window_loss": float(np.mean(losses[-window:])) if finite else None,
+          "peak_loss": float(np.max(losses)) if finite else None,
+          "logloss": float(run["held_out"]["logloss"]) if finite else None}
+
+
+def _training_runs(plan: Plan, ctx: ValidationContext, progress: Progress, step: str, arm: str,
+                   kplan: KernelPlan, seeds: Sequence[int], recipe: Mapping[str, Any],
+                   eval_batch_size, optim: Optional[OptimConfig]
+                   ) -> Tuple[Plan, List[Dict[str, Any]]]:
+  """(plan, one `run_summary` per seed) of `arm`'s training runs under `recipe` (steps, start,
+  window, warm-up, and for the plan's arm its FP8 sites' kernels), each read from a `step`
+  run record the plan holds or run now and recorded at once (`take_in_turn`). A check's runs
+  are its cost (six 500-step runs a round at DCNv2 `large` with three seeds), so a call that
+  stops mid-round, or while the round's sites are measured, keeps them: the next call takes
+  the round's verdict from the records instead of training again."""
+  fields = {"arm": arm, **recipe}
+  def saved(p: Plan) -> Dict[int, Dict[str, Any]]:
+    return {r["seed"]: r for r in p["validation"] if r.get("step") == run_step(step)
+            and all(r.get(k) == v for k, v in fields.items())}
+  def measure(seed: int) -> Dict[str, Any]:
+    return run_summary(shadow_run(ctx, kplan, recipe["steps"], eval_batch_size,
+                                  recipe["start"], seed, optim), recipe["window"])
+  have = saved(plan)
+  pending = [(f"the {step} check's {arm} run, seed {seed}", {**fields, "seed": seed},
+              functools.partial(measure, seed)) for seed in seeds if seed not in have]
+  plan = take_in_turn(plan, progress, run_step(step), pending)
+  have = saved(plan)
+  return plan, [have[seed] for seed in seeds]
 
 
 def _free(tree) -> None:
@@ -858,23 +927,27 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
   # From the checkpoint there is one start; from initialization each seed is one.
   seeds = ([config.seed + i for i in range(config.from_init_seeds)] if start == INIT
            else [config.seed])
-  runs_of = lambda kplan: [shadow_run(ctx, kplan, steps, size, start, seed, optim)
-                           for seed in seeds]
-  bases = runs_of(BASELINE)
+  recipe = {"steps": steps, "start": start, "window": window,
+            "warmup_steps": (optim or ctx.optim).warmup_steps}
+  plan, bases = _training_runs(plan, ctx, progress, step, BASELINE_ARM, BASELINE, seeds,
+                               recipe, size, optim)
   if not all(b["finite"] for b in bases):
     raise FloatingPointError(
         f"the bf16+Mods run of the {step} check itself produced a non-finite loss: "
         + ("the checkpoint or " if start == CHECKPOINT else "") + "the learning rate is at "
         "fault, not the plan")
-  base_windows = [float(np.mean(b["losses"][-window:])) for b in bases]
-  held_bound = (held_out_quality_bound(config, [b["held_out"]["logloss"] for b in bases])
+  base_windows = [b["window_loss"] for b in bases]
+  held_bound = (held_out_quality_bound(config, [b["logloss"] for b in bases])
                 if start == INIT and config.from_init_quality_bound else None)
   reference = {}   # the baseline gradient and its norm, once a site is left to measure
   first = _rounds_done(plan, step)
   for round_ in range(first, config.max_rounds + 1):
     progress.checkpoint(plan, f"{step} round {round_}")
     candidates = fp8_sites(plan, ctx.site_names())
-    runs = runs_of(plan.kernel_plan())
+    plan, runs = _training_runs(
+        plan, ctx, progress, step, PLAN_ARM, plan.kernel_plan(), seeds,
+        {**recipe, "sites": {s: c.to_dict() for s, c in sorted(candidates.items())}}, size,
+        optim)
     finite = all(r["finite"] for r in runs)
     record: Dict[str, Any] = {"step": step, "round": round_, "start": start,
                               "steps": steps, "window": window,
@@ -882,24 +955,23 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
                               "bound": config.shadow_max_rel_loss, "finite": finite,
                               "train_loss_bf16": float(np.mean(base_windows)),
                               # The worst step of each run: an early spike shows here.
-                              "peak_loss_bf16": float(max(np.max(b["losses"]) for b in bases))}
+                              "peak_loss_bf16": max(b["peak_loss"] for b in bases)}
     if len(seeds) > 1:
       record["seeds"] = seeds
     if held_bound is not None:
       record.update(held_out_bound=held_bound["bound"], held_out_noise=held_bound["noise"])
     if finite:
-      windows = [float(np.mean(r["losses"][-window:])) for r in runs]
+      windows = [r["window_loss"] for r in runs]
       rel_trains = [_rel(w, bw) for w, bw in zip(windows, base_windows)]
-      rel_evals = [_rel(r["held_out"]["logloss"], b["held_out"]["logloss"])
-                   for r, b in zip(runs, bases)]
+      rel_evals = [_rel(r["logloss"], b["logloss"]) for r, b in zip(runs, bases)]
       # The mean over seeds of each seed's relative difference (one seed: that difference).
       rel_train, rel_eval = float(np.mean(rel_trains)), float(np.mean(rel_evals))
       climbed = shadow_diverged(rel_train, rel_eval, config.shadow_max_rel_loss)
       diverged = climbed or (held_bound is not None and rel_eval > held_bound["bound"])
       record.update(train_loss=float(np.mean(windows)), rel_train_loss=rel_train,
-                    peak_loss=float(max(np.max(r["losses"]) for r in runs)),
-                    logloss=float(np.mean([r["held_out"]["logloss"] for r in runs])),
-                    logloss_bf16=float(np.mean([b["held_out"]["logloss"] for b in bases])),
+                    peak_loss=max(r["peak_loss"] for r in runs),
+                    logloss=float(np.mean([r["logloss"] for r in runs])),
+                    logloss_bf16=float(np.mean([b["logloss"] for b in bases])),
                     rel_logloss_change=rel_eval)
       if len(seeds) > 1:
         record["per_seed"] = [{"seed": seed, "rel_train_loss": t, "rel_logloss_change": e}
@@ -911,7 +983,10 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
       if diverged:
         record["note"] = ("no FP8 site left to back off" if not candidates
                           else f"stopped after {config.max_rounds} back-offs")
-      return _final(plan, record)
+      return progress.note(_final(plan, record), -1)
+    # The verdict shows before the sites are measured (minutes at a large preset); the
+    # record itself is added after, with their values.
+    progress.note_records([record])
     if not finite:
       what = "non-finite loss"
     elif climbed:
@@ -947,9 +1022,11 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
       worst = [site]
       reasons = {site: f"{_TRAINING[start]}: {what}; this site moves the gradient most "
                        f"({current[site]:.3g} relative)"}
+    since = len(plan["validation"]) + 1   # the round's verdict was noted above
     plan = add_validation(plan, record)
     for site in worst:
       plan = back_off_site(plan, ctx, site, reasons[site], step=step)
+    plan = progress.note(plan, since)
   return plan
 
 
@@ -1084,7 +1161,7 @@ def check_speed(plan, ctx: ValidationContext, config: ValidationConfig = Validat
       if failing:
         record["note"] = ("no FP8 site left to back off" if not candidates
                           else f"stopped after {config.max_rounds} back-offs")
-      return _final(plan, record)
+      return progress.note(_final(plan, record), -1)
     lower = min(got[m]["plan"]["speedup_ci"][0] for m in failing)
     excess = (f"{'/'.join(failing)} step speedup CI lower bound {lower:.3f} < "
               f"{config.min_speedup:g}")
@@ -1111,9 +1188,11 @@ def check_speed(plan, ctx: ValidationContext, config: ValidationConfig = Validat
       reasons = {s: f"{excess}; this site's in-context slowdown {slowdowns[s]:.3f}x"
                     + ("" if s == worst[0] else " (its reversion alone speeds the step up, CI "
                        "above 1)") for s in worst}
+    since = len(plan["validation"])
     plan = add_validation(plan, record)
     for site in worst:
       plan = back_off_site(plan, ctx, site, reasons[site], step="speed", to_fallback=True)
+    plan = progress.note(plan, since)
   return plan
 
 

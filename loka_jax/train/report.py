@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import os
 import textwrap
-from typing import Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional
 
 import matplotlib
 
@@ -87,57 +87,72 @@ def plan_table(plan) -> str:
 def validation_lines(plan) -> str:
   """Markdown bullets: each validation measurement and back-off of the plan, in order."""
   from loka_jax.dispatch.plan import as_plan
-  out = []
-  for r in as_plan(plan)["validation"]:
-    step = r.get("step")
-    if "to" in r and "site" in r:  # a back_off record (its step names the check)
-      passes = ", ".join(r.get("passes", [])) or "-"
-      out.append(f"  - back-off {r['site']} [{passes}] -> {r['to']}: {r.get('reason')}")
-    elif "to" in r and "sites" in r:  # a promote record
-      out.append(f"  - promoted {len(r['sites'])} sites -> {r['to']}: {r.get('reason')}")
-    elif r.get("skipped"):
-      out.append(f"- {step}: skipped ({r.get('reason', '')})")
-    elif step == "speed_promotion":
-      tried = "; ".join(
-          f"{k} at {v['sites']} sites: train {v['train']['speedup']:.3f}x "
-          f"[{v['train']['speedup_ci'][0]:.3f}, {v['train']['speedup_ci'][1]:.3f}], inference "
-          f"{v['infer']['speedup']:.3f}x" for k, v in r["proposals"].items())
-      out.append(f"- speed promotion ({r['device']}; vs the plan): {tried}: "
-                 + (f"promoted {r['promoted']}" if r["promoted"] else "none pays"))
-    elif step == "quality_held_out":
-      se = r.get("rel_logloss_change_se")   # records before it was measured have none
-      se_text = "" if se is None else f" +- {100 * se:.4f}% (one standard error)"
-      out.append(f"- held-out (round {r['round']}): log loss {r['logloss']:.5f} vs bf16+Mods "
-                 f"{r['logloss_bf16']:.5f} ({100 * r['rel_logloss_change']:+.4f}%{se_text}, "
-                 f"budget {100 * r['budget']:g}%): {'pass' if r['passed'] else 'FAIL'}")
-    elif step in ("quality_shadow", "quality_from_init"):
-      detail = ("non-finite loss" if not r.get("finite") else
-                f"train loss {100 * r['rel_train_loss']:+.3f}%, held-out "
-                f"{100 * r['rel_logloss_change']:+.3f}%")
-      if step == "quality_from_init" and r.get("finite"):
-        detail += f"; worst step's loss {r['peak_loss']:.3g} vs {r['peak_loss_bf16']:.3g}"
-      what = "shadow training" if step == "quality_shadow" else "training from initialization"
-      recipe = ([f"warm-up {r['warmup_steps']}"] if r.get("warmup_steps") else []) + (
-          [f"mean of {len(r['seeds'])} seeds"] if len(r.get("seeds", ())) > 1 else [])
-      if recipe:
-        what += f" ({', '.join(recipe)})"
-      bounds = f"bound {100 * r['bound']:g}%" + (
-          f", held-out bound {100 * r['held_out_bound']:.3f}%" if "held_out_bound" in r else "")
-      out.append(f"- {what} {r['steps']} steps (round {r['round']}): {detail} "
-                 f"({bounds}): {'pass' if r['passed'] else 'FAIL'}")
-    elif step == "speed":
-      out.append(f"- speed (round {r['round']}, {r['device']}): train "
-                 f"{r['train']['speedup']:.3f}x [{r['train']['speedup_ci'][0]:.3f}, "
-                 f"{r['train']['speedup_ci'][1]:.3f}], inference {r['infer']['speedup']:.3f}x "
-                 f"[{r['infer']['speedup_ci'][0]:.3f}, {r['infer']['speedup_ci'][1]:.3f}]: "
-                 f"{'pass' if r['passed'] else 'FAIL'}")
-    elif step == "validated":
-      out.append(f"- validated: FP8 sites {r['fp8_sites_before']} -> {r['fp8_sites_after']}"
-                 + (f" (backed off: {', '.join(r['backed_off'])})" if r["backed_off"] else "")
-                 + (f" (promoted: {', '.join(r['promoted'])})" if r.get("promoted") else ""))
-    elif step == "not_validated":
-      out.append(f"- not validated: {r.get('reason', '')}")
-  return "\n".join(out)
+  lines = (validation_line(r) for r in as_plan(plan)["validation"])
+  return "\n".join(line for line in lines if line is not None)
+
+
+def validation_line(r: Mapping[str, Any], measurements: bool = False) -> Optional[str]:
+  """One validation record as a markdown bullet (None: a record the list leaves out). With
+  `measurements`, also a round's single measurements (a site's value, a training run's
+  losses), which a validation's progress log shows as they are taken."""
+  step = r.get("step", "")
+  if "to" in r and "site" in r:  # a back_off record (its step names the check)
+    passes = ", ".join(r.get("passes", [])) or "-"
+    return f"  - back-off {r['site']} [{passes}] -> {r['to']}: {r.get('reason')}"
+  if "to" in r and "sites" in r:  # a promote record
+    return f"  - promoted {len(r['sites'])} sites -> {r['to']}: {r.get('reason')}"
+  if r.get("skipped"):
+    return f"- {step}: skipped ({r.get('reason', '')})"
+  if step == "speed_promotion":
+    tried = "; ".join(
+        f"{k} at {v['sites']} sites: train {v['train']['speedup']:.3f}x "
+        f"[{v['train']['speedup_ci'][0]:.3f}, {v['train']['speedup_ci'][1]:.3f}], inference "
+        f"{v['infer']['speedup']:.3f}x" for k, v in r["proposals"].items())
+    return (f"- speed promotion ({r['device']}; vs the plan): {tried}: "
+            + (f"promoted {r['promoted']}" if r["promoted"] else "none pays"))
+  if step == "quality_held_out":
+    se = r.get("rel_logloss_change_se")   # records before it was measured have none
+    se_text = "" if se is None else f" +- {100 * se:.4f}% (one standard error)"
+    return (f"- held-out (round {r['round']}): log loss {r['logloss']:.5f} vs bf16+Mods "
+            f"{r['logloss_bf16']:.5f} ({100 * r['rel_logloss_change']:+.4f}%{se_text}, "
+            f"budget {100 * r['budget']:g}%): {'pass' if r['passed'] else 'FAIL'}")
+  if step in ("quality_shadow", "quality_from_init"):
+    detail = ("non-finite loss" if not r.get("finite") else
+              f"train loss {100 * r['rel_train_loss']:+.3f}%, held-out "
+              f"{100 * r['rel_logloss_change']:+.3f}%")
+    if step == "quality_from_init" and r.get("finite"):
+      detail += f"; worst step's loss {r['peak_loss']:.3g} vs {r['peak_loss_bf16']:.3g}"
+    what = "shadow training" if step == "quality_shadow" else "training from initialization"
+    recipe = ([f"warm-up {r['warmup_steps']}"] if r.get("warmup_steps") else []) + (
+        [f"mean of {len(r['seeds'])} seeds"] if len(r.get("seeds", ())) > 1 else [])
+    if recipe:
+      what += f" ({', '.join(recipe)})"
+    bounds = f"bound {100 * r['bound']:g}%" + (
+        f", held-out bound {100 * r['held_out_bound']:.3f}%" if "held_out_bound" in r else "")
+    return (f"- {what} {r['steps']} steps (round {r['round']}): {detail} "
+            f"({bounds}): {'pass' if r['passed'] else 'FAIL'}")
+  if step == "speed":
+    return (f"- speed (round {r['round']}, {r['device']}): train "
+            f"{r['train']['speedup']:.3f}x [{r['train']['speedup_ci'][0]:.3f}, "
+            f"{r['train']['speedup_ci'][1]:.3f}], inference {r['infer']['speedup']:.3f}x "
+            f"[{r['infer']['speedup_ci'][0]:.3f}, {r['infer']['speedup_ci'][1]:.3f}]: "
+            f"{'pass' if r['passed'] else 'FAIL'}")
+  if step == "validated":
+    return (f"- validated: FP8 sites {r['fp8_sites_before']} -> {r['fp8_sites_after']}"
+            + (f" (backed off: {', '.join(r['backed_off'])})" if r["backed_off"] else "")
+            + (f" (promoted: {', '.join(r['promoted'])})" if r.get("promoted") else ""))
+  if step == "not_validated":
+    return f"- not validated: {r.get('reason', '')}"
+  if measurements and step.endswith("_site"):
+    value = "non-finite" if r.get("value") is None else f"{r['value']:.4g}"
+    return (f"  - {step[:-len('_site')]} round {r.get('round')}, site {r['site']}: "
+            f"{value} ({r.get('seconds')} s)")
+  if measurements and step.endswith("_run"):
+    losses = ("non-finite loss" if not r.get("finite") else
+              f"train loss {r['window_loss']:.5f}, held-out log loss {r['logloss']:.5f}")
+    return (f"  - {step[:-len('_run')]} run, {r['arm']} seed {r['seed']}: {losses} "
+            f"({r.get('seconds')} s)")
+  return None
 
 
 def plot_plan(plan, path: str) -> str:
