@@ -6,7 +6,9 @@ r"""Headline benchmark, resumable: bf16 vs the FP8 peers vs LoKA, speed and qual
 One process on one GPU. Speed rows (towers, models) go to DIR/bench.jsonl, one per (target,
 variant), each with bf16 timed interleaved beside it in the same run; quality rows to
 DIR/quality.jsonl, one per trained arm and seed. A rerun skips finished rows, so a suite
-longer than one call (--max_minutes: no new row starts after it) finishes over several calls.
+longer than one call (--max_minutes: no new row starts after it) finishes over several calls;
+with --end_by_minutes (the call's hard end) a quality run starts whenever the longest run
+recorded for its model would still end by it.
 The LoKA arm needs each target's plan (DIR/plans/<model>_<preset>/plan.json): a missing one is
 probed first (--probe), resumably. Every call ends by writing DIR/report.md (tables and the
 target checks), DIR/targets.json and PNG plots under DIR/plots/.
@@ -44,6 +46,11 @@ MIN_CALL_MS = flags.DEFINE_float(
     "call (N from the bf16 step, per mode), so host dispatch jitter is spread over N steps "
     "(default: loka_jax.bench.speed.MIN_CALL_S, 5 ms).")
 MAX_MINUTES = flags.DEFINE_float("max_minutes", 6.5, "Start no new row after this long.")
+END_BY_MINUTES = flags.DEFINE_float(
+    "end_by_minutes", None, "The call's hard end, in minutes from the start (e.g. the GPU "
+    "call's limit less its upload). A quality run then starts whenever it is expected to end "
+    "by it (the longest run recorded for its model and preset, with a margin), also past "
+    "--max_minutes; before the first run is recorded --max_minutes rules.")
 ONLY = flags.DEFINE_list("only", [], "Only these targets: 'model/preset', a model, a preset "
                          "or a tower shape.")
 COMPILE_CACHE = flags.DEFINE_string("compile_cache", None,
@@ -151,6 +158,10 @@ def main(argv):
     _log("warning: not on a GPU; these timings are smoke tests, not results")
   start = time.time()
   deadline = start + MAX_MINUTES.value * 60
+  end_by = None if END_BY_MINUTES.value is None else start + END_BY_MINUTES.value * 60
+  if end_by is not None and end_by < deadline:
+    raise app.UsageError(f"--end_by_minutes={END_BY_MINUTES.value} is before "
+                         f"--max_minutes={MAX_MINUTES.value}: the hard end comes last")
   device = jax.devices()[0].device_kind
   plans_dir = PLANS.value or os.path.join(workdir, "plans")
   speed_rows = ResultsFile(os.path.join(workdir, "bench.jsonl"), suite.KEY_FIELDS)
@@ -215,12 +226,13 @@ def main(argv):
       names = (f"{model}/{qs.preset}", model, qs.preset, qs.data)
       if ONLY.value and not any(n in ONLY.value for n in names):
         continue
-      if time.time() > deadline:
+      if time.time() > (deadline if end_by is None else end_by):
         finished = False
         break
       finished &= quality.run_model(model, qs, quality_rows, os.path.join(workdir, "quality"),
                                     deadline=deadline, device=device, log=_log,
-                                    plan_maker=_quality_plan_maker(qs, settings, deadline))
+                                    plan_maker=_quality_plan_maker(qs, settings, deadline),
+                                    end_by=end_by)
 
   rows = list(speed_rows.rows()) + list(quality_rows.rows())
   verdicts = targets.check_all(rows)

@@ -12,7 +12,9 @@
 #
 # Environment: CARRY (required), WORK (/tmp/suite), LIMIT (575: hard seconds), MAXMIN (7.5,
 # 5.5 for --suite=quality: minutes after which no new row starts; a quality arm takes up to
-# 3.5 minutes, and one the limit kills loses the steps since its last checkpoint), OUT (set
+# 3.5 minutes, and one the limit kills loses the steps since its last checkpoint; once a
+# model's quality run is recorded, its runs start by their expected length until LIMIT
+# instead: `--end_by_minutes`), OUT (set
 # on the device; elsewhere $WORK/out),
 # MODULE (experiments.bench; or experiments.probe for a `--time_only` call, which times a
 # model's site shapes into the carried timing cache with no training, so a fresh host's
@@ -40,7 +42,11 @@ echo "=== call $(date +%T) on $(nvidia-smi --query-gpu=name --format=csv,noheade
 MODULE=${MODULE:-experiments.bench}
 if [ "$MODULE" = experiments.bench ]; then
   case " $* " in *" --suite=quality "*) : "${MAXMIN:=5.5}" ;; esac
+  # The hard end, less 20 s for the bench's report: a quality run still starts past MAXMIN
+  # when the longest recorded one would end by it (`quality.may_start`).
+  END=$(awk -v l="${LIMIT:-575}" -v m="${MAXMIN:-7.5}" 'BEGIN { e = (l - 20) / 60; print (e > m ? e : m) }')
   set -- --workdir="$WORK" --compile_cache=/tmp/jc --max_minutes="${MAXMIN:-7.5}" \
+    --end_by_minutes="$END" \
     --probe_timing_cache="$WORK/tc" "$@"
 else  # no shape starts that would not end within the budget at the slowest shape's pace so
   # far (20-150 s a shape at Wukong large's on the H200); the rest is the process's start

@@ -1,6 +1,7 @@
 """The headline benchmark harness on the CPU: resumable rows, --only, tables, plots, target
 checks and the quality protocol. Timings here are smoke numbers; the checks are structural,
 and the target arithmetic is checked on hand-made rows with known answers."""
+import dataclasses
 import json
 import os
 import re
@@ -1136,6 +1137,68 @@ class QualityProtocolTest(absltest.TestCase):
     run_dir = os.path.join(out, "synthetic", "dlrm_tiny", "bf16_seed0_warmup2")
     config = json.load(open(os.path.join(run_dir, "config.json")))
     self.assertEqual(config["train"]["optim"]["warmup_steps"], 2)
+
+
+class QualityPacingTest(absltest.TestCase):
+  """With the call's hard end known, quality runs start by their expected length."""
+
+  def test_a_run_starts_past_max_minutes_only_when_it_fits_before_the_hard_end(self):
+    now, deadline = 1000.0, 900.0                       # --max_minutes has passed
+    self.assertEqual(quality.may_start(now, deadline, None, 50.0)[0], False)
+    self.assertEqual(quality.may_start(now, deadline, 1100.0, None)[0], False)
+    self.assertTrue(quality.may_start(now, deadline, 1100.0, 100.0)[0])
+    fits, why = quality.may_start(now, deadline, 1100.0, 100.5)
+    self.assertFalse(fits)
+    self.assertIn("100 s are left", why)
+    # Before --max_minutes, a run that would outlast the hard end does not start either.
+    self.assertFalse(quality.may_start(now, 2000.0, 1100.0, 150.0)[0])
+    self.assertTrue(quality.may_start(now, 2000.0, None, 150.0)[0])
+
+  def test_the_expected_time_is_the_longest_recorded_run_of_the_model_and_preset(self):
+    out = _tempdir(self)
+    results = ResultsFile(os.path.join(out, "quality.jsonl"), quality.KEY_FIELDS)
+    settings = quality.QualitySettings(preset="large")
+    self.assertIsNone(quality.expected_run_s(results, "dhen", settings))
+    for arm, model, preset, seconds in (("bf16", "dhen", "large", 162.7),
+                                        ("fp8_naive", "dhen", "large", 227.0),
+                                        ("loka", "dhen", "large", "n/a"),
+                                        ("bf16", "dhen", "small", 900.0),
+                                        ("bf16", "dcnv2", "large", 900.0)):
+      results.append({"suite": "quality", "data": "synthetic", "model": model,
+                      "preset": preset, "arm": arm, "seed": 0, "device": "x",
+                      "train_s": seconds})
+    self.assertAlmostEqual(quality.expected_run_s(results, "dhen", settings),
+                           quality.RUN_TIME_MARGIN * 227.0)
+    self.assertIsNone(quality.expected_run_s(
+        results, "dhen", dataclasses.replace(settings, data="movielens")))
+
+  def test_run_model_stops_before_a_run_that_would_outlast_the_hard_end(self):
+    out = _tempdir(self)
+    results = ResultsFile(os.path.join(out, "quality.jsonl"), quality.KEY_FIELDS)
+    settings = quality.QualitySettings(preset="tiny", steps=2, batch_size=64, min_eval=100,
+                                       arms=("bf16", "fp8_naive"), noise_seeds=())
+    logs = []
+    # Past --max_minutes with no run recorded: nothing starts.
+    self.assertFalse(quality.run_model("dlrm", settings, results, out, deadline=0.0,
+                                       device="cpu", log=logs.append,
+                                       end_by=time.time() + 3600.0))
+    self.assertEqual(list(results.rows()), [])
+    self.assertTrue(quality.run_model("dlrm", dataclasses.replace(settings, arms=("bf16",)),
+                                      results, out, deadline=float("inf"), device="cpu",
+                                      log=logs.append))
+    (first,) = results.rows()
+    # Past --max_minutes, the next run starts when the recorded run's time fits ...
+    self.assertTrue(quality.run_model("dlrm", settings, results, out, deadline=0.0,
+                                      device="cpu", log=logs.append,
+                                      end_by=time.time() + 3600.0))
+    self.assertEqual(sorted(r["arm"] for r in results.rows()), ["bf16", "fp8_naive"])
+    # ... and not when it does not.
+    more = dataclasses.replace(settings, noise_seeds=(1,))
+    self.assertFalse(quality.run_model(
+        "dlrm", more, results, out, deadline=0.0, device="cpu", log=logs.append,
+        end_by=time.time() + 0.5 * first["train_s"]))
+    self.assertLen(list(results.rows()), 2)
+    self.assertIn("left for the next run (it may take", logs[-1])
 
 
 if __name__ == "__main__":

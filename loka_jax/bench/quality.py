@@ -192,17 +192,54 @@ def run_arm(model: str, arm: QualityArm, seed: int, settings: QualitySettings, w
           "eval_fingerprint": eval_fingerprint(source, batch), "oracle_ne": final.get("oracle_ne")}
 
 
+# A run's recorded time is its compile and training on a host that may have had a warm
+# compile cache; a fresh host compiles again, so the longest recorded time gets this margin.
+RUN_TIME_MARGIN = 1.15
+
+
+def expected_run_s(results: ResultsFile, model: str, settings: QualitySettings
+                   ) -> Optional[float]:
+  """How long `model`'s next quality run may take: the longest `train_s` among its recorded
+  runs at this data set and preset (any arm, seed or recipe) times `RUN_TIME_MARGIN`, or None
+  before the first (DHEN `large`'s runs took 83-227 s each on an H200, the compile included,
+  docs/BENCHMARKS.md section 7, thirty-first session)."""
+  times = [r["train_s"] for r in results.rows()
+           if r.get("suite") == "quality" and r.get("model") == model
+           and r.get("preset") == settings.preset and r.get("data") == settings.data
+           and isinstance(r.get("train_s"), (int, float))]
+  return RUN_TIME_MARGIN * max(times) if times else None
+
+
+def may_start(now: float, deadline: float, end_by: Optional[float],
+              expected_s: Optional[float]) -> Tuple[bool, str]:
+  """(whether a run may start now, why not). Without `end_by` (the call's hard end) or a
+  run time to expect, none starts after `deadline` (`--max_minutes`). With both, a run starts
+  whenever it is expected to end by `end_by`, also after `deadline`: a fixed deadline must
+  allow for the longest run, and so leaves most of a call idle when runs are short."""
+  if end_by is not None and expected_s is not None:
+    if now + expected_s <= end_by:
+      return True, ""
+    return False, (f"it may take {expected_s:.0f} s (the longest run so far, with margin) and "
+                   f"{max(end_by - now, 0.0):.0f} s are left")
+  if now > deadline:
+    return False, "past --max_minutes"
+  return True, ""
+
+
 def run_model(model: str, settings: QualitySettings, results: ResultsFile, root: str, *,
               deadline: float, device: str, plan_maker: Optional[Callable] = None,
-              log: Callable[[str], None] = print) -> bool:
-  """Every unfinished run of `model`; False when the deadline stopped it."""
+              log: Callable[[str], None] = print, end_by: Optional[float] = None) -> bool:
+  """Every unfinished run of `model`; False when the deadline stopped it (`may_start`:
+  `end_by`, the call's hard end, lets runs start past `deadline` when they fit)."""
   for arm, seed in runs(settings):
     key = ("quality", settings.data, model, settings.preset, arm.name, seed, device,
            settings.warmup_steps or None, settings.mods_label)
     if results.done(key):
       continue
-    if time.time() > deadline:
-      log(f"  deadline: quality {model}/{arm.name}/seed{seed} left for the next run")
+    start, why = may_start(time.time(), deadline, end_by,
+                           expected_run_s(results, model, settings))
+    if not start:
+      log(f"  deadline: quality {model}/{arm.name}/seed{seed} left for the next run ({why})")
       return False
     row = {f: v for f, v in zip(KEY_FIELDS, key) if v is not None}
     row.update(jax=jax.__version__, precision=arm.precision, mods=list(arm.mods))
