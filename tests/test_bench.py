@@ -1169,6 +1169,13 @@ class QualityPacingTest(absltest.TestCase):
                       "train_s": seconds})
     self.assertAlmostEqual(quality.expected_run_s(results, "dhen", settings),
                            quality.RUN_TIME_MARGIN * 227.0)
+    # An arm with a recorded run expects its own longest; one without, the model's.
+    self.assertAlmostEqual(quality.expected_run_s(results, "dhen", settings, "bf16"),
+                           quality.RUN_TIME_MARGIN * 162.7)
+    self.assertAlmostEqual(quality.expected_run_s(results, "dhen", settings, "bf16_mods"),
+                           quality.RUN_TIME_MARGIN * 227.0)
+    self.assertAlmostEqual(quality.expected_run_s(results, "dhen", settings, "loka"),
+                           quality.RUN_TIME_MARGIN * 227.0)
     self.assertIsNone(quality.expected_run_s(
         results, "dhen", dataclasses.replace(settings, data="movielens")))
 

@@ -197,17 +197,21 @@ def run_arm(model: str, arm: QualityArm, seed: int, settings: QualitySettings, w
 RUN_TIME_MARGIN = 1.15
 
 
-def expected_run_s(results: ResultsFile, model: str, settings: QualitySettings
-                   ) -> Optional[float]:
-  """How long `model`'s next quality run may take: the longest `train_s` among its recorded
-  runs at this data set and preset (any arm, seed or recipe) times `RUN_TIME_MARGIN`, or None
-  before the first (DHEN `large`'s runs took 83-227 s each on an H200, the compile included,
-  docs/BENCHMARKS.md section 7, thirty-first session)."""
-  times = [r["train_s"] for r in results.rows()
-           if r.get("suite") == "quality" and r.get("model") == model
-           and r.get("preset") == settings.preset and r.get("data") == settings.data
-           and isinstance(r.get("train_s"), (int, float))]
-  return RUN_TIME_MARGIN * max(times) if times else None
+def expected_run_s(results: ResultsFile, model: str, settings: QualitySettings,
+                   arm: Optional[str] = None) -> Optional[float]:
+  """How long `model`'s next quality run of `arm` may take: the longest `train_s` among the
+  recorded runs of that arm at this data set and preset (any seed or recipe), else of any
+  arm there, times `RUN_TIME_MARGIN`; None before the first. Arms differ: DHEN `large`'s
+  runs took 83-227 s each on an H200, the compile included, a bf16 run at most 163 s
+  (docs/BENCHMARKS.md section 7, thirty-first session)."""
+  times = {r.get("arm"): [] for r in results.rows()}
+  for r in results.rows():
+    if (r.get("suite") == "quality" and r.get("model") == model
+        and r.get("preset") == settings.preset and r.get("data") == settings.data
+        and isinstance(r.get("train_s"), (int, float))):
+      times[r.get("arm")].append(r["train_s"])
+  pool = times.get(arm) or [t for ts in times.values() for t in ts]
+  return RUN_TIME_MARGIN * max(pool) if pool else None
 
 
 def may_start(now: float, deadline: float, end_by: Optional[float],
@@ -237,7 +241,7 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
     if results.done(key):
       continue
     start, why = may_start(time.time(), deadline, end_by,
-                           expected_run_s(results, model, settings))
+                           expected_run_s(results, model, settings, arm.name))
     if not start:
       log(f"  deadline: quality {model}/{arm.name}/seed{seed} left for the next run ({why})")
       return False
