@@ -10,7 +10,7 @@ import chex
 from absl.testing import absltest
 
 from loka_jax.dispatch import timing_table
-from loka_jax.probe import kernel_timing
+from loka_jax.probe import evaluate, kernel_timing
 from loka_jax.probe import report as report_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,6 +107,20 @@ class ProbeCliTest(chex.TestCase):
                                          "xla_fp8_rowwise_precise", "xla_fp8_tensorwise"])
         self.assertEqual(entries["xla_fp8_rowwise"]["sqnr_db"],
                          report["sites"][name]["passes"][p]["xla_fp8_rowwise"]["sqnr_db"])
+    self.assertEqual(resumed["evaluation"]["evaluator"], evaluate.EVALUATOR_VERSION)
+
+    # Evaluations cached by an older evaluator (their key without its version) are made
+    # again, every candidate of every site: they are not what this evaluator measures.
+    cache = os.path.join(workdir, "probe_eval.jsonl")
+    rows = [json.loads(line) for line in open(cache)]
+    with open(cache, "w") as f:
+      for row in rows:
+        row["key"].pop("evaluator")
+        f.write(json.dumps(row) + "\n")
+    older = run_cli(*more, f"--workdir={workdir}", f"--timing_table={table}", "--noplots")
+    self.assertEqual(older.returncode, 0, older.stderr[-3000:])
+    self.assertEqual(older.stdout.count("[probe] evaluated"), 3, older.stdout[-2000:])
+    self.assertNotIn("from the cache", older.stdout)
 
   def test_bad_arguments_fail_with_a_clear_message(self):
     workdir = tempfile.mkdtemp(prefix="loka_probe_cli_bad_")

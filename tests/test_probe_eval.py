@@ -122,6 +122,60 @@ class EvaluationCompileTest(chex.TestCase):
     self.assertEqual(sizes[0], sizes[1])
 
 
+class DelayedWarmupTest(chex.TestCase):
+  """A delayed-scaling op is judged with its scale from other tensors, never its own."""
+
+  def test_a_sample_warmed_on_others_saturates_where_warmed_on_itself_it_does_not(self):
+    # Four samples of one distribution, the last 64x larger. Warmed on the three before it,
+    # its forward's scale is 64x too small and its largest values saturate; warmed on itself
+    # (what a one-sample chunk did) it reads as current scaling, as accurate as tensorwise.
+    rng = np.random.default_rng(3)
+    spec = "mk,kn->mn"
+    lhs = rng.standard_normal((4, 32, 128)).astype(np.float32)
+    lhs[3] *= 64.0
+    rhs = rng.standard_normal((4, 128, 48)).astype(np.float32) / np.sqrt(128)
+    grad = rng.standard_normal((4, 32, 48)).astype(np.float32)
+    refs = evaluate.references(spec)(lhs, rhs, grad)
+    delayed = evaluate.fused_evaluator("flax_fp8_delayed", spec, "bfloat16")
+    warmed_on_others = float(delayed(lhs, rhs, grad, refs)["fwd"]["sqnr_db"][3])
+    alone = [x[3:] for x in (lhs, rhs, grad)]
+    warmed_on_itself = float(delayed(*alone, evaluate.references(spec)(*alone))["fwd"]
+                             ["sqnr_db"][0])
+    tensorwise = evaluate.kernel_evaluator("xla_fp8_tensorwise", ("fwd",), spec, "bfloat16")
+    current = float(tensorwise(*alone, evaluate.references(spec)(*alone))["fwd"]["sqnr_db"][0])
+    self.assertLess(warmed_on_others, warmed_on_itself - 10.0)
+    self.assertAlmostEqual(warmed_on_itself, current, delta=1.5)
+
+  def test_a_chunk_holds_enough_samples_to_warm_on_others_where_a_delayed_op_is_evaluated(self):
+    # Operands far above the memory bound give one sample a chunk: fine for per-pass kernels,
+    # but a delayed op needs DELAYED_WARMUP others before each sample.
+    site = collector.make_site_probe("wide", "mk,kn->mn", "act_weight", (64, 96), (96, 80),
+                                     CONFIG)
+    state = jax.device_get(collector.update_site_state(
+        collector.init_site_state(site, CONFIG), site,
+        *(jax.random.normal(jax.random.PRNGKey(j), shape)
+          for j, shape in enumerate(((64, 96), (96, 80), (64, 80)))),
+        jax.random.PRNGKey(0), CONFIG))
+    tight = evaluate.EvalConfig(samples=6, reservoir_samples=6, chunk_elements=1024)
+    plain = evaluate.evaluate_site(site, state, [kernels_lib.get("xla_fp8_rowwise")],
+                                   "bfloat16", tight)
+    self.assertEqual(plain.chunk, 1)
+    with_delayed = evaluate.evaluate_site(
+        site, state, [kernels_lib.get("xla_fp8_rowwise"), kernels_lib.get("flax_fp8_delayed")],
+        "bfloat16", tight)
+    self.assertEqual(with_delayed.chunk, evaluate.DELAYED_WARMUP + 1)
+    self.assertTrue(evaluate.warmup_excludes_self(with_delayed.chunk))
+    for source in evaluate.SOURCES:   # every sample is still evaluated, once
+      self.assertLen(with_delayed.results[source]["fwd"]["flax_fp8_delayed"]["sqnr_db"], 6)
+    # Fewer samples than the warm-up needs: the chunk holds them all, and says it warms on
+    # the sample itself too.
+    few = evaluate.evaluate_site(site, state, [kernels_lib.get("flax_fp8_delayed")], "bfloat16",
+                                 evaluate.EvalConfig(samples=2, reservoir_samples=2,
+                                                     chunk_elements=1024))
+    self.assertEqual(few.chunk, 2)
+    self.assertFalse(evaluate.warmup_excludes_self(few.chunk))
+
+
 class SummaryTest(parameterized.TestCase):
 
   def test_bootstrap_ci_brackets_the_mean_and_narrows_with_samples(self):

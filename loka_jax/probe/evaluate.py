@@ -41,6 +41,9 @@ RESERVOIR = "reservoir"
 SOURCES = (GAUSSIAN, RESERVOIR)
 METRICS = ("sqnr_db", "rel_fro", "mere", "median_rel")
 DELAYED_WARMUP = 3
+# The evaluation's version, part of every cached evaluation's key: 2 since delayed-scaling
+# ops warm on other samples only (`fused_chunk_floor`); evaluations before it are made again.
+EVALUATOR_VERSION = 2
 PASS_OPERANDS = {"fwd": ("lhs", "rhs"), "grad_lhs": ("grad", "rhs"), "grad_rhs": ("lhs", "grad")}
 
 # Evaluation measures error, not speed. On the GPU most of a site's compile time is GEMM
@@ -233,7 +236,8 @@ def _delayed_products(kernel, spec: str, lhs, rhs, grad, warm):
 def fused_evaluator(kernel_name: str, spec: str, compute_dtype: str):
   """jit(...): per-sample errors of a fused-op kernel's three passes. Its state (delayed
   scaling) is warmed on the DELAYED_WARMUP preceding samples of the chunk, so scales come
-  from other tensors of the same distribution, as in training."""
+  from other tensors of the same distribution, as in training (a chunk holds at least
+  DELAYED_WARMUP + 1 samples where one is evaluated: `fused_chunk_floor`)."""
   kernel = registry.get(kernel_name)
   dt = jnp.dtype(compute_dtype)
 
@@ -270,6 +274,7 @@ class SiteEvaluation:
   unsupported: Dict[str, Dict[str, str]]   # pass -> kernel -> reason
   errors: Dict[str, str]                   # kernel -> exception text
   reservoir: Dict[str, object]
+  chunk: int = 0                           # samples a chunk held (fused ops warm within it)
 
 
 def _chunks(total: int, size: int):
@@ -352,8 +357,25 @@ def _site_plan(site: SiteProbe, has_reservoir: bool, kernels: Sequence,
     reservoir["reason"] = full.slice_reason
   # One chunk size for both sources: every chunk has the same shapes and reuses one compile.
   size = _chunk_size(layout, max(draws.values()), config)
+  if any(kernel.sort == FUSED_OP for kernel, _ in calls):
+    size = max(size, fused_chunk_floor(max(draws.values())))
   return _SitePlan(layout, slices, str(full.spec), unsupported, tuple(calls), aliases, draws,
                    size, reservoir, config.jitter)
+
+
+def fused_chunk_floor(samples: int) -> int:
+  """The fewest samples a chunk holds where a delayed-scaling op is evaluated. The op warms
+  its scale on the DELAYED_WARMUP samples before each one, rolled within the chunk
+  (`fused_evaluator`): in a smaller chunk the roll brings the sample itself among them, its
+  own amax then bounds its scale, and the op reads as current scaling that never saturates.
+  The memory bound (`_chunk_size`) gave one sample a chunk at most sites of the `large`
+  presets and the largest towers (docs/BENCHMARKS.md section 7, thirty-first session)."""
+  return min(DELAYED_WARMUP + 1, samples)
+
+
+def warmup_excludes_self(size: int) -> bool:
+  """Whether a chunk of `size` samples warms each sample's delayed scaling on others only."""
+  return size > DELAYED_WARMUP
 
 
 def _evaluator(plan: _SitePlan, kernel, passes: Tuple[str, ...], compute_dtype: str):
@@ -416,7 +438,7 @@ def evaluate_site(site: SiteProbe, state, kernels: Sequence, compute_dtype: str,
   if source_errors:
     reservoir["source_errors"] = source_errors
   return SiteEvaluation(site.name, plan.layout, plan.slices, results, plan.unsupported, errors,
-                        reservoir)
+                        reservoir, plan.size)
 
 
 def compile_jobs(site: SiteProbe, state, kernels: Sequence, compute_dtype: str,

@@ -432,7 +432,8 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
   cached = _read_eval_cache(cache_path)
   key_of = lambda name, fingerprint: {
       "site": name, "fingerprint": fingerprint, "kernels": names, "dtype": compute_dtype,
-      "eval": eval_config.to_dict(), "bootstrap": options.bootstrap}
+      "eval": eval_config.to_dict(), "bootstrap": options.bootstrap,
+      "evaluator": evaluate.EVALUATOR_VERSION}
   # (passes found, evaluation info, candidates missing) of every site, from the cache.
   lookup = lambda fingerprint: {
       name: _cached_passes(cached.get(_eval_cache_key(key_of(name, fingerprint)), []), names)
@@ -489,7 +490,9 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
                            "slice_index": site.layout.slice_label,
                            "row_subsampled": bool(ev.slices and ev.slices < site.layout.num_slices),
                            "reservoir": ev.reservoir,
-                           "evaluated_shapes": {k: list(v) for k, v in ev.layout.shapes().items()}}
+                           "evaluated_shapes": {k: list(v) for k, v in ev.layout.shapes().items()},
+                           "chunk_samples": ev.chunk,
+                           "delayed_warmup_on_others": evaluate.warmup_excludes_self(ev.chunk)}
         _append_eval_cache(cache_path, {"key": {**key_of(name, fingerprint), "kernels": missing},
                                         "passes": new, "evaluation": evaluation_info})
         passes = _merged_passes(found, new, names)
@@ -604,7 +607,8 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
       evaluation={**eval_config.to_dict(), "reservoir_samples": eval_config.num_reservoir,
                   "kernels": names, "compute_dtype": compute_dtype,
                   "bootstrap": options.bootstrap, "sites_regex": options.sites,
-                  "reference": "fp32 HIGHEST product of the original operands"},
+                  "reference": "fp32 HIGHEST product of the original operands",
+                  "evaluator": evaluate.EVALUATOR_VERSION},
       criteria=options.criteria.to_dict(), overhead=overhead,
       kernels=kernels_info, excluded_kernels=excluded)
   report["sites"] = site_entries
