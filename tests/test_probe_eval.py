@@ -176,6 +176,29 @@ class DelayedWarmupTest(chex.TestCase):
     self.assertFalse(evaluate.warmup_excludes_self(few.chunk))
 
 
+class FetchTest(absltest.TestCase):
+
+  def test_a_kernel_whose_result_cannot_be_read_is_reported_and_the_rest_kept(self):
+    # A chunk's metrics come back in one transfer; an execution error that shows only when
+    # a result is read fails that kernel alone, as an error raised at its call does.
+    class Unreadable:
+      def copy_to_host_async(self):
+        pass
+
+      def __array__(self, *args, **kwargs):
+        raise RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS")
+
+    good = {"fwd": {"sqnr_db": jnp.arange(3.0)}}
+    errors = {}
+    fetched = evaluate._fetch({"good": good, "bad": {"fwd": {"sqnr_db": Unreadable()}}},
+                              errors)
+    self.assertEqual(list(fetched), ["good"])
+    np.testing.assert_array_equal(fetched["good"]["fwd"]["sqnr_db"], [0.0, 1.0, 2.0])
+    self.assertIn("CUDA_ERROR_ILLEGAL_ADDRESS", errors["bad"])
+    self.assertEqual(evaluate._fetch({"good": good}, errors)["good"]["fwd"]["sqnr_db"].shape,
+                     (3,))
+
+
 class SummaryTest(parameterized.TestCase):
 
   def test_bootstrap_ci_brackets_the_mean_and_narrows_with_samples(self):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -284,13 +284,29 @@ def _chunks(total: int, size: int):
     start += size
 
 
+def _fetch(outputs: Mapping[str, Any], errors: Dict[str, str]) -> Dict[str, Any]:
+  """The kernels' metrics on the host, in one transfer; where that fails (an error a
+  kernel's execution raises only when its result is read), kernel by kernel, each failure
+  recorded in `errors` as a kernel that failed to evaluate."""
+  try:
+    return jax.device_get(dict(outputs))
+  except Exception:  # noqa: BLE001 - find the kernel(s) at fault
+    fetched = {}
+    for name, out in outputs.items():
+      try:
+        fetched[name] = jax.device_get(out)
+      except Exception as e:  # noqa: BLE001 - a broken kernel is reported, the probe goes on
+        errors[name] = f"{type(e).__name__}: {str(e)[:500]}"
+    return fetched
+
+
 def _append(store, key_path, values: Mapping[str, jax.Array], count: int):
   node = store
   for k in key_path[:-1]:
     node = node.setdefault(k, {})
   leaf = node.setdefault(key_path[-1], {})
   for name, v in values.items():
-    arr = np.asarray(jax.device_get(v))[:count]
+    arr = np.asarray(v)[:count]
     leaf[name] = np.concatenate([leaf[name], arr]) if name in leaf else arr
 
 
@@ -422,14 +438,18 @@ def evaluate_site(site: SiteProbe, state, kernels: Sequence, compute_dtype: str,
         for p in results.get(source, {}):
           results[source][p].clear()
         break
+      outputs = {}
       for kernel, passes in plan.calls:
         try:
-          out = executables.call(_evaluator(plan, kernel, passes, compute_dtype),
-                                 lhs, rhs, grad, refs)
-          for p, metrics in out.items():
-            _append(results, (source, p, kernel.name), metrics, count)
+          outputs[kernel.name] = executables.call(
+              _evaluator(plan, kernel, passes, compute_dtype), lhs, rhs, grad, refs)
         except Exception as e:  # a broken kernel is reported, the probe goes on
           errors[kernel.name] = f"{type(e).__name__}: {str(e)[:500]}"
+      # One transfer a chunk: fetching each kernel's metrics as it was dispatched held the
+      # host until that kernel finished, so the device idled while the next was dispatched.
+      for name, out in _fetch(outputs, errors).items():
+        for p, metrics in out.items():
+          _append(results, (source, p, name), metrics, count)
   for source in results:
     for (p, name), first in plan.aliases.items():
       if first in results[source].get(p, {}):
