@@ -26,15 +26,16 @@ PLANS = flags.DEFINE_string("plans_dir", None, "Plan directory (default: WORKDIR
 
 def main(argv):
   del argv
-  from loka_jax.bench import forget, mods_set
+  from loka_jax.bench import forget, mods_set, suite
   if not common_flags.WORKDIR.value:
     raise app.UsageError("--workdir is required: the bench's workdir")
-  model, _, preset = TARGET.value.partition("/")
-  if not preset:
-    raise app.UsageError(f"--target={TARGET.value}: expected model/preset or tower/BxWxD")
   try:
-    done = forget.forget(common_flags.WORKDIR.value, suite=SUITE.value, model=model,
-                         preset=preset, names=NAMES.value, plans_dir=PLANS.value,
+    target = suite.parse_target(TARGET.value)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
+  try:
+    done = forget.forget(common_flags.WORKDIR.value, suite=SUITE.value, model=target.model,
+                         preset=target.preset, names=NAMES.value, plans_dir=PLANS.value,
                          mods=mods_set.parse(common_flags.MODS.value or mods_set.DEFAULT),
                          plan_files=PLAN_FILES.value)
   except (forget.ForgetError, ValueError) as e:

@@ -38,16 +38,15 @@ def main(argv):
   from loka_jax.train import experiment
 
   experiment.quiet_library_logs()
-  model, _, preset = TARGET.value.partition("/")
-  if not preset:
-    raise app.UsageError(f"--target={TARGET.value}: expected model/preset or tower/BxWxD")
-  kind = "towers" if model == suite.TOWER else "models"
-  target = suite.Target(kind, model, preset, BATCH.value or None)
+  try:
+    target = suite.parse_target(TARGET.value, BATCH.value or None)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
   settings = suite.SpeedSettings(plans_dir=PLANS.value, probe_steps=PROBE_STEPS.value,
                                  seed=common_flags.SEED.value,
                                  mods=mods_set.parse(common_flags.MODS.value or
                                                      mods_set.DEFAULT))
-  folder = planning.plan_dir(settings.plans_root, model, preset)
+  folder = planning.plan_dir(settings.plans_root, target.model, target.preset)
   plans = {name: os.path.join(folder, file) for name, file in
            ((serve_quality.TRAINING_PLAN, planning.PLAN_FILE),
             (serve_quality.SERVING_PLAN, planning.SERVING_PLAN_FILE))
@@ -55,7 +54,7 @@ def main(argv):
   if serve_quality.TRAINING_PLAN not in plans:
     raise app.UsageError(f"no plan at {os.path.join(folder, planning.PLAN_FILE)}: plan the "
                          "target with experiments.bench first")
-  report = planning.load_report(settings.plans_root, model, preset)
+  report = planning.load_report(settings.plans_root, target.model, target.preset)
   ctx = suite.probe_context(target, settings)()
   print(f"[serving_quality] {target.name}: scoring {', '.join(plans)} and served bf16+Mods "
         f"on {ctx.source.num_eval_examples()} held-out examples", flush=True)

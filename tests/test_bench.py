@@ -1139,6 +1139,17 @@ class QualityProtocolTest(absltest.TestCase):
     self.assertEqual(config["train"]["optim"]["warmup_steps"], 2)
 
 
+class ParseTargetTest(absltest.TestCase):
+
+  def test_model_and_tower_targets_and_a_clear_error(self):
+    self.assertEqual(suite.parse_target("dhen/large"), suite.Target("models", "dhen", "large"))
+    tower = suite.parse_target("tower/4096x256x8", 512)
+    self.assertEqual((tower.suite, tower.preset, tower.batch_size), ("towers", "4096x256x8", 512))
+    for bad in ("dhen", "/large", "dhen/", ""):
+      with self.assertRaisesRegex(ValueError, "expected model/preset or tower/BxWxD"):
+        suite.parse_target(bad)
+
+
 class QualityPacingTest(absltest.TestCase):
   """With the call's hard end known, quality runs start by their expected length."""
 

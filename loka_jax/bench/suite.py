@@ -110,6 +110,15 @@ def model_targets(models: Sequence[str], presets: Sequence[str],
   return [Target("models", m, p, batch_size) for p in presets for m in models]
 
 
+def parse_target(text: str, batch_size: Optional[int] = None) -> Target:
+  """The target 'model/preset' or 'tower/BxWIDTHxDEPTH' names; ValueError saying the form
+  otherwise."""
+  model, _, preset = (text or "").partition("/")
+  if not model or not preset:
+    raise ValueError(f"--target={text}: expected model/preset or tower/BxWxD")
+  return Target("towers" if model == TOWER else "models", model, preset, batch_size)
+
+
 def selected(targets: Iterable[Target], only: Sequence[str]) -> List[Target]:
   """Targets whose 'model/preset' (or model, or preset) is in `only` (all when empty)."""
   if not only:
