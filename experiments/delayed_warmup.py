@@ -33,10 +33,17 @@ DELAYED = ("flax_fp8_delayed", "pallas_fp8_delayed")
 def main(argv):
   del argv
   from loka_jax import jsonio
+  from loka_jax.kernels import registry
   from loka_jax.probe import ProbeConfig, ProbeOptions, evaluate, runner
   from loka_jax.probe.eligibility import Criteria
   from loka_jax.train import TrainConfig, experiment
 
+  unknown = [k for k in KERNELS.value if k not in registry.names()]
+  if unknown:
+    raise app.UsageError(f"--kernels: unknown {unknown}; known: {', '.join(registry.names())}")
+  if not any(k in DELAYED for k in KERNELS.value):
+    raise app.UsageError(f"--kernels: none of {', '.join(DELAYED)}, so nothing warms a "
+                         "delayed-scaling state to compare")
   workdir = common.WORKDIR.value
   spec = experiment.RunSpec(model=common.MODEL.value, preset=common.PRESET.value,
                             mods=("all",), num_eval=512)
