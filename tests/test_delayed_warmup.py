@@ -8,14 +8,12 @@ import tempfile
 
 from absl.testing import absltest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from test_ablation import REPO, cpu_env
 
 
 def run_cli(*args, timeout=400):
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
   return subprocess.run([sys.executable, "-m", "experiments.delayed_warmup", *args], cwd=REPO,
-                        env=env, capture_output=True, text=True, timeout=timeout)
+                        env=cpu_env(), capture_output=True, text=True, timeout=timeout)
 
 
 class DelayedWarmupCliTest(absltest.TestCase):

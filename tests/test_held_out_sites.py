@@ -8,15 +8,14 @@ import tempfile
 
 from absl.testing import absltest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from test_ablation import REPO, cpu_env
+
 SITES = ("layer_0/fmb/mlp/dense_0", "head/dense_1")
 
 
 def run_cli(*args, timeout=300):
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
   return subprocess.run([sys.executable, "-m", "experiments.held_out_sites", *args], cwd=REPO,
-                        env=env, capture_output=True, text=True, timeout=timeout)
+                        env=cpu_env(), capture_output=True, text=True, timeout=timeout)
 
 
 class HeldOutSitesTest(absltest.TestCase):
