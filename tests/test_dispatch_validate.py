@@ -525,7 +525,10 @@ class SpeedTest(chex.TestCase):
       phase[0] = "resumed"
       out = validate.check_speed(partial, ctx, config, validate.Progress())
     other = GOOD_SITE if first["site"] == BAD_SITE else BAD_SITE
-    self.assertEqual(timed["resumed"], [other])   # the saved site is not timed again
+    # The saved site is not timed again; the other is, first. (On a loaded host the next
+    # round may fail too and time the site left in it once more: that is round 1's own.)
+    self.assertEqual(timed["resumed"][0], other)
+    self.assertNotIn(first["site"], timed["resumed"])
     (round0,) = [r for r in validate.validation_records(out, "speed") if r.get("round") == 0]
     self.assertEqual(round0["in_context_slowdown"][first["site"]], first["value"])
     self.assertEqual(round0["in_context_ci_low"][first["site"]], first["ci_low"])
