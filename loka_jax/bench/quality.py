@@ -204,12 +204,12 @@ def expected_run_s(results: ResultsFile, model: str, settings: QualitySettings,
   arm there, times `RUN_TIME_MARGIN`; None before the first. Arms differ: DHEN `large`'s
   runs took 83-227 s each on an H200, the compile included, a bf16 run at most 163 s
   (docs/BENCHMARKS.md section 7, thirty-first session)."""
-  times = {r.get("arm"): [] for r in results.rows()}
+  times: Dict[str, List[float]] = {}
   for r in results.rows():
     if (r.get("suite") == "quality" and r.get("model") == model
         and r.get("preset") == settings.preset and r.get("data") == settings.data
         and isinstance(r.get("train_s"), (int, float))):
-      times[r.get("arm")].append(r["train_s"])
+      times.setdefault(r.get("arm"), []).append(r["train_s"])
   pool = times.get(arm) or [t for ts in times.values() for t in ts]
   return RUN_TIME_MARGIN * max(pool) if pool else None
 
