@@ -242,6 +242,29 @@ class TargetCheckTest(parameterized.TestCase):
     self.assertFalse(_verdict(differ, "loka_quality_vs_bf16", "synthetic:wukong/small",
                               "quality")["met"])
 
+  def test_a_bound_the_seed_noise_widens_is_said_to_be_weak(self):
+    # DHEN large's warm-up rows (H200): bf16 seeds spread over 0.002, so the bound is about
+    # 22 x the 0.02% floor and a LoKA change of 0.07% relative passes; the note says so.
+    def q(arm, seed, logloss):
+      return _quality_row("dhen", "large", arm, seed, logloss)
+    bf16 = [0.48627, 0.48828, 0.48792]
+    rows = [q("bf16", s, v) for s, v in enumerate(bf16)] + [q("bf16_mods", 0, 0.48525),
+                                                            q("loka", 0, 0.48558)]
+    loka = _verdict(targets.check_quality(rows), "loka_quality_vs_bf16_mods",
+                    "synthetic:dhen/large", "quality")
+    self.assertTrue(loka["met"])
+    ratio = 2 * np.std(bf16, ddof=1) / (2e-4 * np.mean(bf16))
+    self.assertIn(f"the bound is the bf16 seeds' spread, {ratio:.1f}x the 0.02% floor",
+                  loka["note"])
+    self.assertTrue(loka["wide_bound"])
+    self.assertIn("| +3.3e-04 (wide bound) |",
+                  tables.glance_table(targets.check_quality(rows)))
+    # Seeds that agree within the floor give no such note.
+    tight = [q("bf16", s, 0.48627 + 1e-5 * s) for s in range(3)] + rows[3:]
+    self.assertNotIn("seeds' spread", _verdict(targets.check_quality(tight),
+                                                "loka_quality_vs_bf16_mods",
+                                                "synthetic:dhen/large", "quality")["note"])
+
   def test_quality_compares_rows_of_one_recipe(self):
     def q(arm, seed, logloss, warmup=None):
       return _quality_row("dlrm", "large", arm, seed, logloss,

@@ -136,7 +136,8 @@ class GlanceTableTest(absltest.TestCase):
     self.assertIn("loka_not_slower_than_bf16_mods (train)", dlrm["missed"])
     self.assertAlmostEqual(float(dlrm["infer vs bf16+Mods"].rstrip("x")), 1.25, delta=0.02)
     self.assertNotIn("(infer)", dlrm["missed"])                     # 1.5x over the peer's 1.1x
-    self.assertEqual(dlrm["quality: delta log loss vs bf16+Mods"], "+1.0e-04")
+    # Its bf16 seeds spread over 0.002, 20x the 0.02% floor: the cell says the bound is wide.
+    self.assertEqual(dlrm["quality: delta log loss vs bf16+Mods"], "+1.0e-04 (wide bound)")
     self.assertEqual(lines["dhen/large"]["missed"], "no LoKA row yet")
 
 

@@ -162,7 +162,8 @@ def _glance_cell(v: Mapping) -> str:
     return "-"
   text = {"quality": f"{v['value']:+.1e}",   # a log-loss difference
           "served": f"{v['value']:+.3%}"}.get(v["mode"], f"{v['value']:.3f}x")  # relative
-  return text + (" MISSED" if v["met"] is False else "")
+  return (text + (" MISSED" if v["met"] is False else "")
+          + (" (wide bound)" if v.get("wide_bound") else ""))
 
 
 def glance_table(verdicts: Sequence[Mapping]) -> str:

@@ -251,11 +251,14 @@ def check_quality(rows: Sequence[Mapping]) -> List[Dict]:
         if delta < -floor["bound"]:
           # Neutrality is two-sided, but a reader must not take a gain for a loss.
           note += f"; {arm} is better than {base} by more than the bound"
+        wide = wide_bound_note(floor)
+        if wide:
+          note += f"; {wide}"
         out.append({"target": f"{arm}_quality_vs_{base}", "subject": c.subject,
                     "mode": "quality", "value": delta, "ci": [-floor["bound"], floor["bound"]],
                     "met": met if same_eval else False,
                     "need": "|delta log loss| <= bound" if arm == "loka" else "reported",
-                    "note": note})
+                    "note": note, "wide_bound": bool(wide)})
   return out
 
 
@@ -263,3 +266,22 @@ def check_all(rows: Sequence[Mapping],
               served_reports: Optional[Mapping[served_check.ReportKey, Mapping]] = None
               ) -> List[Dict]:
   return check_speed(rows, served_reports) + check_quality(rows)
+
+
+# A bound this many times the 0.02% floor is the bf16 seeds' noise, not the budget: a "met"
+# there says less than it reads (DHEN `large`, 22x, docs/BENCHMARKS.md section 7,
+# thirty-first session).
+WIDE_BOUND = 5.0
+
+
+def wide_bound_note(floor: Mapping) -> Optional[str]:
+  """A warning when `floor`'s bound (`quality.noise_floor`) is the bf16 seeds' spread at more
+  than WIDE_BOUND x the 0.02% relative floor, else None."""
+  mean, bound = floor.get("bf16_mean"), floor.get("bound")
+  if not mean or bound is None:
+    return None
+  ratio = bound / (quality_lib.NEUTRAL_REL * abs(mean))
+  if ratio <= WIDE_BOUND:
+    return None
+  return (f"the bound is the bf16 seeds' spread, {ratio:.1f}x the 0.02% floor "
+          f"({100 * bound / abs(mean):.2f}% relative): changes smaller than that pass unseen")
