@@ -76,7 +76,11 @@ SERVE_QUALITY_GATE = flags.DEFINE_bool(
     "written: score the serving proposal, the selected serving plan and the training plan "
     "served from their exports on the probe's trained parameters (held-out log loss against "
     "served bf16+Mods, the 0.02% budget) and serve the first within it "
-    "(plans/<target>/serve_quality.json).")
+    "(plans/<target>/serve_quality.json); a proposal outside it is trimmed to its most "
+    "accurate added forwards that stay within it.")
+SERVE_QUALITY_BUDGET = flags.DEFINE_float(
+    "serve_quality_budget", 2e-4, "The served-quality gate's budget: relative held-out "
+    "log-loss change against served bf16+Mods.")
 PROBE_STEPS = flags.DEFINE_integer("probe_steps", 100, "Training steps of each probe.")
 PROBE_SAMPLES = flags.DEFINE_integer("probe_samples", 32, "Draws per site of each probe's "
                                      "error evaluation (fewer: faster, wider CIs).")
@@ -187,6 +191,7 @@ def main(argv):
                                  head_to_head=tuple(HEAD_TO_HEAD.value),
                                  serve_plan=SERVE_PLAN.value,
                                  serve_quality_gate=SERVE_QUALITY_GATE.value,
+                                 serve_quality_budget=SERVE_QUALITY_BUDGET.value,
                                  serve_promotion={"auto": None, "on": True,
                                                   "off": False}[SERVE_PROMOTION.value],
                                  min_call_s=(suite.speed.MIN_CALL_S if MIN_CALL_MS.value is None

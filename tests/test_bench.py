@@ -663,14 +663,16 @@ class ServingPlanBenchTest(chex.TestCase):
                        planning.plan_path(plans, target.model, target.preset))
     return plans, len(stats)
 
-  def _loka_row(self, target, plans, serve_plan, serve_promotion=None, gate=False):
+  def _loka_row(self, target, plans, serve_plan, serve_promotion=None, gate=False,
+                budget=2e-4):
     # The gate is off where a test times the serving decision: on a 512-example eval set
     # e4m3 serving moves log loss by more than the 0.02% budget (+-0.09% standard error).
     out = _tempdir(self)
     results = ResultsFile(os.path.join(out, "bench.jsonl"), suite.KEY_FIELDS)
     settings = suite.SpeedSettings(repeats=3, probe=False, plans_dir=plans, head_to_head=(),
                                    serve_plan=serve_plan, serve_promotion=serve_promotion,
-                                   serve_quality_gate=gate, probe_steps=10)
+                                   serve_quality_gate=gate, serve_quality_budget=budget,
+                                   probe_steps=10)
     self.assertTrue(suite.run_target(target, variants.parse_variants(["loka"]), results,
                                      settings=settings, deadline=float("inf"), device="cpu",
                                      log=lambda _: None))
@@ -776,6 +778,47 @@ class ServingPlanBenchTest(chex.TestCase):
                     side_effect=AssertionError("scored again")):
       self.assertEqual(serving_gate.score(plans, target.model, target.preset, None),
                        serving_gate.load(plans, target.model, target.preset))
+
+  def test_a_proposal_outside_the_budget_is_trimmed_to_its_most_accurate_forwards(self):
+    from loka_jax import dispatch
+    from loka_jax.bench import planning, serving_gate
+    from loka_jax.probe.report import save_report
+    target = suite.tower_targets(["32x16x2"])[0]
+    # Selection serves bf16 everywhere; the proposal adds the delayed forward at every site.
+    # One site reads least accurate in the report, and its export saturates (its activation
+    # amax 1000x too small): the whole proposal is outside the budget, the rest within.
+    plans, sites = self._plans(target, fwd_speed=(0.98, 1.03, 1.07))
+    report = planning.load_report(plans, target.model, target.preset)
+    bad = sorted(report["sites"])[0]
+    for kernel, entry in report["sites"][bad]["passes"]["fwd"].items():
+      if kernel != "xla_bf16":
+        entry["sqnr_db"] = [26.0, 26.5, 27.0]
+    for operand in report["sites"][bad]["stats"].values():
+      if isinstance(operand, dict) and "max" in (operand.get("amax") or {}):
+        operand["amax"]["max"] = float(operand["amax"]["max"]) / 1000.0
+    save_report(report, planning.report_path(plans, target.model, target.preset))
+    row = self._loka_row(target, plans, serve_plan=True, serve_promotion=True, gate=True,
+                         budget=0.02)
+    scores = serving_gate.load(plans, target.model, target.preset)
+    self.assertFalse(scores["proposal"]["within_budget"])
+    self.assertTrue(scores["selected"]["within_budget"])
+    trimmed = scores[serving_gate.TRIMMED]
+    self.assertTrue(trimmed["within_budget"])
+    self.assertEqual(sorted(trimmed["sites"]), sorted(set(report["sites"]) - {bad}))
+    self.assertEqual(trimmed["export_modes"], {"fp8": sites - 1, "high": 1})
+    saved = json.load(open(serving_gate.quality_path(plans, target.model, target.preset)))
+    self.assertEqual(saved["trim"]["ranked"][-1], bad)          # least accurate last
+    self.assertLessEqual(len(saved["trim"]["tried"]), serving_gate.TRIM_SCORINGS)
+    # The bench timed the trimmed proposal in the whole one's place, and serves whichever
+    # of it and the selected plan the timing kept, never the whole proposal.
+    record = self._promotion_record(row)
+    self.assertEqual(record["trimmed"]["kept"], trimmed["sites"])
+    self.assertIn("the whole proposal is not served", record["trimmed"]["why"])
+    self.assertIn("infer", record)
+    served = dispatch.read_plan(row["serve_plan"])
+    self.assertEqual(served["sites"][bad]["fwd"]["kernel"], "xla_bf16")
+    self.assertEqual(record["served"], serving_gate.TRIMMED if record["promoted"] else "selected")
+    self.assertEqual(row["serve_promotion"]["quality"], record["quality"][record["served"]])
 
   def test_with_every_candidate_outside_the_budget_every_forward_is_served_bf16(self):
     from loka_jax.bench import planning, serving_gate

@@ -10,6 +10,16 @@ held-out budget against served bf16+Mods) and saved beside the plans as serve_qu
 the bench then serves the first candidate within the budget, in that order (the proposal only
 when it is also provably faster), else bf16+Mods' own all-bf16 export.
 
+A proposal outside the budget need not be given up whole: it adds FP8 forwards at sites the
+selected plan keeps in bf16, chosen on their error alone, and a few of them may carry its
+whole change (at DHEN `large` the 48 it adds moved held-out log loss by +0.13% while the
+selected plan's 13 moved it +0.0004%, H200, docs/BENCHMARKS.md section 7, thirty-first
+session). So, when the selected plan is within the budget, the gate ranks the proposal's
+added sites by the probe report's forward error and bisects on how many of the most accurate
+to keep (at most `TRIM_SCORINGS` more exports scored), and saves the largest set it measured
+within the budget as the candidate `trimmed` (its `sites`), which the bench then times in
+the proposal's place.
+
 The scoring restores the probe's state (or trains the probe run again where its checkpoint is
 absent, as validation does), before the bench builds its baseline, and frees it after.
 """
@@ -17,7 +27,7 @@ from __future__ import annotations
 
 import gc
 import os
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 from loka_jax import jsonio
 from loka_jax.bench import planning
@@ -26,6 +36,8 @@ QUALITY_FILE = "serve_quality.json"
 QUALITY_STEP = "serve_quality"   # a serving plan's back-off for the served quality
 CANDIDATES = ("proposal", "selected", "training")   # the order the bench serves them in
 ALL_BF16 = "all_bf16"   # served when no candidate is within the budget: bf16+Mods' export
+TRIMMED = "trimmed"     # the proposal with only its most accurate added forwards in FP8
+TRIM_SCORINGS = 4       # exports the bisection scores at most (2^4 = 16 sites resolved)
 
 
 def quality_path(plans_root: str, model: str, preset: str) -> str:
@@ -47,10 +59,11 @@ def load(plans_root: str, model: str, preset: str) -> Optional[Dict[str, Any]]:
   return served
 
 
-def score(plans_root: str, model: str, preset: str, context_factory, log=print
-          ) -> Dict[str, Any]:
+def score(plans_root: str, model: str, preset: str, context_factory, log=print,
+          budget: Optional[float] = None) -> Dict[str, Any]:
   """Scores the target's serving candidates once (`context_factory()`: the probe's
-  ValidationContext) and saves them; later calls read the saved scores."""
+  ValidationContext), trims an outside proposal (module docstring) and saves the scores;
+  later calls read the saved scores. `budget`: the held-out budget (None: validation's)."""
   saved = load(plans_root, model, preset)
   if saved is not None:
     return saved
@@ -63,16 +76,57 @@ def score(plans_root: str, model: str, preset: str, context_factory, log=print
   report = planning.load_report(plans_root, model, preset)
   log(f"  scoring the served models ({', '.join(candidates)}) on the probe's trained "
       "parameters")
-  ctx = context_factory()
-  measured = serve_quality.served_quality(ctx, candidates, report)
-  del ctx
-  gc.collect()   # the probe's state must be gone before the bench builds its baseline
-  jsonio.write_json_atomic(quality_path(plans_root, model, preset),
-                           {"target": f"{model}/{preset}", "served": measured})
+  scorer = serve_quality.Scorer(context_factory(), report,
+                                budget=serve_quality.DEFAULT_BUDGET if budget is None else budget)
+  measured = scorer.score(candidates, with_baseline=True)
   for name, m in measured.items():
     log(f"  served {name}: {serve_quality.change_text(m['vs_served_bf16_mods'])} vs served "
         f"bf16+Mods ({'within' if m['within_budget'] else 'outside'} the budget)")
+  trim = None
+  if sites and not measured["proposal"]["within_budget"] and measured["selected"]["within_budget"]:
+    trim = _trim(scorer, report, selected, proposal, sites, log)
+    if trim["kept"]:
+      measured[TRIMMED] = {**trim["measurement"], "sites": trim["kept"]}
+  del scorer
+  gc.collect()   # the probe's state must be gone before the bench builds its baseline
+  jsonio.write_json_atomic(quality_path(plans_root, model, preset),
+                           {"target": f"{model}/{preset}", "served": measured,
+                            **({"trim": {k: v for k, v in trim.items() if k != "measurement"}}
+                               if trim else {})})
   return measured
+
+
+def trimmed(proposal, sites: Sequence[str], keep: Sequence[str]):
+  """`proposal` with the forwards of `sites` (those it adds) back in bf16 but for `keep`."""
+  return planning.forwards_in_bf16(
+      proposal, {s: f"served quality: the proposal trimmed to its {len(keep)} most accurate "
+                    "added forwards" for s in sites if s not in keep}, QUALITY_STEP)
+
+
+def _trim(scorer, report, selected, proposal, sites: Sequence[str], log) -> Dict[str, Any]:
+  """The bisection of the module docstring: {"ranked": sites most accurate first, "tried":
+  [{"keep", "within_budget", "rel_logloss_change"}], "kept": the largest set measured within
+  the budget (empty: none), "measurement": its score}."""
+  from loka_jax.dispatch.serve_quality import change_text
+  from loka_jax.dispatch.validate import report_scores
+  errors = report_scores(report, proposal, {s: proposal.choice_for(s) for s in sites},
+                         "error", passes=("fwd",))
+  ranked = sorted(sites, key=lambda s: (errors[s], s))   # least error first
+  lo, hi, tried, best = 0, len(ranked), [], None          # lo within (selected), hi outside
+  while hi - lo > 1 and len(tried) < TRIM_SCORINGS:
+    keep = ranked[:(lo + hi) // 2]
+    m = scorer.score({TRIMMED: trimmed(proposal, sites, keep)})[TRIMMED]
+    tried.append({"keep": len(keep), "within_budget": m["within_budget"],
+                  "rel_logloss_change": m["vs_served_bf16_mods"]["rel_logloss_change"]})
+    log(f"  served proposal with its {len(keep)} of {len(ranked)} most accurate added "
+        f"forwards: {change_text(m['vs_served_bf16_mods'])} "
+        f"({'within' if m['within_budget'] else 'outside'} the budget)")
+    if m["within_budget"]:
+      lo, best = len(keep), m
+    else:
+      hi = len(keep)
+  return {"ranked": ranked, "tried": tried, "kept": ranked[:lo] if best else [],
+          "measurement": best}
 
 
 def verdict(scores: Optional[Mapping[str, Any]], name: str) -> Optional[str]:

@@ -159,6 +159,8 @@ class SpeedSettings:
   # With `serve_plan`: score the serving candidates' served quality on the probe's trained
   # parameters first and serve only one within the held-out budget (`serving_gate`).
   serve_quality_gate: bool = True
+  # The gate's held-out budget: relative log-loss change against served bf16+Mods.
+  serve_quality_budget: float = 2e-4
   # The Mods of the Mods arms (bf16_mods, bf16_mods_served, loka) and of the probe that plans
   # LoKA: every Mod by default; another set is its own subject (`mods_set`).
   mods: Tuple[str, ...] = mods_set.DEFAULT
@@ -243,7 +245,8 @@ def _score_serving(target: Target, settings: SpeedSettings, deadline: float, log
   if time.time() > deadline:
     log(f"  deadline: {target.name}'s served models left to score in the next run")
     return False
-  serving_gate.score(root, target.model, target.preset, probe_context(target, settings), log)
+  serving_gate.score(root, target.model, target.preset, probe_context(target, settings), log,
+                     budget=settings.serve_quality_budget)
   return True
 
 
@@ -284,7 +287,8 @@ def decide_serving(bench: speed.TargetBench, arm: speed.Arm, model, report,
   `validation` (`serve_promotion`); `chosen` receives the kept plan's export arm and row
   fields, so it is not built again. With the served-quality gate, only a candidate whose
   saved score (`serving_gate`) is within the budget is served: a proposal outside it is not
-  timed, and a selected plan outside it gives way (`_within_quality`)."""
+  timed (the gate's `trimmed` proposal, within it, is timed in its place), and a selected
+  plan outside it gives way (`_within_quality`)."""
   from loka_jax.dispatch import add_validation
   from loka_jax.dispatch.validate import on_gpu_unless
   record = {"step": SERVE_PROMOTION, "sites": list(sites)}
@@ -299,6 +303,15 @@ def decide_serving(bench: speed.TargetBench, arm: speed.Arm, model, report,
                              "budget": m["budget"]} for n, m in scores.items()}
   record["served"] = candidate   # which candidate's forwards the plan serves (its score)
   outside = serving_gate.verdict(scores, "proposal")
+  offered = "proposal"   # the candidate timed against `selected`
+  if sites and outside and candidate == "selected" and serving_gate.TRIMMED in scores:
+    # The proposal trimmed to its most accurate added forwards, within the budget, is timed
+    # in its place (`serving_gate`).
+    kept = scores[serving_gate.TRIMMED]["sites"]
+    proposal = serving_gate.trimmed(proposal, sites, kept)
+    record.update(trimmed={"kept": list(kept), "of": len(sites), "why": (
+        f"the whole proposal is not served: {outside}")}, sites=list(kept))
+    sites, offered, outside = kept, serving_gate.TRIMMED, None
   if sites and outside:
     return add_validation(selected, {**record, "skipped": True, "reason": (
         f"the proposal is not served: {outside}")})
@@ -330,7 +343,7 @@ def decide_serving(bench: speed.TargetBench, arm: speed.Arm, model, report,
   kept = "proposal" if keep else "selected"
   chosen["arm"], chosen["fields"] = exports[kept]  # the other export goes with `exports`
   if keep:
-    record["served"] = "proposal"
+    record["served"] = offered
   return add_validation(proposal if keep else selected, record)
 
 

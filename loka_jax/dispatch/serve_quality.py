@@ -58,18 +58,33 @@ def served_quality(ctx: ValidationContext, plans: Mapping[str, Any], report: Opt
   (`vs_bf16_mods`) and against served bf16+Mods (`vs_served_bf16_mods`), each a relative
   log-loss change with its standard error, and `within_budget`: whether the change against
   served bf16+Mods, which isolates what FP8 serving adds, is within `budget`."""
-  reference = held_out(ctx, BASELINE, eval_batch_size)
-  served_bf16 = exported_held_out(ctx, BASELINE, None, eval_batch_size)
-  out = {}
-  for name, got in [(SERVED_BF16, served_bf16)] + [
-      (n, exported_held_out(ctx, p, report, eval_batch_size)) for n, p in plans.items()]:
+  return Scorer(ctx, report, eval_batch_size, budget).score(plans, with_baseline=True)
+
+
+class Scorer:
+  """`served_quality` for one context, its two references measured once however many plans
+  are scored (the serving gate scores a few candidates, then trims the proposal)."""
+
+  def __init__(self, ctx: ValidationContext, report: Optional[Mapping],
+               eval_batch_size: Optional[int] = None, budget: float = DEFAULT_BUDGET):
+    self.ctx, self.report, self.size, self.budget = ctx, report, eval_batch_size, budget
+    self.reference = held_out(ctx, BASELINE, eval_batch_size)
+    self.served_bf16 = exported_held_out(ctx, BASELINE, None, eval_batch_size)
+
+  def score(self, plans: Mapping[str, Any], with_baseline: bool = False
+            ) -> Dict[str, Dict[str, Any]]:
+    got = [(SERVED_BF16, self.served_bf16)] if with_baseline else []
+    got += [(n, exported_held_out(self.ctx, p, self.report, self.size)) for n, p in plans.items()]
+    return {name: self._measurement(m) for name, m in got}
+
+  def _measurement(self, got: Mapping[str, Any]) -> Dict[str, Any]:
+    reference, served_bf16, budget = self.reference, self.served_bf16, self.budget
     vs_served = _change(got, served_bf16)
-    out[name] = {k: got[k] for k in ("logloss", "ne", "auc", "num_examples",
-                                     "export_modes", "saved_fraction") if k in got}
-    out[name].update(vs_bf16_mods=_change(got, reference), vs_served_bf16_mods=vs_served,
-                     budget=budget,
-                     within_budget=abs(vs_served["rel_logloss_change"]) <= budget)
-  return out
+    out = {k: got[k] for k in ("logloss", "ne", "auc", "num_examples",
+                               "export_modes", "saved_fraction") if k in got}
+    out.update(vs_bf16_mods=_change(got, reference), vs_served_bf16_mods=vs_served,
+               budget=budget, within_budget=abs(vs_served["rel_logloss_change"]) <= budget)
+    return out
 
 
 def change_text(change: Mapping[str, float]) -> str:
