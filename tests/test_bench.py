@@ -1105,11 +1105,13 @@ class CliTest(absltest.TestCase):
     out = _tempdir(self)
     cmd = [sys.executable, "-m", "experiments.bench", "--suite=towers",
            "--towers=32x16x2,48x16x2", "--only=32x16x2", "--variants=bf16,fp8_rowwise",
-           "--repeats=3", "--max_minutes=3", f"--workdir={out}", "--noprobe",
-           "--min_call_ms=0.5"]
+           "--repeats=3", "--max_minutes=3", "--end_by_minutes=2.5", f"--workdir={out}",
+           "--noprobe", "--min_call_ms=0.5"]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     first = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     self.assertEqual(first.returncode, 0, first.stderr[-3000:])
+    # A hard end before --max_minutes caps it, said, and costs the call nothing.
+    self.assertIn("--max_minutes=3.0 is past --end_by_minutes=2.5", first.stdout)
     rows = [json.loads(l) for l in open(os.path.join(out, "bench.jsonl"))]
     self.assertEqual(sorted((r["preset"], r["variant"]) for r in rows),
                      [("32x16x2", "bf16"), ("32x16x2", "fp8_rowwise")])
