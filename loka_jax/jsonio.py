@@ -48,12 +48,19 @@ def write_json_atomic(path: str, data: Any, *, indent: int | None = 1,
                       sort_keys: bool = False) -> None:
   """Writes `data` to a temporary file and renames it over `path`, so a killed run never
   leaves half a file; NaN/Inf are refused (callers turn them into null + an error string)."""
-  directory = os.path.dirname(os.path.abspath(path))
-  os.makedirs(directory, exist_ok=True)
+  write_text_atomic(path, json.dumps(data, indent=indent, sort_keys=sort_keys,
+                                     allow_nan=False) + "\n")
+
+
+def write_text_atomic(path: str, text: str) -> None:
+  """Writes `text` to a temporary file, flushed to disk, and renames it over `path`: a killed
+  run leaves the old file or the new one, never half of either."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   tmp = f"{path}.tmp"
   with open(tmp, "w") as f:
-    json.dump(data, f, indent=indent, sort_keys=sort_keys, allow_nan=False)
-    f.write("\n")
+    f.write(text)
+    f.flush()
+    os.fsync(f.fileno())
   os.replace(tmp, path)
 
 

@@ -70,15 +70,6 @@ def _split_rows(path: str, keep_if) -> tuple:
   return kept, moved
 
 
-def _write_lines(path: str, lines: Sequence[str]) -> None:
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    f.writelines(lines)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
-
-
 def forget(workdir: str, *, suite: str, model: str, preset: str, names: Sequence[str],
            mods: Sequence[str] = mods_set.DEFAULT, plan_files: Sequence[str] = (),
            plans_dir: Optional[str] = None, stamp: Optional[str] = None) -> Dict:
@@ -110,7 +101,7 @@ def forget(workdir: str, *, suite: str, model: str, preset: str, names: Sequence
       f.writelines(moved)
       f.flush()
       os.fsync(f.fileno())
-    _write_lines(results, kept)
+    jsonio.write_text_atomic(results, "".join(kept))
   if files:
     plan_dest = os.path.join(dest, "plans", os.path.relpath(folder, plans_dir))
     os.makedirs(plan_dest, exist_ok=True)

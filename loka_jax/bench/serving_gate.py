@@ -84,7 +84,7 @@ def score(plans_root: str, model: str, preset: str, context_factory, log=print,
         f"bf16+Mods ({'within' if m['within_budget'] else 'outside'} the budget)")
   trim = None
   if sites and not measured["proposal"]["within_budget"] and measured["selected"]["within_budget"]:
-    trim = _trim(scorer, report, selected, proposal, sites, log)
+    trim = _trim(scorer, report, proposal, sites, log)
     if trim["kept"]:
       measured[TRIMMED] = {**trim["measurement"], "sites": trim["kept"]}
   del scorer
@@ -103,7 +103,7 @@ def trimmed(proposal, sites: Sequence[str], keep: Sequence[str]):
                     "added forwards" for s in sites if s not in keep}, QUALITY_STEP)
 
 
-def _trim(scorer, report, selected, proposal, sites: Sequence[str], log) -> Dict[str, Any]:
+def _trim(scorer, report, proposal, sites: Sequence[str], log) -> Dict[str, Any]:
   """The bisection of the module docstring: {"ranked": sites most accurate first, "tried":
   [{"keep", "within_budget", "rel_logloss_change"}], "kept": the largest set measured within
   the budget (empty: none), "measurement": its score}."""
@@ -125,8 +125,7 @@ def _trim(scorer, report, selected, proposal, sites: Sequence[str], log) -> Dict
       lo, best = len(keep), m
     else:
       hi = len(keep)
-  return {"ranked": ranked, "tried": tried, "kept": ranked[:lo] if best else [],
-          "measurement": best}
+  return {"ranked": ranked, "tried": tried, "kept": ranked[:lo], "measurement": best}
 
 
 def verdict(scores: Optional[Mapping[str, Any]], name: str) -> Optional[str]:

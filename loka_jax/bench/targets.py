@@ -230,6 +230,7 @@ def check_quality(rows: Sequence[Mapping]) -> List[Dict]:
   out = []
   for c in quality_lib.comparisons(rows):
     floor = quality_lib.noise_floor(rows, c)
+    wide = wide_bound_note(floor)
     means = quality_lib.arm_means(rows, c)
     fingerprints = {fp for m in means.values() for fp in m["eval_fingerprints"]}
     same_eval = len(fingerprints) <= 1
@@ -251,7 +252,6 @@ def check_quality(rows: Sequence[Mapping]) -> List[Dict]:
         if delta < -floor["bound"]:
           # Neutrality is two-sided, but a reader must not take a gain for a loss.
           note += f"; {arm} is better than {base} by more than the bound"
-        wide = wide_bound_note(floor)
         if wide:
           note += f"; {wide}"
         out.append({"target": f"{arm}_quality_vs_{base}", "subject": c.subject,

@@ -87,7 +87,7 @@ saved before the next, and a resumed round measures only the sites not yet recor
 training checks' runs are kept the same way (`quality_shadow_run`, `quality_from_init_run`:
 each run's window loss, worst step and held-out log loss, under its recipe and the plan's FP8
 sites), so a round paused while its sites are measured does not train its runs again: at
-DCNv2 `large` with the quality recipe a round's six 500-step runs took about 150 s of a
+DCNv2 `large` with the quality recipe a round's six 500-step runs took about 140 s of a
 call (H200, docs/BENCHMARKS.md section 7, thirty-first session).
 """
 from __future__ import annotations
