@@ -794,7 +794,14 @@ class ResumeTest(chex.TestCase):
     site = next(i for i, l in enumerate(lines) if l.startswith("quality_shadow round 0, site"))
     self.assertLess(verdict, site)
     self.assertIn("FAIL", lines[verdict])
-    self.assertEqual(sum(l.startswith("quality_from_init run") for l in lines), 4)
+    run_lines = [l for l in lines if l.startswith("quality_from_init run")]
+    self.assertLen(run_lines, 4)
+    for line in run_lines:   # each run's worst step shows, so a spiking seed stands out
+      self.assertRegex(line, r"worst step's loss [0-9.e+-]+ \(")
+    # The verdict names each seed's held-out change, which the mean can hide.
+    first = [r for r in validate.validation_records(out, "quality_from_init") if "round" in r][0]
+    self.assertIn("held-out by seed " + ", ".join(
+        f"{100 * p['rel_logloss_change']:+.3f}%" for p in first["per_seed"]), lines[verdict])
 
   def test_a_run_record_is_reused_only_under_its_own_recipe(self):
     ctx = context()

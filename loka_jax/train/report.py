@@ -122,6 +122,11 @@ def validation_line(r: Mapping[str, Any], measurements: bool = False) -> Optiona
               f"{100 * r['rel_logloss_change']:+.3f}%")
     if step == "quality_from_init" and r.get("finite"):
       detail += f"; worst step's loss {r['peak_loss']:.3g} vs {r['peak_loss_bf16']:.3g}"
+    if r.get("per_seed"):
+      # The mean can hide a seed: one arm's early spike moves it (DCNv2 `large`'s bf16+Mods
+      # seed 1, docs/BENCHMARKS.md section 7, thirty-second session).
+      detail += "; held-out by seed " + ", ".join(
+          f"{100 * p['rel_logloss_change']:+.3f}%" for p in r["per_seed"])
     what = "shadow training" if step == "quality_shadow" else "training from initialization"
     recipe = ([f"warm-up {r['warmup_steps']}"] if r.get("warmup_steps") else []) + (
         [f"mean of {len(r['seeds'])} seeds"] if len(r.get("seeds", ())) > 1 else [])
@@ -149,7 +154,8 @@ def validation_line(r: Mapping[str, Any], measurements: bool = False) -> Optiona
             f"{value} ({r.get('seconds')} s)")
   if measurements and step.endswith("_run"):
     losses = ("non-finite loss" if not r.get("finite") else
-              f"train loss {r['window_loss']:.5f}, held-out log loss {r['logloss']:.5f}")
+              f"train loss {r['window_loss']:.5f}, held-out log loss {r['logloss']:.5f}, "
+              f"worst step's loss {r['peak_loss']:.3g}")
     return (f"  - {step[:-len('_run')]} run, {r['arm']} seed {r['seed']}: {losses} "
             f"({r.get('seconds')} s)")
   return None
