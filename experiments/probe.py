@@ -165,7 +165,8 @@ def main(argv):
           f"GEMM shapes; training state {gb(d['state_bytes'])}, probe statistics "
           f"{gb(d['statistics_bytes'])}, checkpoint about "
           f"{gb(d['state_bytes'] + d['statistics_bytes'])}; its error evaluation compiles "
-          f"{d['evaluation_functions']} functions, {d['sites_compiling']} sites bring new ones"
+          f"{d['evaluation_functions']} functions, {d['sites_compiling']} sites bring new ones; "
+          f"its statistics pass {d['statistics_functions']}"
           + (f"; {d['shapes_to_time']} shapes at or above --min_timing_gflops to time"
              if MIN_TIMING_GFLOPS.value else ""))
     return

@@ -8,8 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 
-from loka_jax.probe import collector
+from loka_jax.probe import collector, executables
 from loka_jax.train import TrainConfig, restore_run, train
+from loka_jax.train.optim import make_optimizer
+from loka_jax.train.state import abstract_train_state
 from loka_jax.train.metrics import bce_with_logits
 from tests import train_toys
 
@@ -104,6 +106,38 @@ class TrainingLoopTest(chex.TestCase):
     self.assertEqual(resumed.meta["steps"], [2, 4, 6, 8])
     rows = float(collector.site_state(resumed.state, sites, "hidden")["lhs"]["count"])
     self.assertEqual(rows, 4 * BATCH)
+
+  def test_the_pass_compiled_ahead_serves_every_observation_with_equal_statistics(self):
+    # Compiled on threads, from the state's shapes before training or from the loop's first
+    # step (as the probe runner does): every call of the pass takes an executable compiled
+    # ahead, none goes through jit, and the statistics equal those of the pass compiled on
+    # first call.
+    config = TrainConfig(steps=5, batch_size=BATCH, checkpoint_every=0, progress=False,
+                         log_every=0)
+    def run(ahead: str):
+      model, source, _, probe = _setup()
+      if ahead == "shapes":
+        example = abstract_train_state(model, make_optimizer(config.optim),
+                                       source.train_batch(0, BATCH), config.seed)
+        # The extract stage and one update per distinct site (the toy's two sites differ).
+        self.assertEqual(probe.compile_ahead(example, workers=2), 3)
+      elif ahead == "first step":
+        probe.compile_ahead_after_first_step(workers=2)
+      before = executables.counts()
+      train(model, source, tempfile.mkdtemp(prefix="loka_probe_ahead_"), config,
+            extras=probe.extras, step_callback=probe.on_step)
+      after = executables.counts()
+      self.assertIsNone(probe._precompiler)   # closed by the first observation
+      self.assertTrue(probe.pass_compiled)
+      return probe, {k: after[k] - before[k] for k in ("ahead", "inline")}
+    plain, plain_calls = run("none")
+    self.assertEqual(plain_calls, {"ahead": 0, "inline": 6})   # 2 observations x 3 calls
+    for mode in ("shapes", "first step"):
+      ahead, ahead_calls = run(mode)
+      self.assertEqual(ahead.meta["steps"], [2, 4])
+      self.assertEqual(ahead_calls, {"ahead": 6, "inline": 0}, mode)
+      chex.assert_trees_all_close(jax.device_get(ahead.state), jax.device_get(plain.state),
+                                  rtol=1e-6, atol=1e-6)
 
   def test_statistics_of_other_sites_are_refused(self):
     _, _, sites, probe = _setup()

@@ -91,14 +91,17 @@ class TimingAheadTest(chex.TestCase):
       result = runner.run_probe(spec(), workdir, train_config, ProbeConfig(cadence=2),
                                 probe_options)
     self.assertEqual(measured, [])                              # every shape came from the cache
-    # Every evaluation call took a function compiled ahead (probe.executables), and the
-    # functions compiled are the ones `describe_probe` counts from shapes alone.
+    # Every call of the statistics pass and of the evaluation took a function compiled ahead
+    # (probe.executables), and the functions compiled are the ones `describe_probe` counts
+    # from shapes alone.
     compiled = executables.counts()
     self.assertEqual(compiled["inline"], 0)
     self.assertGreater(compiled["ahead"], 0)
     described = runner.describe_probe(spec(), train_config, ProbeConfig(cadence=2),
                                       probe_options)
-    self.assertEqual(compiled["compiled"], described["evaluation_functions"])
+    self.assertEqual(described["statistics_functions"], 1 + described["sites"])  # 3 shapes
+    self.assertEqual(compiled["compiled"],
+                     described["evaluation_functions"] + described["statistics_functions"])
     self.assertTrue(result.complete)
     self.assertEqual(result.report["timing_source"]["cache"], done["cache"])
     for name, site in result.report["sites"].items():

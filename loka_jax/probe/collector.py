@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Callable, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import flax
 import jax
@@ -31,6 +31,7 @@ import numpy as np
 
 from loka_jax.kernels import ACT_WEIGHT
 from loka_jax.models.presets import site_products
+from loka_jax.probe import executables
 from loka_jax.probe import flush as flush_lib
 from loka_jax.probe import gaussian, matrix_normal, reservoir
 from loka_jax.probe.hooks import PROBE_COLLECTION, PROBE_GRAD_COLLECTION
@@ -274,63 +275,96 @@ def _update_key(site: SiteProbe, config: ProbeConfig):
   return (site.layout, tuple(sorted(site.modes.items())), site.reservoir_capacity, config)
 
 
-def make_observe(model, sites: Mapping[str, SiteProbe], config: ProbeConfig,
-                 perturbations, *, on_trace: Optional[Callable[[str], None]] = None,
-                 donate: bool = False):
+def statistics_functions(sites: Mapping[str, SiteProbe], config: ProbeConfig) -> int:
+  """The functions the statistics pass compiles: its extract stage and one update per
+  distinct site."""
+  return 1 + len({_update_key(site, config) for site in sites.values()})
+
+
+class StatisticsPass:
   """The statistics pass `observe(state, variables, batch, rng, key) -> state`.
 
   Two jitted stages: one runs the training loss and returns every site's operands and
   output gradient (compiled once per batch shape); then one update per site folds them
   into its statistics, compiled once per distinct site shape and shared by equal sites.
-  `perturbations`: the `probe_grads` shapes (see `_perturbation_shapes`). `on_trace(what)`
-  is called whenever a stage is traced ('extract' or 'update <spec> <shapes>'), so tests
-  can count compilations.
+  Both go through `executables.call`, so the ones compiled ahead (`compile_jobs`) are taken
+  from there: at InterFormer `large` (157 sites) the first observation spent 58 s compiling
+  them one after another (H200, docs/BENCHMARKS.md section 7, thirty-second session).
   """
-  names = state_keys(sites)
 
-  def extract(variables, batch, rng):
-    if on_trace is not None:
-      on_trace("extract")
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), perturbations)
+  def __init__(self, model, sites: Mapping[str, SiteProbe], config: ProbeConfig,
+               perturbations, *, on_trace: Optional[Callable[[str], None]] = None,
+               donate: bool = False):
+    self.sites = dict(sites)
+    self.config = config
+    self.names = state_keys(sites)
+    names = self.names
 
-    def loss(perturb):
-      logits, mutated = model.apply({**variables, PROBE_GRAD_COLLECTION: perturb}, batch,
-                                    train=True, rngs={"dropout": rng},
-                                    mutable=[PROBE_COLLECTION])
-      return jnp.mean(bce_with_logits(logits, batch["label"])), mutated[PROBE_COLLECTION]
+    def extract(variables, batch, rng):
+      if on_trace is not None:
+        on_trace("extract")
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), perturbations)
 
-    grads, sown = jax.grad(loss, has_aux=True)(zeros)
-    sown = flax.traverse_util.flatten_dict(flax.core.unfreeze(sown), sep="/")
-    grads = flax.traverse_util.flatten_dict(flax.core.unfreeze(grads), sep="/")
-    out = {}
-    for name in sites:
-      out[names[name]] = (_first_call(sown.get(f"{name}/lhs"), name, "lhs operand"),
-                          _first_call(sown.get(f"{name}/rhs"), name, "rhs operand"),
-                          _first_call(grads.get(f"{name}/out"), name, "output gradient"))
-    return out
+      def loss(perturb):
+        logits, mutated = model.apply({**variables, PROBE_GRAD_COLLECTION: perturb}, batch,
+                                      train=True, rngs={"dropout": rng},
+                                      mutable=[PROBE_COLLECTION])
+        return jnp.mean(bce_with_logits(logits, batch["label"])), mutated[PROBE_COLLECTION]
 
-  extract_jit = jax.jit(extract)
-  updates: Dict[Any, Callable] = {}
-  for site in sites.values():
-    key = _update_key(site, config)
-    if key not in updates:
-      def update(state, lhs, rhs, grad, rng_key, site=site):
-        if on_trace is not None:
-          on_trace(f"update {site.spec} {site.layout.lhs.shape} {site.layout.rhs.shape}")
-        return update_site_state(state, site, lhs, rhs, grad, rng_key, config)
-      updates[key] = jax.jit(update, donate_argnums=(0,) if donate else ())
+      grads, sown = jax.grad(loss, has_aux=True)(zeros)
+      sown = flax.traverse_util.flatten_dict(flax.core.unfreeze(sown), sep="/")
+      grads = flax.traverse_util.flatten_dict(flax.core.unfreeze(grads), sep="/")
+      out = {}
+      for name in sites:
+        out[names[name]] = (_first_call(sown.get(f"{name}/lhs"), name, "lhs operand"),
+                            _first_call(sown.get(f"{name}/rhs"), name, "rhs operand"),
+                            _first_call(grads.get(f"{name}/out"), name, "output gradient"))
+      return out
 
-  def observe(state, variables, batch, rng, key):
-    operands = extract_jit(variables, batch, rng)
-    keys = jax.random.split(key, len(sites))
+    self.extract = jax.jit(extract)
+    self.updates: Dict[Any, Callable] = {}
+    for site in self.sites.values():
+      key = _update_key(site, config)
+      if key not in self.updates:
+        def update(state, lhs, rhs, grad, rng_key, site=site):
+          if on_trace is not None:
+            on_trace(f"update {site.spec} {site.layout.lhs.shape} {site.layout.rhs.shape}")
+          return update_site_state(state, site, lhs, rhs, grad, rng_key, config)
+        self.updates[key] = jax.jit(update, donate_argnums=(0,) if donate else ())
+
+  def __call__(self, state, variables, batch, rng, key):
+    operands = executables.call(self.extract, variables, batch, rng)
+    keys = jax.random.split(key, len(self.sites))
     new_sites = {}
-    for i, (name, site) in enumerate(sites.items()):
-      k = names[name]
-      new_sites[k] = updates[_update_key(site, config)](state["sites"][k], *operands[k],
-                                                        keys[i])
+    for i, (name, site) in enumerate(self.sites.items()):
+      k = self.names[name]
+      new_sites[k] = executables.call(self.updates[_update_key(site, self.config)],
+                                      state["sites"][k], *operands[k], keys[i])
     return {"observations": state["observations"] + 1, "sites": new_sites}
 
-  return observe
+  def compile_jobs(self, state, variables, batch, rng, key) -> List[executables.Job]:
+    """What the first observation compiles, as `executables.Precompiler` jobs: the extract
+    stage and each distinct update, for arguments like these (arrays or their shapes)."""
+    operands = jax.eval_shape(self.extract, variables, batch, rng)
+    site_key = jax.eval_shape(lambda k: jax.random.split(k, len(self.sites))[0], key)
+    jobs, seen = [(self.extract, (variables, batch, rng))], set()
+    for name, site in self.sites.items():
+      update_key = _update_key(site, self.config)
+      if update_key not in seen:
+        seen.add(update_key)
+        k = self.names[name]
+        jobs.append((self.updates[update_key],
+                     (state["sites"][k], *operands[k], site_key)))
+    return jobs
+
+
+def make_observe(model, sites: Mapping[str, SiteProbe], config: ProbeConfig,
+                 perturbations, *, on_trace: Optional[Callable[[str], None]] = None,
+                 donate: bool = False) -> StatisticsPass:
+  """The statistics pass (`StatisticsPass`). `perturbations`: the `probe_grads` shapes (see
+  `_perturbation_shapes`). `on_trace(what)` is called whenever a stage is traced ('extract'
+  or 'update <spec> <shapes>'), so tests can count compilations."""
+  return StatisticsPass(model, sites, config, perturbations, on_trace=on_trace, donate=donate)
 
 
 # ----------------------------------------------------------------------------- the loop hook
@@ -397,6 +431,41 @@ class ProbeCollector:
     self.extras = {STATS_KEY: state, META_KEY: self.meta}
     self._last_return: Optional[float] = None
     self._compiled = False
+    self._precompiler: Optional[executables.Precompiler] = None
+    self._ahead_workers: Optional[int] = None
+    self._ahead_pending = False
+
+  def compile_ahead(self, example_state, workers: Optional[int] = None) -> int:
+    """Starts compiling the statistics pass on `workers` threads (None: CPUs up to 16) for a
+    training state like `example_state` (a TrainState, or its shapes: `abstract_train_state`);
+    returns how many functions were queued. The first observation takes them and closes the
+    threads (`close`, which a run that makes no observation calls itself)."""
+    batch = self.source.train_batch(0, self.batch_size)
+    step_key = jax.eval_shape(lambda k: jax.random.fold_in(k, 0), example_state.rng)
+    jobs = self._observe.compile_jobs(self.state, example_state.variables(), batch, step_key,
+                                      jax.random.PRNGKey(0))
+    self.close()
+    self._precompiler = executables.Precompiler(workers)
+    return self._precompiler.submit(jobs)
+
+  @property
+  def pass_compiled(self) -> bool:
+    """Whether this process has run the statistics pass (and so compiled it)."""
+    return self._compiled
+
+  def compile_ahead_after_first_step(self, workers: Optional[int] = None) -> None:
+    """`compile_ahead` with the training state of the loop's first step, unless an
+    observation is due at once. Not before: the training step's own compile then runs
+    alone, since on the GPU compiles side by side autotune against each other (twenty-fifth
+    session, docs/BENCHMARKS.md section 7), and its autotuning results may be saved for
+    every later program with the same fusions (`experiments.bench`'s autotune file)."""
+    self._ahead_workers, self._ahead_pending = workers, True
+
+  def close(self) -> None:
+    """Ends compiling ahead: queued compiles are dropped, running ones finish."""
+    if self._precompiler is not None:
+      self._precompiler.close()
+      self._precompiler = None
 
   @property
   def state(self):
@@ -419,6 +488,10 @@ class ProbeCollector:
     now = time.perf_counter()
     if self._last_return is not None:
       self.meta["step_s"].append(now - self._last_return)
+    if self._ahead_pending:
+      self._ahead_pending = False
+      if not self.due(step):
+        self.compile_ahead(train_state, self._ahead_workers)
     if self.due(step):
       self.observe(train_state.variables(), train_state.rng, step)
     self._last_return = time.perf_counter()
@@ -438,6 +511,7 @@ class ProbeCollector:
     else:
       self._compiled = True
       self.meta["compile_s"] = seconds  # the first call of this process includes compilation
+      self.close()   # every function it compiled ahead has been taken
     self.extras[STATS_KEY] = new_state
     self.meta["steps"].append(int(step))
 

@@ -269,7 +269,8 @@ def describe_probe(spec: experiment.RunSpec, train_config: TrainConfig,
   (parameters and optimizer state) and of the statistics, which together make the probe's
   checkpoint, for planning a run on a card and disk of known size; and the distinct
   functions the error evaluation compiles for `options.kernels`, with the number of sites
-  that bring new ones; and the distinct shapes timing measures at
+  that bring new ones; the functions the statistics pass compiles; and the distinct shapes
+  timing measures at
   `options.min_timing_gflops` (`shapes_to_time`)."""
   from loka_jax.train.optim import make_optimizer
   from loka_jax.train.state import abstract_train_state
@@ -293,7 +294,8 @@ def describe_probe(spec: experiment.RunSpec, train_config: TrainConfig,
   return {"sites": len(setup.sites), "distinct_shapes": len(layouts),
           "shapes_to_time": sum(not below_timing_floor(l, options) for l in layouts),
           "state_bytes": nbytes(state), "statistics_bytes": nbytes(stats),
-          "evaluation_functions": len(seen), "sites_compiling": compiling}
+          "evaluation_functions": len(seen), "sites_compiling": compiling,
+          "statistics_functions": collector_lib.statistics_functions(setup.sites, probe_config)}
 
 
 def time_site_shapes(spec: experiment.RunSpec, batch_size: int, cache_dir: str,
@@ -374,36 +376,48 @@ def _read_trained(path: str, key: Mapping) -> Optional[Dict[str, Any]]:
 
 
 def _train_with_statistics(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
-                           probe_config: ProbeConfig, setup: _Setup,
-                           start: float) -> Tuple[ProbeCollector, Dict[str, Any]]:
+                           probe_config: ProbeConfig, setup: _Setup, start: float,
+                           compile_workers: Optional[int] = None
+                           ) -> Tuple[ProbeCollector, Dict[str, Any]]:
   """Trains (resuming from the workdir's checkpoint) with the statistics pass; returns the
-  collector, holding every observation, and the run's final metrics."""
+  collector, holding every observation, and the run's final metrics. `compile_workers`:
+  threads compiling the statistics pass's functions side by side (None: CPUs up to 16; 0:
+  each on its first call, in turn)."""
   saved_stats, saved_meta = _saved_statistics(workdir)
   collector = ProbeCollector(setup.model, setup.source, train_config.batch_size, setup.sites,
                              probe_config, state=saved_stats, meta=saved_meta,
                              example_variables=setup.abstract)
   _log(f"{spec.model}/{spec.preset}: {len(setup.sites)} sites; training to step "
        f"{train_config.steps} with a statistics pass every {probe_config.cadence} steps")
-  final = train(setup.model, setup.source, workdir, train_config, run_info=spec.run_info(),
-                extras=collector.extras, step_callback=collector.on_step)
-  final_step = int(final.get("steps") or 0)
-  _log(f"trained to step {final_step} ({time.time() - start:.0f}s into the probe)")
-  # The loop checkpoints a step before its callback runs, so an observation at the final
-  # step is not in the checkpoint a resumed run starts from: make it again (it is a pure
-  # function of the parameters, the batch and the step), then top up to the minimum.
-  catch_up = collector.due(final_step)
-  needed = max(probe_config.min_observations - collector.observations - int(catch_up), 0)
-  if catch_up or needed:
-    # The collector holds the statistics already: the state alone is read.
-    state, _ = restore_run(workdir, setup.model, setup.source, train_config,
-                           array_extras=False)
-    if catch_up:
-      collector.observe(state.variables(), state.rng, final_step)
-    if needed:
-      _log(f"{collector.observations} observations; making {needed} more on the final "
-           f"parameters (batches {final_step + 1}..{final_step + needed})")
-    for i in range(needed):
-      collector.observe(state.variables(), state.rng, final_step + 1 + i)
+  try:
+    if compile_workers != 0:
+      # The statistics pass's functions compile side by side on threads from the loop's
+      # first step on; at InterFormer `large` its first call had compiled them in turn, 58 s.
+      collector.compile_ahead_after_first_step(compile_workers)
+    final = train(setup.model, setup.source, workdir, train_config, run_info=spec.run_info(),
+                  extras=collector.extras, step_callback=collector.on_step)
+    final_step = int(final.get("steps") or 0)
+    _log(f"trained to step {final_step} ({time.time() - start:.0f}s into the probe)")
+    # The loop checkpoints a step before its callback runs, so an observation at the final
+    # step is not in the checkpoint a resumed run starts from: make it again (it is a pure
+    # function of the parameters, the batch and the step), then top up to the minimum.
+    catch_up = collector.due(final_step)
+    needed = max(probe_config.min_observations - collector.observations - int(catch_up), 0)
+    if catch_up or needed:
+      # The collector holds the statistics already: the state alone is read.
+      state, _ = restore_run(workdir, setup.model, setup.source, train_config,
+                             array_extras=False)
+      if compile_workers != 0 and not collector.pass_compiled:
+        collector.compile_ahead(state, compile_workers)
+      if catch_up:
+        collector.observe(state.variables(), state.rng, final_step)
+      if needed:
+        _log(f"{collector.observations} observations; making {needed} more on the final "
+             f"parameters (batches {final_step + 1}..{final_step + needed})")
+      for i in range(needed):
+        collector.observe(state.variables(), state.rng, final_step + 1 + i)
+  finally:
+    collector.close()
   return collector, {k: final.get(k) for k in ("steps", "ne", "auc", "logloss")}
 
 
@@ -451,7 +465,7 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
          f"statistics summarized in {trained_path}: not training again")
   else:
     collector, final = _train_with_statistics(spec, workdir, train_config, probe_config, setup,
-                                              start)
+                                              start, options.compile_workers)
     fingerprint, observations = _fingerprint(collector), collector.observations
     overhead = collector.overhead()
     cached_of = lookup(fingerprint)
