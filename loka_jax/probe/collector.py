@@ -282,14 +282,15 @@ def statistics_functions(sites: Mapping[str, SiteProbe], config: ProbeConfig) ->
 
 
 class StatisticsPass:
-  """The statistics pass `observe(state, variables, batch, rng, key) -> state`.
+  """The statistics pass: `pass_(state, variables, batch, rng, key) -> state`.
 
   Two jitted stages: one runs the training loss and returns every site's operands and
   output gradient (compiled once per batch shape); then one update per site folds them
   into its statistics, compiled once per distinct site shape and shared by equal sites.
-  Both go through `executables.call`, so the ones compiled ahead (`compile_jobs`) are taken
-  from there: at InterFormer `large` (157 sites) the first observation spent 58 s compiling
-  them one after another (H200, docs/BENCHMARKS.md section 7, thirty-second session).
+  Both go through `executables.call`, so functions compiled ahead (`compile_jobs`) are
+  taken from there: on first call they compile one after another, which took 58 s of
+  InterFormer `large`'s first observation, 33 functions (H200, docs/BENCHMARKS.md section 7,
+  thirty-second session).
   """
 
   def __init__(self, model, sites: Mapping[str, SiteProbe], config: ProbeConfig,
