@@ -90,6 +90,7 @@ PROBE_TIMING_CACHE = flags.DEFINE_string(
     "probe_timing_cache", None, "Timings measured ahead by `experiments.probe --time_only` "
     "(a directory, e.g. carried to the GPU host): the probes skip their timing phase where "
     "it holds the shapes.")
+compile_workers = common_flags.define_compile_workers()
 TIMING_COMPILE_WORKERS = common_flags.define_timing_compile_workers()
 MIN_TIMING_GFLOPS = common_flags.define_min_timing_gflops()
 FROM_INIT_STEPS = flags.DEFINE_integer(
@@ -184,6 +185,7 @@ def main(argv):
                                  probe_samples=PROBE_SAMPLES.value,
                                  probe_kernels=tuple(PROBE_KERNELS.value),
                                  probe_timing_cache=PROBE_TIMING_CACHE.value,
+                                 probe_compile_workers=compile_workers(),
                                  probe_timing_compile_workers=TIMING_COMPILE_WORKERS.value,
                                  probe_min_timing_gflops=MIN_TIMING_GFLOPS.value,
                                  validation_from_init_steps=FROM_INIT_STEPS.value,

@@ -29,7 +29,8 @@ def define_compile_workers():
   its value as `ProbeOptions.compile_workers` (None: the default thread count)."""
   holder = flags.DEFINE_integer(
       "compile_workers", -1, "Threads compiling the probe's error evaluation of upcoming "
-      "sites ahead (-1: the CPUs, up to 16; 0: compile each function on its first call).")
+      "sites, and its statistics pass, ahead (-1: the CPUs, up to 16; 0: compile each "
+      "function on its first call).")
   return lambda: None if holder.value < 0 else holder.value
 
 

@@ -463,16 +463,17 @@ class ValidationFromInitTest(absltest.TestCase):
                         validation.from_init_seeds, validation.from_init_quality_bound),
                        (steps, warmup, seeds, quality))
 
-  def test_the_probes_timing_floor_reaches_its_options(self):
+  def test_the_probes_timing_floor_and_compile_threads_reach_its_options(self):
     (target,) = suite.tower_targets(["64x32x2"])
     plans = tempfile.mkdtemp(prefix="loka_bench_floor_")
-    for floor in (0.0, 2.5):
-      settings = suite.SpeedSettings(plans_dir=plans, probe_min_timing_gflops=floor)
+    for floor, workers in ((0.0, None), (2.5, 0)):
+      settings = suite.SpeedSettings(plans_dir=plans, probe_min_timing_gflops=floor,
+                                     probe_compile_workers=workers)
       with mock.patch("loka_jax.dispatch.pipeline.probe_and_plan") as probe_and_plan:
         suite._probe_for_plan(target, settings,
                               deadline=time.time() + 600, log=lambda line: None)
-      self.assertEqual(probe_and_plan.call_args.kwargs["probe_options"].min_timing_gflops,
-                       floor)
+      options = probe_and_plan.call_args.kwargs["probe_options"]
+      self.assertEqual((options.min_timing_gflops, options.compile_workers), (floor, workers))
 
 
 class TowerSourceTest(chex.TestCase):

@@ -107,13 +107,14 @@ def make_plan(spec: experiment.RunSpec, plans_root: str, train_config: TrainConf
               budget_s: Optional[float], build: Optional[Callable] = None,
               samples: int = 32, repeats: int = 20,
               kernels: Sequence[str] = (), timing_cache: Optional[str] = None,
-              timing_compile_workers: int = 1, min_timing_gflops: float = 0.0,
+              compile_workers: Optional[int] = None, timing_compile_workers: int = 1,
+              min_timing_gflops: float = 0.0,
               validation=None, deadline: Optional[float] = None) -> Optional[str]:
   """Probes `spec` (its model with Mods, in bf16), selects and validates its plan
   (`dispatch.pipeline.probe_and_plan`); returns the plan's path, or None when the budget ran
   out first (a rerun resumes). `kernels`: the probe's candidates (empty: the default list);
-  `timing_compile_workers`, `min_timing_gflops`: those `ProbeOptions`; `validation`: the
-  `ValidationConfig` (None: the defaults)."""
+  `compile_workers`, `timing_compile_workers`, `min_timing_gflops`: those `ProbeOptions`;
+  `validation`: the `ValidationConfig` (None: the defaults)."""
   from loka_jax.dispatch.pipeline import probe_and_plan  # heavy: only when planning
   from loka_jax.dispatch.validate import ValidationConfig
   from loka_jax.probe.runner import ProbeOptions
@@ -123,6 +124,7 @@ def make_plan(spec: experiment.RunSpec, plans_root: str, train_config: TrainConf
     return path
   options = ProbeOptions(samples=samples, repeats=repeats, budget_s=budget_s, plots=False,
                          site_plots=False, kernels=tuple(kernels), timing_cache=timing_cache,
+                         compile_workers=compile_workers,
                          timing_compile_workers=timing_compile_workers,
                          min_timing_gflops=min_timing_gflops)
   try:

@@ -135,6 +135,7 @@ class SpeedSettings:
   probe_samples: int = 32       # draws per site of each probe's error evaluation
   probe_kernels: Tuple[str, ...] = ()  # each probe's candidates (empty: the default list)
   probe_timing_cache: Optional[str] = None  # timings measured ahead (`probe --time_only`)
+  probe_compile_workers: Optional[int] = None  # `ProbeOptions.compile_workers`
   probe_timing_compile_workers: int = 1  # `ProbeOptions.timing_compile_workers`
   probe_min_timing_gflops: float = 0.0  # `ProbeOptions.min_timing_gflops`
   # Validation's training from initialization (`ValidationConfig.from_init_steps`; 0: skip),
@@ -226,6 +227,7 @@ def _probe_for_plan(target: Target, settings: SpeedSettings, deadline: float, lo
                      budget_s=budget, build=target.probe_build(),
                      samples=settings.probe_samples, kernels=settings.probe_kernels,
                      timing_cache=settings.probe_timing_cache,
+                     compile_workers=settings.probe_compile_workers,
                      timing_compile_workers=settings.probe_timing_compile_workers,
                      min_timing_gflops=settings.probe_min_timing_gflops,
                      validation=settings.validation(), deadline=deadline)
