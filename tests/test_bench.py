@@ -192,6 +192,36 @@ class TargetCheckTest(parameterized.TestCase):
     self.assertEqual(targets.over(loka, served, "train"),
                      targets.ratio(loka, served, "train"))
 
+  def test_a_step_that_moved_more_than_the_ci_between_its_timings_is_noted(self):
+    # LoKA's own step (median 50 us in its bf16 pair) read 52-56 us in its head-to-head
+    # pairs: 12% apart over four timings, against pairs whose CIs are 2% wide. Each verdict
+    # timed in one interleaving says so; with the pairs at 50-51 us it says nothing.
+    rng = np.random.default_rng(3)
+    mods = _row("dcnv2", "large", "bf16_mods", 1.0, 1.0, rng)
+    peer = _row("dcnv2", "large", "pallas_delayed", 1.8, 1.8, rng)
+    loka = _row("dcnv2", "large", "loka", 2.0, 2.0, rng)
+    own = float(np.median(loka["train"]["samples_us"]))
+    self.assertAlmostEqual(own, 50.0, delta=1.0)
+    def pairs(medians):
+      return {other: {"train": {"ratio": 1.1, "ci": [1.09, 1.112], "median_us": m,
+                                "other_median_us": 60.0}}
+              for other, m in zip(("bf16_mods", "pallas_delayed", "bf16"), medians)}
+    loka["head_to_head"] = pairs([52.0, 56.0, 54.0])
+    self.assertEqual(targets.timing_spread(loka, "train"), (own, 56.0, 4))
+    self.assertIsNone(targets.timing_spread(loka, "infer"))   # no pairs there
+    verdicts = targets.check_speed([mods, peer, loka])
+    for target in ("loka_not_slower_than_bf16_mods", "loka_at_least_best_peer",
+                   "loka_over_best_single_kernel"):
+      note = _verdict(verdicts, target, "dcnv2/large", "train")["note"]
+      self.assertIn(f"LoKA's own step read {own / 1e3:.3g}-0.056 ms over its 4 timings in "
+                    f"this call ({56.0 / own - 1:.1%} apart), wider than this CI", note)
+    self.assertNotIn("own step", _verdict(verdicts, "loka_not_slower_than_bf16_mods",
+                                          "dcnv2/large", "infer")["note"])
+    loka["head_to_head"] = pairs([own * 1.005, own * 1.01, own])
+    quiet = _verdict(targets.check_speed([mods, peer, loka]), "loka_at_least_best_peer",
+                     "dcnv2/large", "train")
+    self.assertEqual(quiet["note"], "best peer: pallas_delayed; timed in one interleaving")
+
   def test_interleaved_references_are_the_variants_the_targets_compare_with(self):
     rng = np.random.default_rng(2)
     rows = {v: _row("wukong", "small", v, train, infer, rng)

@@ -87,10 +87,48 @@ def _sort_key(item) -> Tuple:
   return (suite, model, preset, device, set_label or "")
 
 
+# The fewest timings of one program in one call whose spread a note reports.
+MIN_SPREAD_TIMINGS = 3
+
+
+def timing_spread(row: Mapping, mode: str) -> Optional[Tuple[float, float, int]]:
+  """(lowest, highest, count) of the medians of `row`'s own step, in microseconds, over its
+  timings in one call: its pair with bf16 and each pair of its `head_to_head`; None below
+  MIN_SPREAD_TIMINGS of them. Each pair's CI says how well that pair is resolved, not how far
+  the same program moves between pairs: at DCNv2 `large` (H200, twenty-fifth session) LoKA's
+  train step read 11.5-12.5 ms over five timings in one call (8.0% apart) while its pairs'
+  CIs spanned 1.6-4.3% (docs/BENCHMARKS.md section 7, thirty-second session)."""
+  medians = []
+  samples = (row.get(mode) or {}).get("samples_us")
+  if samples:
+    medians.append(float(np.median(samples)))
+  for pair in (row.get("head_to_head") or {}).values():
+    median = (pair.get(mode) or {}).get("median_us")
+    if median:
+      medians.append(float(median))
+  if len(medians) < MIN_SPREAD_TIMINGS:
+    return None
+  return min(medians), max(medians), len(medians)
+
+
+def spread_note(spread: Optional[Tuple[float, float, int]], ci: Sequence[float]) -> str:
+  """A note when LoKA's step moved more over its timings in the call (`timing_spread`) than
+  a ratio's CI is wide, relative to its lower end; '' otherwise."""
+  if spread is None:
+    return ""
+  low, high, count = spread
+  if high / low - 1.0 <= ci[1] / ci[0] - 1.0:
+    return ""
+  return (f"LoKA's own step read {low / 1e3:.3g}-{high / 1e3:.3g} ms over its {count} "
+          f"timings in this call ({high / low - 1.0:.1%} apart), wider than this CI")
+
+
 def _verdict(target: str, subject: str, mode: str, value: Optional[Dict], met: Optional[bool],
-             need: str, note: str = "") -> Dict:
+             need: str, note: str = "",
+             spread: Optional[Tuple[float, float, int]] = None) -> Dict:
   if value is not None and value.get("interleaved"):
-    note = "; ".join(n for n in (note, "timed in one interleaving") if n)
+    note = "; ".join(n for n in (note, "timed in one interleaving",
+                                 spread_note(spread, value["ci"])) if n)
   return {"target": target, "subject": subject, "mode": mode,
           "value": None if value is None else value["ratio"],
           "ci": None if value is None else value["ci"],
@@ -186,13 +224,14 @@ def _speed_verdicts(subject: str, model: str, preset: str,
       out.append(_verdict("loka_not_slower_than_bf16_mods", subject, mode, None, None,
                           f"CI low >= {NOT_SLOWER}", "no LoKA row yet"))
       continue
+    spread = timing_spread(loka, mode)
     if "bf16_mods" in variants:
       r = over(loka, variants["bf16_mods"], mode)
       met, note = r["ci"][0] >= NOT_SLOWER, ""
       if not met and mode == "train" and same_program_as_bf16_mods(loka):
         met, note = _identical_programs(r, "train step", "the bf16+Mods step")
       out.append(_verdict("loka_not_slower_than_bf16_mods", subject, mode, r, met,
-                          f"CI low >= {NOT_SLOWER}", note))
+                          f"CI low >= {NOT_SLOWER}", note, spread))
     if mode == "infer" and SERVED in variants:
       # LoKA infers from its export (weights stored once in e4m3 or bf16); bf16+Mods served
       # the same way separates what FP8 gains from what storing the weights once gains.
@@ -201,16 +240,16 @@ def _speed_verdicts(subject: str, model: str, preset: str,
       if not met and exports_every_site_high(loka):
         met, note = _identical_programs(r, "exported model", "served bf16+Mods'")
       out.append(_verdict(f"loka_not_slower_than_{SERVED}", subject, mode, r, met,
-                          f"CI low >= {NOT_SLOWER}", note))
+                          f"CI low >= {NOT_SLOWER}", note, spread))
     best = _best_peer(variants, mode)
     if best is not None:
       r = over(loka, variants[best], mode)
       out.append(_verdict("loka_at_least_best_peer", subject, mode, r,
                           r["ci"][0] >= NOT_SLOWER, f"CI low >= {NOT_SLOWER}",
-                          f"best peer: {best}"))
+                          f"best peer: {best}", spread))
       out.append(_verdict("loka_over_best_single_kernel", subject, mode, r,
                           r["ratio"] >= OVER_BEST_SINGLE, f">= {OVER_BEST_SINGLE}x",
-                          f"best single kernel everywhere: {best}"))
+                          f"best single kernel everywhere: {best}", spread))
     if model == "wukong" and preset == "large":
       for base in ("bf16_mods", "bf16", SERVED):
         if base not in variants or (base == SERVED and mode == "train"):
@@ -221,7 +260,8 @@ def _speed_verdicts(subject: str, model: str, preset: str,
         # inference) it is reported beside it.
         out.append(_verdict(f"wukong_large_over_{base}", subject, mode, r,
                             r["ratio"] >= need if base == "bf16_mods" else None,
-                            f">= {need}x" if base == "bf16_mods" else "reported"))
+                            f">= {need}x" if base == "bf16_mods" else "reported",
+                            spread=spread))
   return out
 
 
