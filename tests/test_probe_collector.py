@@ -1,6 +1,7 @@
 """The statistics pass on a real model inside the real training loop: output gradients,
 compile counts, checkpointed statistics and resume."""
 import tempfile
+from unittest import mock
 
 import chex
 import jax
@@ -138,6 +139,24 @@ class TrainingLoopTest(chex.TestCase):
       self.assertEqual(ahead_calls, {"ahead": 6, "inline": 0}, mode)
       chex.assert_trees_all_close(jax.device_get(ahead.state), jax.device_get(plain.state),
                                   rtol=1e-6, atol=1e-6)
+
+  def test_a_failed_compile_ahead_only_warns_and_the_pass_compiles_on_first_call(self):
+    model, source, _, probe = _setup()
+    config = TrainConfig(steps=3, batch_size=BATCH, checkpoint_every=0, progress=False,
+                         log_every=0)
+    probe.compile_ahead_after_first_step(workers=2)
+    def broken(*args, **kwargs):
+      raise RuntimeError("no shapes today")
+    before = executables.counts()
+    with mock.patch.object(probe._observe, "compile_jobs", broken), \
+         self.assertWarnsRegex(UserWarning, "not compiled ahead .*no shapes today"):
+      train(model, source, tempfile.mkdtemp(prefix="loka_probe_ahead_"), config,
+            extras=probe.extras, step_callback=probe.on_step)
+    after = executables.counts()
+    self.assertEqual(probe.meta["steps"], [2])
+    self.assertEqual((after["ahead"] - before["ahead"], after["inline"] - before["inline"]),
+                     (0, 3))
+    self.assertIsNone(probe._precompiler)
 
   def test_statistics_of_other_sites_are_refused(self):
     _, _, sites, probe = _setup()

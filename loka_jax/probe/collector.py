@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import flax
@@ -449,6 +450,17 @@ class ProbeCollector:
     self._precompiler = executables.Precompiler(workers)
     return self._precompiler.submit(jobs)
 
+  def try_compile_ahead(self, example_state, workers: Optional[int] = None) -> int:
+    """`compile_ahead`, where a failure only warns: the pass then compiles on its first
+    call, as without it, and raises there whatever is wrong with it."""
+    try:
+      return self.compile_ahead(example_state, workers)
+    except Exception as e:  # noqa: BLE001 - compiling ahead is an optimization only
+      self.close()
+      warnings.warn(f"the statistics pass was not compiled ahead ({type(e).__name__}: "
+                    f"{str(e)[:200]}); it compiles on its first call")
+      return 0
+
   @property
   def pass_compiled(self) -> bool:
     """Whether this process has run the statistics pass (and so compiled it)."""
@@ -492,7 +504,7 @@ class ProbeCollector:
     if self._ahead_pending:
       self._ahead_pending = False
       if not self.due(step):
-        self.compile_ahead(train_state, self._ahead_workers)
+        self.try_compile_ahead(train_state, self._ahead_workers)
     if self.due(step):
       self.observe(train_state.variables(), train_state.rng, step)
     self._last_return = time.perf_counter()

@@ -408,7 +408,7 @@ def _train_with_statistics(spec: experiment.RunSpec, workdir: str, train_config:
       state, _ = restore_run(workdir, setup.model, setup.source, train_config,
                              array_extras=False)
       if compile_workers != 0 and not collector.pass_compiled:
-        collector.compile_ahead(state, compile_workers)
+        collector.try_compile_ahead(state, compile_workers)
       if catch_up:
         collector.observe(state.variables(), state.rng, final_step)
       if needed:
