@@ -23,6 +23,12 @@ def cpu_env(**extra):
               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]), **extra)
 
 
+def run_module(module: str, *args, timeout: float = 300):
+  """`python -m module args` from the repository root under `cpu_env`, output captured."""
+  return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=cpu_env(),
+                        capture_output=True, text=True, timeout=timeout)
+
+
 def final(ne, logloss, auc=0.7):
   return {"ne": ne, "logloss": logloss, "auc": auc, "steps": 60}
 
@@ -206,8 +212,7 @@ class SummaryTest(chex.TestCase):
 
 
 def run_cli(*args, timeout=400):
-  return subprocess.run([sys.executable, "-m", "experiments.ablate_mods", *args], cwd=REPO,
-                        env=cpu_env(), capture_output=True, text=True, timeout=timeout)
+  return run_module("experiments.ablate_mods", *args, timeout=timeout)
 
 
 class CliTest(chex.TestCase):

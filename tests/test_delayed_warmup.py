@@ -2,18 +2,15 @@
 op warmed on each sample itself and on others, both recorded; bad arguments fail clearly."""
 import json
 import os
-import subprocess
-import sys
 import tempfile
 
 from absl.testing import absltest
 
-from test_ablation import REPO, cpu_env
+from test_ablation import run_module
 
 
 def run_cli(*args, timeout=400):
-  return subprocess.run([sys.executable, "-m", "experiments.delayed_warmup", *args], cwd=REPO,
-                        env=cpu_env(), capture_output=True, text=True, timeout=timeout)
+  return run_module("experiments.delayed_warmup", *args, timeout=timeout)
 
 
 class DelayedWarmupCliTest(absltest.TestCase):

@@ -1,17 +1,15 @@
 """`python -m experiments.dispatch`: report -> plan file, choice table, model check, errors."""
 import os
-import subprocess
-import sys
 import tempfile
 
 import chex
 from absl.testing import absltest
 
 import test_dispatch_reports as hm
+from test_ablation import run_module
 from loka_jax import dispatch
 from loka_jax.probe.report import save_report
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The tiny DLRM's act x weight sites and their shapes at batch 16.
 DLRM_TINY = {"bottom_mlp/dense_0": ((16, 8), (8, 32)), "bottom_mlp/dense_1": ((16, 32), (32, 16)),
              "top_mlp/dense_0": ((16, 52), (52, 64)), "top_mlp/dense_1": ((16, 64), (64, 32)),
@@ -19,10 +17,7 @@ DLRM_TINY = {"bottom_mlp/dense_0": ((16, 8), (8, 32)), "bottom_mlp/dense_1": ((1
 
 
 def run_cli(*args):
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-  return subprocess.run([sys.executable, "-m", "experiments.dispatch", *args], cwd=REPO,
-                        env=env, capture_output=True, text=True, timeout=120)
+  return run_module("experiments.dispatch", *args, timeout=120)
 
 
 class DispatchCliTest(chex.TestCase):

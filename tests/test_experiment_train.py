@@ -1,7 +1,6 @@
 """`python -m experiments.train` end to end: a real tiny preset on synthetic data."""
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -9,16 +8,14 @@ import chex
 import numpy as np
 from absl.testing import absltest
 
+from test_ablation import run_module
+
 from loka_jax.train import experiment
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_cli(*args, timeout=300):
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-  return subprocess.run([sys.executable, "-m", "experiments.train", *args], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=timeout)
+  return run_module("experiments.train", *args, timeout=timeout)
 
 
 class TrainCliTest(chex.TestCase):

@@ -2,20 +2,17 @@
 an FP8 kernel moves the held-out loss, bad arguments fail with a clear message."""
 import json
 import os
-import subprocess
-import sys
 import tempfile
 
 from absl.testing import absltest
 
-from test_ablation import REPO, cpu_env
+from test_ablation import run_module
 
 SITES = ("layer_0/fmb/mlp/dense_0", "head/dense_1")
 
 
 def run_cli(*args, timeout=300):
-  return subprocess.run([sys.executable, "-m", "experiments.held_out_sites", *args], cwd=REPO,
-                        env=cpu_env(), capture_output=True, text=True, timeout=timeout)
+  return run_module("experiments.held_out_sites", *args, timeout=timeout)
 
 
 class HeldOutSitesTest(absltest.TestCase):

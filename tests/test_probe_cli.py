@@ -2,18 +2,17 @@
 `experiments.compare_timing_caches` and `experiments.merge_timing_caches` on small caches."""
 import json
 import os
-import subprocess
-import sys
 import tempfile
 
 import chex
 from absl.testing import absltest
 
+from test_ablation import run_module
+
 from loka_jax.dispatch import timing_table
 from loka_jax.probe import evaluate, kernel_timing
 from loka_jax.probe import report as report_lib
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SITES = "layer_0/fmb/(fm_proj|optimized_fm|mlp/dense_0)"
 ARGS = ("--model=wukong", "--preset=tiny", "--steps=4", "--batch_size=64", "--num_eval=256",
         "--cadence=2", "--samples=4", "--kernels=xla_bf16,xla_fp8_tensorwise,xla_fp8_rowwise",
@@ -23,10 +22,7 @@ ARGS = ("--model=wukong", "--preset=tiny", "--steps=4", "--batch_size=64", "--nu
 
 
 def run_cli(*args, timeout=300, module="experiments.probe"):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg",
-             PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-  return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=timeout)
+  return run_module(module, *args, timeout=timeout)
 
 
 def _write_table(path):
