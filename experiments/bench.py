@@ -100,6 +100,10 @@ FROM_INIT_WARMUP = flags.DEFINE_integer(
     "validation_from_init_warmup_steps", None, "A linear learning-rate warm-up over N steps "
     "for that training (default: the probe's recipe, none); e.g. the quality runs' "
     "--quality_warmup_steps, so the check trains as the model is trained.")
+FROM_INIT_CLIP = flags.DEFINE_float(
+    "validation_from_init_clip_norm", None, "Global-norm clipping of the dense gradients in "
+    "that training (default: the probe's recipe, none); e.g. the quality runs' "
+    "--quality_clip_norm.")
 FROM_INIT_SEEDS = flags.DEFINE_integer(
     "validation_from_init_seeds", 1, "Seeds of that training, both runs per seed; the "
     "verdict reads the mean over seeds (an early loss spike varies from seed to seed).")
@@ -116,6 +120,10 @@ Q_WARMUP = flags.DEFINE_integer(
     "quality_warmup_steps", 0, "Linear warm-up of both learning rates in the synthetic quality "
     "runs (0: none). Rows of each recipe are compared only with rows of the same one.",
     lower_bound=0)
+Q_CLIP = flags.DEFINE_float(
+    "quality_clip_norm", None, "Global-norm clipping of the dense gradients in the synthetic "
+    "quality runs (default: none). Like the warm-up, a recipe of its own: its rows are "
+    "compared only with rows of the same one.")
 Q_NOISE = flags.DEFINE_list("noise_seeds", ["1", "2"], "Extra bf16 seeds (noise floor).")
 Q_DATA = flags.DEFINE_list("quality_data", ["synthetic", "movielens"],
                            "Quality data: synthetic (every --models) and/or movielens.")
@@ -190,6 +198,7 @@ def main(argv):
                                  probe_min_timing_gflops=MIN_TIMING_GFLOPS.value,
                                  validation_from_init_steps=FROM_INIT_STEPS.value,
                                  validation_from_init_warmup_steps=FROM_INIT_WARMUP.value,
+                                 validation_from_init_clip_norm=FROM_INIT_CLIP.value,
                                  validation_from_init_seeds=FROM_INIT_SEEDS.value,
                                  validation_from_init_quality_bound=FROM_INIT_QUALITY.value,
                                  head_to_head=tuple(HEAD_TO_HEAD.value),
@@ -225,7 +234,7 @@ def main(argv):
           data="synthetic", preset=Q_PRESET.value, steps=Q_STEPS.value, batch_size=batch,
           seed=common_flags.SEED.value, noise_seeds=noise, arms=tuple(ARMS.value),
           min_eval=Q_MIN_EVAL.value, plans_dir=plans_dir, warmup_steps=Q_WARMUP.value,
-          mods=mods)) for m in models]
+          clip_norm=Q_CLIP.value, mods=mods)) for m in models]
     if "movielens" in Q_DATA.value:
       runs += [(m, quality.QualitySettings(
           data="movielens", preset=ML_PRESET.value, steps=ML_STEPS.value,

@@ -172,7 +172,10 @@ class SummaryTest(chex.TestCase):
     self.assertIn("Incomplete: 1 unit(s) pending", table)
 
   def test_report_files(self):
+    # One run records its worst training step (a spike); the others predate the field.
+    self.finals[ablation.Arm(ALL, "fp8_all", 0).name]["peak_loss"] = 6.91
     result = ablation.summarize(self.config, self.finals, self.rows, "cpu")
+    self.assertEqual(result["rows"][1]["fp8_all"]["peak_loss"], 6.91)
     workdir = tempfile.mkdtemp(prefix="loka_ablation_report_")
     paths = ablation.write_outputs(result, workdir)
     with open(paths["json"]) as f:
@@ -185,7 +188,7 @@ class SummaryTest(chex.TestCase):
     self.assertIn("| baseline | 0.90000 | 0.90500 | 0.50000 | 0.50300 | +0.00300 (+0.600%) "
                   "neutral |", table)
     self.assertIn("| NB+BN+HS |", table)
-    self.assertIn("0.56 (1.80x) / 0.50 (2.00x)", table)                # FP8 + all Mods
+    self.assertIn("0.56 (1.80x) / 0.50 (2.00x) | - / 6.91 |", table)   # FP8 + all Mods
     with open(paths["plot"], "rb") as f:
       png = f.read()
     self.assertTrue(png.startswith(PNG_MAGIC))

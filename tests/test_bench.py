@@ -21,6 +21,7 @@ from loka_jax.bench.results import ResultsFile
 from loka_jax.kernels.choice import KernelChoice, KernelPlan
 from loka_jax.models.presets import site_products
 from loka_jax.models.site import SiteConfig
+from loka_jax.train import read_metrics
 
 def _tempdir(test):
   path = tempfile.mkdtemp(prefix="loka_bench_")
@@ -320,6 +321,47 @@ class TargetCheckTest(parameterized.TestCase):
     self.assertIn("dlrm/large (warmup 50)", tables.glance_table(verdicts))
     with self.assertRaisesRegex(ValueError, "warmup_steps must be in"):
       quality.QualitySettings(steps=10, warmup_steps=11)
+    # A clipped recipe is a subject of its own too, its bound from its own bf16 seeds.
+    clipped = [q("bf16", s, 0.471 + 0.0003 * d, 50) | {"clip_norm": 1.0}
+               for s, d in ((0, 0), (1, 1), (2, -1))]
+    clipped += [q(a, 0, v, 50) | {"clip_norm": 1.0} for a, v in (("bf16_mods", 0.4712),
+                                                                  ("loka", 0.4730))]
+    verdicts = targets.check_quality(rows + clipped)
+    clip = _verdict(verdicts, "loka_quality_vs_bf16_mods",
+                    "synthetic:dlrm/large (warmup 50, clip 1)", "quality")
+    self.assertFalse(clip["met"])
+    self.assertAlmostEqual(clip["value"], 0.0018, places=7)
+    self.assertAlmostEqual(clip["ci"][1], 2 * 0.0003, places=6)
+    self.assertEqual(_verdict(verdicts, "loka_quality_vs_bf16_mods",
+                              "synthetic:dlrm/large (warmup 50)", "quality")["value"],
+                     warm["value"])
+    with self.assertRaisesRegex(ValueError, "clip_norm must be > 0"):
+      quality.QualitySettings(clip_norm=0.0)
+
+  def test_a_quality_verdict_over_seeds_names_each_seed_and_its_worst_steps(self):
+    # LoKA's mean change rests on seed 2, where its run spiked (as DCNv2 `large`'s did).
+    def q(arm, seed, logloss, peak):
+      return _quality_row("dcnv2", "large", arm, seed, logloss, warmup_steps=50,
+                          peak_loss=peak, peak_step=100 + seed)
+    rows = [q("bf16", s, 0.4770 + 0.0001 * s, 0.69) for s in range(3)]
+    rows += [q("bf16_mods", 0, 0.4766, 0.70), q("bf16_mods", 1, 0.4776, 0.71),
+             q("bf16_mods", 2, 0.4847, 5.65)]
+    rows += [q("loka", 0, 0.4778, 0.72), q("loka", 1, 0.4766, 0.70), q("loka", 2, 0.5036, 6.91)]
+    loka = _verdict(targets.check_quality(rows), "loka_quality_vs_bf16_mods",
+                    "synthetic:dcnv2/large (warmup 50)", "quality")
+    self.assertIn("by seed +0.00120, -0.00100, +0.01890", loka["note"])
+    self.assertIn("worst step's training loss by seed loka 0.72, 0.7, 6.91; "
+                  "bf16_mods 0.7, 0.71, 5.65", loka["note"])
+    self.assertIn("| synthetic | dcnv2 | large (warmup 50) | loka | 3 | 0.48600 | ",
+                  tables.quality_table(rows))
+    self.assertIn("| 6.91 (seed 2) |", tables.quality_table(rows))
+    # Rows from before the worst step was kept: the seeds' changes only.
+    old = [{k: v for k, v in r.items() if k not in ("peak_loss", "peak_step")} for r in rows]
+    note = _verdict(targets.check_quality(old), "loka_quality_vs_bf16_mods",
+                    "synthetic:dcnv2/large (warmup 50)", "quality")["note"]
+    self.assertIn("by seed +0.00120", note)
+    self.assertNotIn("worst step", note)
+    self.assertNotIn("(seed 2)", tables.quality_table(old))
 
 
 class RenderTest(absltest.TestCase):
@@ -476,13 +518,15 @@ class SelectionTest(absltest.TestCase):
 class ValidationFromInitTest(absltest.TestCase):
 
   def test_a_target_probed_for_its_plan_is_validated_from_init_as_asked(self):
-    # `--validation_from_init_steps`, its warm-up and its seeds reach the validation of the
+    # `--validation_from_init_steps`, its warm-up, clipping and seeds reach the validation of the
     # plan the suite makes.
     (target,) = suite.tower_targets(["64x32x2"])
     plans = tempfile.mkdtemp(prefix="loka_bench_from_init_")
-    for steps, warmup, seeds, quality in ((0, None, 1, False), (7, 3, 2, True)):
+    for steps, warmup, clip, seeds, quality in ((0, None, None, 1, False),
+                                                (7, 3, 0.5, 2, True)):
       settings = suite.SpeedSettings(plans_dir=plans, validation_from_init_steps=steps,
                                      validation_from_init_warmup_steps=warmup,
+                                     validation_from_init_clip_norm=clip,
                                      validation_from_init_seeds=seeds,
                                      validation_from_init_quality_bound=quality)
       with mock.patch("loka_jax.dispatch.pipeline.probe_and_plan") as probe_and_plan:
@@ -490,8 +534,9 @@ class ValidationFromInitTest(absltest.TestCase):
                               deadline=time.time() + 600, log=lambda line: None)
       validation = probe_and_plan.call_args.kwargs["validation"]
       self.assertEqual((validation.from_init_steps, validation.from_init_warmup_steps,
-                        validation.from_init_seeds, validation.from_init_quality_bound),
-                       (steps, warmup, seeds, quality))
+                        validation.from_init_clip_norm, validation.from_init_seeds,
+                        validation.from_init_quality_bound),
+                       (steps, warmup, clip, seeds, quality))
 
   def test_the_probes_timing_floor_and_compile_threads_reach_its_options(self):
     (target,) = suite.tower_targets(["64x32x2"])
@@ -1236,6 +1281,30 @@ class QualityProtocolTest(absltest.TestCase):
     run_dir = os.path.join(out, "synthetic", "dlrm_tiny", "bf16_seed0_warmup2")
     config = json.load(open(os.path.join(run_dir, "config.json")))
     self.assertEqual(config["train"]["optim"]["warmup_steps"], 2)
+
+  def test_a_clipped_recipe_trains_its_own_runs_and_rows_keep_the_worst_step(self):
+    out = _tempdir(self)
+    results = ResultsFile(os.path.join(out, "quality.jsonl"), quality.KEY_FIELDS)
+    common = dict(preset="tiny", steps=4, batch_size=64, min_eval=100, arms=("bf16",),
+                  noise_seeds=())
+    for clip in (None, 1e-9):
+      self.assertTrue(quality.run_model(
+          "dlrm", quality.QualitySettings(clip_norm=clip, **common), results, out,
+          deadline=float("inf"), device="cpu", log=lambda _: None))
+    plain, clipped = sorted(results.rows(), key=quality.row_clip)
+    self.assertNotIn("clip_norm", plain)  # plain rows keep the keys they always had
+    self.assertEqual(clipped["clip_norm"], 1e-9)
+    # Clipped to 1e-9, the dense towers' Adam steps are left to its epsilon: the run differs.
+    self.assertNotEqual(plain["logloss"], clipped["logloss"])
+    run_dir = os.path.join(out, "synthetic", "dlrm_tiny", "bf16_seed0_clip1e-09")
+    config = json.load(open(os.path.join(run_dir, "config.json")))
+    self.assertEqual(config["train"]["optim"]["clip_norm"], 1e-9)
+    # The row's worst step is the worst of the run's own per-step losses: each metrics line
+    # is a one-step window here (log_every is steps // 10, at least 1).
+    lines = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    self.assertEqual([r["step"] for r in lines], [1, 2, 3, 4])
+    worst = max(lines, key=lambda r: r["loss"])
+    self.assertEqual((clipped["peak_loss"], clipped["peak_step"]), (worst["loss"], worst["step"]))
 
 
 class ParseTargetTest(absltest.TestCase):

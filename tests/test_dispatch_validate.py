@@ -316,6 +316,28 @@ class FromInitTest(chex.TestCase):
     with self.assertRaisesRegex(ValueError, "from_init_warmup_steps must be >= 0"):
       validate.ValidationConfig(from_init_warmup_steps=-1)
 
+  def test_the_check_from_init_clips_the_gradients_it_is_told_to(self):
+    ctx = context()
+    self.assertIsNone(ctx.optim.clip_norm)
+    plan = plan_of({GOOD_SITE: "xla_fp8_rowwise"})
+    baseline = {}
+    for clip in (None, 1e-9):
+      config = validate.ValidationConfig(from_init_steps=4, shadow_window=2,
+                                         from_init_clip_norm=clip)
+      out = validate.check_from_init(plan, ctx, config)
+      rounds = [r for r in validate.validation_records(out, "quality_from_init") if "round" in r]
+      self.assertEqual({r.get("clip_norm") for r in rounds}, {clip})
+      self.assertEqual("training from initialization (clip 1e-09) 4 steps" in
+                       train_report.validation_lines(out), clip is not None)
+      (baseline[clip],) = [r for r in validate.validation_records(out, "quality_from_init_run")
+                           if r["arm"] == validate.BASELINE_ARM]
+    # Dense gradients clipped to a norm of 1e-9 leave Adam's steps to its epsilon (1e-8), so
+    # the dense towers barely move: a run that ignored the norm would match the plain one.
+    self.assertGreater(abs(baseline[None]["window_loss"] - baseline[1e-9]["window_loss"]),
+                       1e-4)
+    with self.assertRaisesRegex(ValueError, "from_init_clip_norm must be > 0"):
+      validate.ValidationConfig(from_init_clip_norm=0.0)
+
   def test_the_quality_bound_fails_a_plan_the_divergence_bound_passes(self):
     # With the divergence bound out of reach, the plain check passes a plan whose held-out
     # log loss ends above bf16+Mods'; the quality bound (below that change) fails it and

@@ -125,6 +125,36 @@ class TrainLoopTest(chex.TestCase):
     self.assertEqual([r["step"] for r in lines if "ne" in r], [150, 300])
     self.assertLess(lines[-1]["loss"], lines[0]["loss"])
 
+  def test_worst_step_is_reported_across_a_resume(self):
+    # A learning rate high enough that the loss jumps after the first steps, so the worst step
+    # is neither the first nor the last; the run stops after step 7 (checkpointed at 6) and is
+    # resumed, so a worst step that lives only in memory would be lost.
+    config = TrainConfig(steps=12, batch_size=64, log_every=3, checkpoint_every=3,
+                         progress=False, optim=OptimConfig(learning_rate=0.3))
+    losses = {}
+
+    class Stop(Exception):
+      pass
+
+    def record(step, state, metrics, stop_at=None):
+      losses[step] = float(metrics["loss"])
+      if step == stop_at:
+        raise Stop()
+
+    with self.assertRaises(Stop):
+      train(train_toys.ToyClickModel(), train_toys.ToySource(), self.workdir, config,
+            step_callback=lambda *a: record(*a, stop_at=7))
+    final = train(train_toys.ToyClickModel(), train_toys.ToySource(), self.workdir, config,
+                  step_callback=record)
+    self.assertEqual(sorted(losses), list(range(1, 13)))
+    worst = max(losses, key=losses.get)
+    self.assertNotIn(worst, (1, 12))
+    self.assertEqual((final["peak_step"], final["peak_loss"]), (worst, losses[worst]))
+    lines = read_metrics(os.path.join(self.workdir, "metrics.jsonl"))
+    self.assertEqual([r["step"] for r in lines], [3, 6, 9, 12])
+    for r in lines:
+      self.assertEqual(r["max_loss"], max(losses[s] for s in range(r["step"] - 2, r["step"] + 1)))
+
   def test_bad_learning_rate_stops_naming_step_and_site(self):
     config = TrainConfig(steps=20, batch_size=64, log_every=5, progress=False,
                          optim=OptimConfig(learning_rate=1e30))

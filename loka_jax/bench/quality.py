@@ -14,7 +14,12 @@ presets that recipe is unstable for the first steps even in bf16 (DLRM `large` s
 training loss of 2.5 at step 4 on the CPU, batch 512), and FP8 at a few wide layers made the
 spikes larger and their harm lasting (docs/BENCHMARKS.md, twenty-fifth session).
 `warmup_steps` (a linear warm-up of both rates) gives a second recipe; its rows carry
-`warmup_steps` and are compared only with rows of the same recipe.
+`warmup_steps` and are compared only with rows of the same recipe. `clip_norm` (global-norm
+clipping of the dense gradients) is a recipe knob the same way: with the warm-up, DCNv2
+`large`'s bf16+Mods still spiked to a training loss of 5.7 at one seed of three and LoKA to
+6.9 at the same seed, whose held-out losses then carried the whole comparison
+(docs/BENCHMARKS.md, thirty-third session). Each row records its run's worst step
+(`peak_loss`, `peak_step`), so a spike shows in the tables and verdicts.
 """
 from __future__ import annotations
 
@@ -36,10 +41,11 @@ from loka_jax.train import experiment
 from loka_jax.train.loop import TrainConfig, train
 from loka_jax.train.optim import OptimConfig
 
-# `warmup_steps` is absent (None) from rows of the plain recipe, and `mods_set` from rows of
-# the default Mods set (`mods_set.DEFAULT`), so rows written before them keep their keys.
+# `warmup_steps` and `clip_norm` are absent (None) from rows of the plain recipe, and
+# `mods_set` from rows of the default Mods set (`mods_set.DEFAULT`), so rows written before
+# them keep their keys.
 KEY_FIELDS = ("suite", "data", "model", "preset", "arm", "seed", "device", "warmup_steps",
-              "mods_set")
+              "mods_set", "clip_norm")
 MIN_EVAL = 200_000
 NEUTRAL_REL = 2e-4  # DESIGN.md: 0.02% relative log loss
 
@@ -77,6 +83,7 @@ class QualitySettings:
   plans_dir: str = "plans"
   keep_runs: bool = False              # keep finished runs' checkpoints
   warmup_steps: int = 0                # linear warm-up of both learning rates (0: none)
+  clip_norm: Optional[float] = None    # global-norm clipping of the dense gradients
   # The Mods of the Mods arms (bf16_mods, loka) and of LoKA's probe (`mods_set`).
   mods: Tuple[str, ...] = mods_set.DEFAULT
 
@@ -84,7 +91,18 @@ class QualitySettings:
     if not 0 <= self.warmup_steps <= self.steps:
       raise ValueError(f"warmup_steps must be in [0, steps={self.steps}], got "
                        f"{self.warmup_steps}")
+    _ = self.optim  # OptimConfig rejects a clip_norm that is not > 0: before any run
     self.mods = mods_set.parse(self.mods)
+
+  @property
+  def recipe_suffix(self) -> str:
+    """What a run directory's name adds for the recipe ('' for the plain one)."""
+    return ((f"_warmup{self.warmup_steps}" if self.warmup_steps else "")
+            + (f"_clip{self.clip_norm:g}" if self.clip_norm else ""))
+
+  @property
+  def optim(self) -> OptimConfig:
+    return OptimConfig(warmup_steps=self.warmup_steps, clip_norm=self.clip_norm)
 
   @property
   def mods_label(self) -> Optional[str]:
@@ -99,20 +117,21 @@ class QualitySettings:
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Comparison:
-  """The rows compared with one another: one data set, model, preset, training recipe and
-  Mods set (its label; empty: every Mod)."""
+  """The rows compared with one another: one data set, model, preset, training recipe
+  (warm-up steps, clipping norm; 0: none) and Mods set (its label; empty: every Mod)."""
   data: str
   model: str
   preset: str
   warmup_steps: int = 0
   mods_set: str = ""
+  clip_norm: float = 0.0
 
   @property
   def preset_label(self) -> str:
-    """The preset, with the warm-up recipe and the Mods set where they are not the
-    defaults."""
-    recipe = self.preset + (f" (warmup {self.warmup_steps})" if self.warmup_steps else "")
-    return mods_set.preset_label(recipe, self.mods_set or None)
+    """The preset, with the recipe and the Mods set where they are not the defaults."""
+    recipe = recipe_label(self.warmup_steps, self.clip_norm)
+    return mods_set.preset_label(self.preset + (f" ({recipe})" if recipe else ""),
+                                 self.mods_set or None)
 
   @property
   def subject(self) -> str:
@@ -122,7 +141,7 @@ class Comparison:
     """Whether `row` is a scored quality row of this comparison."""
     return (row.get("suite") == "quality" and row.get("data") == self.data
             and row.get("model") == self.model and row.get("preset") == self.preset
-            and row_warmup(row) == self.warmup_steps
+            and row_warmup(row) == self.warmup_steps and row_clip(row) == self.clip_norm
             and (mods_set.of_row(row) or "") == self.mods_set and row.get("logloss") is not None)
 
 
@@ -130,10 +149,21 @@ def row_warmup(row: Mapping) -> int:
   return int(row.get("warmup_steps") or 0)
 
 
+def row_clip(row: Mapping) -> float:
+  """A row's gradient-clipping norm, 0.0 for none."""
+  return float(row.get("clip_norm") or 0.0)
+
+
+def recipe_label(warmup_steps: int, clip_norm: float) -> str:
+  """The recipe beyond the plain one, as labels show it: 'warmup 50, clip 1' ('' if none)."""
+  return ", ".join(([f"warmup {warmup_steps}"] if warmup_steps else [])
+                   + ([f"clip {clip_norm:g}"] if clip_norm else []))
+
+
 def comparisons(rows: Sequence[Mapping], scored_only: bool = True) -> List[Comparison]:
   """Every comparison the quality rows hold (`scored_only`: rows with a log loss), sorted."""
   return sorted({Comparison(r["data"], r["model"], r["preset"], row_warmup(r),
-                            mods_set.of_row(r) or "") for r in rows
+                            mods_set.of_row(r) or "", row_clip(r)) for r in rows
                  if r.get("suite") == "quality"
                  and (r.get("logloss") is not None or not scored_only)})
 
@@ -183,11 +213,12 @@ def run_arm(model: str, arm: QualityArm, seed: int, settings: QualitySettings, w
   config = TrainConfig(steps=settings.steps, batch_size=batch, seed=seed, eval_batch_size=batch,
                        log_every=max(settings.steps // 10, 1),
                        checkpoint_every=max(settings.steps // 4, 1), progress=False,
-                       optim=OptimConfig(warmup_steps=settings.warmup_steps))
+                       optim=settings.optim)
   t0 = time.time()
   final = train(built_model, source, workdir, config, run_info=spec.run_info())
   return {"ne": final.get("ne"), "logloss": final.get("logloss"), "auc": final.get("auc"),
           "num_eval_examples": final.get("num_eval_examples"), "steps": final.get("steps"),
+          "peak_loss": final.get("peak_loss"), "peak_step": final.get("peak_step"),
           "batch_size": batch, "train_s": round(time.time() - t0, 1),
           "eval_fingerprint": eval_fingerprint(source, batch), "oracle_ne": final.get("oracle_ne")}
 
@@ -237,7 +268,7 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
   `end_by`, the call's hard end, lets runs start past `deadline` when they fit)."""
   for arm, seed in runs(settings):
     key = ("quality", settings.data, model, settings.preset, arm.name, seed, device,
-           settings.warmup_steps or None, settings.mods_label)
+           settings.warmup_steps or None, settings.mods_label, settings.clip_norm)
     if results.done(key):
       continue
     start, why = may_start(time.time(), deadline, end_by,
@@ -256,12 +287,13 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
         log(f"  quality {model}/loka: skipped, no plan at {plan} yet")
         continue
       row["plan"] = plan
-    recipe = ((f"_warmup{settings.warmup_steps}" if settings.warmup_steps else "")
-              + (f"_mods_{settings.mods_label}" if settings.mods_label else ""))
+    recipe = settings.recipe_suffix + (f"_mods_{settings.mods_label}" if settings.mods_label
+                                       else "")
     workdir = os.path.join(root, settings.data, f"{model}_{settings.preset}",
                            f"{arm.name}_seed{seed}{recipe}")
+    label = recipe_label(settings.warmup_steps, settings.clip_norm or 0.0)
     log(f"  quality {settings.data} {model}/{settings.preset} {arm.name} seed {seed}"
-        + (f" warmup {settings.warmup_steps}" if settings.warmup_steps else "")
+        + (f" {label}" if label else "")
         + (f" Mods {settings.mods_label}" if settings.mods_label else ""))
     try:
       row.update(run_arm(model, arm, seed, settings, workdir, plan))
@@ -285,6 +317,14 @@ def noise_floor(rows: Sequence[Mapping], comparison: Comparison) -> Dict:
   return {"bf16_seeds": len(losses), "bf16_mean": mean, "bf16_std": std, "bound": bound}
 
 
+def by_seed(rows: Sequence[Mapping], comparison: Comparison, arm: str,
+            seeds: Sequence[int], field: str) -> List[Optional[float]]:
+  """`field` of `arm`'s row at each of `seeds` (None where the row lacks it)."""
+  found = {r["seed"]: r.get(field) for r in rows
+           if comparison.holds(r) and r.get("arm") == arm}
+  return [found.get(s) for s in seeds]
+
+
 def arm_means(rows: Sequence[Mapping], comparison: Comparison,
               seeds: Optional[Sequence[int]] = None) -> Dict[str, Dict]:
   """Per arm: mean log loss / NE / AUC over its seeds (`seeds`: only those)."""
@@ -297,5 +337,9 @@ def arm_means(rows: Sequence[Mapping], comparison: Comparison,
     out[arm] = {m: float(np.mean([r[m] for r in rs if r.get(m) is not None]))
                 for m in ("logloss", "ne", "auc") if any(r.get(m) is not None for r in rs)}
     out[arm]["seeds"] = sorted(r["seed"] for r in rs)
+    peaks = [r for r in rs if r.get("peak_loss") is not None]
+    if peaks:  # the worst training step over the seeds (rows from before it was kept lack it)
+      worst = max(peaks, key=lambda r: r["peak_loss"])
+      out[arm].update(peak_loss=worst["peak_loss"], peak_seed=worst["seed"])
     out[arm]["eval_fingerprints"] = sorted({r.get("eval_fingerprint") for r in rs} - {None})
   return out

@@ -139,9 +139,10 @@ class SpeedSettings:
   probe_timing_compile_workers: int = 1  # `ProbeOptions.timing_compile_workers`
   probe_min_timing_gflops: float = 0.0  # `ProbeOptions.min_timing_gflops`
   # Validation's training from initialization (`ValidationConfig.from_init_steps`; 0: skip),
-  # its warm-up (None: the probe's recipe) and its seeds.
+  # its warm-up and gradient clipping (None: the probe's recipe) and its seeds.
   validation_from_init_steps: int = 0
   validation_from_init_warmup_steps: Optional[int] = None
+  validation_from_init_clip_norm: Optional[float] = None
   validation_from_init_seeds: int = 1
   # Whether it also judges held-out log loss against the quality target's bound
   # (`ValidationConfig.from_init_quality_bound`).
@@ -180,6 +181,7 @@ class SpeedSettings:
     from loka_jax.dispatch.validate import ValidationConfig  # heavy: only when planning
     return ValidationConfig(from_init_steps=self.validation_from_init_steps,
                             from_init_warmup_steps=self.validation_from_init_warmup_steps,
+                            from_init_clip_norm=self.validation_from_init_clip_norm,
                             from_init_seeds=self.validation_from_init_seeds,
                             from_init_quality_bound=self.validation_from_init_quality_bound)
 

@@ -110,9 +110,11 @@ def speed_table(rows: Sequence[Mapping], suite: str) -> str:
 
 
 def quality_table(rows: Sequence[Mapping]) -> str:
-  """Per data/model/preset and arm: mean held-out log loss, NE, AUC over its seeds."""
+  """Per data/model/preset and arm: mean held-out log loss, NE, AUC over its seeds, and the
+  worst training step of its runs."""
   lines = ["| data | model | preset | arm | seeds | log loss | NE | AUC | delta log loss vs bf16 "
-           "| bf16 seed std | neutral bound |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| bf16 seed std | neutral bound | worst step's loss |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for c in quality_lib.comparisons(rows, scored_only=False):
     means = quality_lib.arm_means(rows, c)
     floor = quality_lib.noise_floor(rows, c)
@@ -124,13 +126,14 @@ def quality_table(rows: Sequence[Mapping]) -> str:
       delta = "-" if base is None else f"{m['logloss'] - base:+.5f}"
       std = "-" if floor["bf16_std"] is None else f"{floor['bf16_std']:.5f}"
       bound = "-" if floor["bound"] is None else f"{floor['bound']:.5f}"
+      peak = (f"{m['peak_loss']:.3g} (seed {m['peak_seed']})" if "peak_loss" in m else "-")
       lines.append(f"| {c.data} | {c.model} | {c.preset_label} | {arm} | {len(m['seeds'])} | "
                    f"{m['logloss']:.5f} | {m.get('ne', float('nan')):.5f} | "
-                   f"{m.get('auc', float('nan')):.4f} | {delta} | {std} | {bound} |")
+                   f"{m.get('auc', float('nan')):.4f} | {delta} | {std} | {bound} | {peak} |")
   errors = [r for r in rows if r.get("suite") == "quality" and "error" in r]
   for r in errors:
     lines.append(f"| {r['data']} | {r['model']} | {r['preset']} | {r['arm']} | seed {r['seed']} "
-                 f"| error: {r['error'][:80]} | | | | | |")
+                 f"| error: {r['error'][:80]} | | | | | | |")
   return "\n".join(lines)
 
 

@@ -289,6 +289,8 @@ def check_quality(rows: Sequence[Mapping]) -> List[Dict]:
         met = abs(delta) <= floor["bound"] if arm == "loka" else None
         note = (f"bound max(0.02% rel, 2 x bf16 std over {floor['bf16_seeds']} seeds) = "
                 f"{floor['bound']:.2e}; seeds {common}" + ("" if same_eval else "; EVAL SETS DIFFER"))
+        if len(common) > 1:
+          note += "; " + seed_detail(rows, c, arm, base, common)
         if delta < -floor["bound"]:
           # Neutrality is two-sided, but a reader must not take a gain for a loss.
           note += f"; {arm} is better than {base} by more than the bound"
@@ -300,6 +302,20 @@ def check_quality(rows: Sequence[Mapping]) -> List[Dict]:
                     "need": "|delta log loss| <= bound" if arm == "loka" else "reported",
                     "note": note, "wide_bound": bool(wide)})
   return out
+
+
+def seed_detail(rows: Sequence[Mapping], comparison, arm: str, base: str,
+                seeds: Sequence[int]) -> str:
+  """Each seed's log-loss change, and each run's worst training step where the rows record
+  it: a mean over three seeds can rest on one, and a loss spike in either arm is then why
+  (DCNv2 `large`, docs/BENCHMARKS.md section 7, thirty-third session)."""
+  losses = {a: quality_lib.by_seed(rows, comparison, a, seeds, "logloss") for a in (arm, base)}
+  text = "by seed " + ", ".join(f"{x - b:+.5f}" for x, b in zip(losses[arm], losses[base]))
+  peaks = {a: quality_lib.by_seed(rows, comparison, a, seeds, "peak_loss") for a in (arm, base)}
+  if all(p is not None for ps in peaks.values() for p in ps):
+    text += "; worst step's training loss by seed " + "; ".join(
+        f"{a} " + ", ".join(f"{p:.3g}" for p in ps) for a, ps in peaks.items())
+  return text
 
 
 def check_all(rows: Sequence[Mapping],

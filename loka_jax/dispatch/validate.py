@@ -131,6 +131,9 @@ class ValidationConfig:
   # the check trains as the model will be trained (DLRM large: a plan that fails from init
   # under the probe's plain recipe is neutral with a 50-step warm-up).
   from_init_warmup_steps: Optional[int] = None
+  # Its global-norm clipping of the dense gradients: None, the probe's (none by default);
+  # like the warm-up, set it to the recipe the model is trained with.
+  from_init_clip_norm: Optional[float] = None
   # Seeds it trains from (config.seed, seed + 1, ...), both runs per seed; the verdict reads
   # the mean over seeds of the relative differences. An early spike's height varies from
   # seed to seed (DLRM large: bf16+Mods' worst step 15.2, the plan's 38.2 in one round and
@@ -173,6 +176,9 @@ class ValidationConfig:
     if self.from_init_warmup_steps is not None and self.from_init_warmup_steps < 0:
       raise ValueError(f"from_init_warmup_steps must be >= 0 or None, got "
                        f"{self.from_init_warmup_steps}")
+    if self.from_init_clip_norm is not None and not self.from_init_clip_norm > 0:
+      raise ValueError(f"from_init_clip_norm must be > 0 or None, got "
+                       f"{self.from_init_clip_norm}")
     if self.max_measured_sites is not None and self.max_measured_sites < 1:
       raise ValueError(f"max_measured_sites must be >= 1 or None, got "
                        f"{self.max_measured_sites}")
@@ -903,8 +909,9 @@ def check_from_init(plan, ctx: ValidationContext, config: ValidationConfig = Val
                     progress: Optional[Progress] = None) -> Plan:
   """Training from a fresh initialization, plan vs bf16+Mods (`from_init_steps`); backs off
   as the shadow check does while the runs diverge (bound: `shadow_max_rel_loss`)."""
-  optim = (None if config.from_init_warmup_steps is None else
-           dataclasses.replace(ctx.optim, warmup_steps=config.from_init_warmup_steps))
+  recipe = {k: v for k, v in (("warmup_steps", config.from_init_warmup_steps),
+                              ("clip_norm", config.from_init_clip_norm)) if v is not None}
+  optim = dataclasses.replace(ctx.optim, **recipe) if recipe else None
   return _check_training(plan, ctx, config, progress, "quality_from_init", INIT,
                          config.from_init_steps, optim)
 
@@ -928,7 +935,11 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
   seeds = ([config.seed + i for i in range(config.from_init_seeds)] if start == INIT
            else [config.seed])
   recipe = {"steps": steps, "start": start, "window": window,
-            "warmup_steps": (optim or ctx.optim).warmup_steps}
+            "warmup_steps": (optim or ctx.optim).warmup_steps,
+            # Only a clipped recipe names its norm, so records from before the knob still
+            # match the runs they describe.
+            **({"clip_norm": (optim or ctx.optim).clip_norm}
+               if (optim or ctx.optim).clip_norm is not None else {})}
   plan, bases = _training_runs(plan, ctx, progress, step, BASELINE_ARM, BASELINE, seeds,
                                recipe, size, optim)
   if not all(b["finite"] for b in bases):
@@ -951,7 +962,8 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
     finite = all(r["finite"] for r in runs)
     record: Dict[str, Any] = {"step": step, "round": round_, "start": start,
                               "steps": steps, "window": window,
-                              "warmup_steps": (optim or ctx.optim).warmup_steps,
+                              **{k: recipe[k] for k in ("warmup_steps", "clip_norm")
+                                 if k in recipe},
                               "bound": config.shadow_max_rel_loss, "finite": finite,
                               "train_loss_bf16": float(np.mean(base_windows)),
                               # The worst step of each run: an early spike shows here.

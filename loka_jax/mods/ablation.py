@@ -429,7 +429,8 @@ def summarize(config: AblationConfig, finals: Mapping[str, Optional[Mapping[str,
         status = "done"
       entry = {"status": status}
       if final is not None:
-        entry.update({k: _finite(final.get(k)) for k in ("ne", "logloss", "auc")})
+        # peak_loss: the run's worst training step (absent from runs older than it).
+        entry.update({k: _finite(final.get(k)) for k in ("ne", "logloss", "auc", "peak_loss")})
         if final.get("error"):
           entry["error"] = final["error"]
       if t is not None:
@@ -501,8 +502,8 @@ def markdown_table(result: Mapping[str, Any]) -> str:
       "",
       "| mods | bf16 NE | FP8 NE | bf16 log loss | FP8 log loss | FP8 vs bf16 (log loss) | "
       "mods vs baseline (bf16) | FP8+mods vs bf16 baseline | bf16 train / infer ms | "
-      "FP8 train / infer ms |",
-      "|---|---|---|---|---|---|---|---|---|---|",
+      "FP8 train / infer ms | worst step's loss (bf16 / FP8) |",
+      "|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for row in result["rows"]:
     b, f = row.get("bf16") or {}, row.get("fp8_all") or {}
@@ -510,7 +511,8 @@ def markdown_table(result: Mapping[str, Any]) -> str:
         f"| {row['label']} | {_fmt(b.get('ne'))} | {_fmt(f.get('ne'))} | "
         f"{_fmt(b.get('logloss'))} | {_fmt(f.get('logloss'))} | "
         f"{_fmt_delta(row['fp8_vs_bf16'])} | {_fmt_delta(row['mods_vs_baseline'])} | "
-        f"{_fmt_delta(row['fp8_mods_vs_baseline'])} | {_fmt_time(b)} | {_fmt_time(f)} |")
+        f"{_fmt_delta(row['fp8_mods_vs_baseline'])} | {_fmt_time(b)} | {_fmt_time(f)} | "
+        f"{_fmt(b.get('peak_loss'), '.3g')} / {_fmt(f.get('peak_loss'), '.3g')} |")
   errors = [(row["label"], p, row[p]["error"]) for row in result["rows"]
             for p in ("bf16", "fp8_all") if (row.get(p) or {}).get("error")]
   for label, precision, error in errors:

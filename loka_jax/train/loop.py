@@ -382,30 +382,48 @@ def swap_model(state: TrainState, new_model, example_batch, seed: int) -> TrainS
 
 
 class _Window:
-  """Mean training loss (and speed) over the steps since the previous metrics line."""
+  """Mean and worst training loss (and speed) over the steps since the previous metrics line.
+  The worst step is kept because a mean hides a spike: DCNv2 `large`'s bf16+Mods run whose
+  loss jumped to 5.7 logged only window means (docs/BENCHMARKS.md, thirty-third session)."""
 
   def __init__(self):
     self.reset()
 
   def reset(self):
     self.loss_sum, self.steps, self.start = 0.0, 0, time.perf_counter()
+    self.max_loss = -math.inf
 
   def add(self, loss: float):
     self.loss_sum += loss
     self.steps += 1
+    self.max_loss = max(self.max_loss, loss)
 
   def record(self, step: int, elapsed: float, grad_norm: float) -> Dict[str, Any]:
     seconds = max(time.perf_counter() - self.start, 1e-9)
     return {"step": step, "loss": self.loss_sum / self.steps if self.steps else math.nan,
+            "max_loss": self.max_loss if self.steps else math.nan,
             "time": elapsed, "steps_per_sec": self.steps / seconds, "grad_norm": grad_norm}
 
 
+def _note_peak(loop_extras: Dict[str, Any], loss: float, step: int) -> None:
+  """Keeps the run's worst finite step (`peak_loss` at `peak_step`) in the loop's checkpointed
+  extras, so a resumed run reports the worst step of the whole run, not of its last part."""
+  if loss > loop_extras.get("peak_loss", -math.inf):
+    loop_extras["peak_loss"], loop_extras["peak_step"] = loss, step
+
+
 def _final_record(evaluation: Mapping[str, Any], step: int, config: TrainConfig,
-                  run_info: Mapping[str, Any], source, skipped: int, elapsed: float):
+                  run_info: Mapping[str, Any], source, loop_extras: Mapping[str, Any],
+                  elapsed: float):
   final = {"ne": evaluation["ne"], "auc": evaluation["auc"], "logloss": evaluation["logloss"],
            "base_ctr": evaluation["base_ctr"], "num_eval_examples": evaluation["num_examples"],
            "steps": step, "precision": run_info.get("precision"),
-           "seed": run_info.get("seed", config.seed), "skipped_steps": skipped, "time": elapsed}
+           "seed": run_info.get("seed", config.seed),
+           "skipped_steps": loop_extras["skipped_steps"], "time": elapsed}
+  # A run resumed from a checkpoint written before the loop kept its worst step has none.
+  if "peak_loss" in loop_extras:
+    final["peak_loss"] = float(loop_extras["peak_loss"])
+    final["peak_step"] = int(loop_extras["peak_step"])
   if getattr(source, "oracle_ne", None) is not None:
     final["oracle_ne"] = float(source.oracle_ne)
   final.update({k: v for k, v in run_info.items() if k not in final})
@@ -442,7 +460,7 @@ def train(model, source, workdir: str, config: TrainConfig, *,
     run_info: what identifies the run (model, preset, precision, data, ...); goes into
       config.json and final.json, which also gets `precision` and `seed` from here.
     extras: saved in every checkpoint (see checkpoint.py), e.g. the active plan; the key
-      "loop" is the loop's own (skipped steps, elapsed time).
+      "loop" is the loop's own (skipped steps, elapsed time, worst step).
     step_callback: called after each completed step as f(step, state, step_metrics); the
       state's buffers are reused by the next step, so copy (device_get) what you keep.
     model_hook: may swap the model mid-run (see the module docstring and `ModelHook`); its
@@ -506,6 +524,7 @@ def train(model, source, workdir: str, config: TrainConfig, *,
       done = i + 1
       if step_metrics["ok"]:
         window.add(float(step_metrics["loss"]))
+        _note_peak(loop_extras, float(step_metrics["loss"]), done)
         grad_norm = float(step_metrics["grad_norm"])
       else:
         site = locate_non_finite(model, state, batch, i)
@@ -561,8 +580,8 @@ def train(model, source, workdir: str, config: TrainConfig, *,
     if last_eval is None or last_eval[0] != final_step:  # e.g. resumed at the end
       last_eval = (final_step, evaluate(eval_step, state, source, eval_batch_size))
     save()
-    final = _final_record(last_eval[1], final_step, config, run_info, source,
-                          loop_extras["skipped_steps"], time.perf_counter() - t0)
+    final = _final_record(last_eval[1], final_step, config, run_info, source, loop_extras,
+                          time.perf_counter() - t0)
     _write_json_atomic(final_path, final)
     return final
   finally:

@@ -40,6 +40,8 @@ class OptimConfig:
                        f"{EMBEDDING_OPTIMIZERS}")
     if self.warmup_steps < 0:
       raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+    if self.clip_norm is not None and not self.clip_norm > 0:
+      raise ValueError(f"clip_norm must be > 0 or None, got {self.clip_norm}")
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> "OptimConfig":
