@@ -79,8 +79,9 @@ SERVE_QUALITY_GATE = flags.DEFINE_bool(
     "(plans/<target>/serve_quality.json); a proposal outside it is trimmed to its most "
     "accurate added forwards that stay within it.")
 SERVE_QUALITY_BUDGET = flags.DEFINE_float(
-    "serve_quality_budget", 2e-4, "The served-quality gate's budget: relative held-out "
-    "log-loss change against served bf16+Mods.")
+    "serve_quality_budget", None, "The served-quality gate's budget: relative held-out "
+    "log-loss change against served bf16+Mods (default: the 0.02% quality budget, "
+    "`train.metrics.NEUTRAL_REL_LOGLOSS`).")
 PROBE_STEPS = flags.DEFINE_integer("probe_steps", 100, "Training steps of each probe.")
 PROBE_SAMPLES = flags.DEFINE_integer("probe_samples", 32, "Draws per site of each probe's "
                                      "error evaluation (fewer: faster, wider CIs).")
@@ -204,7 +205,8 @@ def main(argv):
                                  head_to_head=tuple(HEAD_TO_HEAD.value),
                                  serve_plan=SERVE_PLAN.value,
                                  serve_quality_gate=SERVE_QUALITY_GATE.value,
-                                 serve_quality_budget=SERVE_QUALITY_BUDGET.value,
+                                 **({} if SERVE_QUALITY_BUDGET.value is None else
+                                    {"serve_quality_budget": SERVE_QUALITY_BUDGET.value}),
                                  serve_promotion={"auto": None, "on": True,
                                                   "off": False}[SERVE_PROMOTION.value],
                                  min_call_s=(suite.speed.MIN_CALL_S if MIN_CALL_MS.value is None

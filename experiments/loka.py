@@ -31,6 +31,7 @@ from loka_jax.probe.collector import ProbeConfig
 from loka_jax.probe.eligibility import Criteria
 from loka_jax.probe.runner import ProbeOptions
 from loka_jax.train import OptimConfig, TrainConfig, experiment, report
+from loka_jax.train.metrics import NEUTRAL_REL_LOGLOSS
 
 BATCH_SIZE = flags.DEFINE_integer("batch_size", 0, "Training batch; 0: the preset's.")
 NUM_EVAL = flags.DEFINE_integer("num_eval", 2048, "Held-out examples (0: the source's default).")
@@ -43,7 +44,7 @@ PROBE_KERNELS = flags.DEFINE_list(
     "probe's default list.")
 PROBE_SITES = flags.DEFINE_string("probe_sites", None,
                                   "Regex: probe only these sites (others stay bf16).")
-MAX_REL_LOGLOSS = flags.DEFINE_float("max_rel_logloss", 0.0002,
+MAX_REL_LOGLOSS = flags.DEFINE_float("max_rel_logloss", NEUTRAL_REL_LOGLOSS,
                                      "Held-out relative log-loss budget of validation.")
 SHADOW_STEPS = flags.DEFINE_integer("shadow_steps", 200, "Shadow training steps (0: skip).")
 FROM_INIT_STEPS = flags.DEFINE_integer(

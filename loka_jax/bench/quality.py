@@ -39,6 +39,7 @@ from loka_jax.bench import mods_set, planning
 from loka_jax.bench.results import ResultsFile
 from loka_jax.train import experiment
 from loka_jax.train.loop import TrainConfig, train
+from loka_jax.train.metrics import NEUTRAL_REL_LOGLOSS
 from loka_jax.train.optim import OptimConfig
 
 # `warmup_steps` and `clip_norm` are absent (None) from rows of the plain recipe, and
@@ -47,7 +48,7 @@ from loka_jax.train.optim import OptimConfig
 KEY_FIELDS = ("suite", "data", "model", "preset", "arm", "seed", "device", "warmup_steps",
               "mods_set", "clip_norm")
 MIN_EVAL = 200_000
-NEUTRAL_REL = 2e-4  # DESIGN.md: 0.02% relative log loss
+NEUTRAL_REL = NEUTRAL_REL_LOGLOSS
 
 
 @dataclasses.dataclass(frozen=True)

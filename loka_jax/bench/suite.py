@@ -29,6 +29,7 @@ from loka_jax.models.presets import apply_mods, build_model, get_config, site_pr
 from loka_jax.models.site import SiteConfig
 from loka_jax.train import experiment
 from loka_jax.train.loop import TrainConfig
+from loka_jax.train.metrics import NEUTRAL_REL_LOGLOSS
 
 # `mods_set` is absent (None) from rows of the default Mods set (`mods_set.DEFAULT`), so rows
 # written before it existed keep their keys.
@@ -162,7 +163,7 @@ class SpeedSettings:
   # parameters first and serve only one within the held-out budget (`serving_gate`).
   serve_quality_gate: bool = True
   # The gate's held-out budget: relative log-loss change against served bf16+Mods.
-  serve_quality_budget: float = 2e-4
+  serve_quality_budget: float = NEUTRAL_REL_LOGLOSS
   # The Mods of the Mods arms (bf16_mods, bf16_mods_served, loka) and of the probe that plans
   # LoKA: every Mod by default; another set is its own subject (`mods_set`).
   mods: Tuple[str, ...] = mods_set.DEFAULT

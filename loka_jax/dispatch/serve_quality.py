@@ -19,14 +19,14 @@ import jax
 from loka_jax.dispatch import export as export_lib
 from loka_jax.dispatch.validate import BASELINE, ValidationContext, held_out
 from loka_jax.train.loop import evaluate
-from loka_jax.train.metrics import paired_logloss_change
+from loka_jax.train.metrics import NEUTRAL_REL_LOGLOSS, paired_logloss_change
 
 SERVED_BF16 = "bf16_mods_served"
 # The names `experiments.serving_quality` scores a LoKA target's exports under: its training
 # plan's, and its serving plan's (plan_serve.json, with the bench's --serve_plan).
 TRAINING_PLAN = "loka"
 SERVING_PLAN = "loka_serving_plan"
-DEFAULT_BUDGET = 2e-4   # validation's held-out budget: 0.02% relative log loss
+DEFAULT_BUDGET = NEUTRAL_REL_LOGLOSS   # validation's held-out budget
 
 
 def exported_held_out(ctx: ValidationContext, plan, report: Optional[Mapping],

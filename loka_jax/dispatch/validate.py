@@ -109,7 +109,7 @@ from loka_jax.kernels import FP8_META, FUSED_OP, PASSES, PER_PASS, KernelChoice,
 from loka_jax.kernels import registry
 from loka_jax.kernels.flax_delayed import merge_fp8_meta
 from loka_jax.train.loop import compiled_steps, evaluate, loss_fn
-from loka_jax.train.metrics import paired_logloss_change
+from loka_jax.train.metrics import NEUTRAL_REL_LOGLOSS, paired_logloss_change
 from loka_jax.train.optim import OptimConfig
 from loka_jax.train.state import one_example
 
@@ -120,7 +120,7 @@ DELAYED_WARMUP = 3  # delayed-scaling state starts at scale 1: calibrate before 
 @dataclasses.dataclass(frozen=True)
 class ValidationConfig:
   """Bounds and sizes of the end-to-end checks (see the module docstring)."""
-  max_rel_logloss: float = 0.0002    # held-out |relative log-loss change| (0.02%, MISSION.md)
+  max_rel_logloss: float = NEUTRAL_REL_LOGLOSS  # held-out |relative log-loss change|
   shadow_steps: int = 200            # shadow training steps; 0 skips the shadow check
   shadow_window: int = 50            # last steps whose mean training loss is compared
   shadow_max_rel_loss: float = 0.005  # divergence bound of the shadow runs (relative)

@@ -34,11 +34,12 @@ import numpy as np
 from loka_jax import _compat, jsonio, timing
 from loka_jax.models.presets import MODS, get_config
 from loka_jax.train import NonFiniteError, OptimConfig, TrainConfig, experiment
+from loka_jax.train.metrics import NEUTRAL_REL_LOGLOSS
 
 SCHEMA = "loka.ablation/1"
 PRECISIONS = ("bf16", "fp8_all")
 SHORT = {"no_bias": "NB", "blocknorm": "BN", "hard_swish": "HS"}
-NEUTRAL_REL = 2e-4   # DESIGN.md: 0.02% relative log loss
+NEUTRAL_REL = NEUTRAL_REL_LOGLOSS
 TIMING_MODES = ("auto", "off", "force")
 # Settings a rerun may change (which arms, how they run); anything else must match.
 FREE_SETTINGS = ("combinations", "precisions", "noise_seeds", "timing", "repeats", "workers",
