@@ -1287,11 +1287,13 @@ class QualityProtocolTest(absltest.TestCase):
     results = ResultsFile(os.path.join(out, "quality.jsonl"), quality.KEY_FIELDS)
     common = dict(preset="tiny", steps=4, batch_size=64, min_eval=100, arms=("bf16",),
                   noise_seeds=())
+    logs = []
     for clip in (None, 1e-9):
       self.assertTrue(quality.run_model(
           "dlrm", quality.QualitySettings(clip_norm=clip, **common), results, out,
-          deadline=float("inf"), device="cpu", log=lambda _: None))
+          deadline=float("inf"), device="cpu", log=logs.append))
     plain, clipped = sorted(results.rows(), key=quality.row_clip)
+    self.assertIn("  quality synthetic dlrm/tiny bf16 seed 0 clip 1e-09", logs)
     self.assertNotIn("clip_norm", plain)  # plain rows keep the keys they always had
     self.assertEqual(clipped["clip_norm"], 1e-9)
     # Clipped to 1e-9, the dense towers' Adam steps are left to its epsilon: the run differs.
@@ -1305,6 +1307,10 @@ class QualityProtocolTest(absltest.TestCase):
     self.assertEqual([r["step"] for r in lines], [1, 2, 3, 4])
     worst = max(lines, key=lambda r: r["loss"])
     self.assertEqual((clipped["peak_loss"], clipped["peak_step"]), (worst["loss"], worst["step"]))
+    # Each finished run's log line names its held-out log loss and its worst step.
+    self.assertIn(f"    held-out log loss {clipped['logloss']:.5f} after "
+                  f"{clipped['train_s']:.0f} s; worst step {worst['step']}: training loss "
+                  f"{worst['loss']:.3g}", logs)
 
 
 class ParseTargetTest(absltest.TestCase):

@@ -301,10 +301,22 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
     except Exception as e:  # a diverged or failing arm is a result too
       row.update(error=f"{type(e).__name__}: {e}"[:2000], traceback=traceback.format_exc()[-3000:])
       log(f"    failed: {type(e).__name__}: {str(e)[:300]}")
+    else:
+      log(run_line(row))
     results.append(row)
     if not settings.keep_runs:
       shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
   return True
+
+
+def run_line(row: Mapping) -> str:
+  """The log line of a finished run: its held-out log loss and its worst training step, so a
+  spike shows as the runs go, not only in the final tables."""
+  loss = row.get("logloss")
+  return (f"    held-out log loss {'n/a' if loss is None else format(loss, '.5f')} after "
+          f"{row.get('train_s', 0):.0f} s" + (
+              f"; worst step {row['peak_step']}: training loss {row['peak_loss']:.3g}"
+              if row.get("peak_loss") is not None else ""))
 
 
 def noise_floor(rows: Sequence[Mapping], comparison: Comparison) -> Dict:
