@@ -3,6 +3,7 @@
 Uses the toy click model of train_toys.py (built from DenseSites, tables under `embeddings`);
 equal models and settings share one compilation per process.
 """
+import json
 import os
 import tempfile
 
@@ -154,6 +155,34 @@ class TrainLoopTest(chex.TestCase):
     self.assertEqual([r["step"] for r in lines], [3, 6, 9, 12])
     for r in lines:
       self.assertEqual(r["max_loss"], max(losses[s] for s in range(r["step"] - 2, r["step"] + 1)))
+
+  def test_a_run_resumed_from_a_checkpoint_without_its_worst_step_reports_none(self):
+    # A checkpoint written before the loop kept its worst step: the steps before it are not
+    # in the resumed run, whose own worst would pass for the whole run's.
+    config = TrainConfig(steps=8, batch_size=64, log_every=4, checkpoint_every=4,
+                         progress=False)
+
+    class Stop(Exception):
+      pass
+
+    def stop(step, state, metrics):
+      if step == 5:
+        raise Stop()
+
+    with self.assertRaises(Stop):
+      train(train_toys.ToyClickModel(), train_toys.ToySource(), self.workdir, config,
+            step_callback=stop)
+    layout_path = os.path.join(self.workdir, "checkpoints", "4", "layout.json")
+    with open(layout_path) as f:
+      layout = json.load(f)
+    self.assertIn("peak_loss", layout["extras_json"]["loop"])
+    for key in ("peak_loss", "peak_step"):
+      del layout["extras_json"]["loop"][key]
+    with open(layout_path, "w") as f:
+      json.dump(layout, f)
+    final = train(train_toys.ToyClickModel(), train_toys.ToySource(), self.workdir, config)
+    self.assertEqual(final["steps"], 8)
+    self.assertNotIn("peak_loss", final)
 
   def test_bad_learning_rate_stops_naming_step_and_site(self):
     config = TrainConfig(steps=20, batch_size=64, log_every=5, progress=False,

@@ -420,8 +420,9 @@ def _final_record(evaluation: Mapping[str, Any], step: int, config: TrainConfig,
            "steps": step, "precision": run_info.get("precision"),
            "seed": run_info.get("seed", config.seed),
            "skipped_steps": loop_extras["skipped_steps"], "time": elapsed}
-  # A run resumed from a checkpoint written before the loop kept its worst step has none.
-  if "peak_loss" in loop_extras:
+  # A run resumed from a checkpoint written before the loop kept its worst step reports none:
+  # the steps before the checkpoint are not in it.
+  if "peak_loss" in loop_extras and not loop_extras.get("peak_unknown"):
     final["peak_loss"] = float(loop_extras["peak_loss"])
     final["peak_step"] = int(loop_extras["peak_step"])
   if getattr(source, "oracle_ne", None) is not None:
@@ -497,6 +498,8 @@ def train(model, source, workdir: str, config: TrainConfig, *,
   start = int(jax.device_get(state.step))
   if restored is not None:
     logging.info("resuming %s from step %d", workdir, start)
+    if start > 0 and "peak_loss" not in loop_extras:  # saved before the worst step was kept
+      loop_extras["peak_unknown"] = True
     if model_hook is not None:
       model_hook.on_restore(start, saved)
   writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"), resume_step=start)
