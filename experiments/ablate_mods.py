@@ -13,6 +13,7 @@ import sys
 from absl import app, flags
 
 from loka_jax import flags as common
+from loka_jax import xla_env
 from loka_jax.mods import ablation
 from loka_jax.train import OptimConfig, experiment
 
@@ -30,6 +31,9 @@ PRECISIONS = flags.DEFINE_list("precisions", list(ablation.PRECISIONS),
 NOISE_SEEDS = flags.DEFINE_list("noise_seeds", [],
                                 "Extra seeds of the bf16 baseline for the seed-to-seed noise "
                                 "floor (DESIGN.md asks for >= 3 bf16 seeds in all).")
+DETERMINISTIC = flags.DEFINE_bool(
+    "xla_deterministic", False, "Deterministic GPU ops (--xla_gpu_deterministic_ops): each arm "
+    "repeats bit for bit (with --timing=off only, since it slows the steps).")
 TIMING = flags.DEFINE_enum("timing", "auto", ablation.TIMING_MODES,
                            "auto: time on a GPU only; off; force: also on a CPU (smoke test).")
 REPEATS = flags.DEFINE_integer("repeats", 20, "Timed repeats per variant (interleaved).")
@@ -62,9 +66,12 @@ def main(argv):
         combinations=ablation.parse_combinations(COMBINATIONS.value),
         precisions=tuple(PRECISIONS.value), noise_seeds=tuple(int(s) for s in NOISE_SEEDS.value),
         timing=TIMING.value, repeats=REPEATS.value, workers=WORKERS.value,
-        keep_checkpoints=KEEP_CHECKPOINTS.value, max_minutes=MAX_MINUTES.value or None)
+        keep_checkpoints=KEEP_CHECKPOINTS.value, max_minutes=MAX_MINUTES.value or None,
+        xla_deterministic=DETERMINISTIC.value)
   except ValueError as e:
     raise app.UsageError(str(e))
+  if config.xla_deterministic:  # before anything starts JAX's backend
+    xla_env.add_xla_flags(xla_env.DETERMINISTIC)
   experiment.quiet_library_logs()
   workdir = common.WORKDIR.value
   ablation.use_compile_cache(COMPILE_CACHE.value or os.path.join(workdir, "jax_cache"))

@@ -133,17 +133,24 @@ ML_PRESET = flags.DEFINE_string("ml_preset", "tiny", "MovieLens model preset.")
 ML_STEPS = flags.DEFINE_integer("ml_steps", 600, "MovieLens training steps.")
 ML_BATCH = flags.DEFINE_integer("ml_batch", 256, "MovieLens batch size.")
 ML_SEEDS = flags.DEFINE_integer("ml_seeds", 5, "MovieLens seeds per arm.")
+DETERMINISTIC = flags.DEFINE_bool(
+    "xla_deterministic", False, "Deterministic GPU ops (--xla_gpu_deterministic_ops) for the "
+    "quality suite: a run repeats bit for bit, so a loss spike at one seed can be run again "
+    "and looked into; slower, so for --suite=quality only. Rows record it.")
 ARMS = flags.DEFINE_list("arms", ["bf16", "bf16_mods", "fp8_naive", "fp8_delayed", "loka"],
                         "Quality arms.")
 
 
 def _setup(workdir: str) -> None:
-  """Caches and XLA autotune persistence; must run before JAX touches the GPU."""
+  """Caches, XLA autotune persistence and deterministic ops; must run before JAX touches the
+  GPU."""
+  from loka_jax import xla_env
   os.makedirs(workdir, exist_ok=True)
-  autotune = os.path.join(workdir, "xla_autotune.textproto")
-  flag = (f"--xla_gpu_load_autotune_results_from={autotune}" if os.path.exists(autotune)
-          else f"--xla_gpu_dump_autotune_results_to={autotune}")
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+  if DETERMINISTIC.value and SUITE.value != "quality":
+    raise app.UsageError("--xla_deterministic is for --suite=quality only: it slows the "
+                         "embeddings' backward, and the other suites time their steps")
+  xla_env.add_xla_flags(xla_env.autotune_flag(os.path.join(workdir, "xla_autotune.textproto")),
+                        *([xla_env.DETERMINISTIC] if DETERMINISTIC.value else []))
   import jax
   jax.config.update("jax_compilation_cache_dir",
                     COMPILE_CACHE.value or os.path.join(workdir, "jax_cache"))

@@ -24,6 +24,7 @@ import traceback
 from absl import app, flags
 
 from loka_jax import flags as common_flags  # noqa: F401  (the common flags, defined once)
+from loka_jax import xla_env
 
 OUT = flags.DEFINE_string("out", None, "Output directory (results.jsonl, table.md, caches).")
 ONLY = flags.DEFINE_list("only", [], "Run only shapes/variants whose name contains a token.")
@@ -66,10 +67,7 @@ def _setup_env(out_dir):
     os.environ["LOKA_PALLAS_AUTOTUNE"] = "1"
   # Read by kernels_pallas at import (kernels_pallas.compat.fp8_imprecise_acc).
   os.environ["LOKA_PALLAS_FP8_IMPRECISE_ACC"] = str(IMPRECISE_ACC.value)
-  autotune = os.path.join(out_dir, "xla_autotune.textproto")
-  flag = (f"--xla_gpu_load_autotune_results_from={autotune}" if os.path.exists(autotune)
-          else f"--xla_gpu_dump_autotune_results_to={autotune}")
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+  xla_env.add_xla_flags(xla_env.autotune_flag(os.path.join(out_dir, "xla_autotune.textproto")))
 
 
 def _shapes():

@@ -25,6 +25,7 @@ import os
 from absl import app, flags
 
 from loka_jax import flags as common_flags  # noqa: F401  (the common flags, defined once)
+from loka_jax import xla_env
 
 TOWER = flags.DEFINE_string("tower", None, "Profile an MLP tower BxWIDTHxDEPTH instead.")
 VARIANTS = flags.DEFINE_list("variants", ["bf16", "bf16_mods"],
@@ -61,8 +62,7 @@ def main(argv):
   if RENDER.value:
     return _render(RENDER.value)
   if not COMMAND_BUFFERS.value:  # read when JAX starts its GPU backend, so before any use
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_gpu_enable_command_buffer=").strip()
+    xla_env.add_xla_flags("--xla_gpu_enable_command_buffer=")
   import jax
   from loka_jax import _compat, jsonio
   from loka_jax.bench import planning, plots, profile, speed, suite

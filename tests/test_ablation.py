@@ -52,6 +52,14 @@ class CombinationsTest(chex.TestCase):
     with self.assertRaisesRegex(ValueError, "unknown mod.*'layernorm'.*no_bias, blocknorm"):
       ablation.parse_combinations("blocknorm+layernorm")
 
+  def test_deterministic_ops_are_a_shared_setting_and_never_timed(self):
+    plain = ablation.AblationConfig(timing="off")
+    self.assertNotIn("xla_deterministic", plain.shared_settings())  # old workdirs resume
+    self.assertTrue(ablation.AblationConfig(timing="off", xla_deterministic=True)
+                    .shared_settings()["xla_deterministic"])
+    with self.assertRaisesRegex(ValueError, "timing='off'"):
+      ablation.AblationConfig(xla_deterministic=True)
+
   def test_arms_and_config_errors(self):
     config = ablation.AblationConfig(combinations=((), ALL), noise_seeds=(3,))
     self.assertEqual([a.name for a in ablation.arms(config)],

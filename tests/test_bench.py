@@ -1210,6 +1210,24 @@ class CliTest(absltest.TestCase):
       self.assertTrue(os.path.exists(os.path.join(out, name)), name)
 
 
+  def test_deterministic_ops_run_the_quality_suite_and_no_timed_one(self):
+    out = _tempdir(self)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    base = [sys.executable, "-m", "experiments.bench", f"--workdir={out}", "--xla_deterministic"]
+    timed = subprocess.run(base + ["--suite=towers"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=120)
+    self.assertNotEqual(timed.returncode, 0)
+    self.assertIn("--xla_deterministic is for --suite=quality only", timed.stderr)
+    quality_run = subprocess.run(
+        base + ["--suite=quality", "--quality_data=synthetic", "--quality_preset=tiny",
+                "--models=dlrm", "--arms=bf16", "--noise_seeds=", "--quality_steps=3",
+                "--quality_eval=100", "--batch_size=64"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    self.assertEqual(quality_run.returncode, 0, quality_run.stderr[-3000:])
+    (row,) = [json.loads(l) for l in open(os.path.join(out, "quality.jsonl"))]
+    self.assertTrue(row["xla_deterministic"])
+    self.assertIsNotNone(row["logloss"])
+
   def test_the_variants_flag_names_every_variant(self):
     help_text = subprocess.run([sys.executable, "-m", "experiments.bench", "--helpfull"],
                                cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),

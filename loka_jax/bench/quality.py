@@ -35,6 +35,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import jax
 import numpy as np
 
+from loka_jax import xla_env
 from loka_jax.bench import mods_set, planning
 from loka_jax.bench.results import ResultsFile
 from loka_jax.train import experiment
@@ -279,6 +280,11 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
       return False
     row = {f: v for f, v in zip(KEY_FIELDS, key) if v is not None}
     row.update(jax=jax.__version__, precision=arm.precision, mods=list(arm.mods))
+    # Whether XLA's deterministic GPU ops ran it (`xla_env.DETERMINISTIC`, set by the script
+    # before JAX starts): recorded, not a recipe; the numbers' distribution is the same, only
+    # their repeatability differs.
+    if xla_env.in_effect(xla_env.DETERMINISTIC):
+      row["xla_deterministic"] = True
     plan = None
     if arm.precision == "loka":
       plan = planning.plan_path(settings.plans_root, model, settings.preset)

@@ -114,6 +114,9 @@ class AblationConfig:
   workers: int = 1                          # arms trained at once (threads; 1 on a GPU)
   keep_checkpoints: bool = False            # keep finished arms' checkpoints (disk)
   max_minutes: Optional[float] = None       # start no new arm or timing row after this
+  # The arms run XLA's deterministic GPU ops (`xla_env.DETERMINISTIC`, which the script sets
+  # before JAX starts), so each repeats bit for bit; never with timing, which it would slow.
+  xla_deterministic: bool = False
 
   def __post_init__(self):
     for p in self.precisions:
@@ -129,6 +132,9 @@ class AblationConfig:
                        f"{self.warmup_steps}")
     if self.seed in self.noise_seeds:
       raise ValueError(f"noise_seeds {self.noise_seeds} must differ from seed {self.seed}")
+    if self.xla_deterministic and self.timing != "off":
+      raise ValueError("xla_deterministic slows the steps the ablation times: use it with "
+                       "timing='off'")
 
   @property
   def batch(self) -> int:
@@ -139,8 +145,10 @@ class AblationConfig:
     d = dataclasses.asdict(self)
     out = {k: v for k, v in d.items() if k not in FREE_SETTINGS}
     out["batch_size"] = self.batch
-    if not self.warmup_steps:  # a workdir from before the warm-up existed keeps its settings
-      del out["warmup_steps"]
+    # A workdir from before the warm-up or the deterministic ops existed keeps its settings.
+    for key in ("warmup_steps", "xla_deterministic"):
+      if not out[key]:
+        del out[key]
     return out
 
 
@@ -494,6 +502,7 @@ def markdown_table(result: Mapping[str, Any]) -> str:
   lines = [
       f"Mods ablation: {s['model']}/{s['preset']}, {s['steps']} steps x batch {s['batch_size']}"
       + (f" (learning-rate warm-up {s['warmup_steps']} steps)" if s.get("warmup_steps") else "")
+      + (" with deterministic XLA ops" if s.get("xla_deterministic") else "")
       + ", "
       f"{s['num_eval']} held-out examples, seed {s['seed']}; FP8 = fp8_all with {s['kernel']}; "
       f"BlockNorm block {s['block_size']}; device {result['device']}, jax {result['jax']}.",
