@@ -269,7 +269,8 @@ def main(argv):
   report = tables.report(rows, verdicts)
   with open(os.path.join(workdir, "report.md"), "w") as f:
     f.write(report + "\n")
-  written = plots.write_plots(rows, os.path.join(workdir, "plots"))
+  written = plots.write_plots(rows, os.path.join(workdir, "plots"),
+                              quality_runs=[os.path.join(workdir, "quality")])
   print(report)
   _log(f"plots: {', '.join(written) or 'none yet'}")
   _log(("all selected rows are done" if finished else "stopped at --max_minutes; rerun the "

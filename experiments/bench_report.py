@@ -1,7 +1,7 @@
 r"""The headline benchmark's tables, target verdicts and plots from result rows already measured.
 
   python -m experiments.bench_report --rows=OLDEST.jsonl,...,NEWEST.jsonl --out=DIR \
-      [--device="NVIDIA H200"] [--served_quality=REPORT.json,...]
+      [--device="NVIDIA H200"] [--served_quality=REPORT.json,...] [--quality_runs=DIR,...]
 
 Merges speed and quality rows from the files in order (a later row of the same target,
 variant or arm, seed, device, recipe and Mods set replaces an earlier one:
@@ -21,6 +21,10 @@ ROWS = flags.DEFINE_list("rows", None, "Result JSONL files (bench.jsonl, quality
                          "oldest first.", required=True)
 OUT = flags.DEFINE_string("out", None, "Output directory.", required=True)
 DEVICE = flags.DEFINE_string("device", None, "Only rows measured on this device kind.")
+QUALITY_RUNS = flags.DEFINE_list(
+    "quality_runs", [], "Quality suites' run folders (a bench workdir's `quality/`): each "
+    "comparison's training curves are drawn from the runs found there "
+    "(plots/curves_<subject>.png).")
 SERVED = flags.DEFINE_list(
     "served_quality", [], "Reports of experiments.serving_quality (JSON), oldest first: the "
     "held-out quality of the models LoKA rows served before the bench's served-quality gate; "
@@ -50,7 +54,8 @@ def main(argv):
   report = tables.report(rows, verdicts)
   with open(os.path.join(OUT.value, "report.md"), "w") as f:
     f.write(report + "\n")
-  written = plots.write_plots(rows, os.path.join(OUT.value, "plots"))
+  written = plots.write_plots(rows, os.path.join(OUT.value, "plots"),
+                              quality_runs=QUALITY_RUNS.value)
   print(report)
   counts = {"met": sum(v["met"] is True for v in verdicts),
             "missed": sum(v["met"] is False for v in verdicts),

@@ -391,6 +391,37 @@ class RenderTest(absltest.TestCase):
         self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
 
 
+  def test_training_curves_are_drawn_from_the_runs_found(self):
+    # Two comparisons: DCNv2 `large` with the warm-up, whose runs are on disk (seed 2's LoKA
+    # run spikes), and DLRM `small`, whose runs are not.
+    rows = [_quality_row("dcnv2", "large", a, s, 0.48, warmup_steps=50)
+            for a in ("bf16", "bf16_mods", "loka") for s in range(3)]
+    rows += [_quality_row("dlrm", "small", a, 0, 0.47) for a in ("bf16", "loka")]
+    empty, root = _tempdir(self), _tempdir(self)
+    for r in rows[:9]:
+      run = quality.run_dir(root, r)
+      os.makedirs(run)
+      spike = r["arm"] == "loka" and r["seed"] == 2
+      with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+        for step in (50, 100, 150):
+          loss = 6.9 if spike and step == 100 else 0.6 - 0.0004 * step
+          f.write(json.dumps({"step": step, "loss": loss, "max_loss": loss + 0.05}) + "\n")
+    curve = plots.read_curve(quality.run_dir(root, rows[8]))
+    self.assertEqual(curve["loss"][1], 6.9)
+    self.assertEqual(curve["max_loss"][1], 6.95)
+    self.assertIsNone(plots.read_curve(quality.run_dir(empty, rows[8])))
+    out = _tempdir(self)
+    paths = plots.write_plots(rows, out, quality_runs=[empty, root])
+    self.assertEqual(sorted(os.path.basename(p) for p in paths),
+                     ["curves_synthetic_dcnv2_large_warmup_50.png", "loss_gap.png"])
+    with open(os.path.join(out, "curves_synthetic_dcnv2_large_warmup_50.png"), "rb") as f:
+      png = f.read()
+    self.assertEqual(png[:8], b"\x89PNG\r\n\x1a\n")
+    # Three seeds, three panels: wider than one panel's figure would be.
+    self.assertGreater(int.from_bytes(png[16:20], "big"), 3 * 4.2 * 110 * 0.9)
+    self.assertEqual(set(plots.ARM_COLORS), set(quality.ARMS))
+
+
 class BaselineDriftTest(absltest.TestCase):
 
   def _rows(self, rng):
@@ -1317,6 +1348,7 @@ class QualityProtocolTest(absltest.TestCase):
     # Clipped to 1e-9, the dense towers' Adam steps are left to its epsilon: the run differs.
     self.assertNotEqual(plain["logloss"], clipped["logloss"])
     run_dir = os.path.join(out, "synthetic", "dlrm_tiny", "bf16_seed0_clip1e-09")
+    self.assertEqual(quality.run_dir(out, clipped), run_dir)  # found again from its row
     config = json.load(open(os.path.join(run_dir, "config.json")))
     self.assertEqual(config["train"]["optim"]["clip_norm"], 1e-9)
     # The row's worst step is the worst of the run's own per-step losses: each metrics line

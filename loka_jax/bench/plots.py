@@ -1,9 +1,11 @@
-"""PNG plots of the benchmark rows (speedup per variant per target, log-loss gap per arm) and
-of step profiles (where each step's device time goes)."""
+"""PNG plots of the benchmark rows (speedup per variant per target, log-loss gap per arm), of
+the quality runs' training curves and of step profiles (where each step's device time goes)."""
 from __future__ import annotations
 
+import json
 import os
-from typing import List, Mapping, Sequence
+import re
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import matplotlib
 
@@ -71,6 +73,11 @@ def speedup_plot(rows: Sequence[Mapping], suite: str, path: str) -> str:
   return path
 
 
+# A fixed colour per quality arm, the same in the loss gap and the training curves.
+ARM_COLORS = {"bf16": "0.45", "bf16_mods": "C0", "fp8_naive": "C1", "fp8_delayed": "C2",
+              "loka": "C3"}
+
+
 def loss_gap_plot(rows: Sequence[Mapping], path: str) -> str:
   """Bars: log-loss gap of every arm vs bf16 per data/model, with the neutral bound shaded."""
   groups = quality_lib.comparisons(rows)
@@ -87,7 +94,7 @@ def loss_gap_plot(rows: Sequence[Mapping], path: str) -> str:
       if base is None or arm not in means:
         continue
       ax.bar(g_i + (j - (len(arms) - 1) / 2) * width, means[arm]["logloss"] - base, width,
-             color=f"C{j}", label=arm if g_i == 0 else None)
+             color=ARM_COLORS[arm], label=arm if g_i == 0 else None)
   ax.axhline(0.0, color="k", lw=0.8)
   ax.set_xticks(range(len(groups)))
   ax.set_xticklabels([c.subject for c in groups], rotation=15, ha="right",
@@ -100,6 +107,70 @@ def loss_gap_plot(rows: Sequence[Mapping], path: str) -> str:
   fig.savefig(path, dpi=110)
   plt.close(fig)
   return path
+
+
+def read_curve(run_dir: str) -> Optional[Dict[str, List[float]]]:
+  """A run's logged training curve from its `metrics.jsonl`: step, mean loss of each logged
+  window and, where logged, its worst step (`max_loss`); None without the file."""
+  path = os.path.join(run_dir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    lines = [json.loads(line) for line in f if line.strip()]
+  lines = [r for r in lines if isinstance(r.get("loss"), (int, float))]
+  return {"step": [r["step"] for r in lines], "loss": [r["loss"] for r in lines],
+          "max_loss": [r.get("max_loss") for r in lines]}
+
+
+def training_curves_plot(rows: Sequence[Mapping], runs_roots: Sequence[str],
+                         comparison: "quality_lib.Comparison", path: str) -> Optional[str]:
+  """One panel per seed: each arm's logged training loss over the steps (solid: the mean of
+  each logged window; dotted: its worst step, where logged), on a log scale so a spike and
+  the converged loss both read. The mean over seeds, which the verdicts compare, can rest on
+  one seed's spike (DCNv2 `large`, docs/BENCHMARKS.md section 7, thirty-third session).
+  Each run is read from the first of `runs_roots` (quality suites' run folders) that holds
+  it; None when none holds a run of the comparison."""
+  curves: Dict[int, Dict[str, Dict]] = {}
+  for r in rows:
+    if not comparison.holds(r):
+      continue
+    for root in runs_roots:
+      curve = read_curve(quality_lib.run_dir(root, r))
+      if curve and curve["step"]:
+        curves.setdefault(r["seed"], {})[r["arm"]] = curve
+        break
+  if not curves:
+    return None
+  seeds = sorted(curves)
+  fig, axes = plt.subplots(1, len(seeds), figsize=(4.2 * len(seeds), 3.4), sharey=True,
+                           squeeze=False)
+  for ax, seed in zip(axes[0], seeds):
+    for arm in (a for a in quality_lib.ARMS if a in curves[seed]):
+      c = curves[seed][arm]
+      color = ARM_COLORS[arm]
+      ax.plot(c["step"], c["loss"], color=color, lw=1.4, label=arm)
+      worst = [(s, m) for s, m in zip(c["step"], c["max_loss"]) if m is not None]
+      if worst:
+        ax.plot(*zip(*worst), color=color, lw=0.8, ls=":")
+    ax.set_yscale("log")
+    ax.set_title(f"seed {seed}", fontsize=9)
+    ax.set_xlabel("step")
+  axes[0][0].set_ylabel("training loss (log scale)")
+  handles = {}  # every arm drawn in any panel, once
+  for ax in axes[0]:
+    handles.update(zip(*reversed(ax.get_legend_handles_labels())))
+  axes[0][-1].legend(list(handles.values()), list(handles), fontsize=7)
+  fig.suptitle(f"Training curves: {comparison.subject} (solid: window mean; dotted: its "
+               "worst step)", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+def curves_file_name(comparison: "quality_lib.Comparison") -> str:
+  """`curves_<subject>.png`, the subject made safe for a file name."""
+  return "curves_" + re.sub(r"[^A-Za-z0-9]+", "_", comparison.subject).strip("_") + ".png"
 
 
 def profile_plot(profiles: Mapping[str, Mapping], path: str, title: str = "") -> str:
@@ -133,8 +204,11 @@ def profile_plot(profiles: Mapping[str, Mapping], path: str, title: str = "") ->
   return path
 
 
-def write_plots(rows: Sequence[Mapping], out_dir: str) -> List[str]:
-  """Every plot the rows can fill, under `out_dir`; returns the paths written."""
+def write_plots(rows: Sequence[Mapping], out_dir: str,
+                quality_runs: Sequence[str] = ()) -> List[str]:
+  """Every plot the rows can fill, under `out_dir`; returns the paths written. With
+  `quality_runs` (quality suites' run folders), also each comparison's training curves from
+  the runs found there."""
   os.makedirs(out_dir, exist_ok=True)
   paths = []
   for suite in ("towers", "models"):
@@ -142,4 +216,10 @@ def write_plots(rows: Sequence[Mapping], out_dir: str) -> List[str]:
       paths.append(speedup_plot(rows, suite, os.path.join(out_dir, f"speedup_{suite}.png")))
   if any(r.get("suite") == "quality" and r.get("logloss") is not None for r in rows):
     paths.append(loss_gap_plot(rows, os.path.join(out_dir, "loss_gap.png")))
+  if quality_runs:
+    for c in quality_lib.comparisons(rows):
+      path = training_curves_plot(rows, quality_runs, c,
+                                  os.path.join(out_dir, curves_file_name(c)))
+      if path:
+        paths.append(path)
   return paths

@@ -97,12 +97,6 @@ class QualitySettings:
     self.mods = mods_set.parse(self.mods)
 
   @property
-  def recipe_suffix(self) -> str:
-    """What a run directory's name adds for the recipe ('' for the plain one)."""
-    return ((f"_warmup{self.warmup_steps}" if self.warmup_steps else "")
-            + (f"_clip{self.clip_norm:g}" if self.clip_norm else ""))
-
-  @property
   def optim(self) -> OptimConfig:
     return OptimConfig(warmup_steps=self.warmup_steps, clip_norm=self.clip_norm)
 
@@ -294,10 +288,7 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
         log(f"  quality {model}/loka: skipped, no plan at {plan} yet")
         continue
       row["plan"] = plan
-    recipe = settings.recipe_suffix + (f"_mods_{settings.mods_label}" if settings.mods_label
-                                       else "")
-    workdir = os.path.join(root, settings.data, f"{model}_{settings.preset}",
-                           f"{arm.name}_seed{seed}{recipe}")
+    workdir = run_dir(root, row)
     label = recipe_label(settings.warmup_steps, settings.clip_norm or 0.0)
     log(f"  quality {settings.data} {model}/{settings.preset} {arm.name} seed {seed}"
         + (f" {label}" if label else "")
@@ -313,6 +304,17 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
     if not settings.keep_runs:
       shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
   return True
+
+
+def run_dir(root: str, row: Mapping) -> str:
+  """Where the run of a quality row trains under `root` (the suite's `quality` folder): one
+  folder per data set and target, one per arm, seed, recipe and Mods set."""
+  clip = row_clip(row)
+  recipe = ((f"_warmup{row['warmup_steps']}" if row.get("warmup_steps") else "")
+            + (f"_clip{clip:g}" if clip else "")
+            + (f"_mods_{row['mods_set']}" if row.get("mods_set") else ""))
+  return os.path.join(root, row["data"], f"{row['model']}_{row['preset']}",
+                      f"{row['arm']}_seed{row['seed']}{recipe}")
 
 
 def run_line(row: Mapping) -> str:
