@@ -2,7 +2,6 @@
 the quality runs' training curves and of step profiles (where each step's device time goes)."""
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Dict, List, Mapping, Optional, Sequence
@@ -16,6 +15,7 @@ import numpy as np  # noqa: E402
 from loka_jax.bench import quality as quality_lib  # noqa: E402
 from loka_jax.bench.mods_set import row_subject  # noqa: E402
 from loka_jax.bench.variants import LABELS, VARIANTS  # noqa: E402
+from loka_jax.train import read_metrics  # noqa: E402
 
 
 def variant_color(variant: str) -> str:
@@ -115,9 +115,7 @@ def read_curve(run_dir: str) -> Optional[Dict[str, List[float]]]:
   path = os.path.join(run_dir, "metrics.jsonl")
   if not os.path.exists(path):
     return None
-  with open(path) as f:
-    lines = [json.loads(line) for line in f if line.strip()]
-  lines = [r for r in lines if isinstance(r.get("loss"), (int, float))]
+  lines = [r for r in read_metrics(path) if isinstance(r.get("loss"), (int, float))]
   return {"step": [r["step"] for r in lines], "loss": [r["loss"] for r in lines],
           "max_loss": [r.get("max_loss") for r in lines]}
 

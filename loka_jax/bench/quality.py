@@ -49,7 +49,6 @@ from loka_jax.train.optim import OptimConfig
 KEY_FIELDS = ("suite", "data", "model", "preset", "arm", "seed", "device", "warmup_steps",
               "mods_set", "clip_norm")
 MIN_EVAL = 200_000
-NEUTRAL_REL = NEUTRAL_REL_LOGLOSS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,7 +331,7 @@ def noise_floor(rows: Sequence[Mapping], comparison: Comparison) -> Dict:
   losses = [r["logloss"] for r in rows if comparison.holds(r) and r.get("arm") == "bf16"]
   mean = float(np.mean(losses)) if losses else None
   std = float(np.std(losses, ddof=1)) if len(losses) >= 2 else None
-  rel = NEUTRAL_REL * abs(mean) if mean is not None else None
+  rel = NEUTRAL_REL_LOGLOSS * abs(mean) if mean is not None else None
   bound = max(x for x in (rel, None if std is None else 2 * std) if x is not None) \
       if rel is not None else None
   return {"bf16_seeds": len(losses), "bf16_mean": mean, "bf16_std": std, "bound": bound}

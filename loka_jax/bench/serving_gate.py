@@ -68,6 +68,7 @@ def score(plans_root: str, model: str, preset: str, context_factory, log=print,
   if saved is not None:
     return saved
   from loka_jax.dispatch import read_plan, serve_quality
+  from loka_jax.train.metrics import NEUTRAL_REL_LOGLOSS
   selected, proposal, sites = planning.select_serving(plans_root, model, preset)
   candidates = {"selected": selected,
                 "training": read_plan(planning.plan_path(plans_root, model, preset))}
@@ -77,7 +78,7 @@ def score(plans_root: str, model: str, preset: str, context_factory, log=print,
   log(f"  scoring the served models ({', '.join(candidates)}) on the probe's trained "
       "parameters")
   scorer = serve_quality.Scorer(context_factory(), report,
-                                budget=serve_quality.DEFAULT_BUDGET if budget is None else budget)
+                                budget=NEUTRAL_REL_LOGLOSS if budget is None else budget)
   measured = scorer.score(candidates, with_baseline=True)
   for name, m in measured.items():
     log(f"  served {name}: {serve_quality.change_text(m['vs_served_bf16_mods'])} vs served "

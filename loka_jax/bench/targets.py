@@ -16,6 +16,7 @@ from loka_jax.bench import mods_set
 from loka_jax.bench import quality as quality_lib
 from loka_jax.bench import served_check
 from loka_jax.bench.variants import PEERS
+from loka_jax.train.metrics import NEUTRAL_REL_LOGLOSS
 
 NOT_SLOWER = 0.98
 MODES = ("train", "infer")
@@ -336,7 +337,7 @@ def wide_bound_note(floor: Mapping) -> Optional[str]:
   mean, bound = floor.get("bf16_mean"), floor.get("bound")
   if not mean or bound is None:
     return None
-  ratio = bound / (quality_lib.NEUTRAL_REL * abs(mean))
+  ratio = bound / (NEUTRAL_REL_LOGLOSS * abs(mean))
   if ratio <= WIDE_BOUND:
     return None
   return (f"the bound is the bf16 seeds' spread, {ratio:.1f}x the 0.02% floor "

@@ -26,7 +26,6 @@ SERVED_BF16 = "bf16_mods_served"
 # plan's, and its serving plan's (plan_serve.json, with the bench's --serve_plan).
 TRAINING_PLAN = "loka"
 SERVING_PLAN = "loka_serving_plan"
-DEFAULT_BUDGET = NEUTRAL_REL_LOGLOSS   # validation's held-out budget
 
 
 def exported_held_out(ctx: ValidationContext, plan, report: Optional[Mapping],
@@ -51,7 +50,7 @@ def _change(got: Mapping, base: Mapping) -> Dict[str, float]:
 
 def served_quality(ctx: ValidationContext, plans: Mapping[str, Any], report: Optional[Mapping],
                    eval_batch_size: Optional[int] = None,
-                   budget: float = DEFAULT_BUDGET) -> Dict[str, Dict[str, Any]]:
+                   budget: float = NEUTRAL_REL_LOGLOSS) -> Dict[str, Dict[str, Any]]:
   """{name: measurement} for bf16+Mods served from its all-bf16 export (`SERVED_BF16`) and
   each of `plans` ({name: plan}) served from its export: held-out `logloss`, `ne`, `auc`,
   `num_examples`, `export_modes`, the change against unexported bf16+Mods
@@ -66,7 +65,7 @@ class Scorer:
   are scored (the serving gate scores a few candidates, then trims the proposal)."""
 
   def __init__(self, ctx: ValidationContext, report: Optional[Mapping],
-               eval_batch_size: Optional[int] = None, budget: float = DEFAULT_BUDGET):
+               eval_batch_size: Optional[int] = None, budget: float = NEUTRAL_REL_LOGLOSS):
     self.ctx, self.report, self.size, self.budget = ctx, report, eval_batch_size, budget
     self.reference = held_out(ctx, BASELINE, eval_batch_size)
     self.served_bf16 = exported_held_out(ctx, BASELINE, None, eval_batch_size)

@@ -934,12 +934,13 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
   # From the checkpoint there is one start; from initialization each seed is one.
   seeds = ([config.seed + i for i in range(config.from_init_seeds)] if start == INIT
            else [config.seed])
+  trains_with = optim or ctx.optim
   recipe = {"steps": steps, "start": start, "window": window,
-            "warmup_steps": (optim or ctx.optim).warmup_steps,
+            "warmup_steps": trains_with.warmup_steps,
             # Only a clipped recipe names its norm, so records from before the knob still
             # match the runs they describe.
-            **({"clip_norm": (optim or ctx.optim).clip_norm}
-               if (optim or ctx.optim).clip_norm is not None else {})}
+            **({"clip_norm": trains_with.clip_norm} if trains_with.clip_norm is not None
+               else {})}
   plan, bases = _training_runs(plan, ctx, progress, step, BASELINE_ARM, BASELINE, seeds,
                                recipe, size, optim)
   if not all(b["finite"] for b in bases):

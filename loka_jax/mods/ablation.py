@@ -39,7 +39,6 @@ from loka_jax.train.metrics import NEUTRAL_REL_LOGLOSS
 SCHEMA = "loka.ablation/1"
 PRECISIONS = ("bf16", "fp8_all")
 SHORT = {"no_bias": "NB", "blocknorm": "BN", "hard_swish": "HS"}
-NEUTRAL_REL = NEUTRAL_REL_LOGLOSS
 TIMING_MODES = ("auto", "off", "force")
 # Settings a rerun may change (which arms, how they run); anything else must match.
 FREE_SETTINGS = ("combinations", "precisions", "noise_seeds", "timing", "repeats", "workers",
@@ -411,7 +410,7 @@ def summarize(config: AblationConfig, finals: Mapping[str, Optional[Mapping[str,
   std = float(np.std(seed_ll, ddof=1)) if len(seed_ll) >= 2 else None
   tolerance = None
   if base_ll is not None:
-    tolerance = max(NEUTRAL_REL * abs(base_ll), 2 * std if std is not None else 0.0)
+    tolerance = max(NEUTRAL_REL_LOGLOSS * abs(base_ll), 2 * std if std is not None else 0.0)
 
   timed = {r["combination"]: r for r in timing_rows}
   if timed and not all(r.get("gpu") for r in timed.values()):
