@@ -16,7 +16,9 @@ import chex
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from loka_jax.bench import plots, quality, speed, suite, tables, targets, towers, variants
+from loka_jax import dispatch
+from loka_jax.bench import (mods_set, planning, plots, quality, speed, suite, tables, targets,
+                             towers, variants)
 from loka_jax.bench.results import ResultsFile
 from loka_jax.kernels.choice import KernelChoice, KernelPlan
 from loka_jax.models.presets import site_products
@@ -1312,6 +1314,63 @@ class QualityProtocolTest(absltest.TestCase):
                               device="cpu", log=logs.append)
     self.assertTrue(again)
     self.assertLen(open(os.path.join(out, "quality.jsonl")).read().splitlines(), 3)
+
+  def _save_uniform_plan(self, settings, kernel):
+    path = planning.plan_path(settings.plans_root, "dlrm", "tiny")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    dispatch.save_plan({"schema": dispatch.SCHEMA, "model": "dlrm", "sites": {}, "rules": [],
+                        "default": KernelChoice.uniform(kernel).to_dict()}, path)
+    return path
+
+  def test_a_plan_without_fp8_hands_loka_the_bf16_mods_run(self):
+    out = _tempdir(self)
+    settings = quality.QualitySettings(preset="tiny", steps=3, batch_size=64, min_eval=100,
+                                       arms=("bf16_mods", "loka"), noise_seeds=(),
+                                       plans_dir=os.path.join(out, "plans"))
+    plan = self._save_uniform_plan(settings, "xla_bf16")
+    results = ResultsFile(os.path.join(out, "quality.jsonl"), quality.KEY_FIELDS)
+    logs = []
+    self.assertTrue(quality.run_model("dlrm", settings, results, out, deadline=float("inf"),
+                                      device="cpu", log=logs.append))
+    rows = {r["arm"]: r for r in results.rows()}
+    twin, loka = rows["bf16_mods"], rows["loka"]
+    self.assertEqual(loka["same_run_as"], "bf16_mods")
+    for field in ("logloss", "ne", "auc", "eval_fingerprint", "peak_loss", "peak_step"):
+      self.assertEqual(loka[field], twin[field], field)
+    self.assertNotIn("train_s", loka)  # no second run's time
+    self.assertFalse(os.path.exists(quality.run_dir(out, loka)))
+    self.assertTrue(any("no FP8 kernel" in line for line in logs), logs)
+    # What makes the hand-over sound: trained for real, the LoKA arm on that plan is the
+    # bf16+Mods run, to the bit.
+    trained = quality.run_arm("dlrm", mods_set.apply(quality.ARMS["loka"], settings.mods), 0,
+                              settings, os.path.join(out, "loka_trained"), plan)
+    self.assertEqual(trained["logloss"], twin["logloss"])
+    self.assertEqual(trained["peak_loss"], twin["peak_loss"])
+    # A plan with an FP8 kernel trains its own run, twin or not.
+    self._save_uniform_plan(settings, "xla_fp8_tensorwise")
+    fresh = ResultsFile(os.path.join(out, "fp8.jsonl"), quality.KEY_FIELDS)
+    fresh.append(twin)
+    self.assertTrue(quality.run_model("dlrm", settings, fresh, os.path.join(out, "fp8"),
+                                      deadline=float("inf"), device="cpu", log=logs.append))
+    loka = {r["arm"]: r for r in fresh.rows()}["loka"]
+    self.assertNotIn("same_run_as", loka)
+    self.assertIn("train_s", loka)
+    self.assertNotEqual(loka["logloss"], twin["logloss"])
+
+  def test_a_handed_over_loka_row_says_so_in_the_table_and_verdict(self):
+    rows = [_quality_row("dlrm", "large", "bf16", s, 0.47 + 0.001 * s) for s in range(3)]
+    rows += [_quality_row("dlrm", "large", "bf16_mods", 0, 0.4705),
+             _quality_row("dlrm", "large", "loka", 0, 0.4705, same_run_as="bf16_mods")]
+    table = tables.quality_table(rows)
+    self.assertIn("| loka (bf16_mods' runs at seeds [0]: no FP8 site) |", table)
+    self.assertNotIn("| bf16_mods (", table)
+    verdict = _verdict(targets.check_quality(rows), "loka_quality_vs_bf16_mods",
+                       "synthetic:dlrm/large", "quality")
+    self.assertTrue(verdict["met"])
+    self.assertIn("at seeds [0] its plan ran no FP8 kernel", verdict["note"])
+    self.assertNotIn("no FP8 kernel", _verdict(targets.check_quality(rows[:3] + rows[3:4] + [
+        _quality_row("dlrm", "large", "loka", 0, 0.4705)]), "loka_quality_vs_bf16_mods",
+        "synthetic:dlrm/large", "quality")["note"])
 
   def test_a_warm_up_recipe_trains_its_own_runs(self):
     out = _tempdir(self)

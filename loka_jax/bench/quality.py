@@ -20,6 +20,10 @@ clipping of the dense gradients) is a recipe knob the same way: with the warm-up
 6.9 at the same seed, whose held-out losses then carried the whole comparison
 (docs/BENCHMARKS.md, thirty-third session). Each row records its run's worst step
 (`peak_loss`, `peak_step`), so a spike shows in the tables and verdicts.
+
+A LoKA plan with no FP8 kernel anywhere runs the bf16+Mods program, so its LoKA row takes the
+scores of the bf16+Mods run at its seed (`bf16_mods_twin`; marked `same_run_as`) rather than
+training that run again.
 """
 from __future__ import annotations
 
@@ -287,6 +291,17 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
         log(f"  quality {model}/loka: skipped, no plan at {plan} yet")
         continue
       row["plan"] = plan
+      twin = bf16_mods_twin(results, key, plan)
+      if twin is not None:
+        row.update({f: twin[f] for f in TWIN_FIELDS if f in twin},
+                   same_run_as="bf16_mods", note=TWIN_NOTE)
+        row.pop("xla_deterministic", None)
+        if twin.get("xla_deterministic"):
+          row["xla_deterministic"] = True
+        log(f"  quality {settings.data} {model}/{settings.preset} loka seed {seed}: "
+            f"{TWIN_NOTE}")
+        results.append(row)
+        continue
     workdir = run_dir(root, row)
     label = recipe_label(settings.warmup_steps, settings.clip_norm or 0.0)
     log(f"  quality {settings.data} {model}/{settings.preset} {arm.name} seed {seed}"
@@ -303,6 +318,37 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
     if not settings.keep_runs:
       shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
   return True
+
+
+# What a LoKA row takes from the bf16+Mods run it is (`bf16_mods_twin`): the run's scores and
+# worst step, not its wall time, which would read as a second run's.
+TWIN_FIELDS = ("ne", "logloss", "auc", "oracle_ne", "num_eval_examples", "steps", "peak_loss",
+               "peak_step", "batch_size", "eval_fingerprint")
+TWIN_NOTE = ("the plan runs no FP8 kernel at any site, so the LoKA arm trains the bf16+Mods "
+             "program: its scores are that arm's run at this seed, not a second run")
+
+
+def plan_runs_fp8(plan_path: str) -> bool:
+  """Whether the plan at `plan_path` runs an FP8 kernel anywhere: a site, a rule or its
+  default."""
+  from loka_jax import dispatch, kernels  # dispatch imports the trainer this module uses
+  return any(kernels.get(k).fp8 for k in dispatch.read_plan(plan_path).kernel_names())
+
+
+def bf16_mods_twin(results: ResultsFile, key: tuple, plan_path: str) -> Optional[Dict]:
+  """The scored bf16+Mods row whose run the LoKA row `key` would repeat, or None.
+
+  A plan with no FP8 kernel (InterFormer `large` on the H200: no site reached 1.05x,
+  docs/BENCHMARKS.md section 7, thirty-fourth session) makes every site run xla_bf16 in
+  every pass, the program of the bf16+Mods arm (`SiteConfig.for_precision`); same seed, data
+  order and Mods, so the same run. Training it again would spend a compile and the steps to
+  measure only the GPU's run-to-run noise. Only a finished, scored twin of the same seed,
+  recipe, Mods set and device counts; without one the LoKA arm trains."""
+  arm = KEY_FIELDS.index("arm")
+  twin = results.get(key[:arm] + ("bf16_mods",) + key[arm + 1:])
+  if twin is None or twin.get("logloss") is None or "error" in twin:
+    return None
+  return None if plan_runs_fp8(plan_path) else twin
 
 
 def run_dir(root: str, row: Mapping) -> str:
@@ -362,4 +408,6 @@ def arm_means(rows: Sequence[Mapping], comparison: Comparison,
       worst = max(peaks, key=lambda r: r["peak_loss"])
       out[arm].update(peak_loss=worst["peak_loss"], peak_seed=worst["seed"])
     out[arm]["eval_fingerprints"] = sorted({r.get("eval_fingerprint") for r in rs} - {None})
+    # Seeds whose row is another arm's run (`bf16_mods_twin`), so a reader sees why it ties.
+    out[arm]["twin_seeds"] = sorted(r["seed"] for r in rs if r.get("same_run_as"))
   return out

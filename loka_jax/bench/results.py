@@ -30,6 +30,11 @@ class ResultsFile:
   def done(self, key: tuple) -> bool:
     return key in self._rows
 
+  def get(self, key: tuple):
+    """The row of `key` (a copy), or None."""
+    row = self._rows.get(key)
+    return None if row is None else dict(row)
+
   def append(self, row: Mapping) -> None:
     with open(self.path, "a") as f:
       f.write(json.dumps(row) + "\n")

@@ -127,7 +127,9 @@ def quality_table(rows: Sequence[Mapping]) -> str:
       std = "-" if floor["bf16_std"] is None else f"{floor['bf16_std']:.5f}"
       bound = "-" if floor["bound"] is None else f"{floor['bound']:.5f}"
       peak = (f"{m['peak_loss']:.3g} (seed {m['peak_seed']})" if "peak_loss" in m else "-")
-      lines.append(f"| {c.data} | {c.model} | {c.preset_label} | {arm} | {len(m['seeds'])} | "
+      label = arm + (f" (bf16_mods' runs at seeds {m['twin_seeds']}: no FP8 site)"
+                     if m["twin_seeds"] else "")
+      lines.append(f"| {c.data} | {c.model} | {c.preset_label} | {label} | {len(m['seeds'])} | "
                    f"{m['logloss']:.5f} | {m.get('ne', float('nan')):.5f} | "
                    f"{m.get('auc', float('nan')):.4f} | {delta} | {std} | {bound} | {peak} |")
   errors = [r for r in rows if r.get("suite") == "quality" and "error" in r]

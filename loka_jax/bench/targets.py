@@ -292,6 +292,9 @@ def check_quality(rows: Sequence[Mapping]) -> List[Dict]:
                 f"{floor['bound']:.2e}; seeds {common}" + ("" if same_eval else "; EVAL SETS DIFFER"))
         if len(common) > 1:
           note += "; " + seed_detail(rows, c, arm, base, common)
+        if means[arm]["twin_seeds"]:
+          note += (f"; at seeds {means[arm]['twin_seeds']} its plan ran no FP8 kernel, so its "
+                   "rows are the bf16+Mods runs")
         if delta < -floor["bound"]:
           # Neutrality is two-sided, but a reader must not take a gain for a loss.
           note += f"; {arm} is better than {base} by more than the bound"
