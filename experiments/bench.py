@@ -8,7 +8,9 @@ variant), each with bf16 timed interleaved beside it in the same run; quality ro
 DIR/quality.jsonl, one per trained arm and seed. A rerun skips finished rows, so a suite
 longer than one call (--max_minutes: no new row starts after it) finishes over several calls;
 with --end_by_minutes (the call's hard end) a quality run starts whenever the longest run
-recorded for its arm (else for its model) would still end by it.
+recorded for its arm (else for its model) would still end by it, and a speed row whenever the
+longest row of its variant (else of its target) would, also past --max_minutes, and not
+otherwise (`loka_jax.bench.pace`).
 The LoKA arm needs each target's plan (DIR/plans/<model>_<preset>/plan.json): a missing one is
 probed first (--probe), resumably. Every call ends by writing DIR/report.md (tables and the
 target checks), DIR/targets.json and PNG plots under DIR/plots/.
@@ -50,8 +52,9 @@ END_BY_MINUTES = flags.DEFINE_float(
     "end_by_minutes", None, "The call's hard end, in minutes from the start (e.g. the GPU "
     "call's limit less its upload). A quality run then starts whenever it is expected to end "
     "by it (the longest run recorded for its arm, else its model, at this preset, with a "
-    "margin), also past "
-    "--max_minutes; before the first run is recorded --max_minutes rules.")
+    "margin), also past --max_minutes, and a speed row the same way (the longest row of its "
+    "variant, else of its target; a head-to-head row only before --max_minutes); before the "
+    "first one is recorded --max_minutes rules.")
 ONLY = flags.DEFINE_list("only", [], "Only these targets: 'model/preset', a model, a preset "
                          "or a tower shape.")
 COMPILE_CACHE = flags.DEFINE_string("compile_cache", None,
@@ -233,7 +236,7 @@ def main(argv):
       finished = False
       break
     finished &= suite.run_target(target, variants, speed_rows, settings=settings,
-                                 deadline=deadline, device=device, log=_log)
+                                 deadline=deadline, device=device, log=_log, end_by=end_by)
 
   if SUITE.value in ("quality", "all"):
     runs = []

@@ -42,8 +42,9 @@ echo "=== call $(date +%T) on $(nvidia-smi --query-gpu=name --format=csv,noheade
 MODULE=${MODULE:-experiments.bench}
 if [ "$MODULE" = experiments.bench ]; then
   case " $* " in *" --suite=quality "*) : "${MAXMIN:=5.5}" ;; esac
-  # The hard end, less 20 s for the bench's report: a quality run still starts past MAXMIN
-  # when the longest recorded one would end by it (`quality.may_start`).
+  # The hard end, less 20 s for the bench's report: a quality run or speed row still starts
+  # past MAXMIN when the longest recorded one would end by it, and none starts that would
+  # not (`pace.may_start`).
   END=$(awk -v l="${LIMIT:-575}" -v m="${MAXMIN:-7.5}" 'BEGIN { e = (l - 20) / 60; print (e > m ? e : m) }')
   set -- --workdir="$WORK" --compile_cache=/tmp/jc --max_minutes="${MAXMIN:-7.5}" \
     --end_by_minutes="$END" \

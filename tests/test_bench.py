@@ -17,7 +17,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from loka_jax import dispatch
-from loka_jax.bench import (mods_set, planning, plots, quality, speed, suite, tables, targets,
+from loka_jax.bench import (mods_set, pace, planning, plots, quality, speed, suite, tables, targets,
                              towers, variants)
 from loka_jax.bench.results import ResultsFile
 from loka_jax.kernels.choice import KernelChoice, KernelPlan
@@ -1079,6 +1079,55 @@ class DeadlineTest(absltest.TestCase):
     self.assertEqual([r["variant"] for r in results.rows()], ["bf16", "bf16_mods"])
 
 
+  def test_rows_start_by_their_expected_length_when_the_hard_end_is_known(self):
+    out = _tempdir(self)
+    results = ResultsFile(os.path.join(out, "bench.jsonl"), suite.KEY_FIELDS)
+    target = suite.tower_targets(["32x16x2"])[0]
+    key = ("towers", target.model, target.preset, "cpu", None)
+    logs = []
+
+    def run(names, deadline, end_by, head_to_head=()):
+      settings = suite.SpeedSettings(repeats=3, probe=False, head_to_head=head_to_head)
+      return suite.run_target(target, variants.parse_variants(names), results,
+                              settings=settings, deadline=deadline, device="cpu",
+                              log=logs.append, end_by=end_by)
+
+    # Past --max_minutes with no row recorded, --max_minutes rules: nothing is built.
+    self.assertFalse(run(["bf16_mods"], time.time() - 1, time.time() + 3600))
+    self.assertEqual(list(results.rows()), [])
+    self.assertTrue(run(["bf16_mods"], float("inf"), None))
+    rows = {r["variant"]: r for r in results.rows()}
+    self.assertEqual(sorted(rows), ["bf16", "bf16_mods"])
+    self.assertTrue(all(r["row_s"] > 0 for r in rows.values()))
+    longest = max(r["row_s"] for r in rows.values())
+    self.assertAlmostEqual(suite.expected_row_s(results, key, "fp8_tensorwise"),
+                           pace.MARGIN * longest)
+    self.assertAlmostEqual(suite.expected_row_s(results, key, "bf16"),
+                           pace.MARGIN * rows["bf16"]["row_s"])
+    # Past --max_minutes, a row starts when the longest recorded one would end in time ...
+    self.assertTrue(run(["fp8_tensorwise"], time.time() - 1, time.time() + 3600))
+    self.assertIn("fp8_tensorwise", {r["variant"] for r in results.rows()})
+    # ... and, before it, none starts that would not: not the baseline ...
+    logs.clear()
+    self.assertFalse(run(["fp8_rowwise"], float("inf"), time.time() + 0.5 * longest))
+    self.assertIn("its baseline not built", logs[-1])
+    # ... nor a row after another.
+    logs.clear()
+    expected = {"fp8_rowwise": 1e-3, "flax_fp8_delayed": 1e6}
+    with mock.patch.object(suite, "expected_row_s",
+                           side_effect=lambda results, key, name: expected[name]):
+      self.assertFalse(run(["fp8_rowwise", "flax_fp8_delayed"], float("inf"),
+                           time.time() + 3600))
+    self.assertIn("fp8_rowwise", {r["variant"] for r in results.rows()})
+    self.assertIn("flax_fp8_delayed left for the next run (it may take 1000000 s", logs[-1])
+    # A head-to-head row does not start past --max_minutes, where its rebuilds stop.
+    logs.clear()
+    self.assertFalse(run(["flax_fp8_delayed"], time.time() - 1, time.time() + 3600,
+                         head_to_head=("flax_fp8_delayed",)))
+    self.assertIn("head-to-head", logs[-1])
+    self.assertNotIn("flax_fp8_delayed", {r["variant"] for r in results.rows()})
+
+
 class ProbeThenRowsTest(absltest.TestCase):
 
   def test_a_probe_that_leaves_no_plan_builds_no_baseline(self):
@@ -1438,15 +1487,15 @@ class QualityPacingTest(absltest.TestCase):
 
   def test_a_run_starts_past_max_minutes_only_when_it_fits_before_the_hard_end(self):
     now, deadline = 1000.0, 900.0                       # --max_minutes has passed
-    self.assertEqual(quality.may_start(now, deadline, None, 50.0)[0], False)
-    self.assertEqual(quality.may_start(now, deadline, 1100.0, None)[0], False)
-    self.assertTrue(quality.may_start(now, deadline, 1100.0, 100.0)[0])
-    fits, why = quality.may_start(now, deadline, 1100.0, 100.5)
+    self.assertEqual(pace.may_start(now, deadline, None, 50.0)[0], False)
+    self.assertEqual(pace.may_start(now, deadline, 1100.0, None)[0], False)
+    self.assertTrue(pace.may_start(now, deadline, 1100.0, 100.0)[0])
+    fits, why = pace.may_start(now, deadline, 1100.0, 100.5)
     self.assertFalse(fits)
     self.assertIn("100 s are left", why)
     # Before --max_minutes, a run that would outlast the hard end does not start either.
-    self.assertFalse(quality.may_start(now, 2000.0, 1100.0, 150.0)[0])
-    self.assertTrue(quality.may_start(now, 2000.0, None, 150.0)[0])
+    self.assertFalse(pace.may_start(now, 2000.0, 1100.0, 150.0)[0])
+    self.assertTrue(pace.may_start(now, 2000.0, None, 150.0)[0])
 
   def test_the_expected_time_is_the_longest_recorded_run_of_the_model_and_preset(self):
     out = _tempdir(self)
@@ -1462,14 +1511,14 @@ class QualityPacingTest(absltest.TestCase):
                       "preset": preset, "arm": arm, "seed": 0, "device": "x",
                       "train_s": seconds})
     self.assertAlmostEqual(quality.expected_run_s(results, "dhen", settings),
-                           quality.RUN_TIME_MARGIN * 227.0)
+                           pace.MARGIN * 227.0)
     # An arm with a recorded run expects its own longest; one without, the model's.
     self.assertAlmostEqual(quality.expected_run_s(results, "dhen", settings, "bf16"),
-                           quality.RUN_TIME_MARGIN * 162.7)
+                           pace.MARGIN * 162.7)
     self.assertAlmostEqual(quality.expected_run_s(results, "dhen", settings, "bf16_mods"),
-                           quality.RUN_TIME_MARGIN * 227.0)
+                           pace.MARGIN * 227.0)
     self.assertAlmostEqual(quality.expected_run_s(results, "dhen", settings, "loka"),
-                           quality.RUN_TIME_MARGIN * 227.0)
+                           pace.MARGIN * 227.0)
     self.assertIsNone(quality.expected_run_s(
         results, "dhen", dataclasses.replace(settings, data="movielens")))
 

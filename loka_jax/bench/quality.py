@@ -40,7 +40,7 @@ import jax
 import numpy as np
 
 from loka_jax import xla_env
-from loka_jax.bench import mods_set, planning
+from loka_jax.bench import mods_set, pace, planning
 from loka_jax.bench.results import ResultsFile
 from loka_jax.train import experiment
 from loka_jax.train.loop import TrainConfig, train
@@ -222,56 +222,33 @@ def run_arm(model: str, arm: QualityArm, seed: int, settings: QualitySettings, w
           "eval_fingerprint": eval_fingerprint(source, batch), "oracle_ne": final.get("oracle_ne")}
 
 
-# A run's recorded time is its compile and training on a host that may have had a warm
-# compile cache; a fresh host compiles again, so the longest recorded time gets this margin.
-RUN_TIME_MARGIN = 1.15
-
-
 def expected_run_s(results: ResultsFile, model: str, settings: QualitySettings,
                    arm: Optional[str] = None) -> Optional[float]:
-  """How long `model`'s next quality run of `arm` may take: the longest `train_s` among the
+  """How long `model`'s next quality run of `arm` may take (`pace.expected_s`): from the
   recorded runs of that arm at this data set and preset (any seed or recipe), else of any
-  arm there, times `RUN_TIME_MARGIN`; None before the first. Arms differ: DHEN `large`'s
-  runs took 83-227 s each on an H200, the compile included, a bf16 run at most 163 s
-  (docs/BENCHMARKS.md section 7, thirty-first session)."""
+  arm there. Arms differ: DHEN `large`'s runs took 83-227 s each on an H200, the compile
+  included, a bf16 run at most 163 s (docs/BENCHMARKS.md section 7, thirty-first session)."""
   times: Dict[str, List[float]] = {}
   for r in results.rows():
     if (r.get("suite") == "quality" and r.get("model") == model
         and r.get("preset") == settings.preset and r.get("data") == settings.data
         and isinstance(r.get("train_s"), (int, float))):
       times.setdefault(r.get("arm"), []).append(r["train_s"])
-  pool = times.get(arm) or [t for ts in times.values() for t in ts]
-  return RUN_TIME_MARGIN * max(pool) if pool else None
-
-
-def may_start(now: float, deadline: float, end_by: Optional[float],
-              expected_s: Optional[float]) -> Tuple[bool, str]:
-  """(whether a run may start now, why not). Without `end_by` (the call's hard end) or a
-  run time to expect, none starts after `deadline` (`--max_minutes`). With both, a run starts
-  whenever it is expected to end by `end_by`, also after `deadline`: a fixed deadline must
-  allow for the longest run, and so leaves most of a call idle when runs are short."""
-  if end_by is not None and expected_s is not None:
-    if now + expected_s <= end_by:
-      return True, ""
-    return False, (f"it may take {expected_s:.0f} s (the longest run so far, with margin) and "
-                   f"{max(end_by - now, 0.0):.0f} s are left")
-  if now > deadline:
-    return False, "past --max_minutes"
-  return True, ""
+  return pace.expected_s(times.get(arm, ()), (t for ts in times.values() for t in ts))
 
 
 def run_model(model: str, settings: QualitySettings, results: ResultsFile, root: str, *,
               deadline: float, device: str, plan_maker: Optional[Callable] = None,
               log: Callable[[str], None] = print, end_by: Optional[float] = None) -> bool:
-  """Every unfinished run of `model`; False when the deadline stopped it (`may_start`:
+  """Every unfinished run of `model`; False when the deadline stopped it (`pace.may_start`:
   `end_by`, the call's hard end, lets runs start past `deadline` when they fit)."""
   for arm, seed in runs(settings):
     key = ("quality", settings.data, model, settings.preset, arm.name, seed, device,
            settings.warmup_steps or None, settings.mods_label, settings.clip_norm)
     if results.done(key):
       continue
-    start, why = may_start(time.time(), deadline, end_by,
-                           expected_run_s(results, model, settings, arm.name))
+    start, why = pace.may_start(time.time(), deadline, end_by,
+                                expected_run_s(results, model, settings, arm.name))
     if not start:
       log(f"  deadline: quality {model}/{arm.name}/seed{seed} left for the next run ({why})")
       return False

@@ -18,7 +18,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import jax
 
-from loka_jax.bench import mods_set, planning, serving_gate, speed, towers
+from loka_jax.bench import mods_set, pace, planning, serving_gate, speed, towers
 from loka_jax.bench.results import ResultsFile
 from loka_jax.bench.targets import interleaved_references, speed_index
 from loka_jax.bench.variants import (PALLAS, PLAN, VARIANTS, Variant, pallas_coverage,
@@ -460,10 +460,26 @@ def _head_to_head(bench: speed.TargetBench, arm: speed.Arm, alive: Dict[str, spe
   return {"head_to_head": pairs} if pairs else {}
 
 
+def expected_row_s(results: ResultsFile, key: Tuple, variant: str) -> Optional[float]:
+  """How long the target's next `variant` row may take (`pace.expected_s`): from the rows of
+  that variant at the target (`key`: its `speed_index` key, device and Mods set included),
+  else of any variant there, each from its build to its append (`row_s`, the head-to-head
+  rebuilds included); None before the first row that records it."""
+  times: Dict[str, List[float]] = {}
+  for r in results.rows():
+    here = (r.get("suite"), r.get("model"), r.get("preset"), r.get("device"), mods_set.of_row(r))
+    if here == tuple(key) and isinstance(r.get("row_s"), (int, float)):
+      times.setdefault(r.get("variant"), []).append(r["row_s"])
+  return pace.expected_s(times.get(variant, ()), (t for ts in times.values() for t in ts))
+
+
 def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile, *,
                settings: SpeedSettings, deadline: float, device: str,
-               log: Callable[[str], None] = print) -> bool:
-  """Measures the target's unfinished variants; False when some are left (deadline, plan)."""
+               log: Callable[[str], None] = print, end_by: Optional[float] = None) -> bool:
+  """Measures the target's unfinished variants; False when some are left (deadline, plan).
+  With `end_by` (the call's hard end) a row starts by its expected length
+  (`expected_row_s`, `pace.may_start`), except that a head-to-head row starts only before
+  `deadline`, where its rebuilds stop."""
   set_label = mods_set.label(settings.mods)
   key = (target.suite, target.model, target.preset, device, set_label)  # its speed_index key
   variants = [mods_set.apply(v, settings.mods) for v in variants]
@@ -500,9 +516,13 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
     log(f"  {', '.join(v.name for v in waiting)}: the LoKA plan is not ready (the probe "
         "resumes on the next run)")
     return False
-  if time.time() > deadline:
+  first_row_s = expected_row_s(results, key, pending[0].name)
+  if not pace.may_start(time.time(), deadline, end_by,
+                        None if first_row_s is None else 2 * first_row_s)[0]:
     # A probe that ran to the deadline: the baseline's compile (InterFormer small: 40-84 s on
-    # the H200) would only be thrown away before the first row.
+    # the H200) would only be thrown away before the first row. Past --max_minutes, the
+    # baseline is built when it and the first row fit by the hard end (a build is about a
+    # row's length).
     log(f"  deadline: {target.name} left for the next run, its baseline not built")
     return False
   base = {"suite": target.suite, "model": target.model, "preset": target.preset,
@@ -532,8 +552,12 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
     return arm
 
   for v in pending:
-    if time.time() > deadline:
-      log(f"  deadline: {target.name}/{v.name} left for the next run")
+    now = time.time()
+    start, why = pace.may_start(now, deadline, end_by, expected_row_s(results, key, v.name))
+    if start and v.name in settings.head_to_head and now > deadline:
+      start, why = False, "past --max_minutes, where its head-to-head rebuilds stop"
+    if not start:
+      log(f"  deadline: {target.name}/{v.name} left for the next run ({why})")
       return False
     row = {**base, "variant": v.name, "precision": v.precision, "mods": list(v.mods)}
     try:
@@ -554,6 +578,7 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
         finished = speed_index(results.rows()).get(key, {})  # this run's rows and earlier ones
         row.update(_head_to_head(bench, arm, alive, finished, build_again, deadline, settings,
                                  log, longest_build_s))
+      row["row_s"] = round(time.time() - now, 3)
       results.append(row)
       if arm.info["shared_state"] and v.name != "bf16":
         alive[v.name] = arm
