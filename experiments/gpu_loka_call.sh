@@ -16,8 +16,9 @@
 # Environment: TARGET (wukong/large; MODEL/PRESET or tower/BxWxD), CARRY (.snap/wl), WORK (/tmp/bench), VARIANTS
 # (bf16,bf16_mods,loka), PROBE_KERNELS (xla_bf16,xla_fp8_rowwise,flax_fp8_delayed,flax_fp8_delayed_fwd,
 # flax_fp8_delayed_grad_lhs: the probe's
-# candidates), MAXMIN (7.5: minutes after which no new row starts), LIMIT (575: hard
-# seconds), TIMING_CACHE (.snap/tc: shapes timed ahead with `experiments.probe --time_only`),
+# candidates), MAXMIN (7.5: minutes after which no new row starts unless the rows recorded
+# say it ends in time), LIMIT (575: hard seconds; the bench starts no row that the longest
+# recorded one says would end past it, less 20 s: `loka_jax/bench/pace.py`), TIMING_CACHE (.snap/tc: shapes timed ahead with `experiments.probe --time_only`),
 # OUT (set on the device; elsewhere $WORK/out). Arguments go to `experiments.bench` last, e.g.
 # --serve_plan (LoKA serves its serving plan's export; plan_serve.json is made again from the
 # carried report on each host, so it need not come back).
@@ -71,7 +72,8 @@ esac
 timeout "${LIMIT:-575}" python3 -m experiments.bench "${SUITE[@]}" \
   --workdir="$WORK" --variants="${VARIANTS:-bf16,bf16_mods,loka}" \
   --probe_steps=50 --probe_samples=8 --probe_kernels="${PROBE_KERNELS:-xla_bf16,xla_fp8_rowwise,flax_fp8_delayed,flax_fp8_delayed_fwd,flax_fp8_delayed_grad_lhs}" \
-  --probe_timing_cache="$TC" --compile_cache=/tmp/jc --max_minutes="${MAXMIN:-7.5}" "$@" \
+  --probe_timing_cache="$TC" --compile_cache=/tmp/jc --max_minutes="${MAXMIN:-7.5}" \
+  --end_by_minutes="$(awk -v l="${LIMIT:-575}" -v m="${MAXMIN:-7.5}" 'BEGIN { e = (l - 20) / 60; print (e > m ? e : m) }')" "$@" \
   >> "$WORK/log.txt" 2>&1
 echo "rc=$?" >> "$WORK/log.txt"
 

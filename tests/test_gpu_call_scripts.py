@@ -1,0 +1,79 @@
+"""The GPU call scripts (`experiments/gpu_suite_call.sh`, `experiments/gpu_loka_call.sh`) run
+on the CPU: a call's rows travel to a fresh host through the carry folder, and the call's hard
+end reaches the bench, so a row starts past --max_minutes when the rows recorded before it say
+it ends in time (`loka_jax/bench/pace.py`)."""
+import json
+import os
+import shutil
+import subprocess
+import tarfile
+import tempfile
+
+from absl.testing import absltest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOWER = "32x16x2"
+
+
+def _call(script, env, *args):
+  """The script's output, which ends with the bench's last lines of this call."""
+  done = subprocess.run(["bash", os.path.join("experiments", script), *args], cwd=REPO,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu", **env},
+                        capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  return done.stdout
+
+
+def _rows(archive):
+  with tarfile.open(archive) as tar:
+    return [json.loads(line) for line in tar.extractfile("./bench.jsonl").read().splitlines()]
+
+
+class SuiteCallTest(absltest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.dir = tempfile.mkdtemp(prefix="loka_calls_")
+    self.addCleanup(shutil.rmtree, self.dir, ignore_errors=True)
+
+  def env(self, host, **extra):
+    work = os.path.join(self.dir, host)
+    return {"CARRY": os.path.join(self.dir, "carry"), "WORK": work,
+            "OUT": os.path.join(work, "out"), "LIMIT": "300", **extra}
+
+  def carry_back(self, env):
+    shutil.copy(os.path.join(env["OUT"], "work.tar.gz"), env["CARRY"])
+
+  def test_rows_travel_and_a_row_starts_past_max_minutes_when_it_fits(self):
+    flags = ("--suite=towers", f"--towers={TOWER}", "--repeats=3", "--probe=false")
+    first = self.env("host1")
+    out = _call("gpu_suite_call.sh", first, *flags, "--variants=bf16_mods")
+    self.assertIn("all selected rows are done", out.splitlines()[-2])
+    self.carry_back(first)
+    rows = _rows(os.path.join(first["CARRY"], "work.tar.gz"))
+    self.assertEqual(sorted(r["variant"] for r in rows), ["bf16", "bf16_mods"])
+    self.assertTrue(all(r["row_s"] > 0 for r in rows))
+    # A fresh host, --max_minutes already past: the carried rows' lengths let the next row
+    # start, since the call's hard end is minutes away.
+    second = self.env("host2", MAXMIN="0")
+    out = _call("gpu_suite_call.sh", second, *flags, "--variants=bf16_mods,fp8_tensorwise")
+    self.assertIn("all selected rows are done", out.splitlines()[-2])
+    rows = _rows(os.path.join(second["OUT"], "work.tar.gz"))
+    self.assertEqual(sorted(r["variant"] for r in rows), ["bf16", "bf16_mods", "fp8_tensorwise"])
+
+  def test_the_loka_call_passes_the_hard_end_too(self):
+    first = self.env("host1", TARGET=f"tower/{TOWER}", VARIANTS="bf16_mods")
+    _call("gpu_loka_call.sh", first, "--repeats=3", "--probe=false")
+    rows = [json.loads(line) for line in open(os.path.join(first["WORK"], "bench.jsonl"))]
+    self.assertEqual(sorted(r["variant"] for r in rows), ["bf16", "bf16_mods"])
+    second = self.env("host1", TARGET=f"tower/{TOWER}", VARIANTS="bf16_mods,fp8_tensorwise",
+                      MAXMIN="0")
+    _call("gpu_loka_call.sh", second, "--repeats=3", "--probe=false")
+    log = open(os.path.join(second["WORK"], "log.txt")).read().splitlines()
+    self.assertIn("all selected rows are done", log[-2])
+    rows = [json.loads(line) for line in open(os.path.join(second["WORK"], "bench.jsonl"))]
+    self.assertIn("fp8_tensorwise", {r["variant"] for r in rows})
+
+
+if __name__ == "__main__":
+  absltest.main()
