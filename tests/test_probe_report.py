@@ -181,11 +181,39 @@ class ReportTextAndPlotTest(absltest.TestCase):
     self.assertIn("tower/fm", table)
     out = tempfile.mkdtemp(prefix="loka_plots_")
     paths = plots.write_plots(report, out)
-    self.assertEqual(len(paths), 2 + 2)  # two heatmaps, two sites
+    self.assertEqual(len(paths), 3 + 2)  # two heatmaps, the site speedups, two sites
     for path in paths:
       with open(path, "rb") as f:
         self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
       self.assertGreater(os.path.getsize(path), 2000)
+
+
+class SiteSpeedupTest(absltest.TestCase):
+
+  def test_the_best_kernel_per_site_over_every_pass_at_the_low_ends(self):
+    report = report_lib.json_ready(make_report())
+    passes = report["sites"]["tower/fm"]["passes"]
+    # xla_fp8_rowwise: each pass's baseline at the medians, the kernel at the CI's low end.
+    times = {"fwd": (10.0, (1.8, 2.0, 2.2)), "grad_lhs": (20.0, (0.9, 1.0, 1.1)),
+             "grad_rhs": (30.0, (0.4, 0.5, 0.6))}
+    for p, (t, speed) in times.items():
+      passes[p]["xla_fp8_rowwise"].update(time_us=[t - 1, t, t + 1], speedup=list(speed))
+    base = 10.0 * 2.0 + 20.0 * 1.0 + 30.0 * 0.5
+    kernel = 10.0 * 2.0 / 1.8 + 20.0 * 1.0 / 0.9 + 30.0 * 0.5 / 0.4
+    best = plots.best_site_speedups(report)
+    self.assertAlmostEqual(best["tower/fm"][0], base / kernel)
+    self.assertEqual(best["tower/fm"][1], "xla_fp8_rowwise")
+    # A site untimed in one pass has no whole-site speedup; with none timed there is no plot.
+    passes["grad_rhs"]["xla_fp8_rowwise"]["speedup"] = None
+    self.assertNotIn("tower/fm", plots.best_site_speedups(report))
+    out = tempfile.mkdtemp(prefix="loka_plots_")
+    self.assertTrue(plots.site_speedup_plot(report, os.path.join(out, "a.png")))
+    for site in report["sites"].values():
+      for entries in site["passes"].values():
+        for entry in entries.values():
+          entry["speedup"] = None
+    self.assertEqual(plots.best_site_speedups(report), {})
+    self.assertIsNone(plots.site_speedup_plot(report, os.path.join(out, "b.png")))
 
 
 class TimingTableTest(parameterized.TestCase):

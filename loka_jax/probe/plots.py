@@ -3,6 +3,9 @@
   heatmap_error.png     sites x kernels, pessimistic SQNR (dB) per pass
   heatmap_speedup.png   sites x kernels, median speedup vs xla_bf16 per pass (when timed;
                         titled 'estimated' when the numbers come from a timing table)
+  site_speedup.png      per site: the best whole-site speedup any kernel reaches over
+                        xla_bf16 (every pass, pessimistic) against the site's GFLOP, with the
+                        selection's bar: where FP8 can pay on this model at all (when timed)
   sites/<site>.png      per site: covariance spectrum, log10|x| histograms of real values,
                         underflow per granularity (e4m3 for inputs/weights, e5m2 for grads)
 """
@@ -19,7 +22,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from loka_jax.kernels import PASSES  # noqa: E402
+from loka_jax.probe import eligibility  # noqa: E402
 from loka_jax.probe import flush as flush_lib  # noqa: E402
+from loka_jax.probe.candidates import BASELINE  # noqa: E402
 
 PASS_LABELS = {"fwd": "fwd", "grad_lhs": "dgrad", "grad_rhs": "wgrad"}
 
@@ -88,6 +93,62 @@ def speedup_heatmap(report: Mapping, path: str) -> Optional[str]:
                   f"vs xla_bf16{note}", "RdYlGn", path, fmt="{:.2f}", center=1.0)
 
 
+def best_site_speedups(report: Mapping) -> Dict[str, tuple]:
+  """{site: (best whole-site speedup over xla_bf16, its kernel)} of every site where some
+  kernel is timed in every pass. A site's speedup is `eligibility.site_times`': its passes'
+  baseline times at the medians over the kernel's at each pass's CI low end (a fused op's
+  backward timed once counted once), the measure the selection holds fused ops to. Speed
+  only: the accuracy check may still rule the kernel out."""
+  out = {}
+  for name, site in report["sites"].items():
+    kernels = {k for p in site.get("passes", {}).values() for k in p} - {BASELINE}
+    best = None
+    for k in sorted(kernels):
+      times = eligibility.site_times(site["passes"], k)
+      if times and times[1] > 0 and (best is None or times[0] / times[1] > best[0]):
+        best = (times[0] / times[1], k)
+    if best is not None:
+      out[name] = best
+  return out
+
+
+def site_speedup_plot(report: Mapping, path: str) -> Optional[str]:
+  """Each timed site's best whole-site speedup (`best_site_speedups`) against its GFLOP, one
+  colour per kernel, the selection's bar drawn across; the five fastest sites named. None
+  when no site is timed in every pass."""
+  best = best_site_speedups(report)
+  if not best:
+    return None
+  bar = (report.get("criteria") or {}).get("min_speedup") or 1.05
+  kernels = sorted({k for _, k in best.values()})
+  fig, ax = plt.subplots(figsize=(7.5, 4.2))
+  for i, k in enumerate(kernels):
+    names = [n for n, (_, kk) in best.items() if kk == k]
+    ax.scatter([report["sites"][n]["flops"] / 1e9 for n in names], [best[n][0] for n in names],
+               s=18, color=f"C{i % 10}", label=k, alpha=0.8)
+  points: Dict[tuple, List[str]] = {}  # repeated layers share a shape and so a point
+  for name in best:
+    points.setdefault((report["sites"][name]["flops"], round(best[name][0], 4)), []).append(name)
+  for (flops, speedup), names in sorted(points.items(), key=lambda kv: -kv[0][1])[:5]:
+    more = f" (+{len(names) - 1} alike)" if len(names) > 1 else ""
+    ax.annotate(names[0] + more, (flops / 1e9, speedup), fontsize=6, xytext=(3, 3),
+                textcoords="offset points")
+  ax.axhline(bar, color="k", lw=0.8, label=f"selection bar {bar:g}x")
+  ax.axhline(1.0, color="0.6", lw=0.8, ls=":")
+  ax.set_xscale("log")
+  ax.set_xlabel("site GFLOP per step (forward)")
+  ax.set_ylabel("best whole-site speedup over xla_bf16")
+  note = "" if report.get("timing_valid", True) else " (ESTIMATED from a timing table)"
+  ax.set_title(f"{report['model']} {report['preset']} on {report['device']}: best kernel per "
+               f"site, every pass, pessimistic{note}\n{len(best)} of {len(report['sites'])} "
+               "sites timed in every pass", fontsize=8)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
 def _hist_curve(ax, hist: Mapping, label: str):
   counts = np.asarray(hist["counts"], np.float64)
   if counts.sum() <= 0:
@@ -146,9 +207,11 @@ def write_plots(report: Mapping, directory: str, sites: bool = True) -> List[str
   """Writes every plot; returns the paths."""
   os.makedirs(directory, exist_ok=True)
   paths = [error_heatmap(report, os.path.join(directory, "heatmap_error.png"))]
-  speed = speedup_heatmap(report, os.path.join(directory, "heatmap_speedup.png"))
-  if speed:
-    paths.append(speed)
+  for plot, name in ((speedup_heatmap, "heatmap_speedup.png"),
+                     (site_speedup_plot, "site_speedup.png")):
+    written = plot(report, os.path.join(directory, name))
+    if written:
+      paths.append(written)
   if sites:
     site_dir = os.path.join(directory, "sites")
     os.makedirs(site_dir, exist_ok=True)
