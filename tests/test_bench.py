@@ -1395,6 +1395,16 @@ class QualityProtocolTest(absltest.TestCase):
                               settings, os.path.join(out, "loka_trained"), plan)
     self.assertEqual(trained["logloss"], twin["logloss"])
     self.assertEqual(trained["peak_loss"], twin["peak_loss"])
+    # A corrupt plan is no hand-over: the LoKA run fails on it by name, in its row.
+    with open(plan, "w") as f:
+      f.write('{"schema": "loka.plan/1", "sites": ')
+    broken = ResultsFile(os.path.join(out, "broken.jsonl"), quality.KEY_FIELDS)
+    broken.append(twin)
+    self.assertTrue(quality.run_model("dlrm", settings, broken, os.path.join(out, "broken"),
+                                      deadline=float("inf"), device="cpu", log=logs.append))
+    failed = {r["arm"]: r for r in broken.rows()}["loka"]
+    self.assertIn(plan, failed["error"])
+    self.assertNotIn("same_run_as", failed)
     # A plan with an FP8 kernel trains its own run, twin or not.
     self._save_uniform_plan(settings, "xla_fp8_tensorwise")
     fresh = ResultsFile(os.path.join(out, "fp8.jsonl"), quality.KEY_FIELDS)

@@ -321,11 +321,15 @@ def bf16_mods_twin(results: ResultsFile, key: tuple, plan_path: str) -> Optional
   order and Mods, so the same run. Training it again would spend a compile and the steps to
   measure only the GPU's run-to-run noise. Only a finished, scored twin of the same seed,
   recipe, Mods set and device counts; without one the LoKA arm trains."""
+  from loka_jax.dispatch import PlanFileError
   arm = KEY_FIELDS.index("arm")
   twin = results.get(key[:arm] + ("bf16_mods",) + key[arm + 1:])
   if twin is None or twin.get("logloss") is None or "error" in twin:
     return None
-  return None if plan_runs_fp8(plan_path) else twin
+  try:
+    return None if plan_runs_fp8(plan_path) else twin
+  except PlanFileError:  # the LoKA run fails on it by name and its row records why
+    return None
 
 
 def run_dir(root: str, row: Mapping) -> str:
