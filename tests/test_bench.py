@@ -1405,6 +1405,11 @@ class QualityProtocolTest(absltest.TestCase):
     failed = {r["arm"]: r for r in broken.rows()}["loka"]
     self.assertIn(plan, failed["error"])
     self.assertNotIn("same_run_as", failed)
+    # Only the bf16+Mods arm's kernels make its program: fp32 is no FP8 and still another.
+    self.assertTrue(quality.runs_bf16_mods_kernels(self._save_uniform_plan(settings,
+                                                                           "xla_bf16")))
+    self.assertFalse(quality.runs_bf16_mods_kernels(self._save_uniform_plan(settings,
+                                                                            "xla_fp32")))
     # A plan with an FP8 kernel trains its own run, twin or not.
     self._save_uniform_plan(settings, "xla_fp8_tensorwise")
     fresh = ResultsFile(os.path.join(out, "fp8.jsonl"), quality.KEY_FIELDS)

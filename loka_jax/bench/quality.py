@@ -21,7 +21,7 @@ clipping of the dense gradients) is a recipe knob the same way: with the warm-up
 (docs/BENCHMARKS.md, thirty-third session). Each row records its run's worst step
 (`peak_loss`, `peak_step`), so a spike shows in the tables and verdicts.
 
-A LoKA plan with no FP8 kernel anywhere runs the bf16+Mods program, so its LoKA row takes the
+A LoKA plan with xla_bf16 everywhere runs the bf16+Mods program, so its LoKA row takes the
 scores of the bf16+Mods run at its seed (`bf16_mods_twin`; marked `same_run_as`) rather than
 training that run again.
 """
@@ -270,11 +270,9 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
       row["plan"] = plan
       twin = bf16_mods_twin(results, key, plan)
       if twin is not None:
+        row.pop("xla_deterministic", None)  # the twin's run says how it ran, not this process
         row.update({f: twin[f] for f in TWIN_FIELDS if f in twin},
                    same_run_as="bf16_mods", note=TWIN_NOTE)
-        row.pop("xla_deterministic", None)
-        if twin.get("xla_deterministic"):
-          row["xla_deterministic"] = True
         log(f"  quality {settings.data} {model}/{settings.preset} loka seed {seed}: "
             f"{TWIN_NOTE}")
         results.append(row)
@@ -300,24 +298,28 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
 # What a LoKA row takes from the bf16+Mods run it is (`bf16_mods_twin`): the run's scores and
 # worst step, not its wall time, which would read as a second run's.
 TWIN_FIELDS = ("ne", "logloss", "auc", "oracle_ne", "num_eval_examples", "steps", "peak_loss",
-               "peak_step", "batch_size", "eval_fingerprint")
-TWIN_NOTE = ("the plan runs no FP8 kernel at any site, so the LoKA arm trains the bf16+Mods "
-             "program: its scores are that arm's run at this seed, not a second run")
+               "peak_step", "batch_size", "eval_fingerprint", "xla_deterministic")
+TWIN_NOTE = ("the plan runs xla_bf16 in every pass of every site (no FP8 kernel), so the LoKA "
+             "arm trains the bf16+Mods program: its scores are that arm's run at this seed, "
+             "not a second run")
 
 
-def plan_runs_fp8(plan_path: str) -> bool:
-  """Whether the plan at `plan_path` runs an FP8 kernel anywhere: a site, a rule or its
-  default."""
-  from loka_jax import dispatch, kernels  # dispatch imports the trainer this module uses
-  return any(kernels.get(k).fp8 for k in dispatch.read_plan(plan_path).kernel_names())
+def runs_bf16_mods_kernels(plan_path: str) -> bool:
+  """Whether the plan at `plan_path` runs only the bf16+Mods arm's kernels in its sites,
+  rules and default (`SiteConfig.for_precision('bf16')`): no FP8 kernel, and no other
+  non-FP8 one such as xla_fp32 either, which would make another program."""
+  from loka_jax import dispatch  # dispatch imports the trainer this module uses
+  from loka_jax.models.site import SiteConfig
+  return (dispatch.read_plan(plan_path).kernel_names()
+          == SiteConfig.for_precision("bf16").plan.kernel_names())
 
 
 def bf16_mods_twin(results: ResultsFile, key: tuple, plan_path: str) -> Optional[Dict]:
   """The scored bf16+Mods row whose run the LoKA row `key` would repeat, or None.
 
-  A plan with no FP8 kernel (InterFormer `large` on the H200: no site reached 1.05x,
-  docs/BENCHMARKS.md section 7, thirty-fourth session) makes every site run xla_bf16 in
-  every pass, the program of the bf16+Mods arm (`SiteConfig.for_precision`); same seed, data
+  A plan with xla_bf16 everywhere (InterFormer `large` on the H200: no site reached 1.05x,
+  docs/BENCHMARKS.md section 7, thirty-fourth session; `runs_bf16_mods_kernels`) is the
+  program of the bf16+Mods arm (`SiteConfig.for_precision`); same seed, data
   order and Mods, so the same run. Training it again would spend a compile and the steps to
   measure only the GPU's run-to-run noise. Only a finished, scored twin of the same seed,
   recipe, Mods set and device counts; without one the LoKA arm trains."""
@@ -327,7 +329,7 @@ def bf16_mods_twin(results: ResultsFile, key: tuple, plan_path: str) -> Optional
   if twin is None or twin.get("logloss") is None or "error" in twin:
     return None
   try:
-    return None if plan_runs_fp8(plan_path) else twin
+    return twin if runs_bf16_mods_kernels(plan_path) else None
   except PlanFileError:  # the LoKA run fails on it by name and its row records why
     return None
 
