@@ -12,6 +12,7 @@ import sys
 from absl import app, flags
 
 from loka_jax import flags as common
+from loka_jax import xla_env
 from loka_jax.parallel.mesh import MeshSpecError
 from loka_jax.train import (NAN_POLICIES, CheckpointError, NonFiniteError, OptimConfig,
                             RunSettingsError, TrainConfig)
@@ -44,6 +45,13 @@ DRIFT_REPORT = flags.DEFINE_string(
     "drift_report", None, "The probe report the --plan was selected on (default: the one its "
     "provenance names); the drift valve's baseline statistics and timings.")
 PROGRESS = flags.DEFINE_bool("progress", True, "Progress bar on stderr (when a terminal).")
+MODULE_NORMS = flags.DEFINE_bool(
+    "module_norms", False, "Log each module's gradient, parameter and update norms with every "
+    "metrics line (with --log_every=1: every step), to read a loss spike with "
+    "experiments.spike_report. Slows the step a little.")
+XLA_DETERMINISTIC = flags.DEFINE_bool(
+    "xla_deterministic", False, "Deterministic GPU ops (--xla_gpu_deterministic_ops): a rerun "
+    "repeats the run bit for bit, so a spike can be run again and read.")
 MESH = flags.DEFINE_string("mesh", None,
                            "Train sharded over a device mesh, e.g. data:2,model:2 (dense towers "
                            "data-parallel over every device, tables row-sharded over model; "
@@ -59,6 +67,8 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not common.WORKDIR.value:
     raise app.UsageError("--workdir is required (the run directory; rerun to resume)")
+  if XLA_DETERMINISTIC.value:  # before anything starts JAX's backend
+    xla_env.add_xla_flags(xla_env.DETERMINISTIC)
   experiment.quiet_library_logs()
   spec = experiment.RunSpec(
       model=common.MODEL.value, preset=common.PRESET.value, data=common.DATA.value,
@@ -74,13 +84,16 @@ def main(argv):
       eval_every=EVAL_EVERY.value, eval_batch_size=EVAL_BATCH_SIZE.value or None,
       log_every=LOG_EVERY.value, checkpoint_every=CHECKPOINT_EVERY.value,
       keep_checkpoints=KEEP_CHECKPOINTS.value, nan_policy=NAN_POLICY.value,
-      progress=PROGRESS.value,
+      progress=PROGRESS.value, module_norms=MODULE_NORMS.value,
       optim=OptimConfig(learning_rate=LR.value, embedding_learning_rate=EMBEDDING_LR.value,
                         warmup_steps=WARMUP_STEPS.value, weight_decay=WEIGHT_DECAY.value))
   for note in experiment.recipe_notes(spec.preset, config.optim):
     print(f"note: {note}", file=sys.stderr, flush=True)
   try:
     if MESH.value:
+      if MODULE_NORMS.value:
+        raise app.UsageError("--module_norms is logged by the single-device loop only; drop "
+                             "--mesh to read a spike")
       if DRIFT_EVERY.value:
         raise app.UsageError("--drift_every does not run in a sharded run yet; drop --mesh "
                              "or --drift_every")

@@ -40,6 +40,9 @@ def train_sharded(model, source, workdir: str, config: loop.TrainConfig, mesh: M
   A non-finite loss or gradient is never applied; with nan_policy 'stop' the run saves the
   last good state and raises loop.NonFiniteError, with 'skip' it moves on to the next batch.
   """
+  if config.module_norms:
+    raise ValueError("module_norms is logged by the single-device loop only: train the run "
+                     "to read without a mesh")
   os.makedirs(workdir, exist_ok=True)
   run_info = dict(run_info or {}, mesh=format_mesh_spec(mesh), collectives=parallel.collectives)
   tx = make_optimizer(config.optim)

@@ -4,7 +4,9 @@ resume, and non-finite loss handling.
 Run directory layout:
   WORKDIR/config.json     the run's settings; a resume with different settings is refused
   WORKDIR/metrics.jsonl   one JSON line per logged step: {"step", "loss", "time", ...} and, at
-                          eval steps, held-out "ne", "auc", "logloss"
+                          eval steps, held-out "ne", "auc", "logloss"; with
+                          `module_norms`, each module's gradient, parameter and update
+                          norms of the line's last step (module_norms.py)
   WORKDIR/checkpoints/    orbax checkpoints (see checkpoint.py)
   WORKDIR/final.json      held-out ne, auc, logloss + steps, precision, seed (+ oracle_ne)
 
@@ -47,6 +49,7 @@ from absl import logging
 from loka_jax import jsonio
 from loka_jax.kernels import FP8_META
 from loka_jax.train import metrics as metrics_lib
+from loka_jax.train import module_norms as module_norms_lib
 from loka_jax.train.checkpoint import Checkpointer
 from loka_jax.train.optim import OptimConfig, make_optimizer
 from loka_jax.train.state import (TrainState, abstract_train_state, all_finite,
@@ -56,7 +59,7 @@ NAN_POLICIES = ("stop", "skip")
 # Settings a resumed run may change; anything else must match the run directory's config.
 # A plan's path ("plan") may change too: what it runs is pinned by "plan_kernels_sha256".
 RESUMABLE_SETTINGS = ("steps", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints",
-                      "nan_policy", "progress", "plan")
+                      "nan_policy", "progress", "plan", "module_norms")
 WALL_CLOCK_FIELDS = ("time", "steps_per_sec")
 
 
@@ -112,6 +115,10 @@ class TrainConfig:
   keep_checkpoints: int = 3
   nan_policy: str = "stop"              # 'stop' | 'skip' (see module docstring)
   progress: bool = True                 # tqdm bar on stderr (only when it is a terminal)
+  # Log each module's gradient, parameter and update norms (module_norms.py) with every
+  # metrics line, for reading a loss spike (with log_every=1: every step). Off by default:
+  # it adds three reductions per parameter leaf to the step.
+  module_norms: bool = False
   optim: OptimConfig = OptimConfig()
 
   def __post_init__(self):
@@ -144,7 +151,8 @@ def loss_fn(model, params, fp8_meta, batch, rng):
   return jnp.mean(metrics_lib.bce_with_logits(logits, batch["label"])), logits
 
 
-def _build_train_step(model, tx: optax.GradientTransformation, nan_policy: str):
+def _build_train_step(model, tx: optax.GradientTransformation, nan_policy: str,
+                      module_norms: bool = False):
   def train_step(state: TrainState, batch) -> Tuple[TrainState, Dict[str, jax.Array]]:
     grad_fn = jax.value_and_grad(lambda p, f: loss_fn(model, p, f, batch,
                                                        step_rng(state, state.step)),
@@ -158,7 +166,10 @@ def _build_train_step(model, tx: optax.GradientTransformation, nan_policy: str):
     bad_step = 0 if nan_policy == "stop" else 1
     new = jax.lax.cond(ok, lambda s: s.apply_gradients(tx, grads, fp8_grads),
                        lambda s: s.replace(step=s.step + bad_step), state)
-    return new, {"loss": loss, "ok": ok, "grad_norm": grad_norm}
+    metrics = {"loss": loss, "ok": ok, "grad_norm": grad_norm}
+    if module_norms:
+      metrics.update(module_norms_lib.step_norms(grads, state.params, new.params))
+    return new, metrics
 
   return jax.jit(train_step, donate_argnums=0)  # the old state is never needed again
 
@@ -172,16 +183,18 @@ def _build_eval_step(model):
 _STEP_CACHE: Dict[Any, Tuple[Callable, Callable]] = {}
 
 
-def compiled_steps(model, optim: OptimConfig, nan_policy: str):
+def compiled_steps(model, optim: OptimConfig, nan_policy: str, module_norms: bool = False):
   """(train_step, eval_step) jitted for `model`; equal models and settings share one
-  compilation within a process (tests build the same tiny model many times)."""
-  key = (model, optim, nan_policy)
+  compilation within a process (tests build the same tiny model many times). With
+  `module_norms` the train step's metrics also hold each module's norms (module_norms.py)."""
+  key = (model, optim, nan_policy, module_norms)
   try:
     hit = _STEP_CACHE.get(key)
   except TypeError:  # an unhashable model config: no sharing
     key, hit = None, None
   if hit is None:
-    hit = (_build_train_step(model, make_optimizer(optim), nan_policy), _build_eval_step(model))
+    hit = (_build_train_step(model, make_optimizer(optim), nan_policy, module_norms),
+           _build_eval_step(model))
     if key is not None:
       _STEP_CACHE[key] = hit
   return hit
@@ -475,7 +488,8 @@ def train(model, source, workdir: str, config: TrainConfig, *,
   run_info = dict(run_info or {})
   os.makedirs(workdir, exist_ok=True)
   _check_run_config(workdir, {"run": run_info, "train": config.to_dict()})
-  train_step, eval_step = compiled_steps(model, config.optim, config.nan_policy)
+  train_step, eval_step = compiled_steps(model, config.optim, config.nan_policy,
+                                         config.module_norms)
   eval_batch_size = min(config.eval_batch_size or config.batch_size, source.num_eval_examples())
 
   first_batch = source.train_batch(0, config.batch_size)
@@ -558,12 +572,16 @@ def train(model, source, workdir: str, config: TrainConfig, *,
                  ) or done == config.steps
       if (config.log_every and done % config.log_every == 0) or is_eval or is_ckpt:
         record = window.record(done, time.perf_counter() - t0, grad_norm)
+        if step_metrics["ok"]:  # the norms of the line's last step, as its grad_norm is
+          record.update({k: {m: float(v) for m, v in step_metrics[k].items()}
+                         for k in module_norms_lib.KINDS if k in step_metrics})
         if is_eval:
           last_eval = (done, evaluate(eval_step, state, source, eval_batch_size))
           record.update({k: last_eval[1][k] for k in ("ne", "auc", "logloss")})
         writer.write(record)
         logging.info("step %d: %s", done, {k: round(v, 5) if isinstance(v, float) else v
-                                           for k, v in record.items() if k != "step"})
+                                           for k, v in record.items()
+                                           if k != "step" and k not in module_norms_lib.KINDS})
         bar.set_postfix(loss=f"{record['loss']:.4f}")
         if is_ckpt:
           save()
@@ -574,7 +592,8 @@ def train(model, source, workdir: str, config: TrainConfig, *,
       if swap is not None and swap.model is not None:
         state = swap_model(state, swap.model, first_batch, config.seed)
         model = swap.model
-        train_step, eval_step = compiled_steps(model, config.optim, config.nan_policy)
+        train_step, eval_step = compiled_steps(model, config.optim, config.nan_policy,
+                                               config.module_norms)
       for record in (swap.records if swap is not None else ()):
         writer.write(record)
       batch = next_batch
