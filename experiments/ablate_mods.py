@@ -31,9 +31,8 @@ PRECISIONS = flags.DEFINE_list("precisions", list(ablation.PRECISIONS),
 NOISE_SEEDS = flags.DEFINE_list("noise_seeds", [],
                                 "Extra seeds of the bf16 baseline for the seed-to-seed noise "
                                 "floor (DESIGN.md asks for >= 3 bf16 seeds in all).")
-DETERMINISTIC = flags.DEFINE_bool(
-    "xla_deterministic", False, "Deterministic GPU ops (--xla_gpu_deterministic_ops): each arm "
-    "repeats bit for bit (with --timing=off only, since it slows the steps).")
+DETERMINISTIC = common.define_xla_deterministic(
+    "Every arm; with --timing=off only, since it slows the steps.")
 TIMING = flags.DEFINE_enum("timing", "auto", ablation.TIMING_MODES,
                            "auto: time on a GPU only; off; force: also on a CPU (smoke test).")
 REPEATS = flags.DEFINE_integer("repeats", 20, "Timed repeats per variant (interleaved).")

@@ -136,10 +136,8 @@ ML_PRESET = flags.DEFINE_string("ml_preset", "tiny", "MovieLens model preset.")
 ML_STEPS = flags.DEFINE_integer("ml_steps", 600, "MovieLens training steps.")
 ML_BATCH = flags.DEFINE_integer("ml_batch", 256, "MovieLens batch size.")
 ML_SEEDS = flags.DEFINE_integer("ml_seeds", 5, "MovieLens seeds per arm.")
-DETERMINISTIC = flags.DEFINE_bool(
-    "xla_deterministic", False, "Deterministic GPU ops (--xla_gpu_deterministic_ops) for the "
-    "quality suite: a run repeats bit for bit, so a loss spike at one seed can be run again "
-    "and looked into; slower, so for --suite=quality only. Rows record it.")
+DETERMINISTIC = common_flags.define_xla_deterministic(
+    "For --suite=quality only, since it slows the steps; rows record it.")
 ARMS = flags.DEFINE_list("arms", ["bf16", "bf16_mods", "fp8_naive", "fp8_delayed", "loka"],
                         "Quality arms.")
 

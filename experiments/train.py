@@ -49,9 +49,7 @@ MODULE_NORMS = flags.DEFINE_bool(
     "module_norms", False, "Log each module's gradient, parameter and update norms with every "
     "metrics line (with --log_every=1: every step), to read a loss spike with "
     "experiments.spike_report. Slows the step a little.")
-XLA_DETERMINISTIC = flags.DEFINE_bool(
-    "xla_deterministic", False, "Deterministic GPU ops (--xla_gpu_deterministic_ops): a rerun "
-    "repeats the run bit for bit, so a spike can be run again and read.")
+XLA_DETERMINISTIC = common.define_xla_deterministic("It slows the step a little.")
 MESH = flags.DEFINE_string("mesh", None,
                            "Train sharded over a device mesh, e.g. data:2,model:2 (dense towers "
                            "data-parallel over every device, tables row-sharded over model; "

@@ -57,3 +57,11 @@ def define_min_timing_gflops():
       "the H200 table's 140 shape-pass groups below 5 GFLOP no FP8 kernel reached 1.05x but "
       "one, a 4096x1 output's grad_lhs (docs/BENCHMARKS.md, twenty-ninth session).",
       lower_bound=0.0)
+
+
+def define_xla_deterministic(scope: str):
+  """Defines --xla_deterministic (the script applies `xla_env.DETERMINISTIC` before JAX
+  starts); `scope` says what it covers in that script. Returns its flag holder."""
+  return flags.DEFINE_bool(
+      "xla_deterministic", False, "Deterministic GPU ops (--xla_gpu_deterministic_ops): a run "
+      f"repeats bit for bit, so a loss spike can be run again and read. {scope}")
