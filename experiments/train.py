@@ -13,6 +13,7 @@ from absl import app, flags
 
 from loka_jax import flags as common
 from loka_jax import xla_env
+from loka_jax.models.presets import ModsError
 from loka_jax.parallel.mesh import MeshSpecError
 from loka_jax.train import (NAN_POLICIES, CheckpointError, NonFiniteError, OptimConfig,
                             RunSettingsError, TrainConfig)
@@ -105,7 +106,7 @@ def main(argv):
     else:
       final = experiment.run(spec, common.WORKDIR.value, config)
   except (NonFiniteError, CheckpointError, RunSettingsError, experiment.PlanError,
-          MeshSpecError) as e:
+          MeshSpecError, ModsError) as e:
     sys.exit(f"error: {e}")
   print(json.dumps(final, indent=1, sort_keys=True))
 

@@ -21,7 +21,9 @@ PRECISION = flags.DEFINE_enum("precision", "bf16", PRECISIONS,
 KERNEL = flags.DEFINE_string("kernel", "xla_fp8_tensorwise",
                              "Kernel used at every site with --precision=fp8_all.")
 PLAN = flags.DEFINE_string("plan", None, "Plan JSON (loka.plan/1) for --precision=loka.")
-MODS = flags.DEFINE_list("mods", [], "Mods to turn on: no_bias, blocknorm, hard_swish (or 'all').")
+MODS = flags.DEFINE_list("mods", [], "Mods to turn on: no_bias, blocknorm, hard_swish (or 'all'); "
+                        "keep_bias:PATTERN keeps No Bias's biases at the dense sites whose "
+                        "path matches the glob (e.g. keep_bias:cross_*; repeatable).")
 
 
 def define_compile_workers():

@@ -119,8 +119,8 @@ class PersonalizedFFN(nn.Module):
     batch, _, d = s.shape
     # Scaled so that S W_p keeps S's magnitude at initialization (W_p entries ~ 1/sqrt(d)).
     init = nn.initializers.variance_scaling(1.0 / d, "fan_in", "truncated_normal")
-    w = DenseSite(d * d, use_bias=self.opts.use_bias, config=self.opts.site, kernel_init=init,
-                  name="weight")(x_sum.reshape(batch, -1)).reshape(batch, d, d)
+    w = DenseSite(d * d, use_bias=self.opts.bias_at(self, "weight"), config=self.opts.site,
+                  kernel_init=init, name="weight")(x_sum.reshape(batch, -1)).reshape(batch, d, d)
     y = ActSite("btd,bde->bte", config=self.opts.site, name="apply")(s, w)
     return self.opts.make_norm("norm")(s.astype(y.dtype) + y)
 

@@ -8,8 +8,9 @@ stateful fused-op kernels (delayed scaling) rely on.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
@@ -28,12 +29,15 @@ class TowerOptions:
 
   Mods arrive here already resolved (see `presets.tower_options`): `use_bias` False is the
   No Bias mod, norm 'blocknorm' the BlockNorm mod, activation 'hard_swish' the Hard Swish mod.
+  `keep_bias` holds No Bias's exceptions: glob patterns of the dense sites (by path, e.g.
+  `top_mlp/dense_0`) that keep their bias; blocks ask `bias_at`.
   """
   site: SiteConfig = SiteConfig()
   activation: str = "relu"
   norm: str = "layernorm"
   block_size: int = 256
   use_bias: bool = True
+  keep_bias: Tuple[str, ...] = ()
 
   def __post_init__(self):
     functional.activation(self.activation)  # unknown names fail at build time
@@ -41,6 +45,14 @@ class TowerOptions:
   @property
   def policy(self):
     return self.site.policy
+
+  def bias_at(self, module: nn.Module, name: str) -> bool:
+    """Whether the dense site `name` inside `module` has a bias: with biases on, every one;
+    under No Bias, those whose path matches a `keep_bias` pattern."""
+    if self.use_bias:
+      return True
+    path = "/".join(tuple(module.path) + (name,))
+    return any(fnmatch.fnmatchcase(path, pattern) for pattern in self.keep_bias)
 
   def act(self, x):
     return functional.activation(self.activation)(x)
@@ -76,7 +88,7 @@ class MLP(nn.Module):
     last = len(self.features) - 1
     norm = self.opts.norm if self.norm_hidden else "none"
     for i, width in enumerate(self.features):
-      use_bias = self.opts.use_bias
+      use_bias = self.opts.bias_at(self, f"dense_{i}")
       if i == last and self.final_bias is not None:
         use_bias = self.final_bias
       if (i < last or self.activate_final) and norm in FUSABLE_NORMS:
@@ -111,10 +123,12 @@ class CrossLayer(nn.Module):
   def __call__(self, x0, x):
     width = x.shape[-1]
     if self.rank <= 0:
-      y = DenseSite(width, use_bias=self.opts.use_bias, config=self.opts.site, name="w")(x)
+      y = DenseSite(width, use_bias=self.opts.bias_at(self, "w"), config=self.opts.site,
+                    name="w")(x)
     else:
       y = DenseSite(self.rank, use_bias=False, config=self.opts.site, name="v")(x)
-      y = DenseSite(width, use_bias=self.opts.use_bias, config=self.opts.site, name="u")(y)
+      y = DenseSite(width, use_bias=self.opts.bias_at(self, "u"), config=self.opts.site,
+                    name="u")(y)
     dt = y.dtype
     return x0.astype(dt) * y + x.astype(dt)
 
@@ -171,8 +185,8 @@ class SelfAttention(nn.Module):
   @nn.compact
   def __call__(self, x, key_mask=None, positions=None):
     width = x.shape[-1]
-    dense = lambda name: DenseSite(width, use_bias=self.opts.use_bias, config=self.opts.site,
-                                   name=name)
+    dense = lambda name: DenseSite(width, use_bias=self.opts.bias_at(self, name),
+                                   config=self.opts.site, name=name)
     q = split_heads(dense("query")(x), self.num_heads)
     k = split_heads(dense("key")(x), self.num_heads)
     v = split_heads(dense("value")(x), self.num_heads)
@@ -191,8 +205,8 @@ class PoolingAttention(nn.Module):
   @nn.compact
   def __call__(self, x, key_mask=None):
     batch, _, width = x.shape
-    dense = lambda name: DenseSite(width, use_bias=self.opts.use_bias, config=self.opts.site,
-                                   name=name)
+    dense = lambda name: DenseSite(width, use_bias=self.opts.bias_at(self, name),
+                                   config=self.opts.site, name=name)
     seeds = self.param("queries", nn.initializers.normal(stddev=1.0),
                        (self.num_queries, width), self.opts.policy.param_dtype)
     q = jnp.broadcast_to(seeds.astype(self.opts.policy.compute_dtype)[None],

@@ -313,20 +313,47 @@ def get_config(model: str, preset: str) -> ml_collections.ConfigDict:
   return c
 
 
+# A Mods entry `keep_bias:PATTERN` keeps, under No Bias, the biases of the dense sites whose
+# path matches the glob PATTERN (e.g. `keep_bias:top_mlp/*`); repeat it for more patterns.
+# Why: No Bias with Hard Swish spikes DCNv2 `large` where neither does alone
+# (docs/BENCHMARKS.md, thirty-fifth session), and a spike read names the module to keep.
+KEEP_BIAS = "keep_bias:"
+
+
+class ModsError(ValueError):
+  """A Mods list that cannot apply: an unknown Mod, or a keep_bias pattern that cannot."""
+
+
 def _mod_list(mods: Union[str, Sequence[str]]):
+  """(the Mods named, in order, 'all' expanded; the keep_bias patterns)."""
   if isinstance(mods, str):
     mods = mods.split(",")
   names = [m.strip() for m in mods if m and m.strip()]
-  for m in names:
-    _check_name("mod", m, MODS + ("all",))
-  return MODS if "all" in names else tuple(dict.fromkeys(names))
+  patterns = tuple(m[len(KEEP_BIAS):] for m in names if m.startswith(KEEP_BIAS))
+  names = [m for m in names if not m.startswith(KEEP_BIAS)]
+  unknown = [m for m in names if m not in MODS + ("all",)]
+  if unknown:
+    raise ModsError(f"unknown Mod(s) {unknown}; valid: {', '.join(MODS)}, all, "
+                    f"{KEEP_BIAS}PATTERN")
+  if any(not p for p in patterns):
+    raise ModsError(f"an empty {KEEP_BIAS} pattern; name the sites, e.g. "
+                     f"{KEEP_BIAS}top_mlp/dense_0 or {KEEP_BIAS}cross_*")
+  names = MODS if "all" in names else tuple(dict.fromkeys(names))
+  if patterns and "no_bias" not in names:
+    raise ModsError(f"{KEEP_BIAS}{patterns[0]} keeps biases that only No Bias drops: add "
+                     "no_bias (or all) to the Mods")
+  return names, patterns
 
 
 def apply_mods(config: ml_collections.ConfigDict, mods: Sequence[str]) -> ml_collections.ConfigDict:
-  """A copy of `config` with the named Mods on ('no_bias', 'blocknorm', 'hard_swish', 'all')."""
+  """A copy of `config` with the named Mods on ('no_bias', 'blocknorm', 'hard_swish', 'all'),
+  and No Bias's exceptions (`keep_bias:PATTERN` entries) in `mods.keep_bias`."""
   out = ml_collections.ConfigDict(config.to_dict())
-  for name in _mod_list(mods):
+  names, patterns = _mod_list(mods)
+  for name in names:
     out.mods[name] = True
+  if patterns:
+    out.mods.keep_bias = patterns
   return out
 
 
@@ -338,7 +365,9 @@ def tower_options(config, site_config: SiteConfig) -> TowerOptions:
   return TowerOptions(site=site_config,
                       activation="hard_swish" if mods.hard_swish else config.activation,
                       norm=norm, block_size=int(mods.block_size),
-                      use_bias=bool(config.use_bias) and not mods.no_bias)
+                      use_bias=bool(config.use_bias) and not mods.no_bias,
+                      keep_bias=(tuple(mods.get("keep_bias", ()))
+                                 if config.use_bias and mods.no_bias else ()))
 
 
 def as_feature_spec(features) -> FeatureSpec:
