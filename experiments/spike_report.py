@@ -5,9 +5,10 @@
       --module_norms --log_every=1 --workdir=/tmp/spike
   python -m experiments.spike_report --workdir=/tmp/spike
 
-Prints the loss's worst step and first jump, and each module whose gradient norm jumped
-(first above --grad_factor x its median over the --window logged steps before), earliest
-first; writes spike.json, spike.md and spike.png into --out (default: the run directory).
+Prints the loss's worst step and first jump, each module whose gradient norm jumped (first
+above --grad_factor x its median over the --window logged steps before), earliest first, and
+each module whose output RMS jumped (--output_factor); writes spike.json, spike.md and
+spike.png into --out (default: the run directory).
 """
 import os
 import sys
@@ -25,6 +26,9 @@ GRAD_FACTOR = flags.DEFINE_float("grad_factor", spikes.GRAD_FACTOR,
                                  "times its recent median.")
 LOSS_FACTOR = flags.DEFINE_float("loss_factor", spikes.LOSS_FACTOR,
                                  "The loss spikes above this many times its recent median.")
+OUTPUT_FACTOR = flags.DEFINE_float("output_factor", spikes.OUTPUT_FACTOR,
+                                   "A module's output RMS jumps above this many times its "
+                                   "recent median.")
 WINDOW = flags.DEFINE_integer("window", spikes.WINDOW,
                               "Logged steps the recent median is taken over.")
 MIN_HISTORY = flags.DEFINE_integer("min_history", spikes.MIN_HISTORY,
@@ -40,7 +44,8 @@ def main(argv):
   try:
     trace = spikes.read_trace(WORKDIR.value)
     summary = spikes.summarize(trace, grad_factor=GRAD_FACTOR.value,
-                               loss_factor=LOSS_FACTOR.value, window=WINDOW.value,
+                               loss_factor=LOSS_FACTOR.value,
+                               output_factor=OUTPUT_FACTOR.value, window=WINDOW.value,
                                min_history=MIN_HISTORY.value)
   except (spikes.NormTraceError, ValueError) as e:
     sys.exit(f"error: {e}")

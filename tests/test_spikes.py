@@ -75,10 +75,30 @@ class LoopModuleNormsTest(chex.TestCase):
   def test_every_line_has_every_module(self):
     state, _ = restore_run(self.with_norms, self.model, self.source, self.config)
     modules = set(norms_lib.module_norms(state.params))
+    self.assertEqual(modules, {"embeddings", "hidden", "out"})
     self.assertLen(self.lines, 6)
     for line in self.lines:
-      for kind in norms_lib.KINDS:
+      for kind in (norms_lib.GRAD, norms_lib.PARAM, norms_lib.UPDATE):
         self.assertEqual(set(line[kind]), modules, kind)
+      self.assertEqual(set(line[norms_lib.OUTPUT]), modules | {norms_lib.ROOT})
+
+  def test_output_rms_is_the_forward_of_the_step(self):
+    # The toy model's forward in numpy, from the state the last step started from.
+    before, _ = restore_run(self.five, self.model, self.source, self.config)
+    p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), before.params)
+    batch = self.source.train_batch(5, self.config.batch_size)
+    ids, mask = np.asarray(batch["sparse_ids"]), np.asarray(batch["sparse_mask"], np.float64)
+    pooled = np.concatenate(
+        [(p["embeddings"][f"table_{f}"][ids[:, f]] * mask[:, f, :, None]).sum(axis=1)
+         for f in range(ids.shape[1])], axis=-1)
+    x = np.concatenate([np.asarray(batch["dense"], np.float64), pooled], axis=-1)
+    hidden = x @ p["hidden"]["kernel"] + p["hidden"]["bias"]
+    out = np.maximum(hidden, 0) @ p["out"]["kernel"] + p["out"]["bias"]
+    rms = lambda a: float(np.sqrt(np.mean(np.square(a))))  # noqa: E731
+    got = self.lines[-1][norms_lib.OUTPUT]
+    for module, value in (("embeddings", pooled), ("hidden", hidden), ("out", out),
+                          (norms_lib.ROOT, out[:, 0])):
+      np.testing.assert_allclose(got[module], rms(value), rtol=1e-4, err_msg=module)
 
   def test_gradient_norms_add_up_to_the_global_norm(self):
     # The loop's grad_norm is optax's norm over the whole tree, computed apart.
@@ -137,14 +157,16 @@ class LoopModuleNormsTest(chex.TestCase):
       parallel_run.train_sharded(self.model, self.source, self.tmp.name, self.config, mesh=None)
 
 
-def write_metrics(path, loss, grads, updates=None, extra_lines=()):
+def write_metrics(path, loss, grads, updates=None, outputs=None, extra_lines=()):
   """A metrics.jsonl with one line per step (1-based) from per-step series."""
+  outputs = {norms_lib.ROOT: [1.0] * len(loss)} if outputs is None else outputs
   with open(path, "w") as f:
     for i, value in enumerate(loss):
       record = {"step": i + 1, "loss": value, "max_loss": value, "grad_norm": 1.0,
                 norms_lib.GRAD: {m: s[i] for m, s in grads.items()},
                 norms_lib.PARAM: {m: 1.0 for m in grads},
-                norms_lib.UPDATE: {m: (updates or grads)[m][i] for m in grads}}
+                norms_lib.UPDATE: {m: (updates or grads)[m][i] for m in grads},
+                **({norms_lib.OUTPUT: {m: s[i] for m, s in outputs.items()}} if outputs else {})}
       f.write(json.dumps(record) + "\n")
     for line in extra_lines:
       f.write(line + "\n")
@@ -169,8 +191,12 @@ class SpikeReadingTest(chex.TestCase):
     self.grads["cross_0"][30:] = [3.0] * 30
     self.grads["tower/a"][32:] = [4.0] * 28
     self.loss[33:] = [5.0] * 27
+    # The outputs of a parameter-free block grow 4x at step 29, before any gradient.
+    self.outputs = {"cross_1": [1.0 + 0.1 * rng.random() for _ in range(steps)],
+                    norms_lib.ROOT: [0.5] * steps}
+    self.outputs["cross_1"][28:] = [4.0] * 32
     self.path = os.path.join(self.tmp, "metrics.jsonl")
-    write_metrics(self.path, self.loss, self.grads)
+    write_metrics(self.path, self.loss, self.grads, outputs=self.outputs)
 
   def test_first_jump_finds_the_planted_step(self):
     values = np.array(self.grads["cross_0"])
@@ -195,16 +221,23 @@ class SpikeReadingTest(chex.TestCase):
     self.assertIn("`cross_0` at step 31, 3 steps before the loss's", text)
     self.assertIn("| tower/a | 33 |", text)
     self.assertNotIn("embeddings", text)
+    self.assertEqual([(j["series"], j["step"]) for j in summary["output_jumps"]],
+                     [("cross_1", 29)])
+    self.assertIn("| cross_1 | 29 |", text)
     json.dumps(summary, allow_nan=False)
 
   def test_a_run_without_a_spike_says_so(self):
-    write_metrics(self.path, [0.5] * 40, {"a": [0.1] * 40})
-    text = spikes.markdown(spikes.summarize(spikes.read_trace(self.path)))
+    # (A log from before the outputs were recorded reads too.)
+    write_metrics(self.path, [0.5] * 40, {"a": [0.1] * 40}, outputs={})
+    summary = spikes.summarize(spikes.read_trace(self.path))
+    text = spikes.markdown(summary)
     self.assertIn("no spike by this rule", text)
     self.assertIn("No module's gradient norm exceeds", text)
+    self.assertEqual(summary["output_jumps"], [])
+    spikes.spike_plot(spikes.read_trace(self.path), summary, os.path.join(self.tmp, "p.png"))
 
   def test_event_lines_and_a_cut_last_line_are_skipped(self):
-    write_metrics(self.path, self.loss, self.grads,
+    write_metrics(self.path, self.loss, self.grads, outputs=self.outputs,
                   extra_lines=[json.dumps({"step": 61, "error": "non-finite"}), '{"step": 6'])
     self.assertLen(spikes.read_trace(self.path).steps, 60)
 

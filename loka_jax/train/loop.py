@@ -6,7 +6,7 @@ Run directory layout:
   WORKDIR/metrics.jsonl   one JSON line per logged step: {"step", "loss", "time", ...} and, at
                           eval steps, held-out "ne", "auc", "logloss"; with
                           `module_norms`, each module's gradient, parameter and update
-                          norms of the line's last step (module_norms.py)
+                          norms and output RMS of the line's last step (module_norms.py)
   WORKDIR/checkpoints/    orbax checkpoints (see checkpoint.py)
   WORKDIR/final.json      held-out ne, auc, logloss + steps, precision, seed (+ oracle_ne)
 
@@ -115,9 +115,9 @@ class TrainConfig:
   keep_checkpoints: int = 3
   nan_policy: str = "stop"              # 'stop' | 'skip' (see module docstring)
   progress: bool = True                 # tqdm bar on stderr (only when it is a terminal)
-  # Log each module's gradient, parameter and update norms (module_norms.py) with every
-  # metrics line, for reading a loss spike (with log_every=1: every step). Off by default:
-  # it adds three reductions per parameter leaf to the step.
+  # Log each module's gradient, parameter and update norms and output RMS (module_norms.py)
+  # with every metrics line, for reading a loss spike (with log_every=1: every step). Off by
+  # default: it adds a forward and three reductions per parameter leaf to the step.
   module_norms: bool = False
   optim: OptimConfig = OptimConfig()
 
@@ -167,8 +167,10 @@ def _build_train_step(model, tx: optax.GradientTransformation, nan_policy: str,
     new = jax.lax.cond(ok, lambda s: s.apply_gradients(tx, grads, fp8_grads),
                        lambda s: s.replace(step=s.step + bad_step), state)
     metrics = {"loss": loss, "ok": ok, "grad_norm": grad_norm}
-    if module_norms:
+    if module_norms:  # the outputs from a second forward: the step's own is inside its grad
       metrics.update(module_norms_lib.step_norms(grads, state.params, new.params))
+      metrics[module_norms_lib.OUTPUT] = module_norms_lib.output_rms(
+          model, state.variables(), batch, step_rng(state, state.step))
     return new, metrics
 
   return jax.jit(train_step, donate_argnums=0)  # the old state is never needed again

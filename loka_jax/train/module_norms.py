@@ -17,9 +17,13 @@ import jax
 import jax.numpy as jnp
 
 # The metrics keys the training loop writes with `TrainConfig.module_norms`: the step's
-# gradient, the parameters after the step, and the step's update (new minus old parameters).
+# gradient, the parameters after the step, and the step's update (new minus old parameters),
+# each a norm over a module's parameters; and the RMS of each module's output in the step's
+# forward (every module, parameter-free ones such as a DCNv2 cross layer included).
 GRAD, PARAM, UPDATE = "module_grad_norms", "module_param_norms", "module_update_norms"
-KINDS = (GRAD, PARAM, UPDATE)
+OUTPUT = "module_output_rms"
+KINDS = (GRAD, PARAM, UPDATE, OUTPUT)
+ROOT = "<model>"  # the whole model's output (the logits) in OUTPUT
 
 
 def _key_name(key) -> str:
@@ -52,3 +56,22 @@ def step_norms(grads: Any, old_params: Any, new_params: Any) -> Dict[str, Dict[s
       new_params, old_params)
   return {GRAD: module_norms(grads), PARAM: module_norms(new_params),
           UPDATE: module_norms(update)}
+
+
+def output_rms(model, variables, batch, rng) -> Dict[str, jax.Array]:
+  """{module: float32 RMS of its output} over a training-mode forward of `batch` (dropout
+  key `rng`, as the step's own forward). A module called more than once, or returning a
+  tuple, gets one entry per output: `name#i` past the first."""
+  _, state = model.apply(variables, batch, train=True, rngs={"dropout": rng},
+                         capture_intermediates=True, mutable=["intermediates"])
+  out: Dict[str, jax.Array] = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state["intermediates"])[0]:
+    names = [_key_name(k) for k in path]
+    if "__call__" not in names or not jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating):
+      continue
+    at = names.index("__call__")
+    module = "/".join(names[:at]) or ROOT
+    rest = [n for n in names[at + 1:] if n != "0"]
+    name = module + (f"#{'.'.join(rest)}" if rest else "")
+    out[name] = jnp.sqrt(jnp.mean(jnp.square(jnp.asarray(leaf, jnp.float32))))
+  return out

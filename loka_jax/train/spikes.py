@@ -4,7 +4,8 @@ A run trained with `TrainConfig.module_norms` (`experiments.train --module_norms
 --log_every=1`) logs every step's gradient, parameter and update norm of each module
 (module_norms.py). This module asks of such a log: at which step did the loss leave its
 recent range, which modules' gradients (and updates) left theirs, in what order, and how many
-steps before the loss. "Left its recent range" is one rule for every series: the value
+steps before the loss; and which modules' outputs (the forward's activations) grew first.
+"Left its recent range" is one rule for every series: the value
 exceeds `factor` times its median over the `window` logged steps before it (with at least
 `min_history` of them, so the first steps from initialization, whose gradients fall fast, are
 not read as jumps).
@@ -24,7 +25,8 @@ import numpy as np
 from loka_jax import jsonio
 from loka_jax.train import module_norms as norms_lib
 
-GRAD_FACTOR = 10.0   # a module's gradient norm jumps at 10x its recent median
+GRAD_FACTOR = 10.0   # a module's gradient (or update) norm jumps at 10x its recent median
+OUTPUT_FACTOR = 3.0  # a module's output RMS jumps at 3x its recent median
 LOSS_FACTOR = 2.0    # the training loss spikes at 2x its recent median
 WINDOW = 20          # logged steps the recent median is taken over
 MIN_HISTORY = 5      # logged steps a series needs before it can jump
@@ -46,6 +48,7 @@ class NormTrace:
 
   @property
   def modules(self) -> List[str]:
+    """The modules with parameters (those of the gradient norms)."""
     return sorted(self.norms[norms_lib.GRAD])
 
   @property
@@ -79,9 +82,10 @@ def read_trace(path: str) -> NormTrace:
     raise NormTraceError(
         f"{path} has no per-module norms: train the run with --module_norms (and "
         "--log_every=1, to read every step)")
-  modules = sorted({m for r in with_norms for m in r[norms_lib.GRAD]})
+  # Each kind has its own modules: the outputs include parameter-free ones (and none in a
+  # log written before they were recorded).
   norms = {kind: {m: np.array([float(r.get(kind, {}).get(m, math.nan)) for r in records])
-                  for m in modules}
+                  for m in sorted({m for r in with_norms for m in r.get(kind, {})})}
            for kind in norms_lib.KINDS}
   return NormTrace(
       path=path, steps=np.array([r["step"] for r in records]),
@@ -140,26 +144,29 @@ def module_jumps(trace: NormTrace, kind: str = norms_lib.GRAD, factor: float = G
 
 
 def summarize(trace: NormTrace, *, grad_factor: float = GRAD_FACTOR,
-              loss_factor: float = LOSS_FACTOR, window: int = WINDOW,
-              min_history: int = MIN_HISTORY) -> Dict[str, Any]:
+              loss_factor: float = LOSS_FACTOR, output_factor: float = OUTPUT_FACTOR,
+              window: int = WINDOW, min_history: int = MIN_HISTORY) -> Dict[str, Any]:
   """The spike's story as a JSON-able dict: the loss's worst step and first jump, the
-  modules whose gradient and update norms jumped (in order), and the lead of the first
-  gradient jump over the loss's."""
+  modules whose gradient and update norms and output RMS jumped (in order), and the lead of
+  the first gradient jump over the loss's."""
   rule = {"window": window, "min_history": min_history}
   peak = int(np.nanargmax(trace.max_loss))
   loss_hit = first_jump(trace.max_loss, trace.steps, loss_factor, **rule)
   loss_jump = Jump("loss", "loss", *loss_hit) if loss_hit else None
   grads = module_jumps(trace, norms_lib.GRAD, grad_factor, **rule)
   updates = module_jumps(trace, norms_lib.UPDATE, grad_factor, **rule)
+  outputs = module_jumps(trace, norms_lib.OUTPUT, output_factor, **rule)
   lead = (loss_jump.step - grads[0].step) if (loss_jump and grads) else None
   return {
       "metrics": trace.path, "steps": [int(trace.steps[0]), int(trace.steps[-1])],
       "every_step": trace.every_step, "modules": len(trace.modules),
-      "rule": {**rule, "grad_factor": grad_factor, "loss_factor": loss_factor},
+      "rule": {**rule, "grad_factor": grad_factor, "loss_factor": loss_factor,
+               "output_factor": output_factor},
       "peak": {"step": int(trace.steps[peak]), "loss": float(trace.max_loss[peak])},
       "loss_jump": loss_jump.to_dict() if loss_jump else None,
       "grad_jumps": [j.to_dict() for j in grads],
       "update_jumps": [j.to_dict() for j in updates],
+      "output_jumps": [j.to_dict() for j in outputs],
       "first_module": grads[0].series if grads else None,
       "lead_steps": lead,
   }
@@ -199,12 +206,22 @@ def markdown(summary: Mapping[str, Any], top: int = 12) -> str:
                    f"{u['step'] if u else '-'} |")
     if len(grads) > top:
       lines.append(f"| ({len(grads) - top} more) | | | |")
+  outputs = summary.get("output_jumps", [])
+  if outputs:
+    lines += ["", f"Outputs above {rule['output_factor']:g}x their recent median RMS, earliest "
+              "first:", "", "| module | output jump step | output RMS (x recent median) |",
+              "|---|---|---|"]
+    lines += [f"| {j['series']} | {j['step']} | {j['value']:.3g} ({j['ratio']:.1f}x) |"
+              for j in outputs[:top]]
+    if len(outputs) > top:
+      lines.append(f"| ({len(outputs) - top} more) | | |")
   return "\n".join(lines) + "\n"
 
 
 def spike_plot(trace: NormTrace, summary: Mapping[str, Any], path: str, top: int = 6) -> str:
   """Loss, then the gradient and update norms of the modules that jumped first (else of the
-  largest gradients), over the logged steps, with the loss's jump and worst step marked."""
+  largest gradients) and the output RMS of the modules whose outputs jumped first, over the
+  logged steps, with the loss's jump and worst step marked."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -213,12 +230,16 @@ def spike_plot(trace: NormTrace, summary: Mapping[str, Any], path: str, top: int
   if len(shown) < top:
     by_size = sorted(trace.modules, key=lambda m: -np.nanmax(trace.norms[norms_lib.GRAD][m]))
     shown += [m for m in by_size if m not in shown][:top - len(shown)]
-  fig, axes = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
+  outputs = trace.norms[norms_lib.OUTPUT]
+  shown_out = [j["series"] for j in summary.get("output_jumps", [])[:top]]
+  shown_out += [m for m in shown if m in outputs and m not in shown_out][:top - len(shown_out)]
+  fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
   axes[0].plot(trace.steps, trace.max_loss, color="black", lw=1)
   axes[0].set_ylabel("training loss (worst step of a line)")
-  for ax, kind, label in ((axes[1], norms_lib.GRAD, "gradient norm"),
-                          (axes[2], norms_lib.UPDATE, "update norm")):
-    for module in shown:
+  for ax, kind, label, modules in ((axes[1], norms_lib.GRAD, "gradient norm", shown),
+                                   (axes[2], norms_lib.UPDATE, "update norm", shown),
+                                   (axes[3], norms_lib.OUTPUT, "output RMS", shown_out)):
+    for module in modules:
       ax.plot(trace.steps, trace.norms[kind][module], lw=1, label=module)
     ax.set_ylabel(label)
   for ax in axes:
@@ -227,7 +248,9 @@ def spike_plot(trace: NormTrace, summary: Mapping[str, Any], path: str, top: int
       ax.axvline(summary["loss_jump"]["step"], color="red", ls="--", lw=0.8)
     ax.axvline(summary["peak"]["step"], color="gray", ls=":", lw=0.8)
   axes[1].legend(fontsize=7, loc="upper left")
-  axes[2].set_xlabel("step (red dashed: the loss's jump; gray dotted: its worst step)")
+  if shown_out:
+    axes[3].legend(fontsize=7, loc="upper left")
+  axes[3].set_xlabel("step (red dashed: the loss's jump; gray dotted: its worst step)")
   axes[0].set_title(os.path.dirname(trace.path) or trace.path, fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
