@@ -337,11 +337,11 @@ def _mod_list(mods: Union[str, Sequence[str]]):
                     f"{KEEP_BIAS}PATTERN")
   if any(not p for p in patterns):
     raise ModsError(f"an empty {KEEP_BIAS} pattern; name the sites, e.g. "
-                     f"{KEEP_BIAS}top_mlp/dense_0 or {KEEP_BIAS}cross_*")
+                    f"{KEEP_BIAS}top_mlp/dense_0 or {KEEP_BIAS}cross_*")
   names = MODS if "all" in names else tuple(dict.fromkeys(names))
   if patterns and "no_bias" not in names:
     raise ModsError(f"{KEEP_BIAS}{patterns[0]} keeps biases that only No Bias drops: add "
-                     "no_bias (or all) to the Mods")
+                    "no_bias (or all) to the Mods")
   return names, patterns
 
 

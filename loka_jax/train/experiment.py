@@ -19,6 +19,7 @@ from loka_jax.data.spec import FeatureSpec
 from loka_jax.kernels import KernelPlan
 from loka_jax.models import SiteConfig, apply_mods, build_model, get_config
 from loka_jax.models.presets import ModsError
+from loka_jax.train import module_norms
 from loka_jax.train.loop import TrainConfig, train
 
 
@@ -118,8 +119,7 @@ def check_keep_bias(model, source, patterns: Tuple[str, ...]) -> None:
   variables = jax.eval_shape(lambda b: model.init({"params": jax.random.PRNGKey(0),
                                                    "dropout": jax.random.PRNGKey(1)}, b,
                                                   train=False), source.train_batch(0, 2))
-  leaves = [("/".join(str(getattr(k, "key", k)) for k in path[:-1]),
-             str(getattr(path[-1], "key", path[-1])))
+  leaves = [(module_norms.module_of(path), str(getattr(path[-1], "key", path[-1])))
             for path, _ in jax.tree_util.tree_flatten_with_path(variables["params"])[0]]
   biased = {module for module, leaf in leaves if leaf == "bias"}
   missing = [p for p in patterns if not any(fnmatch.fnmatchcase(b, p) for b in biased)]
