@@ -10,7 +10,8 @@ import jax
 import numpy as np
 from absl.testing import absltest
 
-from loka_jax.models import apply_mods, get_config
+from loka_jax.bench import mods_set, quality, suite, towers
+from loka_jax.models import SiteConfig, apply_mods, get_config
 from loka_jax.models.presets import ModsError
 from loka_jax.train import experiment
 
@@ -65,6 +66,9 @@ class KeepBiasTest(chex.TestCase):
       apply_mods(get_config("dcnv2", "tiny"), ["all", "keep_bias:"])
     with self.assertRaisesRegex(ModsError, r"\['crosss_\*'\] match no dense site.*cross_0/u"):
       build(["all", "keep_bias:crosss_*"])
+    # A low-rank cross layer's `v` has no bias by design: nothing to keep there.
+    with self.assertRaisesRegex(ModsError, r"\['cross_\*/v'\] match no dense site"):
+      build(["all", "keep_bias:cross_*/v"])
     with self.assertRaisesRegex(ModsError, r"unknown Mod\(s\) \['no_bais'\]"):
       apply_mods(get_config("dcnv2", "tiny"), ["no_bais"])
 
@@ -83,6 +87,45 @@ class KeepBiasTest(chex.TestCase):
            f"--workdir={os.path.join(tmp, 'bad')}"], cwd=ROOT, capture_output=True, text=True)
       self.assertNotEqual(bad.returncode, 0)
       self.assertIn("error: keep_bias pattern(s) ['nowhere'] match no dense site", bad.stderr)
+
+
+class BenchKeepBiasTest(chex.TestCase):
+
+  def test_a_mods_set_names_its_patterns_and_keeps_one_folder(self):
+    mods = mods_set.parse("all,keep_bias:cross_*/*,keep_bias:top_mlp/dense_0")
+    self.assertEqual(mods, ("no_bias", "blocknorm", "hard_swish", "keep_bias:cross_*/*",
+                            "keep_bias:top_mlp/dense_0"))
+    self.assertEqual(mods_set.parse("keep_bias:top_mlp/dense_0,keep_bias:cross_*/*,all"), mods)
+    label = mods_set.label(mods)
+    self.assertEqual(label, "no_bias+blocknorm+hard_swish+keep_bias:cross_*/*+"
+                            "keep_bias:top_mlp/dense_0")
+    root = mods_set.plans_root("P", mods)
+    self.assertEqual(os.path.dirname(root), "P")
+    row = {"data": "synthetic", "model": "dcnv2", "preset": "large", "arm": "bf16_mods",
+           "seed": 2, "mods_set": label}
+    run = quality.run_dir("Q", row)
+    self.assertEqual(os.path.dirname(run), os.path.join("Q", "synthetic", "dcnv2_large"))
+    self.assertNotIn("*", run)
+    with self.assertRaisesRegex(ValueError, "only No Bias drops"):
+      mods_set.parse("hard_swish,keep_bias:cross_*")
+    with self.assertRaisesRegex(ValueError, "empty keep_bias"):
+      mods_set.parse("all,keep_bias:")
+
+  def test_the_bench_builds_its_models_and_towers_with_them(self):
+    target = suite.Target("models", "dcnv2", "tiny")
+    site = SiteConfig.for_precision("bf16")
+    model = target.build(site, mods_set.parse("all,keep_bias:cross_*"))
+    batch = target.source().train_batch(0, 8)
+    params = model.init(jax.random.PRNGKey(0), batch)["params"]
+    self.assertEqual(biased_sites(params), ["cross_0/u", "cross_1/u", "top_mlp/dense_2"])
+    with self.assertRaisesRegex(ModsError, "match no dense site"):
+      target.build(site, mods_set.parse("all,keep_bias:tower/*"))
+    shape = towers.TowerShape.parse("32x16x2")
+    tower = towers.build_tower(shape, site, mods_set.parse("all,keep_bias:mlp/dense_0"))
+    params = tower.init(jax.random.PRNGKey(0), towers.TowerSource(16).train_batch(0, 4))
+    self.assertEqual(biased_sites(params["params"]), ["mlp/dense_0", "mlp/dense_2"])
+    with self.assertRaisesRegex(ValueError, r"\['mlp/dense_9'\] match no site of the tower"):
+      towers.build_tower(shape, site, mods_set.parse("all,keep_bias:mlp/dense_9"))
 
 
 if __name__ == "__main__":

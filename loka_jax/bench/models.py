@@ -8,7 +8,8 @@ import jax
 from loka_jax.bench import speed
 from loka_jax.bench.variants import Variant
 from loka_jax.data import FeatureSpec, make_source
-from loka_jax.models.presets import apply_mods, build_model, get_config, tower_flops
+from loka_jax.models.presets import (apply_mods, build_model, check_keep_bias, get_config,
+                                    tower_flops)
 from loka_jax.models.site import SiteConfig
 from loka_jax.train import loop
 from loka_jax.train.optim import OptimConfig, make_optimizer
@@ -26,6 +27,7 @@ def prepare(model_name: str, preset: str, variant: Variant, batch_size: Optional
   source = make_source("synthetic", features=features, seed=seed, num_eval=batch_size)
   model = build_model(config, source.features,
                       SiteConfig.for_precision(variant.precision, kernel=variant.kernel))
+  check_keep_bias(model, config, source.train_batch(0, 2))
   batch = jax.device_put(source.train_batch(0, batch_size))  # real data, never zeros
   optim = OptimConfig()
   train_step, eval_step = loop.compiled_steps(model, optim, "stop")

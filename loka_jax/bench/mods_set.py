@@ -7,14 +7,19 @@ the default's rows, and the reports compare them only with one another. Its plan
 folder of their own, PLANS/mods_<label>/, since a plan is probed and selected on the model
 with its Mods. Rows of the default set have no `mods_set`, so rows written before it existed
 keep their keys.
+
+A set may keep some biases under No Bias (`keep_bias:PATTERN` entries, `presets.KEEP_BIAS`),
+e.g. `all,keep_bias:cross_*`: it is then every Mod named one by one, with its patterns, and
+its label names them. Folders take the label with `/` and `*` escaped (`folder_label`).
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+import urllib.parse
 from typing import Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
-from loka_jax.models.presets import MODS
+from loka_jax.models.presets import KEEP_BIAS, MODS
 
 DEFAULT: Tuple[str, ...] = ("all",)
 
@@ -28,17 +33,26 @@ def parse(names: Union[str, Sequence[str]]) -> Tuple[str, ...]:
   if isinstance(names, str):
     names = names.split(",")
   names = [n.strip() for n in names if n and n.strip()]
+  keep = tuple(sorted(dict.fromkeys(n for n in names if n.startswith(KEEP_BIAS))))
+  names = [n for n in names if not n.startswith(KEEP_BIAS)]
   unknown = [n for n in names if n not in MODS + DEFAULT]
   if unknown:
     raise ValueError(f"unknown Mod(s) {unknown} in the Mods set; valid: "
-                     f"{', '.join(MODS + DEFAULT)}")
+                     f"{', '.join(MODS + DEFAULT)}, {KEEP_BIAS}PATTERN")
   if not names:
     raise ValueError("the Mods set is empty: name at least one of "
                      f"{', '.join(MODS)}, or 'all' (the runs without Mods are the bf16 and "
                      "FP8 arms)")
-  if "all" in names or set(names) == set(MODS):
-    return DEFAULT
-  return tuple(m for m in MODS if m in names)
+  every = "all" in names or set(names) == set(MODS)
+  base = MODS if every else tuple(m for m in MODS if m in names)
+  if keep:
+    if KEEP_BIAS in keep:
+      raise ValueError(f"an empty {KEEP_BIAS} pattern in the Mods set")
+    if "no_bias" not in base:
+      raise ValueError(f"{keep[0]} keeps biases that only No Bias drops: add no_bias (or "
+                       "all) to the Mods set")
+    return base + keep
+  return DEFAULT if every else base
 
 
 def label(mods: Union[str, Sequence[str]]) -> Optional[str]:
@@ -62,11 +76,17 @@ def row_subject(row: Mapping) -> str:
   return f"{row['model']}/{preset_label(row['preset'], of_row(row))}"
 
 
+def folder_label(set_label: str) -> str:
+  """A set's label as one folder name: a keep_bias pattern's `/` and `*` escaped."""
+  return urllib.parse.quote(set_label, safe="+_-.:")
+
+
 def plans_root(plans_dir: str, mods: Sequence[str]) -> str:
   """Where the plans of runs with `mods` live: `plans_dir` for the default set, else its
   mods_<label> subfolder."""
   set_label = label(mods)
-  return plans_dir if set_label is None else os.path.join(plans_dir, f"mods_{set_label}")
+  return (plans_dir if set_label is None else
+          os.path.join(plans_dir, f"mods_{folder_label(set_label)}"))
 
 
 def apply(arm: T, mods: Sequence[str]) -> T:

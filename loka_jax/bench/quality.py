@@ -340,7 +340,8 @@ def run_dir(root: str, row: Mapping) -> str:
   clip = row_clip(row)
   recipe = ((f"_warmup{row['warmup_steps']}" if row.get("warmup_steps") else "")
             + (f"_clip{clip:g}" if clip else "")
-            + (f"_mods_{row['mods_set']}" if row.get("mods_set") else ""))
+            + (f"_mods_{mods_set.folder_label(row['mods_set'])}" if row.get("mods_set")
+               else ""))
   return os.path.join(root, row["data"], f"{row['model']}_{row['preset']}",
                       f"{row['arm']}_seed{row['seed']}{recipe}")
 

@@ -25,7 +25,8 @@ from loka_jax.bench.variants import (PALLAS, PLAN, VARIANTS, Variant, pallas_cov
                                      pallas_plan)
 from loka_jax.data import FeatureSpec, make_source
 from loka_jax.dispatch.validate import BASELINE as ALL_BF16_PLAN
-from loka_jax.models.presets import apply_mods, build_model, get_config, site_products, tower_flops
+from loka_jax.models.presets import (apply_mods, build_model, check_keep_bias, get_config,
+                                    site_products, tower_flops)
 from loka_jax.models.site import SiteConfig
 from loka_jax.train import experiment
 from loka_jax.train.loop import TrainConfig
@@ -74,8 +75,10 @@ class Target:
   def build(self, site: SiteConfig, mods: Sequence[str] = ()):
     if self.model == TOWER:
       return towers.build_tower(self.shape, site, mods)
-    features = FeatureSpec.from_dict(dict(self.config().features))
-    return build_model(self.config(mods), features, site)
+    config = self.config(mods)
+    model = build_model(config, FeatureSpec.from_dict(dict(config.features)), site)
+    check_keep_bias(model, config, self.source().train_batch(0, 2))
+    return model
 
   def flops_per_example(self) -> int:
     if self.model == TOWER:

@@ -9,8 +9,9 @@ with Mods it is No Bias -> BlockNorm(256) -> Hard Swish.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import functools
-from typing import Dict, Iterator, Sequence, Tuple
+from typing import Dict, Iterator, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
@@ -19,6 +20,7 @@ import numpy as np
 
 from loka_jax.data.spec import FeatureSpec
 from loka_jax.models.layers import MLP, TowerOptions
+from loka_jax.models.presets import KEEP_BIAS
 from loka_jax.models.site import SiteConfig
 
 BLOCK_SIZE = 256
@@ -54,12 +56,23 @@ class TowerShape:
     return 2 * self.width * self.width * self.depth + 2 * self.width
 
 
-def tower_options(site: SiteConfig, mods: Sequence[str], width: int) -> TowerOptions:
-  """Linear -> LayerNorm -> ReLU, or with Mods No Bias -> BlockNorm -> Hard Swish."""
+def tower_options(site: SiteConfig, mods: Sequence[str], width: int,
+                  depth: Optional[int] = None) -> TowerOptions:
+  """Linear -> LayerNorm -> ReLU, or with Mods No Bias -> BlockNorm -> Hard Swish; No Bias's
+  `keep_bias:` patterns are globs over the sites `mlp/dense_<i>` (checked when `depth` is
+  given: one that matches none is an error)."""
+  keep = tuple(m[len(KEEP_BIAS):] for m in mods if m.startswith(KEEP_BIAS))
   mods = set(("no_bias", "blocknorm", "hard_swish") if "all" in mods else mods)
+  if keep and depth is not None:
+    sites = [f"mlp/dense_{i}" for i in range(depth + 1)]
+    missing = [p for p in keep if not any(fnmatch.fnmatchcase(s, p) for s in sites)]
+    if missing:
+      raise ValueError(f"keep_bias pattern(s) {missing} match no site of the tower "
+                       f"({', '.join(sites)})")
   return TowerOptions(site=site, activation="hard_swish" if "hard_swish" in mods else "relu",
                       norm="blocknorm" if "blocknorm" in mods else "layernorm",
-                      block_size=min(BLOCK_SIZE, width), use_bias="no_bias" not in mods)
+                      block_size=min(BLOCK_SIZE, width), use_bias="no_bias" not in mods,
+                      keep_bias=keep if "no_bias" in mods else ())
 
 
 class Tower(nn.Module):
@@ -80,7 +93,7 @@ class Tower(nn.Module):
 
 
 def build_tower(shape: TowerShape, site: SiteConfig, mods: Sequence[str] = ()) -> Tower:
-  return Tower(shape.width, shape.depth, tower_options(site, mods, shape.width))
+  return Tower(shape.width, shape.depth, tower_options(site, mods, shape.width, shape.depth))
 
 
 _T_DOF = 5  # Student-t degrees of freedom of the dense inputs

@@ -28,6 +28,7 @@ its activations at batch 4096.
 """
 from __future__ import annotations
 
+import fnmatch
 import math
 from typing import Dict, Mapping, NamedTuple, Sequence, Tuple, Union
 
@@ -368,6 +369,32 @@ def tower_options(config, site_config: SiteConfig) -> TowerOptions:
                       use_bias=bool(config.use_bias) and not mods.no_bias,
                       keep_bias=(tuple(mods.get("keep_bias", ()))
                                  if config.use_bias and mods.no_bias else ()))
+
+
+def check_keep_bias(model: nn.Module, config, batch) -> None:
+  """ModsError naming each of `config`'s keep_bias patterns that matches no dense site of
+  `model` with a bias (a misspelt pattern would otherwise train plain No Bias silently);
+  nothing to check without patterns. Traced abstractly on `batch` (no compilation)."""
+  patterns = tuple(config.mods.get("keep_bias", ()))
+  if not patterns:
+    return
+  sites: Dict[str, bool] = {}
+
+  def record(next_fun, args, kwargs, context):
+    if context.method_name == "__call__" and isinstance(context.module, DenseSite):
+      sites[site_name(context.module)] = bool(context.module.use_bias)
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(record):
+    jax.eval_shape(lambda b: model.init({"params": jax.random.PRNGKey(0),
+                                         "dropout": jax.random.PRNGKey(1)}, b, train=False),
+                   batch)
+  missing = [p for p in patterns
+             if not any(biased and fnmatch.fnmatchcase(s, p) for s, biased in sites.items())]
+  if missing:
+    raise ModsError(f"keep_bias pattern(s) {missing} match no dense site of this model "
+                    "that can keep a bias (patterns are globs over site paths; its dense "
+                    f"sites: {', '.join(sorted(sites))})")
 
 
 def as_feature_spec(features) -> FeatureSpec:

@@ -6,20 +6,17 @@ build runs the same way.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import logging as py_logging
 import os
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-import jax
 from absl import logging
 
 from loka_jax.data.sources import make_source
 from loka_jax.data.spec import FeatureSpec
 from loka_jax.kernels import KernelPlan
 from loka_jax.models import SiteConfig, apply_mods, build_model, get_config
-from loka_jax.models.presets import ModsError
-from loka_jax.train import module_norms
+from loka_jax.models.presets import check_keep_bias
 from loka_jax.train.loop import TrainConfig, train
 
 
@@ -106,27 +103,10 @@ def build_run(spec: RunSpec):
                        data_cache=spec.data_cache, seed=spec.seed, num_eval=spec.num_eval,
                        id_policy=spec.id_policy)
   model = build_model(config, source.features, site_config)
-  if config.mods.get("keep_bias"):
-    check_keep_bias(model, source, tuple(config.mods.keep_bias))
+  check_keep_bias(model, config, source.train_batch(0, 2))
   if spec.precision == "loka":
     check_plan_fits(spec.plan, model, source)
   return model, source, config
-
-
-def check_keep_bias(model, source, patterns: Tuple[str, ...]) -> None:
-  """ModsError naming each `keep_bias:` pattern that matches no dense site with a bias in
-  `model` (a misspelt pattern would otherwise train plain No Bias silently)."""
-  variables = jax.eval_shape(lambda b: model.init({"params": jax.random.PRNGKey(0),
-                                                   "dropout": jax.random.PRNGKey(1)}, b,
-                                                  train=False), source.train_batch(0, 2))
-  leaves = [(module_norms.module_of(path), str(getattr(path[-1], "key", path[-1])))
-            for path, _ in jax.tree_util.tree_flatten_with_path(variables["params"])[0]]
-  biased = {module for module, leaf in leaves if leaf == "bias"}
-  missing = [p for p in patterns if not any(fnmatch.fnmatchcase(b, p) for b in biased)]
-  if missing:
-    sites = sorted({module for module, leaf in leaves if leaf == "kernel"})
-    raise ModsError(f"keep_bias pattern(s) {missing} match no dense site of this model "
-                     f"(patterns are globs over site paths; its sites: {', '.join(sites)})")
 
 
 def check_plan_fits(path: str, model, source) -> None:
