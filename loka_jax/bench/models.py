@@ -27,7 +27,7 @@ def prepare(model_name: str, preset: str, variant: Variant, batch_size: Optional
   source = make_source("synthetic", features=features, seed=seed, num_eval=batch_size)
   model = build_model(config, source.features,
                       SiteConfig.for_precision(variant.precision, kernel=variant.kernel))
-  check_keep_bias(model, config, source.train_batch(0, 2))
+  check_keep_bias(model, config, lambda: source.train_batch(0, 2))
   batch = jax.device_put(source.train_batch(0, batch_size))  # real data, never zeros
   optim = OptimConfig()
   train_step, eval_step = loop.compiled_steps(model, optim, "stop")

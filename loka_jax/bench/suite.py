@@ -77,7 +77,7 @@ class Target:
       return towers.build_tower(self.shape, site, mods)
     config = self.config(mods)
     model = build_model(config, FeatureSpec.from_dict(dict(config.features)), site)
-    check_keep_bias(model, config, self.source().train_batch(0, 2))
+    check_keep_bias(model, config, lambda: self.source().train_batch(0, 2))
     return model
 
   def flops_per_example(self) -> int:

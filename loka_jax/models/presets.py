@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from typing import Dict, Mapping, NamedTuple, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Mapping, NamedTuple, Sequence, Tuple, Union
 
 import flax.linen as nn
 import jax
@@ -371,13 +371,15 @@ def tower_options(config, site_config: SiteConfig) -> TowerOptions:
                                  if config.use_bias and mods.no_bias else ()))
 
 
-def check_keep_bias(model: nn.Module, config, batch) -> None:
+def check_keep_bias(model: nn.Module, config, example_batch: Callable[[], Any]) -> None:
   """ModsError naming each of `config`'s keep_bias patterns that matches no dense site of
-  `model` with a bias (a misspelt pattern would otherwise train plain No Bias silently);
-  nothing to check without patterns. Traced abstractly on `batch` (no compilation)."""
+  `model` with a bias (a misspelt pattern would otherwise train plain No Bias silently).
+  Traced abstractly on `example_batch()` (no compilation), which is only called, and the
+  model only traced, when there are patterns."""
   patterns = tuple(config.mods.get("keep_bias", ()))
   if not patterns:
     return
+  batch = example_batch()
   sites: Dict[str, bool] = {}
 
   def record(next_fun, args, kwargs, context):

@@ -103,7 +103,7 @@ def build_run(spec: RunSpec):
                        data_cache=spec.data_cache, seed=spec.seed, num_eval=spec.num_eval,
                        id_policy=spec.id_policy)
   model = build_model(config, source.features, site_config)
-  check_keep_bias(model, config, source.train_batch(0, 2))
+  check_keep_bias(model, config, lambda: source.train_batch(0, 2))
   if spec.precision == "loka":
     check_plan_fits(spec.plan, model, source)
   return model, source, config
