@@ -47,9 +47,9 @@ DRIFT_REPORT = flags.DEFINE_string(
     "provenance names); the drift valve's baseline statistics and timings.")
 PROGRESS = flags.DEFINE_bool("progress", True, "Progress bar on stderr (when a terminal).")
 MODULE_NORMS = flags.DEFINE_bool(
-    "module_norms", False, "Log each module's gradient, parameter and update norms with every "
-    "metrics line (with --log_every=1: every step), to read a loss spike with "
-    "experiments.spike_report. Slows the step a little.")
+    "module_norms", False, "Log each module's gradient, parameter and update norms and its "
+    "output's RMS with every metrics line (with --log_every=1: every step), to read a loss "
+    "spike with experiments.spike_report. Adds a forward to each step.")
 XLA_DETERMINISTIC = common.define_xla_deterministic("It slows the step a little.")
 MESH = flags.DEFINE_string("mesh", None,
                            "Train sharded over a device mesh, e.g. data:2,model:2 (dense towers "

@@ -17,10 +17,12 @@ from typing import Iterable, Optional, Tuple
 MARGIN = 1.15
 
 
-def expected_s(own: Iterable[float], others: Iterable[float]) -> Optional[float]:
-  """How long the next row (or run) may take: the longest of its own kind's recorded times,
-  else of any kind's (`others`), times MARGIN; None before the first."""
-  pool = list(own) or list(others)
+def expected_s(recorded: Iterable[Tuple[str, Optional[float]]], kind: str) -> Optional[float]:
+  """How long the next row (or run) of `kind` may take, from `recorded` (kind, seconds)
+  pairs, a pair without seconds skipped: the longest of its own kind's times, else of any
+  kind's, times MARGIN; None before the first."""
+  times = [(k, t) for k, t in recorded if isinstance(t, (int, float))]
+  pool = [t for k, t in times if k == kind] or [t for _, t in times]
   return MARGIN * max(pool) if pool else None
 
 

@@ -228,13 +228,10 @@ def expected_run_s(results: ResultsFile, model: str, settings: QualitySettings,
   recorded runs of that arm at this data set and preset (any seed or recipe), else of any
   arm there. Arms differ: DHEN `large`'s runs took 83-227 s each on an H200, the compile
   included, a bf16 run at most 163 s (docs/BENCHMARKS.md section 7, thirty-first session)."""
-  times: Dict[str, List[float]] = {}
-  for r in results.rows():
-    if (r.get("suite") == "quality" and r.get("model") == model
-        and r.get("preset") == settings.preset and r.get("data") == settings.data
-        and isinstance(r.get("train_s"), (int, float))):
-      times.setdefault(r.get("arm"), []).append(r["train_s"])
-  return pace.expected_s(times.get(arm, ()), (t for ts in times.values() for t in ts))
+  return pace.expected_s(((r.get("arm"), r.get("train_s")) for r in results.rows()
+                         if r.get("suite") == "quality" and r.get("model") == model
+                         and r.get("preset") == settings.preset
+                         and r.get("data") == settings.data), arm)
 
 
 def run_model(model: str, settings: QualitySettings, results: ResultsFile, root: str, *,

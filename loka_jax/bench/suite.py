@@ -468,12 +468,9 @@ def expected_row_s(results: ResultsFile, key: Tuple, variant: str) -> Optional[f
   that variant at the target (`key`: its `speed_index` key, device and Mods set included),
   else of any variant there, each from its build to its append (`row_s`, the head-to-head
   rebuilds included); None before the first row that records it."""
-  times: Dict[str, List[float]] = {}
-  for r in results.rows():
-    here = (r.get("suite"), r.get("model"), r.get("preset"), r.get("device"), mods_set.of_row(r))
-    if here == tuple(key) and isinstance(r.get("row_s"), (int, float)):
-      times.setdefault(r.get("variant"), []).append(r["row_s"])
-  return pace.expected_s(times.get(variant, ()), (t for ts in times.values() for t in ts))
+  return pace.expected_s(((r.get("variant"), r.get("row_s")) for r in results.rows()
+                         if (r.get("suite"), r.get("model"), r.get("preset"), r.get("device"),
+                             mods_set.of_row(r)) == tuple(key)), variant)
 
 
 def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile, *,

@@ -119,7 +119,8 @@ def site_speedup_plot(report: Mapping, path: str) -> Optional[str]:
   best = best_site_speedups(report)
   if not best:
     return None
-  bar = (report.get("criteria") or {}).get("min_speedup") or 1.05
+  bar = ((report.get("criteria") or {}).get("min_speedup")
+         or eligibility.Criteria().min_speedup)
   kernels = sorted({k for _, k in best.values()})
   fig, ax = plt.subplots(figsize=(7.5, 4.2))
   for i, k in enumerate(kernels):
