@@ -19,7 +19,9 @@ target checks), DIR/targets.json and PNG plots under DIR/plots/.
 quality's bf16_mods and loka) and of LoKA's probe, e.g. --mods=no_bias,blocknorm to see
 whether a plan holds without Hard Swish. Another set than all is its own subject: its rows
 carry `mods_set` and are compared only with one another, and its plans live under
-DIR/plans/mods_<set>/.
+DIR/plans/mods_<set>/. In the quality suite the arms without Mods (bf16 and its noise seeds,
+naive and delayed FP8) are the same runs in every set: a set's comparison shares the default
+set's rows of them, and only its Mods arms train.
 """
 import os
 import time

@@ -140,15 +140,16 @@ class VerdictTest(absltest.TestCase):
         f.write(json.dumps(_row("bf16_mods", 1.0, rng, label)) + "\n")
     self.assertLen(collect.read_rows(paths), 2)
 
-  def test_quality_rows_of_a_set_are_compared_only_with_one_another(self):
+  def test_quality_rows_of_a_set_are_compared_with_one_another_and_the_shared_runs(self):
     def q(arm, seed, logloss, label=None):
       row = {"suite": "quality", "data": "synthetic", "model": "dlrm", "preset": "large",
              "arm": arm, "seed": seed, "device": "H200", "logloss": logloss, "ne": 0.9,
              "auc": 0.7, "eval_fingerprint": "e", "warmup_steps": 50}
       return row if label is None else {**row, "mods_set": label}
+    # The arms without Mods ran once, in the default set; the set's comparison shares them.
     rows = [q("bf16", s, 0.4700 + 0.0002 * d) for s, d in ((0, 0), (1, 1), (2, -1))]
+    rows += [q("fp8_naive", 0, 0.4730)]
     rows += [q("bf16_mods", 0, 0.4716), q("loka", 0, 0.4717)]           # +0.0017 vs bf16
-    rows += [q("bf16", s, 0.4700 + 0.0002 * d, LABEL) for s, d in ((0, 0), (1, 1), (2, -1))]
     rows += [q("bf16_mods", 0, 0.4701, LABEL), q("loka", 0, 0.4702, LABEL)]
     verdicts = {v["subject"]: v for v in targets.check_quality(rows)
                 if v["target"] == "loka_quality_vs_bf16"}
@@ -156,8 +157,20 @@ class VerdictTest(absltest.TestCase):
     mine = verdicts[f"synthetic:dlrm/large (warmup 50) (Mods {LABEL})"]
     self.assertTrue(mine["met"])
     self.assertAlmostEqual(mine["value"], 0.0002, places=7)
-    self.assertIn(f"| synthetic | dlrm | large (warmup 50) (Mods {LABEL}) | loka | 1 |",
-                  tables.quality_table(rows))
+    # Its bound is the shared bf16 seeds' (2 x std 0.0002 = 0.0004 > 0.02% of 0.47).
+    self.assertIn("2 x bf16 std over 3 seeds) = 4.00e-04", mine["note"])
+    table = tables.quality_table(rows)
+    self.assertIn(f"| synthetic | dlrm | large (warmup 50) (Mods {LABEL}) | loka | 1 |", table)
+    self.assertIn(f"| synthetic | dlrm | large (warmup 50) (Mods {LABEL}) | bf16 | 3 |", table)
+    self.assertIn(f"| synthetic | dlrm | large (warmup 50) (Mods {LABEL}) | fp8_naive | 1 |",
+                  table)
+    # Only the arms without Mods are shared: the default set's Mods arms stay its own.
+    self.assertEqual(table.count("| bf16_mods | 1 |"), 2)
+    comparison = [c for c in quality.comparisons(rows) if c.mods_set == LABEL]
+    self.assertLen(comparison, 1)
+    self.assertEqual(
+        sorted(r["arm"] for r in rows if comparison[0].holds(r)),
+        ["bf16", "bf16", "bf16", "bf16_mods", "fp8_naive", "loka"])
 
 
 class QualityRunTest(absltest.TestCase):
@@ -166,16 +179,19 @@ class QualityRunTest(absltest.TestCase):
     out = _tempdir(self)
     results = ResultsFile(os.path.join(out, "quality.jsonl"), quality.KEY_FIELDS)
     common = dict(preset="tiny", steps=2, batch_size=64, min_eval=64, noise_seeds=(),
-                  arms=("bf16_mods", "loka"), plans_dir=os.path.join(out, "plans"))
+                  arms=("bf16", "bf16_mods", "loka"), plans_dir=os.path.join(out, "plans"))
     logs = []
     for mods in (mods_set.DEFAULT, NB_BN):
       self.assertTrue(quality.run_model("dlrm", quality.QualitySettings(mods=mods, **common),
                                         results, out, deadline=float("inf"), device="cpu",
                                         log=logs.append))
     rows = list(results.rows())
+    # bf16 trained once: the set's run of it is the default set's.
     self.assertEqual([(r["arm"], r.get("mods_set"), r["mods"]) for r in rows],
-                     [("bf16_mods", None, ["all"]), ("bf16_mods", LABEL, list(NB_BN))])
-    self.assertNotEqual(rows[0]["logloss"], rows[1]["logloss"])  # Hard Swish on, then off
+                     [("bf16", None, []), ("bf16_mods", None, ["all"]),
+                      ("bf16_mods", LABEL, list(NB_BN))])
+    self.assertLen([line for line in logs if " bf16 seed 0" in line], 1)
+    self.assertNotEqual(rows[1]["logloss"], rows[2]["logloss"])  # Hard Swish on, then off
     self.assertTrue(os.path.isdir(os.path.join(out, "synthetic", "dlrm_tiny",
                                                f"bf16_mods_seed0_mods_{LABEL}")))
     missing = [line for line in logs if "no plan at" in line]

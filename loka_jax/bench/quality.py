@@ -23,7 +23,10 @@ clipping of the dense gradients) is a recipe knob the same way: with the warm-up
 
 A LoKA plan with xla_bf16 everywhere runs the bf16+Mods program, so its LoKA row takes the
 scores of the bf16+Mods run at its seed (`bf16_mods_twin`; marked `same_run_as`) rather than
-training that run again.
+training that run again. For the same reason a Mods set other than the default
+(`mods_set`) trains only its Mods arms: its arms without Mods (bf16 with its noise seeds, naive
+and delayed FP8) are the default set's runs, the same program, seed, data order and recipe,
+which its comparison shares (`Comparison.holds`).
 """
 from __future__ import annotations
 
@@ -53,6 +56,12 @@ from loka_jax.train.optim import OptimConfig
 KEY_FIELDS = ("suite", "data", "model", "preset", "arm", "seed", "device", "warmup_steps",
               "mods_set", "clip_norm")
 MIN_EVAL = 200_000
+
+
+def trains_with_mods(arm_name: str) -> bool:
+  """Whether a quality arm's program has Mods, so that a Mods set changes it (an arm this
+  version does not know counts as one: its rows are then never shared across sets)."""
+  return arm_name not in ARMS or bool(ARMS[arm_name].mods)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,11 +146,15 @@ class Comparison:
     return f"{self.data}:{self.model}/{self.preset_label}"
 
   def holds(self, row: Mapping) -> bool:
-    """Whether `row` is a scored quality row of this comparison."""
+    """Whether `row` is a scored quality row of this comparison: of its Mods set, or, for an
+    arm without Mods, of the default set, whose run it shares (`run_model`)."""
+    row_set = mods_set.of_row(row) or ""
     return (row.get("suite") == "quality" and row.get("data") == self.data
             and row.get("model") == self.model and row.get("preset") == self.preset
             and row_warmup(row) == self.warmup_steps and row_clip(row) == self.clip_norm
-            and (mods_set.of_row(row) or "") == self.mods_set and row.get("logloss") is not None)
+            and (row_set == self.mods_set
+                 or (not row_set and not trains_with_mods(row.get("arm"))))
+            and row.get("logloss") is not None)
 
 
 def row_warmup(row: Mapping) -> int:
@@ -240,8 +253,11 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
   """Every unfinished run of `model`; False when the deadline stopped it (`pace.may_start`:
   `end_by`, the call's hard end, lets runs start past `deadline` when they fit)."""
   for arm, seed in runs(settings):
+    # An arm without Mods is the same run in every Mods set: keyed, and shared, as the
+    # default set's.
+    set_label = settings.mods_label if arm.mods else None
     key = ("quality", settings.data, model, settings.preset, arm.name, seed, device,
-           settings.warmup_steps or None, settings.mods_label, settings.clip_norm)
+           settings.warmup_steps or None, set_label, settings.clip_norm)
     if results.done(key):
       continue
     start, why = pace.may_start(time.time(), deadline, end_by,
@@ -278,7 +294,7 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
     label = recipe_label(settings.warmup_steps, settings.clip_norm or 0.0)
     log(f"  quality {settings.data} {model}/{settings.preset} {arm.name} seed {seed}"
         + (f" {label}" if label else "")
-        + (f" Mods {settings.mods_label}" if settings.mods_label else ""))
+        + (f" Mods {set_label}" if set_label else ""))
     try:
       row.update(run_arm(model, arm, seed, settings, workdir, plan))
     except Exception as e:  # a diverged or failing arm is a result too
