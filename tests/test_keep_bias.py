@@ -64,11 +64,17 @@ class KeepBiasTest(chex.TestCase):
       apply_mods(get_config("dcnv2", "tiny"), ["hard_swish", "keep_bias:cross_*"])
     with self.assertRaisesRegex(ModsError, "empty keep_bias"):
       apply_mods(get_config("dcnv2", "tiny"), ["all", "keep_bias:"])
-    with self.assertRaisesRegex(ModsError, r"\['crosss_\*'\] match no dense site.*cross_0/u"):
+    with self.assertRaisesRegex(ModsError, r"\['crosss_\*'\] keep no bias.*cross_0/u"):
       build(["all", "keep_bias:crosss_*"])
     # A low-rank cross layer's `v` has no bias by design: nothing to keep there.
-    with self.assertRaisesRegex(ModsError, r"\['cross_\*/v'\] match no dense site"):
+    with self.assertRaisesRegex(ModsError, r"\['cross_\*/v'\] keep no bias"):
       build(["all", "keep_bias:cross_*/v"])
+    # The prediction layer has its bias under No Bias too: keeping it would change nothing.
+    with self.assertRaisesRegex(ModsError, r"\['top_mlp/dense_2'\] keep no bias.*"
+                                r"with a bias anyway: top_mlp/dense_2\)"):
+      build(["all", "keep_bias:top_mlp/dense_2"])
+    # A pattern that also matches a site it does keep is not an error.
+    build(["all", "keep_bias:top_mlp/*"])
     with self.assertRaisesRegex(ModsError, r"unknown Mod\(s\) \['no_bais'\]"):
       apply_mods(get_config("dcnv2", "tiny"), ["no_bais"])
 
@@ -86,7 +92,7 @@ class KeepBiasTest(chex.TestCase):
            "--mods=all,keep_bias:nowhere", "--steps=2", "--progress=false",
            f"--workdir={os.path.join(tmp, 'bad')}"], cwd=ROOT, capture_output=True, text=True)
       self.assertNotEqual(bad.returncode, 0)
-      self.assertIn("error: keep_bias pattern(s) ['nowhere'] match no dense site", bad.stderr)
+      self.assertIn("error: keep_bias pattern(s) ['nowhere'] keep no bias", bad.stderr)
 
 
 class BenchKeepBiasTest(chex.TestCase):
@@ -118,14 +124,18 @@ class BenchKeepBiasTest(chex.TestCase):
     batch = target.source().train_batch(0, 8)
     params = model.init(jax.random.PRNGKey(0), batch)["params"]
     self.assertEqual(biased_sites(params), ["cross_0/u", "cross_1/u", "top_mlp/dense_2"])
-    with self.assertRaisesRegex(ModsError, "match no dense site"):
+    with self.assertRaisesRegex(ModsError, "keep no bias: they match no dense site"):
       target.build(site, mods_set.parse("all,keep_bias:tower/*"))
     shape = towers.TowerShape.parse("32x16x2")
     tower = towers.build_tower(shape, site, mods_set.parse("all,keep_bias:mlp/dense_0"))
     params = tower.init(jax.random.PRNGKey(0), towers.TowerSource(16).train_batch(0, 4))
     self.assertEqual(biased_sites(params["params"]), ["mlp/dense_0", "mlp/dense_2"])
-    with self.assertRaisesRegex(ValueError, r"\['mlp/dense_9'\] match no site of the tower"):
+    with self.assertRaisesRegex(ValueError, r"\['mlp/dense_9'\] match no hidden site"):
       towers.build_tower(shape, site, mods_set.parse("all,keep_bias:mlp/dense_9"))
+    # The head (mlp/dense_2 at depth 2) has its bias anyway: keeping it is no exception.
+    with self.assertRaisesRegex(ValueError, r"\['mlp/dense_2'\] match no hidden site.*"
+                                r"head mlp/dense_2 has a bias anyway"):
+      towers.build_tower(shape, site, mods_set.parse("all,keep_bias:mlp/dense_2"))
 
 
 if __name__ == "__main__":

@@ -59,16 +59,17 @@ class TowerShape:
 def tower_options(site: SiteConfig, mods: Sequence[str], width: int,
                   depth: Optional[int] = None) -> TowerOptions:
   """Linear -> LayerNorm -> ReLU, or with Mods No Bias -> BlockNorm -> Hard Swish; No Bias's
-  `keep_bias:` patterns are globs over the sites `mlp/dense_<i>` (checked when `depth` is
-  given: one that matches none is an error)."""
+  `keep_bias:` patterns are globs over the hidden sites `mlp/dense_<i>`, i < depth (checked
+  when `depth` is given: one that matches none is an error; the head `mlp/dense_<depth>` has
+  its bias anyway)."""
   keep = tuple(m[len(KEEP_BIAS):] for m in mods if m.startswith(KEEP_BIAS))
   mods = set(("no_bias", "blocknorm", "hard_swish") if "all" in mods else mods)
   if keep and depth is not None:
-    sites = [f"mlp/dense_{i}" for i in range(depth + 1)]
+    sites = [f"mlp/dense_{i}" for i in range(depth)]
     missing = [p for p in keep if not any(fnmatch.fnmatchcase(s, p) for s in sites)]
     if missing:
-      raise ValueError(f"keep_bias pattern(s) {missing} match no site of the tower "
-                       f"({', '.join(sites)})")
+      raise ValueError(f"keep_bias pattern(s) {missing} match no hidden site of the tower "
+                       f"({', '.join(sites)}; its head mlp/dense_{depth} has a bias anyway)")
   return TowerOptions(site=site, activation="hard_swish" if "hard_swish" in mods else "relu",
                       norm="blocknorm" if "blocknorm" in mods else "layernorm",
                       block_size=min(BLOCK_SIZE, width), use_bias="no_bias" not in mods,

@@ -28,6 +28,7 @@ its activations at batch 4096.
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import math
 from typing import Any, Callable, Dict, Mapping, NamedTuple, Sequence, Tuple, Union
@@ -372,14 +373,31 @@ def tower_options(config, site_config: SiteConfig) -> TowerOptions:
 
 
 def check_keep_bias(model: nn.Module, config, example_batch: Callable[[], Any]) -> None:
-  """ModsError naming each of `config`'s keep_bias patterns that matches no dense site of
-  `model` with a bias (a misspelt pattern would otherwise train plain No Bias silently).
-  Traced abstractly on `example_batch()` (no compilation), which is only called, and the
-  model only traced, when there are patterns."""
+  """ModsError naming each of `config`'s keep_bias patterns that keeps no bias: one that
+  matches no dense site whose bias No Bias drops (a misspelt pattern, a site without a bias
+  by design such as a low-rank `v`, or one with a bias anyway such as the prediction layer),
+  which would otherwise train plain No Bias silently. `model` is traced abstractly (no
+  compilation) with and without its patterns (`TowerOptions.keep_bias`) on `example_batch()`,
+  which is only called, and the model only traced, when there are patterns."""
   patterns = tuple(config.mods.get("keep_bias", ()))
   if not patterns:
     return
   batch = example_batch()
+  with_patterns = _site_biases(model, batch)
+  without = _site_biases(
+      model.clone(opts=dataclasses.replace(model.opts, keep_bias=())), batch)
+  kept = [s for s, biased in with_patterns.items() if biased and not without.get(s, False)]
+  missing = [p for p in patterns if not any(fnmatch.fnmatchcase(s, p) for s in kept)]
+  if missing:
+    anyway = sorted(s for s, biased in without.items() if biased)
+    raise ModsError(f"keep_bias pattern(s) {missing} keep no bias: they match no dense site "
+                    "whose bias No Bias drops (patterns are globs over site paths; its dense "
+                    f"sites: {', '.join(sorted(with_patterns))}"
+                    + (f"; with a bias anyway: {', '.join(anyway)}" if anyway else "") + ")")
+
+
+def _site_biases(model: nn.Module, batch) -> Dict[str, bool]:
+  """Each dense site's path -> whether it has a bias, from an abstract init on `batch`."""
   sites: Dict[str, bool] = {}
 
   def record(next_fun, args, kwargs, context):
@@ -391,12 +409,7 @@ def check_keep_bias(model: nn.Module, config, example_batch: Callable[[], Any]) 
     jax.eval_shape(lambda b: model.init({"params": jax.random.PRNGKey(0),
                                          "dropout": jax.random.PRNGKey(1)}, b, train=False),
                    batch)
-  missing = [p for p in patterns
-             if not any(biased and fnmatch.fnmatchcase(s, p) for s, biased in sites.items())]
-  if missing:
-    raise ModsError(f"keep_bias pattern(s) {missing} match no dense site of this model "
-                    "that can keep a bias (patterns are globs over site paths; its dense "
-                    f"sites: {', '.join(sorted(sites))})")
+  return sites
 
 
 def as_feature_spec(features) -> FeatureSpec:
