@@ -12,6 +12,7 @@ import numpy as np
 from absl.testing import absltest
 
 from loka_jax.bench import collect, mods_set, quality, suite, tables, targets, variants
+from loka_jax.train.loop import TIME_SPLIT_FIELDS
 from loka_jax.bench.results import ResultsFile
 from test_bench_report import _speed, _tempdir
 
@@ -191,6 +192,10 @@ class QualityRunTest(absltest.TestCase):
                      [("bf16", None, []), ("bf16_mods", None, ["all"]),
                       ("bf16_mods", LABEL, list(NB_BN))])
     self.assertLen([line for line in logs if " bf16 seed 0" in line], 1)
+    # Each trained run says where its time went (the loop's split of final.json).
+    for row in rows:
+      self.assertEqual(sorted(row["time_split"]), sorted(TIME_SPLIT_FIELDS))
+      self.assertLessEqual(sum(row["time_split"].values()), row["train_s"] + 0.2)
     self.assertNotEqual(rows[1]["logloss"], rows[2]["logloss"])  # Hard Swish on, then off
     self.assertTrue(os.path.isdir(os.path.join(out, "synthetic", "dlrm_tiny",
                                                f"bf16_mods_seed0_mods_{LABEL}")))

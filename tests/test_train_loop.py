@@ -6,6 +6,8 @@ equal models and settings share one compilation per process.
 import json
 import os
 import tempfile
+import time
+from unittest import mock
 
 import chex
 import jax
@@ -125,6 +127,36 @@ class TrainLoopTest(chex.TestCase):
     self.assertEqual([r["step"] for r in lines], [50, 100, 150, 200, 250, 300])
     self.assertEqual([r["step"] for r in lines if "ne" in r], [150, 300])
     self.assertLess(lines[-1]["loss"], lines[0]["loss"])
+
+  def test_time_split_counts_each_evaluation_and_checkpoint(self):
+    # Evaluation and saving made slow by known amounts: the split must find them where they
+    # are, three evaluations (steps 4, 8 and the end, 10) and at least two saves (5 and 10),
+    # and the first step apart from the rest.
+    from loka_jax.train import checkpoint, loop
+    config = TrainConfig(steps=10, batch_size=64, eval_every=4, checkpoint_every=5,
+                         log_every=5, progress=False)
+    real_evaluate, real_save = loop.evaluate, checkpoint.Checkpointer.save
+
+    def slow_evaluate(*args, **kwargs):
+      time.sleep(0.3)
+      return real_evaluate(*args, **kwargs)
+
+    def slow_save(self, *args, **kwargs):
+      time.sleep(0.2)
+      return real_save(self, *args, **kwargs)
+
+    with mock.patch.object(loop, "evaluate", slow_evaluate), \
+         mock.patch.object(checkpoint.Checkpointer, "save", slow_save):
+      final = train(train_toys.ToyClickModel(), train_toys.ToySource(), self.workdir, config)
+    split = final["time_split"]
+    self.assertEqual(sorted(split), sorted(loop.TIME_SPLIT_FIELDS))
+    self.assertBetween(split["eval_s"], 0.9, 0.9 + 0.5 * final["time"])
+    self.assertBetween(split["checkpoint_s"], 0.4, 0.4 + 0.5 * final["time"])
+    self.assertGreater(split["first_step_s"], 0.0)
+    self.assertGreater(split["setup_s"], 0.0)
+    # The evaluations, saves and first step all happen inside the loop's own time.
+    self.assertLess(split["eval_s"] + split["checkpoint_s"] + split["first_step_s"],
+                    final["time"])
 
   def test_worst_step_is_reported_across_a_resume(self):
     # A learning rate high enough that the loss jumps after the first steps, so the worst step

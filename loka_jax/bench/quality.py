@@ -232,6 +232,7 @@ def run_arm(model: str, arm: QualityArm, seed: int, settings: QualitySettings, w
           "num_eval_examples": final.get("num_eval_examples"), "steps": final.get("steps"),
           "peak_loss": final.get("peak_loss"), "peak_step": final.get("peak_step"),
           "batch_size": batch, "train_s": round(time.time() - t0, 1),
+          "time_split": {k: round(v, 1) for k, v in (final.get("time_split") or {}).items()},
           "eval_fingerprint": eval_fingerprint(source, batch), "oracle_ne": final.get("oracle_ne")}
 
 

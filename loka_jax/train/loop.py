@@ -8,7 +8,9 @@ Run directory layout:
                           `module_norms`, each module's gradient, parameter and update
                           norms and output RMS of the line's last step (module_norms.py)
   WORKDIR/checkpoints/    orbax checkpoints (see checkpoint.py)
-  WORKDIR/final.json      held-out ne, auc, logloss + steps, precision, seed (+ oracle_ne)
+  WORKDIR/final.json      held-out ne, auc, logloss + steps, precision, seed (+ oracle_ne),
+                          wall-clock "time" and its split ("time_split", this process's:
+                          set-up, first step with its compile, evaluation, checkpoints)
 
 `step` counts completed steps, which is also the data position: from step i the loop trains
 on `source.train_batch(i, batch_size)` (batch index i) and reaches step i + 1. A line is
@@ -61,6 +63,11 @@ NAN_POLICIES = ("stop", "skip")
 RESUMABLE_SETTINGS = ("steps", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints",
                       "nan_policy", "progress", "plan", "module_norms")
 WALL_CLOCK_FIELDS = ("time", "steps_per_sec")
+# Where a run's wall-clock time went (final.json's "time_split", seconds, this process only):
+# from entering `train` to its first step (state restore or initialization), the first step
+# (its compile), every held-out evaluation and every checkpoint save. The rest of "time" is
+# the other steps. A quality run's length paces the next one; this says what it is made of.
+TIME_SPLIT_FIELDS = ("setup_s", "first_step_s", "eval_s", "checkpoint_s")
 
 
 class RunSettingsError(ValueError):
@@ -429,12 +436,14 @@ def _note_peak(loop_extras: Dict[str, Any], loss: float, step: int) -> None:
 
 def _final_record(evaluation: Mapping[str, Any], step: int, config: TrainConfig,
                   run_info: Mapping[str, Any], source, loop_extras: Mapping[str, Any],
-                  elapsed: float):
+                  elapsed: float, time_split: Mapping[str, Optional[float]]):
   final = {"ne": evaluation["ne"], "auc": evaluation["auc"], "logloss": evaluation["logloss"],
            "base_ctr": evaluation["base_ctr"], "num_eval_examples": evaluation["num_examples"],
            "steps": step, "precision": run_info.get("precision"),
            "seed": run_info.get("seed", config.seed),
-           "skipped_steps": loop_extras["skipped_steps"], "time": elapsed}
+           "skipped_steps": loop_extras["skipped_steps"], "time": elapsed,
+           "time_split": {k: time_split[k] for k in TIME_SPLIT_FIELDS
+                          if time_split.get(k) is not None}}
   # A run resumed from a checkpoint written before the loop kept its worst step reports none:
   # the steps before the checkpoint are not in it.
   if "peak_loss" in loop_extras and not loop_extras.get("peak_unknown"):
@@ -487,6 +496,8 @@ def train(model, source, workdir: str, config: TrainConfig, *,
   Raises:
     NonFiniteError (nan_policy='stop'), RunSettingsError, CheckpointError.
   """
+  entered = time.perf_counter()
+  time_split = {"eval_s": 0.0, "checkpoint_s": 0.0}
   run_info = dict(run_info or {})
   os.makedirs(workdir, exist_ok=True)
   _check_run_config(workdir, {"run": run_info, "train": config.to_dict()})
@@ -522,12 +533,22 @@ def train(model, source, workdir: str, config: TrainConfig, *,
   if start < config.steps and os.path.exists(final_path):
     os.remove(final_path)  # a final.json always describes a finished run
   t0 = time.perf_counter() - loop_extras["elapsed_s"]
+  time_split["setup_s"] = time.perf_counter() - entered
   window, last_eval, grad_norm = _Window(), None, math.nan
 
   def save():
-    loop_extras["elapsed_s"] = time.perf_counter() - t0
+    began = time.perf_counter()
+    loop_extras["elapsed_s"] = began - t0
     hook_extras = dict(model_hook.extras()) if model_hook is not None else {}
-    return checkpointer.save(state, {**(extras or {}), **hook_extras, "loop": loop_extras})
+    saved = checkpointer.save(state, {**(extras or {}), **hook_extras, "loop": loop_extras})
+    time_split["checkpoint_s"] += time.perf_counter() - began
+    return saved
+
+  def timed_evaluate():
+    began = time.perf_counter()
+    result = evaluate(eval_step, state, source, eval_batch_size)
+    time_split["eval_s"] += time.perf_counter() - began
+    return result
 
   bar = tqdm.tqdm(total=config.steps, initial=start, file=sys.stderr, dynamic_ncols=True,
                   disable=None if config.progress else True,
@@ -535,11 +556,14 @@ def train(model, source, workdir: str, config: TrainConfig, *,
   try:
     batch = first_batch if start == 0 else source.train_batch(start, config.batch_size)
     for i in range(start, config.steps):
+      began = time.perf_counter()
       state, step_metrics = train_step(state, batch)
       # Build the next batch on the host while the device runs this step.
       next_batch = (source.train_batch(i + 1, config.batch_size) if i + 1 < config.steps
                     else None)
       step_metrics = jax.device_get(step_metrics)
+      if i == start:
+        time_split["first_step_s"] = time.perf_counter() - began
       done = i + 1
       if step_metrics["ok"]:
         window.add(float(step_metrics["loss"]))
@@ -578,7 +602,7 @@ def train(model, source, workdir: str, config: TrainConfig, *,
           record.update({k: {m: float(v) for m, v in step_metrics[k].items()}
                          for k in module_norms_lib.KINDS if k in step_metrics})
         if is_eval:
-          last_eval = (done, evaluate(eval_step, state, source, eval_batch_size))
+          last_eval = (done, timed_evaluate())
           record.update({k: last_eval[1][k] for k in ("ne", "auc", "logloss")})
         writer.write(record)
         logging.info("step %d: %s", done, {k: round(v, 5) if isinstance(v, float) else v
@@ -602,10 +626,10 @@ def train(model, source, workdir: str, config: TrainConfig, *,
 
     final_step = int(jax.device_get(state.step))
     if last_eval is None or last_eval[0] != final_step:  # e.g. resumed at the end
-      last_eval = (final_step, evaluate(eval_step, state, source, eval_batch_size))
+      last_eval = (final_step, timed_evaluate())
     save()
     final = _final_record(last_eval[1], final_step, config, run_info, source, loop_extras,
-                          time.perf_counter() - t0)
+                          time.perf_counter() - t0, time_split)
     _write_json_atomic(final_path, final)
     return final
   finally:
