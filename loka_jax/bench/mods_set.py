@@ -6,8 +6,9 @@ carry `mods_set` (the set's label), which is part of their key, so they never st
 the default's rows, and the reports compare them only with one another. Its plans live in a
 folder of their own, PLANS/mods_<label>/, since a plan is probed and selected on the model
 with its Mods. The quality suite's arms without Mods are the same runs in every set, so their
-rows never carry a set and each set's comparison shares them (`quality.Comparison.holds`). Rows of the default set have no `mods_set`, so rows written before it existed
-keep their keys.
+rows never carry a set and each set's comparison shares them (`quality.Comparison.holds`).
+Rows of the default set have no `mods_set`, so rows written before it existed keep their
+keys.
 
 A set may keep some biases under No Bias (`keep_bias:PATTERN` entries, `presets.KEEP_BIAS`),
 e.g. `all,keep_bias:cross_*`: it is then every Mod named one by one, with its patterns, and
