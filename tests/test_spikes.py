@@ -219,12 +219,25 @@ class SpikeReadingTest(chex.TestCase):
     self.assertTrue(summary["every_step"])
     text = spikes.markdown(summary)
     self.assertIn("`cross_0` at step 31, 3 steps before the loss's", text)
+    # tower/a jumps two steps later: not together with cross_0.
+    self.assertEqual(summary["jumped_together"], ["cross_0"])
+    self.assertNotIn("jumped within", text)
     self.assertIn("| tower/a | 33 |", text)
     self.assertNotIn("embeddings", text)
     self.assertEqual([(j["series"], j["step"]) for j in summary["output_jumps"]],
                      [("cross_1", 29)])
     self.assertIn("| cross_1 | 29 |", text)
     json.dumps(summary, allow_nan=False)
+
+  def test_modules_that_jump_within_a_step_of_the_first_are_named_together(self):
+    grads = {**self.grads, "tower/a": list(self.grads["tower/a"])}
+    grads["tower/a"][31:] = [4.0] * 29   # now one step after cross_0
+    write_metrics(self.path, self.loss, grads, outputs=self.outputs)
+    summary = spikes.summarize(spikes.read_trace(self.path))
+    self.assertEqual(summary["first_module"], "cross_0")
+    self.assertEqual(summary["jumped_together"], ["cross_0", "tower/a"])
+    self.assertIn("2 of 3 modules' gradients jumped within 1 step of it (`cross_0`, "
+                  "`tower/a`), so its lead over them is slight.", spikes.markdown(summary))
 
   def test_a_run_without_a_spike_says_so(self):
     # (A log from before the outputs were recorded reads too.)

@@ -15,8 +15,8 @@ Run directory layout:
 `step` counts completed steps, which is also the data position: from step i the loop trains
 on `source.train_batch(i, batch_size)` (batch index i) and reaches step i + 1. A line is
 written at every log, eval and checkpoint step, and its "loss" is the mean training loss since
-the previous line, so a resumed run writes the same lines as an uninterrupted one (only the
-wall-clock fields "time" and "steps_per_sec" differ).
+the previous line, so a resumed run writes the same lines and final.json as an uninterrupted
+one (only the wall-clock fields, `WALL_CLOCK_FIELDS`, differ).
 
 Non-finite losses or gradients (`nan_policy`; a gradient norm that overflows float32 counts
 too): the jitted step never applies such an update. 'stop' (default) saves the last good
@@ -62,7 +62,9 @@ NAN_POLICIES = ("stop", "skip")
 # A plan's path ("plan") may change too: what it runs is pinned by "plan_kernels_sha256".
 RESUMABLE_SETTINGS = ("steps", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints",
                       "nan_policy", "progress", "plan", "module_norms")
-WALL_CLOCK_FIELDS = ("time", "steps_per_sec")
+# Fields of metrics lines and final.json that are wall-clock readings: the only ones a resumed
+# run may write differently from an uninterrupted one.
+WALL_CLOCK_FIELDS = ("time", "steps_per_sec", "time_split")
 # Where a run's wall-clock time went (final.json's "time_split", seconds, this process only):
 # from entering `train` to its first step (state restore or initialization), the first step
 # (its compile), every held-out evaluation and every checkpoint save. The rest of "time" is

@@ -29,6 +29,11 @@ GRAD_FACTOR = 10.0   # a module's gradient (or update) norm jumps at 10x its rec
 OUTPUT_FACTOR = 3.0  # a module's output RMS jumps at 3x its recent median
 LOSS_FACTOR = 2.0    # the training loss spikes at 2x its recent median
 WINDOW = 20          # logged steps the recent median is taken over
+# Modules whose gradients jump within this many steps of the first one jumped with it: a
+# first module that leads the rest by a step or less marks a jump of the whole network, not
+# one module's (DCNv2 `large`'s spike: 7 of 12 modules within a step, docs/BENCHMARKS.md
+# section 7, thirty-sixth session).
+TOGETHER_STEPS = 1
 MIN_HISTORY = 5      # logged steps a series needs before it can jump
 
 
@@ -157,6 +162,7 @@ def summarize(trace: NormTrace, *, grad_factor: float = GRAD_FACTOR,
   updates = module_jumps(trace, norms_lib.UPDATE, grad_factor, **rule)
   outputs = module_jumps(trace, norms_lib.OUTPUT, output_factor, **rule)
   lead = (loss_jump.step - grads[0].step) if (loss_jump and grads) else None
+  together = [j.series for j in grads if j.step - grads[0].step <= TOGETHER_STEPS]
   return {
       "metrics": trace.path, "steps": [int(trace.steps[0]), int(trace.steps[-1])],
       "every_step": trace.every_step, "modules": len(trace.modules),
@@ -169,6 +175,8 @@ def summarize(trace: NormTrace, *, grad_factor: float = GRAD_FACTOR,
       "output_jumps": [j.to_dict() for j in outputs],
       "first_module": grads[0].series if grads else None,
       "lead_steps": lead,
+      # the modules whose gradients jumped within TOGETHER_STEPS of the first's, first included
+      "jumped_together": together,
   }
 
 
@@ -197,6 +205,14 @@ def markdown(summary: Mapping[str, Any], top: int = 12) -> str:
         + ("" if lead is None else
            f", {lead} steps before the loss's" if lead > 0 else
            ", at the loss's step" if lead == 0 else f", {-lead} steps after the loss's") + ".")
+    together = summary.get("jumped_together") or [grads[0]["series"]]
+    if len(together) > 1:
+      lines.append(
+          f"{len(together)} of {summary['modules']} modules' gradients jumped within "
+          f"{TOGETHER_STEPS} step{'s' if TOGETHER_STEPS > 1 else ''} of it ("
+          + ", ".join(f"`{m}`" for m in together) + "), so its lead over them is slight"
+          + (" and the jump is the whole network's" if len(together) == summary["modules"]
+             else "") + ".")
     updates = {j["series"]: j for j in summary["update_jumps"]}
     lines += ["", f"| module | gradient jump step | gradient norm (x recent median) | "
               f"update jump step |", "|---|---|---|---|"]
