@@ -1364,6 +1364,35 @@ class QualityProtocolTest(absltest.TestCase):
     self.assertTrue(again)
     self.assertLen(open(os.path.join(out, "quality.jsonl")).read().splitlines(), 3)
 
+  def test_a_large_state_is_checkpointed_only_at_the_end(self):
+    # The same 8-step run twice, kept on disk: under the size bar every quarter is saved
+    # (three kept), over it only the final state (here the bar is lowered below the toy
+    # state's size, which the run's own abstract state gives).
+    import jax
+    from loka_jax.train import checkpoint, experiment, make_optimizer, state as state_lib
+    spec = experiment.RunSpec(model="dlrm", preset="tiny", num_eval=64)
+    model, source, _ = experiment.build_run(spec)
+    nbytes = state_lib.state_bytes(model, make_optimizer(quality.OptimConfig()),
+                                   source.train_batch(0, 64), 0)
+    leaves = jax.tree.leaves(state_lib.create_train_state(
+        model, make_optimizer(quality.OptimConfig()), source.train_batch(0, 64), 0))
+    self.assertEqual(nbytes, sum(x.nbytes for x in leaves))
+    saved = {}
+    for bar in (nbytes + 1, nbytes):
+      out = _tempdir(self)
+      settings = quality.QualitySettings(preset="tiny", steps=8, batch_size=64, min_eval=64,
+                                         arms=("bf16",), noise_seeds=(), keep_runs=True)
+      results = ResultsFile(os.path.join(out, "quality.jsonl"), quality.KEY_FIELDS)
+      with mock.patch.object(quality, "LARGE_STATE_BYTES", bar):
+        self.assertTrue(quality.run_model("dlrm", settings, results, out,
+                                          deadline=float("inf"), device="cpu"))
+      row, = results.rows()
+      run = quality.run_dir(out, row)
+      saved[bar] = checkpoint.Checkpointer(os.path.join(run, "checkpoints")).steps()
+      with open(os.path.join(run, "config.json")) as f:
+        self.assertEqual(json.load(f)["train"]["checkpoint_every"], 0 if bar == nbytes else 2)
+    self.assertEqual(saved, {nbytes + 1: [4, 6, 8], nbytes: [8]})
+
   def _save_uniform_plan(self, settings, kernel):
     path = planning.plan_path(settings.plans_root, "dlrm", "tiny")
     os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -48,7 +48,8 @@ from loka_jax.bench.results import ResultsFile
 from loka_jax.train import experiment
 from loka_jax.train.loop import TrainConfig, train
 from loka_jax.train.metrics import NEUTRAL_REL_LOGLOSS
-from loka_jax.train.optim import OptimConfig
+from loka_jax.train.optim import OptimConfig, make_optimizer
+from loka_jax.train.state import state_bytes
 
 # `warmup_steps` and `clip_norm` are absent (None) from rows of the plain recipe, and
 # `mods_set` from rows of the default Mods set (`mods_set.DEFAULT`), so rows written before
@@ -56,6 +57,13 @@ from loka_jax.train.optim import OptimConfig
 KEY_FIELDS = ("suite", "data", "model", "preset", "arm", "seed", "device", "warmup_steps",
               "mods_set", "clip_norm")
 MIN_EVAL = 200_000
+# A quality run whose training state is at least this large is checkpointed once, at its end,
+# and keeps that one: Wukong `large`'s 36.6 GB state (parameters and Adam) saved every 125
+# steps and kept three deep would need up to four copies, 146 GB, on the H200 host's 64 GiB
+# disk, and InterFormer `large`'s 7.8 GB took 6-10 s a save (docs/BENCHMARKS.md section 7,
+# thirty-sixth session). Runs are paced to end within their call (`pace.may_start`), so the
+# steps an intermediate checkpoint would save are rarely lost; smaller states keep them.
+LARGE_STATE_BYTES = 4 << 30
 
 
 def trains_with_mods(arm_name: str) -> bool:
@@ -222,10 +230,13 @@ def run_arm(model: str, arm: QualityArm, seed: int, settings: QualitySettings, w
   num_eval = (num_eval_for(settings.min_eval, batch) if settings.data == "synthetic" else None)
   spec = run_spec(model, arm, seed, settings, num_eval, plan)
   built_model, source, _ = experiment.build_run(spec)
+  nbytes = state_bytes(built_model, make_optimizer(settings.optim),
+                       source.train_batch(0, batch), seed)
+  checkpoint_every, keep = checkpoint_plan(nbytes, settings.steps)
   config = TrainConfig(steps=settings.steps, batch_size=batch, seed=seed, eval_batch_size=batch,
                        log_every=max(settings.steps // 10, 1),
-                       checkpoint_every=max(settings.steps // 4, 1), progress=False,
-                       optim=settings.optim)
+                       checkpoint_every=checkpoint_every, keep_checkpoints=keep,
+                       progress=False, optim=settings.optim)
   t0 = time.time()
   final = train(built_model, source, workdir, config, run_info=spec.run_info())
   return {"ne": final.get("ne"), "logloss": final.get("logloss"), "auc": final.get("auc"),
@@ -234,6 +245,12 @@ def run_arm(model: str, arm: QualityArm, seed: int, settings: QualitySettings, w
           "batch_size": batch, "train_s": round(time.time() - t0, 1),
           "time_split": {k: round(v, 1) for k, v in (final.get("time_split") or {}).items()},
           "eval_fingerprint": eval_fingerprint(source, batch), "oracle_ne": final.get("oracle_ne")}
+
+
+def checkpoint_plan(state_nbytes: int, steps: int) -> Tuple[int, int]:
+  """(checkpoint_every, keep_checkpoints) of a quality run: every quarter of the run, three
+  kept, or for a state of LARGE_STATE_BYTES or more only the final state (0, 1)."""
+  return (0, 1) if state_nbytes >= LARGE_STATE_BYTES else (max(steps // 4, 1), 3)
 
 
 def expected_run_s(results: ResultsFile, model: str, settings: QualitySettings,

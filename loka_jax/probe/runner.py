@@ -273,11 +273,9 @@ def describe_probe(spec: experiment.RunSpec, train_config: TrainConfig,
   timing measures at
   `options.min_timing_gflops` (`shapes_to_time`)."""
   from loka_jax.train.optim import make_optimizer
-  from loka_jax.train.state import abstract_train_state
+  from loka_jax.train.state import state_bytes
   setup = _setup(spec, train_config.batch_size, probe_config, options, build)
   batch = setup.source.train_batch(0, train_config.batch_size)
-  state = abstract_train_state(setup.model, make_optimizer(train_config.optim), batch,
-                               train_config.seed)
   dtype = site_config_dtype(spec)
   stats = jax.eval_shape(lambda: collector_lib.init_state(setup.sites, probe_config, dtype))
   nbytes = lambda tree: int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
@@ -293,7 +291,9 @@ def describe_probe(spec: experiment.RunSpec, train_config: TrainConfig,
   layouts = [layout for _, layout in distinct_shapes(setup.sites).values()]
   return {"sites": len(setup.sites), "distinct_shapes": len(layouts),
           "shapes_to_time": sum(not below_timing_floor(l, options) for l in layouts),
-          "state_bytes": nbytes(state), "statistics_bytes": nbytes(stats),
+          "state_bytes": state_bytes(setup.model, make_optimizer(train_config.optim), batch,
+                                     train_config.seed),
+          "statistics_bytes": nbytes(stats),
           "evaluation_functions": len(seen), "sites_compiling": compiling,
           "statistics_functions": collector_lib.statistics_functions(setup.sites, probe_config)}
 

@@ -115,6 +115,13 @@ def abstract_train_state(model, tx: optax.GradientTransformation, example_batch,
                                      example_batch))
 
 
+def state_bytes(model, tx: optax.GradientTransformation, example_batch, seed: int) -> int:
+  """Bytes of the training state `create_train_state` would make (parameters, optimizer
+  state, FP8 metadata), from abstract shapes: nothing is allocated or compiled."""
+  state = abstract_train_state(model, tx, example_batch, seed)
+  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)))
+
+
 @jax.jit
 def _every_leaf_finite(leaves):
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
