@@ -16,7 +16,7 @@ import numpy as np
 from absl.testing import absltest
 
 from loka_jax.models import SiteConfig
-from loka_jax.train import (NonFiniteError, OptimConfig, TrainConfig, make_optimizer,
+from loka_jax.train import (NonFiniteError, OptimConfig, TrainConfig, loop, make_optimizer,
                             read_metrics, restore_run, scale_by_rowwise_adagrad, train)
 from loka_jax.train.optim import RowwiseAdagradState
 
@@ -128,11 +128,34 @@ class TrainLoopTest(chex.TestCase):
     self.assertEqual([r["step"] for r in lines if "ne" in r], [150, 300])
     self.assertLess(lines[-1]["loss"], lines[0]["loss"])
 
+  def test_evaluation_scores_every_example_once_in_order(self):
+    # A step whose scores are known (the sum of the dense features) over three eval batches,
+    # the last one short and padded: each batch's scores must meet its own labels, in order,
+    # although a batch's scores are read only after the next batch is dispatched.
+    class ShortLastBatch(train_toys.ToySource):
+      def eval_batches(self, batch_size):
+        for start in range(0, self.num_eval_examples(), batch_size):
+          yield {k: v[start:start + batch_size] for k, v in self._eval.items()}
+
+    source = ShortLastBatch(seed=3, num_eval=300)
+    step = jax.jit(lambda state, batch: jnp.sum(batch["dense"], axis=1))
+    result = loop.evaluate(step, None, source, 128, keep_scores=True)
+    every = {k: np.concatenate([b[k] for b in source.eval_batches(300)]) for k in
+             ("dense", "label")}
+    want = every["dense"].astype(np.float64).sum(axis=1)
+    np.testing.assert_allclose(result["logits"], want, rtol=1e-5)
+    np.testing.assert_array_equal(result["labels"], every["label"])
+    p = 1 / (1 + np.exp(-want))
+    y = every["label"]
+    self.assertAlmostEqual(result["logloss"],
+                           float(-np.mean(y * np.log(p) + (1 - y) * np.log(1 - p))), places=5)
+    self.assertEqual(result["num_examples"], 300)
+
   def test_time_split_counts_each_evaluation_and_checkpoint(self):
     # Evaluation and saving made slow by known amounts: the split must find them where they
     # are, three evaluations (steps 4, 8 and the end, 10) and at least two saves (5 and 10),
     # and the first step apart from the rest.
-    from loka_jax.train import checkpoint, loop
+    from loka_jax.train import checkpoint
     config = TrainConfig(steps=10, batch_size=64, eval_every=4, checkpoint_every=5,
                          log_every=5, progress=False)
     real_evaluate, real_save = loop.evaluate, checkpoint.Checkpointer.save

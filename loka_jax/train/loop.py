@@ -265,12 +265,20 @@ def evaluate(eval_step, state: TrainState, source, batch_size: int, *,
   `keep_scores`, also every example's logit and label ('logits', 'labels': arrays), for
   paired comparisons of two models on the same examples."""
   acc = metrics_lib.EvalAccumulator()
+  pending = None  # the batch on the device: its scores are read after the next is dispatched
   for batch in source.eval_batches(batch_size):
     valid = len(batch["label"])
     if valid < batch_size:  # pad a short batch so the step compiles once
       batch = {k: np.concatenate([v, np.repeat(v[:1], batch_size - valid, axis=0)])
                for k, v in batch.items()}
-    acc.add(jax.device_get(eval_step(state, batch)), batch["label"], valid=valid)
+    # Dispatch this batch before reading the last one's scores, so the host builds the next
+    # batch while the device scores this one (InterFormer `large`: 392 batches of 512).
+    scores = eval_step(state, batch)
+    if pending is not None:
+      acc.add(jax.device_get(pending[0]), pending[1], valid=pending[2])
+    pending = (scores, batch["label"], valid)
+  if pending is not None:
+    acc.add(jax.device_get(pending[0]), pending[1], valid=pending[2])
   if acc.count == 0:
     raise ValueError(f"data source {source.name!r} yielded no eval batch of size {batch_size} "
                      f"({source.num_eval_examples()} eval examples); lower the eval batch size")
