@@ -75,5 +75,33 @@ class SuiteCallTest(absltest.TestCase):
     self.assertIn("fp8_tensorwise", {r["variant"] for r in rows})
 
 
+class QueueTest(absltest.TestCase):
+
+  def test_stages_run_in_order_resume_and_wait_for_time(self):
+    tmp = tempfile.mkdtemp(prefix="loka_queue_")
+    self.addCleanup(shutil.rmtree, tmp, ignore_errors=True)
+    queue = os.path.basename(tmp)  # markers of this test only
+    self.addCleanup(lambda: [os.remove(os.path.join("/tmp", f))
+                             for f in os.listdir("/tmp") if f.startswith(f"loka_queue_{queue}_")])
+    flags = f"--suite=towers --towers={TOWER} --repeats=3 --probe=false --variants=bf16_mods"
+    first = f"a {tmp}/wa {tmp}/ca 10 {flags}"
+    never = f"b {tmp}/wb {tmp}/cb 100000 {flags}"  # asks for more time than any call has
+    env = {"QUEUE": queue, "OUT": os.path.join(tmp, "out"), "BUDGET": "400"}
+    out = _call("gpu_queue.sh", env, first, never)
+    self.assertIn("== a (", out)
+    self.assertIn("== b: not started", out)
+    rows = _rows(os.path.join(tmp, "out", "ca.tar.gz"))  # named by the carry folder
+    self.assertEqual(sorted(r["variant"] for r in rows), ["bf16", "bf16_mods"])
+    self.assertFalse(os.path.exists(os.path.join(tmp, "out", "a")))
+    # The next call on the same host skips the finished stage and still waits for time.
+    out = _call("gpu_queue.sh", env, first, never)
+    self.assertIn("== a: done on this host", out)
+    self.assertIn("== b: not started", out)
+    bad = subprocess.run(["bash", "experiments/gpu_queue.sh", "a /tmp/x"], cwd=REPO,
+                         env={**os.environ, **env}, capture_output=True, text=True)
+    self.assertEqual(bad.returncode, 2)
+    self.assertIn("give NAME WORK CARRY MIN_LEFT", bad.stderr)
+
+
 if __name__ == "__main__":
   absltest.main()
