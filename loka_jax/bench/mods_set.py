@@ -21,7 +21,7 @@ import os
 import urllib.parse
 from typing import Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
-from loka_jax.models.presets import KEEP_BIAS, MODS
+from loka_jax.models.presets import KEEP_BIAS, MODS, parse_mods
 
 DEFAULT: Tuple[str, ...] = ("all",)
 
@@ -30,31 +30,21 @@ T = TypeVar("T")
 
 def parse(names: Union[str, Sequence[str]]) -> Tuple[str, ...]:
   """The canonical Mods set: DEFAULT for 'all' (or every Mod named), else the Mods named in
-  MODS' order. An empty set or an unknown name is an error: the arms without Mods are bf16
-  and the FP8 peers already."""
+  MODS' order, then No Bias's `keep_bias:` entries sorted (a set with them names every Mod
+  one by one). An empty set is an error, since the arms without Mods are the bf16 and FP8
+  arms already; so is anything `presets.parse_mods` refuses."""
   if isinstance(names, str):
     names = names.split(",")
   names = [n.strip() for n in names if n and n.strip()]
-  keep = tuple(sorted(dict.fromkeys(n for n in names if n.startswith(KEEP_BIAS))))
-  names = [n for n in names if not n.startswith(KEEP_BIAS)]
-  unknown = [n for n in names if n not in MODS + DEFAULT]
-  if unknown:
-    raise ValueError(f"unknown Mod(s) {unknown} in the Mods set; valid: "
-                     f"{', '.join(MODS + DEFAULT)}, {KEEP_BIAS}PATTERN")
-  if not names:
+  if not [n for n in names if not n.startswith(KEEP_BIAS)]:
     raise ValueError("the Mods set is empty: name at least one of "
                      f"{', '.join(MODS)}, or 'all' (the runs without Mods are the bf16 and "
                      "FP8 arms)")
-  every = "all" in names or set(names) == set(MODS)
-  base = MODS if every else tuple(m for m in MODS if m in names)
-  if keep:
-    if KEEP_BIAS in keep:
-      raise ValueError(f"an empty {KEEP_BIAS} pattern in the Mods set")
-    if "no_bias" not in base:
-      raise ValueError(f"{keep[0]} keeps biases that only No Bias drops: add no_bias (or "
-                       "all) to the Mods set")
-    return base + keep
-  return DEFAULT if every else base
+  mods, patterns = parse_mods(names)
+  base = tuple(m for m in MODS if m in mods)
+  if patterns:
+    return base + tuple(sorted({KEEP_BIAS + p for p in patterns}))
+  return DEFAULT if base == MODS else base
 
 
 def label(mods: Union[str, Sequence[str]]) -> Optional[str]:

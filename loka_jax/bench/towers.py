@@ -20,7 +20,7 @@ import numpy as np
 
 from loka_jax.data.spec import FeatureSpec
 from loka_jax.models.layers import MLP, TowerOptions
-from loka_jax.models.presets import KEEP_BIAS
+from loka_jax.models.presets import parse_mods
 from loka_jax.models.site import SiteConfig
 
 BLOCK_SIZE = 256
@@ -62,8 +62,7 @@ def tower_options(site: SiteConfig, mods: Sequence[str], width: int,
   `keep_bias:` patterns are globs over the hidden sites `mlp/dense_<i>`, i < depth (checked
   when `depth` is given: one that matches none is an error; the head `mlp/dense_<depth>` has
   its bias anyway)."""
-  keep = tuple(m[len(KEEP_BIAS):] for m in mods if m.startswith(KEEP_BIAS))
-  mods = set(("no_bias", "blocknorm", "hard_swish") if "all" in mods else mods)
+  mods, keep = parse_mods(mods)
   if keep and depth is not None:
     sites = [f"mlp/dense_{i}" for i in range(depth)]
     missing = [p for p in keep if not any(fnmatch.fnmatchcase(s, p) for s in sites)]
@@ -73,7 +72,7 @@ def tower_options(site: SiteConfig, mods: Sequence[str], width: int,
   return TowerOptions(site=site, activation="hard_swish" if "hard_swish" in mods else "relu",
                       norm="blocknorm" if "blocknorm" in mods else "layernorm",
                       block_size=min(BLOCK_SIZE, width), use_bias="no_bias" not in mods,
-                      keep_bias=keep if "no_bias" in mods else ())
+                      keep_bias=keep)  # parse_mods refuses patterns without No Bias
 
 
 class Tower(nn.Module):

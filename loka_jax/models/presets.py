@@ -326,8 +326,10 @@ class ModsError(ValueError):
   """A Mods list that cannot apply: an unknown Mod, or a keep_bias pattern that cannot."""
 
 
-def _mod_list(mods: Union[str, Sequence[str]]):
-  """(the Mods named, in order, 'all' expanded; the keep_bias patterns)."""
+def parse_mods(mods: Union[str, Sequence[str]]) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+  """(the Mods named, in order, 'all' expanded; the keep_bias patterns), or ModsError naming
+  an unknown Mod, an empty pattern, or patterns without No Bias. The one reader of a Mods list:
+  configs (`apply_mods`), the bench's Mods sets and its towers take it from here."""
   if isinstance(mods, str):
     mods = mods.split(",")
   names = [m.strip() for m in mods if m and m.strip()]
@@ -351,7 +353,7 @@ def apply_mods(config: ml_collections.ConfigDict, mods: Sequence[str]) -> ml_col
   """A copy of `config` with the named Mods on ('no_bias', 'blocknorm', 'hard_swish', 'all'),
   and No Bias's exceptions (`keep_bias:PATTERN` entries) in `mods.keep_bias`."""
   out = ml_collections.ConfigDict(config.to_dict())
-  names, patterns = _mod_list(mods)
+  names, patterns = parse_mods(mods)
   for name in names:
     out.mods[name] = True
   if patterns:
@@ -400,15 +402,11 @@ def _site_biases(model: nn.Module, batch) -> Dict[str, bool]:
   """Each dense site's path -> whether it has a bias, from an abstract init on `batch`."""
   sites: Dict[str, bool] = {}
 
-  def record(next_fun, args, kwargs, context):
-    if context.method_name == "__call__" and isinstance(context.module, DenseSite):
-      sites[site_name(context.module)] = bool(context.module.use_bias)
-    return next_fun(*args, **kwargs)
+  def visit(module, args):
+    if isinstance(module, DenseSite):
+      sites[site_name(module)] = bool(module.use_bias)
 
-  with nn.intercept_methods(record):
-    jax.eval_shape(lambda b: model.init({"params": jax.random.PRNGKey(0),
-                                         "dropout": jax.random.PRNGKey(1)}, b, train=False),
-                   batch)
+  trace_sites(model, None, batch, visit)
   return sites
 
 
@@ -597,6 +595,24 @@ class SiteProduct(NamedTuple):
     return EinsumSpec.parse(self.spec).flops(self.lhs_shape, self.rhs_shape)
 
 
+def trace_sites(model: nn.Module, variables, batch,
+                visit: Callable[[nn.Module, tuple], None]) -> None:
+  """Calls `visit(site module, call args)` at every site call (DenseSite, EinsumSite, ActSite)
+  of one forward pass of `model` on `batch`, traced abstractly (no compilation);
+  `variables=None` traces `model.init` instead (same forward pass, no variables needed)."""
+  def record(next_fun, args, kwargs, context):
+    if context.method_name == "__call__" and isinstance(context.module,
+                                                        (DenseSite, EinsumSite, ActSite)):
+      visit(context.module, args)
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(record):
+    if variables is None:
+      jax.eval_shape(lambda b: model.init(jax.random.PRNGKey(0), b), batch)
+    else:
+      jax.eval_shape(lambda v, b: model.apply(v, b), variables, batch)
+
+
 def site_products(model: nn.Module, variables, batch) -> Dict[str, SiteProduct]:
   """{site name: SiteProduct} of one forward pass, in call order, traced abstractly (no
   compilation). Names are the sites' Linen paths, the keys of plans and probe reports.
@@ -605,25 +621,18 @@ def site_products(model: nn.Module, variables, batch) -> Dict[str, SiteProduct]:
   """
   found: Dict[str, SiteProduct] = {}
 
-  def record(next_fun, args, kwargs, context):
-    module = context.module
-    if context.method_name == "__call__" and isinstance(module, (DenseSite, EinsumSite, ActSite)):
-      if isinstance(module, DenseSite):
-        shape = tuple(args[0].shape)
-        product = SiteProduct(ACT_WEIGHT, "mk,kn->mn", (math.prod(shape[:-1]), shape[-1]),
-                              (shape[-1], int(module.features)))
-      elif isinstance(module, EinsumSite):
-        product = SiteProduct(ACT_WEIGHT, str(EinsumSpec.parse(module.spec)),
-                              tuple(args[0].shape), tuple(module.weight_shape))
-      else:
-        product = SiteProduct(ACT_ACT, str(EinsumSpec.parse(module.spec)), tuple(args[0].shape),
-                              tuple(args[1].shape))
-      found[site_name(module)] = product
-    return next_fun(*args, **kwargs)
-
-  with nn.intercept_methods(record):
-    if variables is None:
-      jax.eval_shape(lambda b: model.init(jax.random.PRNGKey(0), b), batch)
+  def visit(module, args):
+    if isinstance(module, DenseSite):
+      shape = tuple(args[0].shape)
+      product = SiteProduct(ACT_WEIGHT, "mk,kn->mn", (math.prod(shape[:-1]), shape[-1]),
+                            (shape[-1], int(module.features)))
+    elif isinstance(module, EinsumSite):
+      product = SiteProduct(ACT_WEIGHT, str(EinsumSpec.parse(module.spec)),
+                            tuple(args[0].shape), tuple(module.weight_shape))
     else:
-      jax.eval_shape(lambda v, b: model.apply(v, b), variables, batch)
+      product = SiteProduct(ACT_ACT, str(EinsumSpec.parse(module.spec)), tuple(args[0].shape),
+                            tuple(args[1].shape))
+    found[site_name(module)] = product
+
+  trace_sites(model, variables, batch, visit)
   return found

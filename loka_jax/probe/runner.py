@@ -273,12 +273,11 @@ def describe_probe(spec: experiment.RunSpec, train_config: TrainConfig,
   timing measures at
   `options.min_timing_gflops` (`shapes_to_time`)."""
   from loka_jax.train.optim import make_optimizer
-  from loka_jax.train.state import state_bytes
+  from loka_jax.train.state import state_bytes, tree_bytes
   setup = _setup(spec, train_config.batch_size, probe_config, options, build)
   batch = setup.source.train_batch(0, train_config.batch_size)
   dtype = site_config_dtype(spec)
   stats = jax.eval_shape(lambda: collector_lib.init_state(setup.sites, probe_config, dtype))
-  nbytes = lambda tree: int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
   # The functions the error evaluation compiles (`evaluate.compile_jobs`), and the sites that
   # bring new ones: the sites whose evaluation waits on compiles.
   seen, compiling = set(), 0
@@ -293,7 +292,7 @@ def describe_probe(spec: experiment.RunSpec, train_config: TrainConfig,
           "shapes_to_time": sum(not below_timing_floor(l, options) for l in layouts),
           "state_bytes": state_bytes(setup.model, make_optimizer(train_config.optim), batch,
                                      train_config.seed),
-          "statistics_bytes": nbytes(stats),
+          "statistics_bytes": tree_bytes(stats),
           "evaluation_functions": len(seen), "sites_compiling": compiling,
           "statistics_functions": collector_lib.statistics_functions(setup.sites, probe_config)}
 

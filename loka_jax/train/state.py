@@ -115,11 +115,15 @@ def abstract_train_state(model, tx: optax.GradientTransformation, example_batch,
                                      example_batch))
 
 
+def tree_bytes(tree) -> int:
+  """Bytes of a tree's arrays, or of the arrays its shapes describe (`jax.ShapeDtypeStruct`)."""
+  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
 def state_bytes(model, tx: optax.GradientTransformation, example_batch, seed: int) -> int:
   """Bytes of the training state `create_train_state` would make (parameters, optimizer
   state, FP8 metadata), from abstract shapes: nothing is allocated or compiled."""
-  state = abstract_train_state(model, tx, example_batch, seed)
-  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)))
+  return tree_bytes(abstract_train_state(model, tx, example_batch, seed))
 
 
 @jax.jit
