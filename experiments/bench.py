@@ -88,6 +88,9 @@ SERVE_QUALITY_BUDGET = flags.DEFINE_float(
     "log-loss change against served bf16+Mods (default: the 0.02% quality budget, "
     "`train.metrics.NEUTRAL_REL_LOGLOSS`).")
 PROBE_STEPS = flags.DEFINE_integer("probe_steps", 100, "Training steps of each probe.")
+PROBE_SEED = flags.DEFINE_integer(
+    "probe_seed", 0, "Seed of the probe run that makes a missing LoKA plan (both suites). "
+    "Apart from --seed: quality runs at each seed share one plan and resume one probe.")
 PROBE_SAMPLES = flags.DEFINE_integer("probe_samples", 32, "Draws per site of each probe's "
                                      "error evaluation (fewer: faster, wider CIs).")
 PROBE_KERNELS = flags.DEFINE_list("probe_kernels", [], "Each probe's candidate kernels "
@@ -221,7 +224,8 @@ def main(argv):
                                                   "off": False}[SERVE_PROMOTION.value],
                                  min_call_s=(suite.speed.MIN_CALL_S if MIN_CALL_MS.value is None
                                              else MIN_CALL_MS.value * 1e-3),
-                                 seed=common_flags.SEED.value, mods=mods)
+                                 seed=common_flags.SEED.value, probe_seed=PROBE_SEED.value,
+                                 mods=mods)
   batch = BATCH.value or None
   _log(f"device {device}; suite {SUITE.value}; results under {workdir}")
 
@@ -264,7 +268,8 @@ def main(argv):
         break
       finished &= quality.run_model(model, qs, quality_rows, os.path.join(workdir, "quality"),
                                     deadline=deadline, device=device, log=_log,
-                                    plan_maker=_quality_plan_maker(qs, settings, deadline),
+                                    plan_maker=(suite.quality_plan_maker(qs, settings, deadline)
+                                                if settings.probe else None),
                                     end_by=end_by)
 
   rows = list(speed_rows.rows()) + list(quality_rows.rows())
@@ -280,31 +285,6 @@ def main(argv):
   _log(f"plots: {', '.join(written) or 'none yet'}")
   _log(("all selected rows are done" if finished else "stopped at --max_minutes; rerun the "
         "same command to continue") + f" ({time.time() - start:.0f}s)")
-
-
-def _quality_plan_maker(qs, settings, deadline):
-  """Probes a quality model (its preset, with the run's Mods) when its LoKA plan is
-  missing."""
-  if not PROBE.value:
-    return None
-  from loka_jax.bench import planning
-  from loka_jax.train import experiment
-  from loka_jax.train.loop import TrainConfig
-
-  def make(model):
-    budget = deadline - time.time()
-    if budget < 30:
-      return None
-    spec = experiment.RunSpec(model=model, preset=qs.preset, data=qs.data,
-                              data_cache=qs.data_cache, precision="bf16", mods=qs.mods,
-                              seed=qs.seed)
-    config = TrainConfig(steps=settings.probe_steps, progress=False, seed=qs.seed,
-                         batch_size=qs.batch_size or experiment.preset_batch_size(
-                             model, qs.preset))
-    return planning.make_plan(spec, qs.plans_root, config, budget_s=budget,
-                              samples=settings.probe_samples, kernels=settings.probe_kernels,
-                              validation=settings.validation())
-  return make
 
 
 if __name__ == "__main__":

@@ -584,6 +584,56 @@ class ValidationFromInitTest(absltest.TestCase):
       self.assertEqual((options.min_timing_gflops, options.compile_workers), (floor, workers))
 
 
+class QualityPlanMakerTest(absltest.TestCase):
+
+  def test_every_quality_seed_probes_one_run_with_the_suites_probe_options(self):
+    # The quality suite makes a missing plan with the speed suite's probe options (the
+    # carried timing cache above all: without it every site is timed again) and at the
+    # probe seed, whatever the quality seed: each seed's invocation resumes the same probe.
+    out = _tempdir(self)
+    settings = suite.SpeedSettings(plans_dir=os.path.join(out, "plans"), probe_steps=7,
+                                   probe_samples=5, probe_kernels=("xla_bf16", "xla_fp8_rowwise"),
+                                   probe_timing_cache=os.path.join(out, "tc"),
+                                   probe_compile_workers=3, probe_timing_compile_workers=2,
+                                   probe_min_timing_gflops=1.5, validation_from_init_steps=9,
+                                   probe_seed=4)
+    calls = []
+    for seed in (0, 2):
+      qs = quality.QualitySettings(preset="tiny", seed=seed, batch_size=64,
+                                   plans_dir=os.path.join(out, "plans"),
+                                   mods=("no_bias", "blocknorm"))
+      with mock.patch("loka_jax.dispatch.pipeline.probe_and_plan") as probe_and_plan:
+        suite.quality_plan_maker(qs, settings, deadline=time.time() + 600)("dlrm")
+      calls.append(probe_and_plan.call_args)
+    for call in calls:
+      spec, workdir = call.args
+      options, config = call.kwargs["probe_options"], call.kwargs["train_config"]
+      self.assertEqual((spec.model, spec.preset, spec.mods, spec.seed, config.seed),
+                       ("dlrm", "tiny", ("no_bias", "blocknorm"), 4, 4))
+      self.assertEqual((config.steps, config.batch_size), (7, 64))
+      self.assertEqual((options.samples, options.kernels, options.timing_cache,
+                        options.compile_workers, options.timing_compile_workers,
+                        options.min_timing_gflops),
+                       (5, ("xla_bf16", "xla_fp8_rowwise"), os.path.join(out, "tc"), 3, 2, 1.5))
+      self.assertEqual(call.kwargs["validation"].from_init_steps, 9)
+      self.assertEqual(workdir, planning.plan_dir(qs.plans_root, "dlrm", "tiny"))
+    self.assertNotIn("default", calls[0].args[1])  # the set's own folder
+    self.assertIn("mods_", calls[0].args[1])
+
+  def test_the_speed_suites_probe_runs_at_the_probe_seed_too(self):
+    (target,) = suite.tower_targets(["64x32x2"])
+    spec, config = suite.probe_run(target, suite.SpeedSettings(seed=3, probe_seed=5))
+    self.assertEqual((spec.seed, config.seed), (5, 5))
+
+  def test_no_probe_starts_too_close_to_the_deadline(self):
+    qs = quality.QualitySettings(preset="tiny")
+    with mock.patch("loka_jax.dispatch.pipeline.probe_and_plan") as probe_and_plan:
+      got = suite.quality_plan_maker(qs, suite.SpeedSettings(),
+                                     deadline=time.time() + suite.MIN_PROBE_BUDGET_S - 5)("dlrm")
+    self.assertIsNone(got)
+    probe_and_plan.assert_not_called()
+
+
 class TowerSourceTest(chex.TestCase):
   """The towers' data: pure in (task_seed, seed, step), heavy-tailed inputs with the
   per-channel scales, labels that follow the hidden teacher."""

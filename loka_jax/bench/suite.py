@@ -130,6 +130,10 @@ def selected(targets: Iterable[Target], only: Sequence[str]) -> List[Target]:
   return [t for t in targets if t.name in only or t.model in only or t.preset in only]
 
 
+# A probe starts only with this much time before the deadline (it resumes on a later run).
+MIN_PROBE_BUDGET_S = 30
+
+
 @dataclasses.dataclass
 class SpeedSettings:
   repeats: int = 20
@@ -153,6 +157,9 @@ class SpeedSettings:
   validation_from_init_quality_bound: bool = False
   min_call_s: float = speed.MIN_CALL_S  # steps shorter than this run N to a timed call
   seed: int = 0
+  # Seed of the probe run that makes a missing plan: apart from `seed`, so quality runs at
+  # every seed (one invocation each) find and resume the same probe and share its plan.
+  probe_seed: int = 0
   # Variants timed, after their bf16 pair, against the variants their targets compare them
   # with, in one interleaving each (`TargetBench.head_to_head`); they run last in a target.
   head_to_head: Tuple[str, ...] = ("loka",)
@@ -189,6 +196,17 @@ class SpeedSettings:
                             from_init_seeds=self.validation_from_init_seeds,
                             from_init_quality_bound=self.validation_from_init_quality_bound)
 
+  def plan_options(self) -> dict:
+    """`planning.make_plan`'s probe and validation options, the same for the speed suite's
+    plans and the quality suite's (candidates, timing cache, compile threads, timing floor,
+    validation)."""
+    return dict(samples=self.probe_samples, kernels=self.probe_kernels,
+                timing_cache=self.probe_timing_cache,
+                compile_workers=self.probe_compile_workers,
+                timing_compile_workers=self.probe_timing_compile_workers,
+                min_timing_gflops=self.probe_min_timing_gflops,
+                validation=self.validation())
+
 
 def plan_for(target: Target, variant: Variant, batch, settings: SpeedSettings) -> tuple:
   """(KernelPlan or None, row fields, reason it is missing)."""
@@ -214,9 +232,9 @@ def probe_run(target: Target, settings: SpeedSettings
   """(spec, training config) of the probe run that plans the target's LoKA arm (the run's
   Mods set): its trained state is what validation, and any later check of the plan, runs
   on."""
-  return target.run_spec(settings.mods), TrainConfig(steps=settings.probe_steps,
-                                            batch_size=target.batch(), progress=False,
-                                            seed=settings.seed)
+  spec = dataclasses.replace(target.run_spec(settings.mods), seed=settings.probe_seed)
+  return spec, TrainConfig(steps=settings.probe_steps, batch_size=target.batch(),
+                           progress=False, seed=settings.probe_seed)
 
 
 def _probe_for_plan(target: Target, settings: SpeedSettings, deadline: float, log) -> bool:
@@ -225,20 +243,38 @@ def _probe_for_plan(target: Target, settings: SpeedSettings, deadline: float, lo
   if planning.load(settings.plans_root, target.model, target.preset) is not None:
     return False
   budget = deadline - time.time()
-  if budget < 30:
+  if budget < MIN_PROBE_BUDGET_S:
     return False
   log(f"probing {target.name} for its LoKA plan (budget {budget:.0f}s)")
   spec, config = probe_run(target, settings)
-  planning.make_plan(spec, settings.plans_root, config,
-                     budget_s=budget, build=target.probe_build(),
-                     samples=settings.probe_samples, kernels=settings.probe_kernels,
-                     timing_cache=settings.probe_timing_cache,
-                     compile_workers=settings.probe_compile_workers,
-                     timing_compile_workers=settings.probe_timing_compile_workers,
-                     min_timing_gflops=settings.probe_min_timing_gflops,
-                     validation=settings.validation(), deadline=deadline)
+  planning.make_plan(spec, settings.plans_root, config, budget_s=budget,
+                     build=target.probe_build(), deadline=deadline, **settings.plan_options())
   gc.collect()  # the probe's training state must be gone before the baseline's is built
   return True
+
+
+def quality_plan_maker(qs, settings: SpeedSettings, deadline: float
+                       ) -> Callable[[str], Optional[str]]:
+  """The quality suite's maker of a missing LoKA plan (`quality.run_model`'s `plan_maker`)
+  for the runs of `qs` (a `quality.QualitySettings`): it probes the model at their preset,
+  data, batch and Mods set, with the speed suite's probe options (`plan_options`), at
+  `settings.probe_seed`. Not at the quality seed: the plan is one file that every seed's
+  LoKA run reads, and each seed may be its own invocation, which must resume the same probe
+  rather than start one with other settings. Returns the plan's path, or None while the
+  probe or validation has not finished (too little time left, or a budget reached)."""
+  def make(model: str) -> Optional[str]:
+    budget = deadline - time.time()
+    if budget < MIN_PROBE_BUDGET_S:
+      return None
+    spec = experiment.RunSpec(model=model, preset=qs.preset, data=qs.data,
+                              data_cache=qs.data_cache, precision="bf16", mods=qs.mods,
+                              seed=settings.probe_seed)
+    batch = qs.batch_size or experiment.preset_batch_size(model, qs.preset)
+    config = TrainConfig(steps=settings.probe_steps, batch_size=batch, progress=False,
+                         seed=settings.probe_seed)
+    return planning.make_plan(spec, qs.plans_root, config, budget_s=budget, deadline=deadline,
+                              **settings.plan_options())
+  return make
 
 
 def _score_serving(target: Target, settings: SpeedSettings, deadline: float, log) -> bool:
