@@ -283,7 +283,8 @@ def main(argv):
                               quality_runs=[os.path.join(workdir, "quality")])
   print(report)
   _log(f"plots: {', '.join(written) or 'none yet'}")
-  _log(("all selected rows are done" if finished else "stopped at --max_minutes; rerun the "
+  _log(("all selected rows are done" if finished else "rows left for the next run (the "
+        "deadline, or a LoKA plan whose probe or validation has not finished); rerun the "
         "same command to continue") + f" ({time.time() - start:.0f}s)")
 
 

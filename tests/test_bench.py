@@ -620,6 +620,34 @@ class QualityPlanMakerTest(absltest.TestCase):
     self.assertNotIn("default", calls[0].args[1])  # the set's own folder
     self.assertIn("mods_", calls[0].args[1])
 
+  def test_a_loka_arm_waiting_for_its_plan_leaves_the_model_unfinished(self):
+    # A probe that ran out of budget returns no plan: the model's rows are not done (the
+    # bench must not print "all selected rows are done", nor a queue move on); the next run
+    # with the plan made records the LoKA row.
+    out = _tempdir(self)
+    settings = quality.QualitySettings(preset="tiny", steps=2, batch_size=64, min_eval=64,
+                                       noise_seeds=(), arms=("bf16_mods", "loka"),
+                                       plans_dir=os.path.join(out, "plans"))
+    results = ResultsFile(os.path.join(out, "quality.jsonl"), quality.KEY_FIELDS)
+    logs = []
+    self.assertFalse(quality.run_model("dlrm", settings, results, out, deadline=float("inf"),
+                                       device="cpu", log=logs.append,
+                                       plan_maker=lambda model: None))
+    self.assertEqual([r["arm"] for r in results.rows()], ["bf16_mods"])
+    self.assertTrue(any("loka seed 0: left for a later run, no plan at" in line
+                        for line in logs), logs)
+
+    def plan_made(model):
+      path = planning.plan_path(settings.plans_root, model, settings.preset)
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      dispatch.save_plan({"schema": "loka.plan/1", "sites": {},
+                          "default": {p: "xla_bf16" for p in ("fwd", "grad_lhs", "grad_rhs")}},
+                         path)
+      return path
+    self.assertTrue(quality.run_model("dlrm", settings, results, out, deadline=float("inf"),
+                                      device="cpu", log=logs.append, plan_maker=plan_made))
+    self.assertEqual([r["arm"] for r in results.rows()], ["bf16_mods", "loka"])
+
   def test_the_speed_suites_probe_runs_at_the_probe_seed_too(self):
     (target,) = suite.tower_targets(["64x32x2"])
     spec, config = suite.probe_run(target, suite.SpeedSettings(seed=3, probe_seed=5))

@@ -183,9 +183,10 @@ class QualityRunTest(absltest.TestCase):
                   arms=("bf16", "bf16_mods", "loka"), plans_dir=os.path.join(out, "plans"))
     logs = []
     for mods in (mods_set.DEFAULT, NB_BN):
-      self.assertTrue(quality.run_model("dlrm", quality.QualitySettings(mods=mods, **common),
-                                        results, out, deadline=float("inf"), device="cpu",
-                                        log=logs.append))
+      # Not done: the LoKA arm waits for its plan (no probe here), every other arm trained.
+      self.assertFalse(quality.run_model("dlrm", quality.QualitySettings(mods=mods, **common),
+                                         results, out, deadline=float("inf"), device="cpu",
+                                         log=logs.append))
     rows = list(results.rows())
     # bf16 trained once: the set's run of it is the default set's.
     self.assertEqual([(r["arm"], r.get("mods_set"), r["mods"]) for r in rows],

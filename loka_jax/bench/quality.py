@@ -268,8 +268,11 @@ def expected_run_s(results: ResultsFile, model: str, settings: QualitySettings,
 def run_model(model: str, settings: QualitySettings, results: ResultsFile, root: str, *,
               deadline: float, device: str, plan_maker: Optional[Callable] = None,
               log: Callable[[str], None] = print, end_by: Optional[float] = None) -> bool:
-  """Every unfinished run of `model`; False when the deadline stopped it (`pace.may_start`:
-  `end_by`, the call's hard end, lets runs start past `deadline` when they fit)."""
+  """Every unfinished run of `model`; False when one is left for a later run: the deadline
+  stopped it (`pace.may_start`: `end_by`, the call's hard end, lets runs start past
+  `deadline` when they fit), or the LoKA arm's plan is not made yet (its probe or
+  validation resumes then), so a caller never reads a skipped arm as done."""
+  complete = True
   for arm, seed in runs(settings):
     # An arm without Mods is the same run in every Mods set: keyed, and shared, as the
     # default set's.
@@ -296,7 +299,9 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
       if not os.path.exists(plan) and plan_maker is not None:
         plan = plan_maker(model) or plan
       if not os.path.exists(plan):
-        log(f"  quality {model}/loka: skipped, no plan at {plan} yet")
+        log(f"  quality {model}/loka seed {seed}: left for a later run, no plan at {plan} "
+            "yet")
+        complete = False
         continue
       row["plan"] = plan
       twin = bf16_mods_twin(results, key, plan)
@@ -323,7 +328,7 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
     results.append(row)
     if not settings.keep_runs:
       shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
-  return True
+  return complete
 
 
 # What a LoKA row takes from the bf16+Mods run it is (`bf16_mods_twin`): the run's scores and
