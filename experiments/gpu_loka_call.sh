@@ -29,10 +29,8 @@ OUT=${OUT:-$WORK/out}
 TARGET=${TARGET:-wukong/large}
 PLANS=$WORK/plans/${TARGET/\//_}
 mkdir -p "$PLANS/probe" "$OUT"
-if ! python3 -c "import ml_collections" 2>/dev/null && [ -d .whl ]; then  # the GPU host lacks it
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
-fi
+source experiments/gpu_common.sh
+ensure_wheels || exit 1
 export PYTHONUNBUFFERED=1
 
 # Carried files never overwrite this host's own (a warm host's are newer).
@@ -73,7 +71,7 @@ timeout "${LIMIT:-575}" python3 -m experiments.bench "${SUITE[@]}" \
   --workdir="$WORK" --variants="${VARIANTS:-bf16,bf16_mods,loka}" \
   --probe_steps=50 --probe_samples=8 --probe_kernels="${PROBE_KERNELS:-xla_bf16,xla_fp8_rowwise,flax_fp8_delayed,flax_fp8_delayed_fwd,flax_fp8_delayed_grad_lhs}" \
   --probe_timing_cache="$TC" --compile_cache=/tmp/jc --max_minutes="${MAXMIN:-7.5}" \
-  --end_by_minutes="$(awk -v l="${LIMIT:-575}" -v m="${MAXMIN:-7.5}" 'BEGIN { e = (l - 20) / 60; print (e > m ? e : m) }')" "$@" \
+  --end_by_minutes="$(end_by_minutes)" "$@" \
   >> "$WORK/log.txt" 2>&1
 echo "rc=$?" >> "$WORK/log.txt"
 

@@ -18,10 +18,8 @@ MODEL=${MODEL:?set MODEL} PRESET=${PRESET:?set PRESET}
 WORK=${WORK:-/tmp/profile}
 OUT=${OUT:-$WORK/out}
 mkdir -p "$WORK" "$OUT"
-if ! python3 -c "import ml_collections" 2>/dev/null && [ -d .whl ]; then  # the GPU host lacks it
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
-fi
+source experiments/gpu_common.sh
+ensure_wheels || exit 1
 PLANS="$WORK/plans/${MODEL}_${PRESET}"
 if [ -n "${PLAN:-}" ]; then
   mkdir -p "$PLANS" && cp "$PLAN" "$PLANS/plan.json" || exit 1

@@ -29,10 +29,8 @@ CARRY=${CARRY:?set CARRY to the folder that carries this run between calls}
 WORK=${WORK:-/tmp/suite}
 OUT=${OUT:-$WORK/out}
 mkdir -p "$WORK/tc" "$OUT" "$CARRY"
-if ! python3 -c "import ml_collections" 2>/dev/null && [ -d .whl ]; then  # the GPU host lacks it
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
-fi
+source experiments/gpu_common.sh
+ensure_wheels || exit 1
 export PYTHONUNBUFFERED=1
 # A warm host's own files are newer than the carried ones: never overwrite them.
 [ -f "$CARRY/work.tar.gz" ] && tar -xzf "$CARRY/work.tar.gz" -C "$WORK" --skip-old-files
@@ -42,12 +40,8 @@ echo "=== call $(date +%T) on $(nvidia-smi --query-gpu=name --format=csv,noheade
 MODULE=${MODULE:-experiments.bench}
 if [ "$MODULE" = experiments.bench ]; then
   case " $* " in *" --suite=quality "*) : "${MAXMIN:=5.5}" ;; esac
-  # The hard end, less 20 s for the bench's report: a quality run or speed row still starts
-  # past MAXMIN when the longest recorded one would end by it, and none starts that would
-  # not (`pace.may_start`).
-  END=$(awk -v l="${LIMIT:-575}" -v m="${MAXMIN:-7.5}" 'BEGIN { e = (l - 20) / 60; print (e > m ? e : m) }')
   set -- --workdir="$WORK" --compile_cache=/tmp/jc --max_minutes="${MAXMIN:-7.5}" \
-    --end_by_minutes="$END" \
+    --end_by_minutes="$(end_by_minutes)" \
     --probe_timing_cache="$WORK/tc" "$@"
 else  # no shape starts that would not end within the budget at the slowest shape's pace so
   # far (20-150 s a shape at Wukong large's on the H200); the rest is the process's start
