@@ -26,7 +26,8 @@ NUM_EVAL = flags.DEFINE_integer("num_eval", 0, "Held-out examples; 0: the data s
 LOG_EVERY = flags.DEFINE_integer("log_every", 50, "Steps between metrics lines.")
 CHECKPOINT_EVERY = flags.DEFINE_integer("checkpoint_every", 1000,
                                         "Steps between checkpoints (always one at the end).")
-KEEP_CHECKPOINTS = flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept.")
+KEEP_CHECKPOINTS = flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept (0: none "
+                                        "is written; needs --checkpoint_every=0).")
 LR = flags.DEFINE_float("lr", OptimConfig.learning_rate, "Adam(W) learning rate (dense towers).")
 EMBEDDING_LR = flags.DEFINE_float("embedding_lr", OptimConfig.embedding_learning_rate,
                                   "Row-wise Adagrad learning rate (embedding tables).")

@@ -1442,10 +1442,10 @@ class QualityProtocolTest(absltest.TestCase):
     self.assertTrue(again)
     self.assertLen(open(os.path.join(out, "quality.jsonl")).read().splitlines(), 3)
 
-  def test_a_large_state_is_checkpointed_only_at_the_end(self):
-    # The same 8-step run twice, kept on disk: under the size bar every quarter is saved
-    # (three kept), over it only the final state (here the bar is lowered below the toy
-    # state's size, which the run's own abstract state gives).
+  def test_a_large_state_is_checkpointed_only_at_the_end_or_not_at_all(self):
+    # The same 8-step run three times: under the size bar every quarter is saved (three
+    # kept); over it (the bar lowered below the toy state's size, which the run's own
+    # abstract state gives) only the final state when runs are kept, else none at all.
     import jax
     from loka_jax.train import checkpoint, experiment, make_optimizer, state as state_lib
     spec = experiment.RunSpec(model="dlrm", preset="tiny", num_eval=64)
@@ -1455,21 +1455,32 @@ class QualityProtocolTest(absltest.TestCase):
     leaves = jax.tree.leaves(state_lib.create_train_state(
         model, make_optimizer(quality.OptimConfig()), source.train_batch(0, 64), 0))
     self.assertEqual(nbytes, sum(x.nbytes for x in leaves))
-    saved = {}
-    for bar in (nbytes + 1, nbytes):
+    saved, scores = {}, {}
+    for bar, keep_runs in ((nbytes + 1, True), (nbytes, True), (nbytes, False)):
       out = _tempdir(self)
       settings = quality.QualitySettings(preset="tiny", steps=8, batch_size=64, min_eval=64,
-                                         arms=("bf16",), noise_seeds=(), keep_runs=True)
+                                         arms=("bf16",), noise_seeds=(), keep_runs=keep_runs)
       results = ResultsFile(os.path.join(out, "quality.jsonl"), quality.KEY_FIELDS)
-      with mock.patch.object(quality, "LARGE_STATE_BYTES", bar):
+      with mock.patch.object(checkpoint.Checkpointer, "save", autospec=True,
+                             side_effect=checkpoint.Checkpointer.save) as save, \
+          mock.patch.object(quality, "LARGE_STATE_BYTES", bar):
         self.assertTrue(quality.run_model("dlrm", settings, results, out,
                                           deadline=float("inf"), device="cpu"))
       row, = results.rows()
       run = quality.run_dir(out, row)
-      saved[bar] = checkpoint.Checkpointer(os.path.join(run, "checkpoints")).steps()
+      saved[bar, keep_runs] = (save.call_count, checkpoint.Checkpointer(
+          os.path.join(run, "checkpoints")).steps() if keep_runs else [])
+      scores[bar, keep_runs] = row["logloss"]
       with open(os.path.join(run, "config.json")) as f:
-        self.assertEqual(json.load(f)["train"]["checkpoint_every"], 0 if bar == nbytes else 2)
-    self.assertEqual(saved, {nbytes + 1: [4, 6, 8], nbytes: [8]})
+        train_config = json.load(f)["train"]
+      self.assertEqual((train_config["checkpoint_every"], train_config["keep_checkpoints"]),
+                       {(nbytes + 1, True): (2, 3), (nbytes, True): (0, 1),
+                        (nbytes, False): (0, 0)}[bar, keep_runs])
+    # (Saves asked for: the final state is asked twice, at its step and at the loop's end,
+    # and written once.)
+    self.assertEqual(saved, {(nbytes + 1, True): (5, [4, 6, 8]), (nbytes, True): (2, [8]),
+                             (nbytes, False): (0, [])})
+    self.assertLen(set(scores.values()), 1)  # the same run, however it is saved
 
   def _save_uniform_plan(self, settings, kernel):
     path = planning.plan_path(settings.plans_root, "dlrm", "tiny")

@@ -282,6 +282,29 @@ class TrainLoopTest(chex.TestCase):
     self.assertEqual([r["step"] for r in skipped], [8])
     self.assertIn("'dense'", skipped[0]["error"])
 
+  def test_a_run_that_keeps_no_checkpoint_writes_none_and_is_finished_by_its_final_json(self):
+    # keep_checkpoints=0 (a large quality run, thrown away once scored): no save at all, the
+    # same training as a run that saves, and a rerun returns the recorded result untrained.
+    config = TrainConfig(steps=6, batch_size=64, log_every=3, keep_checkpoints=0,
+                         progress=False)
+    saving = os.path.join(self.workdir, "saving")
+    final = train(train_toys.ToyClickModel(), train_toys.ToySource(), self.workdir, config)
+    twin = train(train_toys.ToyClickModel(), train_toys.ToySource(), saving,
+                 TrainConfig(steps=6, batch_size=64, log_every=3, progress=False))
+    self.assertFalse(os.path.exists(os.path.join(self.workdir, "checkpoints", "6")))
+    self.assertTrue(os.path.exists(os.path.join(saving, "checkpoints", "6")))
+    self.assertEqual(final["time_split"]["checkpoint_s"], 0.0)
+    for key in ("logloss", "ne", "auc", "peak_loss", "steps"):
+      self.assertEqual(final[key], twin[key], key)
+    steps_run = []
+    again = train(train_toys.ToyClickModel(), train_toys.ToySource(), self.workdir, config,
+                  step_callback=lambda step, *a: steps_run.append(step))
+    self.assertEqual((steps_run, again), ([], final))
+    with self.assertRaisesRegex(ValueError, "keep_checkpoints=0"):
+      TrainConfig(checkpoint_every=2, keep_checkpoints=0)
+    with self.assertRaisesRegex(ValueError, "keep_checkpoints must be >= 0"):
+      TrainConfig(keep_checkpoints=-1)
+
   def test_nan_policy_is_checked(self):
     with self.assertRaisesRegex(ValueError, "nan_policy"):
       TrainConfig(nan_policy="ignore")

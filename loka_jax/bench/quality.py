@@ -57,12 +57,13 @@ from loka_jax.train.state import state_bytes
 KEY_FIELDS = ("suite", "data", "model", "preset", "arm", "seed", "device", "warmup_steps",
               "mods_set", "clip_norm")
 MIN_EVAL = 200_000
-# A quality run whose training state is at least this large is checkpointed once, at its end,
-# and keeps that one: Wukong `large`'s 36.6 GB state (parameters and Adam) saved every 125
-# steps and kept three deep would need up to four copies, 146 GB, on the H200 host's 64 GiB
-# disk, and InterFormer `large`'s 7.8 GB took 6-10 s a save (docs/BENCHMARKS.md section 7,
-# thirty-sixth session). Runs are paced to end within their call (`pace.may_start`), so the
-# steps an intermediate checkpoint would save are rarely lost; smaller states keep them.
+# A quality run whose training state is at least this large writes no checkpoint (only its
+# final.json), or with `keep_runs` its final state alone: Wukong `large`'s 36.6 GB state
+# (parameters and Adam) saved every 125 steps and kept three deep would need up to four
+# copies, 146 GB, on the H200 host's 64 GiB disk, and InterFormer `large`'s 7.8 GB took
+# 6-14 s a save (docs/BENCHMARKS.md section 7, thirty-sixth and thirty-seventh sessions).
+# Runs are paced to end within their call (`pace.may_start`), so the steps a checkpoint
+# would save are rarely lost; smaller states keep them.
 LARGE_STATE_BYTES = 4 << 30
 
 
@@ -232,7 +233,7 @@ def run_arm(model: str, arm: QualityArm, seed: int, settings: QualitySettings, w
   built_model, source, _ = experiment.build_run(spec)
   nbytes = state_bytes(built_model, make_optimizer(settings.optim),
                        source.train_batch(0, batch), seed)
-  checkpoint_every, keep = checkpoint_plan(nbytes, settings.steps)
+  checkpoint_every, keep = checkpoint_plan(nbytes, settings.steps, settings.keep_runs)
   config = TrainConfig(steps=settings.steps, batch_size=batch, seed=seed, eval_batch_size=batch,
                        log_every=max(settings.steps // 10, 1),
                        checkpoint_every=checkpoint_every, keep_checkpoints=keep,
@@ -247,10 +248,17 @@ def run_arm(model: str, arm: QualityArm, seed: int, settings: QualitySettings, w
           "eval_fingerprint": eval_fingerprint(source, batch), "oracle_ne": final.get("oracle_ne")}
 
 
-def checkpoint_plan(state_nbytes: int, steps: int) -> Tuple[int, int]:
+def checkpoint_plan(state_nbytes: int, steps: int, keep_runs: bool = False
+                    ) -> Tuple[int, int]:
   """(checkpoint_every, keep_checkpoints) of a quality run: every quarter of the run, three
-  kept, or for a state of LARGE_STATE_BYTES or more only the final state (0, 1)."""
-  return (0, 1) if state_nbytes >= LARGE_STATE_BYTES else (max(steps // 4, 1), 3)
+  kept; for a state of LARGE_STATE_BYTES or more none at all (0, 0), since a finished run's
+  checkpoints are deleted once it is scored (Wukong large's one save would write 36.6 GB,
+  InterFormer large's took 7-14 s on the H200), or only the final state (0, 1) when runs
+  are kept. Such a run, stopped midway, starts again: quality runs start only when they
+  end within the call (`pace.may_start`)."""
+  if state_nbytes < LARGE_STATE_BYTES:
+    return max(steps // 4, 1), 3
+  return (0, 1) if keep_runs else (0, 0)
 
 
 def expected_run_s(results: ResultsFile, model: str, settings: QualitySettings,

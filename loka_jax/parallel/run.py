@@ -65,7 +65,8 @@ def train_sharded(model, source, workdir: str, config: loop.TrainConfig, mesh: M
       state, out = step_fn(state, batch)
       ok = bool(out["ok"])
       if not ok and config.nan_policy == "stop":
-        checkpoint_lib.save_sharded(directory, state, keep=config.keep_checkpoints)
+        if config.saves:
+          checkpoint_lib.save_sharded(directory, state, keep=config.keep_checkpoints)
         raise loop.NonFiniteError(
             f"non-finite loss or gradient at step {i} (sharded run on "
             f"{format_mesh_spec(mesh)}); the last good state is saved in {directory}",
@@ -81,7 +82,8 @@ def train_sharded(model, source, workdir: str, config: loop.TrainConfig, mesh: M
         checkpoint_lib.save_sharded(directory, state, keep=config.keep_checkpoints)
   finally:
     writer.close()
-  checkpoint_lib.save_sharded(directory, state, keep=config.keep_checkpoints)
+  if config.saves:
+    checkpoint_lib.save_sharded(directory, state, keep=config.keep_checkpoints)
   _, eval_step = loop.compiled_steps(model, config.optim, config.nan_policy)
   evaluation = loop.evaluate(eval_step, state, source,
                              config.eval_batch_size or config.batch_size)

@@ -121,6 +121,9 @@ class TrainConfig:
   eval_batch_size: Optional[int] = None  # None: batch_size
   log_every: int = 50                   # steps between metrics lines
   checkpoint_every: int = 0             # steps between checkpoints; 0: only at the end
+  # Checkpoints kept; 0: none is ever written (a run whose state is thrown away once scored,
+  # such as a large quality run: Wukong large's final save is 36.6 GB). Such a run resumes
+  # from its start, and its final.json alone says it is finished.
   keep_checkpoints: int = 3
   nan_policy: str = "stop"              # 'stop' | 'skip' (see module docstring)
   progress: bool = True                 # tqdm bar on stderr (only when it is a terminal)
@@ -138,6 +141,16 @@ class TrainConfig:
         raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
     if self.batch_size < 1:
       raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+    if self.keep_checkpoints < 0:
+      raise ValueError(f"keep_checkpoints must be >= 0, got {self.keep_checkpoints}")
+    if self.keep_checkpoints == 0 and self.checkpoint_every:
+      raise ValueError(f"checkpoint_every={self.checkpoint_every} with keep_checkpoints=0: a "
+                       "run that keeps no checkpoint writes none; set checkpoint_every=0")
+
+  @property
+  def saves(self) -> bool:
+    """Whether the run writes checkpoints at all."""
+    return self.keep_checkpoints > 0
 
   def to_dict(self) -> Dict[str, Any]:
     return dataclasses.asdict(self)
@@ -369,7 +382,8 @@ def restore_run(workdir: str, model, source, config: TrainConfig, array_extras: 
   """
   template = abstract_train_state(model, make_optimizer(config.optim),
                                   source.train_batch(0, config.batch_size), config.seed)
-  with Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints) as ckpt:
+  with Checkpointer(os.path.join(workdir, "checkpoints"),
+                    keep=max(config.keep_checkpoints, 1)) as ckpt:
     return ckpt.restore(template, array_extras)
 
 
@@ -465,12 +479,13 @@ def _final_record(evaluation: Mapping[str, Any], step: int, config: TrainConfig,
   return metrics_lib.json_safe(final)
 
 
-def _finished_record(final_path: str, latest_step: Optional[int], steps: int
-                     ) -> Optional[Dict[str, Any]]:
+def _finished_record(final_path: str, latest_step: Optional[int], steps: int,
+                     saves: bool = True) -> Optional[Dict[str, Any]]:
   """final.json of a run that is finished at `steps` (its newest checkpoint is that step and
-  final.json describes it), else None. An unreadable final.json is not a finished run: the
-  loop restores, evaluates and writes it again."""
-  if latest_step != steps or not os.path.exists(final_path):
+  final.json describes it; a run that `saves` no checkpoint has final.json alone), else None.
+  An unreadable final.json is not a finished run: the loop restores, evaluates and writes it
+  again."""
+  if (saves and latest_step != steps) or not os.path.exists(final_path):
     return None
   try:
     with open(final_path) as f:
@@ -517,9 +532,11 @@ def train(model, source, workdir: str, config: TrainConfig, *,
 
   first_batch = source.train_batch(0, config.batch_size)
   tx = make_optimizer(config.optim)
-  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints)
+  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
+                              keep=max(config.keep_checkpoints, 1))
   final_path = os.path.join(workdir, "final.json")
-  finished = _finished_record(final_path, checkpointer.latest_step(), config.steps)
+  finished = _finished_record(final_path, checkpointer.latest_step(), config.steps,
+                              config.saves)
   if finished is not None:  # nothing to train, evaluate or save: no state is read
     logging.info("%s already finished at step %d", workdir, finished["steps"])
     return finished
@@ -592,7 +609,7 @@ def train(model, source, workdir: str, config: TrainConfig, *,
         else:
           # The state before the bad step is the last good one, unless an earlier update
           # already overflowed the parameters (then the last checkpoint is).
-          if all_finite(state.params):
+          if all_finite(state.params) and config.saves:
             save()
           latest = checkpointer.latest_step()
           where = None if latest is None else os.path.join(checkpointer.directory, str(latest))
@@ -604,8 +621,9 @@ def train(model, source, workdir: str, config: TrainConfig, *,
       bar.update(1)
 
       is_eval = (config.eval_every and done % config.eval_every == 0) or done == config.steps
-      is_ckpt = (config.checkpoint_every and done % config.checkpoint_every == 0
-                 ) or done == config.steps
+      is_ckpt = config.saves and ((config.checkpoint_every
+                                   and done % config.checkpoint_every == 0)
+                                  or done == config.steps)
       if (config.log_every and done % config.log_every == 0) or is_eval or is_ckpt:
         record = window.record(done, time.perf_counter() - t0, grad_norm)
         if step_metrics["ok"]:  # the norms of the line's last step, as its grad_norm is
@@ -637,7 +655,8 @@ def train(model, source, workdir: str, config: TrainConfig, *,
     final_step = int(jax.device_get(state.step))
     if last_eval is None or last_eval[0] != final_step:  # e.g. resumed at the end
       last_eval = (final_step, timed_evaluate())
-    save()
+    if config.saves:
+      save()
     final = _final_record(last_eval[1], final_step, config, run_info, source, loop_extras,
                           time.perf_counter() - t0, time_split)
     _write_json_atomic(final_path, final)
