@@ -70,7 +70,7 @@ esac
 timeout "${LIMIT:-575}" python3 -m experiments.bench "${SUITE[@]}" \
   --workdir="$WORK" --variants="${VARIANTS:-bf16,bf16_mods,loka}" \
   --probe_steps=50 --probe_samples=8 --probe_kernels="${PROBE_KERNELS:-xla_bf16,xla_fp8_rowwise,flax_fp8_delayed,flax_fp8_delayed_fwd,flax_fp8_delayed_grad_lhs}" \
-  --probe_timing_cache="$TC" --compile_cache=/tmp/jc --max_minutes="${MAXMIN:-7.5}" \
+  --probe_timing_cache="$TC" --compile_cache=/tmp/jc --max_minutes="$(max_minutes)" \
   --end_by_minutes="$(end_by_minutes)" "$@" \
   >> "$WORK/log.txt" 2>&1
 echo "rc=$?" >> "$WORK/log.txt"

@@ -11,7 +11,8 @@
 #     (the device call carries .snap and .whl)
 #
 # Environment: CARRY (required), WORK (/tmp/suite), LIMIT (575: hard seconds), MAXMIN (7.5,
-# 5.5 for --suite=quality: minutes after which no new row starts; a quality arm takes up to
+# 5.5 for --suite=quality: minutes after which no new row starts, never past LIMIT less
+# 20 s (`max_minutes` in gpu_common.sh); a quality arm takes up to
 # 3.5 minutes, and one the limit kills loses the steps since its last checkpoint; once a
 # model's quality run is recorded, its runs start by their expected length until LIMIT
 # instead: `--end_by_minutes`), OUT (set
@@ -40,7 +41,7 @@ echo "=== call $(date +%T) on $(nvidia-smi --query-gpu=name --format=csv,noheade
 MODULE=${MODULE:-experiments.bench}
 if [ "$MODULE" = experiments.bench ]; then
   case " $* " in *" --suite=quality "*) : "${MAXMIN:=5.5}" ;; esac
-  set -- --workdir="$WORK" --compile_cache=/tmp/jc --max_minutes="${MAXMIN:-7.5}" \
+  set -- --workdir="$WORK" --compile_cache=/tmp/jc --max_minutes="$(max_minutes)" \
     --end_by_minutes="$(end_by_minutes)" \
     --probe_timing_cache="$WORK/tc" "$@"
 else  # no shape starts that would not end within the budget at the slowest shape's pace so

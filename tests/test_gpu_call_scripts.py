@@ -75,6 +75,24 @@ class SuiteCallTest(absltest.TestCase):
     self.assertIn("fp8_tensorwise", {r["variant"] for r in rows})
 
 
+class TimeLimitTest(absltest.TestCase):
+
+  def test_max_minutes_never_passes_the_hard_end(self):
+    # (LIMIT s, MAXMIN min) -> (--max_minutes, --end_by_minutes): a short LIMIT, as a queue's
+    # later stage gets, shortens --max_minutes too, which sizes a probe's budget; a long one
+    # leaves MAXMIN, and the hard end 20 s before the timeout.
+    def minutes(limit, maxmin):
+      got = subprocess.run(
+          ["bash", "-c", "source experiments/gpu_common.sh; echo $(max_minutes) "
+           "$(end_by_minutes)"], cwd=REPO, capture_output=True, text=True, check=True,
+          env={**os.environ, "LIMIT": str(limit), "MAXMIN": str(maxmin)}).stdout.split()
+      return tuple(float(x) for x in got)
+    self.assertEqual(minutes(575, 5.5), (5.5, 9.25))
+    self.assertEqual(minutes(221, 5.5), (3.35, 3.35))
+    self.assertEqual(minutes(575, 0), (0.0, 9.25))
+    self.assertEqual(minutes(25, 7.5), (0.5, 0.5))
+
+
 class QueueTest(absltest.TestCase):
 
   def test_stages_run_in_order_resume_and_wait_for_time(self):
