@@ -88,6 +88,11 @@ SERVE_QUALITY_BUDGET = flags.DEFINE_float(
     "log-loss change against served bf16+Mods (default: the 0.02% quality budget, "
     "`train.metrics.NEUTRAL_REL_LOGLOSS`).")
 PROBE_STEPS = flags.DEFINE_integer("probe_steps", 100, "Training steps of each probe.")
+HELD_OUT_ONE_PROGRAM = flags.DEFINE_bool(
+    "validation_held_out_one_program", False, "Validation's held-out check measures a round's "
+    "sites in one compiled program of switched sites instead of one program per site "
+    "(`ValidationConfig.held_out_one_program`; check it first with `experiments."
+    "held_out_sites --one_program` on the GPU).")
 PROBE_SEED = flags.DEFINE_integer(
     "probe_seed", 0, "Seed of the probe run that makes a missing LoKA plan (both suites). "
     "Apart from --seed: quality runs at each seed share one plan and resume one probe.")
@@ -215,6 +220,7 @@ def main(argv):
                                  validation_from_init_clip_norm=FROM_INIT_CLIP.value,
                                  validation_from_init_seeds=FROM_INIT_SEEDS.value,
                                  validation_from_init_quality_bound=FROM_INIT_QUALITY.value,
+                                 validation_held_out_one_program=HELD_OUT_ONE_PROGRAM.value,
                                  head_to_head=tuple(HEAD_TO_HEAD.value),
                                  serve_plan=SERVE_PLAN.value,
                                  serve_quality_gate=SERVE_QUALITY_GATE.value,

@@ -5,7 +5,8 @@ r"""How far FP8 forwards move held-out log loss on fixed parameters, all sites a
 
 Trains bf16 (with --mods) for --steps, or reuses a finished run in --workdir, then for each
 kernel of --kernels measures the relative held-out log-loss change against that model with the
-kernel in every pass of all --sites together, and of each site alone. It is the measurement
+kernel in every pass of all --sites together, and of each site alone (with --one_program,
+each site alone again through one program of switched sites, compared). It is the measurement
 validation's held-out check makes per site (`validate.held_out_change`): the parameters are
 the same, so only the kernel's numerics move it, and the check's budget (0.02%) can be read
 against it. Each change comes with its standard error over the eval examples
@@ -14,6 +15,7 @@ cannot tell from none. Writes WORKDIR/held_out_sites.json and prints a table.
 """
 import os
 import re
+import time
 
 from absl import app, flags
 
@@ -25,6 +27,11 @@ SITES = flags.DEFINE_string("sites", ".*", "Regex (fullmatch) of the sites to me
 NUM_EVAL = flags.DEFINE_integer("num_eval", 65536, "Held-out examples.")
 BATCH_SIZE = flags.DEFINE_integer("batch_size", 256, "Training batch size.")
 EVAL_BATCH = flags.DEFINE_integer("eval_batch_size", 4096, "Held-out evaluation batch size.")
+ONE_PROGRAM = flags.DEFINE_bool(
+    "one_program", False, "Also measure each site alone through one compiled program of all "
+    "the sites behind runtime switches (`validate.held_out_change_switched`, validation's "
+    "`held_out_one_program`), and report how far its values are from the per-site programs' "
+    "and the seconds each way.")
 
 
 def main(argv):
@@ -66,6 +73,7 @@ def main(argv):
                        default=validate.BASELINE.default)
     rel, se = validate.held_out_change_se(ctx, every, EVAL_BATCH.value)
     changes, errors = {"all": rel}, {"all": se}
+    began = time.time()
     for i, site in enumerate(sites):
       changes[site], errors[site] = validate.held_out_change_se(
           ctx, validate.only_site(site, choice), EVAL_BATCH.value)
@@ -73,6 +81,21 @@ def main(argv):
             f"{100 * changes[site]:+.4f}% +- {100 * errors[site]:.4f}%", flush=True)
     out["changes"][kernel] = changes
     out["standard_errors"][kernel] = errors
+    if ONE_PROGRAM.value:
+      per_site_s, began = time.time() - began, time.time()
+      wanted = {s: choice for s in sites}
+      switched = {s: validate.held_out_change_switched(ctx, wanted, s, EVAL_BATCH.value)
+                  for s in sites}
+      gaps = {s: switched[s] - changes[s] for s in sites}
+      out.setdefault("one_program", {})[kernel] = {
+          "changes": switched, "minus_per_site": gaps, "seconds": time.time() - began,
+          "per_site_seconds": per_site_s,
+          "max_gap_in_standard_errors": max(abs(g) / errors[s] if errors[s] else 0.0
+                                            for s, g in gaps.items())}
+      print(f"[held_out_sites] {kernel}: one program {time.time() - began:.1f}s, per-site "
+            f"programs {per_site_s:.1f}s; largest gap "
+            f"{out['one_program'][kernel]['max_gap_in_standard_errors']:.3f} standard errors",
+            flush=True)
   jsonio.write_json_atomic(os.path.join(workdir, "held_out_sites.json"), out)
 
   print(f"\nHeld-out log loss of the bf16 model: {base['logloss']:.5f} on "

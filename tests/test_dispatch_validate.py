@@ -169,6 +169,70 @@ class HeldOutTest(chex.TestCase):
     self.assertNotEqual(record["logloss"], record["logloss_bf16"])  # FP8 did change numerics
 
 
+class SwitchedHeldOutTest(chex.TestCase):
+  """One compiled program for every subset of a round's sites (`held_out_one_program`): its
+  values are the per-site programs' (`only_site`), and the check decides the same."""
+
+  CANDIDATES = {BAD_SITE: "test_two_bit", GOOD_SITE: "xla_fp8_rowwise",
+                OTHER_SITE: "flax_fp8_delayed"}   # a stateful one: calibrated per subset
+
+  def _wanted(self):
+    from loka_jax.kernels import KernelChoice
+    return {s: KernelChoice.uniform(k) for s, k in self.CANDIDATES.items()}
+
+  def test_each_subset_scores_as_its_own_program(self):
+    ctx = context()
+    wanted = self._wanted()
+    builds = []
+    real_build = ctx.build
+    with mock.patch.object(ctx, "build", side_effect=lambda kp: builds.append(kp) or
+                           real_build(kp)):
+      off = validate.held_out_switched(ctx, wanted, ())
+      for site, choice in wanted.items():
+        got = validate.held_out_switched(ctx, wanted, (site,))
+        want = validate.held_out(ctx, validate.only_site(site, choice))
+        self.assertNotEqual(float(np.max(np.abs(got["logits"] - off["logits"]))), 0.0, site)
+        change = validate.held_out_change_switched(ctx, wanted, site)
+        own, se = validate.held_out_change_se(ctx, validate.only_site(site, choice))
+        if registry.get(choice.fwd).sort == validate.FUSED_OP:
+          # XLA keeps excess precision across the pick differently: bf16 rounding apart
+          # (a logit ulp is 1/128 at 1-2), well inside the change's standard error.
+          np.testing.assert_allclose(got["logits"], want["logits"], rtol=0, atol=0.016)
+          self.assertLess(float(np.mean(np.abs(got["logits"] - want["logits"]))), 0.004)
+          self.assertLess(abs(change - own), se)
+        else:  # a per-pass kernel's program, bit for bit
+          np.testing.assert_array_equal(got["logits"], want["logits"], err_msg=site)
+          self.assertEqual(change, own, site)
+      both = validate.held_out_switched(ctx, wanted, (BAD_SITE, GOOD_SITE))
+    np.testing.assert_array_equal(off["logits"],
+                                  validate.held_out(ctx, validate.BASELINE)["logits"])
+    plan = validate.KernelPlan(sites=tuple(sorted((s, wanted[s]) for s in (BAD_SITE, GOOD_SITE))),
+                               default=validate.BASELINE.default)
+    np.testing.assert_array_equal(both["logits"], validate.held_out(ctx, plan)["logits"])
+    # One switched model built for all of it (the per-site references built their own).
+    self.assertLen([kp for kp in builds if kp.switched], 1)
+    # A board covers what it holds, and nothing it does not.
+    board = validate.switch_board(ctx, {GOOD_SITE: wanted[GOOD_SITE]})
+    self.assertEqual(sorted(board.candidates), sorted(wanted))
+    with self.assertRaisesRegex(ValueError, "without a switch"):
+      validate.switch_board(ctx, {"no/such/site": wanted[GOOD_SITE]})
+
+  def test_the_check_decides_as_with_one_program_per_site(self):
+    ctx = context()
+    plan = plan_of({BAD_SITE: "test_two_bit", GOOD_SITE: "xla_fp8_rowwise"})
+    outs = {}
+    for one_program in (False, True):
+      config = validate.ValidationConfig(max_rel_logloss=0.002, max_measured_sites=None,
+                                         held_out_one_program=one_program)
+      outs[one_program] = validate.check_held_out(plan, ctx, config)
+    for site in (BAD_SITE, GOOD_SITE):
+      self.assertEqual(kernels(outs[True], site), kernels(outs[False], site), site)
+    self.assertEqual(kernels(outs[True], BAD_SITE), {p: FALLBACK for p in hm.PASSES})
+    first = {k: [r for r in validate.validation_records(o, "quality_held_out") if "round" in r][0]
+             for k, o in outs.items()}
+    self.assertEqual(first[True]["contributions"], first[False]["contributions"])
+
+
 class ShadowTest(chex.TestCase):
 
   def test_a_broken_weight_gradient_is_caught_by_shadow_training(self):

@@ -22,7 +22,7 @@ class HeldOutSitesTest(absltest.TestCase):
     got = run_cli("--model=wukong", "--preset=tiny", "--mods=all", "--steps=10",
                   "--batch_size=64", "--num_eval=512", "--eval_batch_size=256",
                   "--kernels=xla_bf16,xla_fp8_rowwise", f"--sites={'|'.join(SITES)}",
-                  f"--workdir={workdir}")
+                  "--one_program", f"--workdir={workdir}")
     self.assertEqual(got.returncode, 0, got.stderr[-3000:])
     with open(os.path.join(workdir, "held_out_sites.json")) as f:
       out = json.load(f)
@@ -36,6 +36,13 @@ class HeldOutSitesTest(absltest.TestCase):
     self.assertTrue(any(v != 0.0 for v in out["changes"]["xla_fp8_rowwise"].values()))
     self.assertTrue(all(v > 0.0 for v in out["standard_errors"]["xla_fp8_rowwise"].values()))
     self.assertIn("| all | +0.0000% +- 0.0000% |", got.stdout)
+    # One program of switched sites scores a per-pass kernel's sites as their own programs
+    # do, bit for bit (validation's `held_out_one_program`).
+    for kernel in ("xla_bf16", "xla_fp8_rowwise"):
+      one = out["one_program"][kernel]
+      self.assertEqual(one["changes"], {s: out["changes"][kernel][s] for s in SITES})
+      self.assertEqual(one["max_gap_in_standard_errors"], 0.0)
+    self.assertIn("largest gap 0.000 standard errors", got.stdout)
 
   def test_bad_arguments_fail_with_a_clear_message(self):
     got = run_cli("--kernels=no_such_kernel", f"--workdir={tempfile.mkdtemp()}")

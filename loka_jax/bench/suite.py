@@ -155,6 +155,9 @@ class SpeedSettings:
   # Whether it also judges held-out log loss against the quality target's bound
   # (`ValidationConfig.from_init_quality_bound`).
   validation_from_init_quality_bound: bool = False
+  # Validation's held-out check measures a round's sites in one compiled program
+  # (`ValidationConfig.held_out_one_program`).
+  validation_held_out_one_program: bool = False
   min_call_s: float = speed.MIN_CALL_S  # steps shorter than this run N to a timed call
   seed: int = 0
   # Seed of the probe run that makes a missing plan: apart from `seed`, so quality runs at
@@ -194,7 +197,8 @@ class SpeedSettings:
                             from_init_warmup_steps=self.validation_from_init_warmup_steps,
                             from_init_clip_norm=self.validation_from_init_clip_norm,
                             from_init_seeds=self.validation_from_init_seeds,
-                            from_init_quality_bound=self.validation_from_init_quality_bound)
+                            from_init_quality_bound=self.validation_from_init_quality_bound,
+                            held_out_one_program=self.validation_held_out_one_program)
 
   def plan_options(self) -> dict:
     """`planning.make_plan`'s probe and validation options, the same for the speed suite's

@@ -162,6 +162,12 @@ class ValidationConfig:
   # hours for a large preset (Wukong large: ~100 s per train-step compile). None: always
   # measure.
   max_measured_sites: Optional[int] = 16
+  # The held-out check measures a round's sites in one compiled program that runs both a
+  # site's FP8 product and its bf16 one and picks by a runtime flag (`KernelPlan.switched`,
+  # `held_out_change_switched`), instead of compiling the whole model once per site (Wukong
+  # large: about 25 s a site on an H200, most of it the compile). Off until its values are
+  # checked against the per-site programs on the GPU.
+  held_out_one_program: bool = False
   seed: int = 0
 
   def __post_init__(self):
@@ -691,6 +697,106 @@ def held_out_change_se(ctx: ValidationContext, kplan: KernelPlan,
   return paired_logloss_change(got["logits"], base["logits"], base["labels"])
 
 
+def switched_plan(candidates: Mapping[str, KernelChoice]) -> KernelPlan:
+  """Every candidate site on its choice behind a switch (`KernelPlan.switched`), every other
+  site xla_bf16: with its switches set, the model is `only_site` of one candidate, or the
+  plan of any subset of them."""
+  return KernelPlan(sites=tuple(sorted(candidates.items())), rules=(),
+                    default=BASELINE.default, switched=tuple(sorted(candidates)))
+
+
+@dataclasses.dataclass
+class SwitchBoard:
+  """One compiled held-out evaluation (and, for delayed-scaling candidates, one compiled
+  calibration gradient) of `switched_plan(candidates)`, for any subset of the candidates."""
+  candidates: Dict[str, KernelChoice]
+  apply: Callable          # (params, fp8_meta, switches, batch) -> float32 logits
+  grad: Optional[Callable]  # (fp8_meta, params, switches, batch) -> fp8_meta "gradients"
+  init_meta: Optional[Callable]  # one example -> the initial fp8_meta
+  switch_paths: Dict[str, Tuple[str, ...]]  # site -> its flag's path in the collection
+
+  def covers(self, wanted: Mapping[str, KernelChoice]) -> bool:
+    return all(self.candidates.get(site) == choice for site, choice in wanted.items())
+
+  def switches(self, on) -> Dict:
+    """The `site_switch` collection with exactly the sites of `on` switched on."""
+    from flax import traverse_util
+    return traverse_util.unflatten_dict(
+        {path: jnp.asarray(site in on) for site, path in self.switch_paths.items()})
+
+
+def switch_board(ctx: ValidationContext, wanted: Mapping[str, KernelChoice]) -> SwitchBoard:
+  """A board whose candidates hold every (site, choice) of `wanted`: one already built for
+  this context when one does (a round's sites, then the rounds after it whose sites kept
+  their choices), else a new one of `wanted` (cached)."""
+  boards = ctx._cache.setdefault("switch_boards", [])
+  for board in boards:
+    if board.covers(wanted):
+      return board
+  from flax import traverse_util
+  from loka_jax.models.site import SITE_SWITCH
+  candidates = dict(sorted(wanted.items()))
+  model = ctx.build(switched_plan(candidates))
+  batch = ctx.batch()
+  rngs = {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}
+  shapes = jax.eval_shape(lambda b: model.init(rngs, b, train=False), batch)
+  have = jax.tree.map(lambda x: (x.shape, x.dtype), ctx.state.params)
+  if jax.tree.map(lambda x: (x.shape, x.dtype), shapes["params"]) != have:
+    raise ValueError("the switched model's parameters differ from the checkpoint's; a plan "
+                     "may change kernels only (check the plan's fused-op sites)")
+  paths = {"/".join(path[:-1]): path
+           for path in traverse_util.flatten_dict(shapes.get(SITE_SWITCH, {}))}
+  missing = sorted(set(candidates) - set(paths))
+  if missing:
+    raise ValueError(f"sites without a switch in the built model: {missing}")
+
+  def variables(params, meta, switches):
+    return {"params": params, SITE_SWITCH: switches, **({FP8_META: meta} if meta else {})}
+
+  apply = jax.jit(lambda params, meta, switches, b: model.apply(
+      variables(params, meta, switches), b, train=False).astype(jnp.float32))
+  grad = init_meta = None
+  if FP8_META in shapes:
+    init_meta = jax.jit(lambda b: model.init(rngs, b, train=False)[FP8_META])
+    grad = jax.jit(jax.grad(lambda meta, params, switches, b: loss_fn(
+        model, params, meta, b, jax.random.PRNGKey(0), {SITE_SWITCH: switches})[0]))
+  board = SwitchBoard(candidates, apply, grad, init_meta, paths)
+  boards.append(board)
+  return board
+
+
+def held_out_switched(ctx: ValidationContext, wanted: Mapping[str, KernelChoice], on,
+                      eval_batch_size: Optional[int] = None) -> Dict[str, Any]:
+  """`held_out` of the plan that runs the sites of `on` on their choices in `wanted` and
+  every other site xla_bf16, through a switch board: no compilation once the board covering
+  `wanted` exists. Delayed-scaling state is calibrated for this subset, as `state_for`
+  calibrates a plan's (DELAYED_WARMUP batches)."""
+  board = switch_board(ctx, wanted)
+  switches = board.switches(set(on))
+  meta = {}
+  if board.init_meta is not None:
+    meta = board.init_meta(one_example(ctx.batch()))
+    for i in range(DELAYED_WARMUP):
+      meta = merge_fp8_meta(board.grad(meta, ctx.state.params, switches, ctx.batch(i)))
+  step = lambda state, batch: board.apply(state.params, meta, switches, batch)
+  size = min(eval_batch_size or ctx.batch_size, ctx.source.num_eval_examples())
+  return evaluate(step, ctx.state, ctx.source, size, keep_scores=True)
+
+
+def held_out_change_switched(ctx: ValidationContext, wanted: Mapping[str, KernelChoice],
+                             site: str, eval_batch_size: Optional[int] = None) -> float:
+  """`held_out_change` of `site` alone on its choice in `wanted`, measured on a switch board
+  against the same board with every switch off (the bf16+Mods forward in the same program,
+  so the two differ by the site's product alone)."""
+  board = switch_board(ctx, wanted)
+  key = ("switched_base", id(board), eval_batch_size)
+  if key not in ctx._cache:
+    ctx._cache[key] = held_out_switched(ctx, wanted, (), eval_batch_size)
+  base = ctx._cache[key]
+  got = held_out_switched(ctx, wanted, (site,), eval_batch_size)
+  return paired_logloss_change(got["logits"], base["logits"], base["labels"])[0]
+
+
 def _gradient(ctx: ValidationContext, kplan: KernelPlan, batches: int) -> np.ndarray:
   """The flattened parameter gradient under `kplan`, summed over the context's first
   `batches` training batches."""
@@ -741,9 +847,12 @@ def check_held_out(plan, ctx: ValidationContext, config: ValidationConfig = Vali
       record["report_scores"] = scores
       reasons = {s: f"{excess}; ranked by the probe report's forward error" for s in worst}
     else:
-      plan, current = measure_sites(
-          plan, "quality_held_out", round_, candidates,
-          lambda site, choice: held_out_change(ctx, only_site(site, choice), size), progress)
+      if config.held_out_one_program:
+        measure = lambda site, choice: held_out_change_switched(ctx, candidates, site, size)
+      else:
+        measure = lambda site, choice: held_out_change(ctx, only_site(site, choice), size)
+      plan, current = measure_sites(plan, "quality_held_out", round_, candidates, measure,
+                                    progress)
       record["contributions"] = current
       # The site that pushes hardest in the direction of the excess: one that moves the loss
       # the other way is offsetting, and backing it off would widen the gap.

@@ -44,6 +44,10 @@ class KernelPlan:
   sites: Tuple[Tuple[str, KernelChoice], ...] = ()
   rules: Tuple[Tuple[str, KernelChoice], ...] = ()
   default: KernelChoice = KernelChoice()
+  # Sites whose choice runs only where the run's `site_switch` variables turn it on, xla_bf16
+  # elsewhere (`models.site.SITE_SWITCH`): one compiled program then evaluates any subset of
+  # them (validation's held-out measurements). Runtime only; no plan file holds it.
+  switched: Tuple[str, ...] = ()
 
   @classmethod
   def uniform(cls, name: str) -> "KernelPlan":

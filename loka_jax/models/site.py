@@ -20,6 +20,9 @@ from loka_jax.precision import BF16, DtypePolicy
 from loka_jax.probe import hooks as probe_hooks
 
 default_kernel_init = nn.initializers.lecun_normal()
+# The variable collection of a switched site's flag (`KernelPlan.switched`): a scalar bool
+# per site, `<site path>/on`, given at apply time.
+SITE_SWITCH = "site_switch"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,11 +65,28 @@ class _SiteBase(nn.Module):
     probe_hooks.observe_operands(self, spec, kind, lhs, rhs)
     fwd_kernel = kernels.get(choice.fwd)
     if fwd_kernel.sort == kernels.FUSED_OP:
-      out = fwd_kernel.make_module(name="fp8_op")(str(spec), lhs, rhs)
+      out = self._switched(name, fwd_kernel.make_module(name="fp8_op")(str(spec), lhs, rhs),
+                           spec, lhs, rhs)
       out = out.astype(config.policy.output_dtype)
     else:
-      out = kernels.per_pass_product(spec, choice, config.policy.output_dtype, lhs, rhs)
+      out = self._switched(
+          name, kernels.per_pass_product(spec, choice, config.policy.output_dtype, lhs, rhs),
+          spec, lhs, rhs)
     return probe_hooks.observe_output_grad(self, out)
+
+  def _switched(self, name: str, out, spec: EinsumSpec, lhs, rhs):
+    """`out`, or at a switched site (`KernelPlan.switched`) the bf16 product where the site's
+    flag is off. Both products run and the flag picks one, so the flag is data, not program:
+    one compilation serves every subset of switched sites. A per-pass kernel's scores are
+    its own program's bit for bit (XLA:CPU); a fused op's differ at bf16 rounding where XLA
+    keeps excess precision across the pick differently (identical with
+    --xla_allow_excess_precision=false)."""
+    if name not in self.config.plan.switched:
+      return out
+    on = self.variable(SITE_SWITCH, "on", lambda: jnp.zeros((), jnp.bool_)).value
+    base = kernels.per_pass_product(spec, KernelChoice(), self.config.policy.output_dtype,
+                                    lhs, rhs)
+    return jnp.where(on, out, base.astype(out.dtype))
 
 
 class ActSite(_SiteBase):

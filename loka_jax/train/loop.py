@@ -164,9 +164,10 @@ def step_rng(state: TrainState, step) -> jax.Array:
   return jax.random.fold_in(state.rng, step)
 
 
-def loss_fn(model, params, fp8_meta, batch, rng):
-  """(mean log loss, logits) of a training-mode forward: the loss every step minimizes."""
-  variables = {"params": params}
+def loss_fn(model, params, fp8_meta, batch, rng, extra_variables=None):
+  """(mean log loss, logits) of a training-mode forward: the loss every step minimizes.
+  `extra_variables`: other collections the model reads (validation's site switches)."""
+  variables = {"params": params, **(extra_variables or {})}
   if fp8_meta:
     variables[FP8_META] = fp8_meta
   logits = model.apply(variables, batch, train=True, rngs={"dropout": rng})
