@@ -88,7 +88,11 @@ training checks' runs are kept the same way (`quality_shadow_run`, `quality_from
 each run's window loss, worst step and held-out log loss, under its recipe and the plan's FP8
 sites), so a round paused while its sites are measured does not train its runs again: at
 DCNv2 `large` with the quality recipe a round's six 500-step runs took about 140 s of a
-call (H200, docs/BENCHMARKS.md section 7, thirty-first session).
+call (H200, docs/BENCHMARKS.md section 7, thirty-first session). With
+`held_out_one_program` the held-out check's per-site measurements share one compiled
+program a round (`switch_board`: each candidate site behind a runtime switch, calibrated per
+subset where its op keeps delayed-scaling state), so a round costs one compilation and an
+evaluation per site.
 """
 from __future__ import annotations
 
