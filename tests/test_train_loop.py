@@ -52,6 +52,47 @@ class InitialStateTest(chex.TestCase):
                                 jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), meta))
 
 
+class SharedParameterInitTest(chex.TestCase):
+  """Every arm of a Mods set draws its parameters with one program, its xla_bf16 twin's
+  (`state.baseline_twin`): the state must be the one the arm's own init makes."""
+
+  def test_each_plan_starts_from_the_state_its_own_init_draws(self):
+    from loka_jax.kernels import KernelChoice, KernelPlan
+    from loka_jax.models.presets import build_model
+    from loka_jax.train import experiment, state as state_lib
+    tx = make_optimizer(OptimConfig())
+    # Every site on one kernel; Pallas's op (act x weight sites only) on the dense sites.
+    plans = {k: KernelPlan.uniform(k) for k in ("xla_fp8_tensorwise", "flax_fp8_delayed_fwd")}
+    plans["pallas_fp8_delayed"] = KernelPlan(
+        rules=((r".*dense_\d+", KernelChoice.uniform("pallas_fp8_delayed")),))
+    cases = [(m, ("all",), ("flax_fp8_delayed_fwd", "pallas_fp8_delayed"))
+             for m in ("dlrm", "dcnv2", "wukong", "dhen", "interformer")]
+    cases.append(("dlrm", (), ("xla_fp8_tensorwise", "flax_fp8_delayed_fwd")))
+    init_key = jax.random.split(jax.random.PRNGKey(5))[0]
+    params_key, dropout_key = jax.random.split(init_key)
+    for model_name, mods, kernel_names in cases:
+      spec = experiment.RunSpec(model=model_name, preset="tiny", mods=mods, num_eval=64)
+      _, source, config = experiment.build_run(spec)
+      batch = source.train_batch(0, 8)
+      for kernel in kernel_names:
+        model = build_model(config, source.features, SiteConfig(plan=plans[kernel]))
+        self.assertIsNotNone(state_lib.baseline_twin(model))
+        shared = state_lib.create_train_state(model, tx, batch, seed=5)
+        own = jax.jit(lambda b: model.init({"params": params_key, "dropout": dropout_key}, b,
+                                           train=False))(state_lib.one_example(batch))
+        params, meta = state_lib.split_variables(own)
+        where = f"{model_name} mods={mods} {kernel}"
+        chex.assert_trees_all_equal(shared.params, params, custom_message=where)
+        chex.assert_trees_all_equal(
+            shared.fp8_meta, jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), meta),
+            custom_message=where)
+        self.assertEqual(bool(jax.tree.leaves(meta)), kernel != "xla_fp8_tensorwise", where)
+    # A model on the baseline plan is its own twin; a model without tower options has none.
+    spec = experiment.RunSpec(model="dlrm", preset="tiny", precision="bf16", num_eval=64)
+    self.assertIsNone(state_lib.baseline_twin(experiment.build_run(spec)[0]))
+    self.assertIsNone(state_lib.baseline_twin(train_toys.ToyClickModel()))
+
+
 class OptimizerTest(chex.TestCase):
 
   def test_rowwise_adagrad_two_steps_by_hand(self):
