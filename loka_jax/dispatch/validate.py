@@ -645,24 +645,42 @@ def model_and_meta(ctx: ValidationContext, kplan: KernelPlan):
   return ctx._cache[key]
 
 
+def _init_rngs():
+  return {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}
+
+
+def _planned_shapes(ctx: ValidationContext, model):
+  """`model`'s variables as shapes; a ValueError when its parameters are not the
+  checkpoint's (a plan may change kernels only)."""
+  shapes = jax.eval_shape(lambda b: model.init(_init_rngs(), b, train=False), ctx.batch())
+  have = jax.tree.map(lambda x: (x.shape, x.dtype), ctx.state.params)
+  if jax.tree.map(lambda x: (x.shape, x.dtype), shapes["params"]) != have:
+    raise ValueError("the planned model's parameters differ from the checkpoint's; a plan "
+                     "may change kernels only (check the plan's fused-op sites)")
+  return shapes
+
+
+def _meta_init(model) -> Callable:
+  """One example -> `model`'s initial delayed-scaling state (jitted)."""
+  return jax.jit(lambda b: model.init(_init_rngs(), b, train=False)[FP8_META])
+
+
+def _calibrated(ctx: ValidationContext, init_meta: Callable, grad: Callable):
+  """Delayed-scaling state as validation judges a plan with it: `init_meta`'s, then
+  DELAYED_WARMUP updates by `grad(meta, batch)` on the context's first training batches."""
+  meta = init_meta(one_example(ctx.batch()))
+  for i in range(DELAYED_WARMUP):
+    meta = merge_fp8_meta(grad(meta, ctx.batch(i)))
+  return meta
+
+
 def _make_model_and_meta(ctx: ValidationContext, kplan: KernelPlan):
   model = ctx.build(kplan)
-  batch = ctx.batch()
-  rngs = {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}
-  shapes = jax.eval_shape(lambda b: model.init(rngs, b, train=False), batch)
-  meta = {}
-  if FP8_META in shapes:
-    params_shape = jax.tree.map(lambda x: (x.shape, x.dtype), shapes["params"])
-    have = jax.tree.map(lambda x: (x.shape, x.dtype), ctx.state.params)
-    if params_shape != have:
-      raise ValueError("the planned model's parameters differ from the checkpoint's; a plan "
-                       "may change kernels only (check the plan's fused-op sites)")
-    init_meta = jax.jit(lambda b: model.init(rngs, b, train=False)[FP8_META])
-    meta = init_meta(one_example(batch))
-    grad = jax.jit(jax.grad(lambda m, p, b: _loss(model, p, m, b)))
-    for i in range(DELAYED_WARMUP):
-      meta = merge_fp8_meta(grad(meta, ctx.state.params, ctx.batch(i)))
-  return model, meta
+  if FP8_META not in _planned_shapes(ctx, model):
+    return model, {}
+  grad = jax.jit(jax.grad(lambda m, p, b: _loss(model, p, m, b)))
+  return model, _calibrated(ctx, _meta_init(model),
+                            lambda m, b: grad(m, ctx.state.params, b))
 
 
 def held_out(ctx: ValidationContext, kplan: KernelPlan, eval_batch_size: Optional[int] = None,
@@ -741,13 +759,7 @@ def switch_board(ctx: ValidationContext, wanted: Mapping[str, KernelChoice]) -> 
   from loka_jax.models.site import SITE_SWITCH
   candidates = dict(sorted(wanted.items()))
   model = ctx.build(switched_plan(candidates))
-  batch = ctx.batch()
-  rngs = {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}
-  shapes = jax.eval_shape(lambda b: model.init(rngs, b, train=False), batch)
-  have = jax.tree.map(lambda x: (x.shape, x.dtype), ctx.state.params)
-  if jax.tree.map(lambda x: (x.shape, x.dtype), shapes["params"]) != have:
-    raise ValueError("the switched model's parameters differ from the checkpoint's; a plan "
-                     "may change kernels only (check the plan's fused-op sites)")
+  shapes = _planned_shapes(ctx, model)
   paths = {"/".join(path[:-1]): path
            for path in traverse_util.flatten_dict(shapes.get(SITE_SWITCH, {}))}
   missing = sorted(set(candidates) - set(paths))
@@ -761,7 +773,7 @@ def switch_board(ctx: ValidationContext, wanted: Mapping[str, KernelChoice]) -> 
       variables(params, meta, switches), b, train=False).astype(jnp.float32))
   grad = init_meta = None
   if FP8_META in shapes:
-    init_meta = jax.jit(lambda b: model.init(rngs, b, train=False)[FP8_META])
+    init_meta = _meta_init(model)
     grad = jax.jit(jax.grad(lambda meta, params, switches, b: loss_fn(
         model, params, meta, b, jax.random.PRNGKey(0), {SITE_SWITCH: switches})[0]))
   board = SwitchBoard(candidates, apply, grad, init_meta, paths)
@@ -777,11 +789,8 @@ def held_out_switched(ctx: ValidationContext, wanted: Mapping[str, KernelChoice]
   calibrates a plan's (DELAYED_WARMUP batches)."""
   board = switch_board(ctx, wanted)
   switches = board.switches(set(on))
-  meta = {}
-  if board.init_meta is not None:
-    meta = board.init_meta(one_example(ctx.batch()))
-    for i in range(DELAYED_WARMUP):
-      meta = merge_fp8_meta(board.grad(meta, ctx.state.params, switches, ctx.batch(i)))
+  meta = {} if board.init_meta is None else _calibrated(
+      ctx, board.init_meta, lambda m, b: board.grad(m, ctx.state.params, switches, b))
   step = lambda state, batch: board.apply(state.params, meta, switches, batch)
   size = min(eval_batch_size or ctx.batch_size, ctx.source.num_eval_examples())
   return evaluate(step, ctx.state, ctx.source, size, keep_scores=True)

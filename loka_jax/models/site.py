@@ -77,10 +77,10 @@ class _SiteBase(nn.Module):
   def _switched(self, name: str, out, spec: EinsumSpec, lhs, rhs):
     """`out`, or at a switched site (`KernelPlan.switched`) the bf16 product where the site's
     flag is off. Both products run and the flag picks one, so the flag is data, not program:
-    one compilation serves every subset of switched sites. A per-pass kernel's scores are
-    its own program's bit for bit (XLA:CPU); a fused op's differ at bf16 rounding where XLA
-    keeps excess precision across the pick differently (identical with
-    --xla_allow_excess_precision=false)."""
+    one compilation serves every subset of switched sites. Around the pick XLA fuses the
+    program differently, so values may move by a bf16 ulp: a per-pass kernel's held-out
+    scores matched its own program's bit for bit on XLA:CPU, a delayed-scaling op's did not
+    (its calibrated scale follows such an ulp)."""
     if name not in self.config.plan.switched:
       return out
     on = self.variable(SITE_SWITCH, "on", lambda: jnp.zeros((), jnp.bool_)).value

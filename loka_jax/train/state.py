@@ -100,7 +100,8 @@ def baseline_twin(model):
   set shares one parameter-init program: compiled once in a process, and found in the
   persistent compilation cache by a later one. (InterFormer `large`'s quality runs spent
   65-86 s in set-up on an H200, and 0.4 s for a second run of the same arm in the process:
-  compiling, mostly of the init, whose draws of 194 parameters XLA:CPU compiles in 14 s.)"""
+  compiling, mostly of the init, whose draws of 194 parameters XLA:CPU compiles in about
+  15 s: docs/BENCHMARKS.md, thirty-seventh session.)"""
   opts = getattr(model, "opts", None)
   site = getattr(opts, "site", None)
   if site is None:
