@@ -487,6 +487,24 @@ class VariantColourTest(absltest.TestCase):
     self.assertEqual(face[variants.LABELS["loka"]], to_rgba("k"))
 
 
+class TickLabelTest(absltest.TestCase):
+
+  def test_a_long_subject_breaks_after_a_plus_or_space_and_keeps_every_character(self):
+    subject = ("synthetic:dcnv2/large (warmup 50) "
+               "(Mods no_bias+blocknorm+hard_swish+keep_bias:top_mlp/dense_2)")
+    label = plots.tick_label(subject, width=36)
+    lines = label.split("\n")
+    self.assertGreater(len(lines), 1)
+    self.assertEqual("".join(lines).replace(" ", ""), subject.replace(" ", ""))
+    for line in lines[:-1]:
+      self.assertRegex(line, r"[+)0-9]$")  # broken after a '+' or a space, never in a word
+    self.assertTrue(all(len(line) <= 36 for line in lines), lines)
+
+  def test_a_short_subject_stays_on_one_line(self):
+    self.assertEqual(plots.tick_label("dlrm/large (Mods no_bias+blocknorm)", width=36),
+                     "dlrm/large (Mods no_bias+blocknorm)")
+
+
 class GemmCallsTest(absltest.TestCase):
 
   def test_every_gemm_backend_of_a_gpu_hlo_is_counted(self):

@@ -35,6 +35,18 @@ def variant_color(variant: str) -> str:
   return matplotlib.colors.to_hex(matplotlib.colormaps["tab20"](2 * (i - 10) + 1))
 
 
+def tick_label(subject: str, width: int = 36) -> str:
+  """`subject` on lines of about `width` characters, broken after a space or a '+': a Mods
+  set's label (`dcnv2/large (Mods no_bias+blocknorm+hard_swish+keep_bias:...)`) would
+  otherwise run across its neighbours' ticks."""
+  lines = [""]
+  for piece in re.split(r"(?<=[ +])", subject):
+    if lines[-1] and len(lines[-1]) + len(piece.rstrip()) > width:
+      lines.append("")
+    lines[-1] += piece
+  return "\n".join(line.rstrip() for line in lines)
+
+
 def speedup_plot(rows: Sequence[Mapping], suite: str, path: str) -> str:
   """Grouped bars: train and inference speedup vs bf16 (with 95% CI) per variant per target."""
   rows = [r for r in rows if r.get("suite") == suite and "train" in r and "error" not in r]
@@ -61,7 +73,7 @@ def speedup_plot(rows: Sequence[Mapping], suite: str, path: str) -> str:
              label=LABELS.get(v, v), color=variant_color(v), ecolor="0.45", capsize=2)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(x)
-    ax.set_xticklabels(targets, rotation=20, ha="right", fontsize=8)
+    ax.set_xticklabels([tick_label(t) for t in targets], rotation=20, ha="right", fontsize=8)
     ax.set_ylabel(f"{mode} speedup vs bf16")
   # Below the axes: inside them the legend hides the bars of the first targets.
   handles, labels = axes[0, 0].get_legend_handles_labels()
@@ -97,7 +109,7 @@ def loss_gap_plot(rows: Sequence[Mapping], path: str) -> str:
              color=ARM_COLORS[arm], label=arm if g_i == 0 else None)
   ax.axhline(0.0, color="k", lw=0.8)
   ax.set_xticks(range(len(groups)))
-  ax.set_xticklabels([c.subject for c in groups], rotation=15, ha="right",
+  ax.set_xticklabels([tick_label(c.subject) for c in groups], rotation=15, ha="right",
                      fontsize=8)
   ax.set_ylabel("held-out log loss - bf16")
   ax.set_title("Loss gap vs bf16 (grey: neutral bound)")

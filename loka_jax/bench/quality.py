@@ -60,11 +60,12 @@ MIN_EVAL = 200_000
 # A quality run whose training state is at least this large writes no checkpoint (only its
 # final.json), or with `keep_runs` its final state alone: Wukong `large`'s 36.6 GB state
 # (parameters and Adam) saved every 125 steps and kept three deep would need up to four
-# copies, 146 GB, on the H200 host's 64 GiB disk, and InterFormer `large`'s 7.8 GB took
-# 6-14 s a save (docs/BENCHMARKS.md section 7, thirty-sixth and thirty-seventh sessions).
-# Runs are paced to end within their call (`pace.may_start`), so the steps a checkpoint
-# would save are rarely lost; smaller states keep them.
-LARGE_STATE_BYTES = 4 << 30
+# copies, 146 GB, on the H200 host's 64 GiB disk, InterFormer `large`'s 7.8 GB took 6-14 s a
+# save, and DCNv2 `large`'s 3.0 GiB, saved every quarter of the run, spent 13-16 s of its
+# 37-60 s runs on four saves (docs/BENCHMARKS.md section 7, thirty-sixth to thirty-eighth
+# sessions). Runs are paced to end within their call (`pace.may_start`), so the steps a
+# checkpoint would save are rarely lost; smaller states (the small presets') keep them.
+LARGE_STATE_BYTES = 1 << 30
 
 
 def trains_with_mods(arm_name: str) -> bool:
