@@ -63,6 +63,9 @@ done
 if [ "${CPU_SUITE:-0}" = 1 ] && [ "$all_done" = 1 ] && [ ! -f "$(marker cpu_suite)" ] \
    && [ "$(left)" -gt 250 ]; then
   echo "== CPU suite ($(left) s left)"
+  # each stage installs the carried wheels in its own shell; the suite's shell needs them too
+  source experiments/gpu_common.sh
+  ensure_wheels || exit 1
   timeout $(( $(left) - 10 )) env JAX_PLATFORMS=cpu python3 -m pytest tests -q -n 16 \
     -m "not network" --ignore-glob='tests/test_notebook_*.py' > "$OUT/tests_cpu_log.txt" 2>&1
   echo "cpu suite rc=$?"
