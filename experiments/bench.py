@@ -93,6 +93,11 @@ HELD_OUT_ONE_PROGRAM = flags.DEFINE_bool(
     "sites in one compiled program of switched sites instead of one program per site "
     "(`ValidationConfig.held_out_one_program`; on the H200 the values match within 0.06 "
     "standard errors; `experiments.held_out_sites --one_program` checks a model).")
+GRADIENT_ONE_PROGRAM = flags.DEFINE_bool(
+    "validation_gradient_one_program", False, "Validation's shadow check and check from "
+    "initialization rank a round's sites by gradient change in one compiled program of "
+    "switched sites instead of one gradient program per site "
+    "(`ValidationConfig.gradient_one_program`).")
 PROBE_SEED = flags.DEFINE_integer(
     "probe_seed", 0, "Seed of the probe run that makes a missing LoKA plan (both suites). "
     "Apart from --seed: quality runs at each seed share one plan and resume one probe.")
@@ -221,6 +226,7 @@ def main(argv):
                                  validation_from_init_seeds=FROM_INIT_SEEDS.value,
                                  validation_from_init_quality_bound=FROM_INIT_QUALITY.value,
                                  validation_held_out_one_program=HELD_OUT_ONE_PROGRAM.value,
+                                 validation_gradient_one_program=GRADIENT_ONE_PROGRAM.value,
                                  head_to_head=tuple(HEAD_TO_HEAD.value),
                                  serve_plan=SERVE_PLAN.value,
                                  serve_quality_gate=SERVE_QUALITY_GATE.value,

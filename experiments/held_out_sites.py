@@ -6,7 +6,9 @@ r"""How far FP8 forwards move held-out log loss on fixed parameters, all sites a
 Trains bf16 (with --mods) for --steps, or reuses a finished run in --workdir, then for each
 kernel of --kernels measures the relative held-out log-loss change against that model with the
 kernel in every pass of all --sites together, and of each site alone (with --one_program,
-each site alone again through one program of switched sites, compared). It is the measurement
+each site alone again through one program of switched sites, compared; with --gradients also
+each site's gradient change, validation's shadow ranking, per site and through one program:
+`validate.gradient_change`, `gradient_one_program`). It is the measurement
 validation's held-out check makes per site (`validate.held_out_change`): the parameters are
 the same, so only the kernel's numerics move it, and the check's budget (0.02%) can be read
 against it. Each change comes with its standard error over the eval examples
@@ -32,6 +34,11 @@ ONE_PROGRAM = flags.DEFINE_bool(
     "the sites behind runtime switches (`validate.held_out_change_switched`, validation's "
     "`held_out_one_program`), and report how far its values are from the per-site programs' "
     "and the seconds each way.")
+GRADIENTS = flags.DEFINE_bool(
+    "gradients", False, "With --one_program: also each site's gradient change on the trained "
+    "parameters (the training checks' ranking, `validate.gradient_change`) from its own "
+    "program and from one program of switched sites (`gradient_one_program`), compared.")
+GRAD_BATCHES = flags.DEFINE_integer("grad_batches", 2, "Training batches each gradient sums.")
 
 
 def main(argv):
@@ -43,6 +50,8 @@ def main(argv):
   from loka_jax.train import TrainConfig, experiment
   from loka_jax.train.loop import train
 
+  if GRADIENTS.value and not ONE_PROGRAM.value:
+    raise SystemExit("--gradients compares the two ways of measuring: add --one_program")
   unknown = [k for k in KERNELS.value if k not in registry.names()]
   if unknown:
     raise SystemExit(f"--kernels: unknown {unknown}; registered: {sorted(registry.names())}")
@@ -96,6 +105,8 @@ def main(argv):
             f"programs {per_site_s:.1f}s; largest gap "
             f"{out['one_program'][kernel]['max_gap_in_standard_errors']:.3f} standard errors",
             flush=True)
+    if GRADIENTS.value:
+      out.setdefault("gradients", {})[kernel] = compare_gradients(ctx, wanted)
   jsonio.write_json_atomic(os.path.join(workdir, "held_out_sites.json"), out)
 
   print(f"\nHeld-out log loss of the bf16 model: {base['logloss']:.5f} on "
@@ -107,6 +118,24 @@ def main(argv):
     print(f"| {site} | " + " | ".join(
         f"{100 * out['changes'][k][site]:+.4f}% +- {100 * out['standard_errors'][k][site]:.4f}%"
         for k in KERNELS.value) + " |")
+
+
+def compare_gradients(ctx, wanted):
+  """Each site's gradient change from its own program and from one switched program, the
+  largest gap relative to the site's own change, and the seconds each way."""
+  from loka_jax.dispatch import validate
+  out = {}
+  for way, board in (("per_site", None), ("one_program", wanted)):
+    began = time.time()
+    out[way] = {s: validate.gradient_change(ctx, s, c, GRAD_BATCHES.value, board)
+                for s, c in wanted.items()}
+    out[f"{way}_seconds"] = time.time() - began
+  out["max_relative_gap"] = max(abs(out["one_program"][s] - v) / v if v else 0.0
+                                for s, v in out["per_site"].items())
+  print(f"[held_out_sites] gradient changes: one program {out['one_program_seconds']:.1f}s, "
+        f"per-site programs {out['per_site_seconds']:.1f}s; largest relative gap "
+        f"{out['max_relative_gap']:.4f}", flush=True)
+  return out
 
 
 if __name__ == "__main__":

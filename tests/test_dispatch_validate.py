@@ -234,6 +234,64 @@ class SwitchedHeldOutTest(chex.TestCase):
     self.assertEqual(first[True]["contributions"], first[False]["contributions"])
 
 
+class SwitchedGradientTest(chex.TestCase):
+  """The training checks' per-site gradient changes through one compiled program
+  (`gradient_one_program`): the same values as each site's own gradient program, the same
+  decisions."""
+
+  CANDIDATES = SwitchedHeldOutTest.CANDIDATES
+
+  def test_each_site_moves_the_gradient_as_its_own_program(self):
+    from loka_jax.kernels import KernelChoice
+    ctx = context()
+    wanted = {s: KernelChoice.uniform(k) for s, k in self.CANDIDATES.items()}
+    batches = 2
+    base = validate._gradient(ctx, validate.BASELINE, batches)
+    off = validate.gradient_switched(ctx, wanted, (), batches)
+    # Every switch off: the bf16+Mods gradient; the FP8 products that still run add nothing.
+    np.testing.assert_array_equal(off, base)
+    changes = {}
+    for site, choice in wanted.items():
+      own = validate._gradient(ctx, validate.only_site(site, choice), batches)
+      got = validate.gradient_switched(ctx, wanted, (site,), batches)
+      self.assertGreater(float(np.linalg.norm(got - off)), 0.0, site)
+      changes[site] = (validate.gradient_change(ctx, site, choice, batches, wanted),
+                       validate.gradient_change(ctx, site, choice, batches))
+      if registry.get(choice.fwd).sort == validate.FUSED_OP:
+        # XLA:CPU fuses the program around the pick differently, so a delayed scale follows
+        # a bf16 ulp and the FP8 roundings are drawn afresh (on Wukong `tiny` the vectors sit
+        # 0.010 apart, relative): how far the site moves the gradient stays (2% apart here).
+        self.assertAlmostEqual(changes[site][0], changes[site][1],
+                               delta=0.1 * changes[site][1], msg=site)
+      else:  # a per-pass kernel's program, bit for bit
+        np.testing.assert_array_equal(got, own, err_msg=site)
+        self.assertEqual(changes[site][0], changes[site][1], site)
+    # Two bits per operand moves the gradient most either way.
+    for way in (0, 1):
+      self.assertEqual(max(changes, key=lambda s: changes[s][way]), BAD_SITE)
+
+  def test_the_shadow_check_decides_as_with_one_program_per_site(self):
+    ctx = context()
+    plan = plan_of({BAD_SITE: {"grad_rhs": "test_flipped"}, GOOD_SITE: "xla_fp8_rowwise",
+                    OTHER_SITE: "flax_fp8_delayed"})
+    outs = {}
+    for one_program in (False, True):
+      config = validate.ValidationConfig(shadow_steps=20, shadow_window=10,
+                                         max_measured_sites=None,
+                                         gradient_one_program=one_program)
+      outs[one_program] = validate.check_shadow(plan, ctx, config)
+    for site in (BAD_SITE, GOOD_SITE, OTHER_SITE):
+      self.assertEqual(kernels(outs[True], site), kernels(outs[False], site), site)
+    self.assertEqual(kernels(outs[True], BAD_SITE)["grad_rhs"], FALLBACK)
+    first = {k: [r for r in validate.validation_records(o, "quality_shadow") if "round" in r][0]
+             for k, o in outs.items()}
+    self.assertFalse(first[True]["passed"])
+    got, want = (first[k]["gradient_contributions"] for k in (True, False))
+    self.assertEqual(sorted(got), sorted(want))
+    for site in want:
+      self.assertAlmostEqual(got[site], want[site], delta=0.05 * want[site], msg=site)
+
+
 class ShadowTest(chex.TestCase):
 
   def test_a_broken_weight_gradient_is_caught_by_shadow_training(self):

@@ -22,7 +22,7 @@ class HeldOutSitesTest(absltest.TestCase):
     got = run_cli("--model=wukong", "--preset=tiny", "--mods=all", "--steps=10",
                   "--batch_size=64", "--num_eval=512", "--eval_batch_size=256",
                   "--kernels=xla_bf16,xla_fp8_rowwise", f"--sites={'|'.join(SITES)}",
-                  "--one_program", f"--workdir={workdir}")
+                  "--one_program", "--gradients", f"--workdir={workdir}")
     self.assertEqual(got.returncode, 0, got.stderr[-3000:])
     with open(os.path.join(workdir, "held_out_sites.json")) as f:
       out = json.load(f)
@@ -43,6 +43,14 @@ class HeldOutSitesTest(absltest.TestCase):
       self.assertEqual(one["changes"], {s: out["changes"][kernel][s] for s in SITES})
       self.assertEqual(one["max_gap_in_standard_errors"], 0.0)
     self.assertIn("largest gap 0.000 standard errors", got.stdout)
+    # So does each site's gradient change (the training checks' `gradient_one_program`),
+    # none at all for the baseline's own kernel.
+    for kernel in ("xla_bf16", "xla_fp8_rowwise"):
+      grads = out["gradients"][kernel]
+      self.assertEqual(grads["one_program"], grads["per_site"])
+      self.assertEqual(grads["max_relative_gap"], 0.0)
+    self.assertEqual(set(out["gradients"]["xla_bf16"]["per_site"].values()), {0.0})
+    self.assertTrue(all(v > 0.0 for v in out["gradients"]["xla_fp8_rowwise"]["per_site"].values()))
 
   def test_bad_arguments_fail_with_a_clear_message(self):
     got = run_cli("--kernels=no_such_kernel", f"--workdir={tempfile.mkdtemp()}")
@@ -52,6 +60,10 @@ class HeldOutSitesTest(absltest.TestCase):
     got = run_cli("--sites=no/such/site", "--num_eval=256", f"--workdir={workdir}")
     self.assertNotEqual(got.returncode, 0)
     self.assertIn("matches none of the model's sites", got.stderr)
+    got = run_cli("--gradients", f"--workdir={tempfile.mkdtemp()}")
+    self.assertNotEqual(got.returncode, 0)
+    self.assertIn("--gradients compares the two ways of measuring: add --one_program",
+                  got.stderr)
     self.assertFalse(os.path.exists(os.path.join(workdir, "run")))  # refused before training
 
 

@@ -158,6 +158,9 @@ class SpeedSettings:
   # Validation's held-out check measures a round's sites in one compiled program
   # (`ValidationConfig.held_out_one_program`).
   validation_held_out_one_program: bool = False
+  # Its training checks rank a round's sites by gradient change in one compiled program
+  # (`ValidationConfig.gradient_one_program`).
+  validation_gradient_one_program: bool = False
   min_call_s: float = speed.MIN_CALL_S  # steps shorter than this run N to a timed call
   seed: int = 0
   # Seed of the probe run that makes a missing plan: apart from `seed`, so quality runs at
@@ -198,7 +201,8 @@ class SpeedSettings:
                             from_init_clip_norm=self.validation_from_init_clip_norm,
                             from_init_seeds=self.validation_from_init_seeds,
                             from_init_quality_bound=self.validation_from_init_quality_bound,
-                            held_out_one_program=self.validation_held_out_one_program)
+                            held_out_one_program=self.validation_held_out_one_program,
+                            gradient_one_program=self.validation_gradient_one_program)
 
   def plan_options(self) -> dict:
     """`planning.make_plan`'s probe and validation options, the same for the speed suite's

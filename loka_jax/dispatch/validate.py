@@ -92,7 +92,8 @@ call (H200, docs/BENCHMARKS.md section 7, thirty-first session). With
 `held_out_one_program` the held-out check's per-site measurements share one compiled
 program a round (`switch_board`: each candidate site behind a runtime switch, calibrated per
 subset where its op keeps delayed-scaling state), so a round costs one compilation and an
-evaluation per site.
+evaluation per site; with `gradient_one_program` the training checks' per-site gradient
+changes do the same (one compiled gradient of the switched model).
 """
 from __future__ import annotations
 
@@ -174,6 +175,12 @@ class ValidationConfig:
   # less time (Wukong small, docs/BENCHMARKS.md section 7, thirty-eighth session), but
   # XLA:CPU fuses around the pick and moves a delayed-scaling op's values by up to 1.4.
   held_out_one_program: bool = False
+  # The shadow check and the check from initialization rank a round's sites by each one's
+  # gradient change, measured the same way in one compiled program (`gradient_change_switched`)
+  # instead of one whole-model gradient compile per site (about 100 s each at Wukong `large`,
+  # whose shadow round has 14 sites). Off by default until the GPU agrees, as it did for the
+  # held-out values.
+  gradient_one_program: bool = False
   seed: int = 0
 
   def __post_init__(self):
@@ -738,6 +745,9 @@ class SwitchBoard:
   grad: Optional[Callable]  # (fp8_meta, params, switches, batch) -> fp8_meta "gradients"
   init_meta: Optional[Callable]  # one example -> the initial fp8_meta
   switch_paths: Dict[str, Tuple[str, ...]]  # site -> its flag's path in the collection
+  # (params, fp8_meta, switches, batch) -> the parameter gradient of the training loss;
+  # jitted, so it compiles only when a training check first ranks sites with it
+  param_grad: Callable
 
   def covers(self, wanted: Mapping[str, KernelChoice]) -> bool:
     return all(self.candidates.get(site) == choice for site, choice in wanted.items())
@@ -773,12 +783,15 @@ def switch_board(ctx: ValidationContext, wanted: Mapping[str, KernelChoice]) -> 
 
   apply = jax.jit(lambda params, meta, switches, b: model.apply(
       variables(params, meta, switches), b, train=False).astype(jnp.float32))
+
+  def loss(params, meta, switches, b):
+    return loss_fn(model, params, meta, b, jax.random.PRNGKey(0), {SITE_SWITCH: switches})[0]
+
   grad = init_meta = None
   if FP8_META in shapes:
     init_meta = _meta_init(model)
-    grad = jax.jit(jax.grad(lambda meta, params, switches, b: loss_fn(
-        model, params, meta, b, jax.random.PRNGKey(0), {SITE_SWITCH: switches})[0]))
-  board = SwitchBoard(candidates, apply, grad, init_meta, paths)
+    grad = jax.jit(jax.grad(lambda meta, params, switches, b: loss(params, meta, switches, b)))
+  board = SwitchBoard(candidates, apply, grad, init_meta, paths, jax.jit(jax.grad(loss)))
   boards.append(board)
   return board
 
@@ -791,11 +804,19 @@ def held_out_switched(ctx: ValidationContext, wanted: Mapping[str, KernelChoice]
   calibrates a plan's (DELAYED_WARMUP batches)."""
   board = switch_board(ctx, wanted)
   switches = board.switches(set(on))
-  meta = {} if board.init_meta is None else _calibrated(
-      ctx, board.init_meta, lambda m, b: board.grad(m, ctx.state.params, switches, b))
+  meta = _switched_meta(ctx, board, switches)
   step = lambda state, batch: board.apply(state.params, meta, switches, batch)
   size = min(eval_batch_size or ctx.batch_size, ctx.source.num_eval_examples())
   return evaluate(step, ctx.state, ctx.source, size, keep_scores=True)
+
+
+def _switched_meta(ctx: ValidationContext, board: SwitchBoard, switches) -> Dict:
+  """The board's delayed-scaling state calibrated for the subset `switches` turns on, as
+  `state_for` calibrates a plan's ({} where no candidate keeps such state)."""
+  if board.init_meta is None:
+    return {}
+  return _calibrated(ctx, board.init_meta,
+                     lambda m, b: board.grad(m, ctx.state.params, switches, b))
 
 
 def held_out_change_switched(ctx: ValidationContext, wanted: Mapping[str, KernelChoice],
@@ -817,12 +838,53 @@ def _gradient(ctx: ValidationContext, kplan: KernelPlan, batches: int) -> np.nda
   `batches` training batches."""
   model, state = state_for(ctx, kplan)
   grad = jax.jit(jax.grad(lambda p, m, b: _loss(model, p, m, b)))
+  return _summed_gradient(lambda b: grad(state.params, state.fp8_meta, b), ctx, batches)
+
+
+def _summed_gradient(grad_of: Callable, ctx: ValidationContext, batches: int) -> np.ndarray:
+  """`grad_of(batch)`'s leaves flattened into one float64 vector, summed over the context's
+  first `batches` training batches."""
   total = None
   for i in range(batches):
-    g = grad(state.params, state.fp8_meta, ctx.batch(i))
+    g = grad_of(ctx.batch(i))
     flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in jax.tree.leaves(g)])
     total = flat if total is None else total + flat
   return np.asarray(jax.device_get(total), np.float64)
+
+
+def gradient_switched(ctx: ValidationContext, wanted: Mapping[str, KernelChoice], on,
+                      batches: int) -> np.ndarray:
+  """`_gradient` of the plan that runs the sites of `on` on their choices in `wanted` and
+  every other site xla_bf16, through a switch board: one compiled gradient serves every
+  subset. A switched-off site's FP8 product still runs; the pick sends it a zero cotangent,
+  so its backward adds nothing."""
+  board = switch_board(ctx, wanted)
+  switches = board.switches(set(on))
+  meta = _switched_meta(ctx, board, switches)
+  return _summed_gradient(lambda b: board.param_grad(ctx.state.params, meta, switches, b),
+                          ctx, batches)
+
+
+def gradient_change(ctx: ValidationContext, site: str, choice: KernelChoice, batches: int,
+                    wanted: Optional[Mapping[str, KernelChoice]] = None) -> float:
+  """How far `site` alone on `choice` moves the parameter gradient on the context's state:
+  ||g(site) - g(bf16)|| / ||g(bf16)||, summed over `batches` training batches (inf where the
+  gradient is not finite). With `wanted` (the round's candidates) both gradients come from
+  one switch board, its bf16 one with every switch off; else each from its own program."""
+  if wanted is None:
+    key = ("gradient", BASELINE, batches)
+    base = lambda: _gradient(ctx, BASELINE, batches)
+    got = lambda: _gradient(ctx, only_site(site, choice), batches)
+  else:
+    key = ("gradient", id(switch_board(ctx, wanted)), batches)
+    base = lambda: gradient_switched(ctx, wanted, (), batches)
+    got = lambda: gradient_switched(ctx, wanted, (site,), batches)
+  if key not in ctx._cache:
+    ref = base()
+    ctx._cache[key] = (ref, float(np.linalg.norm(ref)) or 1.0)
+  ref, norm = ctx._cache[key]
+  g = got()
+  return float(np.linalg.norm(g - ref)) / norm if np.all(np.isfinite(g)) else math.inf
 
 
 # ----------------------------------------------------------------------------- quality
@@ -1075,7 +1137,6 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
   base_windows = [b["window_loss"] for b in bases]
   held_bound = (held_out_quality_bound(config, [b["logloss"] for b in bases])
                 if start == INIT and config.from_init_quality_bound else None)
-  reference = {}   # the baseline gradient and its norm, once a site is left to measure
   first = _rounds_done(plan, step)
   for round_ in range(first, config.max_rounds + 1):
     progress.checkpoint(plan, f"{step} round {round_}")
@@ -1140,18 +1201,13 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
       reasons = {s: f"{_TRAINING[start]}: {what}; ranked by the probe report's error (all "
                     "passes)" for s in worst}
     else:
-      def gradient_change(site, choice):
-        if not reference:
-          reference["grad"] = _gradient(ctx, BASELINE, config.grad_batches)
-          reference["norm"] = float(np.linalg.norm(reference["grad"])) or 1.0
-        g = _gradient(ctx, only_site(site, choice), config.grad_batches)
-        return (float(np.linalg.norm(g - reference["grad"])) / reference["norm"]
-                if np.all(np.isfinite(g))
-                else math.inf)
+      wanted = candidates if config.gradient_one_program else None
+      measure = lambda site, choice: gradient_change(ctx, site, choice, config.grad_batches,
+                                                     wanted)
       # Recorded under the shadow check's name in either check: the value (this site's
       # gradient change on the trained state) is the same, so neither measures it twice.
-      plan, current = measure_sites(plan, "quality_shadow", round_, candidates,
-                                    gradient_change, progress)
+      plan, current = measure_sites(plan, "quality_shadow", round_, candidates, measure,
+                                    progress)
       # JSON has no infinity: a site whose gradient is not finite reads null.
       record["gradient_contributions"] = {s: (v if math.isfinite(v) else None)
                                           for s, v in current.items()}
