@@ -654,7 +654,7 @@ class SpeedTest(chex.TestCase):
       saved.append(p)
       if validate.validation_records(p, "speed_site"):
         progress.deadline = time.time() + 3600.0
-        progress.longest_measurement_s = 7200.0   # the next site would end past it
+        progress.longest_s["speed_site"] = 7200.0   # the next site would end past it
     progress.save = save
     with mock.patch.object(validate, "in_context_slowdown", counting):
       with self.assertRaisesRegex(validate.ValidationPaused, "speed round 0, site"):
@@ -845,10 +845,10 @@ class ResumeTest(chex.TestCase):
       saved.append(plan)
       if validate.validation_records(plan, validate.site_step(step)):
         progress.deadline = time.time() + 3600.0   # far off, but ...
-        progress.longest_measurement_s = 7200.0    # ... the next site would end after it
+        progress.longest_s[validate.site_step(step)] = 7200.0  # ... the next site ends after it
     progress.save = save
     with mock.patch.object(validate, "only_site", counting):
-      with self.assertRaisesRegex(validate.ValidationPaused, "slowest site measurement"):
+      with self.assertRaisesRegex(validate.ValidationPaused, "slowest such measurement"):
         check(plan, ctx, config, progress)
       partial = saved[-1]
       (site_record,) = validate.validation_records(partial, validate.site_step(step))
@@ -912,7 +912,7 @@ class ResumeTest(chex.TestCase):
       saved.append(p)
       if validate.validation_records(p, validate.site_step("quality_shadow")):
         progress.deadline = time.time() + 3600.0
-        progress.longest_measurement_s = 7200.0
+        progress.longest_s[validate.site_step("quality_shadow")] = 7200.0
     progress.save = save
     ctx._cache.clear()   # no run of another test stands in for training
     with mock.patch.object(validate, "shadow_run", counting):
@@ -984,6 +984,27 @@ class ResumeTest(chex.TestCase):
     stored = read_plan_roundtrip(validate.add_validation(plan, {"step": "x_run", **bad}))
     self.assertEqual(stored["validation"][-1]["finite"], False)
     self.assertIsNone(stored["validation"][-1]["window_loss"])
+
+  def test_each_kind_of_measurement_is_paced_by_its_own(self):
+    # A training run recorded at 231 s (Wukong `large`'s shadow run) does not stop a site
+    # measurement 60 s before the deadline; it stops the next run, and a slow site the next
+    # site.
+    run, site = validate.run_step("quality_shadow"), validate.site_step("quality_shadow")
+    plan = validate.add_validation(plan_of({GOOD_SITE: "xla_fp8_rowwise"}),
+                                   {"step": run, "arm": "plan", "seconds": 231.0})
+    candidates = validate.fp8_sites(plan, [GOOD_SITE])
+    progress = validate.Progress(deadline=time.time() + 60.0)
+    next_one = lambda step: [(f"the next {step}", {"arm": "bf16_mods"}, lambda: {})]
+    with self.assertRaisesRegex(validate.ValidationPaused,
+                                "the next quality_shadow_run: .* 231 s the slowest such"):
+      validate.take_in_turn(plan, progress, run, next_one(run))
+    plan, current = validate.measure_sites(plan, "quality_shadow", 0, candidates,
+                                           lambda s, c: 0.5, progress)
+    self.assertEqual(current, {GOOD_SITE: 0.5})
+    slow = validate.add_validation(plan, {"step": site, "seconds": 600.0})
+    with self.assertRaisesRegex(validate.ValidationPaused, "600 s the slowest such"):
+      validate.take_in_turn(slow, validate.Progress(deadline=time.time() + 60.0), site,
+                            next_one(site))
 
   def test_site_measurements_survive_the_plan_file_including_non_finite_ones(self):
     plan = plan_of({BAD_SITE: "test_two_bit", GOOD_SITE: "xla_fp8_rowwise"})

@@ -403,15 +403,20 @@ class Progress:
   `save(plan)` is called at the start of every back-off round, before every site measured
   within a round, and after every check, so an interrupted validation loses at most the
   measurement it was in. Once `deadline` (a time.time() value) has passed no new round starts,
-  and no site measurement starts that would not end by it at the pace of the slowest one
-  measured, in this call or recorded in the plan by an earlier one (a process killed by a
-  hard time limit mid-measurement loses it): the plan is saved and ValidationPaused raised.
+  and no measurement starts that would not end by it at the pace of the slowest one
+  measured of its kind (a `take_in_turn` record step: site measurements pace site
+  measurements, training runs training runs), in this call or recorded in the plan by an
+  earlier one (a process killed by a hard time limit mid-measurement loses it): the plan is
+  saved and ValidationPaused raised. A Wukong `large` shadow run took 231 s, a held-out
+  site measurement 1.5 s in one program: with one pace for both, a call stopped before its
+  first gradient measurement with about 190 s left (docs/BENCHMARKS.md section 7,
+  thirty-ninth session).
   `log`, where given, receives a line per record as it is made (a round's verdict, a
   back-off, each site measurement and training run), so a long validation shows where it is.
   """
   save: Optional[Callable[[Plan], None]] = None
   deadline: Optional[float] = None
-  longest_measurement_s: float = 0.0
+  longest_s: Dict[str, float] = dataclasses.field(default_factory=dict)  # kind -> seconds
   log: Optional[Callable[[str], None]] = None
 
   def note(self, plan: Plan, since: int) -> Plan:
@@ -427,21 +432,21 @@ class Progress:
         if line is not None:
           self.log(line.strip().lstrip("- "))
 
-  def checkpoint(self, plan: Plan, where: str, *, measurement: bool = False) -> None:
-    """Saves `plan`; pauses when the deadline has passed or, before a site `measurement`,
-    when it would pass within the slowest site measurement known."""
+  def checkpoint(self, plan: Plan, where: str, *, measurement: Optional[str] = None) -> None:
+    """Saves `plan`; pauses when the deadline has passed or, before a `measurement` (its
+    kind), when it would pass within the slowest measurement of that kind known."""
     if self.save is not None:
       self.save(plan)
-    ahead_s = self.longest_measurement_s if measurement else 0.0
+    ahead_s = self.longest_s.get(measurement, 0.0) if measurement else 0.0
     if self.deadline is not None and time.time() + ahead_s > self.deadline:
       raise ValidationPaused(f"validation paused before {where}: the deadline has passed"
-                             + (f" or comes within the {ahead_s:.0f} s the slowest site "
+                             + (f" or comes within the {ahead_s:.0f} s the slowest such "
                                 "measurement took" if ahead_s else "")
                              + "; the plan so far is saved, call again to resume")
 
-  def measured(self, seconds: float) -> None:
-    """One site measured, taking `seconds`."""
-    self.longest_measurement_s = max(self.longest_measurement_s, seconds)
+  def measured(self, kind: str, seconds: float) -> None:
+    """One measurement of `kind` taken, in `seconds`."""
+    self.longest_s[kind] = max(self.longest_s.get(kind, 0.0), seconds)
 
 
 def finished(plan, step: str) -> bool:
@@ -491,13 +496,13 @@ def take_in_turn(plan: Plan, progress: Progress, record_step: str,
   earlier = [r["seconds"] for r in plan["validation"]
              if r.get("step") == record_step and r.get("seconds") is not None]
   if earlier:
-    progress.measured(max(earlier))
+    progress.measured(record_step, max(earlier))
   for where, fields, measure in pending:
-    progress.checkpoint(plan, where, measurement=True)
+    progress.checkpoint(plan, where, measurement=record_step)
     start = time.time()
     result = measure()
     seconds = time.time() - start
-    progress.measured(seconds)
+    progress.measured(record_step, seconds)
     plan = progress.note(add_validation(plan, {"step": record_step, **fields, **result,
                                                "seconds": round(seconds, 2)}), -1)
   return plan
