@@ -112,6 +112,10 @@ PROBE_TIMING_CACHE = flags.DEFINE_string(
 compile_workers = common_flags.define_compile_workers()
 TIMING_COMPILE_WORKERS = common_flags.define_timing_compile_workers()
 MIN_TIMING_GFLOPS = common_flags.define_min_timing_gflops()
+SHADOW_WINDOWS = flags.DEFINE_integer(
+    "validation_shadow_windows", 1, "Data windows of validation's shadow check from the "
+    "probe's state, both runs per window; it judges the mean over windows "
+    "(`ValidationConfig.shadow_windows`).")
 FROM_INIT_STEPS = flags.DEFINE_integer(
     "validation_from_init_steps", 0, "When a target's plan is made: validation's training "
     "from a fresh initialization, plan vs bf16+Mods, with the probe's recipe (0: skip).")
@@ -224,6 +228,7 @@ def main(argv):
                                  validation_from_init_warmup_steps=FROM_INIT_WARMUP.value,
                                  validation_from_init_clip_norm=FROM_INIT_CLIP.value,
                                  validation_from_init_seeds=FROM_INIT_SEEDS.value,
+                                 validation_shadow_windows=SHADOW_WINDOWS.value,
                                  validation_from_init_quality_bound=FROM_INIT_QUALITY.value,
                                  validation_held_out_one_program=HELD_OUT_ONE_PROGRAM.value,
                                  validation_gradient_one_program=GRADIENT_ONE_PROGRAM.value,

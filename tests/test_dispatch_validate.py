@@ -311,6 +311,60 @@ class ShadowTest(chex.TestCase):
     self.assertTrue(rounds[-1]["passed"])
 
 
+  def test_a_data_window_trains_on_the_batches_after_the_one_before(self):
+    from loka_jax.train.loop import loss_fn
+    ctx = context()
+    model = ctx.build(validate.BASELINE)
+    rng = jax.random.PRNGKey(0)
+    steps = 3
+    first = validate.shadow_run(ctx, validate.BASELINE, steps)
+    second = validate.shadow_run(ctx, validate.BASELINE, steps, window=1)
+    # Both start from the trained state; window 1 on the batch `steps` after the checkpoint.
+    for run, at in ((first, 0), (second, steps)):
+      expected = float(loss_fn(model, ctx.state.params, ctx.state.fp8_meta, ctx.batch(at),
+                               rng)[0])
+      self.assertAlmostEqual(run["losses"][0], expected, delta=1e-3 * expected)
+    self.assertNotAlmostEqual(first["losses"][0], second["losses"][0], places=4)
+    with self.assertRaisesRegex(ValueError, "window=1: a data window"):
+      validate.shadow_run(ctx, validate.BASELINE, steps, start=validate.INIT, window=1)
+
+  def test_the_shadow_check_judges_the_mean_over_data_windows(self):
+    ctx = context()
+    plan = plan_of({BAD_SITE: {"grad_rhs": "test_flipped"}, GOOD_SITE: "xla_fp8_rowwise"})
+    windows = []
+    real = validate.shadow_run
+
+    def counting(*args, **kwargs):
+      windows.append(kwargs.get("window", args[7] if len(args) > 7 else 0))
+      return real(*args, **kwargs)
+    outs = {}
+    with mock.patch.object(validate, "shadow_run", counting):
+      for n in (1, 2):
+        ctx._cache.clear()   # each check trains its own runs
+        config = validate.ValidationConfig(shadow_steps=20, shadow_window=10, shadow_windows=n)
+        outs[n] = validate.check_shadow(plan, ctx, config)
+    # Window 1: bf16+Mods' run once, the plan's once a round.
+    self.assertEqual(windows.count(1), 1 + len(
+        [r for r in validate.validation_records(outs[2], "quality_shadow") if "round" in r]))
+    self.assertEqual(kernels(outs[2], BAD_SITE)["grad_rhs"], FALLBACK)
+    first = [r for r in validate.validation_records(outs[2], "quality_shadow") if "round" in r][0]
+    self.assertEqual(first["seeds"], [0, 1])
+    self.assertFalse(first["passed"])
+    self.assertAlmostEqual(first["rel_logloss_change"],
+                           np.mean([p["rel_logloss_change"] for p in first["per_seed"]]))
+    # Window 0 is the one-window check's run: its record stands for it in either check.
+    def runs(p, seed):
+      return [(r["arm"], r["window_loss"], r["logloss"])
+              for r in validate.validation_records(p, validate.run_step("quality_shadow"))
+              if r["seed"] == seed and r["arm"] == validate.BASELINE_ARM]
+    self.assertEqual(runs(outs[2], 0), runs(outs[1], 0))
+    self.assertNotEqual(runs(outs[2], 1), runs(outs[2], 0))
+    line = train_report.validation_line(first, measurements=True)
+    self.assertIn("mean of 2 data windows", line)
+    self.assertIn("held-out by data window", line)
+    with self.assertRaisesRegex(ValueError, "shadow_windows must be >= 1"):
+      validate.ValidationConfig(shadow_windows=0)
+
   def test_divergence_is_one_sided(self):
     bound = 0.005
     # A plan that ends below bf16+Mods (the Wukong `large` shadow run ended 1.3% below on

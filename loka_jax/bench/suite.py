@@ -152,6 +152,8 @@ class SpeedSettings:
   validation_from_init_warmup_steps: Optional[int] = None
   validation_from_init_clip_norm: Optional[float] = None
   validation_from_init_seeds: int = 1
+  # Data windows of its shadow check from the probe's state (`ValidationConfig.shadow_windows`).
+  validation_shadow_windows: int = 1
   # Whether it also judges held-out log loss against the quality target's bound
   # (`ValidationConfig.from_init_quality_bound`).
   validation_from_init_quality_bound: bool = False
@@ -200,6 +202,7 @@ class SpeedSettings:
                             from_init_warmup_steps=self.validation_from_init_warmup_steps,
                             from_init_clip_norm=self.validation_from_init_clip_norm,
                             from_init_seeds=self.validation_from_init_seeds,
+                            shadow_windows=self.validation_shadow_windows,
                             from_init_quality_bound=self.validation_from_init_quality_bound,
                             held_out_one_program=self.validation_held_out_one_program,
                             gradient_one_program=self.validation_gradient_one_program)

@@ -129,6 +129,13 @@ class ValidationConfig:
   shadow_steps: int = 200            # shadow training steps; 0 skips the shadow check
   shadow_window: int = 50            # last steps whose mean training loss is compared
   shadow_max_rel_loss: float = 0.005  # divergence bound of the shadow runs (relative)
+  # Data windows the shadow check trains on from the checkpoint: window w is the `shadow_steps`
+  # batches from w x shadow_steps after it, both runs per window (recorded as seed
+  # config.seed + w, so window 0 is the one-window check's run); the verdict reads the mean
+  # over windows, as the check from initialization does over seeds. One run pair is one
+  # trajectory: at Wukong `large` it read held-out +1.27% with the training loss 0.05% below
+  # bf16+Mods' (docs/BENCHMARKS.md section 7, thirty-ninth session).
+  shadow_windows: int = 1
   # Training steps from a fresh initialization, plan vs bf16+Mods (0 skips the check; the
   # bound and window are the shadow check's).
   from_init_steps: int = 0
@@ -192,6 +199,8 @@ class ValidationConfig:
                        f"{self.shadow_window}")
     if self.from_init_seeds < 1:
       raise ValueError(f"from_init_seeds must be >= 1, got {self.from_init_seeds}")
+    if self.shadow_windows < 1:
+      raise ValueError(f"shadow_windows must be >= 1, got {self.shadow_windows}")
     if self.from_init_warmup_steps is not None and self.from_init_warmup_steps < 0:
       raise ValueError(f"from_init_warmup_steps must be >= 0 or None, got "
                        f"{self.from_init_warmup_steps}")
@@ -957,15 +966,18 @@ CHECKPOINT, INIT = "checkpoint", "init"
 
 def shadow_run(ctx: ValidationContext, kplan: KernelPlan, steps: int, eval_batch_size=None,
                start: str = CHECKPOINT, seed: int = 0,
-               optim: Optional[OptimConfig] = None) -> Dict[str, Any]:
+               optim: Optional[OptimConfig] = None, window: int = 0) -> Dict[str, Any]:
   """`steps` training steps under `kplan`: losses, finiteness and the held-out metrics at the
   end (cached per plan). `start`: CHECKPOINT, the context's trained state and the batches
-  after it; INIT, a fresh initialization from `seed` (`initial_state`) and the data from its
-  start. `optim`: the optimizer (None: the context's, the probe's recipe)."""
+  from `window` x `steps` after it; INIT, a fresh initialization from `seed`
+  (`initial_state`) and the data from its start. `optim`: the optimizer (None: the
+  context's, the probe's recipe)."""
   if start not in (CHECKPOINT, INIT):
     raise ValueError(f"start={start!r}; use {CHECKPOINT!r} or {INIT!r}")
+  if window < 0 or (window and start == INIT):
+    raise ValueError(f"window={window}: a data window (>= 0) is a run from the checkpoint's")
   optim = optim or ctx.optim
-  key = ("shadow", kplan, steps, eval_batch_size, start, seed, optim)
+  key = ("shadow", kplan, steps, eval_batch_size, start, seed, optim, window)
   if key in ctx._cache:
     return ctx._cache[key]
   model, meta = model_and_meta(ctx, kplan)  # also before the state leaves the device
@@ -973,7 +985,7 @@ def shadow_run(ctx: ValidationContext, kplan: KernelPlan, steps: int, eval_batch
   if start == INIT:
     batch = lambda i: ctx.source.train_batch(i, ctx.batch_size)
   else:
-    batch, meta = ctx.batch, _fresh_copy(meta)
+    batch, meta = (lambda i: ctx.batch(window * steps + i)), _fresh_copy(meta)
   with working_state(ctx) as state:
     if start == INIT:
       _free(state)  # the trained state's device copy: the backup puts it back afterwards
@@ -1029,8 +1041,10 @@ def _training_runs(plan: Plan, ctx: ValidationContext, progress: Progress, step:
     return {r["seed"]: r for r in p["validation"] if r.get("step") == run_step(step)
             and all(r.get(k) == v for k, v in fields.items())}
   def measure(seed: int) -> Dict[str, Any]:
+    # From the checkpoint each seed is a data window (`shadow_windows`), the first window 0.
+    window = seeds.index(seed) if recipe["start"] == CHECKPOINT else 0
     return run_summary(shadow_run(ctx, kplan, recipe["steps"], eval_batch_size,
-                                  recipe["start"], seed, optim), recipe["window"])
+                                  recipe["start"], seed, optim, window), recipe["window"])
   have = saved(plan)
   pending = [(f"the {step} check's {arm} run, seed {seed}", {**fields, "seed": seed},
               functools.partial(measure, seed)) for seed in seeds if seed not in have]
@@ -1122,9 +1136,9 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
     return _final(plan, {"step": step, "skipped": True, "reason": why})
   size = config.eval_batch_size
   window = min(config.shadow_window, steps)
-  # From the checkpoint there is one start; from initialization each seed is one.
-  seeds = ([config.seed + i for i in range(config.from_init_seeds)] if start == INIT
-           else [config.seed])
+  # From initialization each seed is a start; from the checkpoint each is a data window.
+  seeds = [config.seed + i for i in range(config.from_init_seeds if start == INIT
+                                          else config.shadow_windows)]
   trains_with = optim or ctx.optim
   recipe = {"steps": steps, "start": start, "window": window,
             "warmup_steps": trains_with.warmup_steps,

@@ -122,15 +122,17 @@ def validation_line(r: Mapping[str, Any], measurements: bool = False) -> Optiona
               f"{100 * r['rel_logloss_change']:+.3f}%")
     if step == "quality_from_init" and r.get("finite"):
       detail += f"; worst step's loss {r['peak_loss']:.3g} vs {r['peak_loss_bf16']:.3g}"
+    # From the checkpoint each seed is a data window (`ValidationConfig.shadow_windows`).
+    unit = "data window" if step == "quality_shadow" else "seed"
     if r.get("per_seed"):
       # The mean can hide a seed: one arm's early spike moves it (DCNv2 `large`'s bf16+Mods
       # seed 1, docs/BENCHMARKS.md section 7, thirty-second session).
-      detail += "; held-out by seed " + ", ".join(
+      detail += f"; held-out by {unit} " + ", ".join(
           f"{100 * p['rel_logloss_change']:+.3f}%" for p in r["per_seed"])
     what = "shadow training" if step == "quality_shadow" else "training from initialization"
     recipe = ([f"warm-up {r['warmup_steps']}"] if r.get("warmup_steps") else []) + (
         [f"clip {r['clip_norm']:g}"] if r.get("clip_norm") else []) + (
-        [f"mean of {len(r['seeds'])} seeds"] if len(r.get("seeds", ())) > 1 else [])
+        [f"mean of {len(r['seeds'])} {unit}s"] if len(r.get("seeds", ())) > 1 else [])
     if recipe:
       what += f" ({', '.join(recipe)})"
     bounds = f"bound {100 * r['bound']:g}%" + (
