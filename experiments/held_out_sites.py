@@ -127,7 +127,8 @@ def compare_gradients(ctx, wanted):
   out = {}
   for way, board in (("per_site", None), ("one_program", wanted)):
     began = time.time()
-    out[way] = {s: validate.gradient_change(ctx, s, c, GRAD_BATCHES.value, board)
+    reference = {}
+    out[way] = {s: validate.gradient_change(ctx, s, c, GRAD_BATCHES.value, board, reference)
                 for s, c in wanted.items()}
     out[f"{way}_seconds"] = time.time() - began
   out["max_relative_gap"] = max(abs(out["one_program"][s] - v) / v if v else 0.0

@@ -183,9 +183,9 @@ class ValidationConfig:
   # XLA:CPU fuses around the pick and moves a delayed-scaling op's values by up to 1.4.
   held_out_one_program: bool = False
   # The shadow check and the check from initialization rank a round's sites by each one's
-  # gradient change, measured the same way in one compiled program (`gradient_change_switched`)
-  # instead of one whole-model gradient compile per site (about 100 s each at Wukong `large`,
-  # whose shadow round has 14 sites). Off by default until the GPU agrees, as it did for the
+  # gradient change through one compiled program (`gradient_switched`) instead of one
+  # whole-model gradient compile per site (a train-step compile is about 100 s at Wukong
+  # `large`, whose shadow round has 14 sites). Off by default until the GPU agrees, as it did for the
   # held-out values.
   gradient_one_program: bool = False
   seed: int = 0
@@ -880,11 +880,16 @@ def gradient_switched(ctx: ValidationContext, wanted: Mapping[str, KernelChoice]
 
 
 def gradient_change(ctx: ValidationContext, site: str, choice: KernelChoice, batches: int,
-                    wanted: Optional[Mapping[str, KernelChoice]] = None) -> float:
+                    wanted: Optional[Mapping[str, KernelChoice]] = None,
+                    reference: Optional[Dict] = None) -> float:
   """How far `site` alone on `choice` moves the parameter gradient on the context's state:
   ||g(site) - g(bf16)|| / ||g(bf16)||, summed over `batches` training batches (inf where the
   gradient is not finite). With `wanted` (the round's candidates) both gradients come from
-  one switch board, its bf16 one with every switch off; else each from its own program."""
+  one switch board, its bf16 one with every switch off; else each from its own program.
+  `reference`: where the bf16 gradient is kept between calls (the caller's, so it lives no
+  longer than the caller needs it: a float64 copy of every parameter, gigabytes at a large
+  preset); None computes it each call."""
+  reference = {} if reference is None else reference
   if wanted is None:
     key = ("gradient", BASELINE, batches)
     base = lambda: _gradient(ctx, BASELINE, batches)
@@ -893,10 +898,10 @@ def gradient_change(ctx: ValidationContext, site: str, choice: KernelChoice, bat
     key = ("gradient", id(switch_board(ctx, wanted)), batches)
     base = lambda: gradient_switched(ctx, wanted, (), batches)
     got = lambda: gradient_switched(ctx, wanted, (site,), batches)
-  if key not in ctx._cache:
+  if key not in reference:
     ref = base()
-    ctx._cache[key] = (ref, float(np.linalg.norm(ref)) or 1.0)
-  ref, norm = ctx._cache[key]
+    reference[key] = (ref, float(np.linalg.norm(ref)) or 1.0)
+  ref, norm = reference[key]
   g = got()
   return float(np.linalg.norm(g - ref)) / norm if np.all(np.isfinite(g)) else math.inf
 
@@ -1156,6 +1161,7 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
   base_windows = [b["window_loss"] for b in bases]
   held_bound = (held_out_quality_bound(config, [b["logloss"] for b in bases])
                 if start == INIT and config.from_init_quality_bound else None)
+  reference = {}   # the bf16 gradient and its norm, once a site is left to measure
   first = _rounds_done(plan, step)
   for round_ in range(first, config.max_rounds + 1):
     progress.checkpoint(plan, f"{step} round {round_}")
@@ -1222,7 +1228,7 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
     else:
       wanted = candidates if config.gradient_one_program else None
       measure = lambda site, choice: gradient_change(ctx, site, choice, config.grad_batches,
-                                                     wanted)
+                                                     wanted, reference)
       # Recorded under the shadow check's name in either check: the value (this site's
       # gradient change on the trained state) is the same, so neither measures it twice.
       plan, current = measure_sites(plan, "quality_shadow", round_, candidates, measure,
