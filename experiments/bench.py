@@ -98,6 +98,10 @@ GRADIENT_ONE_PROGRAM = flags.DEFINE_bool(
     "initialization rank a round's sites by gradient change in one compiled program of "
     "switched sites instead of one gradient program per site "
     "(`ValidationConfig.gradient_one_program`).")
+PROMOTION_PER_SORT = flags.DEFINE_integer(
+    "validation_promotion_per_sort", 1, "Kernels validation's speed promotion proposes per "
+    "kernel sort (per-pass kernels, fused ops), those that lose least alone first; each is "
+    "timed in the whole step (`ValidationConfig.promotion_per_sort`).")
 PROBE_SEED = flags.DEFINE_integer(
     "probe_seed", 0, "Seed of the probe run that makes a missing LoKA plan (both suites). "
     "Apart from --seed: quality runs at each seed share one plan and resume one probe.")
@@ -232,6 +236,7 @@ def main(argv):
                                  validation_from_init_quality_bound=FROM_INIT_QUALITY.value,
                                  validation_held_out_one_program=HELD_OUT_ONE_PROGRAM.value,
                                  validation_gradient_one_program=GRADIENT_ONE_PROGRAM.value,
+                                 validation_promotion_per_sort=PROMOTION_PER_SORT.value,
                                  head_to_head=tuple(HEAD_TO_HEAD.value),
                                  serve_plan=SERVE_PLAN.value,
                                  serve_quality_gate=SERVE_QUALITY_GATE.value,

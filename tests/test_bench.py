@@ -582,7 +582,8 @@ class ValidationFromInitTest(absltest.TestCase):
                                      validation_from_init_quality_bound=quality,
                                      validation_held_out_one_program=quality,
                                      validation_gradient_one_program=quality,
-                                     validation_shadow_windows=seeds + 1)
+                                     validation_shadow_windows=seeds + 1,
+                                     validation_promotion_per_sort=seeds + 2)
       with mock.patch("loka_jax.dispatch.pipeline.probe_and_plan") as probe_and_plan:
         suite._probe_for_plan(target, settings,
                               deadline=time.time() + 600, log=lambda line: None)
@@ -590,8 +591,10 @@ class ValidationFromInitTest(absltest.TestCase):
       self.assertEqual((validation.from_init_steps, validation.from_init_warmup_steps,
                         validation.from_init_clip_norm, validation.from_init_seeds,
                         validation.from_init_quality_bound, validation.held_out_one_program,
-                        validation.gradient_one_program, validation.shadow_windows),
-                       (steps, warmup, clip, seeds, quality, quality, quality, seeds + 1))
+                        validation.gradient_one_program, validation.shadow_windows,
+                        validation.promotion_per_sort),
+                       (steps, warmup, clip, seeds, quality, quality, quality, seeds + 1,
+                        seeds + 2))
 
   def test_the_probes_timing_floor_and_compile_threads_reach_its_options(self):
     (target,) = suite.tower_targets(["64x32x2"])

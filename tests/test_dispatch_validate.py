@@ -1322,6 +1322,17 @@ class PromotionTest(chex.TestCase):
                                3 / (1 / 0.80 + 2 / 0.70), rtol=1e-6)
     # The delayed op's weight gradient is 12 dB at OTHER_SITE: below the 20 dB budget there.
     self.assertEqual(got["flax_fp8_delayed"].sites, (GOOD_SITE,))
+    # Two per sort: the per-pass runner-up (rowwise, slower alone) follows tensorwise; the
+    # fused sort has no second kernel.
+    two = validate.promotions(promotion_report(), plan, names, per_sort=2)
+    self.assertEqual([p.kernel for p in two],
+                     ["flax_fp8_delayed", "xla_fp8_tensorwise", "xla_fp8_rowwise"])
+    self.assertEqual(two[2].sites, (GOOD_SITE, OTHER_SITE))
+    self.assertLess(two[2].alone, two[1].alone)
+    self.assertEqual(validate.promotions(promotion_report(), plan, names, per_sort=1),
+                     [got["flax_fp8_delayed"], got["xla_fp8_tensorwise"]])
+    with self.assertRaisesRegex(ValueError, "promotion_per_sort must be >= 1"):
+      validate.ValidationConfig(promotion_per_sort=0)
 
   def test_a_site_validation_backed_off_is_never_promoted_again(self):
     plan = validate.back_off_site(plan_of({GOOD_SITE: "xla_fp8_tensorwise"}),

@@ -163,6 +163,8 @@ class SpeedSettings:
   # Its training checks rank a round's sites by gradient change in one compiled program
   # (`ValidationConfig.gradient_one_program`).
   validation_gradient_one_program: bool = False
+  # Kernels its speed promotion proposes per kernel sort (`ValidationConfig.promotion_per_sort`).
+  validation_promotion_per_sort: int = 1
   min_call_s: float = speed.MIN_CALL_S  # steps shorter than this run N to a timed call
   seed: int = 0
   # Seed of the probe run that makes a missing plan: apart from `seed`, so quality runs at
@@ -205,7 +207,8 @@ class SpeedSettings:
                             shadow_windows=self.validation_shadow_windows,
                             from_init_quality_bound=self.validation_from_init_quality_bound,
                             held_out_one_program=self.validation_held_out_one_program,
-                            gradient_one_program=self.validation_gradient_one_program)
+                            gradient_one_program=self.validation_gradient_one_program,
+                            promotion_per_sort=self.validation_promotion_per_sort)
 
   def plan_options(self) -> dict:
     """`planning.make_plan`'s probe and validation options, the same for the speed suite's

@@ -162,6 +162,12 @@ class ValidationConfig:
   max_rounds: int = 64               # back-offs per check at most
   speed: Optional[bool] = None       # None: only on a GPU; True forces it (tests)
   promote: Optional[bool] = None     # the speed promotion: None only on a GPU; True forces it
+  # Kernels the promotion proposes per kernel sort, those that lose least alone first. One
+  # proposal is a sample of one of the alone-timing's pessimism: at DLRM `large` without Hard
+  # Swish it proposed Pallas's delayed forward (0.991x in the step), while Flax's delayed op
+  # everywhere, never proposed, trained 1.09x faster than the plan (docs/BENCHMARKS.md
+  # section 7, thirty-ninth session). Each proposal costs one timed pair of whole steps.
+  promotion_per_sort: int = 1
   speed_repeats: int = 20            # timing repeats (benchmark protocol: >= 20)
   # Each timing sample runs whole steps back to back for at least this long (one step when it
   # is longer): single short steps carry host jitter that can fail a plan on noise.
@@ -201,6 +207,8 @@ class ValidationConfig:
       raise ValueError(f"from_init_seeds must be >= 1, got {self.from_init_seeds}")
     if self.shadow_windows < 1:
       raise ValueError(f"shadow_windows must be >= 1, got {self.shadow_windows}")
+    if self.promotion_per_sort < 1:
+      raise ValueError(f"promotion_per_sort must be >= 1, got {self.promotion_per_sort}")
     if self.from_init_warmup_steps is not None and self.from_init_warmup_steps < 0:
       raise ValueError(f"from_init_warmup_steps must be >= 0 or None, got "
                        f"{self.from_init_warmup_steps}")
@@ -1446,10 +1454,12 @@ class Promotion:
   alone: float  # pessimistic speedup over xla_bf16 of those sites timed alone (the probe's)
 
 
-def promotions(report: Mapping, plan: Plan, names: Sequence[str]) -> List[Promotion]:
-  """Per kernel sort (per-pass kernels, fused ops), the FP8 kernel whose promotion loses least
-  alone: the highest pessimistic speedup over the sites where it is safe in every pass under
-  the site's budget (accuracy only: selection has already found none of them fast enough).
+def promotions(report: Mapping, plan: Plan, names: Sequence[str],
+               per_sort: int = 1) -> List[Promotion]:
+  """Per kernel sort (per-pass kernels, fused ops), the `per_sort` FP8 kernels whose promotion
+  loses least alone: the highest pessimistic speedup over the sites where each is safe in
+  every pass under the site's budget (accuracy only: selection has already found none of
+  them fast enough), more sites first at a tie.
 
   A site timed alone is a pessimistic witness for per-pass kernels: each pass quantizes its
   own operands, where a whole step shares them (the gradient quantized once for both gradient
@@ -1473,14 +1483,14 @@ def promotions(report: Mapping, plan: Plan, names: Sequence[str]) -> List[Promot
         continue
       per_kernel.setdefault(kernel, []).append((site, *times))
       sort_of[kernel] = meta.get("sort")
-  best: Dict[str, Promotion] = {}
+  by_sort: Dict[str, List[Promotion]] = {}
   for kernel, rows in sorted(per_kernel.items()):
     alone = sum(r[1] for r in rows) / sum(r[2] for r in rows)
-    candidate = Promotion(kernel, tuple(r[0] for r in rows), alone)
-    current = best.get(sort_of[kernel])
-    if current is None or (alone, len(rows)) > (current.alone, len(current.sites)):
-      best[sort_of[kernel]] = candidate
-  return [best[k] for k in sorted(best)]
+    by_sort.setdefault(sort_of[kernel], []).append(
+        Promotion(kernel, tuple(r[0] for r in rows), alone))
+  return [p for sort in sorted(by_sort)
+          for p in sorted(by_sort[sort], key=lambda p: (-p.alone, -len(p.sites), p.kernel))
+          [:per_sort]]
 
 
 def promotion_pays(summaries: Mapping[str, Mapping[str, dict]], name: str) -> bool:
@@ -1541,7 +1551,7 @@ def check_promotion(plan, ctx: ValidationContext, config: ValidationConfig = Val
     return _final(plan, {"step": PROMOTION, "skipped": True,
                          "reason": f"{', '.join(begun)} already judged this plan; promotion "
                                    "comes first or not at all"})
-  proposals = promotions(ctx.report, plan, ctx.site_names())
+  proposals = promotions(ctx.report, plan, ctx.site_names(), config.promotion_per_sort)
   if not proposals:
     return _final(plan, {"step": PROMOTION, "skipped": True,
                          "reason": "no xla_bf16 site has an FP8 kernel safe in every pass"})
