@@ -246,6 +246,7 @@ class SwitchedGradientTest(chex.TestCase):
     ctx = context()
     wanted = {s: KernelChoice.uniform(k) for s, k in self.CANDIDATES.items()}
     batches = 2
+    reference = {}   # each way's bf16 gradient, computed once
     base = validate._gradient(ctx, validate.BASELINE, batches)
     off = validate.gradient_switched(ctx, wanted, (), batches)
     # Every switch off: the bf16+Mods gradient; the FP8 products that still run add nothing.
@@ -255,12 +256,12 @@ class SwitchedGradientTest(chex.TestCase):
       own = validate._gradient(ctx, validate.only_site(site, choice), batches)
       got = validate.gradient_switched(ctx, wanted, (site,), batches)
       self.assertGreater(float(np.linalg.norm(got - off)), 0.0, site)
-      changes[site] = (validate.gradient_change(ctx, site, choice, batches, wanted),
-                       validate.gradient_change(ctx, site, choice, batches))
+      changes[site] = (validate.gradient_change(ctx, site, choice, batches, wanted, reference),
+                       validate.gradient_change(ctx, site, choice, batches, None, reference))
       if registry.get(choice.fwd).sort == validate.FUSED_OP:
         # XLA:CPU fuses the program around the pick differently, so a delayed scale follows
-        # a bf16 ulp and the FP8 roundings are drawn afresh (on Wukong `tiny` the vectors sit
-        # 0.010 apart, relative): how far the site moves the gradient stays (2% apart here).
+        # a bf16 ulp and the FP8 roundings are drawn afresh: the gradient vectors differ, but
+        # how far the site moves the gradient stays within a few percent.
         self.assertAlmostEqual(changes[site][0], changes[site][1],
                                delta=0.1 * changes[site][1], msg=site)
       else:  # a per-pass kernel's program, bit for bit

@@ -197,18 +197,12 @@ class SpeedSettings:
     return mods_set.plans_root(self.plans_dir, self.mods)
 
   def validation(self):
-    """The `ValidationConfig` of the plans this run makes (its defaults but for the check
-    from initialization)."""
+    """The `ValidationConfig` of the plans this run makes: its defaults but for this run's
+    `validation_*` settings, each the config's field of the same name."""
     from loka_jax.dispatch.validate import ValidationConfig  # heavy: only when planning
-    return ValidationConfig(from_init_steps=self.validation_from_init_steps,
-                            from_init_warmup_steps=self.validation_from_init_warmup_steps,
-                            from_init_clip_norm=self.validation_from_init_clip_norm,
-                            from_init_seeds=self.validation_from_init_seeds,
-                            shadow_windows=self.validation_shadow_windows,
-                            from_init_quality_bound=self.validation_from_init_quality_bound,
-                            held_out_one_program=self.validation_held_out_one_program,
-                            gradient_one_program=self.validation_gradient_one_program,
-                            promotion_per_sort=self.validation_promotion_per_sort)
+    prefix = "validation_"
+    return ValidationConfig(**{f.name[len(prefix):]: getattr(self, f.name)
+                               for f in dataclasses.fields(self) if f.name.startswith(prefix)})
 
   def plan_options(self) -> dict:
     """`planning.make_plan`'s probe and validation options, the same for the speed suite's
