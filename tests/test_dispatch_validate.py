@@ -3,6 +3,7 @@ off, good sites are left alone, every step is recorded; back-off targets come fr
 report; build_run checks a plan against the model before training."""
 import dataclasses
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -250,12 +251,12 @@ class SwitchedGradientTest(chex.TestCase):
     base = validate._gradient(ctx, validate.BASELINE, batches)
     off = validate.gradient_switched(ctx, wanted, (), batches)
     # Every switch off: the bf16+Mods gradient; the FP8 products that still run add nothing.
-    np.testing.assert_array_equal(off, base)
+    chex.assert_trees_all_equal(off, base)
     changes = {}
     for site, choice in wanted.items():
       own = validate._gradient(ctx, validate.only_site(site, choice), batches)
       got = validate.gradient_switched(ctx, wanted, (site,), batches)
-      self.assertGreater(float(np.linalg.norm(got - off)), 0.0, site)
+      self.assertGreater(validate.gradient_distance(got, off), 0.0, site)
       changes[site] = (validate.gradient_change(ctx, site, choice, batches, wanted, reference),
                        validate.gradient_change(ctx, site, choice, batches, None, reference))
       if registry.get(choice.fwd).sort == validate.FUSED_OP:
@@ -265,11 +266,38 @@ class SwitchedGradientTest(chex.TestCase):
         self.assertAlmostEqual(changes[site][0], changes[site][1],
                                delta=0.1 * changes[site][1], msg=site)
       else:  # a per-pass kernel's program, bit for bit
-        np.testing.assert_array_equal(got, own, err_msg=site)
+        chex.assert_trees_all_equal(got, own)
         self.assertEqual(changes[site][0], changes[site][1], site)
     # Two bits per operand moves the gradient most either way.
     for way in (0, 1):
       self.assertEqual(max(changes, key=lambda s: changes[s][way]), BAD_SITE)
+
+  def test_gradient_distance_is_the_float64_relative_norm(self):
+    # Leaves from 1e-25 to 1e25: float32 squares of either end would underflow or overflow.
+    rng = np.random.default_rng(7)
+    ref = {"a": rng.normal(size=(64, 33)) * 1e-25, "b": {"c": rng.normal(size=(1000,)) * 1e25},
+           "d": rng.normal(size=(5,))}
+    g = {"a": ref["a"] * (1 + 0.3 * rng.normal(size=(64, 33))),
+         "b": {"c": ref["b"]["c"] + 1e23 * rng.normal(size=(1000,))},
+         "d": ref["d"] + rng.normal(size=(5,))}
+    as32 = lambda t: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), t)
+    g32, ref32 = as32(g), as32(ref)
+    flat = lambda t: np.concatenate([np.ravel(np.asarray(x, np.float64))
+                                     for x in jax.tree.leaves(t)])
+    want = np.linalg.norm(flat(g32) - flat(ref32)) / np.linalg.norm(flat(ref32))
+    self.assertTrue(np.isfinite(want) and want > 0)
+    self.assertAlmostEqual(validate.gradient_distance(g32, ref32) / want, 1.0, delta=1e-5)
+    self.assertEqual(validate.gradient_distance(ref32, ref32), 0.0)
+    tiny = lambda t: {"a": t["a"]}   # its squares alone underflow float32
+    want = (np.linalg.norm(flat(tiny(g32)) - flat(tiny(ref32)))
+            / np.linalg.norm(flat(tiny(ref32))))
+    self.assertAlmostEqual(validate.gradient_distance(tiny(g32), tiny(ref32)) / want, 1.0,
+                           delta=1e-5)
+    bad = jax.tree.map(lambda x: x, g32)
+    bad["d"] = bad["d"].at[2].set(jnp.nan)
+    self.assertEqual(validate.gradient_distance(bad, ref32), math.inf)
+    with self.assertRaisesRegex(ValueError, "parameter trees differ"):
+      validate.gradient_distance({"a": g32["a"]}, ref32)
 
   def test_the_shadow_check_decides_as_with_one_program_per_site(self):
     ctx = context()

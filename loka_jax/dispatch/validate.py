@@ -855,27 +855,63 @@ def held_out_change_switched(ctx: ValidationContext, wanted: Mapping[str, Kernel
   return paired_logloss_change(got["logits"], base["logits"], base["labels"])[0]
 
 
-def _gradient(ctx: ValidationContext, kplan: KernelPlan, batches: int) -> np.ndarray:
-  """The flattened parameter gradient under `kplan`, summed over the context's first
-  `batches` training batches."""
+def _gradient(ctx: ValidationContext, kplan: KernelPlan, batches: int):
+  """The parameter gradient under `kplan`, summed over the context's first `batches`
+  training batches (`_summed_gradient`)."""
   model, state = state_for(ctx, kplan)
   grad = jax.jit(jax.grad(lambda p, m, b: _loss(model, p, m, b)))
   return _summed_gradient(lambda b: grad(state.params, state.fp8_meta, b), ctx, batches)
 
 
-def _summed_gradient(grad_of: Callable, ctx: ValidationContext, batches: int) -> np.ndarray:
-  """`grad_of(batch)`'s leaves flattened into one float64 vector, summed over the context's
-  first `batches` training batches."""
+def _summed_gradient(grad_of: Callable, ctx: ValidationContext, batches: int):
+  """`grad_of(batch)` summed over the context's first `batches` training batches: a tree of
+  float32 leaves, left on the device. A float64 host copy of every parameter made each of
+  Wukong `large`'s site measurements take 35 s and its host 125 GiB at peak
+  (docs/BENCHMARKS.md section 7, fortieth session); `gradient_distance` reads two on the
+  device."""
   total = None
   for i in range(batches):
-    g = grad_of(ctx.batch(i))
-    flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in jax.tree.leaves(g)])
-    total = flat if total is None else total + flat
-  return np.asarray(jax.device_get(total), np.float64)
+    g = jax.tree.map(lambda x: x.astype(jnp.float32), grad_of(ctx.batch(i)))
+    total = g if total is None else jax.tree.map(jnp.add, total, g)
+  return total
+
+
+def _scaled_norm(x: jax.Array) -> Tuple[jax.Array, jax.Array]:
+  """(max |x|, ||x / max |x|||): x's 2-norm is their product. Scaling first keeps the
+  float32 sum of squares from underflowing (a gradient leaf near 1e-20) or overflowing."""
+  top = jnp.max(jnp.abs(x))
+  return top, jnp.sqrt(jnp.sum(jnp.square(x / jnp.where(top > 0, top, 1.0))))
+
+
+@jax.jit
+def _distance_parts(g, ref):
+  """Each leaf's scaled norm of g - ref and of ref, and whether every entry of g is finite:
+  one program, so the difference is never stored."""
+  diffs = [_scaled_norm(a - b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref))]
+  refs = [_scaled_norm(b) for b in jax.tree.leaves(ref)]
+  finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in jax.tree.leaves(g)]))
+  return diffs, refs, finite
+
+
+def _norm_of(parts) -> float:
+  """The 2-norm of a tree from its leaves' scaled norms, combined in float64."""
+  return math.sqrt(sum((float(top) * float(rest)) ** 2 for top, rest in parts))
+
+
+def gradient_distance(g, ref) -> float:
+  """||g - ref|| / ||ref|| over two gradient trees of the same structure (a zero `ref`
+  counts as norm 1); inf where g is not finite."""
+  if jax.tree.structure(g) != jax.tree.structure(ref):
+    raise ValueError("gradient_distance: the two gradients' parameter trees differ: "
+                     f"{jax.tree.structure(g)} vs {jax.tree.structure(ref)}")
+  diffs, refs, finite = jax.device_get(_distance_parts(g, ref))
+  if not finite:
+    return math.inf
+  return _norm_of(diffs) / (_norm_of(refs) or 1.0)
 
 
 def gradient_switched(ctx: ValidationContext, wanted: Mapping[str, KernelChoice], on,
-                      batches: int) -> np.ndarray:
+                      batches: int):
   """`_gradient` of the plan that runs the sites of `on` on their choices in `wanted` and
   every other site xla_bf16, through a switch board: one compiled gradient serves every
   subset. A switched-off site's FP8 product still runs; the pick sends it a zero cotangent,
@@ -895,8 +931,8 @@ def gradient_change(ctx: ValidationContext, site: str, choice: KernelChoice, bat
   gradient is not finite). With `wanted` (the round's candidates) both gradients come from
   one switch board, its bf16 one with every switch off; else each from its own program.
   `reference`: where the bf16 gradient is kept between calls (the caller's, so it lives no
-  longer than the caller needs it: a float64 copy of every parameter, gigabytes at a large
-  preset); None computes it each call."""
+  longer than the caller needs it: a float32 copy of every parameter on the device, 12 GB
+  at Wukong `large`); None computes it each call."""
   reference = {} if reference is None else reference
   if wanted is None:
     key = ("gradient", BASELINE, batches)
@@ -907,11 +943,8 @@ def gradient_change(ctx: ValidationContext, site: str, choice: KernelChoice, bat
     base = lambda: gradient_switched(ctx, wanted, (), batches)
     got = lambda: gradient_switched(ctx, wanted, (site,), batches)
   if key not in reference:
-    ref = base()
-    reference[key] = (ref, float(np.linalg.norm(ref)) or 1.0)
-  ref, norm = reference[key]
-  g = got()
-  return float(np.linalg.norm(g - ref)) / norm if np.all(np.isfinite(g)) else math.inf
+    reference[key] = base()
+  return gradient_distance(got(), reference[key])
 
 
 # ----------------------------------------------------------------------------- quality
