@@ -2,6 +2,7 @@
 off, good sites are left alone, every step is recorded; back-off targets come from the
 report; build_run checks a plan against the model before training."""
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -393,6 +394,44 @@ class ShadowTest(chex.TestCase):
     self.assertIn("held-out by data window", line)
     with self.assertRaisesRegex(ValueError, "shadow_windows must be >= 1"):
       validate.ValidationConfig(shadow_windows=0)
+
+  def test_a_plan_run_is_also_read_through_bf16_forwards(self):
+    ctx = context()
+    ctx._cache.clear()   # a resumed call: bf16+Mods' runs are records, its model not built
+    steps = 5
+    # A broken weight gradient with exact forwards: the trained parameters differ from
+    # bf16+Mods', and the plan's forwards read them as bf16+Mods' do.
+    backward = validate.shadow_run(
+        ctx, plan_of({BAD_SITE: {"grad_rhs": "test_flipped"}}).kernel_plan(), steps)
+    base = validate.shadow_run(ctx, validate.BASELINE, steps)
+    self.assertNotIn("held_out_bf16_forward", base)
+    own, through_bf16 = (backward[k]["logloss"] for k in ("held_out", "held_out_bf16_forward"))
+    self.assertAlmostEqual(through_bf16, own, delta=1e-6 * own)
+    self.assertNotAlmostEqual(own, base["held_out"]["logloss"], delta=1e-4 * own)
+    # FP8 forwards read the same parameters otherwise.
+    forward = validate.shadow_run(ctx, plan_of({GOOD_SITE: "xla_fp8_rowwise"}).kernel_plan(),
+                                  steps)
+    self.assertNotEqual(forward["held_out"]["logloss"],
+                        forward["held_out_bf16_forward"]["logloss"])
+    summary = validate.run_summary(forward, window=2)
+    self.assertEqual(summary["logloss_bf16_forward"],
+                     forward["held_out_bf16_forward"]["logloss"])
+    self.assertNotIn("logloss_bf16_forward", validate.run_summary(base, window=2))
+    # The check reports the change through bf16+Mods' forwards beside its verdict.
+    config = validate.ValidationConfig(shadow_steps=steps, shadow_window=2, shadow_windows=2)
+    out = validate.check_shadow(plan_of({GOOD_SITE: "xla_fp8_rowwise"}), ctx, config)
+    verdict = [r for r in validate.validation_records(out, "quality_shadow") if "round" in r][0]
+    runs = {(r["arm"], r["seed"]): r
+            for r in validate.validation_records(out, validate.run_step("quality_shadow"))}
+    want = [(runs["plan", s]["logloss_bf16_forward"] - runs["bf16_mods", s]["logloss"])
+            / runs["bf16_mods", s]["logloss"] for s in (0, 1)]
+    self.assertAlmostEqual(verdict["rel_logloss_change_bf16_forward"], np.mean(want))
+    self.assertEqual([p["rel_logloss_change_bf16_forward"] for p in verdict["per_seed"]],
+                     want)
+    self.assertIn("with bf16+Mods' forwards",
+                  train_report.validation_line(verdict, measurements=True))
+    self.assertIn("with bf16+Mods' forwards", train_report.validation_line(
+        runs["plan", 0], measurements=True))
 
   def test_divergence_is_one_sided(self):
     bound = 0.005
@@ -1088,6 +1127,43 @@ class ResumeTest(chex.TestCase):
     with self.assertRaisesRegex(validate.ValidationPaused, "600 s the slowest such"):
       validate.take_in_turn(slow, validate.Progress(deadline=time.time() + 60.0), site,
                             next_one(site))
+
+  def test_a_program_that_already_ran_is_paced_by_its_warm_measurements(self):
+    progress = validate.Progress()
+    progress.measured("k", 111.0, "board")          # the first run compiles the board
+    self.assertEqual(progress.pace("k", "board"), 111.0)   # no warm measurement yet
+    progress.measured("k", 35.0, "board")
+    self.assertEqual(progress.pace("k", "board"), 35.0)
+    self.assertEqual(progress.pace("k", "another board"), 111.0)
+    self.assertEqual(progress.pace("k"), 111.0)
+    progress.measured("k", 40.0, "board")
+    self.assertEqual(progress.pace("k", "board"), 40.0)
+    self.assertEqual(progress.pace("other kind", "board"), 0.0)
+
+    # Recorded by an earlier call: 111 s. Here the first takes 40 s, every other 10 s, and
+    # the deadline is 200 s away: paced by the 111 s, the seventh would not start.
+    step = validate.site_step("quality_shadow")
+    recorded = validate.add_validation(plan_of({GOOD_SITE: "xla_fp8_rowwise"}),
+                                       {"step": step, "seconds": 111.0})
+    def run(program_of):
+      clock = [1000.0]
+      def measure(i):
+        clock[0] += 40.0 if i == 0 else 10.0
+        return {}
+      pending = [(f"site {i}", {"site": str(i)}, functools.partial(measure, i))
+                 for i in range(10)]
+      with mock.patch.object(validate.time, "time", lambda: clock[0]):
+        progress = validate.Progress(deadline=clock[0] + 200.0)
+        try:
+          plan = validate.take_in_turn(recorded, progress, step, pending, program_of)
+        except validate.ValidationPaused:
+          plan = None
+      return plan, clock[0] - 1000.0
+    plan, spent = run(lambda fields: "board")
+    self.assertLen(validate.validation_records(plan, step), 11)
+    self.assertEqual(spent, 130.0)
+    self.assertEqual(run(None), (None, 90.0))                    # each its own program
+    self.assertEqual(run(lambda fields: fields["site"]), (None, 90.0))
 
   def test_site_measurements_survive_the_plan_file_including_non_finite_ones(self):
     plan = plan_of({BAD_SITE: "test_two_bit", GOOD_SITE: "xla_fp8_rowwise"})

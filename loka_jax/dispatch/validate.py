@@ -100,9 +100,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import math
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import (Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence,
+                    Tuple)
 
 import jax
 import jax.numpy as jnp
@@ -428,6 +430,10 @@ class Progress:
   site measurement 1.5 s in one program: with one pace for both, a call stopped before its
   first gradient measurement with about 190 s left (docs/BENCHMARKS.md section 7,
   thirty-ninth session).
+  A measurement whose compiled program already ran in this call (`take_in_turn`'s
+  `program_of`) is paced by the slowest such warm one of its kind, once one was taken: a
+  Wukong `large` gradient site took 111 s with its compile and 33-37 s after it, and a call
+  paced by the 111 s stopped with two sites' time left (fortieth session).
   `log`, where given, receives a line per record as it is made (a round's verdict, a
   back-off, each site measurement and training run), so a long validation shows where it is.
   """
@@ -435,6 +441,9 @@ class Progress:
   deadline: Optional[float] = None
   longest_s: Dict[str, float] = dataclasses.field(default_factory=dict)  # kind -> seconds
   log: Optional[Callable[[str], None]] = None
+  # kind -> seconds of its slowest measurement that reran a program compiled in this call
+  longest_warm_s: Dict[str, float] = dataclasses.field(default_factory=dict)
+  ran: set = dataclasses.field(default_factory=set)   # (kind, program) measured in this call
 
   def note(self, plan: Plan, since: int) -> Plan:
     """Logs the plan's validation records from index `since` on; returns the plan."""
@@ -449,21 +458,35 @@ class Progress:
         if line is not None:
           self.log(line.strip().lstrip("- "))
 
-  def checkpoint(self, plan: Plan, where: str, *, measurement: Optional[str] = None) -> None:
+  def checkpoint(self, plan: Plan, where: str, *, measurement: Optional[str] = None,
+                 program: Optional[Hashable] = None) -> None:
     """Saves `plan`; pauses when the deadline has passed or, before a `measurement` (its
-    kind), when it would pass within the slowest measurement of that kind known."""
+    kind; `program`: the compiled program it runs, None where its own), when it would pass
+    within `pace(measurement, program)`."""
     if self.save is not None:
       self.save(plan)
-    ahead_s = self.longest_s.get(measurement, 0.0) if measurement else 0.0
+    ahead_s = self.pace(measurement, program) if measurement else 0.0
     if self.deadline is not None and time.time() + ahead_s > self.deadline:
       raise ValidationPaused(f"validation paused before {where}: the deadline has passed"
                              + (f" or comes within the {ahead_s:.0f} s the slowest such "
                                 "measurement took" if ahead_s else "")
                              + "; the plan so far is saved, call again to resume")
 
-  def measured(self, kind: str, seconds: float) -> None:
-    """One measurement of `kind` taken, in `seconds`."""
+  def pace(self, kind: str, program: Optional[Hashable] = None) -> float:
+    """Seconds the next measurement of `kind` is expected to take at most: the slowest warm
+    one where its `program` already ran in this call and a warm one was taken, else the
+    slowest of its kind known (0 where none is)."""
+    if program is not None and (kind, program) in self.ran and kind in self.longest_warm_s:
+      return self.longest_warm_s[kind]
+    return self.longest_s.get(kind, 0.0)
+
+  def measured(self, kind: str, seconds: float, program: Optional[Hashable] = None) -> None:
+    """One measurement of `kind` taken, in `seconds` (`program`: as `checkpoint`'s)."""
     self.longest_s[kind] = max(self.longest_s.get(kind, 0.0), seconds)
+    if program is not None:
+      if (kind, program) in self.ran:
+        self.longest_warm_s[kind] = max(self.longest_warm_s.get(kind, 0.0), seconds)
+      self.ran.add((kind, program))
 
 
 def finished(plan, step: str) -> bool:
@@ -503,23 +526,26 @@ def saved_site_measurements(plan: Plan, step: str, scope: Optional[Mapping[str, 
 
 
 def take_in_turn(plan: Plan, progress: Progress, record_step: str,
-                 pending: Sequence[Tuple[str, Dict[str, Any], Callable[[], Dict[str, Any]]]]
-                 ) -> Plan:
+                 pending: Sequence[Tuple[str, Dict[str, Any], Callable[[], Dict[str, Any]]]],
+                 program_of: Optional[Callable[[Dict[str, Any]], Hashable]] = None) -> Plan:
   """Takes each pending measurement (where, its identifying fields, a call returning its
   result fields) in turn and records it at once as a `record_step` record with the
   `seconds` it took, saving the plan before the next, so a call that stops midway keeps
   what it measured. None starts that would not end by the deadline at the pace of the
-  slowest `record_step` record, from this call or an earlier one."""
+  slowest `record_step` record, from this call or an earlier one, or where `program_of`
+  (fields -> the compiled program the measurement runs; None: its own) says its program
+  already ran in this call, of the slowest warm one (`Progress.pace`)."""
   earlier = [r["seconds"] for r in plan["validation"]
              if r.get("step") == record_step and r.get("seconds") is not None]
   if earlier:
     progress.measured(record_step, max(earlier))
   for where, fields, measure in pending:
-    progress.checkpoint(plan, where, measurement=record_step)
+    program = program_of(fields) if program_of is not None else None
+    progress.checkpoint(plan, where, measurement=record_step, program=program)
     start = time.time()
     result = measure()
     seconds = time.time() - start
-    progress.measured(record_step, seconds)
+    progress.measured(record_step, seconds, program)
     plan = progress.note(add_validation(plan, {"step": record_step, **fields, **result,
                                                "seconds": round(seconds, 2)}), -1)
   return plan
@@ -527,7 +553,7 @@ def take_in_turn(plan: Plan, progress: Progress, record_step: str,
 
 def measure_sites(plan: Plan, step: str, round_: int, candidates: Mapping[str, KernelChoice],
                   measure: Callable[[str, KernelChoice], Any], progress: Progress,
-                  scope: Optional[Mapping[str, Any]] = None
+                  scope: Optional[Mapping[str, Any]] = None, one_program: bool = False
                   ) -> Tuple[Plan, Dict[str, float]]:
   """(plan, {site: value}) for every candidate: as the plan records it (this round, an earlier
   one or an earlier call: `saved_site_measurements`) or taken now by `measure(site, choice)`
@@ -536,7 +562,8 @@ def measure_sites(plan: Plan, step: str, round_: int, candidates: Mapping[str, K
   the value, or (value, extras) to record the extras beside it. `scope` (field: value) is
   recorded with each new measurement, and only measurements recorded with it are reused: a
   value that holds only where it was taken (the speed check's, in one round for its failing
-  steps) is not carried past it."""
+  steps) is not carried past it. `one_program`: every site is measured through one compiled
+  program (a switch board), so after the first the rest are paced as warm."""
   def result(site: str, choice: KernelChoice) -> Dict[str, Any]:
     got = measure(site, choice)
     value, extras = (float(got[0]), dict(got[1])) if isinstance(got, tuple) else (float(got), {})
@@ -547,7 +574,8 @@ def measure_sites(plan: Plan, step: str, round_: int, candidates: Mapping[str, K
               {"round": round_, **(scope or {}), "site": site, "choice": choice.to_dict()},
               functools.partial(result, site, choice))
              for site, choice in sorted(candidates.items()) if (site, choice) not in saved]
-  plan = take_in_turn(plan, progress, site_step(step), pending)
+  plan = take_in_turn(plan, progress, site_step(step), pending,
+                      (lambda fields: (step, round_)) if one_program else None)
   measured = saved_site_measurements(plan, step, scope)
   return plan, {s: measured[(s, c)] for s, c in candidates.items()}
 
@@ -989,7 +1017,7 @@ def check_held_out(plan, ctx: ValidationContext, config: ValidationConfig = Vali
       else:
         measure = lambda site, choice: held_out_change(ctx, only_site(site, choice), size)
       plan, current = measure_sites(plan, "quality_held_out", round_, candidates, measure,
-                                    progress)
+                                    progress, one_program=config.held_out_one_program)
       record["contributions"] = current
       # The site that pushes hardest in the direction of the excess: one that moves the loss
       # the other way is offsetting, and backing it off would widen the gap.
@@ -1027,6 +1055,7 @@ def shadow_run(ctx: ValidationContext, kplan: KernelPlan, steps: int, eval_batch
   if key in ctx._cache:
     return ctx._cache[key]
   model, meta = model_and_meta(ctx, kplan)  # also before the state leaves the device
+  bf16_meta = model_and_meta(ctx, BASELINE)[1]   # for the plan's bf16+Mods reading below
   train_step, _ = compiled_steps(model, optim, "stop")
   if start == INIT:
     batch = lambda i: ctx.source.train_batch(i, ctx.batch_size)
@@ -1046,8 +1075,15 @@ def shadow_run(ctx: ValidationContext, kplan: KernelPlan, steps: int, eval_batch
     losses = np.asarray(jax.device_get(losses), np.float64)
     finite = bool(np.all(jax.device_get(oks))) and bool(np.all(np.isfinite(losses)))
     final = held_out(ctx, kplan, eval_batch_size, state=state) if finite else None
+    out = {"losses": losses, "finite": finite, "held_out": final}
+    if finite and kplan != BASELINE:
+      # The same trained parameters through bf16+Mods' forwards: whether the plan's held-out
+      # change comes from how it trained or from its FP8 forwards at the end (Wukong
+      # `large`'s round 0: held-out +1.2% with the training loss 0.07% below bf16+Mods',
+      # docs/BENCHMARKS.md section 7, fortieth session).
+      out["held_out_bf16_forward"] = held_out(ctx, BASELINE, eval_batch_size,
+                                              state=state.replace(fp8_meta=bf16_meta))
     del state
-  out = {"losses": losses, "finite": finite, "held_out": final}
   ctx._cache[key] = out
   return out
 
@@ -1063,13 +1099,17 @@ def run_step(step: str) -> str:
 def run_summary(run: Mapping[str, Any], window: int) -> Dict[str, Any]:
   """What the training checks judge of a `shadow_run`: whether it stayed finite, its mean
   loss over the last `window` steps, its worst step's loss and its held-out log loss (None
-  where not finite: JSON has no NaN)."""
+  where not finite: JSON has no NaN); a plan's run also its parameters' held-out log loss
+  through bf16+Mods' forwards."""
   finite = bool(run["finite"])
   losses = run["losses"]
-  return {"finite": finite,
-          "window_loss": float(np.mean(losses[-window:])) if finite else None,
-          "peak_loss": float(np.max(losses)) if finite else None,
-          "logloss": float(run["held_out"]["logloss"]) if finite else None}
+  out = {"finite": finite,
+         "window_loss": float(np.mean(losses[-window:])) if finite else None,
+         "peak_loss": float(np.max(losses)) if finite else None,
+         "logloss": float(run["held_out"]["logloss"]) if finite else None}
+  if finite and run.get("held_out_bf16_forward") is not None:
+    out["logloss_bf16_forward"] = float(run["held_out_bf16_forward"]["logloss"])
+  return out
 
 
 def _training_runs(plan: Plan, ctx: ValidationContext, progress: Progress, step: str, arm: str,
@@ -1094,7 +1134,10 @@ def _training_runs(plan: Plan, ctx: ValidationContext, progress: Progress, step:
   have = saved(plan)
   pending = [(f"the {step} check's {arm} run, seed {seed}", {**fields, "seed": seed},
               functools.partial(measure, seed)) for seed in seeds if seed not in have]
-  plan = take_in_turn(plan, progress, run_step(step), pending)
+  # A run's program is its arm and recipe: its other seeds (data windows) rerun it warm.
+  plan = take_in_turn(plan, progress, run_step(step), pending,
+                      lambda f: json.dumps({k: v for k, v in f.items() if k != "seed"},
+                                           sort_keys=True))
   have = saved(plan)
   return plan, [have[seed] for seed in seeds]
 
@@ -1237,9 +1280,18 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
                     logloss=float(np.mean([r["logloss"] for r in runs])),
                     logloss_bf16=float(np.mean([b["logloss"] for b in bases])),
                     rel_logloss_change=rel_eval)
+      # Reported, not judged: runs recorded before it was measured have none.
+      rel_bf16_forwards = ([_rel(r["logloss_bf16_forward"], b["logloss"])
+                            for r, b in zip(runs, bases)]
+                           if all("logloss_bf16_forward" in r for r in runs) else None)
+      if rel_bf16_forwards is not None:
+        record["rel_logloss_change_bf16_forward"] = float(np.mean(rel_bf16_forwards))
       if len(seeds) > 1:
-        record["per_seed"] = [{"seed": seed, "rel_train_loss": t, "rel_logloss_change": e}
-                              for seed, t, e in zip(seeds, rel_trains, rel_evals)]
+        record["per_seed"] = [
+            {"seed": seed, "rel_train_loss": t, "rel_logloss_change": e,
+             **({"rel_logloss_change_bf16_forward": rel_bf16_forwards[i]}
+                if rel_bf16_forwards is not None else {})}
+            for i, (seed, t, e) in enumerate(zip(seeds, rel_trains, rel_evals))]
     else:
       diverged = True
     record["passed"] = not diverged
@@ -1273,7 +1325,7 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
       # Recorded under the shadow check's name in either check: the value (this site's
       # gradient change on the trained state) is the same, so neither measures it twice.
       plan, current = measure_sites(plan, "quality_shadow", round_, candidates, measure,
-                                    progress)
+                                    progress, one_program=config.gradient_one_program)
       # JSON has no infinity: a site whose gradient is not finite reads null.
       record["gradient_contributions"] = {s: (v if math.isfinite(v) else None)
                                           for s, v in current.items()}

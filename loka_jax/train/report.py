@@ -120,6 +120,9 @@ def validation_line(r: Mapping[str, Any], measurements: bool = False) -> Optiona
     detail = ("non-finite loss" if not r.get("finite") else
               f"train loss {100 * r['rel_train_loss']:+.3f}%, held-out "
               f"{100 * r['rel_logloss_change']:+.3f}%")
+    if r.get("finite") and "rel_logloss_change_bf16_forward" in r:
+      detail += (f" ({100 * r['rel_logloss_change_bf16_forward']:+.3f}% with bf16+Mods' "
+                 "forwards)")
     if step == "quality_from_init" and r.get("finite"):
       detail += f"; worst step's loss {r['peak_loss']:.3g} vs {r['peak_loss_bf16']:.3g}"
     # From the checkpoint each seed is a data window (`ValidationConfig.shadow_windows`).
@@ -157,8 +160,10 @@ def validation_line(r: Mapping[str, Any], measurements: bool = False) -> Optiona
             f"{value} ({r.get('seconds')} s)")
   if measurements and step.endswith("_run"):
     losses = ("non-finite loss" if not r.get("finite") else
-              f"train loss {r['window_loss']:.5f}, held-out log loss {r['logloss']:.5f}, "
-              f"worst step's loss {r['peak_loss']:.3g}")
+              f"train loss {r['window_loss']:.5f}, held-out log loss {r['logloss']:.5f}"
+              + (f" ({r['logloss_bf16_forward']:.5f} with bf16+Mods' forwards)"
+                 if "logloss_bf16_forward" in r else "")
+              + f", worst step's loss {r['peak_loss']:.3g}")
     return (f"  - {step[:-len('_run')]} run, {r['arm']} seed {r['seed']}: {losses} "
             f"({r.get('seconds')} s)")
   return None
