@@ -433,7 +433,7 @@ class Progress:
   A measurement whose compiled program already ran in this call (`take_in_turn`'s
   `program_of`) is paced by the slowest such warm one of its kind, once one was taken: a
   Wukong `large` gradient site took 111 s with its compile and 33-37 s after it, and a call
-  paced by the 111 s stopped with two sites' time left (fortieth session).
+  paced by the 111 s stopped with about 120 s, three such sites, left (fortieth session).
   `log`, where given, receives a line per record as it is made (a round's verdict, a
   back-off, each site measurement and training run), so a long validation shows where it is.
   """
@@ -896,12 +896,17 @@ def _summed_gradient(grad_of: Callable, ctx: ValidationContext, batches: int):
   float32 leaves, left on the device. A float64 host copy of every parameter made each of
   Wukong `large`'s site measurements take 35 s and its host 125 GiB at peak
   (docs/BENCHMARKS.md section 7, fortieth session); `gradient_distance` reads two on the
-  device."""
+  device. The running sum is added to in place (donated), so summing holds two gradients on
+  the device, not three (12 GB each at Wukong `large`, beside its 36.6 GB state and the
+  bf16 reference gradient)."""
   total = None
   for i in range(batches):
     g = jax.tree.map(lambda x: x.astype(jnp.float32), grad_of(ctx.batch(i)))
-    total = g if total is None else jax.tree.map(jnp.add, total, g)
+    total = g if total is None else _add_into(total, g)
   return total
+
+
+_add_into = jax.jit(lambda total, g: jax.tree.map(jnp.add, total, g), donate_argnums=0)
 
 
 def _scaled_norm(x: jax.Array) -> Tuple[jax.Array, jax.Array]:
