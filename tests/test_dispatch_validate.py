@@ -416,6 +416,14 @@ class ShadowTest(chex.TestCase):
     summary = validate.run_summary(forward, window=2)
     self.assertEqual(summary["logloss_bf16_forward"],
                      forward["held_out_bf16_forward"]["logloss"])
+    # AUC and calibration (mean predicted probability over the positive rate) of its scores.
+    held = forward["held_out"]
+    self.assertEqual(summary["auc"], held["auc"])
+    probs = 1.0 / (1.0 + np.exp(-np.asarray(held["logits"], np.float64)))
+    self.assertAlmostEqual(summary["calibration"],
+                           probs.mean() / np.mean(held["labels"]), places=9)
+    self.assertEqual(validate.calibration(np.array([0.0, 0.0]), np.array([1.0, 0.0])), 1.0)
+    self.assertEqual(validate.calibration(np.array([-2.0]), np.array([0.0])), math.inf)
     self.assertNotIn("logloss_bf16_forward", validate.run_summary(base, window=2))
     # The check reports the change through bf16+Mods' forwards beside its verdict.
     config = validate.ValidationConfig(shadow_steps=steps, shadow_window=2, shadow_windows=2)
@@ -430,8 +438,9 @@ class ShadowTest(chex.TestCase):
                      want)
     self.assertIn("with bf16+Mods' forwards",
                   train_report.validation_line(verdict, measurements=True))
-    self.assertIn("with bf16+Mods' forwards", train_report.validation_line(
-        runs["plan", 0], measurements=True))
+    run_line = train_report.validation_line(runs["plan", 0], measurements=True)
+    self.assertIn("with bf16+Mods' forwards", run_line)
+    self.assertIn(f"AUC {runs['plan', 0]['auc']:.4f}, calibration", run_line)
 
   def test_divergence_is_one_sided(self):
     bound = 0.005

@@ -1104,17 +1104,32 @@ def run_step(step: str) -> str:
 def run_summary(run: Mapping[str, Any], window: int) -> Dict[str, Any]:
   """What the training checks judge of a `shadow_run`: whether it stayed finite, its mean
   loss over the last `window` steps, its worst step's loss and its held-out log loss (None
-  where not finite: JSON has no NaN); a plan's run also its parameters' held-out log loss
-  through bf16+Mods' forwards."""
+  where not finite: JSON has no NaN), with its held-out AUC and calibration where the scores
+  were kept; a plan's run also its parameters' held-out log loss through bf16+Mods' forwards.
+  AUC and calibration tell a worse ranking from a shifted mean prediction, which an early,
+  barely learning state's log loss mostly is (Wukong `large`: AUC 0.519 at the probe's
+  state, docs/BENCHMARKS.md section 7, thirty-ninth session)."""
   finite = bool(run["finite"])
   losses = run["losses"]
   out = {"finite": finite,
          "window_loss": float(np.mean(losses[-window:])) if finite else None,
          "peak_loss": float(np.max(losses)) if finite else None,
          "logloss": float(run["held_out"]["logloss"]) if finite else None}
+  if finite and "logits" in run["held_out"]:
+    out.update(auc=float(run["held_out"]["auc"]),
+               calibration=calibration(run["held_out"]["logits"], run["held_out"]["labels"]))
   if finite and run.get("held_out_bf16_forward") is not None:
     out["logloss_bf16_forward"] = float(run["held_out_bf16_forward"]["logloss"])
   return out
+
+
+def calibration(logits, labels) -> float:
+  """Mean predicted probability over the observed positive rate (1: calibrated; inf where
+  no example is positive)."""
+  rate = float(np.mean(np.asarray(labels, np.float64)))
+  # tanh form of the sigmoid: no overflow warning for large negative logits
+  mean_p = float(np.mean(0.5 * (1.0 + np.tanh(0.5 * np.asarray(logits, np.float64)))))
+  return mean_p / rate if rate > 0 else math.inf
 
 
 def _training_runs(plan: Plan, ctx: ValidationContext, progress: Progress, step: str, arm: str,

@@ -163,6 +163,8 @@ def validation_line(r: Mapping[str, Any], measurements: bool = False) -> Optiona
               f"train loss {r['window_loss']:.5f}, held-out log loss {r['logloss']:.5f}"
               + (f" ({r['logloss_bf16_forward']:.5f} with bf16+Mods' forwards)"
                  if "logloss_bf16_forward" in r else "")
+              + (f", AUC {r['auc']:.4f}, calibration {r['calibration']:.4f}"
+                 if "auc" in r else "")
               + f", worst step's loss {r['peak_loss']:.3g}")
     return (f"  - {step[:-len('_run')]} run, {r['arm']} seed {r['seed']}: {losses} "
             f"({r.get('seconds')} s)")
