@@ -1265,7 +1265,6 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
   base_windows = [b["window_loss"] for b in bases]
   held_bound = (held_out_quality_bound(config, [b["logloss"] for b in bases])
                 if start == INIT and config.from_init_quality_bound else None)
-  reference = {}   # the bf16 gradient and its norm, once a site is left to measure
   first = _rounds_done(plan, step)
   for round_ in range(first, config.max_rounds + 1):
     progress.checkpoint(plan, f"{step} round {round_}")
@@ -1340,12 +1339,20 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
                     "passes)" for s in worst}
     else:
       wanted = candidates if config.gradient_one_program else None
+      # The bf16 gradient, once a site is left to measure: a tree on the device (12 GB at
+      # Wukong `large`), so it lives for this round's measurements only (cleared below),
+      # not beside the next round's training runs. A later round measures on another
+      # board anyway.
+      reference = {}
       measure = lambda site, choice: gradient_change(ctx, site, choice, config.grad_batches,
                                                      wanted, reference)
       # Recorded under the shadow check's name in either check: the value (this site's
       # gradient change on the trained state) is the same, so neither measures it twice.
-      plan, current = measure_sites(plan, "quality_shadow", round_, candidates, measure,
-                                    progress, one_program=config.gradient_one_program)
+      try:
+        plan, current = measure_sites(plan, "quality_shadow", round_, candidates, measure,
+                                      progress, one_program=config.gradient_one_program)
+      finally:
+        reference.clear()
       # JSON has no infinity: a site whose gradient is not finite reads null.
       record["gradient_contributions"] = {s: (v if math.isfinite(v) else None)
                                           for s, v in current.items()}
