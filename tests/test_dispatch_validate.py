@@ -22,6 +22,7 @@ from loka_jax.dispatch import pipeline, validate
 from loka_jax.dispatch.plan import FALLBACK, SCHEMA, Plan, read_plan, save_plan
 from loka_jax.kernels import Kernel, registry, reference_einsum
 from loka_jax.train import TrainConfig, experiment
+from loka_jax.train import metrics
 from loka_jax.train import report as train_report
 from loka_jax.train.loop import train
 
@@ -422,8 +423,8 @@ class ShadowTest(chex.TestCase):
     probs = 1.0 / (1.0 + np.exp(-np.asarray(held["logits"], np.float64)))
     self.assertAlmostEqual(summary["calibration"],
                            probs.mean() / np.mean(held["labels"]), places=9)
-    self.assertEqual(validate.calibration(np.array([0.0, 0.0]), np.array([1.0, 0.0])), 1.0)
-    self.assertEqual(validate.calibration(np.array([-2.0]), np.array([0.0])), math.inf)
+    self.assertEqual(metrics.calibration(np.array([0.0, 0.0]), np.array([1.0, 0.0])), 1.0)
+    self.assertEqual(metrics.calibration(np.array([-2.0]), np.array([0.0])), math.inf)
     self.assertNotIn("logloss_bf16_forward", validate.run_summary(base, window=2))
     # The check reports the change through bf16+Mods' forwards beside its verdict.
     config = validate.ValidationConfig(shadow_steps=steps, shadow_window=2, shadow_windows=2)

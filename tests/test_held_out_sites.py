@@ -60,11 +60,11 @@ class HeldOutSitesTest(absltest.TestCase):
     got = run_cli("--sites=no/such/site", "--num_eval=256", f"--workdir={workdir}")
     self.assertNotEqual(got.returncode, 0)
     self.assertIn("matches none of the model's sites", got.stderr)
+    self.assertFalse(os.path.exists(os.path.join(workdir, "run")))  # refused before training
     got = run_cli("--gradients", f"--workdir={tempfile.mkdtemp()}")
     self.assertNotEqual(got.returncode, 0)
     self.assertIn("--gradients compares the two ways of measuring: add --one_program",
                   got.stderr)
-    self.assertFalse(os.path.exists(os.path.join(workdir, "run")))  # refused before training
 
 
 if __name__ == "__main__":

@@ -35,6 +35,15 @@ def bce_with_logits_np(logits, labels) -> np.ndarray:
   return np.maximum(z, 0.0) - z * y + np.log1p(np.exp(-np.abs(z)))
 
 
+def calibration(logits, labels) -> float:
+  """Mean predicted probability over the observed positive rate (1: calibrated; inf where
+  no example is positive)."""
+  rate = float(np.mean(np.asarray(labels, np.float64)))
+  # tanh form of the sigmoid: no overflow warning for large negative logits
+  mean_p = float(np.mean(0.5 * (1.0 + np.tanh(0.5 * np.asarray(logits, np.float64)))))
+  return mean_p / rate if rate > 0 else math.inf
+
+
 def binary_entropy(p: float) -> float:
   """Entropy in nats of a Bernoulli(p); 0 at p in {0, 1}."""
   p = float(p)
