@@ -121,6 +121,10 @@ SHADOW_WINDOWS = flags.DEFINE_integer(
     "validation_shadow_windows", 1, "Data windows of validation's shadow check from the "
     "probe's state, both runs per window; it judges the mean over windows "
     "(`ValidationConfig.shadow_windows`).")
+SHADOW_NOISE_FLOOR = flags.DEFINE_bool(
+    "validation_shadow_noise_floor", False, "Validation's shadow check also trains bf16+Mods "
+    "from a jittered checkpoint in each data window and widens its bounds to two standard "
+    "errors of that run's change (`ValidationConfig.shadow_noise_floor`).")
 FROM_INIT_STEPS = flags.DEFINE_integer(
     "validation_from_init_steps", 0, "When a target's plan is made: validation's training "
     "from a fresh initialization, plan vs bf16+Mods, with the probe's recipe (0: skip).")
@@ -234,6 +238,7 @@ def main(argv):
                                  validation_from_init_clip_norm=FROM_INIT_CLIP.value,
                                  validation_from_init_seeds=FROM_INIT_SEEDS.value,
                                  validation_shadow_windows=SHADOW_WINDOWS.value,
+                                 validation_shadow_noise_floor=SHADOW_NOISE_FLOOR.value,
                                  validation_from_init_quality_bound=FROM_INIT_QUALITY.value,
                                  validation_held_out_one_program=HELD_OUT_ONE_PROGRAM.value,
                                  validation_gradient_one_program=GRADIENT_ONE_PROGRAM.value,

@@ -583,6 +583,7 @@ class ValidationFromInitTest(absltest.TestCase):
                                      validation_held_out_one_program=quality,
                                      validation_gradient_one_program=quality,
                                      validation_shadow_windows=seeds + 1,
+                                     validation_shadow_noise_floor=quality,
                                      validation_promotion_per_sort=seeds + 2)
       with mock.patch("loka_jax.dispatch.pipeline.probe_and_plan") as probe_and_plan:
         suite._probe_for_plan(target, settings,
@@ -592,9 +593,9 @@ class ValidationFromInitTest(absltest.TestCase):
                         validation.from_init_clip_norm, validation.from_init_seeds,
                         validation.from_init_quality_bound, validation.held_out_one_program,
                         validation.gradient_one_program, validation.shadow_windows,
-                        validation.promotion_per_sort),
+                        validation.shadow_noise_floor, validation.promotion_per_sort),
                        (steps, warmup, clip, seeds, quality, quality, quality, seeds + 1,
-                        seeds + 2))
+                        quality, seeds + 2))
 
   def test_the_probes_timing_floor_and_compile_threads_reach_its_options(self):
     (target,) = suite.tower_targets(["64x32x2"])

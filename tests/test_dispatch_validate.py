@@ -443,6 +443,81 @@ class ShadowTest(chex.TestCase):
     self.assertIn("with bf16+Mods' forwards", run_line)
     self.assertIn(f"AUC {runs['plan', 0]['auc']:.4f}, calibration", run_line)
 
+  def test_jittered_parameters_move_by_the_relative_std_asked(self):
+    rel = validate.NOISE_FLOOR_JITTER
+    keys = jax.random.split(jax.random.PRNGKey(7), 2)
+    params = {"w": jax.random.normal(keys[0], (300, 200), jnp.float32) + 3.0,
+              "b": {"e": jax.random.uniform(keys[1], (40_000,), jnp.float32, 1.0, 2.0)
+                         .astype(jnp.bfloat16)}}
+    host = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
+    copy = lambda: jax.tree.map(lambda x: jnp.array(x, copy=True), params)
+    out = validate.jittered(copy(), rel, seed=3)
+    self.assertEqual(jax.tree.map(lambda x: x.dtype, out),
+                     jax.tree.map(lambda x: x.dtype, params))
+    factor = np.asarray(out["w"], np.float64) / host["w"] - 1.0
+    self.assertAlmostEqual(factor.std(), rel, delta=0.05 * rel)
+    self.assertAlmostEqual(factor.mean(), 0.0, delta=0.05 * rel)
+    # bf16 leaves move too (a unit roundoff's std is not lost to rounding on average).
+    moved = np.asarray(out["b"]["e"], np.float64) != host["b"]["e"]
+    self.assertGreater(moved.mean(), 0.3)
+    again = validate.jittered(copy(), rel, seed=3)
+    np.testing.assert_array_equal(np.asarray(again["w"]), np.asarray(out["w"]))
+    other = validate.jittered(copy(), rel, seed=4)
+    self.assertFalse(np.array_equal(np.asarray(other["w"]), np.asarray(out["w"])))
+    with self.assertRaisesRegex(ValueError, "jitter=0.01: a jitter"):
+      validate.shadow_run(context(), validate.BASELINE, 2, start=validate.INIT, jitter=0.01)
+
+  def test_noise_floor_bounds_are_two_standard_errors_of_the_window_mean(self):
+    config = validate.ValidationConfig(shadow_max_rel_loss=0.005)
+    bases = [{"window_loss": 0.50, "logloss": 0.40}, {"window_loss": 0.60, "logloss": 0.50}]
+    noisy = [{"window_loss": 0.501, "logloss": 0.408}, {"window_loss": 0.599, "logloss": 0.49}]
+    out = validate.shadow_noise_bounds(config, noisy, bases)
+    np.testing.assert_allclose(out["rel_logloss_change"], [0.02, -0.02])
+    # RMS 0.02 over two windows: 2 x 0.02 / sqrt(2).
+    self.assertAlmostEqual(out["held_out_bound"], 0.04 / math.sqrt(2))
+    # Training changes of 0.2% and 0.17%: the divergence bound stays.
+    self.assertEqual(out["train_bound"], 0.005)
+    self.assertEqual(out["jitter"], validate.NOISE_FLOOR_JITTER)
+    with self.assertRaisesRegex(ValueError, "1 noise-floor runs for 2 data windows"):
+      validate.shadow_noise_bounds(config, noisy[:1], bases)
+    # Each measure against its own bound.
+    self.assertFalse(validate.shadow_diverged(0.004, 0.02, 0.005, 0.03))
+    self.assertTrue(validate.shadow_diverged(0.006, 0.0, 0.005, 0.03))
+    self.assertTrue(validate.shadow_diverged(0.0, 0.031, 0.005, 0.03))
+
+  def test_the_noise_floor_runs_jittered_bf16_and_still_catches_a_broken_gradient(self):
+    ctx = context()
+    ctx._cache.clear()
+    plan = plan_of({BAD_SITE: {"grad_rhs": "test_flipped"}, GOOD_SITE: "xla_fp8_rowwise"})
+    config = validate.ValidationConfig(shadow_steps=20, shadow_window=10, shadow_windows=2,
+                                       shadow_noise_floor=True)
+    out = validate.check_shadow(plan, ctx, config)
+    runs = {(r["arm"], r["seed"]): r
+            for r in validate.validation_records(out, validate.run_step("quality_shadow"))}
+    self.assertEqual({s for a, s in runs if a == validate.NOISE_ARM}, {0, 1})
+    for seed in (0, 1):
+      noise, base = runs[validate.NOISE_ARM, seed], runs[validate.BASELINE_ARM, seed]
+      self.assertEqual(noise["jitter"], validate.NOISE_FLOOR_JITTER)
+      self.assertNotEqual(noise["logloss"], base["logloss"])   # the jitter reached training
+    rounds = [r for r in validate.validation_records(out, "quality_shadow") if "round" in r]
+    first = rounds[0]
+    floor = first["noise_floor"]
+    want = [(runs[validate.NOISE_ARM, s]["logloss"] - runs[validate.BASELINE_ARM, s]["logloss"])
+            / runs[validate.BASELINE_ARM, s]["logloss"] for s in (0, 1)]
+    np.testing.assert_allclose(floor["rel_logloss_change"], want, rtol=1e-9)
+    for r in rounds:   # each verdict against the bounds it records
+      self.assertEqual(r["passed"], not (r["rel_train_loss"] > r["noise_floor"]["train_bound"]
+                                         or r["rel_logloss_change"]
+                                         > r["noise_floor"]["held_out_bound"]))
+    # A sign-flipped weight gradient is far above a rounding's worth of noise.
+    self.assertFalse(first["passed"])
+    self.assertEqual(kernels(out, BAD_SITE)["grad_rhs"], FALLBACK)
+    self.assertIn("noise floor by data window",
+                  train_report.validation_line(first, measurements=True))
+    # The noise runs are records: a check resumed from the plan trains none of them again.
+    with mock.patch.object(validate, "shadow_run", side_effect=AssertionError("trained")):
+      validate.check_shadow(out, ctx, config)
+
   def test_divergence_is_one_sided(self):
     bound = 0.005
     # A plan that ends below bf16+Mods (the Wukong `large` shadow run ended 1.3% below on

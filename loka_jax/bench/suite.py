@@ -154,6 +154,8 @@ class SpeedSettings:
   validation_from_init_seeds: int = 1
   # Data windows of its shadow check from the probe's state (`ValidationConfig.shadow_windows`).
   validation_shadow_windows: int = 1
+  # Whether its bounds also read the check's own noise (`ValidationConfig.shadow_noise_floor`).
+  validation_shadow_noise_floor: bool = False
   # Whether it also judges held-out log loss against the quality target's bound
   # (`ValidationConfig.from_init_quality_bound`).
   validation_from_init_quality_bound: bool = False

@@ -24,6 +24,15 @@ Quality, on the SAME trained bf16+Mods parameters (a plan changes kernels, never
      passes, so the site whose plan moves the parameter gradient most (relative L2 change of
      the whole gradient on training batches when only that site runs its plan) is backed off
      and the shadow run repeated.
+     With `shadow_noise_floor` the bounds also read the check's own noise. A short run from
+     an early state is chaotic: backing off one site's gradient passes moved Wukong
+     `large`'s held-out change in one data window from +1.27% to -0.68%, and in another
+     from +1.96% to +3.82% (H200, docs/BENCHMARKS.md section 7, forty-first session). So
+     bf16+Mods trains each window a second time from the checkpoint with every parameter
+     times (1 + u), u ~ N(0, `NOISE_FLOOR_JITTER`^2), a bf16 rounding's worth, and each
+     bound becomes max(`shadow_max_rel_loss`, 2 x the RMS over windows of that run's
+     change / sqrt(windows)): what a mean over the windows moves under a perturbation
+     that no kernel choice can be blamed for.
   3. training from initialization (`from_init_steps`; 0, the default, skips it): the same
      comparison, but both runs start from a fresh initialization (the config's seed, fresh
      delayed-scaling state) on the data from its start, with the probe's optimizer or,
@@ -121,6 +130,9 @@ from loka_jax.train.optim import OptimConfig
 from loka_jax.train.state import one_example
 
 BASELINE = KernelPlan.uniform(FALLBACK)
+# Relative std of the shadow check's noise-floor jitter: bf16's unit roundoff, the smallest
+# change that any kernel's rounding makes to a value (`shadow_noise_floor`).
+NOISE_FLOOR_JITTER = 2.0 ** -8
 DELAYED_WARMUP = 3  # delayed-scaling state starts at scale 1: calibrate before judging it
 
 
@@ -138,6 +150,10 @@ class ValidationConfig:
   # trajectory: at Wukong `large` it read held-out +1.27% with the training loss 0.05% below
   # bf16+Mods' (docs/BENCHMARKS.md section 7, thirty-ninth session).
   shadow_windows: int = 1
+  # Whether the shadow check also trains bf16+Mods from a jittered checkpoint in each window
+  # (`NOISE_FLOOR_JITTER`) and widens its bounds to 2 x that noise over sqrt(windows)
+  # (`shadow_noise_bounds`). Off by default: it costs one more run per window.
+  shadow_noise_floor: bool = False
   # Training steps from a fresh initialization, plan vs bf16+Mods (0 skips the check; the
   # bound and window are the shadow check's).
   from_init_steps: int = 0
@@ -1044,20 +1060,36 @@ def check_held_out(plan, ctx: ValidationContext, config: ValidationConfig = Vali
 CHECKPOINT, INIT = "checkpoint", "init"
 
 
+def jittered(params, rel: float, seed: int):
+  """`params` with each value times (1 + u), u ~ N(0, rel^2) drawn from `seed` (a key per
+  leaf), in each leaf's dtype. The input's buffers are donated: the caller's copy is gone."""
+  def jitter(tree, key):
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree.unflatten(treedef, [
+        (x * (1 + rel * jax.random.normal(k, x.shape, jnp.float32))).astype(x.dtype)
+        for x, k in zip(leaves, keys)])
+  return jax.jit(jitter, donate_argnums=0)(params, jax.random.PRNGKey(seed))
+
+
 def shadow_run(ctx: ValidationContext, kplan: KernelPlan, steps: int, eval_batch_size=None,
                start: str = CHECKPOINT, seed: int = 0,
-               optim: Optional[OptimConfig] = None, window: int = 0) -> Dict[str, Any]:
+               optim: Optional[OptimConfig] = None, window: int = 0,
+               jitter: float = 0.0) -> Dict[str, Any]:
   """`steps` training steps under `kplan`: losses, finiteness and the held-out metrics at the
   end (cached per plan). `start`: CHECKPOINT, the context's trained state and the batches
   from `window` x `steps` after it; INIT, a fresh initialization from `seed`
   (`initial_state`) and the data from its start. `optim`: the optimizer (None: the
-  context's, the probe's recipe)."""
+  context's, the probe's recipe). `jitter` > 0 (from the checkpoint only): the parameters
+  start `jittered` by that relative std, drawn from `seed` (the shadow check's noise floor)."""
   if start not in (CHECKPOINT, INIT):
     raise ValueError(f"start={start!r}; use {CHECKPOINT!r} or {INIT!r}")
   if window < 0 or (window and start == INIT):
     raise ValueError(f"window={window}: a data window (>= 0) is a run from the checkpoint's")
+  if jitter < 0 or (jitter and start == INIT):
+    raise ValueError(f"jitter={jitter}: a jitter (>= 0) perturbs the checkpoint's parameters")
   optim = optim or ctx.optim
-  key = ("shadow", kplan, steps, eval_batch_size, start, seed, optim, window)
+  key = ("shadow", kplan, steps, eval_batch_size, start, seed, optim, window, jitter)
   if key in ctx._cache:
     return ctx._cache[key]
   model, meta = model_and_meta(ctx, kplan)  # also before the state leaves the device
@@ -1073,6 +1105,8 @@ def shadow_run(ctx: ValidationContext, kplan: KernelPlan, steps: int, eval_batch
       state = initial_state(ctx, kplan, seed, optim)
     else:
       state = state.replace(fp8_meta=meta)
+      if jitter:
+        state = state.replace(params=jittered(state.params, jitter, seed))
     losses, oks = [], []
     for i in range(steps):
       state, m = train_step(state, batch(i))
@@ -1094,7 +1128,7 @@ def shadow_run(ctx: ValidationContext, kplan: KernelPlan, steps: int, eval_batch
   return out
 
 
-BASELINE_ARM, PLAN_ARM = "bf16_mods", "plan"
+BASELINE_ARM, PLAN_ARM, NOISE_ARM = "bf16_mods", "plan", "bf16_mods_jittered"
 
 
 def run_step(step: str) -> str:
@@ -1142,7 +1176,8 @@ def _training_runs(plan: Plan, ctx: ValidationContext, progress: Progress, step:
     # From the checkpoint each seed is a data window (`shadow_windows`), the first window 0.
     window = seeds.index(seed) if recipe["start"] == CHECKPOINT else 0
     return run_summary(shadow_run(ctx, kplan, recipe["steps"], eval_batch_size,
-                                  recipe["start"], seed, optim, window), recipe["window"])
+                                  recipe["start"], seed, optim, window,
+                                  recipe.get("jitter", 0.0)), recipe["window"])
   have = saved(plan)
   pending = [(f"the {step} check's {arm} run, seed {seed}", {**fields, "seed": seed},
               functools.partial(measure, seed)) for seed in seeds if seed not in have]
@@ -1184,10 +1219,29 @@ def initial_state(ctx: ValidationContext, kplan: KernelPlan, seed: int,
   return state
 
 
-def shadow_diverged(rel_train: float, rel_eval: float, bound: float) -> bool:
-  """One-sided: the plan's training-loss window or held-out log loss is above bf16+Mods' by
-  more than `bound` (relative). Ending below the baseline is drift, not divergence."""
-  return max(rel_train, rel_eval) > bound
+def shadow_diverged(rel_train: float, rel_eval: float, bound: float,
+                    eval_bound: Optional[float] = None) -> bool:
+  """One-sided: the plan's training-loss window is above bf16+Mods' by more than `bound`, or
+  its held-out log loss by more than `eval_bound` (default `bound`; both relative). Ending
+  below the baseline is drift, not divergence."""
+  return rel_train > bound or rel_eval > (bound if eval_bound is None else eval_bound)
+
+
+def shadow_noise_bounds(config: ValidationConfig, noise_runs: Sequence[Mapping[str, Any]],
+                        bases: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
+  """The shadow check's bounds read from its noise-floor runs (`shadow_noise_floor`): per
+  data window, the jittered bf16+Mods run's relative change from bf16+Mods' in training
+  loss and held-out log loss; each bound is max(`shadow_max_rel_loss`, 2 x their RMS /
+  sqrt(windows)), two standard errors of a mean over the windows of changes that size."""
+  if len(noise_runs) != len(bases) or not bases:
+    raise ValueError(f"{len(noise_runs)} noise-floor runs for {len(bases)} data windows")
+  trains = [_rel(n["window_loss"], b["window_loss"]) for n, b in zip(noise_runs, bases)]
+  evals = [_rel(n["logloss"], b["logloss"]) for n, b in zip(noise_runs, bases)]
+  def bound(changes):
+    rms = float(np.sqrt(np.mean(np.square(changes))))
+    return max(config.shadow_max_rel_loss, 2 * rms / math.sqrt(len(changes)))
+  return {"jitter": NOISE_FLOOR_JITTER, "rel_train_loss": trains, "rel_logloss_change": evals,
+          "train_bound": bound(trains), "held_out_bound": bound(evals)}
 
 
 def held_out_quality_bound(config: ValidationConfig,
@@ -1257,6 +1311,17 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
   base_windows = [b["window_loss"] for b in bases]
   held_bound = (held_out_quality_bound(config, [b["logloss"] for b in bases])
                 if start == INIT and config.from_init_quality_bound else None)
+  noise = None
+  if start == CHECKPOINT and config.shadow_noise_floor:
+    plan, noise_runs = _training_runs(plan, ctx, progress, step, NOISE_ARM, BASELINE, seeds,
+                                      {**recipe, "jitter": NOISE_FLOOR_JITTER}, size, optim)
+    if not all(n["finite"] for n in noise_runs):
+      raise FloatingPointError(
+          f"the jittered bf16+Mods run of the {step} check (its noise floor) produced a "
+          "non-finite loss: the checkpoint or the learning rate is at fault, not the plan")
+    noise = shadow_noise_bounds(config, noise_runs, bases)
+  train_bound = noise["train_bound"] if noise else config.shadow_max_rel_loss
+  eval_bound = noise["held_out_bound"] if noise else config.shadow_max_rel_loss
   first = _rounds_done(plan, step)
   for round_ in range(first, config.max_rounds + 1):
     progress.checkpoint(plan, f"{step} round {round_}")
@@ -1278,13 +1343,15 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
       record["seeds"] = seeds
     if held_bound is not None:
       record.update(held_out_bound=held_bound["bound"], held_out_noise=held_bound["noise"])
+    if noise is not None:
+      record["noise_floor"] = noise
     if finite:
       windows = [r["window_loss"] for r in runs]
       rel_trains = [_rel(w, bw) for w, bw in zip(windows, base_windows)]
       rel_evals = [_rel(r["logloss"], b["logloss"]) for r, b in zip(runs, bases)]
       # The mean over seeds of each seed's relative difference (one seed: that difference).
       rel_train, rel_eval = float(np.mean(rel_trains)), float(np.mean(rel_evals))
-      climbed = shadow_diverged(rel_train, rel_eval, config.shadow_max_rel_loss)
+      climbed = shadow_diverged(rel_train, rel_eval, train_bound, eval_bound)
       diverged = climbed or (held_bound is not None and rel_eval > held_bound["bound"])
       record.update(train_loss=float(np.mean(windows)), rel_train_loss=rel_train,
                     peak_loss=max(r["peak_loss"] for r in runs),
@@ -1315,6 +1382,11 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
     progress.note_records([record])
     if not finite:
       what = "non-finite loss"
+    elif climbed and noise is not None:
+      what = (f"losses diverge beyond their noise-floor bounds (train "
+              f"{100 * record['rel_train_loss']:+.3f}% against {100 * train_bound:.3f}%, "
+              f"held-out {100 * record['rel_logloss_change']:+.3f}% against "
+              f"{100 * eval_bound:.3f}%)")
     elif climbed:
       what = (f"losses diverge beyond {100 * config.shadow_max_rel_loss:g}% (train "
               f"{100 * record['rel_train_loss']:+.3f}%, held-out "

@@ -140,6 +140,12 @@ def validation_line(r: Mapping[str, Any], measurements: bool = False) -> Optiona
       what += f" ({', '.join(recipe)})"
     bounds = f"bound {100 * r['bound']:g}%" + (
         f", held-out bound {100 * r['held_out_bound']:.3f}%" if "held_out_bound" in r else "")
+    if "noise_floor" in r:   # `ValidationConfig.shadow_noise_floor`
+      n = r["noise_floor"]
+      bounds += (f"; noise floor by {unit}: held-out " + ", ".join(
+          f"{100 * v:+.3f}%" for v in n["rel_logloss_change"])
+          + f", bounds train {100 * n['train_bound']:.3f}%, held-out "
+          f"{100 * n['held_out_bound']:.3f}%")
     return (f"- {what} {r['steps']} steps (round {r['round']}): {detail} "
             f"({bounds}): {'pass' if r['passed'] else 'FAIL'}")
   if step == "speed":
