@@ -518,6 +518,58 @@ class ShadowTest(chex.TestCase):
     with mock.patch.object(validate, "shadow_run", side_effect=AssertionError("trained")):
       validate.check_shadow(out, ctx, config)
 
+  def test_a_reopened_check_undoes_its_back_offs_and_judges_again_from_its_records(self):
+    ctx = context()
+    plan = plan_of({BAD_SITE: {"grad_rhs": "test_flipped"}, GOOD_SITE: "xla_fp8_rowwise"})
+    config = validate.ValidationConfig(shadow_steps=20, shadow_window=10)
+    out = validate.check_shadow(plan, ctx, config)
+    self.assertEqual(kernels(out, BAD_SITE)["grad_rhs"], FALLBACK)
+    rounds = len([r for r in validate.validation_records(out, "quality_shadow")
+                  if "round" in r])
+    reopened = read_plan_roundtrip(
+        validate.reopen_check(out, "quality_shadow", "the bound changed"))
+    self.assertEqual(kernels(reopened, BAD_SITE), kernels(plan, BAD_SITE))
+    self.assertEqual(kernels(reopened, GOOD_SITE), kernels(plan, GOOD_SITE))
+    self.assertIn("reopened", reopened["sites"][BAD_SITE]["grad_rhs"]["reason"])
+    self.assertFalse(validate.finished(reopened, "quality_shadow"))
+    mark = reopened["validation"][-1]
+    self.assertEqual((mark["rounds_before"], [r["site"] for r in mark["restored"]]),
+                     (rounds, [BAD_SITE]))
+    self.assertEqual(reopened["validation"][:-1], out["validation"])   # nothing dropped
+    self.assertIn("reopened after", train_report.validation_line(mark))
+    # Judged again from round 0: every run and gradient change it needs is recorded.
+    with mock.patch.object(validate, "shadow_run", side_effect=AssertionError("trained")), \
+         mock.patch.object(validate, "gradient_change", side_effect=AssertionError("measured")):
+      again = validate.check_shadow(reopened, ctx, config)
+    self.assertTrue(validate.finished(again, "quality_shadow"))
+    self.assertEqual({s: kernels(again, s) for s in (BAD_SITE, GOOD_SITE)},
+                     {s: kernels(out, s) for s in (BAD_SITE, GOOD_SITE)})
+    new_rounds = [r["round"] for r in validate.validation_records(again, "quality_shadow")
+                  if "round" in r][rounds:]
+    self.assertEqual(new_rounds, list(range(rounds)))
+
+  def test_only_the_last_unfinished_check_can_be_reopened(self):
+    from loka_jax.dispatch.plan import add_validation
+    plan = plan_of({GOOD_SITE: "xla_fp8_rowwise"})
+    with self.assertRaisesRegex(ValueError, "no quality_shadow records"):
+      validate.reopen_check(plan, "quality_shadow", "why")
+    shadowed = add_validation(plan, {"step": "quality_shadow", "round": 0, "passed": True,
+                                     "final": True})
+    with self.assertRaisesRegex(ValueError, "unknown check 'shadow'"):
+      validate.reopen_check(shadowed, "shadow", "why")
+    with self.assertRaisesRegex(ValueError, "give the reason"):
+      validate.reopen_check(shadowed, "quality_shadow", "")
+    timed = add_validation(shadowed, {"step": "speed", "round": 0, "passed": True})
+    with self.assertRaisesRegex(ValueError, "speed already judged the plan"):
+      validate.reopen_check(timed, "quality_shadow", "why")
+    with self.assertRaisesRegex(ValueError, "the plan is validated"):
+      validate.reopen_check(add_validation(shadowed, {"step": "validated"}), "quality_shadow",
+                            "why")
+    once = validate.reopen_check(shadowed, "quality_shadow", "why")
+    self.assertEqual(once["validation"][-1]["restored"], [])   # it had backed nothing off
+    with self.assertRaisesRegex(ValueError, "since it was last opened"):
+      validate.reopen_check(once, "quality_shadow", "again")
+
   def test_divergence_is_one_sided(self):
     bound = 0.005
     # A plan that ends below bf16+Mods (the Wukong `large` shadow run ended 1.3% below on
@@ -1224,6 +1276,16 @@ class ResumeTest(chex.TestCase):
     progress.measured("k", 40.0, "board")
     self.assertEqual(progress.pace("k", "board"), 40.0)
     self.assertEqual(progress.pace("other kind", "board"), 0.0)
+    # Before its first warm rerun, a program is paced by its own first run here, not by a
+    # slower one of another program (a shadow run: 162 s cold, another program's 268 s).
+    runs = validate.Progress()
+    runs.measured("run", 268.0)                      # recorded by an earlier call
+    runs.measured("run", 162.0, "bf16_mods_jittered")
+    self.assertEqual(runs.pace("run", "bf16_mods_jittered"), 162.0)
+    self.assertEqual(runs.pace("run", "plan"), 268.0)
+    runs.measured("run", 61.0, "bf16_mods_jittered")
+    runs.measured("run", 200.0, "plan")
+    self.assertEqual(runs.pace("run", "plan"), 61.0)   # the slowest warm rerun of its kind
 
     # Recorded by an earlier call: 111 s. Here the first takes 40 s, every other 10 s, and
     # the deadline is 200 s away: paced by the 111 s, the seventh would not start.

@@ -451,6 +451,10 @@ class Progress:
   `program_of`) is paced by the slowest such warm one of its kind, once one was taken: a
   Wukong `large` gradient site took 111 s with its compile and 33-37 s after it, and a call
   paced by the 111 s stopped with about 120 s, three such sites, left (fortieth session).
+  Before a warm one was taken, it is paced by its own program's first run in this call
+  (a rerun does not compile again): a Wukong `large` shadow run paced by another program's
+  268 s stopped a call with 260 s left, after its own first run took 162 s and before a
+  rerun that took 61 s (forty-first session).
   `log`, where given, receives a line per record as it is made (a round's verdict, a
   back-off, each site measurement and training run), so a long validation shows where it is.
   """
@@ -460,7 +464,8 @@ class Progress:
   log: Optional[Callable[[str], None]] = None
   # kind -> seconds of its slowest measurement that reran a program compiled in this call
   longest_warm_s: Dict[str, float] = dataclasses.field(default_factory=dict)
-  ran: set = dataclasses.field(default_factory=set)   # (kind, program) measured in this call
+  # (kind, program) -> seconds of its first measurement in this call (which compiled it)
+  first_s: Dict[Tuple[str, Hashable], float] = dataclasses.field(default_factory=dict)
 
   def note(self, plan: Plan, since: int) -> Plan:
     """Logs the plan's validation records from index `since` on; returns the plan."""
@@ -490,30 +495,84 @@ class Progress:
                              + "; the plan so far is saved, call again to resume")
 
   def pace(self, kind: str, program: Optional[Hashable] = None) -> float:
-    """Seconds the next measurement of `kind` is expected to take at most: the slowest warm
-    one where its `program` already ran in this call and a warm one was taken, else the
-    slowest of its kind known (0 where none is)."""
-    if program is not None and (kind, program) in self.ran and kind in self.longest_warm_s:
-      return self.longest_warm_s[kind]
+    """Seconds the next measurement of `kind` is expected to take at most: where its
+    `program` already ran in this call, the smaller of that program's first run here and
+    the slowest warm one of its kind (once one was taken); else the slowest of its kind
+    known (0 where none is)."""
+    if program is not None and (kind, program) in self.first_s:
+      return min(self.first_s[kind, program], self.longest_warm_s.get(kind, math.inf))
     return self.longest_s.get(kind, 0.0)
 
   def measured(self, kind: str, seconds: float, program: Optional[Hashable] = None) -> None:
     """One measurement of `kind` taken, in `seconds` (`program`: as `checkpoint`'s)."""
     self.longest_s[kind] = max(self.longest_s.get(kind, 0.0), seconds)
     if program is not None:
-      if (kind, program) in self.ran:
+      if (kind, program) in self.first_s:
         self.longest_warm_s[kind] = max(self.longest_warm_s.get(kind, 0.0), seconds)
-      self.ran.add((kind, program))
+      else:
+        self.first_s[kind, program] = seconds
+
+
+REOPENED = "reopened"
+
+
+def _live_records(plan: Plan, step: str) -> List[Dict[str, Any]]:
+  """The plan's `step` records since the check was last reopened (`reopen_check`): the
+  ones its verdict and round numbering go by. Earlier ones stay in the plan as history."""
+  records = plan["validation"]
+  last = max((i for i, r in enumerate(records)
+              if r.get("step") == step and r.get(REOPENED)), default=-1)
+  return [r for r in records[last + 1:] if r.get("step") == step]
 
 
 def finished(plan, step: str) -> bool:
   """Whether the plan records a finished `step` check (its `final` record)."""
-  return any(r.get("step") == step and r.get("final") for r in as_plan(plan)["validation"])
+  return any(r.get("final") for r in _live_records(as_plan(plan), step))
 
 
 def _rounds_done(plan: Plan, step: str) -> int:
   """Rounds of `step` recorded before a resumed call (numbering goes on from there)."""
-  return sum(1 for r in plan["validation"] if r.get("step") == step and "round" in r)
+  return sum(1 for r in _live_records(plan, step) if "round" in r)
+
+
+def reopen_check(plan, step: str, reason: str) -> Plan:
+  """The plan with the `step` check started over: every site it backed off (its back-off
+  records since it was last reopened, undone newest first) runs its earlier kernels again,
+  and a `reopened` record says why and what was undone. For a check whose rule changed
+  after it backed sites off under the old one (the shadow check's noise floor,
+  `shadow_noise_floor`). Nothing is deleted: the old rounds, back-offs and every
+  measurement stay recorded, and a run or site measurement whose plan and recipe come back
+  is taken from its record instead of measured again. Only the last check the plan has
+  records of can be reopened, and not after the validation's final verdict: a later check
+  judged the plan as that check left it."""
+  plan = as_plan(plan)
+  steps = [name for name, _ in CHECKS]
+  if step not in steps:
+    raise ValueError(f"reopen_check: unknown check {step!r}; checks are {steps}")
+  if not reason:
+    raise ValueError("reopen_check: give the reason the check starts over")
+  records = plan["validation"]
+  if any(r.get("step") == "validated" for r in records):
+    raise ValueError("reopen_check: the plan is validated; validate the selected plan again "
+                     "instead")
+  later = sorted({r["step"] for r in records if r.get("step") in steps[steps.index(step) + 1:]})
+  if later:
+    raise ValueError(f"reopen_check: {', '.join(later)} already judged the plan the {step} "
+                     "check left; only the last check with records can be reopened")
+  live = _live_records(plan, step)
+  if not live:
+    raise ValueError(f"reopen_check: the plan has no {step} records since it was last opened")
+  data = plan.to_dict()
+  restored = []
+  for r in reversed([r for r in live if "site" in r and "to" in r and "from" in r]):
+    entry = data["sites"][r["site"]]
+    for pass_name, kernel in r["from"].items():
+      entry[pass_name] = {"kernel": kernel,
+                          "reason": f"restored: the {step} check was reopened ({reason})"}
+    restored.append({"site": r["site"], "passes": sorted(r["from"]), "to": r["from"]})
+  return add_validation(Plan(data), {"step": step, REOPENED: True, "reason": reason,
+                                     "rounds_before": sum(1 for r in live if "round" in r),
+                                     "restored": restored})
 
 
 def site_step(step: str) -> str:
@@ -1807,7 +1866,8 @@ def validate_end_to_end(plan, ctx: ValidationContext,
   after = fp8_sites(plan, ctx.site_names())
   last = {}
   for r in plan["validation"]:
-    if r.get("step") in dict(CHECKS) and r["step"] != PROMOTION:  # promotion cannot fail
+    if (r.get("step") in dict(CHECKS) and r["step"] != PROMOTION   # promotion cannot fail
+        and not r.get(REOPENED)):
       last[r["step"]] = r
   return add_validation(plan, {
       "step": "validated", "config": config.to_dict(),

@@ -103,6 +103,10 @@ def validation_line(r: Mapping[str, Any], measurements: bool = False) -> Optiona
     return f"  - promoted {len(r['sites'])} sites -> {r['to']}: {r.get('reason')}"
   if r.get("skipped"):
     return f"- {step}: skipped ({r.get('reason', '')})"
+  if r.get("reopened"):   # `validate.reopen_check`
+    undone = ", ".join(x["site"] for x in r.get("restored", ())) or "none"
+    return (f"- {step}: reopened after {r.get('rounds_before')} round(s), back-offs undone: "
+            f"{undone} ({r.get('reason', '')})")
   if step == "speed_promotion":
     tried = "; ".join(
         f"{k} at {v['sites']} sites: train {v['train']['speedup']:.3f}x "

@@ -1,0 +1,44 @@
+r"""Start one validation check of a saved plan over: undo its back-offs, keep its records.
+
+  python -m experiments.reopen_check --plan=PLANS/wukong_large/plan_validating.json \
+      --step=quality_shadow --reason="judged again with its noise floor" [--out=PATH]
+
+For a check whose rule changed after it backed sites off under the old one: the sites it
+backed off run their earlier kernels again and a `reopened` record says why
+(`loka_jax.dispatch.validate.reopen_check`). The next `experiments.bench` or
+`experiments.dispatch` call that resumes the plan runs the check from its round 0, taking
+every run and site measurement whose plan and recipe it recorded before from the record.
+Only the last check the plan has records of can be reopened, before the final verdict.
+"""
+import os
+
+from absl import app, flags
+
+PLAN = flags.DEFINE_string("plan", None, "The plan file an interrupted validation saved "
+                           "(plan_validating.json).", required=True)
+STEP = flags.DEFINE_string("step", None, "The check to start over, e.g. quality_shadow.",
+                           required=True)
+REASON = flags.DEFINE_string("reason", None, "Why it starts over (recorded in the plan).",
+                             required=True)
+OUT = flags.DEFINE_string("out", None, "Where to write the plan (default: --plan itself).")
+
+
+def main(argv):
+  del argv
+  from loka_jax.dispatch import validate
+  from loka_jax.dispatch.plan import read_plan, save_plan
+  from loka_jax.train.report import validation_line
+  if not os.path.exists(PLAN.value):
+    raise app.UsageError(f"--plan={PLAN.value}: no such file")
+  try:
+    reopened = validate.reopen_check(read_plan(PLAN.value), STEP.value, REASON.value)
+  except ValueError as e:   # PlanFileError too: a corrupt or wrong-schema file
+    raise app.UsageError(str(e)) from e
+  out = OUT.value or PLAN.value
+  save_plan(reopened, out)
+  print(validation_line(reopened["validation"][-1]))
+  print(f"[reopen_check] wrote {out}")
+
+
+if __name__ == "__main__":
+  app.run(main)
