@@ -130,8 +130,9 @@ from loka_jax.train.optim import OptimConfig
 from loka_jax.train.state import one_example
 
 BASELINE = KernelPlan.uniform(FALLBACK)
-# Relative std of the shadow check's noise-floor jitter: bf16's unit roundoff, the smallest
-# change that any kernel's rounding makes to a value (`shadow_noise_floor`).
+# Relative std of the shadow check's noise-floor jitter: bf16's unit roundoff, the relative
+# error one rounding to bf16 may make, which bf16+Mods' own kernels make in every output
+# (`shadow_noise_floor`).
 NOISE_FLOOR_JITTER = 2.0 ** -8
 DELAYED_WARMUP = 3  # delayed-scaling state starts at scale 1: calibrate before judging it
 
