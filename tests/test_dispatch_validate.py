@@ -906,6 +906,12 @@ class SpeedTest(chex.TestCase):
     def counting(ctx_, plan_, site, failing, config_):
       timed[phase[0]].append(site)
       return real(ctx_, plan_, site, failing, config_)
+    round_steps = {"first": 0, "resumed": 0, "elsewhere": 0}   # bf16+Mods against the plan
+    real_steps = validate.measure_steps
+
+    def counting_steps(ctx_, plans, *args, **kwargs):
+      round_steps[phase[0]] += "bf16" in plans
+      return real_steps(ctx_, plans, *args, **kwargs)
     saved = []
     progress = validate.Progress()
 
@@ -915,7 +921,8 @@ class SpeedTest(chex.TestCase):
         progress.deadline = time.time() + 3600.0
         progress.longest_s["speed_site"] = 7200.0   # the next site would end past it
     progress.save = save
-    with mock.patch.object(validate, "in_context_slowdown", counting):
+    with mock.patch.object(validate, "in_context_slowdown", counting), \
+         mock.patch.object(validate, "measure_steps", counting_steps):
       with self.assertRaisesRegex(validate.ValidationPaused, "speed round 0, site"):
         validate.check_speed(plan, ctx, config, progress)
       # The next call reads the plan back from its file (plan_validating.json).
@@ -928,6 +935,26 @@ class SpeedTest(chex.TestCase):
       self.assertIn("ci_low", first)
       phase[0] = "resumed"
       out = validate.check_speed(partial, ctx, config, validate.Progress())
+      # Timings from another card are not this one's: that call times round 0 again.
+      phase[0] = "elsewhere"
+      moved = partial.to_dict()
+      for r in moved["validation"]:
+        if r["step"] == "speed_steps":
+          r["device"] = "another GPU"
+      with self.assertRaisesRegex(validate.ValidationPaused, "speed round 0, site"):
+        validate.check_speed(moved, ctx, config,
+                             validate.Progress(deadline=time.time() + 3600.0,
+                                               longest_s={"speed_site": 7200.0}))
+    self.assertEqual(round_steps["elsewhere"], 1)
+    # Nor are the round's steps: round 0's were recorded before its first site.
+    self.assertEqual(round_steps["first"], 1)
+    rounds = [r for r in validate.validation_records(out, "speed") if "round" in r]
+    self.assertEqual(round_steps["resumed"], len(rounds) - 1)
+    (steps0,) = [r for r in validate.validation_records(out, "speed_steps")
+                 if r["round"] == 0]
+    self.assertEqual(rounds[0]["train"]["speedup"], steps0["steps"]["train"]["plan"]["speedup"])
+    self.assertIn("timed steps: train",
+                  train_report.validation_line(steps0, measurements=True))
     other = GOOD_SITE if first["site"] == BAD_SITE else BAD_SITE
     # The saved site is not timed again; the other is, first. (On a loaded host the next
     # round may fail too and time the site left in it once more: that is round 1's own.)

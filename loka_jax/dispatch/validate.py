@@ -92,7 +92,8 @@ Wukong `large`'s held-out rounds, each one such measurement, ran 25 s apart on a
 a fresh host first trains the state again): each site's measurement is recorded as it is taken
 (`quality_held_out_site`, `quality_shadow_site`, and `speed_site` for a speed round's
 in-context slowdowns, each timed as the plan against the plan without the site), the plan
-saved before the next, and a resumed round measures only the sites not yet recorded. The
+saved before the next, and a resumed round measures only the sites not yet recorded; a
+speed round's own timed steps are kept too (`speed_steps`, per round, device and FP8 sites). The
 training checks' runs are kept the same way (`quality_shadow_run`, `quality_from_init_run`:
 each run's window loss, worst step and held-out log loss, under its recipe and the plan's FP8
 sites), so a round paused while its sites are measured does not train its runs again: at
@@ -1584,6 +1585,33 @@ def in_context_slowdown(ctx: ValidationContext, plan: Plan, site: str, failing: 
           {"ci_low": float(min(got[m]["without"]["speedup_ci"][0] for m in failing))})
 
 
+SPEED_STEPS = "speed_steps"
+
+
+def _round_steps(plan: Plan, ctx: ValidationContext, config: ValidationConfig,
+                 progress: Progress, round_: int, device: str
+                 ) -> Tuple[Plan, Dict[str, Dict[str, dict]]]:
+  """(plan, `measure_steps`' {mode: {"bf16", "plan": summary}}) of a speed round: its
+  whole train and inference steps, plan against bf16+Mods, as a `speed_steps` record of
+  this round, device and FP8 sites holds them, or timed now and recorded at once
+  (`take_in_turn`: paced by the slowest recorded). A round compiles both models' train and
+  inference steps (minutes at Wukong `large`); a call that stops while the round's sites
+  are measured must not time them again, nor let a new reading of which step fails set
+  aside the sites measured for the old one."""
+  fields = {"round": round_, "device": device,
+            "sites": {s: c.to_dict() for s, c in sorted(fp8_sites(plan, ctx.site_names()).items())}}
+  def saved(p: Plan) -> Optional[Dict[str, Any]]:
+    return next((r for r in reversed(p["validation"]) if r.get("step") == SPEED_STEPS
+                 and all(r.get(k) == v for k, v in fields.items())), None)
+  if saved(plan) is None:
+    timed = lambda: {"steps": measure_steps(
+        ctx, {"bf16": BASELINE, "plan": plan.kernel_plan()}, "bf16", config.speed_repeats,
+        config.seed, config.speed_min_sample_s)}
+    plan = take_in_turn(plan, progress, SPEED_STEPS,
+                        [(f"speed round {round_}'s timed steps", fields, timed)])
+  return plan, saved(plan)["steps"]
+
+
 def check_speed(plan, ctx: ValidationContext, config: ValidationConfig = ValidationConfig(),
                 progress: Optional[Progress] = None) -> Plan:
   """Backs off the site with the largest in-context slowdown, and every site clearly slow in
@@ -1598,8 +1626,7 @@ def check_speed(plan, ctx: ValidationContext, config: ValidationConfig = Validat
   first = _rounds_done(plan, "speed")
   for round_ in range(first, config.max_rounds + 1):
     progress.checkpoint(plan, f"speed round {round_}")
-    got = measure_steps(ctx, {"bf16": BASELINE, "plan": plan.kernel_plan()}, "bf16",
-                        config.speed_repeats, config.seed, config.speed_min_sample_s)
+    plan, got = _round_steps(plan, ctx, config, progress, round_, device)
     below = [m for m in STEP_PASSES if got[m]["plan"]["speedup_ci"][0] < config.min_speedup]
     # A step that runs no FP8 pass of the plan runs bf16+Mods' kernels: its CI is noise, and
     # backing sites off cannot move it (an inference step of a plan with FP8 gradients only).
