@@ -899,7 +899,7 @@ class SpeedTest(chex.TestCase):
     plan = plan_of({BAD_SITE: "test_slow", GOOD_SITE: "xla_fp8_rowwise"})
     config = validate.ValidationConfig(speed=True, min_speedup=0.5)
     ctx = context()
-    timed = {"first": [], "resumed": []}
+    timed = {"first": [], "resumed": [], "elsewhere": []}
     phase = ["first"]
     real = validate.in_context_slowdown
 
@@ -935,17 +935,16 @@ class SpeedTest(chex.TestCase):
       self.assertIn("ci_low", first)
       phase[0] = "resumed"
       out = validate.check_speed(partial, ctx, config, validate.Progress())
-      # Timings from another card are not this one's: that call times round 0 again.
+      # Timings from another card are not this one's: that call times round 0's steps and
+      # its first site again.
       phase[0] = "elsewhere"
       moved = partial.to_dict()
       for r in moved["validation"]:
-        if r["step"] == "speed_steps":
+        if r["step"] in ("speed_steps", "speed_site"):
           r["device"] = "another GPU"
-      with self.assertRaisesRegex(validate.ValidationPaused, "speed round 0, site"):
-        validate.check_speed(moved, ctx, config,
-                             validate.Progress(deadline=time.time() + 3600.0,
-                                               longest_s={"speed_site": 7200.0}))
-    self.assertEqual(round_steps["elsewhere"], 1)
+      validate.check_speed(moved, ctx, config, validate.Progress())
+    self.assertGreaterEqual(round_steps["elsewhere"], 1)
+    self.assertIn(first["site"], timed["elsewhere"])
     # Nor are the round's steps: round 0's were recorded before its first site.
     self.assertEqual(round_steps["first"], 1)
     rounds = [r for r in validate.validation_records(out, "speed") if "round" in r]

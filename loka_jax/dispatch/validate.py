@@ -1661,9 +1661,9 @@ def check_speed(plan, ctx: ValidationContext, config: ValidationConfig = Validat
       reasons = {s: f"{excess}; ranked by the probe report's GEMM time vs xla_bf16 "
                     f"({scores[s]:+.1f} us)" for s in worst}
     else:
-      # Each site's cost in context depends on the rest of the plan and on which steps
-      # fail, so a saved value is reused only in this round and for these steps.
-      scope = {"round": round_, "failing": failing}
+      # Each site's cost in context depends on the rest of the plan, on which steps fail and
+      # on the card, so a saved value is reused only in this round, for these steps, there.
+      scope = {"round": round_, "device": device, "failing": failing}
       round_plan = plan
       plan, slowdowns = measure_sites(
           plan, "speed", round_, candidates,
