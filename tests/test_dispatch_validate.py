@@ -562,6 +562,15 @@ class ShadowTest(chex.TestCase):
     timed = add_validation(shadowed, {"step": "speed", "round": 0, "passed": True})
     with self.assertRaisesRegex(ValueError, "speed already judged the plan"):
       validate.reopen_check(timed, "quality_shadow", "why")
+    # Its timed steps alone, before its first verdict, count as the speed check's too.
+    for record_step in ("speed_steps", "speed_site", "quality_from_init_run"):
+      begun = add_validation(shadowed, {"step": record_step, "round": 0})
+      with self.assertRaisesRegex(ValueError, "already judged the plan"):
+        validate.reopen_check(begun, "quality_shadow", "why")
+    # The earlier promotion's records do not.
+    promoted = add_validation(shadowed, {"step": "speed_promotion", "final": True})
+    self.assertTrue(validate.reopen_check(promoted, "quality_shadow", "why")
+                    ["validation"][-1]["reopened"])
     with self.assertRaisesRegex(ValueError, "the plan is validated"):
       validate.reopen_check(add_validation(shadowed, {"step": "validated"}), "quality_shadow",
                             "why")
@@ -569,6 +578,24 @@ class ShadowTest(chex.TestCase):
     self.assertEqual(once["validation"][-1]["restored"], [])   # it had backed nothing off
     with self.assertRaisesRegex(ValueError, "since it was last opened"):
       validate.reopen_check(once, "quality_shadow", "again")
+
+  def test_the_reopened_wukong_large_plan_passes_shadow_round_0_from_its_records(self):
+    # The committed plan (docs/results, H200, forty-first session), judged as its next call
+    # will judge it: every run it needs is recorded, so nothing trains.
+    path = os.path.join(os.path.dirname(__file__), "..", "docs", "results",
+                        "plan_validating_wukong_large_h200_2026-12-02.json")
+    plan = read_plan(path)
+    ctx = mock.Mock(_cache={}, optim=validate.OptimConfig())
+    ctx.site_names.return_value = sorted(plan["sites"])
+    config = validate.ValidationConfig(shadow_windows=3, shadow_noise_floor=True,
+                                       gradient_one_program=True)
+    with mock.patch.object(validate, "shadow_run", side_effect=AssertionError("trained")):
+      out = validate.check_shadow(plan, ctx, config)
+    verdict = out["validation"][-1]
+    self.assertEqual((verdict["round"], verdict["passed"], verdict["final"]), (0, True, True))
+    self.assertAlmostEqual(verdict["rel_logloss_change"], 0.01173, places=5)
+    self.assertAlmostEqual(verdict["noise_floor"]["held_out_bound"], 0.021748, places=6)
+    self.assertEqual(verdict["noise_floor"]["train_bound"], 0.005)
 
   def test_divergence_is_one_sided(self):
     bound = 0.005

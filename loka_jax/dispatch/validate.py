@@ -518,6 +518,11 @@ class Progress:
 REOPENED = "reopened"
 
 
+def is_back_off(record: Mapping[str, Any]) -> bool:
+  """Whether a validation record is a back-off (`plan.back_off`: one site, from, to)."""
+  return "site" in record and "to" in record
+
+
 def _live_records(plan: Plan, step: str) -> List[Dict[str, Any]]:
   """The plan's `step` records since the check was last reopened (`reopen_check`): the
   ones its verdict and round numbering go by. Earlier ones stay in the plan as history."""
@@ -535,6 +540,13 @@ def finished(plan, step: str) -> bool:
 def _rounds_done(plan: Plan, step: str) -> int:
   """Rounds of `step` recorded before a resumed call (numbering goes on from there)."""
   return sum(1 for r in _live_records(plan, step) if "round" in r)
+
+
+def _record_steps(check: str) -> Tuple[str, ...]:
+  """The record steps a check writes: its verdicts and back-offs, its site measurements, its
+  training runs and, for the speed check, its timed steps."""
+  return (check, site_step(check), run_step(check)) + ((SPEED_STEPS,) if check == "speed"
+                                                          else ())
 
 
 def reopen_check(plan, step: str, reason: str) -> Plan:
@@ -557,7 +569,10 @@ def reopen_check(plan, step: str, reason: str) -> Plan:
   if any(r.get("step") == "validated" for r in records):
     raise ValueError("reopen_check: the plan is validated; validate the selected plan again "
                      "instead")
-  later = sorted({r["step"] for r in records if r.get("step") in steps[steps.index(step) + 1:]})
+  # A later check's measurements count too: it may have timed or trained before its
+  # first verdict (`speed_steps` before speed round 0's record).
+  later = sorted({check for check in steps[steps.index(step) + 1:]
+                  for r in records if r.get("step") in _record_steps(check)})
   if later:
     raise ValueError(f"reopen_check: {', '.join(later)} already judged the plan the {step} "
                      "check left; only the last check with records can be reopened")
@@ -566,7 +581,7 @@ def reopen_check(plan, step: str, reason: str) -> Plan:
     raise ValueError(f"reopen_check: the plan has no {step} records since it was last opened")
   data = plan.to_dict()
   restored = []
-  for r in reversed([r for r in live if "site" in r and "to" in r and "from" in r]):
+  for r in reversed([r for r in live if is_back_off(r)]):
     entry = data["sites"][r["site"]]
     for pass_name, kernel in r["from"].items():
       entry[pass_name] = {"kernel": kernel,
@@ -582,13 +597,19 @@ def site_step(step: str) -> str:
   return f"{step}_site"
 
 
+def matching_records(plan: Plan, record_step: str,
+                     fields: Optional[Mapping[str, Any]] = None) -> List[Dict[str, Any]]:
+  """The plan's `record_step` records whose fields match `fields` (field: value; None:
+  any), in order: a measurement recorded under what it measured."""
+  return [r for r in plan["validation"]
+          if r.get("step") == record_step
+          and all(r.get(k) == v for k, v in (fields or {}).items())]
+
+
 def site_records(plan: Plan, step: str, scope: Optional[Mapping[str, Any]] = None
                  ) -> List[Dict[str, Any]]:
-  """The site measurement records of `step` whose fields match `scope` (field: value;
-  None: any), in order."""
-  return [r for r in plan["validation"]
-          if r.get("step") == site_step(step)
-          and all(r.get(k) == v for k, v in (scope or {}).items())]
+  """The site measurement records of `step` whose fields match `scope`, in order."""
+  return matching_records(plan, site_step(step), scope)
 
 
 def saved_site_measurements(plan: Plan, step: str, scope: Optional[Mapping[str, Any]] = None
@@ -1121,16 +1142,20 @@ def check_held_out(plan, ctx: ValidationContext, config: ValidationConfig = Vali
 CHECKPOINT, INIT = "checkpoint", "init"
 
 
+@functools.partial(jax.jit, donate_argnums=0)
+def _jitter(tree, key, rel):
+  leaves, treedef = jax.tree.flatten(tree)
+  keys = jax.random.split(key, len(leaves))
+  return jax.tree.unflatten(treedef, [
+      (x * (1 + rel * jax.random.normal(k, x.shape, jnp.float32))).astype(x.dtype)
+      for x, k in zip(leaves, keys)])
+
+
 def jittered(params, rel: float, seed: int):
   """`params` with each value times (1 + u), u ~ N(0, rel^2) drawn from `seed` (a key per
-  leaf), in each leaf's dtype. The input's buffers are donated: the caller's copy is gone."""
-  def jitter(tree, key):
-    leaves, treedef = jax.tree.flatten(tree)
-    keys = jax.random.split(key, len(leaves))
-    return jax.tree.unflatten(treedef, [
-        (x * (1 + rel * jax.random.normal(k, x.shape, jnp.float32))).astype(x.dtype)
-        for x, k in zip(leaves, keys)])
-  return jax.jit(jitter, donate_argnums=0)(params, jax.random.PRNGKey(seed))
+  leaf), in each leaf's dtype. The input's buffers are donated: the caller's copy is gone.
+  One compiled program serves every window and jitter."""
+  return _jitter(params, jax.random.PRNGKey(seed), jnp.float32(rel))
 
 
 def shadow_run(ctx: ValidationContext, kplan: KernelPlan, steps: int, eval_batch_size=None,
@@ -1231,8 +1256,7 @@ def _training_runs(plan: Plan, ctx: ValidationContext, progress: Progress, step:
   the round's verdict from the records instead of training again."""
   fields = {"arm": arm, **recipe}
   def saved(p: Plan) -> Dict[int, Dict[str, Any]]:
-    return {r["seed"]: r for r in p["validation"] if r.get("step") == run_step(step)
-            and all(r.get(k) == v for k, v in fields.items())}
+    return {r["seed"]: r for r in matching_records(p, run_step(step), fields)}
   def measure(seed: int) -> Dict[str, Any]:
     # From the checkpoint each seed is a data window (`shadow_windows`), the first window 0.
     window = seeds.index(seed) if recipe["start"] == CHECKPOINT else 0
@@ -1600,16 +1624,13 @@ def _round_steps(plan: Plan, ctx: ValidationContext, config: ValidationConfig,
   aside the sites measured for the old one."""
   fields = {"round": round_, "device": device,
             "sites": {s: c.to_dict() for s, c in sorted(fp8_sites(plan, ctx.site_names()).items())}}
-  def saved(p: Plan) -> Optional[Dict[str, Any]]:
-    return next((r for r in reversed(p["validation"]) if r.get("step") == SPEED_STEPS
-                 and all(r.get(k) == v for k, v in fields.items())), None)
-  if saved(plan) is None:
+  if not matching_records(plan, SPEED_STEPS, fields):
     timed = lambda: {"steps": measure_steps(
         ctx, {"bf16": BASELINE, "plan": plan.kernel_plan()}, "bf16", config.speed_repeats,
         config.seed, config.speed_min_sample_s)}
     plan = take_in_turn(plan, progress, SPEED_STEPS,
                         [(f"speed round {round_}'s timed steps", fields, timed)])
-  return plan, saved(plan)["steps"]
+  return plan, matching_records(plan, SPEED_STEPS, fields)[-1]["steps"]
 
 
 def check_speed(plan, ctx: ValidationContext, config: ValidationConfig = ValidationConfig(),
@@ -1698,7 +1719,7 @@ def promotion_enabled(config: ValidationConfig) -> Tuple[bool, str]:
 def promotable_sites(plan: Plan, names: Sequence[str]) -> List[str]:
   """The sites promotion may change: xla_bf16 in every pass, and never backed off by
   validation (a site sent back for quality or speed stays where validation put it)."""
-  backed_off = {r["site"] for r in plan["validation"] if "site" in r and "to" in r}
+  backed_off = {r["site"] for r in plan["validation"] if is_back_off(r)}
   out = []
   for name in names:
     choice = plan.choice_for(name)
@@ -1910,7 +1931,7 @@ def held_out_backed_off(plan) -> Dict[str, str]:
   kernel. That check scores the plan's forwards alone on fixed parameters, so what it took
   back counts against serving the site's forward in FP8 too (`bench.planning`)."""
   return {r["site"]: r.get("reason", "") for r in validation_records(plan, "quality_held_out")
-          if "site" in r and "to" in r and "fwd" in (r.get("passes") or PASSES)}
+          if is_back_off(r) and "fwd" in (r.get("passes") or PASSES)}
 
 
 def validation_records(plan, step: Optional[str] = None) -> List[Dict[str, Any]]:
