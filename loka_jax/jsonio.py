@@ -1,20 +1,30 @@
 """Reading the project's JSON files (reports, plans) with errors that name the file."""
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
+import zlib
 from typing import Any, Iterator, Optional, Tuple, Type
+
+GZIP_MAGIC = b"\x1f\x8b"
 
 
 def read_json(path: str, what: str, remedy: str, error: Type[Exception]) -> Any:
-  """Parses `path`; an unreadable, empty, truncated or corrupt file raises `error` naming the
-  file, saying which `what` it was and what to do (`remedy`)."""
+  """Parses `path` (plain or gzipped); an unreadable, empty, truncated or corrupt file raises
+  `error` naming the file, saying which `what` it was and what to do (`remedy`)."""
   try:
     with open(path, "rb") as f:
       raw = f.read()
   except OSError as e:
     raise error(f"{path}: cannot read the {what} ({e}); check the path: {remedy}") from e
+  if raw[:2] == GZIP_MAGIC:  # committed reports travel gzipped (docs/results/*.json.gz)
+    try:
+      raw = gzip.decompress(raw)
+    except (EOFError, OSError, zlib.error) as e:
+      raise error(f"{path}: a damaged gzip file ({e}); the {what} is truncated or corrupt: "
+                  f"{remedy}") from e
   if not raw.strip():
     raise error(f"{path}: the {what} file is empty (a run killed while writing it?): "
                 f"{remedy}")

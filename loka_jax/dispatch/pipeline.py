@@ -136,14 +136,16 @@ def retrain_probe_state(spec, model, source, train_config, report: Optional[Mapp
   return restore_run(state_dir, model, source, train_config, array_extras=False)
 
 
-def _timed_scopes(passes: Mapping[str, Mapping], choice) -> List[Optional[Tuple]]:
+def _timed_scopes(passes: Mapping[str, Mapping], choice,
+                  wanted: Tuple[str, ...] = PASSES) -> List[Optional[Tuple]]:
   """(baseline us, plan us, estimated) of each timed scope of one site under `choice`, at the
-  medians; None for a scope without both times. A fused op's backward, timed as one call and
-  filed under both gradient passes (`FUSED_SCOPE`), is one scope, against the baseline's
-  backward timed the same way where the entry holds it (`baseline_us`), as selection
-  compares them (`eligibility.site_times`); else against the two gradient passes."""
+  medians, over the `wanted` passes; None for a scope without both times. A fused op's
+  backward, timed as one call and filed under both gradient passes (`FUSED_SCOPE`), is one
+  scope, against the baseline's backward timed the same way where the entry holds it
+  (`baseline_us`), as selection compares them (`eligibility.site_times`); else against the
+  two gradient passes."""
   scopes = []
-  for p in PASSES:
+  for p in wanted:
     kernel = choice.for_pass(p)
     entry = passes.get(p, {}).get(kernel) or {}
     whole_bwd = entry.get("time_scope") == FUSED_SCOPE
@@ -163,46 +165,69 @@ def _timed_scopes(passes: Mapping[str, Mapping], choice) -> List[Optional[Tuple]
   return scopes
 
 
-def plan_speedup_estimate(plan, report: Mapping) -> Dict[str, Any]:
-  """The plan's speedup over xla_bf16 summed over every site's GEMM passes (GEMM time only:
-  norms, activations and the optimizer are not counted).
+def _check_passes(passes: Tuple[str, ...]) -> None:
+  unknown = [p for p in passes if p not in PASSES]
+  if unknown or not passes:
+    raise ValueError(f"passes {list(passes)}: give one or more of {list(PASSES)}")
 
-  From the kernel timings the plan was selected with where every chosen kernel has one
-  (`source` 'measured', or 'estimated' from a committed table); otherwise from FLOPs under
-  the ideal 2x FP8 rate with no quantization cost (`source` 'flop model', an upper bound).
-  """
+
+def site_gemm_times(plan, report: Mapping, passes: Tuple[str, ...] = PASSES
+                    ) -> Dict[str, Optional[Tuple[float, float, bool]]]:
+  """Per site of the report that the plan covers: (xla_bf16 us, plan us, estimated) summed
+  over its timed scopes of `passes` at the medians, from the kernel timings the plan was
+  selected with (`estimated`: a committed table's nearest shape stood in somewhere); None
+  where a scope has no time, or where the report has no timings at all."""
   from loka_jax.dispatch import selection
   from loka_jax.dispatch.plan import as_plan
+  _check_passes(passes)
   plan = as_plan(plan)
   try:
     source = selection.resolve_timing(report)
   except ValueError:
     source = selection.TimingSource("none", {"kind": "none"})
-  base_us = plan_us = 0.0
-  timed = source.kind != "none"
-  estimated = source.kind == "table"
-  base_flops = plan_flops = 0.0
+  out: Dict[str, Optional[Tuple[float, float, bool]]] = {}
   for name in report["sites"]:
     choice = plan.choice_for(name)
     if choice is None:
       continue
     site, _ = selection.effective_site(report, name, source)
+    scopes = _timed_scopes(site["passes"], choice, passes)
+    if source.kind == "none" or any(scope is None for scope in scopes):
+      out[name] = None
+      continue
+    out[name] = (sum(scope[0] for scope in scopes), sum(scope[1] for scope in scopes),
+                 source.kind == "table" or any(scope[2] for scope in scopes))
+  return out
+
+
+def plan_speedup_estimate(plan, report: Mapping,
+                          passes: Tuple[str, ...] = PASSES) -> Dict[str, Any]:
+  """The plan's speedup over xla_bf16 summed over every site's GEMM `passes` (GEMM time only:
+  norms, activations and the optimizer are not counted; `("fwd",)` is inference's share).
+
+  From the kernel timings the plan was selected with where every chosen kernel has one
+  (`source` 'measured', or 'estimated' from a committed table; `site_gemm_times`);
+  otherwise from FLOPs under the ideal 2x FP8 rate with no quantization cost (`source`
+  'flop model', an upper bound).
+  """
+  from loka_jax.dispatch.plan import as_plan
+  plan = as_plan(plan)
+  times = site_gemm_times(plan, report, passes)
+  timed = [t for t in times.values() if t is not None]
+  base_us, plan_us = sum(t[0] for t in timed), sum(t[1] for t in timed)
+  if times and len(timed) == len(times) and plan_us > 0:
+    return {"speedup": base_us / plan_us,
+            "source": "estimated" if any(t[2] for t in timed) else "measured",
+            "bf16_us": base_us, "plan_us": plan_us}
+  base_flops = plan_flops = 0.0
+  for name in times:
+    choice = plan.choice_for(name)
     flops = float(report["sites"][name].get("flops") or 0.0)
-    for p in PASSES:
+    for p in passes:
       kernel = choice.for_pass(p)
       fp8 = registry.get(kernel).fp8 if kernel in registry.names() else False
       base_flops += flops
       plan_flops += flops / 2.0 if fp8 else flops
-    for scope in _timed_scopes(site["passes"], choice):
-      if scope is None:
-        timed = False
-        continue
-      base_us += scope[0]
-      plan_us += scope[1]
-      estimated = estimated or scope[2]
-  if timed and plan_us > 0:
-    return {"speedup": base_us / plan_us, "source": "estimated" if estimated else "measured",
-            "bf16_us": base_us, "plan_us": plan_us}
   return {"speedup": base_flops / plan_flops if plan_flops else 1.0, "source": "flop model",
           "note": "upper bound: FP8 GEMMs at 2x the bf16 rate, no quantization cost"}
 
