@@ -1,14 +1,16 @@
 r"""Start one validation check of a saved plan over: undo its back-offs, keep its records.
 
   python -m experiments.reopen_check --plan=PLANS/wukong_large/plan_validating.json \
-      --step=quality_shadow --reason="judged again with its noise floor" [--out=PATH]
+      --step=quality_shadow --reason="judged again with its noise floor" [--later] [--out=PATH]
 
 For a check whose rule changed after it backed sites off under the old one: the sites it
 backed off run their earlier kernels again and a `reopened` record says why
 (`loka_jax.dispatch.validate.reopen_check`). The next `experiments.bench` or
 `experiments.dispatch` call that resumes the plan runs the check from its round 0, taking
 every run and site measurement whose plan and recipe it recorded before from the record.
-Only the last check the plan has records of can be reopened, before the final verdict.
+Only the last check the plan has records of can be reopened, before the final verdict;
+`--later` reopens the later checks with it (they judged the plan this check left), newest
+first.
 """
 import os
 
@@ -20,6 +22,7 @@ STEP = flags.DEFINE_string("step", None, "The check to start over, e.g. quality_
                            required=True)
 REASON = flags.DEFINE_string("reason", None, "Why it starts over (recorded in the plan).",
                              required=True)
+LATER = flags.DEFINE_bool("later", False, "Reopen every later check with records too.")
 OUT = flags.DEFINE_string("out", None, "Where to write the plan (default: --plan itself).")
 
 
@@ -31,12 +34,14 @@ def main(argv):
   if not os.path.exists(PLAN.value):
     raise app.UsageError(f"--plan={PLAN.value}: no such file")
   try:
-    reopened = validate.reopen_check(read_plan(PLAN.value), STEP.value, REASON.value)
+    plan = read_plan(PLAN.value)
+    reopened = validate.reopen_check(plan, STEP.value, REASON.value, later=LATER.value)
   except ValueError as e:   # PlanFileError too: a corrupt or wrong-schema file
     raise app.UsageError(str(e)) from e
   out = OUT.value or PLAN.value
   save_plan(reopened, out)
-  print(validation_line(reopened["validation"][-1]))
+  for record in reopened["validation"][len(plan["validation"]):]:
+    print(validation_line(record))
   print(f"[reopen_check] wrote {out}")
 
 

@@ -139,6 +139,22 @@ class ReopenCheckCliTest(chex.TestCase):
     self.assertEqual({p: reopened["sites"][site][p]["kernel"] for p in hm.PASSES},
                      {p: "xla_fp8_rowwise" for p in hm.PASSES})
     self.assertEqual(read_plan(path).to_dict(), backed.to_dict())   # --out leaves --plan
+    # A held-out back-off before the shadow check's: reopened with the later checks, both go.
+    held = back_off(add_validation(plan, {"step": "quality_held_out", "round": 0}), site, "fwd",
+                    "held-out", step="quality_held_out")
+    both = back_off(add_validation(held, {"step": "quality_shadow", "round": 0}), site, None,
+                    "diverged", step="quality_shadow")
+    save_plan(both, path)
+    refused = run_module("experiments.reopen_check", f"--plan={path}",
+                         "--step=quality_held_out", "--reason=measured", timeout=120)
+    self.assertNotEqual(refused.returncode, 0)
+    self.assertIn("reopen the later ones too", refused.stderr)
+    later = run_module("experiments.reopen_check", f"--plan={path}", "--step=quality_held_out",
+                       "--reason=measured", "--later", f"--out={out}", timeout=120)
+    self.assertEqual(later.returncode, 0, later.stderr)
+    self.assertEqual(later.stdout.count("back-offs undone"), 2)
+    self.assertEqual({p: read_plan(out)["sites"][site][p]["kernel"] for p in hm.PASSES},
+                     {p: "xla_fp8_rowwise" for p in hm.PASSES})
     again = run_module("experiments.reopen_check", f"--plan={out}", "--step=quality_shadow",
                        "--reason=again", timeout=120)
     self.assertNotEqual(again.returncode, 0)

@@ -579,6 +579,50 @@ class ShadowTest(chex.TestCase):
     with self.assertRaisesRegex(ValueError, "since it was last opened"):
       validate.reopen_check(once, "quality_shadow", "again")
 
+  def test_reopened_with_the_later_checks_every_back_off_is_undone_newest_first(self):
+    from loka_jax.dispatch.plan import add_validation, back_off
+    plan = plan_of({BAD_SITE: "xla_fp8_rowwise", GOOD_SITE: "xla_fp8_rowwise"})
+    held = add_validation(plan, {"step": "quality_held_out", "round": 0, "passed": False})
+    # held-out moves BAD_SITE's forward to bf16, then the shadow check its gradients too
+    held = back_off(held, BAD_SITE, "fwd", "held-out", step="quality_held_out")
+    held = add_validation(held, {"step": "quality_held_out", "round": 1, "passed": True,
+                                 "final": True})
+    shadow = add_validation(held, {"step": "quality_shadow", "round": 0, "passed": False})
+    shadow = back_off(shadow, BAD_SITE, None, "shadow", step="quality_shadow")
+    shadow = back_off(shadow, GOOD_SITE, None, "shadow", step="quality_shadow")
+    timed = add_validation(shadow, {"step": "speed_steps", "round": 0})
+    self.assertEqual(validate.held_out_backed_off(timed), {BAD_SITE: "held-out"})
+    with self.assertRaisesRegex(ValueError, "reopen the later ones too"):
+      validate.reopen_check(timed, "quality_held_out", "why")
+    out = validate.reopen_check(timed, "quality_held_out", "why", later=True)
+    for site in (BAD_SITE, GOOD_SITE):
+      self.assertEqual(kernels(out, site), kernels(plan, site), site)
+    marks = [r for r in out["validation"] if r.get("reopened")]
+    # the shadow check first (its back-offs are newer), the speed check had no verdict yet
+    self.assertEqual([m["step"] for m in marks], ["quality_shadow", "quality_held_out"])
+    self.assertEqual([r["site"] for r in marks[0]["restored"]], [GOOD_SITE, BAD_SITE])
+    self.assertEqual(marks[1]["restored"][0]["to"], {"fwd": "xla_fp8_rowwise"})
+    self.assertIn("reopened with the quality_held_out check", marks[0]["reason"])
+    self.assertFalse(validate.finished(out, "quality_held_out"))
+    self.assertEqual(validate.held_out_backed_off(out), {})  # serving sees the undone too
+    self.assertEqual(out["validation"][:len(timed["validation"])], timed["validation"])
+
+  def test_the_committed_wukong_large_plan_reopened_from_held_out_is_the_selected_plan(self):
+    # Its first three held-out rounds backed off 18 MLP sites ranked by the report's forward
+    # error; the round that measured each site found `head/dense_0` alone moved the loss
+    # (docs/BENCHMARKS.md section 7, forty-second session). Reopened with the shadow check
+    # after it, every site runs its selected kernels again.
+    results = os.path.join(os.path.dirname(__file__), "..", "docs", "results")
+    plan = read_plan(os.path.join(results, "plan_validating_wukong_large_h200_2026-12-02.json"))
+    selected = read_plan(os.path.join(results, "plan_selected_wukong_large_h200_2026-11-27.json"))
+    out = validate.reopen_check(plan, "quality_held_out", "measured in one program",
+                                later=True)
+    self.assertEqual({s: kernels(out, s) for s in selected["sites"]},
+                     {s: kernels(selected, s) for s in selected["sites"]})
+    self.assertLen(out["validation"][-1]["restored"], 23)
+    self.assertLen(validate.held_out_backed_off(plan), 19)
+    self.assertEqual(validate.held_out_backed_off(out), {})
+
   def test_the_reopened_wukong_large_plan_passes_shadow_round_0_from_its_records(self):
     # The committed plan (docs/results, H200, forty-first session), judged as its next call
     # will judge it: every run it needs is recorded, so nothing trains.
@@ -1072,6 +1116,32 @@ class ReportRankingTest(chex.TestCase):
     self.assertNotIn("contributions", rounds[0])
     self.assertEqual(rounds[0]["report_scores"][BAD_SITE], -8.0)
     self.assertTrue(rounds[-1]["passed"] and rounds[-1]["final"])
+
+
+  def test_one_program_measures_past_the_cap_where_the_report_ranks_wrong(self):
+    # The report ranks GOOD_SITE worst (8 dB) and BAD_SITE best (40 dB); in the model
+    # BAD_SITE's two-bit forward is what moves the loss. Ranked, round 0 backs off the wrong
+    # site; measured in one program, only the right one.
+    ctx = dataclasses.replace(context(), report=ranking_report(
+        {BAD_SITE: 40.0, GOOD_SITE: 8.0, OTHER_SITE: 31.0}))
+    plan = plan_of({BAD_SITE: "test_two_bit", GOOD_SITE: "xla_fp8_rowwise",
+                    OTHER_SITE: "xla_fp8_rowwise"})
+    outs = {one: validate.check_held_out(plan, ctx, validate.ValidationConfig(
+        max_rel_logloss=0.002, max_measured_sites=2, held_out_one_program=one))
+            for one in (False, True)}
+    self.assertEqual(kernels(outs[False], GOOD_SITE), {p: FALLBACK for p in hm.PASSES})
+    self.assertEqual(kernels(outs[True], GOOD_SITE), {p: "xla_fp8_rowwise" for p in hm.PASSES})
+    self.assertEqual(kernels(outs[True], BAD_SITE), {p: FALLBACK for p in hm.PASSES})
+    first = [r for r in validate.validation_records(outs[True], "quality_held_out")
+             if "round" in r][0]
+    self.assertNotIn("report_scores", first)
+    self.assertEqual(sorted(first["contributions"]), sorted([BAD_SITE, GOOD_SITE, OTHER_SITE]))
+    # The training checks' cap follows their own one-program flag the same way.
+    candidates = {s: plan.choice_for(s) for s in (BAD_SITE, GOOD_SITE, OTHER_SITE)}
+    capped = validate.ValidationConfig(max_measured_sites=2)
+    self.assertTrue(validate._ranked_by_report(ctx, capped, candidates,
+                                               capped.gradient_one_program))
+    self.assertFalse(validate._ranked_by_report(ctx, capped, candidates, one_program=True))
 
 
 class ResumeTest(chex.TestCase):

@@ -48,7 +48,10 @@ class HeadroomTest(chex.TestCase):
     rowwise = 3 * (100 - 80)
     got = {l.plan: l for l in headroom.lines(rep, {}, "train",
                                              ["flax_fp8_delayed", "xla_fp8_rowwise"],
-                                             step_ms=2.0)}
+                                             step_ms=2.0, measured={"fp8_rowwise": 0.9})}
+    self.assertEqual(got["xla_fp8_rowwise"].measured, 0.9)  # its bench peer's row
+    self.assertIsNone(got["flax_fp8_delayed"].measured)
+    self.assertIsNone(headroom.peer_variant("pallas_fp8_delayed"))  # it falls back per site
     self.assertAlmostEqual(got["flax_fp8_delayed"].saved_ms, (flax_a + flax_b) / 1e3)
     self.assertAlmostEqual(got["xla_fp8_rowwise"].saved_ms, 2 * rowwise / 1e3)
     self.assertEqual(got["xla_fp8_rowwise"].fp8_sites, 2)

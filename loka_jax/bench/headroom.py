@@ -22,7 +22,7 @@ import dataclasses
 import math
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from loka_jax.bench import mods_set
+from loka_jax.bench import mods_set, variants
 from loka_jax.dispatch import pipeline, selection
 from loka_jax.dispatch.plan import SCHEMA, Plan, as_plan
 from loka_jax.kernels import PASSES, registry
@@ -112,17 +112,27 @@ def line(report: Mapping, name: str, plan, mode: str, step_ms: Optional[float] =
               measured=measured)
 
 
+def peer_variant(kernel: str) -> Optional[str]:
+  """The bench variant that runs `kernel` at every site, exactly (None: no such peer; the
+  Pallas peers fall back to another kernel where theirs does not apply)."""
+  return next((v.name for v in variants.VARIANTS.values()
+               if v.precision == "fp8_all" and v.kernels_from == variants.UNIFORM
+               and v.kernel == kernel), None)
+
+
 def lines(report: Mapping, plans: Mapping[str, Any], mode: str,
           kernels: Sequence[str] = (), step_ms: Optional[float] = None,
           measured: Optional[Mapping[str, float]] = None) -> List[Line]:
   """The `plans` ({name: plan}), each of `kernels` everywhere and the speed-only plan, in
-  that order, for `mode`; `measured`: {name: measured speedup} where known."""
+  that order, for `mode`; `measured`: {bench variant: measured speedup}, matched to a plan
+  by its name and to a kernel everywhere by its `peer_variant`."""
   measured = measured or {}
-  named = dict(plans)
-  named.update((k, everywhere(k)) for k in kernels)
-  named[SPEED_ONLY_NAME] = speed_only(report, mode)
-  return [line(report, name, plan, mode, step_ms, measured.get(name))
-          for name, plan in named.items()]
+  out = [line(report, name, plan, mode, step_ms, measured.get(name))
+         for name, plan in plans.items()]
+  out += [line(report, k, everywhere(k), mode, step_ms, measured.get(peer_variant(k)))
+          for k in kernels]
+  out.append(line(report, SPEED_ONLY_NAME, speed_only(report, mode), mode, step_ms))
+  return out
 
 
 def needed_saving_ms(step_ms: float, target: float) -> float:
