@@ -623,6 +623,53 @@ class ShadowTest(chex.TestCase):
     self.assertLen(validate.held_out_backed_off(plan), 19)
     self.assertEqual(validate.held_out_backed_off(out), {})
 
+  def test_the_reopened_wukong_large_held_out_check_measures_only_what_it_lacks(self):
+    # The committed reopened plan, judged as its next call will judge it: the whole plan's
+    # change as round 0 of the nineteenth session read it, then within the budget once a site
+    # is backed off. Only the 18 sites without a recorded measurement are measured (given a
+    # hair each here), and the recorded `head/dense_0` (+0.0526%) is the one backed off.
+    from loka_jax.probe.report import load_report
+    results = os.path.join(os.path.dirname(__file__), "..", "docs", "results")
+    plan = read_plan(os.path.join(results,
+                                  "plan_validating_wukong_large_reopened_h200_2026-12-02.json"))
+    report = load_report(os.path.join(results, "probe_report_wukong_large_h200_2026-11-27.json.gz"))
+    ctx = mock.Mock(_cache={}, optim=validate.OptimConfig(), report=report)
+    ctx.site_names.return_value = sorted(plan["sites"])
+    recorded = {s for s, _ in validate.saved_site_measurements(plan, "quality_held_out")}
+    measured = []
+    changes = iter([(5.41e-4, 3.5e-4), (2e-5, 1.3e-5)])
+    evaluation = {"logloss": 0.5656, "ne": 1.0007, "auc": 0.52, "num_examples": 65536}
+    with mock.patch.object(validate, "held_out", return_value=evaluation), \
+         mock.patch.object(validate, "held_out_change_se", side_effect=lambda *a: next(changes)), \
+         mock.patch.object(validate, "held_out_change_switched",
+                           side_effect=lambda c, wanted, site, size: measured.append(site) or 1e-6):
+      out = validate.check_held_out(plan, ctx, validate.ValidationConfig(
+          held_out_one_program=True))
+    candidates = validate.fp8_sites(plan, sorted(plan["sites"]))
+    self.assertLen(candidates, 33)
+    self.assertEqual(sorted(measured), sorted(set(candidates) - recorded))
+    self.assertLen(measured, 18)
+    self.assertEqual(kernels(out, "head/dense_0"), {p: FALLBACK for p in hm.PASSES})
+    for site in candidates:
+      if site != "head/dense_0":
+        self.assertEqual(kernels(out, site), kernels(plan, site), site)
+    rounds = [r for r in validate.validation_records(out, "quality_held_out")
+              if "round" in r][-2:]
+    self.assertEqual([(r["round"], r["passed"]) for r in rounds], [(0, False), (1, True)])
+    # Then the shadow check trains the new plan's three windows and nothing else: the
+    # bf16+Mods and jittered runs are on record (here each plan run ends where bf16+Mods did).
+    trained = []
+    def run(c, kplan, steps, size, start, seed, optim, window, jitter):
+      trained.append((kplan == validate.BASELINE, window, jitter))
+      return {"finite": True, "losses": np.full(steps, 0.5537),
+              "held_out": {"logloss": 0.5273}}
+    config = validate.ValidationConfig(shadow_windows=3, shadow_noise_floor=True,
+                                       gradient_one_program=True)
+    with mock.patch.object(validate, "shadow_run", side_effect=run):
+      shadowed = validate.check_shadow(out, ctx, config)
+    self.assertEqual(trained, [(False, w, 0.0) for w in range(3)])
+    self.assertTrue(validate.finished(shadowed, "quality_shadow"))
+
   def test_the_reopened_wukong_large_plan_passes_shadow_round_0_from_its_records(self):
     # The committed plan (docs/results, H200, forty-first session), judged as its next call
     # will judge it: every run it needs is recorded, so nothing trains.
