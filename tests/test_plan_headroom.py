@@ -124,6 +124,10 @@ class HeadroomTest(chex.TestCase):
     self.assertAlmostEqual(got["train"]["speedups"]["flax_fp8_delayed"], 2000.0 / 1600.0)
     with self.assertRaisesRegex(ValueError, "no 'bf16' row of toy/tiny.*'flax_fp8_delayed'"):
       headroom.measured_speedups(rows, "toy/tiny", {"train": "bf16"})
+    towers = [{**r, "suite": "towers", "model": "tower", "preset": "64x8x2"} for r in rows[:3]]
+    got = headroom.measured_speedups(towers, "tower/64x8x2", {"infer": "bf16_mods"})
+    self.assertEqual(sorted(got), ["infer"])
+    self.assertAlmostEqual(got["infer"]["speedups"]["flax_fp8_delayed"], 800.0 / 640.0)
 
 
 class GzipReportTest(chex.TestCase):
