@@ -9,7 +9,8 @@ measured step as step / (step - saved), every other op unchanged. Two references
 - a single kernel everywhere (the bench's peers);
 - the speed-only plan: selection with the accuracy budget switched off (`SPEED_ONLY`), the
   fastest kernel at every site where one beats bf16 at the low end of its CI. It bounds
-  what any plan selected from this report saves, up to the timings' noise.
+  what any plan selected from this report's per-site timings saves, up to their noise
+  (not what FP8 gains inside a step, below).
 
 Training counts every pass; inference the forwards only (a served model's forward runs the
 same GEMM, with static scales where the probe timed delayed ones, so its projection errs
@@ -18,8 +19,10 @@ predict the step: at Wukong `large` (H200) the peers' training projections land 
 of their rows. Where they are small, FP8 inside a whole step can beat its time alone
 (operands quantized once for several passes, XLA's scheduling), which is why validation
 promotes: at the 8192x2048x8 tower XLA's tensorwise FP8 everywhere projects 0.844x and
-measured 0.995x (docs/BENCHMARKS.md section 7, forty-second session). The sites are ranked by the GEMM time the plan forgoes against the speed-only plan,
-each with the plan's reason: the list of what would have to change to close the gap.
+measured 0.995x (docs/BENCHMARKS.md section 7, forty-second session).
+
+The sites are ranked by the GEMM time the plan forgoes against the speed-only plan, each
+with the plan's reason: the list of what would have to change to close the gap.
 """
 from __future__ import annotations
 
@@ -103,6 +106,8 @@ class Line:
 
 def line(report: Mapping, name: str, plan, mode: str, step_ms: Optional[float] = None,
          measured: Optional[float] = None) -> Line:
+  """`plan` (named `name`) in `mode`: its FP8 sites and GEMM time saved, projected onto
+  `step_ms` (the measured baseline step) where given."""
   plan = as_plan(plan, name)
   saved = _site_saved(report, plan, mode)
   saved_ms = sum(s for s, _ in saved.values() if s is not None) / 1e3
