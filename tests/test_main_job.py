@@ -55,6 +55,8 @@ class MainJobTest(chex.TestCase):
     for arm in ("| bf16+Mods |", "| LoKA (Mods + plan) |", "| fp8_all xla_fp8_tensorwise + Mods |"):
       self.assertIn(arm, text)
     self.assertIn("Speed: not measured (not on a GPU", text)
+    self.assertRegex(text, r"of the speed-only plan \(every site's fastest kernel, accuracy "
+                           r"ignored; `experiments.plan_headroom`\): \d+\.\d\dx")
     loka_dir = "loka_" + dispatch.read_plan(os.path.join(workdir, "plan.json")).kernel_digest()[:8]
     for arm in ("bf16_mods", loka_dir, "fp8_all"):
       with open(os.path.join(workdir, "arms", arm, "final.json")) as f:
