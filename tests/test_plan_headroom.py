@@ -98,6 +98,10 @@ class HeadroomTest(chex.TestCase):
       headroom.speed_only(rep, "serve")
     with self.assertRaisesRegex(ValueError, "cannot hold"):  # a step shorter than the saving
       headroom.line(rep, "x", headroom.everywhere("flax_fp8_delayed"), "train", step_ms=0.1)
+    foreign = {"schema": "loka.plan/1", "sites": {"c": {p: "xla_bf16" for p in hm.PASSES}}}
+    with self.assertRaisesRegex(ValueError, r"names 1 site\(s\) the probe report does not "
+                                r"have \(c\)"):
+      headroom.line(rep, "other", foreign, "train")
     with self.assertRaisesRegex(ValueError, "give one or more of"):
       pipeline.plan_speedup_estimate(headroom.everywhere("xla_fp8_rowwise"), rep, ("bwd",))
 

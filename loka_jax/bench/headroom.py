@@ -109,6 +109,11 @@ def line(report: Mapping, name: str, plan, mode: str, step_ms: Optional[float] =
   """`plan` (named `name`) in `mode`: its FP8 sites and GEMM time saved, projected onto
   `step_ms` (the measured baseline step) where given."""
   plan = as_plan(plan, name)
+  foreign = sorted(set(plan["sites"]) - set(report["sites"]))
+  if foreign:
+    raise ValueError(f"{name}: the plan names {len(foreign)} site(s) the probe report does not "
+                     f"have ({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}): "
+                     f"a plan of another model than the report's {report.get('model')!r}?")
   saved = _site_saved(report, plan, mode)
   saved_ms = sum(s for s, _ in saved.values() if s is not None) / 1e3
   if step_ms is not None and not (math.isfinite(step_ms) and step_ms > saved_ms > -step_ms):
