@@ -83,9 +83,12 @@ def main(argv):
                                  ("infer", INFER_TARGET.value)) if t}
     all_lines, forgone = [], {}
     for mode in headroom.MODES:
-      all_lines += headroom.lines(report, plans, mode, kernels, steps[mode], measured.get(mode))
+      best = headroom.speed_only(report, mode)
+      all_lines += headroom.lines(report, plans, mode, kernels, steps[mode], measured.get(mode),
+                                  best)
       if plans:
-        forgone[mode] = headroom.forgone(report, next(iter(plans.values())), mode, TOP.value)
+        forgone[mode] = headroom.forgone(report, next(iter(plans.values())), mode, TOP.value,
+                                         best)
   except ValueError as e:  # a corrupt report or plan, unknown kernel, rows that do not fit
     raise app.UsageError(str(e)) from e
   text = headroom.markdown(all_lines, forgone, targets, baselines)

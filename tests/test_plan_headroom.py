@@ -98,6 +98,12 @@ class HeadroomTest(chex.TestCase):
       headroom.speed_only(rep, "serve")
     with self.assertRaisesRegex(ValueError, "cannot hold"):  # a step shorter than the saving
       headroom.line(rep, "x", headroom.everywhere("flax_fp8_delayed"), "train", step_ms=0.1)
+    # A kernel everywhere that loses more than the step takes still projects (slower).
+    slow = {p: {"xla_fp8_rowwise": hm.entry(speedup=(0.09, 0.1, 0.11))} for p in hm.PASSES}
+    lost = headroom.line(hm.report({"s": hm.site(slow)}), "slow",
+                         headroom.everywhere("xla_fp8_rowwise"), "train", step_ms=1.0)
+    self.assertAlmostEqual(lost.saved_ms, 3 * (100 - 1000) / 1e3)
+    self.assertAlmostEqual(lost.projected, 1.0 / (1.0 + 2.7))
     foreign = {"schema": "loka.plan/1", "sites": {"c": {p: "xla_bf16" for p in hm.PASSES}}}
     with self.assertRaisesRegex(ValueError, r"names 1 site\(s\) the probe report does not "
                                 r"have \(c\)"):

@@ -116,7 +116,9 @@ def line(report: Mapping, name: str, plan, mode: str, step_ms: Optional[float] =
                      f"a plan of another model than the report's {report.get('model')!r}?")
   saved = _site_saved(report, plan, mode)
   saved_ms = sum(s for s, _ in saved.values() if s is not None) / 1e3
-  if step_ms is not None and not (math.isfinite(step_ms) and step_ms > saved_ms > -step_ms):
+  # A plan may lose more than a step's time (a slow kernel everywhere); only a saving the
+  # step cannot hold makes no projection.
+  if step_ms is not None and not (math.isfinite(step_ms) and step_ms > max(saved_ms, 0.0)):
     raise ValueError(f"{name} ({mode}): a measured step of {step_ms} ms cannot hold the "
                      f"{saved_ms:.2f} ms of GEMM time the plan saves; is it the step of the "
                      "report's model and batch?")
@@ -137,16 +139,17 @@ def peer_variant(kernel: str) -> Optional[str]:
 
 def lines(report: Mapping, plans: Mapping[str, Any], mode: str,
           kernels: Sequence[str] = (), step_ms: Optional[float] = None,
-          measured: Optional[Mapping[str, float]] = None) -> List[Line]:
-  """The `plans` ({name: plan}), each of `kernels` everywhere and the speed-only plan, in
-  that order, for `mode`; `measured`: {bench variant: measured speedup}, matched to a plan
-  by its name and to a kernel everywhere by its `peer_variant`."""
+          measured: Optional[Mapping[str, float]] = None,
+          best: Optional[Plan] = None) -> List[Line]:
+  """The `plans` ({name: plan}), each of `kernels` everywhere and the speed-only plan (`best`,
+  else selected here), in that order, for `mode`; `measured`: {bench variant: measured
+  speedup}, matched to a plan by its name and to a kernel everywhere by its `peer_variant`."""
   measured = measured or {}
   out = [line(report, name, plan, mode, step_ms, measured.get(name))
          for name, plan in plans.items()]
   out += [line(report, k, everywhere(k), mode, step_ms, measured.get(peer_variant(k)))
           for k in kernels]
-  out.append(line(report, SPEED_ONLY_NAME, speed_only(report, mode), mode, step_ms))
+  out.append(line(report, SPEED_ONLY_NAME, best or speed_only(report, mode), mode, step_ms))
   return out
 
 
@@ -170,12 +173,13 @@ def _reason(plan: Plan, best: Plan, site: str, passes: Tuple[str, ...]) -> str:
   return entry[(differs or list(passes))[0]].get("reason", "")
 
 
-def forgone(report: Mapping, plan, mode: str, top: int = 10) -> List[Dict[str, Any]]:
-  """The `top` sites where the plan saves least against the speed-only plan: site, both
-  choices, the ms forgone and the plan's reason there."""
+def forgone(report: Mapping, plan, mode: str, top: int = 10,
+            best: Optional[Plan] = None) -> List[Dict[str, Any]]:
+  """The `top` sites where the plan saves least against the speed-only plan (`best`, else
+  selected here): site, both choices, the ms forgone and the plan's reason there."""
   plan = as_plan(plan)
   passes = _passes(mode)
-  best = speed_only(report, mode)
+  best = best or speed_only(report, mode)
   mine, theirs = _site_saved(report, plan, mode), _site_saved(report, best, mode)
   rows = []
   for site, (saved, _) in mine.items():
