@@ -82,6 +82,11 @@ class PallasDelayed(Kernel):
   amax_history_length: int = 1024
   mode: str = delayed_op.ALL
 
+  def quantizes(self, pass_name: str) -> bool:
+    quantized = {delayed_op.ALL: ("fwd", "grad_lhs", "grad_rhs"),
+                 delayed_op.GRAD_LHS: ("fwd", "grad_lhs"), delayed_op.FWD: ("fwd",)}
+    return super().quantizes(pass_name) and pass_name in quantized[self.mode]
+
   def make_module(self, name: str):
     return delayed_op.PallasDelayedEinsum(amax_history_length=self.amax_history_length,
                                           mode=self.mode, name=name)

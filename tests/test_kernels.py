@@ -186,6 +186,19 @@ class FlaxDelayedForwardTest(absltest.TestCase):
       self.assertEqual(kernel.sort, kernels.FUSED_OP)
       self.assertTrue(kernel.stateful and kernel.fp8)
 
+  def test_each_op_names_the_passes_it_quantizes(self):
+    # A plan names a fused op in all three passes; validation asks which run in FP8.
+    expected = {"flax_fp8_delayed": (True, True, True),
+                "flax_fp8_delayed_grad_lhs": (True, True, False),
+                "flax_fp8_delayed_fwd": (True, False, False),
+                "xla_fp8_rowwise": (True, True, True), "xla_bf16": (False, False, False)}
+    for name, quantized in expected.items():
+      self.assertEqual(tuple(kernels.get(name).quantizes(p) for p in ("fwd", "grad_lhs",
+                                                                        "grad_rhs")),
+                       quantized, name)
+    with self.assertRaises(ValueError):
+      kernels.get("flax_fp8_delayed_fwd").quantizes("backward")
+
 
 class FlaxDelayedGradLhsTest(parameterized.TestCase):
 

@@ -203,6 +203,12 @@ class PallasDelayedOpTest(parameterized.TestCase):
       kernel = kernels.get(name)
       self.assertEqual((kernel.sort, kernel.backend), (kernels.FUSED_OP, "pallas_triton"))
       self.assertTrue(kernel.stateful and kernel.fp8)
+    # Which passes each quantizes, as its Flax twin does.
+    for name, quantized in (("pallas_fp8_delayed", (True, True, True)),
+                            ("pallas_fp8_delayed_grad_lhs", (True, True, False)),
+                            ("pallas_fp8_delayed_fwd", (True, False, False))):
+      self.assertEqual(tuple(kernels.get(name).quantizes(p)
+                             for p in ("fwd", "grad_lhs", "grad_rhs")), quantized, name)
 
 
 class PallasDelayedTrainingTest(absltest.TestCase):

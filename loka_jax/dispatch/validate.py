@@ -33,6 +33,14 @@ Quality, on the SAME trained bf16+Mods parameters (a plan changes kernels, never
      bound becomes max(`shadow_max_rel_loss`, 2 x the RMS over windows of that run's
      change / sqrt(windows)): what a mean over the windows moves under a perturbation
      that no kernel choice can be blamed for.
+     A back-off that moves neither loss says the ranking has not found the cause: at
+     Wukong `large` the site that moved the gradient most went to bf16 and every window's
+     held-out change stayed within 0.01 points of +6.8% (H200, docs/BENCHMARKS.md section
+     7, forty-third session), with 31 sites left to try one round each. So when the site(s)
+     the previous round backed off took back less than `stalled_fraction` of each loss's
+     excess over its bound, the round steps down at once every site that quantizes a
+     gradient pass (the held-out check passed the forwards), or every FP8 site where none
+     does (`stalled_back_off`): a few rounds to a passing plan instead of one per site.
   3. training from initialization (`from_init_steps`; 0, the default, skips it): the same
      comparison, but both runs start from a fresh initialization (the config's seed, fresh
      delayed-scaling state) on the data from its start, with the probe's optimizer or,
@@ -181,6 +189,10 @@ class ValidationConfig:
   # divergence bound, and 11 bf16 seed deviations outside the target's.
   from_init_quality_bound: bool = False
   grad_batches: int = 2              # training batches of the gradient contributions
+  # A failing training round whose previous back-off took back less than this fraction of
+  # each diverged loss's excess over its bound steps every FP8 site down at once
+  # (`stalled_back_off`); 0 always backs off the one site the ranking names.
+  stalled_fraction: float = 0.1
   max_rounds: int = 64               # back-offs per check at most
   speed: Optional[bool] = None       # None: only on a GPU; True forces it (tests)
   promote: Optional[bool] = None     # the speed promotion: None only on a GPU; True forces it
@@ -241,6 +253,8 @@ class ValidationConfig:
     if self.max_measured_sites is not None and self.max_measured_sites < 1:
       raise ValueError(f"max_measured_sites must be >= 1 or None, got "
                        f"{self.max_measured_sites}")
+    if not 0 <= self.stalled_fraction < 1:
+      raise ValueError(f"stalled_fraction must be in [0, 1), got {self.stalled_fraction}")
     if self.speed_min_sample_s < 0:
       raise ValueError(f"speed_min_sample_s must be >= 0, got {self.speed_min_sample_s}")
     if self.speed_repeats < 20:
@@ -294,11 +308,14 @@ class ValidationContext:
 
 def fp8_sites(plan: Plan, names: Sequence[str], passes: Sequence[str] = PASSES
               ) -> Dict[str, KernelChoice]:
-  """{site: choice} of the sites whose plan runs one of `passes` on an FP8 kernel."""
+  """{site: choice} of the sites whose plan runs one of `passes` in FP8 (`Kernel.quantizes`:
+  a fused op such as `flax_fp8_delayed_fwd` names itself in every pass but quantizes only
+  its forward)."""
   out = {}
   for name in names:
     choice = plan.choice_for(name)
-    if choice is not None and any(registry.get(choice.for_pass(p)).fp8 for p in passes):
+    if choice is not None and any(registry.get(choice.for_pass(p)).quantizes(p)
+                                  for p in passes):
       out[name] = choice
   return out
 
@@ -1330,6 +1347,34 @@ def shadow_diverged(rel_train: float, rel_eval: float, bound: float,
   return rel_train > bound or rel_eval > (bound if eval_bound is None else eval_bound)
 
 
+def stalled_back_off(previous: Mapping[str, Any], current: Mapping[str, Any],
+                     bounds: Mapping[str, float], fraction: float,
+                     backed_off: Sequence[str]) -> Optional[str]:
+  """Why the previous training round's back-off left the run where it was, or None.
+
+  `previous` and `current`: two consecutive rounds' verdicts (finite, with
+  `rel_train_loss` and `rel_logloss_change`); `bounds`: each of those keys' bound;
+  `backed_off`: the sites the previous round backed off. Stalled: `current` fails too, and
+  for every loss the previous round had above its bound, the back-off took back less than
+  `fraction` of that excess (a loss that grew took back nothing). `fraction` 0: never."""
+  if fraction <= 0 or current.get("passed", True) or not backed_off:
+    return None
+  keys = ("rel_train_loss", "rel_logloss_change")
+  if not all(k in previous and k in current for k in keys):
+    return None   # a non-finite round reads no losses
+  over = {k: previous[k] - bounds[k] for k in keys if previous[k] > bounds[k]}
+  if not over or any(previous[k] - current[k] >= fraction * excess
+                     for k, excess in over.items()):
+    return None
+  names = {"rel_train_loss": "training loss", "rel_logloss_change": "held-out"}
+  moved = ", ".join(f"{names[k]} {100 * previous[k]:+.3f}% -> {100 * current[k]:+.3f}% "
+                    f"({100 * excess:.3f} points over its bound)" for k, excess in over.items())
+  sites = ", ".join(backed_off)
+  return (f"the last back-off ({sites}) moved no loss by {100 * fraction:g}% of its excess "
+          f"({moved}): the ranking has not found the cause, so every site with an FP8 "
+          "gradient pass (or, with none left, every FP8 site) steps down one")
+
+
 def shadow_noise_bounds(config: ValidationConfig, noise_runs: Sequence[Mapping[str, Any]],
                         bases: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
   """The shadow check's bounds read from its noise-floor runs (`shadow_noise_floor`): per
@@ -1382,6 +1427,19 @@ def check_from_init(plan, ctx: ValidationContext, config: ValidationConfig = Val
 _TRAINING = {CHECKPOINT: "shadow training", INIT: "training from initialization"}
 
 
+def _previous_round(plan: Plan, step: str, round_: int
+                    ) -> Tuple[Optional[Dict[str, Any]], List[str]]:
+  """(the `step` check's live verdict of round `round_` - 1 or None, the sites backed off
+  after it)."""
+  live = _live_records(plan, step)
+  at = [i for i, r in enumerate(live) if r.get("round") == round_ - 1]
+  if not at:
+    return None, []
+  later = live[at[-1] + 1:]
+  until = next((i for i, r in enumerate(later) if "round" in r), len(later))
+  return live[at[-1]], [r["site"] for r in later[:until] if is_back_off(r)]
+
+
 def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
                     progress: Optional[Progress], step: str, start: str, steps: int,
                     optim: Optional[OptimConfig] = None) -> Plan:
@@ -1426,8 +1484,10 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
   train_bound = noise["train_bound"] if noise else config.shadow_max_rel_loss
   eval_bound = noise["held_out_bound"] if noise else config.shadow_max_rel_loss
   first = _rounds_done(plan, step)
+  bounds = {"rel_train_loss": train_bound, "rel_logloss_change": eval_bound}
   for round_ in range(first, config.max_rounds + 1):
     progress.checkpoint(plan, f"{step} round {round_}")
+    previous, backed_off = _previous_round(plan, step, round_)
     candidates = fp8_sites(plan, ctx.site_names())
     plan, runs = _training_runs(
         plan, ctx, progress, step, PLAN_ARM, plan.kernel_plan(), seeds,
@@ -1497,7 +1557,15 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
     else:   # within the divergence bound, above the quality bound
       what = (f"held-out {100 * record['rel_logloss_change']:+.3f}% is above the quality "
               f"bound {100 * held_bound['bound']:.3f}%")
-    if _ranked_by_report(ctx, config, candidates, config.gradient_one_program):
+    stalled = (stalled_back_off(previous, record, bounds, config.stalled_fraction,
+                                backed_off) if previous is not None else None)
+    if stalled is not None:
+      record["stalled"] = stalled
+      # The held-out check passed these forwards, so the gradient passes step down first.
+      worst = sorted(fp8_sites(plan, sorted(candidates), ("grad_lhs", "grad_rhs"))
+                     or candidates)
+      reasons = {s: f"{_TRAINING[start]}: {what}; {stalled}" for s in worst}
+    elif _ranked_by_report(ctx, config, candidates, config.gradient_one_program):
       scores = report_scores(ctx.report, plan, candidates, "error")
       worst = worst_by_report(scores)
       record["report_scores"] = scores

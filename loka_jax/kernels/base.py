@@ -41,6 +41,13 @@ class Kernel(abc.ABC):
   description: str = ""
   revision: int = 1
 
+  def quantizes(self, pass_name: str) -> bool:
+    """Whether this kernel's `pass_name` pass runs in FP8. A fused op names itself in every
+    pass of a plan, yet some keep their gradients in the compute dtype
+    (`flax_fp8_delayed_fwd`): those override this."""
+    check_pass(pass_name)
+    return self.fp8
+
   def unsupported_reason(self, spec: EinsumSpec, pass_name: str, kind: str,
                          lhs_shape: Sequence[int], rhs_shape: Sequence[int]) -> Optional[str]:
     """None when this kernel can run the pass; otherwise why not (for plan errors)."""

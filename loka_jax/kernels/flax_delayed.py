@@ -164,6 +164,10 @@ class Fp8EinsumForward(nn.Module):
 class FlaxDelayedForward(FlaxDelayed):
   fp8_grad_lhs: bool = False
 
+  def quantizes(self, pass_name: str) -> bool:
+    return super().quantizes(pass_name) and (
+        pass_name == "fwd" or (pass_name == "grad_lhs" and self.fp8_grad_lhs))
+
   def make_module(self, name: str):
     return Fp8EinsumForward(amax_history_length=self.amax_history_length,
                             fp8_grad_lhs=self.fp8_grad_lhs, name=name)
