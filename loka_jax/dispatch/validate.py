@@ -190,8 +190,9 @@ class ValidationConfig:
   from_init_quality_bound: bool = False
   grad_batches: int = 2              # training batches of the gradient contributions
   # A failing training round whose previous back-off took back less than this fraction of
-  # each diverged loss's excess over its bound steps every FP8 site down at once
-  # (`stalled_back_off`); 0 always backs off the one site the ranking names.
+  # each diverged loss's excess over its bound steps down at once every site that quantizes
+  # a gradient pass, or every FP8 site where none does (`stalled_back_off`); 0 always backs
+  # off what the ranking names.
   stalled_fraction: float = 0.1
   max_rounds: int = 64               # back-offs per check at most
   speed: Optional[bool] = None       # None: only on a GPU; True forces it (tests)
@@ -1484,7 +1485,11 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
   train_bound = noise["train_bound"] if noise else config.shadow_max_rel_loss
   eval_bound = noise["held_out_bound"] if noise else config.shadow_max_rel_loss
   first = _rounds_done(plan, step)
-  bounds = {"rel_train_loss": train_bound, "rel_logloss_change": eval_bound}
+  # What each loss is judged against (the check from initialization's quality bound is the
+  # tighter held-out one where it is set): a stall is read against these.
+  bounds = {"rel_train_loss": train_bound,
+            "rel_logloss_change": (min(eval_bound, held_bound["bound"]) if held_bound
+                                   else eval_bound)}
   for round_ in range(first, config.max_rounds + 1):
     progress.checkpoint(plan, f"{step} round {round_}")
     previous, backed_off = _previous_round(plan, step, round_)

@@ -1,0 +1,143 @@
+r"""Shadow-train hand-written kernel plans from one trained state, side by side with bf16.
+
+  python -m experiments.shadow_arms --model=wukong --preset=small --mods=all --steps=50 \
+      --batch_size=1024 --shadow_steps=150 --windows=2 --num_eval=16384 --workdir=DIR \
+      --arm="grad_lhs_mlp=layer_\d+/fmb/mlp/dense_\d+:flax_fp8_delayed_grad_lhs" \
+      --arm="fwd_mlp=layer_\d+/fmb/mlp/dense_\d+:flax_fp8_delayed_fwd"
+
+Trains bf16 (with --mods) for --steps, or reuses a finished run in --workdir, then trains
+each arm --shadow_steps more from that state in each data window, as validation's shadow
+check does (`validate.shadow_run`), and reports each run's last-50-step training loss,
+held-out log loss and AUC with its change from bf16+Mods' run in the same window. An arm is
+NAME=REGEX:KERNEL[,REGEX:KERNEL...]: each site takes the kernel (all passes) of the first
+regex that fully matches its name, every other site xla_bf16. It asks which kernel pattern
+stalls training without a probe report or a plan file (Wukong `large`'s restored plan did,
+docs/BENCHMARKS.md section 7, forty-third session). Rows go to WORKDIR/shadow_arms.jsonl as
+each run ends; a rerun skips the arm and window pairs it holds for the same recipe.
+"""
+import json
+import os
+import re
+import time
+
+from absl import app, flags
+
+from loka_jax import flags as common  # noqa: F401  (the common flags, defined once)
+
+ARMS = flags.DEFINE_multi_string("arm", [], "NAME=REGEX:KERNEL[,REGEX:KERNEL...] (repeat).")
+SHADOW_STEPS = flags.DEFINE_integer("shadow_steps", 200, "Steps each arm trains.")
+WINDOWS = flags.DEFINE_integer("windows", 1, "Data windows (window w: the shadow_steps "
+                               "batches from w x shadow_steps after the trained state).")
+NUM_EVAL = flags.DEFINE_integer("num_eval", 65536, "Held-out examples.")
+BATCH_SIZE = flags.DEFINE_integer("batch_size", 256, "Training batch size.")
+EVAL_BATCH = flags.DEFINE_integer("eval_batch_size", 4096, "Held-out evaluation batch size.")
+
+BASELINE_ARM = "bf16_mods"
+
+
+def parse_arm(text: str, sites, kernel_names):
+  """(name, KernelPlan) of one --arm; a ValueError naming what is wrong."""
+  from loka_jax.dispatch import validate
+  from loka_jax.kernels import KernelChoice, KernelPlan
+  name, sep, body = text.partition("=")
+  if not sep or not name or not body:
+    raise ValueError(f"--arm={text!r}: write NAME=REGEX:KERNEL[,REGEX:KERNEL...]")
+  if name == BASELINE_ARM:
+    raise ValueError(f"--arm={text!r}: {BASELINE_ARM} is the baseline every arm is read against")
+  rules = []
+  for part in body.split(","):
+    pattern, sep, kernel = part.rpartition(":")
+    if not sep or not pattern:
+      raise ValueError(f"--arm={text!r}: {part!r} is not REGEX:KERNEL")
+    if kernel not in kernel_names:
+      raise ValueError(f"--arm={text!r}: unknown kernel {kernel!r}; registered: "
+                       f"{sorted(kernel_names)}")
+    if not any(re.fullmatch(pattern, s) for s in sites):
+      raise ValueError(f"--arm={text!r}: {pattern!r} matches none of the model's sites")
+    rules.append((pattern, KernelChoice.uniform(kernel)))
+  return name, KernelPlan(rules=tuple(rules), default=validate.BASELINE.default)
+
+
+def main(argv):
+  del argv
+  from loka_jax.bench.results import ResultsFile
+  from loka_jax.dispatch import pipeline, validate
+  from loka_jax.kernels import registry
+  from loka_jax.models.presets import site_products
+  from loka_jax.train import TrainConfig, experiment
+  from loka_jax.train.loop import train
+
+  if SHADOW_STEPS.value < 1 or WINDOWS.value < 1:
+    raise SystemExit("--shadow_steps and --windows must be >= 1")
+  workdir = common.WORKDIR.value or "shadow_arms_run"
+  spec = experiment.RunSpec(model=common.MODEL.value, preset=common.PRESET.value,
+                            data=common.DATA.value, data_spec=common.DATA_SPEC.value,
+                            data_path=common.DATA_PATH.value,
+                            data_cache=common.DATA_CACHE.value,
+                            mods=experiment.parse_mods(common.MODS.value),
+                            seed=common.SEED.value, num_eval=NUM_EVAL.value)
+  config = TrainConfig(steps=common.STEPS.value, seed=common.SEED.value,
+                       batch_size=BATCH_SIZE.value, progress=False,
+                       log_every=max(1, common.STEPS.value // 10))
+  model, source, _ = experiment.build_run(spec)
+  sites = list(site_products(model, None, source.train_batch(0, 8)))
+  try:   # before any training
+    arms = dict([(BASELINE_ARM, validate.BASELINE)]
+                + [parse_arm(a, sites, registry.names()) for a in ARMS.value])
+  except ValueError as e:
+    raise SystemExit(str(e)) from e
+  if len(arms) != len(ARMS.value) + 1:
+    raise SystemExit("--arm: two arms share a name")
+  train(model, source, os.path.join(workdir, "run"), config, run_info=spec.run_info())
+  ctx = pipeline.context_for_run(spec, os.path.join(workdir, "run"), config)
+
+  recipe = {"spec": spec.run_info(), "from_step": config.steps, "batch_size": BATCH_SIZE.value,
+            "shadow_steps": SHADOW_STEPS.value, "num_eval": NUM_EVAL.value}
+  # A row is reused only for the same arm, window, rules and recipe.
+  results = ResultsFile(os.path.join(workdir, "shadow_arms.jsonl"), ("arm", "window", "setup"))
+  setup = {name: json.dumps({"recipe": recipe, "rules": _rules(kplan)}, sort_keys=True)
+           for name, kplan in arms.items()}
+  window_of_loss = min(50, SHADOW_STEPS.value)
+  rows = {}
+  for window in range(WINDOWS.value):
+    for name, kplan in arms.items():
+      rows[name, window] = results.get((name, window, setup[name]))
+      if rows[name, window] is not None:
+        continue
+      began = time.time()
+      run = validate.shadow_run(ctx, kplan, SHADOW_STEPS.value, EVAL_BATCH.value,
+                                window=window)
+      row = {"arm": name, "window": window, "setup": setup[name],
+             **validate.run_summary(run, window_of_loss), "first_loss": float(run["losses"][0]),
+             "seconds": round(time.time() - began, 1)}
+      results.append(row)
+      rows[name, window] = row
+      print(f"[shadow_arms] window {window} {name}: train {row['window_loss']} held-out "
+            f"{row['logloss']} AUC {row.get('auc')} ({row['seconds']} s)", flush=True)
+
+  print(f"\nFrom step {config.steps} of bf16 ({spec.model} {spec.preset}), "
+        f"{SHADOW_STEPS.value} steps per run; changes against {BASELINE_ARM} in the same "
+        "window:\n")
+  print("| arm | window | train (last 50) | held-out log loss | AUC |")
+  print("|---|---|---|---|---|")
+  for window in range(WINDOWS.value):
+    base = rows[BASELINE_ARM, window]
+    for name in arms:
+      print(f"| {name} | {window} | {_with_change(rows[name, window], base, 'window_loss')} | "
+            f"{_with_change(rows[name, window], base, 'logloss')} | "
+            f"{rows[name, window].get('auc', float('nan')):.4f} |")
+
+
+def _rules(kplan):
+  """An arm's rules as its rows record them."""
+  return [[pattern, choice.fwd] for pattern, choice in kplan.rules]
+
+
+def _with_change(row, base, key):
+  if row[key] is None:
+    return "not finite"
+  return f"{row[key]:.5f} ({100 * (row[key] / base[key] - 1):+.2f}%)"
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,66 @@
+"""`python -m experiments.shadow_arms` on a tiny Wukong: the baseline's own kernel as an arm
+trains exactly as bf16+Mods, an FP8 arm differs, a rerun trains nothing, and bad arms fail
+before any training with a message naming them."""
+import json
+import os
+import tempfile
+
+from absl.testing import absltest
+
+from test_ablation import run_module
+
+COMMON = ("--model=wukong", "--preset=tiny", "--mods=all", "--steps=6", "--batch_size=64",
+          "--shadow_steps=4", "--windows=2", "--num_eval=512", "--eval_batch_size=256")
+
+
+def run_cli(*args, timeout=300):
+  return run_module("experiments.shadow_arms", *args, timeout=timeout)
+
+
+class ShadowArmsTest(absltest.TestCase):
+
+  def test_arms_train_from_one_state_and_a_rerun_skips_them(self):
+    workdir = tempfile.mkdtemp(prefix="loka_shadow_arms_")
+    arms = ("--arm=same=.*:xla_bf16",
+            r"--arm=fp8=layer_\d+/fmb/mlp/dense_\d+:xla_fp8_rowwise,head/.*:flax_fp8_delayed")
+    got = run_cli(*COMMON, *arms, f"--workdir={workdir}")
+    self.assertEqual(got.returncode, 0, got.stderr[-3000:])
+    with open(os.path.join(workdir, "shadow_arms.jsonl")) as f:
+      rows = {(r["arm"], r["window"]): r for r in map(json.loads, f)}
+    self.assertLen(rows, 6)
+    for window in (0, 1):
+      base, same, fp8 = (rows[a, window] for a in ("bf16_mods", "same", "fp8"))
+      # xla_bf16 at every site is bf16+Mods' program: the same numbers to the last bit.
+      for key in ("first_loss", "window_loss", "logloss", "auc"):
+        self.assertEqual(same[key], base[key], (window, key))
+      # All start from the trained state on the window's first batch; FP8 then moves them.
+      self.assertAlmostEqual(fp8["first_loss"], base["first_loss"], delta=0.05)
+      self.assertNotEqual(fp8["logloss"], base["logloss"])
+      self.assertTrue(0.0 < base["auc"] < 1.0)
+    self.assertNotEqual(rows["bf16_mods", 0]["first_loss"], rows["bf16_mods", 1]["first_loss"])
+    self.assertIn("| same | 1 |", got.stdout)
+    self.assertIn("(+0.00%)", got.stdout)
+    # A rerun trains nothing and prints the same table.
+    again = run_cli(*COMMON, *arms, f"--workdir={workdir}")
+    self.assertEqual(again.returncode, 0, again.stderr[-3000:])
+    self.assertNotIn("[shadow_arms] window", again.stdout)
+    self.assertEqual(again.stdout.split("From step")[1], got.stdout.split("From step")[1])
+
+  def test_bad_arms_fail_before_training(self):
+    for arm, message in (("no_equals", "write NAME=REGEX:KERNEL"),
+                         ("x=.*:no_such_kernel", "unknown kernel 'no_such_kernel'"),
+                         ("x=no/such/site:xla_bf16", "matches none of the model's sites"),
+                         ("x=.*", "is not REGEX:KERNEL"),
+                         ("bf16_mods=.*:xla_bf16", "is the baseline")):
+      workdir = tempfile.mkdtemp()
+      got = run_cli(*COMMON, f"--arm={arm}", f"--workdir={workdir}")
+      self.assertNotEqual(got.returncode, 0, arm)
+      self.assertIn(message, got.stderr, arm)
+      self.assertFalse(os.path.exists(os.path.join(workdir, "run")), arm)
+    got = run_cli(*COMMON, "--arm=x=.*:xla_bf16", "--arm=x=.*:xla_fp8_rowwise",
+                  f"--workdir={tempfile.mkdtemp()}")
+    self.assertIn("two arms share a name", got.stderr)
+
+
+if __name__ == "__main__":
+  absltest.main()
