@@ -64,21 +64,13 @@ def main(argv):
   from loka_jax.dispatch import pipeline, validate
   from loka_jax.kernels import registry
   from loka_jax.models.presets import site_products
-  from loka_jax.train import TrainConfig, experiment
+  from loka_jax.train import experiment
   from loka_jax.train.loop import train
 
   if SHADOW_STEPS.value < 1 or WINDOWS.value < 1:
     raise SystemExit("--shadow_steps and --windows must be >= 1")
   workdir = common.WORKDIR.value or "shadow_arms_run"
-  spec = experiment.RunSpec(model=common.MODEL.value, preset=common.PRESET.value,
-                            data=common.DATA.value, data_spec=common.DATA_SPEC.value,
-                            data_path=common.DATA_PATH.value,
-                            data_cache=common.DATA_CACHE.value,
-                            mods=experiment.parse_mods(common.MODS.value),
-                            seed=common.SEED.value, num_eval=NUM_EVAL.value)
-  config = TrainConfig(steps=common.STEPS.value, seed=common.SEED.value,
-                       batch_size=BATCH_SIZE.value, progress=False,
-                       log_every=max(1, common.STEPS.value // 10))
+  spec, config = common.reference_run(NUM_EVAL.value, BATCH_SIZE.value)
   model, source, _ = experiment.build_run(spec)
   sites = list(site_products(model, None, source.train_batch(0, 8)))
   try:   # before any training

@@ -26,6 +26,19 @@ MODS = flags.DEFINE_list("mods", [], "Mods to turn on: no_bias, blocknorm, hard_
                         "path matches the glob (e.g. keep_bias:cross_*; repeatable).")
 
 
+def reference_run(num_eval: int, batch_size: int):
+  """(RunSpec, TrainConfig) of the bf16 model (with --mods) the measurement scripts train
+  for --steps and read FP8 against (`experiments.held_out_sites`, `shadow_arms`)."""
+  from loka_jax.train import TrainConfig, experiment
+  spec = experiment.RunSpec(model=MODEL.value, preset=PRESET.value, data=DATA.value,
+                            data_spec=DATA_SPEC.value, data_path=DATA_PATH.value,
+                            data_cache=DATA_CACHE.value, mods=experiment.parse_mods(MODS.value),
+                            seed=SEED.value, num_eval=num_eval)
+  config = TrainConfig(steps=STEPS.value, seed=SEED.value, batch_size=batch_size,
+                       progress=False, log_every=max(1, STEPS.value // 10))  # its progress
+  return spec, config
+
+
 def define_compile_workers():
   """Defines --compile_workers, in the scripts that run a probe; returns a function giving
   its value as `ProbeOptions.compile_workers` (None: the default thread count)."""
