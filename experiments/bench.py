@@ -103,6 +103,11 @@ PROMOTION_PER_SORT = flags.DEFINE_integer(
     "validation_promotion_per_sort", 1, "Kernels validation's speed promotion proposes per "
     "kernel sort (per-pass kernels, fused ops), those that lose least alone first; each is "
     "timed in the whole step (`ValidationConfig.promotion_per_sort`).")
+STALLED_FRACTION = flags.DEFINE_float(
+    "validation_stalled_fraction", 0.1, "A training check's round whose previous back-off "
+    "took back less than this fraction of each diverged loss's excess over its bound steps "
+    "down every site with an FP8 gradient pass at once instead of the ranking's next site "
+    "(`ValidationConfig.stalled_fraction`; 0: one site a round).")
 PROBE_SEED = flags.DEFINE_integer(
     "probe_seed", 0, "Seed of the probe run that makes a missing LoKA plan (both suites). "
     "Apart from --seed: quality runs at each seed share one plan and resume one probe.")
@@ -243,6 +248,7 @@ def main(argv):
                                  validation_held_out_one_program=HELD_OUT_ONE_PROGRAM.value,
                                  validation_gradient_one_program=GRADIENT_ONE_PROGRAM.value,
                                  validation_promotion_per_sort=PROMOTION_PER_SORT.value,
+                                 validation_stalled_fraction=STALLED_FRACTION.value,
                                  head_to_head=tuple(HEAD_TO_HEAD.value),
                                  serve_plan=SERVE_PLAN.value,
                                  serve_quality_gate=SERVE_QUALITY_GATE.value,

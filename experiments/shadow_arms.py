@@ -16,6 +16,7 @@ docs/BENCHMARKS.md section 7, forty-third session). Rows go to WORKDIR/shadow_ar
 each run ends; a rerun skips the arm and window pairs it holds for the same recipe.
 """
 import json
+import math
 import os
 import re
 import time
@@ -100,7 +101,8 @@ def main(argv):
       run = validate.shadow_run(ctx, kplan, SHADOW_STEPS.value, EVAL_BATCH.value,
                                 window=window)
       row = {"arm": name, "window": window, "setup": setup[name],
-             **validate.run_summary(run, window_of_loss), "first_loss": float(run["losses"][0]),
+             **validate.run_summary(run, window_of_loss),
+             "first_loss": _finite_or_none(float(run["losses"][0])),
              "seconds": round(time.time() - began, 1)}
       results.append(row)
       rows[name, window] = row
@@ -110,7 +112,7 @@ def main(argv):
   print(f"\nFrom step {config.steps} of bf16 ({spec.model} {spec.preset}), "
         f"{SHADOW_STEPS.value} steps per run; changes against {BASELINE_ARM} in the same "
         "window:\n")
-  print("| arm | window | train (last 50) | held-out log loss | AUC |")
+  print(f"| arm | window | train (last {window_of_loss}) | held-out log loss | AUC |")
   print("|---|---|---|---|---|")
   for window in range(WINDOWS.value):
     base = rows[BASELINE_ARM, window]
@@ -125,9 +127,15 @@ def _rules(kplan):
   return [[pattern, choice.fwd] for pattern, choice in kplan.rules]
 
 
+def _finite_or_none(x):
+  return x if math.isfinite(x) else None   # JSON has no NaN
+
+
 def _with_change(row, base, key):
   if row[key] is None:
     return "not finite"
+  if base[key] is None:   # bf16+Mods itself diverged: nothing to read a change against
+    return f"{row[key]:.5f}"
   return f"{row[key]:.5f} ({100 * (row[key] / base[key] - 1):+.2f}%)"
 
 

@@ -167,6 +167,9 @@ class SpeedSettings:
   validation_gradient_one_program: bool = False
   # Kernels its speed promotion proposes per kernel sort (`ValidationConfig.promotion_per_sort`).
   validation_promotion_per_sort: int = 1
+  # When a training check's back-off moved no loss, it steps every FP8 gradient down at once
+  # (`ValidationConfig.stalled_fraction`; 0: one site a round, always).
+  validation_stalled_fraction: float = 0.1
   min_call_s: float = speed.MIN_CALL_S  # steps shorter than this run N to a timed call
   seed: int = 0
   # Seed of the probe run that makes a missing plan: apart from `seed`, so quality runs at
