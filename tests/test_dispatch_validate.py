@@ -717,7 +717,7 @@ class ShadowTest(chex.TestCase):
       validate.ValidationConfig(stalled_fraction=1.0)
 
   def test_the_restored_wukong_large_plan_steps_its_gradient_passes_down_on_a_stall(self):
-    GRADIENT_FP8_OPS = ("flax_fp8_delayed", "flax_fp8_delayed_grad_lhs")
+    gradient_fp8_ops = ("flax_fp8_delayed", "flax_fp8_delayed_grad_lhs")
     # The committed plan (docs/results, H200, forty-third session): shadow rounds 0 and 1
     # read held-out +6.762% and +6.764% (bound 2.175%), round 1 after the gradient ranking's
     # site went to bf16. Its next round is judged here with each plan run mocked to end
@@ -733,7 +733,7 @@ class ShadowTest(chex.TestCase):
     ended = {arm: {r["seed"]: r for r in runs if r["arm"] == arm}
              for arm in ("plan", "bf16_mods")}   # the last of each arm and window
     def run(c, kplan, steps, size, start, seed, optim, window, jitter):
-      grads = any(ch.grad_lhs in GRADIENT_FP8_OPS for _, ch in kplan.sites)
+      grads = any(ch.grad_lhs in gradient_fp8_ops for _, ch in kplan.sites)
       r = ended["plan" if grads else "bf16_mods"][window]
       return {"finite": True, "losses": np.full(steps, r["window_loss"]),
               "held_out": {"logloss": r["logloss"]}}
