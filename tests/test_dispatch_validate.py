@@ -301,6 +301,33 @@ class SwitchedGradientTest(chex.TestCase):
     with self.assertRaisesRegex(ValueError, "parameter trees differ"):
       validate.gradient_distance({"a": g32["a"]}, ref32)
 
+  def test_the_leaves_a_gradient_change_moves_most_are_named(self):
+    # A small leaf changed through and through is hidden in the whole gradient's change by
+    # a large leaf that barely moves; each leaf's own relative change shows it.
+    rng = np.random.default_rng(3)
+    ref = {"dense": {"kernel": rng.normal(size=(256, 256))},
+           "embed": {"table": 1e-3 * rng.normal(size=(50, 8))},
+           "norm": {"scale": rng.normal(size=(8,))}, "zero": np.zeros(4)}
+    g = {"dense": {"kernel": ref["dense"]["kernel"] * 1.001},
+         "embed": {"table": -ref["embed"]["table"]},
+         "norm": {"scale": ref["norm"]["scale"] * 1.1}, "zero": np.full(4, 0.5)}
+    as32 = lambda t: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), t)
+    value, extras = validate.gradient_distance(as32(g), as32(ref), largest_leaves=2)
+    self.assertEqual(value, validate.gradient_distance(as32(g), as32(ref)))
+    self.assertLess(value, 0.01)
+    (first, change), (second, zero_change) = extras["largest_leaf_changes"]
+    self.assertEqual(first, "['embed']['table']")
+    self.assertAlmostEqual(change, 2.0, places=5)
+    # A zero reference leaf reads its change's own norm: ||0.5 x 4|| = 1.
+    self.assertEqual(second, "['zero']")
+    self.assertAlmostEqual(zero_change, 1.0, places=5)
+    self.assertLen(validate.gradient_distance(as32(g), as32(ref), largest_leaves=9)[1][
+        "largest_leaf_changes"], 4)
+    bad = as32(g)
+    bad["norm"]["scale"] = bad["norm"]["scale"].at[0].set(jnp.inf)
+    self.assertEqual(validate.gradient_distance(bad, as32(ref), largest_leaves=2),
+                     (math.inf, {"largest_leaf_changes": []}))
+
   def test_the_shadow_check_decides_as_with_one_program_per_site(self):
     ctx = context()
     plan = plan_of({BAD_SITE: {"grad_rhs": "test_flipped"}, GOOD_SITE: "xla_fp8_rowwise",
@@ -340,6 +367,13 @@ class ShadowTest(chex.TestCase):
     grads = rounds[0]["gradient_contributions"]
     self.assertGreater(grads[BAD_SITE], grads[GOOD_SITE])
     self.assertTrue(rounds[-1]["passed"])
+    # The flipped weight gradient is named as the leaf its site moves most: -10 times the
+    # true one, its relative change is 11.
+    measured = {r["site"]: r for r in validate.validation_records(out, "quality_shadow_site")}
+    path, change = measured[BAD_SITE]["largest_leaf_changes"][0]
+    for part in BAD_SITE.split("/"):
+      self.assertIn(f"'{part}'", path)
+    self.assertAlmostEqual(change, 11.0, delta=0.01)
 
 
   def test_a_data_window_trains_on_the_batches_after_the_one_before(self):

@@ -1066,16 +1066,31 @@ def _norm_of(parts) -> float:
   return math.sqrt(sum((float(top) * float(rest)) ** 2 for top, rest in parts))
 
 
-def gradient_distance(g, ref) -> float:
+def gradient_distance(g, ref, largest_leaves: int = 0):
   """||g - ref|| / ||ref|| over two gradient trees of the same structure (a zero `ref`
-  counts as norm 1); inf where g is not finite."""
+  counts as norm 1); inf where g is not finite.
+
+  With `largest_leaves` = k > 0: (that value, {"largest_leaf_changes": the k leaves whose
+  own relative change ||g_l - ref_l|| / ||ref_l|| is largest, as [path, change] pairs}). The
+  whole gradient's change is dominated by its largest leaves, so a site that moves a small
+  leaf completely (an embedding table's rows, a norm's scale) can read small there: at
+  Wukong `large` the shadow check's ranking did not find what stopped training
+  (docs/BENCHMARKS.md section 7, forty-third session), and this is what each site's record
+  now shows beside it. A leaf whose reference is zero reads its change's norm itself."""
   if jax.tree.structure(g) != jax.tree.structure(ref):
     raise ValueError("gradient_distance: the two gradients' parameter trees differ: "
                      f"{jax.tree.structure(g)} vs {jax.tree.structure(ref)}")
   diffs, refs, finite = jax.device_get(_distance_parts(g, ref))
-  if not finite:
-    return math.inf
-  return _norm_of(diffs) / (_norm_of(refs) or 1.0)
+  value = _norm_of(diffs) / (_norm_of(refs) or 1.0) if finite else math.inf
+  if largest_leaves <= 0:
+    return value
+  leaves = []
+  if finite:
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(ref)[0]]
+    for path, d, r in zip(paths, diffs, refs):
+      leaves.append((path, _norm_of([d]) / (_norm_of([r]) or 1.0)))
+    leaves.sort(key=lambda pc: (-pc[1], pc[0]))
+  return value, {"largest_leaf_changes": [[p, c] for p, c in leaves[:largest_leaves]]}
 
 
 def gradient_switched(ctx: ValidationContext, wanted: Mapping[str, KernelChoice], on,
@@ -1093,14 +1108,15 @@ def gradient_switched(ctx: ValidationContext, wanted: Mapping[str, KernelChoice]
 
 def gradient_change(ctx: ValidationContext, site: str, choice: KernelChoice, batches: int,
                     wanted: Optional[Mapping[str, KernelChoice]] = None,
-                    reference: Optional[Dict] = None) -> float:
+                    reference: Optional[Dict] = None, largest_leaves: int = 0):
   """How far `site` alone on `choice` moves the parameter gradient on the context's state:
   ||g(site) - g(bf16)|| / ||g(bf16)||, summed over `batches` training batches (inf where the
   gradient is not finite). With `wanted` (the round's candidates) both gradients come from
   one switch board, its bf16 one with every switch off; else each from its own program.
   `reference`: where the bf16 gradient is kept between calls (the caller's, so it lives no
   longer than the caller needs it: a float32 copy of every parameter on the device, 12 GB
-  at Wukong `large`); None computes it each call."""
+  at Wukong `large`); None computes it each call. `largest_leaves`: as in
+  `gradient_distance` (then a (value, extras) pair)."""
   reference = {} if reference is None else reference
   if wanted is None:
     key = ("gradient", BASELINE, batches)
@@ -1112,7 +1128,7 @@ def gradient_change(ctx: ValidationContext, site: str, choice: KernelChoice, bat
     got = lambda: gradient_switched(ctx, wanted, (site,), batches)
   if key not in reference:
     reference[key] = base()
-  return gradient_distance(got(), reference[key])
+  return gradient_distance(got(), reference[key], largest_leaves)
 
 
 # ----------------------------------------------------------------------------- quality
@@ -1583,8 +1599,10 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
       # not beside the next round's training runs. A later round measures on another
       # board anyway.
       reference = {}
+      # Each site's record also names the parameters it moves most, relatively
+      # (`gradient_distance`): what the whole-gradient ranking can read small.
       measure = lambda site, choice: gradient_change(ctx, site, choice, config.grad_batches,
-                                                     wanted, reference)
+                                                     wanted, reference, largest_leaves=3)
       # Recorded under the shadow check's name in either check: the value (this site's
       # gradient change on the trained state) is the same, so neither measures it twice.
       try:
