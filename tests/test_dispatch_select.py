@@ -174,6 +174,20 @@ class SelectTest(chex.TestCase):
       self.assertAlmostEqual(got["bf16_us"], bf16_us)
       self.assertAlmostEqual(got["plan_us"], 100.0 / 2.0 + 200.0 / 1.7)
 
+  def test_the_flop_model_halves_only_the_passes_a_kernel_quantizes(self):
+    # Untimed, the estimate falls back to FLOPs at 2x for FP8. The forward-only op names
+    # itself in all three passes but runs its gradients in bf16: 100 + 100 + 50 of 300.
+    untimed = {"flax_fp8_delayed_fwd": hm.entry(speedup=None),
+               "flax_fp8_delayed": hm.entry(speedup=None)}
+    rep = hm.report({"s": {**hm.site(hm.same_passes(untimed)), "flops": 100.0}})
+    for kernel, want in (("flax_fp8_delayed_fwd", 300.0 / 250.0),
+                         ("flax_fp8_delayed", 2.0)):
+      plan = Plan({"schema": "loka.plan/1", "sites": {},
+                   "default": {p: kernel for p in PASSES}})
+      got = pipeline.plan_speedup_estimate(plan, rep)
+      self.assertEqual(got["source"], "flop model", kernel)
+      self.assertAlmostEqual(got["speedup"], want, msg=kernel)
+
   def test_a_fused_op_is_judged_fast_on_the_whole_site(self):
     # The delayed-scaling forward with bf16 gradients: a fast forward, its backward (timed
     # once for both gradients against bf16's 2 x 100 us) at bf16 speed. No per-pass FP8

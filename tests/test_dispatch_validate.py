@@ -797,6 +797,11 @@ class ShadowTest(chex.TestCase):
     self.assertLess(len(kept), len(before))
     for site in kept:
       self.assertEqual(kernels(out, site), {p: "flax_fp8_delayed_fwd" for p in hm.PASSES})
+    # The committed replay (docs/results; BENCHMARKS projects it with plan_headroom) is this
+    # plan, site for site.
+    replay = read_plan(os.path.join(results, "plan_stall_replay_wukong_large_cpu_2026-12-02.json"))
+    for site in names:
+      self.assertEqual(kernels(out, site), kernels(replay, site), site)
     # With the rule off, the round ranks by gradient again (the mock refuses).
     with mock.patch.object(validate, "shadow_run", side_effect=run), \
          mock.patch.object(validate, "gradient_change", side_effect=AssertionError("ranked")):

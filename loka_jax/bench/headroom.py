@@ -80,7 +80,7 @@ def _site_saved(report: Mapping, plan: Plan, mode: str
   out = {}
   for name, times in pipeline.site_gemm_times(plan, report, passes).items():
     choice = plan.choice_for(name)
-    fp8 = any(_fp8(choice.for_pass(p)) for p in passes)
+    fp8 = any(registry.quantizes(choice.for_pass(p), p) for p in passes)
     if times is None:
       out[name] = (None if fp8 else 0.0, fp8)  # a bf16 site saves nothing, timed or not
     else:

@@ -225,7 +225,7 @@ def plan_speedup_estimate(plan, report: Mapping,
     flops = float(report["sites"][name].get("flops") or 0.0)
     for p in passes:
       kernel = choice.for_pass(p)
-      fp8 = registry.get(kernel).fp8 if kernel in registry.names() else False
+      fp8 = registry.quantizes(kernel, p)
       base_flops += flops
       plan_flops += flops / 2.0 if fp8 else flops
   return {"speedup": base_flops / plan_flops if plan_flops else 1.0, "source": "flop model",

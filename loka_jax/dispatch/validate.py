@@ -766,7 +766,7 @@ def report_scores(report: Mapping, plan: Plan, candidates: Mapping[str, KernelCh
                                        criteria)
     accuracies = [_accuracy(verdicts[p][choice.for_pass(p)], criteria.metric)
                   for p in passes
-                  if registry.get(choice.for_pass(p)).fp8
+                  if registry.get(choice.for_pass(p)).quantizes(p)
                   and choice.for_pass(p) in verdicts.get(p, {})]
     scores[site] = -min(accuracies) if accuracies else -math.inf
   return scores
