@@ -162,8 +162,16 @@ Q_CLIP = flags.DEFINE_float(
     "quality runs (default: none). Like the warm-up, a recipe of its own: its rows are "
     "compared only with rows of the same one.")
 Q_NOISE = flags.DEFINE_list("noise_seeds", ["1", "2"], "Extra bf16 seeds (noise floor).")
+Q_SEEDS = flags.DEFINE_list(
+    "quality_seeds", [], "Synthetic quality: every --arms at each of these seeds, in place of "
+    "--seed and the bf16 --noise_seeds (e.g. more paired seeds of two arms in one call: "
+    "--arms=bf16_mods,loka --quality_seeds=1,2). Empty: --seed and --noise_seeds.")
 Q_DATA = flags.DEFINE_list("quality_data", ["synthetic", "movielens"],
                            "Quality data: synthetic (every --models) and/or movielens.")
+for _name in ("noise_seeds", "quality_seeds"):
+  flags.register_validator(
+      _name, lambda seeds: all(s.isdigit() for s in seeds) and len(set(seeds)) == len(seeds),
+      message=f"--{_name} must list distinct non-negative integers, e.g. 1,2")
 ML_MODELS = flags.DEFINE_list("ml_models", ["wukong", "interformer"], "MovieLens models.")
 ML_PRESET = flags.DEFINE_string("ml_preset", "tiny", "MovieLens model preset.")
 ML_STEPS = flags.DEFINE_integer("ml_steps", 600, "MovieLens training steps.")
@@ -284,7 +292,8 @@ def main(argv):
     if "synthetic" in Q_DATA.value:
       runs += [(m, quality.QualitySettings(
           data="synthetic", preset=Q_PRESET.value, steps=Q_STEPS.value, batch_size=batch,
-          seed=common_flags.SEED.value, noise_seeds=noise, arms=tuple(ARMS.value),
+          seed=common_flags.SEED.value, noise_seeds=noise,
+          seeds=tuple(int(s) for s in Q_SEEDS.value), arms=tuple(ARMS.value),
           min_eval=Q_MIN_EVAL.value, plans_dir=plans_dir, warmup_steps=Q_WARMUP.value,
           clip_norm=Q_CLIP.value, mods=mods)) for m in models]
     if "movielens" in Q_DATA.value:

@@ -1406,15 +1406,31 @@ class CliTest(absltest.TestCase):
                            text=True, timeout=120)
     self.assertNotEqual(timed.returncode, 0)
     self.assertIn("--xla_deterministic is for --suite=quality only", timed.stderr)
+    # --quality_seeds: the arm at each of its seeds, and no bf16 noise seed beside them.
     quality_run = subprocess.run(
         base + ["--suite=quality", "--quality_data=synthetic", "--quality_preset=tiny",
-                "--models=dlrm", "--arms=bf16", "--noise_seeds=", "--quality_steps=3",
+                "--models=dlrm", "--arms=bf16", "--quality_seeds=2,1", "--quality_steps=3",
                 "--quality_eval=100", "--batch_size=64"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     self.assertEqual(quality_run.returncode, 0, quality_run.stderr[-3000:])
-    (row,) = [json.loads(l) for l in open(os.path.join(out, "quality.jsonl"))]
-    self.assertTrue(row["xla_deterministic"])
-    self.assertIsNotNone(row["logloss"])
+    rows = [json.loads(l) for l in open(os.path.join(out, "quality.jsonl"))]
+    self.assertEqual([(r["arm"], r["seed"]) for r in rows], [("bf16", 2), ("bf16", 1)])
+    for row in rows:
+      self.assertTrue(row["xla_deterministic"])
+      self.assertIsNotNone(row["logloss"])
+    # Different seeds train different runs.
+    self.assertNotEqual(rows[0]["logloss"], rows[1]["logloss"])
+
+  def test_bad_quality_seeds_fail_before_any_run(self):
+    out = _tempdir(self)
+    for flag in ("--quality_seeds=1,x", "--noise_seeds=1,1"):
+      run = subprocess.run(
+          [sys.executable, "-m", "experiments.bench", f"--workdir={out}", "--suite=quality",
+           "--quality_data=synthetic", flag], cwd=ROOT,
+          env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=120)
+      self.assertNotEqual(run.returncode, 0, flag)
+      self.assertIn(f"{flag.split('=')[0]} must list distinct non-negative integers", run.stderr)
+      self.assertFalse(os.path.exists(os.path.join(out, "quality.jsonl")), flag)
 
   def test_the_variants_flag_names_every_variant(self):
     help_text = subprocess.run([sys.executable, "-m", "experiments.bench", "--helpfull"],
