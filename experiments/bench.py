@@ -319,11 +319,11 @@ def main(argv):
   verdicts = targets.check_all(rows)
   from loka_jax import jsonio
   jsonio.write_json_atomic(os.path.join(workdir, "targets.json"), verdicts)
-  report = tables.report(rows, verdicts)
+  quality_runs = [os.path.join(workdir, "quality")]
+  report = tables.report(rows, verdicts, quality_runs)
   with open(os.path.join(workdir, "report.md"), "w") as f:
     f.write(report + "\n")
-  written = plots.write_plots(rows, os.path.join(workdir, "plots"),
-                              quality_runs=[os.path.join(workdir, "quality")])
+  written = plots.write_plots(rows, os.path.join(workdir, "plots"), quality_runs=quality_runs)
   print(report)
   _log(f"plots: {', '.join(written) or 'none yet'}")
   _log(("all selected rows are done" if finished else "rows left for the next run (the "

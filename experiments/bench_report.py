@@ -24,7 +24,8 @@ DEVICE = flags.DEFINE_string("device", None, "Only rows measured on this device 
 QUALITY_RUNS = flags.DEFINE_list(
     "quality_runs", [], "Quality suites' run folders (a bench workdir's `quality/`): each "
     "comparison's training curves are drawn from the runs found there "
-    "(plots/curves_<subject>.png).")
+    "(plots/curves_<subject>.png) and tabled in the report (each run's first and last "
+    "window's loss and the step it got half-way between them).")
 SERVED = flags.DEFINE_list(
     "served_quality", [], "Reports of experiments.serving_quality (JSON), oldest first: the "
     "held-out quality of the models LoKA rows served before the bench's served-quality gate; "
@@ -51,7 +52,7 @@ def main(argv):
     raise app.UsageError(str(e)) from e
   verdicts = targets.check_all(rows, reports)
   jsonio.write_json_atomic(os.path.join(OUT.value, "targets.json"), verdicts)
-  report = tables.report(rows, verdicts)
+  report = tables.report(rows, verdicts, QUALITY_RUNS.value)
   with open(os.path.join(OUT.value, "report.md"), "w") as f:
     f.write(report + "\n")
   written = plots.write_plots(rows, os.path.join(OUT.value, "plots"),

@@ -408,10 +408,10 @@ class RenderTest(absltest.TestCase):
         for step in (50, 100, 150):
           loss = 6.9 if spike and step == 100 else 0.6 - 0.0004 * step
           f.write(json.dumps({"step": step, "loss": loss, "max_loss": loss + 0.05}) + "\n")
-    curve = plots.read_curve(quality.run_dir(root, rows[8]))
+    curve = quality.read_curve(quality.run_dir(root, rows[8]))
     self.assertEqual(curve["loss"][1], 6.9)
     self.assertEqual(curve["max_loss"][1], 6.95)
-    self.assertIsNone(plots.read_curve(quality.run_dir(empty, rows[8])))
+    self.assertIsNone(quality.read_curve(quality.run_dir(empty, rows[8])))
     out = _tempdir(self)
     paths = plots.write_plots(rows, out, quality_runs=[empty, root])
     self.assertEqual(sorted(os.path.basename(p) for p in paths),
@@ -422,6 +422,49 @@ class RenderTest(absltest.TestCase):
     # Three seeds, three panels: wider than one panel's figure would be.
     self.assertGreater(int.from_bytes(png[16:20], "big"), 3 * 4.2 * 110 * 0.9)
     self.assertEqual(set(plots.ARM_COLORS), set(quality.ARMS))
+
+
+  def test_half_descent_step_interpolates_between_the_logged_windows(self):
+    # Straight down: half-way between 0.6 and 0.4 is the middle window itself.
+    self.assertEqual(quality.half_descent_step([50, 100, 150], [0.6, 0.5, 0.4]), 100.0)
+    # A plateau, then the drop: half-way (0.6) is 3/7 of the way from step 20 to step 30.
+    self.assertAlmostEqual(quality.half_descent_step([0, 10, 20, 30], [1.0, 0.9, 0.9, 0.2]),
+                           20 + 30 / 7)
+    # A spike above the start changes nothing before the descent.
+    self.assertAlmostEqual(quality.half_descent_step([0, 10, 20, 30], [1.0, 3.0, 0.9, 0.2]),
+                           20 + 30 / 7)
+    for flat in ([1.0, 1.0], [0.5, 0.7], [0.5], [], [float("nan"), 0.4]):
+      self.assertIsNone(quality.half_descent_step(list(range(len(flat))), flat), flat)
+
+  def test_the_curves_table_orders_runs_by_held_out_loss_beside_when_they_came_down(self):
+    # Wukong `large`-like: three runs on disk, the one that leaves the plateau late holds the
+    # worst held-out loss; a fourth run is not on disk and is left out.
+    rows = [_quality_row("wukong", "large", "bf16", 0, 0.4779, warmup_steps=50),
+            _quality_row("wukong", "large", "bf16_mods", 0, 0.4812, warmup_steps=50),
+            _quality_row("wukong", "large", "loka", 0, 0.4772, warmup_steps=50),
+            _quality_row("wukong", "large", "bf16", 1, 0.4807, warmup_steps=50)]
+    root = _tempdir(self)
+    losses = {"bf16": [0.63, 0.56, 0.54, 0.48], "bf16_mods": [0.64, 0.57, 0.58, 0.48],
+              "loka": [0.63, 0.53, 0.50, 0.48]}
+    for r in rows[:3]:
+      run = quality.run_dir(root, r)
+      os.makedirs(run)
+      with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+        for step, loss in zip((50, 100, 150, 500), losses[r["arm"]]):
+          f.write(json.dumps({"step": step, "loss": loss}) + "\n")
+    table = tables.curves_table(rows, [_tempdir(self), root])
+    lines = table.splitlines()[2:]
+    self.assertEqual([l.split(" | ")[1] for l in lines], ["loka", "bf16", "bf16_mods"])
+    halves = [float(l.split(" | ")[4]) for l in lines]
+    self.assertEqual(halves, sorted(halves))
+    # bf16_mods: half-way (0.56) reached only past its step-150 bump, a fifth of the way on.
+    self.assertEqual(lines[2].split(" | ")[4], f"{150 + 350 * (0.58 - 0.56) / 0.10:.0f}")
+    self.assertIn("| 0.6400 (50) |", lines[2])
+    self.assertIn("| 0.4800 (500) | 0.48120 |", lines[2])
+    self.assertEqual(tables.curves_table(rows, [_tempdir(self)]), "")
+    verdicts = targets.check_all(rows)
+    self.assertIn("### Training curves", tables.report(rows, verdicts, [root]))
+    self.assertNotIn("### Training curves", tables.report(rows, verdicts))
 
 
 class BaselineDriftTest(absltest.TestCase):

@@ -15,7 +15,6 @@ import numpy as np  # noqa: E402
 from loka_jax.bench import quality as quality_lib  # noqa: E402
 from loka_jax.bench.mods_set import row_subject  # noqa: E402
 from loka_jax.bench.variants import LABELS, VARIANTS  # noqa: E402
-from loka_jax.train import read_metrics  # noqa: E402
 
 
 def variant_color(variant: str) -> str:
@@ -121,17 +120,6 @@ def loss_gap_plot(rows: Sequence[Mapping], path: str) -> str:
   return path
 
 
-def read_curve(run_dir: str) -> Optional[Dict[str, List[float]]]:
-  """A run's logged training curve from its `metrics.jsonl`: step, mean loss of each logged
-  window and, where logged, its worst step (`max_loss`); None without the file."""
-  path = os.path.join(run_dir, "metrics.jsonl")
-  if not os.path.exists(path):
-    return None
-  lines = [r for r in read_metrics(path) if isinstance(r.get("loss"), (int, float))]
-  return {"step": [r["step"] for r in lines], "loss": [r["loss"] for r in lines],
-          "max_loss": [r.get("max_loss") for r in lines]}
-
-
 def training_curves_plot(rows: Sequence[Mapping], runs_roots: Sequence[str],
                          comparison: "quality_lib.Comparison", path: str) -> Optional[str]:
   """One panel per seed: each arm's logged training loss over the steps (solid: the mean of
@@ -140,15 +128,7 @@ def training_curves_plot(rows: Sequence[Mapping], runs_roots: Sequence[str],
   one seed's spike (DCNv2 `large`, docs/BENCHMARKS.md section 7, thirty-third session).
   Each run is read from the first of `runs_roots` (quality suites' run folders) that holds
   it; None when none holds a run of the comparison."""
-  curves: Dict[int, Dict[str, Dict]] = {}
-  for r in rows:
-    if not comparison.holds(r):
-      continue
-    for root in runs_roots:
-      curve = read_curve(quality_lib.run_dir(root, r))
-      if curve and curve["step"]:
-        curves.setdefault(r["seed"], {})[r["arm"]] = curve
-        break
+  curves = quality_lib.run_curves(rows, runs_roots, comparison)
   if not curves:
     return None
   seeds = sorted(curves)

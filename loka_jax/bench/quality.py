@@ -45,7 +45,7 @@ import numpy as np
 from loka_jax import xla_env
 from loka_jax.bench import mods_set, pace, planning
 from loka_jax.bench.results import ResultsFile
-from loka_jax.train import experiment
+from loka_jax.train import experiment, read_metrics
 from loka_jax.train.loop import TrainConfig, train
 from loka_jax.train.metrics import NEUTRAL_REL_LOGLOSS
 from loka_jax.train.optim import OptimConfig, make_optimizer
@@ -389,6 +389,48 @@ def run_dir(root: str, row: Mapping) -> str:
                else ""))
   return os.path.join(root, row["data"], f"{row['model']}_{row['preset']}",
                       f"{row['arm']}_seed{row['seed']}{recipe}")
+
+
+def read_curve(run_dir: str) -> Optional[Dict[str, List[float]]]:
+  """A run's logged training curve from its `metrics.jsonl`: step, mean loss of each logged
+  window and, where logged, its worst step (`max_loss`); None without the file."""
+  path = os.path.join(run_dir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return None
+  lines = [r for r in read_metrics(path) if isinstance(r.get("loss"), (int, float))]
+  return {"step": [r["step"] for r in lines], "loss": [r["loss"] for r in lines],
+          "max_loss": [r.get("max_loss") for r in lines]}
+
+
+def run_curves(rows: Sequence[Mapping], runs_roots: Sequence[str],
+               comparison: Comparison) -> Dict[int, Dict[str, Dict]]:
+  """{seed: {arm: curve}} of `comparison`'s runs, each read (`read_curve`) from the first of
+  `runs_roots` (quality suites' run folders) that holds a logged curve of it."""
+  curves: Dict[int, Dict[str, Dict]] = {}
+  for r in rows:
+    if not comparison.holds(r):
+      continue
+    for root in runs_roots:
+      curve = read_curve(run_dir(root, r))
+      if curve and curve["step"]:
+        curves.setdefault(r["seed"], {})[r["arm"]] = curve
+        break
+  return curves
+
+
+def half_descent_step(steps: Sequence[float], losses: Sequence[float]) -> Optional[float]:
+  """The step at which a logged training curve first got half-way from its first window's
+  mean loss down to its last one's, interpolated between the logged windows; None when it
+  has fewer than two windows or did not go down. Runs of one model can sit on a plateau
+  for a while and leave it at different steps, and their held-out losses follow when they
+  left it more than which arm they are (Wukong `large`, docs/BENCHMARKS.md section 7,
+  forty-fourth session): this puts that timing in one number."""
+  if len(losses) < 2 or not losses[-1] < losses[0]:
+    return None
+  half = (losses[0] + losses[-1]) / 2
+  i = next(i for i in range(1, len(losses)) if losses[i] <= half)  # the last one is
+  fraction = (losses[i - 1] - half) / (losses[i - 1] - losses[i])
+  return float(steps[i - 1] + (steps[i] - steps[i - 1]) * fraction)
 
 
 def run_line(row: Mapping) -> str:

@@ -139,6 +139,31 @@ def quality_table(rows: Sequence[Mapping]) -> str:
   return "\n".join(lines)
 
 
+def curves_table(rows: Sequence[Mapping], runs_roots: Sequence[str]) -> str:
+  """Per quality comparison, each run whose logged curve is found under `runs_roots`: its
+  first and last windows' mean training loss, the step it got half-way between them
+  (`quality.half_descent_step`) and its held-out log loss, runs ordered by that loss, so a
+  reader sees whether the held-out order is the order in which runs came down. Empty when
+  no run is found."""
+  lines = []
+  for c in quality_lib.comparisons(rows):
+    curves = quality_lib.run_curves(rows, runs_roots, c)
+    runs = sorted((r for r in rows if c.holds(r) and r["arm"] in curves.get(r["seed"], {})),
+                  key=lambda r: r["logloss"])
+    for r in runs:
+      curve = curves[r["seed"]][r["arm"]]
+      half = quality_lib.half_descent_step(curve["step"], curve["loss"])
+      lines.append(f"| {c.subject} | {r['arm']} | {r['seed']} | "
+                   f"{curve['loss'][0]:.4f} ({curve['step'][0]}) | "
+                   f"{'-' if half is None else f'{half:.0f}'} | "
+                   f"{curve['loss'][-1]:.4f} ({curve['step'][-1]}) | {r['logloss']:.5f} |")
+  if not lines:
+    return ""
+  return "\n".join(["| subject | arm | seed | first window's loss (step) | half-way step "
+                    "| last window's loss (step) | held-out log loss |",
+                    "|---|---|---|---|---|---|---|"] + lines)
+
+
 def targets_table(verdicts: Sequence[Mapping]) -> str:
   lines = ["| target | subject | mode | value | 95% CI / bound | need | verdict | note |",
            "|---|---|---|---|---|---|---|---|"]
@@ -199,8 +224,10 @@ def glance_table(verdicts: Sequence[Mapping]) -> str:
   return "\n".join(lines)
 
 
-def report(rows: Sequence[Mapping], verdicts: Sequence[Mapping]) -> str:
-  """The whole markdown report: towers, models, quality, targets."""
+def report(rows: Sequence[Mapping], verdicts: Sequence[Mapping],
+           quality_runs: Sequence[str] = ()) -> str:
+  """The whole markdown report: towers, models, quality (with `quality_runs`, the quality
+  suites' run folders, also each run's training curve in numbers), targets."""
   parts: List[str] = ["# Benchmark results", ""]
   devices = sorted({r.get("device") for r in rows if r.get("device")})
   parts += [f"Devices: {', '.join(devices) or '-'}", ""]
@@ -209,6 +236,9 @@ def report(rows: Sequence[Mapping], verdicts: Sequence[Mapping]) -> str:
       parts += [f"## {title}", "", speed_table(rows, suite), ""]
   if any(r.get("suite") == "quality" for r in rows):
     parts += ["## Quality", "", quality_table(rows), ""]
+    curves = curves_table(rows, quality_runs)
+    if curves:
+      parts += ["### Training curves", "", curves, ""]
   if verdicts:
     parts += ["## Targets at a glance", "", glance_table(verdicts), "",
               "## Targets", "", targets_table(verdicts), ""]
