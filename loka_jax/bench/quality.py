@@ -428,7 +428,8 @@ def half_descent_step(steps: Sequence[float], losses: Sequence[float]) -> Option
   if len(losses) < 2 or not losses[-1] < losses[0]:
     return None
   half = (losses[0] + losses[-1]) / 2
-  i = next(i for i in range(1, len(losses)) if losses[i] <= half)  # the last one is
+  # The first window at or below the half-way mark (the last one always is).
+  i = next(i for i in range(1, len(losses)) if losses[i] <= half)
   fraction = (losses[i - 1] - half) / (losses[i - 1] - losses[i])
   return float(steps[i - 1] + (steps[i] - steps[i - 1]) * fraction)
 
