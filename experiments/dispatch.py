@@ -38,6 +38,10 @@ MAX_ERROR = flags.DEFINE_float(
 MIN_SQNR_FWD = flags.DEFINE_float("min_sqnr_fwd_db", None, "Forward SQNR bar (default 25 dB).")
 MIN_SQNR_GRAD = flags.DEFINE_float("min_sqnr_grad_db", None,
                                    "Gradient SQNR bar (default 20 dB).")
+MIN_SQNR_WGRAD = flags.DEFINE_float(
+    "min_sqnr_wgrad_db", None, "Weight-gradient (grad_rhs) SQNR bar where it should differ "
+    "from --min_sqnr_grad_db's, which then holds for the input gradient only (default: the "
+    "same bar).")
 MAX_UNDERFLOW = flags.DEFINE_float("max_underflow", None,
                                    "Largest underflow fraction of any operand (default 0.01).")
 MIN_SPEEDUP = flags.DEFINE_float("min_speedup", 1.05,
@@ -78,7 +82,7 @@ def criteria_from_flags() -> eligibility.Criteria:
       bar = -20.0 * math.log10(MAX_ERROR.value)
       fields.update(min_sqnr_fwd_db=bar, min_sqnr_grad_db=bar)
   for flag, name in ((MIN_SQNR_FWD, "min_sqnr_fwd_db"), (MIN_SQNR_GRAD, "min_sqnr_grad_db"),
-                     (MAX_UNDERFLOW, "max_underflow")):
+                     (MIN_SQNR_WGRAD, "min_sqnr_wgrad_db"), (MAX_UNDERFLOW, "max_underflow")):
     if flag.value is not None:
       fields[name] = flag.value
   return eligibility.Criteria(**fields)

@@ -66,6 +66,35 @@ class DispatchCliTest(chex.TestCase):
     self.assertEqual(plan["provenance"]["budget"]["default"]["max_mere"], 0.06)
     self.assertIn("check: not checked", result.stdout)
 
+  def test_the_weight_gradient_bar_can_be_set_apart_from_the_input_gradient_bar(self):
+    # One kernel, accurate in the forward and the input gradient (28 dB) and not in the
+    # weight gradient (12 dB), as the delayed op's weight gradients at Wukong `large`.
+    good = {"xla_fp8_tensorwise": hm.entry(sqnr=28.0, speedup=(1.4, 1.5, 1.6))}
+    poor = {"xla_fp8_tensorwise": hm.entry(sqnr=12.0, speedup=(1.4, 1.5, 1.6))}
+    sites = {"top_mlp/dense_0": hm.site({"fwd": good, "grad_lhs": good, "grad_rhs": poor},
+                                        lhs=(16, 52), rhs=(52, 64))}
+    report_path = os.path.join(self.workdir, "probe_report_wgrad.json")
+    save_report(hm.report(sites), report_path)
+
+    def kernels(*flags):
+      out = os.path.join(self.workdir, "plan_wgrad.json")
+      result = run_cli(f"--report={report_path}", f"--out={out}", "--nocheck", *flags)
+      self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+      plan = dispatch.read_plan(out)
+      return ({p: c["kernel"] for p, c in plan["sites"]["top_mlp/dense_0"].items()},
+              plan["provenance"]["budget"]["default"])
+    chosen, budget = kernels()
+    self.assertEqual(chosen, {"fwd": "xla_fp8_tensorwise", "grad_lhs": "xla_fp8_tensorwise",
+                              "grad_rhs": "xla_bf16"})
+    self.assertIsNone(budget["min_sqnr_wgrad_db"])
+    chosen, budget = kernels("--min_sqnr_wgrad_db=10")
+    self.assertEqual(chosen["grad_rhs"], "xla_fp8_tensorwise")
+    self.assertEqual(budget["min_sqnr_wgrad_db"], 10.0)
+    # The gradient bar then holds for the input gradient alone.
+    chosen, _ = kernels("--min_sqnr_grad_db=30", "--min_sqnr_wgrad_db=10")
+    self.assertEqual(chosen, {"fwd": "xla_fp8_tensorwise", "grad_lhs": "xla_bf16",
+                              "grad_rhs": "xla_fp8_tensorwise"})
+
   def test_a_serving_plan_keeps_every_gradient_in_bf16(self):
     out = os.path.join(self.workdir, "plan_serve.json")
     result = run_cli(f"--report={self.report_path}", f"--out={out}", "--objective=serve",
