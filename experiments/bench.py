@@ -286,6 +286,7 @@ def main(argv):
     finished &= suite.run_target(target, variants, speed_rows, settings=settings,
                                  deadline=deadline, device=device, log=_log, end_by=end_by)
 
+  quality_runs = [os.path.join(workdir, quality.RUNS_FOLDER)]
   if SUITE.value in ("quality", "all"):
     runs = []
     noise = tuple(int(s) for s in Q_NOISE.value)
@@ -309,7 +310,7 @@ def main(argv):
       if time.time() > (deadline if end_by is None else end_by):
         finished = False
         break
-      finished &= quality.run_model(model, qs, quality_rows, os.path.join(workdir, "quality"),
+      finished &= quality.run_model(model, qs, quality_rows, quality_runs[0],
                                     deadline=deadline, device=device, log=_log,
                                     plan_maker=(suite.quality_plan_maker(qs, settings, deadline)
                                                 if settings.probe else None),
@@ -319,7 +320,6 @@ def main(argv):
   verdicts = targets.check_all(rows)
   from loka_jax import jsonio
   jsonio.write_json_atomic(os.path.join(workdir, "targets.json"), verdicts)
-  quality_runs = [os.path.join(workdir, "quality")]
   report = tables.report(rows, verdicts, quality_runs)
   with open(os.path.join(workdir, "report.md"), "w") as f:
     f.write(report + "\n")
@@ -327,7 +327,8 @@ def main(argv):
   print(report)
   _log(f"plots: {', '.join(written) or 'none yet'}")
   _log(("all selected rows are done" if finished else "rows left for the next run (the "
-        "deadline, or a LoKA plan whose probe or validation has not finished); rerun the "
+        "deadline, a LoKA plan whose probe or validation has not finished, or a run folder "
+        "that holds other settings); rerun the "
         "same command to continue") + f" ({time.time() - start:.0f}s)")
 
 

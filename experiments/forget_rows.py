@@ -4,8 +4,8 @@ r"""Measure part of a benchmark target again: move its rows and plan files out o
       [--plan_files=plan_serve.json] [--suite=models|towers|quality] [--mods=...]
 
 The bench skips finished rows and reads plan files it wrote before; this moves the named
-rows (variants, or arms with --suite=quality) of one target, and the plan files named, to
-DIR/forgotten/STAMP/ with a manifest (`loka_jax.bench.forget`), so the next
+rows (variants, or arms with --suite=quality, each with its run folder) of one target, and
+the plan files named, to DIR/forgotten/STAMP/ with a manifest (`loka_jax.bench.forget`), so the next
 `experiments.bench` call with the same workdir measures them again. Nothing is deleted.
 E.g. a LoKA row served before the served-quality gate, timed again under it:
 `--target=dhen/large --variants=loka --plan_files=plan_serve.json`.
@@ -41,7 +41,9 @@ def main(argv):
   except (forget.ForgetError, ValueError) as e:
     raise app.UsageError(str(e)) from e
   print(f"[forget_rows] {done['target']}: moved {done['rows']} row(s) of "
-        f"{', '.join(done['names'])} and {', '.join(done['plan_files']) or 'no plan files'} "
+        f"{', '.join(done['names'])}"
+        + (f" with {len(done['run_folders'])} run folder(s)" if done["run_folders"] else "")
+        + f" and {', '.join(done['plan_files']) or 'no plan files'} "
         f"to {common_flags.WORKDIR.value}/{forget.FORGOTTEN}/{done['stamp']}")
 
 

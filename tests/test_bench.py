@@ -17,8 +17,8 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from loka_jax import dispatch
-from loka_jax.bench import (mods_set, pace, planning, plots, quality, speed, suite, tables, targets,
-                             towers, variants)
+from loka_jax.bench import (forget, mods_set, pace, planning, plots, quality, speed, suite,
+                             tables, targets, towers, variants)
 from loka_jax.bench.results import ResultsFile
 from loka_jax.kernels.choice import KernelChoice, KernelPlan
 from loka_jax.models.presets import site_products
@@ -718,6 +718,37 @@ class QualityPlanMakerTest(absltest.TestCase):
     self.assertTrue(quality.run_model("dlrm", settings, results, out, deadline=float("inf"),
                                       device="cpu", log=logs.append, plan_maker=plan_made))
     self.assertEqual([r["arm"] for r in results.rows()], ["bf16_mods", "loka"])
+
+  def test_a_run_folder_with_other_settings_is_not_recorded_and_forget_rows_clears_it(self):
+    # A row forgotten without its run folder leaves a run the next settings cannot resume:
+    # the arm is refused, left unrecorded and the model unfinished (recorded as an error row
+    # it would read as done). `forget` moves the folder with the row, and the arm runs.
+    out = _tempdir(self)
+    path = os.path.join(out, "quality.jsonl")
+    root = os.path.join(out, quality.RUNS_FOLDER)
+
+    def settings(batch):
+      return quality.QualitySettings(preset="tiny", steps=2, batch_size=batch, min_eval=64,
+                                     noise_seeds=(), arms=("bf16",),
+                                     plans_dir=os.path.join(out, "plans"))
+
+    def run(batch, logs):
+      results = ResultsFile(path, quality.KEY_FIELDS)
+      done = quality.run_model("dlrm", settings(batch), results, root, deadline=float("inf"),
+                               device="cpu", log=logs.append)
+      return done, [(r["arm"], r.get("batch_size"), "error" in r)
+                    for r in ResultsFile(path, quality.KEY_FIELDS).rows()]
+
+    self.assertEqual(run(64, []), (True, [("bf16", 64, False)]))
+    with open(path, "w"):  # the row forgotten by hand, its folder left
+      pass
+    logs = []
+    self.assertEqual(run(32, logs), (False, []))
+    self.assertTrue(any("not run: run directory" in line and "forget_rows" in line
+                        for line in logs), logs)
+    self.assertEqual(run(64, []), (True, [("bf16", 64, False)]))   # its own settings resume
+    forget.forget(out, suite="quality", model="dlrm", preset="tiny", names=["bf16"])
+    self.assertEqual(run(32, []), (True, [("bf16", 32, False)]))
 
   def test_the_speed_suites_probe_runs_at_the_probe_seed_too(self):
     (target,) = suite.tower_targets(["64x32x2"])

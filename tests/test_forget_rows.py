@@ -110,9 +110,35 @@ class ForgetTest(absltest.TestCase):
             for arm in ("bf16", "loka")]
     with open(path, "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in rows)
-    forget.forget(d, suite="quality", model="dcnv2", preset="large", names=["loka"])
+    root = os.path.join(d, quality.RUNS_FOLDER)
+    for r in rows:
+      os.makedirs(quality.run_dir(root, r))
+      with open(os.path.join(quality.run_dir(root, r), "config.json"), "w") as f:
+        f.write(r["arm"])
+    done = forget.forget(d, suite="quality", model="dcnv2", preset="large", names=["loka"],
+                         stamp="s")
     results = ResultsFile(path, quality.KEY_FIELDS)
     self.assertEqual([r["arm"] for r in results.rows()], ["bf16"])
+    # The forgotten row's run folder went with it, whole; the other arm's stayed.
+    loka_dir = os.path.relpath(quality.run_dir(root, rows[1]), d)
+    self.assertEqual(done["run_folders"], [loka_dir])
+    self.assertFalse(os.path.exists(os.path.join(d, loka_dir)))
+    with open(os.path.join(d, "forgotten", "s", loka_dir, "config.json")) as f:
+      self.assertEqual(f.read(), "loka")
+    self.assertTrue(os.path.isdir(quality.run_dir(root, rows[0])))
+
+  def test_a_quality_row_without_a_run_folder_of_its_own_is_forgotten_alone(self):
+    # A LoKA row that is bf16+Mods' twin names no folder of its own: bf16+Mods' stays.
+    d = _tempdir(self)
+    rows = [{"suite": "quality", "data": "synthetic", "model": "dlrm", "preset": "large",
+             "arm": arm, "seed": 0, "device": "NVIDIA H200"} for arm in ("bf16_mods", "loka")]
+    with open(os.path.join(d, "quality.jsonl"), "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in rows)
+    twin_of = quality.run_dir(os.path.join(d, quality.RUNS_FOLDER), rows[0])
+    os.makedirs(twin_of)
+    done = forget.forget(d, suite="quality", model="dlrm", preset="large", names=["loka"])
+    self.assertEqual((done["rows"], done["run_folders"]), (1, []))
+    self.assertTrue(os.path.isdir(twin_of))
 
   def test_wrong_requests_are_refused_and_change_nothing(self):
     d, _ = _workdir(self)

@@ -4,9 +4,9 @@ The bench resumes: a finished row is skipped, and a plan file once written is re
 rather than made again. To measure something again after a change (a serving plan made
 under the served-quality gate, a plan validated with the check from initialization), its
 rows and files have to leave the workdir. `forget` moves them to WORKDIR/forgotten/STAMP/
-(the rows into a results file of the same name, the plan files under plans/TARGET/) and
-writes a manifest there, so the next bench call measures them again and every measurement
-made before stays readable.
+(the rows into a results file of the same name, a quality row's run folder under quality/,
+the plan files under plans/TARGET/) and writes a manifest there, so the next bench call
+measures them again and every measurement made before stays readable.
 """
 from __future__ import annotations
 
@@ -70,6 +70,22 @@ def _split_rows(path: str, keep_if) -> tuple:
   return kept, moved
 
 
+def _move_run_folders(workdir: str, dest: str, moved_lines: Sequence[str]) -> List[str]:
+  """Moves the run folder of each moved quality row that has one (a LoKA row that is
+  bf16+Mods' twin has none of its own) from WORKDIR/quality/ to DEST/quality/; returns their
+  paths relative to WORKDIR."""
+  root = os.path.join(workdir, quality_lib.RUNS_FOLDER)
+  out = []
+  for line in moved_lines:
+    folder = quality_lib.run_dir(root, json.loads(line))
+    if os.path.isdir(folder) and folder not in (os.path.join(workdir, r) for r in out):
+      target = os.path.join(dest, os.path.relpath(folder, workdir))
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+      os.replace(folder, target)
+      out.append(os.path.relpath(folder, workdir))
+  return out
+
+
 def forget(workdir: str, *, suite: str, model: str, preset: str, names: Sequence[str],
            mods: Sequence[str] = mods_set.DEFAULT, plan_files: Sequence[str] = (),
            plans_dir: Optional[str] = None, stamp: Optional[str] = None) -> Dict:
@@ -102,14 +118,18 @@ def forget(workdir: str, *, suite: str, model: str, preset: str, names: Sequence
       f.flush()
       os.fsync(f.fileno())
     jsonio.write_text_atomic(results, "".join(kept))
+  # A quality row's run folder goes with it: left behind, it would hold a run the next call
+  # refuses to resume under other settings (a new plan). Moved after the rows are written
+  # out, so a kill in between leaves a folder the bench refuses loudly, never a lost run.
+  runs = _move_run_folders(workdir, dest, moved) if suite == "quality" else []
   if files:
     plan_dest = os.path.join(dest, "plans", os.path.relpath(folder, plans_dir))
     os.makedirs(plan_dest, exist_ok=True)
     for f in files:
       os.replace(os.path.join(folder, f), os.path.join(plan_dest, f))
   manifest = {"stamp": stamp, "suite": suite, "target": target, "names": list(names),
-              "rows": len(moved), "rows_from": results, "plan_files": files,
-              "plans_from": folder}
+              "rows": len(moved), "rows_from": results, "run_folders": runs,
+              "plan_files": files, "plans_from": folder}
   manifest_path = os.path.join(dest, MANIFEST)
   earlier = (jsonio.read_json(manifest_path, "forget manifest", "", ForgetError)
              if os.path.exists(manifest_path) else [])

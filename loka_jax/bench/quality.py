@@ -46,7 +46,7 @@ from loka_jax import xla_env
 from loka_jax.bench import mods_set, pace, planning
 from loka_jax.bench.results import ResultsFile
 from loka_jax.train import experiment, read_metrics
-from loka_jax.train.loop import TrainConfig, train
+from loka_jax.train.loop import RunSettingsError, TrainConfig, train
 from loka_jax.train.metrics import NEUTRAL_REL_LOGLOSS
 from loka_jax.train.optim import OptimConfig, make_optimizer
 from loka_jax.train.state import state_bytes
@@ -280,7 +280,8 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
   """Every unfinished run of `model`; False when one is left for a later run: the deadline
   stopped it (`pace.may_start`: `end_by`, the call's hard end, lets runs start past
   `deadline` when they fit), or the LoKA arm's plan is not made yet (its probe or
-  validation resumes then), so a caller never reads a skipped arm as done."""
+  validation resumes then), or its run folder holds a run with other settings (left
+  unrecorded: not a result of the arm), so a caller never reads a skipped arm as done."""
   complete = True
   for arm, seed in runs(settings):
     # An arm without Mods is the same run in every Mods set: keyed, and shared, as the
@@ -329,6 +330,13 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
         + (f" Mods {set_label}" if set_label else ""))
     try:
       row.update(run_arm(model, arm, seed, settings, workdir, plan))
+    except RunSettingsError as e:
+      # Another run's folder (a row forgotten by hand, its folder left behind), not a result
+      # of this arm: recorded, the row would read as done and never run.
+      log(f"    not run: {e}; move that folder aside (experiments.forget_rows moves a "
+          "forgotten row's run folder with it) or use another workdir")
+      complete = False
+      continue
     except Exception as e:  # a diverged or failing arm is a result too
       row.update(error=f"{type(e).__name__}: {e}"[:2000], traceback=traceback.format_exc()[-3000:])
       log(f"    failed: {type(e).__name__}: {str(e)[:300]}")
@@ -377,6 +385,9 @@ def bf16_mods_twin(results: ResultsFile, key: tuple, plan_path: str) -> Optional
     return twin if runs_bf16_mods_kernels(plan_path) else None
   except PlanFileError:  # the LoKA run fails on it by name and its row records why
     return None
+
+
+RUNS_FOLDER = "quality"  # a bench workdir's folder of quality runs (`run_dir`'s root)
 
 
 def run_dir(root: str, row: Mapping) -> str:
