@@ -130,6 +130,12 @@ SHADOW_NOISE_FLOOR = flags.DEFINE_bool(
     "validation_shadow_noise_floor", False, "Validation's shadow check also trains bf16+Mods "
     "from a jittered checkpoint in each data window and widens its bounds to two standard "
     "errors of that run's change (`ValidationConfig.shadow_noise_floor`).")
+SHADOW_WARMUP = flags.DEFINE_integer(
+    "validation_shadow_warmup_steps", None, "Validation's shadow check warms both learning "
+    "rates up again from 0 over N steps after switching the probe's state to the plan, in "
+    "bf16+Mods' runs and the plan's alike (`ValidationConfig.shadow_warmup_steps`; default: "
+    "none, the probe's rate on). For a probe state from early, fast-moving training.",
+    lower_bound=1)
 FROM_INIT_STEPS = flags.DEFINE_integer(
     "validation_from_init_steps", 0, "When a target's plan is made: validation's training "
     "from a fresh initialization, plan vs bf16+Mods, with the probe's recipe (0: skip).")
@@ -252,6 +258,7 @@ def main(argv):
                                  validation_from_init_seeds=FROM_INIT_SEEDS.value,
                                  validation_shadow_windows=SHADOW_WINDOWS.value,
                                  validation_shadow_noise_floor=SHADOW_NOISE_FLOOR.value,
+                                 validation_shadow_warmup_steps=SHADOW_WARMUP.value,
                                  validation_from_init_quality_bound=FROM_INIT_QUALITY.value,
                                  validation_held_out_one_program=HELD_OUT_ONE_PROGRAM.value,
                                  validation_gradient_one_program=GRADIENT_ONE_PROGRAM.value,

@@ -13,7 +13,9 @@ NAME=REGEX:KERNEL[,REGEX:KERNEL...]: each site takes the kernel (all passes) of 
 regex that fully matches its name, every other site xla_bf16. It asks which kernel pattern
 stalls training without a probe report or a plan file (Wukong `large`'s restored plan did,
 docs/BENCHMARKS.md section 7, forty-third session). Rows go to WORKDIR/shadow_arms.jsonl as
-each run ends; a rerun skips the arm and window pairs it holds for the same recipe.
+each run ends; a rerun skips the arm and window pairs it holds for the same recipe. With
+--warmup_after_switch=N every run warms its learning rates up again over N steps after
+leaving the trained state (validation's --validation_shadow_warmup_steps).
 """
 import json
 import math
@@ -32,6 +34,10 @@ WINDOWS = flags.DEFINE_integer("windows", 1, "Data windows (window w: the shadow
 NUM_EVAL = flags.DEFINE_integer("num_eval", 65536, "Held-out examples.")
 BATCH_SIZE = flags.DEFINE_integer("batch_size", 256, "Training batch size.")
 EVAL_BATCH = flags.DEFINE_integer("eval_batch_size", 4096, "Held-out evaluation batch size.")
+WARMUP_AFTER_SWITCH = flags.DEFINE_integer(
+    "warmup_after_switch", 0, "Every run (bf16+Mods' too) warms both learning rates up "
+    "again from 0 over N steps after leaving the trained state, as validation's "
+    "--validation_shadow_warmup_steps does; 0: the trained run's rate on.", lower_bound=0)
 
 BASELINE_ARM = "bf16_mods"
 
@@ -85,7 +91,10 @@ def main(argv):
   ctx = pipeline.context_for_run(spec, os.path.join(workdir, "run"), config)
 
   recipe = {"spec": spec.run_info(), "from_step": config.steps, "batch_size": BATCH_SIZE.value,
-            "shadow_steps": SHADOW_STEPS.value, "num_eval": NUM_EVAL.value}
+            "shadow_steps": SHADOW_STEPS.value, "num_eval": NUM_EVAL.value,
+            # only a re-warmed recipe names it, so rows from before the flag still match
+            **({"warmup_after_switch": WARMUP_AFTER_SWITCH.value}
+               if WARMUP_AFTER_SWITCH.value else {})}
   # A row is reused only for the same arm, window, rules and recipe.
   results = ResultsFile(os.path.join(workdir, "shadow_arms.jsonl"), ("arm", "window", "setup"))
   setup = {name: json.dumps({"recipe": recipe, "rules": _rules(kplan)}, sort_keys=True)
@@ -99,7 +108,8 @@ def main(argv):
         continue
       began = time.time()
       run = validate.shadow_run(ctx, kplan, SHADOW_STEPS.value, EVAL_BATCH.value,
-                                window=window)
+                                window=window,
+                                warmup_after_switch=WARMUP_AFTER_SWITCH.value)
       row = {"arm": name, "window": window, "setup": setup[name],
              **validate.run_summary(run, window_of_loss),
              "first_loss": _finite_or_none(float(run["losses"][0])),
@@ -110,8 +120,9 @@ def main(argv):
             f"{row['logloss']} AUC {row.get('auc')} ({row['seconds']} s)", flush=True)
 
   print(f"\nFrom step {config.steps} of bf16 ({spec.model} {spec.preset}), "
-        f"{SHADOW_STEPS.value} steps per run; changes against {BASELINE_ARM} in the same "
-        "window:\n")
+        f"{SHADOW_STEPS.value} steps per run"
+        + (f" warming up over {WARMUP_AFTER_SWITCH.value}" if WARMUP_AFTER_SWITCH.value else "")
+        + f"; changes against {BASELINE_ARM} in the same window:\n")
   print(f"| arm | window | train (last {window_of_loss}) | held-out log loss | AUC |")
   print("|---|---|---|---|---|")
   for window in range(WINDOWS.value):

@@ -628,7 +628,8 @@ class ValidationFromInitTest(absltest.TestCase):
                                      validation_shadow_windows=seeds + 1,
                                      validation_shadow_noise_floor=quality,
                                      validation_promotion_per_sort=seeds + 2,
-                                     validation_stalled_fraction=0.05 * seeds)
+                                     validation_stalled_fraction=0.05 * seeds,
+                                     validation_shadow_warmup_steps=warmup)
       with mock.patch("loka_jax.dispatch.pipeline.probe_and_plan") as probe_and_plan:
         suite._probe_for_plan(target, settings,
                               deadline=time.time() + 600, log=lambda line: None)
@@ -638,9 +639,9 @@ class ValidationFromInitTest(absltest.TestCase):
                         validation.from_init_quality_bound, validation.held_out_one_program,
                         validation.gradient_one_program, validation.shadow_windows,
                         validation.shadow_noise_floor, validation.promotion_per_sort,
-                        validation.stalled_fraction),
+                        validation.stalled_fraction, validation.shadow_warmup_steps),
                        (steps, warmup, clip, seeds, quality, quality, quality, seeds + 1,
-                        quality, seeds + 2, 0.05 * seeds))
+                        quality, seeds + 2, 0.05 * seeds, warmup))
 
   def test_the_probes_timing_floor_and_compile_threads_reach_its_options(self):
     (target,) = suite.tower_targets(["64x32x2"])

@@ -393,6 +393,39 @@ class ShadowTest(chex.TestCase):
     with self.assertRaisesRegex(ValueError, "window=1: a data window"):
       validate.shadow_run(ctx, validate.BASELINE, steps, start=validate.INIT, window=1)
 
+  def test_a_warm_up_after_the_switch_restarts_the_learning_rates_at_the_checkpoint(self):
+    # With a warm-up after the switch the first update changes nothing (rate 0), so the
+    # second step's loss is the trained state's own on the second batch: the first loss of
+    # a one-step run in data window 1, whose first batch that is (the same compiled step;
+    # a forward outside it rounds differently in bf16 by up to 0.1%). At the probe's rate
+    # the state has moved by then.
+    ctx = context()
+    second = validate.shadow_run(ctx, validate.BASELINE, 1, window=1,
+                                 warmup_after_switch=10)["losses"][0]
+    warm = validate.shadow_run(ctx, validate.BASELINE, 2, warmup_after_switch=10)
+    plain = validate.shadow_run(ctx, validate.BASELINE, 2)
+    self.assertAlmostEqual(warm["losses"][1], second, delta=1e-6 * abs(second))
+    self.assertGreater(abs(plain["losses"][1] - second), 1e-3 * abs(second))
+    self.assertAlmostEqual(warm["losses"][0], plain["losses"][0], places=5)  # same start
+    with self.assertRaisesRegex(ValueError, "warmup_after_switch=5: a warm-up"):
+      validate.shadow_run(ctx, validate.BASELINE, 2, start=validate.INIT,
+                          warmup_after_switch=5)
+    # The check trains every run with it and records it in each round; runs without it are
+    # not taken for runs with it.
+    plan = plan_of({GOOD_SITE: "xla_fp8_rowwise"})
+    for warmup in (None, 10):
+      config = validate.ValidationConfig(shadow_steps=4, shadow_window=2,
+                                         shadow_warmup_steps=warmup)
+      out = validate.check_shadow(plan, ctx, config)
+      rounds = [r for r in validate.validation_records(out, "quality_shadow") if "round" in r]
+      self.assertEqual({r.get("warmup_after_switch") for r in rounds}, {warmup})
+      runs = validate.validation_records(out, "quality_shadow_run")
+      self.assertEqual({r.get("warmup_after_switch") for r in runs}, {warmup})
+      self.assertEqual("shadow training (warm-up 10 after the switch) 4 steps" in
+                       train_report.validation_lines(out), warmup == 10)
+    with self.assertRaisesRegex(ValueError, "shadow_warmup_steps must be >= 0"):
+      validate.ValidationConfig(shadow_warmup_steps=-1)
+
   def test_the_shadow_check_judges_the_mean_over_data_windows(self):
     ctx = context()
     plan = plan_of({BAD_SITE: {"grad_rhs": "test_flipped"}, GOOD_SITE: "xla_fp8_rowwise"})

@@ -45,6 +45,18 @@ class ShadowArmsTest(absltest.TestCase):
     self.assertEqual(again.returncode, 0, again.stderr[-3000:])
     self.assertNotIn("[shadow_arms] window", again.stdout)
     self.assertEqual(again.stdout.split("From step")[1], got.stdout.split("From step")[1])
+    # A warm-up after the switch is another recipe: trained again, from the same start.
+    warm = run_cli(*COMMON, "--arm=same=.*:xla_bf16", "--warmup_after_switch=3",
+                   f"--workdir={workdir}")
+    self.assertEqual(warm.returncode, 0, warm.stderr[-3000:])
+    self.assertIn("warming up over 3", warm.stdout)
+    with open(os.path.join(workdir, "shadow_arms.jsonl")) as f:
+      warm_rows = [r for r in map(json.loads, f) if '"warmup_after_switch": 3' in r["setup"]]
+    self.assertLen(warm_rows, 4)
+    for r in warm_rows:
+      plain = rows[r["arm"] if r["arm"] == "bf16_mods" else "same", r["window"]]
+      self.assertEqual(r["first_loss"], plain["first_loss"])
+      self.assertNotEqual(r["window_loss"], plain["window_loss"])
 
   def test_bad_arms_fail_before_training(self):
     for arm, message in (("no_equals", "write NAME=REGEX:KERNEL"),

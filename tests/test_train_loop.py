@@ -18,7 +18,7 @@ from absl.testing import absltest
 from loka_jax.models import SiteConfig
 from loka_jax.train import (NonFiniteError, OptimConfig, TrainConfig, loop, make_optimizer,
                             read_metrics, restore_run, scale_by_rowwise_adagrad, train)
-from loka_jax.train.optim import RowwiseAdagradState
+from loka_jax.train.optim import RowwiseAdagradState, restart_schedules
 
 import train_toys
 
@@ -141,6 +141,32 @@ class OptimizerTest(chex.TestCase):
     updates, _ = tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params), params)
     for u in jax.tree.leaves(updates):
       np.testing.assert_array_equal(u, 0.0)
+
+  def test_restarted_schedules_warm_up_again_and_keep_what_the_moments_learned(self):
+    # Five updates past a 4-step warm-up, then the same state with its schedules restarted:
+    # its next update is zero (the warm-up's rate 0), and the one after it exactly a quarter
+    # of the unrestarted state's, whose moments and Adam count it shares (the rate 1/4 of
+    # the warm-up against the full one).
+    params = fresh_params(4)
+    tx = make_optimizer(OptimConfig(learning_rate=0.01, embedding_learning_rate=0.5,
+                                    warmup_steps=4))
+    grads = [jax.tree.map(lambda p, k=k: p * 0.3 + 0.1 * (k + 1), fresh_params(k + 5))
+             for k in range(7)]
+    state = tx.init(params)
+    for g in grads[:5]:
+      _, state = tx.update(g, state, params)
+    restarted = restart_schedules(state)
+    on, on_state = tx.update(grads[5], state, params)
+    zero, restarted = tx.update(grads[5], restarted, params)
+    for u in jax.tree.leaves(zero):
+      np.testing.assert_array_equal(u, 0.0)
+    self.assertTrue(all(np.abs(np.asarray(u)).max() > 0 for u in jax.tree.leaves(on)))
+    full, _ = tx.update(grads[6], on_state, params)
+    quarter, _ = tx.update(grads[6], restarted, params)
+    for q, f in zip(jax.tree.leaves(quarter), jax.tree.leaves(full)):
+      np.testing.assert_allclose(q, np.asarray(f) / 4, rtol=1e-5, atol=1e-12)
+    with self.assertRaisesRegex(ValueError, "no learning-rate schedule"):
+      restart_schedules({"count": jnp.zeros(())})
 
   def test_unknown_setting_is_named(self):
     with self.assertRaisesRegex(ValueError, "learning_rat"):

@@ -156,6 +156,9 @@ class SpeedSettings:
   validation_shadow_windows: int = 1
   # Whether its bounds also read the check's own noise (`ValidationConfig.shadow_noise_floor`).
   validation_shadow_noise_floor: bool = False
+  # Its learning-rate warm-up after switching the probe's state to the plan, in every shadow
+  # run (`ValidationConfig.shadow_warmup_steps`; None: none).
+  validation_shadow_warmup_steps: Optional[int] = None
   # Whether it also judges held-out log loss against the quality target's bound
   # (`ValidationConfig.from_init_quality_bound`).
   validation_from_init_quality_bound: bool = False

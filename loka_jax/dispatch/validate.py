@@ -137,7 +137,7 @@ from loka_jax.kernels import registry
 from loka_jax.kernels.flax_delayed import merge_fp8_meta
 from loka_jax.train.loop import compiled_steps, evaluate, loss_fn
 from loka_jax.train.metrics import NEUTRAL_REL_LOGLOSS, calibration, paired_logloss_change
-from loka_jax.train.optim import OptimConfig
+from loka_jax.train.optim import OptimConfig, restart_schedules
 from loka_jax.train.state import one_example
 
 BASELINE = KernelPlan.uniform(FALLBACK)
@@ -166,6 +166,15 @@ class ValidationConfig:
   # (`NOISE_FLOOR_JITTER`) and widens its bounds to 2 x that noise over sqrt(windows)
   # (`shadow_noise_bounds`). Off by default: it costs one more run per window.
   shadow_noise_floor: bool = False
+  # A linear learning-rate warm-up over N steps after the switch, in every run of the shadow
+  # check (`optim.restart_schedules`: the rates' schedules restart at 0, Adam's moments and
+  # Adagrad's accumulators keep the checkpoint's); None trains on at the probe's rate. The
+  # probe's state is an early one: at Wukong `large` its step-50 state (trained without a
+  # warm-up) switched at full rate to the default selection stopped learning (AUC 0.58 against
+  # bf16+Mods' 0.68-0.70), while that plan trained from initialization as well as bf16, with
+  # the 50-step warm-up and without one (H200, docs/BENCHMARKS.md section 7, forty-third and
+  # forty-fifth sessions).
+  shadow_warmup_steps: Optional[int] = None
   # Training steps from a fresh initialization, plan vs bf16+Mods (0 skips the check; the
   # bound and window are the shadow check's).
   from_init_steps: int = 0
@@ -245,6 +254,9 @@ class ValidationConfig:
       raise ValueError(f"shadow_windows must be >= 1, got {self.shadow_windows}")
     if self.promotion_per_sort < 1:
       raise ValueError(f"promotion_per_sort must be >= 1, got {self.promotion_per_sort}")
+    if self.shadow_warmup_steps is not None and self.shadow_warmup_steps < 0:
+      raise ValueError(f"shadow_warmup_steps must be >= 0 or None, got "
+                       f"{self.shadow_warmup_steps}")
     if self.from_init_warmup_steps is not None and self.from_init_warmup_steps < 0:
       raise ValueError(f"from_init_warmup_steps must be >= 0 or None, got "
                        f"{self.from_init_warmup_steps}")
@@ -1213,21 +1225,31 @@ def jittered(params, rel: float, seed: int):
 def shadow_run(ctx: ValidationContext, kplan: KernelPlan, steps: int, eval_batch_size=None,
                start: str = CHECKPOINT, seed: int = 0,
                optim: Optional[OptimConfig] = None, window: int = 0,
-               jitter: float = 0.0) -> Dict[str, Any]:
+               jitter: float = 0.0, warmup_after_switch: int = 0) -> Dict[str, Any]:
   """`steps` training steps under `kplan`: losses, finiteness and the held-out metrics at the
   end (cached per plan). `start`: CHECKPOINT, the context's trained state and the batches
   from `window` x `steps` after it; INIT, a fresh initialization from `seed`
   (`initial_state`) and the data from its start. `optim`: the optimizer (None: the
   context's, the probe's recipe). `jitter` > 0 (from the checkpoint only): the parameters
-  start `jittered` by that relative std, drawn from `seed` (the shadow check's noise floor)."""
+  start `jittered` by that relative std, drawn from `seed` (the shadow check's noise floor).
+  `warmup_after_switch` > 0 (from the checkpoint only): both learning rates warm up linearly
+  from 0 over that many steps after the switch (`restart_schedules`; the shadow check's
+  `shadow_warmup_steps`)."""
   if start not in (CHECKPOINT, INIT):
     raise ValueError(f"start={start!r}; use {CHECKPOINT!r} or {INIT!r}")
+  if warmup_after_switch < 0 or (warmup_after_switch and start == INIT):
+    raise ValueError(f"warmup_after_switch={warmup_after_switch}: a warm-up (>= 0) after "
+                     "switching the checkpoint's state to the plan; from initialization the "
+                     "optimizer's own warm-up applies")
   if window < 0 or (window and start == INIT):
     raise ValueError(f"window={window}: a data window (>= 0) is a run from the checkpoint's")
   if jitter < 0 or (jitter and start == INIT):
     raise ValueError(f"jitter={jitter}: a jitter (>= 0) perturbs the checkpoint's parameters")
   optim = optim or ctx.optim
-  key = ("shadow", kplan, steps, eval_batch_size, start, seed, optim, window, jitter)
+  if warmup_after_switch:
+    optim = dataclasses.replace(optim, warmup_steps=warmup_after_switch)
+  key = ("shadow", kplan, steps, eval_batch_size, start, seed, optim, window, jitter,
+         warmup_after_switch)
   if key in ctx._cache:
     return ctx._cache[key]
   model, meta = model_and_meta(ctx, kplan)  # also before the state leaves the device
@@ -1243,6 +1265,8 @@ def shadow_run(ctx: ValidationContext, kplan: KernelPlan, steps: int, eval_batch
       state = initial_state(ctx, kplan, seed, optim)
     else:
       state = state.replace(fp8_meta=meta)
+      if warmup_after_switch:
+        state = state.replace(opt_state=restart_schedules(state.opt_state))
       if jitter:
         state = state.replace(params=jittered(state.params, jitter, seed))
     losses, oks = [], []
@@ -1314,7 +1338,8 @@ def _training_runs(plan: Plan, ctx: ValidationContext, progress: Progress, step:
     window = seeds.index(seed) if recipe["start"] == CHECKPOINT else 0
     return run_summary(shadow_run(ctx, kplan, recipe["steps"], eval_batch_size,
                                   recipe["start"], seed, optim, window,
-                                  recipe.get("jitter", 0.0)), recipe["window"])
+                                  recipe.get("jitter", 0.0),
+                                  recipe.get("warmup_after_switch", 0)), recipe["window"])
   have = saved(plan)
   pending = [(f"the {step} check's {arm} run, seed {seed}", {**fields, "seed": seed},
               functools.partial(measure, seed)) for seed in seeds if seed not in have]
@@ -1478,7 +1503,10 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
             # Only a clipped recipe names its norm, so records from before the knob still
             # match the runs they describe.
             **({"clip_norm": trains_with.clip_norm} if trains_with.clip_norm is not None
-               else {})}
+               else {}),
+            # Likewise only a re-warmed shadow check names its warm-up after the switch.
+            **({"warmup_after_switch": config.shadow_warmup_steps}
+               if start == CHECKPOINT and config.shadow_warmup_steps else {})}
   plan, bases = _training_runs(plan, ctx, progress, step, BASELINE_ARM, BASELINE, seeds,
                                recipe, size, optim)
   if not all(b["finite"] for b in bases):
@@ -1517,7 +1545,8 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
     finite = all(r["finite"] for r in runs)
     record: Dict[str, Any] = {"step": step, "round": round_, "start": start,
                               "steps": steps, "window": window,
-                              **{k: recipe[k] for k in ("warmup_steps", "clip_norm")
+                              **{k: recipe[k] for k in ("warmup_steps", "clip_norm",
+                                                        "warmup_after_switch")
                                  if k in recipe},
                               "bound": config.shadow_max_rel_loss, "finite": finite,
                               "train_loss_bf16": float(np.mean(base_windows)),

@@ -98,6 +98,23 @@ def learning_rate_schedule(peak: float, warmup_steps: int) -> optax.Schedule:
   return optax.linear_schedule(0.0, peak, warmup_steps)
 
 
+def restart_schedules(opt_state) -> Any:
+  """`opt_state` with every learning-rate schedule's step count back at 0 and nothing else
+  changed: a run continued from it under a warm-up warms both rates up again from 0, while
+  Adam's moments and bias-correction count and Adagrad's accumulators keep what they learned.
+  Validation's shadow check uses it to switch a trained state to a plan the way a run would
+  switch kernels mid-training, with a warm-up after the switch
+  (`ValidationConfig.shadow_warmup_steps`)."""
+  is_schedule = lambda s: isinstance(s, optax.ScaleByScheduleState)  # noqa: E731
+  found = [s for s in jax.tree.leaves(opt_state, is_leaf=is_schedule) if is_schedule(s)]
+  if not found:
+    raise ValueError("the optimizer state has no learning-rate schedule to restart (it was "
+                     "not made by make_optimizer)")
+  return jax.tree.map(
+      lambda s: s._replace(count=jnp.zeros_like(s.count)) if is_schedule(s) else s,
+      opt_state, is_leaf=is_schedule)
+
+
 def param_labels(params) -> Any:
   """'embeddings' for leaves under the top-level `embeddings` submodule, else 'dense'."""
   if not isinstance(params, Mapping):

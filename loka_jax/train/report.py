@@ -138,6 +138,8 @@ def validation_line(r: Mapping[str, Any], measurements: bool = False) -> Optiona
           f"{100 * p['rel_logloss_change']:+.3f}%" for p in r["per_seed"])
     what = "shadow training" if step == "quality_shadow" else "training from initialization"
     recipe = ([f"warm-up {r['warmup_steps']}"] if r.get("warmup_steps") else []) + (
+        [f"warm-up {r['warmup_after_switch']} after the switch"]
+        if r.get("warmup_after_switch") else []) + (
         [f"clip {r['clip_norm']:g}"] if r.get("clip_norm") else []) + (
         [f"mean of {len(r['seeds'])} {unit}s"] if len(r.get("seeds", ())) > 1 else [])
     if recipe:
