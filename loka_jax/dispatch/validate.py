@@ -33,6 +33,11 @@ Quality, on the SAME trained bf16+Mods parameters (a plan changes kernels, never
      bound becomes max(`shadow_max_rel_loss`, 2 x the RMS over windows of that run's
      change / sqrt(windows)): what a mean over the windows moves under a perturbation
      that no kernel choice can be blamed for.
+     With `shadow_warmup_steps` every run warms its learning rates up again from 0 after the
+     switch (`optim.restart_schedules`). The probe's state is an early one, and at Wukong
+     `large` its step-50 state switched at full rate to the default selection stopped
+     learning, while that plan trained from initialization as well as bf16 (H200,
+     docs/BENCHMARKS.md section 7, forty-fifth session).
      A back-off that moves neither loss says the ranking has not found the cause: at
      Wukong `large` the site that moved the gradient most went to bf16 and every window's
      held-out change stayed within 0.01 points of +6.8% (H200, docs/BENCHMARKS.md section
