@@ -10,7 +10,8 @@ each arm --shadow_steps more from that state in each data window, as validation'
 check does (`validate.shadow_run`), and reports each run's last-50-step training loss,
 held-out log loss and AUC with its change from bf16+Mods' run in the same window. An arm is
 NAME=REGEX:KERNEL[,REGEX:KERNEL...]: each site takes the kernel (all passes) of the first
-regex that fully matches its name, every other site xla_bf16. It asks which kernel pattern
+regex that fully matches its name, every other site xla_bf16; --plan_arm=NAME=PLAN.json
+takes a plan file's kernels per site and pass (it must fit the model). It asks which kernel pattern
 stalls training without a probe report or a plan file (Wukong `large`'s restored plan did,
 docs/BENCHMARKS.md section 7, forty-third session). Rows go to WORKDIR/shadow_arms.jsonl as
 each run ends; a rerun skips the arm and window pairs it holds for the same recipe. With
@@ -28,6 +29,9 @@ from absl import app, flags
 from loka_jax import flags as common  # noqa: F401  (the common flags, defined once)
 
 ARMS = flags.DEFINE_multi_string("arm", [], "NAME=REGEX:KERNEL[,REGEX:KERNEL...] (repeat).")
+PLAN_ARMS = flags.DEFINE_multi_string(
+    "plan_arm", [], "NAME=PLAN.json (repeat): a plan file's kernels, per site and pass, as an "
+    "arm; it must fit the model (`dispatch.check_plan`).")
 SHADOW_STEPS = flags.DEFINE_integer("shadow_steps", 200, "Steps each arm trains.")
 WINDOWS = flags.DEFINE_integer("windows", 1, "Data windows (window w: the shadow_steps "
                                "batches from w x shadow_steps after the trained state).")
@@ -65,6 +69,21 @@ def parse_arm(text: str, sites, kernel_names):
   return name, KernelPlan(rules=tuple(rules), default=validate.BASELINE.default)
 
 
+def parse_plan_arm(text: str, model, batch):
+  """(name, KernelPlan) of one --plan_arm; a ValueError naming what is wrong (a plan file
+  that is unreadable or does not fit the model included)."""
+  from loka_jax import dispatch
+  name, sep, path = text.partition("=")
+  if not sep or not name or not path:
+    raise ValueError(f"--plan_arm={text!r}: write NAME=PLAN.json")
+  if name == BASELINE_ARM:
+    raise ValueError(f"--plan_arm={text!r}: {BASELINE_ARM} is the baseline every arm is read "
+                     "against")
+  plan = dispatch.read_plan(path)
+  dispatch.check_plan(plan, model, batch=batch, where=path)
+  return name, dispatch.to_kernel_plan(plan)
+
+
 def main(argv):
   del argv
   from loka_jax.bench.results import ResultsFile
@@ -82,11 +101,12 @@ def main(argv):
   sites = list(site_products(model, None, source.train_batch(0, 8)))
   try:   # before any training
     arms = dict([(BASELINE_ARM, validate.BASELINE)]
-                + [parse_arm(a, sites, registry.names()) for a in ARMS.value])
-  except ValueError as e:
+                + [parse_arm(a, sites, registry.names()) for a in ARMS.value]
+                + [parse_plan_arm(a, model, source.train_batch(0, 8)) for a in PLAN_ARMS.value])
+  except ValueError as e:   # PlanFileError and PlanMismatchError among them
     raise SystemExit(str(e)) from e
-  if len(arms) != len(ARMS.value) + 1:
-    raise SystemExit("--arm: two arms share a name")
+  if len(arms) != len(ARMS.value) + len(PLAN_ARMS.value) + 1:
+    raise SystemExit("--arm/--plan_arm: two arms share a name")
   train(model, source, os.path.join(workdir, "run"), config, run_info=spec.run_info())
   ctx = pipeline.context_for_run(spec, os.path.join(workdir, "run"), config)
 
@@ -97,7 +117,7 @@ def main(argv):
                if WARMUP_AFTER_SWITCH.value else {})}
   # A row is reused only for the same arm, window, rules and recipe.
   results = ResultsFile(os.path.join(workdir, "shadow_arms.jsonl"), ("arm", "window", "setup"))
-  setup = {name: json.dumps({"recipe": recipe, "rules": _rules(kplan)}, sort_keys=True)
+  setup = {name: json.dumps({"recipe": recipe, **_choices(kplan)}, sort_keys=True)
            for name, kplan in arms.items()}
   window_of_loss = min(50, SHADOW_STEPS.value)
   rows = {}
@@ -133,9 +153,15 @@ def main(argv):
             f"{rows[name, window].get('auc', float('nan')):.4f} |")
 
 
-def _rules(kplan):
-  """An arm's rules as its rows record them."""
-  return [[pattern, choice.fwd] for pattern, choice in kplan.rules]
+def _choices(kplan):
+  """An arm's kernels as its rows record them: its rules (pattern and kernel), and a plan
+  arm's per-site choices and default (absent for a rules-only arm, so rows from before plan
+  arms still match)."""
+  out = {"rules": [[pattern, choice.fwd] for pattern, choice in kplan.rules]}
+  if kplan.sites:
+    out.update(sites={name: choice.to_dict() for name, choice in kplan.sites},
+               default=kplan.default.to_dict())
+  return out
 
 
 def _finite_or_none(x):

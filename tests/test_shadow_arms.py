@@ -21,22 +21,31 @@ class ShadowArmsTest(absltest.TestCase):
 
   def test_arms_train_from_one_state_and_a_rerun_skips_them(self):
     workdir = tempfile.mkdtemp(prefix="loka_shadow_arms_")
+    plan = os.path.join(workdir, "plan.json")
+    _write_plan(plan, {"layer_0/fmb/mlp/dense_0": "xla_fp8_rowwise"})
     arms = ("--arm=same=.*:xla_bf16",
-            r"--arm=fp8=layer_\d+/fmb/mlp/dense_\d+:xla_fp8_rowwise,head/.*:flax_fp8_delayed")
+            r"--arm=fp8=layer_\d+/fmb/mlp/dense_\d+:xla_fp8_rowwise,head/.*:flax_fp8_delayed",
+            f"--plan_arm=planned={plan}")
     got = run_cli(*COMMON, *arms, f"--workdir={workdir}")
     self.assertEqual(got.returncode, 0, got.stderr[-3000:])
     with open(os.path.join(workdir, "shadow_arms.jsonl")) as f:
       rows = {(r["arm"], r["window"]): r for r in map(json.loads, f)}
-    self.assertLen(rows, 6)
+    self.assertLen(rows, 8)
     for window in (0, 1):
-      base, same, fp8 = (rows[a, window] for a in ("bf16_mods", "same", "fp8"))
+      base, same, fp8, planned = (rows[a, window] for a in ("bf16_mods", "same", "fp8",
+                                                             "planned"))
       # xla_bf16 at every site is bf16+Mods' program: the same numbers to the last bit.
       for key in ("first_loss", "window_loss", "logloss", "auc"):
         self.assertEqual(same[key], base[key], (window, key))
-      # All start from the trained state on the window's first batch; FP8 then moves them.
-      self.assertAlmostEqual(fp8["first_loss"], base["first_loss"], delta=0.05)
-      self.assertNotEqual(fp8["logloss"], base["logloss"])
+      # All start from the trained state on the window's first batch; FP8 then moves them
+      # (the plan file's one FP8 site too).
+      for arm in (fp8, planned):
+        self.assertAlmostEqual(arm["first_loss"], base["first_loss"], delta=0.05)
+        self.assertNotEqual(arm["logloss"], base["logloss"])
+      self.assertNotEqual(planned["logloss"], fp8["logloss"])
       self.assertTrue(0.0 < base["auc"] < 1.0)
+    self.assertIn('"layer_0/fmb/mlp/dense_0": {"fwd": "xla_fp8_rowwise"',
+                  rows["planned", 0]["setup"])
     self.assertNotEqual(rows["bf16_mods", 0]["first_loss"], rows["bf16_mods", 1]["first_loss"])
     self.assertIn("| same | 1 |", got.stdout)
     self.assertIn("(+0.00%)", got.stdout)
@@ -72,6 +81,24 @@ class ShadowArmsTest(absltest.TestCase):
     got = run_cli(*COMMON, "--arm=x=.*:xla_bf16", "--arm=x=.*:xla_fp8_rowwise",
                   f"--workdir={tempfile.mkdtemp()}")
     self.assertIn("two arms share a name", got.stderr)
+    workdir = tempfile.mkdtemp()
+    misfit = os.path.join(workdir, "misfit.json")
+    _write_plan(misfit, {"layer_9/no/such": "xla_fp8_rowwise"})
+    for arm, message in ((f"p={workdir}/absent.json", "absent.json"),
+                         (f"p={misfit}", "does not fit the model")):
+      got = run_cli(*COMMON, f"--plan_arm={arm}", f"--workdir={workdir}")
+      self.assertNotEqual(got.returncode, 0, arm)
+      self.assertIn(message, got.stderr, arm)
+      self.assertFalse(os.path.exists(os.path.join(workdir, "run")), arm)
+
+
+def _write_plan(path, sites):
+  """A plan file with `sites` ({site: kernel in every pass}), xla_bf16 elsewhere."""
+  from loka_jax import dispatch
+  passes = ("fwd", "grad_lhs", "grad_rhs")
+  dispatch.save_plan({"schema": "loka.plan/1",
+                      "sites": {s: {p: {"kernel": k} for p in passes} for s, k in sites.items()},
+                      "default": {p: "xla_bf16" for p in passes}}, path)
 
 
 if __name__ == "__main__":
