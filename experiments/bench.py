@@ -130,6 +130,11 @@ SHADOW_NOISE_FLOOR = flags.DEFINE_bool(
     "validation_shadow_noise_floor", False, "Validation's shadow check also trains bf16+Mods "
     "from a jittered checkpoint in each data window and widens its bounds to two standard "
     "errors of that run's change (`ValidationConfig.shadow_noise_floor`).")
+SELECT_WGRAD = flags.DEFINE_float(
+    "select_min_sqnr_wgrad_db", None, "The selection's pessimistic-SQNR bar for FP8 weight "
+    "gradients, apart from the input gradients' 20 dB (`Criteria.min_sqnr_wgrad_db`, as "
+    "`experiments.dispatch --min_sqnr_wgrad_db`); a plan selected under another bar is "
+    "selected again.")
 SHADOW_WARMUP = flags.DEFINE_integer(
     "validation_shadow_warmup_steps", None, "Validation's shadow check warms both learning "
     "rates up again from 0 over N steps after switching the probe's state to the plan, in "
@@ -259,6 +264,7 @@ def main(argv):
                                  validation_shadow_windows=SHADOW_WINDOWS.value,
                                  validation_shadow_noise_floor=SHADOW_NOISE_FLOOR.value,
                                  validation_shadow_warmup_steps=SHADOW_WARMUP.value,
+                                 select_min_sqnr_wgrad_db=SELECT_WGRAD.value,
                                  validation_from_init_quality_bound=FROM_INIT_QUALITY.value,
                                  validation_held_out_one_program=HELD_OUT_ONE_PROGRAM.value,
                                  validation_gradient_one_program=GRADIENT_ONE_PROGRAM.value,

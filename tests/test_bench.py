@@ -643,17 +643,20 @@ class ValidationFromInitTest(absltest.TestCase):
                        (steps, warmup, clip, seeds, quality, quality, quality, seeds + 1,
                         quality, seeds + 2, 0.05 * seeds, warmup))
 
-  def test_the_probes_timing_floor_and_compile_threads_reach_its_options(self):
+  def test_the_probes_timing_floor_compile_threads_and_wgrad_bar_reach_its_options(self):
     (target,) = suite.tower_targets(["64x32x2"])
     plans = tempfile.mkdtemp(prefix="loka_bench_floor_")
-    for floor, workers in ((0.0, None), (2.5, 0)):
+    for floor, workers, wgrad in ((0.0, None, None), (2.5, 0, -3.0)):
       settings = suite.SpeedSettings(plans_dir=plans, probe_min_timing_gflops=floor,
-                                     probe_compile_workers=workers)
+                                     probe_compile_workers=workers,
+                                     select_min_sqnr_wgrad_db=wgrad)
       with mock.patch("loka_jax.dispatch.pipeline.probe_and_plan") as probe_and_plan:
         suite._probe_for_plan(target, settings,
                               deadline=time.time() + 600, log=lambda line: None)
       options = probe_and_plan.call_args.kwargs["probe_options"]
       self.assertEqual((options.min_timing_gflops, options.compile_workers), (floor, workers))
+      self.assertEqual(probe_and_plan.call_args.kwargs["criteria_changes"],
+                       None if wgrad is None else {"min_sqnr_wgrad_db": wgrad})
 
 
 class QualityPlanMakerTest(absltest.TestCase):

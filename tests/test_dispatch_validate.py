@@ -1699,6 +1699,25 @@ class ResumeTest(chex.TestCase):
     self.assertTrue(validate.finished(result.plan, "quality_held_out"))
 
 
+  def test_a_budget_change_is_selected_under_and_a_plan_of_another_budget_is_not_reused(self):
+    # `criteria_changes` edits the budget the pipeline selects under and records it in the
+    # selected plan; a later call under the plain budget selects again instead of reusing it.
+    workdir = tempfile.mkdtemp(prefix="loka_pipeline_budget_")
+    spec, kwargs = small_pipeline()
+    selected = os.path.join(workdir, pipeline.SELECTED_JSON)
+    budgets = []
+    for changes in ({"min_sqnr_wgrad_db": -7.5}, None):
+      with self.assertRaises(validate.ValidationPaused):  # probe + selection only
+        pipeline.probe_and_plan(spec, workdir, deadline=time.time() - 1.0,
+                                criteria_changes=changes, **kwargs)
+      budgets.append(read_plan(selected)["provenance"]["budget"]["default"])
+    self.assertEqual([b["min_sqnr_wgrad_db"] for b in budgets], [-7.5, None])
+    self.assertEqual(budgets[0]["min_sqnr_grad_db"], budgets[1]["min_sqnr_grad_db"])
+    with self.assertRaisesRegex(ValueError, r"unknown budget field\(s\) \['min_sqnr_wgrad'\]"):
+      pipeline.probe_and_plan(spec, workdir, deadline=time.time() - 1.0,
+                              criteria_changes={"min_sqnr_wgrad": 0.0}, **kwargs)
+
+
 class CarriedReportTest(chex.TestCase):
   """A report and plan carried to a machine without the probe's checkpoint still validate:
   the probe's training run is made again, to the same state."""

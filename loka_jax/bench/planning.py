@@ -108,12 +108,13 @@ def make_plan(spec: experiment.RunSpec, plans_root: str, train_config: TrainConf
               samples: int = 32, repeats: int = 20,
               kernels: Sequence[str] = (), timing_cache: Optional[str] = None,
               compile_workers: Optional[int] = None, timing_compile_workers: int = 1,
-              min_timing_gflops: float = 0.0,
+              min_timing_gflops: float = 0.0, criteria_changes=None,
               validation=None, deadline: Optional[float] = None) -> Optional[str]:
   """Probes `spec` (its model with Mods, in bf16), selects and validates its plan
   (`dispatch.pipeline.probe_and_plan`); returns the plan's path, or None when the budget ran
   out first (a rerun resumes). `kernels`: the probe's candidates (empty: the default list);
   `compile_workers`, `timing_compile_workers`, `min_timing_gflops`: those `ProbeOptions`;
+  `criteria_changes`: fields of the default budget to change (`probe_and_plan`'s);
   `validation`: the `ValidationConfig` (None: the defaults)."""
   from loka_jax.dispatch.pipeline import probe_and_plan  # heavy: only when planning
   from loka_jax.dispatch.validate import ValidationConfig
@@ -129,7 +130,7 @@ def make_plan(spec: experiment.RunSpec, plans_root: str, train_config: TrainConf
                          min_timing_gflops=min_timing_gflops)
   try:
     probe_and_plan(spec, workdir, train_config=train_config, probe_options=options,
-                   build=build, deadline=deadline,
+                   build=build, deadline=deadline, criteria_changes=criteria_changes,
                    validation=validation or ValidationConfig())
   except RuntimeError as e:  # the probe's budget or validation's deadline: a rerun resumes
     print(f"[bench] plan for {spec.model}/{spec.preset} not ready: {e}", flush=True)

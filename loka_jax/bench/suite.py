@@ -159,6 +159,9 @@ class SpeedSettings:
   # Its learning-rate warm-up after switching the probe's state to the plan, in every shadow
   # run (`ValidationConfig.shadow_warmup_steps`; None: none).
   validation_shadow_warmup_steps: Optional[int] = None
+  # The selection's bar for FP8 weight gradients (`Criteria.min_sqnr_wgrad_db`; None: the
+  # input gradient's, 20 dB). A plan selected under another bar is selected again.
+  select_min_sqnr_wgrad_db: Optional[float] = None
   # Whether it also judges held-out log loss against the quality target's bound
   # (`ValidationConfig.from_init_quality_bound`).
   validation_from_init_quality_bound: bool = False
@@ -215,12 +218,14 @@ class SpeedSettings:
   def plan_options(self) -> dict:
     """`planning.make_plan`'s probe and validation options, the same for the speed suite's
     plans and the quality suite's (candidates, timing cache, compile threads, timing floor,
-    validation)."""
+    the budget's weight-gradient bar, validation)."""
     return dict(samples=self.probe_samples, kernels=self.probe_kernels,
                 timing_cache=self.probe_timing_cache,
                 compile_workers=self.probe_compile_workers,
                 timing_compile_workers=self.probe_timing_compile_workers,
                 min_timing_gflops=self.probe_min_timing_gflops,
+                criteria_changes=({"min_sqnr_wgrad_db": self.select_min_sqnr_wgrad_db}
+                                  if self.select_min_sqnr_wgrad_db is not None else None),
                 validation=self.validation())
 
 

@@ -244,7 +244,9 @@ def _usable_plan(path: str, digest: str, budget: Mapping) -> Optional[Plan]:
 
 
 def probe_and_plan(spec, workdir: str, *, train_config, probe_config=None, probe_options=None,
-                   criteria: Optional[Criteria] = None, budget_per_site=None,
+                   criteria: Optional[Criteria] = None,
+                   criteria_changes: Optional[Mapping[str, Any]] = None,
+                   budget_per_site=None,
                    validation: Optional[validate_lib.ValidationConfig] = (
                        validate_lib.ValidationConfig()),
                    target_device: Optional[str] = None, build=None,
@@ -260,6 +262,8 @@ def probe_and_plan(spec, workdir: str, *, train_config, probe_config=None, probe
     probe_config: probe.ProbeConfig (statistics cadence, ...); None: the default.
     probe_options: probe.ProbeOptions (candidates, samples, ...); None: the default.
     criteria: the error budget; None: `default_criteria(report)`.
+    criteria_changes: fields of that budget to change, e.g. {"min_sqnr_wgrad_db": 0.0}
+      (what a caller without the report can say: the default depends on its timings).
     budget_per_site: per-site budgets for `dispatch.select`.
     validation: end-to-end validation settings; None skips validation (recorded).
     target_device: the device kind the plan is for (default: the report's).
@@ -305,6 +309,12 @@ def probe_and_plan(spec, workdir: str, *, train_config, probe_config=None, probe
     _log(f"probe report found: {paths['report']}")
   digest = report_hash(report)
   criteria = criteria if criteria is not None else default_criteria(report, target_device)
+  if criteria_changes:
+    unknown = sorted(set(criteria_changes) - {f.name for f in dataclasses.fields(Criteria)})
+    if unknown:
+      raise ValueError(f"criteria_changes: unknown budget field(s) {unknown}; the budget's "
+                       f"fields are {[f.name for f in dataclasses.fields(Criteria)]}")
+    criteria = dataclasses.replace(criteria, **criteria_changes)
 
   contexts = []
 
