@@ -726,7 +726,8 @@ class ShadowTest(chex.TestCase):
     # Then the shadow check trains the new plan's three windows and nothing else: the
     # bf16+Mods and jittered runs are on record (here each plan run ends where bf16+Mods did).
     trained = []
-    def run(c, kplan, steps, size, start, seed, optim, window, jitter):
+    def run(c, kplan, steps, size, start, seed, optim, window, jitter,
+            warmup_after_switch=0):
       trained.append((kplan == validate.BASELINE, window, jitter))
       return {"finite": True, "losses": np.full(steps, 0.5537),
               "held_out": {"logloss": 0.5273}}
@@ -799,7 +800,8 @@ class ShadowTest(chex.TestCase):
     runs = [r for r in plan["validation"] if r.get("step") == "quality_shadow_run"]
     ended = {arm: {r["seed"]: r for r in runs if r["arm"] == arm}
              for arm in ("plan", "bf16_mods")}   # the last of each arm and window
-    def run(c, kplan, steps, size, start, seed, optim, window, jitter):
+    def run(c, kplan, steps, size, start, seed, optim, window, jitter,
+            warmup_after_switch=0):
       grads = any(ch.grad_lhs in gradient_fp8_ops for _, ch in kplan.sites)
       r = ended["plan" if grads else "bf16_mods"][window]
       return {"finite": True, "losses": np.full(steps, r["window_loss"]),

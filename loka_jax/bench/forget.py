@@ -78,7 +78,7 @@ def _move_run_folders(workdir: str, dest: str, moved_lines: Sequence[str]) -> Li
   out = []
   for line in moved_lines:
     folder = quality_lib.run_dir(root, json.loads(line))
-    if os.path.isdir(folder) and folder not in (os.path.join(workdir, r) for r in out):
+    if os.path.isdir(folder):   # a second row of one run finds it moved already
       target = os.path.join(dest, os.path.relpath(folder, workdir))
       os.makedirs(os.path.dirname(target), exist_ok=True)
       os.replace(folder, target)

@@ -1344,7 +1344,8 @@ def _training_runs(plan: Plan, ctx: ValidationContext, progress: Progress, step:
     return run_summary(shadow_run(ctx, kplan, recipe["steps"], eval_batch_size,
                                   recipe["start"], seed, optim, window,
                                   recipe.get("jitter", 0.0),
-                                  recipe.get("warmup_after_switch", 0)), recipe["window"])
+                                  warmup_after_switch=recipe.get("warmup_after_switch", 0)),
+                       recipe["window"])
   have = saved(plan)
   pending = [(f"the {step} check's {arm} run, seed {seed}", {**fields, "seed": seed},
               functools.partial(measure, seed)) for seed in seeds if seed not in have]
