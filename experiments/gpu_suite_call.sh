@@ -10,8 +10,9 @@
 #   CARRY=.snap/small bash experiments/gpu_suite_call.sh --suite=models --presets=small ...
 #     (the device call carries .snap and .whl)
 #
-# Environment: CARRY (required), WORK (/tmp/suite), LIMIT (575: hard seconds), MAXMIN (7.5,
-# 5.5 for --suite=quality: minutes after which no new row starts, never past LIMIT less
+# Environment: CARRY (required), WORK (/tmp/suite), CARRY_WINS (0; 1: the carried workdir
+# replaces a warm host's, after the carry was edited by hand), LIMIT (575: hard seconds),
+# MAXMIN (7.5, 5.5 for --suite=quality: minutes after which no new row starts, never past LIMIT less
 # 20 s (`max_minutes` in gpu_common.sh); a quality arm takes up to
 # 3.5 minutes, and one the limit kills loses the steps since its last checkpoint; once a
 # model's quality run is recorded, its runs start by their expected length until LIMIT
@@ -33,7 +34,14 @@ mkdir -p "$WORK/tc" "$OUT" "$CARRY"
 source experiments/gpu_common.sh
 ensure_wheels || exit 1
 export PYTHONUNBUFFERED=1
-# A warm host's own files are newer than the carried ones: never overwrite them.
+# A warm host's own files are newer than the carried ones: never overwrite them, unless
+# CARRY_WINS=1 says the carry was edited by hand (rows forgotten, a plan put in): then the
+# carried workdir replaces the host's, checkpoints and all (a warm host kept its own and ran
+# nothing in the forty-fifth session).
+if [ "${CARRY_WINS:-0}" = 1 ] && [ -f "$CARRY/work.tar.gz" ]; then
+  find "$WORK" -mindepth 1 -maxdepth 1 ! -path "$OUT" -exec rm -rf {} +
+  mkdir -p "$WORK/tc"
+fi
 [ -f "$CARRY/work.tar.gz" ] && tar -xzf "$CARRY/work.tar.gz" -C "$WORK" --skip-old-files
 
 echo "=== call $(date +%T) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null):" \

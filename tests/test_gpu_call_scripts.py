@@ -61,6 +61,29 @@ class SuiteCallTest(absltest.TestCase):
     rows = _rows(os.path.join(second["OUT"], "work.tar.gz"))
     self.assertEqual(sorted(r["variant"] for r in rows), ["bf16", "bf16_mods", "fp8_tensorwise"])
 
+  def test_a_carry_edited_by_hand_replaces_a_warm_hosts_workdir_when_told(self):
+    # A warm host keeps its own (newer) files over the carried ones; with CARRY_WINS=1 the
+    # carried workdir replaces its own, so a row forgotten in the carry is measured again.
+    env = self.env("host1", CARRY_WINS="1")
+    os.makedirs(env["WORK"])
+    with open(os.path.join(env["WORK"], "host_only.txt"), "w") as f:
+      f.write("the host's")
+    staged = os.path.join(self.dir, "staged")
+    os.makedirs(staged)
+    with open(os.path.join(staged, "carried.txt"), "w") as f:
+      f.write("the carry's")
+    os.makedirs(env["CARRY"])
+    with tarfile.open(os.path.join(env["CARRY"], "work.tar.gz"), "w:gz") as tar:
+      tar.add(staged, arcname=".")
+    out = _call("gpu_suite_call.sh", env, "--suite=towers", f"--towers={TOWER}",
+                "--repeats=3", "--probe=false", "--variants=bf16")
+    self.assertIn("all selected rows are done", out.splitlines()[-2])
+    self.assertFalse(os.path.exists(os.path.join(env["WORK"], "host_only.txt")))
+    with tarfile.open(os.path.join(env["OUT"], "work.tar.gz")) as tar:
+      names = tar.getnames()
+    self.assertIn("./carried.txt", names)
+    self.assertIn("./bench.jsonl", names)
+
   def test_the_loka_call_passes_the_hard_end_too(self):
     first = self.env("host1", TARGET=f"tower/{TOWER}", VARIANTS="bf16_mods")
     _call("gpu_loka_call.sh", first, "--repeats=3", "--probe=false")
