@@ -98,11 +98,12 @@ def main(argv):
   workdir = common.WORKDIR.value or "shadow_arms_run"
   spec, config = common.reference_run(NUM_EVAL.value, BATCH_SIZE.value)
   model, source, _ = experiment.build_run(spec)
-  sites = list(site_products(model, None, source.train_batch(0, 8)))
+  example = source.train_batch(0, 8)
+  sites = list(site_products(model, None, example))
   try:   # before any training
     arms = dict([(BASELINE_ARM, validate.BASELINE)]
                 + [parse_arm(a, sites, registry.names()) for a in ARMS.value]
-                + [parse_plan_arm(a, model, source.train_batch(0, 8)) for a in PLAN_ARMS.value])
+                + [parse_plan_arm(a, model, example) for a in PLAN_ARMS.value])
   except ValueError as e:   # PlanFileError and PlanMismatchError among them
     raise SystemExit(str(e)) from e
   if len(arms) != len(ARMS.value) + len(PLAN_ARMS.value) + 1:

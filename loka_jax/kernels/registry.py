@@ -56,7 +56,7 @@ def names() -> List[str]:
 def quantizes(name: str, pass_name: str) -> bool:
   """Whether the registered kernel `name` runs `pass_name` in FP8 (`Kernel.quantizes`); False
   for a name not registered here (a plan or report from a checkout with other kernels)."""
-  return name in names() and get(name).quantizes(pass_name)
+  return name in _REGISTRY and get(name).quantizes(pass_name)
 
 
 def all_kernels() -> List[Kernel]:
