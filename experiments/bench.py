@@ -122,6 +122,12 @@ PROBE_TIMING_CACHE = flags.DEFINE_string(
 compile_workers = common_flags.define_compile_workers()
 TIMING_COMPILE_WORKERS = common_flags.define_timing_compile_workers()
 MIN_TIMING_GFLOPS = common_flags.define_min_timing_gflops()
+SHADOW_STEPS = flags.DEFINE_integer(
+    "validation_shadow_steps", 200, "Steps of validation's shadow check from the probe's "
+    "state (`ValidationConfig.shadow_steps`); 0 skips it, leaving the training verdict to "
+    "--validation_from_init_steps. For a probe's state on a loss plateau that runs leave at "
+    "their own times (Wukong `large`, docs/BENCHMARKS.md section 7, forty-sixth session).",
+    lower_bound=0)
 SHADOW_WINDOWS = flags.DEFINE_integer(
     "validation_shadow_windows", 1, "Data windows of validation's shadow check from the "
     "probe's state, both runs per window; it judges the mean over windows "
@@ -261,6 +267,7 @@ def main(argv):
                                  validation_from_init_warmup_steps=FROM_INIT_WARMUP.value,
                                  validation_from_init_clip_norm=FROM_INIT_CLIP.value,
                                  validation_from_init_seeds=FROM_INIT_SEEDS.value,
+                                 validation_shadow_steps=SHADOW_STEPS.value,
                                  validation_shadow_windows=SHADOW_WINDOWS.value,
                                  validation_shadow_noise_floor=SHADOW_NOISE_FLOOR.value,
                                  validation_shadow_warmup_steps=SHADOW_WARMUP.value,

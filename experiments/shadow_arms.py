@@ -8,7 +8,8 @@ r"""Shadow-train hand-written kernel plans from one trained state, side by side 
 Trains bf16 (with --mods) for --steps, or reuses a finished run in --workdir, then trains
 each arm --shadow_steps more from that state in each data window, as validation's shadow
 check does (`validate.shadow_run`), and reports each run's last-50-step training loss,
-held-out log loss and AUC with its change from bf16+Mods' run in the same window. An arm is
+held-out log loss and AUC with its change from bf16+Mods' run in the same window, then each
+run's loss curve (the mean of every 25 steps: when it left a plateau, if it did). An arm is
 NAME=REGEX:KERNEL[,REGEX:KERNEL...]: each site takes the kernel (all passes) of the first
 regex that fully matches its name, every other site xla_bf16; --plan_arm=NAME=PLAN.json
 takes a plan file's kernels per site and pass (it must fit the model). It asks which kernel pattern
@@ -152,6 +153,15 @@ def main(argv):
       print(f"| {name} | {window} | {_with_change(rows[name, window], base, 'window_loss')} | "
             f"{_with_change(rows[name, window], base, 'logloss')} | "
             f"{rows[name, window].get('auc', float('nan')):.4f} |")
+  # When each run left a plateau, if it did: its last steps alone cannot say.
+  curves = {key: row["loss_curve"] for key, row in rows.items() if "loss_curve" in row}
+  if curves:
+    print(f"\nTraining loss, mean of each {validate.CURVE_EVERY} steps:\n")
+    print("| arm | window | loss curve |")
+    print("|---|---|---|")
+    for (name, window), curve in curves.items():
+      points = " ".join("-" if x is None else f"{x:.3f}" for x in curve)
+      print(f"| {name} | {window} | {points} |")
 
 
 def _choices(kplan):

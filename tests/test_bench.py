@@ -629,7 +629,8 @@ class ValidationFromInitTest(absltest.TestCase):
                                      validation_shadow_noise_floor=quality,
                                      validation_promotion_per_sort=seeds + 2,
                                      validation_stalled_fraction=0.05 * seeds,
-                                     validation_shadow_warmup_steps=warmup)
+                                     validation_shadow_warmup_steps=warmup,
+                                     validation_shadow_steps=steps)
       with mock.patch("loka_jax.dispatch.pipeline.probe_and_plan") as probe_and_plan:
         suite._probe_for_plan(target, settings,
                               deadline=time.time() + 600, log=lambda line: None)
@@ -639,9 +640,16 @@ class ValidationFromInitTest(absltest.TestCase):
                         validation.from_init_quality_bound, validation.held_out_one_program,
                         validation.gradient_one_program, validation.shadow_windows,
                         validation.shadow_noise_floor, validation.promotion_per_sort,
-                        validation.stalled_fraction, validation.shadow_warmup_steps),
+                        validation.stalled_fraction, validation.shadow_warmup_steps,
+                        validation.shadow_steps),
                        (steps, warmup, clip, seeds, quality, quality, quality, seeds + 1,
-                        quality, seeds + 2, 0.05 * seeds, warmup))
+                        quality, seeds + 2, 0.05 * seeds, warmup, steps))
+
+  def test_the_suites_validation_defaults_are_the_configs(self):
+    # A setting not given on the command line leaves the check as `ValidationConfig` has it
+    # (the shadow check's 200 steps among them).
+    from loka_jax.dispatch.validate import ValidationConfig
+    self.assertEqual(suite.SpeedSettings().validation(), ValidationConfig())
 
   def test_the_probes_timing_floor_compile_threads_and_wgrad_bar_reach_its_options(self):
     (target,) = suite.tower_targets(["64x32x2"])

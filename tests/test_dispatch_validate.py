@@ -1562,12 +1562,20 @@ class ResumeTest(chex.TestCase):
     run = real(ctx, validate.BASELINE, 4, None, validate.INIT, 0, None)
     self.assertAlmostEqual(summary["window_loss"], float(np.mean(run["losses"][-2:])))
     self.assertAlmostEqual(summary["logloss"], run["held_out"]["logloss"])
+    # Its curve: the mean of each block of steps, a block with a non-finite step None.
+    self.assertEqual(validate.loss_curve([1.0, 2.0, 3.0, 4.0, 5.0], every=2), [1.5, 3.5, 5.0])
+    self.assertEqual(validate.loss_curve([0.5, np.inf, 0.25], every=2), [None, 0.25])
+    self.assertLen(summary["loss_curve"], 1)   # four steps: one block
+    self.assertAlmostEqual(summary["loss_curve"][0], float(np.mean(run["losses"])), delta=2e-6)
+    with self.assertRaisesRegex(ValueError, "at least one step"):
+      validate.loss_curve([1.0], every=0)
     # A non-finite run is stored without NaN and reads back as not finite.
     bad = validate.run_summary({"losses": np.array([0.7, np.nan]), "finite": False,
                                 "held_out": None}, 2)
     stored = read_plan_roundtrip(validate.add_validation(plan, {"step": "x_run", **bad}))
     self.assertEqual(stored["validation"][-1]["finite"], False)
     self.assertIsNone(stored["validation"][-1]["window_loss"])
+    self.assertEqual(stored["validation"][-1]["loss_curve"], [None])
 
   def test_each_kind_of_measurement_is_paced_by_its_own(self):
     # A training run recorded at 231 s (Wukong `large`'s shadow run) does not stop a site

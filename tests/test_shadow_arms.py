@@ -35,8 +35,12 @@ class ShadowArmsTest(absltest.TestCase):
       base, same, fp8, planned = (rows[a, window] for a in ("bf16_mods", "same", "fp8",
                                                              "planned"))
       # xla_bf16 at every site is bf16+Mods' program: the same numbers to the last bit.
-      for key in ("first_loss", "window_loss", "logloss", "auc"):
+      for key in ("first_loss", "window_loss", "logloss", "auc", "loss_curve"):
         self.assertEqual(same[key], base[key], (window, key))
+      # Four steps make one point of the curve: the mean of the last four steps.
+      for arm in (base, same, fp8, planned):
+        self.assertLen(arm["loss_curve"], 1)
+        self.assertAlmostEqual(arm["loss_curve"][0], arm["window_loss"], places=5)
       # All start from the trained state on the window's first batch; FP8 then moves them
       # (the plan file's one FP8 site too).
       for arm in (fp8, planned):
@@ -49,6 +53,8 @@ class ShadowArmsTest(absltest.TestCase):
     self.assertNotEqual(rows["bf16_mods", 0]["first_loss"], rows["bf16_mods", 1]["first_loss"])
     self.assertIn("| same | 1 |", got.stdout)
     self.assertIn("(+0.00%)", got.stdout)
+    self.assertIn("Training loss, mean of each 25 steps", got.stdout)
+    self.assertIn(f"| fp8 | 1 | {rows['fp8', 1]['loss_curve'][0]:.3f} |", got.stdout)
     # A rerun trains nothing and prints the same table.
     again = run_cli(*COMMON, *arms, f"--workdir={workdir}")
     self.assertEqual(again.returncode, 0, again.stderr[-3000:])

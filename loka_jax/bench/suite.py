@@ -152,6 +152,9 @@ class SpeedSettings:
   validation_from_init_warmup_steps: Optional[int] = None
   validation_from_init_clip_norm: Optional[float] = None
   validation_from_init_seeds: int = 1
+  # Steps of its shadow check from the probe's state (`ValidationConfig.shadow_steps`; 0 skips
+  # it, for a probe's state on a plateau that runs leave at their own times).
+  validation_shadow_steps: int = 200
   # Data windows of its shadow check from the probe's state (`ValidationConfig.shadow_windows`).
   validation_shadow_windows: int = 1
   # Whether its bounds also read the check's own noise (`ValidationConfig.shadow_noise_floor`).

@@ -175,10 +175,14 @@ class ValidationConfig:
   # check (`optim.restart_schedules`: the rates' schedules restart at 0, Adam's moments and
   # Adagrad's accumulators keep the checkpoint's); None trains on at the probe's rate. The
   # probe's state is an early one: at Wukong `large` its step-50 state (trained without a
-  # warm-up) switched at full rate to the default selection stopped learning (AUC 0.58 against
-  # bf16+Mods' 0.68-0.70), while that plan trained from initialization as well as bf16, with
-  # the 50-step warm-up and without one (H200, docs/BENCHMARKS.md section 7, forty-third and
-  # forty-fifth sessions).
+  # warm-up) switched at full rate to the default selection less its head stopped learning
+  # (AUC 0.58 against bf16+Mods' 0.68-0.70), while that plan trained from initialization as
+  # well as bf16, with the 50-step warm-up and without one (H200, docs/BENCHMARKS.md section
+  # 7, forty-third and forty-fifth sessions). That state is on a loss plateau every run
+  # leaves between steps 100 and 350: from a state like it the whole default selection left
+  # it within the 200 steps and the 0 dB plan did not (forty-sixth session), so there the
+  # check judges when a run leaves the plateau, and `shadow_steps=0` with the check from
+  # initialization at the quality recipe judges the plan instead.
   shadow_warmup_steps: Optional[int] = None
   # Training steps from a fresh initialization, plan vs bf16+Mods (0 skips the check; the
   # bound and window are the shadow check's).
@@ -1303,6 +1307,20 @@ def run_step(step: str) -> str:
   return f"{step}_run"
 
 
+# Steps per point of a training run's recorded loss curve (`loss_curve`).
+CURVE_EVERY = 25
+
+
+def loss_curve(losses, every: int = CURVE_EVERY) -> List[Optional[float]]:
+  """Mean training loss over each block of `every` consecutive steps (the last block may be
+  shorter), rounded to 6 digits; None for a block with a non-finite step (JSON has no NaN)."""
+  if every < 1:
+    raise ValueError(f"every={every}: a block is at least one step")
+  losses = np.asarray(losses, np.float64)
+  blocks = (losses[i:i + every] for i in range(0, losses.size, every))
+  return [round(float(b.mean()), 6) if np.all(np.isfinite(b)) else None for b in blocks]
+
+
 def run_summary(run: Mapping[str, Any], window: int) -> Dict[str, Any]:
   """What the training checks judge of a `shadow_run`: whether it stayed finite, its mean
   loss over the last `window` steps, its worst step's loss and its held-out log loss (None
@@ -1310,13 +1328,17 @@ def run_summary(run: Mapping[str, Any], window: int) -> Dict[str, Any]:
   were kept; a plan's run also its parameters' held-out log loss through bf16+Mods' forwards.
   AUC and calibration tell a worse ranking from a shifted mean prediction, which an early,
   barely learning state's log loss mostly is (Wukong `large`: AUC 0.519 at the probe's
-  state, docs/BENCHMARKS.md section 7, thirty-ninth session)."""
+  state, docs/BENCHMARKS.md section 7, thirty-ninth session). Its `loss_curve` tells when a
+  run left a plateau: Wukong `large`'s runs sit near 0.564 from about step 100 and leave it
+  between steps 100 and 350 by seed, plan and warm-up, so a run judged on its last steps
+  while still on it reads as stalled (forty-sixth session)."""
   finite = bool(run["finite"])
   losses = run["losses"]
   out = {"finite": finite,
          "window_loss": float(np.mean(losses[-window:])) if finite else None,
          "peak_loss": float(np.max(losses)) if finite else None,
-         "logloss": float(run["held_out"]["logloss"]) if finite else None}
+         "logloss": float(run["held_out"]["logloss"]) if finite else None,
+         "loss_curve": loss_curve(losses)}
   if finite and "logits" in run["held_out"]:
     out.update(auc=float(run["held_out"]["auc"]),
                calibration=calibration(run["held_out"]["logits"], run["held_out"]["labels"]))
