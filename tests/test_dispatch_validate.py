@@ -2107,5 +2107,21 @@ class BuildRunChecksPlanTest(chex.TestCase):
     self.assertTrue(np.all(np.isfinite(np.asarray(logits))))
 
 
+
+class ChecksToRunTest(absltest.TestCase):
+
+  def test_the_pipeline_names_the_checks_its_config_runs(self):
+    from loka_jax.dispatch import pipeline
+    config = validate.ValidationConfig
+    # On the CPU the timed checks are ruled out unless forced; no steps skip a training check.
+    self.assertEqual(pipeline.checks_to_run(config()), ["held-out", "shadow training"])
+    self.assertEqual(pipeline.checks_to_run(config(shadow_steps=0, from_init_steps=5)),
+                     ["held-out", "training from initialization"])
+    self.assertEqual(pipeline.checks_to_run(config(from_init_steps=5, speed=True,
+                                                   promote=True)),
+                     ["speed promotion", "held-out", "shadow training",
+                      "training from initialization", "speed"])
+
+
 if __name__ == "__main__":
   absltest.main()

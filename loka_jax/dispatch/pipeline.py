@@ -243,6 +243,18 @@ def _usable_plan(path: str, digest: str, budget: Mapping) -> Optional[Plan]:
   return plan if provenance.get("report_sha256") == digest and same_budget else None
 
 
+_CHECK_NAMES = {"speed_promotion": "speed promotion", "quality_held_out": "held-out",
+                "quality_shadow": "shadow training",
+                "quality_from_init": "training from initialization", "speed": "speed"}
+
+
+def checks_to_run(validation) -> List[str]:
+  """The checks `validation` (a ValidationConfig) runs, in order, by name for the log: those
+  its settings or the device rule out (no steps, not on a GPU) are left out."""
+  return [_CHECK_NAMES[step] for step, _ in validate_lib.CHECKS
+          if validate_lib.ruled_out_by_config(step, validation) is None]
+
+
 def probe_and_plan(spec, workdir: str, *, train_config, probe_config=None, probe_options=None,
                    criteria: Optional[Criteria] = None,
                    criteria_changes: Optional[Mapping[str, Any]] = None,
@@ -349,7 +361,7 @@ def probe_and_plan(spec, workdir: str, *, train_config, probe_config=None, probe
     save_plan(plan, paths["plan"])
   else:
     partial = _usable_plan(paths["validating"], digest, budget)
-    _log("validating the plan end to end (speed promotion, held-out, shadow training, speed)"
+    _log(f"validating the plan end to end ({', '.join(checks_to_run(validation))})"
          + (f", resuming {paths['validating']}" if partial is not None else ""))
     progress = validate_lib.Progress(save=lambda p: save_plan(p, paths["validating"]),
                                      deadline=deadline, log=_log)
