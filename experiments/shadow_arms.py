@@ -9,7 +9,8 @@ Trains bf16 (with --mods) for --steps, or reuses a finished run in --workdir, th
 each arm --shadow_steps more from that state in each data window, as validation's shadow
 check does (`validate.shadow_run`), and reports each run's last-50-step training loss,
 held-out log loss and AUC with its change from bf16+Mods' run in the same window, then each
-run's loss curve (the mean of every 25 steps: when it left a plateau, if it did). An arm is
+run's loss curve (the mean of every 25 steps: when it left a plateau, if it did), also
+plotted to WORKDIR/shadow_arms.png. An arm is
 NAME=REGEX:KERNEL[,REGEX:KERNEL...]: each site takes the kernel (all passes) of the first
 regex that fully matches its name, every other site xla_bf16; --plan_arm=NAME=PLAN.json
 takes a plan file's kernels per site and pass (it must fit the model). It asks which kernel pattern
@@ -87,6 +88,7 @@ def parse_plan_arm(text: str, model, batch):
 
 def main(argv):
   del argv
+  from loka_jax.bench import plots
   from loka_jax.bench.results import ResultsFile
   from loka_jax.dispatch import pipeline, validate
   from loka_jax.kernels import registry
@@ -162,6 +164,12 @@ def main(argv):
     for (name, window), curve in curves.items():
       points = " ".join("-" if x is None else f"{x:.3f}" for x in curve)
       print(f"| {name} | {window} | {points} |")
+    path = plots.shadow_curves_plot(
+        curves, validate.CURVE_EVERY, config.steps, os.path.join(workdir, "shadow_arms.png"),
+        f"{spec.model} {spec.preset} from step {config.steps} of bf16"
+        + (f", warming up over {WARMUP_AFTER_SWITCH.value}" if WARMUP_AFTER_SWITCH.value
+           else ""))
+    print(f"\n[shadow_arms] curves: {path}")
 
 
 def _choices(kplan):

@@ -54,6 +54,9 @@ class ShadowArmsTest(absltest.TestCase):
     self.assertIn("| same | 1 |", got.stdout)
     self.assertIn("(+0.00%)", got.stdout)
     self.assertIn("Training loss, mean of each 25 steps", got.stdout)
+    self.assertIn("[shadow_arms] curves:", got.stdout)
+    with open(os.path.join(workdir, "shadow_arms.png"), "rb") as f:
+      self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
     self.assertIn(f"| fp8 | 1 | {rows['fp8', 1]['loss_curve'][0]:.3f} |", got.stdout)
     # A rerun trains nothing and prints the same table.
     again = run_cli(*COMMON, *arms, f"--workdir={workdir}")

@@ -1,5 +1,6 @@
 """PNG plots of the benchmark rows (speedup per variant per target, log-loss gap per arm), of
-the quality runs' training curves and of step profiles (where each step's device time goes)."""
+the quality runs' and shadow runs' training curves and of step profiles (where each step's
+device time goes)."""
 from __future__ import annotations
 
 import os
@@ -152,6 +153,37 @@ def training_curves_plot(rows: Sequence[Mapping], runs_roots: Sequence[str],
   axes[0][-1].legend(list(handles.values()), list(handles), fontsize=7)
   fig.suptitle(f"Training curves: {comparison.subject} (solid: window mean; dotted: its "
                "worst step)", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+def shadow_curves_plot(curves: Mapping[tuple, Sequence[Optional[float]]], every: int,
+                       from_step: int, path: str, title: str = "") -> str:
+  """One panel per data window: each arm's training loss from the trained state, one point
+  per block of `every` steps at the block's last step (`curves`: {(arm, window): the runs'
+  `loss_curve`}; None, a block with a non-finite step, is a gap). A run's last steps alone
+  cannot tell one still on a plateau from one that never learns; the curve shows when it
+  left (Wukong `large`, docs/BENCHMARKS.md section 7, forty-sixth session)."""
+  windows = sorted({w for _, w in curves})
+  arms = list(dict.fromkeys(arm for arm, _ in curves))   # one colour per arm in every panel
+  fig, axes = plt.subplots(1, len(windows), figsize=(4.6 * len(windows), 3.4), sharey=True,
+                           squeeze=False)
+  for ax, window in zip(axes[0], windows):
+    for (arm, w), curve in curves.items():
+      if w != window:
+        continue
+      steps = from_step + every * np.arange(1, len(curve) + 1)
+      loss = np.array([np.nan if x is None else x for x in curve], float)
+      color = "k" if arm == "bf16_mods" else f"C{arms.index(arm) % 10}"
+      ax.plot(steps, loss, marker=".", lw=1.3, color=color, label=arm)
+    ax.set_title(f"window {window}", fontsize=9)
+    ax.set_xlabel("step")
+    ax.legend(fontsize=7)
+  axes[0][0].set_ylabel(f"training loss (mean of {every} steps)")
+  if title:
+    fig.suptitle(title, fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
