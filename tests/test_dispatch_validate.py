@@ -2107,7 +2107,6 @@ class BuildRunChecksPlanTest(chex.TestCase):
     self.assertTrue(np.all(np.isfinite(np.asarray(logits))))
 
 
-
 class ChecksToRunTest(absltest.TestCase):
 
   def test_the_pipeline_names_the_checks_its_config_runs(self):

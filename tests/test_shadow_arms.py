@@ -77,28 +77,43 @@ class ShadowArmsTest(absltest.TestCase):
       self.assertNotEqual(r["window_loss"], plain["window_loss"])
 
   def test_bad_arms_fail_before_training(self):
+    # Each bad arm is named by the parsers the CLI calls before it trains (in this process:
+    # a CLI run each would cost a JAX start-up apiece) ...
+    from experiments import shadow_arms
+    from loka_jax.kernels import registry
+    from loka_jax.models.presets import site_products
+    from loka_jax.train import experiment
+    model, source, _ = experiment.build_run(
+        experiment.RunSpec(model="wukong", preset="tiny", mods=("all",), num_eval=512))
+    example = source.train_batch(0, 8)
+    sites = list(site_products(model, None, example))
     for arm, message in (("no_equals", "write NAME=REGEX:KERNEL"),
                          ("x=.*:no_such_kernel", "unknown kernel 'no_such_kernel'"),
                          ("x=no/such/site:xla_bf16", "matches none of the model's sites"),
                          ("x=.*", "is not REGEX:KERNEL"),
                          ("bf16_mods=.*:xla_bf16", "is the baseline")):
-      workdir = tempfile.mkdtemp()
-      got = run_cli(*COMMON, f"--arm={arm}", f"--workdir={workdir}")
-      self.assertNotEqual(got.returncode, 0, arm)
-      self.assertIn(message, got.stderr, arm)
-      self.assertFalse(os.path.exists(os.path.join(workdir, "run")), arm)
-    got = run_cli(*COMMON, "--arm=x=.*:xla_bf16", "--arm=x=.*:xla_fp8_rowwise",
-                  f"--workdir={tempfile.mkdtemp()}")
-    self.assertIn("two arms share a name", got.stderr)
+      with self.assertRaisesRegex(ValueError, message, msg=arm):
+        shadow_arms.parse_arm(arm, sites, registry.names())
     workdir = tempfile.mkdtemp()
     misfit = os.path.join(workdir, "misfit.json")
     _write_plan(misfit, {"layer_9/no/such": "xla_fp8_rowwise"})
     for arm, message in ((f"p={workdir}/absent.json", "absent.json"),
-                         (f"p={misfit}", "does not fit the model")):
-      got = run_cli(*COMMON, f"--plan_arm={arm}", f"--workdir={workdir}")
-      self.assertNotEqual(got.returncode, 0, arm)
-      self.assertIn(message, got.stderr, arm)
-      self.assertFalse(os.path.exists(os.path.join(workdir, "run")), arm)
+                         (f"p={misfit}", "does not fit the model"),
+                         ("no_path", "write NAME=PLAN.json")):
+      with self.assertRaisesRegex(ValueError, message, msg=arm):
+        shadow_arms.parse_plan_arm(arm, model, example)
+    # ... and the CLI exits with the message before training anything.
+    for args, message in ((("--arm=x=.*:no_such_kernel",), "unknown kernel 'no_such_kernel'"),
+                          (("--arm=x=.*:xla_bf16", f"--plan_arm=x={misfit}"),
+                           "does not fit the model")):
+      workdir = tempfile.mkdtemp()
+      got = run_cli(*COMMON, *args, f"--workdir={workdir}")
+      self.assertNotEqual(got.returncode, 0, args)
+      self.assertIn(message, got.stderr, args)
+      self.assertFalse(os.path.exists(os.path.join(workdir, "run")), args)
+    got = run_cli(*COMMON, "--arm=x=.*:xla_bf16", "--arm=x=.*:xla_fp8_rowwise",
+                  f"--workdir={tempfile.mkdtemp()}")
+    self.assertIn("two arms share a name", got.stderr)
 
 
 def _write_plan(path, sites):
