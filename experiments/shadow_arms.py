@@ -143,10 +143,11 @@ def main(argv):
       print(f"[shadow_arms] window {window} {name}: train {row['window_loss']} held-out "
             f"{row['logloss']} AUC {row.get('auc')} ({row['seconds']} s)", flush=True)
 
+  warming = (f" warming up over {WARMUP_AFTER_SWITCH.value}" if WARMUP_AFTER_SWITCH.value
+             else "")
   print(f"\nFrom step {config.steps} of bf16 ({spec.model} {spec.preset}), "
-        f"{SHADOW_STEPS.value} steps per run"
-        + (f" warming up over {WARMUP_AFTER_SWITCH.value}" if WARMUP_AFTER_SWITCH.value else "")
-        + f"; changes against {BASELINE_ARM} in the same window:\n")
+        f"{SHADOW_STEPS.value} steps per run{warming}; changes against {BASELINE_ARM} in the "
+        "same window:\n")
   print(f"| arm | window | train (last {window_of_loss}) | held-out log loss | AUC |")
   print("|---|---|---|---|---|")
   for window in range(WINDOWS.value):
@@ -167,8 +168,7 @@ def main(argv):
     path = plots.shadow_curves_plot(
         curves, validate.CURVE_EVERY, config.steps, os.path.join(workdir, "shadow_arms.png"),
         f"{spec.model} {spec.preset} from step {config.steps} of bf16"
-        + (f", warming up over {WARMUP_AFTER_SWITCH.value}" if WARMUP_AFTER_SWITCH.value
-           else ""))
+        + (f",{warming}" if warming else ""))
     print(f"\n[shadow_arms] curves: {path}")
 
 

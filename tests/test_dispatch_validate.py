@@ -2111,8 +2111,9 @@ class ChecksToRunTest(absltest.TestCase):
 
   def test_the_pipeline_names_the_checks_its_config_runs(self):
     from loka_jax.dispatch import pipeline
-    config = validate.ValidationConfig
-    # On the CPU the timed checks are ruled out unless forced; no steps skip a training check.
+    # The timed checks switched off (as on a CPU), then forced on; no steps skip a training
+    # check.
+    config = functools.partial(validate.ValidationConfig, speed=False, promote=False)
     self.assertEqual(pipeline.checks_to_run(config()), ["held-out", "shadow training"])
     self.assertEqual(pipeline.checks_to_run(config(shadow_steps=0, from_init_steps=5)),
                      ["held-out", "training from initialization"])

@@ -34,10 +34,13 @@ Quality, on the SAME trained bf16+Mods parameters (a plan changes kernels, never
      change / sqrt(windows)): what a mean over the windows moves under a perturbation
      that no kernel choice can be blamed for.
      With `shadow_warmup_steps` every run warms its learning rates up again from 0 after the
-     switch (`optim.restart_schedules`). The probe's state is an early one, and at Wukong
-     `large` its step-50 state switched at full rate to the default selection stopped
-     learning, while that plan trained from initialization as well as bf16 (H200,
-     docs/BENCHMARKS.md section 7, forty-fifth session).
+     switch (`optim.restart_schedules`). The probe's state is an early one: at Wukong
+     `large` its step-50 state sits on a loss plateau that every run leaves between steps
+     100 and 350, at a step set by seed, plan and warm-up, so the check's 200 steps judge
+     when a run leaves it (the default selection did, the 0 dB plan did not, and both train
+     from initialization as well as bf16; H200, docs/BENCHMARKS.md section 7, forty-third
+     to forty-sixth sessions). There `shadow_steps=0` leaves the verdict to the check from
+     initialization at the quality recipe (3 below).
      A back-off that moves neither loss says the ranking has not found the cause: at
      Wukong `large` the site that moved the gradient most went to bf16 and every window's
      held-out change stayed within 0.01 points of +6.8% (H200, docs/BENCHMARKS.md section
@@ -173,16 +176,9 @@ class ValidationConfig:
   shadow_noise_floor: bool = False
   # A linear learning-rate warm-up over N steps after the switch, in every run of the shadow
   # check (`optim.restart_schedules`: the rates' schedules restart at 0, Adam's moments and
-  # Adagrad's accumulators keep the checkpoint's); None trains on at the probe's rate. The
-  # probe's state is an early one: at Wukong `large` its step-50 state (trained without a
-  # warm-up) switched at full rate to the default selection less its head stopped learning
-  # (AUC 0.58 against bf16+Mods' 0.68-0.70), while that plan trained from initialization as
-  # well as bf16, with the 50-step warm-up and without one (H200, docs/BENCHMARKS.md section
-  # 7, forty-third and forty-fifth sessions). That state is on a loss plateau every run
-  # leaves between steps 100 and 350: from a state like it the whole default selection left
-  # it within the 200 steps and the 0 dB plan did not (forty-sixth session), so there the
-  # check judges when a run leaves the plateau, and `shadow_steps=0` with the check from
-  # initialization at the quality recipe judges the plan instead.
+  # Adagrad's accumulators keep the checkpoint's); None trains on at the probe's rate. For
+  # a probe state from early training; one on a loss plateau is another matter (module
+  # docstring, 2).
   shadow_warmup_steps: Optional[int] = None
   # Training steps from a fresh initialization, plan vs bf16+Mods (0 skips the check; the
   # bound and window are the shadow check's).

@@ -34,8 +34,9 @@ class Criteria:
   # into the embeddings; a weight gradient's stays in one matrix's Adam update. At Wukong
   # `large`, Flax's FP8 weight gradients everywhere (down to -4.8 dB pessimistic) trained
   # 500 steps as well as bf16 at one seed, while FP8 input gradients at 32 sites stopped
-  # training from the probe's state, a stall of that start: the same plan trained from
-  # initialization (docs/BENCHMARKS.md section 7, forty-third to forty-fifth sessions).
+  # training from the probe's state, which sits on a plateau runs leave at their own times:
+  # the same plan trained from initialization (docs/BENCHMARKS.md section 7, forty-third to
+  # forty-sixth sessions).
   min_sqnr_wgrad_db: Optional[float] = None
   max_mere: float = 0.2
   max_underflow: float = 0.01
