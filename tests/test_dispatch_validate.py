@@ -18,7 +18,7 @@ import numpy as np
 from absl.testing import absltest
 
 import test_dispatch_reports as hm
-from loka_jax.dispatch import pipeline, validate
+from loka_jax.dispatch import pipeline, run_records, validate
 from loka_jax.dispatch.plan import FALLBACK, SCHEMA, Plan, read_plan, save_plan
 from loka_jax.kernels import Kernel, registry, reference_einsum
 from loka_jax.train import TrainConfig, experiment
@@ -1519,6 +1519,12 @@ class ResumeTest(chex.TestCase):
               for r in validate.validation_records(p, "quality_from_init") if "round" in r]
     self.assertEqual(verdicts(out), verdicts(whole))
     self.assertFalse(verdicts(out)[0][1])
+    # The report's per-seed pairing of the saved runs reads the round's own per-seed changes.
+    round0 = next(r for r in validate.validation_records(out, "quality_from_init")
+                  if r.get("round") == 0)
+    paired = {r["seed"]: run_records.paired_change(r, runs) for r in runs if r["arm"] == "plan"}
+    for entry in round0["per_seed"]:
+      self.assertAlmostEqual(paired[entry["seed"]], entry["rel_logloss_change"], places=12)
     verdict = next(i for i, l in enumerate(lines) if l.startswith("training from init"))
     site = next(i for i, l in enumerate(lines) if l.startswith("quality_shadow round 0, site"))
     self.assertLess(verdict, site)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import List, Mapping, Optional, Sequence
+from typing import Any, Callable, List, Mapping, Optional, Sequence
 
 import matplotlib
 
@@ -160,9 +160,11 @@ def training_curves_plot(rows: Sequence[Mapping], runs_roots: Sequence[str],
 
 
 def shadow_curves_plot(curves: Mapping[tuple, Sequence[Optional[float]]], every: int,
-                       from_step: int, path: str, title: str = "") -> str:
-  """One panel per data window: each arm's training loss from the trained state, one point
-  per block of `every` steps at the block's last step (`curves`: {(arm, window): the runs'
+                       from_step: int, path: str, title: str = "",
+                       panel_title: Callable[[Any], str] = "window {}".format,
+                       xlabel: str = "step") -> str:
+  """One panel per data window (or seed): each arm's training loss from its start, one point
+  per block of `every` steps at the block's last step (`curves`: {(arm, panel): the runs'
   `loss_curve`}; None, a block with a non-finite step, is a gap). A run's last steps alone
   cannot tell one still on a plateau from one that never learns; the curve shows when it
   left (Wukong `large`, docs/BENCHMARKS.md section 7, forty-sixth session)."""
@@ -178,8 +180,8 @@ def shadow_curves_plot(curves: Mapping[tuple, Sequence[Optional[float]]], every:
       loss = np.array([np.nan if x is None else x for x in curve], float)
       color = "k" if arm == "bf16_mods" else f"C{arms.index(arm) % 10}"
       ax.plot(steps, loss, marker=".", lw=1.3, color=color, label=arm)
-    ax.set_title(f"window {window}", fontsize=9)
-    ax.set_xlabel("step")
+    ax.set_title(panel_title(window), fontsize=9)
+    ax.set_xlabel(xlabel)
     ax.legend(fontsize=7)
   axes[0][0].set_ylabel(f"training loss (mean of {every} steps)")
   if title:

@@ -1,0 +1,142 @@
+"""A plan's validation read back: where it stands and what its training runs did.
+
+Validation records every training run of the shadow check and the check from
+initialization as it ends (`validate.run_step`), so a plan saved mid-check (a paused
+`plan_validating.json`) already says how its runs went, seed by seed, before the check's
+verdict exists. These functions turn those records into a status line, a table with each
+plan run's change against bf16+Mods at the same seed and recipe, and the runs' loss curves
+(`validate.loss_curve`), which show when a run left a plateau (Wukong `large`,
+docs/BENCHMARKS.md section 7, forty-sixth session). `experiments.validation_report` prints
+and plots them.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from loka_jax.dispatch import validate
+from loka_jax.dispatch.plan import as_plan
+
+TRAINING_CHECKS = ("quality_shadow", "quality_from_init")
+# What a run record holds besides its recipe: its arm (the noise floor's jitter and a plan
+# run's sites among it), its results and bookkeeping.
+_NOT_RECIPE = frozenset({"step", "time", "seed", "arm", "sites", "jitter", "finite",
+                         "window_loss",
+                         "peak_loss", "logloss", "logloss_bf16_forward", "auc",
+                         "calibration", "loss_curve", "seconds"})
+
+
+def status(plan) -> str:
+  """One line: validated (and what it changed), not validated (why), or in progress (the
+  checks finished and the one a resumed call goes on with)."""
+  plan = as_plan(plan)
+  for record in reversed(plan["validation"]):
+    if record.get("step") == "validated":
+      changed = [f"backed off {len(record['backed_off'])}" if record["backed_off"] else "",
+                 f"promoted {len(record['promoted'])}" if record.get("promoted") else ""]
+      changed = ", ".join(c for c in changed if c) or "no site changed"
+      return (f"validated: FP8 sites {record['fp8_sites_before']} -> "
+              f"{record['fp8_sites_after']} ({changed})")
+    if record.get("step") == "not_validated":
+      return f"not validated: {record.get('reason', '')}"
+  if not plan["validation"]:
+    return "not validated yet: no validation record"
+  done = [step for step, _ in validate.CHECKS if validate.finished(plan, step)]
+  pending = [step for step, _ in validate.CHECKS if step not in done]
+  return ("validation in progress: finished " + (", ".join(done) or "no check")
+          + (f"; next {pending[0]}" if pending else ""))
+
+
+def recipe_of(record: Mapping[str, Any]) -> Dict[str, Any]:
+  """A run record's recipe (steps, start, window, warm-up, ...): what its arm's runs at
+  other seeds share and its baseline run must match."""
+  return {k: v for k, v in record.items() if k not in _NOT_RECIPE}
+
+
+def _recipe_key(record: Mapping[str, Any]) -> str:
+  return json.dumps(recipe_of(record), sort_keys=True)
+
+
+def training_runs(plan) -> Dict[str, List[Dict[str, Any]]]:
+  """{check: its run records in the order they ran}, for the training checks with any
+  (records of a check reopened since are kept: they are the history its rounds read)."""
+  plan = as_plan(plan)
+  out: Dict[str, List[Dict[str, Any]]] = {}
+  for check in TRAINING_CHECKS:
+    runs = validate.validation_records(plan, validate.run_step(check))
+    if runs:
+      out[check] = runs
+  return out
+
+
+def arm_label(record: Mapping[str, Any]) -> str:
+  """The run's arm; a plan run names how many sites it ran in FP8 (one per round), a
+  noise-floor run its jitter."""
+  sites = record.get("sites")
+  return (record["arm"] + (f" ({len(sites)} FP8 sites)" if sites is not None else "")
+          + (f" (jitter {record['jitter']:g})" if record.get("jitter") else ""))
+
+
+def paired_change(record: Mapping[str, Any], runs: Sequence[Mapping[str, Any]],
+                  key: str = "logloss") -> Optional[float]:
+  """The relative change of `record`'s `key` from the bf16+Mods run at its seed and recipe
+  among `runs`; None for a baseline run, a run without that pair, or a non-finite one."""
+  if record["arm"] == validate.BASELINE_ARM or not record.get("finite"):
+    return None
+  for base in runs:
+    if (base["arm"] == validate.BASELINE_ARM and base["seed"] == record["seed"]
+        and base.get("finite") and _recipe_key(base) == _recipe_key(record)):
+      return record[key] / base[key] - 1.0
+  return None
+
+
+def _number(value: Optional[float], fmt: str) -> str:
+  return "-" if value is None else format(value, fmt)
+
+
+def _recipe_text(recipe: Mapping[str, Any]) -> str:
+  parts = [f"{recipe['steps']} steps from {recipe['start']}"]
+  for key, name in (("warmup_steps", "warm-up"), ("warmup_after_switch",
+                                                  "warm-up after the switch"),
+                    ("clip_norm", "clip")):
+    if recipe.get(key):
+      parts.append(f"{name} {recipe[key]:g}")
+  return ", ".join(parts)
+
+
+def runs_tables(check: str, runs: Sequence[Mapping[str, Any]]) -> List[str]:
+  """Markdown, one table per recipe of `check`'s runs under a line naming it: one row per run
+  (arm, seed, the last window's training loss, held-out log loss with its change from
+  bf16+Mods at the same seed, AUC, calibration, the worst step's loss, seconds)."""
+  by_recipe: Dict[str, List[Mapping[str, Any]]] = {}
+  for r in runs:
+    by_recipe.setdefault(_recipe_key(r), []).append(r)
+  blocks = []
+  for group in by_recipe.values():
+    recipe = recipe_of(group[0])
+    lines = [f"{check}, {_recipe_text(recipe)} (training loss: mean of the last "
+             f"{recipe.get('window')} steps):", "",
+             "| arm | seed | train loss | held-out log loss | vs bf16+Mods | AUC | "
+             "calibration | worst step | s |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(group, key=lambda r: (r["arm"] != validate.BASELINE_ARM, arm_label(r),
+                                          r["seed"])):
+      finite = r.get("finite")
+      change = paired_change(r, group)
+      lines.append(
+          f"| {arm_label(r)} | {r['seed']} | "
+          + (f"{r['window_loss']:.5f} | {r['logloss']:.5f} | " if finite
+             else "non-finite | - | ")
+          + ("-" if change is None else f"{100 * change:+.3f}%") + " | "
+          + f"{_number(r.get('auc') if finite else None, '.4f')} | "
+          + f"{_number(r.get('calibration') if finite else None, '.4f')} | "
+          + f"{_number(r.get('peak_loss') if finite else None, '.3g')} | "
+          + f"{_number(r.get('seconds'), 'g')} |")
+    blocks.append("\n".join(lines))
+  return blocks
+
+
+def curves(runs: Sequence[Mapping[str, Any]]) -> Dict[Tuple[str, int], List[Optional[float]]]:
+  """{(arm label, seed): loss curve} of the runs that recorded one (runs recorded before
+  curves were have none)."""
+  return {(arm_label(r), r["seed"]): list(r["loss_curve"]) for r in runs
+          if r.get("loss_curve")}
