@@ -1,5 +1,6 @@
 """Registered XLA / Flax kernels: correctness, site error, per-pass mixing, gradients."""
 import functools
+import itertools
 
 import chex
 import jax
@@ -179,6 +180,20 @@ class FlaxDelayedForwardTest(absltest.TestCase):
     self.assertEqual(sorted(meta), ["input_amax_history", "input_scale",
                                     "kernel_amax_history", "kernel_scale"])
     self.assertNotEqual(float(meta["input_scale"][0]), 1.0)
+
+  def test_passes_named_alike_compute_alike(self):
+    # `Kernel.pass_numerics`: validation counts a pass two ops name alike as equally
+    # accurate, so the name must mean bit-identical results, and different names different.
+    x, w, g = (a.astype(jnp.bfloat16) for a in _operands(10, 32, 128, 48))
+    names = ("flax_fp8_delayed", "flax_fp8_delayed_grad_lhs", "flax_fp8_delayed_fwd")
+    results = {k: dict(zip(kernels.PASSES, kernels.flax_delayed.run_delayed_passes(
+        "mk,kn->mn", x, w, g, warmup=3, kernel=k)[:3])) for k in names}
+    for a, b in itertools.combinations(names, 2):
+      for p in kernels.PASSES:
+        same = kernels.get(a).pass_numerics(p) == kernels.get(b).pass_numerics(p)
+        equal = np.array_equal(np.asarray(results[a][p], np.float32),
+                               np.asarray(results[b][p], np.float32))
+        self.assertEqual(same, equal, f"{a} vs {b}, {p}")
 
   def test_registered_as_a_stateful_fused_op(self):
     for name in ("flax_fp8_delayed_fwd", "flax_fp8_delayed_grad_lhs"):

@@ -416,7 +416,10 @@ def more_precise_fused_op(report: Optional[Mapping], plan: Plan, site: str, curr
   The delayed-scaling ops share one forward and quantize fewer and fewer gradients
   (`flax_fp8_delayed` -> `flax_fp8_delayed_grad_lhs` -> `flax_fp8_delayed_fwd`): a site that
   training found too rough steps down one gradient at a time and keeps its FP8 forward, while
-  a forward that held-out loss found too rough (must_improve=("fwd",)) goes to bf16."""
+  a forward that held-out loss found too rough (must_improve=("fwd",)) goes to bf16. A pass
+  two ops compute alike (`Kernel.pass_numerics`) counts as equally accurate: the probe's
+  estimates of a shared forward differ by its samples, and reading them as a difference sent
+  a held-out back-off to an op with the same forward."""
   if report is None or site not in report.get("sites", {}):
     return FALLBACK, "no probe report entry for the site"
   from loka_jax.probe import eligibility
@@ -425,6 +428,13 @@ def more_precise_fused_op(report: Optional[Mapping], plan: Plan, site: str, curr
   if any(current not in verdicts.get(p, {}) for p in PASSES):
     return FALLBACK, f"{current} was not evaluated by the probe in every pass"
   floor = {p: _accuracy(verdicts[p][current], metric) for p in PASSES}
+
+  def accuracy(k: str, p: str) -> float:
+    # A pass computed as `current` computes it is as accurate, whatever the probe's samples
+    # estimated for each (`Kernel.pass_numerics`).
+    same = registry.get(k).pass_numerics(p) == registry.get(current).pass_numerics(p)
+    return floor[p] if same else _accuracy(verdicts[p][k], metric)
+
   better = {}
   for k, meta in info.items():
     if k == current or meta.get("sort") != FUSED_OP or k not in registry.names():
@@ -432,15 +442,14 @@ def more_precise_fused_op(report: Optional[Mapping], plan: Plan, site: str, curr
     v = {p: verdicts.get(p, {}).get(k) for p in PASSES}
     if any(x is None or not x.eligible for x in v.values()):
       continue
-    accuracy = {p: _accuracy(v[p], metric) for p in PASSES}
-    if (all(accuracy[p] >= floor[p] for p in PASSES)
-        and any(accuracy[p] > floor[p] for p in must_improve)):
+    if (all(accuracy(k, p) >= floor[p] for p in PASSES)
+        and any(accuracy(k, p) > floor[p] for p in must_improve)):
       better[k] = eligibility.fused_site_speedup(effective.get("passes", {}), k) or 0.0
   if not better:
     return FALLBACK, (f"no eligible fused op as accurate as {current} in every pass and more "
                       f"accurate in {'/'.join(must_improve)}")
   best = max(sorted(better), key=lambda k: better[k])
-  improved = [p for p in must_improve if _accuracy(verdicts[p][best], metric) > floor[p]]
+  improved = [p for p in must_improve if accuracy(best, p) > floor[p]]
   return best, (f"{best}: as accurate as {current} in every pass, more in "
                 f"{'/'.join(improved)}, site {better[best]:.2f}x over bf16")
 

@@ -48,6 +48,14 @@ class Kernel(abc.ABC):
     check_pass(pass_name)
     return self.fp8
 
+  def pass_numerics(self, pass_name: str) -> str:
+    """What this kernel's `pass_name` pass computes, as a name: kernels that give the same
+    name compute that pass identically (the delayed-scaling fused ops share one forward), so
+    the probe's error estimates of it differ by sampling alone and must not rank them. By
+    default each kernel's own."""
+    check_pass(pass_name)
+    return f"{self.name}/{pass_name}"
+
   def unsupported_reason(self, spec: EinsumSpec, pass_name: str, kind: str,
                          lhs_shape: Sequence[int], rhs_shape: Sequence[int]) -> Optional[str]:
     """None when this kernel can run the pass; otherwise why not (for plan errors)."""

@@ -46,6 +46,20 @@ class FlaxDelayed(Kernel):
   def make_module(self, name: str):
     return fp8_ops.Fp8Einsum(amax_history_length=self.amax_history_length, name=name)
 
+  def pass_numerics(self, pass_name: str) -> str:
+    # One e4m3 forward (Flax's in_q / out_dq) for every delayed op; a quantized gradient is
+    # Flax's e5m2 product (`_fp8_grad_lhs_bwd` repeats `quantized_dot_bwd`'s grad_lhs), an
+    # unquantized one the plain product's from the unquantized operands. On the H200 the
+    # held-out check read bit-identical log loss with flax_fp8_delayed and
+    # flax_fp8_delayed_grad_lhs at Wukong `large`'s head (docs/BENCHMARKS.md, section 7,
+    # forty-seventh session), whose probe estimates of that forward differed.
+    history = f"h{self.amax_history_length}"
+    if pass_name == "fwd":
+      return f"flax_delayed_e4m3/{history}"
+    if self.quantizes(pass_name):
+      return f"flax_delayed_e5m2_{pass_name}/{history}"
+    return f"flax_delayed_unquantized_{pass_name}"
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _fp8_product_exact_grads(lhs, q_lhs, rhs, q_rhs, dimension_numbers,
