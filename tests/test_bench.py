@@ -436,6 +436,23 @@ class RenderTest(absltest.TestCase):
     for flat in ([1.0, 1.0], [0.5, 0.7], [0.5], [], [float("nan"), 0.4]):
       self.assertIsNone(quality.half_descent_step(list(range(len(flat))), flat), flat)
 
+  def test_runs_are_timed_to_one_mark_whatever_their_first_window(self):
+    # Two runs leave a shared plateau (0.56) at steps 200 and 300; one started higher, which
+    # moved its own half-way mark up onto the plateau and made it read early.
+    steps = [50, 100, 150, 200, 250, 300, 350, 500]
+    high = [0.66, 0.56, 0.56, 0.56, 0.56, 0.56, 0.49, 0.48]
+    low = [0.62, 0.56, 0.56, 0.56, 0.50, 0.49, 0.485, 0.48]
+    self.assertLess(quality.half_descent_step(steps, high),
+                    quality.half_descent_step(steps, low))
+    mark = quality.descent_mark([{"loss": high}, {"loss": low}])
+    self.assertAlmostEqual(mark, 0.48 + 0.25 * (0.64 - 0.48))
+    self.assertGreater(quality.descent_step(steps, high, mark),
+                       quality.descent_step(steps, low, mark))
+    self.assertEqual(quality.descent_step(steps, low, 0.7), 50.0)   # starts below it
+    self.assertIsNone(quality.descent_step(steps, low, 0.3))        # never gets there
+    self.assertIsNone(quality.descent_step([0, 1], [float("nan"), 0.4], 0.5))
+    self.assertIsNone(quality.descent_mark([{"loss": [0.5, 0.6]}, {"loss": [0.5]}]))
+
   def test_the_curves_table_orders_runs_by_held_out_loss_beside_when_they_came_down(self):
     # Wukong `large`-like: three runs on disk, the one that leaves the plateau late holds the
     # worst held-out loss; a fourth run is not on disk and is left out.
@@ -455,10 +472,15 @@ class RenderTest(absltest.TestCase):
     table = tables.curves_table(rows, [_tempdir(self), root])
     lines = table.splitlines()[2:]
     self.assertEqual([l.split(" | ")[1] for l in lines], ["loka", "bf16", "bf16_mods"])
-    halves = [float(l.split(" | ")[4]) for l in lines]
-    self.assertEqual(halves, sorted(halves))
-    # bf16_mods: half-way (0.56) reached only past its step-150 bump, a fifth of the way on.
-    self.assertEqual(lines[2].split(" | ")[4], f"{150 + 350 * (0.58 - 0.56) / 0.10:.0f}")
+    # One mark for all three: a quarter of their mean descent (0.6333 -> 0.48) left.
+    mark = 0.48 + 0.25 * ((0.63 + 0.64 + 0.63) / 3 - 0.48)
+    self.assertEqual({l.split(" | ")[5] for l in lines}, {f"{mark:.4f}"})
+    steps = [float(l.split(" | ")[4]) for l in lines]
+    self.assertEqual(steps, sorted(steps))
+    # bf16_mods reaches the mark only past its step-150 bump, between steps 150 and 500.
+    self.assertEqual(lines[2].split(" | ")[4], f"{150 + 350 * (0.58 - mark) / 0.10:.0f}")
+    # loka between steps 100 (0.53) and 150 (0.50).
+    self.assertEqual(lines[0].split(" | ")[4], f"{100 + 50 * (0.53 - mark) / 0.03:.0f}")
     self.assertIn("| 0.6400 (50) |", lines[2])
     self.assertIn("| 0.4800 (500) | 0.48120 |", lines[2])
     self.assertEqual(tables.curves_table(rows, [_tempdir(self)]), "")
