@@ -25,7 +25,8 @@ QUALITY_RUNS = flags.DEFINE_list(
     "quality_runs", [], "Quality suites' run folders (a bench workdir's `quality/`): each "
     "comparison's training curves are drawn from the runs found there "
     "(plots/curves_<subject>.png) and tabled in the report (each run's first and last "
-    "window's loss and the step it got half-way between them).")
+    "window's loss and the step it got down to a loss shared by the comparison's runs, a "
+    "quarter of their mean descent left).")
 SERVED = flags.DEFINE_list(
     "served_quality", [], "Reports of experiments.serving_quality (JSON), oldest first: the "
     "held-out quality of the models LoKA rows served before the bench's served-quality gate; "

@@ -429,20 +429,52 @@ def run_curves(rows: Sequence[Mapping], runs_roots: Sequence[str],
   return curves
 
 
+def descent_step(steps: Sequence[float], losses: Sequence[float],
+                 mark: float) -> Optional[float]:
+  """The step at which a logged training curve first got down to `mark`, interpolated
+  between the logged windows (its first window's step where that is at or below it); None
+  where it never did or a window before it is not finite."""
+  for i, loss in enumerate(losses):
+    if not math.isfinite(loss):
+      return None
+    if loss <= mark:
+      if i == 0:
+        return float(steps[0])
+      fraction = (losses[i - 1] - mark) / (losses[i - 1] - loss)
+      return float(steps[i - 1] + (steps[i] - steps[i - 1]) * fraction)
+  return None
+
+
+# How much of the descent is left at `descent_mark`: a quarter sits below a plateau the runs
+# share (Wukong `large`: first windows 0.63-0.65, a plateau at 0.564, last windows near
+# 0.48, so the mark is about 0.52), where the half-way mark sat on it.
+DESCENT_LEFT = 0.25
+
+
+def descent_mark(curves: Sequence[Mapping[str, Sequence[float]]],
+                 left: float = DESCENT_LEFT) -> Optional[float]:
+  """One loss for a comparison's runs to be timed against (`descent_step`): `left` of the
+  way from their mean last window's loss back up to their mean first window's; None
+  without a finite curve that went down. Shared, so runs whose first windows differ are
+  timed to the same loss (each run's own half-way mark moved with its first window:
+  docs/BENCHMARKS.md section 7, forty-fifth session)."""
+  ends = [(c["loss"][0], c["loss"][-1]) for c in curves
+          if len(c["loss"]) >= 2 and all(math.isfinite(x) for x in (c["loss"][0], c["loss"][-1]))]
+  if not ends:
+    return None
+  first, last = (float(np.mean(x)) for x in zip(*ends))
+  return last + left * (first - last) if last < first else None
+
+
 def half_descent_step(steps: Sequence[float], losses: Sequence[float]) -> Optional[float]:
   """The step at which a logged training curve first got half-way from its first window's
-  mean loss down to its last one's, interpolated between the logged windows; None when it
-  has fewer than two windows or did not go down. Runs of one model can sit on a plateau
-  for a while and leave it at different steps, and their held-out losses follow when they
-  left it more than which arm they are (Wukong `large`, docs/BENCHMARKS.md section 7,
-  forty-fourth session): this puts that timing in one number."""
+  mean loss down to its last one's (`descent_step` at its own mark); None when it has
+  fewer than two windows or did not go down. What the report tabled until the forty-seventh
+  session; where runs' first windows differ their marks differ, so the report now times
+  every run of a comparison to one `descent_mark`."""
   if len(losses) < 2 or not losses[-1] < losses[0]:
     return None
-  half = (losses[0] + losses[-1]) / 2
-  # The first window at or below the half-way mark (the last one always is).
-  i = next(i for i in range(1, len(losses)) if losses[i] <= half)
-  fraction = (losses[i - 1] - half) / (losses[i - 1] - losses[i])
-  return float(steps[i - 1] + (steps[i] - steps[i - 1]) * fraction)
+  return descent_step(steps, losses, (losses[0] + losses[-1]) / 2)
 
 
 def run_line(row: Mapping) -> str:

@@ -141,27 +141,30 @@ def quality_table(rows: Sequence[Mapping]) -> str:
 
 def curves_table(rows: Sequence[Mapping], runs_roots: Sequence[str]) -> str:
   """Per quality comparison, each run whose logged curve is found under `runs_roots`: its
-  first and last windows' mean training loss, the step it got half-way between them
-  (`quality.half_descent_step`) and its held-out log loss, runs ordered by that loss, so a
-  reader sees whether the held-out order is the order in which runs came down. Empty when
-  no run is found."""
+  first and last windows' mean training loss, the step it got down to the comparison's
+  common mark (`quality.descent_mark`: a quarter of the runs' mean descent left; `descent_step`)
+  and its held-out log loss, runs ordered by that loss, so a reader sees whether the
+  held-out order is the order in which runs came down. Empty when no run is found."""
   lines = []
   for c in quality_lib.comparisons(rows):
     curves = quality_lib.run_curves(rows, runs_roots, c)
     runs = sorted((r for r in rows if c.holds(r) and r["arm"] in curves.get(r["seed"], {})),
                   key=lambda r: r["logloss"])
+    mark = quality_lib.descent_mark([curves[r["seed"]][r["arm"]] for r in runs])
     for r in runs:
       curve = curves[r["seed"]][r["arm"]]
-      half = quality_lib.half_descent_step(curve["step"], curve["loss"])
+      step = (None if mark is None else
+              quality_lib.descent_step(curve["step"], curve["loss"], mark))
       lines.append(f"| {c.subject} | {r['arm']} | {r['seed']} | "
                    f"{curve['loss'][0]:.4f} ({curve['step'][0]}) | "
-                   f"{'-' if half is None else f'{half:.0f}'} | "
+                   f"{'-' if step is None else f'{step:.0f}'} | "
+                   f"{'-' if mark is None else f'{mark:.4f}'} | "
                    f"{curve['loss'][-1]:.4f} ({curve['step'][-1]}) | {r['logloss']:.5f} |")
   if not lines:
     return ""
-  return "\n".join(["| subject | arm | seed | first window's loss (step) | half-way step "
-                    "| last window's loss (step) | held-out log loss |",
-                    "|---|---|---|---|---|---|---|"] + lines)
+  return "\n".join(["| subject | arm | seed | first window's loss (step) | step down to the "
+                    "mark | the comparison's mark | last window's loss (step) | held-out log "
+                    "loss |", "|---|---|---|---|---|---|---|---|"] + lines)
 
 
 def targets_table(verdicts: Sequence[Mapping]) -> str:
