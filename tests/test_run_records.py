@@ -97,13 +97,27 @@ class RunsTest(chex.TestCase):
     self.assertEqual(curves[("plan (1 FP8 sites)", 1)], records[3]["loss_curve"])
     self.assertLen(curves, 5)                           # the non-finite run has none
 
+  def test_each_round_of_the_plan_is_named_apart(self):
+    # Round 1 steps the site to another FP8 op: as many FP8 sites, another plan.
+    stepped = {SITE: {p: "flax_fp8_delayed_grad_lhs" for p in hm.PASSES}}
+    runs = [run("bf16_mods", 0, 0.50), run("plan", 0, 0.55), dict(run("plan", 0, 0.49),
+                                                                  sites=stepped)]
+    (records,) = run_records.training_runs(with_records(runs)).values()
+    labels = run_records.arm_labels(records)
+    self.assertEqual(labels, ["bf16_mods", "plan 1 (1 FP8 sites)", "plan 2 (1 FP8 sites)"])
+    self.assertLen(run_records.curves(records), 3)
+    (table,) = run_records.runs_tables("quality_from_init", records)
+    self.assertIn(f"| plan 2 (1 FP8 sites) | 0 | {records[2]['window_loss']:.5f} | 0.49000 | "
+                  f"{100 * (0.49 / 0.50 - 1):+.3f}% |", table)
+
   def test_a_noise_floor_run_is_its_own_arm(self):
     shadow = {"steps": 40, "start": "checkpoint", "window": 10, "warmup_steps": 0}
     runs = [dict(run("bf16_mods", 0, 0.5, recipe=shadow), step="quality_shadow_run"),
             dict(run("bf16_mods_jittered", 0, 0.51, recipe=shadow, jitter=0.001),
                  step="quality_shadow_run")]
     records = run_records.training_runs(with_records(runs))["quality_shadow"]
-    self.assertEqual(run_records.arm_label(records[1]), "bf16_mods_jittered (jitter 0.001)")
+    self.assertEqual(run_records.arm_labels(records),
+                     ["bf16_mods", "bf16_mods_jittered (jitter 0.001)"])
     (table,) = run_records.runs_tables("quality_shadow", records)   # its baseline's recipe
     self.assertIn(f"| {100 * (0.51 / 0.50 - 1):+.3f}% |", table)
 

@@ -21,8 +21,7 @@ TRAINING_CHECKS = ("quality_shadow", "quality_from_init")
 # What a run record holds besides its recipe: its arm (the noise floor's jitter and a plan
 # run's sites among it), its results and bookkeeping.
 _NOT_RECIPE = frozenset({"step", "time", "seed", "arm", "sites", "jitter", "finite",
-                         "window_loss",
-                         "peak_loss", "logloss", "logloss_bf16_forward", "auc",
+                         "window_loss", "peak_loss", "logloss", "logloss_bf16_forward", "auc",
                          "calibration", "loss_curve", "seconds"})
 
 
@@ -69,12 +68,25 @@ def training_runs(plan) -> Dict[str, List[Dict[str, Any]]]:
   return out
 
 
-def arm_label(record: Mapping[str, Any]) -> str:
-  """The run's arm; a plan run names how many sites it ran in FP8 (one per round), a
-  noise-floor run its jitter."""
-  sites = record.get("sites")
-  return (record["arm"] + (f" ({len(sites)} FP8 sites)" if sites is not None else "")
-          + (f" (jitter {record['jitter']:g})" if record.get("jitter") else ""))
+def arm_labels(runs: Sequence[Mapping[str, Any]]) -> List[str]:
+  """Each run's arm, as its table row and curve name it: a plan run names how many sites it
+  ran in FP8, and where the runs hold plans of more than one round (each round's plan its
+  own set of site choices), which one, in the order they ran; a noise-floor run names its
+  jitter."""
+  plans: List[Any] = []
+  for r in runs:
+    if r.get("sites") is not None and r["sites"] not in plans:
+      plans.append(r["sites"])
+  labels = []
+  for r in runs:
+    label = r["arm"]
+    if r.get("sites") is not None:
+      which = f" {plans.index(r['sites']) + 1}" if len(plans) > 1 else ""
+      label += f"{which} ({len(r['sites'])} FP8 sites)"
+    if r.get("jitter"):
+      label += f" (jitter {r['jitter']:g})"
+    labels.append(label)
+  return labels
 
 
 def paired_change(record: Mapping[str, Any], runs: Sequence[Mapping[str, Any]],
@@ -108,22 +120,23 @@ def runs_tables(check: str, runs: Sequence[Mapping[str, Any]]) -> List[str]:
   """Markdown, one table per recipe of `check`'s runs under a line naming it: one row per run
   (arm, seed, the last window's training loss, held-out log loss with its change from
   bf16+Mods at the same seed, AUC, calibration, the worst step's loss, seconds)."""
-  by_recipe: Dict[str, List[Mapping[str, Any]]] = {}
-  for r in runs:
-    by_recipe.setdefault(_recipe_key(r), []).append(r)
+  by_recipe: Dict[str, List[Tuple[str, Mapping[str, Any]]]] = {}
+  for label, r in zip(arm_labels(runs), runs):
+    by_recipe.setdefault(_recipe_key(r), []).append((label, r))
   blocks = []
-  for group in by_recipe.values():
+  for labelled in by_recipe.values():
+    group = [r for _, r in labelled]
     recipe = recipe_of(group[0])
     lines = [f"{check}, {_recipe_text(recipe)} (training loss: mean of the last "
              f"{recipe.get('window')} steps):", "",
              "| arm | seed | train loss | held-out log loss | vs bf16+Mods | AUC | "
              "calibration | worst step | s |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(group, key=lambda r: (r["arm"] != validate.BASELINE_ARM, arm_label(r),
-                                          r["seed"])):
+    for label, r in sorted(labelled, key=lambda x: (x[1]["arm"] != validate.BASELINE_ARM,
+                                                    x[0], x[1]["seed"])):
       finite = r.get("finite")
       change = paired_change(r, group)
       lines.append(
-          f"| {arm_label(r)} | {r['seed']} | "
+          f"| {label} | {r['seed']} | "
           + (f"{r['window_loss']:.5f} | {r['logloss']:.5f} | " if finite
              else "non-finite | - | ")
           + ("-" if change is None else f"{100 * change:+.3f}%") + " | "
@@ -138,5 +151,5 @@ def runs_tables(check: str, runs: Sequence[Mapping[str, Any]]) -> List[str]:
 def curves(runs: Sequence[Mapping[str, Any]]) -> Dict[Tuple[str, int], List[Optional[float]]]:
   """{(arm label, seed): loss curve} of the runs that recorded one (runs recorded before
   curves were have none)."""
-  return {(arm_label(r), r["seed"]): list(r["loss_curve"]) for r in runs
+  return {(label, r["seed"]): list(r["loss_curve"]) for label, r in zip(arm_labels(runs), runs)
           if r.get("loss_curve")}
