@@ -12,7 +12,6 @@ Only the last check the plan has records of can be reopened, before the final ve
 `--later` reopens the later checks with it (they judged the plan this check left), newest
 first.
 """
-import os
 
 from absl import app, flags
 
@@ -29,14 +28,12 @@ OUT = flags.DEFINE_string("out", None, "Where to write the plan (default: --plan
 def main(argv):
   del argv
   from loka_jax.dispatch import validate
-  from loka_jax.dispatch.plan import read_plan, save_plan
+  from loka_jax.dispatch.plan import read_plan_arg, save_plan
   from loka_jax.train.report import validation_line
-  if not os.path.exists(PLAN.value):
-    raise app.UsageError(f"--plan={PLAN.value}: no such file")
+  plan = read_plan_arg(PLAN.value)
   try:
-    plan = read_plan(PLAN.value)
     reopened = validate.reopen_check(plan, STEP.value, REASON.value, later=LATER.value)
-  except ValueError as e:   # PlanFileError too: a corrupt or wrong-schema file
+  except ValueError as e:   # a check that cannot be reopened
     raise app.UsageError(str(e)) from e
   out = OUT.value or PLAN.value
   save_plan(reopened, out)

@@ -27,14 +27,9 @@ def main(argv):
   del argv
   from loka_jax.bench import plots
   from loka_jax.dispatch import run_records, validate
-  from loka_jax.dispatch.plan import kernel_counts, read_plan
+  from loka_jax.dispatch.plan import kernel_counts, read_plan_arg
   from loka_jax.train.report import validation_line
-  if not os.path.exists(PLAN.value):
-    raise app.UsageError(f"--plan={PLAN.value}: no such file")
-  try:
-    plan = read_plan(PLAN.value)
-  except ValueError as e:   # PlanFileError too: a corrupt or wrong-schema file
-    raise app.UsageError(str(e)) from e
+  plan = read_plan_arg(PLAN.value)
   where = plan["provenance"].get("device")
   print(f"{PLAN.value}: {plan.get('model', '?')} {plan.get('preset', '?')}"
         + (f", on {where}" if where else ""))

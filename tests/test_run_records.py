@@ -124,6 +124,17 @@ class RunsTest(chex.TestCase):
 
 class CliTest(chex.TestCase):
 
+  def test_a_missing_or_corrupt_plan_is_a_usage_error_naming_it(self):
+    from absl import app
+    from loka_jax.dispatch.plan import read_plan_arg
+    path = os.path.join(tempfile.mkdtemp(prefix="loka_plan_arg_"), "plan.json")
+    with self.assertRaisesRegex(app.UsageError, f"--plan={path}: no such file"):
+      read_plan_arg(path)
+    with open(path, "w") as f:
+      f.write("[]")
+    with self.assertRaisesRegex(app.UsageError, path):
+      read_plan_arg(path, "--plans")
+
   def test_prints_the_tables_and_plots_the_curves(self):
     workdir = tempfile.mkdtemp(prefix="loka_validation_report_")
     plan = with_records([{"step": "speed_promotion", "skipped": True,
