@@ -90,7 +90,7 @@ def main(argv):
   del argv
   from loka_jax.bench import plots
   from loka_jax.bench.results import ResultsFile
-  from loka_jax.dispatch import pipeline, validate
+  from loka_jax.dispatch import pipeline, run_records, validate
   from loka_jax.kernels import registry
   from loka_jax.models.presets import site_products
   from loka_jax.train import experiment
@@ -160,11 +160,7 @@ def main(argv):
   curves = {key: row["loss_curve"] for key, row in rows.items() if "loss_curve" in row}
   if curves:
     print(f"\nTraining loss, mean of each {validate.CURVE_EVERY} steps:\n")
-    print("| arm | window | loss curve |")
-    print("|---|---|---|")
-    for (name, window), curve in curves.items():
-      points = " ".join("-" if x is None else f"{x:.3f}" for x in curve)
-      print(f"| {name} | {window} | {points} |")
+    print(run_records.curves_table(curves, "window"))
     path = plots.shadow_curves_plot(
         curves, validate.CURVE_EVERY, config.steps, os.path.join(workdir, "shadow_arms.png"),
         f"{spec.model} {spec.preset} from step {config.steps} of bf16"

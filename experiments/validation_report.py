@@ -50,10 +50,7 @@ def main(argv):
     if not curves:
       continue
     print(f"\nTraining loss, mean of each {validate.CURVE_EVERY} steps:\n")
-    print("| arm | seed | loss curve |\n|---|---|---|")
-    for (arm, seed), curve in curves.items():
-      print(f"| {arm} | {seed} | "
-            + " ".join("-" if x is None else f"{x:.3f}" for x in curve) + " |")
+    print(run_records.curves_table(curves))
     if OUT.value:
       os.makedirs(OUT.value, exist_ok=True)
       panel_title, xlabel = _PANELS[check]

@@ -110,6 +110,11 @@ class RunsTest(chex.TestCase):
     self.assertIn(f"| plan 2 (1 FP8 sites) | 0 | {records[2]['window_loss']:.5f} | 0.49000 | "
                   f"{100 * (0.49 / 0.50 - 1):+.3f}% |", table)
 
+  def test_the_curves_table_shows_a_non_finite_block_as_a_gap(self):
+    table = run_records.curves_table({("plan", 3): [0.5, None, 0.41234]}, "window")
+    self.assertEqual(table.splitlines(), ["| arm | window | loss curve |", "|---|---|---|",
+                                          "| plan | 3 | 0.500 - 0.412 |"])
+
   def test_a_noise_floor_run_is_its_own_arm(self):
     shadow = {"steps": 40, "start": "checkpoint", "window": 10, "warmup_steps": 0}
     runs = [dict(run("bf16_mods", 0, 0.5, recipe=shadow), step="quality_shadow_run"),

@@ -89,16 +89,17 @@ def arm_labels(runs: Sequence[Mapping[str, Any]]) -> List[str]:
   return labels
 
 
-def paired_change(record: Mapping[str, Any], runs: Sequence[Mapping[str, Any]],
-                  key: str = "logloss") -> Optional[float]:
-  """The relative change of `record`'s `key` from the bf16+Mods run at its seed and recipe
-  among `runs`; None for a baseline run, a run without that pair, or a non-finite one."""
+def paired_change(record: Mapping[str, Any],
+                  runs: Sequence[Mapping[str, Any]]) -> Optional[float]:
+  """The relative change of `record`'s held-out log loss from the bf16+Mods run at its seed
+  and recipe among `runs`; None for a baseline run, a run without that pair, or a
+  non-finite one."""
   if record["arm"] == validate.BASELINE_ARM or not record.get("finite"):
     return None
   for base in runs:
     if (base["arm"] == validate.BASELINE_ARM and base["seed"] == record["seed"]
         and base.get("finite") and _recipe_key(base) == _recipe_key(record)):
-      return record[key] / base[key] - 1.0
+      return record["logloss"] / base["logloss"] - 1.0
   return None
 
 
@@ -153,3 +154,14 @@ def curves(runs: Sequence[Mapping[str, Any]]) -> Dict[Tuple[str, int], List[Opti
   curves were have none)."""
   return {(label, r["seed"]): list(r["loss_curve"]) for label, r in zip(arm_labels(runs), runs)
           if r.get("loss_curve")}
+
+
+def curves_table(curves: Mapping[Tuple[str, Any], Sequence[Optional[float]]],
+                 panel: str = "seed") -> str:
+  """Markdown: one row per (arm, `panel`) curve, its points to 3 decimals ('-' for a block
+  with a non-finite step)."""
+  lines = [f"| arm | {panel} | loss curve |", "|---|---|---|"]
+  for (arm, which), curve in curves.items():
+    lines.append(f"| {arm} | {which} | "
+                 + " ".join("-" if x is None else f"{x:.3f}" for x in curve) + " |")
+  return "\n".join(lines)
