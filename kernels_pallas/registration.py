@@ -87,6 +87,20 @@ class PallasDelayed(Kernel):
                  delayed_op.GRAD_LHS: ("fwd", "grad_lhs"), delayed_op.FWD: ("fwd",)}
     return super().quantizes(pass_name) and pass_name in quantized[self.mode]
 
+  def pass_numerics(self, pass_name: str) -> str:
+    # The modes differ in which transposed copies the quantize also writes, not in the codes
+    # a pass multiplies: every forward is one dot of the same row-major e4m3 x and w^T, every
+    # quantized grad_lhs one of the same e5m2 g and e4m3 w, and an unquantized gradient is
+    # the plain product's (`delayed_op._plain_grads`). So the three ops share those names, as
+    # Flax's do (`FlaxDelayed.pass_numerics`), and validation does not rank them by the
+    # probe's sampled estimates of one computation.
+    history = f"h{self.amax_history_length}"
+    if pass_name == "fwd":
+      return f"pallas_delayed_e4m3/{history}"
+    if self.quantizes(pass_name):
+      return f"pallas_delayed_e5m2_{pass_name}/{history}"
+    return f"pallas_delayed_unquantized_{pass_name}"
+
   def make_module(self, name: str):
     return delayed_op.PallasDelayedEinsum(amax_history_length=self.amax_history_length,
                                           mode=self.mode, name=name)

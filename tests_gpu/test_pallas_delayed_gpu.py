@@ -7,7 +7,9 @@ Run on an H100/H200: `python -m pytest tests_gpu/test_pallas_delayed_gpu.py -q`.
 FP8 dot alone at the op's precision, and the whole forward;
 (d) the probe's own evaluation at a logit head, against Flax's op on the same samples;
 (e) the train step's HLO: no transpose of an FP8 tensor runs outside the Pallas kernels (the
-layout the quantize writes is the one the FP8 GEMMs read).
+layout the quantize writes is the one the FP8 GEMMs read);
+(f) the passes the delayed ops name alike (`Kernel.pass_numerics`) are bit-identical, each op
+in its own program, and the others are not.
 """
 import re
 
@@ -19,6 +21,7 @@ import pytest
 from kernels_pallas import delayed as kd
 from kernels_pallas import delayed_op
 from loka_jax.kernels import PASSES, check
+from loka_jax.kernels import get as get_kernel
 from loka_jax.kernels.flax_delayed import run_delayed_passes
 from loka_jax.precision import metrics
 from loka_jax.probe import evaluate
@@ -73,6 +76,32 @@ def test_passes_against_their_own_dequantized_operands(name, fp8, m, k, n):
     ref = refs[p] if p in fp8 else exact[p]
     # Fast accumulation (fwd) and bf16 outputs: about 40 dB against the dequantized product.
     assert float(metrics.sqnr_db(got, ref)) > (35.0 if p in fp8 else 40.0), p
+
+
+@pytest.mark.parametrize("family", [("pallas_fp8_delayed", "pallas_fp8_delayed_grad_lhs",
+                                      "pallas_fp8_delayed_fwd"),
+                                     ("flax_fp8_delayed", "flax_fp8_delayed_grad_lhs",
+                                      "flax_fp8_delayed_fwd")],
+                         ids=["pallas", "flax"])
+@pytest.mark.parametrize("m,k,n", [(8192, 2048, 2048), (1000, 1000, 300), (4096, 4096, 1)])
+def test_passes_named_alike_compute_alike(family, m, k, n):
+  # `Kernel.pass_numerics`: validation counts a pass two ops name alike as equally accurate,
+  # so on the GPU too the name must mean bit-identical results and different names
+  # different. Each op in its own compiled program, as each plan is.
+  keys = jax.random.split(jax.random.key(3 * m + n), 3)
+  x = _heavy(keys[0], (m, k))
+  w = (jax.random.normal(keys[1], (k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
+  g = (_heavy(keys[2], (m, n)) * 1e-3).astype(jnp.bfloat16)
+  results = {}
+  for name in family:
+    run = jax.jit(lambda x, w, g, name=name: run_delayed_passes("mk,kn->mn", x, w, g, warmup=2,
+                                                                kernel=name))
+    results[name] = dict(zip(PASSES, (np.asarray(a, np.float32) for a in run(x, w, g)[:3])))
+  for i, a in enumerate(family):
+    for b in family[i + 1:]:
+      for p in PASSES:
+        same = get_kernel(a).pass_numerics(p) == get_kernel(b).pass_numerics(p)
+        assert same == np.array_equal(results[a][p], results[b][p]), (a, b, p)
 
 
 NARROW_MK = (16384, 4096)   # the largest tower's logit head: M rows, K -> n
