@@ -94,12 +94,7 @@ class PallasDelayed(Kernel):
     # the plain product's (`delayed_op._plain_grads`). So the three ops share those names, as
     # Flax's do (`FlaxDelayed.pass_numerics`), and validation does not rank them by the
     # probe's sampled estimates of one computation.
-    history = f"h{self.amax_history_length}"
-    if pass_name == "fwd":
-      return f"pallas_delayed_e4m3/{history}"
-    if self.quantizes(pass_name):
-      return f"pallas_delayed_e5m2_{pass_name}/{history}"
-    return f"pallas_delayed_unquantized_{pass_name}"
+    return self.delayed_pass_numerics("pallas_delayed", self.amax_history_length, pass_name)
 
   def make_module(self, name: str):
     return delayed_op.PallasDelayedEinsum(amax_history_length=self.amax_history_length,

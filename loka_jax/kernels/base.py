@@ -56,6 +56,20 @@ class Kernel(abc.ABC):
     check_pass(pass_name)
     return f"{self.name}/{pass_name}"
 
+  def delayed_pass_numerics(self, family: str, amax_history_length: int,
+                            pass_name: str) -> str:
+    """`pass_numerics` of a delayed-scaling op `family` whose modes differ only in which
+    passes they quantize: one e4m3 forward (at the amax history's length), one e5m2 product
+    per quantized gradient pass, and the plain product's gradient where a mode keeps it
+    unquantized."""
+    check_pass(pass_name)
+    history = f"h{amax_history_length}"
+    if pass_name == "fwd":
+      return f"{family}_e4m3/{history}"
+    if self.quantizes(pass_name):
+      return f"{family}_e5m2_{pass_name}/{history}"
+    return f"{family}_unquantized_{pass_name}"
+
   def unsupported_reason(self, spec: EinsumSpec, pass_name: str, kind: str,
                          lhs_shape: Sequence[int], rhs_shape: Sequence[int]) -> Optional[str]:
     """None when this kernel can run the pass; otherwise why not (for plan errors)."""

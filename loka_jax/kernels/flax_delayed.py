@@ -53,12 +53,7 @@ class FlaxDelayed(Kernel):
     # held-out check read bit-identical log loss with flax_fp8_delayed and
     # flax_fp8_delayed_grad_lhs at Wukong `large`'s head (docs/BENCHMARKS.md, section 7,
     # forty-seventh session), whose probe estimates of that forward differed.
-    history = f"h{self.amax_history_length}"
-    if pass_name == "fwd":
-      return f"flax_delayed_e4m3/{history}"
-    if self.quantizes(pass_name):
-      return f"flax_delayed_e5m2_{pass_name}/{history}"
-    return f"flax_delayed_unquantized_{pass_name}"
+    return self.delayed_pass_numerics("flax_delayed", self.amax_history_length, pass_name)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
