@@ -1320,10 +1320,10 @@ class DeadlineTest(absltest.TestCase):
                            pace.MARGIN * rows["bf16"]["row_s"])
     # The bf16 row's length counts the baseline's build, the bf16 arm itself: a slow build
     # (here 2 s more) shows in it, so the rows paced by it expect a compile.
-    slow_build = speed.TargetBench.set_baseline
+    set_baseline = speed.TargetBench.set_baseline
     def set_baseline_slowly(bench, model):
       time.sleep(2.0)
-      return slow_build(bench, model)
+      return set_baseline(bench, model)
     scratch = ResultsFile(os.path.join(out, "scratch.jsonl"), suite.KEY_FIELDS)
     with mock.patch.object(speed.TargetBench, "set_baseline", set_baseline_slowly):
       self.assertTrue(suite.run_target(

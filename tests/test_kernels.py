@@ -1,6 +1,5 @@
 """Registered XLA / Flax kernels: correctness, site error, per-pass mixing, gradients."""
 import functools
-import itertools
 
 import chex
 import jax
@@ -186,14 +185,11 @@ class FlaxDelayedForwardTest(absltest.TestCase):
     # accurate, so the name must mean bit-identical results, and different names different.
     x, w, g = (a.astype(jnp.bfloat16) for a in _operands(10, 32, 128, 48))
     names = ("flax_fp8_delayed", "flax_fp8_delayed_grad_lhs", "flax_fp8_delayed_fwd")
-    results = {k: dict(zip(kernels.PASSES, kernels.flax_delayed.run_delayed_passes(
-        "mk,kn->mn", x, w, g, warmup=3, kernel=k)[:3])) for k in names}
-    for a, b in itertools.combinations(names, 2):
-      for p in kernels.PASSES:
-        same = kernels.get(a).pass_numerics(p) == kernels.get(b).pass_numerics(p)
-        equal = np.array_equal(np.asarray(results[a][p], np.float32),
-                               np.asarray(results[b][p], np.float32))
-        self.assertEqual(same, equal, f"{a} vs {b}, {p}")
+    results = {k: kernels.flax_delayed.run_delayed_passes("mk,kn->mn", x, w, g, warmup=3,
+                                                         kernel=k)[:3] for k in names}
+    self.assertEqual(check.pass_numerics_disagreements(results), [])
+    # Each op quantized its forward: a shared name is not a shared exact product.
+    self.assertLess(float(metrics.sqnr_db(results["flax_fp8_delayed_fwd"][0], x @ w)), 45.0)
 
   def test_registered_as_a_stateful_fused_op(self):
     for name in ("flax_fp8_delayed_fwd", "flax_fp8_delayed_grad_lhs"):

@@ -641,8 +641,8 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
                                  log, longest_build_s))
       # The bf16 row's arm is the baseline built above: its cost is that build too. Without
       # it the row read 5 s of a 75 s cost at Wukong `large`, and the next variant, paced by
-      # it before a row of its own, started 27 s of work with 6 s expected (H200, 48th
-      # session: the bench overran its hard end).
+      # it before a row of its own, started 27 s of work with 6 s expected (H200,
+      # docs/BENCHMARKS.md section 7, forty-eighth session: the bench overran its hard end).
       row["row_s"] = round(time.time() - now + (baseline_build_s if v.name == "bf16" else 0.0),
                            3)
       results.append(row)

@@ -3,7 +3,8 @@ reference (a): the float32 HIGHEST product of the original high-precision operan
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Sequence
+import itertools
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -162,6 +163,23 @@ def check_kernel(name: str, problem: Problem, *, warmup: int = 3,
                  "median_rel": None, "underflow": None, "saturation": None,
                  "backend": kernel.backend, "error": f"{type(e).__name__}: {e}"})
   return rows
+
+
+def pass_numerics_disagreements(results: Mapping[str, Sequence]) -> List[str]:
+  """Where `Kernel.pass_numerics` and measured results disagree. `results` holds each
+  kernel's (fwd, grad_lhs, grad_rhs) outputs on one problem; for each pair of kernels and
+  each pass, a line when the two name the pass alike yet differ bit for bit, or name it
+  apart yet agree. Validation reads an alike-named pass as equally accurate, so the names
+  hold only where this is empty."""
+  out = []
+  for a, b in itertools.combinations(results, 2):
+    for p, got_a, got_b in zip(PASSES, results[a], results[b]):
+      alike = registry.get(a).pass_numerics(p) == registry.get(b).pass_numerics(p)
+      equal = np.array_equal(np.asarray(got_a, np.float32), np.asarray(got_b, np.float32))
+      if alike != equal:
+        out.append(f"{a} vs {b}, {p}: named {'alike' if alike else 'apart'}, "
+                   f"{'bit-identical' if equal else 'different'}")
+  return out
 
 
 def run_check(problem: Problem, kernels: Optional[Sequence[str]] = None) -> Dict:
