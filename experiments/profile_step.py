@@ -5,9 +5,13 @@ r"""Profile whole train and inference steps: device time per GEMM site and pass,
 
   python -m experiments.profile_step --tower=16384x4096x4 --variants=bf16,fp8_tensorwise
 
+  python -m experiments.profile_step --model=dlrm --preset=large --mods=no_bias,blocknorm \
+      --variants=bf16_mods,flax_fp8_delayed,loka --plans_dir=DIR/plans --workdir=DIR/profile
+
 Every variant is built as the headline benchmark builds it (`loka_jax.bench`: one shared
 training state, LoKA from its plan under --plans_dir, inference of LoKA from its exported
-model), each step runs --iterations times under the JAX profiler, and the device kernels of
+model; --mods sets the Mods of the Mods arms as the bench's does, LoKA's plan then read from
+that set's folder under --plans_dir), each step runs --iterations times under the JAX profiler, and the device kernels of
 the trace are attributed to GEMM sites through the compiled HLO's op names. Writes
 WORKDIR/profile.json, WORKDIR/profile.md, WORKDIR/profile.png (each step's device time in
 parts: the GEMM sites' forward and backward, the largest scopes outside them), the raw traces
@@ -65,7 +69,7 @@ def main(argv):
     xla_env.add_xla_flags("--xla_gpu_enable_command_buffer=")
   import jax
   from loka_jax import _compat, jsonio
-  from loka_jax.bench import planning, plots, profile, speed, suite
+  from loka_jax.bench import mods_set, planning, plots, profile, speed, suite
   from loka_jax.bench.variants import PLAN, parse_variants
   from loka_jax.models.presets import site_products
   from loka_jax.models.site import SiteConfig
@@ -75,23 +79,30 @@ def main(argv):
   target = (suite.tower_targets([TOWER.value], batch_size)[0] if TOWER.value else
             suite.model_targets([common_flags.MODEL.value], [common_flags.PRESET.value],
                                     batch_size)[0])
+  try:
+    mods = mods_set.parse(common_flags.MODS.value or mods_set.DEFAULT)
+  except ValueError as e:
+    raise app.UsageError(f"--mods: {e}") from e
   settings = suite.SpeedSettings(plans_dir=PLANS.value or os.path.join(workdir, "plans"),
-                                 probe=False, seed=common_flags.SEED.value)
+                                 probe=False, seed=common_flags.SEED.value, mods=mods)
+  subject = f"{target.model}/{mods_set.preset_label(target.preset, mods_set.label(mods))}"
   batch = target.source(settings.seed).train_batch(0, target.batch())
   bench = speed.TargetBench(batch, seed=settings.seed, min_call_s=0.0)  # one step per call
   bf16 = target.build(SiteConfig.for_precision("bf16"))
   sites = list(site_products(bf16, None, batch))
   arms = {"bf16": bench.set_baseline(bf16)}
+  arm_mods = {"bf16": []}
   for v in parse_variants(VARIANTS.value)[1:]:
+    v = mods_set.apply(v, settings.mods)
     plan, fields, missing = suite.plan_for(target, v, batch, settings)
     if missing:
-      raise SystemExit(f"variant {v.name}: {missing} (plans under {settings.plans_dir})")
+      raise SystemExit(f"variant {v.name}: {missing} (plans under {settings.plans_root})")
     model = target.build(speed.site_config(v, plan), v.mods)
     arm = bench.add(v.name, model)
     if v.kernels_from == PLAN:
-      report = planning.load_report(settings.plans_dir, target.model, target.preset)
+      report = planning.load_report(settings.plans_root, target.model, target.preset)
       arm, _ = suite.serve_exported(bench, arm, model, fields["plan"], report)
-    arms[v.name] = arm
+    arms[v.name], arm_mods[v.name] = arm, list(v.mods)
 
   profiles = {}
   for name, arm in arms.items():
@@ -115,15 +126,16 @@ def main(argv):
           "empty; run this on the GPU host", flush=True)
   device = jax.devices()[0].device_kind
   jsonio.write_json_atomic(os.path.join(workdir, "profile.json"),
-                           {"target": target.name, "device": device, "sites": sites,
+                           {"target": subject, "device": device, "sites": sites,
+                            "mods_set": mods_set.label(mods), "variant_mods": arm_mods,
                             "command_buffers": COMMAND_BUFFERS.value, "profiles": profiles})
   table = profile.markdown(profiles)
   with open(os.path.join(workdir, "profile.md"), "w") as f:
-    f.write(f"# Step profile: {target.name} on {device}\n\n{table}\n")
+    f.write(f"# Step profile: {subject} on {device}\n\n{table}\n")
   print(table)
   if any(p["device_us_per_step"] for p in profiles.values()):  # a CPU run has nothing to draw
     png = plots.profile_plot(profiles, os.path.join(workdir, "profile.png"),
-                             f"{target.name} on {device}")
+                             f"{subject} on {device}")
     print(f"[profile] plot: {png}")
 
 

@@ -15,8 +15,14 @@ from test_ablation import REPO, cpu_env
 class GpuProfileCallTest(absltest.TestCase):
 
   def test_brings_back_the_profile_and_the_named_hlos(self):
+    # A Mods set other than the default reaches the Mods arm, and the plan goes to that
+    # set's folder, where the LoKA arm of the same set looks for it.
     with tempfile.TemporaryDirectory() as tmp:
+      plan = os.path.join(tmp, "some_plan.json")
+      with open(plan, "w") as f:
+        f.write('{"schema": "loka.plan/1"}')
       env = dict(cpu_env(), MODEL="dlrm", PRESET="tiny", VARIANTS="bf16_mods",
+                 MODS="blocknorm,no_bias", PLAN=plan, REPORT=plan,
                  HLO="bf16_mods", WORK=tmp, OUT=os.path.join(tmp, "out"))
       done = subprocess.run(["bash", "experiments/gpu_profile_call.sh"], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=600)
@@ -24,8 +30,13 @@ class GpuProfileCallTest(absltest.TestCase):
       self.assertIn("profile rc=0", done.stdout)
       out = os.path.join(tmp, "out")
       with open(os.path.join(out, "profile_dlrm.json")) as f:
-        self.assertEqual(set(json.load(f)["profiles"]),
-                         {"bf16 train", "bf16 infer", "bf16_mods train", "bf16_mods infer"})
+        saved = json.load(f)
+      self.assertEqual(set(saved["profiles"]),
+                       {"bf16 train", "bf16 infer", "bf16_mods train", "bf16_mods infer"})
+      self.assertEqual(saved["target"], "dlrm/tiny (Mods no_bias+blocknorm)")
+      self.assertEqual(saved["variant_mods"], {"bf16": [], "bf16_mods": ["no_bias", "blocknorm"]})
+      self.assertTrue(os.path.exists(
+          os.path.join(tmp, "plans", "mods_no_bias+blocknorm", "dlrm_tiny", "plan.json")))
       self.assertTrue(os.path.exists(os.path.join(out, "profile_dlrm.md")))
       with gzip.open(os.path.join(out, "hlo_dlrm_bf16_mods_train.txt.gz"), "rt") as f:
         self.assertIn("HloModule", f.read())

@@ -336,6 +336,8 @@ class CliTest(absltest.TestCase):
       self.assertEqual(set(data["profiles"]), {"bf16 train", "bf16 infer", "bf16_mods train",
                                                "bf16_mods infer"})
       self.assertLen(data["sites"], 17)
+      self.assertEqual((data["target"], data["mods_set"]), ("wukong/tiny", None))
+      self.assertEqual(data["variant_mods"], {"bf16": [], "bf16_mods": ["all"]})
       self.assertTrue(os.path.exists(os.path.join(tmp, "profile.md")))
       self.assertFalse(data["command_buffers"])
       with open(os.path.join(tmp, "hlo", "bf16_mods_train.txt")) as f:
@@ -367,6 +369,9 @@ class CliTest(absltest.TestCase):
       refused = run(f"--render={os.path.join(tmp, 'missing.json')}")
       self.assertNotEqual(refused.returncode, 0)
       self.assertIn("missing.json: not a profile.json", refused.stderr)
+      bad_mods = run("--mods=no_bias,swish")
+      self.assertNotEqual(bad_mods.returncode, 0)
+      self.assertIn("--mods: unknown Mod(s) ['swish']", bad_mods.stderr)
 
 
 class StepPartsTest(absltest.TestCase):
