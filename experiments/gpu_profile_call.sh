@@ -12,7 +12,8 @@
 # bring back, gzipped; default none); PLAN and REPORT (needed when VARIANTS has loka; REPORT
 # may be gzipped); MODS (the Mods arms' set, as the bench's --mods, e.g. no_bias,blocknorm;
 # default every Mod; PLAN and REPORT go to that set's plans folder); WORK (/tmp/profile);
-# LIMIT (540: hard seconds); OUT (set on the device; elsewhere $WORK/out). Writes $OUT/profile_$MODEL.{md,json,png}, $OUT/profile_$MODEL.log and
+# LIMIT (540: hard seconds); OUT (set on the device; elsewhere $WORK/out). Writes
+# $OUT/profile_$MODEL.{md,json,png}, $OUT/profile_$MODEL.log and
 # $OUT/hlo_${MODEL}_${variant}_train.txt.gz.
 set -u
 MODEL=${MODEL:?set MODEL} PRESET=${PRESET:?set PRESET}
@@ -22,8 +23,10 @@ mkdir -p "$WORK" "$OUT"
 source experiments/gpu_common.sh
 ensure_wheels || exit 1
 MODS=${MODS:-all}
-PLANS=$(python3 -c "import sys; from loka_jax.bench import mods_set; print(mods_set.plans_root(sys.argv[1], sys.argv[2].split(',')))" "$WORK/plans" "$MODS") || exit 1
-PLANS="$PLANS/${MODEL}_${PRESET}"
+# The set's plans folder, as the bench and profile_step name it (mods_set.plans_root).
+ROOT=$(python3 -c "import sys; from loka_jax.bench import mods_set as m
+print(m.plans_root(sys.argv[1], sys.argv[2].split(',')))" "$WORK/plans" "$MODS") || exit 1
+PLANS="$ROOT/${MODEL}_${PRESET}"
 if [ -n "${PLAN:-}" ]; then
   mkdir -p "$PLANS" && cp "$PLAN" "$PLANS/plan.json" || exit 1
   case "${REPORT:?set REPORT beside PLAN}" in
@@ -32,7 +35,8 @@ if [ -n "${PLAN:-}" ]; then
   esac || exit 1
 fi
 timeout "${LIMIT:-540}" python3 -m experiments.profile_step --model="$MODEL" --preset="$PRESET" \
-  --variants="${VARIANTS:-bf16_mods,loka}" --mods="$MODS" --plans_dir="$WORK/plans" --workdir="$WORK/run" \
+  --variants="${VARIANTS:-bf16_mods,loka}" --mods="$MODS" --plans_dir="$WORK/plans" \
+  --workdir="$WORK/run" \
   > "$OUT/profile_$MODEL.log" 2>&1
 rc=$?
 for ext in md json png; do

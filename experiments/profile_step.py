@@ -11,13 +11,13 @@ r"""Profile whole train and inference steps: device time per GEMM site and pass,
 Every variant is built as the headline benchmark builds it (`loka_jax.bench`: one shared
 training state, LoKA from its plan under --plans_dir, inference of LoKA from its exported
 model; --mods sets the Mods of the Mods arms as the bench's does, LoKA's plan then read from
-that set's folder under --plans_dir), each step runs --iterations times under the JAX profiler, and the device kernels of
-the trace are attributed to GEMM sites through the compiled HLO's op names. Writes
-WORKDIR/profile.json, WORKDIR/profile.md, WORKDIR/profile.png (each step's device time in
-parts: the GEMM sites' forward and backward, the largest scopes outside them), the raw traces
-under WORKDIR/traces/ and each step's compiled HLO (what XLA fused) under WORKDIR/hlo/
-(`experiments.hlo_scope` compares one scope of two of them). Needs a GPU for device kernels:
-a CPU run has none and says so.
+that set's folder under --plans_dir), each step runs --iterations times under the JAX
+profiler, and the device kernels of the trace are attributed to GEMM sites through the
+compiled HLO's op names. Writes WORKDIR/profile.json, WORKDIR/profile.md, WORKDIR/profile.png
+(each step's device time in parts: the GEMM sites' forward and backward, the largest scopes
+outside them), the raw traces under WORKDIR/traces/ and each step's compiled HLO (what XLA
+fused) under WORKDIR/hlo/ (`experiments.hlo_scope` compares one scope of two of them). Needs
+a GPU for device kernels: a CPU run has none and says so.
 
   python -m experiments.profile_step --render=DIR/profile.json
 

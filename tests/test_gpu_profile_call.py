@@ -34,7 +34,8 @@ class GpuProfileCallTest(absltest.TestCase):
       self.assertEqual(set(saved["profiles"]),
                        {"bf16 train", "bf16 infer", "bf16_mods train", "bf16_mods infer"})
       self.assertEqual(saved["target"], "dlrm/tiny (Mods no_bias+blocknorm)")
-      self.assertEqual(saved["variant_mods"], {"bf16": [], "bf16_mods": ["no_bias", "blocknorm"]})
+      self.assertEqual(saved["variant_mods"],
+                       {"bf16": [], "bf16_mods": ["no_bias", "blocknorm"]})
       self.assertTrue(os.path.exists(
           os.path.join(tmp, "plans", "mods_no_bias+blocknorm", "dlrm_tiny", "plan.json")))
       self.assertTrue(os.path.exists(os.path.join(out, "profile_dlrm.md")))
