@@ -251,7 +251,7 @@ def main(argv):
   quality_rows = ResultsFile(os.path.join(workdir, "quality.jsonl"), quality.KEY_FIELDS)
   variants = parse_variants(VARIANTS.value)
   try:
-    mods = mods_set.parse(common_flags.MODS.value or mods_set.DEFAULT)
+    mods = mods_set.of_flag(common_flags.MODS.value)
   except ValueError as e:
     raise app.UsageError(f"--mods: {e}") from e
   models = MODELS_FLAG.value or list(MODEL_NAMES)

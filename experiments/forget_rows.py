@@ -36,7 +36,7 @@ def main(argv):
   try:
     done = forget.forget(common_flags.WORKDIR.value, suite=SUITE.value, model=target.model,
                          preset=target.preset, names=NAMES.value, plans_dir=PLANS.value,
-                         mods=mods_set.parse(common_flags.MODS.value or mods_set.DEFAULT),
+                         mods=mods_set.of_flag(common_flags.MODS.value),
                          plan_files=PLAN_FILES.value)
   except (forget.ForgetError, ValueError) as e:
     raise app.UsageError(str(e)) from e

@@ -80,12 +80,12 @@ def main(argv):
             suite.model_targets([common_flags.MODEL.value], [common_flags.PRESET.value],
                                     batch_size)[0])
   try:
-    mods = mods_set.parse(common_flags.MODS.value or mods_set.DEFAULT)
+    mods = mods_set.of_flag(common_flags.MODS.value)
   except ValueError as e:
     raise app.UsageError(f"--mods: {e}") from e
   settings = suite.SpeedSettings(plans_dir=PLANS.value or os.path.join(workdir, "plans"),
                                  probe=False, seed=common_flags.SEED.value, mods=mods)
-  subject = f"{target.model}/{mods_set.preset_label(target.preset, mods_set.label(mods))}"
+  subject = mods_set.subject(target.model, target.preset, mods_set.label(mods))
   batch = target.source(settings.seed).train_batch(0, target.batch())
   bench = speed.TargetBench(batch, seed=settings.seed, min_call_s=0.0)  # one step per call
   bf16 = target.build(SiteConfig.for_precision("bf16"))

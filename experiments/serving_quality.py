@@ -44,8 +44,7 @@ def main(argv):
     raise app.UsageError(str(e)) from e
   settings = suite.SpeedSettings(plans_dir=PLANS.value, probe_steps=PROBE_STEPS.value,
                                  seed=common_flags.SEED.value,
-                                 mods=mods_set.parse(common_flags.MODS.value or
-                                                     mods_set.DEFAULT))
+                                 mods=mods_set.of_flag(common_flags.MODS.value))
   folder = planning.plan_dir(settings.plans_root, target.model, target.preset)
   plans = {name: os.path.join(folder, file) for name, file in
            ((serve_quality.TRAINING_PLAN, planning.PLAN_FILE),

@@ -38,6 +38,14 @@ class ParseTest(absltest.TestCase):
     self.assertEqual(mods_set.label(["blocknorm", "no_bias"]), LABEL)
     self.assertEqual(mods_set.plans_root("P", "all"), "P")
     self.assertEqual(mods_set.plans_root("P", NB_BN), os.path.join("P", f"mods_{LABEL}"))
+    # A script's empty --mods is every Mod; the reports name a set's subject with it.
+    self.assertEqual(mods_set.of_flag([]), mods_set.DEFAULT)
+    self.assertEqual(mods_set.of_flag(["blocknorm", "no_bias"]), NB_BN)
+    self.assertEqual(mods_set.subject("dlrm", "large", None), "dlrm/large")
+    self.assertEqual(mods_set.subject("dlrm", "large", LABEL),
+                     f"dlrm/large (Mods {LABEL})")
+    self.assertEqual(mods_set.row_subject({"model": "dlrm", "preset": "large",
+                                           "mods_set": LABEL}), f"dlrm/large (Mods {LABEL})")
 
   def test_an_empty_or_unknown_set_is_refused_by_name(self):
     with self.assertRaisesRegex(ValueError, "the Mods set is empty"):

@@ -104,7 +104,7 @@ def forget(workdir: str, *, suite: str, model: str, preset: str, names: Sequence
   kept, moved = _split_rows(results, lambda r: not _matches(
       r, suite, model, preset, names, set_label)) if os.path.exists(results) else ([], [])
   files = [f for f in plan_files if os.path.exists(os.path.join(folder, f))]
-  target = f"{model}/{mods_set.preset_label(preset, set_label)}"
+  target = mods_set.subject(model, preset, set_label)
   if not moved and not files:
     raise ForgetError(f"nothing to forget: {results} has no {suite} row of {target} for "
                       f"{', '.join(names)}, and {folder} has none of "

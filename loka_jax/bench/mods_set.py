@@ -63,9 +63,21 @@ def preset_label(preset: str, set_label: Optional[str]) -> str:
   return preset + (f" (Mods {set_label})" if set_label else "")
 
 
+def subject(model: str, preset: str, set_label: Optional[str]) -> str:
+  """'model/preset' as the reports name a subject, its Mods set named where it is not the
+  default."""
+  return f"{model}/{preset_label(preset, set_label)}"
+
+
 def row_subject(row: Mapping) -> str:
-  """'model/preset' of a speed row, its Mods set named where it is not the default."""
-  return f"{row['model']}/{preset_label(row['preset'], of_row(row))}"
+  """The subject of a speed row (`subject`)."""
+  return subject(row["model"], row["preset"], of_row(row))
+
+
+def of_flag(values: Sequence[str]) -> Tuple[str, ...]:
+  """The set a script's --mods names: an empty flag is every Mod (the bench's default), and
+  anything else is `parse`d (ValueError naming what is wrong)."""
+  return parse(values or DEFAULT)
 
 
 def folder_label(set_label: str) -> str:

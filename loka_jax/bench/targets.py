@@ -205,7 +205,7 @@ def check_speed(rows: Sequence[Mapping],
   out = []
   for (_, model, preset, _, set_label), variants in sorted(speed_index(rows).items(),
                                                           key=_sort_key):
-    subject = f"{model}/{mods_set.preset_label(preset, set_label)}"
+    subject = mods_set.subject(model, preset, set_label)
     verdicts = _speed_verdicts(subject, model, preset, variants)
     loka = variants.get("loka")
     if loka is not None:
