@@ -11,7 +11,7 @@ from unittest import mock
 import chex
 from absl.testing import absltest
 
-from loka_jax.probe import executables, kernel_timing, runner
+from loka_jax.probe import assemble, executables, kernel_timing, runner
 from loka_jax.probe.collector import ProbeConfig
 from loka_jax.train import TrainConfig, experiment
 
@@ -221,18 +221,18 @@ class TimingFloorTest(chex.TestCase):
     from loka_jax.probe.eligibility import Criteria
     model, source, _ = experiment.build_run(spec())
     setup_sites = runner._setup(spec(), BATCH, ProbeConfig(), options(None), None).sites
-    gflops = sorted({runner.shape_gflops(l) for _, l in runner.distinct_shapes(
+    gflops = sorted({assemble.shape_gflops(l) for _, l in assemble.distinct_shapes(
         setup_sites).values()})
     self.assertGreaterEqual(len(gflops), 2)
     floor = (gflops[0] + gflops[-1]) / 2            # the smallest shape below, the largest above
-    small = {n for n, s in setup_sites.items() if runner.shape_gflops(s.layout) < floor}
+    small = {n for n, s in setup_sites.items() if assemble.shape_gflops(s.layout) < floor}
     self.assertTrue(small and small != set(setup_sites))
 
     timed_layouts = []
     real = kernel_timing.measure_site
 
     def recording(layout, *args, **kwargs):
-      timed_layouts.append(runner.shape_gflops(layout))
+      timed_layouts.append(assemble.shape_gflops(layout))
       return real(layout, *args, **kwargs)
     cache_dir = tempfile.mkdtemp(prefix="loka_timing_floor_")
     with mock.patch.object(kernel_timing, "on_gpu", return_value=True), \
@@ -266,7 +266,7 @@ class TimingFloorTest(chex.TestCase):
           e = per_kernel[k]
           if name in small:
             self.assertEqual((e["timing"], e["time_us"], e["speedup"]),
-                             (runner.SKIPPED, None, None), (name, p, k))
+                             (assemble.SKIPPED, None, None), (name, p, k))
           else:
             self.assertIsNotNone(e["time_us"], (name, p, k))
     plan = dispatch.select(result.report, Criteria())

@@ -1,5 +1,5 @@
 """One-call use of a plan: bake it into a model (`apply`), or route any Flax model's plain
-`nn.Dense` / `nn.Einsum` layers through GEMM sites (`wrap`).
+`nn.Dense` / `nn.DenseGeneral` / `nn.Einsum` layers through GEMM sites (`wrap`).
 
 The plan becomes part of the module definition (a frozen KernelPlan in a SiteConfig), so jit
 specializes on it and nothing is looked up per step.
@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from loka_jax.dispatch.plan import to_kernel_plan
 from loka_jax.kernels import EinsumSpec, KernelPlan
-from loka_jax.models.site import DenseSite, EinsumSite, SiteConfig
+from loka_jax.models.site import DenseSite, EinsumSite, SiteConfig, _SiteBase, site_name
 from loka_jax.precision import BF16, DtypePolicy
 
 
@@ -105,29 +107,88 @@ def _layer_policy(policy: Optional[DtypePolicy], module, inputs) -> DtypePolicy:
   return DtypePolicy(module.param_dtype, dtype, dtype)
 
 
+def _plain_dot(module) -> bool:
+  """Whether the layer multiplies with lax.dot_general (not a dot_general the user injected,
+  such as Flax's own FP8 op: that layer is the user's choice and stays as it is)."""
+  return (getattr(module, "dot_general", None) is None
+          and getattr(module, "dot_general_cls", None) is None)
+
+
+def _flat_init(init, flat_shape):
+  """`init` drawn at the 2-D shape Flax's DenseGeneral draws at, reshaped: the routed layer
+  initializes to the same values as the plain one."""
+  return lambda key, shape, dtype=jnp.float32: jnp.reshape(init(key, flat_shape, dtype), shape)
+
+
+def dense_general_spec(module: nn.DenseGeneral, ndim: int) -> Optional[Tuple[str, str]]:
+  """(einsum spec, bias axes) of a DenseGeneral layer on an `ndim`-d input, or None for a
+  layer with batch_dims (a batched weight: not an act x weight product of one weight)."""
+  features = (module.features,) if isinstance(module.features, int) else tuple(module.features)
+  axis = (module.axis,) if isinstance(module.axis, int) else tuple(module.axis)
+  if module.batch_dims:
+    return None
+  axis = tuple(sorted(a % ndim for a in axis))
+  letters = "abcdefghijklmnopqrstuvwxyz"
+  lhs = letters[:ndim]
+  feats = letters[ndim:ndim + len(features)]
+  rhs = "".join(lhs[a] for a in axis) + feats
+  out = "".join(c for i, c in enumerate(lhs) if i not in axis) + feats
+  return f"{lhs},{rhs}->{out}", feats
+
+
 @dataclasses.dataclass(frozen=True)
 class _Router:
-  """Interceptor: plain nn.Dense / nn.Einsum calls run as GEMM sites on the layer's own
-  scope, so the site's name is the layer's path and its parameters are the layer's."""
+  """Interceptor: plain nn.Dense / nn.DenseGeneral / nn.Einsum calls run as GEMM sites on
+  the layer's own scope, so the site's name is the layer's path and its parameters are the
+  layer's. `seen`, when given, collects the names of the sites routed."""
   plan: KernelPlan
   policy: Optional[DtypePolicy]
+  seen: Optional[set] = dataclasses.field(default=None, compare=False, hash=False)
 
   def __call__(self, next_fun, args, kwargs, context):
     module = context.module
-    if context.method_name != "__call__":
+    if context.method_name != "__call__" or not _plain_dot(module):
       return next_fun(*args, **kwargs)
     # Exact types only: a subclass may change what __call__ computes.
+    if isinstance(module, _SiteBase):
+      if self.seen is not None:
+        self.seen.add(site_name(module))
+      return next_fun(*args, **kwargs)
     if type(module) is nn.Dense:  # pylint: disable=unidiomatic-typecheck
-      return self._dense(module, *args, **kwargs)
-    if type(module) is nn.Einsum:  # pylint: disable=unidiomatic-typecheck
-      return self._einsum(module, *args, **kwargs)
-    return next_fun(*args, **kwargs)
+      out = self._dense(module, *args, **kwargs)
+    elif type(module) is nn.Einsum:  # pylint: disable=unidiomatic-typecheck
+      out = self._einsum(module, *args, **kwargs)
+    elif type(module) is nn.DenseGeneral:  # pylint: disable=unidiomatic-typecheck
+      out = self._dense_general(module, next_fun, *args, **kwargs)
+    else:
+      return next_fun(*args, **kwargs)
+    if self.seen is not None:
+      self.seen.add("/".join(module.path))
+    return out
 
   def _dense(self, module: nn.Dense, inputs):
     config = SiteConfig(_layer_policy(self.policy, module, inputs), self.plan)
     site = DenseSite(features=module.features, use_bias=module.use_bias, config=config,
                      kernel_init=module.kernel_init, bias_init=module.bias_init,
                      parent=module.scope)
+    return site(inputs)
+
+  def _dense_general(self, module: nn.DenseGeneral, next_fun, inputs):
+    found = dense_general_spec(module, inputs.ndim)
+    if found is None:
+      return next_fun(inputs)
+    spec, bias_axes = found
+    parsed = EinsumSpec.parse(spec)
+    contracted = tuple(inputs.shape[parsed.lhs.index(c)] for c in parsed.rhs
+                       if c in parsed.lhs)
+    features = tuple(np.atleast_1d(module.features).tolist())
+    flat = (int(np.prod(contracted)), int(np.prod(features)))
+    config = SiteConfig(_layer_policy(self.policy, module, inputs), self.plan)
+    site = EinsumSite(spec=spec, weight_shape=contracted + features,
+                      bias_axes=bias_axes if module.use_bias else "", config=config,
+                      kernel_init=_flat_init(module.kernel_init, flat),
+                      bias_init=_flat_init(module.bias_init, (flat[1],)),
+                      parent=module.scope)
     return site(inputs)
 
   def _einsum(self, module: nn.Einsum, inputs, einsum_str: Optional[str] = None):
@@ -146,25 +207,36 @@ class _Router:
 
 
 @contextlib.contextmanager
-def routing(plan, policy: Optional[DtypePolicy] = None):
-  """Within this context, plain nn.Dense / nn.Einsum calls run as GEMM sites under `plan`."""
-  with nn.intercept_methods(_Router(to_kernel_plan(plan), policy)):
+def routing(plan, policy: Optional[DtypePolicy] = None, seen: Optional[set] = None):
+  """Within this context, plain nn.Dense / nn.DenseGeneral / nn.Einsum calls run as GEMM
+  sites under `plan`; `seen` (a set), when given, collects every site name called."""
+  with nn.intercept_methods(_Router(to_kernel_plan(plan), policy, seen)):
     yield
+
+
+class PlanForAnotherModelError(ValueError):
+  """A plan that names sites the model does not have."""
+
+
+def plan_site_names(plan: KernelPlan) -> Tuple[str, ...]:
+  return tuple(name for name, _ in plan.sites)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Wrapped:
-  """A Flax model whose plain nn.Dense / nn.Einsum layers run as GEMM sites under `plan`.
+  """A Flax model whose plain nn.Dense / nn.DenseGeneral / nn.Einsum layers (and its own
+  loka_jax sites) run as GEMM sites under `plan`.
 
   Same variables as the module (init gives the same tree and values); `init` and `apply`
-  take the module's own arguments. `policy=None` keeps each layer's Flax dtypes.
+  take the module's own arguments. `policy=None` keeps each layer's Flax dtypes. A plan
+  with delayed-scaling kernels also needs their state: `init_state` adds it.
   """
   module: nn.Module
   plan: KernelPlan
   policy: Optional[DtypePolicy] = None
 
-  def routing(self):
-    return routing(self.plan, self.policy)
+  def routing(self, seen: Optional[set] = None):
+    return routing(self.plan, self.policy, seen)
 
   def init(self, rngs, *args, **kwargs):
     with self.routing():
@@ -175,8 +247,28 @@ class Wrapped:
       return self.module.init_with_output(rngs, *args, **kwargs)
 
   def apply(self, variables, *args, **kwargs) -> Any:
-    with self.routing():
-      return self.module.apply(variables, *args, **kwargs)
+    """`module.apply` with the plan. A whole forward pass (no `method`) also checks that
+    every site the plan names was called: a plan made for another model is an error."""
+    seen = set() if kwargs.get("method") is None else None
+    with self.routing(seen):
+      out = self.module.apply(variables, *args, **kwargs)
+    if seen is not None:
+      unknown = [n for n in plan_site_names(self.plan) if n not in seen]
+      if unknown:
+        shown = ", ".join(unknown[:8]) + (" ..." if len(unknown) > 8 else "")
+        raise PlanForAnotherModelError(
+            f"the plan names {len(unknown)} site(s) this {type(self.module).__name__} does not "
+            f"call: {shown}; its sites are {', '.join(sorted(seen)[:8]) or 'none'}: select a "
+            "plan from this model's own probe report")
+    return out
+
+  def init_state(self, variables, *args, rng=None, **kwargs):
+    """`variables` plus the state the plan's stateful kernels keep (the `fp8_meta`
+    collection of delayed scaling, at its initial values); parameters are untouched."""
+    rng = jax.random.PRNGKey(0) if rng is None else rng
+    fresh = jax.jit(lambda r, a, k: self.init(r, *a, **k))(rng, args, kwargs)
+    extra = {c: v for c, v in fresh.items() if c not in variables and c != "params"}
+    return {**variables, **extra}
 
   def with_plan(self, plan, policy: Optional[DtypePolicy] = None) -> "Wrapped":
     return Wrapped(self.module, to_kernel_plan(plan), policy if policy is not None
@@ -184,8 +276,16 @@ class Wrapped:
 
 
 def wrap(module: nn.Module, plan, *, policy: Optional[DtypePolicy] = None) -> Wrapped:
-  """`module` with its plain nn.Dense / nn.Einsum calls routed through GEMM sites named by
-  their Linen paths, reusing the module's own parameters."""
+  """`module` with its plain nn.Dense / nn.DenseGeneral / nn.Einsum calls routed through GEMM
+  sites named by their Linen paths, reusing the module's own parameters.
+
+  Args:
+    module: any flax.linen Module.
+    plan: a Plan, its JSON dict, a plan file path or a KernelPlan.
+    policy: the dtype policy of every site (None: each layer's own Flax dtypes).
+  """
   if not isinstance(module, nn.Module):
     raise TypeError(f"wrap: expected a flax.linen Module, got {type(module).__name__}")
+  if isinstance(module, Wrapped):
+    module = module.module
   return Wrapped(module, to_kernel_plan(plan), policy)

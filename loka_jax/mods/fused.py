@@ -201,13 +201,9 @@ class FusedDenseNormAct(DenseSite):
       raise ValueError(f"site {name}: backward kernel of the fused form: " + "; ".join(problems))
 
   def _probe_wants_gradients(self) -> bool:
-    collection = probe_hooks.PROBE_GRAD_COLLECTION
-    return (not self.is_initializing()
-            and (self.is_mutable_collection(collection) or self.has_variable(collection, "out")))
+    return probe_hooks.wants_output_grad(self)
 
   def _observe_operands(self, x, w) -> None:
-    if self.is_initializing() or not self.is_mutable_collection(probe_hooks.PROBE_COLLECTION):
-      return
     dense = x.dequantize(w.dtype) if isinstance(x, QTensor) else x
     x2 = dense.reshape((-1, dense.shape[-1]))
     probe_hooks.observe_operands(self, DENSE_SPEC, ACT_WEIGHT, x2, w)

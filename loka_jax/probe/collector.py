@@ -1,6 +1,6 @@
-"""The statistics pass: one jitted function that runs the model's training loss, reads every
-site's operands (the `probe` collection) and output gradients (`probe_grads`), and folds them
-into per-site streaming statistics.
+"""The statistics pass: one jitted function that runs the model's loss, reads every site's
+operands and output gradients through a probe tap (`hooks.tapping`), and folds them into
+per-site streaming statistics.
 
 Per site (state = nested dicts of arrays, stored in checkpoint extras as `probe_stats`):
   lhs       Gaussian over the contracted features (gaussian.py)
@@ -35,7 +35,7 @@ from loka_jax.models.presets import site_products
 from loka_jax.probe import executables
 from loka_jax.probe import flush as flush_lib
 from loka_jax.probe import gaussian, matrix_normal, reservoir
-from loka_jax.probe.hooks import PROBE_COLLECTION, PROBE_GRAD_COLLECTION
+from loka_jax.probe import hooks as probe_hooks
 from loka_jax.probe.layout import OPERANDS, PASS_AXES, SiteLayout, site_layout
 from loka_jax.train.metrics import bce_with_logits
 
@@ -122,12 +122,21 @@ def make_site_probe(name: str, spec: str, kind: str, lhs_shape, rhs_shape,
 
 
 def probe_sites(model, variables, batch, config: ProbeConfig) -> Dict[str, SiteProbe]:
-  """{site name: SiteProbe} of every GEMM site of `model`, in call order."""
+  """{site name: SiteProbe} of every GEMM site of a loka_jax tower, in call order."""
   products = site_products(model, variables, batch)
   if not products:
     raise ValueError("the model has no GEMM sites to probe (no DenseSite/EinsumSite/ActSite)")
   return {name: make_site_probe(name, p.spec, p.kind, p.lhs_shape, p.rhs_shape, config)
           for name, p in products.items()}
+
+
+def tower_loss(model) -> Callable:
+  """`loss_of(variables, batch, rng)` of a loka_jax tower: its training-mode binary
+  cross-entropy on `batch["label"]`, dropout keyed by `rng`."""
+  def loss_of(variables, batch, rng):
+    logits = model.apply(variables, batch, train=True, rngs={"dropout": rng})
+    return jnp.mean(bce_with_logits(logits, batch["label"]))
+  return loss_of
 
 
 # ----------------------------------------------------------------------------- state
@@ -254,21 +263,17 @@ def update_site_state(state, site: SiteProbe, lhs, rhs, grad, key, config: Probe
   return out
 
 
-def _perturbation_shapes(model, variables, batch):
-  """Shapes of the zero `probe_grads` variables (one per site output)."""
+def output_shapes(loss_of: Callable, variables, batch) -> Dict[str, jax.ShapeDtypeStruct]:
+  """{site name: shape of its output} of one forward pass (abstract: nothing compiled)."""
+  found: Dict[str, jax.ShapeDtypeStruct] = {}
+
   def run(v, b):
-    _, mutated = model.apply(v, b, train=True, rngs={"dropout": jax.random.PRNGKey(0)},
-                             mutable=[PROBE_GRAD_COLLECTION])
-    return mutated[PROBE_GRAD_COLLECTION]
-  return jax.eval_shape(run, variables, batch)
-
-
-def _first_call(values, name: str, what: str):
-  if values is None:
-    raise KeyError(f"site {name}: no {what} was recorded by the probe pass")
-  if isinstance(values, (tuple, list)):
-    return values[0]  # a site called twice per step keeps its first call's operands
-  return values
+    with probe_hooks.tapping() as tap:
+      loss = loss_of(v, b, jax.random.PRNGKey(0))
+    found.update({name: site.out for name, site in tap.sites.items()})
+    return loss
+  jax.eval_shape(run, variables, batch)
+  return found
 
 
 def _update_key(site: SiteProbe, config: ProbeConfig):
@@ -294,9 +299,9 @@ class StatisticsPass:
   thirty-second session).
   """
 
-  def __init__(self, model, sites: Mapping[str, SiteProbe], config: ProbeConfig,
-               perturbations, *, on_trace: Optional[Callable[[str], None]] = None,
-               donate: bool = False):
+  def __init__(self, loss_of: Callable, sites: Mapping[str, SiteProbe], config: ProbeConfig,
+               perturbations: Mapping[str, Any], *,
+               on_trace: Optional[Callable[[str], None]] = None, donate: bool = False):
     self.sites = dict(sites)
     self.config = config
     self.names = state_keys(sites)
@@ -305,22 +310,21 @@ class StatisticsPass:
     def extract(variables, batch, rng):
       if on_trace is not None:
         on_trace("extract")
-      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), perturbations)
+      zeros = {name: jnp.zeros(perturbations[name].shape, perturbations[name].dtype)
+               for name in sites}
 
       def loss(perturb):
-        logits, mutated = model.apply({**variables, PROBE_GRAD_COLLECTION: perturb}, batch,
-                                      train=True, rngs={"dropout": rng},
-                                      mutable=[PROBE_COLLECTION])
-        return jnp.mean(bce_with_logits(logits, batch["label"])), mutated[PROBE_COLLECTION]
+        with probe_hooks.tapping(perturb) as tap:
+          value = loss_of(variables, batch, rng)
+        return value, tap.operands()
 
-      grads, sown = jax.grad(loss, has_aux=True)(zeros)
-      sown = flax.traverse_util.flatten_dict(flax.core.unfreeze(sown), sep="/")
-      grads = flax.traverse_util.flatten_dict(flax.core.unfreeze(grads), sep="/")
+      grads, operands = jax.grad(loss, has_aux=True)(zeros)
       out = {}
       for name in sites:
-        out[names[name]] = (_first_call(sown.get(f"{name}/lhs"), name, "lhs operand"),
-                            _first_call(sown.get(f"{name}/rhs"), name, "rhs operand"),
-                            _first_call(grads.get(f"{name}/out"), name, "output gradient"))
+        if name not in operands:
+          raise ProbeStateError(f"site {name}: not called by this forward pass; the probe's "
+                                "sites were found on another call of the model")
+        out[names[name]] = (*operands[name], grads[name])
       return out
 
     self.extract = jax.jit(extract)
@@ -360,13 +364,15 @@ class StatisticsPass:
     return jobs
 
 
-def make_observe(model, sites: Mapping[str, SiteProbe], config: ProbeConfig,
+def make_observe(loss_of: Callable, sites: Mapping[str, SiteProbe], config: ProbeConfig,
                  perturbations, *, on_trace: Optional[Callable[[str], None]] = None,
                  donate: bool = False) -> StatisticsPass:
-  """The statistics pass (`StatisticsPass`). `perturbations`: the `probe_grads` shapes (see
-  `_perturbation_shapes`). `on_trace(what)` is called whenever a stage is traced ('extract'
-  or 'update <spec> <shapes>'), so tests can count compilations."""
-  return StatisticsPass(model, sites, config, perturbations, on_trace=on_trace, donate=donate)
+  """The statistics pass (`StatisticsPass`) over `loss_of(variables, batch, rng)`.
+  `perturbations`: each site's output shape (`output_shapes`). `on_trace(what)` is called
+  whenever a stage is traced ('extract' or 'update <spec> <shapes>'), so tests can count
+  compilations."""
+  return StatisticsPass(loss_of, sites, config, perturbations, on_trace=on_trace,
+                        donate=donate)
 
 
 # ----------------------------------------------------------------------------- the loop hook
@@ -397,10 +403,10 @@ class ProbeCollector:
       example_variables = jax.eval_shape(
           lambda b: model.init({"params": jax.random.PRNGKey(0),
                                 "dropout": jax.random.PRNGKey(1)}, b, train=False), batch)
-    shapes = _perturbation_shapes(model, example_variables, batch)
-    outputs = flax.traverse_util.flatten_dict(flax.core.unfreeze(shapes), sep="/")
+    loss_of = tower_loss(model)
+    outputs = output_shapes(loss_of, example_variables, batch)
     for name, site in self.sites.items():
-      got = outputs.get(f"{name}/out")
+      got = outputs.get(name)
       if got is None or tuple(got.shape) != site.layout.grad.shape:
         raise ProbeStateError(
             f"site {name}: the probe was set up for output shape {site.layout.grad.shape}, but "
@@ -408,9 +414,9 @@ class ProbeCollector:
             "the sites (probe_sites) from a batch of the training batch size")
     # No donation: leaves of a fresh state can share one buffer (equal zeros), and the GPU
     # refuses to donate a buffer twice (the CPU ignores donation, so only the GPU showed it).
-    self._observe = make_observe(model, self.sites, config, shapes, on_trace=on_trace,
+    self._observe = make_observe(loss_of, self.sites, config, outputs, on_trace=on_trace,
                                  donate=False)
-    dtype = jax.tree.leaves(shapes)[0].dtype  # site outputs: the compute dtype
+    dtype = next(iter(outputs.values())).dtype  # site outputs: the compute dtype
     meta = dict(meta or {})
     if state is None:
       state = init_state(self.sites, config, dtype)

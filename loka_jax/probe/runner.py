@@ -28,11 +28,12 @@ import jax
 import numpy as np
 
 from loka_jax import jsonio
-from loka_jax.dispatch import timing_table as tables_lib
-from loka_jax.kernels import EinsumSpec
+from loka_jax.probe import assemble
+from loka_jax.probe.assemble import below_timing_floor, distinct_shapes
+from loka_jax.probe.options import ProbeOptions, ProbeSetupError
 from loka_jax.probe import candidates as candidates_lib
 from loka_jax.probe import collector as collector_lib
-from loka_jax.probe import eligibility, evaluate, executables, kernel_timing, plots
+from loka_jax.probe import evaluate, executables, kernel_timing
 from loka_jax.probe import report as report_lib
 from loka_jax.probe import stats_report, summarize
 from loka_jax.probe.collector import META_KEY, STATS_KEY, ProbeCollector, ProbeConfig
@@ -40,48 +41,9 @@ from loka_jax.train import experiment
 from loka_jax.train.checkpoint import Checkpointer
 from loka_jax.train.loop import TrainConfig, restore_run, train
 
-REPORT_JSON = "probe_report.json"
-REPORT_MD = "probe_report.md"
+REPORT_JSON, REPORT_MD, PLOTS_DIR = assemble.REPORT_JSON, assemble.REPORT_MD, assemble.PLOTS_DIR
 EVAL_CACHE = "probe_eval.jsonl"
 TRAINED_JSON = "probe_trained.json"
-PLOTS_DIR = "plots"
-
-
-class ProbeSetupError(ValueError):
-  """Options that select nothing or do not fit the run."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ProbeOptions:
-  """What to evaluate and time, and how (the probe's statistics settings: ProbeConfig)."""
-  samples: int = 100                       # Gaussian draws per site
-  reservoir_samples: Optional[int] = None  # reservoir draws per site (None: samples)
-  kernels: Tuple[str, ...] = ()            # candidates (empty: the default list)
-  time: Optional[bool] = None              # time kernels here (None: only on a GPU)
-  repeats: int = 20                        # timing repeats (benchmark protocol: >= 20)
-  timing_cache: Optional[str] = None       # directory (None: WORKDIR/timing_cache)
-  timing_table: Optional[str] = None       # fallback table, path or device kind (untimed runs)
-  write_table: Optional[bool] = None       # merge GPU timings into the committed table
-  table_dir: str = tables_lib.TIMINGS_DIR
-  max_eval_elements: int = 1 << 22         # per operand and sample; beyond: row subsampling
-  chunk_elements: int = 1 << 26            # vmapped operand elements at once
-  bootstrap: int = 1000                    # bootstrap resamples of every CI
-  plots: bool = True
-  site_plots: bool = True
-  sites: Optional[str] = None              # regex (re.search): probe only these sites
-  budget_s: Optional[float] = None         # wall-clock budget of this call (None: none)
-  compile_workers: Optional[int] = None    # threads compiling evaluation ahead (None: CPUs
-                                           # up to 16; 0: compile on first call, in turn)
-  timing_compile_workers: int = 1          # threads compiling a shape's timed programs
-                                           # before they are timed (1: each in turn)
-  # Shapes whose forward product is below this many GFLOP are not timed (0: every shape is):
-  # their passes get `timing: "skipped"`, no speedup, so selection keeps them in bf16. A
-  # shape's timing is mostly compiles (about 100 s a shape at DHEN large on the H200), and
-  # across the H200 table's 140 shape-pass groups below 5 GFLOP no FP8 kernel reached 1.05x
-  # but one (a 4096x1 output's grad_lhs).
-  min_timing_gflops: float = 0.0
-  criteria: eligibility.Criteria = eligibility.Criteria()
-  seed: int = 0
 
 
 @dataclasses.dataclass
@@ -189,13 +151,6 @@ class _CompileAhead:
     self.submitted = max(self.submitted, upto)
 
 
-def _timing_plan(options: ProbeOptions) -> Tuple[bool, bool]:
-  """(measure here, timings valid for dispatch)."""
-  on_gpu = kernel_timing.on_gpu()
-  measure = on_gpu if options.time is None else options.time
-  return measure, measure and on_gpu
-
-
 @dataclasses.dataclass
 class _Setup:
   model: Any
@@ -228,37 +183,6 @@ def _setup(spec: experiment.RunSpec, batch_size: int, probe_config: ProbeConfig,
                           f"{list(sites)}")
   return _Setup(model, source, abstract, {n: sites[n] for n in selected}, list(kernels),
                 dict(excluded), [k.name for k in kernels])
-
-
-SKIPPED = "skipped"   # a pass not timed: its shape is below `min_timing_gflops`
-
-
-def shape_gflops(layout) -> float:
-  """GFLOP of a site's forward product (2 x the product of every index size)."""
-  return EinsumSpec.parse(str(layout.spec)).flops(layout.lhs.shape, layout.rhs.shape) / 1e9
-
-
-def below_timing_floor(layout, options: ProbeOptions) -> bool:
-  """Whether the site's shape is too small to be timed (`ProbeOptions.min_timing_gflops`)."""
-  return options.min_timing_gflops > 0 and shape_gflops(layout) < options.min_timing_gflops
-
-
-def skipped_timings(passes: Mapping[str, Mapping[str, Any]], options: ProbeOptions
-                    ) -> Dict[str, Dict[str, Dict]]:
-  """{pass: {kernel: timing}} of a site whose shape is not timed: no speed, and why."""
-  note = f"not timed: the shape is below min_timing_gflops={options.min_timing_gflops:g}"
-  return {p: {k: {"time_us": None, "speedup": None, "backend": None, "timing": SKIPPED,
-                  "timing_note": note} for k in per_kernel} for p, per_kernel in passes.items()}
-
-
-def distinct_shapes(sites: Mapping[str, Any]) -> Dict[Tuple, Tuple[str, Any]]:
-  """{(spec, lhs shape, rhs shape): (first site, its layout)} in call order: what timing
-  measures (timings depend on shapes only)."""
-  out: Dict[Tuple, Tuple[str, Any]] = {}
-  for name, site in sites.items():
-    layout = site.layout
-    out.setdefault((str(layout.spec), layout.lhs.shape, layout.rhs.shape), (name, layout))
-  return out
 
 
 def describe_probe(spec: experiment.RunSpec, train_config: TrainConfig,
@@ -435,7 +359,6 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
   setup = _setup(spec, train_config.batch_size, probe_config, options, build)
   sites, kernels, excluded, names = setup.sites, setup.kernels, setup.excluded, setup.names
   selected = list(sites)
-  platform = jax.default_backend()
   compute_dtype = str(np.dtype(site_config_dtype(spec)))
   eval_config = _eval_config(options)
   pending: List[str] = []
@@ -499,13 +422,7 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
           ahead.reach(name)
         ev = evaluate.evaluate_site(site, state, todo_of(name), compute_dtype, eval_config)
         new = summarize.site_passes(ev, missing, n_boot=options.bootstrap, seed=options.seed)
-        evaluation_info = {"slices": ev.slices, "of": site.layout.num_slices,
-                           "slice_index": site.layout.slice_label,
-                           "row_subsampled": bool(ev.slices and ev.slices < site.layout.num_slices),
-                           "reservoir": ev.reservoir,
-                           "evaluated_shapes": {k: list(v) for k, v in ev.layout.shapes().items()},
-                           "chunk_samples": ev.chunk,
-                           "delayed_warmup_on_others": evaluate.warmup_excludes_self(ev.chunk)}
+        evaluation_info = assemble.evaluation_info(site, ev)
         _append_eval_cache(cache_path, {"key": {**key_of(name, fingerprint), "kernels": missing},
                                         "passes": new, "evaluation": evaluation_info})
         passes = _merged_passes(found, new, names)
@@ -513,14 +430,10 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
         reused = len(names) - len(missing)
         _log(f"evaluated {i + 1}/{len(selected)} {name} in {time.time() - t0:.1f}s"
              + (f" ({len(missing)} new candidates, {reused} from the cache)" if reused else ""))
-      site_entries[name] = {
-          "kind": site.kind, "spec": site.spec,
-          "shapes": {k: list(v) for k, v in site.layout.shapes().items()},
-          "flops": int(site.layout.spec.flops(site.layout.lhs.shape, site.layout.rhs.shape)),
-          "modes": site.describe(),
-          "stats": (trained["stats"][name] if collector is None
-                    else stats_report.site_stats(site, state, observations)),
-          "evaluation": evaluation_info, "passes": passes}
+      site_entries[name] = assemble.site_entry(
+          site, (trained["stats"][name] if collector is None
+                 else stats_report.site_stats(site, state, observations)),
+          evaluation_info, passes)
   finally:
     if precompiler is not None:
       precompiler.close()
@@ -537,105 +450,17 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
         "overhead": overhead, "final": final,
         "stats": {**kept, **{n: e["stats"] for n, e in site_entries.items()}}}))
 
-  # ---- timing
-  measure, timing_valid = _timing_plan(options)
-  device = jax.devices()[0].device_kind
-  kind = kernel_timing.device_kind()
-  timing_source: Dict[str, Any] = {"kind": "none"}
-  unsupported_of = lambda e: {p: {k: x["error"] for k, x in ks.items() if x.get("unsupported")}
-                              for p, ks in e["passes"].items()}
-  timings: Dict[str, Dict] = {}
-  if measure:
-    cache_dir = options.timing_cache or os.path.join(workdir, "timing_cache")
-    cache = kernel_timing.TimingCache(kernel_timing.default_cache_path(cache_dir, kind), kind)
-    timing_source = {"kind": "measured", "device_kind": device, "cache": cache.path}
-    new_entries = []
-    first_of_shape = {name for name, _ in distinct_shapes(sites).values()}
-    starts = kernel_timing.ShapeStarts(deadline)
-    if options.min_timing_gflops > 0:
-      timing_source["min_timing_gflops"] = options.min_timing_gflops
-    for name, entry in site_entries.items():
-      layout = sites[name].layout
-      if below_timing_floor(layout, options):
-        timings[name] = skipped_timings(entry["passes"], options)
-        continue
-      if name in first_of_shape:
-        t0 = time.time()
-        got = kernel_timing.measure_site(layout, kernels, compute_dtype, cache,
-                                         unsupported=unsupported_of(entry),
-                                         repeats=options.repeats, deadline=starts.start_by(),
-                                         compile_workers=options.timing_compile_workers)
-        if got:
-          starts.record(time.time() - t0)
-          new_entries.extend(got)
-          _log(f"timed {name} ({len(got)} kernel passes) in {time.time() - t0:.1f}s")
-      timings[name] = kernel_timing.site_timings(layout, kernels, compute_dtype, cache,
-                                                 unsupported=unsupported_of(entry))
-    write = timing_valid if options.write_table is None else options.write_table
-    if write and cache.entries:
-      rows = kernel_timing.table_entries(list(cache.entries.values()))
-      table_file = tables_lib.table_path(device, options.table_dir)
-      tables_lib.update_file(table_file, device, rows)
-      local = tables_lib.table_path(device, os.path.join(workdir, "timing_table"))
-      tables_lib.update_file(local, device, rows)
-      timing_source.update(table=table_file, table_copy=local)
-      _log(f"timing table: {table_file} (copy: {local})")
-  else:
-    chosen = tables_lib.choose_table(options.timing_table, options.table_dir)
-    if chosen is not None:
-      path, table = chosen
-      timing_source = {"kind": "table", "device_kind": table["device_kind"], "path": path}
-      for name, entry in site_entries.items():
-        timings[name] = kernel_timing.table_timings(sites[name].layout, kernels, compute_dtype,
-                                                    table, unsupported=unsupported_of(entry))
-  missing_timing = False
-  for name, entry in site_entries.items():
-    for p, per_kernel in entry["passes"].items():
-      for k, e in per_kernel.items():
-        t = timings.get(name, {}).get(p, {}).get(k)
-        if t is None:
-          e.update(time_us=None, speedup=None, backend=None, timing=None)
-          continue
-        e.update(t)
-        if t.get("timing") == "missing":
-          missing_timing = True
-  if measure and missing_timing:
-    pending.append("timings (budget reached)")
-    timing_valid = False
-
-  kernels_info = {k.name: {"sort": k.sort, "backend": k.backend, "fp8": k.fp8,
-                           "stateful": k.stateful,
-                           "granularity": candidates_lib.granularity_of(k),
-                           "description": k.description} for k in kernels}
-  for name, entry in site_entries.items():
-    stats_report.underflow_from_stats(entry, kernels_info, sites[name].layout)
-
-  report = report_lib.new_report(
-      model=spec.model, preset=spec.preset, device=device, device_kind=kind,
-      platform=platform, jax_version=jax.__version__, timing_valid=timing_valid,
-      timing_source=timing_source,
+  # ---- timing, then the report
+  timing = assemble.attach_timings(site_entries, sites, kernels, compute_dtype, options,
+                                   workdir, deadline)
+  pending.extend(timing.pending)
+  report = assemble.finish_report(
+      site_entries, sites, kernels, excluded, options, eval_config, compute_dtype, timing,
+      model=spec.model, preset=spec.preset,
       run={**spec.run_info(), "steps": final.get("steps"), "batch_size": train_config.batch_size,
            "final": {k: final.get(k) for k in ("ne", "auc", "logloss")}},
-      probe_config=probe_config.to_dict(),
-      evaluation={**eval_config.to_dict(), "reservoir_samples": eval_config.num_reservoir,
-                  "kernels": names, "compute_dtype": compute_dtype,
-                  "bootstrap": options.bootstrap, "sites_regex": options.sites,
-                  "reference": "fp32 HIGHEST product of the original operands",
-                  "evaluator": evaluate.EVALUATOR_VERSION},
-      criteria=options.criteria.to_dict(), overhead=overhead,
-      kernels=kernels_info, excluded_kernels=excluded)
-  report["sites"] = site_entries
-  report["complete"] = not pending
-  report["pending"] = pending
-  report_lib.attach_best(report, options.criteria)
-  paths: Dict[str, Any] = {"json": os.path.join(workdir, REPORT_JSON),
-                           "markdown": os.path.join(workdir, REPORT_MD)}
-  report = report_lib.save_report(report, paths["json"])
-  with open(paths["markdown"], "w") as f:
-    f.write(report_lib.markdown(report))
-  if options.plots and site_entries:
-    paths["plots"] = plots.write_plots(report, os.path.join(workdir, PLOTS_DIR),
-                                       sites=options.site_plots)
+      probe_config=probe_config.to_dict(), overhead=overhead, pending=pending)
+  report, paths = assemble.write_report(report, workdir, options)
   _log(f"report: {paths['json']} ({time.time() - start:.0f}s"
        f"{'' if not pending else ', incomplete: ' + '; '.join(pending[:3])})")
   return ProbeResult(report, paths, not pending)

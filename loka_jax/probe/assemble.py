@@ -1,0 +1,225 @@
+"""From evaluated sites to a ProbeReport: each site's entry, the timing of every candidate
+(measured on a GPU, else read from a committed timing table), and the report itself. Both
+ways of probing share it: `loka_jax.probe` / `Probe` on any model and `run_probe` on the
+project's own training runs."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import jax
+
+from loka_jax.dispatch import timing_table as tables_lib
+from loka_jax.kernels import EinsumSpec
+from loka_jax.probe import candidates as candidates_lib
+from loka_jax.probe import evaluate, kernel_timing, plots
+from loka_jax.probe import report as report_lib
+from loka_jax.probe import stats_report
+from loka_jax.probe.options import ProbeOptions, timing_plan
+
+REPORT_JSON = "probe_report.json"
+REPORT_MD = "probe_report.md"
+PLOTS_DIR = "plots"
+SKIPPED = "skipped"   # a pass not timed: its shape is below `min_timing_gflops`
+
+
+def _log(message: str) -> None:
+  print(f"[probe] {message}", flush=True)
+
+
+def shape_gflops(layout) -> float:
+  """GFLOP of a site's forward product (2 x the product of every index size)."""
+  return EinsumSpec.parse(str(layout.spec)).flops(layout.lhs.shape, layout.rhs.shape) / 1e9
+
+
+def below_timing_floor(layout, options: ProbeOptions) -> bool:
+  """Whether the site's shape is too small to be timed (`ProbeOptions.min_timing_gflops`)."""
+  return options.min_timing_gflops > 0 and shape_gflops(layout) < options.min_timing_gflops
+
+
+def skipped_timings(passes: Mapping[str, Mapping[str, Any]], options: ProbeOptions
+                    ) -> Dict[str, Dict[str, Dict]]:
+  """{pass: {kernel: timing}} of a site whose shape is not timed: no speed, and why."""
+  note = f"not timed: the shape is below min_timing_gflops={options.min_timing_gflops:g}"
+  return {p: {k: {"time_us": None, "speedup": None, "backend": None, "timing": SKIPPED,
+                  "timing_note": note} for k in per_kernel} for p, per_kernel in passes.items()}
+
+
+def distinct_shapes(sites: Mapping[str, Any]) -> Dict[Tuple, Tuple[str, Any]]:
+  """{(spec, lhs shape, rhs shape): (first site, its layout)} in call order: what timing
+  measures (timings depend on shapes only)."""
+  out: Dict[Tuple, Tuple[str, Any]] = {}
+  for name, site in sites.items():
+    layout = site.layout
+    out.setdefault((str(layout.spec), layout.lhs.shape, layout.rhs.shape), (name, layout))
+  return out
+
+
+# ----------------------------------------------------------------------------- sites
+
+
+def evaluation_info(site, ev: evaluate.SiteEvaluation) -> Dict[str, Any]:
+  """How a site was evaluated: slices, reservoir, shapes, chunking."""
+  return {"slices": ev.slices, "of": site.layout.num_slices,
+          "slice_index": site.layout.slice_label,
+          "row_subsampled": bool(ev.slices and ev.slices < site.layout.num_slices),
+          "reservoir": ev.reservoir,
+          "evaluated_shapes": {k: list(v) for k, v in ev.layout.shapes().items()},
+          "chunk_samples": ev.chunk,
+          "delayed_warmup_on_others": evaluate.warmup_excludes_self(ev.chunk)}
+
+
+def site_entry(site, stats: Mapping[str, Any], info: Mapping[str, Any],
+               passes: Mapping[str, Any]) -> Dict[str, Any]:
+  """A site's entry in the report (its timings are added by `attach_timings`)."""
+  layout = site.layout
+  return {"kind": site.kind, "spec": site.spec,
+          "shapes": {k: list(v) for k, v in layout.shapes().items()},
+          "flops": int(layout.spec.flops(layout.lhs.shape, layout.rhs.shape)),
+          "modes": site.describe(), "stats": stats, "evaluation": info, "passes": passes}
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+@dataclasses.dataclass
+class Timing:
+  """Where the report's timings came from and whether dispatch may trust them."""
+  source: Dict[str, Any]
+  valid: bool
+  pending: List[str]
+
+
+def _unsupported(entry: Mapping) -> Dict[str, Dict[str, str]]:
+  return {p: {k: x["error"] for k, x in ks.items() if x.get("unsupported")}
+          for p, ks in entry["passes"].items()}
+
+
+def attach_timings(site_entries: Dict[str, Dict], sites: Mapping[str, Any], kernels: Sequence,
+                   compute_dtype: str, options: ProbeOptions, workdir: Optional[str],
+                   deadline: Optional[float] = None) -> Timing:
+  """Adds each candidate's time and speedup to every pass of `site_entries`: measured here
+  on a GPU (each distinct shape once, through the on-disk timing cache), else read from the
+  committed timing table of `options.timing_table` (then marked not valid for dispatch
+  unless the table is for the target device: `selection.resolve_timing` decides)."""
+  measure, timing_valid = timing_plan(options)
+  device = jax.devices()[0].device_kind
+  kind = kernel_timing.device_kind()
+  source: Dict[str, Any] = {"kind": "none"}
+  pending: List[str] = []
+  timings: Dict[str, Dict] = {}
+  if measure:
+    cache_dir = options.timing_cache or os.path.join(workdir or os.curdir, "timing_cache")
+    cache = kernel_timing.TimingCache(kernel_timing.default_cache_path(cache_dir, kind), kind)
+    source = {"kind": "measured", "device_kind": device, "cache": cache.path}
+    first_of_shape = {name for name, _ in distinct_shapes(sites).values()}
+    starts = kernel_timing.ShapeStarts(deadline)
+    if options.min_timing_gflops > 0:
+      source["min_timing_gflops"] = options.min_timing_gflops
+    for name, entry in site_entries.items():
+      layout = sites[name].layout
+      if below_timing_floor(layout, options):
+        timings[name] = skipped_timings(entry["passes"], options)
+        continue
+      if name in first_of_shape:
+        t0 = time.time()
+        got = kernel_timing.measure_site(layout, kernels, compute_dtype, cache,
+                                         unsupported=_unsupported(entry),
+                                         repeats=options.repeats, deadline=starts.start_by(),
+                                         compile_workers=options.timing_compile_workers)
+        if got:
+          starts.record(time.time() - t0)
+          _log(f"timed {name} ({len(got)} kernel passes) in {time.time() - t0:.1f}s")
+      timings[name] = kernel_timing.site_timings(layout, kernels, compute_dtype, cache,
+                                                 unsupported=_unsupported(entry))
+    write = timing_valid if options.write_table is None else options.write_table
+    if write and cache.entries:
+      rows = kernel_timing.table_entries(list(cache.entries.values()))
+      table_file = tables_lib.table_path(device, options.table_dir)
+      tables_lib.update_file(table_file, device, rows)
+      source["table"] = table_file
+      if workdir is not None:
+        local = tables_lib.table_path(device, os.path.join(workdir, "timing_table"))
+        tables_lib.update_file(local, device, rows)
+        source["table_copy"] = local
+      _log(f"timing table: {table_file}")
+  else:
+    chosen = tables_lib.choose_table(options.timing_table, options.table_dir)
+    if chosen is not None:
+      path, table = chosen
+      source = {"kind": "table", "device_kind": table["device_kind"], "path": path}
+      for name, entry in site_entries.items():
+        timings[name] = kernel_timing.table_timings(sites[name].layout, kernels, compute_dtype,
+                                                    table, unsupported=_unsupported(entry))
+  missing_timing = False
+  for name, entry in site_entries.items():
+    for p, per_kernel in entry["passes"].items():
+      for k, e in per_kernel.items():
+        t = timings.get(name, {}).get(p, {}).get(k)
+        if t is None:
+          e.update(time_us=None, speedup=None, backend=None, timing=None)
+          continue
+        e.update(t)
+        if t.get("timing") == "missing":
+          missing_timing = True
+  if measure and missing_timing:
+    pending.append("timings (budget reached)")
+    timing_valid = False
+  return Timing(source, timing_valid, pending)
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def kernels_info(kernels: Sequence) -> Dict[str, Dict[str, Any]]:
+  return {k.name: {"sort": k.sort, "backend": k.backend, "fp8": k.fp8, "stateful": k.stateful,
+                   "granularity": candidates_lib.granularity_of(k),
+                   "description": k.description} for k in kernels}
+
+
+def finish_report(site_entries: Dict[str, Dict], sites: Mapping[str, Any], kernels: Sequence,
+                  excluded: Mapping[str, str], options: ProbeOptions, eval_config,
+                  compute_dtype: str, timing: Timing, *, model: str, preset: Optional[str],
+                  run: Mapping[str, Any], probe_config: Mapping[str, Any],
+                  overhead: Mapping[str, Any], pending: Sequence[str],
+                  extra: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+  """The `loka.probe/1` report of evaluated and timed sites, with each site's best kernel
+  per pass under `options.criteria`."""
+  info = kernels_info(kernels)
+  for name, entry in site_entries.items():
+    stats_report.underflow_from_stats(entry, info, sites[name].layout)
+  report = report_lib.new_report(
+      model=model, preset=preset, device=jax.devices()[0].device_kind,
+      device_kind=kernel_timing.device_kind(), platform=jax.default_backend(),
+      jax_version=jax.__version__, timing_valid=timing.valid, timing_source=timing.source,
+      run=dict(run), probe_config=dict(probe_config),
+      evaluation={**eval_config.to_dict(), "reservoir_samples": eval_config.num_reservoir,
+                  "kernels": [k.name for k in kernels], "compute_dtype": compute_dtype,
+                  "bootstrap": options.bootstrap, "sites_regex": options.sites,
+                  "reference": "fp32 HIGHEST product of the original operands",
+                  "evaluator": evaluate.EVALUATOR_VERSION},
+      criteria=options.criteria.to_dict(), overhead=dict(overhead),
+      kernels=info, excluded_kernels=dict(excluded))
+  report.update(extra or {})
+  report["sites"] = site_entries
+  report["complete"] = not pending
+  report["pending"] = list(pending)
+  report_lib.attach_best(report, options.criteria)
+  return report
+
+
+def write_report(report: Mapping[str, Any], workdir: str, options: ProbeOptions
+                 ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+  """(the report as saved, its paths): JSON, markdown summary and plots in `workdir`."""
+  os.makedirs(workdir, exist_ok=True)
+  paths: Dict[str, Any] = {"json": os.path.join(workdir, REPORT_JSON),
+                           "markdown": os.path.join(workdir, REPORT_MD)}
+  saved = report_lib.save_report(report, paths["json"])
+  with open(paths["markdown"], "w") as f:
+    f.write(report_lib.markdown(saved))
+  if options.plots and saved.get("sites"):
+    paths["plots"] = plots.write_plots(saved, os.path.join(workdir, PLOTS_DIR),
+                                       sites=options.site_plots)
+  return saved, paths

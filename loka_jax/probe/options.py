@@ -1,0 +1,52 @@
+"""What the probe evaluates and times, and how: the options of every probe entry point."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+from loka_jax.dispatch import timing_table as tables_lib
+from loka_jax.probe import eligibility, kernel_timing
+
+
+class ProbeSetupError(ValueError):
+  """Options that select nothing or do not fit the run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeOptions:
+  """What to evaluate and time, and how (the probe's statistics settings: ProbeConfig)."""
+  samples: int = 100                       # Gaussian draws per site
+  reservoir_samples: Optional[int] = None  # reservoir draws per site (None: samples)
+  kernels: Tuple[str, ...] = ()            # candidates (empty: the default list)
+  time: Optional[bool] = None              # time kernels here (None: only on a GPU)
+  repeats: int = 20                        # timing repeats (benchmark protocol: >= 20)
+  timing_cache: Optional[str] = None       # directory (None: WORKDIR/timing_cache)
+  timing_table: Optional[str] = None       # fallback table, path or device kind (untimed runs)
+  write_table: Optional[bool] = None       # merge GPU timings into the committed table
+  table_dir: str = tables_lib.TIMINGS_DIR
+  max_eval_elements: int = 1 << 22         # per operand and sample; beyond: row subsampling
+  chunk_elements: int = 1 << 26            # vmapped operand elements at once
+  bootstrap: int = 1000                    # bootstrap resamples of every CI
+  plots: bool = True
+  site_plots: bool = True
+  sites: Optional[str] = None              # regex (re.search): probe only these sites
+  budget_s: Optional[float] = None         # wall-clock budget of this call (None: none)
+  compile_workers: Optional[int] = None    # threads compiling evaluation ahead (None: CPUs
+                                           # up to 16; 0: compile on first call, in turn)
+  timing_compile_workers: int = 1          # threads compiling a shape's timed programs
+                                           # before they are timed (1: each in turn)
+  # Shapes whose forward product is below this many GFLOP are not timed (0: every shape is):
+  # their passes get `timing: "skipped"`, no speedup, so selection keeps them in bf16. A
+  # shape's timing is mostly compiles (about 100 s a shape at DHEN large on the H200), and
+  # across the H200 table's 140 shape-pass groups below 5 GFLOP no FP8 kernel reached 1.05x
+  # but one (a 4096x1 output's grad_lhs).
+  min_timing_gflops: float = 0.0
+  criteria: eligibility.Criteria = eligibility.Criteria()
+  seed: int = 0
+
+
+def timing_plan(options: ProbeOptions) -> Tuple[bool, bool]:
+  """(measure here, timings valid for dispatch)."""
+  on_gpu = kernel_timing.on_gpu()
+  measure = on_gpu if options.time is None else options.time
+  return measure, measure and on_gpu
