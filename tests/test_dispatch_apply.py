@@ -79,7 +79,7 @@ class WrapTest(chex.TestCase):
     return jax.jit(jax.grad(lambda v: jnp.mean(apply(v, self.batch) ** 2)))
 
   def test_same_parameters_and_fp32_plan_gives_the_plain_output(self):
-    wrapped = loka_jax.wrap(self.model, KernelPlan.uniform("xla_fp32"))
+    wrapped = loka_jax.wrap(self.model, KernelPlan.uniform("xla_fp32"), policy=None)
     variables = jax.jit(wrapped.init)(jax.random.PRNGKey(7), self.batch)
     chex.assert_trees_all_equal(variables, self.variables)
     out = jax.jit(wrapped.apply)(self.variables, self.batch)
@@ -89,7 +89,7 @@ class WrapTest(chex.TestCase):
                                 rtol=1e-4, atol=1e-6)
 
   def test_fp8_plan_runs_the_chosen_kernels_with_fp8_sized_error(self):
-    fp8 = loka_jax.wrap(self.model, KernelPlan.uniform("xla_fp8_rowwise"))
+    fp8 = loka_jax.wrap(self.model, KernelPlan.uniform("xla_fp8_rowwise"), policy=None)
     out = jax.jit(fp8.apply)(self.variables, self.batch)
     err = rel_err(out, self.plain)
     self.assertGreater(err, 1e-4)   # really quantized
@@ -110,7 +110,7 @@ class WrapTest(chex.TestCase):
                                                      "xla_bf16")),),
                       rules=((r"top/.*", KernelChoice.uniform("xla_fp8_rowwise")),),
                       default=KernelChoice.uniform("xla_bf16"))
-    wrapped = dispatch.wrap(self.model, plan)
+    wrapped = dispatch.wrap(self.model, plan, policy=None)
     text = jax.jit(wrapped.apply).lower(self.variables, self.batch).as_text()
     self.assertEqual(fp8_dots(text), 3)  # tokens, top/dense_0, top/dense_1
     products = dispatch.check_plan(plan, wrapped, self.variables, self.batch)

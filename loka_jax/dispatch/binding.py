@@ -275,17 +275,19 @@ class Wrapped:
                    else self.policy)
 
 
-def wrap(module: nn.Module, plan, *, policy: Optional[DtypePolicy] = None) -> Wrapped:
+def wrap(module: nn.Module, plan, *, policy: Optional[DtypePolicy] = BF16) -> Wrapped:
   """`module` with its plain nn.Dense / nn.DenseGeneral / nn.Einsum calls routed through GEMM
   sites named by their Linen paths, reusing the module's own parameters.
 
   Args:
     module: any flax.linen Module.
     plan: a Plan, its JSON dict, a plan file path or a KernelPlan.
-    policy: the dtype policy of every site (None: each layer's own Flax dtypes).
+    policy: the dtype policy of every site: bf16 products with float32 parameters by
+      default, the baseline the probe measures FP8 against; None keeps each layer's own
+      Flax dtypes.
   """
-  if not isinstance(module, nn.Module):
-    raise TypeError(f"wrap: expected a flax.linen Module, got {type(module).__name__}")
   if isinstance(module, Wrapped):
     module = module.module
+  if not isinstance(module, nn.Module):
+    raise TypeError(f"wrap: expected a flax.linen Module, got {type(module).__name__}")
   return Wrapped(module, to_kernel_plan(plan), policy)

@@ -507,14 +507,17 @@ def kernels_info(report: Mapping) -> Dict[str, Dict[str, Any]]:
   return info
 
 
-def select(report: Union[Mapping, str], criteria: Criteria = Criteria(), *,
+def select(report: Union[Mapping, str], criteria: Optional[Criteria] = None, *,
            budget_per_site=None, timing_table=None, target_device: Optional[str] = None,
-           table_dir: str = tables_lib.TIMINGS_DIR, objective: str = TRAIN) -> Plan:
+           table_dir: str = tables_lib.TIMINGS_DIR, objective: str = TRAIN,
+           **criteria_fields) -> Plan:
   """The Plan for a ProbeReport (a loaded report or its path) under the error budget.
 
   Args:
     report: a `loka.probe/1` report or the path of one.
     criteria: the global budget (eligibility.Criteria; metric='mere' for paper parity).
+    **criteria_fields: Criteria fields that replace the default's (or `criteria`'s), e.g.
+      `select(report, min_sqnr_fwd_db=30, min_speedup=None)`.
     budget_per_site: per-site budgets, {regex: Criteria | {field: value}} or a list of pairs;
       the first regex that fullmatches a site name wins.
     timing_table: a committed table (path, device kind or loaded dict) to use when the
@@ -525,6 +528,14 @@ def select(report: Union[Mapping, str], criteria: Criteria = Criteria(), *,
   """
   if objective not in OBJECTIVES:
     raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+  criteria = Criteria() if criteria is None else criteria
+  if criteria_fields:
+    known = {f.name for f in dataclasses.fields(Criteria)}
+    unknown = sorted(set(criteria_fields) - known)
+    if unknown:
+      raise TypeError(f"select: unknown criteria {unknown}; Criteria fields are "
+                      f"{sorted(known)}")
+    criteria = dataclasses.replace(criteria, **criteria_fields)
   path = None
   if isinstance(report, (str, os.PathLike)):
     path = os.fspath(report)

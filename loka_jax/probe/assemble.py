@@ -60,6 +60,12 @@ def distinct_shapes(sites: Mapping[str, Any]) -> Dict[Tuple, Tuple[str, Any]]:
 # ----------------------------------------------------------------------------- sites
 
 
+def eval_config(options: ProbeOptions) -> evaluate.EvalConfig:
+  return evaluate.EvalConfig(samples=options.samples, reservoir_samples=options.reservoir_samples,
+                             max_eval_elements=options.max_eval_elements,
+                             chunk_elements=options.chunk_elements, seed=options.seed)
+
+
 def evaluation_info(site, ev: evaluate.SiteEvaluation) -> Dict[str, Any]:
   """How a site was evaluated: slices, reservoir, shapes, chunking."""
   return {"slices": ev.slices, "of": site.layout.num_slices,

@@ -126,12 +126,6 @@ def _append_eval_cache(path: str, row: Mapping) -> None:
     f.write(json.dumps(report_lib.json_ready(row), allow_nan=False) + "\n")
 
 
-def _eval_config(options: ProbeOptions) -> evaluate.EvalConfig:
-  return evaluate.EvalConfig(samples=options.samples, reservoir_samples=options.reservoir_samples,
-                             max_eval_elements=options.max_eval_elements,
-                             chunk_elements=options.chunk_elements, seed=options.seed)
-
-
 class _CompileAhead:
   """Keeps the evaluation functions of the next `lookahead` sites to evaluate queued on a
   Precompiler, in evaluation order. A site has about 8 functions (samplers, references, a
@@ -207,7 +201,7 @@ def describe_probe(spec: experiment.RunSpec, train_config: TrainConfig,
   seen, compiling = set(), 0
   for name, site in setup.sites.items():
     jobs = evaluate.compile_jobs(site, collector_lib.site_state(stats, setup.sites, name),
-                                 setup.kernels, str(np.dtype(dtype)), _eval_config(options))
+                                 setup.kernels, str(np.dtype(dtype)), assemble.eval_config(options))
     keys = {(fn, executables.signature(args)) for fn, args in jobs}
     compiling += bool(keys - seen)
     seen |= keys
@@ -360,7 +354,7 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
   sites, kernels, excluded, names = setup.sites, setup.kernels, setup.excluded, setup.names
   selected = list(sites)
   compute_dtype = str(np.dtype(site_config_dtype(spec)))
-  eval_config = _eval_config(options)
+  eval_config = assemble.eval_config(options)
   pending: List[str] = []
 
   # ---- training, unless its statistics are summarized and every evaluation is cached
