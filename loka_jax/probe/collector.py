@@ -31,7 +31,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from loka_jax.kernels import ACT_WEIGHT
-from loka_jax.models.presets import site_products
 from loka_jax.probe import executables
 from loka_jax.probe import flush as flush_lib
 from loka_jax.probe import gaussian, matrix_normal, reservoir
@@ -122,18 +121,20 @@ def make_site_probe(name: str, spec: str, kind: str, lhs_shape, rhs_shape,
 
 
 def probe_sites(model, variables, batch, config: ProbeConfig) -> Dict[str, SiteProbe]:
-  """{site name: SiteProbe} of every GEMM site of a loka_jax tower, in call order."""
-  products = site_products(model, variables, batch)
-  if not products:
+  """{site name: SiteProbe} of every GEMM site of a loka_jax tower's training loss on
+  `batch`, in call order (found through a tap, as for any model: `hooks.discover_sites`)."""
+  found = probe_hooks.discover_sites(tower_loss(model), variables, batch)
+  if not found:
     raise ValueError("the model has no GEMM sites to probe (no DenseSite/EinsumSite/ActSite)")
-  return {name: make_site_probe(name, p.spec, p.kind, p.lhs_shape, p.rhs_shape, config)
-          for name, p in products.items()}
+  return {name: make_site_probe(name, s.spec, s.kind, s.lhs.shape, s.rhs.shape, config)
+          for name, s in found.items()}
 
 
 def tower_loss(model) -> Callable:
   """`loss_of(variables, batch, rng)` of a loka_jax tower: its training-mode binary
   cross-entropy on `batch["label"]`, dropout keyed by `rng`."""
   def loss_of(variables, batch, rng):
+    rng = jax.random.PRNGKey(0) if rng is None else rng
     logits = model.apply(variables, batch, train=True, rngs={"dropout": rng})
     return jnp.mean(bce_with_logits(logits, batch["label"]))
   return loss_of
@@ -265,15 +266,8 @@ def update_site_state(state, site: SiteProbe, lhs, rhs, grad, key, config: Probe
 
 def output_shapes(loss_of: Callable, variables, batch) -> Dict[str, jax.ShapeDtypeStruct]:
   """{site name: shape of its output} of one forward pass (abstract: nothing compiled)."""
-  found: Dict[str, jax.ShapeDtypeStruct] = {}
-
-  def run(v, b):
-    with probe_hooks.tapping() as tap:
-      loss = loss_of(v, b, jax.random.PRNGKey(0))
-    found.update({name: site.out for name, site in tap.sites.items()})
-    return loss
-  jax.eval_shape(run, variables, batch)
-  return found
+  return {name: site.out for name, site in
+          probe_hooks.discover_sites(loss_of, variables, batch).items()}
 
 
 def _update_key(site: SiteProbe, config: ProbeConfig):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
 
 import jax
 
@@ -74,6 +74,22 @@ def tapping(perturbations: Optional[Mapping[str, Any]] = None) -> Iterator[Tap]:
 
 def active_tap() -> Optional[Tap]:
   return _ACTIVE.get()
+
+
+def discover_sites(loss_of: Callable, variables, batch) -> Dict[str, TappedSite]:
+  """{site name: what the tap saw} of one forward pass, in call order (abstract trace)."""
+  found: Dict[str, TappedSite] = {}
+
+  def run(v, b):
+    with tapping() as tap:
+      loss = loss_of(v, b, None)
+    for name, site in tap.sites.items():
+      found[name] = dataclasses.replace(
+          site, lhs=jax.ShapeDtypeStruct(site.lhs.shape, site.lhs.dtype),
+          rhs=jax.ShapeDtypeStruct(site.rhs.shape, site.rhs.dtype))
+    return loss
+  jax.eval_shape(run, variables, batch)
+  return found
 
 
 def _name(module) -> str:

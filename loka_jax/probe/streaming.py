@@ -148,22 +148,6 @@ def unrouted_products(loss_of: Callable, variables, batch, site_names: Sequence[
   return out
 
 
-def discover_sites(loss_of: Callable, variables, batch) -> Dict[str, probe_hooks.TappedSite]:
-  """{site name: what the tap saw} of one forward pass, in call order (abstract trace)."""
-  found: Dict[str, probe_hooks.TappedSite] = {}
-
-  def run(v, b):
-    with probe_hooks.tapping() as tap:
-      loss = loss_of(v, b, None)
-    for name, site in tap.sites.items():
-      found[name] = dataclasses.replace(
-          site, lhs=jax.ShapeDtypeStruct(site.lhs.shape, site.lhs.dtype),
-          rhs=jax.ShapeDtypeStruct(site.rhs.shape, site.rhs.dtype))
-    return loss
-  jax.eval_shape(run, variables, batch)
-  return found
-
-
 def _signature(tree) -> Tuple:
   leaves, treedef = jax.tree.flatten(tree)
   return treedef, tuple((tuple(np.shape(x)), str(jnp.result_type(x))) for x in leaves)
@@ -241,7 +225,7 @@ class Probe:
   # -- set-up on the first batch
 
   def _setup(self, variables, batch) -> None:
-    tapped = discover_sites(self._loss_of, variables, batch)
+    tapped = probe_hooks.discover_sites(self._loss_of, variables, batch)
     if not tapped:
       raise ProbeInputError(
           f"{self.name} computes no matrix product the probe can reach: route its products "
