@@ -122,7 +122,12 @@ def make_site_probe(name: str, spec: str, kind: str, lhs_shape, rhs_shape,
 
 def probe_sites(model, variables, batch, config: ProbeConfig) -> Dict[str, SiteProbe]:
   """{site name: SiteProbe} of every GEMM site of a loka_jax tower's training loss on
-  `batch`, in call order (found through a tap, as for any model: `hooks.discover_sites`)."""
+  `batch`, in call order (found through a tap, as for any model: `hooks.discover_sites`);
+  `variables=None` traces with the shapes of a fresh initialization."""
+  if variables is None:  # the variables' shapes are all the trace needs
+    variables = jax.eval_shape(lambda b: model.init({"params": jax.random.PRNGKey(0),
+                                                     "dropout": jax.random.PRNGKey(1)}, b,
+                                                    train=False), batch)
   found = probe_hooks.discover_sites(tower_loss(model), variables, batch)
   if not found:
     raise ValueError("the model has no GEMM sites to probe (no DenseSite/EinsumSite/ActSite)")

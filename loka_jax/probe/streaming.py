@@ -128,11 +128,13 @@ def _products(jaxpr) -> List[Tuple[str, str, Tuple]]:
 
 
 def _module_path(name_stack: str, root: str) -> str:
-  """The Linen path within a jaxpr name stack ('Model/tower/dense_0' -> 'tower/dense_0')."""
+  """The Linen path within a jaxpr name stack ('Model/tower/dense_0' -> 'tower/dense_0').
+  Scopes that name no module go: `jnp.einsum` names its call by its spec ('ud,id->ui') and a
+  jitted function by 'jit(f)'."""
   parts = name_stack.split("/")
   if root in parts:
     parts = parts[parts.index(root) + 1:]
-  return "/".join(parts)
+  return "/".join(p for p in parts if p and not any(c in p for c in ",->()[] "))
 
 
 def unrouted_products(loss_of: Callable, variables, batch, site_names: Sequence[str],
