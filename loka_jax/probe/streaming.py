@@ -65,6 +65,11 @@ def model_forward(model, apply_fn: Optional[Callable], apply_kwargs: Optional[Ma
   """`forward(variables, batch) -> model output`: `apply_fn` itself, else
   `model.apply(variables, batch, **apply_kwargs)`."""
   if apply_fn is not None:
+    if hasattr(apply_fn, "lower") and hasattr(apply_fn, "trace"):
+      # A jitted function keeps its first trace, made without the plan's routing: loka_jax
+      # would then probe or check a model none of whose layers run as sites.
+      raise ProbeInputError("apply_fn is jitted (jax.jit); pass the plain function: loka_jax "
+                            "jits it itself, with its layers routed through GEMM sites")
     if apply_kwargs:
       raise ProbeInputError("give apply_fn or apply_kwargs, not both: apply_fn calls the model "
                             "itself")
@@ -233,7 +238,9 @@ class Probe:
           f"{self.name} computes no matrix product the probe can reach: route its products "
           "through nn.Dense, nn.DenseGeneral or nn.Einsum layers (or loka_jax sites), or pass "
           "the apply_fn that calls the model")
-    self.unrouted = unrouted_products(self._loss_of, variables, batch, list(tapped), self.name)
+    # The jaxpr names the top-level module by its Linen name, else its class name.
+    root = getattr(self.model, "name", None) or type(self.model).__name__
+    self.unrouted = unrouted_products(self._loss_of, variables, batch, list(tapped), root)
     pattern = self.options.sites
     chosen = [n for n in tapped if pattern is None or re.search(pattern, n)]
     if not chosen:
