@@ -2,15 +2,12 @@
 the speedup-vs-NE plot, and the speed axis marked as estimated on a CPU."""
 import os
 import re
-import tempfile
 
 import chex
-import nbclient
-import nbformat
 from absl.testing import absltest
 
-from test_ablation import REPO, cpu_env
-from test_notebook_mods import ensure_python3_kernel, outputs
+from test_ablation import REPO
+from test_notebook_mods import outputs, run_tiny
 
 NOTEBOOK = os.path.join(REPO, "notebooks", "03_dispatch.ipynb")
 
@@ -18,13 +15,8 @@ NOTEBOOK = os.path.join(REPO, "notebooks", "03_dispatch.ipynb")
 class DispatchNotebookTest(chex.TestCase):
 
   def test_sweeps_the_budget_at_tiny_size(self):
-    ensure_python3_kernel()
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
-                                     resources={"metadata": {"path": tempfile.gettempdir()}})
-    client.execute(env=cpu_env(LOKA_NOTEBOOK_TINY="1"))
+    nb, text = run_tiny(NOTEBOOK)
     self.assertEqual(outputs(nb, "error"), [])
-    text = "".join(o.get("text", "") for o in outputs(nb, "stream"))
     self.assertIn("probed 3 sites", text)
     row = r"^\s+(\d+)dB\s+(\d+)\s+([\d.]+)x\s+(\S+(?: \S+)?)\s+([\d.]+)\s+([+-][\d.]+)%"
     rows = re.findall(row, text, flags=re.M)

@@ -27,6 +27,16 @@ def outputs(nb, kind):
           if o.get("output_type") == kind]
 
 
+def run_tiny(path: str, cwd: str = tempfile.gettempdir(), **env):
+  """The notebook at `path` executed at tiny size on the CPU: (notebook, its printed text)."""
+  ensure_python3_kernel()
+  nb = nbformat.read(path, as_version=4)
+  client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                                   resources={"metadata": {"path": cwd}})
+  client.execute(env=cpu_env(LOKA_NOTEBOOK_TINY="1", **env))
+  return nb, "".join(o.get("text", "") for o in outputs(nb, "stream"))
+
+
 class ModsNotebookTest(chex.TestCase):
 
   def test_runs_the_tiny_ablation(self):

@@ -3,15 +3,12 @@ probed in its own loop, its sites named by their Linen paths, the towers' dot pr
 unrouted, a plan trained and plotted against all-bf16, validated and saved."""
 import os
 import re
-import tempfile
 
 import chex
-import nbclient
-import nbformat
 from absl.testing import absltest
 
-from test_ablation import REPO, cpu_env
-from test_notebook_mods import ensure_python3_kernel, outputs
+from test_ablation import REPO
+from test_notebook_mods import outputs, run_tiny
 
 NOTEBOOK = os.path.join(REPO, "notebooks", "04_your_model.ipynb")
 # The notebook's Dense layers by Linen path, with their tiny shapes (batch 64; 16 embedding
@@ -24,13 +21,8 @@ VERDICTS = ("met", "missed", "unresolved", "not applicable")
 class YourModelNotebookTest(chex.TestCase):
 
   def test_runs_the_tiny_two_tower(self):
-    ensure_python3_kernel()
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
-                                     resources={"metadata": {"path": tempfile.gettempdir()}})
-    client.execute(env=cpu_env(LOKA_NOTEBOOK_TINY="1"))
+    nb, text = run_tiny(NOTEBOOK)
     self.assertEqual(outputs(nb, "error"), [])
-    text = "".join(o.get("text", "") for o in outputs(nb, "stream"))
 
     # The user's own bf16 loop learns from the teacher, and the probe saw its batches.
     first, last = map(float, re.search(r"bf16 training: loss ([\d.]+) -> ([\d.]+)", text).groups())
