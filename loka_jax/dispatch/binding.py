@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from typing import Any, Callable, Optional, Tuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from loka_jax.dispatch.check import check_called
 from loka_jax.dispatch.plan import to_kernel_plan
-from loka_jax.kernels import EinsumSpec, KernelPlan
+from loka_jax.kernels import FP8_META, EinsumSpec, KernelPlan
 from loka_jax.models.site import DenseSite, EinsumSite, SiteConfig, _SiteBase, site_name
 from loka_jax.precision import BF16, DtypePolicy
 
@@ -120,9 +121,10 @@ def _flat_init(init, flat_shape):
   return lambda key, shape, dtype=jnp.float32: jnp.reshape(init(key, flat_shape, dtype), shape)
 
 
-def dense_general_spec(module: nn.DenseGeneral, ndim: int) -> Optional[Tuple[str, str]]:
-  """(einsum spec, bias axes) of a DenseGeneral layer on an `ndim`-d input, or None for a
-  layer with batch_dims (a batched weight: not an act x weight product of one weight)."""
+def dense_general_spec(module: nn.DenseGeneral, ndim: int
+                       ) -> Optional[Tuple[str, str, Tuple[int, ...]]]:
+  """(einsum spec, bias axes, features) of a DenseGeneral layer on an `ndim`-d input, or None
+  for a layer with batch_dims (a batched weight: not an act x weight product of one weight)."""
   features = (module.features,) if isinstance(module.features, int) else tuple(module.features)
   axis = (module.axis,) if isinstance(module.axis, int) else tuple(module.axis)
   if module.batch_dims:
@@ -133,7 +135,7 @@ def dense_general_spec(module: nn.DenseGeneral, ndim: int) -> Optional[Tuple[str
   feats = letters[ndim:ndim + len(features)]
   rhs = "".join(lhs[a] for a in axis) + feats
   out = "".join(c for i, c in enumerate(lhs) if i not in axis) + feats
-  return f"{lhs},{rhs}->{out}", feats
+  return f"{lhs},{rhs}->{out}", feats, features
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,12 +179,11 @@ class _Router:
     found = dense_general_spec(module, inputs.ndim)
     if found is None:
       return next_fun(inputs)
-    spec, bias_axes = found
+    spec, bias_axes, features = found
     parsed = EinsumSpec.parse(spec)
     contracted = tuple(inputs.shape[parsed.lhs.index(c)] for c in parsed.rhs
                        if c in parsed.lhs)
-    features = tuple(np.atleast_1d(module.features).tolist())
-    flat = (int(np.prod(contracted)), int(np.prod(features)))
+    flat = (math.prod(contracted), math.prod(features))
     config = SiteConfig(_layer_policy(self.policy, module, inputs), self.plan)
     site = EinsumSite(spec=spec, weight_shape=contracted + features,
                       bias_axes=bias_axes if module.use_bias else "", config=config,
@@ -212,14 +213,6 @@ def routing(plan, policy: Optional[DtypePolicy] = None, seen: Optional[set] = No
   sites under `plan`; `seen` (a set), when given, collects every site name called."""
   with nn.intercept_methods(_Router(to_kernel_plan(plan), policy, seen)):
     yield
-
-
-class PlanForAnotherModelError(ValueError):
-  """A plan that names sites the model does not have."""
-
-
-def plan_site_names(plan: KernelPlan) -> Tuple[str, ...]:
-  return tuple(name for name, _ in plan.sites)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -253,22 +246,15 @@ class Wrapped:
     with self.routing(seen):
       out = self.module.apply(variables, *args, **kwargs)
     if seen is not None:
-      unknown = [n for n in plan_site_names(self.plan) if n not in seen]
-      if unknown:
-        shown = ", ".join(unknown[:8]) + (" ..." if len(unknown) > 8 else "")
-        raise PlanForAnotherModelError(
-            f"the plan names {len(unknown)} site(s) this {type(self.module).__name__} does not "
-            f"call: {shown}; its sites are {', '.join(sorted(seen)[:8]) or 'none'}: select a "
-            "plan from this model's own probe report")
+      check_called(self.plan, seen, type(self.module).__name__)
     return out
 
   def init_state(self, variables, *args, rng=None, **kwargs):
     """`variables` plus the state the plan's stateful kernels keep (the `fp8_meta`
-    collection of delayed scaling, at its initial values); parameters are untouched."""
+    collection of delayed scaling, at its initial values); nothing else is touched."""
     rng = jax.random.PRNGKey(0) if rng is None else rng
     fresh = jax.jit(lambda r, a, k: self.init(r, *a, **k))(rng, args, kwargs)
-    extra = {c: v for c, v in fresh.items() if c not in variables and c != "params"}
-    return {**variables, **extra}
+    return {**variables, FP8_META: fresh[FP8_META]} if FP8_META in fresh else dict(variables)
 
   def with_plan(self, plan, policy: Optional[DtypePolicy] = None) -> "Wrapped":
     return Wrapped(self.module, to_kernel_plan(plan), policy if policy is not None

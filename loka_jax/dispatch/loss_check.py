@@ -17,24 +17,22 @@ import jax
 import numpy as np
 
 from loka_jax.dispatch import binding
-from loka_jax.dispatch.plan import FALLBACK, Plan, add_validation, as_plan, back_off
+from loka_jax.dispatch.check import check_called
+from loka_jax.dispatch.plan import Plan, add_validation, as_plan, back_off
+from loka_jax.dispatch.validate import (BASELINE, DELAYED_WARMUP, fp8_sites, only_site,
+                                        report_scores, worst_by_report)
 from loka_jax.kernels import FP8_META, KernelChoice, KernelPlan, registry
 from loka_jax.kernels.flax_delayed import merge_fp8_meta
 from loka_jax.precision import BF16, DtypePolicy
+from loka_jax.probe.streaming import model_forward
 from loka_jax.train.metrics import NEUTRAL_REL_LOGLOSS
 from loka_jax.train.verdict import MET, noninferiority
 
 STEP = "held_out_loss"
-DELAYED_WARMUP = 3   # delayed scaling starts at scale 1: calibrate before judging it
 
 
 class ValidationInputError(ValueError):
   """Arguments the check cannot run with; the message says what to change."""
-
-
-def _forward(module, apply_fn: Optional[Callable], apply_kwargs: Optional[Mapping]):
-  from loka_jax.probe.streaming import model_forward
-  return model_forward(module, apply_fn, apply_kwargs)
 
 
 def _losses(loss_of: Callable, variables, batches: Sequence) -> List[float]:
@@ -54,6 +52,7 @@ class _Runner:
     self.module, self.forward, self.loss_fn, self.policy = module, forward, loss_fn, policy
     self.variables, self.batches, self.calibration = variables, list(batches), list(calibration)
     self._cache: Dict[Any, List[float]] = {}
+    self.site_names = self._called_sites()
 
   def loss_fn_for(self, kplan: KernelPlan) -> Callable:
     def loss_of(variables, batch):
@@ -62,18 +61,19 @@ class _Runner:
       return self.loss_fn(out, batch)
     return loss_of
 
-  def site_names(self) -> List[str]:
+  def _called_sites(self) -> List[str]:
+    """The site names one forward pass calls (abstract trace)."""
     seen: set = set()
 
     def run(v, b):
-      with binding.routing(KernelPlan.uniform(FALLBACK), self.policy, seen):
+      with binding.routing(BASELINE, self.policy, seen):
         return self.loss_fn(self.forward(v, b), b)
     jax.eval_shape(run, self.variables, self.batches[0])
     return sorted(seen)
 
   def _variables_for(self, kplan: KernelPlan, loss_of: Callable):
     """The user's variables, with calibrated delayed-scaling state when the plan needs it."""
-    if FP8_META in self.variables or not _stateful(kplan, self.site_names()):
+    if FP8_META in self.variables or not _stateful(kplan, self.site_names):
       return self.variables
     wrapped = binding.Wrapped(self.module, kplan, self.policy)
     try:
@@ -97,32 +97,17 @@ class _Runner:
     return self._cache[kplan]
 
 
-def _fp8_forward_sites(plan: Plan, names: Sequence[str]) -> Dict[str, KernelChoice]:
-  """{site: choice} of the sites whose forward is quantized (what a held-out loss sees)."""
-  out = {}
-  for name in names:
-    choice = plan.choice_for(name)
-    if choice is not None and registry.get(choice.fwd).quantizes("fwd"):
-      out[name] = choice
-  return out
-
-
-def _only_site(site: str, choice: KernelChoice) -> KernelPlan:
-  return KernelPlan(sites=((site, choice),), default=KernelChoice.uniform(FALLBACK))
-
-
 def _worst_sites(report: Optional[Mapping], plan: Plan, candidates: Mapping[str, KernelChoice],
                  runner: _Runner, base: List[float]) -> Dict[str, str]:
   """{site: why} of the sites to back off this round."""
   if report is not None:
-    from loka_jax.dispatch.validate import report_scores, worst_by_report
     scores = report_scores(report, plan, candidates, "error", passes=("fwd",))
     return {s: f"forward SQNR {-scores[s]:.1f} dB, among the least accurate in the probe "
                "report" if math.isfinite(scores[s]) else "not in the probe report"
             for s in worst_by_report(scores)}
   contribution = {}
   for site, choice in candidates.items():
-    alone = runner.losses(_only_site(site, choice))
+    alone = runner.losses(only_site(site, choice))
     contribution[site] = float(np.mean((np.asarray(alone) - base) / np.asarray(base)))
   worst = max(contribution, key=lambda s: (contribution[s], s))
   return {worst: f"this site alone moves held-out loss {100 * contribution[worst]:+.4f}%"}
@@ -157,24 +142,19 @@ def validate(fp8_model, plan, variables, batches, loss_fn: Callable, *,
     raise ValidationInputError(f"validate needs at least 2 held-out batches (each is one pair "
                                f"of the verdict), got {len(batches)}")
   plan = as_plan(plan)
-  runner = _Runner(module, _forward(module, apply_fn, apply_kwargs), loss_fn, policy, variables,
-                   batches, list(calibration_batches or batches))
-  names = runner.site_names()
-  unknown = [n for n in plan["sites"] if n not in names]
-  if unknown:
-    raise binding.PlanForAnotherModelError(
-        f"the plan names {len(unknown)} site(s) this model does not call: "
-        f"{', '.join(unknown[:8])}; its sites are {', '.join(names[:8])}")
-  base = runner.losses(KernelPlan.uniform(FALLBACK))
+  runner = _Runner(module, model_forward(module, apply_fn, apply_kwargs), loss_fn, policy,
+                   variables, batches, list(calibration_batches or batches))
+  names = runner.site_names
+  check_called(plan.kernel_plan(), names, type(module).__name__)
+  base = runner.losses(BASELINE)
   base_arr = np.asarray(base)
   for round_ in range(max_rounds + 1):
     got = runner.losses(plan.kernel_plan())
-    candidates = _fp8_forward_sites(plan, names)
+    candidates = fp8_sites(plan, names, passes=("fwd",))  # what a held-out loss sees
     record = {"step": STEP, "round": round_, "loss": float(np.mean(got)),
               "loss_bf16": float(np.mean(base)), "batches": len(batches),
               "fp8_forward_sites": len(candidates)}
-    if not candidates and not any(registry.get(plan.choice_for(n).for_pass(p)).quantizes(p)
-                                  for n in names for p in ("grad_lhs", "grad_rhs")):
+    if not fp8_sites(plan, names):
       record.update(verdict="not applicable", passed=True,
                     note="the plan runs no FP8 product")
       return add_validation(plan, record)

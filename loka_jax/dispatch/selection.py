@@ -528,14 +528,7 @@ def select(report: Union[Mapping, str], criteria: Optional[Criteria] = None, *,
   """
   if objective not in OBJECTIVES:
     raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-  criteria = Criteria() if criteria is None else criteria
-  if criteria_fields:
-    known = {f.name for f in dataclasses.fields(Criteria)}
-    unknown = sorted(set(criteria_fields) - known)
-    if unknown:
-      raise TypeError(f"select: unknown criteria {unknown}; Criteria fields are "
-                      f"{sorted(known)}")
-    criteria = dataclasses.replace(criteria, **criteria_fields)
+  criteria = (Criteria() if criteria is None else criteria).replaced(**criteria_fields)
   path = None
   if isinstance(report, (str, os.PathLike)):
     path = os.fspath(report)

@@ -49,6 +49,14 @@ class Criteria:
   def to_dict(self):
     return dataclasses.asdict(self)
 
+  def replaced(self, **fields) -> "Criteria":
+    """A copy with `fields` changed; a name that is no field is an error listing them."""
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(self)})
+    if unknown:
+      raise TypeError(f"unknown criteria {unknown}; Criteria fields are "
+                      f"{sorted(f.name for f in dataclasses.fields(self))}")
+    return dataclasses.replace(self, **fields)
+
   def sqnr_bar(self, pass_name: str) -> float:
     """The pessimistic SQNR a kernel needs in `pass_name` (dB)."""
     if pass_name == "fwd":

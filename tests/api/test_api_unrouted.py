@@ -7,7 +7,7 @@ from absl.testing import absltest
 
 import api_models as am
 import loka_jax
-from loka_jax.dispatch.binding import PlanForAnotherModelError
+from loka_jax.dispatch.check import PlanMismatchError
 
 PRODUCT = "dot_general [32, 16] x [16, 16]"
 
@@ -74,13 +74,14 @@ class UnroutedTest(chex.TestCase):
     wrapped = loka_jax.wrap(other, self.plan)   # wrapping alone checks nothing
     for apply in (wrapped.apply, jax.jit(wrapped.apply)):
       with self.assertRaisesRegex(
-          PlanForAnotherModelError,
-          r"names 2 site\(s\) this EncDec does not call: head, in; its sites are dec, enc"
+          PlanMismatchError,
+          r"another model than this EncDec.*names 2 site\(s\) the model does not call: "
+          r"head, in; the model's sites are dec, enc"
       ) as cm:
         apply(variables, batches[0]["x"])
       self.assertNotIn("\n", str(cm.exception))
-    with self.assertRaisesRegex(PlanForAnotherModelError,
-                                r"names 2 site\(s\) this model does not call: in, head") as cm:
+    with self.assertRaisesRegex(PlanMismatchError,
+                                r"names 2 site\(s\) the model does not call: head, in") as cm:
       loka_jax.validate(wrapped, self.plan, variables, batches, am.mse, apply_fn=am.x_of(other))
     self.assertNotIn("\n", str(cm.exception))
     # a plan naming some of the model's own sites is fine (the rest take its default)
