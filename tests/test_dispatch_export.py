@@ -22,6 +22,7 @@ from loka_jax.models import SiteConfig, build_model, get_config
 from loka_jax.precision import BF16
 from loka_jax.precision.metrics import sqnr_db
 from loka_jax.probe import collector as collector_lib
+from loka_jax.probe import training
 from loka_jax.probe import stats_report
 from loka_jax.train.metrics import bce_with_logits
 
@@ -46,8 +47,8 @@ def probe_stats(model, variables, source):
   batch = source.train_batch(0, BATCH)
   abstract = jax.eval_shape(lambda: variables)
   config = collector_lib.ProbeConfig(min_observations=1)
-  sites = collector_lib.probe_sites(model, abstract, batch, config)
-  probe = collector_lib.ProbeCollector(model, source, BATCH, sites, config,
+  sites = training.probe_sites(model, abstract, batch, config)
+  probe = training.ProbeCollector(model, source, BATCH, sites, config,
                                        example_variables=abstract)
   for step in range(2):
     probe.observe(variables, jax.random.PRNGKey(2), step)

@@ -17,6 +17,7 @@ from loka_jax.kernels import KernelPlan, registry
 from loka_jax.models import SiteConfig
 from loka_jax.precision import BF16
 from loka_jax.probe import collector as collector_lib
+from loka_jax.probe import training
 from loka_jax.probe import report as report_lib
 from loka_jax.probe.eligibility import Criteria
 from loka_jax.train import TrainConfig, read_metrics, train
@@ -56,8 +57,8 @@ def probe_report(source):
   variables = model.init({"params": jax.random.PRNGKey(0)}, batch)
   abstract = jax.eval_shape(lambda: variables)
   probe = CONFIG.probe
-  sites = collector_lib.probe_sites(model, abstract, batch, probe)
-  collector = collector_lib.ProbeCollector(model, source, BATCH, sites, probe,
+  sites = training.probe_sites(model, abstract, batch, probe)
+  collector = training.ProbeCollector(model, source, BATCH, sites, probe,
                                            example_variables=abstract)
   for step in range(3):
     collector.observe(variables, jax.random.PRNGKey(1), step)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 
-from loka_jax.probe import collector, executables
+from loka_jax.probe import collector, executables, training
 from loka_jax.train import TrainConfig, restore_run, train
 from loka_jax.train.optim import make_optimizer
 from loka_jax.train.state import abstract_train_state
@@ -24,8 +24,8 @@ def _setup(on_trace=None, state=None, meta=None):
   model, source = train_toys.ToyClickModel(), train_toys.ToySource(seed=3, num_eval=64)
   batch = source.train_batch(0, BATCH)
   abstract = jax.eval_shape(lambda b: model.init({"params": jax.random.PRNGKey(0)}, b), batch)
-  sites = collector.probe_sites(model, abstract, batch, CONFIG)
-  probe = collector.ProbeCollector(model, source, BATCH, sites, CONFIG, state=state, meta=meta,
+  sites = training.probe_sites(model, abstract, batch, CONFIG)
+  probe = training.ProbeCollector(model, source, BATCH, sites, CONFIG, state=state, meta=meta,
                                    example_variables=abstract, on_trace=on_trace)
   return model, source, sites, probe
 
@@ -67,11 +67,11 @@ class StatisticsPassTest(chex.TestCase):
     self.assertEqual(len(updates), len(self.sites))  # two sites, two shapes, each traced once
     # Sites are shapes: another batch size needs its own, and traces the pass again, once.
     with self.assertRaisesRegex(collector.ProbeStateError, "set up for output shape"):
-      collector.ProbeCollector(self.model, self.source, BATCH * 2, self.sites, CONFIG)
-    bigger = collector.probe_sites(self.model, self.params,
+      training.ProbeCollector(self.model, self.source, BATCH * 2, self.sites, CONFIG)
+    bigger = training.probe_sites(self.model, self.params,
                                    self.source.train_batch(0, 2 * BATCH), CONFIG)
     traces = []
-    other = collector.ProbeCollector(self.model, self.source, BATCH * 2, bigger, CONFIG,
+    other = training.ProbeCollector(self.model, self.source, BATCH * 2, bigger, CONFIG,
                                      example_variables=jax.eval_shape(lambda: self.params),
                                      on_trace=traces.append)
     other.observe(self.params, jax.random.PRNGKey(0), step=2)
@@ -95,12 +95,12 @@ class TrainingLoopTest(chex.TestCase):
 
     state, extras = restore_run(workdir, model, source, config)
     self.assertEqual(int(state.step), 5)
-    saved = extras[collector.STATS_KEY]
+    saved = extras[training.STATS_KEY]
     chex.assert_trees_all_close(saved, jax.device_get(probe.state))
-    self.assertEqual(extras[collector.META_KEY]["site_names"], ["hidden", "out"])
+    self.assertEqual(extras[training.META_KEY]["site_names"], ["hidden", "out"])
 
     # Resume to step 9 from the checkpoint's statistics: observations continue.
-    _, _, _, resumed = _setup(state=saved, meta=extras[collector.META_KEY])
+    _, _, _, resumed = _setup(state=saved, meta=extras[training.META_KEY])
     more = TrainConfig(steps=9, batch_size=BATCH, checkpoint_every=4, progress=False,
                        log_every=0)
     train(model, source, workdir, more, extras=resumed.extras, step_callback=resumed.on_step)
@@ -148,7 +148,7 @@ class TrainingLoopTest(chex.TestCase):
     def broken(*args, **kwargs):
       raise RuntimeError("no shapes today")
     before = executables.counts()
-    with mock.patch.object(probe._observe, "compile_jobs", broken), \
+    with mock.patch.object(probe.probe.statistics_pass, "compile_jobs", broken), \
          self.assertWarnsRegex(UserWarning, "not compiled ahead .*no shapes today"):
       train(model, source, tempfile.mkdtemp(prefix="loka_probe_ahead_"), config,
             extras=probe.extras, step_callback=probe.on_step)

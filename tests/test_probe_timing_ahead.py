@@ -11,7 +11,7 @@ from unittest import mock
 import chex
 from absl.testing import absltest
 
-from loka_jax.probe import assemble, executables, kernel_timing, runner
+from loka_jax.probe import assemble, executables, kernel_timing, runner, training
 from loka_jax.probe.collector import ProbeConfig
 from loka_jax.train import TrainConfig, experiment
 
@@ -44,7 +44,7 @@ class DescribeTest(chex.TestCase):
     state = create_train_state(model, make_optimizer(config.optim), batch, config.seed)
     nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))
     self.assertEqual(d["state_bytes"], nbytes(state))
-    sites = collector_lib.probe_sites(model, None, batch, ProbeConfig())
+    sites = training.probe_sites(model, None, batch, ProbeConfig())
     self.assertEqual(d["sites"], len(sites))
     stats = collector_lib.init_state(sites, ProbeConfig(), jnp.bfloat16)
     self.assertEqual(d["statistics_bytes"], nbytes(stats))

@@ -36,6 +36,7 @@ from loka_jax.dispatch.plan import Plan, as_plan, save_plan, to_kernel_plan
 from loka_jax.dispatch.selection import TIMING_FIELDS
 from loka_jax.kernels import registry
 from loka_jax.probe import collector as collector_lib
+from loka_jax.probe import training
 from loka_jax.probe import evaluate, stats_report, summarize
 from loka_jax.probe.eligibility import Criteria
 from loka_jax.train.checkpoint import latest_json_extras
@@ -224,9 +225,9 @@ class DriftValve:
       abstract = jax.eval_shape(
           lambda b: self.model.init({"params": jax.random.PRNGKey(0),
                                      "dropout": jax.random.PRNGKey(1)}, b, train=False), batch)
-      sites = collector_lib.probe_sites(self.model, abstract, batch, self.config.probe)
+      sites = training.probe_sites(self.model, abstract, batch, self.config.probe)
       sites = {n: s for n, s in sites.items() if n in self.report["sites"]}
-      self._collector = collector_lib.ProbeCollector(
+      self._collector = training.ProbeCollector(
           self.model, self.source, self.batch_size, sites, self.config.probe,
           example_variables=abstract)
     return self._collector
@@ -236,7 +237,7 @@ class DriftValve:
     collector = self._sites_collector()
     fresh = collector_lib.init_state(collector.sites, self.config.probe,
                                      _reservoir_dtype(collector.state))
-    collector.extras[collector_lib.STATS_KEY] = jax.device_put(fresh, jax.devices()[0])
+    collector.extras[training.STATS_KEY] = jax.device_put(fresh, jax.devices()[0])
     collector.meta["steps"] = []
     collector.observe(state.variables(), state.rng, step)
     raw = jax.device_get(collector.state)

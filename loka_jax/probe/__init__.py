@@ -16,8 +16,8 @@ import sys
 import types
 
 _EXPORTS = {
-    "ProbeCollector": "collector", "ProbeConfig": "collector", "SiteProbe": "collector",
-    "init_state": "collector", "make_observe": "collector", "probe_sites": "collector",
+    "ProbeCollector": "training", "ProbeConfig": "collector", "SiteProbe": "collector",
+    "init_state": "collector", "make_observe": "collector", "probe_sites": "training",
     "site_state": "collector",
     "Criteria": "eligibility", "Verdict": "eligibility", "assess": "eligibility",
     "assess_site": "eligibility", "best_kernel": "eligibility",

@@ -16,7 +16,7 @@ from loka_jax.kernels import EinsumSpec
 from loka_jax.probe import candidates as candidates_lib
 from loka_jax.probe import evaluate, kernel_timing, plots
 from loka_jax.probe import report as report_lib
-from loka_jax.probe import stats_report
+from loka_jax.probe import stats_report, summarize
 from loka_jax.probe.options import ProbeOptions, timing_plan
 
 REPORT_JSON = "probe_report.json"
@@ -75,6 +75,17 @@ def evaluation_info(site, ev: evaluate.SiteEvaluation) -> Dict[str, Any]:
           "evaluated_shapes": {k: list(v) for k, v in ev.layout.shapes().items()},
           "chunk_samples": ev.chunk,
           "delayed_warmup_on_others": evaluate.warmup_excludes_self(ev.chunk)}
+
+
+def evaluated_passes(site, state, kernels: Sequence, compute_dtype: str,
+                     options: ProbeOptions, eval_config: evaluate.EvalConfig
+                     ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+  """({pass: {kernel: entry}}, evaluation info) of one site: each kernel's error on operands
+  drawn from the site's statistics `state`, with bootstrap CIs."""
+  ev = evaluate.evaluate_site(site, state, kernels, compute_dtype, eval_config)
+  passes = summarize.site_passes(ev, [k.name for k in kernels], n_boot=options.bootstrap,
+                                 seed=options.seed)
+  return passes, evaluation_info(site, ev)
 
 
 def site_entry(site, stats: Mapping[str, Any], info: Mapping[str, Any],

@@ -13,16 +13,13 @@ Per site (state = nested dicts of arrays, stored in checkpoint extras as `probe_
             above the previous observation's amax) and amax growth between observations
   reservoir paired slices (reservoir.py) along the site's slice index
 
-`ProbeCollector` drives it from the training loop's step_callback every `cadence` steps and
-keeps `extras` (what the loop saves in each checkpoint) current, with the timings from which
-the probe's overhead is reported.
+`streaming.Probe` runs it on any model's batches; `training.ProbeCollector` drives that Probe
+from loka_jax's training loop every `cadence` steps and keeps the statistics in checkpoints.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import time
-import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import flax
@@ -36,11 +33,7 @@ from loka_jax.probe import flush as flush_lib
 from loka_jax.probe import gaussian, matrix_normal, reservoir
 from loka_jax.probe import hooks as probe_hooks
 from loka_jax.probe.layout import OPERANDS, PASS_AXES, SiteLayout, site_layout
-from loka_jax.train.metrics import bce_with_logits
 
-STATS_KEY = "probe_stats"   # checkpoint extras: the arrays
-META_KEY = "probe_meta"     # checkpoint extras: JSON (config, observed steps, timings)
-META_SCHEMA = "loka.probe_state/1"
 
 
 class ProbeStateError(ValueError):
@@ -118,31 +111,6 @@ def make_site_probe(name: str, spec: str, kind: str, lhs_shape, rhs_shape,
   else:
     modes["rhs"] = choose(layout.rhs.num_features)
   return SiteProbe(name, layout, modes, _reservoir_capacity(layout, config))
-
-
-def probe_sites(model, variables, batch, config: ProbeConfig) -> Dict[str, SiteProbe]:
-  """{site name: SiteProbe} of every GEMM site of a loka_jax tower's training loss on
-  `batch`, in call order (found through a tap, as for any model: `hooks.discover_sites`);
-  `variables=None` traces with the shapes of a fresh initialization."""
-  if variables is None:  # the variables' shapes are all the trace needs
-    variables = jax.eval_shape(lambda b: model.init({"params": jax.random.PRNGKey(0),
-                                                     "dropout": jax.random.PRNGKey(1)}, b,
-                                                    train=False), batch)
-  found = probe_hooks.discover_sites(tower_loss(model), variables, batch)
-  if not found:
-    raise ValueError("the model has no GEMM sites to probe (no DenseSite/EinsumSite/ActSite)")
-  return {name: make_site_probe(name, s.spec, s.kind, s.lhs.shape, s.rhs.shape, config)
-          for name, s in found.items()}
-
-
-def tower_loss(model) -> Callable:
-  """`loss_of(variables, batch, rng)` of a loka_jax tower: its training-mode binary
-  cross-entropy on `batch["label"]`, dropout keyed by `rng`."""
-  def loss_of(variables, batch, rng):
-    rng = jax.random.PRNGKey(0) if rng is None else rng
-    logits = model.apply(variables, batch, train=True, rngs={"dropout": rng})
-    return jnp.mean(bce_with_logits(logits, batch["label"]))
-  return loss_of
 
 
 # ----------------------------------------------------------------------------- state
@@ -269,12 +237,6 @@ def update_site_state(state, site: SiteProbe, lhs, rhs, grad, key, config: Probe
   return out
 
 
-def output_shapes(loss_of: Callable, variables, batch) -> Dict[str, jax.ShapeDtypeStruct]:
-  """{site name: shape of its output} of one forward pass (abstract: nothing compiled)."""
-  return {name: site.out for name, site in
-          probe_hooks.discover_sites(loss_of, variables, batch).items()}
-
-
 def _update_key(site: SiteProbe, config: ProbeConfig):
   """Sites equal up to their name share one compiled update."""
   return (site.layout, tuple(sorted(site.modes.items())), site.reservoir_capacity, config)
@@ -375,176 +337,3 @@ def make_observe(loss_of: Callable, sites: Mapping[str, SiteProbe], config: Prob
 
 
 # ----------------------------------------------------------------------------- the loop hook
-
-
-def _median(values):
-  return float(np.median(values)) if len(values) else None
-
-
-class ProbeCollector:
-  """Observes a training run every `config.cadence` steps (the loop's step_callback).
-
-  `extras` is the dict to hand to `train(..., extras=...)`: it always holds the current
-  statistics, so every checkpoint saves them and a resumed run continues from them. An
-  observation due at a checkpoint step that a resumed run skipped is made one step late.
-  """
-
-  def __init__(self, model, source, batch_size: int, sites: Mapping[str, SiteProbe],
-               config: ProbeConfig, state=None, meta: Optional[Mapping[str, Any]] = None,
-               example_variables=None, on_trace: Optional[Callable[[str], None]] = None):
-    self.model = model
-    self.source = source
-    self.batch_size = batch_size
-    self.sites = dict(sites)
-    self.config = config
-    batch = source.train_batch(0, batch_size)
-    if example_variables is None:
-      example_variables = jax.eval_shape(
-          lambda b: model.init({"params": jax.random.PRNGKey(0),
-                                "dropout": jax.random.PRNGKey(1)}, b, train=False), batch)
-    loss_of = tower_loss(model)
-    outputs = output_shapes(loss_of, example_variables, batch)
-    for name, site in self.sites.items():
-      got = outputs.get(name)
-      if got is None or tuple(got.shape) != site.layout.grad.shape:
-        raise ProbeStateError(
-            f"site {name}: the probe was set up for output shape {site.layout.grad.shape}, but "
-            f"a batch of {batch_size} gives {None if got is None else tuple(got.shape)}; build "
-            "the sites (probe_sites) from a batch of the training batch size")
-    # No donation: leaves of a fresh state can share one buffer (equal zeros), and the GPU
-    # refuses to donate a buffer twice (the CPU ignores donation, so only the GPU showed it).
-    self._observe = make_observe(loss_of, self.sites, config, outputs, on_trace=on_trace,
-                                 donate=False)
-    dtype = next(iter(outputs.values())).dtype  # site outputs: the compute dtype
-    meta = dict(meta or {})
-    if state is None:
-      state = init_state(self.sites, config, dtype)
-    else:
-      names = meta.get("site_names")
-      if names is not None and list(names) != list(self.sites):
-        raise ProbeStateError("checkpoint extras: the saved probe statistics belong to sites "
-                         f"{list(names)[:4]}..., not this model's {list(self.sites)[:4]}...; "
-                         "use a new --workdir")
-      check_state(state, self.sites, config, "checkpoint extras")
-    # Committed arrays, as every later state is: jit caches on committedness, so a fresh or
-    # restored state then shares the compiled pass with the states it produces.
-    state = jax.tree.map(lambda x: jax.device_put(jnp.asarray(x), jax.devices()[0]), state)
-    self.meta = {"schema": META_SCHEMA, "config": config.to_dict(),
-                 "site_names": list(self.sites),
-                 "steps": list(meta.get("steps", [])),
-                 "probe_s": list(meta.get("probe_s", [])),
-                 "step_s": list(meta.get("step_s", [])),
-                 "compile_s": meta.get("compile_s")}
-    self.extras = {STATS_KEY: state, META_KEY: self.meta}
-    self._last_return: Optional[float] = None
-    self._compiled = False
-    self._precompiler: Optional[executables.Precompiler] = None
-    self._ahead_workers: Optional[int] = None
-    self._ahead_pending = False
-
-  def compile_ahead(self, example_state, workers: Optional[int] = None) -> int:
-    """Starts compiling the statistics pass on `workers` threads (None: CPUs up to 16) for a
-    training state like `example_state` (a TrainState, or its shapes: `abstract_train_state`);
-    returns how many functions were queued. The first observation takes them and closes the
-    threads (`close`, which a run that makes no observation calls itself)."""
-    batch = self.source.train_batch(0, self.batch_size)
-    step_key = jax.eval_shape(lambda k: jax.random.fold_in(k, 0), example_state.rng)
-    jobs = self._observe.compile_jobs(self.state, example_state.variables(), batch, step_key,
-                                      jax.random.PRNGKey(0))
-    self.close()
-    self._precompiler = executables.Precompiler(workers)
-    return self._precompiler.submit(jobs)
-
-  def try_compile_ahead(self, example_state, workers: Optional[int] = None) -> int:
-    """`compile_ahead`, where a failure only warns: the pass then compiles on its first
-    call, as without it, and raises there whatever is wrong with it."""
-    try:
-      return self.compile_ahead(example_state, workers)
-    except Exception as e:  # noqa: BLE001 - compiling ahead is an optimization only
-      self.close()
-      warnings.warn(f"the statistics pass was not compiled ahead ({type(e).__name__}: "
-                    f"{str(e)[:200]}); it compiles on its first call")
-      return 0
-
-  @property
-  def pass_compiled(self) -> bool:
-    """Whether this process has run the statistics pass (and so compiled it)."""
-    return self._compiled
-
-  def compile_ahead_after_first_step(self, workers: Optional[int] = None) -> None:
-    """`compile_ahead` with the training state of the loop's first step, unless an
-    observation is due at once. Not before: the training step's own compile then runs
-    alone, since on the GPU compiles side by side autotune against each other (twenty-fifth
-    session, docs/BENCHMARKS.md section 7), and its autotuning results may be saved for
-    every later program with the same fusions (`experiments.bench`'s autotune file)."""
-    self._ahead_workers, self._ahead_pending = workers, True
-
-  def close(self) -> None:
-    """Ends compiling ahead: queued compiles are dropped, running ones finish."""
-    if self._precompiler is not None:
-      self._precompiler.close()
-      self._precompiler = None
-
-  @property
-  def state(self):
-    return self.extras[STATS_KEY]
-
-  @property
-  def observations(self) -> int:
-    return len(self.meta["steps"])
-
-  def last_observed_step(self) -> int:
-    return max(self.meta["steps"]) if self.meta["steps"] else 0
-
-  def due(self, step: int) -> bool:
-    """A cadence point was passed since the last observation."""
-    return (step // self.config.cadence) * self.config.cadence > self.last_observed_step()
-
-  def on_step(self, step: int, train_state, step_metrics=None) -> None:
-    """The training loop's step_callback."""
-    del step_metrics
-    now = time.perf_counter()
-    if self._last_return is not None:
-      self.meta["step_s"].append(now - self._last_return)
-    if self._ahead_pending:
-      self._ahead_pending = False
-      if not self.due(step):
-        self.try_compile_ahead(train_state, self._ahead_workers)
-    if self.due(step):
-      self.observe(train_state.variables(), train_state.rng, step)
-    self._last_return = time.perf_counter()
-
-  def observe(self, variables, rng_key, step: int) -> None:
-    """Observes the model with `variables` on training batch `step` (its dropout key is the
-    training step's: fold_in(rng_key, step))."""
-    batch = self.source.train_batch(step, self.batch_size)
-    rng = jax.random.fold_in(rng_key, step)
-    key = jax.random.fold_in(jax.random.PRNGKey(self.config.seed + 1), step)
-    start = time.perf_counter()
-    new_state = self._observe(self.extras[STATS_KEY], variables, batch, rng, key)
-    jax.block_until_ready(new_state)
-    seconds = time.perf_counter() - start
-    if self._compiled:
-      self.meta["probe_s"].append(seconds)
-    else:
-      self._compiled = True
-      self.meta["compile_s"] = seconds  # the first call of this process includes compilation
-      self.close()   # every function it compiled ahead has been taken
-    self.extras[STATS_KEY] = new_state
-    self.meta["steps"].append(int(step))
-
-  def overhead(self) -> Dict[str, Any]:
-    """Measured probe cost against the training step time."""
-    probe = _median(self.meta["probe_s"])
-    # The first gap of a process includes compiling the train step: leave it out.
-    steps = self.meta["step_s"][1:] if len(self.meta["step_s"]) > 1 else self.meta["step_s"]
-    step = _median(steps)
-    out = {"observations": self.observations, "cadence": self.config.cadence,
-           "probe_ms": None if probe is None else 1e3 * probe,
-           "step_ms": None if step is None else 1e3 * step,
-           "compile_s": self.meta.get("compile_s"),
-           "fraction": None}
-    if probe is not None and step:
-      # One observation per `cadence` steps.
-      out["fraction"] = probe / (self.config.cadence * step)
-    return out

@@ -35,8 +35,9 @@ from loka_jax.probe import candidates as candidates_lib
 from loka_jax.probe import collector as collector_lib
 from loka_jax.probe import evaluate, executables, kernel_timing
 from loka_jax.probe import report as report_lib
-from loka_jax.probe import stats_report, summarize
-from loka_jax.probe.collector import META_KEY, STATS_KEY, ProbeCollector, ProbeConfig
+from loka_jax.probe import stats_report
+from loka_jax.probe.collector import ProbeConfig
+from loka_jax.probe.training import META_KEY, STATS_KEY, ProbeCollector, probe_sites
 from loka_jax.train import experiment
 from loka_jax.train.checkpoint import Checkpointer
 from loka_jax.train.loop import TrainConfig, restore_run, train
@@ -165,7 +166,7 @@ def _setup(spec: experiment.RunSpec, batch_size: int, probe_config: ProbeConfig,
   abstract = jax.eval_shape(lambda b: model.init({"params": jax.random.PRNGKey(0),
                                                   "dropout": jax.random.PRNGKey(1)}, b,
                                                  train=False), batch)
-  sites = collector_lib.probe_sites(model, abstract, batch, probe_config)
+  sites = probe_sites(model, abstract, batch, probe_config)
   try:
     kernels, excluded = candidates_lib.candidate_kernels(options.kernels or None,
                                                          jax.default_backend())
@@ -414,9 +415,8 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
         t0 = time.time()
         if ahead:
           ahead.reach(name)
-        ev = evaluate.evaluate_site(site, state, todo_of(name), compute_dtype, eval_config)
-        new = summarize.site_passes(ev, missing, n_boot=options.bootstrap, seed=options.seed)
-        evaluation_info = assemble.evaluation_info(site, ev)
+        new, evaluation_info = assemble.evaluated_passes(site, state, todo_of(name),
+                                                         compute_dtype, options, eval_config)
         _append_eval_cache(cache_path, {"key": {**key_of(name, fingerprint), "kernels": missing},
                                         "passes": new, "evaluation": evaluation_info})
         passes = _merged_passes(found, new, names)

@@ -31,7 +31,7 @@ from loka_jax.precision import BF16, DtypePolicy
 from loka_jax.probe import assemble
 from loka_jax.probe import candidates as candidates_lib
 from loka_jax.probe import collector as collector_lib
-from loka_jax.probe import evaluate, stats_report, summarize
+from loka_jax.probe import stats_report
 from loka_jax.probe import hooks as probe_hooks
 from loka_jax.probe.collector import ProbeConfig
 from loka_jax.probe.eligibility import Criteria
@@ -225,13 +225,17 @@ class Probe:
     self._pass = None
     self._signature = None
     self._dtype: Dict[str, str] = {}
+    self._tapped: Dict[str, probe_hooks.TappedSite] = {}
     self._seconds: List[float] = []
     self._compile_s: Optional[float] = None
     self._batches = 0
 
   # -- set-up on the first batch
 
-  def _setup(self, variables, batch) -> None:
+  def find_sites(self, variables, batch) -> Dict[str, collector_lib.SiteProbe]:
+    """{site name: SiteProbe} of the sites this probe observes (those `sites=` selects) in
+    one forward pass on `batch`, in call order; also lists the products outside sites
+    (`self.unrouted`). Abstract: `variables` may be shapes."""
     tapped = probe_hooks.discover_sites(self._loss_of, variables, batch)
     if not tapped:
       raise ProbeInputError(
@@ -245,34 +249,66 @@ class Probe:
     chosen = [n for n in tapped if pattern is None or re.search(pattern, n)]
     if not chosen:
       raise ProbeInputError(f"sites={pattern!r} matches none of the sites: {list(tapped)}")
-    self.sites = {n: collector_lib.make_site_probe(n, tapped[n].spec, tapped[n].kind,
-                                                   tapped[n].lhs.shape, tapped[n].rhs.shape,
-                                                   self.config) for n in chosen}
-    self._dtype = {n: str(np.dtype(tapped[n].lhs.dtype)) for n in chosen}
-    outputs = {n: tapped[n].out for n in chosen}
-    self._pass = collector_lib.make_observe(self._loss_of, self.sites, self.config, outputs)
-    dtype = tapped[chosen[0]].out.dtype
-    self.state = jax.device_put(collector_lib.init_state(self.sites, self.config, dtype),
-                                jax.devices()[0])
+    self._tapped = {n: tapped[n] for n in chosen}
+    return {n: collector_lib.make_site_probe(n, tapped[n].spec, tapped[n].kind,
+                                             tapped[n].lhs.shape, tapped[n].rhs.shape,
+                                             self.config) for n in chosen}
+
+  def setup(self, variables, batch, *, sites: Optional[Mapping[str, Any]] = None, state=None,
+            on_trace: Optional[Callable[[str], None]] = None) -> None:
+    """Prepares observing batches like `batch`: the sites (found here, or the given
+    SiteProbes, which must be called with their shapes), the statistics pass and the state
+    (empty, or `state` restored). `observe` calls it on its first batch."""
+    found = self.find_sites(variables, batch)
+    if sites is not None:
+      for name, site in sites.items():
+        got = self._tapped.get(name)
+        got = None if got is None else got.out
+        if got is None or tuple(got.shape) != site.layout.grad.shape:
+          raise collector_lib.ProbeStateError(
+              f"site {name}: the probe was set up for output shape {site.layout.grad.shape}, "
+              f"but this batch gives {None if got is None else tuple(got.shape)}; build the "
+              "sites from a batch of the training batch size")
+      found = dict(sites)
+    self.sites = found
+    self._dtype = {n: str(np.dtype(self._tapped[n].lhs.dtype)) for n in found}
+    outputs = {n: self._tapped[n].out for n in found}
+    # No donation: leaves of a fresh state can share one buffer (equal zeros), and the GPU
+    # refuses to donate a buffer twice.
+    self._pass = collector_lib.make_observe(self._loss_of, self.sites, self.config, outputs,
+                                            on_trace=on_trace)
+    if state is None:
+      state = collector_lib.init_state(self.sites, self.config, outputs[next(iter(found))].dtype)
+    else:
+      collector_lib.check_state(state, self.sites, self.config, "checkpoint extras")
+    # Committed arrays, as every later state is: jit caches on committedness, so a fresh or
+    # restored state then shares the compiled pass with the states it produces.
+    self.state = jax.tree.map(lambda x: jax.device_put(jnp.asarray(x), jax.devices()[0]), state)
     self._signature = _signature(batch)
+
+  @property
+  def statistics_pass(self) -> Optional[collector_lib.StatisticsPass]:
+    return self._pass
 
   # -- observing
 
-  def observe(self, variables, batch, rng: Optional[jax.Array] = None) -> None:
+  def observe(self, variables, batch, *, key: Optional[jax.Array] = None) -> None:
     """Folds one batch, seen by the model with `variables`, into every site's statistics:
     operands, output gradients of `loss_fn`, weight distribution and a paired reservoir of
-    real rows. Compiles on the first call; later calls reuse the compiled pass."""
+    real rows. Compiles on the first call; later calls reuse the compiled pass. `key` draws
+    the reservoir's rows (default: from the number of batches observed)."""
     if self._pass is None:
-      self._setup(variables, batch)
+      self.setup(variables, batch)
     else:
       change = _signature_change(self._signature, _signature(batch))
       if change is not None:
         raise ProbeInputError(f"batch {self._batches}: its structure differs from the first "
                               f"batch's ({change}); give the probe batches of one shape")
-    rng = jax.random.PRNGKey(self._batches) if rng is None else rng
-    key = jax.random.fold_in(jax.random.PRNGKey(self.config.seed + 1), self._batches)
+    if key is None:
+      key = jax.random.fold_in(jax.random.PRNGKey(self.config.seed + 1), self._batches)
     start = time.perf_counter()
-    self.state = self._pass(self.state, variables, batch, rng, key)
+    # The pass hands an rng to the loss, which takes none here: a constant one.
+    self.state = self._pass(self.state, variables, batch, jax.random.PRNGKey(0), key)
     jax.block_until_ready(self.state)
     seconds = time.perf_counter() - start
     if self._compile_s is None:
@@ -302,17 +338,14 @@ class Probe:
       raise ProbeInputError("the probe has observed no batch: call observe(variables, batch) "
                             "at least once before report()")
     eval_config = assemble.eval_config(self.options)
-    names = [k.name for k in self.kernels]
     entries: Dict[str, Dict] = {}
     for i, (name, site) in enumerate(self.sites.items()):
       t0 = time.time()
       state = jax.device_get(collector_lib.site_state(self.state, self.sites, name))
-      ev = evaluate.evaluate_site(site, state, self.kernels, self._dtype[name], eval_config)
-      passes = summarize.site_passes(ev, names, n_boot=self.options.bootstrap,
-                                     seed=self.options.seed)
+      passes, info = assemble.evaluated_passes(site, state, self.kernels, self._dtype[name],
+                                               self.options, eval_config)
       entries[name] = assemble.site_entry(
-          site, stats_report.site_stats(site, state, self._batches),
-          assemble.evaluation_info(site, ev), passes)
+          site, stats_report.site_stats(site, state, self._batches), info, passes)
       print(f"[probe] evaluated {i + 1}/{len(self.sites)} {name} in {time.time() - t0:.1f}s",
             flush=True)
     dtypes = sorted(set(self._dtype.values()))
