@@ -13,7 +13,7 @@ import json
 from absl import app, flags
 
 from loka_jax import jsonio
-from loka_jax.probe import kernel_timing
+from loka_jax.probe import kernel_timing, timing_caches
 
 OUT = flags.DEFINE_string("out", None, "Write every compared row here (JSON).")
 
@@ -34,7 +34,7 @@ def main(argv):
   if len(argv) != 3:
     raise app.UsageError("give two timing cache files: FIRST.json SECOND.json")
   try:
-    result = kernel_timing.compare_caches(_entries(argv[1]), _entries(argv[2]))
+    result = timing_caches.compare_caches(_entries(argv[1]), _entries(argv[2]))
   except ValueError as e:
     raise app.UsageError(str(e)) from e
   if OUT.value:

@@ -4,14 +4,14 @@ again the shapes another model's probe timed.
   python3 -m experiments.merge_timing_caches --out=WORK/tc/NVIDIA_H200.json FIRST.json MORE.json ...
 
 Each product problem (spec, shapes, dtype) keeps every entry of the first file that timed it
-(`kernel_timing.merge_caches`): list the target's own cache first. Prints how many problems
+(`timing_caches.merge_caches`): list the target's own cache first. Prints how many problems
 each file gave.
 """
 import json
 
 from absl import app, flags
 
-from loka_jax.probe import kernel_timing
+from loka_jax.probe import kernel_timing, timing_caches
 
 OUT = flags.DEFINE_string("out", None, "The merged cache file (may be one of the inputs).")
 flags.mark_flag_as_required("out")
@@ -37,7 +37,7 @@ def main(argv):
   if len(kinds) != 1:
     raise app.UsageError(f"the caches are of different device kinds: {sorted(map(str, kinds))}; "
                          "timings of one card say nothing about another")
-  entries, taken = kernel_timing.merge_caches([c.entries for c in caches])
+  entries, taken = timing_caches.merge_caches([c.entries for c in caches])
   try:
     out = kernel_timing.TimingCache(OUT.value, caches[0].device_kind)
   except kernel_timing.TimingCacheError as e:

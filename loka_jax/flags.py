@@ -1,4 +1,4 @@
-"""The common experiment flags (DESIGN.md "Formats"), defined once; every script imports this."""
+"""The common experiment flags (docs/FORMATS.md), defined once; every script imports this."""
 from __future__ import annotations
 
 from absl import flags
@@ -57,7 +57,7 @@ def define_timing_compile_workers():
       "before any is timed (1: each compiles in turn, just before its warm-up). Keep 1 on "
       "the GPU: each compile autotunes its GEMMs on the device, and with 8 workers on an "
       "H200 XLA's autotuner timed out in its delay kernel and every kernel read slower "
-      "(median 1.068x, all 46 above 1.02x; docs/BENCHMARKS.md, twenty-fifth session). "
+      "(median 1.068x, all 46 above 1.02x). "
       "More workers save time where compiles do not autotune (the CPU).",
       lower_bound=1)
 
@@ -70,7 +70,7 @@ def define_min_timing_gflops():
       "are not timed, and selection keeps them in bf16 (0: time every shape). A shape's "
       "timing is mostly compiles (about 100 s a shape at DHEN large on the H200); across "
       "the H200 table's 140 shape-pass groups below 5 GFLOP no FP8 kernel reached 1.05x but "
-      "one, a 4096x1 output's grad_lhs (docs/BENCHMARKS.md, twenty-ninth session).",
+      "one, a 4096x1 output's grad_lhs.",
       lower_bound=0.0)
 
 

@@ -15,7 +15,7 @@ from absl.testing import absltest, parameterized
 from loka_jax import kernels as kernels_lib
 from loka_jax import timing as timing_lib
 from loka_jax.dispatch import timing_table
-from loka_jax.probe import candidates, collector, eligibility, kernel_timing, plots
+from loka_jax.probe import candidates, collector, eligibility, kernel_timing, plots, timing_caches
 from loka_jax.probe import report as report_lib
 from loka_jax.probe.stats_report import histogram
 
@@ -363,7 +363,7 @@ class KernelTimingTest(absltest.TestCase):
       return {kernel_timing.cache_key(e["kernel"], e["pass"], e["spec"], e["lhs_shape"],
                                       e["rhs_shape"], e["dtype"]): e for e in es}
 
-    got = kernel_timing.compare_caches(cache(10.0, 8.0, 20.0), cache(10.0, 16.0, 20.0))
+    got = timing_caches.compare_caches(cache(10.0, 8.0, 20.0), cache(10.0, 16.0, 20.0))
     rows = {(r["kernel"], r["pass"]): r for r in got["rows"]}
     self.assertLen(rows, 4)  # the failed entry is left out
     fp8 = rows[("xla_fp8_rowwise", "fwd")]
@@ -376,7 +376,7 @@ class KernelTimingTest(absltest.TestCase):
     self.assertEqual((summary["entries"], summary["median_ratio"]), (4, 1.0))
     self.assertEqual((summary["ci_overlap_share"], summary["max_speedup_change"]), (0.75, 0.5))
     with self.assertRaisesRegex(ValueError, "share no measured kernel pass"):
-      kernel_timing.compare_caches(cache(10.0, 8.0, 20.0), {})
+      timing_caches.compare_caches(cache(10.0, 8.0, 20.0), {})
 
   def test_merged_caches_keep_each_problem_from_one_measurement(self):
     def entries(us, problems):
@@ -393,7 +393,7 @@ class KernelTimingTest(absltest.TestCase):
     other = entries(20.0, [48, 96])
     del other[next(k for k, e in other.items()            # a problem the target timed in
                    if e["lhs_shape"] == [64, 48] and e["kernel"] == "xla_bf16")]  # part only
-    merged, taken = kernel_timing.merge_caches([own, other])
+    merged, taken = timing_caches.merge_caches([own, other])
     self.assertEqual(taken, [2, 1])
     by_problem = {}
     for e in merged.values():

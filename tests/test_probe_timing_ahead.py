@@ -139,13 +139,13 @@ class ShapeStartsTest(chex.TestCase):
     self.assertEqual(done["pending"], done["shapes"])     # the fake timed nothing into the cache
 
   def test_start_by_keeps_the_slowest_shape_in_hand(self):
-    starts = kernel_timing.ShapeStarts(deadline=1000.0)
+    starts = assemble.ShapeStarts(deadline=1000.0)
     self.assertEqual(starts.start_by(), 1000.0)
     starts.record(30.0)
     starts.record(150.0)
     starts.record(40.0)
     self.assertEqual(starts.start_by(), 850.0)
-    self.assertIsNone(kernel_timing.ShapeStarts(None).start_by())
+    self.assertIsNone(assemble.ShapeStarts(None).start_by())
 
 
 class EvalCacheTest(absltest.TestCase):

@@ -575,7 +575,7 @@ def serving_proposal(report: Mapping, selected: Plan, criteria: Criteria = Crite
   timed at 1.03x alone can serve much faster: at the 8192x2048x8 tower the delayed
   forward's per-site speedup read 1.08x in one probe and 1.03x in the next, the serving plan
   went from 8 FP8 forwards to none, and this proposal's export then served 1.58x faster than
-  that plan's (H200, docs/BENCHMARKS.md, section 7, twenty-first session). Only the served
+  that plan's (H200). Only the served
   step can tell; `bench.suite` times both exports in one interleaving."""
   from loka_jax.dispatch.export import serves_static_fp8
   accuracy_only = dataclasses.replace(criteria, min_speedup=None)

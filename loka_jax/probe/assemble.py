@@ -101,6 +101,27 @@ def site_entry(site, stats: Mapping[str, Any], info: Mapping[str, Any],
 # ----------------------------------------------------------------------------- timing
 
 
+class ShapeStarts:
+  """When the next site shape may still start within a deadline: only if it would end by
+  then at the pace of the slowest shape measured so far in this call (the first always
+  starts). A process killed mid-shape by a hard time limit saves none of that shape's
+  timings, and one shape's compiles and samples take 20-150 s at Wukong `large`'s shapes
+  (H200), so a start checked against the deadline
+  alone leaves a whole shape's worth of the limit to chance."""
+
+  def __init__(self, deadline: Optional[float]):
+    self.deadline = deadline
+    self.longest = 0.0
+
+  def start_by(self) -> Optional[float]:
+    """The latest time.time() at which a shape may start (None: no deadline)."""
+    return None if self.deadline is None else self.deadline - self.longest
+
+  def record(self, seconds: float) -> None:
+    """One shape measured, taking `seconds`."""
+    self.longest = max(self.longest, seconds)
+
+
 @dataclasses.dataclass
 class Timing:
   """Where the report's timings came from and whether dispatch may trust them."""
@@ -132,7 +153,7 @@ def attach_timings(site_entries: Dict[str, Dict], sites: Mapping[str, Any], kern
     cache = kernel_timing.TimingCache(kernel_timing.default_cache_path(cache_dir, kind), kind)
     source = {"kind": "measured", "device_kind": device, "cache": cache.path}
     first_of_shape = {name for name, _ in distinct_shapes(sites).values()}
-    starts = kernel_timing.ShapeStarts(deadline)
+    starts = ShapeStarts(deadline)
     if options.min_timing_gflops > 0:
       source["min_timing_gflops"] = options.min_timing_gflops
     for name, entry in site_entries.items():

@@ -256,8 +256,7 @@ class StatisticsPass:
   into its statistics, compiled once per distinct site shape and shared by equal sites.
   Both go through `executables.call`, so functions compiled ahead (`compile_jobs`) are
   taken from there: on first call they compile one after another, which took 58 s of
-  InterFormer `large`'s first observation, 33 functions (H200, docs/BENCHMARKS.md section 7,
-  thirty-second session).
+  InterFormer `large`'s first observation, 33 functions (H200).
   """
 
   def __init__(self, loss_of: Callable, sites: Mapping[str, SiteProbe], config: ProbeConfig,

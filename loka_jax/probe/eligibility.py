@@ -1,6 +1,6 @@
 """Which kernel may run which pass of which site: the rule Probe reports and Dispatch selects by.
 
-Default (DESIGN.md "Numerics conventions"), always on the pessimistic end of each 95% CI:
+Default, always on the pessimistic end of each 95% CI:
   accurate   SQNR lower bound >= 25 dB (fwd) / >= 20 dB (grad_lhs, grad_rhs; the weight
              gradient's bar can be set apart, `min_sqnr_wgrad_db`);
              or, with metric='mere' (paper parity), MERE upper bound < 0.2
@@ -34,9 +34,8 @@ class Criteria:
   # into the embeddings; a weight gradient's stays in one matrix's Adam update. At Wukong
   # `large`, Flax's FP8 weight gradients everywhere (down to -4.8 dB pessimistic) trained
   # 500 steps as well as bf16 at one seed, while FP8 input gradients at 32 sites stopped
-  # training from the probe's state, which sits on a plateau runs leave at their own times:
-  # the same plan trained from initialization (docs/BENCHMARKS.md section 7, forty-third to
-  # forty-sixth sessions).
+  # training from the probe's state, which sits on a plateau runs leave at their own times,
+  # as did the same plan trained from initialization (H200).
   min_sqnr_wgrad_db: Optional[float] = None
   max_mere: float = 0.2
   max_underflow: float = 0.01

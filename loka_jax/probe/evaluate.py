@@ -385,7 +385,7 @@ def fused_chunk_floor(samples: int) -> int:
   (`fused_evaluator`): in a smaller chunk the roll brings the sample itself among them, its
   own amax then bounds its scale, and the op reads as current scaling that never saturates.
   The memory bound (`_chunk_size`) gave one sample a chunk at most sites of the `large`
-  presets and the largest towers (docs/BENCHMARKS.md section 7, thirty-first session)."""
+  presets and the largest towers."""
   return min(DELAYED_WARMUP + 1, samples)
 
 

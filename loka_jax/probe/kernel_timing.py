@@ -5,11 +5,10 @@ group with the xla_bf16 baseline, timed with quantization and scaling included, 
 normal operands (never zeros). Short products run as a chain of UNROLL calls in one program
 on a GPU (`timing.ChainSampler`: each call's operands depend on the previous result, and the
 same chain of a one-element call, the floor, is timed beside it and subtracted); the backend
-is read from the compiled HLO. Results are cached on disk per device
-kind, keyed by (kernel, pass, spec, shapes, dtype), so a rerun measures only what is
-missing, and kernels that run identical code for a pass share one measurement. A speedup no
-timing resolves (an outer product, K = 1; a chained call under MIN_RESOLVED_US) is reported
-`unresolved`, without a speedup.
+is read from the compiled HLO. Results are cached on disk per device kind, keyed by (kernel,
+pass, spec, shapes, dtype): a rerun measures only what is missing, and kernels that run
+identical code for a pass share one measurement. A speedup no timing resolves (K = 1; a
+chained call under MIN_RESOLVED_US) is `unresolved`. Caches side by side: `timing_caches`.
 
 Fused-op kernels (Flax's delayed scaling) own all passes: their forward is timed alone and
 their backward as one vjp call returning both gradients (XLA drops the unused forward
@@ -17,9 +16,9 @@ product; the quantization the backward needs stays in: an upper bound), reported
 gradient passes with `"time_scope": "grad_lhs+grad_rhs"`. It is compared with the baseline's
 backward timed the same way, one vjp call, in the same interleaving (cache pass
 `grad_lhs+grad_rhs`, `baseline_bwd_key`): the baseline's two gradient passes timed apart each
-pay a call's fixed cost and share nothing: against them, the delayed forward's bf16 backward
+pay a call's fixed cost and share nothing: against them the delayed forward's bf16 backward
 read 1.28-1.61x faster than bf16's at DHEN `small`'s 48 sites, against bf16's one-call
-backward 0.89-1.04x (H200, docs/BENCHMARKS.md section 7).
+backward 0.89-1.04x (H200).
 """
 from __future__ import annotations
 
@@ -182,8 +181,7 @@ def _baseline_bwd_variant(kernel, layout: SiteLayout, dtype):
 # Site products of fewer FLOPs are short on any GPU (under 30 us at H100's bf16 peak): a
 # sample is one chain of UNROLL calls less its floor. Longer products are dispatched one call
 # at a time, back to back, which keeps the device busy without touching their operands. On
-# the H200 (2026-11-27, against the profiler's kernel times; docs/BENCHMARKS.md, "Eleventh
-# session"): one chain read [4096,1024]x[1024,1024] 16.4-16.6 us (kernel 12.6-13.5 us) and
+# the H200 (2026-11-27, against the profiler's kernel times): one chain read [4096,1024]x[1024,1024] 16.4-16.6 us (kernel 12.6-13.5 us) and
 # kernels of 1.5-3 us 10-170% long; 20 ms of single calls back to back read 808 us for
 # [16384,4096]x[4096,4096] (795-798 us back to back unblocked) and 99.9 us for
 # [8192,2048]x[2048,2048] (kernel 86-91 us), where one blocked call had read 983 us.
@@ -200,7 +198,7 @@ def _compile_ahead(variants: Mapping[str, Tuple[Callable, Sequence]], calls: int
   microsecond kernels each. The GPU autotunes each compile's GEMMs on the device, and
   compiles run side by side autotune against each other's measurements: with 8 workers on
   an H200 XLA's autotuner timed out in its delay kernel and every kernel then read slower
-  (median 1.068x; docs/BENCHMARKS.md, twenty-fifth session), so the default is one worker
+  (median 1.068x), so the default is one worker
   and more are for compiles that do not autotune (the CPU)."""
   if workers <= 1 or not variants:
     return {}
@@ -385,27 +383,6 @@ def measure_site(layout: SiteLayout, kernels, dtype: str, cache: TimingCache, *,
   return entries
 
 
-class ShapeStarts:
-  """When the next site shape may still start within a deadline: only if it would end by
-  then at the pace of the slowest shape measured so far in this call (the first always
-  starts). A process killed mid-shape by a hard time limit saves none of that shape's
-  timings, and one shape's compiles and samples take 20-150 s at Wukong `large`'s shapes
-  (H200, docs/BENCHMARKS.md, "Seventeenth session"), so a start checked against the deadline
-  alone leaves a whole shape's worth of the limit to chance."""
-
-  def __init__(self, deadline: Optional[float]):
-    self.deadline = deadline
-    self.longest = 0.0
-
-  def start_by(self) -> Optional[float]:
-    """The latest time.time() at which a shape may start (None: no deadline)."""
-    return None if self.deadline is None else self.deadline - self.longest
-
-  def record(self, seconds: float) -> None:
-    """One shape measured, taking `seconds`."""
-    self.longest = max(self.longest, seconds)
-
-
 def _error_entry(kernel: str, pass_name: str, spec: str, a_shape, b_shape, dtype: str,
                  error: str) -> Dict:
   return {"kernel": kernel, "pass": pass_name, "spec": spec, "lhs_shape": list(a_shape),
@@ -426,7 +403,7 @@ def _sum_timing(a: Dict, b: Dict) -> Dict:
   return {"kernel": BASELINE, "seconds": [x + y for x, y in zip(a["seconds"], b["seconds"])]}
 
 
-def _usable(entry: Optional[Dict]) -> bool:
+def usable(entry: Optional[Dict]) -> bool:
   return entry is not None and "error" not in entry
 
 
@@ -437,7 +414,7 @@ def _usable(entry: Optional[Dict]) -> bool:
 # one-element floor kernels read 5-18 us a call on the H200): the product ran inside another
 # kernel. DLRM `small`'s top_mlp/dense_4 grad_lhs ([4096,1] . [1,256]) read 0.33 us with
 # xla_fp8_rowwise against bf16's 5.5 us, a "16.97x" that selection took and validation, timing
-# the whole step at 1.00x, sent back (H200, docs/BENCHMARKS.md, "Twelfth session").
+# the whole step at 1.00x, sent back (H200).
 MIN_RESOLVED_US = 1.0
 
 
@@ -475,11 +452,11 @@ def _whole_bwd_speedup(entry: Dict, bwd: Optional[Dict], grad_lhs: Optional[Dict
   """{speedup, baseline_us, speedup_vs} of a backward timed as one call: against the
   baseline's backward timed the same way when the cache has it, else (a cache from before
   it was timed) against the baseline's two gradient passes summed, which favours the op."""
-  if _usable(bwd):
+  if usable(bwd):
     lo, hi = bwd["ci_us"]
     return {"speedup": _speedup(bwd, entry), "baseline_us": [lo, bwd["median_us"], hi],
             "speedup_vs": "baseline backward, one call"}
-  if _usable(grad_lhs) and _usable(grad_rhs):
+  if usable(grad_lhs) and usable(grad_rhs):
     return {"speedup": _speedup(_sum_timing(grad_lhs, grad_rhs), entry),
             "speedup_vs": "baseline grad_lhs + grad_rhs, timed apart"}
   return {}
@@ -514,11 +491,11 @@ def site_timings(layout: SiteLayout, kernels, dtype: str, cache: TimingCache, *,
       info["time_scope"] = e["time_scope"]
       info.update(_whole_bwd_speedup(e, bwd, got.get((BASELINE, "grad_lhs")),
                                      got.get((BASELINE, "grad_rhs"))))
-      base_us = bwd["median_us"] if _usable(bwd) else None
+      base_us = bwd["median_us"] if usable(bwd) else None
     else:
       base = got.get((BASELINE, p))
-      base_us = base["median_us"] if _usable(base) else None
-      if _usable(base):
+      base_us = base["median_us"] if usable(base) else None
+      if usable(base):
         info["speedup"] = _speedup(base, e)
     if name != BASELINE:
       mark_unresolved(info, unresolved_reason(
@@ -603,68 +580,3 @@ def device_kind() -> str:
 
 def on_gpu() -> bool:
   return _compat.on_gpu()
-
-
-def compare_caches(first: Mapping[str, Dict], second: Mapping[str, Dict]) -> Dict:
-  """Two timing caches' entries ({key: entry}) of the same kernel passes, measured apart
-  (say with one and with several compile workers): per entry both medians, their ratio
-  (second / first) and whether the 95% CIs overlap; and per kernel pass its speedup over
-  the baseline's same pass in each cache, which is what selection reads. `summary`: how many
-  entries, the ratios' median and 5-95% range, the share of overlapping CIs, and the
-  largest speedup change."""
-  rows = []
-  for key in sorted(set(first) & set(second)):
-    a, b = first[key], second[key]
-    if not (_usable(a) and _usable(b)):
-      continue
-    overlap = a["ci_us"][0] <= b["ci_us"][1] and b["ci_us"][0] <= a["ci_us"][1]
-    row = {"kernel": a["kernel"], "pass": a["pass"], "lhs_shape": a["lhs_shape"],
-           "rhs_shape": a["rhs_shape"], "first_us": a["median_us"],
-           "second_us": b["median_us"], "ratio": b["median_us"] / a["median_us"],
-           "ci_overlap": bool(overlap)}
-    # A fused op's backward (both gradients in one call, filed under each gradient pass)
-    # against the baseline's backward timed the same way, keyed by the grad_lhs problem.
-    whole_bwd = a.get("time_scope") == FUSED_SCOPE
-    base = (None if whole_bwd and a["pass"] != "grad_lhs" else
-            cache_key(BASELINE, FUSED_SCOPE if whole_bwd else a["pass"], a["spec"],
-                      a["lhs_shape"], a["rhs_shape"], a["dtype"]))
-    if (a["kernel"] != BASELINE and base is not None and _usable(first.get(base))
-        and _usable(second.get(base))):
-      row["speedup_first"] = first[base]["median_us"] / a["median_us"]
-      row["speedup_second"] = second[base]["median_us"] / b["median_us"]
-    rows.append(row)
-  if not rows:
-    raise ValueError("compare_caches: the two caches share no measured kernel pass")
-  ratios = np.array([r["ratio"] for r in rows])
-  changes = [abs(r["speedup_second"] / r["speedup_first"] - 1) for r in rows
-             if "speedup_first" in r]
-  summary = {"entries": len(rows), "median_ratio": float(np.median(ratios)),
-             "ratio_p5": float(np.percentile(ratios, 5)),
-             "ratio_p95": float(np.percentile(ratios, 95)),
-             "ci_overlap_share": float(np.mean([r["ci_overlap"] for r in rows])),
-             "max_speedup_change": float(max(changes)) if changes else None}
-  return {"rows": rows, "summary": summary}
-
-
-def _problem(entry: Mapping) -> Tuple:
-  return (entry["spec"], tuple(entry["lhs_shape"]), tuple(entry["rhs_shape"]), entry["dtype"])
-
-
-def merge_caches(sources: Sequence[Mapping[str, Dict]]) -> Tuple[Dict[str, Dict], List[int]]:
-  """One cache's entries from several of the same device kind ({key: entry} each, first
-  first): each product problem (spec, shapes, dtype) takes every entry of the first source
-  that timed it, so a problem's kernels and its baseline stay one interleaved measurement,
-  never one source's kernel over another's baseline. Returns (entries, problems taken from
-  each source). Models share shapes (DLRM and DCNv2 `large` share their bottom MLP and four
-  top-MLP layers), and a probe finds a shape in its cache and does not time it again.
-  A site shape timed whole by one source keeps all its problems from it, unless an earlier
-  source timed another shape with one of the same problems: then a fused op's grad_rhs
-  entry (its one-call backward) meets the baseline backward of another run."""
-  owner: Dict[Tuple, int] = {}
-  for i, entries in enumerate(sources):
-    for entry in entries.values():
-      owner.setdefault(_problem(entry), i)
-  merged = {key: entry for i, entries in enumerate(sources) for key, entry in entries.items()
-            if owner[_problem(entry)] == i}
-  taken = [sum(1 for o in owner.values() if o == i) for i in range(len(sources))]
-  return merged, taken

@@ -239,7 +239,7 @@ def time_site_shapes(spec: experiment.RunSpec, batch_size: int, cache_dir: str,
   dtype = str(np.dtype(site_config_dtype(spec)))
   layouts = distinct_shapes(setup.sites)
   timed = pending = skipped = 0
-  starts = kernel_timing.ShapeStarts(deadline)
+  starts = assemble.ShapeStarts(deadline)
   for i, (name, layout) in enumerate(layouts.values()):
     if below_timing_floor(layout, options):
       skipped += 1
