@@ -109,6 +109,12 @@ def regression_batches(n: int, seed: int = 0, batch: int = BATCH, features: int 
            "y": rng.standard_normal(batch).astype(np.float32)} for _ in range(n)]
 
 
+def regression_setup(model, n: int, seed: int):
+  """(n regression batches, `model`'s variables initialized on the first), both from `seed`."""
+  batches = regression_batches(n, seed=seed)
+  return batches, jax.jit(model.init)(jax.random.PRNGKey(seed), batches[0]["x"])
+
+
 def labelled_batches(n: int, seed: int = 0, classes: int = 5):
   rng = np.random.default_rng(seed)
   return [{"x": rng.standard_normal((BATCH, IN)).astype(np.float32),

@@ -19,8 +19,7 @@ class ProbeInputTest(chex.TestCase):
   def setUpClass(cls):
     super().setUpClass()
     cls.model = am.EncDec()
-    cls.batches = am.regression_batches(3, seed=3)
-    cls.variables = jax.jit(cls.model.init)(jax.random.PRNGKey(3), cls.batches[0]["x"])
+    cls.batches, cls.variables = am.regression_setup(cls.model, 3, seed=3)
 
   def assertOneLine(self, cm):
     self.assertIsInstance(cm.exception, ValueError)

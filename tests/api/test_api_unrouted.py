@@ -18,8 +18,7 @@ class UnroutedTest(chex.TestCase):
   def setUpClass(cls):
     super().setUpClass()
     cls.model = am.WithUnrouted()
-    cls.batches = am.regression_batches(2, seed=1)
-    cls.variables = jax.jit(cls.model.init)(jax.random.PRNGKey(1), cls.batches[0]["x"])
+    cls.batches, cls.variables = am.regression_setup(cls.model, 2, seed=1)
     cls.report = loka_jax.probe(cls.model, cls.variables, cls.batches, am.mse,
                                 apply_fn=am.x_of(cls.model), samples=4)
     cls.plan = loka_jax.select(cls.report, min_speedup=None)
@@ -69,8 +68,7 @@ class UnroutedTest(chex.TestCase):
 
   def test_a_plan_for_another_model_is_refused(self):
     other = am.EncDec()
-    batches = am.regression_batches(2, seed=2)
-    variables = jax.jit(other.init)(jax.random.PRNGKey(2), batches[0]["x"])
+    batches, variables = am.regression_setup(other, 2, seed=2)
     wrapped = loka_jax.wrap(other, self.plan)   # wrapping alone checks nothing
     for apply in (wrapped.apply, jax.jit(wrapped.apply)):
       with self.assertRaisesRegex(
