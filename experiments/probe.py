@@ -23,6 +23,7 @@ import sys
 import jax
 from absl import app, flags
 
+from experiments import time_limit
 from loka_jax import flags as common
 from loka_jax.probe import eligibility
 from loka_jax.dispatch.timing_table import TimingTableError
@@ -127,7 +128,8 @@ def _options(criteria: eligibility.Criteria) -> ProbeOptions:
       kernels=tuple(KERNELS.value), sites=SITES.value, time=_auto(TIME.value),
       repeats=REPEATS.value, timing_cache=TIMING_CACHE.value, timing_table=TIMING_TABLE.value,
       write_table=_auto(WRITE_TABLE.value), max_eval_elements=MAX_EVAL_ELEMENTS.value,
-      plots=PLOTS.value, site_plots=SITE_PLOTS.value, budget_s=BUDGET_S.value or None,
+      plots=PLOTS.value, site_plots=SITE_PLOTS.value,
+      should_stop=time_limit.stop_after(BUDGET_S.value),
       compile_workers=compile_workers(),
       timing_compile_workers=TIMING_COMPILE_WORKERS.value,
       min_timing_gflops=MIN_TIMING_GFLOPS.value, criteria=criteria, seed=common.SEED.value)

@@ -1,4 +1,4 @@
-"""Timing by the benchmark protocol (DESIGN.md): warm up, interleave variants, repeat, report
+"""Timing by the benchmark protocol: warm up, interleave variants, repeat, report
 medians and bootstrap 95% confidence intervals of speedups against a baseline of the same run.
 
 Work shorter than about a millisecond is timed as N iterations inside one jitted fori_loop, so

@@ -13,10 +13,10 @@ if "xla_force_host_platform_device_count" not in _flags:
 # than they save. They change how code is generated, not what it computes. Measured on 2
 # cores with the cache below: the whole suite 16.7 min at level 0 (23.5 min before either),
 # 20.0 at level 1, which compiles longer but runs a tiny model's step about 2.5x faster:
-# only a few tests train long (docs/BENCHMARKS.md, twelfth session).
+# only a few tests train long.
 # XLA:CPU's older elemental fusion emitters compile the suite's steps faster than its MLIR
 # fusion emitters (Wukong tiny's train step 6.0 s -> 2.8 s, `experiments.compile_times`; the
-# suite 17.3 -> 11.7 min with the one-example init, thirteenth session). Newer jaxlibs (0.11.2)
+# suite 17.3 -> 11.7 min with the one-example init). Newer jaxlibs (0.11.2)
 # dropped that flag while its name stays in their libraries, and XLA aborts the process on an
 # unknown flag; so the flags go to XLA only after a child process accepted them.
 _CHEAP_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",

@@ -110,9 +110,9 @@ class TimingAheadTest(chex.TestCase):
           self.assertIsNotNone(per_kernel[k]["time_us"], (name, p, k))
 
 
-class ShapeStartsTest(chex.TestCase):
-  """A shape starts only if it would end by the deadline at the slowest shape's pace so far:
-  a process that a hard limit kills mid-shape saves nothing of that shape."""
+class PaceTest(chex.TestCase):
+  """A shape starts only if the caller's limit allows the slowest shape's length so far: a
+  process that a hard limit kills mid-shape saves nothing of that shape."""
 
   def test_a_shape_that_would_overrun_the_budget_is_not_started(self):
     clock = mock.Mock()
@@ -120,9 +120,7 @@ class ShapeStartsTest(chex.TestCase):
     clock.now = 0.0
     started = []
 
-    def measure(layout, kernels, dtype, cache, *, deadline=None, **kw):
-      if deadline is not None and clock.now > deadline:
-        return []
+    def measure(layout, kernels, dtype, cache, **kw):
       started.append(clock.now)
       clock.now += 100.0                 # every shape takes 100 s of the clock
       return [{"kernel": "fake"}]
@@ -130,22 +128,25 @@ class ShapeStartsTest(chex.TestCase):
     with mock.patch.object(kernel_timing, "on_gpu", return_value=True), \
         mock.patch.object(runner, "time", clock), \
         mock.patch.object(kernel_timing, "measure_site", side_effect=measure):
+      should_stop = lambda expected_s: clock.now + expected_s > 250.0
       done = runner.time_site_shapes(spec(), BATCH, tempfile.mkdtemp(),
-                                     options=options(None, budget_s=250.0))
+                                     options=options(None, should_stop=should_stop))
     self.assertGreaterEqual(done["shapes"], 3)
     # Shapes start at 0 and 100; at 200 one more would end at 300, past the 250 s budget,
     # though 200 itself is within it.
     self.assertEqual(started, [0.0, 100.0])
     self.assertEqual(done["pending"], done["shapes"])     # the fake timed nothing into the cache
 
-  def test_start_by_keeps_the_slowest_shape_in_hand(self):
-    starts = assemble.ShapeStarts(deadline=1000.0)
-    self.assertEqual(starts.start_by(), 1000.0)
-    starts.record(30.0)
-    starts.record(150.0)
-    starts.record(40.0)
-    self.assertEqual(starts.start_by(), 850.0)
-    self.assertIsNone(assemble.ShapeStarts(None).start_by())
+  def test_the_slowest_unit_so_far_is_what_the_limit_is_asked_about(self):
+    asked = []
+    pace = assemble.Pace(lambda expected_s: asked.append(expected_s) or expected_s > 100.0)
+    self.assertTrue(pace.may_start())
+    pace.record(30.0)
+    pace.record(150.0)
+    pace.record(40.0)
+    self.assertFalse(pace.may_start())
+    self.assertEqual(asked, [0.0, 150.0])
+    self.assertTrue(assemble.Pace(None).may_start())
 
 
 class EvalCacheTest(absltest.TestCase):

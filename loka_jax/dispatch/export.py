@@ -110,7 +110,7 @@ def _static_fp8(spec: EinsumSpec, lhs, lhs_scale, rhs_q, rhs_scale, out_dtype, k
   With one scale for the whole product (tensorwise operands), the dot writes the output
   dtype and the scale follows in it: the form of Flax's delayed-scaling forward (`out_dq`),
   which cuBLASLt runs as one FP8 GEMM. With per-column weight scales (rowwise) the product
-  stays float32 until scaled. At the largest tower (H200, docs/BENCHMARKS.md section 7) the
+  stays float32 until scaled. At the largest tower on an H200 the
   float32 form served the plan at 1.24x bf16 and the output-dtype form at 1.40x; the planned
   model itself ran 1.58x over bf16+Mods.
   """
@@ -157,7 +157,7 @@ def contraction_last(spec: EinsumSpec) -> str:
   order, then the contracted axes in the activation's order: the layout in which cuBLASLt's
   FP8 GEMM on Hopper (both operands contraction-major, "TN") reads the weight as stored.
   Stored as `kn`, an e4m3 weight is transposed by a separate kernel on every call (421 us a
-  step at the largest tower's exported forward, H200, docs/BENCHMARKS.md section 7)."""
+  step at the largest tower's exported forward on an H200)."""
   batch = [c for c in spec.out if c in spec.rhs and c in spec.lhs]
   free = [c for c in spec.out if c in spec.rhs and c not in spec.lhs]
   contracted = [c for c in spec.lhs if c in spec.rhs and c not in spec.out]

@@ -5,8 +5,8 @@ initialization as it ends (`validate.run_step`), so a plan saved mid-check (a pa
 `plan_validating.json`) already says how its runs went, seed by seed, before the check's
 verdict exists. These functions turn those records into a status line, a table with each
 plan run's change against bf16+Mods at the same seed and recipe, and the runs' loss curves
-(`validate.loss_curve`), which show when a run left a plateau (Wukong `large`,
-docs/BENCHMARKS.md section 7, forty-sixth session). `experiments.validation_report` prints
+(`validate.loss_curve`), which show when a run left a plateau (as Wukong `large`'s runs
+do). `experiments.validation_report` prints
 and plots them.
 """
 from __future__ import annotations

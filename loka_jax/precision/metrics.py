@@ -1,4 +1,4 @@
-"""Error metrics of a product against its reference (DESIGN.md "Numerics conventions").
+"""Error metrics of a product against its reference, all in float32.
 
 All metrics are computed in float32 on the host-visible arrays; non-finite results are
 capped (SQNR at 200 dB) or turned into None plus an error string by `to_json_safe`.

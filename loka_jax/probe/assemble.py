@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import jax
 
@@ -101,24 +101,22 @@ def site_entry(site, stats: Mapping[str, Any], info: Mapping[str, Any],
 # ----------------------------------------------------------------------------- timing
 
 
-class ShapeStarts:
-  """When the next site shape may still start within a deadline: only if it would end by
-  then at the pace of the slowest shape measured so far in this call (the first always
-  starts). A process killed mid-shape by a hard time limit saves none of that shape's
-  timings, and one shape's compiles and samples take 20-150 s at Wukong `large`'s shapes
-  (H200), so a start checked against the deadline
-  alone leaves a whole shape's worth of the limit to chance."""
+class Pace:
+  """Whether the next unit of work (a site's evaluation, a shape's timing) may start: asks the
+  caller's `should_stop` with the longest such unit so far in this call (the first asks with
+  0). A process killed mid-shape saves none of that shape's timings, and one shape's compiles
+  and samples take 20-150 s at Wukong `large`'s shapes on an H200, so the caller's limit is
+  asked about the whole unit, not its start."""
 
-  def __init__(self, deadline: Optional[float]):
-    self.deadline = deadline
+  def __init__(self, should_stop: Optional[Callable[[float], bool]]):
+    self.should_stop = should_stop
     self.longest = 0.0
 
-  def start_by(self) -> Optional[float]:
-    """The latest time.time() at which a shape may start (None: no deadline)."""
-    return None if self.deadline is None else self.deadline - self.longest
+  def may_start(self) -> bool:
+    return self.should_stop is None or not self.should_stop(self.longest)
 
   def record(self, seconds: float) -> None:
-    """One shape measured, taking `seconds`."""
+    """One unit done, taking `seconds`."""
     self.longest = max(self.longest, seconds)
 
 
@@ -136,8 +134,7 @@ def _unsupported(entry: Mapping) -> Dict[str, Dict[str, str]]:
 
 
 def attach_timings(site_entries: Dict[str, Dict], sites: Mapping[str, Any], kernels: Sequence,
-                   compute_dtype: str, options: ProbeOptions, workdir: Optional[str],
-                   deadline: Optional[float] = None) -> Timing:
+                   compute_dtype: str, options: ProbeOptions, workdir: Optional[str]) -> Timing:
   """Adds each candidate's time and speedup to every pass of `site_entries`: measured here
   on a GPU (each distinct shape once, through the on-disk timing cache), else read from the
   committed timing table of `options.timing_table` (then marked not valid for dispatch
@@ -153,7 +150,7 @@ def attach_timings(site_entries: Dict[str, Dict], sites: Mapping[str, Any], kern
     cache = kernel_timing.TimingCache(kernel_timing.default_cache_path(cache_dir, kind), kind)
     source = {"kind": "measured", "device_kind": device, "cache": cache.path}
     first_of_shape = {name for name, _ in distinct_shapes(sites).values()}
-    starts = ShapeStarts(deadline)
+    pace = Pace(options.should_stop)
     if options.min_timing_gflops > 0:
       source["min_timing_gflops"] = options.min_timing_gflops
     for name, entry in site_entries.items():
@@ -161,14 +158,14 @@ def attach_timings(site_entries: Dict[str, Dict], sites: Mapping[str, Any], kern
       if below_timing_floor(layout, options):
         timings[name] = skipped_timings(entry["passes"], options)
         continue
-      if name in first_of_shape:
+      if name in first_of_shape and pace.may_start():
         t0 = time.time()
         got = kernel_timing.measure_site(layout, kernels, compute_dtype, cache,
                                          unsupported=_unsupported(entry),
-                                         repeats=options.repeats, deadline=starts.start_by(),
+                                         repeats=options.repeats,
                                          compile_workers=options.timing_compile_workers)
         if got:
-          starts.record(time.time() - t0)
+          pace.record(time.time() - t0)
           _log(f"timed {name} ({len(got)} kernel passes) in {time.time() - t0:.1f}s")
       timings[name] = kernel_timing.site_timings(layout, kernels, compute_dtype, cache,
                                                  unsupported=_unsupported(entry))

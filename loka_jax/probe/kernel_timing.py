@@ -26,7 +26,6 @@ import concurrent.futures
 import datetime
 import json
 import os
-import time
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import jax
@@ -295,11 +294,10 @@ def _site_keys(layout: SiteLayout, kernels, dtype: str, unsupported) -> Dict[Tup
 
 def measure_site(layout: SiteLayout, kernels, dtype: str, cache: TimingCache, *,
                  unsupported: Mapping[str, Mapping[str, str]], repeats: int = 20,
-                 deadline: Optional[float] = None, compile_workers: int = 1) -> List[Dict]:
+                 compile_workers: int = 1) -> List[Dict]:
   """Times every (kernel, pass) of this site shape missing from `cache` (and the baseline,
   again, whenever something is measured; with the fused ops, the baseline's one-call
-  backward); returns the new entries. Stops before starting when `deadline` (a time.time())
-  has passed. `compile_workers`: threads compiling the shape's programs before any is timed
+  backward); returns the new entries. `compile_workers`: threads compiling the shape's programs before any is timed
   (`_time_interleaved`)."""
   keys = _site_keys(layout, kernels, dtype, unsupported)
   by_name = {k.name: k for k in kernels}
@@ -310,7 +308,7 @@ def measure_site(layout: SiteLayout, kernels, dtype: str, cache: TimingCache, *,
   if bwd_key is not None and cache.get(bwd_key, by_name[BASELINE].revision) is None:
     # A fused op timed before its baseline backward was: time it again beside that backward.
     missing += [kp for kp in keys if kp[0] in fused and kp not in missing]
-  if not missing or (deadline is not None and time.time() > deadline):
+  if not missing:
     return []
   jdt = jnp.dtype(dtype)
   variants: Dict[str, Tuple] = {}

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 from loka_jax.dispatch import timing_table as tables_lib
 from loka_jax.probe import eligibility, kernel_timing
@@ -30,7 +30,10 @@ class ProbeOptions:
   plots: bool = True
   site_plots: bool = True
   sites: Optional[str] = None              # regex (re.search): probe only these sites
-  budget_s: Optional[float] = None         # wall-clock budget of this call (None: none)
+  # Asked before each site's evaluation and each shape's timing, with the expected seconds of
+  # that work (the longest of its kind so far in this call); True leaves it pending for a
+  # rerun, which resumes from the caches. The caller decides what "out of time" means.
+  should_stop: Optional[Callable[[float], bool]] = None
   compile_workers: Optional[int] = None    # threads compiling evaluation ahead (None: CPUs
                                            # up to 16; 0: compile on first call, in turn)
   timing_compile_workers: int = 1          # threads compiling a shape's timed programs

@@ -225,11 +225,9 @@ def time_site_shapes(spec: experiment.RunSpec, batch_size: int, cache_dir: str,
   The timings depend on shapes only, so they can be measured ahead, on any machine of the
   target kind: a later probe whose `ProbeOptions.timing_cache` is this directory finds them
   and skips its own timing phase (Wukong large: 17 shapes, most of a GPU call). Resumable,
-  and it stops at `options.budget_s`; shapes below `options.min_timing_gflops` are left out.
+  and it leaves shapes pending when `options.should_stop` asks; shapes below `options.min_timing_gflops` are left out.
   Returns {"cache", "device_kind", "shapes", "timed", "pending", "skipped"}.
   """
-  start = time.time()
-  deadline = None if options.budget_s is None else start + options.budget_s
   if not kernel_timing.on_gpu():
     raise ProbeSetupError("timing kernels needs a GPU (CPU timings say nothing about GPU "
                           "kernels)")
@@ -239,7 +237,7 @@ def time_site_shapes(spec: experiment.RunSpec, batch_size: int, cache_dir: str,
   dtype = str(np.dtype(site_config_dtype(spec)))
   layouts = distinct_shapes(setup.sites)
   timed = pending = skipped = 0
-  starts = assemble.ShapeStarts(deadline)
+  pace = assemble.Pace(options.should_stop)
   for i, (name, layout) in enumerate(layouts.values()):
     if below_timing_floor(layout, options):
       skipped += 1
@@ -247,12 +245,13 @@ def time_site_shapes(spec: experiment.RunSpec, batch_size: int, cache_dir: str,
     t0 = time.time()
     # The same (kernel, pass) set the probe's timing phase will look up.
     unsupported = evaluate.unsupported_passes(layout, setup.kernels)
-    got = kernel_timing.measure_site(layout, setup.kernels, dtype, cache,
-                                     unsupported=unsupported, repeats=options.repeats,
-                                     deadline=starts.start_by(),
-                                     compile_workers=options.timing_compile_workers)
+    got = []
+    if pace.may_start():
+      got = kernel_timing.measure_site(layout, setup.kernels, dtype, cache,
+                                       unsupported=unsupported, repeats=options.repeats,
+                                       compile_workers=options.timing_compile_workers)
     if got:
-      starts.record(time.time() - t0)
+      pace.record(time.time() - t0)
     done = kernel_timing.site_timings(layout, setup.kernels, dtype, cache,
                                       unsupported=unsupported)
     if any(t.get("timing") == "missing" for per in done.values() for t in per.values()):
@@ -349,7 +348,6 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
   `build(spec) -> (model, source, config)` replaces `experiment.build_run` for models that
   are not presets (e.g. the benchmark's MLP towers)."""
   start = time.time()
-  deadline = None if options.budget_s is None else start + options.budget_s
   os.makedirs(workdir, exist_ok=True)
   setup = _setup(spec, train_config.batch_size, probe_config, options, build)
   sites, kernels, excluded, names = setup.sites, setup.kernels, setup.excluded, setup.names
@@ -399,12 +397,13 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
       compute_dtype, eval_config)
   ahead = _CompileAhead(precompiler, to_evaluate, jobs_of) if precompiler else None
   evaluated, counts_before, t_eval = 0, executables.counts(), time.time()
+  pace = assemble.Pace(options.should_stop)
   try:
     for i, name in enumerate(selected):
       site = sites[name]
       found, evaluation_info, missing = cached_of[name]
       passes = _merged_passes(found, {}, names)
-      if missing and deadline is not None and time.time() > deadline:
+      if missing and not pace.may_start():
         pending.append(f"evaluation of {name}")
         continue
       # Without a collector every site is cached: its statistics come from the summary.
@@ -420,6 +419,7 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
         _append_eval_cache(cache_path, {"key": {**key_of(name, fingerprint), "kernels": missing},
                                         "passes": new, "evaluation": evaluation_info})
         passes = _merged_passes(found, new, names)
+        pace.record(time.time() - t0)
         evaluated += 1
         reused = len(names) - len(missing)
         _log(f"evaluated {i + 1}/{len(selected)} {name} in {time.time() - t0:.1f}s"
@@ -446,7 +446,7 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
 
   # ---- timing, then the report
   timing = assemble.attach_timings(site_entries, sites, kernels, compute_dtype, options,
-                                   workdir, deadline)
+                                   workdir)
   pending.extend(timing.pending)
   report = assemble.finish_report(
       site_entries, sites, kernels, excluded, options, eval_config, compute_dtype, timing,
