@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 
-from loka_jax.data import criteo, sources
+from loka_jax.data import criteo, make, sources
 from loka_jax.data.sources import DataFileError
 from loka_jax.data.spec import validate_batch
 
@@ -167,12 +167,12 @@ class ReaderTest(chex.TestCase):
 
   def test_make_source(self):
     path = _write(self.tmp / "d.tsv", _random_rows(50, seed=4))
-    src = sources.make_source("criteo", data_path=path, spec={"vocab_size": 77}, num_eval=10)
+    src = make.make_source("criteo", data_path=path, spec={"vocab_size": 77}, num_eval=10)
     self.assertIsInstance(src, sources.DataSource)
     self.assertEqual(src.features.vocab_sizes, (77,) * 26)
     self.assertIsNone(src.oracle_ne)
     with self.assertRaisesRegex(ValueError, "needs data_path"):
-      sources.make_source("criteo")
+      make.make_source("criteo")
 
 
 class ErrorTest(parameterized.TestCase):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 
-from loka_jax.data import movielens, sources
+from loka_jax.data import make, movielens, sources
 from loka_jax.data.sources import DataFileError
 from loka_jax.data.spec import validate_batch
 
@@ -244,7 +244,7 @@ class ErrorsTest(parameterized.TestCase):
     cache.mkdir()
     _write_zip(cache / movielens.RECBOLE_WHEEL)  # a zip, but not the published wheel
     with self.assertRaisesRegex(DataFileError, "corrupt or truncated.*delete it"):
-      sources.make_source("movielens", data_cache=str(cache))
+      make.make_source("movielens", data_cache=str(cache))
 
   def test_unknown_config_key(self):
     with self.assertRaisesRegex(ValueError, r"unknown movielens config key\(s\) \['seqlen'\]"):
@@ -258,7 +258,7 @@ class ErrorsTest(parameterized.TestCase):
 @pytest.mark.network
 def test_real_download(tmp_path):
   """Fetches the real wheel with pip (about 2 MB) and checks facts of ML-100K."""
-  src = sources.make_source("movielens", data_cache=str(tmp_path), spec={"seq_len": 16})
+  src = make.make_source("movielens", data_cache=str(tmp_path), spec={"seq_len": 16})
   assert os.path.exists(tmp_path / movielens.RECBOLE_WHEEL)
   total = src.num_train_examples() + src.num_eval_examples()
   assert total == 100000

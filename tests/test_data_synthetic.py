@@ -9,7 +9,7 @@ import chex
 import numpy as np
 from absl.testing import parameterized
 
-from loka_jax.data import sources, synthetic
+from loka_jax.data import make, sources, synthetic
 from loka_jax.data.spec import FeatureSpec, validate_batch
 
 TINY = FeatureSpec(num_dense=8, vocab_sizes=(500, 300, 2000), bag_size=4, num_seq=2, seq_len=12,
@@ -94,7 +94,7 @@ class ContractTest(chex.TestCase):
                                seq_len=5, seq_vocab=30)),
   )
   def test_batches_follow_the_contract(self, features):
-    src = sources.make_source("synthetic", features=features, spec={"num_eval": 300})
+    src = make.make_source("synthetic", features=features, spec={"num_eval": 300})
     self.assertIsInstance(src, sources.DataSource)
     batch = src.train_batch(0, 37)
     validate_batch(batch, features)
@@ -130,15 +130,15 @@ class ContractTest(chex.TestCase):
 
   def test_spec_features_override_the_preset(self):
     own = {"num_dense": 2, "vocab_sizes": [10, 20], "bag_size": 1}
-    src = sources.make_source("synthetic", features=TINY, spec={"features": own})
+    src = make.make_source("synthetic", features=TINY, spec={"features": own})
     self.assertEqual(src.features, FeatureSpec(2, (10, 20), 1))
     validate_batch(src.train_batch(0, 8), src.features)
 
   def test_bad_arguments(self):
     with self.assertRaisesRegex(ValueError, "unknown data source"):
-      sources.make_source("imagenet")
+      make.make_source("imagenet")
     with self.assertRaisesRegex(ValueError, "unknown id_policy 'drop'"):
-      sources.make_source("synthetic", features=TINY, id_policy="drop")
+      make.make_source("synthetic", features=TINY, id_policy="drop")
     with self.assertRaisesRegex(ValueError, "seed"):
       synthetic.SyntheticSource(TINY, seed=-1)
     with self.assertRaisesRegex(ValueError, "zipf_exponent lists 2 values"):
@@ -292,7 +292,7 @@ class SpecTest(chex.TestCase):
         json.dump({"base_ctr": 0.3, "zipf_exponent": 1.2}, f)
       spec = synthetic.SyntheticSpec.load(path)
       self.assertEqual((spec.base_ctr, spec.zipf_exponent), (0.3, 1.2))
-      src = sources.make_source("synthetic", features=TINY, spec=path)
+      src = make.make_source("synthetic", features=TINY, spec=path)
       self.assertEqual(src.spec, spec)
 
   def test_unknown_keys_are_named(self):

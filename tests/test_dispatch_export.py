@@ -14,7 +14,7 @@ import numpy as np
 from absl.testing import absltest
 
 from loka_jax import dispatch
-from loka_jax.data.sources import make_source
+from loka_jax.data.make import make_source
 from loka_jax.data.spec import FeatureSpec
 from loka_jax.dispatch import export as export_lib
 from loka_jax.kernels import EinsumSpec, KernelPlan

@@ -9,7 +9,7 @@ from absl.testing import absltest, parameterized
 
 import test_dispatch_reports as hm
 from loka_jax import dispatch
-from loka_jax.data.sources import make_source
+from loka_jax.data.make import make_source
 from loka_jax.data.spec import FeatureSpec
 from loka_jax.dispatch import selection
 from loka_jax.kernels import KernelChoice, KernelPlan

@@ -15,8 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from loka_jax.dispatch.check import check_called
-from loka_jax.dispatch.plan import to_kernel_plan
+from loka_jax.dispatch.plan import check_called, to_kernel_plan
 from loka_jax.kernels import FP8_META, EinsumSpec, KernelPlan
 from loka_jax.models.site import DenseSite, EinsumSite, SiteConfig, _SiteBase, site_name
 from loka_jax.precision import BF16, DtypePolicy
@@ -54,8 +53,7 @@ def _replace_site_configs(value, update: Callable[[SiteConfig], SiteConfig]):
   return value, 0
 
 
-def apply(target, plan, *, policy: Optional[DtypePolicy] = None, features=None,
-          variables=None, batch=None):
+def apply(target, plan, *, policy: Optional[DtypePolicy] = None, features=None):
   """`target` with `plan` baked in statically.
 
   Args:
@@ -65,8 +63,7 @@ def apply(target, plan, *, policy: Optional[DtypePolicy] = None, features=None,
     plan: a Plan, its JSON dict, a plan file path or a KernelPlan.
     policy: the dtype policy (default: the target's own; bf16 for a preset config).
     features: the FeatureSpec of a preset config (default: the config's `features`).
-    variables, batch: given a batch, the plan is checked against the model first
-      (`check_plan`: every unknown, uncovered or unsupported name in one error).
+  `check.apply` also checks the plan against an example batch.
   Returns:
     the same sort of thing as `target`.
   """
@@ -90,9 +87,6 @@ def apply(target, plan, *, policy: Optional[DtypePolicy] = None, features=None,
   else:
     raise TypeError(f"apply: expected a preset config, a module, a SiteConfig or a wrapped "
                     f"model, got {type(target).__name__}")
-  if batch is not None:
-    from loka_jax.dispatch.check import check_plan
-    check_plan(plan, out, variables, batch)
   return out
 
 

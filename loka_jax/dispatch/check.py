@@ -9,43 +9,22 @@ others, and fused-epilogue kernels on layers whose epilogue they do not compute.
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import flax.linen as nn
 
-from loka_jax.dispatch.plan import FALLBACK, Plan, as_plan
+from loka_jax.dispatch import binding
+from loka_jax.dispatch.plan import FALLBACK, Plan, PlanMismatchError, as_plan
 from loka_jax.kernels import FUSED_OP, EinsumSpec, KernelChoice, KernelPlan, PASSES, registry
-
-
-class PlanMismatchError(ValueError):
-  """A plan that does not fit a model; `problems` lists every one."""
-
-  def __init__(self, where: str, problems: List[str]):
-    self.problems = list(problems)
-    if len(problems) == 1:  # one problem, one line
-      super().__init__(f"plan {where} does not fit the model: {problems[0]}")
-    else:
-      super().__init__(f"plan {where} does not fit the model ({len(problems)} problems):\n  - "
-                       + "\n  - ".join(problems))
-
-
-def check_called(plan: KernelPlan, called: Sequence[str], model_name: str) -> None:
-  """Raises PlanMismatchError when `plan` names sites a forward pass did not call (`called`:
-  the site names it did): a plan selected for another model."""
-  unknown = [name for name, _ in plan.sites if name not in set(called)]
-  if unknown:
-    shown = lambda names: ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
-    raise PlanMismatchError(
-        f"for another model than this {model_name}",
-        [f"it names {len(unknown)} site(s) the model does not call: {shown(unknown)}; the "
-         f"model's sites are {shown(sorted(called)) or 'none'}; select a plan from this "
-         "model's own probe report"])
+from loka_jax.models.presets import site_products
+from loka_jax.models.site import site_name
+from loka_jax.mods import fused as fused_lib
+from loka_jax.mods.fused import FusedDenseNormAct
 
 
 def _neutral(model):
   """The model with every site on xla_bf16, so that tracing never trips over the plan that
   is being checked (a model already built with it)."""
-  from loka_jax.dispatch import binding
   try:
     return binding.apply(model, KernelPlan.uniform(FALLBACK))
   except TypeError:
@@ -55,9 +34,6 @@ def _neutral(model):
 def model_sites(model, variables, batch) -> Tuple[Dict, Dict[str, Tuple]]:
   """({site: SiteProduct} in call order, {site: (block_size, activation, quantize_output)} of
   the fused Mods layers) of one abstract forward pass."""
-  from loka_jax.models.presets import site_products
-  from loka_jax.models.site import site_name
-  from loka_jax.mods.fused import FusedDenseNormAct
   epilogues: Dict[str, Tuple] = {}
 
   def record(next_fun, args, kwargs, context):
@@ -81,7 +57,6 @@ def _check_fused_epilogue(name: str, choice: KernelChoice, product, epilogue: Op
                           kernels) -> List[str]:
   """A fused-epilogue forward: only on a fused Mods layer with the same epilogue, and a
   backward of one per-pass kernel that supports the site."""
-  from loka_jax.mods import fused as fused_lib
   fwd = kernels["fwd"]
   if epilogue is None:
     return [f"site {name}: {fwd.name} fuses an epilogue into the GEMM and fits only a fused "
@@ -212,3 +187,13 @@ def check_plan(plan, model, variables=None, batch=None, *, where: Optional[str] 
   if problems:
     raise PlanMismatchError(where or "<plan>", problems)
   return products
+
+
+def apply(target, plan, *, policy=None, features=None, variables=None, batch=None):
+  """`binding.apply(target, plan, policy=, features=)`: `target` with `plan` baked in
+  statically; given a batch, the plan is first checked against the built model
+  (`check_plan`: every unknown, uncovered or unsupported name in one error)."""
+  out = binding.apply(target, plan, policy=policy, features=features)
+  if batch is not None:
+    check_plan(plan, out, variables, batch)
+  return out

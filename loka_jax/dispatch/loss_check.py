@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from loka_jax.dispatch import binding
-from loka_jax.dispatch.check import check_called
+from loka_jax.dispatch.plan import check_called
 from loka_jax.dispatch.plan import Plan, add_validation, as_plan, back_off
 from loka_jax.dispatch.validate import (BASELINE, DELAYED_WARMUP, fp8_sites, only_site,
                                         report_scores, worst_by_report)

@@ -33,6 +33,31 @@ class PlanFileError(ValueError):
 # ----------------------------------------------------------------------------- validation
 
 
+class PlanMismatchError(ValueError):
+  """A plan that does not fit a model; `problems` lists every one."""
+
+  def __init__(self, where: str, problems: List[str]):
+    self.problems = list(problems)
+    if len(problems) == 1:  # one problem, one line
+      super().__init__(f"plan {where} does not fit the model: {problems[0]}")
+    else:
+      super().__init__(f"plan {where} does not fit the model ({len(problems)} problems):\n  - "
+                       + "\n  - ".join(problems))
+
+
+def check_called(plan: KernelPlan, called: Sequence[str], model_name: str) -> None:
+  """Raises PlanMismatchError when `plan` names sites a forward pass did not call (`called`:
+  the site names it did): a plan selected for another model."""
+  unknown = [name for name, _ in plan.sites if name not in set(called)]
+  if unknown:
+    shown = lambda names: ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
+    raise PlanMismatchError(
+        f"for another model than this {model_name}",
+        [f"it names {len(unknown)} site(s) the model does not call: {shown(unknown)}; the "
+         f"model's sites are {shown(sorted(called)) or 'none'}; select a plan from this "
+         "model's own probe report"])
+
+
 def _choice_entry(value, where: str) -> Dict[str, Any]:
   """One pass of a site: {"kernel": name, "reason": ...}; a bare kernel name is accepted."""
   if isinstance(value, str):

@@ -12,7 +12,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 from absl import logging
 
-from loka_jax.data.sources import make_source
+from loka_jax.data.make import make_source
 from loka_jax.data.spec import FeatureSpec
 from loka_jax.kernels import KernelPlan
 from loka_jax.models import SiteConfig, apply_mods, build_model, get_config
