@@ -27,7 +27,7 @@ TOKEN_LINEAR_SPEC = "bnd,nl->bld"  # W X over the token axis; the weight is the 
 class TowerOptions:
   """Tower-wide choices every block needs: sites (policy + plan), activation, norm, biases.
 
-  Mods arrive here already resolved (see `presets.tower_options`): `use_bias` False is the
+  Mods arrive here already resolved (see `build.tower_options`): `use_bias` False is the
   No Bias mod, norm 'blocknorm' the BlockNorm mod, activation 'hard_swish' the Hard Swish mod.
   `keep_bias` holds No Bias's exceptions: glob patterns of the dense sites (by path, e.g.
   `top_mlp/dense_0`) that keep their bias; blocks ask `bias_at`.

@@ -1,11 +1,12 @@
-"""Tower presets (`tiny`, `small`, `large`), model construction, Mods, FLOP counts.
+"""Tower presets (`tiny`, `small`, `large`): each model's size table and `get_config`.
 
 `get_config(model, preset)` returns an ml_collections ConfigDict with a comment on every key;
-`build_model(config, features, site_config)` turns it into a Linen module whose
-`__call__(batch, *, train=False)` returns float32 logits [B]; `apply_mods` switches Mods on;
-`tower_flops(config, features)` counts the forward FLOPs per example of every GEMM site from
-the equations in MODELS.md (2 per multiply-add; embedding gathers, norms, activations and
-softmax not counted; a training step costs about 3x).
+`build_model(config, features, site_config)` (build.py) turns it into a Linen module whose
+`__call__(batch, *, train=False)` returns float32 logits [B]; `apply_mods` (mods_config.py)
+switches Mods on; `tower_flops(config, features)` (flops.py) counts the forward FLOPs per
+example of every GEMM site from the equations in MODELS.md (2 per multiply-add; embedding
+gathers, norms, activations and softmax not counted; a training step costs about 3x). Those
+names, and site inspection's (`site_products`, site.py), are importable from here too.
 
 Preset regimes: `tiny` runs in CPU tests; `small` is the recommendation regime where FP8
 struggles (widths 128-1024); `large` targets one 80 GB GPU at batch 4096 (InterFormer: 512,
@@ -28,30 +29,25 @@ its activations at batch 4096.
 """
 from __future__ import annotations
 
-import dataclasses
-import fnmatch
-import math
-from typing import Any, Callable, Dict, Mapping, NamedTuple, Sequence, Tuple, Union
-
-import flax.linen as nn
-import jax
 import ml_collections
 
 from loka_jax.data.spec import FeatureSpec
-from loka_jax.mods import NORMS
-from loka_jax.models import embedding
-from loka_jax.models.dcnv2 import DCNv2
-from loka_jax.models.dhen import DHEN, MODULES as DHEN_MODULES
-from loka_jax.models.dlrm import DLRM
-from loka_jax.models.interformer import InterFormer, InterFormerArch
-from loka_jax.models.layers import TowerOptions
-from loka_jax.models.site import ActSite, DenseSite, EinsumSite, SiteConfig, site_name
-from loka_jax.models.wukong import Wukong
-from loka_jax.kernels import ACT_ACT, ACT_WEIGHT, EinsumSpec
+from loka_jax.models.build import (MODEL_NAMES, as_feature_spec, build_model, check_name,
+                                   interformer_arch, tower_options)
+from loka_jax.models.dhen import MODULES as DHEN_MODULES
+from loka_jax.models.flops import tower_flops
+from loka_jax.models.mods_config import (KEEP_BIAS, MODS, ModsError, apply_mods, check_keep_bias,
+                                         parse_mods)
+from loka_jax.models.site import SiteProduct, site_products, trace_sites
 
-MODEL_NAMES = ("dlrm", "dcnv2", "wukong", "dhen", "interformer")
+# The presets' names and those of the modules beside them (build.py, flops.py, mods_config.py,
+# site.py) that callers import from here.
+__all__ = ["DOCUMENTED_FLOPS", "KEEP_BIAS", "MODEL_NAMES", "MODS", "PRESETS", "ModsError",
+           "SiteProduct", "apply_mods", "as_feature_spec", "build_model", "check_keep_bias",
+           "get_config", "interformer_arch", "parse_mods", "site_products", "tower_flops",
+           "tower_options", "trace_sites"]
+
 PRESETS = ("tiny", "small", "large")
-MODS = ("no_bias", "blocknorm", "hard_swish")
 
 # Cardinalities of the 26 categorical columns of the public Criteo display-ads data: realistic,
 # very uneven table sizes for the synthetic default feature sets (capped per preset).
@@ -82,12 +78,6 @@ def _vocabs(count: int, cap: int):
 def _features(num_dense, vocab_sizes, bag_size, num_seq=0, seq_len=0, seq_vocab=0):
   return dict(num_dense=num_dense, vocab_sizes=tuple(vocab_sizes), bag_size=bag_size,
               num_seq=num_seq, seq_len=seq_len, seq_vocab=seq_vocab)
-
-
-def _check_name(kind: str, value: str, valid: Sequence[str]) -> str:
-  if value not in valid:
-    raise ValueError(f"unknown {kind} {value!r}; valid: {', '.join(valid)}")
-  return value
 
 
 def _common(model: str, preset: str, activation: str, mlp_norm: bool) -> ml_collections.ConfigDict:
@@ -307,332 +297,9 @@ _BUILDERS = {"dlrm": _dlrm, "dcnv2": _dcnv2, "wukong": _wukong, "dhen": _dhen,
 
 def get_config(model: str, preset: str) -> ml_collections.ConfigDict:
   """The preset's ConfigDict, with `flops_per_example` computed for its default features."""
-  _check_name("model", model, MODEL_NAMES)
-  _check_name("preset", preset, PRESETS)
+  check_name("model", model, MODEL_NAMES)
+  check_name("preset", preset, PRESETS)
   c = _BUILDERS[model](preset)
   # Forward FLOPs per example of the GEMM sites (tower_flops) for c.features: DOCUMENTED_FLOPS.
   c.flops_per_example = tower_flops(c, FeatureSpec.from_dict(dict(c.features)))
   return c
-
-
-# A Mods entry `keep_bias:PATTERN` keeps, under No Bias, the biases of the dense sites whose
-# path matches the glob PATTERN (e.g. `keep_bias:top_mlp/*`); repeat it for more patterns.
-# Why: No Bias with Hard Swish spikes DCNv2 `large` where neither does alone
-# (docs/BENCHMARKS.md, thirty-fifth session), and a spike read names the module to keep.
-KEEP_BIAS = "keep_bias:"
-
-
-class ModsError(ValueError):
-  """A Mods list that cannot apply: an unknown Mod, or a keep_bias pattern that cannot."""
-
-
-def parse_mods(mods: Union[str, Sequence[str]]) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
-  """(the Mods named, in order, 'all' expanded; the keep_bias patterns), or ModsError naming
-  an unknown Mod, an empty pattern, or patterns without No Bias. The one reader of a Mods list:
-  configs (`apply_mods`), the bench's Mods sets and its towers take it from here."""
-  if isinstance(mods, str):
-    mods = mods.split(",")
-  names = [m.strip() for m in mods if m and m.strip()]
-  patterns = tuple(m[len(KEEP_BIAS):] for m in names if m.startswith(KEEP_BIAS))
-  names = [m for m in names if not m.startswith(KEEP_BIAS)]
-  unknown = [m for m in names if m not in MODS + ("all",)]
-  if unknown:
-    raise ModsError(f"unknown Mod(s) {unknown}; valid: {', '.join(MODS)}, all, "
-                    f"{KEEP_BIAS}PATTERN")
-  if any(not p for p in patterns):
-    raise ModsError(f"an empty {KEEP_BIAS} pattern; name the sites, e.g. "
-                    f"{KEEP_BIAS}top_mlp/dense_0 or {KEEP_BIAS}cross_*")
-  names = MODS if "all" in names else tuple(dict.fromkeys(names))
-  if patterns and "no_bias" not in names:
-    raise ModsError(f"{KEEP_BIAS}{patterns[0]} keeps biases that only No Bias drops: add "
-                    "no_bias (or all) to the Mods")
-  return names, patterns
-
-
-def apply_mods(config: ml_collections.ConfigDict, mods: Sequence[str]) -> ml_collections.ConfigDict:
-  """A copy of `config` with the named Mods on ('no_bias', 'blocknorm', 'hard_swish', 'all'),
-  and No Bias's exceptions (`keep_bias:PATTERN` entries) in `mods.keep_bias`."""
-  out = ml_collections.ConfigDict(config.to_dict())
-  names, patterns = parse_mods(mods)
-  for name in names:
-    out.mods[name] = True
-  if patterns:
-    out.mods.keep_bias = patterns
-  return out
-
-
-def tower_options(config, site_config: SiteConfig) -> TowerOptions:
-  """The tower-wide options with the config's Mods resolved."""
-  mods = config.mods
-  norm = "blocknorm" if mods.blocknorm else config.norm
-  _check_name("norm", norm, NORMS)
-  return TowerOptions(site=site_config,
-                      activation="hard_swish" if mods.hard_swish else config.activation,
-                      norm=norm, block_size=int(mods.block_size),
-                      use_bias=bool(config.use_bias) and not mods.no_bias,
-                      keep_bias=(tuple(mods.get("keep_bias", ()))
-                                 if config.use_bias and mods.no_bias else ()))
-
-
-def check_keep_bias(model: nn.Module, config, example_batch: Callable[[], Any]) -> None:
-  """ModsError naming each of `config`'s keep_bias patterns that keeps no bias: one that
-  matches no dense site whose bias No Bias drops (a misspelt pattern, a site without a bias
-  by design such as a low-rank `v`, or one with a bias anyway such as the prediction layer),
-  which would otherwise train plain No Bias silently. `model` is traced abstractly (no
-  compilation) with and without its patterns (`TowerOptions.keep_bias`) on `example_batch()`,
-  which is only called, and the model only traced, when there are patterns."""
-  patterns = tuple(config.mods.get("keep_bias", ()))
-  if not patterns:
-    return
-  batch = example_batch()
-  with_patterns = _site_biases(model, batch)
-  without = _site_biases(
-      model.clone(opts=dataclasses.replace(model.opts, keep_bias=())), batch)
-  kept = [s for s, biased in with_patterns.items() if biased and not without.get(s, False)]
-  missing = [p for p in patterns if not any(fnmatch.fnmatchcase(s, p) for s in kept)]
-  if missing:
-    anyway = sorted(s for s, biased in without.items() if biased)
-    raise ModsError(f"keep_bias pattern(s) {missing} keep no bias: they match no dense site "
-                    "whose bias No Bias drops (patterns are globs over site paths; its dense "
-                    f"sites: {', '.join(sorted(with_patterns))}"
-                    + (f"; with a bias anyway: {', '.join(anyway)}" if anyway else "") + ")")
-
-
-def _site_biases(model: nn.Module, batch) -> Dict[str, bool]:
-  """Each dense site's path -> whether it has a bias, from an abstract init on `batch`."""
-  sites: Dict[str, bool] = {}
-
-  def visit(module, args):
-    if isinstance(module, DenseSite):
-      sites[site_name(module)] = bool(module.use_bias)
-
-  trace_sites(model, None, batch, visit)
-  return sites
-
-
-def as_feature_spec(features) -> FeatureSpec:
-  if isinstance(features, FeatureSpec):
-    return features
-  if isinstance(features, (Mapping, ml_collections.ConfigDict)):
-    return FeatureSpec.from_dict(dict(features))
-  raise TypeError(f"features must be a FeatureSpec or a dict, got {type(features).__name__}")
-
-
-def _ints(values) -> tuple:
-  return tuple(int(v) for v in values)
-
-
-def build_model(config, features: FeatureSpec, site_config: SiteConfig) -> nn.Module:
-  """The Linen tower for `config`; `module(batch, train=False)` -> float32 logits [B]."""
-  model = _check_name("model", config.model, MODEL_NAMES)
-  features = as_feature_spec(features)
-  if not isinstance(site_config, SiteConfig):
-    raise TypeError(f"site_config must be a SiteConfig, got {type(site_config).__name__}")
-  opts = tower_options(config, site_config)
-  front = dict(features=features, opts=opts, embed_dim=int(config.embed_dim),
-               bottom_mlp=_ints(config.bottom_mlp), max_vocab=int(config.max_vocab),
-               pooling=config.pooling, dense_transform=config.dense_transform)
-  if model in ("dlrm", "dcnv2"):
-    extra = (dict(num_cross_layers=int(config.num_cross_layers),
-                  cross_rank=int(config.cross_rank)) if model == "dcnv2" else {})
-    cls = DCNv2 if model == "dcnv2" else DLRM
-    return cls(top_mlp=_ints(config.top_mlp), mlp_norm=bool(config.mlp_norm), **extra, **front)
-  if model == "wukong":
-    return Wukong(num_layers=int(config.num_layers), fmb_tokens=int(config.fmb_tokens),
-                  lcb_tokens=int(config.lcb_tokens), fm_rank=int(config.fm_rank),
-                  fmb_mlp=_ints(config.fmb_mlp), head_mlp=_ints(config.head_mlp),
-                  attentive_y=bool(config.attentive_y), dense_tokens=int(config.dense_tokens),
-                  mlp_norm=bool(config.mlp_norm), **front)
-  if model == "dhen":
-    return DHEN(num_layers=int(config.num_layers), modules=tuple(config.modules),
-                head_mlp=_ints(config.head_mlp), layer_tokens=int(config.layer_tokens),
-                ensemble=config.ensemble, dot_mlp=_ints(config.dot_mlp),
-                num_heads=int(config.num_heads), attention_ffn=int(config.attention_ffn),
-                dcn_rank=int(config.dcn_rank), dense_tokens=int(config.dense_tokens),
-                mlp_norm=bool(config.mlp_norm), **front)
-  if features.num_seq < 1:
-    raise ValueError("interformer needs behaviour sequences: the feature spec has num_seq=0; "
-                     "use data with num_seq >= 1 (seq_ids, seq_mask)")
-  return InterFormer(arch=interformer_arch(config), dense_tokens=int(config.dense_tokens),
-                     **front)
-
-
-def interformer_arch(config) -> InterFormerArch:
-  return InterFormerArch(
-      num_layers=int(config.num_layers), num_heads=int(config.num_heads),
-      num_cls=int(config.num_cls), num_pma=int(config.num_pma),
-      num_recent=int(config.num_recent), head_mlp=_ints(config.head_mlp),
-      interaction_modules=tuple(config.interaction_modules), ensemble=config.ensemble,
-      dot_mlp=_ints(config.dot_mlp), attention_ffn=int(config.attention_ffn),
-      dcn_rank=int(config.dcn_rank), interaction_mlp=_ints(config.interaction_mlp),
-      gate_mlp=_ints(config.gate_mlp), gate_activation=config.gate_activation,
-      seq_merge=config.seq_merge, masknet_hidden=_ints(config.masknet_hidden),
-      use_rotary=bool(config.use_rotary), mlp_norm=bool(config.mlp_norm))
-
-
-# ----------------------------------------------------------------------------- FLOP counts
-
-def _mlp_flops(width_in: int, widths: Sequence[int], rows: int = 1) -> int:
-  total, prev = 0, width_in
-  for w in widths:
-    total += 2 * rows * prev * w
-    prev = w
-  return total
-
-
-def _token_linear_flops(n_in: int, n_out: int, d: int) -> int:
-  return 2 * n_in * n_out * d
-
-
-def _cross_flops(width: int, rank: int) -> int:
-  return 2 * width * width if rank <= 0 else 4 * width * rank
-
-
-def _self_attention_flops(length: int, d: int, queries: int = None) -> int:
-  """Projections and the two act x act products (scores, context). Self-attention projects
-  q, k, v and out; PMA (`queries` learnable seeds) projects only k, v and out."""
-  if queries is None:
-    return 8 * length * d * d + 4 * length * length * d
-  return 2 * d * d * (2 * length + queries) + 4 * queries * length * d
-
-
-def _dhen_layer_flops(n: int, n_out: int, d: int, modules, ensemble, dot_mlp, ffn,
-                      dcn_rank) -> int:
-  total = 0
-  proj = 0 if n == n_out else _token_linear_flops(n, n_out, d)
-  for m in modules:
-    if m == "dot":
-      total += 2 * n * n * d + _mlp_flops(n * (n - 1) // 2, tuple(dot_mlp) + (n_out * d,))
-    elif m == "attention":
-      total += _self_attention_flops(n, d) + _mlp_flops(d, (ffn, d), rows=n) + proj
-    elif m == "dcn":
-      total += _cross_flops(n * d, dcn_rank) + proj
-    else:
-      total += _token_linear_flops(n, n_out, d)
-  if ensemble == "concat":
-    total += _token_linear_flops(len(modules) * n_out, n_out, d)
-  return total + proj  # the shortcut
-
-
-def tower_flops(config, features) -> int:
-  """Forward FLOPs per example of every GEMM site of the tower (2 per multiply-add)."""
-  features = as_feature_spec(features)
-  model = _check_name("model", config.model, MODEL_NAMES)
-  d = int(config.embed_dim)
-  dense_tokens = 1 if model in ("dlrm", "dcnv2") else int(config.dense_tokens)
-  n = embedding.num_input_tokens(features, dense_tokens)
-  total = 0
-  if features.num_dense:
-    total += _mlp_flops(features.num_dense, _ints(config.bottom_mlp) + (dense_tokens * d,))
-  if model == "dlrm":
-    top_in = n * (n - 1) // 2 + (d if features.num_dense else 0)
-    return total + 2 * n * n * d + _mlp_flops(top_in, _ints(config.top_mlp) + (1,))
-  if model == "dcnv2":
-    width = n * d
-    total += int(config.num_cross_layers) * _cross_flops(width, int(config.cross_rank))
-    return total + _mlp_flops(width, _ints(config.top_mlp) + (1,))
-  if model == "wukong":
-    n_f, n_l, k = int(config.fmb_tokens), int(config.lcb_tokens), int(config.fm_rank)
-    for _ in range(int(config.num_layers)):
-      fm = 4 * n * d * k                                   # P = X^T Y and F = X P
-      if config.attentive_y:
-        fm += _mlp_flops(d, (k, k), rows=n)                # Y from X
-      total += fm + _mlp_flops(n * k, _ints(config.fmb_mlp) + (n_f * d,))
-      total += _token_linear_flops(n, n_l, d)              # LCB
-      if n != n_f + n_l:
-        total += _token_linear_flops(n, n_f + n_l, d)      # residual projection
-      n = n_f + n_l
-    return total + _mlp_flops(n * d, _ints(config.head_mlp) + (1,))
-  if model == "dhen":
-    for _ in range(int(config.num_layers)):
-      n_out = int(config.layer_tokens) or n
-      total += _dhen_layer_flops(n, n_out, d, tuple(config.modules), config.ensemble,
-                                 _ints(config.dot_mlp), int(config.attention_ffn),
-                                 int(config.dcn_rank))
-      n = n_out
-    return total + _mlp_flops(n * d, _ints(config.head_mlp) + (1,))
-  return total + _interformer_flops(interformer_arch(config), features, n, d)
-
-
-def _interformer_flops(arch: InterFormerArch, features: FeatureSpec, n: int, d: int) -> int:
-  attrs, length = features.num_seq, features.seq_len
-  seq_tokens = arch.num_cls + length
-  m = arch.summary_tokens
-  total = 0
-  if arch.seq_merge == "masknet":
-    total += _mlp_flops(attrs * d, arch.masknet_hidden + (attrs * d,), rows=length)
-    total += _mlp_flops(attrs * d, (d,), rows=length)
-
-  def cross():
-    flops = _token_linear_flops(n, arch.num_cls, d)
-    flops += _mlp_flops(arch.num_cls * d, arch.gate_mlp + (arch.num_cls * d,))
-    flops += _self_attention_flops(seq_tokens, d, queries=arch.num_pma)
-    return flops + _mlp_flops(m * d, arch.gate_mlp + (m * d,))
-
-  for _ in range(arch.num_layers):
-    total += cross()
-    total += _dhen_layer_flops(n + m, n, d, arch.interaction_modules, arch.ensemble,
-                               arch.dot_mlp, arch.attention_ffn, arch.dcn_rank)
-    total += _mlp_flops(d, arch.interaction_mlp + (d,), rows=n)
-    total += _mlp_flops(arch.num_cls * d, (d * d,))               # W_p = X_sum W
-    total += 2 * seq_tokens * d * d                               # S W_p
-    total += _self_attention_flops(seq_tokens, d)
-  total += cross()
-  return total + _mlp_flops((arch.num_cls + m) * d, arch.head_mlp + (1,))
-
-
-# ----------------------------------------------------------------------------- inspection
-
-class SiteProduct(NamedTuple):
-  """One GEMM site's product as the model calls it (shapes include the batch axis)."""
-  kind: str                  # 'act_weight' or 'act_act'
-  spec: str                  # einsum spec of the forward product
-  lhs_shape: Tuple[int, ...]
-  rhs_shape: Tuple[int, ...]
-
-  @property
-  def flops(self) -> int:
-    return EinsumSpec.parse(self.spec).flops(self.lhs_shape, self.rhs_shape)
-
-
-def trace_sites(model: nn.Module, variables, batch,
-                visit: Callable[[nn.Module, tuple], None]) -> None:
-  """Calls `visit(site module, call args)` at every site call (DenseSite, EinsumSite, ActSite)
-  of one forward pass of `model` on `batch`, traced abstractly (no compilation);
-  `variables=None` traces `model.init` instead (same forward pass, no variables needed)."""
-  def record(next_fun, args, kwargs, context):
-    if context.method_name == "__call__" and isinstance(context.module,
-                                                        (DenseSite, EinsumSite, ActSite)):
-      visit(context.module, args)
-    return next_fun(*args, **kwargs)
-
-  with nn.intercept_methods(record):
-    if variables is None:
-      jax.eval_shape(lambda b: model.init(jax.random.PRNGKey(0), b), batch)
-    else:
-      jax.eval_shape(lambda v, b: model.apply(v, b), variables, batch)
-
-
-def site_products(model: nn.Module, variables, batch) -> Dict[str, SiteProduct]:
-  """{site name: SiteProduct} of one forward pass, in call order, traced abstractly (no
-  compilation). Names are the sites' Linen paths, the keys of plans and probe reports.
-
-  `variables=None` traces `model.init` instead (same forward pass, no variables needed).
-  """
-  found: Dict[str, SiteProduct] = {}
-
-  def visit(module, args):
-    if isinstance(module, DenseSite):
-      shape = tuple(args[0].shape)
-      product = SiteProduct(ACT_WEIGHT, "mk,kn->mn", (math.prod(shape[:-1]), shape[-1]),
-                            (shape[-1], int(module.features)))
-    elif isinstance(module, EinsumSite):
-      product = SiteProduct(ACT_WEIGHT, str(EinsumSpec.parse(module.spec)),
-                            tuple(args[0].shape), tuple(module.weight_shape))
-    else:
-      product = SiteProduct(ACT_ACT, str(EinsumSpec.parse(module.spec)), tuple(args[0].shape),
-                            tuple(args[1].shape))
-    found[site_name(module)] = product
-
-  trace_sites(model, variables, batch, visit)
-  return found

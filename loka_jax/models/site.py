@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
@@ -156,3 +156,60 @@ class DenseSite(_SiteBase):
       bias = self.param("bias", self.bias_init, (self.features,), policy.param_dtype)
       out = out + bias.astype(out.dtype)
     return out
+
+
+# ----------------------------------------------------------------------------- inspection
+
+class SiteProduct(NamedTuple):
+  """One GEMM site's product as the model calls it (shapes include the batch axis)."""
+  kind: str                  # 'act_weight' or 'act_act'
+  spec: str                  # einsum spec of the forward product
+  lhs_shape: Tuple[int, ...]
+  rhs_shape: Tuple[int, ...]
+
+  @property
+  def flops(self) -> int:
+    return EinsumSpec.parse(self.spec).flops(self.lhs_shape, self.rhs_shape)
+
+
+def trace_sites(model: nn.Module, variables, batch,
+                visit: Callable[[nn.Module, tuple], None]) -> None:
+  """Calls `visit(site module, call args)` at every site call (DenseSite, EinsumSite, ActSite)
+  of one forward pass of `model` on `batch`, traced abstractly (no compilation);
+  `variables=None` traces `model.init` instead (same forward pass, no variables needed)."""
+  def record(next_fun, args, kwargs, context):
+    if context.method_name == "__call__" and isinstance(context.module,
+                                                        (DenseSite, EinsumSite, ActSite)):
+      visit(context.module, args)
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(record):
+    if variables is None:
+      jax.eval_shape(lambda b: model.init(jax.random.PRNGKey(0), b), batch)
+    else:
+      jax.eval_shape(lambda v, b: model.apply(v, b), variables, batch)
+
+
+def site_products(model: nn.Module, variables, batch) -> Dict[str, SiteProduct]:
+  """{site name: SiteProduct} of one forward pass, in call order, traced abstractly (no
+  compilation). Names are the sites' Linen paths, the keys of plans and probe reports.
+
+  `variables=None` traces `model.init` instead (same forward pass, no variables needed).
+  """
+  found: Dict[str, SiteProduct] = {}
+
+  def visit(module, args):
+    if isinstance(module, DenseSite):
+      shape = tuple(args[0].shape)
+      product = SiteProduct(ACT_WEIGHT, "mk,kn->mn", (math.prod(shape[:-1]), shape[-1]),
+                            (shape[-1], int(module.features)))
+    elif isinstance(module, EinsumSite):
+      product = SiteProduct(ACT_WEIGHT, str(EinsumSpec.parse(module.spec)),
+                            tuple(args[0].shape), tuple(module.weight_shape))
+    else:
+      product = SiteProduct(ACT_ACT, str(EinsumSpec.parse(module.spec)), tuple(args[0].shape),
+                            tuple(args[1].shape))
+    found[site_name(module)] = product
+
+  trace_sites(model, variables, batch, visit)
+  return found

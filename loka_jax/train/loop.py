@@ -1,5 +1,7 @@
-"""The training loop: jitted train/eval steps, periodic eval, JSONL metrics, checkpoints,
-resume, and non-finite loss handling.
+"""The training loop (`train`): steps, periodic held-out evaluation, JSONL metrics,
+checkpoints, resume, non-finite loss handling and model swaps. Its parts live beside it, and
+their names are importable from here as well: the jitted steps, the loss and evaluation in
+steps.py, the run directory's files and records in run_files.py, model swaps in swap.py.
 
 Run directory layout:
   WORKDIR/config.json     the run's settings; a resume with different settings is refused
@@ -33,72 +35,41 @@ jitted steps once, and writes the swap's records to metrics.jsonl.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import sys
 import time
-from typing import Any, Callable, Dict, Mapping, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
-import flax
 import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
 import tqdm
 from absl import logging
 
-from loka_jax import jsonio
-from loka_jax.kernels import FP8_META
-from loka_jax.train import metrics as metrics_lib
 from loka_jax.train import module_norms as module_norms_lib
+from loka_jax.train import steps as steps_lib
 from loka_jax.train.checkpoint import Checkpointer
 from loka_jax.train.optim import OptimConfig, make_optimizer
+from loka_jax.train.run_files import (RESUMABLE_SETTINGS, TIME_SPLIT_FIELDS, WALL_CLOCK_FIELDS,
+                                      LossWindow, MetricsWriter, RunSettingsError,
+                                      check_run_config, final_record, finished_record,
+                                      note_peak, read_metrics, write_json_atomic)
 from loka_jax.train.state import (TrainState, abstract_train_state, all_finite,
-                                  create_train_state, one_example, split_variables)
+                                  create_train_state)
+from loka_jax.train.steps import (compiled_steps, evaluate, locate_non_finite, loss_fn,
+                                  step_rng)
+from loka_jax.train.swap import ModelHook, ModelSwap, ModelSwapError, swap_model
+
+# The loop's names and those of its parts (steps.py, run_files.py, swap.py) that callers
+# import from here.
+__all__ = ["NAN_POLICIES", "RESUMABLE_SETTINGS", "TIME_SPLIT_FIELDS", "WALL_CLOCK_FIELDS",
+           "MetricsWriter", "ModelHook", "ModelSwap", "ModelSwapError", "NonFiniteError",
+           "RunSettingsError", "TrainConfig", "compiled_steps", "evaluate",
+           "locate_non_finite", "loss_fn", "read_metrics", "restore_run", "step_rng",
+           "swap_model", "train"]
+# The compiled steps of this process, by model and settings (tests read which were built).
+_STEP_CACHE = steps_lib._STEP_CACHE
 
 NAN_POLICIES = ("stop", "skip")
-# Settings a resumed run may change; anything else must match the run directory's config.
-# A plan's path ("plan") may change too: what it runs is pinned by "plan_kernels_sha256".
-RESUMABLE_SETTINGS = ("steps", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints",
-                      "nan_policy", "progress", "plan", "module_norms")
-# Fields of metrics lines and final.json that are wall-clock readings: the only ones a resumed
-# run may write differently from an uninterrupted one.
-WALL_CLOCK_FIELDS = ("time", "steps_per_sec", "time_split")
-# Where a run's wall-clock time went (final.json's "time_split", seconds, this process only):
-# from entering `train` to its first step (state restore or initialization), the first step
-# (its compile), every held-out evaluation and every checkpoint save. The rest of "time" is
-# the other steps. A quality run's length paces the next one; this says what it is made of.
-TIME_SPLIT_FIELDS = ("setup_s", "first_step_s", "eval_s", "checkpoint_s")
-
-
-class RunSettingsError(ValueError):
-  """A run directory resumed with settings other than its own."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSwap:
-  """What a model hook returns: the model to continue with (same parameters; None keeps the
-  current one) and metrics.jsonl lines to write, each with its "step"."""
-  model: Any
-  records: Tuple[Mapping[str, Any], ...] = ()
-
-
-class ModelHook(Protocol):
-  """Called by `train` around the run; `ModelSwap` from `after_step` swaps the model."""
-
-  def extras(self) -> Mapping[str, Any]:
-    """Entries saved in every checkpoint's extras (JSON or trees of arrays)."""
-
-  def on_restore(self, step: int, extras: Mapping[str, Any]) -> None:
-    """The extras of the checkpoint the run resumes from (at `step`)."""
-
-  def after_step(self, step: int, state, step_metrics) -> Optional[ModelSwap]:
-    """After step `step` (and the step_callback); None keeps the model."""
-
-
-class ModelSwapError(ValueError):
-  """A swapped-in model whose parameters differ from the running one's."""
 
 
 class NonFiniteError(FloatingPointError):
@@ -156,221 +127,7 @@ class TrainConfig:
     return dataclasses.asdict(self)
 
 
-# ----------------------------------------------------------------------------- jitted steps
-
-
-def step_rng(state: TrainState, step) -> jax.Array:
-  """The dropout key of step `step`: a pure function of the run's key and the step."""
-  return jax.random.fold_in(state.rng, step)
-
-
-def loss_fn(model, params, fp8_meta, batch, rng, extra_variables=None):
-  """(mean log loss, logits) of a training-mode forward: the loss every step minimizes.
-  `extra_variables`: other collections the model reads (validation's site switches)."""
-  variables = {"params": params, **(extra_variables or {})}
-  if fp8_meta:
-    variables[FP8_META] = fp8_meta
-  logits = model.apply(variables, batch, train=True, rngs={"dropout": rng})
-  return jnp.mean(metrics_lib.bce_with_logits(logits, batch["label"])), logits
-
-
-def _build_train_step(model, tx: optax.GradientTransformation, nan_policy: str,
-                      module_norms: bool = False):
-  def train_step(state: TrainState, batch) -> Tuple[TrainState, Dict[str, jax.Array]]:
-    grad_fn = jax.value_and_grad(lambda p, f: loss_fn(model, p, f, batch,
-                                                       step_rng(state, state.step)),
-                                 argnums=(0, 1), has_aux=True)
-    (loss, _), (grads, fp8_grads) = grad_fn(state.params, state.fp8_meta)
-    # The norm is non-finite iff some gradient is (or their squares overflow float32, a fault
-    # too); one reduction compiles much faster than a check per leaf.
-    grad_norm = optax.tree.norm(grads)
-    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    # Never apply a non-finite update; 'skip' still advances the data position.
-    bad_step = 0 if nan_policy == "stop" else 1
-    new = jax.lax.cond(ok, lambda s: s.apply_gradients(tx, grads, fp8_grads),
-                       lambda s: s.replace(step=s.step + bad_step), state)
-    metrics = {"loss": loss, "ok": ok, "grad_norm": grad_norm}
-    if module_norms:  # the outputs from a second forward: the step's own is inside its grad
-      metrics.update(module_norms_lib.step_norms(grads, state.params, new.params))
-      metrics[module_norms_lib.OUTPUT] = module_norms_lib.output_rms(
-          model, state.variables(), batch, step_rng(state, state.step))
-    return new, metrics
-
-  return jax.jit(train_step, donate_argnums=0)  # the old state is never needed again
-
-
-def _build_eval_step(model):
-  def eval_step(state: TrainState, batch) -> jax.Array:
-    return model.apply(state.variables(), batch, train=False).astype(jnp.float32)
-  return jax.jit(eval_step)
-
-
-_STEP_CACHE: Dict[Any, Tuple[Callable, Callable]] = {}
-
-
-def compiled_steps(model, optim: OptimConfig, nan_policy: str, module_norms: bool = False):
-  """(train_step, eval_step) jitted for `model`; equal models and settings share one
-  compilation within a process (tests build the same tiny model many times). With
-  `module_norms` the train step's metrics also hold each module's norms (module_norms.py)."""
-  key = (model, optim, nan_policy, module_norms)
-  try:
-    hit = _STEP_CACHE.get(key)
-  except TypeError:  # an unhashable model config: no sharing
-    key, hit = None, None
-  if hit is None:
-    hit = (_build_train_step(model, make_optimizer(optim), nan_policy, module_norms),
-           _build_eval_step(model))
-    if key is not None:
-      _STEP_CACHE[key] = hit
-  return hit
-
-
-# ----------------------------------------------------------------------------- diagnosis
-
-
-def _non_finite_fields(batch) -> list:
-  return [f"input field {k!r}" for k, v in batch.items()
-          if np.issubdtype(np.asarray(v).dtype, np.floating) and not np.isfinite(v).all()]
-
-
-def locate_non_finite(model, state: TrainState, batch, step: int) -> Optional[str]:
-  """Where a non-finite value first appears in step `step`: an input field, the first module
-  (site) whose forward output is non-finite, or the parameters with non-finite gradients."""
-  bad_inputs = _non_finite_fields(batch)
-  if bad_inputs:
-    return ", ".join(bad_inputs)
-
-  def finite_outputs(variables, batch, rng):
-    _, inter = model.apply(variables, batch, train=True, rngs={"dropout": rng},
-                           capture_intermediates=True, mutable=["intermediates"])
-    return jax.tree.map(lambda x: jnp.all(jnp.isfinite(x.astype(jnp.float32)))
-                        if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.asarray(True),
-                        inter["intermediates"])
-
-  rng = step_rng(state, step)
-  flags = jax.device_get(jax.jit(finite_outputs)(state.variables(), batch, rng))
-  bad = [path[:-1] for path, values in flax.traverse_util.flatten_dict(flags).items()
-         if not all(bool(v) for v in jax.tree.leaves(values))]
-  # A fault spreads to every enclosing module and to later layers; report the first module
-  # (in creation order, which follows the call order) none of whose submodules is at fault.
-  innermost = [p for p in bad if not any(len(q) > len(p) and q[:len(p)] == p for q in bad)]
-  if innermost:
-    module = "/".join(str(p) for p in innermost[0])
-    return f"site/module {module!r} (forward output)" if module else "the model output"
-
-  grads = jax.grad(lambda p, f: loss_fn(model, p, f, batch, rng)[0], argnums=(0, 1))
-  g_params, g_fp8 = jax.device_get(jax.jit(grads)(state.params, state.fp8_meta))
-  bad = ["/".join(str(p) for p in path)
-         for path, g in flax.traverse_util.flatten_dict({"params": g_params, "fp8_meta": g_fp8}
-                                                        ).items()
-         if not np.isfinite(np.asarray(g, np.float32)).all()]
-  if bad:
-    more = f" (+{len(bad) - 5} more)" if len(bad) > 5 else ""
-    return "gradient of " + ", ".join(bad[:5]) + more
-  return None
-
-
-# ----------------------------------------------------------------------------- evaluation
-
-
-def evaluate(eval_step, state: TrainState, source, batch_size: int, *,
-             keep_scores: bool = False) -> Dict[str, Any]:
-  """Held-out logloss, NE, AUC over `source.eval_batches`, streamed batch by batch; with
-  `keep_scores`, also every example's logit and label ('logits', 'labels': arrays), for
-  paired comparisons of two models on the same examples."""
-  acc = metrics_lib.EvalAccumulator()
-  pending = None  # the batch on the device: its scores are read after the next is dispatched
-  for batch in source.eval_batches(batch_size):
-    valid = len(batch["label"])
-    if valid < batch_size:  # pad a short batch so the step compiles once
-      batch = {k: np.concatenate([v, np.repeat(v[:1], batch_size - valid, axis=0)])
-               for k, v in batch.items()}
-    # Dispatch this batch before reading the last one's scores, so the host builds the next
-    # batch while the device scores this one (InterFormer `large`: 392 batches of 512).
-    scores = eval_step(state, batch)
-    if pending is not None:
-      acc.add(jax.device_get(pending[0]), pending[1], valid=pending[2])
-    pending = (scores, batch["label"], valid)
-  if pending is not None:
-    acc.add(jax.device_get(pending[0]), pending[1], valid=pending[2])
-  if acc.count == 0:
-    raise ValueError(f"data source {source.name!r} yielded no eval batch of size {batch_size} "
-                     f"({source.num_eval_examples()} eval examples); lower the eval batch size")
-  result = acc.result()
-  if keep_scores:
-    result["logits"], result["labels"] = acc.scores()
-  return result
-
-
-# ----------------------------------------------------------------------------- files
-
-
-def _write_json_atomic(path: str, value) -> None:
-  jsonio.write_json_atomic(path, value, sort_keys=True)
-
-
-class MetricsWriter:
-  """Appends JSON lines to metrics.jsonl; on resume drops lines past the restored step (and a
-  torn last line left by a killed run)."""
-
-  def __init__(self, path: str, resume_step: int):
-    self.path = path
-    kept = []
-    if os.path.exists(path):
-      with open(path) as f:
-        for line in f:
-          try:
-            record = json.loads(line)
-          except json.JSONDecodeError:
-            continue
-          if isinstance(record, dict) and record.get("step", math.inf) <= resume_step:
-            kept.append(json.dumps(record, sort_keys=True))
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-      f.writelines(line + "\n" for line in kept)
-    os.replace(tmp, path)
-    self._file = open(path, "a")
-
-  def write(self, record: Mapping[str, Any]) -> None:
-    self._file.write(json.dumps(metrics_lib.json_safe(record), sort_keys=True) + "\n")
-    self._file.flush()
-
-  def close(self) -> None:
-    self._file.close()
-
-
-def read_metrics(path: str):
-  """The records of a metrics.jsonl file."""
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
-
-
-def _check_run_config(workdir: str, settings: Mapping[str, Any]) -> None:
-  """Writes config.json, or checks a resumed run's settings against it."""
-  path = os.path.join(workdir, "config.json")
-  settings = json.loads(json.dumps(settings, sort_keys=True, default=str))
-  if os.path.exists(path):
-    old = jsonio.read_json(path, "run settings (config.json)", "restore it from a copy or use "
-                           "a new --workdir", RunSettingsError)
-
-    def flat(d, prefix=""):
-      out = {}
-      for k, v in d.items():
-        if isinstance(v, dict):
-          out.update(flat(v, f"{prefix}{k}."))
-        else:
-          out[f"{prefix}{k}"] = v
-      return out
-
-    old_flat, new_flat = flat(old), flat(settings)
-    diffs = [f"{k}: {old_flat.get(k)!r} -> {new_flat.get(k)!r}"
-             for k in sorted(set(old_flat) | set(new_flat))
-             if k.split(".")[-1] not in RESUMABLE_SETTINGS and old_flat.get(k) != new_flat.get(k)]
-    if diffs:
-      raise RunSettingsError(f"run directory {workdir} holds a run with other settings ("
-                       + "; ".join(diffs) + "); resume with the same settings or use a new "
-                       "--workdir")
-  _write_json_atomic(path, settings)
+# ----------------------------------------------------------------------------- the loop
 
 
 def restore_run(workdir: str, model, source, config: TrainConfig, array_extras: bool = True
@@ -386,114 +143,6 @@ def restore_run(workdir: str, model, source, config: TrainConfig, array_extras: 
   with Checkpointer(os.path.join(workdir, "checkpoints"),
                     keep=max(config.keep_checkpoints, 1)) as ckpt:
     return ckpt.restore(template, array_extras)
-
-
-# ----------------------------------------------------------------------------- model swap
-
-
-def _shapes(tree) -> Dict[str, Tuple]:
-  flat = flax.traverse_util.flatten_dict(flax.core.unfreeze(tree) if tree else {}, sep="/")
-  return {k: (tuple(v.shape), str(v.dtype)) for k, v in flat.items()}
-
-
-def swap_model(state: TrainState, new_model, example_batch, seed: int) -> TrainState:
-  """`state` for `new_model`: parameters and optimizer state kept (they must match exactly);
-  fp8 state kept where the new model has the same entry, initialized where it is new."""
-  init_key = jax.random.split(jax.random.PRNGKey(seed))[0]
-  params_key, dropout_key = jax.random.split(init_key)
-  rngs = {"params": params_key, "dropout": dropout_key}
-  abstract = jax.eval_shape(lambda b: new_model.init(rngs, b, train=False), example_batch)
-  new_params, new_meta = split_variables(abstract)
-  have, want = _shapes(state.params), _shapes(new_params)
-  if have != want:
-    diff = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
-    raise ModelSwapError(
-        f"the swapped-in model has other parameters than the running one (differences at "
-        f"{', '.join(diff[:6])}{' ...' if len(diff) > 6 else ''}); a swap may change kernels "
-        "only, never the model's structure")
-  if _shapes(state.fp8_meta) == _shapes(new_meta):
-    return state
-  fresh = {}
-  if jax.tree.leaves(new_meta):  # new delayed-scaling entries need their initial values
-    init = jax.jit(lambda b: new_model.init(rngs, b, train=False))
-    fresh = split_variables(init(one_example(example_batch)))[1]
-  old = flax.traverse_util.flatten_dict(flax.core.unfreeze(state.fp8_meta or {}))
-  merged = {k: old.get(k, v) if (k in old and np.shape(old[k]) == np.shape(v)) else v
-            for k, v in flax.traverse_util.flatten_dict(flax.core.unfreeze(fresh)).items()}
-  meta = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32),
-                      flax.traverse_util.unflatten_dict(merged)) if merged else {}
-  return state.replace(fp8_meta=meta)
-
-
-# ----------------------------------------------------------------------------- the loop
-
-
-class _Window:
-  """Mean and worst training loss (and speed) over the steps since the previous metrics line.
-  The worst step is kept because a mean hides a spike: DCNv2 `large`'s bf16+Mods run whose
-  loss jumped to 5.7 logged only window means (docs/BENCHMARKS.md, thirty-third session)."""
-
-  def __init__(self):
-    self.reset()
-
-  def reset(self):
-    self.loss_sum, self.steps, self.start = 0.0, 0, time.perf_counter()
-    self.max_loss = -math.inf
-
-  def add(self, loss: float):
-    self.loss_sum += loss
-    self.steps += 1
-    self.max_loss = max(self.max_loss, loss)
-
-  def record(self, step: int, elapsed: float, grad_norm: float) -> Dict[str, Any]:
-    seconds = max(time.perf_counter() - self.start, 1e-9)
-    return {"step": step, "loss": self.loss_sum / self.steps if self.steps else math.nan,
-            "max_loss": self.max_loss if self.steps else math.nan,
-            "time": elapsed, "steps_per_sec": self.steps / seconds, "grad_norm": grad_norm}
-
-
-def _note_peak(loop_extras: Dict[str, Any], loss: float, step: int) -> None:
-  """Keeps the run's worst finite step (`peak_loss` at `peak_step`) in the loop's checkpointed
-  extras, so a resumed run reports the worst step of the whole run, not of its last part."""
-  if loss > loop_extras.get("peak_loss", -math.inf):
-    loop_extras["peak_loss"], loop_extras["peak_step"] = loss, step
-
-
-def _final_record(evaluation: Mapping[str, Any], step: int, config: TrainConfig,
-                  run_info: Mapping[str, Any], source, loop_extras: Mapping[str, Any],
-                  elapsed: float, time_split: Mapping[str, Optional[float]]):
-  final = {"ne": evaluation["ne"], "auc": evaluation["auc"], "logloss": evaluation["logloss"],
-           "base_ctr": evaluation["base_ctr"], "num_eval_examples": evaluation["num_examples"],
-           "steps": step, "precision": run_info.get("precision"),
-           "seed": run_info.get("seed", config.seed),
-           "skipped_steps": loop_extras["skipped_steps"], "time": elapsed,
-           "time_split": {k: time_split[k] for k in TIME_SPLIT_FIELDS
-                          if time_split.get(k) is not None}}
-  # A run resumed from a checkpoint written before the loop kept its worst step reports none:
-  # the steps before the checkpoint are not in it.
-  if "peak_loss" in loop_extras and not loop_extras.get("peak_unknown"):
-    final["peak_loss"] = float(loop_extras["peak_loss"])
-    final["peak_step"] = int(loop_extras["peak_step"])
-  if getattr(source, "oracle_ne", None) is not None:
-    final["oracle_ne"] = float(source.oracle_ne)
-  final.update({k: v for k, v in run_info.items() if k not in final})
-  return metrics_lib.json_safe(final)
-
-
-def _finished_record(final_path: str, latest_step: Optional[int], steps: int,
-                     saves: bool = True) -> Optional[Dict[str, Any]]:
-  """final.json of a run that is finished at `steps` (its newest checkpoint is that step and
-  final.json describes it; a run that `saves` no checkpoint has final.json alone), else None.
-  An unreadable final.json is not a finished run: the loop restores, evaluates and writes it
-  again."""
-  if (saves and latest_step != steps) or not os.path.exists(final_path):
-    return None
-  try:
-    with open(final_path) as f:
-      final = json.load(f)
-  except (OSError, ValueError):
-    return None
-  return final if isinstance(final, dict) and final.get("steps") == steps else None
 
 
 def train(model, source, workdir: str, config: TrainConfig, *,
@@ -526,7 +175,7 @@ def train(model, source, workdir: str, config: TrainConfig, *,
   time_split = {"eval_s": 0.0, "checkpoint_s": 0.0}
   run_info = dict(run_info or {})
   os.makedirs(workdir, exist_ok=True)
-  _check_run_config(workdir, {"run": run_info, "train": config.to_dict()})
+  check_run_config(workdir, {"run": run_info, "train": config.to_dict()})
   train_step, eval_step = compiled_steps(model, config.optim, config.nan_policy,
                                          config.module_norms)
   eval_batch_size = min(config.eval_batch_size or config.batch_size, source.num_eval_examples())
@@ -536,8 +185,8 @@ def train(model, source, workdir: str, config: TrainConfig, *,
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
                               keep=max(config.keep_checkpoints, 1))
   final_path = os.path.join(workdir, "final.json")
-  finished = _finished_record(final_path, checkpointer.latest_step(), config.steps,
-                              config.saves)
+  finished = finished_record(final_path, checkpointer.latest_step(), config.steps,
+                             config.saves)
   if finished is not None:  # nothing to train, evaluate or save: no state is read
     logging.info("%s already finished at step %d", workdir, finished["steps"])
     return finished
@@ -562,7 +211,7 @@ def train(model, source, workdir: str, config: TrainConfig, *,
     os.remove(final_path)  # a final.json always describes a finished run
   t0 = time.perf_counter() - loop_extras["elapsed_s"]
   time_split["setup_s"] = time.perf_counter() - entered
-  window, last_eval, grad_norm = _Window(), None, math.nan
+  window, last_eval, grad_norm = LossWindow(), None, math.nan
 
   def save():
     began = time.perf_counter()
@@ -595,7 +244,7 @@ def train(model, source, workdir: str, config: TrainConfig, *,
       done = i + 1
       if step_metrics["ok"]:
         window.add(float(step_metrics["loss"]))
-        _note_peak(loop_extras, float(step_metrics["loss"]), done)
+        note_peak(loop_extras, float(step_metrics["loss"]), done)
         grad_norm = float(step_metrics["grad_norm"])
       else:
         site = locate_non_finite(model, state, batch, i)
@@ -658,9 +307,9 @@ def train(model, source, workdir: str, config: TrainConfig, *,
       last_eval = (final_step, timed_evaluate())
     if config.saves:
       save()
-    final = _final_record(last_eval[1], final_step, config, run_info, source, loop_extras,
-                          time.perf_counter() - t0, time_split)
-    _write_json_atomic(final_path, final)
+    final = final_record(last_eval[1], final_step, config.seed, run_info, source, loop_extras,
+                         time.perf_counter() - t0, time_split)
+    write_json_atomic(final_path, final)
     return final
   finally:
     bar.close()
