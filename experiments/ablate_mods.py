@@ -30,7 +30,7 @@ PRECISIONS = flags.DEFINE_list("precisions", list(ablation.PRECISIONS),
                                "Precision arms: bf16 and/or fp8_all (--kernel at every site).")
 NOISE_SEEDS = flags.DEFINE_list("noise_seeds", [],
                                 "Extra seeds of the bf16 baseline for the seed-to-seed noise "
-                                "floor (DESIGN.md asks for >= 3 bf16 seeds in all).")
+                                "floor (two give >= 3 bf16 seeds in all).")
 DETERMINISTIC = common.define_xla_deterministic(
     "Every arm; with --timing=off only, since it slows the steps.")
 TIMING = flags.DEFINE_enum("timing", "auto", ablation.TIMING_MODES,

@@ -195,7 +195,7 @@ def main(argv):
   import jax
   jax.config.update("jax_compilation_cache_dir", cache)
   from loka_jax import _compat
-  from loka_jax.bench.results import ResultsFile
+  from experiments.bench.results import ResultsFile
   from loka_jax.train import OptimConfig, experiment, make_optimizer
 
   experiment.quiet_library_logs()

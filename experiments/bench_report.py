@@ -5,13 +5,13 @@ r"""The headline benchmark's tables, target verdicts and plots from result rows 
 
 Merges speed and quality rows from the files in order (a later row of the same target,
 variant or arm, seed, device, recipe and Mods set replaces an earlier one:
-`loka_jax.bench.collect`) and
+`experiments.bench.collect`) and
 writes what `experiments.bench` writes at the end of a call: DIR/report.md (tables and the
 targets met or missed), DIR/targets.json and PNG plots under DIR/plots/. No GPU needed: this
-is how docs/BENCHMARKS.md's summary is made from the rows committed under docs/results/.
+is how the benchmark summary is made from the rows committed under docs/results/.
 Plots put one bar per target and variant, so rows of two device kinds need --device.
 --served_quality takes `experiments.serving_quality` reports: an inference verdict measured on
-a served model outside the quality budget is missed (`loka_jax.bench.served_check`).
+a served model outside the quality budget is missed (`experiments.bench.served_check`).
 """
 import os
 
@@ -36,7 +36,7 @@ SERVED = flags.DEFINE_list(
 def main(argv):
   del argv
   from loka_jax import jsonio
-  from loka_jax.bench import collect, plots, served_check, tables, targets
+  from experiments.bench import collect, plots, served_check, tables, targets
 
   rows = collect.read_rows(ROWS.value, DEVICE.value)
   kinds = collect.devices(rows)

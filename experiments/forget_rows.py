@@ -3,9 +3,9 @@ r"""Measure part of a benchmark target again: move its rows and plan files out o
   python -m experiments.forget_rows --workdir=DIR --target=dhen/large --variants=loka \
       [--plan_files=plan_serve.json] [--suite=models|towers|quality] [--mods=...]
 
-The bench skips finished rows and reads plan files it wrote before; this moves the named
-rows (variants, or arms with --suite=quality, each with its run folder) of one target, and
-the plan files named, to DIR/forgotten/STAMP/ with a manifest (`loka_jax.bench.forget`), so the next
+The bench skips finished rows and reads plan files it wrote before; this moves the named rows
+(variants, or arms with --suite=quality, each with its run folder) of one target, and the plan
+files named, to DIR/forgotten/STAMP/ with a manifest (`experiments.bench.forget`), so the next
 `experiments.bench` call with the same workdir measures them again. Nothing is deleted.
 E.g. a LoKA row served before the served-quality gate, timed again under it:
 `--target=dhen/large --variants=loka --plan_files=plan_serve.json`.
@@ -26,7 +26,7 @@ PLANS = flags.DEFINE_string("plans_dir", None, "Plan directory (default: WORKDIR
 
 def main(argv):
   del argv
-  from loka_jax.bench import forget, mods_set, suite
+  from experiments.bench import forget, mods_set, suite
   if not common_flags.WORKDIR.value:
     raise app.UsageError("--workdir is required: the bench's workdir")
   try:

@@ -24,7 +24,7 @@ source experiments/gpu_common.sh
 ensure_wheels || exit 1
 MODS=${MODS:-all}
 # The set's plans folder, as the bench and profile_step name it (mods_set.plans_root).
-ROOT=$(python3 -c "import sys; from loka_jax.bench import mods_set as m
+ROOT=$(python3 -c "import sys; from experiments.bench import mods_set as m
 print(m.plans_root(sys.argv[1], sys.argv[2].split(',')))" "$WORK/plans" "$MODS") || exit 1
 PLANS="$ROOT/${MODEL}_${PRESET}"
 if [ -n "${PLAN:-}" ]; then

@@ -7,13 +7,13 @@ Reads the compiled HLO `experiments.profile_step` writes (plain or .gz). For the
 profile's "outside the sites, by name scope" table names, it prints how many instructions
 each program runs there, the signatures (opcode, fused operations, operand and result types
 with layouts) only one of them runs, and each program's instructions in schedule order
-(`loka_jax.bench.hlo_scope`). Runs on any machine.
+(`experiments.bench.hlo_scope`). Runs on any machine.
 """
 import gzip
 
 from absl import app, flags
 
-from loka_jax.bench import hlo_scope
+from experiments.bench import hlo_scope
 
 SCOPE = flags.DEFINE_string("scope", None, "The name scope, as the profile's table spells "
                             "it, e.g. 'DCNv2/embeddings (bwd)'.", required=True)

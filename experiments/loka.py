@@ -24,7 +24,7 @@ from absl import app, flags, logging
 
 from loka_jax import _compat
 from loka_jax import flags as common
-from loka_jax.bench import headroom
+from experiments.bench import headroom
 from loka_jax.dispatch import kernel_counts, pipeline
 from loka_jax.dispatch import validate as validate_lib
 from loka_jax.kernels import KernelPlan

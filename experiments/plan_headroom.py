@@ -6,7 +6,7 @@ r"""How far a target's plans are from what its probed kernels could give a step 
       [--train_step_ms=163 --infer_step_ms=49] [--train_target=1.25 --infer_target=1.5] \
       [--top=10] [--out=DIR]
 
-Sums the report's kernel timings per plan (`loka_jax/bench/headroom.py`): the GEMM time each
+Sums the report's kernel timings per plan (`experiments/bench/headroom.py`): the GEMM time each
 plan saves over xla_bf16, in training (every pass) and inference (forwards), beside each
 kernel everywhere and the speed-only plan (the accuracy budget off: what no plan from these
 kernels exceeds). With a measured step (the baseline variant's row in --rows, or the
@@ -62,7 +62,7 @@ def _named_plans():
 def main(argv):
   del argv
   from loka_jax import jsonio
-  from loka_jax.bench import collect, headroom
+  from experiments.bench import collect, headroom
   from loka_jax.probe.report import load_report
 
   try:

@@ -8,7 +8,7 @@ r"""Profile whole train and inference steps: device time per GEMM site and pass,
   python -m experiments.profile_step --model=dlrm --preset=large --mods=no_bias,blocknorm \
       --variants=bf16_mods,flax_fp8_delayed,loka --plans_dir=DIR/plans --workdir=DIR/profile
 
-Every variant is built as the headline benchmark builds it (`loka_jax.bench`: one shared
+Every variant is built as the headline benchmark builds it (`experiments.bench`: one shared
 training state, LoKA from its plan under --plans_dir, inference of LoKA from its exported
 model; --mods sets the Mods of the Mods arms as the bench's does, LoKA's plan then read from
 that set's folder under --plans_dir), each step runs --iterations times under the JAX
@@ -44,12 +44,12 @@ COMMAND_BUFFERS = flags.DEFINE_bool(
     "command_buffers", False,
     "Keep XLA's CUDA-graph command buffers. Off by default: a kernel launched from a command "
     "buffer names the buffer (`command_buffer_N`) as its HLO op, not its own instruction, so "
-    "its time cannot be split by site (the tenth session's tower profile: 92% of a bf16 "
+    "its time cannot be split by site (a tower's profile on an H200 put 92% of a bf16 "
     "train step outside the sites).")
 
 
 def _render(path: str) -> None:
-  from loka_jax.bench import plots, profile
+  from experiments.bench import plots, profile
   try:
     with open(path) as f:
       saved = json.load(f)
@@ -69,8 +69,8 @@ def main(argv):
     xla_env.add_xla_flags("--xla_gpu_enable_command_buffer=")
   import jax
   from loka_jax import _compat, jsonio
-  from loka_jax.bench import mods_set, planning, plots, profile, speed, suite
-  from loka_jax.bench.variants import PLAN, parse_variants
+  from experiments.bench import mods_set, planning, plots, profile, speed, suite
+  from experiments.bench.variants import PLAN, parse_variants
   from loka_jax.models.presets import site_products
   from loka_jax.models.site import SiteConfig
 

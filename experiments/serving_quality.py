@@ -33,7 +33,7 @@ OUT = flags.DEFINE_string("out", None,
 def main(argv):
   del argv
   from loka_jax import jsonio
-  from loka_jax.bench import mods_set, planning, suite
+  from experiments.bench import mods_set, planning, suite
   from loka_jax.dispatch import read_plan, serve_quality
   from loka_jax.train import experiment
 

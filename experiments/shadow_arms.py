@@ -14,8 +14,8 @@ plotted to WORKDIR/shadow_arms.png. An arm is
 NAME=REGEX:KERNEL[,REGEX:KERNEL...]: each site takes the kernel (all passes) of the first
 regex that fully matches its name, every other site xla_bf16; --plan_arm=NAME=PLAN.json
 takes a plan file's kernels per site and pass (it must fit the model). It asks which kernel pattern
-stalls training without a probe report or a plan file (Wukong `large`'s restored plan did,
-docs/BENCHMARKS.md section 7, forty-third session). Rows go to WORKDIR/shadow_arms.jsonl as
+stalls training without a probe report or a plan file (Wukong `large`'s restored plan did
+on an H200). Rows go to WORKDIR/shadow_arms.jsonl as
 each run ends; a rerun skips the arm and window pairs it holds for the same recipe. With
 --warmup_after_switch=N every run warms its learning rates up again over N steps after
 leaving the trained state (validation's --validation_shadow_warmup_steps).
@@ -88,8 +88,8 @@ def parse_plan_arm(text: str, model, batch):
 
 def main(argv):
   del argv
-  from loka_jax.bench import plots
-  from loka_jax.bench.results import ResultsFile
+  from experiments.bench import plots
+  from experiments.bench.results import ResultsFile
   from loka_jax.dispatch import pipeline, run_records, validate
   from loka_jax.kernels import registry
   from loka_jax.models.presets import site_products

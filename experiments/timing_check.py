@@ -5,8 +5,8 @@
 Per shape: unblocked back-to-back direct calls; the probe's timing (`kernel_timing.
 _time_interleaved`: one chain less its floor for products under SHORT_FLOPS, else single
 calls back to back); `timing.time_variants`; and the profiler's device time of one call and
-of a chain of 16 (`timing.chain`). The eleventh session's numbers (docs/BENCHMARKS.md,
-docs/results/timing_loop_check_h200_2026-11-27.txt, checks 3 and 4) came from this.
+of a chain of 16 (`timing.chain`). The H200 numbers of
+docs/results/timing_loop_check_h200_2026-11-27.txt (checks 3 and 4) came from this.
 """
 import collections
 import json
@@ -18,7 +18,7 @@ import numpy as np
 from absl import app
 
 from loka_jax import timing
-from loka_jax.bench import profile
+from experiments.bench import profile
 from loka_jax.probe import kernel_timing
 
 SHAPES = [(16384, 4096, 4096), (8192, 2048, 2048), (4096, 1024, 1024), (4096, 256, 256),

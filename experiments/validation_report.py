@@ -25,7 +25,7 @@ _PANELS = {"quality_shadow": ("data window {}".format, "steps after the switch")
 
 def main(argv):
   del argv
-  from loka_jax.bench import plots
+  from experiments.bench import plots
   from loka_jax.dispatch import run_records, validate
   from loka_jax.dispatch.plan import kernel_counts, read_plan_arg
   from loka_jax.train.report import validation_line

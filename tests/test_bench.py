@@ -17,9 +17,9 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from loka_jax import dispatch
-from loka_jax.bench import (forget, mods_set, pace, planning, plots, quality, speed, suite,
-                             tables, targets, towers, variants)
-from loka_jax.bench.results import ResultsFile
+from experiments.bench import (forget, mods_set, pace, planning, plots, quality, speed, suite,
+                               tables, targets, towers, variants)
+from experiments.bench.results import ResultsFile
 from loka_jax.kernels.choice import KernelChoice, KernelPlan
 from loka_jax.models.presets import site_products
 from loka_jax.models.site import SiteConfig
@@ -573,7 +573,7 @@ class TickLabelTest(absltest.TestCase):
 class GemmCallsTest(absltest.TestCase):
 
   def test_every_gemm_backend_of_a_gpu_hlo_is_counted(self):
-    from loka_jax.bench.speed import gemm_calls
+    from experiments.bench.speed import gemm_calls
     # Lines in the form of an H100 step's optimized HLO (custom-call targets, fusion kinds).
     hlo = "\n".join([
         '%a = (bf16[64,32]{1,0}, s8[0]{0}) custom-call(%x, %w), custom_call_target="__cublas$lt$matmul"',
@@ -638,17 +638,17 @@ class ValidationFromInitTest(absltest.TestCase):
     # plan the suite makes.
     (target,) = suite.tower_targets(["64x32x2"])
     plans = tempfile.mkdtemp(prefix="loka_bench_from_init_")
-    for steps, warmup, clip, seeds, quality in ((0, None, None, 1, False),
-                                                (7, 3, 0.5, 2, True)):
+    for steps, warmup, clip, seeds, on in ((0, None, None, 1, False),
+                                           (7, 3, 0.5, 2, True)):
       settings = suite.SpeedSettings(plans_dir=plans, validation_from_init_steps=steps,
                                      validation_from_init_warmup_steps=warmup,
                                      validation_from_init_clip_norm=clip,
                                      validation_from_init_seeds=seeds,
-                                     validation_from_init_quality_bound=quality,
-                                     validation_held_out_one_program=quality,
-                                     validation_gradient_one_program=quality,
+                                     validation_from_init_quality_bound=on,
+                                     validation_held_out_one_program=on,
+                                     validation_gradient_one_program=on,
                                      validation_shadow_windows=seeds + 1,
-                                     validation_shadow_noise_floor=quality,
+                                     validation_shadow_noise_floor=on,
                                      validation_promotion_per_sort=seeds + 2,
                                      validation_stalled_fraction=0.05 * seeds,
                                      validation_shadow_warmup_steps=warmup,
@@ -664,8 +664,8 @@ class ValidationFromInitTest(absltest.TestCase):
                         validation.shadow_noise_floor, validation.promotion_per_sort,
                         validation.stalled_fraction, validation.shadow_warmup_steps,
                         validation.shadow_steps),
-                       (steps, warmup, clip, seeds, quality, quality, quality, seeds + 1,
-                        quality, seeds + 2, 0.05 * seeds, warmup, steps))
+                       (steps, warmup, clip, seeds, on, on, on, seeds + 1,
+                        on, seeds + 2, 0.05 * seeds, warmup, steps))
 
   def test_the_suites_validation_defaults_are_the_configs(self):
     # A setting not given on the command line leaves the check as `ValidationConfig` has it
@@ -959,7 +959,7 @@ class ServingPlanBenchTest(chex.TestCase):
     import test_dispatch_reports as hm
     from test_dispatch_export import probe_stats
     from loka_jax import dispatch
-    from loka_jax.bench import planning
+    from experiments.bench import planning
     from loka_jax.probe.eligibility import Criteria
     from loka_jax.probe.report import save_report
     mods = variants.VARIANTS["loka"].mods
@@ -1005,7 +1005,7 @@ class ServingPlanBenchTest(chex.TestCase):
 
   def test_loka_serves_the_serving_plans_export(self):
     from loka_jax import dispatch
-    from loka_jax.bench import planning
+    from experiments.bench import planning
     target = suite.tower_targets(["32x16x2"])[0]
     plans, sites = self._plans(target)
     trained_only = self._loka_row(target, plans, serve_plan=False)
@@ -1028,7 +1028,7 @@ class ServingPlanBenchTest(chex.TestCase):
 
   def test_a_forward_held_out_validation_backed_off_is_not_served_in_fp8(self):
     from loka_jax import dispatch
-    from loka_jax.bench import planning
+    from experiments.bench import planning
     target = suite.tower_targets(["32x16x2"])[0]
     for fwd_speed, where in (((1.06, 1.08, 1.13), "selected"), ((0.98, 1.03, 1.07), "proposal")):
       plans, _ = self._plans(target, fwd_speed=fwd_speed)
@@ -1053,7 +1053,7 @@ class ServingPlanBenchTest(chex.TestCase):
 
   def _clip_scales(self, plans, target):
     """The report's activation amax 1000x too small: every FP8 export saturates."""
-    from loka_jax.bench import planning
+    from experiments.bench import planning
     from loka_jax.probe.report import save_report
     report = planning.load_report(plans, target.model, target.preset)
     for site in report["sites"].values():
@@ -1063,7 +1063,7 @@ class ServingPlanBenchTest(chex.TestCase):
     save_report(report, planning.report_path(plans, target.model, target.preset))
 
   def test_the_quality_gate_serves_no_export_outside_the_budget(self):
-    from loka_jax.bench import served_check, serving_gate
+    from experiments.bench import served_check, serving_gate
     target = suite.tower_targets(["32x16x2"])[0]
     # The selected serving plan is FP8 everywhere, its scales clipped: outside the budget.
     # The training plan (bf16 everywhere) is served instead, which the gate scored within.
@@ -1104,7 +1104,7 @@ class ServingPlanBenchTest(chex.TestCase):
 
   def test_a_proposal_outside_the_budget_is_trimmed_to_its_most_accurate_forwards(self):
     from loka_jax import dispatch
-    from loka_jax.bench import planning, serving_gate
+    from experiments.bench import planning, serving_gate
     from loka_jax.probe.report import save_report
     target = suite.tower_targets(["32x16x2"])[0]
     # Selection serves bf16 everywhere; the proposal adds the delayed forward at every site.
@@ -1144,7 +1144,7 @@ class ServingPlanBenchTest(chex.TestCase):
     self.assertEqual(row["serve_promotion"]["quality"], record["quality"][record["served"]])
 
   def test_with_every_candidate_outside_the_budget_every_forward_is_served_bf16(self):
-    from loka_jax.bench import planning, serving_gate
+    from experiments.bench import planning, serving_gate
     target = suite.tower_targets(["32x16x2"])[0]
     plans, sites = self._plans(target)
     selected, _, _ = planning.select_serving(plans, target.model, target.preset)
@@ -1164,7 +1164,7 @@ class ServingPlanBenchTest(chex.TestCase):
     self.assertIsNone(why)
 
   def test_a_corrupt_scores_file_is_refused_by_name(self):
-    from loka_jax.bench import serving_gate
+    from experiments.bench import serving_gate
     plans = _tempdir(self)
     path = serving_gate.quality_path(plans, "tower", "32x16x2")
     os.makedirs(os.path.dirname(path))
@@ -1363,7 +1363,7 @@ class ProbeThenRowsTest(absltest.TestCase):
     # of a plan when its next step would not fit: the target waits for the next run, its
     # peers too, instead of compiling a baseline the deadline throws away.
     from loka_jax import dispatch
-    from loka_jax.bench import planning
+    from experiments.bench import planning
     out = _tempdir(self)
     results = ResultsFile(os.path.join(out, "bench.jsonl"), suite.KEY_FIELDS)
     target = suite.tower_targets(["32x16x2"])[0]

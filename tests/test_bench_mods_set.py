@@ -11,8 +11,8 @@ from unittest import mock
 import numpy as np
 from absl.testing import absltest
 
-from loka_jax.bench import collect, mods_set, quality, suite, tables, targets, variants
-from loka_jax.bench.results import ResultsFile
+from experiments.bench import collect, mods_set, quality, suite, tables, targets, variants
+from experiments.bench.results import ResultsFile
 from loka_jax.train.loop import TIME_SPLIT_FIELDS
 from test_bench_report import _speed, _tempdir
 

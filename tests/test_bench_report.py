@@ -10,7 +10,7 @@ import tempfile
 import numpy as np
 from absl.testing import absltest
 
-from loka_jax.bench import collect, tables, targets
+from experiments.bench import collect, tables, targets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -99,7 +99,7 @@ class ReadRowsTest(absltest.TestCase):
 
 
   def test_a_runs_own_results_file_skips_the_torn_line_a_report_refuses(self):
-    from loka_jax.bench import quality, results
+    from experiments.bench import quality, results
     d = _tempdir(self)
     path = os.path.join(d, "quality.jsonl")
     with open(path, "w") as f:

@@ -10,8 +10,8 @@ import tempfile
 
 from absl.testing import absltest
 
-from loka_jax.bench import forget, planning, quality, suite
-from loka_jax.bench.results import ResultsFile
+from experiments.bench import forget, planning, quality, suite
+from experiments.bench.results import ResultsFile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,7 +1,7 @@
 """The GPU call scripts (`experiments/gpu_suite_call.sh`, `experiments/gpu_loka_call.sh`) run
 on the CPU: a call's rows travel to a fresh host through the carry folder, and the call's hard
 end reaches the bench, so a row starts past --max_minutes when the rows recorded before it say
-it ends in time (`loka_jax/bench/pace.py`)."""
+it ends in time (`experiments/bench/pace.py`)."""
 import json
 import os
 import shutil

@@ -9,7 +9,7 @@ import tempfile
 
 from absl.testing import absltest
 
-from loka_jax.bench import hlo_scope
+from experiments.bench import hlo_scope
 from test_profile import _wukong_train_hlo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

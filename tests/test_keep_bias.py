@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from absl.testing import absltest
 
-from loka_jax.bench import mods_set, quality, suite, towers
+from experiments.bench import mods_set, quality, suite, towers
 from loka_jax.models import SiteConfig, apply_mods, get_config
 from loka_jax.models.presets import ModsError
 from loka_jax.train import experiment

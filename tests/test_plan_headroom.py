@@ -1,4 +1,4 @@
-"""The GEMM headroom of a plan (loka_jax/bench/headroom.py, experiments/plan_headroom.py):
+"""The GEMM headroom of a plan (experiments/bench/headroom.py, experiments/plan_headroom.py):
 savings summed from hand-made kernel timings and checked against hand arithmetic."""
 import gzip
 import json
@@ -11,7 +11,7 @@ import chex
 from absl.testing import absltest
 
 import test_dispatch_reports as hm
-from loka_jax.bench import headroom
+from experiments.bench import headroom
 from loka_jax.dispatch import pipeline, selection
 from loka_jax.dispatch.plan import save_plan
 from loka_jax.probe.eligibility import Criteria

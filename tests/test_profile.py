@@ -10,7 +10,7 @@ import tempfile
 import jax
 from absl.testing import absltest
 
-from loka_jax.bench import profile
+from experiments.bench import profile
 from loka_jax.models.presets import site_products
 from loka_jax.train import experiment
 from loka_jax.train.loop import compiled_steps

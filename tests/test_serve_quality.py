@@ -11,7 +11,7 @@ import tempfile
 import numpy as np
 from absl.testing import absltest
 
-from loka_jax.bench import planning, suite
+from experiments.bench import planning, suite
 from loka_jax.dispatch import export as export_lib
 from loka_jax.dispatch import pipeline, serve_quality
 from loka_jax.dispatch.validate import BASELINE

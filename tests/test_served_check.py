@@ -9,7 +9,7 @@ import sys
 import numpy as np
 from absl.testing import absltest
 
-from loka_jax.bench import served_check, tables, targets
+from experiments.bench import served_check, tables, targets
 from tests import test_bench_report as report_test
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

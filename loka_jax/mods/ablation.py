@@ -240,15 +240,15 @@ def timing_enabled(config: AblationConfig) -> bool:
 def timing_variants(config: AblationConfig, mods: Combination):
   """The variants of one timing row: the bf16 baseline (no mods) and both precisions of
   `mods`, so every speedup has its baseline in the same interleaved run."""
-  from loka_jax.bench.variants import Variant  # the bench package builds on the train package
+  from experiments.bench.variants import Variant  # the bench package builds on the train package
   names = [("bf16", ())] + [(p, mods) for p in config.precisions if (p, mods) != ("bf16", ())]
   return [Variant(f"{p}__{combination_key(m)}", p, config.kernel, m) for p, m in names]
 
 
 def time_combination(config: AblationConfig, mods: Combination) -> Dict[str, Any]:
   """Train-step and inference time of `timing_variants`, interleaved (loka_jax.timing)."""
-  from loka_jax.bench import models as bench_models
-  from loka_jax.bench.speed import MIN_CALL_S
+  from experiments.bench import models as bench_models
+  from experiments.bench.speed import MIN_CALL_S
   variants = timing_variants(config, mods)
   prepared = {v.name: bench_models.prepare(config.model, config.preset, v, config.batch,
                                            seed=config.seed) for v in variants}

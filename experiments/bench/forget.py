@@ -16,10 +16,10 @@ import os
 from typing import Dict, List, Optional, Sequence
 
 from loka_jax import jsonio
-from loka_jax.bench import mods_set, planning
-from loka_jax.bench import quality as quality_lib
-from loka_jax.bench import serving_gate
-from loka_jax.bench.variants import VARIANTS
+from experiments.bench import mods_set, planning
+from experiments.bench import quality as quality_lib
+from experiments.bench import serving_gate
+from experiments.bench.variants import VARIANTS
 
 RESULTS = {"models": "bench.jsonl", "towers": "bench.jsonl", "quality": "quality.jsonl"}
 # The plan files a target's rows are made from, in the order the bench writes them.

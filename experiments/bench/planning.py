@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
+from experiments import time_limit
 from loka_jax import dispatch
 from loka_jax.dispatch.plan import FALLBACK
 from loka_jax.kernels import KernelPlan
@@ -77,7 +78,7 @@ def select_serving(plans_root: str, model: str, preset: str
   training plan was selected with, and `dispatch.serving_proposal` of it. A site whose
   forward the training plan's held-out check backed off serves in bf16 in both: selection
   reads the probe report, which does not know what validation measured (DHEN large's
-  `head/dense_0`, H200, docs/BENCHMARKS.md section 7, twenty-ninth session)."""
+  `head/dense_0`, H200)."""
   from loka_jax.dispatch.pipeline import default_criteria
   from loka_jax.dispatch.validate import held_out_backed_off
   report = load_report(plans_root, model, preset)
@@ -112,7 +113,8 @@ def make_plan(spec: experiment.RunSpec, plans_root: str, train_config: TrainConf
               validation=None, deadline: Optional[float] = None) -> Optional[str]:
   """Probes `spec` (its model with Mods, in bf16), selects and validates its plan
   (`dispatch.pipeline.probe_and_plan`); returns the plan's path, or None when the budget ran
-  out first (a rerun resumes). `kernels`: the probe's candidates (empty: the default list);
+  out first (a rerun resumes). `budget_s`: seconds the probe may take from now (its
+  `should_stop`, `experiments.time_limit.stop_after`). `kernels`: the probe's candidates (empty: the default list);
   `compile_workers`, `timing_compile_workers`, `min_timing_gflops`: those `ProbeOptions`;
   `criteria_changes`: fields of the default budget to change (`probe_and_plan`'s);
   `validation`: the `ValidationConfig` (None: the defaults)."""
@@ -123,7 +125,8 @@ def make_plan(spec: experiment.RunSpec, plans_root: str, train_config: TrainConf
   path = os.path.join(workdir, PLAN_FILE)
   if os.path.exists(path):
     return path
-  options = ProbeOptions(samples=samples, repeats=repeats, budget_s=budget_s, plots=False,
+  options = ProbeOptions(samples=samples, repeats=repeats,
+                         should_stop=time_limit.stop_after(budget_s), plots=False,
                          site_plots=False, kernels=tuple(kernels), timing_cache=timing_cache,
                          compile_workers=compile_workers,
                          timing_compile_workers=timing_compile_workers,

@@ -11,14 +11,13 @@ the bench then serves the first candidate within the budget, in that order (the 
 when it is also provably faster), else bf16+Mods' own all-bf16 export.
 
 A proposal outside the budget need not be given up whole: it adds FP8 forwards at sites the
-selected plan keeps in bf16, chosen on their error alone, and a few of them may carry its
-whole change (at DHEN `large` the 48 it adds moved held-out log loss by +0.13% while the
-selected plan's 13 moved it +0.0004%, H200, docs/BENCHMARKS.md section 7, thirty-first
-session). So, when the selected plan is within the budget, the gate ranks the proposal's
-added sites by the probe report's forward error and bisects on how many of the most accurate
-to keep (at most `TRIM_SCORINGS` more exports scored), and saves the largest set it measured
-within the budget as the candidate `trimmed` (its `sites`), which the bench then times in
-the proposal's place.
+selected plan keeps in bf16, chosen on their error alone, and a few of them may carry its whole
+change (at DHEN `large` the 48 it adds moved held-out log loss by +0.13% while the selected
+plan's 13 moved it +0.0004%, H200). So, when the selected plan is within the budget, the gate
+ranks the proposal's added sites by the probe report's forward error and bisects on how many of
+the most accurate to keep (at most `TRIM_SCORINGS` more exports scored), and saves the largest
+set it measured within the budget as the candidate `trimmed` (its `sites`), which the bench then
+times in the proposal's place.
 
 The scoring restores the probe's state (or trains the probe run again where its checkpoint is
 absent, as validation does), before the bench builds its baseline, and frees it after.
@@ -30,7 +29,7 @@ import os
 from typing import Any, Dict, Mapping, Optional, Sequence
 
 from loka_jax import jsonio
-from loka_jax.bench import planning
+from experiments.bench import planning
 
 QUALITY_FILE = "serve_quality.json"
 QUALITY_STEP = "serve_quality"   # a serving plan's back-off for the served quality

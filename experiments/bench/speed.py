@@ -7,10 +7,10 @@ parameters), so the biggest presets fit one GPU however many variants run, and e
 updates the same tensors. Delayed-scaling state (fp8_meta) stays per variant. A variant whose
 parameters do not fit inside bf16's gets its own state (`shared_state: false` in its row).
 
-Timing follows DESIGN.md: warm-up, bf16 and the variant interleaved, >= 20 repeats, median
-and bootstrap 95% CI of the speedup; steps under `min_call_s` run N times in one jitted
-fori_loop (N from the bf16 step, the same for every variant; chosen per mode, since an
-inference step can be ten times shorter than a train step).
+Timing follows the benchmark protocol (`loka_jax.timing`): warm-up, bf16 and the variant
+interleaved, >= 20 repeats, median and bootstrap 95% CI of the speedup; steps under `min_call_s`
+run N times in one jitted fori_loop (N from the bf16 step, the same for every variant; chosen
+per mode, since an inference step can be ten times shorter than a train step).
 """
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ class Arm:
 
 # Steps shorter than this run several times a timed call. 5 ms, not the protocol's 1 ms
 # floor: timed one a call, DCNv2 `small`'s 1 ms inference step read 0.6-1.3 ms on an H200, and
-# its speedup CIs were 1.5-8x wider than at 5 ms (docs/BENCHMARKS.md, fourteenth session).
+# its speedup CIs were 1.5-8x wider than at 5 ms.
 MIN_CALL_S = 5e-3
 
 

@@ -10,7 +10,7 @@ longer than one call (--max_minutes: no new row starts after it) finishes over s
 with --end_by_minutes (the call's hard end) a quality run starts whenever the longest run
 recorded for its arm (else for its model) would still end by it, and a speed row whenever the
 longest row of its variant (else of its target) would, also past --max_minutes, and not
-otherwise (`loka_jax.bench.pace`).
+otherwise (`experiments.bench.pace`).
 The LoKA arm needs each target's plan (DIR/plans/<model>_<preset>/plan.json): a missing one is
 probed first (--probe), resumably. Every call ends by writing DIR/report.md (tables and the
 target checks), DIR/targets.json and PNG plots under DIR/plots/.
@@ -48,7 +48,7 @@ REPEATS = flags.DEFINE_integer("repeats", 20, "Timed repeats per variant (interl
 MIN_CALL_MS = flags.DEFINE_float(
     "min_call_ms", None, "Steps shorter than this run N times in one jitted loop per timed "
     "call (N from the bf16 step, per mode), so host dispatch jitter is spread over N steps "
-    "(default: loka_jax.bench.speed.MIN_CALL_S, 5 ms).")
+    "(default: experiments.bench.speed.MIN_CALL_S, 5 ms).")
 MAX_MINUTES = flags.DEFINE_float("max_minutes", 6.5, "Start no new row after this long.")
 END_BY_MINUTES = flags.DEFINE_float(
     "end_by_minutes", None, "The call's hard end, in minutes from the start (e.g. the GPU "
@@ -126,7 +126,7 @@ SHADOW_STEPS = flags.DEFINE_integer(
     "validation_shadow_steps", 200, "Steps of validation's shadow check from the probe's "
     "state (`ValidationConfig.shadow_steps`); 0 skips it, leaving the training verdict to "
     "--validation_from_init_steps. For a probe's state on a loss plateau that runs leave at "
-    "their own times (Wukong `large`, docs/BENCHMARKS.md section 7, forty-sixth session).",
+    "their own times (Wukong `large` on an H200).",
     lower_bound=0)
 SHADOW_WINDOWS = flags.DEFINE_integer(
     "validation_shadow_windows", 1, "Data windows of validation's shadow check from the "
@@ -226,10 +226,10 @@ def main(argv):
   _setup(workdir)
   import jax
   from loka_jax import _compat
-  from loka_jax.bench import mods_set, plots, quality, suite, tables, targets
-  from loka_jax.bench.results import ResultsFile
-  from loka_jax.bench.towers import TOWER_SHAPES
-  from loka_jax.bench.variants import parse_variants
+  from experiments.bench import mods_set, plots, quality, suite, tables, targets
+  from experiments.bench.results import ResultsFile
+  from experiments.bench.towers import TOWER_SHAPES
+  from experiments.bench.variants import parse_variants
   from loka_jax.models.presets import MODEL_NAMES
   from loka_jax.train import experiment
 

@@ -4,8 +4,8 @@ A call has a soft deadline (`--max_minutes`) and a hard end (`--end_by_minutes`:
 less the upload), at which the call is killed and whatever it was compiling is lost. A fixed
 deadline must allow for the longest row, so it either leaves a call idle when rows are short
 or lets a long one start too late: InterFormer `large`'s FP8 rows (a 96-127 s compile, 2-3
-minutes a row) were killed at the hard end in two calls running, each losing its compile
-(docs/BENCHMARKS.md section 7, thirty-fourth session). So once a row's length is known from
+minutes a row, H200) were killed at the hard end in two calls running, each losing its
+compile. So once a row's length is known from
 the rows before it, it starts exactly when it is expected to end in time.
 """
 from __future__ import annotations

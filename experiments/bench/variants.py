@@ -63,7 +63,7 @@ LABELS = {"fp32": "fp32", "bf16": "bf16", "bf16_mods": "bf16+Mods",
           "flax_fp8_delayed_grad_lhs": "FP8 fwd + grad_lhs (delayed), bf16 grad_rhs",
           "fp8_tensorwise": "XLA FP8 tensorwise", "fp8_rowwise": "XLA FP8 rowwise",
           "pallas": "Pallas FP8", "pallas_delayed": "Pallas FP8 (delayed)", "loka": "LoKA"}
-# The one-kernel-everywhere peers LoKA must match or beat (issue 8, targets).
+# The one-kernel-everywhere peers LoKA must match or beat (`targets`).
 PEERS = ("flax_fp8_delayed", "flax_fp8_delayed_fwd", "flax_fp8_delayed_grad_lhs",
          "fp8_tensorwise", "fp8_rowwise", "pallas", "pallas_delayed")
 BASELINE = "bf16"

@@ -5,9 +5,9 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from loka_jax.bench import quality as quality_lib
-from loka_jax.bench.mods_set import of_row, preset_label, row_subject
-from loka_jax.bench.variants import LABELS, VARIANTS
+from experiments.bench import quality as quality_lib
+from experiments.bench.mods_set import of_row, preset_label, row_subject
+from experiments.bench.variants import LABELS, VARIANTS
 
 # A row's ratio is over the bf16 timed in its own pair. Where that pair's bf16 ran far from
 # the bf16 of the target's other pairs timed the same way, the ratio carries the drift: on

@@ -13,9 +13,9 @@ matplotlib.use("Agg")  # files only; no display on the GPU host or in CI
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from loka_jax.bench import quality as quality_lib  # noqa: E402
-from loka_jax.bench.mods_set import row_subject  # noqa: E402
-from loka_jax.bench.variants import LABELS, VARIANTS  # noqa: E402
+from experiments.bench import quality as quality_lib  # noqa: E402
+from experiments.bench.mods_set import row_subject  # noqa: E402
+from experiments.bench.variants import LABELS, VARIANTS  # noqa: E402
 
 
 def variant_color(variant: str) -> str:
@@ -126,7 +126,7 @@ def training_curves_plot(rows: Sequence[Mapping], runs_roots: Sequence[str],
   """One panel per seed: each arm's logged training loss over the steps (solid: the mean of
   each logged window; dotted: its worst step, where logged), on a log scale so a spike and
   the converged loss both read. The mean over seeds, which the verdicts compare, can rest on
-  one seed's spike (DCNv2 `large`, docs/BENCHMARKS.md section 7, thirty-third session).
+  one seed's spike (DCNv2 `large` on an H200).
   Each run is read from the first of `runs_roots` (quality suites' run folders) that holds
   it; None when none holds a run of the comparison."""
   curves = quality_lib.run_curves(rows, runs_roots, comparison)
@@ -167,7 +167,7 @@ def shadow_curves_plot(curves: Mapping[tuple, Sequence[Optional[float]]], every:
   per block of `every` steps at the block's last step (`curves`: {(arm, panel): the runs'
   `loss_curve`}; None, a block with a non-finite step, is a gap). A run's last steps alone
   cannot tell one still on a plateau from one that never learns; the curve shows when it
-  left (Wukong `large`, docs/BENCHMARKS.md section 7, forty-sixth session)."""
+  left (Wukong `large` on an H200)."""
   windows = sorted({w for _, w in curves})
   arms = list(dict.fromkeys(arm for arm, _ in curves))   # one colour per arm in every panel
   fig, axes = plt.subplots(1, len(windows), figsize=(4.6 * len(windows), 3.4), sharey=True,
@@ -200,7 +200,7 @@ def curves_file_name(comparison: "quality_lib.Comparison") -> str:
 def profile_plot(profiles: Mapping[str, Mapping], path: str, title: str = "") -> str:
   """Stacked bars, one per profiled step: its device time split into the GEMM sites'
   forward and backward and the largest scopes outside the sites (`profile.step_parts`)."""
-  from loka_jax.bench.profile import step_parts
+  from experiments.bench.profile import step_parts
   labels, parts = step_parts(profiles)
   names = list(parts)
   legend_rows = -(-len(labels) // 4)

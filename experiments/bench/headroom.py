@@ -19,7 +19,7 @@ predict the step: at Wukong `large` (H200) the peers' training projections land 
 of their rows. Where they are small, FP8 inside a whole step can beat its time alone
 (operands quantized once for several passes, XLA's scheduling), which is why validation
 promotes: at the 8192x2048x8 tower XLA's tensorwise FP8 everywhere projects 0.844x and
-measured 0.995x (docs/BENCHMARKS.md section 7, forty-second session).
+measured 0.995x.
 
 The sites are ranked by the GEMM time the plan forgoes against the speed-only plan, each
 with the plan's reason: the list of what would have to change to close the gap.
@@ -30,7 +30,7 @@ import dataclasses
 import math
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from loka_jax.bench import mods_set, variants
+from experiments.bench import mods_set, variants
 from loka_jax.dispatch import pipeline, selection
 from loka_jax.dispatch.plan import SCHEMA, Plan, as_plan
 from loka_jax.kernels import PASSES, registry

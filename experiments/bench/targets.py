@@ -1,10 +1,10 @@
-"""Issue 8's targets as a function of the result rows: met or missed, with the number and CI.
+"""The benchmark's targets as a function of the result rows: met or missed, with the number and CI.
 
 Speed ratios between two variants of one target come from their rows' raw samples, each
 normalized by the bf16 baseline timed beside it (ratio = speedup_a / speedup_b), bootstrapped;
 LoKA's ratios to the variants it is judged against come from the two timed in one
 interleaving instead, where its row has that (`head_to_head`, see `over`).
-"not slower" means the ratio's CI lower bound >= 0.98 (DESIGN.md).
+"not slower" means the ratio's CI lower bound >= 0.98.
 """
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from loka_jax.bench import mods_set
-from loka_jax.bench import quality as quality_lib
-from loka_jax.bench import served_check
-from loka_jax.bench.variants import PEERS
+from experiments.bench import mods_set
+from experiments.bench import quality as quality_lib
+from experiments.bench import served_check
+from experiments.bench.variants import PEERS
 from loka_jax.train.metrics import NEUTRAL_REL_LOGLOSS
 
 NOT_SLOWER = 0.98
@@ -96,9 +96,9 @@ def timing_spread(row: Mapping, mode: str) -> Optional[Tuple[float, float, int]]
   """(lowest, highest, count) of the medians of `row`'s own step, in microseconds, over its
   timings in one call: its pair with bf16 and each pair of its `head_to_head`; None below
   MIN_SPREAD_TIMINGS of them. Each pair's CI says how well that pair is resolved, not how far
-  the same program moves between pairs: at DCNv2 `large` (H200, twenty-fifth session) LoKA's
-  train step read 11.5-12.5 ms over five timings in one call (8.0% apart) while its pairs'
-  CIs spanned 1.6-4.3% (docs/BENCHMARKS.md section 7, thirty-second session)."""
+  the same program moves between pairs: at DCNv2 `large` (H200) LoKA's train step read
+  11.5-12.5 ms over five timings in one call (8.0% apart) while its pairs' CIs spanned
+  1.6-4.3%."""
   medians = []
   samples = (row.get(mode) or {}).get("samples_us")
   if samples:
@@ -312,7 +312,7 @@ def seed_detail(rows: Sequence[Mapping], comparison, arm: str, base: str,
                 seeds: Sequence[int]) -> str:
   """Each seed's log-loss change, and each run's worst training step where the rows record
   it: a mean over three seeds can rest on one, and a loss spike in either arm is then why
-  (DCNv2 `large`, docs/BENCHMARKS.md section 7, thirty-third session)."""
+  (DCNv2 `large` on an H200)."""
   losses = {a: quality_lib.by_seed(rows, comparison, a, seeds, "logloss") for a in (arm, base)}
   text = "by seed " + ", ".join(f"{x - b:+.5f}" for x, b in zip(losses[arm], losses[base]))
   peaks = {a: quality_lib.by_seed(rows, comparison, a, seeds, "peak_loss") for a in (arm, base)}
@@ -329,8 +329,7 @@ def check_all(rows: Sequence[Mapping],
 
 
 # A bound this many times the 0.02% floor is the bf16 seeds' noise, not the budget: a "met"
-# there says less than it reads (DHEN `large`, 22x, docs/BENCHMARKS.md section 7,
-# thirty-first session).
+# there says less than it reads (DHEN `large` on an H200: 22x).
 WIDE_BOUND = 5.0
 
 

@@ -1,4 +1,4 @@
-"""Benchmark rows gathered from several result files: the input of a report over sessions.
+"""Benchmark rows gathered from several result files: the input of a report over many GPU calls.
 
 The benchmark appends each row to the JSONL file of the run that measured it, and a target
 measured over many GPU calls (or again, after a fix) leaves its rows in several committed
@@ -14,7 +14,7 @@ import os
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from loka_jax import jsonio
-from loka_jax.bench import quality, suite
+from experiments.bench import quality, suite
 
 SPEED_SUITES = ("towers", "models")
 

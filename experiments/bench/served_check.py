@@ -20,7 +20,7 @@ import os
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 from loka_jax import jsonio
-from loka_jax.bench import mods_set
+from experiments.bench import mods_set
 from loka_jax.dispatch.serve_quality import SERVING_PLAN, TRAINING_PLAN, change_text
 
 ReportKey = Tuple[str, str, Optional[str]]   # (model, preset, Mods-set label)

@@ -20,7 +20,7 @@ import dataclasses
 import re
 from typing import Dict, List, Mapping, Sequence, Tuple
 
-from loka_jax.bench.profile import INSTRUCTION_LINE, REFERENCE, hlo_op_names, scope_of
+from experiments.bench.profile import INSTRUCTION_LINE, REFERENCE, hlo_op_names, scope_of
 
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _CALLED = re.compile(r"\b(calls|to_apply)=%([\w.\-]+)")

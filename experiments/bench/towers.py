@@ -24,7 +24,7 @@ from loka_jax.models.presets import parse_mods
 from loka_jax.models.site import SiteConfig
 
 BLOCK_SIZE = 256
-# B x width x depth of the headline towers (issue 8).
+# B x width x depth of the headline towers.
 TOWER_SHAPES = ("4096x256x8", "4096x512x8", "8192x1024x8", "8192x2048x8", "16384x4096x4")
 _TEACHER, _TRAIN, _EVAL = 1, 3, 4
 _TEACHER_HIDDEN = 64

@@ -5,8 +5,8 @@ from typing import Optional
 
 import jax
 
-from loka_jax.bench import speed
-from loka_jax.bench.variants import Variant
+from experiments.bench import speed
+from experiments.bench.variants import Variant
 from loka_jax.data import FeatureSpec, make_source
 from loka_jax.models.presets import (apply_mods, build_model, check_keep_bias, get_config,
                                     tower_flops)

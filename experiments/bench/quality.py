@@ -1,5 +1,5 @@
 """The quality suite: held-out NE / log loss / AUC of the arms after a fixed number of steps,
-by DESIGN.md's protocol: every arm trains with the same seed, data order and held-out set
+by the quality protocol: every arm trains with the same seed, data order and held-out set
 (>= 200k examples on synthetic teacher data), and extra bf16 seeds give the noise floor.
 
 Arms: bf16, bf16+Mods, naive FP8 (`fp8_all` with `xla_fp8_tensorwise`, no Mods), Flax's
@@ -12,14 +12,14 @@ fingerprint of the eval set it was scored on, so identical eval sets are checked
 The recipe is Adam (embeddings: row-wise Adagrad) at constant rates from step 0. At the `large`
 presets that recipe is unstable for the first steps even in bf16 (DLRM `large` spiked to a
 training loss of 2.5 at step 4 on the CPU, batch 512), and FP8 at a few wide layers made the
-spikes larger and their harm lasting (docs/BENCHMARKS.md, twenty-fifth session).
+spikes larger and their harm lasting.
 `warmup_steps` (a linear warm-up of both rates) gives a second recipe; its rows carry
 `warmup_steps` and are compared only with rows of the same recipe. `clip_norm` (global-norm
 clipping of the dense gradients) is a recipe knob the same way: with the warm-up, DCNv2
 `large`'s bf16+Mods still spiked to a training loss of 5.7 at one seed of three and LoKA to
-6.9 at the same seed, whose held-out losses then carried the whole comparison
-(docs/BENCHMARKS.md, thirty-third session). Each row records its run's worst step
-(`peak_loss`, `peak_step`), so a spike shows in the tables and verdicts.
+6.9 at the same seed, whose held-out losses then carried the whole comparison (H200). Each
+row records its run's worst step (`peak_loss`, `peak_step`), so a spike shows in the tables
+and verdicts.
 
 A LoKA plan with xla_bf16 everywhere runs the bf16+Mods program, so its LoKA row takes the
 scores of the bf16+Mods run at its seed (`bf16_mods_twin`; marked `same_run_as`) rather than
@@ -43,8 +43,8 @@ import jax
 import numpy as np
 
 from loka_jax import xla_env
-from loka_jax.bench import mods_set, pace, planning
-from loka_jax.bench.results import ResultsFile
+from experiments.bench import mods_set, pace, planning
+from experiments.bench.results import ResultsFile
 from loka_jax.train import experiment, read_metrics
 from loka_jax.train.loop import RunSettingsError, TrainConfig, train
 from loka_jax.train.metrics import NEUTRAL_REL_LOGLOSS
@@ -62,9 +62,9 @@ MIN_EVAL = 200_000
 # (parameters and Adam) saved every 125 steps and kept three deep would need up to four
 # copies, 146 GB, on the H200 host's 64 GiB disk, InterFormer `large`'s 7.8 GB took 6-14 s a
 # save, and DCNv2 `large`'s 3.0 GiB, saved every quarter of the run, spent 13-16 s of its
-# 37-60 s runs on four saves (docs/BENCHMARKS.md section 7, thirty-sixth to thirty-eighth
-# sessions). Runs are paced to end within their call (`pace.may_start`), so the steps a
-# checkpoint would save are rarely lost; smaller states (the small presets') keep them.
+# 37-60 s runs on four saves (H200). Runs are paced to end within their call
+# (`pace.may_start`), so the steps a checkpoint would save are rarely lost; smaller states
+# (the small presets') keep them.
 LARGE_STATE_BYTES = 1 << 30
 
 
@@ -267,7 +267,7 @@ def expected_run_s(results: ResultsFile, model: str, settings: QualitySettings,
   """How long `model`'s next quality run of `arm` may take (`pace.expected_s`): from the
   recorded runs of that arm at this data set and preset (any seed or recipe), else of any
   arm there. Arms differ: DHEN `large`'s runs took 83-227 s each on an H200, the compile
-  included, a bf16 run at most 163 s (docs/BENCHMARKS.md section 7, thirty-first session)."""
+  included, a bf16 run at most 163 s."""
   return pace.expected_s(((r.get("arm"), r.get("train_s")) for r in results.rows()
                          if r.get("suite") == "quality" and r.get("model") == model
                          and r.get("preset") == settings.preset
@@ -370,8 +370,8 @@ def runs_bf16_mods_kernels(plan_path: str) -> bool:
 def bf16_mods_twin(results: ResultsFile, key: tuple, plan_path: str) -> Optional[Dict]:
   """The scored bf16+Mods row whose run the LoKA row `key` would repeat, or None.
 
-  A plan with xla_bf16 everywhere (InterFormer `large` on the H200: no site reached 1.05x,
-  docs/BENCHMARKS.md section 7, thirty-fourth session; `runs_bf16_mods_kernels`) is the
+  A plan with xla_bf16 everywhere (InterFormer `large` on the H200: no site reached 1.05x;
+  `runs_bf16_mods_kernels`) is the
   program of the bf16+Mods arm (`SiteConfig.for_precision`); same seed, data
   order and Mods, so the same run. Training it again would spend a compile and the steps to
   measure only the GPU's run-to-run noise. Only a finished, scored twin of the same seed,
@@ -456,8 +456,7 @@ def descent_mark(curves: Sequence[Mapping[str, Sequence[float]]],
   """One loss for a comparison's runs to be timed against (`descent_step`): `left` of the
   way from their mean last window's loss back up to their mean first window's; None
   without a finite curve that went down. Shared, so runs whose first windows differ are
-  timed to the same loss (each run's own half-way mark moved with its first window:
-  docs/BENCHMARKS.md section 7, forty-fifth session)."""
+  timed to the same loss (each run's own half-way mark moved with its first window)."""
   ends = [(c["loss"][0], c["loss"][-1]) for c in curves
           if len(c["loss"]) >= 2 and all(math.isfinite(x) for x in (c["loss"][0], c["loss"][-1]))]
   if not ends:
@@ -469,9 +468,8 @@ def descent_mark(curves: Sequence[Mapping[str, Sequence[float]]],
 def half_descent_step(steps: Sequence[float], losses: Sequence[float]) -> Optional[float]:
   """The step at which a logged training curve first got half-way from its first window's
   mean loss down to its last one's (`descent_step` at its own mark); None when it has
-  fewer than two windows or did not go down. What the report tabled until the forty-seventh
-  session; where runs' first windows differ their marks differ, so the report now times
-  every run of a comparison to one `descent_mark`."""
+  fewer than two windows or did not go down. Where runs' first windows differ their marks
+  differ, so the report times every run of a comparison to one `descent_mark` instead."""
   if len(losses) < 2 or not losses[-1] < losses[0]:
     return None
   return descent_step(steps, losses, (losses[0] + losses[-1]) / 2)

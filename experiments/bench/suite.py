@@ -18,11 +18,11 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import jax
 
-from loka_jax.bench import mods_set, pace, planning, serving_gate, speed, towers
-from loka_jax.bench.results import ResultsFile
-from loka_jax.bench.targets import interleaved_references, speed_index
-from loka_jax.bench.variants import (PALLAS, PLAN, VARIANTS, Variant, pallas_coverage,
-                                     pallas_plan)
+from experiments.bench import mods_set, pace, planning, serving_gate, speed, towers
+from experiments.bench.results import ResultsFile
+from experiments.bench.targets import interleaved_references, speed_index
+from experiments.bench.variants import (PALLAS, PLAN, VARIANTS, Variant, pallas_coverage,
+                                        pallas_plan)
 from loka_jax.data import FeatureSpec, make_source
 from loka_jax.dispatch.validate import BASELINE as ALL_BF16_PLAN
 from loka_jax.models.presets import (apply_mods, build_model, check_keep_bias, get_config,
@@ -641,8 +641,8 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
                                  log, longest_build_s))
       # The bf16 row's arm is the baseline built above: its cost is that build too. Without
       # it the row read 5 s of a 75 s cost at Wukong `large`, and the next variant, paced by
-      # it before a row of its own, started 27 s of work with 6 s expected (H200,
-      # docs/BENCHMARKS.md section 7, forty-eighth session: the bench overran its hard end).
+      # it before a row of its own, started 27 s of work with 6 s expected (H200), and the
+      # bench overran its hard end.
       row["row_s"] = round(time.time() - now + (baseline_build_s if v.name == "bf16" else 0.0),
                            3)
       results.append(row)
