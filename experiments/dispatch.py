@@ -22,7 +22,7 @@ from loka_jax import flags as common
 from loka_jax.dispatch import check as check_lib
 from loka_jax.dispatch import plan as plan_lib
 from loka_jax.dispatch import selection
-from loka_jax.dispatch.timing_table import TimingTableError
+from loka_jax.probe.timing_table import TimingTableError
 from loka_jax.probe import eligibility
 from loka_jax.probe.report import ProbeReportError, load_report
 from loka_jax.train import experiment

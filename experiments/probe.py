@@ -4,7 +4,7 @@ candidate kernel on every GEMM site, write the ProbeReport.
   python -m experiments.probe --model=wukong --preset=small --steps=200 --workdir=/tmp/wk_probe
 
 Writes WORKDIR/probe_report.json (loka.probe/1, docs/FORMATS.md), WORKDIR/probe_report.md,
-WORKDIR/plots/ and, on a GPU, merges its timings into loka_jax/dispatch/timings/<device>.json
+WORKDIR/plots/ and, on a GPU, merges its timings into loka_jax/probe/timings/<device>.json
 (copy: WORKDIR/timing_table/). Rerunning the same command resumes every phase; with
 --budget_s a run that runs out of time exits with status 3: run it again to finish.
 
@@ -26,7 +26,7 @@ from absl import app, flags
 from experiments import time_limit
 from loka_jax import flags as common
 from loka_jax.probe import eligibility
-from loka_jax.dispatch.timing_table import TimingTableError
+from loka_jax.probe.timing_table import TimingTableError
 from loka_jax.probe.collector import ProbeConfig, ProbeStateError
 from loka_jax.probe.kernel_timing import TimingCacheError
 from loka_jax.probe.runner import (ProbeOptions, ProbeSetupError, describe_probe, run_probe,
@@ -65,7 +65,7 @@ TIMING_TABLE = flags.DEFINE_string("timing_table", None,
                                    "Untimed runs: committed table to fall back on (device kind "
                                    "or path); default: an H100 table if committed.")
 WRITE_TABLE = flags.DEFINE_enum("write_table", "auto", AUTO,
-                                "Merge timings into loka_jax/dispatch/timings (auto: on a GPU).")
+                                "Merge timings into loka_jax/probe/timings (auto: on a GPU).")
 METRIC = flags.DEFINE_enum("metric", "sqnr", eligibility.METRICS,
                            "Eligibility by SQNR (default) or MERE < 0.2 (paper parity).")
 MIN_SPEEDUP = flags.DEFINE_float("min_speedup", 1.05,

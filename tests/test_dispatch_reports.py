@@ -5,7 +5,7 @@ import copy
 import chex
 from absl.testing import absltest
 
-from loka_jax.dispatch import timing_table
+from loka_jax.probe import timing_table
 from loka_jax.probe.report import validate_report
 
 PASSES = ("fwd", "grad_lhs", "grad_rhs")

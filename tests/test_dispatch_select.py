@@ -9,7 +9,8 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import test_dispatch_reports as hm
-from loka_jax.dispatch import pipeline, selection, timing_table
+from loka_jax.dispatch import pipeline, selection
+from loka_jax.probe import timing_table
 from loka_jax.dispatch.plan import Plan
 from loka_jax.probe import eligibility
 from loka_jax.probe.eligibility import Criteria

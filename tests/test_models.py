@@ -16,7 +16,7 @@ from loka_jax.data.spec import BatchError, FeatureSpec
 from loka_jax.models import (EMBEDDINGS, MODEL_NAMES, PRESETS, SiteConfig, apply_mods,
                              build_model, get_config, site_products, tower_flops)
 from loka_jax.models.presets import DOCUMENTED_FLOPS
-from loka_jax.probe.hooks import PROBE_COLLECTION
+from loka_jax.models.tap import PROBE_COLLECTION
 
 BATCH = 4
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}

@@ -13,7 +13,7 @@ from loka_jax.models import SiteConfig, build_model, get_config, site_products
 from loka_jax.mods import fused as fused_lib
 from loka_jax.mods.fused import FusedDenseNormAct
 from loka_jax.precision import FP32, QTensor, metrics
-from loka_jax.probe.hooks import PROBE_GRAD_COLLECTION
+from loka_jax.models.tap import PROBE_GRAD_COLLECTION
 from test_models import make_batch
 
 SITE = "dense_0"

@@ -9,7 +9,7 @@ from absl.testing import absltest
 
 from test_ablation import run_module
 
-from loka_jax.dispatch import timing_table
+from loka_jax.probe import timing_table
 from loka_jax.probe import evaluate, kernel_timing
 from loka_jax.probe import report as report_lib
 

@@ -14,7 +14,7 @@ from absl.testing import absltest, parameterized
 
 from loka_jax import kernels as kernels_lib
 from loka_jax import timing as timing_lib
-from loka_jax.dispatch import timing_table
+from loka_jax.probe import timing_table
 from loka_jax.probe import candidates, collector, eligibility, kernel_timing, plots, timing_caches
 from loka_jax.probe import report as report_lib
 from loka_jax.probe.stats_report import histogram

@@ -10,7 +10,7 @@ from loka_jax import kernels
 from loka_jax.kernels import KernelChoice, KernelPlan
 from loka_jax.models import ActSite, DenseSite, EinsumSite, SiteConfig
 from loka_jax.precision import metrics
-from loka_jax.probe import hooks
+from loka_jax.models import tap as hooks
 
 
 class TwoLayers(nn.Module):

@@ -6,7 +6,7 @@
   model = dispatch.apply(get_config("wukong", "small"), plan)  # baked in statically
   wrapped = dispatch.wrap(any_flax_module, plan)              # plain nn.Dense / nn.Einsum
 
-Names are imported lazily: the probe imports `loka_jax.dispatch.timing_table` while it loads,
+Names are imported lazily: the probe imports `loka_jax.probe.timing_table` while it loads,
 so this package must not import the probe or the models at import time.
 """
 import importlib

@@ -12,8 +12,8 @@ Layout of `workdir`:
                        evaluation cache, report and plots
   probe_report.json    the ProbeReport (loka.probe/1)
   plan_selected.json   the plan as selected, before end-to-end validation
-  plan_validating.json the plan part-way through validation (a call that hit its deadline);
-                       the next call resumes from it
+  plan_validating.json the plan part-way through validation (a call its `should_stop`
+                       paused); the next call resumes from it
   plan.json            the plan after validation (loka.plan/1, every step recorded)
   validation_state/    only where probe/ holds no checkpoint (the report and plans were
                        carried from the machine that probed): the probe's bf16+Mods
@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from loka_jax import jsonio
 from loka_jax.dispatch import validate as validate_lib
@@ -262,7 +262,7 @@ def probe_and_plan(spec, workdir: str, *, train_config, probe_config=None, probe
                    validation: Optional[validate_lib.ValidationConfig] = (
                        validate_lib.ValidationConfig()),
                    target_device: Optional[str] = None, build=None,
-                   deadline: Optional[float] = None) -> PipelineResult:
+                   should_stop: Optional[Callable[[float], bool]] = None) -> PipelineResult:
   """Probe the spec's tower (bf16 + its Mods), select a plan, validate it end to end.
 
   Args:
@@ -281,9 +281,11 @@ def probe_and_plan(spec, workdir: str, *, train_config, probe_config=None, probe
     target_device: the device kind the plan is for (default: the report's).
     build: `build(spec) -> (model, source, config)` in place of `experiment.build_run`
       (towers outside the presets); None: the presets.
-    deadline: a time.time() value after which validation starts no new round: it saves
-      its progress and raises validate.ValidationPaused (a RuntimeError); call again to
-      resume. None: no deadline.
+    should_stop: asked by validation before every round and measurement with the seconds
+      it is expected to take at most (0 before a round); True pauses: validation saves its
+      progress and raises validate.ValidationPaused (a RuntimeError); call again to resume.
+      A caller with a deadline passes `lambda ahead_s: time.time() + ahead_s > deadline`.
+      None: never pauses.
   Returns:
     PipelineResult(plan, report, paths, criteria, skipped).
   """
@@ -364,7 +366,7 @@ def probe_and_plan(spec, workdir: str, *, train_config, probe_config=None, probe
     _log(f"validating the plan end to end ({', '.join(checks_to_run(validation))})"
          + (f", resuming {paths['validating']}" if partial is not None else ""))
     progress = validate_lib.Progress(save=lambda p: save_plan(p, paths["validating"]),
-                                     deadline=deadline, log=_log)
+                                     should_stop=should_stop, log=_log)
     plan = validate_lib.validate_end_to_end(selected, context(), validation,
                                             progress=progress, resume_from=partial)
     save_plan(plan, paths["plan"])

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from loka_jax import kernels
 from loka_jax.kernels import ACT_ACT, ACT_WEIGHT, EinsumSpec, KernelChoice, KernelPlan
 from loka_jax.precision import BF16, DtypePolicy
-from loka_jax.probe import hooks as probe_hooks
+from loka_jax.models import tap as probe_hooks
 
 default_kernel_init = nn.initializers.lecun_normal()
 # The variable collection of a switched site's flag (`KernelPlan.switched`): a scalar bool

@@ -35,7 +35,7 @@ from loka_jax.kernels import ACT_WEIGHT, EinsumSpec, KernelChoice, KernelPlan
 from loka_jax.models.site import DenseSite, site_name
 from loka_jax.mods import functional
 from loka_jax.precision import E4M3, ROWWISE, QTensor, scaling
-from loka_jax.probe import hooks as probe_hooks
+from loka_jax.models import tap as probe_hooks
 
 DENSE_SPEC = EinsumSpec.parse("mk,kn->mn")
 # The per-pass kernel that matches a fused kernel's own forward quantization (e4m3 rowwise

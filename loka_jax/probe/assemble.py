@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import jax
 
-from loka_jax.dispatch import timing_table as tables_lib
+from loka_jax.probe import timing_table as tables_lib
 from loka_jax.kernels import EinsumSpec
 from loka_jax.probe import candidates as candidates_lib
 from loka_jax.probe import evaluate, kernel_timing, plots

@@ -1,5 +1,5 @@
 """The statistics pass: one jitted function that runs the model's loss, reads every site's
-operands and output gradients through a probe tap (`hooks.tapping`), and folds them into
+operands and output gradients through a probe tap (`models.tap.tapping`), and folds them into
 per-site streaming statistics.
 
 Per site (state = nested dicts of arrays, stored in checkpoint extras as `probe_stats`):
@@ -31,7 +31,7 @@ from loka_jax.kernels import ACT_WEIGHT
 from loka_jax.probe import executables
 from loka_jax.probe import flush as flush_lib
 from loka_jax.probe import gaussian, matrix_normal, reservoir
-from loka_jax.probe import hooks as probe_hooks
+from loka_jax.models import tap as probe_hooks
 from loka_jax.probe.layout import OPERANDS, PASS_AXES, SiteLayout, site_layout
 
 

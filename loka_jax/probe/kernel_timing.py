@@ -39,6 +39,7 @@ from loka_jax.kernels.backend import backend_from_hlo
 from loka_jax.kernels.flax_delayed import FP8_META, merge_fp8_meta
 from loka_jax.probe.candidates import BASELINE, computation_key
 from loka_jax.probe.eligibility import FUSED_SCOPE, UNRESOLVED
+from loka_jax.probe import timing_table
 from loka_jax.probe.layout import SiteLayout
 
 CACHE_SCHEMA = "loka.timing_cache/1"
@@ -507,7 +508,6 @@ def table_timings(layout: SiteLayout, kernels, dtype: str, table: Mapping, *,
                   unsupported: Mapping[str, Mapping[str, str]]) -> Dict[str, Dict[str, Dict]]:
   """The same shape of result from a committed timing table (a CPU-made report's fallback).
   Entries measured for another revision of their kernel are left out."""
-  from loka_jax.dispatch import timing_table
   revisions = {k.name: k.revision for k in kernels}
   table = {**table, "entries": [e for e in table["entries"]
                                 if e.get("revision", 1) == revisions.get(e["kernel"],
@@ -547,7 +547,6 @@ def _table_whole_bwd_speedup(table: Mapping, kernel: str, layout: SiteLayout, dt
   at the same (nearest) problem, where one run timed both (a baseline looked up on its own
   could come from another run): the baseline's one-call backward when that run timed it,
   else its two gradient passes."""
-  from loka_jax.dispatch import timing_table
   pair = [timing_table.lookup(table, kernel, q, *pass_problem(layout, q), dtype)
           for q in ("grad_lhs", "grad_rhs")]
   if not all(pair):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional, Tuple
 
-from loka_jax.dispatch import timing_table as tables_lib
+from loka_jax.probe import timing_table as tables_lib
 from loka_jax.probe import eligibility, kernel_timing
 
 

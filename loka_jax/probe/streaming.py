@@ -32,7 +32,8 @@ from loka_jax.probe import assemble
 from loka_jax.probe import candidates as candidates_lib
 from loka_jax.probe import collector as collector_lib
 from loka_jax.probe import stats_report
-from loka_jax.probe import hooks as probe_hooks
+from loka_jax.models import routing as routing_lib
+from loka_jax.models import tap as probe_hooks
 from loka_jax.probe.collector import ProbeConfig
 from loka_jax.probe.eligibility import Criteria
 from loka_jax.probe.options import ProbeOptions
@@ -82,11 +83,10 @@ def routed_loss(forward: Callable, loss_fn: Callable, policy: Optional[DtypePoli
                 plan: KernelPlan = BASELINE_PLAN) -> Callable:
   """`loss_of(variables, batch, rng) -> scalar`: the model's plain layers routed through GEMM
   sites under `plan`, then the user's loss; a loss that is not a scalar is refused."""
-  from loka_jax.dispatch import binding
 
   def loss_of(variables, batch, rng):
     del rng
-    with binding.routing(plan, policy):
+    with routing_lib.routing(plan, policy):
       out = forward(variables, batch)
     loss = loss_fn(out, batch)
     if jnp.shape(loss) != ():

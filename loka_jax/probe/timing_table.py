@@ -1,4 +1,4 @@
-"""Committed per-device kernel timing tables: `loka_jax/dispatch/timings/<device_kind>.json`.
+"""Committed per-device kernel timing tables: `loka_jax/probe/timings/<device_kind>.json`.
 
 GPU probe runs write them (merging with what is there); reports made where no GPU is at hand
 (a CPU) fall back on them, taking the nearest measured shape and marking the number
@@ -11,7 +11,7 @@ GPU probe runs write them (merging with what is there); reports made where no GP
 `spec` is the pass's own einsum and the shapes are the pass's operands. One entry per
 (kernel, pass, spec, lhs_shape, rhs_shape, dtype); a newer measurement replaces an older one.
 
-  python -m loka_jax.dispatch.timing_table merge DST.json SRC.json [SRC.json ...]
+  python -m loka_jax.probe.timing_table merge DST.json SRC.json [SRC.json ...]
 """
 from __future__ import annotations
 
