@@ -6,12 +6,15 @@ Every arm trains with the same seed, data order and held-out set (loka_jax.train
 on a GPU each combination's train step and inference are also timed against the bf16
 baseline. Writes WORKDIR/ablation.{json,md,png}. Resumable: rerun the same command after
 --max_minutes stopped it; finished arms and timing rows are kept (loka_jax/mods/ablation.py).
+The time limit is this script's: the library asks its `should_stop` hook before each arm and
+timing row (`experiments.time_limit`).
 """
 import os
 import sys
 
 from absl import app, flags
 
+from experiments import time_limit
 from loka_jax import flags as common
 from loka_jax import xla_env
 from loka_jax.mods import ablation
@@ -38,8 +41,9 @@ TIMING = flags.DEFINE_enum("timing", "auto", ablation.TIMING_MODES,
 REPEATS = flags.DEFINE_integer("repeats", 20, "Timed repeats per variant (interleaved).")
 WORKERS = flags.DEFINE_integer("workers", 1, "Arms trained at once (threads); keep 1 on a GPU.")
 MAX_MINUTES = flags.DEFINE_float("max_minutes", 6.5,
-                                 "Start no new arm or timing row after this many minutes "
-                                 "(then rerun to continue); 0: no limit.")
+                                 "Start no arm or timing row expected to end after this many "
+                                 "minutes (by the longest finished one of its kind; then "
+                                 "rerun to continue); 0: no limit.")
 KEEP_CHECKPOINTS = flags.DEFINE_bool("keep_checkpoints", False,
                                      "Keep finished arms' checkpoints (they are large).")
 COMPILE_CACHE = flags.DEFINE_string("compile_cache", None,
@@ -65,8 +69,7 @@ def main(argv):
         combinations=ablation.parse_combinations(COMBINATIONS.value),
         precisions=tuple(PRECISIONS.value), noise_seeds=tuple(int(s) for s in NOISE_SEEDS.value),
         timing=TIMING.value, repeats=REPEATS.value, workers=WORKERS.value,
-        keep_checkpoints=KEEP_CHECKPOINTS.value, max_minutes=MAX_MINUTES.value or None,
-        xla_deterministic=DETERMINISTIC.value)
+        keep_checkpoints=KEEP_CHECKPOINTS.value, xla_deterministic=DETERMINISTIC.value)
   except ValueError as e:
     raise app.UsageError(str(e))
   if config.xla_deterministic:  # before anything starts JAX's backend
@@ -75,7 +78,8 @@ def main(argv):
   workdir = common.WORKDIR.value
   ablation.use_compile_cache(COMPILE_CACHE.value or os.path.join(workdir, "jax_cache"))
   try:
-    result = ablation.run(config, workdir, log=lambda line: print(line, flush=True))
+    result = ablation.run(config, workdir, log=lambda line: print(line, flush=True),
+                          should_stop=time_limit.stop_after(60 * MAX_MINUTES.value))
   except ablation.SettingsError as e:
     sys.exit(f"error: {e}")
   print(ablation.markdown_table(result))

@@ -222,6 +222,46 @@ class SummaryTest(chex.TestCase):
       ablation.check_settings(ablation.AblationConfig(steps=90), workdir)
 
 
+class ShouldStopTest(chex.TestCase):
+  """`run`'s `should_stop` hook: asked before each unit with its expected seconds; True saves
+  what finished and leaves the rest pending for a rerun."""
+
+  def config(self):
+    return ablation.AblationConfig(steps=3, num_eval=256, combinations=((),), timing="off")
+
+  def test_stopping_at_once_saves_every_unit_as_pending(self):
+    workdir = tempfile.mkdtemp(prefix="loka_ablation_stop_")
+    asked, lines = [], []
+    result = ablation.run(self.config(), workdir, log=lines.append,
+                          should_stop=lambda expected_s: asked.append(expected_s) or True)
+    self.assertEqual(asked, [0.0])               # nothing timed yet; asked once, then stopped
+    self.assertFalse(result["complete"])
+    self.assertEqual(result["pending"], ["bf16__none__seed0", "fp8_all__none__seed0"])
+    self.assertFalse(os.path.exists(os.path.join(workdir, "runs")))
+    with open(os.path.join(workdir, "ablation.md")) as f:
+      self.assertIn("Incomplete: 2 unit(s) pending", f.read())
+    self.assertIn("stopped: 2 unit(s) left; rerun the same command to continue", lines)
+
+  def test_a_stop_after_one_arm_resumes_with_its_time_known(self):
+    workdir = tempfile.mkdtemp(prefix="loka_ablation_stop_")
+    asked = []
+    first = ablation.run(self.config(), workdir, log=lambda line: None,
+                         should_stop=lambda expected_s: asked.append(expected_s) or len(asked) > 1)
+    self.assertEqual(asked[0], 0.0)
+    self.assertGreater(asked[1], 0.0)             # the first arm's seconds
+    self.assertFalse(first["complete"])
+    self.assertEqual(first["pending"], ["fp8_all__none__seed0"])
+    self.assertEqual(first["rows"][0]["bf16"]["status"], "done")
+    with open(os.path.join(workdir, "runs", "bf16__none__seed0", "final.json")) as f:
+      recorded_s = json.load(f)["time"]
+    asked.clear()
+    again = ablation.run(self.config(), workdir, log=lambda line: None,
+                         should_stop=lambda expected_s: asked.append(expected_s) and False)
+    self.assertEqual(asked, [recorded_s])          # the finished arm's final.json time
+    self.assertTrue(again["complete"], again["pending"])
+    self.assertEqual(again["rows"][0]["bf16"], first["rows"][0]["bf16"])
+
+
 def run_cli(*args, timeout=400):
   return run_module("experiments.ablate_mods", *args, timeout=timeout)
 

@@ -48,7 +48,7 @@ REPEATS = flags.DEFINE_integer("repeats", 20, "Timed repeats per variant (interl
 MIN_CALL_MS = flags.DEFINE_float(
     "min_call_ms", None, "Steps shorter than this run N times in one jitted loop per timed "
     "call (N from the bf16 step, per mode), so host dispatch jitter is spread over N steps "
-    "(default: experiments.bench.speed.MIN_CALL_S, 5 ms).")
+    "(default: loka_jax.timing.MIN_CALL_S, 5 ms).")
 MAX_MINUTES = flags.DEFINE_float("max_minutes", 6.5, "Start no new row after this long.")
 END_BY_MINUTES = flags.DEFINE_float(
     "end_by_minutes", None, "The call's hard end, in minutes from the start (e.g. the GPU "
