@@ -1,11 +1,15 @@
 """List registered kernels, or check every kernel's error (and, on a GPU, speed) per shape.
 
+--check ends each shape with every kernel's verdict (measured, unsupported, error) and exits
+with status 1 when some kernel failed: it raised or gave a non-finite output.
+
   python -m experiments.kernels --list
   python -m experiments.kernels --check --m=2048 --k=256 --n=768 [--seed=0] [--json=out.json]
   python -m experiments.kernels --check --shapes=2048x256x768,4096x512x512 --time --out=DIR
 """
 import json
 import os
+import sys
 
 from absl import app, flags
 
@@ -14,7 +18,8 @@ from loka_jax import flags as common_flags
 from loka_jax.kernels import check
 
 LIST = flags.DEFINE_bool("list", False, "Print every registered kernel and its passes.")
-CHECK = flags.DEFINE_bool("check", False, "Run every kernel, every pass, against fp32 HIGHEST.")
+CHECK = flags.DEFINE_bool("check", False, "Run every kernel, every pass (a chain kernel: its "
+                          "whole chain), against fp32 HIGHEST; exit 1 if a kernel fails.")
 M = flags.DEFINE_integer("m", 512, "Rows of the activation (batch).")
 K = flags.DEFINE_integer("k", 384, "Contracting size.")
 N = flags.DEFINE_integer("n", 256, "Output features.")
@@ -65,12 +70,14 @@ def main(argv):
     os.makedirs(OUT.value, exist_ok=True)
   done = _done_shapes(jsonl)
   names = ONLY.value or kernels.names()
+  failed = set()
   for shape in shapes:
     if shape in done:
       print(f"skip {shape}: already in {jsonl}")
       continue
     problem = check.Problem(*shape, seed=common_flags.SEED.value)
     report = check.run_check(problem, names)
+    failed.update(k for k, v in report["verdicts"].items() if v == check.ERROR)
     if TIME.value:
       report["timing"] = check.time_forward(problem, names)
     print(check.format_table(report))
@@ -82,6 +89,8 @@ def main(argv):
     if jsonl:
       with open(jsonl, "a") as f:
         f.write(json.dumps(report) + "\n")
+  if failed:
+    sys.exit(f"kernel check: {len(failed)} kernel(s) failed: {', '.join(sorted(failed))}")
 
 
 if __name__ == "__main__":

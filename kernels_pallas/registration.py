@@ -25,13 +25,16 @@ import dataclasses
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 
-from kernels_pallas import delayed_op, fused, products
+from kernels_pallas import delayed_op, epilogue, fused, gemm, products
 from loka_jax.kernels import registry
-from loka_jax.kernels.base import FUSED_OP, Kernel
-from loka_jax.kernels.spec import ACT_WEIGHT
+from loka_jax.kernels.base import FUSED_OP, ChainKernel, Kernel, reference_einsum
+from loka_jax.kernels.spec import ACT_WEIGHT, EinsumSpec
+from loka_jax.precision import QTensor
 
 BACKEND = "pallas_triton"
+_DENSE = EinsumSpec.parse("mk,kn->mn")
 
 
 def device_reason() -> Optional[str]:
@@ -109,7 +112,7 @@ class PallasDelayed(Kernel):
 
 
 @dataclasses.dataclass(frozen=True)
-class PallasFusedEpilogue(Kernel):
+class PallasFusedEpilogue(ChainKernel):
   """GEMM + bias + BlockNorm + activation (+ output quantization) as one kernel."""
   block_size: Optional[int] = None
   activation: str = "identity"
@@ -126,6 +129,27 @@ class PallasFusedEpilogue(Kernel):
     return fused.fused_dense(x, w, bias=bias, block_size=self.block_size,
                              activation=self.activation, quantize_output=self.quantize_output,
                              backward=backward, **kwargs)
+
+  @property
+  def has_backward(self) -> bool:
+    return not self.quantize_output  # a QTensor output carries no float gradient
+
+  def chain_unsupported_reason(self, m, k, n):
+    if self.quantize_output and n > gemm.MAX_FULL_ROW:
+      return (f"kernel {self.name}: output quantization holds whole rows in one program; "
+              f"N={n} exceeds {gemm.MAX_FULL_ROW}")
+    reason = device_reason()
+    return f"kernel {self.name}: {reason}" if reason else None
+
+  def chain(self, x, w, bias, *, out_dtype):
+    out = self.apply(x, w, bias, out_dtype=out_dtype)
+    return out.dequantize(out_dtype) if isinstance(out, QTensor) else out
+
+  def chain_reference(self, x, w, bias):
+    z = reference_einsum(_DENSE, x, w)
+    ep = epilogue.Epilogue(bias=bias is not None, block_size=self.block_size,
+                           activation=self.activation)
+    return epilogue.reference(z, ep, None if bias is None else bias.astype(jnp.float32))
 
 
 def fused_name(block_size, activation, quantize_output) -> str:

@@ -8,6 +8,7 @@ import tempfile
 from absl.testing import absltest
 
 from loka_jax import kernels
+from loka_jax.kernels import base as kernels_base
 
 
 def _run(*args):
@@ -40,6 +41,33 @@ class KernelsCliTest(absltest.TestCase):
       self.assertGreaterEqual(row["sqnr_db"], 18.0 if name != "xla_bf16" else 40.0)
       for key in ("rel_fro", "mere", "underflow", "backend"):
         self.assertIn(key, row)
+
+  def test_check_gives_every_registered_kernel_a_verdict(self):
+    # Every registered kernel at the smallest shape, Pallas ones in interpret mode: none may
+    # raise or give a non-finite output (the command exits 1 then), and a chain kernel (a
+    # GEMM with its epilogue fused in) is checked as its whole chain, backward included
+    # where it has one.
+    path = os.path.join(tempfile.mkdtemp(), "check.json")
+    proc = subprocess.run([sys.executable, "-m", "experiments.kernels", "--check", "--m=8",
+                           "--k=16", "--n=16", f"--json={path}"], capture_output=True, text=True,
+                          timeout=600)
+    self.assertEqual(proc.returncode, 0, proc.stderr[-2000:] + proc.stdout[-4000:])
+    with open(path) as f:
+      report = json.load(f)
+    verdicts = report["verdicts"]
+    self.assertEqual(sorted(verdicts), kernels.names())
+    self.assertNotIn("error", verdicts.values())
+    self.assertEqual([k for k, v in verdicts.items() if v == "unsupported"],
+                     ["pallas_fp8_batched"])  # batched specs only; this one is dense
+    self.assertIn(f"verdicts: {len(verdicts) - 1} measured, 1 unsupported", proc.stdout)
+    chains = [k for k in kernels.all_kernels() if isinstance(k, kernels_base.ChainKernel)]
+    self.assertNotEmpty(chains)  # the fused-epilogue kernels
+    for kernel in chains:
+      rows = {r["pass"]: r for r in report["results"] if r["kernel"] == kernel.name}
+      want = ["fwd", "grad_lhs", "grad_rhs", "grad_bias"] if kernel.has_backward else ["fwd"]
+      self.assertEqual(sorted(rows), sorted(want), kernel.name)
+      for row in rows.values():
+        self.assertGreaterEqual(row["sqnr_db"], 18.0, (kernel.name, row["pass"]))
 
   def test_bad_arguments_are_usage_errors(self):
     proc = subprocess.run([sys.executable, "-m", "experiments.kernels", "--check",

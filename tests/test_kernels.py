@@ -1,4 +1,5 @@
 """Registered XLA / Flax kernels: correctness, site error, per-pass mixing, gradients."""
+import dataclasses
 import functools
 
 import chex
@@ -8,6 +9,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from loka_jax import kernels
+from loka_jax.kernels import base as kernels_base
 from loka_jax.kernels import check
 from loka_jax.kernels.base import reference_einsum
 from loka_jax.precision import metrics
@@ -272,6 +274,40 @@ class HeadRoundingTest(absltest.TestCase):
       self.assertLess(r[name].max(), 0.2, name)
     self.assertGreater(np.abs(r["ours"] - r["flax"]).max(), 0.1)
     self.assertLess(abs(r["ours"].mean() - r["flax"].mean()), 2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _BfloatChain(kernels_base.ChainKernel):
+  """relu(x @ w + bias) in bfloat16: a chain kernel that needs no Pallas; `broken` makes its
+  output non-finite."""
+  broken: bool = False
+
+  def chain(self, x, w, bias, *, out_dtype):
+    z = jnp.dot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)) + bias.astype(jnp.bfloat16)
+    return (jax.nn.relu(z) * (jnp.nan if self.broken else 1.0)).astype(out_dtype)
+
+  def chain_reference(self, x, w, bias):
+    return jax.nn.relu(reference_einsum(DENSE, x, w) + bias)
+
+
+class ChainCheckTest(absltest.TestCase):
+
+  def test_a_chain_is_checked_whole_and_every_kernel_gets_a_verdict(self):
+    problem = check.Problem(8, 16, 16, seed=2)
+    kernel = _BfloatChain(name="test_bf16_chain", backend="xla", sort=kernels.FUSED_OP,
+                          passes=frozenset())
+    rows = check.check_chain(kernel, problem)
+    self.assertEqual([r["pass"] for r in rows], ["fwd", *check.CHAIN_GRADS])
+    for r in rows:
+      self.assertIsNone(r["error"], r["pass"])
+      self.assertGreater(r["sqnr_db"], 30.0, r["pass"])  # bf16 rounding only
+    broken = check.check_chain(_BfloatChain(name="test_broken_chain", backend="xla",
+                                            broken=True), problem)
+    unsupported = {"kernel": "k", "pass": "fwd", "error": "unsupported: no"}
+    found = check.verdicts(rows + broken + [
+        unsupported, {**unsupported, "kernel": "test_bf16_chain"}])
+    self.assertEqual(found, {"test_bf16_chain": check.MEASURED,
+                             "test_broken_chain": check.ERROR, "k": check.UNSUPPORTED})
 
 
 class EinsumSpecTest(parameterized.TestCase):

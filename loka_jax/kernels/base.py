@@ -9,10 +9,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from loka_jax.kernels.spec import ACT_WEIGHT, KINDS, PASSES, EinsumSpec, check_pass
+from loka_jax.kernels.spec import KINDS, PASSES, EinsumSpec, check_pass
 
 PER_PASS = "per_pass"   # stateless, one pass; mixes freely with others inside one custom_vjp
-FUSED_OP = "fused_op"   # owns all three passes (and maybe state), e.g. Flax's delayed scaling
+FUSED_OP = "fused_op"   # owns all three passes (and maybe state), e.g. Flax's delayed scaling,
+                        # or a whole chain (ChainKernel: a GEMM with its epilogue)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +92,33 @@ class Kernel(abc.ABC):
              out_dtype) -> jax.Array:
     """Per-pass kernels: the product of one pass (spec already the pass's spec)."""
     raise NotImplementedError(f"kernel {self.name} is {self.sort}; it has no single-pass einsum")
+
+
+class ChainKernel(Kernel):
+  """A kernel that computes a chain around a dense product, x (M, K) @ w (K, N), with more
+  fused into it (bias, norm, activation, output quantization): not a site's plain passes,
+  so a plan gives it only to layers that compute the same chain, and the kernel check runs
+  the whole chain against `chain_reference` (forward, and backward where it has one)."""
+
+  @property
+  def has_backward(self) -> bool:
+    """Whether the chain is differentiable (an output quantized to FP8 is forward-only)."""
+    return True
+
+  def chain_unsupported_reason(self, m: int, k: int, n: int) -> Optional[str]:
+    """None when the chain runs at this size on this device; otherwise why not."""
+    del m, k, n
+    return None
+
+  @abc.abstractmethod
+  def chain(self, x: jax.Array, w: jax.Array, bias: jax.Array, *, out_dtype) -> jax.Array:
+    """The chain on x (M, K), w (K, N) and bias (N,) as this kernel computes it, an
+    `out_dtype` array (a quantized output dequantized)."""
+
+  @abc.abstractmethod
+  def chain_reference(self, x: jax.Array, w: jax.Array, bias: jax.Array) -> jax.Array:
+    """The same chain in pure jnp, float32 with a HIGHEST-precision product, on the operands
+    as given (nothing quantized)."""
 
 
 def check_operands(where: str, spec: EinsumSpec, a, b) -> None:

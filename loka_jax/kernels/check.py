@@ -1,5 +1,12 @@
 """`experiments.kernels --check`: every kernel, every pass, on fresh random inputs, against
-reference (a): the float32 HIGHEST product of the original high-precision operands."""
+reference (a): the float32 HIGHEST product of the original high-precision operands.
+
+A kernel that computes a whole chain (`ChainKernel`: a GEMM with its epilogue fused in) is
+checked as what it is: its chain on a fresh random bias as well, against the chain's pure-jnp
+reference on the original operands, forward and, where the chain has one, backward (rows
+`grad_lhs`, `grad_rhs` and `grad_bias`). Every kernel ends with a verdict (`verdicts`):
+measured, unsupported at this shape or on this device, or an error.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +20,7 @@ import numpy as np
 from loka_jax import _compat
 from loka_jax.kernels import registry
 from loka_jax.kernels.backend import backend_from_hlo
-from loka_jax.kernels.base import FUSED_OP, reference_einsum
+from loka_jax.kernels.base import FUSED_OP, ChainKernel, reference_einsum
 from loka_jax.kernels.flax_delayed import FP8_META, run_delayed_passes
 from loka_jax.kernels.spec import ACT_WEIGHT, PASSES, EinsumSpec
 from loka_jax.precision import flush_fractions
@@ -39,6 +46,11 @@ class Problem:
     w = jax.random.normal(kw, (self.k, self.n), jnp.float32) / np.sqrt(self.k)
     g = jax.random.normal(kg, (self.m, self.n), jnp.float32)
     return x, w, g
+
+  def bias(self):
+    """A float32 bias (n,) for chains that add one, N(0, 0.1^2)."""
+    key = jax.random.fold_in(jax.random.PRNGKey(self.seed), 3)
+    return 0.1 * jax.random.normal(key, (self.n,), jnp.float32)
 
 
 # XLA's FP8 dot with precise accumulation (cuBLASLt on sm_90) at ONE output column reads
@@ -115,6 +127,50 @@ def _row(kernel, pass_name, out, ref, qa=None, qb=None, a=None, b=None, backend=
   return row
 
 
+def _empty_row(kernel, pass_name: str, error: str) -> dict:
+  return {"kernel": kernel.name, "pass": pass_name, "sqnr_db": None, "rel_fro": None,
+          "mere": None, "median_rel": None, "underflow": None, "saturation": None,
+          "backend": kernel.backend, "error": error}
+
+
+CHAIN_GRADS = ("grad_lhs", "grad_rhs", "grad_bias")  # d x, d w, d bias of a chain
+
+
+def check_chain(kernel: ChainKernel, problem: Problem, *, want_backend: bool = False
+                ) -> List[dict]:
+  """Rows for a chain kernel: its forward and (if it has one) each gradient of its chain
+  on the problem's operands and bias in the compute dtype, against `chain_reference` and its
+  gradients on the original float32 operands (output gradient g)."""
+  reason = kernel.chain_unsupported_reason(problem.m, problem.k, problem.n)
+  if reason:
+    return [_empty_row(kernel, "*", f"unsupported: {reason}")]
+  x, w, g = problem.operands()
+  bias = problem.bias()
+  dt = jnp.dtype(problem.compute_dtype)
+  run = lambda a, b, c: kernel.chain(a, b, c, out_dtype=jnp.float32)
+  if kernel.has_backward:
+    def fn(a, b, c, dy):
+      out, vjp = jax.vjp(run, a, b, c)
+      return (out, *vjp(dy.astype(out.dtype)))
+
+    def ref_fn(a, b, c, dy):
+      out, vjp = jax.vjp(kernel.chain_reference, a, b, c)
+      return (out, *vjp(dy))
+    passes = ("fwd",) + CHAIN_GRADS
+  else:
+    fn = lambda a, b, c, dy: (run(a, b, c),)
+    ref_fn = lambda a, b, c, dy: (kernel.chain_reference(a, b, c),)
+    passes = ("fwd",)
+  args = (x.astype(dt), w.astype(dt), bias, g.astype(dt))
+  compiled = jax.jit(fn).lower(*args).compile()  # one compile: outputs and HLO
+  outs = compiled(*args)
+  refs = jax.jit(ref_fn)(x, w, bias, g)
+  backend = (backend_from_hlo(compiled.as_text(), jax.default_backend()) if want_backend
+             else kernel.backend)
+  return [_row(kernel.name, p, out.astype(jnp.float32), ref, backend=backend)
+          for p, out, ref in zip(passes, outs, refs)]
+
+
 def check_kernel(name: str, problem: Problem, *, warmup: int = 3,
                  want_backend: bool = False) -> List[dict]:
   """Rows (one per pass) for one kernel; a kernel that raises gets rows with `error` set."""
@@ -124,9 +180,14 @@ def check_kernel(name: str, problem: Problem, *, warmup: int = 3,
   dt = jnp.dtype(getattr(kernel, "dtype", None) if not kernel.fp8 else problem.compute_dtype)
   rows = []
   try:
+    if isinstance(kernel, ChainKernel):
+      return check_chain(kernel, problem, want_backend=want_backend)
     if kernel.sort == FUSED_OP:
-      out, d_x, d_w, _ = run_delayed_passes(str(DENSE_SPEC), x.astype(dt), w.astype(dt),
-                                            g.astype(dt), warmup=warmup, kernel=name)
+      # One compile of the warm-up steps and the measured one (Pallas kernels run them in
+      # interpret mode on the CPU, where every eager step would trace them again).
+      passes = jax.jit(lambda a, b, c: run_delayed_passes(str(DENSE_SPEC), a, b, c,
+                                                          warmup=warmup, kernel=name))
+      out, d_x, d_w, _ = passes(x.astype(dt), w.astype(dt), g.astype(dt))
       results = {"fwd": out, "grad_lhs": d_x, "grad_rhs": d_w}
       for p in PASSES:
         a, b = pass_operands(p, x, w, g)
@@ -142,9 +203,7 @@ def check_kernel(name: str, problem: Problem, *, warmup: int = 3,
       reason = kernel.unsupported_reason(DENSE_SPEC.for_pass(p), p, ACT_WEIGHT,
                                          (problem.m, problem.k), (problem.k, problem.n))
       if reason:
-        rows.append({"kernel": name, "pass": p, "sqnr_db": None, "rel_fro": None, "mere": None,
-                     "median_rel": None, "underflow": None, "saturation": None,
-                     "backend": kernel.backend, "error": f"unsupported: {reason}"})
+        rows.append(_empty_row(kernel, p, f"unsupported: {reason}"))
         continue
       spec = DENSE_SPEC.for_pass(p)
       a, b = pass_operands(p, x, w, g)
@@ -159,9 +218,9 @@ def check_kernel(name: str, problem: Problem, *, warmup: int = 3,
                  else kernel.backend)
       rows.append(_row(name, p, out, ref, qa, qb, a_c, b_c, backend))
   except Exception as e:  # A broken kernel is reported in its rows, the check goes on.
-    rows.append({"kernel": name, "pass": "*", "sqnr_db": None, "rel_fro": None, "mere": None,
-                 "median_rel": None, "underflow": None, "saturation": None,
-                 "backend": kernel.backend, "error": f"{type(e).__name__}: {e}"})
+    rows.append(_empty_row(kernel, "*", f"{type(e).__name__}: {e}"))
+  if not rows:
+    rows.append(_empty_row(kernel, "*", f"unsupported: kernel {name} has no pass to check"))
   return rows
 
 
@@ -182,6 +241,24 @@ def pass_numerics_disagreements(results: Mapping[str, Sequence]) -> List[str]:
   return out
 
 
+MEASURED, UNSUPPORTED, ERROR = "measured", "unsupported", "error"
+
+
+def verdicts(results: Sequence[dict]) -> Dict[str, str]:
+  """Each kernel's verdict over its result rows, in the rows' order: ERROR when a row holds
+  an error other than an unsupported pass (the kernel raised or gave a non-finite output),
+  else MEASURED when some pass was measured, else UNSUPPORTED."""
+  out: Dict[str, str] = {}
+  for r in results:
+    error = r["error"]
+    verdict = (MEASURED if error is None else
+               UNSUPPORTED if error.startswith("unsupported") else ERROR)
+    have = out.get(r["kernel"])
+    if have is None or have == UNSUPPORTED or verdict == ERROR:
+      out[r["kernel"]] = verdict
+  return out
+
+
 def run_check(problem: Problem, kernels: Optional[Sequence[str]] = None) -> Dict:
   names = list(kernels) if kernels else registry.names()
   want_backend = _compat.on_gpu()
@@ -190,12 +267,27 @@ def run_check(problem: Problem, kernels: Optional[Sequence[str]] = None) -> Dict
     results.extend(check_kernel(name, problem, want_backend=want_backend))
   return {"schema": SCHEMA, "shape": {"m": problem.m, "k": problem.k, "n": problem.n},
           "seed": problem.seed, "compute_dtype": problem.compute_dtype,
-          "device": jax.devices()[0].device_kind, "jax": jax.__version__, "results": results}
+          "device": jax.devices()[0].device_kind, "jax": jax.__version__, "results": results,
+          "verdicts": verdicts(results)}
+
+
+def format_verdicts(report: Dict) -> str:
+  """One line: how many kernels were measured, and which were unsupported or failed."""
+  found = report.get("verdicts") or verdicts(report["results"])
+  parts = []
+  for verdict in (MEASURED, UNSUPPORTED, ERROR):
+    names = [k for k, v in found.items() if v == verdict]
+    if verdict == MEASURED:
+      parts.append(f"{len(names)} measured")
+    elif names:
+      parts.append(f"{len(names)} {verdict} ({', '.join(names)})")
+  return "verdicts: " + ", ".join(parts)
 
 
 def format_table(report: Dict) -> str:
   lines = [f"check m={report['shape']['m']} k={report['shape']['k']} n={report['shape']['n']} "
-           f"on {report['device']} (jax {report['jax']}); reference: fp32 HIGHEST on original operands",
+           f"on {report['device']} (jax {report['jax']}); reference: fp32 HIGHEST on original "
+           "operands (chain kernels: their whole chain)",
            f"{'kernel':32s} {'pass':9s} {'SQNR dB':>8s} {'rel_fro':>9s} {'MERE':>9s} "
            f"{'underflow':>9s} {'backend':16s} error"]
   fmt = lambda v, f: "-" if v is None else format(v, f)
@@ -203,13 +295,19 @@ def format_table(report: Dict) -> str:
     lines.append(f"{r['kernel']:32s} {r['pass']:9s} {fmt(r['sqnr_db'], '8.2f')} "
                  f"{fmt(r['rel_fro'], '9.2e')} {fmt(r['mere'], '9.2e')} "
                  f"{fmt(r['underflow'], '9.4f')} {r['backend']:16s} {r['error'] or ''}")
+  lines.append(format_verdicts(report))
   return "\n".join(lines)
 
 
 def forward_fn(name: str, problem: Problem):
-  """(fn, args) computing one kernel's forward product, quantization included."""
+  """(fn, args) computing one kernel's forward product, quantization included (a chain
+  kernel's: its whole chain)."""
   kernel = registry.get(name)
   x, w, g = problem.operands()
+  if isinstance(kernel, ChainKernel):
+    dt = jnp.dtype(problem.compute_dtype)
+    return ((lambda a, b, c: kernel.chain(a, b, c, out_dtype=dt)),
+            (x.astype(dt), w.astype(dt), problem.bias()))
   dt = jnp.dtype(getattr(kernel, "dtype", None) if not kernel.fp8 else problem.compute_dtype)
   x, w = x.astype(dt), w.astype(dt)
   if kernel.sort == FUSED_OP:
