@@ -58,7 +58,7 @@ def fp8_imprecise_acc() -> int:
 
   jax's Pallas Triton lowering leaves Triton's `maxNumImpreciseAcc` at 0, and Triton only picks
   Hopper's FP8 wgmma for a dot with an f32 accumulator when it is >= 32: every Pallas FP8 GEMM
-  then runs f16 `mma.sync` on upcast operands (docs/results/kernel_resources_sm90.md). A value
+  then runs f16 `mma.sync` on upcast operands (read from the compiled kernels on an H200). A value
   of 32 or more (e.g. 128, or 2**30 for Triton's own `tl.dot` default) lets Triton use wgmma,
   trading accumulation precision for speed: the probe measures that error like any kernel's.
   Set it with $LOKA_PALLAS_FP8_IMPRECISE_ACC or `fp8_accumulation(n)`; it applies to kernels

@@ -4,8 +4,8 @@ Delayed scaling casts a tensor with a scale known *before* the tensor is read (f
 history of earlier steps), and only records the tensor's own amax for later steps. The cast
 and the amax therefore read the same input independently, and one kernel can do both in a
 single read. XLA does not fuse them: in the profiled steps the amax reductions run as kernels
-of their own (Wukong `large`, 16 ms of reductions a step; 8192x2048x8 with current scaling,
-+470 us of reductions and +231 us of FP8 transposes: docs/BENCHMARKS.md, section 7).
+of their own (on an H200: Wukong `large`, 16 ms of reductions a step; 8192x2048x8 with
+current scaling, +470 us of reductions and +231 us of FP8 transposes).
 
 `quantize_delayed(x2, scale, fmt, row_major=..., transposed=...)` reads a 2-D tensor once and
 writes any of: its e4m3/e5m2 cast in the same layout, the cast transposed (the contraction-

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 # Deterministic GPU ops: scatter-adds (the embeddings' backward) in a fixed order, autotuning
-# among deterministic algorithms only. Two runs of one program then match bit for bit. On the
-# H200, two DCNv2 `large` training runs of the same seed, plan and recipe differed enough to
-# flip a verdict of validation's check from initialization (docs/BENCHMARKS.md, thirty-second
-# session). It slows the embeddings' backward, so timed runs keep it off.
+# among deterministic algorithms only. Two runs of one program then match bit for bit. On an
+# H200, two DCNv2 `large` training runs of the same seed, plan and recipe differ enough
+# without it to flip a verdict of validation's check from initialization. It slows the
+# embeddings' backward, so timed runs keep it off.
 DETERMINISTIC = "--xla_gpu_deterministic_ops=true"
 
 

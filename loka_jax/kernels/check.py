@@ -55,8 +55,8 @@ class Problem:
 
 # XLA's FP8 dot with precise accumulation (cuBLASLt on sm_90) at ONE output column reads
 # 31.2-31.7 dB against the exact product of its own dequantized operands, plain and vmapped
-# alike, where the fast forward and every N = 8 case clear 35 (H200, docs/BENCHMARKS.md,
-# twenty-third session): a floor of its own under every such product's reading.
+# alike, where the fast forward and every N = 8 case clear 35 (on an H200): a floor of its
+# own under every such product's reading.
 PRECISE_AT_ONE_COLUMN_DB = 30.0
 
 

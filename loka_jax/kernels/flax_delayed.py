@@ -7,15 +7,14 @@
                              with both gradients computed in the compute dtype from the
                              unquantized operands. For sites whose forward FP8 pays and is
                              accurate while their weight gradient is not (Wukong `large`'s wide
-                             MLPs: docs/BENCHMARKS.md, section 7); a per-pass split cannot
-                             express it, since delayed scaling keeps state across the passes.
+                             MLPs on an H200); a per-pass split cannot express it, since
+                             delayed scaling keeps state across the passes.
   flax_fp8_delayed_grad_lhs  the delayed forward, and grad_lhs as Flax computes it (e5m2
                              output gradient with its own delayed scale, times the e4m3
                              weight); only grad_rhs (the weight gradient) in the compute dtype.
                              For sites where FP8 fails only the weight gradient: the largest
                              tower's `dense_2/3` (grad_lhs 25 dB, grad_rhs 9-11 dB), whose bf16
-                             grad_lhs cost the plan a whole-step profile showed
-                             (docs/BENCHMARKS.md, section 7, tenth session).
+                             grad_lhs costs the plan time (a whole-step profile on an H200).
 
 Amax histories and scales live in Flax's overwrite-with-gradient collection, which is
 loka_jax's `fp8_meta` collection (one mechanism for every stateful recipe): the training step
@@ -49,10 +48,10 @@ class FlaxDelayed(Kernel):
   def pass_numerics(self, pass_name: str) -> str:
     # One e4m3 forward (Flax's in_q / out_dq) for every delayed op; a quantized gradient is
     # Flax's e5m2 product (`_fp8_grad_lhs_bwd` repeats `quantized_dot_bwd`'s grad_lhs), an
-    # unquantized one the plain product's from the unquantized operands. On the H200 the
-    # held-out check read bit-identical log loss with flax_fp8_delayed and
-    # flax_fp8_delayed_grad_lhs at Wukong `large`'s head (docs/BENCHMARKS.md, section 7,
-    # forty-seventh session), whose probe estimates of that forward differed.
+    # unquantized one the plain product's from the unquantized operands. On an H200 the
+    # held-out check reads bit-identical log loss with flax_fp8_delayed and
+    # flax_fp8_delayed_grad_lhs at Wukong `large`'s head, whose probe estimates of that
+    # forward differ.
     return self.delayed_pass_numerics("flax_delayed", self.amax_history_length, pass_name)
 
 

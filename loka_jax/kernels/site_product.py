@@ -48,7 +48,7 @@ def _mixed_product(spec, choice, out_dtype, lhs, rhs):
 
 
 def _mixed_fwd(spec, choice, out_dtype, lhs, rhs):
-  # Residuals are the operands in the compute dtype (DESIGN.md: FP8 residuals are opt-in).
+  # Residuals are the operands in the compute dtype (FP8 residuals would be opt-in).
   return _mixed_product(spec, choice, out_dtype, lhs, rhs), (lhs, rhs)
 
 

@@ -16,8 +16,8 @@ MODS = ("no_bias", "blocknorm", "hard_swish")
 
 # A Mods entry `keep_bias:PATTERN` keeps, under No Bias, the biases of the dense sites whose
 # path matches the glob PATTERN (e.g. `keep_bias:top_mlp/*`); repeat it for more patterns.
-# Why: No Bias with Hard Swish spikes DCNv2 `large` where neither does alone
-# (docs/BENCHMARKS.md, thirty-fifth session), and a spike read names the module to keep.
+# Why: No Bias with Hard Swish spikes DCNv2 `large` (on an H200) where neither does alone,
+# and a spike read names the module to keep.
 KEEP_BIAS = "keep_bias:"
 
 

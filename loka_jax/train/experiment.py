@@ -139,7 +139,7 @@ def preset_batch_size(model: str, preset: str) -> int:
 # The learning-rate warm-up each preset's first steps want. At the `large` presets Adam without
 # one spikes in its first steps, in bf16 as well, and FP8 in the gradient passes makes the spike
 # larger: on DLRM `large` (H200) a 50-step warm-up lowered every arm's held-out log loss by
-# about 0.005 after 500 steps (docs/BENCHMARKS.md, section 7, twenty-sixth session).
+# about 0.005 after 500 steps.
 SUGGESTED_WARMUP_STEPS = {"large": 50}
 
 
@@ -150,7 +150,7 @@ def recipe_notes(preset: str, optim) -> Tuple[str, ...]:
   if want and optim.warmup_steps == 0:
     return (f"the `{preset}` presets spike in their first steps without a learning-rate "
             f"warm-up, in bf16 too, and FP8 gradients make the spike larger: consider "
-            f"--warmup_steps={want} (docs/BENCHMARKS.md, section 7)",)
+            f"--warmup_steps={want}",)
   return ()
 
 

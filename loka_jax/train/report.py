@@ -132,8 +132,8 @@ def validation_line(r: Mapping[str, Any], measurements: bool = False) -> Optiona
     # From the checkpoint each seed is a data window (`ValidationConfig.shadow_windows`).
     unit = "data window" if step == "quality_shadow" else "seed"
     if r.get("per_seed"):
-      # The mean can hide a seed: one arm's early spike moves it (DCNv2 `large`'s bf16+Mods
-      # seed 1, docs/BENCHMARKS.md section 7, thirty-second session).
+      # The mean can hide a seed: one arm's early spike moves it (on an H200, DCNv2 `large`'s
+      # bf16+Mods arm spikes early at seed 1).
       detail += f"; held-out by {unit} " + ", ".join(
           f"{100 * p['rel_logloss_change']:+.3f}%" for p in r["per_seed"])
     what = "shadow training" if step == "quality_shadow" else "training from initialization"

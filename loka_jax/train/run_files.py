@@ -104,8 +104,8 @@ def check_run_config(workdir: str, settings: Mapping[str, Any]) -> None:
 
 class LossWindow:
   """Mean and worst training loss (and speed) over the steps since the previous metrics line.
-  The worst step is kept because a mean hides a spike: DCNv2 `large`'s bf16+Mods run whose
-  loss jumped to 5.7 logged only window means (docs/BENCHMARKS.md, thirty-third session)."""
+  The worst step is kept because a mean hides a spike: on an H200, a DCNv2 `large` bf16+Mods
+  step at loss 5.7 disappears into its window's mean."""
 
   def __init__(self):
     self.reset()

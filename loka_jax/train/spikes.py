@@ -31,8 +31,7 @@ LOSS_FACTOR = 2.0    # the training loss spikes at 2x its recent median
 WINDOW = 20          # logged steps the recent median is taken over
 # Modules whose gradients jump within this many steps of the first one jumped with it: a
 # first module that leads the rest by a step or less marks a jump of the whole network, not
-# one module's (DCNv2 `large`'s spike: 7 of 12 modules within a step, docs/BENCHMARKS.md
-# section 7, thirty-sixth session).
+# one module's (DCNv2 `large`'s spike on an H200: 7 of 12 modules within a step).
 TOGETHER_STEPS = 1
 MIN_HISTORY = 5      # logged steps a series needs before it can jump
 
@@ -214,8 +213,8 @@ def markdown(summary: Mapping[str, Any], top: int = 12) -> str:
           + (" and the jump is the whole network's" if len(together) == summary["modules"]
              else "") + ".")
     updates = {j["series"]: j for j in summary["update_jumps"]}
-    lines += ["", f"| module | gradient jump step | gradient norm (x recent median) | "
-              f"update jump step |", "|---|---|---|---|"]
+    lines += ["", "| module | gradient jump step | gradient norm (x recent median) | "
+              "update jump step |", "|---|---|---|---|"]
     for j in grads[:top]:
       u = updates.get(j["series"])
       lines.append(f"| {j['series']} | {j['step']} | {j['value']:.3g} ({j['ratio']:.1f}x) | "

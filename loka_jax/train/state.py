@@ -98,10 +98,10 @@ def baseline_twin(model):
   or random stream: a fused op's own variables are delayed-scaling state, in their own
   collection), so the twin's initial parameters are the model's, and every arm of one Mods
   set shares one parameter-init program: compiled once in a process, and found in the
-  persistent compilation cache by a later one. (InterFormer `large`'s quality runs spent
-  65-86 s in set-up on an H200, and 0.4 s for a second run of the same arm in the process:
-  compiling, mostly of the init, whose draws of 194 parameters XLA:CPU compiles in about
-  15 s: docs/BENCHMARKS.md, thirty-seventh session.)"""
+  persistent compilation cache by a later one. (On an H200, InterFormer `large`'s quality
+  runs spend 65-86 s in set-up, and a second run of the same arm in the process 0.4 s: the
+  set-up is compiling, mostly the init, whose draws of 194 parameters XLA:CPU compiles in
+  about 15 s.)"""
   opts = getattr(model, "opts", None)
   site = getattr(opts, "site", None)
   if site is None:
