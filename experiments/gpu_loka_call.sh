@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU call of a model's LoKA benchmark row (probe -> plan -> validate -> timed rows; made
 # for Wukong `large`), resumable on the same host AND on a fresh one. Rerun until it prints
-# "all selected rows are done" (docs/BENCHMARKS.md, section 7).
+# "all selected rows are done".
 #
 # The large files (the probe's ~41 GB checkpoint, the validation state) live in $WORK on the
 # GPU host and are lost when the host goes back. Everything needed to go on elsewhere is small

@@ -36,8 +36,8 @@ ensure_wheels || exit 1
 export PYTHONUNBUFFERED=1
 # A warm host's own files are newer than the carried ones: never overwrite them, unless
 # CARRY_WINS=1 says the carry was edited by hand (rows forgotten, a plan put in): then the
-# carried workdir replaces the host's, checkpoints and all (a warm host kept its own and ran
-# nothing in the forty-fifth session).
+# carried workdir replaces the host's, checkpoints and all (otherwise a warm host keeps its
+# own and runs nothing new).
 if [ "${CARRY_WINS:-0}" = 1 ] && [ -f "$CARRY/work.tar.gz" ]; then
   find "$WORK" -mindepth 1 -maxdepth 1 ! -path "$OUT" -exec rm -rf {} +
   mkdir -p "$WORK/tc"

@@ -236,7 +236,7 @@ class SelectTest(chex.TestCase):
     self.assertIn("fused op: grad_rhs not evaluated", v["fwd"]["flax_fp8_delayed_fwd"].reasons)
 
   def test_fp8_grad_lhs_alone_wins_where_the_weight_gradient_fails(self):
-    # The largest tower's dense_2 (tenth session's probe report, H200): full delayed scaling
+    # The largest tower's dense_2 (its probe report on an H200): full delayed scaling
     # fails grad_rhs (11 dB < 20 dB), the delayed forward keeps both gradients in bf16 at bf16
     # speed, and delayed scaling in the forward and grad_lhs only is safe in every pass and
     # faster over the site; it must be chosen for all three passes.

@@ -126,7 +126,7 @@ class QuantizeTest(parameterized.TestCase):
     self.assertEqual(float(saturation), 0.0)
 
   def test_outlier_channels_flush_everyone_else(self):
-    # DESIGN.md: 4 of 512 channels x1e6 flush ~99% of the other values in tensorwise and
+    # 4 of 512 channels x1e6 flush ~99% of the other values in tensorwise and
     # rowwise e4m3, far fewer in 1x128 blockwise.
     x = np.array(_normal(8, (256, 512)))
     x[:, [3, 100, 260, 400]] *= 1e6

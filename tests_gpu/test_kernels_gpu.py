@@ -57,8 +57,8 @@ NARROW_MK = (8192, 2048)   # a tower's logit head: M rows, K -> n
 @pytest.mark.parametrize("vmapped", [False, True])
 def test_fp8_kernel_at_a_narrow_output_in_bf16(name, pass_name, n, vmapped):
   """A tower's logit head (K x n), in the sites' output dtype: the probe, which evaluates
-  kernels vmapped over samples, read XLA tensorwise's forward there at 12-18 dB on the GPU
-  (docs/BENCHMARKS.md, twenty-second session). Plain and vmapped, to tell a kernel fault from
+  kernels vmapped over samples, read XLA tensorwise's forward there at 12-18 dB on an H100.
+  Plain and vmapped, to tell a kernel fault from
   an evaluation one."""
   kernel = kernels.get(name)
   spec = DENSE.for_pass(pass_name)

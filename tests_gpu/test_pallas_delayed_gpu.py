@@ -103,11 +103,11 @@ NARROW_MK = (16384, 4096)   # the largest tower's logit head: M rows, K -> n
 @pytest.mark.parametrize("vmapped", [False, True])
 def test_forward_at_narrow_outputs(n, vmapped):
   # At the largest tower's 4096 -> 1 head the probe, which evaluates fused ops vmapped over
-  # samples, read the op's forward with fast accumulation at 7.8 dB on an H100 (BENCHMARKS,
-  # twenty-second session). Checked plain and vmapped: (1) the forward's FP8 dot alone, at
+  # samples, read the op's forward with fast accumulation at 7.8 dB on an H100. Checked
+  # plain and vmapped: (1) the forward's FP8 dot alone, at
   # the precision the op gives it, from codes cast by the pure-jnp reference (the quantize's
   # (4096, 1) case is above); (2) the whole forward against its dequantized reference.
-  # On an H200 (twenty-third session) both kinds read alike, and the dot alone at precise
+  # On an H200 both kinds read alike, and the dot alone at precise
   # accumulation read 31.5 dB at N = 1; the op now runs it fast, as test_kernels_gpu's XLA
   # forwards do, which cleared 35 there.
   m, k = NARROW_MK

@@ -74,7 +74,7 @@ NARROW_MK = (8192, 2048)   # a tower's logit head: M rows, K -> n
 def test_dense_passes_at_a_narrow_output_in_bf16(name, pass_name, n, vmapped):
   """A tower's logit head (K x n), in the sites' output dtype: the probe, which evaluates
   kernels vmapped over samples, read these kernels' forward there at -1.2 and 13.3 dB and
-  their weight gradient at 3 dB on the GPU (docs/BENCHMARKS.md, twenty-second session).
+  their weight gradient at 3 dB on the GPU (an H100).
   Plain and vmapped, to tell a kernel fault from an evaluation one."""
   spec = DENSE.for_pass(pass_name)
   kernel = kernels.get(name)

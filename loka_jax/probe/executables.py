@@ -64,7 +64,7 @@ def counts() -> Dict[str, int]:
 
 
 def clear() -> None:
-  """Drops every executable compiled ahead (their memory, in a long session)."""
+  """Drops every executable compiled ahead (their memory, in a long-lived process)."""
   with _LOCK:
     _EXECUTABLES.clear()
     _COUNTS.update(ahead=0, inline=0)

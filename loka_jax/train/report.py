@@ -170,7 +170,7 @@ def validation_line(r: Mapping[str, Any], measurements: bool = False) -> Optiona
     value = "non-finite" if r.get("value") is None else f"{r['value']:.4g}"
     return (f"  - {step[:-len('_site')]} round {r.get('round')}, site {r['site']}: "
             f"{value} ({r.get('seconds')} s)")
-  if measurements and step == "speed_steps":   # `validate._round_steps`
+  if measurements and step == "speed_steps":   # `validate.speed._round_steps`
     steps = r["steps"]
     return (f"  - speed round {r.get('round')}, timed steps: train "
             f"{steps['train']['plan']['speedup']:.3f}x, inference "
