@@ -69,7 +69,7 @@ def main(argv):
     xla_env.add_xla_flags("--xla_gpu_enable_command_buffer=")
   import jax
   from loka_jax import _compat, jsonio
-  from experiments.bench import mods_set, planning, plots, profile, speed, suite
+  from experiments.bench import mods_set, planning, plots, profile, serving, speed, suite
   from experiments.bench.variants import PLAN, parse_variants
   from loka_jax.models.presets import site_products
   from loka_jax.models.site import SiteConfig
@@ -101,7 +101,7 @@ def main(argv):
     arm = bench.add(v.name, model)
     if v.kernels_from == PLAN:
       report = planning.load_report(settings.plans_root, target.model, target.preset)
-      arm, _ = suite.serve_exported(bench, arm, model, fields["plan"], report)
+      arm, _ = serving.serve_exported(bench, arm, model, fields["plan"], report)
     arms[v.name], arm_mods[v.name] = arm, list(v.mods)
 
   profiles = {}

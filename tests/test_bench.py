@@ -17,8 +17,8 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from loka_jax import dispatch
-from experiments.bench import (forget, mods_set, pace, planning, plots, quality, speed, suite,
-                               tables, targets, towers, variants)
+from experiments.bench import (forget, mods_set, pace, planning, plots, quality, serving, speed,
+                               suite, tables, targets, towers, variants)
 from experiments.bench.results import ResultsFile
 from loka_jax.kernels.choice import KernelChoice, KernelPlan
 from loka_jax.models.presets import site_products
@@ -916,7 +916,7 @@ class ExportedInferenceTest(chex.TestCase):
     planned = target.build(SiteConfig.for_precision("loka", plan=plan.kernel_plan()))
     arm = bench.add("loka", planned)
     arm.train()  # the exported weights are the ones the arms have trained
-    served, fields = suite.serve_exported(bench, arm, planned, plan, report)
+    served, fields = serving.serve_exported(bench, arm, planned, plan, report)
     self.assertTrue(fields["export"])
     self.assertEqual(fields["export_modes"], {"fp8": len(report["sites"]) - 1, "high": 1})
     self.assertGreater(fields["export_saved_fraction"], 0.0)
@@ -1150,14 +1150,14 @@ class ServingPlanBenchTest(chex.TestCase):
     selected, _, _ = planning.select_serving(plans, target.model, target.preset)
     change = {"rel_logloss_change": 0.01, "se": 0.001}
     outside = {"within_budget": False, "budget": 2e-4, "vs_served_bf16_mods": change}
-    served, candidate, why = suite._within_quality(
+    served, candidate, why = serving.within_quality(
         selected, {"selected": outside, "training": outside},
         planning.plan_path(plans, target.model, target.preset))
     self.assertIn("every forward in bf16", why)
     self.assertEqual(candidate, serving_gate.ALL_BF16)
     self.assertEqual({c["fwd"]["kernel"] for c in served["sites"].values()}, {"xla_bf16"})
     self.assertLen([r for r in served["validation"] if r["step"] == "serve_quality"], sites)
-    kept, candidate, why = suite._within_quality(
+    kept, candidate, why = serving.within_quality(
         selected, {"selected": {**outside, "within_budget": True}}, "unused")
     self.assertIs(kept, selected)
     self.assertEqual(candidate, "selected")

@@ -7,6 +7,7 @@ Planning is `loka_jax.dispatch.pipeline.probe_and_plan`: probe -> select -> vali
 from __future__ import annotations
 
 import os
+import time
 from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 from experiments import time_limit
@@ -112,12 +113,13 @@ def make_plan(spec: experiment.RunSpec, plans_root: str, train_config: TrainConf
               min_timing_gflops: float = 0.0, criteria_changes=None,
               validation=None, deadline: Optional[float] = None) -> Optional[str]:
   """Probes `spec` (its model with Mods, in bf16), selects and validates its plan
-  (`dispatch.pipeline.probe_and_plan`); returns the plan's path, or None when the budget ran
-  out first (a rerun resumes). `budget_s`: seconds the probe may take from now (its
-  `should_stop`, `experiments.time_limit.stop_after`). `kernels`: the probe's candidates (empty: the default list);
-  `compile_workers`, `timing_compile_workers`, `min_timing_gflops`: those `ProbeOptions`;
-  `criteria_changes`: fields of the default budget to change (`probe_and_plan`'s);
-  `validation`: the `ValidationConfig` (None: the defaults)."""
+  (`dispatch.pipeline.probe_and_plan`); returns the plan's path, or None when the budget ran out
+  first (a rerun resumes). `budget_s`: seconds the probe may take from now (its `should_stop`,
+  `experiments.time_limit.stop_after`). `kernels`: the probe's candidates (empty: the default
+  list); `compile_workers`, `timing_compile_workers`, `min_timing_gflops`: those `ProbeOptions`;
+  `criteria_changes`: fields of the default budget to change (`probe_and_plan`'s); `validation`:
+  the `ValidationConfig` (None: the defaults); `deadline` (a `time.time()`): validation pauses
+  before a round or measurement expected to end past it."""
   from loka_jax.dispatch.pipeline import probe_and_plan  # heavy: only when planning
   from loka_jax.dispatch.validate import ValidationConfig
   from loka_jax.probe.runner import ProbeOptions
@@ -131,9 +133,10 @@ def make_plan(spec: experiment.RunSpec, plans_root: str, train_config: TrainConf
                          compile_workers=compile_workers,
                          timing_compile_workers=timing_compile_workers,
                          min_timing_gflops=min_timing_gflops)
+  should_stop = None if deadline is None else (lambda ahead_s: time.time() + ahead_s > deadline)
   try:
     probe_and_plan(spec, workdir, train_config=train_config, probe_options=options,
-                   build=build, deadline=deadline, criteria_changes=criteria_changes,
+                   build=build, should_stop=should_stop, criteria_changes=criteria_changes,
                    validation=validation or ValidationConfig())
   except RuntimeError as e:  # the probe's budget or validation's deadline: a rerun resumes
     print(f"[bench] plan for {spec.model}/{spec.preset} not ready: {e}", flush=True)
