@@ -15,7 +15,7 @@ import sys
 from absl import app, flags
 
 from experiments import time_limit
-from loka_jax import flags as common
+from experiments import common_flags as common
 from loka_jax import xla_env
 from loka_jax.mods import ablation
 from loka_jax.train import OptimConfig, experiment

@@ -23,7 +23,7 @@ import traceback
 
 from absl import app, flags
 
-from loka_jax import flags as common_flags  # noqa: F401  (the common flags, defined once)
+from experiments import common_flags  # noqa: F401  (the common flags, defined once)
 from loka_jax import xla_env
 
 OUT = flags.DEFINE_string("out", None, "Output directory (results.jsonl, table.md, caches).")

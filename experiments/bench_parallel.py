@@ -26,7 +26,7 @@ import time
 
 from absl import app, flags
 
-from loka_jax import flags as common
+from experiments import common_flags as common
 
 PRESETS = flags.DEFINE_list("presets", ["small"], "Presets of --model to run.")
 DEVICES = flags.DEFINE_list("devices", ["1", "2"], "Device counts (1 = the plain step).")

@@ -18,7 +18,7 @@ import shutil
 
 from absl import app, flags
 
-from loka_jax import flags as common  # the common flags, defined once
+from experiments import common_flags as common  # the common flags, defined once
 
 BATCH_SIZE = flags.DEFINE_integer("batch_size", 256, "Training batch size.")
 SAMPLES = flags.DEFINE_integer("samples", 32, "Draws per site and source.")

@@ -18,7 +18,7 @@ import sys
 
 from absl import app, flags
 
-from loka_jax import flags as common
+from experiments import common_flags as common
 from loka_jax.dispatch import check as check_lib
 from loka_jax.dispatch import plan as plan_lib
 from loka_jax.dispatch import selection

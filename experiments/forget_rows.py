@@ -12,7 +12,7 @@ E.g. a LoKA row served before the served-quality gate, timed again under it:
 """
 from absl import app, flags
 
-from loka_jax import flags as common_flags  # --workdir and --mods, defined once
+from experiments import common_flags  # --workdir and --mods, defined once
 
 TARGET = flags.DEFINE_string("target", None, "model/preset, or tower/BxWIDTHxDEPTH.",
                              required=True)

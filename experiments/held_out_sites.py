@@ -21,7 +21,7 @@ import time
 
 from absl import app, flags
 
-from loka_jax import flags as common  # noqa: F401  (the common flags, defined once)
+from experiments import common_flags as common  # noqa: F401  (the common flags, defined once)
 
 KERNELS = flags.DEFINE_list("kernels", ["flax_fp8_delayed_fwd", "xla_fp8_tensorwise"],
                             "Kernels to put at the sites, one at a time.")

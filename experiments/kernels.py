@@ -14,7 +14,7 @@ import sys
 from absl import app, flags
 
 from loka_jax import _compat, kernels
-from loka_jax import flags as common_flags
+from experiments import common_flags
 from loka_jax.kernels import check
 
 LIST = flags.DEFINE_bool("list", False, "Print every registered kernel and its passes.")

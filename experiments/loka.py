@@ -23,7 +23,7 @@ import jax
 from absl import app, flags, logging
 
 from loka_jax import _compat
-from loka_jax import flags as common
+from experiments import common_flags as common
 from experiments.bench import headroom
 from loka_jax.dispatch import kernel_counts, pipeline
 from loka_jax.dispatch import validate as validate_lib

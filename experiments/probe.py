@@ -24,7 +24,7 @@ import jax
 from absl import app, flags
 
 from experiments import time_limit
-from loka_jax import flags as common
+from experiments import common_flags as common
 from loka_jax.probe import eligibility
 from loka_jax.probe.timing_table import TimingTableError
 from loka_jax.probe.collector import ProbeConfig, ProbeStateError

@@ -28,7 +28,7 @@ import os
 
 from absl import app, flags
 
-from loka_jax import flags as common_flags  # noqa: F401  (the common flags, defined once)
+from experiments import common_flags  # noqa: F401  (the common flags, defined once)
 from loka_jax import xla_env
 
 TOWER = flags.DEFINE_string("tower", None, "Profile an MLP tower BxWIDTHxDEPTH instead.")

@@ -18,7 +18,7 @@ import os
 
 from absl import app, flags
 
-from loka_jax import flags as common_flags  # the common flags (--mods, --seed), defined once
+from experiments import common_flags  # the common flags (--mods, --seed), defined once
 
 TARGET = flags.DEFINE_string("target", None, "model/preset, or tower/BxWIDTHxDEPTH.",
                              required=True)

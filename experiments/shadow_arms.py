@@ -28,7 +28,7 @@ import time
 
 from absl import app, flags
 
-from loka_jax import flags as common  # noqa: F401  (the common flags, defined once)
+from experiments import common_flags as common  # noqa: F401  (the common flags, defined once)
 
 ARMS = flags.DEFINE_multi_string("arm", [], "NAME=REGEX:KERNEL[,REGEX:KERNEL...] (repeat).")
 PLAN_ARMS = flags.DEFINE_multi_string(

@@ -11,7 +11,7 @@ import sys
 
 from absl import app, flags
 
-from loka_jax import flags as common
+from experiments import common_flags as common
 from loka_jax import xla_env
 from loka_jax.models.presets import ModsError
 from loka_jax.parallel.mesh import MeshSpecError

@@ -28,7 +28,7 @@ import time
 
 from absl import app, flags
 
-from loka_jax import flags as common_flags  # the common flags, defined once
+from experiments import common_flags  # the common flags, defined once
 
 SUITES = ("towers", "models", "quality", "all")
 SUITE = flags.DEFINE_enum("suite", "models", SUITES, "Which benchmark suite.")

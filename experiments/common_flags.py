@@ -1,4 +1,8 @@
-"""The common experiment flags (docs/FORMATS.md), defined once; every script imports this."""
+"""The common flags of the absl scripts under experiments/ (docs/FORMATS.md), defined once.
+
+A script imports this module for its flags; the library defines none, so importing loka_jax
+adds nothing to a program's command line.
+"""
 from __future__ import annotations
 
 from absl import flags
