@@ -5,7 +5,7 @@
 Every arm trains with the same seed, data order and held-out set (loka_jax.train.experiment);
 on a GPU each combination's train step and inference are also timed against the bf16
 baseline. Writes WORKDIR/ablation.{json,md,png}. Resumable: rerun the same command after
---max_minutes stopped it; finished arms and timing rows are kept (loka_jax/mods/ablation.py).
+--max_minutes stopped it; finished arms and timing rows are kept (loka_jax/train/ablation.py).
 The time limit is this script's: the library asks its `should_stop` hook before each arm and
 timing row (`experiments.time_limit`).
 """
@@ -17,7 +17,7 @@ from absl import app, flags
 from experiments import time_limit
 from experiments import common_flags as common
 from loka_jax import xla_env
-from loka_jax.mods import ablation
+from loka_jax.train import ablation
 from loka_jax.train import OptimConfig, experiment
 
 BATCH_SIZE = flags.DEFINE_integer("batch_size", 0, "Training batch; 0: the preset's.")

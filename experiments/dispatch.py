@@ -19,8 +19,8 @@ import sys
 from absl import app, flags
 
 from experiments import common_flags as common
-from loka_jax.dispatch import check as check_lib
-from loka_jax.dispatch import plan as plan_lib
+from loka_jax.plan import check as check_lib
+from loka_jax.plan import file as plan_lib
 from loka_jax.dispatch import selection
 from loka_jax.probe.timing_table import TimingTableError
 from loka_jax.probe import eligibility

@@ -28,7 +28,7 @@ OUT = flags.DEFINE_string("out", None, "Where to write the plan (default: --plan
 def main(argv):
   del argv
   from loka_jax.dispatch import validate
-  from loka_jax.dispatch.plan import read_plan_arg, save_plan
+  from loka_jax.plan.file import read_plan_arg, save_plan
   from loka_jax.train.report import validation_line
   plan = read_plan_arg(PLAN.value)
   try:

@@ -13,6 +13,7 @@ from absl import app, flags
 
 from experiments import common_flags as common
 from loka_jax import xla_env
+from loka_jax.dispatch import valve
 from loka_jax.models.presets import ModsError
 from loka_jax.parallel.mesh import MeshSpecError
 from loka_jax.train import (NAN_POLICIES, CheckpointError, NonFiniteError, OptimConfig,
@@ -105,7 +106,7 @@ def main(argv):
           model, source, common.WORKDIR.value, config, parallel.build_mesh(MESH.value),
           parallel.ParallelConfig(collectives=COLLECTIVES.value), run_info=spec.run_info())
     else:
-      final = experiment.run(spec, common.WORKDIR.value, config)
+      final = valve.run(spec, common.WORKDIR.value, config)
   except (NonFiniteError, CheckpointError, RunSettingsError, experiment.PlanError,
           MeshSpecError, ModsError) as e:
     sys.exit(f"error: {e}")

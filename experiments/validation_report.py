@@ -27,7 +27,7 @@ def main(argv):
   del argv
   from experiments.bench import plots
   from loka_jax.dispatch import run_records, validate
-  from loka_jax.dispatch.plan import kernel_counts, read_plan_arg
+  from loka_jax.plan.file import kernel_counts, read_plan_arg
   from loka_jax.train.report import validation_line
   plan = read_plan_arg(PLAN.value)
   where = plan["provenance"].get("device")

@@ -26,7 +26,7 @@ from absl import app, flags
 
 import loka_jax
 from loka_jax import timing
-from loka_jax.dispatch.plan import choice_table, kernel_counts
+from loka_jax.plan.file import choice_table, kernel_counts
 from loka_jax.kernels import FP8_META, KernelPlan
 from loka_jax.kernels.flax_delayed import merge_fp8_meta
 from loka_jax.train.verdict import noninferiority

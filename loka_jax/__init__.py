@@ -16,10 +16,8 @@ loka_jax tower; `load_plan` reads a plan file.
 """
 __version__ = "0.1.0"
 
-from loka_jax.dispatch.binding import wrap  # noqa: E402
-from loka_jax.dispatch.check import apply  # noqa: E402
+from loka_jax.plan import apply, load_plan, read_plan, save_plan, wrap  # noqa: E402
 from loka_jax.dispatch.loss_check import validate  # noqa: E402
-from loka_jax.dispatch.plan import load_plan, read_plan, save_plan  # noqa: E402
 from loka_jax.dispatch.selection import select  # noqa: E402
 from loka_jax import probe  # noqa: E402  (callable: streaming.probe)
 from loka_jax.probe.streaming import Probe  # noqa: E402

@@ -9,7 +9,7 @@ import tempfile
 import chex
 from absl.testing import absltest
 
-from loka_jax.mods import ablation
+from loka_jax.train import ablation
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALL = ("no_bias", "blocknorm", "hard_swish")

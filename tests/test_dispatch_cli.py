@@ -149,8 +149,8 @@ class ReopenCheckCliTest(chex.TestCase):
   refusal."""
 
   def test_undoes_the_back_offs_and_refuses_what_it_cannot_reopen(self):
-    from loka_jax.dispatch.plan import SCHEMA, Plan, add_validation, back_off, read_plan
-    from loka_jax.dispatch.plan import save_plan
+    from loka_jax.plan.file import SCHEMA, Plan, add_validation, back_off, read_plan
+    from loka_jax.plan.file import save_plan
     site = "top_mlp/dense_0"
     plan = Plan({"schema": SCHEMA, "model": "dlrm", "rules": [],
                  "default": {p: "xla_bf16" for p in hm.PASSES},

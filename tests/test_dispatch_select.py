@@ -11,7 +11,7 @@ from absl.testing import absltest, parameterized
 import test_dispatch_reports as hm
 from loka_jax.dispatch import pipeline, selection
 from loka_jax.probe import timing_table
-from loka_jax.dispatch.plan import Plan
+from loka_jax.plan.file import Plan
 from loka_jax.probe import eligibility
 from loka_jax.probe.eligibility import Criteria
 from loka_jax.probe.report import save_report
@@ -314,7 +314,7 @@ class ServingPlanTest(chex.TestCase):
     self.assertEqual(set(kernels_of(serve, "s").values()), {"flax_fp8_delayed_fwd"})
     self.assertIn("fastest eligible forward (serving)", serve["sites"]["s"]["fwd"]["reason"])
     self.assertIn("inference runs no backward", serve["sites"]["s"]["grad_rhs"]["reason"])
-    from loka_jax.dispatch.plan import to_kernel_plan
+    from loka_jax.plan.file import to_kernel_plan
     self.assertEqual(to_kernel_plan(serve).choice_for("s").fwd, "flax_fp8_delayed_fwd")
 
   def test_of_ops_sharing_one_forward_the_one_with_bf16_gradients_is_named(self):

@@ -174,7 +174,7 @@ class TrainRunValveTest(chex.TestCase):
     run_spec = experiment.RunSpec(model="wukong", preset="tiny", mods=("all",), num_eval=256,
                                   precision="loka", plan=result.paths["plan"], drift_every=3)
     workdir = os.path.join(root, "run")
-    final = experiment.run(run_spec, workdir, TrainConfig(
+    final = valve_lib.run(run_spec, workdir, TrainConfig(
         steps=6, batch_size=64, progress=False, log_every=3, checkpoint_every=3))
     self.assertEqual(final["steps"], 6)
     self.assertTrue(np.isfinite(final["logloss"]))
@@ -188,7 +188,7 @@ class TrainRunValveTest(chex.TestCase):
     bare_path = os.path.join(root, "bare_plan.json")
     dispatch.save_plan(bare, bare_path)
     with self.assertRaisesRegex(experiment.PlanError, "names no probe report"):
-      experiment.run(dataclasses.replace(run_spec, plan=bare_path), os.path.join(root, "bad"),
+      valve_lib.run(dataclasses.replace(run_spec, plan=bare_path), os.path.join(root, "bad"),
                      TrainConfig(steps=2, batch_size=64, progress=False))
 
 

@@ -1,7 +1,6 @@
 """`python -m experiments.train` end to end: a real tiny preset on synthetic data."""
 import json
 import os
-import sys
 import tempfile
 
 import chex
@@ -85,18 +84,17 @@ class TrainCliTest(chex.TestCase):
 
 class PlanLoaderTest(chex.TestCase):
 
-  def test_missing_dispatch_loader_is_a_clear_error(self):
-    saved = sys.modules.get("loka_jax.dispatch")
-    sys.modules["loka_jax.dispatch"] = None  # import fails, as in a checkout without it
-    try:
-      with self.assertRaisesRegex(experiment.PlanError, "loka_jax.dispatch.load_plan"):
-        experiment.load_plan("plan.json")
-    finally:
-      if saved is None:
-        del sys.modules["loka_jax.dispatch"]
-      else:
-        sys.modules["loka_jax.dispatch"] = saved
+  def test_a_missing_plan_file_is_one_line_naming_it(self):
+    path = os.path.join(tempfile.mkdtemp(prefix="loka_plan_"), "plan.json")
+    with self.assertRaises(experiment.PlanError) as caught:
+      experiment.load_plan(path)
+    message = str(caught.exception)
+    self.assertIn(path, message)
+    self.assertNotIn("\n", message)
 
+  def test_no_plan_says_which_flag_is_missing(self):
+    with self.assertRaisesRegex(experiment.PlanError, "--plan=PLAN.json"):
+      experiment.load_plan(None)
 
 if __name__ == "__main__":
   absltest.main()

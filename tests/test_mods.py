@@ -11,7 +11,7 @@ from absl.testing import absltest, parameterized
 from loka_jax.models import (MODEL_NAMES, ActSite, DenseSite, EinsumSite, SiteConfig, apply_mods,
                              build_model, site_name, site_products)
 from loka_jax.mods import BlockNorm, functional
-from loka_jax.mods.fused import FusedDenseNormAct, fused_sites
+from loka_jax.models.fused import FusedDenseNormAct, fused_sites
 from loka_jax.precision import BF16, FP32
 from test_models import EXPECTED_SITES, FINAL_LAYER, random_variables, tiny
 

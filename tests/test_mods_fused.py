@@ -10,8 +10,8 @@ from absl.testing import absltest, parameterized
 
 from loka_jax.kernels import KernelChoice, KernelPlan
 from loka_jax.models import SiteConfig, build_model, get_config, site_products
-from loka_jax.mods import fused as fused_lib
-from loka_jax.mods.fused import FusedDenseNormAct
+from loka_jax.models import fused as fused_lib
+from loka_jax.models.fused import FusedDenseNormAct
 from loka_jax.precision import FP32, QTensor, metrics
 from loka_jax.models.tap import PROBE_GRAD_COLLECTION
 from test_models import make_batch

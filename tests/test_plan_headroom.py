@@ -13,7 +13,7 @@ from absl.testing import absltest
 import test_dispatch_reports as hm
 from experiments.bench import headroom
 from loka_jax.dispatch import pipeline, selection
-from loka_jax.dispatch.plan import save_plan
+from loka_jax.plan.file import save_plan
 from loka_jax.probe.eligibility import Criteria
 from loka_jax.probe.report import ProbeReportError, load_report, save_report
 

@@ -11,7 +11,7 @@ from absl.testing import absltest
 import test_dispatch_reports as hm
 from test_ablation import run_module
 from loka_jax.dispatch import run_records
-from loka_jax.dispatch.plan import SCHEMA, Plan, add_validation, save_plan
+from loka_jax.plan.file import SCHEMA, Plan, add_validation, save_plan
 
 SITE = "top_mlp/dense_0"
 RUN = "quality_from_init_run"
@@ -131,7 +131,7 @@ class CliTest(chex.TestCase):
 
   def test_a_missing_or_corrupt_plan_is_a_usage_error_naming_it(self):
     from absl import app
-    from loka_jax.dispatch.plan import read_plan_arg
+    from loka_jax.plan.file import read_plan_arg
     path = os.path.join(tempfile.mkdtemp(prefix="loka_plan_arg_"), "plan.json")
     with self.assertRaisesRegex(app.UsageError, f"--plan={path}: no such file"):
       read_plan_arg(path)

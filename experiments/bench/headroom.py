@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from experiments.bench import mods_set, variants
 from loka_jax.dispatch import pipeline, selection
-from loka_jax.dispatch.plan import SCHEMA, Plan, as_plan
+from loka_jax.plan.file import SCHEMA, Plan, as_plan
 from loka_jax.kernels import PASSES, registry
 from loka_jax.probe.eligibility import Criteria
 

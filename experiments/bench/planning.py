@@ -12,7 +12,7 @@ from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 from experiments import time_limit
 from loka_jax import dispatch
-from loka_jax.dispatch.plan import FALLBACK
+from loka_jax.plan.file import FALLBACK
 from loka_jax.kernels import KernelPlan
 from loka_jax.train import experiment
 from loka_jax.train.loop import TrainConfig

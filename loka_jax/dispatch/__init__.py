@@ -6,42 +6,36 @@
   model = dispatch.apply(get_config("wukong", "small"), plan)  # baked in statically
   wrapped = dispatch.wrap(any_flax_module, plan)              # plain nn.Dense / nn.Einsum
 
-Names are imported lazily: the probe imports `loka_jax.probe.timing_table` while it loads,
-so this package must not import the probe or the models at import time.
+Selection (`selection`), end-to-end validation (`validate/`), the probe-select-validate
+pipeline (`pipeline`), re-selection of drifted sites (`drift`, `valve`) and the serving export
+(`export`) live here; the plan format and its use in a model (`loka_jax.plan`) are re-exported.
 """
-import importlib
+from loka_jax.plan.file import (Plan, PlanFileError, PlanMismatchError, SCHEMA, add_validation,
+                                as_plan, back_off, choice_table, kernel_counts, load_plan,
+                                read_plan, save_plan, to_kernel_plan, validate_plan)
+from loka_jax.plan.binding import Wrapped, routing, wrap
+from loka_jax.plan.check import apply, check_plan, model_sites, plan_problems
+from loka_jax.dispatch.selection import (Budget, TimingSource, make_budget, report_hash,
+                                         resolve_timing, select, serving_proposal)
+from loka_jax.dispatch.drift import (DriftBound, SiteDrift, drifted_sites, reselect_drifted,
+                                     site_drift)
+from loka_jax.dispatch.valve import DriftValve, ValveConfig, checkpoint_plan
+from loka_jax.dispatch.export import ExportError, ExportedModel, export_model, load_export
+from loka_jax.dispatch.validate import (ValidationConfig, ValidationContext, check_from_init,
+                                        check_held_out, check_shadow, check_speed,
+                                        more_precise_kernel, validate_end_to_end,
+                                        validation_records)
+from loka_jax.dispatch.pipeline import (PipelineResult, context_for_run, default_criteria,
+                                        plan_speedup_estimate, probe_and_plan)
 
-_EXPORTS = {
-    "SCHEMA": "plan", "Plan": "plan", "PlanFileError": "plan", "add_validation": "plan",
-    "as_plan": "plan", "back_off": "plan", "choice_table": "plan", "kernel_counts": "plan",
-    "load_plan": "plan", "read_plan": "plan", "save_plan": "plan", "to_kernel_plan": "plan",
-    "validate_plan": "plan",
-    "Budget": "selection", "TimingSource": "selection", "make_budget": "selection",
-    "report_hash": "selection", "resolve_timing": "selection", "select": "selection",
-    "serving_proposal": "selection",
-    "PlanMismatchError": "plan", "check_plan": "check", "model_sites": "check",
-    "plan_problems": "check",
-    "Wrapped": "binding", "apply": "check", "routing": "binding", "wrap": "binding",
-    "DriftBound": "drift", "SiteDrift": "drift", "drifted_sites": "drift",
-    "reselect_drifted": "drift", "site_drift": "drift",
-    "ValidationConfig": "validate", "ValidationContext": "validate",
-    "check_from_init": "validate", "check_held_out": "validate", "check_shadow": "validate",
-    "check_speed": "validate",
-    "more_precise_kernel": "validate", "validate_end_to_end": "validate",
-    "validation_records": "validate",
-    "PipelineResult": "pipeline", "context_for_run": "pipeline",
-    "default_criteria": "pipeline", "plan_speedup_estimate": "pipeline",
-    "probe_and_plan": "pipeline",
-    "DriftValve": "valve", "ValveConfig": "valve", "checkpoint_plan": "valve",
-    "ExportedModel": "export", "ExportError": "export", "export_model": "export",
-    "load_export": "export",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-  module = _EXPORTS.get(name)
-  if module is None:
-    raise AttributeError(f"module 'loka_jax.dispatch' has no attribute {name!r}")
-  return getattr(importlib.import_module(f"loka_jax.dispatch.{module}"), name)
+__all__ = [
+    "Budget", "DriftBound", "DriftValve", "ExportError", "ExportedModel", "PipelineResult",
+    "Plan", "PlanFileError", "PlanMismatchError", "SCHEMA", "SiteDrift", "TimingSource",
+    "ValidationConfig", "ValidationContext", "ValveConfig", "Wrapped", "add_validation",
+    "apply", "as_plan", "back_off", "check_from_init", "check_held_out", "check_plan",
+    "check_shadow", "check_speed", "checkpoint_plan", "choice_table", "context_for_run",
+    "default_criteria", "drifted_sites", "export_model", "kernel_counts", "load_export",
+    "load_plan", "make_budget", "model_sites", "more_precise_kernel", "plan_problems",
+    "plan_speedup_estimate", "probe_and_plan", "read_plan", "report_hash", "reselect_drifted",
+    "resolve_timing", "routing", "save_plan", "select", "serving_proposal", "site_drift",
+    "to_kernel_plan", "validate_end_to_end", "validate_plan", "validation_records", "wrap"]

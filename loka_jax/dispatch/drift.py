@@ -29,7 +29,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 from loka_jax.dispatch import selection
 from loka_jax.probe import timing_table as tables_lib
-from loka_jax.dispatch.plan import FALLBACK, Plan, add_validation, as_plan
+from loka_jax.plan.file import FALLBACK, Plan, add_validation, as_plan
 from loka_jax.kernels import PASSES, KernelChoice
 from loka_jax.probe import eligibility
 from loka_jax.probe.eligibility import Criteria

@@ -49,8 +49,8 @@ import numpy as np
 from jax import lax
 
 from loka_jax import jsonio
-from loka_jax.dispatch.binding import apply as apply_plan
-from loka_jax.dispatch.plan import as_plan, to_kernel_plan
+from loka_jax.plan.binding import apply as apply_plan
+from loka_jax.plan.file import as_plan, to_kernel_plan
 from loka_jax.kernels import ACT_WEIGHT, EinsumSpec, KernelPlan, registry
 from loka_jax.kernels.base import dot_einsum
 from loka_jax.models.site import ActSite, DenseSite, EinsumSite, site_name
@@ -142,7 +142,7 @@ class _Exported:
     info = self.sites.get(site_name(module))
     if info is None or info.mode == HIGH:
       return next_fun(*args, **kwargs)
-    from loka_jax.mods.fused import FusedDenseNormAct  # mods import the sites: import late
+    from loka_jax.models.fused import FusedDenseNormAct  # mods import the sites: import late
     if isinstance(module, FusedDenseNormAct):
       return _fused_dense(module, info, *args, **kwargs)
     if isinstance(module, DenseSite):

@@ -16,9 +16,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 import jax
 import numpy as np
 
-from loka_jax.dispatch import binding
-from loka_jax.dispatch.plan import check_called
-from loka_jax.dispatch.plan import Plan, add_validation, as_plan, back_off
+from loka_jax.plan import binding
+from loka_jax.plan.file import check_called
+from loka_jax.plan.file import Plan, add_validation, as_plan, back_off
 from loka_jax.dispatch.validate import (BASELINE, DELAYED_WARMUP, fp8_sites, only_site,
                                         report_scores, worst_by_report)
 from loka_jax.kernels import FP8_META, KernelChoice, KernelPlan, registry

@@ -32,8 +32,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from loka_jax import jsonio
 from loka_jax.dispatch import validate as validate_lib
-from loka_jax.dispatch.check import check_plan
-from loka_jax.dispatch.plan import FALLBACK, Plan, add_validation, read_plan, save_plan
+from loka_jax.plan.check import check_plan
+from loka_jax.plan.file import FALLBACK, Plan, add_validation, read_plan, save_plan
 from loka_jax.dispatch.selection import make_budget, report_hash, resolve_timing, select
 from loka_jax.kernels import PASSES, registry
 from loka_jax.probe.eligibility import FUSED_SCOPE, Criteria
@@ -98,7 +98,7 @@ def context_for_run(spec, probe_dir: str, train_config, report: Optional[Mapping
   if build is None:
     builder = lambda kplan: build_model(config, features, SiteConfig(BF16, kplan))
   else:
-    from loka_jax.dispatch.binding import apply
+    from loka_jax.plan.binding import apply
     builder = lambda kplan: apply(model, kplan, policy=BF16)
   return validate_lib.ValidationContext(
       build=builder,
@@ -178,7 +178,7 @@ def site_gemm_times(plan, report: Mapping, passes: Tuple[str, ...] = PASSES
   selected with (`estimated`: a committed table's nearest shape stood in somewhere); None
   where a scope has no time, or where the report has no timings at all."""
   from loka_jax.dispatch import selection
-  from loka_jax.dispatch.plan import as_plan
+  from loka_jax.plan.file import as_plan
   _check_passes(passes)
   plan = as_plan(plan)
   try:
@@ -210,7 +210,7 @@ def plan_speedup_estimate(plan, report: Mapping,
   otherwise from FLOPs under the ideal 2x FP8 rate with no quantization cost (`source`
   'flop model', an upper bound).
   """
-  from loka_jax.dispatch.plan import as_plan
+  from loka_jax.plan.file import as_plan
   plan = as_plan(plan)
   times = site_gemm_times(plan, report, passes)
   timed = [t for t in times.values() if t is not None]

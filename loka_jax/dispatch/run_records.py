@@ -15,7 +15,7 @@ import json
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from loka_jax.dispatch import validate
-from loka_jax.dispatch.plan import as_plan
+from loka_jax.plan.file import as_plan
 
 TRAINING_CHECKS = ("quality_shadow", "quality_from_init")
 # What a run record holds besides its recipe: its arm (the noise floor's jitter and a plan

@@ -43,7 +43,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import jax
 
 from loka_jax.probe import timing_table as tables_lib
-from loka_jax.dispatch.plan import FALLBACK, SCHEMA, Plan, as_plan
+from loka_jax.plan.file import FALLBACK, SCHEMA, Plan, as_plan
 from loka_jax.kernels import FUSED_OP, PASSES, PER_PASS, registry
 from loka_jax.probe import eligibility
 from loka_jax.probe.eligibility import FUSED_SCOPE, UNRESOLVED, Criteria, Verdict

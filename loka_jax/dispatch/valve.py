@@ -32,14 +32,18 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import jax
 
 from loka_jax.dispatch import drift as drift_lib
-from loka_jax.dispatch.plan import Plan, as_plan, save_plan, to_kernel_plan
+from loka_jax.plan.file import Plan, as_plan, save_plan, to_kernel_plan
 from loka_jax.dispatch.selection import TIMING_FIELDS
 from loka_jax.kernels import registry
 from loka_jax.probe import collector as collector_lib
 from loka_jax.probe import training
 from loka_jax.probe import evaluate, stats_report, summarize
 from loka_jax.probe.eligibility import Criteria
+from loka_jax.models import SiteConfig, build_model
+from loka_jax.probe.report import load_report
+from loka_jax.train import experiment
 from loka_jax.train.checkpoint import latest_json_extras
+from loka_jax.train.experiment import PlanError  # what experiments.train reports cleanly
 from loka_jax.train.loop import ModelSwap
 
 PLAN_KEY = "dispatch_plan"     # checkpoint extras: the active plan (JSON)
@@ -306,9 +310,6 @@ def _reservoir_dtype(state):
 def run_valve(spec, config, source, workdir: str, batch_size: int) -> DriftValve:
   """The valve of an `experiments.train` run: `--precision=loka --plan=P --drift_every=N`
   (the report: `--drift_report`, else the one named in the plan's provenance)."""
-  from loka_jax.models import SiteConfig, build_model
-  from loka_jax.probe.report import load_report
-  from loka_jax.train.experiment import PlanError  # what experiments.train reports cleanly
   if spec.precision != "loka" or not spec.plan:
     raise PlanError("--drift_every needs --precision=loka --plan=PLAN.json: the valve "
                     "guards a plan")
@@ -325,3 +326,8 @@ def run_valve(spec, config, source, workdir: str, batch_size: int) -> DriftValve
                       ValveConfig(cadence=spec.drift_every))
   except ValueError as e:  # a bad report file, or a plan/report mismatch
     raise PlanError(f"--drift_every: {e}") from e
+
+
+def run(spec, workdir: str, train_config):
+  """`train.experiment.run` with the drift valve when `spec.drift_every` asks for one."""
+  return experiment.run(spec, workdir, train_config, hook=run_valve)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from loka_jax.mods import Norm, functional
+from loka_jax.models.fused import FusedDenseNormAct
 from loka_jax.models.site import ActSite, DenseSite, EinsumSite, SiteConfig
 
 TOKEN_LINEAR_SPEC = "bnd,nl->bld"  # W X over the token axis; the weight is the right operand
@@ -61,7 +62,7 @@ class TowerOptions:
     return Norm(kind=self.norm, block_size=self.block_size, policy=self.policy, name=name)
 
 
-# Norms an activated MLP layer can fold into one fused site (mods.fused.FusedDenseNormAct).
+# Norms an activated MLP layer can fold into one fused site (models.fused.FusedDenseNormAct).
 FUSABLE_NORMS = ("blocknorm", "none")
 
 
@@ -81,8 +82,6 @@ class MLP(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    # Imported here: loka_jax.mods.fused builds on models.site, which this package imports.
-    from loka_jax.mods.fused import FusedDenseNormAct
     if not self.features:
       raise ValueError(f"MLP {'/'.join(self.path)} has no layers")
     last = len(self.features) - 1

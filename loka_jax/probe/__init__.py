@@ -7,45 +7,35 @@ timings, and the ProbeReport (`loka.probe/1`) that Dispatch selects kernels from
 
 Calling the package runs `streaming.probe` (see there for its arguments): the public
 `loka_jax.probe(...)` and the subpackage `loka_jax.probe.<module>` are one name.
-
-Names are imported lazily: the GEMM sites import `loka_jax.probe.hooks` while the models
-package is still loading, so this package must not import the models at import time.
 """
-import importlib
 import sys
 import types
 
-_EXPORTS = {
-    "ProbeCollector": "training", "ProbeConfig": "collector", "SiteProbe": "collector",
-    "init_state": "collector", "make_observe": "collector", "probe_sites": "training",
-    "site_state": "collector",
-    "Criteria": "eligibility", "Verdict": "eligibility", "assess": "eligibility",
-    "assess_site": "eligibility", "best_kernel": "eligibility",
-    "summarize_report": "eligibility",
-    "EvalConfig": "evaluate", "evaluate_site": "evaluate",
-    "SCHEMA": "report", "ProbeReportError": "report", "load_report": "report",
-    "markdown": "report", "save_report": "report", "site_table": "report",
-    "validate_report": "report",
-    "ProbeOptions": "runner", "ProbeResult": "runner", "run_probe": "runner",
-    "write_plots": "plots",
-    "Probe": "streaming", "ProbeInputError": "streaming",
-}
+from loka_jax.probe.collector import ProbeConfig, SiteProbe, init_state, make_observe, site_state
+from loka_jax.probe.training import ProbeCollector, probe_sites
+from loka_jax.probe.eligibility import (Criteria, Verdict, assess, assess_site, best_kernel,
+                                        summarize_report)
+from loka_jax.probe.evaluate import EvalConfig, evaluate_site
+from loka_jax.probe.report import (ProbeReportError, SCHEMA, load_report, markdown, save_report,
+                                   site_table, validate_report)
+from loka_jax.probe.runner import ProbeOptions, ProbeResult, run_probe
+from loka_jax.probe.plots import write_plots
+from loka_jax.probe import streaming
+from loka_jax.probe.streaming import Probe, ProbeInputError
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-  module = _EXPORTS.get(name)
-  if module is None:
-    raise AttributeError(f"module 'loka_jax.probe' has no attribute {name!r}")
-  return getattr(importlib.import_module(f"loka_jax.probe.{module}"), name)
+__all__ = [
+    "Criteria", "EvalConfig", "Probe", "ProbeCollector", "ProbeConfig", "ProbeInputError",
+    "ProbeOptions", "ProbeReportError", "ProbeResult", "SCHEMA", "SiteProbe", "Verdict",
+    "assess", "assess_site", "best_kernel", "evaluate_site", "init_state", "load_report",
+    "make_observe", "markdown", "probe_sites", "run_probe", "save_report", "site_state",
+    "site_table", "summarize_report", "validate_report", "write_plots"]
 
 
 class _CallablePackage(types.ModuleType):
   """This package, callable as `loka_jax.probe(model, variables, batches, loss_fn, ...)`."""
 
   def __call__(self, *args, **kwargs):
-    return importlib.import_module("loka_jax.probe.streaming").probe(*args, **kwargs)
+    return streaming.probe(*args, **kwargs)
 
 
 sys.modules[__name__].__class__ = _CallablePackage

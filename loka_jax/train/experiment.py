@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging as py_logging
 import os
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from absl import logging
 
@@ -17,6 +17,7 @@ from loka_jax.data.spec import FeatureSpec
 from loka_jax.kernels import KernelPlan
 from loka_jax.models import SiteConfig, apply_mods, build_model, get_config
 from loka_jax.models.presets import check_keep_bias
+from loka_jax.plan import PlanMismatchError, check_plan, read_plan, to_kernel_plan
 from loka_jax.train.loop import TrainConfig, train
 
 
@@ -51,7 +52,6 @@ class RunSpec:
       info["plan"] = self.plan
       if self.plan and os.path.exists(self.plan):
         # The file may move (its path is a resumable setting); what it runs may not.
-        from loka_jax.dispatch.plan import read_plan  # dispatch imports this module's users
         info["plan_kernels_sha256"] = read_plan(self.plan).kernel_digest()
       if self.drift_every:  # only then: runs without the valve keep their config.json
         info.update(drift_every=self.drift_every, drift_report=self.drift_report)
@@ -59,21 +59,14 @@ class RunSpec:
 
 
 class PlanError(RuntimeError):
-  """--precision=loka without a plan, or in a checkout without the Dispatch plan loader."""
+  """--precision=loka without a usable plan, or with a plan that does not fit the model."""
 
 
 def load_plan(path: Optional[str]) -> KernelPlan:
-  """The KernelPlan of a loka.plan/1 file, read by the Dispatch package's loader."""
+  """The KernelPlan of a loka.plan/1 file (PlanError naming the file when it is unusable)."""
   if not path:
     raise PlanError("--precision=loka needs --plan=PLAN.json (a loka.plan/1 file from "
                      "`python -m experiments.dispatch`)")
-  try:
-    from loka_jax.dispatch import read_plan, to_kernel_plan
-  except ImportError as e:
-    raise PlanError(
-        f"--precision=loka needs the plan loader loka_jax.dispatch.load_plan(path) -> "
-        f"KernelPlan, which this checkout does not have yet ({e}); use --precision=bf16 or "
-        "--precision=fp8_all until the Dispatch package lands") from e
   try:
     plan_file = read_plan(path)  # read once: its provenance, then its kernels
     objective = plan_file["provenance"].get("objective")
@@ -84,7 +77,7 @@ def load_plan(path: Optional[str]) -> KernelPlan:
     raise PlanError(f"{path} is a serving plan (`--objective=serve`: forwards chosen for "
                     "inference, gradients not judged); train with a training plan")
   if not isinstance(plan, KernelPlan):
-    raise TypeError(f"loka_jax.dispatch.load_plan({path!r}) returned {type(plan).__name__}, "
+    raise TypeError(f"loka_jax.plan.to_kernel_plan({path!r}) returned {type(plan).__name__}, "
                     "expected a KernelPlan")
   return plan
 
@@ -112,7 +105,6 @@ def build_run(spec: RunSpec):
 def check_plan_fits(path: str, model, source) -> None:
   """PlanError listing every site, rule or kernel of the plan at `path` that does not fit
   `model` (a plan made for another model or preset would otherwise run bf16 silently)."""
-  from loka_jax.dispatch import PlanMismatchError, check_plan
   try:
     check_plan(path, model, None, source.train_batch(0, 2))
   except PlanMismatchError as e:
@@ -120,12 +112,19 @@ def check_plan_fits(path: str, model, source) -> None:
                     "or fix the listed entries") from e
 
 
-def run(spec: RunSpec, workdir: str, train_config: TrainConfig) -> Dict[str, Any]:
-  """Builds the run and trains it (resuming from `workdir`); returns final.json's dict."""
+def run(spec: RunSpec, workdir: str, train_config: TrainConfig,
+        hook: Optional[Callable] = None) -> Dict[str, Any]:
+  """Builds the run and trains it (resuming from `workdir`); returns final.json's dict.
+
+  `spec.drift_every` needs `hook(spec, config, source, workdir, batch_size)`, which builds
+  the model hook that guards the plan (Dispatch's drift valve: `dispatch.valve.run` passes
+  it); training itself knows nothing of Dispatch."""
   model, source, config = build_run(spec)
   if spec.drift_every:
-    from loka_jax.dispatch.valve import run_valve  # Dispatch imports the training loop
-    valve = run_valve(spec, config, source, workdir, train_config.batch_size)
+    if hook is None:
+      raise PlanError("--drift_every needs the drift valve: train through "
+                      "loka_jax.dispatch.valve.run (experiments.train does)")
+    valve = hook(spec, config, source, workdir, train_config.batch_size)
     return train(valve.model, source, workdir, train_config, run_info=spec.run_info(),
                  model_hook=valve)
   return train(model, source, workdir, train_config, run_info=spec.run_info())

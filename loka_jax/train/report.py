@@ -12,6 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from loka_jax.train.loop import read_metrics  # noqa: E402
+from loka_jax.plan.file import as_plan, kernel_counts
 
 
 def load_arm(workdir: str) -> Dict:
@@ -71,7 +72,6 @@ PASS_COLUMNS = (("fwd", "fwd"), ("grad_lhs", "dgrad"), ("grad_rhs", "wgrad"))
 
 def plan_table(plan) -> str:
   """Markdown: one row per site, the kernel of each pass; '*' marks a validation back-off."""
-  from loka_jax.dispatch.plan import as_plan
   plan = as_plan(plan)
   lines = ["| site | fwd | dgrad | wgrad |", "|---|---|---|---|"]
   for name, entry in plan["sites"].items():
@@ -86,7 +86,6 @@ def plan_table(plan) -> str:
 
 def validation_lines(plan) -> str:
   """Markdown bullets: each validation measurement and back-off of the plan, in order."""
-  from loka_jax.dispatch.plan import as_plan
   lines = (validation_line(r) for r in as_plan(plan)["validation"])
   return "\n".join(line for line in lines if line is not None)
 
@@ -192,7 +191,6 @@ def plot_plan(plan, path: str) -> str:
   """The plan as a figure: the kernel of every site and pass (left), sites per kernel and
   pass (right)."""
   import numpy as np
-  from loka_jax.dispatch.plan import as_plan, kernel_counts
   plan = as_plan(plan)
   names = list(plan["sites"])
   kernels = sorted({plan["sites"][n][p]["kernel"] for n in names for p, _ in PASS_COLUMNS})

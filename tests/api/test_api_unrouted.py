@@ -7,7 +7,7 @@ from absl.testing import absltest
 
 import api_models as am
 import loka_jax
-from loka_jax.dispatch.plan import PlanMismatchError
+from loka_jax.plan.file import PlanMismatchError
 
 PRODUCT = "dot_general [32, 16] x [16, 16]"
 

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from loka_jax.dispatch.plan import Plan, add_validation, as_plan
+from loka_jax.plan.file import Plan, add_validation, as_plan
 from loka_jax.dispatch.validate.backoff import (back_off_site, more_precise_fused_op,
                                                 more_precise_kernel, report_scores,
                                                 worst_by_report)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from loka_jax.dispatch.plan import FALLBACK, Plan, back_off
+from loka_jax.plan.file import FALLBACK, Plan, back_off
 from loka_jax.dispatch.validate.config import ValidationConfig, ValidationContext
 from loka_jax.kernels import FUSED_OP, PASSES, PER_PASS, KernelChoice
 from loka_jax.kernels import registry

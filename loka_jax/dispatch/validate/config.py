@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import jax
 
 from loka_jax import _compat
-from loka_jax.dispatch.plan import FALLBACK, Plan
+from loka_jax.plan.file import FALLBACK, Plan
 from loka_jax.kernels import PASSES, KernelChoice, KernelPlan
 from loka_jax.kernels import registry
 from loka_jax.train.metrics import NEUTRAL_REL_LOGLOSS
@@ -186,7 +186,7 @@ class ValidationContext:
   def site_names(self) -> List[str]:
     """The model's GEMM sites in call order (one abstract trace, cached)."""
     if "sites" not in self._cache:
-      from loka_jax.dispatch.check import model_sites
+      from loka_jax.plan.check import model_sites
       products, _ = model_sites(self.build(BASELINE), None, self.batch())
       self._cache["sites"] = list(products)
     return self._cache["sites"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from loka_jax.dispatch.plan import Plan, add_validation, as_plan
+from loka_jax.plan.file import Plan, add_validation, as_plan
 from loka_jax.dispatch.validate.backoff import (_ranked_by_report, back_off_site,
                                                 report_scores, worst_by_report)
 from loka_jax.dispatch.validate.config import (BASELINE, ValidationConfig, ValidationContext,

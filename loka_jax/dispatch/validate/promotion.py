@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import jax
 
-from loka_jax.dispatch.plan import FALLBACK, Plan, as_plan, promote
+from loka_jax.plan.file import FALLBACK, Plan, as_plan, promote
 from loka_jax.dispatch.validate.backoff import _site_verdicts
 from loka_jax.dispatch.validate.config import (CHECK_STEPS, PROMOTION, ValidationConfig,
                                                ValidationContext, ruled_out_by_config)

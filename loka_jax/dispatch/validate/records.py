@@ -11,7 +11,7 @@ import math
 import time
 from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
-from loka_jax.dispatch.plan import Plan, add_validation, as_plan
+from loka_jax.plan.file import Plan, add_validation, as_plan
 from loka_jax.dispatch.validate.config import CHECK_STEPS
 from loka_jax.kernels import PASSES, KernelChoice
 

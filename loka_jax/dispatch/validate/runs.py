@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loka_jax.dispatch.plan import Plan
+from loka_jax.plan.file import Plan
 from loka_jax.dispatch.validate.config import BASELINE, ValidationContext
 from loka_jax.dispatch.validate.records import (Progress, matching_records, run_step,
                                                 take_in_turn)

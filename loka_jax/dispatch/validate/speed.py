@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from loka_jax import timing
-from loka_jax.dispatch.plan import Plan, add_validation, as_plan
+from loka_jax.plan.file import Plan, add_validation, as_plan
 from loka_jax.dispatch.validate.backoff import (_ranked_by_report, back_off_site,
                                                 report_scores, worst_by_report)
 from loka_jax.dispatch.validate.config import (BASELINE, ValidationConfig, ValidationContext,

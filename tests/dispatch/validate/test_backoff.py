@@ -9,7 +9,7 @@ from absl.testing import absltest, parameterized
 
 import test_dispatch_reports as hm
 from loka_jax.dispatch import validate
-from loka_jax.dispatch.plan import FALLBACK
+from loka_jax.plan.file import FALLBACK
 from loka_jax.kernels import registry
 from validate_helpers import (BAD_SITE, GOOD_SITE, OTHER_SITE, context, kernels, plan_of,
                               ranking_report, register_test_kernels, unregister_test_kernels)

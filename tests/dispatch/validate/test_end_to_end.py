@@ -16,7 +16,7 @@ from absl.testing import absltest
 
 import test_dispatch_reports as hm
 from loka_jax.dispatch import pipeline, validate
-from loka_jax.dispatch.plan import FALLBACK, SCHEMA, read_plan
+from loka_jax.plan.file import FALLBACK, SCHEMA, read_plan
 from loka_jax.train import experiment
 from validate_helpers import (BAD_SITE, BATCH, GOOD_SITE, context, kernels, plan_of,
                               register_test_kernels, small_pipeline, unregister_test_kernels)

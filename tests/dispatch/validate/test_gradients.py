@@ -9,7 +9,7 @@ import numpy as np
 from absl.testing import absltest
 
 from loka_jax.dispatch import validate
-from loka_jax.dispatch.plan import FALLBACK
+from loka_jax.plan.file import FALLBACK
 from loka_jax.kernels import FUSED_OP, registry
 from validate_helpers import (BAD_SITE, GOOD_SITE, OTHER_SITE, context, kernels, plan_of,
                               register_test_kernels, switched_candidates, unregister_test_kernels)

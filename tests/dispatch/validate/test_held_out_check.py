@@ -9,7 +9,7 @@ from absl.testing import absltest
 
 import test_dispatch_reports as hm
 from loka_jax.dispatch import validate
-from loka_jax.dispatch.plan import FALLBACK
+from loka_jax.plan.file import FALLBACK
 from loka_jax.kernels import FUSED_OP, KernelPlan, registry
 from validate_helpers import (BAD_SITE, GOOD_SITE, context, kernels, paused_after_one_site, plan_of,
                               register_test_kernels, switched_candidates, unregister_test_kernels)

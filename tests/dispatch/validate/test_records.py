@@ -13,7 +13,7 @@ from absl.testing import absltest
 
 import test_dispatch_reports as hm
 from loka_jax.dispatch import validate
-from loka_jax.dispatch.plan import FALLBACK, add_validation, read_plan, save_plan
+from loka_jax.plan.file import FALLBACK, add_validation, read_plan, save_plan
 from loka_jax.train import report as train_report
 from loka_jax.train.optim import OptimConfig
 from validate_helpers import (BAD_SITE, GOOD_SITE, RESULTS, context, deadline_hook, kernels,
@@ -64,7 +64,7 @@ class ReopenTest(chex.TestCase):
     self.assertEqual(new_rounds, list(range(rounds)))
 
   def test_only_the_last_unfinished_check_can_be_reopened(self):
-    from loka_jax.dispatch.plan import add_validation
+    from loka_jax.plan.file import add_validation
     plan = plan_of({GOOD_SITE: "xla_fp8_rowwise"})
     with self.assertRaisesRegex(ValueError, "no quality_shadow records"):
       validate.reopen_check(plan, "quality_shadow", "why")
@@ -95,7 +95,7 @@ class ReopenTest(chex.TestCase):
       validate.reopen_check(once, "quality_shadow", "again")
 
   def test_reopened_with_the_later_checks_every_back_off_is_undone_newest_first(self):
-    from loka_jax.dispatch.plan import add_validation, back_off
+    from loka_jax.plan.file import add_validation, back_off
     plan = plan_of({BAD_SITE: "xla_fp8_rowwise", GOOD_SITE: "xla_fp8_rowwise"})
     held = add_validation(plan, {"step": "quality_held_out", "round": 0, "passed": False})
     # held-out moves BAD_SITE's forward to bf16, then the shadow check its gradients too

@@ -11,7 +11,7 @@ import numpy as np
 from absl.testing import absltest
 
 from loka_jax.dispatch import validate
-from loka_jax.dispatch.plan import add_validation
+from loka_jax.plan.file import add_validation
 from loka_jax.train import metrics
 from loka_jax.train import report as train_report
 from validate_helpers import (BAD_SITE, GOOD_SITE, OTHER_SITE, context, plan_of,

@@ -11,7 +11,7 @@ from absl.testing import absltest
 
 import test_dispatch_reports as hm
 from loka_jax.dispatch import validate
-from loka_jax.dispatch.plan import FALLBACK, read_plan, save_plan
+from loka_jax.plan.file import FALLBACK, read_plan, save_plan
 from loka_jax.train import report as train_report
 from validate_helpers import (BAD_SITE, GOOD_SITE, OTHER_SITE, context, deadline_hook, kernels,
                               plan_of, register_test_kernels, unregister_test_kernels)

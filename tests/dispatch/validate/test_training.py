@@ -14,7 +14,7 @@ from absl.testing import absltest
 
 import test_dispatch_reports as hm
 from loka_jax.dispatch import run_records, validate
-from loka_jax.dispatch.plan import FALLBACK, read_plan
+from loka_jax.plan.file import FALLBACK, read_plan
 from loka_jax.train import report as train_report
 from loka_jax.train.optim import OptimConfig
 from validate_helpers import (BAD_SITE, GOOD_SITE, RESULTS, context, deadline_hook, kernels,

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 import test_dispatch_reports as hm
 from loka_jax.dispatch import pipeline, validate
-from loka_jax.dispatch.plan import FALLBACK, SCHEMA, Plan, read_plan, save_plan
+from loka_jax.plan.file import FALLBACK, SCHEMA, Plan, read_plan, save_plan
 from loka_jax.kernels import Kernel, KernelChoice, registry, reference_einsum
 from loka_jax.train import TrainConfig, experiment
 from loka_jax.train.loop import train

@@ -13,13 +13,13 @@ from typing import Dict, List, Optional, Tuple
 
 import flax.linen as nn
 
-from loka_jax.dispatch import binding
-from loka_jax.dispatch.plan import FALLBACK, Plan, PlanMismatchError, as_plan
+from loka_jax.plan import binding
+from loka_jax.plan.file import FALLBACK, Plan, PlanMismatchError, as_plan
 from loka_jax.kernels import FUSED_OP, EinsumSpec, KernelChoice, KernelPlan, PASSES, registry
 from loka_jax.models.presets import site_products
 from loka_jax.models.site import site_name
-from loka_jax.mods import fused as fused_lib
-from loka_jax.mods.fused import FusedDenseNormAct
+from loka_jax.models import fused as fused_lib
+from loka_jax.models.fused import FusedDenseNormAct
 
 
 def _neutral(model):

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from loka_jax.models.presets import get_config
-from loka_jax.mods.ablation_arms import (AblationConfig, Arm, arms, combination_key,
+from loka_jax.train.ablation_arms import (AblationConfig, Arm, arms, combination_key,
                                          combination_label, timing_enabled)
 from loka_jax.train.metrics import NEUTRAL_REL_LOGLOSS
 

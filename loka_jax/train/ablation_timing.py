@@ -12,7 +12,7 @@ from loka_jax.data import FeatureSpec, make_source
 from loka_jax.models.presets import (apply_mods, build_model, check_keep_bias, get_config,
                                     tower_flops)
 from loka_jax.models.site import SiteConfig
-from loka_jax.mods.ablation_arms import AblationConfig, Combination, combination_key
+from loka_jax.train.ablation_arms import AblationConfig, Combination, combination_key
 from loka_jax.train import loop
 from loka_jax.train.optim import OptimConfig, make_optimizer
 from loka_jax.train.state import create_train_state

@@ -14,7 +14,7 @@ Work directory (resumable: finished arms and timing rows are never redone):
 
 The parts: `ablation_arms` (combinations, settings, arms), `ablation_timing` (the timing
 rows), `ablation_report` (verdicts, table, plot); this module runs them and holds the names
-they are used by (`from loka_jax.mods import ablation`). How long a call may run is the
+they are used by (`from loka_jax.train import ablation`). How long a call may run is the
 caller's: `run`'s `should_stop` (experiments/ablate_mods.py makes one of --max_minutes).
 """
 from __future__ import annotations
@@ -30,14 +30,14 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 import jax
 
 from loka_jax import jsonio
-from loka_jax.mods.ablation_arms import (FREE_SETTINGS, PRECISIONS, SHORT, TIMING_MODES,
+from loka_jax.train.ablation_arms import (FREE_SETTINGS, PRECISIONS, SHORT, TIMING_MODES,
                                          AblationConfig, Arm, Combination, all_combinations,
                                          arms, combination_key, combination_label,
                                          parse_combinations, run_spec, timing_enabled,
                                          train_config)
-from loka_jax.mods.ablation_report import (SCHEMA, markdown_table, plot, reading, summarize,
+from loka_jax.train.ablation_report import (SCHEMA, markdown_table, plot, reading, summarize,
                                            write_json, write_outputs)
-from loka_jax.mods.ablation_timing import step_calls, time_combination, timing_variants
+from loka_jax.train.ablation_timing import step_calls, time_combination, timing_variants
 from loka_jax.train import NonFiniteError, experiment
 
 __all__ = [

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 import flax.linen as nn
 import jax
 
-from loka_jax.dispatch.plan import check_called, to_kernel_plan
+from loka_jax.plan.file import check_called, to_kernel_plan
 from loka_jax.kernels import FP8_META, KernelPlan
 from loka_jax.models import routing as routing_lib
 from loka_jax.models.site import SiteConfig
