@@ -13,9 +13,11 @@ from loka_jax import dispatch
 
 from test_ablation import PNG_MAGIC, REPO, cpu_env
 
-FLAGS = ("--probe_steps=10", "--samples=2", "--probe_sites=layer_0/fmb/mlp/dense_[01]",
-         "--steps=8", "--shadow_steps=6", "--from_init_steps=6", "--num_eval=256",
-         "--batch_size=64", "--cadence=5", "--compilation_cache=")
+FLAGS = ("--config.probe.steps=10", "--config.probe.samples=2",
+         "--config.probe.sites=layer_0/fmb/mlp/dense_[01]", "--config.run.steps=8",
+         "--config.validate.shadow_steps=6", "--config.validate.from_init_steps=6",
+         "--config.run.num_eval=256", "--config.run.batch_size=64", "--config.probe.cadence=5",
+         "--config.compilation_cache=")
 
 
 def run_main(workdir):
@@ -68,7 +70,7 @@ class MainJobTest(chex.TestCase):
     self.assertIn("validated plan found", again.stdout)
     # Another budget selects and validates again, and trains its own LoKA arm.
     other = subprocess.run([sys.executable, "-m", "experiments.loka", f"--workdir={workdir}",
-                            *FLAGS, "--min_speedup=0"], cwd=REPO, env=cpu_env(),
+                            *FLAGS, "--config.select.min_speedup=0"], cwd=REPO, env=cpu_env(),
                            capture_output=True, text=True, timeout=400)
     self.assertEqual(other.returncode, 0, other.stderr[-3000:])
     self.assertNotIn("validated plan found", other.stdout)

@@ -1,0 +1,105 @@
+"""What the config-driven mains (`experiments.loka`, `experiments.train`) share: their --config
+flag and its parsing, the fields whose values come from a fixed list, and a config's `run`
+group as the library's RunSpec.
+
+A main reads its settings from a config file, `experiments/configs/<name>.py`, whose
+`get_config()` returns an ml_collections ConfigDict; `--config.GROUP.FIELD=VALUE` overrides one
+field, and ml_collections parses the value as the field's type. A field the config does not
+have, a value of the wrong type or one outside a field's list ends the program with one line
+naming the field, before the main runs.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+from typing import Dict, Sequence, Tuple
+
+from absl import flags
+from ml_collections import config_flags
+
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+
+DATA_SOURCES = ("synthetic", "movielens", "criteo")
+PRECISIONS = ("fp32", "bf16", "fp8_all", "loka")  # loka: the kernels of run.plan
+COLLECTIVES = ("fp32", "bf16", "fp8")
+
+
+def choices() -> Dict[str, Tuple[str, ...]]:
+  """The values each listed field accepts, by its path in the config."""
+  from loka_jax.data.spec import ID_POLICIES
+  from loka_jax.models import MODEL_NAMES, PRESETS
+  from loka_jax.train import NAN_POLICIES
+  return {"run.model": MODEL_NAMES, "run.preset": PRESETS, "run.data": DATA_SOURCES,
+          "run.precision": PRECISIONS, "run.id_policy": ID_POLICIES,
+          "train.nan_policy": NAN_POLICIES, "parallel.collectives": COLLECTIVES}
+
+
+def define_config_flag(name: str) -> flags.FlagHolder:
+  """Defines --config, by default `experiments/configs/<name>.py`, so the main runs its
+  defaults with no argument. ml_collections reads the default file, with the overrides on
+  the command line, right here: an override naming no field ends the program here."""
+  try:
+    return config_flags.DEFINE_config_file(
+        "config", os.path.join(CONFIGS, f"{name}.py"),
+        "Settings file (get_config() returning a ConfigDict). Override one field with "
+        "--config.GROUP.FIELD=VALUE, e.g. --config.run.steps=50.", lock_config=True)
+  except (AttributeError, KeyError, TypeError, ValueError) as e:
+    _exit(e, sys.argv)
+
+
+def parse_flags(argv: Sequence[str]):
+  """`app.run`'s flags parser for a config-driven main: a wrong flag, field or value prints
+  one line (`error: --config.run.steps=abc: ...`) and exits 1; --help exits 0."""
+  try:
+    rest = flags.FLAGS(list(argv))
+    config = flags.FLAGS["config"].value
+    given = {path: config[path.split(".")[0]].get(path.split(".")[1])
+             for path in choices() if path.split(".")[0] in config}  # a failed load raises here
+  except SystemExit as e:  # absl's help flags print their text and exit 1: no error here
+    sys.exit(0 if e.code == 1 else e.code)
+  except OSError as e:  # the config file did not load: its message's last line says why
+    name = ([a for a in argv if re.match(r"-{1,2}config=", a)] or ["--config"])[0]
+    sys.exit(f"error: {name}: {str(e).strip().splitlines()[-1].strip()}")
+  except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
+    _exit(e, argv)
+  for path, allowed in choices().items():
+    if given.get(path) is not None and given[path] not in allowed:
+      sys.exit(f"error: --config.{path}={given[path]}: not one of {', '.join(allowed)}")
+  return rest
+
+
+def _exit(error: BaseException, argv: Sequence[str]):
+  """Exits with one line naming the override at fault where the error names its field."""
+  while isinstance(error, BaseException) and error.args:  # AttributeError(KeyError(text))
+    error = error.args[0]
+  text = " ".join(str(error).split())
+  overrides = [a.split("=", 1)[0] for a in argv if re.match(r"-{1,2}(no)?config\.", a)]
+  named = re.match(r"'([^']+)'", text)
+  if named:  # ml_collections names the missing field, and a close one when there is one
+    fault = [o for o in overrides if named.group(1) in o.split(".")[1:]]
+    hint = text[named.end():].strip()
+    text = f"no field {named.group(0)} in the config" + (f" ({hint})" if hint else "")
+    if fault:
+      sys.exit(f"error: {fault[0]}: {text}")
+  if text.startswith("flag --"):  # absl's own message names the flag
+    sys.exit(f"error: {text[len('flag '):]}")
+  sys.exit(f"error: {text}")
+
+
+def mods(value: str) -> Tuple[str, ...]:
+  """The Mods of a comma-separated `run.mods` (keep_bias:PATTERN entries as given)."""
+  from loka_jax.train import experiment
+  return experiment.parse_mods(value.split(","))
+
+
+def run_spec(run, **overrides):
+  """The RunSpec of a config's `run` group: each RunSpec field the group holds, `mods` split,
+  `num_eval` 0 as the source's default; `overrides` set the rest (an arm's precision, ...)."""
+  import dataclasses
+  from loka_jax.train import experiment
+  fields = {f.name for f in dataclasses.fields(experiment.RunSpec)}
+  values = {k: v for k, v in run.items() if k in fields}
+  values.update(mods=mods(run.mods), num_eval=run.num_eval or None)
+  values.update(overrides)
+  return experiment.RunSpec(**values)

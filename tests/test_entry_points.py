@@ -1,0 +1,85 @@
+"""The config-driven mains (`python -m experiments.loka`, `experiments.train`): --help lists
+--config and exits 0, `--config.GROUP.FIELD=VALUE` overrides one field of the config file,
+and a wrong field or value ends the program with one line naming it."""
+import os
+import tempfile
+
+from absl import flags
+from absl.testing import absltest, parameterized
+from ml_collections import config_flags
+
+from experiments import run_config
+from test_ablation import run_module
+
+MAINS = (("loka",),)
+
+
+def load(name, *overrides):
+  """The config of experiments/configs/<name>.py with `overrides` applied by the flag parser."""
+  argv = ["prog", *overrides]
+  values = flags.FlagValues()
+  holder = config_flags.DEFINE_config_file(
+      "config", os.path.join(run_config.CONFIGS, f"{name}.py"), flag_values=values,
+      sys_argv=argv)
+  values(argv)
+  return holder.value
+
+
+class EntryPointTest(parameterized.TestCase):
+
+  @parameterized.parameters(*MAINS)
+  def test_help_lists_the_config_flag_and_exits_0(self, name):
+    done = run_module(f"experiments.{name}", "--help", timeout=120)
+    self.assertEqual(done.returncode, 0, done.stderr[-2000:])
+    self.assertIn("--config:", done.stdout)
+    self.assertIn(os.path.join("experiments", "configs", f"{name}.py"), done.stdout)
+    self.assertIn("--workdir:", done.stdout)
+
+  @parameterized.parameters(*MAINS)
+  def test_an_override_changes_its_field_only(self, name):
+    default = load(name)
+    changed = load(name, "--config.run.steps=7", "--config.run.model=dlrm")
+    self.assertEqual((changed.run.steps, changed.run.model), (7, "dlrm"))
+    self.assertNotEqual(default.run.steps, 7)
+    changed.run.steps, changed.run.model = default.run.steps, default.run.model
+    self.assertEqual(changed.to_dict(), default.to_dict())
+
+  @parameterized.parameters(*MAINS)
+  def test_a_wrong_field_or_value_is_one_line_naming_it(self, name):
+    for override, said in (("--config.run.steps=abc", "--config.run.steps=abc: invalid literal"),
+                           ("--config.nonexistent=1", "--config.nonexistent: no field"),
+                           ("--config.run.step=1", 'did you mean "steps"'),
+                           ("--config.run.model=foo", "--config.run.model=foo: not one of")):
+      done = run_module(f"experiments.{name}", override, "--workdir=" + tempfile.mkdtemp(),
+                        timeout=120)
+      self.assertEqual(done.returncode, 1, override)
+      self.assertEqual(len(done.stderr.strip().splitlines()), 1, done.stderr[-2000:])
+      self.assertIn(said.lower(), done.stderr.lower())
+      self.assertTrue(done.stderr.startswith("error: "), done.stderr)
+
+
+class LokaConfigTest(absltest.TestCase):
+
+  def test_the_defaults_are_the_main_jobs(self):
+    config = load("loka")
+    self.assertEqual((config.run.model, config.run.preset, config.run.data, config.run.mods,
+                      config.run.steps, config.run.num_eval),
+                     ("wukong", None, "synthetic", "all", 300, 2048))
+    self.assertEqual((config.probe.steps, config.probe.cadence, config.probe.samples),
+                     (100, 25, 8))
+    self.assertIsNone(config.select.min_speedup)
+    self.assertTrue(config.validate.enabled and config.arms.naive_fp8)
+    # An unset preset takes a value; a float field takes an int's spelling.
+    config = load("loka", "--config.run.preset=small", "--config.select.min_speedup=0")
+    self.assertEqual((config.run.preset, config.select.min_speedup), ("small", 0.0))
+
+  def test_run_spec_of_the_run_group(self):
+    run = load("loka", "--config.run.mods=no_bias,keep_bias:cross_*",
+               "--config.run.num_eval=0").run
+    spec = run_config.run_spec(run, preset="tiny", precision="fp8_all")
+    self.assertEqual((spec.model, spec.preset, spec.precision, spec.mods, spec.num_eval),
+                     ("wukong", "tiny", "fp8_all", ("no_bias", "keep_bias:cross_*"), None))
+
+
+if __name__ == "__main__":
+  absltest.main()
