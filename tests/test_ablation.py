@@ -2,31 +2,16 @@
 `python -m experiments.ablate_mods` end to end on 2 of the 8 combinations (then resumed)."""
 import json
 import os
-import subprocess
-import sys
 import tempfile
 
 import chex
 from absl.testing import absltest
 
+# REPO and cpu_env only for the test modules that still import them from here (moved last).
+from cli_helpers import PNG_MAGIC, REPO, cpu_env, run_module  # noqa: F401
 from loka_jax.train import ablation
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALL = ("no_bias", "blocknorm", "hard_swish")
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def cpu_env(**extra):
-  """Environment of a CLI or notebook kernel: CPU, and conftest's compile flags and
-  compilation cache (inherited)."""
-  return dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg",
-              PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]), **extra)
-
-
-def run_module(module: str, *args, timeout: float = 300):
-  """`python -m module args` from the repository root under `cpu_env`, output captured."""
-  return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=cpu_env(),
-                        capture_output=True, text=True, timeout=timeout)
 
 
 def final(ne, logloss, auc=0.7):

@@ -16,6 +16,7 @@ import chex
 import numpy as np
 from absl.testing import absltest, parameterized
 
+from cli_helpers import REPO
 from loka_jax import dispatch
 from experiments.bench import (forget, mods_set, pace, planning, plots, quality, serving, speed,
                                suite, tables, targets, towers, variants)
@@ -29,9 +30,6 @@ def _tempdir(test):
   path = tempfile.mkdtemp(prefix="loka_bench_")
   test.addCleanup(shutil.rmtree, path, ignore_errors=True)
   return path
-
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _speed(speedup, rng, base_us=100.0, n=20, jitter=0.01):
@@ -902,7 +900,7 @@ class ExportedInferenceTest(chex.TestCase):
   parameters the arms train, and the row says how its sites were exported."""
 
   def test_loka_infers_with_the_exported_model(self):
-    from test_dispatch_export import make_plan, probe_stats
+    from plan_builders import make_plan, probe_stats
     from loka_jax import dispatch
     from loka_jax.dispatch import export as export_lib
     target = suite.model_targets(["dlrm"], ["tiny"], 64)[0]
@@ -956,8 +954,8 @@ class ServingPlanBenchTest(chex.TestCase):
 
   def _plans(self, target, fwd_speed=(1.06, 1.08, 1.13)):
     import jax
-    import test_dispatch_reports as hm
-    from test_dispatch_export import probe_stats
+    import report_builders as hm
+    from plan_builders import probe_stats
     from loka_jax import dispatch
     from experiments.bench import planning
     from loka_jax.probe.eligibility import Criteria
@@ -1494,7 +1492,7 @@ class CliTest(absltest.TestCase):
            "--repeats=3", "--max_minutes=3", "--end_by_minutes=2.5", f"--workdir={out}",
            "--noprobe", "--min_call_ms=0.5"]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    first = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    first = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     self.assertEqual(first.returncode, 0, first.stderr[-3000:])
     # A hard end before --max_minutes caps it, said, and costs the call nothing.
     self.assertIn("--max_minutes=3.0 is past --end_by_minutes=2.5", first.stdout)
@@ -1524,7 +1522,7 @@ class CliTest(absltest.TestCase):
     out = _tempdir(self)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     base = [sys.executable, "-m", "experiments.bench", f"--workdir={out}", "--xla_deterministic"]
-    timed = subprocess.run(base + ["--suite=towers"], cwd=ROOT, env=env, capture_output=True,
+    timed = subprocess.run(base + ["--suite=towers"], cwd=REPO, env=env, capture_output=True,
                            text=True, timeout=120)
     self.assertNotEqual(timed.returncode, 0)
     self.assertIn("--xla_deterministic is for --suite=quality only", timed.stderr)
@@ -1533,7 +1531,7 @@ class CliTest(absltest.TestCase):
         base + ["--suite=quality", "--quality_data=synthetic", "--quality_preset=tiny",
                 "--models=dlrm", "--arms=bf16", "--quality_seeds=2,1", "--quality_steps=3",
                 "--quality_eval=100", "--batch_size=64"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     self.assertEqual(quality_run.returncode, 0, quality_run.stderr[-3000:])
     rows = [json.loads(l) for l in open(os.path.join(out, "quality.jsonl"))]
     self.assertEqual([(r["arm"], r["seed"]) for r in rows], [("bf16", 2), ("bf16", 1)])
@@ -1548,7 +1546,7 @@ class CliTest(absltest.TestCase):
     for flag in ("--quality_seeds=1,x", "--noise_seeds=1,1"):
       run = subprocess.run(
           [sys.executable, "-m", "experiments.bench", f"--workdir={out}", "--suite=quality",
-           "--quality_data=synthetic", flag], cwd=ROOT,
+           "--quality_data=synthetic", flag], cwd=REPO,
           env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=120)
       self.assertNotEqual(run.returncode, 0, flag)
       self.assertIn(f"{flag.split('=')[0]} must list distinct non-negative integers", run.stderr)
@@ -1556,7 +1554,7 @@ class CliTest(absltest.TestCase):
 
   def test_the_variants_flag_names_every_variant(self):
     help_text = subprocess.run([sys.executable, "-m", "experiments.bench", "--helpfull"],
-                               cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                               cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"),
                                capture_output=True, text=True, timeout=120).stdout
     start = help_text.index("--variants:")
     flag_help = " ".join(help_text[start:start + 1200].split())

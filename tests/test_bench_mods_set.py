@@ -11,20 +11,20 @@ from unittest import mock
 import numpy as np
 from absl.testing import absltest
 
+from cli_helpers import REPO
+from bench_rows import speed, tempdir
 from experiments.bench import collect, mods_set, quality, suite, tables, targets, variants
 from experiments.bench.results import ResultsFile
 from loka_jax.train.loop import TIME_SPLIT_FIELDS
-from test_bench_report import _speed, _tempdir
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NB_BN = ("no_bias", "blocknorm")
 LABEL = "no_bias+blocknorm"
 
 
 def _row(variant, speedup, rng, set_label=None):
   row = {"suite": "models", "model": "dlrm", "preset": "large", "variant": variant,
-         "device": "H200", "batch_size": 4096, "train": _speed(speedup, rng),
-         "infer": _speed(speedup, rng), "train_memory_bytes": 2 ** 31}
+         "device": "H200", "batch_size": 4096, "train": speed(speedup, rng),
+         "infer": speed(speedup, rng), "train_memory_bytes": 2 ** 31}
   return row if set_label is None else {**row, "mods_set": set_label}
 
 
@@ -68,7 +68,7 @@ class ParseTest(absltest.TestCase):
 class SpeedRunTest(absltest.TestCase):
 
   def test_the_arms_build_with_the_set_and_its_rows_are_their_own(self):
-    out = _tempdir(self)
+    out = tempdir(self)
     results = ResultsFile(os.path.join(out, "bench.jsonl"), suite.KEY_FIELDS)
     target = suite.tower_targets(["32x16x2"])[0]
     chosen = variants.parse_variants(["bf16_mods"])
@@ -108,7 +108,7 @@ class SpeedRunTest(absltest.TestCase):
                       ("towers", "tower", "32x16x2", "cpu", LABEL)})
 
   def test_its_loka_plan_is_looked_up_in_the_sets_own_folder(self):
-    out = _tempdir(self)
+    out = tempdir(self)
     plans = os.path.join(out, "plans")
     target = suite.tower_targets(["32x16x2"])[0]
     loka = mods_set.apply(variants.VARIANTS["loka"], NB_BN)
@@ -140,7 +140,7 @@ class VerdictTest(absltest.TestCase):
                   tables.glance_table(targets.check_speed(rows)))
 
   def test_collected_files_keep_both_sets_rows(self):
-    out = _tempdir(self)
+    out = tempdir(self)
     rng = np.random.default_rng(1)
     paths = []
     for name, label in (("a.jsonl", None), ("b.jsonl", LABEL)):
@@ -185,7 +185,7 @@ class VerdictTest(absltest.TestCase):
 class QualityRunTest(absltest.TestCase):
 
   def test_the_sets_arms_train_apart_and_look_for_the_sets_plan(self):
-    out = _tempdir(self)
+    out = tempdir(self)
     results = ResultsFile(os.path.join(out, "quality.jsonl"), quality.KEY_FIELDS)
     common = dict(preset="tiny", steps=2, batch_size=64, min_eval=64, noise_seeds=(),
                   arms=("bf16", "bf16_mods", "loka"), plans_dir=os.path.join(out, "plans"))
@@ -217,16 +217,16 @@ class QualityRunTest(absltest.TestCase):
 class CliTest(absltest.TestCase):
 
   def test_the_mods_flag_reaches_the_rows_and_a_bad_one_is_refused(self):
-    out = _tempdir(self)
+    out = tempdir(self)
     cmd = [sys.executable, "-m", "experiments.bench", "--suite=towers", "--towers=32x16x2",
            "--variants=bf16_mods", "--repeats=3", "--max_minutes=3", f"--workdir={out}",
            "--noprobe", "--min_call_ms=0.5"]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    bad = subprocess.run(cmd + ["--mods=no_bias,swish"], cwd=ROOT, env=env,
+    bad = subprocess.run(cmd + ["--mods=no_bias,swish"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=240)
     self.assertNotEqual(bad.returncode, 0)
     self.assertIn("--mods: unknown Mod(s) ['swish']", bad.stderr)
-    run = subprocess.run(cmd + ["--mods=blocknorm,no_bias"], cwd=ROOT, env=env,
+    run = subprocess.run(cmd + ["--mods=blocknorm,no_bias"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=240)
     self.assertEqual(run.returncode, 0, run.stderr[-3000:])
     rows = [json.loads(line) for line in open(os.path.join(out, "bench.jsonl"))]

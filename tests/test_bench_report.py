@@ -2,39 +2,21 @@
 a later measurement replacing an earlier one, and the at-a-glance table of the targets."""
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
 from absl.testing import absltest
 
+from cli_helpers import REPO
+from bench_rows import speed, tempdir
 from experiments.bench import collect, tables, targets
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _tempdir(test):
-  path = tempfile.mkdtemp(prefix="loka_bench_report_")
-  test.addCleanup(shutil.rmtree, path, ignore_errors=True)
-  return path
-
-
-def _speed(speedup, rng, base_us=100.0, n=20):
-  """A timing summary whose variant runs `speedup` x faster than the bf16 timed beside it."""
-  base = base_us * (1 + 0.01 * rng.standard_normal(n))
-  var = base_us / speedup * (1 + 0.01 * rng.standard_normal(n))
-  return {"median_us": float(np.median(var)), "speedup": float(np.median(base) / np.median(var)),
-          "speedup_ci": [speedup * 0.99, speedup * 1.01],
-          "examples_per_s": float(4096 / np.median(var) * 1e6), "samples_us": var.tolist(),
-          "baseline_samples_us": base.tolist()}
 
 
 def _row(model, preset, variant, train, infer, rng, device="NVIDIA H200"):
   return {"suite": "models", "model": model, "preset": preset, "variant": variant,
-          "device": device, "batch_size": 4096, "train": _speed(train, rng),
-          "infer": _speed(infer, rng)}
+          "device": device, "batch_size": 4096, "train": speed(train, rng),
+          "infer": speed(infer, rng)}
 
 
 def _quality(arm, seed, logloss, device="NVIDIA H200"):
@@ -55,7 +37,7 @@ class ReadRowsTest(absltest.TestCase):
 
   def test_a_later_file_replaces_the_rows_it_measures_again_and_keeps_the_rest(self):
     rng = np.random.default_rng(1)
-    d = _tempdir(self)
+    d = tempdir(self)
     first = _write(d, "first.jsonl", [_row("dlrm", "small", "bf16", 1.0, 1.0, rng),
                                       _row("dlrm", "small", "loka", 0.9, 1.0, rng),
                                       _row("dlrm", "small", "bf16_mods", 1.0, 1.0, rng),
@@ -76,7 +58,7 @@ class ReadRowsTest(absltest.TestCase):
 
   def test_device_filter(self):
     rng = np.random.default_rng(2)
-    d = _tempdir(self)
+    d = tempdir(self)
     path = _write(d, "rows.jsonl", [_row("dlrm", "small", "bf16", 1.0, 1.0, rng),
                                     _row("dlrm", "small", "bf16", 1.0, 1.0, rng,
                                          device="NVIDIA H100 80GB HBM3")])
@@ -85,7 +67,7 @@ class ReadRowsTest(absltest.TestCase):
     self.assertEqual(collect.devices(only), ["NVIDIA H100 80GB HBM3"])
 
   def test_unreadable_files_are_errors_naming_the_place(self):
-    d = _tempdir(self)
+    d = tempdir(self)
     with self.assertRaisesRegex(collect.RowsError, "does not exist"):
       collect.read_rows([os.path.join(d, "missing.jsonl")])
     cut = os.path.join(d, "cut.jsonl")
@@ -100,7 +82,7 @@ class ReadRowsTest(absltest.TestCase):
 
   def test_a_runs_own_results_file_skips_the_torn_line_a_report_refuses(self):
     from experiments.bench import quality, results
-    d = _tempdir(self)
+    d = tempdir(self)
     path = os.path.join(d, "quality.jsonl")
     with open(path, "w") as f:
       f.write(json.dumps(_quality("bf16", 0, 0.5)) + "\n" + '{"suite": "qual')
@@ -145,12 +127,12 @@ class CliTest(absltest.TestCase):
 
   def _run(self, *args):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "MPLBACKEND": "Agg"}
-    return subprocess.run([sys.executable, "-m", "experiments.bench_report", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "experiments.bench_report", *args], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=120)
 
   def test_writes_the_report_targets_and_plots_and_refuses_mixed_cards(self):
     rng = np.random.default_rng(4)
-    d = _tempdir(self)
+    d = tempdir(self)
     h200 = _write(d, "h200.jsonl", [_row("wukong", "small", v, t, t, rng)
                                     for v, t in (("bf16", 1.0), ("bf16_mods", 1.1),
                                                  ("loka", 1.3))])

@@ -16,9 +16,10 @@ import chex
 import numpy as np
 from absl.testing import absltest
 
+from cli_helpers import REPO
 from loka_jax.train import WALL_CLOCK_FIELDS, read_metrics
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+CRASH_RUN = os.path.join(REPO, "tests", "crash_run.py")   # a script beside the helpers
 STEPS = 8
 CHECKPOINT_EVERY = 2
 BF16 = {"fwd": "xla_bf16", "grad_lhs": "xla_bf16", "grad_rhs": "xla_bf16"}
@@ -68,7 +69,7 @@ class CrashResumeTest(chex.TestCase):
   def launch(self, workdir, *args):
     """Runs tests/crash_run.py; returns (exit code, the first step it trained (None if it
     trained none), stderr tail)."""
-    command = [sys.executable, os.path.join(HERE, "crash_run.py"), workdir,
+    command = [sys.executable, CRASH_RUN, workdir,
                f"--plan={self.plan}", f"--steps={STEPS}",
                f"--checkpoint_every={CHECKPOINT_EVERY}", *args]
     done = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=240)

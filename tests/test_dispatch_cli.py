@@ -5,8 +5,8 @@ import tempfile
 import chex
 from absl.testing import absltest
 
-import test_dispatch_reports as hm
-from test_ablation import run_module
+import report_builders as hm
+from cli_helpers import run_module
 from loka_jax import dispatch
 from loka_jax.probe.report import save_report
 

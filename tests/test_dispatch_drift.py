@@ -7,7 +7,7 @@ import chex
 import numpy as np
 from absl.testing import absltest
 
-import test_dispatch_reports as hm
+import report_builders as hm
 from loka_jax import dispatch
 from loka_jax.dispatch import drift, selection
 from loka_jax.probe.eligibility import Criteria

@@ -7,7 +7,7 @@ import tempfile
 import chex
 from absl.testing import absltest, parameterized
 
-import test_dispatch_reports as hm
+import report_builders as hm
 from loka_jax import dispatch
 from loka_jax.data.make import make_source
 from loka_jax.data.spec import FeatureSpec

@@ -8,7 +8,7 @@ import chex
 import numpy as np
 from absl.testing import absltest, parameterized
 
-import test_dispatch_reports as hm
+import report_builders as hm
 from loka_jax.dispatch import pipeline, selection
 from loka_jax.probe import timing_table
 from loka_jax.plan.file import Plan

@@ -22,7 +22,7 @@ from loka_jax.probe import report as report_lib
 from loka_jax.probe.eligibility import Criteria
 from loka_jax.train import TrainConfig, read_metrics, train
 from loka_jax.train import loop as loop_lib
-from tests import train_toys
+import train_toys
 
 BATCH = 32
 CANDIDATES = ("xla_bf16", "xla_fp8_tensorwise", "xla_fp8_rowwise")
@@ -155,7 +155,8 @@ class DriftValveTest(chex.TestCase):
 
 
 class TrainRunValveTest(chex.TestCase):
-  """The path `experiments.train --precision=loka --plan=P --drift_every=N` takes."""
+  """The path `experiments.train --config.run.precision=loka --config.run.plan=P
+  --config.drift.every=N` takes."""
 
   def test_a_preset_run_carries_the_valve_and_a_plan_without_report_is_refused(self):
     from loka_jax.dispatch import pipeline

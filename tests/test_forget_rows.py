@@ -10,10 +10,9 @@ import tempfile
 
 from absl.testing import absltest
 
+from cli_helpers import REPO
 from experiments.bench import forget, planning, quality, suite
 from experiments.bench.results import ResultsFile
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _tempdir(test):
@@ -167,7 +166,7 @@ class CliTest(absltest.TestCase):
 
     def run(*args):
       return subprocess.run([sys.executable, "-m", "experiments.forget_rows", f"--workdir={d}",
-                             "--target=dhen/large", *args], cwd=ROOT, env=env,
+                             "--target=dhen/large", *args], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=120)
 
     done = run("--variants=loka", "--plan_files=plan_serve.json")

@@ -11,7 +11,8 @@ import tempfile
 
 from absl.testing import absltest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from cli_helpers import REPO
+
 TOWER = "32x16x2"
 
 

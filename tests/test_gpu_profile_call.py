@@ -9,7 +9,7 @@ import tempfile
 
 from absl.testing import absltest
 
-from test_ablation import REPO, cpu_env
+from cli_helpers import REPO, cpu_env
 
 
 class GpuProfileCallTest(absltest.TestCase):

@@ -6,7 +6,7 @@ import tempfile
 
 from absl.testing import absltest
 
-from test_ablation import run_module
+from cli_helpers import run_module
 
 SITES = ("layer_0/fmb/mlp/dense_0", "head/dense_1")
 

@@ -9,10 +9,10 @@ import tempfile
 
 from absl.testing import absltest
 
+from cli_helpers import REPO
 from experiments.bench import hlo_scope
-from test_profile import _wukong_train_hlo
+from model_helpers import wukong_train_hlo
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A scheduled module: a scatter fusion in the model's backward, a conditional whose true
 # branch holds the optimizer's add, and the fusion and region bodies they call.
@@ -92,7 +92,7 @@ class CompareTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.hlo = _wukong_train_hlo()[0]
+    cls.hlo = wukong_train_hlo()[0]
 
   def test_the_same_program_differs_in_nothing(self):
     found = hlo_scope.in_scope(self.hlo, "(optimizer update)")
@@ -129,7 +129,7 @@ class CompareTest(absltest.TestCase):
     with open(path, "w") as f:
       f.write(MODULE)
     run = lambda *args: subprocess.run(
-        [sys.executable, "-m", "experiments.hlo_scope", *args], cwd=ROOT,
+        [sys.executable, "-m", "experiments.hlo_scope", *args], cwd=REPO,
         env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=120)
     done = run("--scope=M/emb (bwd)", "--names=x,y", path, path)
     self.assertEqual(done.returncode, 0, done.stderr)

@@ -9,10 +9,9 @@ import tempfile
 
 from absl.testing import absltest
 
-import test_dispatch_reports as hm
+import report_builders as hm
+from cli_helpers import REPO
 from loka_jax.dispatch import usage
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _report():
@@ -62,7 +61,7 @@ class KernelUsageTest(absltest.TestCase):
       json.dump(_report(), f)
     out = os.path.join(tmp, "usage.json")
     run = lambda *args: subprocess.run(
-        [sys.executable, "-m", "experiments.kernel_usage", *args], cwd=ROOT,
+        [sys.executable, "-m", "experiments.kernel_usage", *args], cwd=REPO,
         env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=120)
     done = run(good, f"--out={out}")
     self.assertEqual(done.returncode, 0, done.stderr)

@@ -13,7 +13,7 @@ from loka_jax.models import (MODEL_NAMES, ActSite, DenseSite, EinsumSite, SiteCo
 from loka_jax.mods import BlockNorm, functional
 from loka_jax.models.fused import FusedDenseNormAct, fused_sites
 from loka_jax.precision import BF16, FP32
-from test_models import EXPECTED_SITES, FINAL_LAYER, random_variables, tiny
+from model_helpers import EXPECTED_SITES, FINAL_LAYER, random_variables, tiny
 
 
 def numpy_block_norm(x, block, eps):

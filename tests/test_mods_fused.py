@@ -14,7 +14,7 @@ from loka_jax.models import fused as fused_lib
 from loka_jax.models.fused import FusedDenseNormAct
 from loka_jax.precision import FP32, QTensor, metrics
 from loka_jax.models.tap import PROBE_GRAD_COLLECTION
-from test_models import make_batch
+from model_helpers import make_batch
 
 SITE = "dense_0"
 M_LEAD = (2, 8)      # 16 rows in leading dims

@@ -6,8 +6,8 @@ import re
 import chex
 from absl.testing import absltest
 
-from test_ablation import REPO
-from test_notebook_mods import outputs, run_tiny
+from cli_helpers import REPO
+from notebook_helpers import outputs, run_tiny
 
 NOTEBOOK = os.path.join(REPO, "notebooks", "03_dispatch.ipynb")
 

@@ -6,7 +6,8 @@ import nbclient
 import nbformat
 from absl.testing import absltest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from cli_helpers import REPO
+
 NOTEBOOK = os.path.join(REPO, "notebooks", "01_probe.ipynb")
 
 

@@ -7,8 +7,8 @@ import re
 import chex
 from absl.testing import absltest
 
-from test_ablation import REPO
-from test_notebook_mods import outputs, run_tiny
+from cli_helpers import REPO
+from notebook_helpers import outputs, run_tiny
 
 NOTEBOOK = os.path.join(REPO, "notebooks", "04_your_model.ipynb")
 # The notebook's Dense layers by Linen path, with their tiny shapes (batch 64; 16 embedding

@@ -10,7 +10,8 @@ import tempfile
 import chex
 from absl.testing import absltest
 
-import test_dispatch_reports as hm
+import report_builders as hm
+from cli_helpers import REPO
 from experiments.bench import headroom
 from loka_jax.dispatch import pipeline, selection
 from loka_jax.plan.file import save_plan
@@ -169,8 +170,7 @@ class CliTest(chex.TestCase):
     cmd = [sys.executable, "-m", "experiments.plan_headroom",
            f"--report={tmp}/report.json", f"--plans=loka={tmp}/plan.json",
            "--train_step_ms=2", "--infer_step_ms=1", "--train_target=1.25", f"--out={out}"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     self.assertEqual(done.returncode, 0, done.stderr[-2000:])
     self.assertIn("| b | xla_fp8_rowwise | flax_fp8_delayed |", done.stdout)
     with open(os.path.join(out, "headroom.json")) as f:
@@ -180,8 +180,7 @@ class CliTest(chex.TestCase):
     with open(os.path.join(out, "headroom.png"), "rb") as f:
       self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
     bad = subprocess.run(cmd[:4] + ["--plans=loka"], capture_output=True, text=True,
-                         timeout=300, cwd=os.path.dirname(os.path.dirname(
-                             os.path.abspath(__file__))))
+                         timeout=300, cwd=REPO)
     self.assertNotEqual(bad.returncode, 0)
     self.assertIn("give name=PLAN.json", bad.stderr)
 

@@ -7,7 +7,7 @@ import tempfile
 import chex
 from absl.testing import absltest
 
-from test_ablation import run_module
+from cli_helpers import run_module
 
 from loka_jax.probe import timing_table
 from loka_jax.probe import evaluate, kernel_timing

@@ -14,7 +14,7 @@ from loka_jax.train import TrainConfig, restore_run, train
 from loka_jax.train.optim import make_optimizer
 from loka_jax.train.state import abstract_train_state
 from loka_jax.train.metrics import bce_with_logits
-from tests import train_toys
+import train_toys
 
 CONFIG = collector.ProbeConfig(cadence=2, min_observations=1)
 BATCH = 16

@@ -10,23 +10,9 @@ import tempfile
 import jax
 from absl.testing import absltest
 
+from cli_helpers import REPO, cpu_env
 from experiments.bench import profile
-from loka_jax.models.presets import site_products
-from loka_jax.train import experiment
-from loka_jax.train.loop import compiled_steps
-from loka_jax.train.optim import OptimConfig, make_optimizer
-from loka_jax.train.state import create_train_state
-
-
-def _wukong_train_hlo():
-  spec = experiment.RunSpec(model="wukong", preset="tiny", data="synthetic", precision="bf16",
-                            mods=("all",))
-  model, source, _ = experiment.build_run(spec)
-  batch = source.train_batch(0, 32)
-  state = create_train_state(model, make_optimizer(OptimConfig()), batch, 0)
-  train_step, _ = compiled_steps(model, OptimConfig(), "stop")
-  hlo = train_step.lower(state, batch).compile().as_text()
-  return hlo, list(site_products(model, None, batch))
+from model_helpers import wukong_train_hlo
 
 
 def _write_trace(path, events):
@@ -41,7 +27,7 @@ class AttributionTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.hlo, cls.sites = _wukong_train_hlo()
+    cls.hlo, cls.sites = wukong_train_hlo()
     cls.op_names = profile.hlo_op_names(cls.hlo)
 
   def test_every_site_has_forward_and_backward_instructions(self):
@@ -323,7 +309,6 @@ class InheritedOpNameTest(absltest.TestCase):
 class CliTest(absltest.TestCase):
 
   def test_profiles_and_writes_its_files(self):
-    from test_ablation import REPO, cpu_env
     with tempfile.TemporaryDirectory() as tmp:
       run = subprocess.run(
           [sys.executable, "-m", "experiments.profile_step", "--model=wukong", "--preset=tiny",
@@ -348,7 +333,6 @@ class CliTest(absltest.TestCase):
   def test_renders_a_saved_profile(self):
     # A profile.json from the GPU drawn again on any machine: its plot beside it, its tables
     # printed; a file that is not one is refused by name.
-    from test_ablation import REPO, cpu_env
     step = {"steps": 5, "device_us_per_step": 100.0, "outside_sites_us": 40.0,
             "sites_us": {"mlp/dense_0": {"forward": 25.0, "backward": 35.0}},
             "outside_by_scope_us": {"M/embeddings (bwd)": 30.0, "(optimizer update)": 10.0},

@@ -8,8 +8,8 @@ import chex
 import numpy as np
 from absl.testing import absltest
 
-import test_dispatch_reports as hm
-from test_ablation import run_module
+import report_builders as hm
+from cli_helpers import run_module
 from loka_jax.dispatch import run_records
 from loka_jax.plan.file import SCHEMA, Plan, add_validation, save_plan
 

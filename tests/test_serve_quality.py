@@ -11,6 +11,7 @@ import tempfile
 import numpy as np
 from absl.testing import absltest
 
+from cli_helpers import REPO
 from experiments.bench import planning, suite
 from loka_jax.dispatch import export as export_lib
 from loka_jax.dispatch import pipeline, serve_quality
@@ -19,10 +20,9 @@ from loka_jax.probe import ProbeOptions
 from loka_jax.train import experiment
 from loka_jax.train.loop import TrainConfig, train
 from loka_jax.train.metrics import bce_with_logits
-from test_dispatch_export import make_plan, probe_stats
+from plan_builders import make_plan, probe_stats
 
 BATCH = 64
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class ServedQualityTest(absltest.TestCase):
@@ -105,7 +105,7 @@ class CliTest(absltest.TestCase):
     out = os.path.join(root, "served.json")
     run = subprocess.run([sys.executable, "-m", "experiments.serving_quality",
                           "--target=dlrm/tiny", f"--plans_dir={plans}", "--probe_steps=4",
-                          f"--out={out}"], cwd=ROOT, capture_output=True, text=True,
+                          f"--out={out}"], cwd=REPO, capture_output=True, text=True,
                          env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)
     self.assertEqual(run.returncode, 0, run.stderr[-3000:])
     written = json.load(open(out))
@@ -115,7 +115,7 @@ class CliTest(absltest.TestCase):
     self.assertIn("| loka |", run.stdout)
     missing = subprocess.run([sys.executable, "-m", "experiments.serving_quality",
                               "--target=dlrm/small", f"--plans_dir={plans}"],
-                             cwd=ROOT, capture_output=True, text=True, timeout=300,
+                             cwd=REPO, capture_output=True, text=True, timeout=300,
                              env=dict(os.environ, JAX_PLATFORMS="cpu"))
     self.assertNotEqual(missing.returncode, 0)
     self.assertIn("no plan at", missing.stderr)

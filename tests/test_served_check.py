@@ -9,22 +9,18 @@ import sys
 import numpy as np
 from absl.testing import absltest
 
+from cli_helpers import REPO
+from bench_rows import speed, tempdir
 from experiments.bench import served_check, tables, targets
-from tests import test_bench_report as report_test
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUDGET = 2e-4
-
-
-# Rows timed like the report's tests (`_speed`: raw samples around a speedup) and a temp dir.
-_tempdir, _speed = report_test._tempdir, report_test._speed
 
 
 def _rows(rng, model="dhen", preset="large", loka_fields=None):
   """bf16, bf16+Mods, its served form and a peer, and a LoKA row faster than all of them."""
   rows = [{"suite": "models", "model": model, "preset": preset, "variant": v,
-           "device": "NVIDIA H200", "batch_size": 4096, "train": _speed(t, rng),
-           "infer": _speed(i, rng)}
+           "device": "NVIDIA H200", "batch_size": 4096, "train": speed(t, rng),
+           "infer": speed(i, rng)}
           for v, t, i in (("bf16", 1.0, 1.0), ("bf16_mods", 1.0, 1.0),
                           ("bf16_mods_served", 1.0, 1.1), ("flax_fp8_delayed", 0.9, 1.05),
                           ("loka", 1.3, 1.6))]
@@ -61,7 +57,7 @@ def _by(verdicts, target, mode):
 class ForRowTest(absltest.TestCase):
 
   def test_the_served_export_is_the_serving_plan_with_serve_plan_else_the_training_plan(self):
-    d = _tempdir(self)
+    d = tempdir(self)
     reports = served_check.load_reports([_report(d, "r.json")])
     row = _rows(np.random.default_rng(0))[-1]
     score = served_check.for_row(row, reports)
@@ -75,7 +71,7 @@ class ForRowTest(absltest.TestCase):
     self.assertTrue(score["within_budget"])
 
   def test_a_report_of_another_export_is_not_applied(self):
-    d = _tempdir(self)
+    d = tempdir(self)
     row = _rows(np.random.default_rng(0))[-1]
     # The report scored a serving plan with 48 FP8 forwards; the row served 62.
     reports = served_check.load_reports([_report(d, "r.json", serving=(8.4e-4, {"fp8": 48,
@@ -87,7 +83,7 @@ class ForRowTest(absltest.TestCase):
                   served_check.for_row(row, reports)["mismatch"])
 
   def test_reports_are_keyed_by_target_and_mods_set_the_later_file_winning(self):
-    d = _tempdir(self)
+    d = tempdir(self)
     old = _report(d, "old.json")
     new = _report(d, "new.json", serving=(1e-5, {"fp8": 62}))
     other_set = _report(d, "set.json", mods_set="no_bias+blocknorm")
@@ -102,7 +98,7 @@ class ForRowTest(absltest.TestCase):
     self.assertIsNone(served_check.for_row({**row, "preset": "small"}, reports))
 
   def test_the_rows_own_gate_score_comes_first(self):
-    d = _tempdir(self)
+    d = tempdir(self)
     reports = served_check.load_reports([_report(d, "r.json")])
     own = {"rel_logloss_change": 1e-5, "se": 1e-5, "within_budget": True, "budget": BUDGET}
     row = {**_rows(np.random.default_rng(0))[-1], "serve_promotion": {"quality": own}}
@@ -110,7 +106,7 @@ class ForRowTest(absltest.TestCase):
                      {**own, "source": "the bench's served-quality gate"})
 
   def test_unreadable_reports_are_errors_naming_the_file(self):
-    d = _tempdir(self)
+    d = tempdir(self)
     with self.assertRaisesRegex(served_check.ServedQualityError, "nope.json does not exist"):
       served_check.load_reports([os.path.join(d, "nope.json")])
     torn = os.path.join(d, "torn.json")
@@ -133,7 +129,7 @@ class ForRowTest(absltest.TestCase):
 class VerdictsTest(absltest.TestCase):
 
   def test_outside_the_budget_every_inference_verdict_is_missed_and_training_stands(self):
-    d = _tempdir(self)
+    d = tempdir(self)
     rows = _rows(np.random.default_rng(1))
     plain = targets.check_all(rows)
     voided = targets.check_all(rows, served_check.load_reports([_report(d, "r.json")]))
@@ -155,7 +151,7 @@ class VerdictsTest(absltest.TestCase):
     self.assertIn("loka_not_slower_than_bf16_mods_served (infer)", glance)
 
   def test_within_the_budget_nothing_changes_but_the_served_verdict(self):
-    d = _tempdir(self)
+    d = tempdir(self)
     rows = _rows(np.random.default_rng(2))
     plain = targets.check_all(rows)
     within = targets.check_all(rows, served_check.load_reports(
@@ -165,7 +161,7 @@ class VerdictsTest(absltest.TestCase):
     self.assertEqual(within[-1]["target"], "loka_served_quality")
 
   def test_a_mismatched_report_is_said_and_decides_nothing(self):
-    d = _tempdir(self)
+    d = tempdir(self)
     rows = _rows(np.random.default_rng(3))
     plain = targets.check_all(rows)
     got = targets.check_all(rows, served_check.load_reports(
@@ -176,7 +172,7 @@ class VerdictsTest(absltest.TestCase):
     self.assertIn("not applied", got[-1]["note"])
 
   def test_a_wukong_large_reported_ratio_stays_reported(self):
-    d = _tempdir(self)
+    d = tempdir(self)
     rows = _rows(np.random.default_rng(4), model="wukong")
     got = targets.check_all(rows, served_check.load_reports(
         [_report(d, "r.json", target="wukong/large")]))
@@ -190,7 +186,7 @@ class VerdictsTest(absltest.TestCase):
 class CliTest(absltest.TestCase):
 
   def test_the_report_takes_served_quality_reports(self):
-    d = _tempdir(self)
+    d = tempdir(self)
     rows = os.path.join(d, "rows.jsonl")
     with open(rows, "w") as f:
       for r in _rows(np.random.default_rng(5)):
@@ -199,7 +195,7 @@ class CliTest(absltest.TestCase):
 
     def run(*args):
       return subprocess.run([sys.executable, "-m", "experiments.bench_report", f"--rows={rows}",
-                             f"--out={os.path.join(d, 'out')}", *args], cwd=ROOT, env=env,
+                             f"--out={os.path.join(d, 'out')}", *args], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=120)
 
     done = run(f"--served_quality={_report(d, 'r.json')}")

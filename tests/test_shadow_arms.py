@@ -7,7 +7,7 @@ import tempfile
 
 from absl.testing import absltest
 
-from test_ablation import run_module
+from cli_helpers import run_module
 
 COMMON = ("--model=wukong", "--preset=tiny", "--mods=all", "--steps=6", "--batch_size=64",
           "--shadow_steps=4", "--windows=2", "--num_eval=512", "--eval_batch_size=256")

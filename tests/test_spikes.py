@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from absl.testing import absltest
 
+from cli_helpers import REPO
 from loka_jax.train import (OptimConfig, TrainConfig, make_optimizer, read_metrics,
                             restore_run, train)
 from loka_jax.train import module_norms as norms_lib
@@ -23,8 +24,6 @@ from loka_jax.train import spikes
 from loka_jax.train.loop import loss_fn, step_rng
 
 import train_toys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def numpy_norm(*arrays):
@@ -268,7 +267,7 @@ class SpikeReadingTest(chex.TestCase):
 
   def test_the_script_writes_the_report_and_plot(self):
     out = subprocess.run([sys.executable, "-m", "experiments.spike_report",
-                          f"--workdir={self.tmp}"], cwd=ROOT, capture_output=True, text=True,
+                          f"--workdir={self.tmp}"], cwd=REPO, capture_output=True, text=True,
                          check=True).stdout
     self.assertIn("First gradient jump: `cross_0` at step 31", out)
     for name in ("spike.json", "spike.md", "spike.png"):
@@ -276,7 +275,7 @@ class SpikeReadingTest(chex.TestCase):
     with open(os.path.join(self.tmp, "spike.json")) as f:
       self.assertEqual(json.load(f)["first_module"], "cross_0")
     failed = subprocess.run([sys.executable, "-m", "experiments.spike_report",
-                             f"--workdir={os.path.join(self.tmp, 'none')}"], cwd=ROOT,
+                             f"--workdir={os.path.join(self.tmp, 'none')}"], cwd=REPO,
                             capture_output=True, text=True)
     self.assertNotEqual(failed.returncode, 0)
     self.assertIn("no metrics file", failed.stderr)

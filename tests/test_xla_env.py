@@ -8,9 +8,8 @@ import jax
 import jax.numpy as jnp
 from absl.testing import absltest
 
+from cli_helpers import cpu_env
 from loka_jax import xla_env
-
-import test_ablation
 
 # A child process that sets the flags, then runs a scatter-add (what deterministic ops change)
 # and prints XLA_FLAGS. XLA aborts the process on a flag it does not know.
@@ -31,7 +30,7 @@ class XlaEnvTest(absltest.TestCase):
   def test_this_xla_accepts_the_flags_before_jax_starts(self):
     autotune = os.path.join(tempfile.mkdtemp(prefix="loka_xla_env_"), "autotune.textproto")
     flags = (xla_env.DETERMINISTIC, xla_env.autotune_flag(autotune))
-    done = subprocess.run([sys.executable, "-c", CHILD, *flags], env=test_ablation.cpu_env(),
+    done = subprocess.run([sys.executable, "-c", CHILD, *flags], env=cpu_env(),
                           capture_output=True, text=True, timeout=120)
     self.assertEqual(done.returncode, 0, done.stderr[-2000:])
     sums, xla_flags = done.stdout.strip().splitlines()[-2:]

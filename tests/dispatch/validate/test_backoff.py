@@ -7,7 +7,7 @@ import chex
 import numpy as np
 from absl.testing import absltest, parameterized
 
-import test_dispatch_reports as hm
+import report_builders as hm
 from loka_jax.dispatch import validate
 from loka_jax.plan.file import FALLBACK
 from loka_jax.kernels import registry

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from absl.testing import absltest
 
-import test_dispatch_reports as hm
+import report_builders as hm
 from loka_jax.dispatch import pipeline, validate
 from loka_jax.plan.file import FALLBACK, SCHEMA, read_plan
 from loka_jax.train import experiment

@@ -11,7 +11,7 @@ import chex
 import numpy as np
 from absl.testing import absltest
 
-import test_dispatch_reports as hm
+import report_builders as hm
 from loka_jax.dispatch import validate
 from loka_jax.plan.file import FALLBACK, add_validation, read_plan, save_plan
 from loka_jax.train import report as train_report

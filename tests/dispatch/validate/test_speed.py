@@ -9,7 +9,7 @@ from unittest import mock
 import chex
 from absl.testing import absltest
 
-import test_dispatch_reports as hm
+import report_builders as hm
 from loka_jax.dispatch import validate
 from loka_jax.plan.file import FALLBACK, read_plan, save_plan
 from loka_jax.train import report as train_report

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from absl.testing import absltest
 
-import test_dispatch_reports as hm
+import report_builders as hm
 from loka_jax.dispatch import run_records, validate
 from loka_jax.plan.file import FALLBACK, read_plan
 from loka_jax.train import report as train_report

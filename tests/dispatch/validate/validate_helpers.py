@@ -9,7 +9,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-import test_dispatch_reports as hm
+import report_builders as hm
+from cli_helpers import REPO
 from loka_jax.dispatch import pipeline, validate
 from loka_jax.plan.file import FALLBACK, SCHEMA, Plan, read_plan, save_plan
 from loka_jax.kernels import Kernel, KernelChoice, registry, reference_einsum
@@ -21,7 +22,7 @@ GOOD_SITE = "layer_0/fmb/mlp/dense_1"
 OTHER_SITE = "layer_0/fmb/mlp/dense_0"
 BATCH = 64
 # The committed plans and probe reports the tests replay.
-RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "results")
+RESULTS = os.path.join(REPO, "docs", "results")
 # A round's candidates measured through one switch board: a broken forward, a good one and a
 # stateful one (delayed scaling, calibrated per subset).
 SWITCHED_CANDIDATES = {BAD_SITE: "test_two_bit", GOOD_SITE: "xla_fp8_rowwise",
