@@ -67,7 +67,7 @@ if [ "${CPU_SUITE:-0}" = 1 ] && [ "$all_done" = 1 ] && [ ! -f "$(marker cpu_suit
   source experiments/gpu_common.sh
   ensure_wheels || exit 1
   timeout $(( $(left) - 10 )) env JAX_PLATFORMS=cpu python3 -m pytest tests -q -n 16 \
-    -m "not network" --ignore-glob='tests/test_notebook_*.py' > "$OUT/tests_cpu_log.txt" 2>&1
+    -m "not network" --ignore=tests/notebooks > "$OUT/tests_cpu_log.txt" 2>&1
   echo "cpu suite rc=$?"
   tail -3 "$OUT/tests_cpu_log.txt"
   touch "$(marker cpu_suite)"

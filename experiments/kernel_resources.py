@@ -1,8 +1,8 @@
 """Resource report of the Pallas Triton FP8 GEMM kernels for sm_90, compiled without a GPU.
 
 Each kernel is traced and lowered for 'cuda' under an abstract H100 (as
-tests/test_pallas_gemm.py::TritonLoweringTest does); the Triton module jax builds for the
-`__gpu$xla.gpu.triton` custom call is captured as TTIR text and compiled by the pip `triton`
+tests/kernels/test_pallas_gemm.py::TritonLoweringTest does); the Triton module jax builds for
+the `__gpu$xla.gpu.triton` custom call is captured as TTIR text and compiled by the pip `triton`
 package for GPUTarget('cuda', 90, 32) with the config's num_warps/num_stages; `ptxas -v`
 (bundled with triton) gives registers and spills. The what-if column recompiles the same TTIR
 with `maxNumImpreciseAcc` set on the fp8 `tt.dot` (jax's lowering never sets it, and Triton

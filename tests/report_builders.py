@@ -1,6 +1,7 @@
 """Hand-made ProbeReports and timing tables with known answers, for the Dispatch, plan,
-validation and experiment tests (`import report_builders as hm`); test_dispatch_reports.py
-checks that they are valid `loka.probe/1` reports and `loka.timings/1` tables."""
+validation and experiment tests (`import report_builders as hm`);
+tests/dispatch/test_hand_made_reports.py checks that they are valid `loka.probe/1` reports and
+`loka.timings/1` tables."""
 import copy
 
 from loka_jax.probe import timing_table

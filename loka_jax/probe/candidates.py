@@ -63,7 +63,7 @@ def computation_key(kernel: Kernel, pass_name: str) -> Tuple:
     return ("xla_fp8", kernel.granularity, fast, pass_name)
   if isinstance(kernel, FlaxDelayed) and pass_name == "fwd":
     # Flax's op and the ops that change only its backward share Flax's forward, bit for bit
-    # (test_kernels.py: FlaxDelayedForwardTest, FlaxDelayedGradLhsTest).
+    # (tests/kernels/test_kernels.py: FlaxDelayedForwardTest, FlaxDelayedGradLhsTest).
     return ("flax_delayed", kernel.amax_history_length, pass_name)
   return (kernel.name, pass_name)
 

@@ -3,7 +3,7 @@
 With current scaling (scale = amax / fmt.max over the scale's group, guarded as the quantizer
 guards it) a value x flushes to zero exactly when |x| / scale <= fmt.min_subnormal / 2 (round
 to nearest even sends the half-way value to 0), so counting needs one amax reduction per
-granularity and one comparison per format: no cast. `tests/test_probe_stats.py` checks the
+granularity and one comparison per format: no cast. `tests/probe/test_stats.py` checks the
 count against real quantization.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Evaluation functions compiled ahead on a thread pool (`probe.executables`): the same
 numbers as jit compiling on first call, nothing compiled twice, failures left to jit. A
-whole probe takes every evaluation function compiled ahead: tests/test_probe_timing_ahead.py."""
+whole probe takes every evaluation function compiled ahead: tests/probe/test_timing_ahead.py."""
 import threading
 
 import chex

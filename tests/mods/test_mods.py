@@ -1,6 +1,7 @@
 """Mods: BlockNorm and Hard Swish against direct numpy formulas, BlockNorm's gain / epsilon /
 non-divisible widths, the unfused FusedDenseNormAct against the Dense -> Norm -> act chain it
-replaces, and every model's shapes and site names with each Mod on (extending test_models)."""
+replaces, and every model's shapes and site names with each Mod on (extending
+tests/models/test_models.py)."""
 import chex
 import flax.linen as nn
 import jax
