@@ -7,9 +7,9 @@
 
 Prints the per-site choice table (site, pass, kernel, reason) and writes the plan
 (`loka.plan/1`, docs/FORMATS.md); train with it: `python -m experiments.train
---precision=loka --plan=plan.json ...`. By default the plan is checked against the probed
-model (rebuilt from the report's run: --model, --preset, --mods, --data override it), so a
-plan that does not fit fails here, listing every offending name.
+--config.run.precision=loka --config.run.plan=plan.json ...`. By default the plan is checked
+against the probed model (rebuilt from the report's run: --model, --preset, --mods, --data
+override it), so a plan that does not fit fails here, listing every offending name.
 """
 import json
 import math

@@ -1,8 +1,10 @@
 """Which module a training-loss spike started in, from a run trained with --module_norms.
 
-  python -m experiments.train --model=dcnv2 --preset=large --mods=no_bias,hard_swish \
-      --steps=200 --warmup_steps=50 --seed=2 --batch_size=4096 --xla_deterministic \
-      --module_norms --log_every=1 --workdir=/tmp/spike
+  python -m experiments.train --config.run.model=dcnv2 --config.run.preset=large \
+      --config.run.mods=no_bias,hard_swish --config.run.steps=200 \
+      --config.optim.warmup_steps=50 --config.run.seed=2 --config.run.batch_size=4096 \
+      --config.train.xla_deterministic=true --config.train.module_norms=true \
+      --config.train.log_every=1 --workdir=/tmp/spike
   python -m experiments.spike_report --workdir=/tmp/spike
 
 Prints the loss's worst step and first jump, each module whose gradient norm jumped (first

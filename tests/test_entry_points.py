@@ -9,9 +9,9 @@ from absl.testing import absltest, parameterized
 from ml_collections import config_flags
 
 from experiments import run_config
-from test_ablation import run_module
+from cli_helpers import run_module
 
-MAINS = (("loka",),)
+MAINS = (("loka",), ("train",))
 
 
 def load(name, *overrides):
@@ -79,6 +79,23 @@ class LokaConfigTest(absltest.TestCase):
     spec = run_config.run_spec(run, preset="tiny", precision="fp8_all")
     self.assertEqual((spec.model, spec.preset, spec.precision, spec.mods, spec.num_eval),
                      ("wukong", "tiny", "fp8_all", ("no_bias", "keep_bias:cross_*"), None))
+
+
+class TrainConfigTest(absltest.TestCase):
+
+  def test_the_defaults_are_the_scripts(self):
+    config = load("train")
+    self.assertEqual((config.run.model, config.run.preset, config.run.precision,
+                      config.run.mods, config.run.steps, config.run.num_eval),
+                     ("wukong", "tiny", "bf16", "", 200, 0))
+    self.assertEqual((config.train.log_every, config.train.checkpoint_every,
+                      config.train.keep_checkpoints, config.train.nan_policy),
+                     (50, 1000, 3, "stop"))
+    self.assertEqual((config.drift.every, config.parallel.mesh), (0, None))
+    spec = run_config.run_spec(load("train", "--config.run.precision=loka",
+                                    "--config.run.plan=p.json").run)
+    self.assertEqual((spec.precision, spec.plan, spec.mods, spec.num_eval),
+                     ("loka", "p.json", (), None))
 
 
 if __name__ == "__main__":

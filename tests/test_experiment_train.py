@@ -21,10 +21,12 @@ class TrainCliTest(chex.TestCase):
 
   def test_wukong_tiny_trains_and_writes_its_files(self):
     workdir = tempfile.mkdtemp(prefix="loka_cli_")
-    result = run_cli("--model=wukong", "--preset=tiny", "--data=synthetic", "--precision=bf16",
-                     "--steps=100", "--seed=1", f"--workdir={workdir}", "--batch_size=256",
-                     "--eval_every=50", "--log_every=25", "--checkpoint_every=50",
-                     "--num_eval=2048")
+    result = run_cli("--config.run.model=wukong", "--config.run.preset=tiny",
+                     "--config.run.data=synthetic", "--config.run.precision=bf16",
+                     "--config.run.steps=100", "--config.run.seed=1", f"--workdir={workdir}",
+                     "--config.run.batch_size=256", "--config.train.eval_every=50",
+                     "--config.train.log_every=25", "--config.train.checkpoint_every=50",
+                     "--config.run.num_eval=2048")
     self.assertEqual(result.returncode, 0, result.stderr[-3000:])
     with open(os.path.join(workdir, "final.json")) as f:
       final = json.load(f)
@@ -51,15 +53,16 @@ class TrainCliTest(chex.TestCase):
   def test_a_large_preset_without_warmup_gets_a_note(self):
     # The note comes before anything is built; a flag combination refused right after it
     # keeps the test from building a `large` model.
-    refused = ("--model=dlrm", "--preset=large", "--mesh=data:1", "--drift_every=5",
+    refused = ("--config.run.model=dlrm", "--config.run.preset=large",
+               "--config.parallel.mesh=data:1", "--config.drift.every=5",
                "--workdir=" + tempfile.mkdtemp())
     plain = run_cli(*refused)
-    self.assertIn("--drift_every does not run in a sharded run yet", plain.stderr)
+    self.assertIn("--config.drift.every does not run in a sharded run yet", plain.stderr)
     self.assertIn("note: the `large` presets spike in their first steps without a "
                   "learning-rate warm-up", plain.stderr)
     self.assertIn("--warmup_steps=50", plain.stderr)
-    warm = run_cli(*refused, "--warmup_steps=50")
-    self.assertIn("--drift_every does not run in a sharded run yet", warm.stderr)
+    warm = run_cli(*refused, "--config.optim.warmup_steps=50")
+    self.assertIn("--config.drift.every does not run in a sharded run yet", warm.stderr)
     self.assertNotIn("note:", warm.stderr)
 
   def test_recipe_notes(self):
@@ -71,13 +74,14 @@ class TrainCliTest(chex.TestCase):
     self.assertEqual(experiment.recipe_notes("tiny", OptimConfig()), ())
 
   def test_loka_without_plan_is_a_clear_error(self):
-    result = run_cli("--model=wukong", "--precision=loka", "--workdir=" + tempfile.mkdtemp())
+    result = run_cli("--config.run.model=wukong", "--config.run.precision=loka",
+                     "--workdir=" + tempfile.mkdtemp())
     self.assertNotEqual(result.returncode, 0)
     self.assertIn("--precision=loka needs --plan=PLAN.json", result.stderr)
     self.assertNotIn("Traceback", result.stderr)
 
   def test_missing_workdir_is_a_usage_error(self):
-    result = run_cli("--model=wukong")
+    result = run_cli("--config.run.model=wukong")
     self.assertNotEqual(result.returncode, 0)
     self.assertIn("--workdir is required", result.stderr)
 

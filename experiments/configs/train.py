@@ -1,0 +1,83 @@
+"""Settings of one training run, `python3 -m experiments.train --workdir=DIR`.
+
+  python3 -m experiments.train --workdir=/tmp/wukong_fp8 --config.run.precision=fp8_all \
+      --config.run.steps=500
+
+--workdir is a flag of the main, not a setting: the run directory (rerunning resumes).
+"""
+import ml_collections
+from ml_collections import config_dict
+
+from loka_jax.train.optim import OptimConfig
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+
+  # What is trained: the tower, its data, the precision arm, the Mods, the length.
+  config.run = run = ml_collections.ConfigDict()
+  run.model = "wukong"         # tower: dlrm, dcnv2, wukong, dhen, interformer
+  run.preset = "tiny"          # model size: tiny, small or large
+  run.data = "synthetic"       # synthetic, movielens or criteo
+  run.data_spec = config_dict.placeholder(str)   # JSON spec of the synthetic data
+  run.data_path = config_dict.placeholder(str)   # input file or directory (criteo TSV)
+  run.data_cache = config_dict.placeholder(str)  # cache directory of downloaded data (MovieLens)
+  # fp32 | bf16 | fp8_all (run.kernel at every site) | loka (the kernels of run.plan).
+  run.precision = "bf16"
+  run.kernel = "xla_fp8_tensorwise"          # the kernel of every site with fp8_all
+  run.plan = config_dict.placeholder(str)    # plan JSON (loka.plan/1) for loka
+  # Mods to turn on, comma-separated: no_bias, blocknorm, hard_swish (or all); keep_bias:PATTERN
+  # keeps No Bias's biases at the dense sites whose path matches the glob (e.g.
+  # keep_bias:cross_*; repeatable). Empty: none.
+  run.mods = ""
+  run.seed = 0           # parameters and data order
+  run.steps = 200        # training steps
+  run.batch_size = 0     # training batch; 0: the preset's
+  run.num_eval = 0       # held-out examples; 0: the data source's default
+  run.id_policy = "error"  # out-of-vocabulary ids in the data: error, hash or clip
+
+  # The training loop: evaluation, logging, checkpoints, non-finite steps.
+  config.train = train = ml_collections.ConfigDict()
+  train.eval_every = 0          # steps between held-out evals; 0: at the end
+  train.eval_batch_size = 0     # eval batch; 0: the training batch
+  train.log_every = 50          # steps between metrics lines
+  train.checkpoint_every = 1000  # steps between checkpoints (always one at the end)
+  train.keep_checkpoints = 3    # checkpoints kept (0: none is written; needs checkpoint_every=0)
+  # On a non-finite loss or gradient: stop (keeping the last good checkpoint) or skip the step.
+  train.nan_policy = "stop"
+  train.progress = True         # progress bar on stderr (when a terminal)
+  # Each module's gradient, parameter and update norms and its output's RMS with every
+  # metrics line (with log_every=1: every step), to read a loss spike with
+  # experiments.spike_report. Adds a forward to each step.
+  train.module_norms = False
+  # Deterministic GPU ops (--xla_gpu_deterministic_ops): a run repeats bit for bit, so a loss
+  # spike can be run again and read. It slows the step a little.
+  train.xla_deterministic = False
+
+  # The optimizers: Adam(W) on the dense towers, row-wise Adagrad on the embedding tables.
+  config.optim = optim = ml_collections.ConfigDict()
+  optim.lr = OptimConfig.learning_rate                     # Adam(W) learning rate
+  optim.embedding_lr = OptimConfig.embedding_learning_rate  # Adagrad learning rate
+  # Linear learning-rate warmup steps. The `large` presets want about 50 (without, their first
+  # steps spike, in bf16 too); a run without prints a note.
+  optim.warmup_steps = 0
+  optim.weight_decay = 0.0      # AdamW weight decay (dense towers)
+
+  # The drift valve of a loka run: refresh the probe's statistics every `every` steps and
+  # switch sites whose statistics drifted and whose kernel is no longer safe.
+  config.drift = drift = ml_collections.ConfigDict()
+  drift.every = 0               # 0: off
+  # The probe report the plan was selected on (unset: the one its provenance names): the
+  # valve's baseline statistics and timings.
+  drift.report = config_dict.placeholder(str)
+
+  # Sharded training over a device mesh.
+  config.parallel = parallel = ml_collections.ConfigDict()
+  # The mesh, e.g. data:2,model:2 (dense towers data-parallel over every device, tables
+  # row-sharded over model; multi-host from JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/
+  # JAX_PROCESS_ID); unset: one device.
+  parallel.mesh = config_dict.placeholder(str)
+  # Payload of the gradient all-reduce and the embedding exchange: fp32, bf16, or fp8 (e4m3
+  # with block scales, summed in fp32).
+  parallel.collectives = "bf16"
+  return config
