@@ -100,7 +100,7 @@ def _scaled(product, scale_a, scale_b, dtype):
 # The forward dot keeps fast accumulation at every width, a K -> 1 logit head included,
 # although the probe reads the op's forward low at such heads: on an H200, XLA's FP8 dot at
 # N = 1 reads 31.2-31.7 dB against its dequantized product with precise accumulation, while
-# the fast forward clears 35 dB (tests_gpu): there the fast forward is the more accurate one.
+# the fast forward clears 35 dB (tests/gpu): there the fast forward is the more accurate one.
 FORWARD_PRECISION = lax.Precision.DEFAULT
 
 

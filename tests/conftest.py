@@ -1,14 +1,60 @@
 """Test-session set-up (before JAX starts): 4 fake CPU devices, cheaper XLA:CPU compiles, one
-compilation cache for the whole run, and a bounded hypothesis profile."""
+compilation cache for the whole run, and a bounded hypothesis profile; and tests/gpu left out
+of every run that does not ask for the gpu marker.
+
+The GPU checks live in tests/gpu and run on the GPU host with `python3 -m pytest tests/gpu -m gpu
+-q`; `python3 -m pytest tests` (CI) never collects them. A GPU run gets none of the CPU set-up
+below (no fake CPU devices, no CPU-only XLA flags, no JAX_PLATFORMS=cpu)."""
 import atexit
 import os
+import pathlib
+import re
+import shlex
 import shutil
+import sys
 import tempfile
 
-# Must run before jax initializes its backends: sharding tests need several devices.
-_flags = os.environ.get("XLA_FLAGS", "")
-if "xla_force_host_platform_device_count" not in _flags:
-  os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=4").strip()
+GPU_DIR = pathlib.Path(__file__).resolve().parent / "gpu"
+
+
+def selects_gpu(markexpr) -> bool:
+  """Whether a `-m` expression asks for the gpu tests: it names `gpu` other than as `not gpu`
+  (`-m gpu`, `-m "gpu and not slow"`; not `-m "not network"` or `-m "not gpu"`)."""
+  words = re.findall(r"[\w.]+|[()]", markexpr or "")
+  return any(w == "gpu" and (i == 0 or words[i - 1] != "not") for i, w in enumerate(words))
+
+
+def _targets_gpu(args) -> bool:
+  """Whether pytest's command line (`args`) selects the gpu marker or names a path in tests/gpu."""
+  for i, arg in enumerate(args):
+    if arg == "-m" and i + 1 < len(args) and selects_gpu(args[i + 1]):
+      return True
+    if arg.startswith("-m") and len(arg) > 2 and selects_gpu(arg[2:].lstrip("=")):
+      return True
+    if not arg.startswith("-"):
+      path = pathlib.Path(arg.split("::")[0]).resolve()
+      if path == GPU_DIR or GPU_DIR in path.parents:
+        return True
+  return False
+
+
+def pytest_ignore_collect(collection_path, config):
+  """tests/gpu is collected only when the run selects the gpu marker (`-m gpu`)."""
+  if collection_path.resolve() == GPU_DIR and not selects_gpu(config.option.markexpr):
+    return True
+  return None
+
+
+# A GPU run is told by its command line, read here because this set-up must run before jax
+# starts, before pytest hands a hook the parsed options: `-m gpu` or a path in tests/gpu in
+# sys.argv (or PYTEST_ADDOPTS). xdist workers do not get pytest's argv: they inherit the
+# answer through LOKA_TEST_GPU_RUN.
+GPU_RUN = (os.environ.get("LOKA_TEST_GPU_RUN") == "1" or
+           _targets_gpu(sys.argv[1:] + shlex.split(os.environ.get("PYTEST_ADDOPTS", ""))))
+if GPU_RUN:
+  os.environ["LOKA_TEST_GPU_RUN"] = "1"
+
+
 # The suite is compile-bound: its models are tiny, so XLA:CPU's LLVM optimizations cost more
 # than they save. They change how code is generated, not what it computes. Measured on 2
 # cores with the cache below: the whole suite 16.7 min at level 0 (23.5 min before either),
@@ -26,7 +72,6 @@ _CHEAP_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expe
 def _xla_accepts(flags):
   """Whether a CPU backend starts with `flags` added to XLA_FLAGS (one child process, ~1 s)."""
   import subprocess
-  import sys
   env = {**os.environ, "XLA_FLAGS": " ".join([os.environ["XLA_FLAGS"], *flags]),
          "JAX_PLATFORMS": "cpu"}
   return subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
@@ -40,31 +85,45 @@ def _flags_xla_accepts(flags):
   return [f for f in flags if _xla_accepts([f])]
 
 
-# xdist workers and subprocesses inherit the result (XLA_FLAGS, and the mark that the check
-# ran, so flags XLA refused are not tried again in every worker).
-if "LOKA_TEST_XLA_FLAGS_CHECKED" not in os.environ:
-  _wanted = [f for f in _CHEAP_COMPILE if f.split("=")[0] not in os.environ["XLA_FLAGS"]]
-  for _flag in _flags_xla_accepts(_wanted):
-    os.environ["XLA_FLAGS"] += " " + _flag
-  os.environ["LOKA_TEST_XLA_FLAGS_CHECKED"] = "1"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Tests make their directories with tempfile and leave them (one checkpoint test writes 1.5
-# GB): all of them go under one root per run, which the xdist workers and subprocesses inherit
-# through TMPDIR and which the process that made it removes.
-if "LOKA_TEST_TMP_ROOT" not in os.environ:
-  os.environ["LOKA_TEST_TMP_ROOT"] = os.environ["TMPDIR"] = tempfile.mkdtemp(
-      prefix="loka_jax_test_tmp_")
-  atexit.register(shutil.rmtree, os.environ["LOKA_TEST_TMP_ROOT"], ignore_errors=True)
-tempfile.tempdir = None   # gettempdir() reads TMPDIR again
-# Many tests compile the same tiny steps (a model's train step in several tests, a CLI run and
-# its resumption): one persistent cache per run, which the xdist workers and every CLI or
-# notebook subprocess inherit through the environment. Removed by the process that made it.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="loka_jax_test_jax_cache_")
-  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
-# Eager single-op compiles (~40 ms on a CPU) stay out; steps and passes (seconds) go in.
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
-os.environ.setdefault("MPLBACKEND", "Agg")
+def _cpu_set_up():
+  """The CPU run's environment, set before jax starts (xdist workers and subprocesses inherit
+  it)."""
+  # Must run before jax initializes its backends: sharding tests need several devices.
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=4").strip()
+  # xdist workers and subprocesses inherit the result (XLA_FLAGS, and the mark that the check
+  # ran, so flags XLA refused are not tried again in every worker).
+  if "LOKA_TEST_XLA_FLAGS_CHECKED" not in os.environ:
+    wanted = [f for f in _CHEAP_COMPILE if f.split("=")[0] not in os.environ["XLA_FLAGS"]]
+    for flag in _flags_xla_accepts(wanted):
+      os.environ["XLA_FLAGS"] += " " + flag
+    os.environ["LOKA_TEST_XLA_FLAGS_CHECKED"] = "1"
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  # Tests make their directories with tempfile and leave them (one checkpoint test writes 1.5
+  # GB): all of them go under one root per run, which the xdist workers and subprocesses inherit
+  # through TMPDIR and which the process that made it removes.
+  if "LOKA_TEST_TMP_ROOT" not in os.environ:
+    os.environ["LOKA_TEST_TMP_ROOT"] = os.environ["TMPDIR"] = tempfile.mkdtemp(
+        prefix="loka_jax_test_tmp_")
+    atexit.register(shutil.rmtree, os.environ["LOKA_TEST_TMP_ROOT"], ignore_errors=True)
+  tempfile.tempdir = None   # gettempdir() reads TMPDIR again
+  # Many tests compile the same tiny steps (a model's train step in several tests, a CLI run and
+  # its resumption): one persistent cache per run, which the xdist workers and every CLI or
+  # notebook subprocess inherit through the environment. Removed by the process that made it.
+  if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="loka_jax_test_jax_cache_")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+  # Eager single-op compiles (~40 ms on a CPU) stay out; steps and passes (seconds) go in.
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+  os.environ.setdefault("MPLBACKEND", "Agg")
+
+
+# The CPU set-up would hide the GPU (JAX_PLATFORMS=cpu, fake CPU devices) and give the GPU's
+# compiles CPU-only XLA flags: a run that targets tests/gpu (`-m gpu`, or a tests/gpu path, in
+# sys.argv) skips it.
+if not GPU_RUN:
+  _cpu_set_up()
 
 import hypothesis  # noqa: E402
 

@@ -213,7 +213,7 @@ class PallasDelayedOpTest(parameterized.TestCase):
   def test_passes_named_alike_compute_alike(self):
     # `Kernel.pass_numerics`: validation counts a pass two ops name alike as equally
     # accurate, so the name must mean bit-identical results, and different names different
-    # (tests_gpu/test_pallas_delayed_gpu.py checks the same on the GPU's compiled kernels).
+    # (tests/gpu/test_pallas_delayed_gpu.py checks the same on the GPU's compiled kernels).
     x, w, g = _operands(12, 48, 96, 40)
     x = x * jnp.exp(jax.random.normal(jax.random.PRNGKey(13), (48, 1))).astype(x.dtype)
     results = {k: run_delayed_passes("mk,kn->mn", x, w, g, warmup=2, kernel=k)[:3]

@@ -1,6 +1,6 @@
 """GPU checks of the Pallas Triton FP8 kernels (compiled, not interpreted): real numerics.
 
-Run on an H100/H200: `python -m pytest tests_gpu/test_pallas_gpu.py -q --timeout=900`.
+Run on an H100/H200: `python3 -m pytest tests/gpu/test_pallas_gpu.py -m gpu -q --timeout=900`.
 (a) site error: SQNR >= 18 dB against the fp32 HIGHEST product of the original operands;
 (b) kernel correctness: close to the fp32 HIGHEST product of the kernel's own dequantized
 operands (tensor-core accumulation order differs from the CPU, so tolerances are looser than

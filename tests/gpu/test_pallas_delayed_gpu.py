@@ -1,6 +1,6 @@
 """GPU checks of the delayed-scaling Pallas ops (compiled Triton quantize, cuBLASLt FP8 dots).
 
-Run on an H100/H200: `python -m pytest tests_gpu/test_pallas_delayed_gpu.py -q`.
+Run on an H100/H200: `python3 -m pytest tests/gpu/test_pallas_delayed_gpu.py -m gpu -q`.
 (a) the one-pass quantize against its pure-jnp twin, code for code, at ragged shapes;
 (b) every FP8 pass against the fp32 HIGHEST product of the op's own dequantized operands;
 (c) narrow outputs (N = 1, 8, 16), plain and vmapped as the probe evaluates: the forward's

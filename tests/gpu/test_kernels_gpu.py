@@ -1,4 +1,5 @@
-"""GPU numerics of the XLA / Flax kernels (run on the GPU host: python3 -m pytest tests_gpu)."""
+"""GPU numerics of the XLA / Flax kernels (run on the GPU host:
+python3 -m pytest tests/gpu -m gpu)."""
 import functools
 
 import jax

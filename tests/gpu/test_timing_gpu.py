@@ -1,4 +1,4 @@
-"""The timing chains and loops on the GPU (run on the GPU host: python3 -m pytest tests_gpu):
+"""The timing chains and loops on the GPU (run on the GPU host: python3 -m pytest tests/gpu -m gpu):
 XLA keeps every timed call of a pure product, and updates the operands in place (no copies
 of them). On the H200 in 2026-11, 16 unrolled calls through optimization barriers ran as
 one, and reading an operand's own first element made XLA copy it twice an iteration."""
