@@ -7,8 +7,7 @@ import chex
 import numpy as np
 from absl.testing import absltest
 
-from test_ablation import run_module
-
+from cli_helpers import run_module
 from loka_jax.train import experiment
 
 

@@ -7,8 +7,7 @@ import tempfile
 import chex
 from absl.testing import absltest
 
-# REPO and cpu_env only for the test modules that still import them from here (moved last).
-from cli_helpers import PNG_MAGIC, REPO, cpu_env, run_module  # noqa: F401
+from cli_helpers import PNG_MAGIC, run_module
 from loka_jax.train import ablation
 
 ALL = ("no_bias", "blocknorm", "hard_swish")

@@ -9,9 +9,8 @@ import tempfile
 import chex
 from absl.testing import absltest
 
+from cli_helpers import PNG_MAGIC, REPO, cpu_env
 from loka_jax import dispatch
-
-from test_ablation import PNG_MAGIC, REPO, cpu_env
 
 FLAGS = ("--config.probe.steps=10", "--config.probe.samples=2",
          "--config.probe.sites=layer_0/fmb/mlp/dense_[01]", "--config.run.steps=8",

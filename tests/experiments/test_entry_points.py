@@ -8,8 +8,8 @@ from absl import flags
 from absl.testing import absltest, parameterized
 from ml_collections import config_flags
 
-from experiments import run_config
 from cli_helpers import run_module
+from experiments import run_config
 
 MAINS = (("loka",), ("train",))
 
