@@ -74,6 +74,13 @@ class XlaFp8(Kernel):
   def accumulates_fast(self, pass_name: str) -> bool:
     return self.fast_accum == ALL_FAST or (self.fast_accum == FWD_ONLY_FAST and pass_name == "fwd")
 
+  def pass_numerics(self, pass_name: str) -> str:
+    # XLA's FP8 kernels differ only in granularity and accumulation: two that agree on both
+    # for a pass (a fast-accumulation variant's precise-backward sibling in the forward, say)
+    # run the same program for it.
+    fast = "fast" if self.accumulates_fast(pass_name) else "precise"
+    return f"xla_fp8_{self.granularity}_{fast}/{pass_name}"
+
   def einsum(self, spec, a, b, *, pass_name, out_dtype):
     check_operands(f"kernel {self.name} ({pass_name})", spec, a, b)
     qa, qb = self.quantized_operands(spec, a, b, pass_name=pass_name)

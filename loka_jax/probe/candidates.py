@@ -13,8 +13,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from loka_jax import kernels as kernels_lib
 from loka_jax.kernels.base import FUSED_OP, Kernel
-from loka_jax.kernels.flax_delayed import FlaxDelayed
-from loka_jax.kernels.xla import ALL_FAST, FWD_ONLY_FAST, XlaFp8
 
 BASELINE = "xla_bf16"
 REFERENCE_ARM = "xla_fp32"
@@ -53,19 +51,6 @@ def candidate_kernels(names: Optional[Sequence[str]] = None, platform: str = "cp
     excluded.pop(BASELINE, None)
   chosen.sort(key=lambda k: (k.name != BASELINE, k.name))
   return chosen, excluded
-
-
-def computation_key(kernel: Kernel, pass_name: str) -> Tuple:
-  """Kernels with equal keys run identical code for `pass_name`."""
-  if isinstance(kernel, XlaFp8):
-    fast = kernel.fast_accum == ALL_FAST or (kernel.fast_accum == FWD_ONLY_FAST
-                                             and pass_name == "fwd")
-    return ("xla_fp8", kernel.granularity, fast, pass_name)
-  if isinstance(kernel, FlaxDelayed) and pass_name == "fwd":
-    # Flax's op and the ops that change only its backward share Flax's forward, bit for bit
-    # (tests/kernels/test_kernels.py: FlaxDelayedForwardTest, FlaxDelayedGradLhsTest).
-    return ("flax_delayed", kernel.amax_history_length, pass_name)
-  return (kernel.name, pass_name)
 
 
 def granularity_of(kernel: Kernel) -> Optional[str]:

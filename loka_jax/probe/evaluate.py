@@ -32,7 +32,6 @@ from loka_jax.kernels.spec import ACT_WEIGHT
 from loka_jax.precision import flush_fractions
 from loka_jax.precision import metrics as metrics_lib
 from loka_jax.probe import executables, gaussian, matrix_normal
-from loka_jax.probe.candidates import computation_key
 from loka_jax.probe.collector import SiteProbe
 from loka_jax.probe.layout import SiteLayout
 
@@ -355,7 +354,7 @@ def _site_plan(site: SiteProbe, has_reservoir: bool, kernels: Sequence,
       continue
     todo = []
     for p in passes:
-      ck = computation_key(kernel, p)
+      ck = kernel.pass_numerics(p)
       if ck in first_of:  # identical code: share the first kernel's metrics
         aliases[(p, kernel.name)] = first_of[ck]
       else:

@@ -37,7 +37,7 @@ from loka_jax import timing as timing_lib
 from loka_jax.kernels import FUSED_OP, PASSES, EinsumSpec, registry
 from loka_jax.kernels.backend import backend_from_hlo
 from loka_jax.kernels.flax_delayed import FP8_META, merge_fp8_meta
-from loka_jax.probe.candidates import BASELINE, computation_key
+from loka_jax.probe.candidates import BASELINE
 from loka_jax.probe.eligibility import FUSED_SCOPE, UNRESOLVED
 from loka_jax.probe import timing_table
 from loka_jax.probe.layout import SiteLayout
@@ -322,14 +322,14 @@ def measure_site(layout: SiteLayout, kernels, dtype: str, cache: TimingCache, *,
       if f"{name}|{FUSED_BWD}" not in variants:
         ops = _fused_variants(kernel, layout, jdt)
         variants[f"{name}|{FUSED_BWD}"] = ops[FUSED_BWD]
-        ck = computation_key(kernel, "fwd")
+        ck = kernel.pass_numerics("fwd")
         if ck in first_of:  # the same forward as a fused op timed here already
           alias[(name, "fwd")] = first_of[ck]
         else:
           first_of[ck] = f"{name}|fwd"
           variants[f"{name}|fwd"] = ops["fwd"]
       continue
-    ck = computation_key(kernel, p)
+    ck = kernel.pass_numerics(p)
     if ck in first_of:
       alias[(name, p)] = first_of[ck]
       continue

@@ -276,15 +276,24 @@ class EligibilityTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "unknown kernel"):
       candidates.candidate_kernels(["xla_fp9"], "cpu")
     a, b = kernels_lib.get("xla_fp8_rowwise"), kernels_lib.get("xla_fp8_rowwise_fastacc")
-    self.assertEqual(candidates.computation_key(a, "fwd"), candidates.computation_key(b, "fwd"))
-    self.assertNotEqual(candidates.computation_key(a, "grad_lhs"),
-                        candidates.computation_key(b, "grad_lhs"))
-    # The delayed-scaling fused ops differ only in their backward.
-    delayed = [kernels_lib.get(n) for n in ("flax_fp8_delayed", "flax_fp8_delayed_fwd",
-                                            "flax_fp8_delayed_grad_lhs")]
-    self.assertLen({candidates.computation_key(k, "fwd") for k in delayed}, 1)
-    for p in ("grad_lhs", "grad_rhs"):
-      self.assertLen({candidates.computation_key(k, p) for k in delayed}, 3)
+    # Same granularity and accumulation: one program; fast against precise: two.
+    self.assertEqual(a.pass_numerics("fwd"), b.pass_numerics("fwd"))
+    self.assertNotEqual(a.pass_numerics("grad_lhs"), b.pass_numerics("grad_lhs"))
+    self.assertNotEqual(a.pass_numerics("fwd"),
+                        kernels_lib.get("xla_fp8_tensorwise").pass_numerics("fwd"))
+    # The delayed-scaling fused ops share Flax's forward and differ in which gradient passes
+    # they quantize: a quantized pass is one e5m2 product, an unquantized one the plain
+    # product's gradient.
+    delayed = {n: kernels_lib.get(n) for n in ("flax_fp8_delayed", "flax_fp8_delayed_fwd",
+                                               "flax_fp8_delayed_grad_lhs")}
+    self.assertLen({k.pass_numerics("fwd") for k in delayed.values()}, 1)
+    numerics = lambda n, p: delayed[n].pass_numerics(p)
+    self.assertEqual(numerics("flax_fp8_delayed", "grad_lhs"),
+                     numerics("flax_fp8_delayed_grad_lhs", "grad_lhs"))
+    self.assertNotEqual(numerics("flax_fp8_delayed", "grad_lhs"),
+                        numerics("flax_fp8_delayed_fwd", "grad_lhs"))
+    self.assertEqual(numerics("flax_fp8_delayed_fwd", "grad_rhs"),
+                     numerics("flax_fp8_delayed_grad_lhs", "grad_rhs"))
 
 
 if __name__ == "__main__":
