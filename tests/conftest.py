@@ -61,7 +61,7 @@ if GPU_RUN:
 # 20.0 at level 1, which compiles longer but runs a tiny model's step about 2.5x faster:
 # only a few tests train long.
 # XLA:CPU's older elemental fusion emitters compile the suite's steps faster than its MLIR
-# fusion emitters (Wukong tiny's train step 6.0 s -> 2.8 s, `experiments.compile_times`; the
+# fusion emitters (Wukong tiny's train step 6.0 s -> 2.8 s by JAX's compile log; the
 # suite 17.3 -> 11.7 min with the one-example init). Newer jaxlibs (0.11.2)
 # dropped that flag while its name stays in their libraries, and XLA aborts the process on an
 # unknown flag; so the flags go to XLA only after a child process accepted them.

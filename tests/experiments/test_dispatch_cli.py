@@ -143,58 +143,5 @@ class DispatchCliTest(chex.TestCase):
     self.assertNotIn("Traceback", missing.stderr)
 
 
-
-class ReopenCheckCliTest(chex.TestCase):
-  """`python -m experiments.reopen_check`: a saved plan's check started over, or a clear
-  refusal."""
-
-  def test_undoes_the_back_offs_and_refuses_what_it_cannot_reopen(self):
-    from loka_jax.plan.file import SCHEMA, Plan, add_validation, back_off, read_plan
-    from loka_jax.plan.file import save_plan
-    site = "top_mlp/dense_0"
-    plan = Plan({"schema": SCHEMA, "model": "dlrm", "rules": [],
-                 "default": {p: "xla_bf16" for p in hm.PASSES},
-                 "sites": {site: {p: "xla_fp8_rowwise" for p in hm.PASSES}}})
-    judged = add_validation(plan, {"step": "quality_shadow", "round": 0, "passed": False})
-    backed = back_off(judged, site, None, "diverged", step="quality_shadow")
-    workdir = tempfile.mkdtemp(prefix="loka_reopen_cli_")
-    path, out = (os.path.join(workdir, n) for n in ("plan_validating.json", "reopened.json"))
-    save_plan(backed, path)
-    result = run_module("experiments.reopen_check", f"--plan={path}", "--step=quality_shadow",
-                        "--reason=its bound changed", f"--out={out}", timeout=120)
-    self.assertEqual(result.returncode, 0, result.stderr)
-    self.assertIn(f"back-offs undone: {site}", result.stdout)
-    reopened = read_plan(out)
-    self.assertEqual({p: reopened["sites"][site][p]["kernel"] for p in hm.PASSES},
-                     {p: "xla_fp8_rowwise" for p in hm.PASSES})
-    self.assertEqual(read_plan(path).to_dict(), backed.to_dict())   # --out leaves --plan
-    # A held-out back-off before the shadow check's: reopened with the later checks, both go.
-    held = back_off(add_validation(plan, {"step": "quality_held_out", "round": 0}), site, "fwd",
-                    "held-out", step="quality_held_out")
-    both = back_off(add_validation(held, {"step": "quality_shadow", "round": 0}), site, None,
-                    "diverged", step="quality_shadow")
-    save_plan(both, path)
-    refused = run_module("experiments.reopen_check", f"--plan={path}",
-                         "--step=quality_held_out", "--reason=measured", timeout=120)
-    self.assertNotEqual(refused.returncode, 0)
-    self.assertIn("reopen the later ones too", refused.stderr)
-    later = run_module("experiments.reopen_check", f"--plan={path}", "--step=quality_held_out",
-                       "--reason=measured", "--later", f"--out={out}", timeout=120)
-    self.assertEqual(later.returncode, 0, later.stderr)
-    self.assertEqual(later.stdout.count("back-offs undone"), 2)
-    self.assertEqual({p: read_plan(out)["sites"][site][p]["kernel"] for p in hm.PASSES},
-                     {p: "xla_fp8_rowwise" for p in hm.PASSES})
-    again = run_module("experiments.reopen_check", f"--plan={out}", "--step=quality_shadow",
-                       "--reason=again", timeout=120)
-    self.assertNotEqual(again.returncode, 0)
-    self.assertIn("no quality_shadow records since it was last opened", again.stderr)
-    with open(path, "w") as f:
-      f.write('{"schema": ')
-    corrupt = run_module("experiments.reopen_check", f"--plan={path}", "--step=quality_shadow",
-                         "--reason=x", timeout=120)
-    self.assertNotEqual(corrupt.returncode, 0)
-    self.assertIn(path, corrupt.stderr)
-    self.assertNotIn("Traceback", corrupt.stderr)
-
 if __name__ == "__main__":
   absltest.main()

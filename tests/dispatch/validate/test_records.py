@@ -50,7 +50,8 @@ class ReopenTest(chex.TestCase):
     self.assertEqual((mark["rounds_before"], [r["site"] for r in mark["restored"]]),
                      (rounds, [BAD_SITE]))
     self.assertEqual(reopened["validation"][:-1], out["validation"])   # nothing dropped
-    self.assertIn("reopened after", train_report.validation_line(mark))
+    self.assertIn(f"reopened after {rounds} round(s), back-offs undone: {BAD_SITE} "
+                  "(the bound changed)", train_report.validation_line(mark))
     # Judged again from round 0: every run and gradient change it needs is recorded.
     with mock.patch.object(validate.runs, "shadow_run", side_effect=AssertionError("trained")), \
          mock.patch.object(validate.training, "gradient_change",
