@@ -308,16 +308,16 @@ def _reservoir_dtype(state):
 
 
 def run_valve(spec, config, source, workdir: str, batch_size: int) -> DriftValve:
-  """The valve of an `experiments.train` run: `--precision=loka --plan=P --drift_every=N`
-  (the report: `--drift_report`, else the one named in the plan's provenance)."""
+  """The valve of a run with precision 'loka', a plan and `drift_every` N (the report:
+  `drift_report`, else the one named in the plan's provenance)."""
   if spec.precision != "loka" or not spec.plan:
-    raise PlanError("--drift_every needs --precision=loka --plan=PLAN.json: the valve "
+    raise PlanError("drift.every needs run.precision=loka and a run.plan: the valve "
                     "guards a plan")
   plan = as_plan(spec.plan)
   report_path = spec.drift_report or (plan.get("provenance") or {}).get("report_path")
   if not report_path:
     raise PlanError(f"{spec.plan}: its provenance names no probe report; pass "
-                    "--drift_report=PROBE_REPORT.json (the report it was selected on)")
+                    "drift.report=PROBE_REPORT.json (the report it was selected on)")
   features = source.features
   build = lambda kernel_plan: build_model(config, features, SiteConfig.for_precision(
       "loka", plan=kernel_plan))
@@ -325,7 +325,7 @@ def run_valve(spec, config, source, workdir: str, batch_size: int) -> DriftValve
     return DriftValve(build, plan, load_report(report_path), source, batch_size, workdir,
                       ValveConfig(cadence=spec.drift_every))
   except ValueError as e:  # a bad report file, or a plan/report mismatch
-    raise PlanError(f"--drift_every: {e}") from e
+    raise PlanError(f"drift.every: {e}") from e
 
 
 def run(spec, workdir: str, train_config):

@@ -26,20 +26,20 @@ ENV_PROCESS_ID = "JAX_PROCESS_ID"
 
 
 class MeshSpecError(ValueError):
-  """A --mesh value that cannot describe this process's devices."""
+  """A mesh spec ('data:2,model:2') that cannot describe this process's devices."""
 
 
 def parse_mesh_spec(text: str) -> Tuple[Tuple[str, int], ...]:
   """'data:4,model:2' -> (('data', 4), ('model', 2)); a missing axis gets size 1."""
   if not isinstance(text, str) or not text.strip():
-    raise MeshSpecError(f"empty mesh spec {text!r}; write e.g. --mesh=data:2,model:1")
+    raise MeshSpecError(f"empty mesh spec {text!r}; write e.g. 'data:2,model:1'")
   sizes = {}
   for part in text.split(","):
     name, sep, size = part.strip().partition(":")
     name = name.strip()
     if not sep:
       raise MeshSpecError(f"mesh spec {text!r}: {part!r} is not AXIS:SIZE "
-                          f"(axes: {', '.join(AXES)}), e.g. --mesh=data:2,model:2")
+                          f"(axes: {', '.join(AXES)}), e.g. 'data:2,model:2'")
     if name not in AXES:
       raise MeshSpecError(f"mesh spec {text!r}: unknown axis {name!r}; the axes are "
                           f"{', '.join(AXES)}")
@@ -57,7 +57,7 @@ def parse_mesh_spec(text: str) -> Tuple[Tuple[str, int], ...]:
 
 
 def format_mesh_spec(mesh: Mesh) -> str:
-  """The --mesh text of `mesh`, e.g. 'data:2,model:2'."""
+  """The mesh spec text of `mesh`, e.g. 'data:2,model:2'."""
   return ",".join(f"{axis}:{mesh.shape[axis]}" for axis in AXES)
 
 

@@ -77,7 +77,7 @@ def summarize(config: AblationConfig, finals: Mapping[str, Optional[Mapping[str,
     timing_note = "pending"
   else:
     timing_note = ("skipped (not on a GPU)" if config.timing == "auto"
-                   else "skipped (--timing=off)")
+                   else "skipped (timing 'off')")
 
   rows = []
   for mods in config.combinations:

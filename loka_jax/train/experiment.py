@@ -59,14 +59,14 @@ class RunSpec:
 
 
 class PlanError(RuntimeError):
-  """--precision=loka without a usable plan, or with a plan that does not fit the model."""
+  """Precision 'loka' without a usable plan, or with a plan that does not fit the model."""
 
 
 def load_plan(path: Optional[str]) -> KernelPlan:
   """The KernelPlan of a loka.plan/1 file (PlanError naming the file when it is unusable)."""
   if not path:
-    raise PlanError("--precision=loka needs --plan=PLAN.json (a loka.plan/1 file from "
-                     "`python -m experiments.dispatch`)")
+    raise PlanError("precision 'loka' needs a plan: set run.plan to a loka.plan/1 file "
+                    "(`python -m experiments.dispatch` writes one)")
   try:
     plan_file = read_plan(path)  # read once: its provenance, then its kernels
     objective = plan_file["provenance"].get("objective")
@@ -74,7 +74,7 @@ def load_plan(path: Optional[str]) -> KernelPlan:
   except ValueError as e:  # unreadable, corrupt or malformed: the message names the file
     raise PlanError(str(e)) from e
   if objective == "serve":  # its gradient passes were never judged: bf16 or a fused op's
-    raise PlanError(f"{path} is a serving plan (`--objective=serve`: forwards chosen for "
+    raise PlanError(f"{path} is a serving plan (objective 'serve': forwards chosen for "
                     "inference, gradients not judged); train with a training plan")
   if not isinstance(plan, KernelPlan):
     raise TypeError(f"loka_jax.plan.to_kernel_plan({path!r}) returned {type(plan).__name__}, "
@@ -122,7 +122,7 @@ def run(spec: RunSpec, workdir: str, train_config: TrainConfig,
   model, source, config = build_run(spec)
   if spec.drift_every:
     if hook is None:
-      raise PlanError("--drift_every needs the drift valve: train through "
+      raise PlanError("drift_every needs the drift valve: train through "
                       "loka_jax.dispatch.valve.run (experiments.train does)")
     valve = hook(spec, config, source, workdir, train_config.batch_size)
     return train(valve.model, source, workdir, train_config, run_info=spec.run_info(),
@@ -149,7 +149,7 @@ def recipe_notes(preset: str, optim) -> Tuple[str, ...]:
   if want and optim.warmup_steps == 0:
     return (f"the `{preset}` presets spike in their first steps without a learning-rate "
             f"warm-up, in bf16 too, and FP8 gradients make the spike larger: consider "
-            f"--warmup_steps={want}",)
+            f"optim.warmup_steps={want}",)
   return ()
 
 

@@ -266,7 +266,7 @@ def train(model, source, workdir: str, config: TrainConfig, *,
           raise NonFiniteError(
               f"{message}. Training stopped (nan_policy='stop'); the last good checkpoint is "
               f"{where or 'none (no good state was saved)'}. Lower the learning rate, check "
-              "the data, or rerun with --nan_policy=skip to skip such steps.",
+              "the data, or rerun with train.nan_policy=skip to skip such steps.",
               step=done, site=site, checkpoint=where)
       bar.update(1)
 

@@ -1,7 +1,7 @@
 """Reading a training-loss spike from a run's per-module norms.
 
-A run trained with `TrainConfig.module_norms` (`experiments.train --module_norms
---log_every=1`) logs every step's gradient, parameter and update norm of each module
+A run trained with `TrainConfig.module_norms` (`experiments.train
+--config.train.module_norms=True --config.train.log_every=1`) logs every step's gradient, parameter and update norm of each module
 (module_norms.py). This module asks of such a log: at which step did the loss leave its
 recent range, which modules' gradients (and updates) left theirs, in what order, and how many
 steps before the loss; and which modules' outputs (the forward's activations) grew first.
@@ -10,7 +10,7 @@ exceeds `factor` times its median over the `window` logged steps before it (with
 `min_history` of them, so the first steps from initialization, whose gradients fall fast, are
 not read as jumps).
 
-`experiments.spike_report` prints the summary and writes `spike.json`, `spike.md` and
+`experiments.report spikes` prints the summary and writes `spike.json`, `spike.md` and
 `spike.png` beside the run's metrics.
 """
 from __future__ import annotations
@@ -84,8 +84,8 @@ def read_trace(path: str) -> NormTrace:
   with_norms = [r for r in records if norms_lib.GRAD in r]
   if not with_norms:
     raise NormTraceError(
-        f"{path} has no per-module norms: train the run with --module_norms (and "
-        "--log_every=1, to read every step)")
+        f"{path} has no per-module norms: train the run with train.module_norms=True (and "
+        "train.log_every=1, to read every step)")
   # Each kind has its own modules: the outputs include parameter-free ones (and none in a
   # log written before they were recorded).
   norms = {kind: {m: np.array([float(r.get(kind, {}).get(m, math.nan)) for r in records])

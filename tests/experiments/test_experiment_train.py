@@ -59,7 +59,7 @@ class TrainCliTest(chex.TestCase):
     self.assertIn("--config.drift.every does not run in a sharded run yet", plain.stderr)
     self.assertIn("note: the `large` presets spike in their first steps without a "
                   "learning-rate warm-up", plain.stderr)
-    self.assertIn("--warmup_steps=50", plain.stderr)
+    self.assertIn("optim.warmup_steps=50", plain.stderr)
     warm = run_cli(*refused, "--config.optim.warmup_steps=50")
     self.assertIn("--config.drift.every does not run in a sharded run yet", warm.stderr)
     self.assertNotIn("note:", warm.stderr)
@@ -67,7 +67,7 @@ class TrainCliTest(chex.TestCase):
   def test_recipe_notes(self):
     from loka_jax.train import OptimConfig
     (note,) = experiment.recipe_notes("large", OptimConfig())
-    self.assertIn("--warmup_steps=50", note)
+    self.assertIn("optim.warmup_steps=50", note)
     self.assertEqual(experiment.recipe_notes("large", OptimConfig(warmup_steps=10)), ())
     self.assertEqual(experiment.recipe_notes("small", OptimConfig()), ())
     self.assertEqual(experiment.recipe_notes("tiny", OptimConfig()), ())
@@ -76,7 +76,7 @@ class TrainCliTest(chex.TestCase):
     result = run_cli("--config.run.model=wukong", "--config.run.precision=loka",
                      "--workdir=" + tempfile.mkdtemp())
     self.assertNotEqual(result.returncode, 0)
-    self.assertIn("--precision=loka needs --plan=PLAN.json", result.stderr)
+    self.assertIn("precision 'loka' needs a plan: set run.plan", result.stderr)
     self.assertNotIn("Traceback", result.stderr)
 
   def test_missing_workdir_is_a_usage_error(self):
@@ -95,8 +95,8 @@ class PlanLoaderTest(chex.TestCase):
     self.assertIn(path, message)
     self.assertNotIn("\n", message)
 
-  def test_no_plan_says_which_flag_is_missing(self):
-    with self.assertRaisesRegex(experiment.PlanError, "--plan=PLAN.json"):
+  def test_no_plan_says_which_setting_is_missing(self):
+    with self.assertRaisesRegex(experiment.PlanError, "set run.plan"):
       experiment.load_plan(None)
 
 if __name__ == "__main__":

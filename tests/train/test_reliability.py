@@ -219,7 +219,7 @@ class TrainingFaultTest(chex.TestCase):
     err = caught.exception
     self.assertEqual(err.step, 2)
     self.assertRegex(err.site, "'(hidden|out)'")
-    self.assertIn("--nan_policy=skip", str(err))
+    self.assertIn("train.nan_policy=skip", str(err))
     state, _ = restore_run(workdir, model, train_toys.ToySource(seed=2), config)
     self.assertEqual(int(state.step), 1)  # the last good state, saved when it stopped
     for leaf in jax.tree.leaves(state.params):

@@ -256,7 +256,7 @@ class SpikeReadingTest(chex.TestCase):
   def test_bad_metrics_fail_by_name(self):
     with open(self.path, "w") as f:
       f.write(json.dumps({"step": 1, "loss": 0.5, "grad_norm": 0.1}) + "\n")
-    with self.assertRaisesRegex(spikes.NormTraceError, "--module_norms"):
+    with self.assertRaisesRegex(spikes.NormTraceError, "train.module_norms=True"):
       spikes.read_trace(self.path)
     with open(self.path, "w") as f:
       f.write('{"step": 1, "loss"\n' + json.dumps({"step": 2, "loss": 0.5}) + "\n")
@@ -266,7 +266,7 @@ class SpikeReadingTest(chex.TestCase):
       spikes.read_trace(os.path.join(self.tmp, "missing"))
 
   def test_the_script_writes_the_report_and_plot(self):
-    out = subprocess.run([sys.executable, "-m", "experiments.spike_report",
+    out = subprocess.run([sys.executable, "-m", "experiments.report", "spikes",
                           f"--workdir={self.tmp}"], cwd=REPO, capture_output=True, text=True,
                          check=True).stdout
     self.assertIn("First gradient jump: `cross_0` at step 31", out)
@@ -274,7 +274,7 @@ class SpikeReadingTest(chex.TestCase):
       self.assertGreater(os.path.getsize(os.path.join(self.tmp, name)), 100, name)
     with open(os.path.join(self.tmp, "spike.json")) as f:
       self.assertEqual(json.load(f)["first_module"], "cross_0")
-    failed = subprocess.run([sys.executable, "-m", "experiments.spike_report",
+    failed = subprocess.run([sys.executable, "-m", "experiments.report", "spikes",
                              f"--workdir={os.path.join(self.tmp, 'none')}"], cwd=REPO,
                             capture_output=True, text=True)
     self.assertNotEqual(failed.returncode, 0)
