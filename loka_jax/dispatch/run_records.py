@@ -6,7 +6,7 @@ initialization as it ends (`validate.run_step`), so a plan saved mid-check (a pa
 verdict exists. These functions turn those records into a status line, a table with each
 plan run's change against bf16+Mods at the same seed and recipe, and the runs' loss curves
 (`validate.loss_curve`), which show when a run left a plateau (as Wukong `large`'s runs
-do). `experiments.validation_report` prints
+do). `experiments.report validation` prints
 and plots them.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A plan's validation read back (`dispatch.run_records`, `experiments.validation_report`):
+"""A plan's validation read back (`dispatch.run_records`, `experiments.report validation`):
 status, training runs paired with bf16+Mods by seed and recipe, curves, the CLI's output
 and plots, and a clear error on a bad plan file."""
 import os
@@ -148,7 +148,7 @@ class CliTest(chex.TestCase):
     path = os.path.join(workdir, "plan_validating.json")
     save_plan(plan, path)
     out = os.path.join(workdir, "plots")
-    result = run_module("experiments.validation_report", f"--plan={path}", f"--out={out}",
+    result = run_module("experiments.report", "validation", f"--plan={path}", f"--out={out}",
                         timeout=120)
     self.assertEqual(result.returncode, 0, result.stderr)
     self.assertIn("validation in progress", result.stdout)
@@ -159,7 +159,7 @@ class CliTest(chex.TestCase):
       self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
     with open(path, "w") as f:
       f.write('{"schema": ')
-    corrupt = run_module("experiments.validation_report", f"--plan={path}", timeout=120)
+    corrupt = run_module("experiments.report", "validation", f"--plan={path}", timeout=120)
     self.assertNotEqual(corrupt.returncode, 0)
     self.assertIn(path, corrupt.stderr)
     self.assertNotIn("Traceback", corrupt.stderr)

@@ -1,4 +1,4 @@
-"""A report over committed rows (`experiments.bench_report`): rows merged from several files,
+"""A report over committed rows (`experiments.report rows`): rows merged from several files,
 a later measurement replacing an earlier one, and the at-a-glance table of the targets."""
 import json
 import os
@@ -127,7 +127,7 @@ class CliTest(absltest.TestCase):
 
   def _run(self, *args):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "MPLBACKEND": "Agg"}
-    return subprocess.run([sys.executable, "-m", "experiments.bench_report", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "experiments.report", "rows", *args], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=120)
 
   def test_writes_the_report_targets_and_plots_and_refuses_mixed_cards(self):

@@ -13,6 +13,10 @@ from experiments import run_config
 
 MAINS = (("loka",), ("train",))
 
+# The grouping mains, their subcommands, and a flag of the first subcommand.
+GROUPS = (("report", ("rows", "plan_headroom", "validation", "spikes", "kernel_usage",
+                      "hlo_scope"), "rows"),)
+
 
 def load(name, *overrides):
   """The config of experiments/configs/<name>.py with `overrides` applied by the flag parser."""
@@ -96,6 +100,25 @@ class TrainConfigTest(absltest.TestCase):
                                     "--config.run.plan=p.json").run)
     self.assertEqual((spec.precision, spec.plan, spec.mods, spec.num_eval),
                      ("loka", "p.json", (), None))
+
+
+class GroupingMainTest(parameterized.TestCase):
+  """The grouping mains (`python3 -m experiments.GROUP NAME`): --help lists the subcommands
+  and exits 0, and NAME --help prints that tool's docstring and flags and exits 0."""
+
+  @parameterized.parameters(*GROUPS)
+  def test_help_lists_the_subcommands_and_each_ones_flags(self, group, names, flag):
+    done = run_module(f"experiments.{group}", "--help", timeout=120)
+    self.assertEqual(done.returncode, 0, done.stderr[-2000:])
+    for name in names:
+      self.assertIn(f"\n  {name} ", done.stdout)
+    done = run_module(f"experiments.{group}", names[0], "--help", timeout=120)
+    self.assertEqual(done.returncode, 0, done.stderr[-2000:])
+    self.assertIn(f"python3 -m experiments.{group} {names[0]}", done.stdout)
+    self.assertIn(f"--{flag}:", done.stdout)
+    unknown = run_module(f"experiments.{group}", "nonexistent", timeout=120)
+    self.assertEqual(unknown.returncode, 1)
+    self.assertIn("no subcommand 'nonexistent'", unknown.stderr)
 
 
 if __name__ == "__main__":

@@ -129,7 +129,7 @@ class CompareTest(absltest.TestCase):
     with open(path, "w") as f:
       f.write(MODULE)
     run = lambda *args: subprocess.run(
-        [sys.executable, "-m", "experiments.hlo_scope", *args], cwd=REPO,
+        [sys.executable, "-m", "experiments.report", "hlo_scope", *args], cwd=REPO,
         env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=120)
     done = run("--scope=M/emb (bwd)", "--names=x,y", path, path)
     self.assertEqual(done.returncode, 0, done.stderr)

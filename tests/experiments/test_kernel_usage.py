@@ -61,7 +61,7 @@ class KernelUsageTest(absltest.TestCase):
       json.dump(_report(), f)
     out = os.path.join(tmp, "usage.json")
     run = lambda *args: subprocess.run(
-        [sys.executable, "-m", "experiments.kernel_usage", *args], cwd=REPO,
+        [sys.executable, "-m", "experiments.report", "kernel_usage", *args], cwd=REPO,
         env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=120)
     done = run(good, f"--out={out}")
     self.assertEqual(done.returncode, 0, done.stderr)

@@ -1,4 +1,4 @@
-"""The GEMM headroom of a plan (experiments/bench/headroom.py, experiments/plan_headroom.py):
+"""The GEMM headroom of a plan (experiments/bench/headroom.py, experiments/tools/plan_headroom.py):
 savings summed from hand-made kernel timings and checked against hand arithmetic."""
 import gzip
 import json
@@ -167,7 +167,7 @@ class CliTest(chex.TestCase):
     save_report(rep, os.path.join(tmp, "report.json"))
     save_plan(selection.select(rep, Criteria()), os.path.join(tmp, "plan.json"))
     out = os.path.join(tmp, "out")
-    cmd = [sys.executable, "-m", "experiments.plan_headroom",
+    cmd = [sys.executable, "-m", "experiments.report", "plan_headroom",
            f"--report={tmp}/report.json", f"--plans=loka={tmp}/plan.json",
            "--train_step_ms=2", "--infer_step_ms=1", "--train_target=1.25", f"--out={out}"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
@@ -179,7 +179,7 @@ class CliTest(chex.TestCase):
     self.assertAlmostEqual(loka["projected"], 2.0 / (2.0 - (125 + 60) / 1e3), places=6)
     with open(os.path.join(out, "headroom.png"), "rb") as f:
       self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
-    bad = subprocess.run(cmd[:4] + ["--plans=loka"], capture_output=True, text=True,
+    bad = subprocess.run(cmd[:5] + ["--plans=loka"], capture_output=True, text=True,
                          timeout=300, cwd=REPO)
     self.assertNotEqual(bad.returncode, 0)
     self.assertIn("give name=PLAN.json", bad.stderr)

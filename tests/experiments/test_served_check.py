@@ -194,7 +194,8 @@ class CliTest(absltest.TestCase):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "MPLBACKEND": "Agg"}
 
     def run(*args):
-      return subprocess.run([sys.executable, "-m", "experiments.bench_report", f"--rows={rows}",
+      return subprocess.run([sys.executable, "-m", "experiments.report", "rows",
+                             f"--rows={rows}",
                              f"--out={os.path.join(d, 'out')}", *args], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=120)
 

@@ -1,6 +1,6 @@
 r"""What one name scope of two compiled steps runs, and how it differs between them.
 
-  python3 -m experiments.hlo_scope --scope="DCNv2/embeddings (bwd)" \
+  python3 -m experiments.report hlo_scope --scope="DCNv2/embeddings (bwd)" \
       --names=bf16_mods,loka DIR/hlo/bf16_mods_train.txt DIR/hlo/loka_train.txt
 
 Reads the compiled HLO `experiments.profile_step` writes (plain or .gz). For the scope a
@@ -41,6 +41,3 @@ def main(argv):
                          "spell it as the profile's scope table does")
   print(hlo_scope.markdown(SCOPE.value, NAMES.value, *found, listed=LISTED.value))
 
-
-if __name__ == "__main__":
-  app.run(main)

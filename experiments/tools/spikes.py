@@ -5,7 +5,7 @@
       --config.optim.warmup_steps=50 --config.run.seed=2 --config.run.batch_size=4096 \
       --config.train.xla_deterministic=true --config.train.module_norms=true \
       --config.train.log_every=1 --workdir=/tmp/spike
-  python -m experiments.spike_report --workdir=/tmp/spike
+  python3 -m experiments.report spikes --workdir=/tmp/spike
 
 Prints the loss's worst step and first jump, each module whose gradient norm jumped (first
 above --grad_factor x its median over the --window logged steps before), earliest first, and
@@ -59,6 +59,3 @@ def main(argv):
   print(text)
   print(f"wrote {os.path.join(out, 'spike.json')}, {os.path.join(out, 'spike.md')}, {plot}")
 
-
-if __name__ == "__main__":
-  app.run(main)

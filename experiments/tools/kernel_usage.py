@@ -1,6 +1,6 @@
 r"""Which candidate kernels the selection picks, over many probe reports of one card.
 
-  python3 -m experiments.kernel_usage docs/results/probe_report_*_h200_*.json.gz
+  python3 -m experiments.report kernel_usage docs/results/probe_report_*_h200_*.json.gz
 
 Per kernel: the (site, pass) entries that timed it, those where `dispatch.select` picks it
 for training and for serving, those where it is the fastest timed, and its best median
@@ -50,6 +50,3 @@ def main(argv):
                  "droppable": usage.droppable(counts),
                  "kept": usage.kept_kernels(counts)}, f, indent=1)
 
-
-if __name__ == "__main__":
-  app.run(main)

@@ -1,6 +1,6 @@
 r"""How far a target's plans are from what its probed kernels could give a step (CPU).
 
-  python -m experiments.plan_headroom --report=PROBE_REPORT.json[.gz] \
+  python3 -m experiments.report plan_headroom --report=PROBE_REPORT.json[.gz] \
       --plans=loka=PLAN.json[,selected=PLAN_SELECTED.json] \
       [--kernels=flax_fp8_delayed,...] [--rows=BENCH.jsonl,... --baseline=bf16_mods] \
       [--train_step_ms=163 --infer_step_ms=49] [--train_target=1.25 --infer_target=1.5] \
@@ -104,9 +104,6 @@ def main(argv):
       headroom.plot(all_lines, os.path.join(OUT.value, "headroom.png"), targets, baselines,
                     f"{report['model']}/{report['preset']} on {report.get('device_kind')}: "
                     f"GEMM headroom over {' / '.join(sorted(set(baselines.values())))}")
-    print(f"[plan_headroom] wrote {OUT.value}/headroom.md, .json"
+    print(f"[report plan_headroom] wrote {OUT.value}/headroom.md, .json"
           + (", .png" if any(l.projected for l in all_lines) else ""))
 
-
-if __name__ == "__main__":
-  app.run(main)

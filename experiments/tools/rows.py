@@ -1,6 +1,6 @@
 r"""The headline benchmark's tables, target verdicts and plots from result rows already measured.
 
-  python -m experiments.bench_report --rows=OLDEST.jsonl,...,NEWEST.jsonl --out=DIR \
+  python3 -m experiments.report rows --rows=OLDEST.jsonl,...,NEWEST.jsonl --out=DIR \
       [--device="NVIDIA H200"] [--served_quality=REPORT.json,...] [--quality_runs=DIR,...]
 
 Merges speed and quality rows from the files in order (a later row of the same target,
@@ -10,8 +10,9 @@ writes what `experiments.bench` writes at the end of a call: DIR/report.md (tabl
 targets met or missed), DIR/targets.json and PNG plots under DIR/plots/. No GPU needed: this
 is how the benchmark summary is made from the rows committed under docs/results/.
 Plots put one bar per target and variant, so rows of two device kinds need --device.
---served_quality takes `experiments.serving_quality` reports: an inference verdict measured on
-a served model outside the quality budget is missed (`experiments.bench.served_check`).
+--served_quality takes `experiments.measure serving_quality` reports: an inference verdict
+measured on a served model outside the quality budget is missed
+(`experiments.bench.served_check`).
 """
 import os
 
@@ -28,9 +29,10 @@ QUALITY_RUNS = flags.DEFINE_list(
     "window's loss and the step it got down to a loss shared by the comparison's runs, a "
     "quarter of their mean descent left).")
 SERVED = flags.DEFINE_list(
-    "served_quality", [], "Reports of experiments.serving_quality (JSON), oldest first: the "
-    "held-out quality of the models LoKA rows served before the bench's served-quality gate; "
-    "a row whose served model is outside the budget has its inference verdicts missed.")
+    "served_quality", [], "Reports of `experiments.measure serving_quality` (JSON), oldest "
+    "first: the held-out quality of the models LoKA rows served before the bench's "
+    "served-quality gate; a row whose served model is outside the budget has its inference "
+    "verdicts missed.")
 
 
 def main(argv):
@@ -64,10 +66,7 @@ def main(argv):
             "reported without a bar": sum(v["met"] is None and v["value"] is not None
                                           for v in verdicts),
             "not measured yet": sum(v["value"] is None for v in verdicts)}
-  print(f"[bench_report] {len(rows)} rows from {len(ROWS.value)} files; targets: "
+  print(f"[report rows] {len(rows)} rows from {len(ROWS.value)} files; targets: "
         + ", ".join(f"{n} {w}" for w, n in counts.items())
         + f"; plots: {', '.join(written) or 'none'}")
 
-
-if __name__ == "__main__":
-  app.run(main)

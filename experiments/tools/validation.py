@@ -1,6 +1,6 @@
 r"""Read a plan's validation: where it stands, every check's measurements, its training runs.
 
-  python -m experiments.validation_report --plan=PLANS/wukong_large/plan_validating.json \
+  python3 -m experiments.report validation --plan=PLANS/wukong_large/plan_validating.json \
       [--out=DIR]
 
 Works on a validated plan and on one a paused validation saved (`plan_validating.json`):
@@ -58,10 +58,7 @@ def main(argv):
           curves, validate.CURVE_EVERY, 0, os.path.join(OUT.value, f"validation_{check}.png"),
           f"{plan.get('model', '')} {plan.get('preset', '')}: {check} runs",
           panel_title=panel_title, xlabel=xlabel)
-      print(f"\n[validation_report] curves: {path}")
+      print(f"\n[report validation] curves: {path}")
   if not runs:
     print("\nNo training runs recorded.")
 
-
-if __name__ == "__main__":
-  app.run(main)

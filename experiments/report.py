@@ -1,0 +1,33 @@
+"""Read-only reports over committed or produced files: result rows, probe reports, plans,
+a run's norms, compiled HLO. No GPU; nothing is measured again.
+
+  python3 -m experiments.report NAME [flags] [files]
+  python3 -m experiments.report NAME --help     (that report's flags)
+
+Each report is a module under experiments/tools/ (`experiments/tools/subcommands.py` runs
+it).
+"""
+from experiments.tools import subcommands
+
+COMMANDS = {
+    "rows": ("experiments.tools.rows",
+             "the benchmark's tables, target verdicts and plots from result rows (JSONL)"),
+    "plan_headroom": ("experiments.tools.plan_headroom",
+                      "the GEMM time a target's plans save, projected onto its step"),
+    "validation": ("experiments.tools.validation",
+                   "where a plan's (paused) validation stands, its records and training runs"),
+    "spikes": ("experiments.tools.spikes",
+               "which module a training-loss spike started in (a run with module norms)"),
+    "kernel_usage": ("experiments.tools.kernel_usage",
+                     "which kernels the selection picks over one card's probe reports"),
+    "hlo_scope": ("experiments.tools.hlo_scope",
+                  "what one name scope of two compiled steps runs, and how they differ"),
+}
+
+
+def main():
+  subcommands.run("report", __doc__, COMMANDS)
+
+
+if __name__ == "__main__":
+  main()
