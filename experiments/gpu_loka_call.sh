@@ -18,7 +18,7 @@
 # flax_fp8_delayed_grad_lhs: the probe's
 # candidates), MAXMIN (7.5: minutes after which no new row starts unless the rows recorded
 # say it ends in time), LIMIT (575: hard seconds; the bench starts no row that the longest
-# recorded one says would end past it, less 20 s: `loka_jax/bench/pace.py`), TIMING_CACHE (.snap/tc: shapes timed ahead with `experiments.probe --time_only`),
+# recorded one says would end past it, less 20 s: `loka_jax/bench/pace.py`), TIMING_CACHE (.snap/tc: shapes timed ahead by `experiments.probe` with `config.timing.only`),
 # OUT (set on the device; elsewhere $WORK/out). Arguments go to `experiments.bench` last, e.g.
 # --serve_plan (LoKA serves its serving plan's export; plan_serve.json is made again from the
 # carried report on each host, so it need not come back).

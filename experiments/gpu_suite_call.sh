@@ -54,7 +54,7 @@ if [ "$MODULE" = experiments.bench ]; then
     --probe_timing_cache="$WORK/tc" "$@"
 else  # no shape starts that would not end within the budget at the slowest shape's pace so
   # far (20-150 s a shape at Wukong large's on the H200); the rest is the process's start
-  set -- --timing_cache="$WORK/tc" --budget_s=$(( ${LIMIT:-575} - 45 )) "$@"
+  set -- --config.timing.cache="$WORK/tc" --config.budget_s=$(( ${LIMIT:-575} - 45 )) "$@"
 fi
 timeout "${LIMIT:-575}" python3 -m "$MODULE" "$@" >> "$WORK/log.txt" 2>&1
 echo "rc=$?" >> "$WORK/log.txt"

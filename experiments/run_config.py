@@ -1,19 +1,20 @@
-"""What the config-driven mains (`experiments.loka`, `experiments.train`) share: their --config
-flag and its parsing, the fields whose values come from a fixed list, and a config's `run`
-group as the library's RunSpec.
+"""What the config-driven mains (`experiments.loka`, `train`, `probe`, `dispatch`, `ablate_mods`,
+`kernels`, `profile_step`) share: their --config flag and its parsing, the fields whose values
+come from a fixed list, comma-separated fields as tuples, and a config's `run` group as the
+library's RunSpec.
 
 A main reads its settings from a config file, `experiments/configs/<name>.py`, whose
 `get_config()` returns an ml_collections ConfigDict; `--config.GROUP.FIELD=VALUE` overrides one
 field, and ml_collections parses the value as the field's type. A field the config does not
-have, a value of the wrong type or one outside a field's list ends the program with one line
-naming the field, before the main runs.
+have, a value of the wrong type, one outside a field's list or below its lower bound ends the
+program with one line naming the field, before the main runs.
 """
 from __future__ import annotations
 
 import os
 import re
 import sys
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 from absl import flags
 from ml_collections import config_flags
@@ -23,16 +24,27 @@ CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 DATA_SOURCES = ("synthetic", "movielens", "criteo")
 PRECISIONS = ("fp32", "bf16", "fp8_all", "loka")  # loka: the kernels of run.plan
 COLLECTIVES = ("fp32", "bf16", "fp8")
+AUTO = ("auto", "on", "off")  # auto: on a GPU only
 
 
 def choices() -> Dict[str, Tuple[str, ...]]:
   """The values each listed field accepts, by its path in the config."""
   from loka_jax.data.spec import ID_POLICIES
+  from loka_jax.dispatch.selection import OBJECTIVES
   from loka_jax.models import MODEL_NAMES, PRESETS
+  from loka_jax.probe.eligibility import METRICS
   from loka_jax.train import NAN_POLICIES
+  from loka_jax.train.ablation_arms import TIMING_MODES
   return {"run.model": MODEL_NAMES, "run.preset": PRESETS, "run.data": DATA_SOURCES,
           "run.precision": PRECISIONS, "run.id_policy": ID_POLICIES,
-          "train.nan_policy": NAN_POLICIES, "parallel.collectives": COLLECTIVES}
+          "train.nan_policy": NAN_POLICIES, "parallel.collectives": COLLECTIVES,
+          "select.metric": METRICS, "select.objective": OBJECTIVES,
+          "timing.time": AUTO, "timing.write_table": AUTO, "timing.mode": TIMING_MODES,
+          "target.model": MODEL_NAMES, "target.preset": PRESETS}
+
+
+# The least value a listed numeric field takes, by its path in the config.
+LOWER_BOUNDS = {"timing.compile_workers": 1, "timing.min_gflops": 0.0}
 
 
 def define_config_flag(name: str) -> flags.FlagHolder:
@@ -54,8 +66,8 @@ def parse_flags(argv: Sequence[str]):
   try:
     rest = flags.FLAGS(list(argv))
     config = flags.FLAGS["config"].value
-    given = {path: config[path.split(".")[0]].get(path.split(".")[1])
-             for path in choices() if path.split(".")[0] in config}  # a failed load raises here
+    given = {path: config[path.split(".")[0]].get(path.split(".")[1])  # a failed load raises
+             for path in (*choices(), *LOWER_BOUNDS) if path.split(".")[0] in config}
   except SystemExit as e:  # absl's help flags print their text and exit 1: no error here
     sys.exit(0 if e.code == 1 else e.code)
   except OSError as e:  # the config file did not load: its message's last line says why
@@ -66,6 +78,9 @@ def parse_flags(argv: Sequence[str]):
   for path, allowed in choices().items():
     if given.get(path) is not None and given[path] not in allowed:
       sys.exit(f"error: --config.{path}={given[path]}: not one of {', '.join(allowed)}")
+  for path, least in LOWER_BOUNDS.items():
+    if given.get(path) is not None and given[path] < least:
+      sys.exit(f"error: --config.{path}={given[path]}: must be >= {least}")
   return rest
 
 
@@ -85,6 +100,16 @@ def _exit(error: BaseException, argv: Sequence[str]):
   if text.startswith("flag --"):  # absl's own message names the flag
     sys.exit(f"error: {text[len('flag '):]}")
   sys.exit(f"error: {text}")
+
+
+def split(value: Optional[str]) -> Tuple[str, ...]:
+  """The entries of a comma-separated field, stripped, empty ones dropped (None: none)."""
+  return tuple(v.strip() for v in (value or "").split(",") if v.strip())
+
+
+def auto(value: str) -> Optional[bool]:
+  """An `AUTO` field as the library's tri-state: None (auto), True (on) or False (off)."""
+  return None if value == "auto" else value == "on"
 
 
 def mods(value: str) -> Tuple[str, ...]:

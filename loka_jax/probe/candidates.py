@@ -2,7 +2,8 @@
 
 Default candidates: every kernel that can compute a plain site product (per-pass kernels and
 fused ops with passes), except the fp32 reference arm (never faster than xla_bf16) and, on a
-CPU, the Pallas kernels (interpret mode is slow; name them with --kernels to include them).
+CPU, the Pallas kernels (interpret mode is slow; name them among the candidates to include
+them).
 Kernels whose code for a pass is identical share one evaluation and one timing of that pass:
 the XLA FP8 variants differ only in which passes accumulate fast, and the delayed-scaling fused
 ops only in their backward (they share one timing of the forward).
@@ -33,7 +34,7 @@ def candidate_kernels(names: Optional[Sequence[str]] = None, platform: str = "cp
                          "epilogue); it cannot be probed per site")
     for n in kernels_lib.names():
       if n not in names:
-        excluded[n] = "not in --kernels"
+        excluded[n] = "not among the named candidates"
   else:
     chosen = []
     for k in kernels_lib.all_kernels():
@@ -42,8 +43,8 @@ def candidate_kernels(names: Optional[Sequence[str]] = None, platform: str = "cp
       elif k.sort == FUSED_OP and not k.passes:
         excluded[k.name] = "fuses an epilogue (BlockNorm/activation): not a plain site product"
       elif k.backend == "pallas_triton" and platform == "cpu":
-        excluded[k.name] = ("Pallas kernel: interpret mode on the CPU is slow; pass --kernels "
-                            "to include it")
+        excluded[k.name] = ("Pallas kernel: interpret mode on the CPU is slow; name it among "
+                            "the candidate kernels to include it")
       else:
         chosen.append(k)
   if BASELINE not in [k.name for k in chosen]:

@@ -190,7 +190,7 @@ def check_state(state, sites: Mapping[str, SiteProbe], config: ProbeConfig, wher
         parts.append(f"{label}: {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''}")
     raise ProbeStateError(f"{where}: the saved probe statistics were made for other sites or "
                      f"probe settings ({'; '.join(parts)}); use the same settings or a new "
-                     "--workdir")
+                     "run directory")
 
 
 # ----------------------------------------------------------------------------- update

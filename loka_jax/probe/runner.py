@@ -171,10 +171,10 @@ def _setup(spec: experiment.RunSpec, batch_size: int, probe_config: ProbeConfig,
     kernels, excluded = candidates_lib.candidate_kernels(options.kernels or None,
                                                          jax.default_backend())
   except ValueError as e:
-    raise ProbeSetupError(f"--kernels: {e}") from e
+    raise ProbeSetupError(f"the probe's candidate kernels: {e}") from e
   selected = [n for n in sites if options.sites is None or re.search(options.sites, n)]
   if not selected:
-    raise ProbeSetupError(f"--sites={options.sites!r} matches none of the sites: "
+    raise ProbeSetupError(f"the probe's sites regex {options.sites!r} matches none of the sites: "
                           f"{list(sites)}")
   return _Setup(model, source, abstract, {n: sites[n] for n in selected}, list(kernels),
                 dict(excluded), [k.name for k in kernels])

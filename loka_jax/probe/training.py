@@ -81,7 +81,7 @@ class ProbeCollector:
     if state is not None and names is not None and list(names) != list(sites):
       raise ProbeStateError("checkpoint extras: the saved probe statistics belong to sites "
                             f"{list(names)[:4]}..., not this model's {list(sites)[:4]}...; "
-                            "use a new --workdir")
+                            "use a new run directory")
     self.probe = tower_probe(model, config)
     self.probe.setup(example_variables, batch, sites=sites, state=state, on_trace=on_trace)
     self.sites = self.probe.sites

@@ -1,6 +1,7 @@
-"""The config-driven mains (`python -m experiments.loka`, `experiments.train`): --help lists
---config and exits 0, `--config.GROUP.FIELD=VALUE` overrides one field of the config file,
-and a wrong field or value ends the program with one line naming it."""
+"""The config-driven mains (`python -m experiments.loka`, `experiments.train`, `probe`,
+`dispatch`, `ablate_mods`, `kernels`, `profile_step`): --help lists --config and exits 0,
+`--config.GROUP.FIELD=VALUE` overrides one field of the config file and reaches the run, and a
+wrong field or value ends the program with one line naming it."""
 import os
 import tempfile
 
@@ -16,6 +17,8 @@ MAINS = (("loka",), ("train",))
 # The grouping mains, their subcommands, and a flag of the first subcommand.
 GROUPS = (("report", ("rows", "plan_headroom", "validation", "spikes", "kernel_usage",
                       "hlo_scope"), "rows"),)
+# The other config-driven mains, each with whether it has a --workdir flag.
+OTHER_MAINS = (("probe", True),)
 
 
 def load(name, *overrides):
@@ -39,6 +42,14 @@ class EntryPointTest(parameterized.TestCase):
     self.assertIn(os.path.join("experiments", "configs", f"{name}.py"), done.stdout)
     self.assertIn("--workdir:", done.stdout)
 
+  @parameterized.parameters(*OTHER_MAINS)
+  def test_help_of_the_other_mains_lists_the_config_flag_and_exits_0(self, name, workdir):
+    done = run_module(f"experiments.{name}", "--help", timeout=120)
+    self.assertEqual(done.returncode, 0, done.stderr[-2000:])
+    self.assertIn("--config:", done.stdout)
+    self.assertIn(os.path.join("experiments", "configs", f"{name}.py"), done.stdout)
+    self.assertEqual("--workdir:" in done.stdout, workdir)
+
   @parameterized.parameters(*MAINS)
   def test_an_override_changes_its_field_only(self, name):
     default = load(name)
@@ -60,6 +71,16 @@ class EntryPointTest(parameterized.TestCase):
       self.assertEqual(len(done.stderr.strip().splitlines()), 1, done.stderr[-2000:])
       self.assertIn(said.lower(), done.stderr.lower())
       self.assertTrue(done.stderr.startswith("error: "), done.stderr)
+
+
+class OverrideReachesTheRunTest(absltest.TestCase):
+  """A field set on the command line of each other main changes what that main does."""
+
+  def test_probe(self):
+    done = run_module("experiments.probe", "--config.describe=true", "--config.run.model=dlrm",
+                      timeout=300)
+    self.assertEqual(done.returncode, 0, done.stderr[-2000:])
+    self.assertTrue(done.stdout.startswith("dlrm/tiny: 6 sites"), done.stdout)
 
 
 class LokaConfigTest(absltest.TestCase):
@@ -119,6 +140,47 @@ class GroupingMainTest(parameterized.TestCase):
     unknown = run_module(f"experiments.{group}", "nonexistent", timeout=120)
     self.assertEqual(unknown.returncode, 1)
     self.assertIn("no subcommand 'nonexistent'", unknown.stderr)
+
+
+class BenchConfigTest(absltest.TestCase):
+  """`python -m experiments.bench`: the common config (models suite) and one file per suite."""
+
+  def test_help_lists_the_config_flag_and_exits_0(self):
+    done = run_module("experiments.bench", "--help", timeout=120)
+    self.assertEqual(done.returncode, 0, done.stderr[-2000:])
+    self.assertIn("--config:", done.stdout)
+    self.assertIn(os.path.join("experiments", "configs", "bench.py"), done.stdout)
+    self.assertIn("--workdir:", done.stdout)
+
+  def test_an_override_reaches_the_suite_settings(self):
+    from experiments.bench import settings
+    default = settings.from_config(load("bench_towers"), "/w")
+    call = settings.from_config(load(
+        "bench_towers", "--config.speed.repeats=7", "--config.targets.towers=32x16x2",
+        "--config.validation.shadow_steps=0", "--config.serving.promotion=off",
+        "--config.targets.mods=no_bias,blocknorm", "--config.pacing.end_by_minutes=2"), "/w")
+    self.assertEqual((default.suite, default.speed.repeats, len(default.speed_targets)),
+                     ("towers", 20, 5))
+    self.assertEqual((call.speed.repeats, [t.preset for t in call.speed_targets]),
+                     (7, ["32x16x2"]))
+    self.assertEqual((call.speed.validation_shadow_steps, call.speed.serve_promotion,
+                      call.speed.mods, call.end_by_minutes),
+                     (0, False, ("no_bias", "blocknorm"), 2.0))
+    self.assertEqual((call.speed.plans_dir, call.compile_cache), ("/w/plans", "/w/jax_cache"))
+    # The quality suite's file: its runs take the common groups' fields too.
+    runs = settings.from_config(load("bench_quality", "--config.quality.data=synthetic",
+                                     "--config.targets.models=dlrm,wukong",
+                                     "--config.quality.steps=9"), "/w").quality_runs
+    self.assertEqual([(m, qs.data, qs.steps) for m, qs in runs],
+                     [("dlrm", "synthetic", 9), ("wukong", "synthetic", 9)])
+
+  def test_a_wrong_value_is_one_line_naming_it(self):
+    done = run_module("experiments.bench", "--config.speed.variants=bf16,fp9",
+                      "--workdir=" + tempfile.mkdtemp(), timeout=120)
+    self.assertEqual(done.returncode, 1, done.stderr[-2000:])
+    self.assertEqual(len(done.stderr.strip().splitlines()), 1, done.stderr[-2000:])
+    self.assertTrue(done.stderr.startswith("error: --config.speed.variants=bf16,fp9: unknown "
+                                           "variant(s) ['fp9']"), done.stderr)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-"""Timings measured ahead (`experiments.probe --time_only`): every distinct site shape goes
-into the timing cache without training, and a later probe given that cache times nothing
-(and compiles none of its evaluation on first call: `probe.executables`). A probe whose
-sites are all evaluated finishes on a machine without its checkpoint, without training."""
+"""Timings measured ahead (`experiments.probe` with `config.timing.only`): every distinct site
+shape goes into the timing cache without training, and a later probe given that cache times
+nothing (and compiles none of its evaluation on first call: `probe.executables`). A probe
+whose sites are all evaluated finishes on a machine without its checkpoint, without training."""
 import json
 import os
 import shutil
