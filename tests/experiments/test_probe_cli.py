@@ -1,0 +1,220 @@
+"""`python -m experiments.probe` end to end on a tiny Wukong, then resumed with a timing table;
+`experiments.compare_timing_caches` and `experiments.merge_timing_caches` on small caches."""
+import json
+import os
+import tempfile
+
+import chex
+from absl.testing import absltest
+
+from cli_helpers import run_module
+
+from loka_jax.probe import timing_table
+from loka_jax.probe import evaluate, kernel_timing
+from loka_jax.probe import report as report_lib
+
+SITES = "layer_0/fmb/(fm_proj|optimized_fm|mlp/dense_0)"
+ARGS = ("--config.run.model=wukong", "--config.run.preset=tiny", "--config.run.steps=4",
+        "--config.run.batch_size=64", "--config.run.num_eval=256", "--config.stats.cadence=2",
+        "--config.evaluate.samples=4",
+        "--config.evaluate.kernels=xla_bf16,xla_fp8_tensorwise,xla_fp8_rowwise",
+        f"--config.evaluate.sites={SITES}",
+        # conftest's cache of this run, shared with the probe notebook's (same tiny shapes)
+        f"--config.compilation_cache={os.environ['JAX_COMPILATION_CACHE_DIR']}")
+
+
+def run_cli(*args, timeout=300, module="experiments.probe"):
+  return run_module(module, *args, timeout=timeout)
+
+
+def _write_table(path):
+  """A GPU-like timing table for the dense product only: the other sites get estimates."""
+  entries = []
+  for kernel, us in (("xla_bf16", 30.0), ("xla_fp8_rowwise", 20.0)):
+    for p, (spec, lhs, rhs) in {"fwd": ("mk,kn->mn", [64, 36], [36, 32]),
+                                "grad_lhs": ("mn,kn->mk", [64, 32], [36, 32]),
+                                "grad_rhs": ("mk,mn->kn", [64, 36], [64, 32])}.items():
+      entries.append({"kernel": kernel, "pass": p, "spec": spec, "lhs_shape": lhs,
+                      "rhs_shape": rhs, "dtype": "bfloat16", "median_us": us,
+                      "ci_us": [0.95 * us, 1.05 * us], "backend": "cublaslt_fp8",
+                      "repeats": 20, "jax": "0.11.2", "date": "2026-11-26"})
+  timing_table.update_file(path, "NVIDIA H100 80GB HBM3", entries)
+
+
+class ProbeCliTest(chex.TestCase):
+
+  def test_tiny_wukong_end_to_end_resumed_then_with_a_timing_table(self):
+    workdir = tempfile.mkdtemp(prefix="loka_probe_cli_")
+    # A budget that runs out right after training: exit 3, a partial report saying so.
+    partial = run_cli(*ARGS, f"--workdir={workdir}", "--config.budget_s=0.001")
+    self.assertEqual(partial.returncode, 3, partial.stderr[-3000:] + partial.stdout[-2000:])
+    self.assertIn("INCOMPLETE", partial.stdout)
+    report = report_lib.load_report(os.path.join(workdir, "probe_report.json"))
+    self.assertFalse(report["complete"])
+    self.assertEqual(len(report["pending"]), 3)
+    # The same command without a budget resumes: no training left, three sites evaluated.
+    result = run_cli(*ARGS, f"--workdir={workdir}")
+    self.assertEqual(result.returncode, 0, result.stderr[-3000:] + result.stdout[-2000:])
+    report = report_lib.load_report(os.path.join(workdir, "probe_report.json"))
+    self.assertEqual((report["model"], report["preset"], report["timing_valid"]),
+                     ("wukong", "tiny", False))
+    # Untimed (CPU) runs fall back on a committed timing table when the checkout has one.
+    committed = timing_table.available_tables()
+    self.assertEqual(report["timing_source"]["kind"], "table" if committed else "none")
+    self.assertEqual(list(report["sites"]), ["layer_0/fmb/fm_proj", "layer_0/fmb/optimized_fm",
+                                             "layer_0/fmb/mlp/dense_0"])
+    self.assertEqual(report["overhead"]["observations"], 2)   # steps 2 and 4
+    site = report["sites"]["layer_0/fmb/mlp/dense_0"]
+    self.assertEqual(site["shapes"], {"lhs": [64, 36], "rhs": [36, 32], "out": [64, 32]})
+    for p in ("fwd", "grad_lhs", "grad_rhs"):
+      fp8 = site["passes"][p]["xla_fp8_rowwise"]["sqnr_db"]
+      bf16 = site["passes"][p]["xla_bf16"]["sqnr_db"]
+      self.assertTrue(15.0 < fp8[0] <= fp8[2] < 45.0, (p, fp8))
+      self.assertGreater(bf16[0], fp8[2])
+    self.assertIn("histogram", site["stats"]["lhs"])
+    for name in ("probe_report.md", "plots/heatmap_error.png",
+                 "plots/sites/layer_0_fmb_mlp_dense_0.png", "probe_eval.jsonl"):
+      self.assertTrue(os.path.exists(os.path.join(workdir, name)), name)
+    self.assertIn("layer_0/fmb/optimized_fm", result.stdout)
+    self.assertIn("probe overhead:", result.stdout)
+    self.assertEqual(result.stdout.count("[probe] evaluated"), 3)
+
+    # Again, with a committed-style timing table and one more candidate: training is reused,
+    # only the new candidate is evaluated (the others come from the cache, unchanged), the
+    # speedups come from the table (nearest shape, estimated) and the report says so.
+    table = os.path.join(tempfile.mkdtemp(), "NVIDIA_H100_80GB_HBM3.json")
+    _write_table(table)
+    more = [a if not a.startswith("--config.evaluate.kernels=")
+            else a + ",xla_fp8_rowwise_precise" for a in ARGS]
+    again = run_cli(*more, f"--workdir={workdir}", f"--config.timing.table={table}",
+                    "--config.plots.enabled=false")
+    self.assertEqual(again.returncode, 0, again.stderr[-3000:])
+    self.assertEqual(again.stdout.count("(1 new candidates, 3 from the cache)"), 3,
+                     again.stdout[-2000:])
+    resumed = report_lib.load_report(os.path.join(workdir, "probe_report.json"))
+    self.assertFalse(resumed["timing_valid"])
+    self.assertEqual(resumed["timing_source"]["kind"], "table")
+    dense = resumed["sites"]["layer_0/fmb/mlp/dense_0"]["passes"]["fwd"]["xla_fp8_rowwise"]
+    self.assertEqual(dense["timing"], "table")
+    chex.assert_trees_all_close(dense["speedup"], [30 * 0.95 / (20 * 1.05), 1.5,
+                                                   30 * 1.05 / (20 * 0.95)])
+    fm = resumed["sites"]["layer_0/fmb/fm_proj"]["passes"]["fwd"]["xla_fp8_rowwise"]
+    self.assertEqual(fm["timing"], "estimated")
+    for name, site in resumed["sites"].items():
+      for p, entries in site["passes"].items():
+        self.assertEqual(list(entries), ["xla_bf16", "xla_fp8_rowwise",
+                                         "xla_fp8_rowwise_precise", "xla_fp8_tensorwise"])
+        self.assertEqual(entries["xla_fp8_rowwise"]["sqnr_db"],
+                         report["sites"][name]["passes"][p]["xla_fp8_rowwise"]["sqnr_db"])
+    self.assertEqual(resumed["evaluation"]["evaluator"], evaluate.EVALUATOR_VERSION)
+
+    # Evaluations cached by an older evaluator (their key without its version) are made
+    # again, every candidate of every site: they are not what this evaluator measures.
+    cache = os.path.join(workdir, "probe_eval.jsonl")
+    rows = [json.loads(line) for line in open(cache)]
+    with open(cache, "w") as f:
+      for row in rows:
+        row["key"].pop("evaluator")
+        f.write(json.dumps(row) + "\n")
+    older = run_cli(*more, f"--workdir={workdir}", f"--config.timing.table={table}",
+                    "--config.plots.enabled=false")
+    self.assertEqual(older.returncode, 0, older.stderr[-3000:])
+    self.assertEqual(older.stdout.count("[probe] evaluated"), 3, older.stdout[-2000:])
+    self.assertNotIn("from the cache", older.stdout)
+
+  def test_bad_arguments_fail_with_a_clear_message(self):
+    workdir = tempfile.mkdtemp(prefix="loka_probe_cli_bad_")
+    result = run_cli("--config.run.steps=1", "--config.run.batch_size=8",
+                     "--config.evaluate.kernels=xla_fp9", f"--workdir={workdir}",
+                     "--config.compilation_cache=")
+    self.assertNotEqual(result.returncode, 0)
+    self.assertIn("unknown kernel(s) ['xla_fp9']", result.stderr)
+    result = run_cli("--config.stats.cadence=0", f"--workdir={workdir}")
+    self.assertNotEqual(result.returncode, 0)
+    self.assertIn("cadence must be >= 1", result.stderr)
+    result = run_cli("--config.timing.only=true")
+    self.assertNotEqual(result.returncode, 0)
+    self.assertIn("--config.timing.only needs --config.timing.cache", result.stderr)
+    result = run_cli("--config.timing.only=true", f"--config.timing.cache={workdir}")
+    self.assertNotEqual(result.returncode, 0)
+    self.assertIn("timing kernels needs a GPU", result.stderr)
+    result = run_cli("--config.timing.compile_workers=0")
+    self.assertNotEqual(result.returncode, 0)
+    self.assertIn("--config.timing.compile_workers=0: must be >= 1", result.stderr)
+
+
+class CompareTimingCachesCliTest(absltest.TestCase):
+
+  def test_compares_two_caches_and_refuses_a_broken_one(self):
+    d = tempfile.mkdtemp(prefix="loka_compare_caches_")
+
+    def write(name, fp8_us):
+      entries = {}
+      for kernel, us in (("xla_bf16", 30.0), ("xla_fp8_rowwise", fp8_us)):
+        key = kernel_timing.cache_key(kernel, "fwd", "mk,kn->mn", [64, 36], [36, 32],
+                                      "bfloat16")
+        entries[key] = {"kernel": kernel, "pass": "fwd", "spec": "mk,kn->mn",
+                        "lhs_shape": [64, 36], "rhs_shape": [36, 32], "dtype": "bfloat16",
+                        "median_us": us, "ci_us": [0.95 * us, 1.05 * us]}
+      path = os.path.join(d, name)
+      with open(path, "w") as f:
+        json.dump({"schema": kernel_timing.CACHE_SCHEMA, "device_kind": "NVIDIA H200",
+                   "entries": entries}, f)
+      return path
+
+    first, second = write("one.json", 20.0), write("eight.json", 25.0)
+    out = os.path.join(d, "rows.json")
+    result = run_cli(first, second, f"--out={out}", module="experiments.compare_timing_caches")
+    self.assertEqual(result.returncode, 0, result.stderr)
+    summary = json.loads(result.stdout.splitlines()[0])
+    self.assertEqual(summary["entries"], 2)
+    self.assertAlmostEqual(summary["max_speedup_change"], 0.2)  # 1.5x -> 1.2x
+    self.assertIn("| xla_fp8_rowwise | fwd | [64, 36] | [36, 32] | 20.0 | 25.0 | 1.250 |",
+                  result.stdout)
+    with open(out) as f:
+      self.assertLen(json.load(f)["rows"], 2)
+    broken = os.path.join(d, "broken.json")
+    with open(broken, "w") as f:
+      f.write("{not json")
+    result = run_cli(first, broken, module="experiments.compare_timing_caches")
+    self.assertNotEqual(result.returncode, 0)
+    self.assertIn("broken.json: not a readable timing cache", result.stderr)
+
+
+class MergeTimingCachesCliTest(absltest.TestCase):
+
+  def test_merges_caches_of_one_card_and_refuses_two_cards(self):
+    d = tempfile.mkdtemp(prefix="loka_merge_caches_")
+
+    def write(name, kind, shapes):
+      cache = kernel_timing.TimingCache(os.path.join(d, name), kind)
+      for k in shapes:
+        key = kernel_timing.cache_key("xla_bf16", "fwd", "mk,kn->mn", [64, k], [k, 32],
+                                      "bfloat16")
+        cache.put(key, {"kernel": "xla_bf16", "pass": "fwd", "spec": "mk,kn->mn",
+                        "lhs_shape": [64, k], "rhs_shape": [k, 32], "dtype": "bfloat16",
+                        "median_us": float(k)})
+      cache.save()
+      return cache.path
+
+    own = write("own.json", "NVIDIA H200", [32])
+    other = write("other.json", "NVIDIA H200", [32, 64])
+    result = run_cli(f"--out={own}", own, other, module="experiments.merge_timing_caches")
+    self.assertEqual(result.returncode, 0, result.stderr)
+    self.assertIn("wrote", result.stdout)
+    merged = kernel_timing.TimingCache(own, "NVIDIA H200")
+    self.assertEqual(sorted(e["lhs_shape"][1] for e in merged.entries.values()), [32, 64])
+    h100 = write("h100.json", "NVIDIA H100 80GB HBM3", [128])
+    result = run_cli(f"--out={os.path.join(d, 'x.json')}", own, h100,
+                     module="experiments.merge_timing_caches")
+    self.assertNotEqual(result.returncode, 0)
+    self.assertIn("different device kinds", result.stderr)
+    result = run_cli(f"--out={os.path.join(d, 'x.json')}", os.path.join(d, "missing.json"),
+                     module="experiments.merge_timing_caches")
+    self.assertNotEqual(result.returncode, 0)
+    self.assertIn("missing.json: not a readable timing cache", result.stderr)
+
+
+
+if __name__ == "__main__":
+  absltest.main()
