@@ -9,15 +9,15 @@ ensure_wheels() {
   fi
 }
 
-# The bench's hard end in minutes (`--end_by_minutes`): the `timeout` of LIMIT seconds less
-# 20 s for its report (at least half a minute). A quality run or speed row still starts past
-# --max_minutes when the longest recorded one would end by it, and none starts that would
-# not (`pace.may_start`).
+# The bench's hard end in minutes (its `pacing.end_by_minutes`): the `timeout` of LIMIT
+# seconds less 20 s for its report (at least half a minute). A quality run or speed row still
+# starts past pacing.max_minutes when the longest recorded one would end by it, and none
+# starts that would not (`pace.may_start`).
 end_by_minutes() {
   awk -v l="${LIMIT:-575}" 'BEGIN { e = (l - 20) / 60; print (e > 0.5 ? e : 0.5) }'
 }
 
-# The bench's --max_minutes: MAXMIN, but never past the hard end. A short LIMIT (a queue's
+# The bench's pacing.max_minutes: MAXMIN, but never past the hard end. A short LIMIT (a queue's
 # later stage) must shorten it too: the bench sizes a probe's budget by it, and a probe
 # sized past the `timeout` is killed midway (a queue stage with 221 s left, given 5.5
 # minutes, was).

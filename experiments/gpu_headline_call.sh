@@ -26,14 +26,16 @@ cp "$PLAN" "$TARGET/plan.json"            # the plan and the report it was selec
 gunzip -c "$REPORT" > "$TARGET/probe_report.json"
 echo "=== $(date +%T) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)," \
   "jax $(python3 -c 'import jax; print(jax.__version__)'), commit ${COMMIT:-unknown}"
-python3 -m experiments.bench --suite=models --models=wukong --presets="${PRESETS:-large}" \
-  --variants=bf16,bf16_mods,loka --probe=false \
-  --workdir="$WORK/models" --plans_dir="$WORK/plans" --max_minutes="${MAXMIN:-8}" \
-  > "$OUT/models_log.txt" 2>&1
+python3 -m experiments.bench --config=experiments/configs/bench_models.py \
+  --config.targets.models=wukong --config.targets.presets="${PRESETS:-large}" \
+  --config.speed.variants=bf16,bf16_mods,loka --config.probe.enabled=false \
+  --workdir="$WORK/models" --config.plans_dir="$WORK/plans" \
+  --config.pacing.max_minutes="${MAXMIN:-8}" > "$OUT/models_log.txt" 2>&1
 echo "models rc=$?"
-[ "${SKIP_TOWERS:-0}" = 1 ] || python3 -m experiments.bench --suite=towers --towers="${TOWER:-16384x4096x4}" \
-  --variants=bf16,flax_fp8_delayed --probe=false --workdir="$WORK/towers" \
-  --max_minutes=2 > "$OUT/towers_log.txt" 2>&1
+[ "${SKIP_TOWERS:-0}" = 1 ] || python3 -m experiments.bench \
+  --config=experiments/configs/bench_towers.py --config.targets.towers="${TOWER:-16384x4096x4}" \
+  --config.speed.variants=bf16,flax_fp8_delayed --config.probe.enabled=false \
+  --workdir="$WORK/towers" --config.pacing.max_minutes=2 > "$OUT/towers_log.txt" 2>&1
 echo "towers rc=$?"
 for suite in models towers; do
   cp "$WORK/$suite/bench.jsonl" "$OUT/rows/bench_$suite.jsonl" 2>/dev/null

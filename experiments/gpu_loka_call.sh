@@ -18,10 +18,12 @@
 # flax_fp8_delayed_grad_lhs: the probe's
 # candidates), MAXMIN (7.5: minutes after which no new row starts unless the rows recorded
 # say it ends in time), LIMIT (575: hard seconds; the bench starts no row that the longest
-# recorded one says would end past it, less 20 s: `loka_jax/bench/pace.py`), TIMING_CACHE (.snap/tc: shapes timed ahead by `experiments.probe` with `config.timing.only`),
-# OUT (set on the device; elsewhere $WORK/out). Arguments go to `experiments.bench` last, e.g.
-# --serve_plan (LoKA serves its serving plan's export; plan_serve.json is made again from the
-# carried report on each host, so it need not come back).
+# recorded one says would end past it, less 20 s: `experiments/bench/pace.py`), TIMING_CACHE
+# (.snap/tc: shapes timed ahead by `experiments.probe` with `config.timing.only`),
+# OUT (set on the device; elsewhere $WORK/out). Arguments go to `experiments.bench` last, as
+# overrides of its config, e.g. --config.serving.plan=true (LoKA serves its serving plan's
+# export; plan_serve.json is made again from the carried report on each host, so it need not
+# come back).
 set -u
 CARRY=${CARRY:-.snap/wl}
 WORK=${WORK:-/tmp/bench}
@@ -64,15 +66,17 @@ echo "=== call $(date +%T) on $(nvidia-smi --query-gpu=name --format=csv,noheade
   >> "$WORK/log.txt"
 touch "$WORK/.call_start"  # timing caches written after this come back
 case "$TARGET" in
-  tower/*) SUITE=(--suite=towers --towers="${TARGET#tower/}") ;;
-  *) SUITE=(--suite=models --presets="${TARGET#*/}" --only="$TARGET") ;;
+  tower/*) SUITE=(--config=experiments/configs/bench_towers.py
+                  --config.targets.towers="${TARGET#tower/}") ;;
+  *) SUITE=(--config=experiments/configs/bench_models.py --config.targets.presets="${TARGET#*/}"
+            --config.targets.only="$TARGET") ;;
 esac
 timeout "${LIMIT:-575}" python3 -m experiments.bench "${SUITE[@]}" \
-  --workdir="$WORK" --variants="${VARIANTS:-bf16,bf16_mods,loka}" \
-  --probe_steps=50 --probe_samples=8 --probe_kernels="${PROBE_KERNELS:-xla_bf16,xla_fp8_rowwise,flax_fp8_delayed,flax_fp8_delayed_fwd,flax_fp8_delayed_grad_lhs}" \
-  --probe_timing_cache="$TC" --compile_cache=/tmp/jc --max_minutes="$(max_minutes)" \
-  --end_by_minutes="$(end_by_minutes)" "$@" \
-  >> "$WORK/log.txt" 2>&1
+  --workdir="$WORK" --config.speed.variants="${VARIANTS:-bf16,bf16_mods,loka}" \
+  --config.probe.steps=50 --config.probe.samples=8 --config.probe.kernels="${PROBE_KERNELS:-xla_bf16,xla_fp8_rowwise,flax_fp8_delayed,flax_fp8_delayed_fwd,flax_fp8_delayed_grad_lhs}" \
+  --config.probe.timing_cache="$TC" --config.compile_cache=/tmp/jc \
+  --config.pacing.max_minutes="$(max_minutes)" --config.pacing.end_by_minutes="$(end_by_minutes)" \
+  "$@" >> "$WORK/log.txt" 2>&1
 echo "rc=$?" >> "$WORK/log.txt"
 
 # Eight files at most come back from the device (a caller may add one): the samples ride at

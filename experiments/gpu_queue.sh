@@ -6,8 +6,10 @@
 # would not.
 #
 #   QUEUE=s37 bash experiments/gpu_queue.sh \
-#     "qi /tmp/qi .snap/qi 400 --suite=quality --models=interformer ..." \
-#     "qk0 /tmp/qk .snap/qk 200 --suite=quality --models=dcnv2 --seed=0 ..."
+#     "qi /tmp/qi .snap/qi 400 --config=experiments/configs/bench_quality.py \
+#        --config.targets.models=interformer ..." \
+#     "qk0 /tmp/qk .snap/qk 200 --config=experiments/configs/bench_quality.py \
+#        --config.targets.models=dcnv2 --config.targets.seed=0 ..."
 #
 # Each argument is one stage: NAME WORK CARRY MIN_LEFT, then the bench's arguments (no
 # spaces inside one). A stage starts only with MIN_LEFT seconds of the budget left; one that

@@ -7,25 +7,28 @@
 # its evaluation cache). Rerun until the log ends in "all selected rows are done"; after each
 # call copy what came back under $OUT (work.tar.gz, log.txt) into $CARRY.
 #
-#   CARRY=.snap/small bash experiments/gpu_suite_call.sh --suite=models --presets=small ...
+#   CARRY=.snap/small bash experiments/gpu_suite_call.sh \
+#     --config=experiments/configs/bench_models.py --config.targets.presets=small ...
 #     (the device call carries .snap and .whl)
 #
 # Environment: CARRY (required), WORK (/tmp/suite), CARRY_WINS (0; 1: the carried workdir
 # replaces a warm host's, after the carry was edited by hand), LIMIT (575: hard seconds),
-# MAXMIN (7.5, 5.5 for --suite=quality: minutes after which no new row starts, never past LIMIT less
-# 20 s (`max_minutes` in gpu_common.sh); a quality arm takes up to
+# MAXMIN (7.5, 5.5 for the quality suite: minutes after which no new row starts, never past
+# LIMIT less 20 s (`max_minutes` in gpu_common.sh); a quality arm takes up to
 # 3.5 minutes, and one the limit kills loses the steps since its last checkpoint; once a
 # model's quality run is recorded, its runs start by their expected length until LIMIT
-# instead: `--end_by_minutes`), OUT (set
+# instead: `pacing.end_by_minutes`), OUT (set
 # on the device; elsewhere $WORK/out),
 # MODULE (experiments.bench; or experiments.probe for a `--time_only` call, which times a
 # model's site shapes into the carried timing cache with no training, so a fresh host's
 # bench call finds them there:
 #   MODULE=experiments.probe CARRY=.snap/x bash experiments/gpu_suite_call.sh --time_only \
 #     --model=interformer --preset=small --mods=all --kernels=...).
-# Arguments: passed to `experiments.bench` after --workdir, --compile_cache, --max_minutes
-# and --probe_timing_cache (to `experiments.probe` after --timing_cache and --budget_s), so
-# a later flag of the same name wins.
+# Arguments: passed to `experiments.bench` after --workdir and the overrides of
+# compile_cache, pacing.max_minutes, pacing.end_by_minutes and probe.timing_cache, their
+# --config=FILE moved first (ml_collections reads it before any override), so a later
+# override of the same field wins (to `experiments.probe` after --timing_cache and
+# --budget_s).
 set -u
 CARRY=${CARRY:?set CARRY to the folder that carries this run between calls}
 WORK=${WORK:-/tmp/suite}
@@ -48,10 +51,15 @@ echo "=== call $(date +%T) on $(nvidia-smi --query-gpu=name --format=csv,noheade
   "$*" >> "$WORK/log.txt"
 MODULE=${MODULE:-experiments.bench}
 if [ "$MODULE" = experiments.bench ]; then
-  case " $* " in *" --suite=quality "*) : "${MAXMIN:=5.5}" ;; esac
-  set -- --workdir="$WORK" --compile_cache=/tmp/jc --max_minutes="$(max_minutes)" \
-    --end_by_minutes="$(end_by_minutes)" \
-    --probe_timing_cache="$WORK/tc" "$@"
+  case " $* " in *"bench_quality.py "*|*" --config.suite=quality "*) : "${MAXMIN:=5.5}" ;; esac
+  CONFIG=() ARGS=()  # the config file goes first: ml_collections refuses an override before it
+  for arg in "$@"; do
+    case "$arg" in --config=*) CONFIG=("$arg") ;; *) ARGS+=("$arg") ;; esac
+  done
+  set -- ${CONFIG[@]+"${CONFIG[@]}"} --workdir="$WORK" --config.compile_cache=/tmp/jc \
+    --config.pacing.max_minutes="$(max_minutes)" \
+    --config.pacing.end_by_minutes="$(end_by_minutes)" \
+    --config.probe.timing_cache="$WORK/tc" ${ARGS[@]+"${ARGS[@]}"}
 else  # no shape starts that would not end within the budget at the slowest shape's pace so
   # far (20-150 s a shape at Wukong large's on the H200); the rest is the process's start
   set -- --config.timing.cache="$WORK/tc" --config.budget_s=$(( ${LIMIT:-575} - 45 )) "$@"

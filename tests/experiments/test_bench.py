@@ -26,6 +26,10 @@ from loka_jax.models.presets import site_products
 from loka_jax.models.site import SiteConfig
 from loka_jax.train import read_metrics
 
+TOWERS_CONFIG = os.path.join("experiments", "configs", "bench_towers.py")
+QUALITY_CONFIG = os.path.join("experiments", "configs", "bench_quality.py")
+
+
 def _tempdir(test):
   path = tempfile.mkdtemp(prefix="loka_bench_")
   test.addCleanup(shutil.rmtree, path, ignore_errors=True)
@@ -1487,22 +1491,23 @@ class CliTest(absltest.TestCase):
 
   def test_runs_filters_and_resumes(self):
     out = _tempdir(self)
-    cmd = [sys.executable, "-m", "experiments.bench", "--suite=towers",
-           "--towers=32x16x2,48x16x2", "--only=32x16x2", "--variants=bf16,fp8_rowwise",
-           "--repeats=3", "--max_minutes=3", "--end_by_minutes=2.5", f"--workdir={out}",
-           "--noprobe", "--min_call_ms=0.5"]
+    cmd = [sys.executable, "-m", "experiments.bench", f"--config={TOWERS_CONFIG}",
+           "--config.targets.towers=32x16x2,48x16x2", "--config.targets.only=32x16x2",
+           "--config.speed.variants=bf16,fp8_rowwise", "--config.speed.repeats=3",
+           "--config.pacing.max_minutes=3", "--config.pacing.end_by_minutes=2.5",
+           f"--workdir={out}", "--config.probe.enabled=false", "--config.speed.min_call_ms=0.5"]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     first = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     self.assertEqual(first.returncode, 0, first.stderr[-3000:])
     # A hard end before --max_minutes caps it, said, and costs the call nothing.
-    self.assertIn("--max_minutes=3.0 is past --end_by_minutes=2.5", first.stdout)
+    self.assertIn("pacing.max_minutes=3.0 is past pacing.end_by_minutes=2.5", first.stdout)
     rows = [json.loads(l) for l in open(os.path.join(out, "bench.jsonl"))]
     self.assertEqual(sorted((r["preset"], r["variant"]) for r in rows),
                      [("32x16x2", "bf16"), ("32x16x2", "fp8_rowwise")])
     for r in rows:
       self.assertLen(r["train"]["samples_us"], 3)
       self.assertGreater(r["infer"]["median_us"], 0)
-      self.assertEqual(r["min_call_s"], 5e-4)  # the flag reaches the timing and the row
+      self.assertEqual(r["min_call_s"], 5e-4)  # the field reaches the timing and the row
     # A rerun skips finished rows: nothing is compiled or measured again.
     logs = []
     results = ResultsFile(os.path.join(out, "bench.jsonl"), suite.KEY_FIELDS)
@@ -1521,16 +1526,20 @@ class CliTest(absltest.TestCase):
   def test_deterministic_ops_run_the_quality_suite_and_no_timed_one(self):
     out = _tempdir(self)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    base = [sys.executable, "-m", "experiments.bench", f"--workdir={out}", "--xla_deterministic"]
-    timed = subprocess.run(base + ["--suite=towers"], cwd=REPO, env=env, capture_output=True,
-                           text=True, timeout=120)
+    base = [sys.executable, "-m", "experiments.bench", f"--workdir={out}"]
+    deterministic = "--config.quality.xla_deterministic=true"
+    timed = subprocess.run(base + [f"--config={TOWERS_CONFIG}", deterministic], cwd=REPO,
+                           env=env, capture_output=True, text=True, timeout=120)
     self.assertNotEqual(timed.returncode, 0)
-    self.assertIn("--xla_deterministic is for --suite=quality only", timed.stderr)
-    # --quality_seeds: the arm at each of its seeds, and no bf16 noise seed beside them.
+    self.assertIn("--config.quality.xla_deterministic=True: for suite quality only",
+                  timed.stderr)
+    # quality.seeds: the arm at each of its seeds, and no bf16 noise seed beside them.
     quality_run = subprocess.run(
-        base + ["--suite=quality", "--quality_data=synthetic", "--quality_preset=tiny",
-                "--models=dlrm", "--arms=bf16", "--quality_seeds=2,1", "--quality_steps=3",
-                "--quality_eval=100", "--batch_size=64"],
+        base + [f"--config={QUALITY_CONFIG}", deterministic, "--config.quality.data=synthetic",
+                "--config.quality.preset=tiny", "--config.targets.models=dlrm",
+                "--config.quality.arms=bf16", "--config.quality.seeds=2,1",
+                "--config.quality.steps=3", "--config.quality.eval=100",
+                "--config.targets.batch_size=64"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     self.assertEqual(quality_run.returncode, 0, quality_run.stderr[-3000:])
     rows = [json.loads(l) for l in open(os.path.join(out, "quality.jsonl"))]
@@ -1543,23 +1552,23 @@ class CliTest(absltest.TestCase):
 
   def test_bad_quality_seeds_fail_before_any_run(self):
     out = _tempdir(self)
-    for flag in ("--quality_seeds=1,x", "--noise_seeds=1,1"):
+    for flag in ("--config.quality.seeds=1,x", "--config.quality.noise_seeds=1,1"):
       run = subprocess.run(
-          [sys.executable, "-m", "experiments.bench", f"--workdir={out}", "--suite=quality",
-           "--quality_data=synthetic", flag], cwd=REPO,
+          [sys.executable, "-m", "experiments.bench", f"--workdir={out}",
+           f"--config={QUALITY_CONFIG}", "--config.quality.data=synthetic", flag], cwd=REPO,
           env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=120)
       self.assertNotEqual(run.returncode, 0, flag)
-      self.assertIn(f"{flag.split('=')[0]} must list distinct non-negative integers", run.stderr)
+      self.assertIn(f"{flag}: must list distinct non-negative integers", run.stderr)
       self.assertFalse(os.path.exists(os.path.join(out, "quality.jsonl")), flag)
 
-  def test_the_variants_flag_names_every_variant(self):
-    help_text = subprocess.run([sys.executable, "-m", "experiments.bench", "--helpfull"],
-                               cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"),
-                               capture_output=True, text=True, timeout=120).stdout
-    start = help_text.index("--variants:")
-    flag_help = " ".join(help_text[start:start + 1200].split())
+  def test_the_variants_field_names_every_variant(self):
+    # The comment above `speed.variants` in the config file is the field's help.
+    lines = open(os.path.join(REPO, "experiments", "configs", "bench.py")).read().splitlines()
+    end = next(i for i, line in enumerate(lines) if line.strip().startswith("speed.variants"))
+    start = max(i for i in range(end) if not lines[i].strip().startswith("#")) + 1
+    field_help = " ".join(line.strip("# ") for line in lines[start:end])
     for name in variants.VARIANTS:
-      self.assertRegex(flag_help, rf"\b{name}\b", name)
+      self.assertRegex(field_help, rf"\b{name}\b", name)
 
   def test_a_missing_plan_alone_builds_no_baseline(self):
     out = _tempdir(self)

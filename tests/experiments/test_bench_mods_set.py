@@ -216,17 +216,19 @@ class QualityRunTest(absltest.TestCase):
 
 class CliTest(absltest.TestCase):
 
-  def test_the_mods_flag_reaches_the_rows_and_a_bad_one_is_refused(self):
+  def test_the_mods_field_reaches_the_rows_and_a_bad_one_is_refused(self):
     out = tempdir(self)
-    cmd = [sys.executable, "-m", "experiments.bench", "--suite=towers", "--towers=32x16x2",
-           "--variants=bf16_mods", "--repeats=3", "--max_minutes=3", f"--workdir={out}",
-           "--noprobe", "--min_call_ms=0.5"]
+    cmd = [sys.executable, "-m", "experiments.bench",
+           "--config=" + os.path.join("experiments", "configs", "bench_towers.py"),
+           "--config.targets.towers=32x16x2", "--config.speed.variants=bf16_mods",
+           "--config.speed.repeats=3", "--config.pacing.max_minutes=3", f"--workdir={out}",
+           "--config.probe.enabled=false", "--config.speed.min_call_ms=0.5"]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    bad = subprocess.run(cmd + ["--mods=no_bias,swish"], cwd=REPO, env=env,
+    bad = subprocess.run(cmd + ["--config.targets.mods=no_bias,swish"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=240)
     self.assertNotEqual(bad.returncode, 0)
-    self.assertIn("--mods: unknown Mod(s) ['swish']", bad.stderr)
-    run = subprocess.run(cmd + ["--mods=blocknorm,no_bias"], cwd=REPO, env=env,
+    self.assertIn("--config.targets.mods=no_bias,swish: unknown Mod(s) ['swish']", bad.stderr)
+    run = subprocess.run(cmd + ["--config.targets.mods=blocknorm,no_bias"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=240)
     self.assertEqual(run.returncode, 0, run.stderr[-3000:])
     rows = [json.loads(line) for line in open(os.path.join(out, "bench.jsonl"))]

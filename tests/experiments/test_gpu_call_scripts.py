@@ -1,7 +1,7 @@
 """The GPU call scripts (`experiments/gpu_suite_call.sh`, `experiments/gpu_loka_call.sh`) run
 on the CPU: a call's rows travel to a fresh host through the carry folder, and the call's hard
-end reaches the bench, so a row starts past --max_minutes when the rows recorded before it say
-it ends in time (`experiments/bench/pace.py`)."""
+end reaches the bench, so a row starts past pacing.max_minutes when the rows recorded before it
+say it ends in time (`experiments/bench/pace.py`)."""
 import json
 import os
 import shutil
@@ -14,6 +14,7 @@ from absl.testing import absltest
 from cli_helpers import REPO
 
 TOWER = "32x16x2"
+TOWERS_CONFIG = "--config=experiments/configs/bench_towers.py"
 
 
 def _call(script, env, *args):
@@ -46,18 +47,20 @@ class SuiteCallTest(absltest.TestCase):
     shutil.copy(os.path.join(env["OUT"], "work.tar.gz"), env["CARRY"])
 
   def test_rows_travel_and_a_row_starts_past_max_minutes_when_it_fits(self):
-    flags = ("--suite=towers", f"--towers={TOWER}", "--repeats=3", "--probe=false")
+    flags = (TOWERS_CONFIG, f"--config.targets.towers={TOWER}", "--config.speed.repeats=3",
+             "--config.probe.enabled=false")
     first = self.env("host1")
-    out = _call("gpu_suite_call.sh", first, *flags, "--variants=bf16_mods")
+    out = _call("gpu_suite_call.sh", first, *flags, "--config.speed.variants=bf16_mods")
     self.assertIn("all selected rows are done", out.splitlines()[-2])
     self.carry_back(first)
     rows = _rows(os.path.join(first["CARRY"], "work.tar.gz"))
     self.assertEqual(sorted(r["variant"] for r in rows), ["bf16", "bf16_mods"])
     self.assertTrue(all(r["row_s"] > 0 for r in rows))
-    # A fresh host, --max_minutes already past: the carried rows' lengths let the next row
+    # A fresh host, pacing.max_minutes already past: the carried rows' lengths let the next row
     # start, since the call's hard end is minutes away.
     second = self.env("host2", MAXMIN="0")
-    out = _call("gpu_suite_call.sh", second, *flags, "--variants=bf16_mods,fp8_tensorwise")
+    out = _call("gpu_suite_call.sh", second, *flags,
+                "--config.speed.variants=bf16_mods,fp8_tensorwise")
     self.assertIn("all selected rows are done", out.splitlines()[-2])
     rows = _rows(os.path.join(second["OUT"], "work.tar.gz"))
     self.assertEqual(sorted(r["variant"] for r in rows), ["bf16", "bf16_mods", "fp8_tensorwise"])
@@ -76,8 +79,9 @@ class SuiteCallTest(absltest.TestCase):
     os.makedirs(env["CARRY"])
     with tarfile.open(os.path.join(env["CARRY"], "work.tar.gz"), "w:gz") as tar:
       tar.add(staged, arcname=".")
-    out = _call("gpu_suite_call.sh", env, "--suite=towers", f"--towers={TOWER}",
-                "--repeats=3", "--probe=false", "--variants=bf16")
+    out = _call("gpu_suite_call.sh", env, f"--config.targets.towers={TOWER}",
+                "--config.speed.repeats=3", "--config.probe.enabled=false", TOWERS_CONFIG,
+                "--config.speed.variants=bf16")  # --config=FILE anywhere: the call puts it first
     self.assertIn("all selected rows are done", out.splitlines()[-2])
     self.assertFalse(os.path.exists(os.path.join(env["WORK"], "host_only.txt")))
     with tarfile.open(os.path.join(env["OUT"], "work.tar.gz")) as tar:
@@ -87,12 +91,13 @@ class SuiteCallTest(absltest.TestCase):
 
   def test_the_loka_call_passes_the_hard_end_too(self):
     first = self.env("host1", TARGET=f"tower/{TOWER}", VARIANTS="bf16_mods")
-    _call("gpu_loka_call.sh", first, "--repeats=3", "--probe=false")
+    _call("gpu_loka_call.sh", first, "--config.speed.repeats=3", "--config.probe.enabled=false")
     rows = [json.loads(line) for line in open(os.path.join(first["WORK"], "bench.jsonl"))]
     self.assertEqual(sorted(r["variant"] for r in rows), ["bf16", "bf16_mods"])
     second = self.env("host1", TARGET=f"tower/{TOWER}", VARIANTS="bf16_mods,fp8_tensorwise",
                       MAXMIN="0")
-    _call("gpu_loka_call.sh", second, "--repeats=3", "--probe=false")
+    _call("gpu_loka_call.sh", second, "--config.speed.repeats=3",
+          "--config.probe.enabled=false")
     log = open(os.path.join(second["WORK"], "log.txt")).read().splitlines()
     self.assertIn("all selected rows are done", log[-2])
     rows = [json.loads(line) for line in open(os.path.join(second["WORK"], "bench.jsonl"))]
@@ -102,9 +107,9 @@ class SuiteCallTest(absltest.TestCase):
 class TimeLimitTest(absltest.TestCase):
 
   def test_max_minutes_never_passes_the_hard_end(self):
-    # (LIMIT s, MAXMIN min) -> (--max_minutes, --end_by_minutes): a short LIMIT, as a queue's
-    # later stage gets, shortens --max_minutes too, which sizes a probe's budget; a long one
-    # leaves MAXMIN, and the hard end 20 s before the timeout.
+    # (LIMIT s, MAXMIN min) -> (pacing.max_minutes, pacing.end_by_minutes): a short LIMIT, as
+    # a queue's later stage gets, shortens pacing.max_minutes too, which sizes a probe's
+    # budget; a long one leaves MAXMIN, and the hard end 20 s before the timeout.
     def minutes(limit, maxmin):
       got = subprocess.run(
           ["bash", "-c", "source experiments/gpu_common.sh; echo $(max_minutes) "
@@ -125,7 +130,8 @@ class QueueTest(absltest.TestCase):
     queue = os.path.basename(tmp)  # markers of this test only
     self.addCleanup(lambda: [os.remove(os.path.join("/tmp", f))
                              for f in os.listdir("/tmp") if f.startswith(f"loka_queue_{queue}_")])
-    flags = f"--suite=towers --towers={TOWER} --repeats=3 --probe=false --variants=bf16_mods"
+    flags = (f"{TOWERS_CONFIG} --config.targets.towers={TOWER} --config.speed.repeats=3 "
+             "--config.probe.enabled=false --config.speed.variants=bf16_mods")
     first = f"a {tmp}/wa {tmp}/ca 10 {flags}"
     never = f"b {tmp}/wb {tmp}/cb 100000 {flags}"  # asks for more time than any call has
     env = {"QUEUE": queue, "OUT": os.path.join(tmp, "out"), "BUDGET": "400"}
