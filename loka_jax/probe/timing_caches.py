@@ -1,6 +1,6 @@
 """Two or more kernel timing caches side by side: how far one card's measurements of the same
-kernel passes agree (`compare_caches`, `experiments.compare_timing_caches`) and one cache
-made of several (`merge_caches`, `experiments.merge_timing_caches`)."""
+kernel passes agree (`compare_caches`, `experiments.timing_cache compare`) and one cache
+made of several (`merge_caches`, `experiments.timing_cache merge`)."""
 from __future__ import annotations
 
 from typing import Dict, List, Mapping, Sequence, Tuple

@@ -16,7 +16,8 @@ MAINS = (("loka",), ("train",))
 
 # The grouping mains, their subcommands, and a flag of the first subcommand.
 GROUPS = (("report", ("rows", "plan_headroom", "validation", "spikes", "kernel_usage",
-                      "hlo_scope"), "rows"),)
+                      "hlo_scope"), "rows"),
+          ("timing_cache", ("compare", "merge"), "out"))
 # The other config-driven mains, each with whether it has a --workdir flag.
 OTHER_MAINS = (("probe", True),)
 

@@ -1,5 +1,5 @@
 """`python -m experiments.probe` end to end on a tiny Wukong, then resumed with a timing table;
-`experiments.compare_timing_caches` and `experiments.merge_timing_caches` on small caches."""
+`experiments.timing_cache compare` and `merge` on small caches."""
 import json
 import os
 import tempfile
@@ -164,7 +164,7 @@ class CompareTimingCachesCliTest(absltest.TestCase):
 
     first, second = write("one.json", 20.0), write("eight.json", 25.0)
     out = os.path.join(d, "rows.json")
-    result = run_cli(first, second, f"--out={out}", module="experiments.compare_timing_caches")
+    result = run_cli("compare", first, second, f"--out={out}", module="experiments.timing_cache")
     self.assertEqual(result.returncode, 0, result.stderr)
     summary = json.loads(result.stdout.splitlines()[0])
     self.assertEqual(summary["entries"], 2)
@@ -176,7 +176,7 @@ class CompareTimingCachesCliTest(absltest.TestCase):
     broken = os.path.join(d, "broken.json")
     with open(broken, "w") as f:
       f.write("{not json")
-    result = run_cli(first, broken, module="experiments.compare_timing_caches")
+    result = run_cli("compare", first, broken, module="experiments.timing_cache")
     self.assertNotEqual(result.returncode, 0)
     self.assertIn("broken.json: not a readable timing cache", result.stderr)
 
@@ -199,18 +199,18 @@ class MergeTimingCachesCliTest(absltest.TestCase):
 
     own = write("own.json", "NVIDIA H200", [32])
     other = write("other.json", "NVIDIA H200", [32, 64])
-    result = run_cli(f"--out={own}", own, other, module="experiments.merge_timing_caches")
+    result = run_cli("merge", f"--out={own}", own, other, module="experiments.timing_cache")
     self.assertEqual(result.returncode, 0, result.stderr)
     self.assertIn("wrote", result.stdout)
     merged = kernel_timing.TimingCache(own, "NVIDIA H200")
     self.assertEqual(sorted(e["lhs_shape"][1] for e in merged.entries.values()), [32, 64])
     h100 = write("h100.json", "NVIDIA H100 80GB HBM3", [128])
-    result = run_cli(f"--out={os.path.join(d, 'x.json')}", own, h100,
-                     module="experiments.merge_timing_caches")
+    result = run_cli("merge", f"--out={os.path.join(d, 'x.json')}", own, h100,
+                     module="experiments.timing_cache")
     self.assertNotEqual(result.returncode, 0)
     self.assertIn("different device kinds", result.stderr)
-    result = run_cli(f"--out={os.path.join(d, 'x.json')}", os.path.join(d, "missing.json"),
-                     module="experiments.merge_timing_caches")
+    result = run_cli("merge", f"--out={os.path.join(d, 'x.json')}", os.path.join(d, "missing.json"),
+                     module="experiments.timing_cache")
     self.assertNotEqual(result.returncode, 0)
     self.assertIn("missing.json: not a readable timing cache", result.stderr)
 

@@ -1,7 +1,7 @@
 """Merges probe timing caches of one device kind into one, so a model's probe does not time
 again the shapes another model's probe timed.
 
-  python3 -m experiments.merge_timing_caches --out=WORK/tc/NVIDIA_H200.json FIRST.json MORE.json ...
+  python3 -m experiments.timing_cache merge --out=WORK/tc/NVIDIA_H200.json FIRST.json MORE.json
 
 Each product problem (spec, shapes, dtype) keeps every entry of the first file that timed it
 (`timing_caches.merge_caches`): list the target's own cache first. Prints how many problems
@@ -48,6 +48,3 @@ def main(argv):
     print(f"{cache.path}: {n} product problems")
   print(f"wrote {OUT.value}: {len(entries)} entries, {sum(taken)} product problems")
 
-
-if __name__ == "__main__":
-  app.run(main)

@@ -1,12 +1,12 @@
 """Compares two probe timing caches of the same kernel passes, measured apart.
 
-  python3 -m experiments.compare_timing_caches FIRST.json SECOND.json [--out=ROWS.json]
+  python3 -m experiments.timing_cache compare FIRST.json SECOND.json [--out=ROWS.json]
 
-Made to check `--timing_compile_workers` on the GPU: time the same shapes twice, each in a
-fresh process with no compilation cache, once with one compile worker and once with more,
-and compare. Prints the summary (entries, median ratio second/first and its 5-95% range,
-the share of overlapping 95% CIs, the largest change of a speedup over the baseline) and
-the ten entries that moved most.
+For a setting that should not change a timing, e.g. the probe's timing compile workers:
+time the same shapes twice, each in a fresh process with no compilation cache, once with
+each setting, and compare (`timing_caches.compare_caches`). Prints the summary (entries,
+median ratio second/first and its 5-95% range, the share of overlapping 95% CIs, the largest
+change of a speedup over the baseline) and the ten entries that moved most.
 """
 import json
 
@@ -47,6 +47,3 @@ def main(argv):
     print(f"| {r['kernel']} | {r['pass']} | {r['lhs_shape']} | {r['rhs_shape']} | "
           f"{r['first_us']:.1f} | {r['second_us']:.1f} | {r['ratio']:.3f} | {r['ci_overlap']} |")
 
-
-if __name__ == "__main__":
-  app.run(main)
