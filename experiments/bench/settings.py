@@ -4,7 +4,7 @@ the call's pacing and directories.
 
 Every value is checked here, before JAX starts or anything is written: a wrong one is a
 ValueError whose message names the field, `--config.GROUP.FIELD=VALUE: why`, which the main
-prints as its one-line error. Lists are comma-separated strings (`names`).
+prints as its one-line error. Lists are comma-separated strings (`run_config.split`).
 """
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ import dataclasses
 import os
 from typing import Optional, Tuple
 
+from experiments import run_config
 from experiments.bench import mods_set, quality, suite, towers
 from experiments.bench.variants import VARIANTS, Variant, parse_variants
-from loka_jax.models.presets import MODEL_NAMES
+from loka_jax.models import MODEL_NAMES, PRESETS
 
 SUITES = ("towers", "models", "quality", "all")
 QUALITY_SUITES = ("quality", "all")  # the suites that run the quality runs
 QUALITY_DATA = ("synthetic", "movielens")
-SERVE_PROMOTION = {"auto": None, "on": True, "off": False}  # None: on a GPU only
 # Fields with a least value (the options they feed refuse less).
 AT_LEAST = {"speed.repeats": 1, "probe.timing_compile_workers": 1,
             "probe.min_timing_gflops": 0.0, "validation.shadow_steps": 0,
@@ -41,11 +41,6 @@ class Call:
   xla_deterministic: bool                      # quality.xla_deterministic
 
 
-def names(value: Optional[str]) -> Tuple[str, ...]:
-  """The entries of a comma-separated list field, blanks dropped."""
-  return tuple(n.strip() for n in (value or "").split(",") if n.strip())
-
-
 def get(config, path: str):
   """The field at a dotted `path` (e.g. 'quality.movielens.steps')."""
   for key in path.split("."):
@@ -60,7 +55,7 @@ def fault(config, path: str, why: str) -> ValueError:
 
 def _one_of(config, path: str, allowed) -> Tuple[str, ...]:
   """The entries of a list field, each one of `allowed`."""
-  given = names(get(config, path))
+  given = run_config.split(get(config, path))
   wrong = [n for n in given if n not in allowed]
   if wrong:
     raise fault(config, path, f"{', '.join(wrong)} not one of {', '.join(allowed)}")
@@ -68,7 +63,7 @@ def _one_of(config, path: str, allowed) -> Tuple[str, ...]:
 
 
 def _seeds(config, path: str) -> Tuple[int, ...]:
-  given = names(get(config, path))
+  given = run_config.split(get(config, path))
   if not all(s.isdigit() for s in given) or len(set(given)) != len(given):
     raise fault(config, path, "must list distinct non-negative integers, e.g. 1,2")
   return tuple(int(s) for s in given)
@@ -78,8 +73,8 @@ def _check(config) -> None:
   """The fields whose values come from a fixed set or have a least one."""
   if config.suite not in SUITES:
     raise fault(config, "suite", f"not one of {', '.join(SUITES)}")
-  if config.serving.promotion not in SERVE_PROMOTION:
-    raise fault(config, "serving.promotion", f"not one of {', '.join(SERVE_PROMOTION)}")
+  if config.serving.promotion not in run_config.AUTO:
+    raise fault(config, "serving.promotion", f"not one of {', '.join(run_config.AUTO)}")
   for path, least in AT_LEAST.items():
     value = get(config, path)
     if value is not None and value < least:
@@ -93,13 +88,14 @@ def speed_settings(config, plans_dir: str) -> suite.SpeedSettings:
   """The speed suites' settings (also the quality suite's LoKA plans are made with them)."""
   probe, serving = config.probe, config.serving
   try:
-    mods = mods_set.of_flag(names(config.targets.mods))
+    mods = mods_set.of_flag(run_config.split(config.targets.mods))
   except ValueError as e:
     raise fault(config, "targets.mods", str(e)) from None
   head_to_head = _one_of(config, "speed.head_to_head", tuple(VARIANTS))
   return suite.SpeedSettings(
       repeats=config.speed.repeats, plans_dir=plans_dir, probe=probe.enabled,
-      probe_steps=probe.steps, probe_samples=probe.samples, probe_kernels=names(probe.kernels),
+      probe_steps=probe.steps, probe_samples=probe.samples,
+      probe_kernels=run_config.split(probe.kernels),
       probe_timing_cache=probe.timing_cache,
       probe_compile_workers=None if probe.compile_workers < 0 else probe.compile_workers,
       probe_timing_compile_workers=probe.timing_compile_workers,
@@ -111,7 +107,7 @@ def speed_settings(config, plans_dir: str) -> suite.SpeedSettings:
       serve_quality_gate=serving.quality_gate,
       **({} if serving.quality_budget is None else
          {"serve_quality_budget": serving.quality_budget}),
-      serve_promotion=SERVE_PROMOTION[serving.promotion],
+      serve_promotion=run_config.auto(serving.promotion),
       min_call_s=(suite.speed.MIN_CALL_S if config.speed.min_call_ms is None
                   else config.speed.min_call_ms * 1e-3),
       seed=config.targets.seed, probe_seed=probe.seed, mods=mods)
@@ -122,14 +118,14 @@ def speed_targets(config) -> Tuple[suite.Target, ...]:
   batch = config.targets.batch_size or None
   found = []
   if config.suite in ("towers", "all"):
-    shapes = names(config.targets.towers) or towers.TOWER_SHAPES
+    shapes = run_config.split(config.targets.towers) or towers.TOWER_SHAPES
     try:
       found += suite.tower_targets(shapes, batch)
     except ValueError as e:
       raise fault(config, "targets.towers", str(e)) from None
   if config.suite in ("models", "all"):
     models = _one_of(config, "targets.models", MODEL_NAMES) or MODEL_NAMES
-    found += suite.model_targets(models, names(config.targets.presets), batch)
+    found += suite.model_targets(models, _one_of(config, "targets.presets", PRESETS), batch)
   return tuple(found)
 
 
@@ -170,13 +166,14 @@ def from_config(config, workdir: str) -> Call:
   them; ValueError naming the first wrong field."""
   _check(config)
   try:
-    variants = parse_variants(names(config.speed.variants))
+    variants = parse_variants(run_config.split(config.speed.variants))
   except ValueError as e:
     raise fault(config, "speed.variants", str(e)) from None
   speed = speed_settings(config, config.plans_dir or os.path.join(workdir, "plans"))
   return Call(suite=config.suite, speed_targets=speed_targets(config), variants=variants,
               speed=speed, quality_runs=quality_runs(config, speed),
-              only=names(config.targets.only), max_minutes=config.pacing.max_minutes,
+              only=run_config.split(config.targets.only),
+              max_minutes=config.pacing.max_minutes,
               end_by_minutes=config.pacing.end_by_minutes,
               compile_cache=config.compile_cache or os.path.join(workdir, "jax_cache"),
               xla_deterministic=config.quality.xla_deterministic)
