@@ -15,6 +15,7 @@ design (the gradients of `flax_fp8_delayed_fwd`) thus costs the site nothing but
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Dict, Mapping, Optional, Tuple
 
 from loka_jax.kernels import PASSES
@@ -63,6 +64,28 @@ class Criteria:
     if pass_name == "grad_rhs" and self.min_sqnr_wgrad_db is not None:
       return self.min_sqnr_wgrad_db
     return self.min_sqnr_grad_db
+
+
+def criteria_for_error(max_error: Optional[float] = None, metric: str = "sqnr",
+                       min_speedup: Optional[float] = Criteria.min_speedup,
+                       **bars: Optional[float]) -> Criteria:
+  """The budget of one error bound: with metric 'mere' the MERE bound, with 'sqnr' a relative
+  RMS error, i.e. SQNR >= -20 log10(max_error) dB in every pass (None: the default bars).
+  `bars` (Criteria fields such as min_sqnr_wgrad_db; None ones left out) set the rest, over
+  the bound's. ValueError for a bound <= 0 or a name that is no field."""
+  fields: Dict[str, object] = {"metric": metric, "min_speedup": min_speedup}
+  if max_error is not None:
+    if max_error <= 0:
+      raise ValueError(f"max_error={max_error}: must be > 0")
+    if metric == "mere":
+      fields["max_mere"] = max_error
+    else:
+      bar = -20.0 * math.log10(max_error)
+      fields.update(min_sqnr_fwd_db=bar, min_sqnr_grad_db=bar)
+  try:
+    return Criteria(**fields).replaced(**{k: v for k, v in bars.items() if v is not None})
+  except TypeError as e:
+    raise ValueError(str(e)) from None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,7 +37,7 @@ class DispatchCliTest(chex.TestCase):
 
   def test_writes_the_plan_and_prints_the_choice_table(self):
     out = os.path.join(self.workdir, "plan.json")
-    result = run_cli(f"--report={self.report_path}", f"--out={out}")
+    result = run_cli(f"--config.report={self.report_path}", f"--config.out={out}")
     self.assertEqual(result.returncode, 0, result.stderr[-3000:])
     plan = dispatch.read_plan(out)
     self.assertEqual({plan["sites"][n]["fwd"]["kernel"] for n in DLRM_TINY}, {"xla_fp8_rowwise"})
@@ -54,9 +54,10 @@ class DispatchCliTest(chex.TestCase):
 
   def test_mere_budget_and_per_site_budgets(self):
     out = os.path.join(self.workdir, "plan_mere.json")
-    result = run_cli(f"--report={self.report_path}", f"--out={out}", "--metric=mere",
-                     "--max_error=0.06", "--nocheck",
-                     '--site_budgets={"top_mlp/.*": {"max_mere": 0.01}}')
+    result = run_cli(f"--config.report={self.report_path}", f"--config.out={out}",
+                     "--config.select.metric=mere", "--config.select.max_error=0.06",
+                     "--config.check=false",
+                     '--config.select.site_budgets={"top_mlp/.*": {"max_mere": 0.01}}')
     self.assertEqual(result.returncode, 0, result.stderr[-3000:])
     plan = dispatch.read_plan(out)
     # MERE 0.05 passes 0.06, 0.08 does not: rowwise everywhere but on the strict top MLP
@@ -78,7 +79,8 @@ class DispatchCliTest(chex.TestCase):
 
     def kernels(*flags):
       out = os.path.join(self.workdir, "plan_wgrad.json")
-      result = run_cli(f"--report={report_path}", f"--out={out}", "--nocheck", *flags)
+      result = run_cli(f"--config.report={report_path}", f"--config.out={out}",
+                       "--config.check=false", *flags)
       self.assertEqual(result.returncode, 0, result.stderr[-3000:])
       plan = dispatch.read_plan(out)
       return ({p: c["kernel"] for p, c in plan["sites"]["top_mlp/dense_0"].items()},
@@ -87,18 +89,19 @@ class DispatchCliTest(chex.TestCase):
     self.assertEqual(chosen, {"fwd": "xla_fp8_tensorwise", "grad_lhs": "xla_fp8_tensorwise",
                               "grad_rhs": "xla_bf16"})
     self.assertIsNone(budget["min_sqnr_wgrad_db"])
-    chosen, budget = kernels("--min_sqnr_wgrad_db=10")
+    chosen, budget = kernels("--config.select.min_sqnr_wgrad_db=10")
     self.assertEqual(chosen["grad_rhs"], "xla_fp8_tensorwise")
     self.assertEqual(budget["min_sqnr_wgrad_db"], 10.0)
     # The gradient bar then holds for the input gradient alone.
-    chosen, _ = kernels("--min_sqnr_grad_db=30", "--min_sqnr_wgrad_db=10")
+    chosen, _ = kernels("--config.select.min_sqnr_grad_db=30",
+                        "--config.select.min_sqnr_wgrad_db=10")
     self.assertEqual(chosen, {"fwd": "xla_fp8_tensorwise", "grad_lhs": "xla_bf16",
                               "grad_rhs": "xla_fp8_tensorwise"})
 
   def test_a_serving_plan_keeps_every_gradient_in_bf16(self):
     out = os.path.join(self.workdir, "plan_serve.json")
-    result = run_cli(f"--report={self.report_path}", f"--out={out}", "--objective=serve",
-                     "--nocheck")
+    result = run_cli(f"--config.report={self.report_path}", f"--config.out={out}",
+                     "--config.select.objective=serve", "--config.check=false")
     self.assertEqual(result.returncode, 0, result.stderr[-3000:])
     plan = dispatch.read_plan(out)
     self.assertEqual(plan["provenance"]["objective"], "serve")
@@ -112,8 +115,9 @@ class DispatchCliTest(chex.TestCase):
     out = os.path.join(self.workdir, "plan_serve_strict.json")
     proposal_path = os.path.join(self.workdir, "plan_serve_proposal.json")
     # rowwise's forward (1.20x pessimistic) misses a 1.5x bar: the plan serves bf16
-    result = run_cli(f"--report={self.report_path}", f"--out={out}", "--objective=serve",
-                     "--min_speedup=1.5", "--nocheck", f"--serving_proposal={proposal_path}")
+    result = run_cli(f"--config.report={self.report_path}", f"--config.out={out}",
+                     "--config.select.objective=serve", "--config.select.min_speedup=1.5",
+                     "--config.check=false", f"--config.serving_proposal={proposal_path}")
     self.assertEqual(result.returncode, 0, result.stderr[-3000:])
     plan, proposal = dispatch.read_plan(out), dispatch.read_plan(proposal_path)
     self.assertEqual({plan["sites"][n]["fwd"]["kernel"] for n in DLRM_TINY}, {"xla_bf16"})
@@ -124,20 +128,23 @@ class DispatchCliTest(chex.TestCase):
                       for p in ("grad_lhs", "grad_rhs")}, {"xla_bf16"})
     self.assertIn(f"serving proposal: {len(DLRM_TINY)} more FP8 forward(s)", result.stdout)
     self.assertIn("untimed", result.stdout)
-    refused = run_cli(f"--report={self.report_path}", f"--out={out}",
-                      f"--serving_proposal={proposal_path}")
+    refused = run_cli(f"--config.report={self.report_path}", f"--config.out={out}",
+                      f"--config.serving_proposal={proposal_path}")
     self.assertNotEqual(refused.returncode, 0)
-    self.assertIn("--serving_proposal needs --objective=serve", refused.stderr)
+    self.assertIn("--config.serving_proposal needs --config.select.objective=serve",
+                  refused.stderr)
 
   def test_a_plan_that_does_not_fit_the_model_fails_listing_the_sites(self):
     out = os.path.join(self.workdir, "plan_wukong.json")
-    result = run_cli(f"--report={self.report_path}", f"--out={out}", "--model=wukong")
+    result = run_cli(f"--config.report={self.report_path}", f"--config.out={out}",
+                     "--config.run.model=wukong")
     self.assertNotEqual(result.returncode, 0)
     self.assertIn("unknown site(s) ['top_mlp/dense_0', 'top_mlp/dense_1', 'top_mlp/dense_2']",
                   result.stderr)
     self.assertNotIn("Traceback", result.stderr)
     self.assertFalse(os.path.exists(out))
-    missing = run_cli(f"--report={os.path.join(self.workdir, 'none.json')}", f"--out={out}")
+    missing = run_cli(f"--config.report={os.path.join(self.workdir, 'none.json')}",
+                      f"--config.out={out}")
     self.assertNotEqual(missing.returncode, 0)
     self.assertIn("cannot read the probe report", missing.stderr)
     self.assertNotIn("Traceback", missing.stderr)

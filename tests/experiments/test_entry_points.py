@@ -9,8 +9,11 @@ from absl import flags
 from absl.testing import absltest, parameterized
 from ml_collections import config_flags
 
+import report_builders as hm
 from cli_helpers import run_module
 from experiments import run_config
+from loka_jax import dispatch
+from loka_jax.probe.report import save_report
 
 MAINS = (("loka",), ("train",))
 
@@ -19,7 +22,7 @@ GROUPS = (("report", ("rows", "plan_headroom", "validation", "spikes", "kernel_u
                       "hlo_scope"), "rows"),
           ("timing_cache", ("compare", "merge"), "out"))
 # The other config-driven mains, each with whether it has a --workdir flag.
-OTHER_MAINS = (("probe", True),)
+OTHER_MAINS = (("probe", True), ("dispatch", False))
 
 
 def load(name, *overrides):
@@ -82,6 +85,18 @@ class OverrideReachesTheRunTest(absltest.TestCase):
                       timeout=300)
     self.assertEqual(done.returncode, 0, done.stderr[-2000:])
     self.assertTrue(done.stdout.startswith("dlrm/tiny: 6 sites"), done.stdout)
+
+  def test_dispatch(self):
+    workdir = tempfile.mkdtemp()
+    report, out = (os.path.join(workdir, n) for n in ("probe_report.json", "plan.json"))
+    kernels = {"xla_fp8_rowwise": hm.entry(sqnr=28.0, speedup=(1.2, 1.3, 1.4))}
+    save_report(hm.report({"top_mlp/dense_0": hm.site(hm.same_passes(kernels), lhs=(16, 52),
+                                                      rhs=(52, 64))}), report)
+    done = run_module("experiments.dispatch", f"--config.report={report}",
+                      f"--config.out={out}", "--config.check=false",
+                      "--config.select.objective=serve", timeout=120)
+    self.assertEqual(done.returncode, 0, done.stderr[-2000:])
+    self.assertEqual(dispatch.read_plan(out)["provenance"]["objective"], "serve")
 
 
 class LokaConfigTest(absltest.TestCase):

@@ -155,9 +155,9 @@ def report_scores(report: Mapping, plan: Plan, candidates: Mapping[str, KernelCh
                   what: str, passes: Sequence[str] = PASSES) -> Dict[str, float]:
   """{site: score} from the probe report alone, higher = back off sooner.
 
-  what='error': minus the lowest accuracy (pessimistic SQNR in dB, or minus MERE under
-  `--metric=mere`) over the site's FP8 `passes`; -inf for a site with none of them on FP8
-  (it cannot move that check). what='time': the site's GEMM time with its plan minus with
+  what='error': minus the lowest accuracy (pessimistic SQNR in dB, or minus MERE under the
+  budget's `metric='mere'`) over the site's FP8 `passes`; -inf for a site with none of them
+  on FP8 (it cannot move that check). what='time': the site's GEMM time with its plan minus with
   xla_bf16, summed over `passes` (microseconds; 0 where the report has no timing), so the
   site that saves least goes first.
   """
