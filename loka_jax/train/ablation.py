@@ -7,7 +7,7 @@ Work directory (resumable: finished arms and timing rows are never redone):
   DIR/runs/<arm>/        one `experiment.run` directory per arm (final.json when finished,
                          error.json when it failed; delete the directory to retry)
   DIR/timing.jsonl       one row per mods combination: bf16 baseline, bf16 and FP8 with the
-                         mods, timed interleaved in one process (GPU only, or --timing=force)
+                         mods, timed interleaved in one process (GPU only, or timing 'force')
   DIR/ablation.json      schema loka.ablation/1 (see `summarize`)
   DIR/ablation.md        the markdown table
   DIR/ablation.png       NE per combination (bf16 vs FP8) and latency where measured
@@ -15,7 +15,8 @@ Work directory (resumable: finished arms and timing rows are never redone):
 The parts: `ablation_arms` (combinations, settings, arms), `ablation_timing` (the timing
 rows), `ablation_report` (verdicts, table, plot); this module runs them and holds the names
 they are used by (`from loka_jax.train import ablation`). How long a call may run is the
-caller's: `run`'s `should_stop` (experiments/ablate_mods.py makes one of --max_minutes).
+caller's: `run`'s `should_stop` (experiments/ablate_mods.py makes one of its config's
+max_minutes).
 """
 from __future__ import annotations
 
@@ -118,7 +119,7 @@ def check_settings(config: AblationConfig, workdir: str) -> None:
              for k in sorted(set(old) | set(settings)) if old.get(k) != settings.get(k)]
     if diffs:
       raise SettingsError(f"{workdir} holds an ablation with other settings ({'; '.join(diffs)}); "
-                          "rerun with the same settings or use a new --workdir")
+                          "rerun with the same settings or use a new work directory")
   write_json(path, settings)
 
 

@@ -64,7 +64,7 @@ def parse_combinations(items: Sequence[str]) -> Tuple[Combination, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class AblationConfig:
-  """What to ablate and how (the CLI's flags)."""
+  """What to ablate and how."""
   model: str = "wukong"
   preset: str = "tiny"
   steps: int = 60

@@ -22,7 +22,7 @@ GROUPS = (("report", ("rows", "plan_headroom", "validation", "spikes", "kernel_u
                       "hlo_scope"), "rows"),
           ("timing_cache", ("compare", "merge"), "out"))
 # The other config-driven mains, each with whether it has a --workdir flag.
-OTHER_MAINS = (("probe", True), ("dispatch", False))
+OTHER_MAINS = (("probe", True), ("dispatch", False), ("ablate_mods", True))
 
 
 def load(name, *overrides):
@@ -97,6 +97,16 @@ class OverrideReachesTheRunTest(absltest.TestCase):
                       "--config.select.objective=serve", timeout=120)
     self.assertEqual(done.returncode, 0, done.stderr[-2000:])
     self.assertEqual(dispatch.read_plan(out)["provenance"]["objective"], "serve")
+
+  def test_ablate_mods(self):
+    # The settings reach the library's AblationConfig, which refuses these before any arm.
+    done = run_module("experiments.ablate_mods", "--config.ablation.precisions=bf16,fp16",
+                      "--workdir=" + tempfile.mkdtemp(), timeout=120)
+    self.assertEqual(done.returncode, 1, done.stderr[-2000:])
+    self.assertIn("error: unknown precision 'fp16' for the ablation", done.stderr)
+    done = run_module("experiments.ablate_mods", "--config.ablation.xla_deterministic=true",
+                      "--workdir=" + tempfile.mkdtemp(), timeout=120)
+    self.assertIn("use it with timing='off'", done.stderr)
 
 
 class LokaConfigTest(absltest.TestCase):

@@ -202,7 +202,7 @@ class SummaryTest(chex.TestCase):
     workdir = tempfile.mkdtemp(prefix="loka_ablation_settings_")
     ablation.check_settings(self.config, workdir)
     ablation.check_settings(ablation.AblationConfig(combinations=((),), workers=2), workdir)
-    with self.assertRaisesRegex(ablation.SettingsError, r"steps: 60 -> 90.*new --workdir"):
+    with self.assertRaisesRegex(ablation.SettingsError, r"steps: 60 -> 90.*new work directory"):
       ablation.check_settings(ablation.AblationConfig(steps=90), workdir)
 
 
@@ -254,9 +254,10 @@ class CliTest(chex.TestCase):
 
   def test_two_combinations_end_to_end_then_resumed(self):
     workdir = tempfile.mkdtemp(prefix="loka_ablate_cli_")
-    args = ("--model=wukong", "--preset=tiny", "--steps=20", "--num_eval=512",
-            "--combinations=none,all", "--workers=2", "--timing=force",
-            "--repeats=2", f"--workdir={workdir}")
+    args = ("--config.run.model=wukong", "--config.run.preset=tiny", "--config.run.steps=20",
+            "--config.run.num_eval=512", "--config.ablation.combinations=none,all",
+            "--config.ablation.workers=2", "--config.timing.mode=force",
+            "--config.timing.repeats=2", f"--workdir={workdir}")
     first = run_cli(*args)
     self.assertEqual(first.returncode, 0, first.stderr[-3000:])
     self.assertRegex(first.stdout, r"(?m)^bf16__none__seed0: ne 0\.\d+ logloss")
