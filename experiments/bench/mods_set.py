@@ -75,7 +75,7 @@ def row_subject(row: Mapping) -> str:
 
 
 def of_flag(values: Sequence[str]) -> Tuple[str, ...]:
-  """The set a script's --mods names: an empty flag is every Mod (the bench's default), and
+  """The set a script's --mods (the bench's targets.mods) names: an empty one is every Mod, and
   anything else is `parse`d (ValueError naming what is wrong)."""
   return parse(values or DEFAULT)
 

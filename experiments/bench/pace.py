@@ -1,12 +1,12 @@
 """When a benchmark row or quality run may start inside a GPU call of fixed length.
 
-A call has a soft deadline (`--max_minutes`) and a hard end (`--end_by_minutes`: its limit
-less the upload), at which the call is killed and whatever it was compiling is lost. A fixed
-deadline must allow for the longest row, so it either leaves a call idle when rows are short
-or lets a long one start too late: InterFormer `large`'s FP8 rows (a 96-127 s compile, 2-3
-minutes a row, H200) were killed at the hard end in two calls running, each losing its
-compile. So once a row's length is known from
-the rows before it, it starts exactly when it is expected to end in time.
+A call has a soft deadline (`pacing.max_minutes`) and a hard end (`pacing.end_by_minutes`:
+its limit less the upload), at which the call is killed and whatever it was compiling is
+lost. A fixed deadline must allow for the longest row, so it either leaves a call idle when
+rows are short or lets a long one start too late: InterFormer `large`'s FP8 rows (a 96-127 s
+compile, 2-3 minutes a row, H200) were killed at the hard end in two calls running, each
+losing its compile. So once a row's length is known from the rows before it, it starts
+exactly when it is expected to end in time.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def expected_s(recorded: Iterable[Tuple[str, Optional[float]]], kind: str) -> Op
 def may_start(now: float, deadline: float, end_by: Optional[float],
               expected: Optional[float]) -> Tuple[bool, str]:
   """(whether a row may start now, why not). Without `end_by` (the call's hard end) or a
-  time to expect, none starts after `deadline` (`--max_minutes`). With both, a row starts
+  time to expect, none starts after `deadline` (`pacing.max_minutes`). With both, a row starts
   whenever it is expected to end by `end_by`, also after `deadline`, and none that would
   not, also before it."""
   if end_by is not None and expected is not None:
@@ -38,5 +38,5 @@ def may_start(now: float, deadline: float, end_by: Optional[float],
     return False, (f"it may take {expected:.0f} s (the longest so far, with margin) and "
                    f"{max(end_by - now, 0.0):.0f} s are left")
   if now > deadline:
-    return False, "past --max_minutes"
+    return False, "past pacing.max_minutes"
   return True, ""

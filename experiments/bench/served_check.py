@@ -1,7 +1,7 @@
 """The served model's quality behind a LoKA row's inference numbers.
 
 A LoKA row's inference speed is its export's: weights stored once in e4m3, static activation
-scales and, with `--serve_plan`, FP8 forwards that the serving selection and promotion chose
+scales and, with `serving.plan`, FP8 forwards that the serving selection and promotion chose
 on the forward's accuracy and speed alone. Validation never judged that model, so its
 held-out quality is a measurement of its own (`dispatch.serve_quality`), and an inference
 ratio measured on a model outside the quality budget is not a LoKA result: the report marks

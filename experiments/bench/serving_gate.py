@@ -1,4 +1,4 @@
-"""The served model's quality gate of the bench's `--serve_plan`.
+"""The served model's quality gate of the bench's `serving.plan`.
 
 A serving plan is selected from the probe report on the forward's accuracy and speed, and the
 serving promotion adds forwards on accuracy alone and keeps them when the served step is

@@ -142,7 +142,7 @@ class SpeedSettings:
   probe_steps: int = 100
   probe_samples: int = 32       # draws per site of each probe's error evaluation
   probe_kernels: Tuple[str, ...] = ()  # each probe's candidates (empty: the default list)
-  probe_timing_cache: Optional[str] = None  # timings measured ahead (`probe --time_only`)
+  probe_timing_cache: Optional[str] = None  # timings measured ahead (`probe`, timing.only)
   probe_compile_workers: Optional[int] = None  # `ProbeOptions.compile_workers`
   probe_timing_compile_workers: int = 1  # `ProbeOptions.timing_compile_workers`
   probe_min_timing_gflops: float = 0.0  # `ProbeOptions.min_timing_gflops`
@@ -458,7 +458,7 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
   if not pace.may_start(time.time(), deadline, end_by,
                         None if first_row_s is None else 2 * first_row_s)[0]:
     # A probe that ran to the deadline: the baseline's compile (InterFormer small: 40-84 s on
-    # the H200) would only be thrown away before the first row. Past --max_minutes, the
+    # the H200) would only be thrown away before the first row. Past pacing.max_minutes, the
     # baseline is built when it and the first row fit by the hard end (a build is about a
     # row's length).
     log(f"  deadline: {target.name} left for the next run, its baseline not built")
@@ -494,7 +494,7 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
     now = time.time()
     start, why = pace.may_start(now, deadline, end_by, expected_row_s(results, key, v.name))
     if start and v.name in settings.head_to_head and now > deadline:
-      start, why = False, "past --max_minutes, where its head-to-head rebuilds stop"
+      start, why = False, "past pacing.max_minutes, where its head-to-head rebuilds stop"
     if not start:
       log(f"  deadline: {target.name}/{v.name} left for the next run ({why})")
       return False

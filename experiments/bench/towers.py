@@ -32,7 +32,7 @@ _TEACHER_HIDDEN = 64
 
 @dataclasses.dataclass(frozen=True)
 class TowerShape:
-  """B x width x depth; `name` is how rows, --only and tables spell it."""
+  """B x width x depth; `name` is how rows, targets.only and tables spell it."""
   batch: int
   width: int
   depth: int

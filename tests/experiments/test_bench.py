@@ -1,4 +1,4 @@
-"""The headline benchmark harness on the CPU: resumable rows, --only, tables, plots, target
+"""The headline benchmark harness on the CPU: resumable rows, targets.only, tables, plots, target
 checks and the quality protocol. Timings here are smoke numbers; the checks are structural,
 and the target arithmetic is checked on hand-made rows with known answers."""
 import dataclasses
@@ -952,7 +952,7 @@ class ExportedInferenceTest(chex.TestCase):
 
 
 class ServingPlanBenchTest(chex.TestCase):
-  """`--serve_plan`: LoKA trains with its training plan and serves the export of a serving
+  """`serving.plan`: LoKA trains with its training plan and serves the export of a serving
   plan selected from the same report; the row names both, and its export modes (not the
   training kernels) decide whether it is the served bf16+Mods program."""
 
@@ -1308,7 +1308,7 @@ class DeadlineTest(absltest.TestCase):
                               settings=settings, deadline=deadline, device="cpu",
                               log=logs.append, end_by=end_by)
 
-    # Past --max_minutes with no row recorded, --max_minutes rules: nothing is built.
+    # Past pacing.max_minutes with no row recorded, pacing.max_minutes rules: nothing is built.
     self.assertFalse(run(["bf16_mods"], time.time() - 1, time.time() + 3600))
     self.assertEqual(list(results.rows()), [])
     self.assertTrue(run(["bf16_mods"], float("inf"), None))
@@ -1334,7 +1334,7 @@ class DeadlineTest(absltest.TestCase):
           device="cpu", log=logs.append))
     (bf16_row,) = list(scratch.rows())
     self.assertGreaterEqual(bf16_row["row_s"], 2.0)
-    # Past --max_minutes, a row starts when the longest recorded one would end in time ...
+    # Past pacing.max_minutes, a row starts when the longest recorded one would end in time ...
     self.assertTrue(run(["fp8_tensorwise"], time.time() - 1, time.time() + 3600))
     self.assertIn("fp8_tensorwise", {r["variant"] for r in results.rows()})
     # ... and, before it, none starts that would not: not the baseline ...
@@ -1350,7 +1350,7 @@ class DeadlineTest(absltest.TestCase):
                            time.time() + 3600))
     self.assertIn("fp8_rowwise", {r["variant"] for r in results.rows()})
     self.assertIn("flax_fp8_delayed left for the next run (it may take 1000000 s", logs[-1])
-    # A head-to-head row does not start past --max_minutes, where its rebuilds stop.
+    # A head-to-head row does not start past pacing.max_minutes, where its rebuilds stop.
     logs.clear()
     self.assertFalse(run(["flax_fp8_delayed"], time.time() - 1, time.time() + 3600,
                          head_to_head=("flax_fp8_delayed",)))
@@ -1499,7 +1499,7 @@ class CliTest(absltest.TestCase):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     first = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     self.assertEqual(first.returncode, 0, first.stderr[-3000:])
-    # A hard end before --max_minutes caps it, said, and costs the call nothing.
+    # A hard end before pacing.max_minutes caps it, said, and costs the call nothing.
     self.assertIn("pacing.max_minutes=3.0 is past pacing.end_by_minutes=2.5", first.stdout)
     rows = [json.loads(l) for l in open(os.path.join(out, "bench.jsonl"))]
     self.assertEqual(sorted((r["preset"], r["variant"]) for r in rows),
@@ -1792,14 +1792,14 @@ class QualityPacingTest(absltest.TestCase):
   """With the call's hard end known, quality runs start by their expected length."""
 
   def test_a_run_starts_past_max_minutes_only_when_it_fits_before_the_hard_end(self):
-    now, deadline = 1000.0, 900.0                       # --max_minutes has passed
+    now, deadline = 1000.0, 900.0                       # pacing.max_minutes has passed
     self.assertEqual(pace.may_start(now, deadline, None, 50.0)[0], False)
     self.assertEqual(pace.may_start(now, deadline, 1100.0, None)[0], False)
     self.assertTrue(pace.may_start(now, deadline, 1100.0, 100.0)[0])
     fits, why = pace.may_start(now, deadline, 1100.0, 100.5)
     self.assertFalse(fits)
     self.assertIn("100 s are left", why)
-    # Before --max_minutes, a run that would outlast the hard end does not start either.
+    # Before pacing.max_minutes, a run that would outlast the hard end does not start either.
     self.assertFalse(pace.may_start(now, 2000.0, 1100.0, 150.0)[0])
     self.assertTrue(pace.may_start(now, 2000.0, None, 150.0)[0])
 
@@ -1834,7 +1834,7 @@ class QualityPacingTest(absltest.TestCase):
     settings = quality.QualitySettings(preset="tiny", steps=2, batch_size=64, min_eval=100,
                                        arms=("bf16", "fp8_naive"), noise_seeds=())
     logs = []
-    # Past --max_minutes with no run recorded: nothing starts.
+    # Past pacing.max_minutes with no run recorded: nothing starts.
     self.assertFalse(quality.run_model("dlrm", settings, results, out, deadline=0.0,
                                        device="cpu", log=logs.append,
                                        end_by=time.time() + 3600.0))
@@ -1843,7 +1843,7 @@ class QualityPacingTest(absltest.TestCase):
                                       results, out, deadline=float("inf"), device="cpu",
                                       log=logs.append))
     (first,) = results.rows()
-    # Past --max_minutes, the next run starts when the recorded run's time fits ...
+    # Past pacing.max_minutes, the next run starts when the recorded run's time fits ...
     self.assertTrue(quality.run_model("dlrm", settings, results, out, deadline=0.0,
                                       device="cpu", log=logs.append,
                                       end_by=time.time() + 3600.0))
