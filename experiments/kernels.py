@@ -1,11 +1,16 @@
-"""List registered kernels, or check every kernel's error (and, on a GPU, speed) per shape.
+r"""List registered kernels, or check every kernel's error (and, on a GPU, speed) per shape.
 
---check ends each shape with every kernel's verdict (measured, unsupported, error) and exits
+The check ends each shape with every kernel's verdict (measured, unsupported, error) and exits
 with status 1 when some kernel failed: it raised or gave a non-finite output.
 
-  python -m experiments.kernels --list
-  python -m experiments.kernels --check --m=2048 --k=256 --n=768 [--seed=0] [--json=out.json]
-  python -m experiments.kernels --check --shapes=2048x256x768,4096x512x512 --time --out=DIR
+  python3 -m experiments.kernels --config.list=true
+  python3 -m experiments.kernels --config.check.m=2048 --config.check.k=256 \
+      --config.check.n=768 [--config.check.seed=0] [--config.check.json=out.json]
+  python3 -m experiments.kernels --config.check.shapes=2048x256x768,4096x512x512 \
+      --config.check.time=true --config.check.out=DIR
+
+Settings come from experiments/configs/kernels.py (--config=FILE for another file;
+--config.GROUP.FIELD=VALUE overrides one field).
 """
 import json
 import os
@@ -13,32 +18,23 @@ import sys
 
 from absl import app, flags
 
+from experiments import run_config
 from loka_jax import _compat, kernels
-from experiments import common_flags
-from loka_jax.kernels import check
+from loka_jax.kernels import check as check_lib
 
-LIST = flags.DEFINE_bool("list", False, "Print every registered kernel and its passes.")
-CHECK = flags.DEFINE_bool("check", False, "Run every kernel, every pass (a chain kernel: its "
-                          "whole chain), against fp32 HIGHEST; exit 1 if a kernel fails.")
-M = flags.DEFINE_integer("m", 512, "Rows of the activation (batch).")
-K = flags.DEFINE_integer("k", 384, "Contracting size.")
-N = flags.DEFINE_integer("n", 256, "Output features.")
-SHAPES = flags.DEFINE_list("shapes", [], "Several MxKxN shapes instead of --m/--k/--n.")
-JSON = flags.DEFINE_string("json", None, "Write the loka.check/1 JSON here (one shape).")
-ONLY = flags.DEFINE_list("only", [], "Restrict --check to these kernels.")
-TIME = flags.DEFINE_bool("time", False, "Also time each kernel's forward vs xla_bf16 (GPU).")
-OUT = flags.DEFINE_string("out", None, "Directory for check.jsonl (resumable: done shapes skipped).")
+CONFIG = run_config.define_config_flag("kernels")
+flags.adopt_module_key_flags(run_config)  # --help lists --config
 
 
-def _parse_shapes():
-  if not SHAPES.value:
-    return [(M.value, K.value, N.value)]
+def _parse_shapes(check):
+  if not check.shapes:
+    return [(check.m, check.k, check.n)]
   shapes = []
-  for text in SHAPES.value:
+  for text in run_config.split(check.shapes):
     try:
       m, k, n = (int(v) for v in text.lower().split("x"))
     except ValueError:
-      raise app.UsageError(f"--shapes entry {text!r} must look like 2048x256x768") from None
+      sys.exit(f"error: --config.check.shapes: {text!r} must look like 2048x256x768")
     shapes.append((m, k, n))
   return shapes
 
@@ -50,41 +46,45 @@ def _done_shapes(path):
     return {tuple(json.loads(line)["shape"].values()) for line in f if line.strip()}
 
 
+def _list() -> None:
+  for k in kernels.all_kernels():
+    passes = ",".join(p for p in kernels.PASSES if p in k.passes)
+    print(f"{k.name:36s} {k.backend:14s} {k.sort:9s} passes={passes} "
+          f"kinds={','.join(sorted(k.kinds))}{' stateful' if k.stateful else ''}  {k.description}")
+
+
 def main(argv):
-  del argv
-  if LIST.value == CHECK.value:
-    raise app.UsageError("pass exactly one of --list or --check")
-  if LIST.value:
-    for k in kernels.all_kernels():
-      passes = ",".join(p for p in kernels.PASSES if p in k.passes)
-      print(f"{k.name:36s} {k.backend:14s} {k.sort:9s} passes={passes} "
-            f"kinds={','.join(sorted(k.kinds))}{' stateful' if k.stateful else ''}  {k.description}")
-    return
-  shapes = _parse_shapes()
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  config = CONFIG.value
+  if config.list:
+    return _list()
+  check = config.check
+  shapes = _parse_shapes(check)
   if any(d < 1 for s in shapes for d in s):
-    raise app.UsageError(f"every dimension must be >= 1, got {shapes}")
-  if TIME.value and not _compat.on_gpu():
+    sys.exit(f"error: every dimension of a shape must be >= 1, got {shapes}")
+  if check.time and not _compat.on_gpu():
     print("note: timings on the CPU are for smoke-testing only, never for dispatch")
-  jsonl = os.path.join(OUT.value, "check.jsonl") if OUT.value else None
-  if OUT.value:
-    os.makedirs(OUT.value, exist_ok=True)
+  jsonl = os.path.join(check.out, "check.jsonl") if check.out else None
+  if check.out:
+    os.makedirs(check.out, exist_ok=True)
   done = _done_shapes(jsonl)
-  names = ONLY.value or kernels.names()
+  names = run_config.split(check.only) or kernels.names()
   failed = set()
   for shape in shapes:
     if shape in done:
       print(f"skip {shape}: already in {jsonl}")
       continue
-    problem = check.Problem(*shape, seed=common_flags.SEED.value)
-    report = check.run_check(problem, names)
-    failed.update(k for k, v in report["verdicts"].items() if v == check.ERROR)
-    if TIME.value:
-      report["timing"] = check.time_forward(problem, names)
-    print(check.format_table(report))
-    if TIME.value:
-      print(check.format_timing(report))
-    if JSON.value:
-      with open(JSON.value, "w") as f:
+    problem = check_lib.Problem(*shape, seed=check.seed)
+    report = check_lib.run_check(problem, names)
+    failed.update(k for k, v in report["verdicts"].items() if v == check_lib.ERROR)
+    if check.time:
+      report["timing"] = check_lib.time_forward(problem, names)
+    print(check_lib.format_table(report))
+    if check.time:
+      print(check_lib.format_timing(report))
+    if check.json:
+      with open(check.json, "w") as f:
         json.dump(report, f, indent=1)
     if jsonl:
       with open(jsonl, "a") as f:
@@ -94,4 +94,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=run_config.parse_flags)

@@ -28,7 +28,7 @@ class Kernel(abc.ABC):
     kinds: site kinds it supports ('act_weight', 'act_act').
     stateful: keeps state in the fp8_meta collection (delayed scaling).
     fp8: whether it computes in FP8 (False for the bf16 / fp32 baselines).
-    description: one line for `--list`.
+    description: one line for the registry's listing (`experiments.kernels`).
     revision: bumped when the kernel's computation changes, so timings measured before
       (caches, committed tables) are measured again rather than reused.
   """

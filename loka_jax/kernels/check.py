@@ -1,5 +1,5 @@
-"""`experiments.kernels --check`: every kernel, every pass, on fresh random inputs, against
-reference (a): the float32 HIGHEST product of the original high-precision operands.
+"""The kernel check (`experiments.kernels`): every kernel, every pass, on fresh random inputs,
+against reference (a): the float32 HIGHEST product of the original high-precision operands.
 
 A kernel that computes a whole chain (`ChainKernel`: a GEMM with its epilogue fused in) is
 checked as what it is: its chain on a fresh random bias as well, against the chain's pure-jnp

@@ -2,6 +2,7 @@
 `dispatch`, `ablate_mods`, `kernels`, `profile_step`): --help lists --config and exits 0,
 `--config.GROUP.FIELD=VALUE` overrides one field of the config file and reaches the run, and a
 wrong field or value ends the program with one line naming it."""
+import json
 import os
 import tempfile
 
@@ -22,7 +23,7 @@ GROUPS = (("report", ("rows", "plan_headroom", "validation", "spikes", "kernel_u
                       "hlo_scope"), "rows"),
           ("timing_cache", ("compare", "merge"), "out"))
 # The other config-driven mains, each with whether it has a --workdir flag.
-OTHER_MAINS = (("probe", True), ("dispatch", False), ("ablate_mods", True))
+OTHER_MAINS = (("probe", True), ("dispatch", False), ("ablate_mods", True), ("kernels", False))
 
 
 def load(name, *overrides):
@@ -107,6 +108,17 @@ class OverrideReachesTheRunTest(absltest.TestCase):
     done = run_module("experiments.ablate_mods", "--config.ablation.xla_deterministic=true",
                       "--workdir=" + tempfile.mkdtemp(), timeout=120)
     self.assertIn("use it with timing='off'", done.stderr)
+
+  def test_kernels(self):
+    path = os.path.join(tempfile.mkdtemp(), "check.json")
+    done = run_module("experiments.kernels", "--config.check.only=xla_bf16",
+                      "--config.check.m=8", "--config.check.n=24", f"--config.check.json={path}",
+                      timeout=300)
+    self.assertEqual(done.returncode, 0, done.stderr[-2000:])
+    with open(path) as f:
+      report = json.load(f)
+    self.assertEqual((report["shape"], list(report["verdicts"])),
+                     ({"m": 8, "k": 384, "n": 24}, ["xla_bf16"]))
 
 
 class LokaConfigTest(absltest.TestCase):

@@ -1,4 +1,5 @@
-"""`python -m experiments.kernels`: --list and --check --json as a user runs them."""
+"""`python -m experiments.kernels`: the kernel list and the check with its JSON as a user runs
+them."""
 import json
 import os
 import subprocess
@@ -19,7 +20,7 @@ def _run(*args):
 class KernelsCliTest(absltest.TestCase):
 
   def test_list_names_every_registered_kernel(self):
-    out = _run("--list").stdout
+    out = _run("--config.list=true").stdout
     for name in kernels.names():
       self.assertIn(name, out)
     self.assertIn("passes=fwd,grad_lhs,grad_rhs", out)
@@ -27,8 +28,9 @@ class KernelsCliTest(absltest.TestCase):
   def test_check_writes_the_check_schema(self):
     path = os.path.join(tempfile.mkdtemp(), "check.json")
     only = "xla_bf16,xla_fp8_tensorwise,xla_fp8_rowwise,flax_fp8_delayed"
-    out = _run("--check", "--m=72", "--k=136", "--n=40", "--seed=3", f"--json={path}",
-               f"--only={only}").stdout
+    out = _run("--config.check.m=72", "--config.check.k=136", "--config.check.n=40",
+               "--config.check.seed=3", f"--config.check.json={path}",
+               f"--config.check.only={only}").stdout
     self.assertIn("SQNR dB", out)
     with open(path) as f:
       report = json.load(f)
@@ -48,8 +50,9 @@ class KernelsCliTest(absltest.TestCase):
     # GEMM with its epilogue fused in) is checked as its whole chain, backward included
     # where it has one.
     path = os.path.join(tempfile.mkdtemp(), "check.json")
-    proc = subprocess.run([sys.executable, "-m", "experiments.kernels", "--check", "--m=8",
-                           "--k=16", "--n=16", f"--json={path}"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "experiments.kernels", "--config.check.m=8",
+                           "--config.check.k=16", "--config.check.n=16",
+                           f"--config.check.json={path}"], capture_output=True, text=True,
                           timeout=600)
     self.assertEqual(proc.returncode, 0, proc.stderr[-2000:] + proc.stdout[-4000:])
     with open(path) as f:
@@ -69,11 +72,13 @@ class KernelsCliTest(absltest.TestCase):
       for row in rows.values():
         self.assertGreaterEqual(row["sqnr_db"], 18.0, (kernel.name, row["pass"]))
 
-  def test_bad_arguments_are_usage_errors(self):
-    proc = subprocess.run([sys.executable, "-m", "experiments.kernels", "--check",
-                           "--shapes=12by4"], capture_output=True, text=True, timeout=120)
+  def test_bad_arguments_are_one_line_errors(self):
+    proc = subprocess.run([sys.executable, "-m", "experiments.kernels",
+                           "--config.check.shapes=12by4"], capture_output=True, text=True,
+                          timeout=120)
     self.assertNotEqual(proc.returncode, 0)
-    self.assertIn("must look like 2048x256x768", proc.stderr + proc.stdout)
+    self.assertIn("error: --config.check.shapes: '12by4' must look like 2048x256x768",
+                  proc.stderr)
 
 
 if __name__ == "__main__":
