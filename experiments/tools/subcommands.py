@@ -23,7 +23,7 @@ def run(group: str, doc: str, commands: Mapping[str, Tuple[str, str]],
   argv = list(sys.argv if argv is None else argv)
   prog = f"python3 -m experiments.{group}"
   if len(argv) < 2 or argv[1] in HELP:
-    listing = "\n".join(f"  {name:<16} {line}" for name, (_, line) in commands.items())
+    listing = "\n".join(f"  {name:<17} {line}" for name, (_, line) in commands.items())
     text = f"{doc.strip()}\n\nsubcommands:\n{listing}\n\n{prog} NAME --help: its flags."
     if len(argv) < 2:
       sys.exit(f"{text}\n\nerror: give a subcommand")

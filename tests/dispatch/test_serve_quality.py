@@ -103,7 +103,7 @@ class CliTest(absltest.TestCase):
                                                        plots=False, site_plots=False,
                                                        kernels=("xla_bf16", "xla_fp8_rowwise")))
     out = os.path.join(root, "served.json")
-    run = subprocess.run([sys.executable, "-m", "experiments.serving_quality",
+    run = subprocess.run([sys.executable, "-m", "experiments.measure", "serving_quality",
                           "--target=dlrm/tiny", f"--plans_dir={plans}", "--probe_steps=4",
                           f"--out={out}"], cwd=REPO, capture_output=True, text=True,
                          env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)
@@ -113,7 +113,7 @@ class CliTest(absltest.TestCase):
     self.assertEqual(sorted(written["served"]), ["bf16_mods_served", "loka"])
     self.assertEqual(written["served"]["loka"]["num_examples"], target.plan_eval_examples())
     self.assertIn("| loka |", run.stdout)
-    missing = subprocess.run([sys.executable, "-m", "experiments.serving_quality",
+    missing = subprocess.run([sys.executable, "-m", "experiments.measure", "serving_quality",
                               "--target=dlrm/small", f"--plans_dir={plans}"],
                              cwd=REPO, capture_output=True, text=True, timeout=300,
                              env=dict(os.environ, JAX_PLATFORMS="cpu"))

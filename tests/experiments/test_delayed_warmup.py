@@ -1,4 +1,4 @@
-"""`python -m experiments.delayed_warmup` on a tiny DCNv2: one probe evaluated with the delayed
+"""`experiments.measure delayed_warmup` on a tiny DCNv2: one probe evaluated with the delayed
 op warmed on each sample itself and on others, both recorded; bad arguments fail clearly."""
 import json
 import os
@@ -10,7 +10,7 @@ from cli_helpers import run_module
 
 
 def run_cli(*args, timeout=400):
-  return run_module("experiments.delayed_warmup", *args, timeout=timeout)
+  return run_module("experiments.measure", "delayed_warmup", *args, timeout=timeout)
 
 
 class DelayedWarmupCliTest(absltest.TestCase):
@@ -38,6 +38,9 @@ class DelayedWarmupCliTest(absltest.TestCase):
     got = run_cli("--kernels=xla_bf16,xla_fp8_tensorwise", f"--workdir={tempfile.mkdtemp()}")
     self.assertNotEqual(got.returncode, 0)
     self.assertIn("nothing warms a delayed-scaling state", got.stderr)
+    got = run_cli("--kernels=xla_bf16,flax_fp8_delayed")
+    self.assertNotEqual(got.returncode, 0)
+    self.assertIn("--workdir is required", got.stderr)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`python -m experiments.held_out_sites` on a tiny Wukong: the baseline kernel moves nothing,
+"""`experiments.measure held_out_sites` on a tiny Wukong: the baseline kernel moves nothing,
 an FP8 kernel moves the held-out loss, bad arguments fail with a clear message."""
 import json
 import os
@@ -12,7 +12,7 @@ SITES = ("layer_0/fmb/mlp/dense_0", "head/dense_1")
 
 
 def run_cli(*args, timeout=300):
-  return run_module("experiments.held_out_sites", *args, timeout=timeout)
+  return run_module("experiments.measure", "held_out_sites", *args, timeout=timeout)
 
 
 class HeldOutSitesTest(absltest.TestCase):

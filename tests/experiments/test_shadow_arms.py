@@ -1,4 +1,4 @@
-"""`python -m experiments.shadow_arms` on a tiny Wukong: the baseline's own kernel as an arm
+"""`experiments.measure shadow_arms` on a tiny Wukong: the baseline's own kernel as an arm
 trains exactly as bf16+Mods, an FP8 arm differs, a rerun trains nothing, and bad arms fail
 before any training with a message naming them."""
 import json
@@ -14,7 +14,7 @@ COMMON = ("--model=wukong", "--preset=tiny", "--mods=all", "--steps=6", "--batch
 
 
 def run_cli(*args, timeout=300):
-  return run_module("experiments.shadow_arms", *args, timeout=timeout)
+  return run_module("experiments.measure", "shadow_arms", *args, timeout=timeout)
 
 
 class ShadowArmsTest(absltest.TestCase):
@@ -79,7 +79,7 @@ class ShadowArmsTest(absltest.TestCase):
   def test_bad_arms_fail_before_training(self):
     # Each bad arm is named by the parsers the CLI calls before it trains (in this process:
     # a CLI run each would cost a JAX start-up apiece) ...
-    from experiments import shadow_arms
+    from experiments.tools import shadow_arms
     from loka_jax.kernels import registry
     from loka_jax.models.presets import site_products
     from loka_jax.train import experiment

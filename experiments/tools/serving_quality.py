@@ -1,6 +1,6 @@
 r"""How far serving a benchmark target from its exports moves held-out log loss.
 
-  python -m experiments.serving_quality --target=dhen/large --plans_dir=WORKDIR/plans \
+  python3 -m experiments.measure serving_quality --target=dhen/large --plans_dir=WORKDIR/plans \
       [--mods=no_bias,blocknorm] [--probe_steps=100] [--out=FILE.json]
 
 For a target the bench planned (`experiments.bench`, its plans under WORKDIR/plans), scores on
@@ -65,6 +65,3 @@ def main(argv):
   print(serve_quality.table(measured))
   print(f"[serving_quality] wrote {out}")
 
-
-if __name__ == "__main__":
-  app.run(main)

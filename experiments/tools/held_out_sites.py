@@ -1,7 +1,7 @@
 r"""How far FP8 forwards move held-out log loss on fixed parameters, all sites and each alone.
 
-  python -m experiments.held_out_sites --model=wukong --preset=tiny --mods=all --steps=200 \
-      --num_eval=65536 --workdir=DIR
+  python3 -m experiments.measure held_out_sites --model=wukong --preset=tiny --mods=all \
+      --steps=200 --num_eval=65536 --workdir=DIR
 
 Trains bf16 (with --mods) for --steps, or reuses a finished run in --workdir, then for each
 kernel of --kernels measures the relative held-out log-loss change against that model with the
@@ -130,6 +130,3 @@ def compare_gradients(ctx, wanted):
         f"{out['max_relative_gap']:.4f}", flush=True)
   return out
 
-
-if __name__ == "__main__":
-  app.run(main)

@@ -1,6 +1,6 @@
 r"""Shadow-train hand-written kernel plans from one trained state, side by side with bf16.
 
-  python -m experiments.shadow_arms --model=wukong --preset=small --mods=all --steps=50 \
+  python3 -m experiments.measure shadow_arms --model=wukong --preset=small --mods=all --steps=50 \
       --batch_size=1024 --shadow_steps=150 --windows=2 --num_eval=16384 --workdir=DIR \
       --arm="grad_lhs_mlp=layer_\d+/fmb/mlp/dense_\d+:flax_fp8_delayed_grad_lhs" \
       --arm="fwd_mlp=layer_\d+/fmb/mlp/dense_\d+:flax_fp8_delayed_fwd"
@@ -190,6 +190,3 @@ def _with_change(row, base, key):
     return f"{row[key]:.5f}"
   return f"{row[key]:.5f} ({100 * (row[key] / base[key] - 1):+.2f}%)"
 
-
-if __name__ == "__main__":
-  app.run(main)

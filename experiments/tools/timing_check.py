@@ -1,6 +1,6 @@
 """Checks the timing methods on the GPU against the profiler's kernel times (bf16 GEMMs).
 
-  python3 -m experiments.timing_check          (prints one JSON line a shape)
+  python3 -m experiments.measure timing_check     (GPU; prints one JSON line a shape)
 
 Per shape: unblocked back-to-back direct calls; the probe's timing (`kernel_timing.
 _time_interleaved`: one chain less its floor for products under SHORT_FLOPS, else single
@@ -59,6 +59,3 @@ def main(_):
            "profiler_chain16_us_per_call": _profiled_us(lambda: chained(a, b), 16)}
     print(json.dumps(row), flush=True)
 
-
-if __name__ == "__main__":
-  app.run(main)

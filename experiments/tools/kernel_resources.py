@@ -11,7 +11,7 @@ only picks wgmma (MMAv3) for an fp8 dot with an f32 accumulator when it is >= 32
 Needs Python >= 3.12 with jax >= 0.11 (abstract GPU devices) and `triton==3.6.0` (its wheel
 bundles ptxas); no GPU. Not part of the CI environment (jax 0.10, no triton):
 
-  python3 -m experiments.kernel_resources --out=docs/results/kernel_resources_sm90.md
+  python3 -m experiments.measure kernel_resources --out=docs/results/kernel_resources_sm90.md
 """
 from __future__ import annotations
 
@@ -23,10 +23,7 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
-import triton
 from absl import app, flags
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import sm_arch_from_capability
 
 from kernels_pallas import compat
 from kernels_pallas import epilogue as ep_lib
@@ -58,7 +55,6 @@ TUNED = {
 # sm_90 (H100/H200 SXM) per-SM limits.
 NUM_SMS, REGS_PER_SM, MAX_WARPS_PER_SM, MAX_BLOCKS_PER_SM = 132, 65536, 64, 32
 SMEM_PER_SM, SMEM_RESERVED_PER_BLOCK = 228 * 1024, 1024
-TARGET = GPUTarget("cuda", 90, 32)
 NOTES = """\
 Columns: config `bm x bn[x n_sub] kK wW sS` (TileConfig block_m, block_n, n_sub, block_k,
 num_warps, num_stages); grid programs = programs launched (batch 1); programs / 132 SMs = waves
@@ -79,7 +75,17 @@ nothing folds there. Both: the two rewrites together. None of the what-ifs ran o
 Caveat: the H200 runs compile the same TTIR with XLA's bundled Triton and ptxas, not pip
 triton; the instruction choice follows the same Triton check, exact register counts may differ.
 """
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def _triton():
+  """(the pip triton package, its sm_90 target, that target's arch name, its bundled ptxas),
+  imported on first use so that --help runs where triton is not installed."""
+  import triton
+  from triton.backends.compiler import GPUTarget
+  from triton.backends.nvidia.compiler import sm_arch_from_capability
+  target = GPUTarget("cuda", 90, 32)
+  ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+  return triton, target, sm_arch_from_capability(target.arch), ptxas
 
 
 def lower_to_ttir(kernel, M, K, N, cfg):
@@ -120,14 +126,14 @@ def compile_sm90(ttir, cfg, dump_prefix=None):
     path = os.path.join(tmp, "kernel.ttir")
     with open(path, "w") as f:
       f.write(ttir)
-    k = triton.compile(path, target=TARGET,
+    triton, target, arch, ptxas = _triton()
+    k = triton.compile(path, target=target,
                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     ptx = k.asm["ptx"]
     ptx_path = os.path.join(tmp, "kernel.ptx")
     with open(ptx_path, "w") as f:
       f.write(ptx)
-    arch = sm_arch_from_capability(TARGET.arch)
-    log = subprocess.run([PTXAS, "-v", f"--gpu-name={arch}", ptx_path, "-o",
+    log = subprocess.run([ptxas, "-v", f"--gpu-name={arch}", ptx_path, "-o",
                           os.path.join(tmp, "kernel.o")], capture_output=True, text=True,
                          check=True).stderr
   if dump_prefix:
@@ -236,12 +242,10 @@ def main(argv):
     with open(OUT.value, "w") as f:
       f.write(f"# Pallas Triton FP8 GEMM resources on sm_90 ({DATE.value})\n\n"
               f"Compiled for sm_90 on a CPU machine, no GPU run. jax {jax.__version__}, "
-              f"triton {triton.__version__} (bundled ptxas). Produced by "
-              f"`experiments/kernel_resources.py` (Python 3.12, jax 0.11, triton 3.6, no GPU):\n\n"
-              f"    python3 -m experiments.kernel_resources --date={DATE.value} "
+              f"triton {_triton()[0].__version__} (bundled ptxas). Produced by "
+              f"`experiments/tools/kernel_resources.py` (Python 3.12, jax 0.11, triton 3.6, "
+              f"no GPU):\n\n"
+              f"    python3 -m experiments.measure kernel_resources --date={DATE.value} "
               f"--out={OUT.value}\n\n"
               f"{NOTES}\n{summary}\n\n{table}\n")
 
-
-if __name__ == "__main__":
-  app.run(main)

@@ -1,17 +1,18 @@
 r"""How much the probe's delayed-scaling errors change when each sample's scale is warmed on
 other samples rather than on the sample itself.
 
-  python -m experiments.delayed_warmup --model=dcnv2 --preset=tiny --steps=300 --workdir=DIR
+  python3 -m experiments.measure delayed_warmup --model=dcnv2 --preset=tiny --steps=300 \
+      --workdir=DIR
 
 The probe evaluates a delayed-scaling op on each sample after warming its amax history on
-the DELAYED_WARMUP samples before it in the same vmapped chunk. Until the thirty-first
-session the memory bound left one sample a chunk at most sites of the `large` presets, so
-the history held the sample itself: the op read as current scaling and never saturated.
-The evaluator now keeps DELAYED_WARMUP + 1 samples a chunk where such an op is evaluated
-(`evaluate.fused_chunk_floor`). This runs one probe (trained once) and evaluates it both
-ways, with --chunk_elements small enough that the memory bound gives one sample a chunk as
-at those sites, and prints each delayed op's pessimistic SQNR and largest elementwise error
-both ways, and the selections that differ. Writes WORKDIR/delayed_warmup.json.
+the DELAYED_WARMUP samples before it in the same vmapped chunk, so the evaluator keeps
+DELAYED_WARMUP + 1 samples a chunk where such an op is evaluated
+(`evaluate.fused_chunk_floor`). A chunk of one sample would warm the history on the sample
+itself: the op would read as current scaling and never saturate. This runs one probe
+(trained once) and evaluates it both ways, "itself" (one sample a chunk, --chunk_elements
+small enough that the memory bound allows no more) and "others" (the evaluator's floor),
+and prints each delayed op's pessimistic SQNR and largest elementwise error both ways, and
+the selections that differ. Writes WORKDIR/delayed_warmup.json (docs/FINDINGS.md entry 5).
 """
 import os
 import shutil
@@ -45,6 +46,8 @@ def main(argv):
     raise app.UsageError(f"--kernels: none of {', '.join(DELAYED)}, so nothing warms a "
                          "delayed-scaling state to compare")
   workdir = common.WORKDIR.value
+  if not workdir:
+    raise app.UsageError("--workdir is required: the probe's run and delayed_warmup.json")
   spec = experiment.RunSpec(model=common.MODEL.value, preset=common.PRESET.value,
                             mods=("all",), num_eval=512)
   options = ProbeOptions(samples=SAMPLES.value, kernels=tuple(KERNELS.value),
@@ -55,7 +58,7 @@ def main(argv):
   reports, floor = {}, evaluate.fused_chunk_floor
   try:
     for way, chunk_floor in (("itself", lambda samples: 1), ("others", floor)):
-      evaluate.fused_chunk_floor = chunk_floor   # "itself": the evaluator before the fix
+      evaluate.fused_chunk_floor = chunk_floor   # "itself": one sample a chunk
       folder = os.path.join(workdir, way)
       if way == "others":  # the same trained statistics, evaluated again (cache dropped)
         shutil.copytree(os.path.join(workdir, "itself"), folder, dirs_exist_ok=True)
@@ -90,7 +93,3 @@ def main(argv):
           f"{r['sqnr_db_lo'][1]:.1f} | {r['mere_hi'][0]:.3f} -> {r['mere_hi'][1]:.3f} |")
   print(f"selections that differ: {changed or 'none'}")
 
-
-if __name__ == "__main__":
-  flags.mark_flags_as_required(["workdir"])
-  app.run(main)
