@@ -1,12 +1,17 @@
-r"""GPU benchmark of the Pallas FP8 kernels against XLA FP8 and bf16 (DESIGN.md protocol).
+r"""GPU benchmark of the Pallas FP8 kernels against XLA FP8 and bf16 (docs/BENCHMARKS.md,
+section 3: how speed is measured).
 
-  python -m experiments.bench_kernels --out=/tmp/bench --max_minutes=7 [--only=gemm,fmb] [--tune]
+  python3 -m experiments.bench_kernels --out=/tmp/bench --max_minutes=7 [--only=gemm,fmb] \
+      [--tune]
 
-Per shape, every variant is compiled (its backend read from the compiled HLO), then timed
-by `loka_jax.timing.time_variants`: warm-up, variants interleaved, >= 20 repeats, calls under
-1 ms run N times inside one jitted fori_loop. Each row has the median time, TFLOP/s, and the speedup vs the
-baseline of its group measured in the same run (xla_bf16, or the bf16 chain for the fused
-chain) with a bootstrap 95% CI; the fused chain also gets its ratio vs the XLA FP8 chain.
+Per shape (GEMMs, batched interaction einsums, and the chain quantize -> GEMM ->
+BlockNorm(256) -> Hard Swish -> quantize), every variant is compiled (its backend read from
+the compiled HLO), then timed by `loka_jax.timing.time_variants`: warm-up, variants
+interleaved, --repeats each; a call shorter than a quarter of --min_call_ms is timed as a
+chain of dependent calls less its floor, a longer one as single calls back to back. Each row
+has the median time, TFLOP/s, and the speedup vs the baseline of its group measured in the
+same run (xla_bf16, or the bf16 chain for the fused chain) with a bootstrap 95% CI; the
+fused chain also gets its ratio vs the XLA FP8 chain.
 Rows go to DIR/results.jsonl; a rerun skips finished shapes, so the benchmark resumes across
 invocations that each stop before --max_minutes. A variant that fails to compile records its
 error and the run goes on. The markdown table of all rows is printed last (and written to
@@ -23,7 +28,6 @@ import traceback
 
 from absl import app, flags
 
-from experiments import common_flags  # noqa: F401  (the common flags, defined once)
 from loka_jax import xla_env
 
 OUT = flags.DEFINE_string("out", None, "Output directory (results.jsonl, table.md, caches).")
@@ -32,7 +36,8 @@ MAX_MINUTES = flags.DEFINE_float("max_minutes", 7.0, "Stop starting new shapes a
 REPEATS = flags.DEFINE_integer("repeats", 25, "Interleaved timing repeats per variant.")
 TUNE = flags.DEFINE_bool("tune", False, "Autotune Pallas tiles (cached under DIR/pallas_tune).")
 MIN_CALL_MS = flags.DEFINE_float("min_call_ms", 1.0,
-                                 "Calls shorter than this are looped inside one jitted call.")
+                                 "A timed sample's length: calls shorter than a quarter of it "
+                                 "are timed as chains of dependent calls, less their floor.")
 SMOKE = flags.DEFINE_bool("smoke", False,
                           "Tiny shapes, CPU allowed: checks the script's code paths only "
                           "(timings meaningless).")
