@@ -183,5 +183,46 @@ class GroupingMainTest(parameterized.TestCase):
     self.assertIn("no subcommand 'nonexistent'", unknown.stderr)
 
 
+class BenchConfigTest(absltest.TestCase):
+  """`python -m experiments.bench`: the common config (models suite) and one file per suite."""
+
+  def test_help_lists_the_config_flag_and_exits_0(self):
+    done = run_module("experiments.bench", "--help", timeout=120)
+    self.assertEqual(done.returncode, 0, done.stderr[-2000:])
+    self.assertIn("--config:", done.stdout)
+    self.assertIn(os.path.join("experiments", "configs", "bench.py"), done.stdout)
+    self.assertIn("--workdir:", done.stdout)
+
+  def test_an_override_reaches_the_suite_settings(self):
+    from experiments.bench import settings
+    default = settings.from_config(load("bench_towers"), "/w")
+    call = settings.from_config(load(
+        "bench_towers", "--config.speed.repeats=7", "--config.targets.towers=32x16x2",
+        "--config.validation.shadow_steps=0", "--config.serving.promotion=off",
+        "--config.targets.mods=no_bias,blocknorm", "--config.pacing.end_by_minutes=2"), "/w")
+    self.assertEqual((default.suite, default.speed.repeats, len(default.speed_targets)),
+                     ("towers", 20, 5))
+    self.assertEqual((call.speed.repeats, [t.preset for t in call.speed_targets]),
+                     (7, ["32x16x2"]))
+    self.assertEqual((call.speed.validation_shadow_steps, call.speed.serve_promotion,
+                      call.speed.mods, call.end_by_minutes),
+                     (0, False, ("no_bias", "blocknorm"), 2.0))
+    self.assertEqual((call.speed.plans_dir, call.compile_cache), ("/w/plans", "/w/jax_cache"))
+    # The quality suite's file: its runs take the common groups' fields too.
+    runs = settings.from_config(load("bench_quality", "--config.quality.data=synthetic",
+                                     "--config.targets.models=dlrm,wukong",
+                                     "--config.quality.steps=9"), "/w").quality_runs
+    self.assertEqual([(m, qs.data, qs.steps) for m, qs in runs],
+                     [("dlrm", "synthetic", 9), ("wukong", "synthetic", 9)])
+
+  def test_a_wrong_value_is_one_line_naming_it(self):
+    done = run_module("experiments.bench", "--config.speed.variants=bf16,fp9",
+                      "--workdir=" + tempfile.mkdtemp(), timeout=120)
+    self.assertEqual(done.returncode, 1, done.stderr[-2000:])
+    self.assertEqual(len(done.stderr.strip().splitlines()), 1, done.stderr[-2000:])
+    self.assertTrue(done.stderr.startswith("error: --config.speed.variants=bf16,fp9: unknown "
+                                           "variant(s) ['fp9']"), done.stderr)
+
+
 if __name__ == "__main__":
   absltest.main()
