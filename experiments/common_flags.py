@@ -32,7 +32,7 @@ MODS = flags.DEFINE_list("mods", [], "Mods to turn on: no_bias, blocknorm, hard_
 
 def reference_run(num_eval: int, batch_size: int):
   """(RunSpec, TrainConfig) of the bf16 model (with --mods) the measurement scripts train
-  for --steps and read FP8 against (`experiments.held_out_sites`, `shadow_arms`)."""
+  for --steps and read FP8 against (`experiments.measure held_out_sites`, `shadow_arms`)."""
   from loka_jax.train import TrainConfig, experiment
   spec = experiment.RunSpec(model=MODEL.value, preset=PRESET.value, data=DATA.value,
                             data_spec=DATA_SPEC.value, data_path=DATA_PATH.value,

@@ -29,7 +29,7 @@ def speed_section(result, arms_plans: Dict[str, KernelPlan], spec: experiment.Ru
          f"{estimate['speedup']:.2f}x "
          f"({estimate['source']}{'; ' + estimate['note'] if estimate.get('note') else ''}); "
          f"of the speed-only plan (every site's fastest kernel, accuracy ignored; "
-         f"`experiments.plan_headroom`): {bound['speedup']:.2f}x.")
+         f"`experiments.report plan_headroom`): {bound['speedup']:.2f}x.")
   if not _compat.on_gpu():
     return ("Speed: not measured (not on a GPU: CPU timings say nothing about GPU kernels). "
             + est)

@@ -10,7 +10,7 @@ those verdicts missed and says why (`targets.check_speed`).
 The measurement comes from one of two places:
 - the row itself: the bench's served-quality gate scores each serving candidate before it
   serves one, and the row's `serve_promotion.quality` is the served candidate's score;
-- a report of `experiments.serving_quality` (JSON, one per target), for rows served before
+- a report of `experiments.measure serving_quality` (JSON, one per target), for rows served before
   the gate existed. Such a report names no row, so it is applied only where the export it
   scored has the row's own export modes (how many sites it served in e4m3 and in bf16).
 """
@@ -38,7 +38,7 @@ def _served_entries(path: str, data) -> Dict[str, Mapping]:
     raise ServedQualityError(
         f"{path}: not a served-quality report: expected 'served' with, per served model, "
         "'within_budget', 'budget', 'vs_served_bf16_mods' and 'export_modes' (written by "
-        "experiments.serving_quality)")
+        "experiments.measure serving_quality)")
   return served
 
 
@@ -50,7 +50,7 @@ def load_reports(paths: Sequence[str]) -> Dict[ReportKey, Dict]:
     if not os.path.isfile(path):
       raise ServedQualityError(f"served-quality report {path} does not exist")
     data = jsonio.read_json(path, "served-quality report",
-                            "make it again with experiments.serving_quality",
+                            "make it again with experiments.measure serving_quality",
                             ServedQualityError)
     served = _served_entries(path, data)
     model, _, preset = str(data.get("target", "")).partition("/")

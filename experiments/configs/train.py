@@ -48,7 +48,7 @@ def get_config() -> ml_collections.ConfigDict:
   train.progress = True         # progress bar on stderr (when a terminal)
   # Each module's gradient, parameter and update norms and its output's RMS with every
   # metrics line (with log_every=1: every step), to read a loss spike with
-  # experiments.spike_report. Adds a forward to each step.
+  # `experiments.report spikes`. Adds a forward to each step.
   train.module_norms = False
   # Deterministic GPU ops (--xla_gpu_deterministic_ops): a run repeats bit for bit, so a loss
   # spike can be run again and read. It slows the step a little.

@@ -57,7 +57,7 @@ class MainJobTest(chex.TestCase):
       self.assertIn(arm, text)
     self.assertIn("Speed: not measured (not on a GPU", text)
     self.assertRegex(text, r"of the speed-only plan \(every site's fastest kernel, accuracy "
-                           r"ignored; `experiments.plan_headroom`\): \d+\.\d\dx")
+                           r"ignored; `experiments.report plan_headroom`\): \d+\.\d\dx")
     loka_dir = "loka_" + dispatch.read_plan(os.path.join(workdir, "plan.json")).kernel_digest()[:8]
     for arm in ("bf16_mods", loka_dir, "fp8_all"):
       with open(os.path.join(workdir, "arms", arm, "final.json")) as f:
