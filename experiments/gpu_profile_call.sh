@@ -1,7 +1,8 @@
 #!/bin/bash
 # One GPU call that profiles a target's training and inference steps (experiments.profile_step)
 # from a committed plan and probe report, and brings back the tables, the plot and the
-# training HLOs of the variants named in HLO (for `experiments.hlo_scope` on any machine).
+# training HLOs of the variants named in HLO (for `experiments.report hlo_scope` on any
+# machine).
 #
 #   MODEL=dcnv2 PRESET=large VARIANTS=bf16_mods,pallas_delayed,loka HLO=bf16_mods,loka \
 #   PLAN=docs/results/plan_dcnv2_large_h200_2026-11-28.json \
@@ -10,7 +11,7 @@
 #
 # Environment: MODEL, PRESET (required); VARIANTS (bf16_mods,loka); HLO (the training HLOs to
 # bring back, gzipped; default none); PLAN and REPORT (needed when VARIANTS has loka; REPORT
-# may be gzipped); MODS (the Mods arms' set, as the bench's --mods, e.g. no_bias,blocknorm;
+# may be gzipped); MODS (the Mods arms' set, as the bench's targets.mods, e.g. no_bias,blocknorm;
 # default every Mod; PLAN and REPORT go to that set's plans folder); WORK (/tmp/profile);
 # LIMIT (540: hard seconds); OUT (set on the device; elsewhere $WORK/out). Writes
 # $OUT/profile_$MODEL.{md,json,png}, $OUT/profile_$MODEL.log and
@@ -34,9 +35,10 @@ if [ -n "${PLAN:-}" ]; then
     *) cp "$REPORT" "$PLANS/probe_report.json" ;;
   esac || exit 1
 fi
-timeout "${LIMIT:-540}" python3 -m experiments.profile_step --model="$MODEL" --preset="$PRESET" \
-  --variants="${VARIANTS:-bf16_mods,loka}" --mods="$MODS" --plans_dir="$WORK/plans" \
-  --workdir="$WORK/run" \
+timeout "${LIMIT:-540}" python3 -m experiments.profile_step --workdir="$WORK/run" \
+  --config.target.model="$MODEL" --config.target.preset="$PRESET" \
+  --config.variants.names="${VARIANTS:-bf16_mods,loka}" --config.variants.mods="$MODS" \
+  --config.variants.plans_dir="$WORK/plans" \
   > "$OUT/profile_$MODEL.log" 2>&1
 rc=$?
 for ext in md json png; do

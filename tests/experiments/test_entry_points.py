@@ -26,7 +26,8 @@ GROUPS = (("report", ("rows", "plan_headroom", "validation", "spikes", "kernel_u
                        "delayed_warmup", "timing_check", "kernel_resources"),
            "kernels"))
 # The other config-driven mains, each with whether it has a --workdir flag.
-OTHER_MAINS = (("probe", True), ("dispatch", False), ("ablate_mods", True), ("kernels", False))
+OTHER_MAINS = (("probe", True), ("dispatch", False), ("ablate_mods", True), ("kernels", False),
+               ("profile_step", True))
 
 
 def load(name, *overrides):
@@ -122,6 +123,19 @@ class OverrideReachesTheRunTest(absltest.TestCase):
       report = json.load(f)
     self.assertEqual((report["shape"], list(report["verdicts"])),
                      ({"m": 8, "k": 384, "n": 24}, ["xla_bf16"]))
+
+  def test_profile_step(self):
+    step = {"steps": 1, "device_us_per_step": 10.0, "outside_sites_us": 4.0,
+            "sites_us": {"mlp/dense_0": {"forward": 2.0, "backward": 4.0}},
+            "classes_us": {"gemm_cublas": 6.0, "fusion": 4.0}, "top_kernels_us": []}
+    path = os.path.join(tempfile.mkdtemp(), "saved.json")
+    with open(path, "w") as f:
+      json.dump({"target": "m/tiny", "device": "cpu", "sites": ["mlp/dense_0"],
+                 "profiles": {"bf16 train": step}}, f)
+    done = run_module("experiments.profile_step", f"--config.render={path}", timeout=300)
+    self.assertEqual(done.returncode, 0, done.stderr[-2000:])
+    self.assertIn("# Step profile: m/tiny on cpu", done.stdout)
+    self.assertTrue(os.path.exists(path[:-len(".json")] + ".png"))
 
 
 class LokaConfigTest(absltest.TestCase):

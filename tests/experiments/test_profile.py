@@ -311,8 +311,9 @@ class CliTest(absltest.TestCase):
   def test_profiles_and_writes_its_files(self):
     with tempfile.TemporaryDirectory() as tmp:
       run = subprocess.run(
-          [sys.executable, "-m", "experiments.profile_step", "--model=wukong", "--preset=tiny",
-           "--variants=bf16,bf16_mods", "--iterations=1", f"--workdir={tmp}"],
+          [sys.executable, "-m", "experiments.profile_step", "--config.target.model=wukong",
+           "--config.target.preset=tiny", "--config.variants.names=bf16,bf16_mods",
+           "--config.profile.iterations=1", f"--workdir={tmp}"],
           cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=600)
       self.assertEqual(run.returncode, 0, run.stderr[-3000:])
       self.assertIn("not on a GPU", run.stdout)
@@ -345,17 +346,17 @@ class CliTest(absltest.TestCase):
       run = lambda flag: subprocess.run(
           [sys.executable, "-m", "experiments.profile_step", flag], cwd=REPO, env=cpu_env(),
           capture_output=True, text=True, timeout=300)
-      done = run(f"--render={path}")
+      done = run(f"--config.render={path}")
       self.assertEqual(done.returncode, 0, done.stderr[-3000:])
       self.assertIn("| M/embeddings (bwd) | 30 | 30 |", done.stdout)
       with open(os.path.join(tmp, "saved.png"), "rb") as f:
         self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
-      refused = run(f"--render={os.path.join(tmp, 'missing.json')}")
+      refused = run(f"--config.render={os.path.join(tmp, 'missing.json')}")
       self.assertNotEqual(refused.returncode, 0)
       self.assertIn("missing.json: not a profile.json", refused.stderr)
-      bad_mods = run("--mods=no_bias,swish")
+      bad_mods = run("--config.variants.mods=no_bias,swish")
       self.assertNotEqual(bad_mods.returncode, 0)
-      self.assertIn("--mods: unknown Mod(s) ['swish']", bad_mods.stderr)
+      self.assertIn("--config.variants.mods: unknown Mod(s) ['swish']", bad_mods.stderr)
 
 
 class StepPartsTest(absltest.TestCase):
