@@ -37,7 +37,7 @@ def make_source(name: str, *, features: Optional[FeatureSpec] = None,
   if name == "criteo":
     if data_path is None:
       raise ValueError("the criteo source needs data_path: a .tsv/.tsv.gz file or a directory "
-                       "of them (--data_path)")
+                       "of them")
     return criteo.CriteoSource(data_path, config=spec, seed=seed, num_eval=num_eval,
                                id_policy=id_policy)
   raise ValueError(f"unknown data source {name!r}; choose one of {SOURCES}")

@@ -83,13 +83,13 @@ def fetch_recbole_wheel(cache_dir: Optional[str] = None, timeout_s: float = 600)
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
       except (OSError, subprocess.TimeoutExpired) as e:
         raise RuntimeError(f"could not run {' '.join(cmd)}: {e}. Without network, copy "
-                           f"{RECBOLE_WHEEL} into {cache_dir} or pass --data_path") from e
+                           f"{RECBOLE_WHEEL} into {cache_dir} or give the source a data_path") from e
       got = os.path.join(tmp, RECBOLE_WHEEL)
       if done.returncode != 0 or not os.path.exists(got):
         tail = (done.stderr or done.stdout or "").strip()[-1500:]
         raise RuntimeError(f"pip could not download {RECBOLE_REQUIREMENT} (exit "
                            f"{done.returncode}): {tail}\nWithout network, copy {RECBOLE_WHEEL} "
-                           f"into {cache_dir} or pass --data_path")
+                           f"into {cache_dir} or give the source a data_path")
       os.replace(got, wheel)
     logging.info("downloaded %s to %s", RECBOLE_WHEEL, wheel)
   digest = jsonio.file_sha256(wheel)

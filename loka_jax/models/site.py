@@ -34,7 +34,7 @@ class SiteConfig:
   @classmethod
   def for_precision(cls, precision: str, kernel: str = "xla_fp8_tensorwise",
                     plan: Optional[KernelPlan] = None) -> "SiteConfig":
-    """The arms of the common --precision flag: fp32, bf16, fp8_all, loka (needs a plan)."""
+    """The precision arms: fp32, bf16, fp8_all (`kernel` at every site), loka (needs a plan)."""
     if precision == "fp32":
       return cls(DtypePolicy.named("fp32"), KernelPlan.uniform("xla_fp32"))
     if precision == "bf16":
@@ -44,7 +44,7 @@ class SiteConfig:
       return cls(BF16, KernelPlan.uniform(kernel))
     if precision == "loka":
       if plan is None:
-        raise ValueError("--precision=loka needs a plan (--plan=PLAN.json)")
+        raise ValueError("precision 'loka' needs a plan (a loka.plan/1 file)")
       return cls(BF16, plan)
     raise ValueError(f"unknown precision {precision!r}; use fp32, bf16, fp8_all or loka")
 

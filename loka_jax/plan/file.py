@@ -258,7 +258,7 @@ def read_plan_arg(path: str, flag: str = "--plan") -> Plan:
 
 
 def load_plan(path: str) -> KernelPlan:
-  """The KernelPlan of the plan file `path` (what `--precision=loka --plan=PATH` runs)."""
+  """The KernelPlan of the plan file `path` (what precision 'loka' runs with that plan)."""
   return to_kernel_plan(read_plan(path))
 
 

@@ -80,7 +80,7 @@ def check_run_config(workdir: str, settings: Mapping[str, Any]) -> None:
   settings = json.loads(json.dumps(settings, sort_keys=True, default=str))
   if os.path.exists(path):
     old = jsonio.read_json(path, "run settings (config.json)", "restore it from a copy or use "
-                           "a new --workdir", RunSettingsError)
+                           "a new run directory", RunSettingsError)
 
     def flat(d, prefix=""):
       out = {}
@@ -98,7 +98,7 @@ def check_run_config(workdir: str, settings: Mapping[str, Any]) -> None:
     if diffs:
       raise RunSettingsError(f"run directory {workdir} holds a run with other settings ("
                        + "; ".join(diffs) + "); resume with the same settings or use a new "
-                       "--workdir")
+                       "run directory")
   write_json_atomic(path, settings)
 
 

@@ -231,7 +231,7 @@ class TrainingFaultTest(chex.TestCase):
       f.write('{"run": {"model": "dl')
     config = TrainConfig(steps=2, batch_size=32, progress=False)
     with self.assertRaisesRegex(RunSettingsError, f"{workdir}/config.json: not valid JSON.*"
-                                                  "new --workdir"):
+                                                  "new run directory"):
       train(train_toys.ToyClickModel(), train_toys.ToySource(), workdir, config)
 
   def test_a_plan_for_another_model_is_refused_before_training(self):
