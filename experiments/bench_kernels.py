@@ -28,6 +28,7 @@ import traceback
 
 from absl import app, flags
 
+from experiments.tools import subcommands
 from loka_jax import xla_env
 
 OUT = flags.DEFINE_string("out", None, "Output directory (results.jsonl, table.md, caches).")
@@ -332,4 +333,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=subcommands.parse_flags)  # --help exits 0, errors in one line

@@ -26,6 +26,7 @@ import time
 
 from absl import app, flags
 
+from experiments.tools import subcommands
 from experiments import common_flags as common
 
 PRESETS = flags.DEFINE_list("presets", ["small"], "Presets of --model to run.")
@@ -252,4 +253,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=subcommands.parse_flags)  # --help exits 0, errors in one line

@@ -12,6 +12,7 @@ E.g. a LoKA row served before the served-quality gate, timed again under it:
 """
 from absl import app, flags
 
+from experiments.tools import subcommands
 from experiments import common_flags  # --workdir and --mods, defined once
 
 TARGET = flags.DEFINE_string("target", None, "model/preset, or tower/BxWIDTHxDEPTH.",
@@ -48,4 +49,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=subcommands.parse_flags)  # --help exits 0, errors in one line

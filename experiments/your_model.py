@@ -25,6 +25,7 @@ import optax
 from absl import app, flags
 
 import loka_jax
+from experiments.tools import subcommands
 from loka_jax import timing
 from loka_jax.plan.file import choice_table, kernel_counts
 from loka_jax.kernels import FP8_META, KernelPlan
@@ -165,4 +166,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=subcommands.parse_flags)  # --help exits 0, errors in one line

@@ -238,5 +238,22 @@ class BenchConfigTest(absltest.TestCase):
                                            "variant(s) ['fp9']"), done.stderr)
 
 
+
+class PlainFlagMainTest(parameterized.TestCase):
+  """The scripts that keep plain absl flags: --help prints their flags and exits 0, and an
+  unknown flag is one line."""
+
+  @parameterized.parameters(("your_model", "--width"), ("bench_kernels", "--tune"),
+                            ("bench_parallel", "--devices"), ("forget_rows", "--workdir"))
+  def test_help_exits_0_and_a_wrong_flag_is_one_line(self, name, flag):
+    done = run_module(f"experiments.{name}", "--help", timeout=120)
+    self.assertEqual(done.returncode, 0, done.stderr[-2000:])
+    self.assertIn(flag, done.stdout + done.stderr)
+    wrong = run_module(f"experiments.{name}", "--no_such_flag=1", timeout=120)
+    self.assertEqual(wrong.returncode, 1)
+    self.assertEqual(len(wrong.stderr.strip().splitlines()), 1, wrong.stderr)
+    self.assertIn("no_such_flag", wrong.stderr)
+
+
 if __name__ == "__main__":
   absltest.main()
