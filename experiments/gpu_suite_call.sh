@@ -19,16 +19,17 @@
 # model's quality run is recorded, its runs start by their expected length until LIMIT
 # instead: `pacing.end_by_minutes`), OUT (set
 # on the device; elsewhere $WORK/out),
-# MODULE (experiments.bench; or experiments.probe for a `--time_only` call, which times a
+# MODULE (experiments.bench; or experiments.probe for a timing-only call, which times a
 # model's site shapes into the carried timing cache with no training, so a fresh host's
 # bench call finds them there:
-#   MODULE=experiments.probe CARRY=.snap/x bash experiments/gpu_suite_call.sh --time_only \
-#     --model=interformer --preset=small --mods=all --kernels=...).
+#   MODULE=experiments.probe CARRY=.snap/x bash experiments/gpu_suite_call.sh \
+#     --config.timing.only=true --config.run.model=interformer --config.run.preset=small \
+#     --config.run.mods=all --config.evaluate.kernels=...).
 # Arguments: passed to `experiments.bench` after --workdir and the overrides of
 # compile_cache, pacing.max_minutes, pacing.end_by_minutes and probe.timing_cache, their
 # --config=FILE moved first (ml_collections reads it before any override), so a later
-# override of the same field wins (to `experiments.probe` after --timing_cache and
-# --budget_s).
+# override of the same field wins (to `experiments.probe` after its timing cache and
+# time budget).
 set -u
 CARRY=${CARRY:?set CARRY to the folder that carries this run between calls}
 WORK=${WORK:-/tmp/suite}

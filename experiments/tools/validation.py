@@ -15,6 +15,8 @@ import os
 
 from absl import app, flags
 
+from loka_jax.plan.file import Plan, read_plan
+
 PLAN = flags.DEFINE_string("plan", None, "The plan file (plan.json, plan_validating.json).",
                            required=True)
 OUT = flags.DEFINE_string("out", None, "Folder for the loss-curve plots (none without it).")
@@ -23,11 +25,22 @@ _PANELS = {"quality_shadow": ("data window {}".format, "steps after the switch")
            "quality_from_init": ("seed {}".format, "step")}
 
 
+def read_plan_arg(path: str, flag: str = "--plan") -> Plan:
+  """`read_plan` of a command-line argument: a missing, corrupt or wrong-schema file is
+  absl's UsageError naming the flag and the file, not a traceback."""
+  if not os.path.exists(path):
+    raise app.UsageError(f"{flag}={path}: no such file")
+  try:
+    return read_plan(path)
+  except ValueError as e:   # PlanFileError, or a malformed plan's own error
+    raise app.UsageError(str(e)) from e
+
+
 def main(argv):
   del argv
   from experiments.bench import plots
   from loka_jax.dispatch import run_records, validate
-  from loka_jax.plan.file import kernel_counts, read_plan_arg
+  from loka_jax.plan.file import kernel_counts
   from loka_jax.train.report import validation_line
   plan = read_plan_arg(PLAN.value)
   where = plan["provenance"].get("device")

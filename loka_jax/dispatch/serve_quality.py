@@ -23,7 +23,7 @@ from loka_jax.train.metrics import NEUTRAL_REL_LOGLOSS, paired_logloss_change
 
 SERVED_BF16 = "bf16_mods_served"
 # The names `experiments.measure serving_quality` scores a LoKA target's exports under: its training
-# plan's, and its serving plan's (plan_serve.json, with the bench's --serve_plan).
+# plan's, and its serving plan's (plan_serve.json, with the bench's serving.plan).
 TRAINING_PLAN = "loka"
 SERVING_PLAN = "loka_serving_plan"
 

@@ -7,7 +7,7 @@ Pallas per-pass GEMMs never exceed 0.75x bf16, since Pallas's Triton lowering gi
 dot no wgmma (docs/results/kernel_resources_sm90.md). `kernel_usage` counts, per kernel, the
 passes that timed it, the passes where `dispatch.select` picks it for training and for
 serving, and the passes where it is the fastest timed. A new model's probe on that card can
-leave out the per-pass kernels that nothing picks (`droppable`, for `--probe_kernels`), with
+leave out the per-pass kernels that nothing picks (`droppable`, for a probe's candidate list), with
 the counts as the evidence. Fused ops are always kept: validation's speed promotion tries
 them at sites the selection left in bf16, so a kernel the selection never picks may still
 be promoted.
@@ -69,7 +69,7 @@ def droppable(usage: Mapping[str, Mapping]) -> List[str]:
 
 
 def kept_kernels(usage: Mapping[str, Mapping]) -> List[str]:
-  """A `--probe_kernels` list without the droppable kernels: the baseline first, then the
+  """A probe's candidate kernel list without the droppable kernels: the baseline first, then the
   rest of the timed ones, most picked first."""
   gone = set(droppable(usage)) | {BASELINE}
   rest = sorted((k for k, u in usage.items() if k not in gone and u["timed"]),

@@ -245,18 +245,6 @@ def read_plan(path: str) -> Plan:
   return Plan(data, path)
 
 
-def read_plan_arg(path: str, flag: str = "--plan") -> Plan:
-  """`read_plan` of a command-line argument: a missing, corrupt or wrong-schema file is
-  absl's UsageError naming the flag and the file, not a traceback."""
-  from absl import app
-  if not os.path.exists(path):
-    raise app.UsageError(f"{flag}={path}: no such file")
-  try:
-    return read_plan(path)
-  except ValueError as e:   # PlanFileError, or a malformed plan's own error
-    raise app.UsageError(str(e)) from e
-
-
 def load_plan(path: str) -> KernelPlan:
   """The KernelPlan of the plan file `path` (what precision 'loka' runs with that plan)."""
   return to_kernel_plan(read_plan(path))
