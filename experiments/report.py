@@ -12,6 +12,8 @@ from experiments.tools import subcommands
 COMMANDS = {
     "rows": ("experiments.tools.rows",
              "the benchmark's tables, target verdicts and plots from result rows (JSONL)"),
+    "results": ("experiments.tools.results",
+                "docs/RESULTS.md from the rows docs/results/manifest.json lists (--check)"),
     "plan_headroom": ("experiments.tools.plan_headroom",
                       "the GEMM time a target's plans save, projected onto its step"),
     "validation": ("experiments.tools.validation",
