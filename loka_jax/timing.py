@@ -405,3 +405,13 @@ def call_seconds(call: Callable[[], object]) -> float:
   start = time.perf_counter()
   jax.block_until_ready(call())
   return time.perf_counter() - start
+
+
+def memory_bytes(compiled) -> Optional[int]:
+  """Arguments + outputs + temporaries - aliased of one compiled step (None if unknown)."""
+  try:
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+               - m.alias_size_in_bytes)
+  except Exception:  # not implemented on every backend
+    return None

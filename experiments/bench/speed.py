@@ -49,16 +49,6 @@ def gemm_calls(hlo_text: str) -> Dict[str, int]:
   return out
 
 
-def memory_bytes(compiled) -> Optional[int]:
-  """Arguments + outputs + temporaries - aliased of one compiled step (None if unknown)."""
-  try:
-    m = compiled.memory_analysis()
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-               - m.alias_size_in_bytes)
-  except Exception:  # not implemented on every backend
-    return None
-
-
 def _leaves(tree) -> Dict[str, Any]:
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
   return {jax.tree_util.keystr(p): (tuple(x.shape), str(x.dtype)) for p, x in flat}
@@ -137,8 +127,8 @@ class TargetBench:
     def infer_call():
       return eval_c(state_in(), self.batch)
 
-    info = {"compile_s": round(seconds, 2), "train_memory_bytes": memory_bytes(train_c),
-            "infer_memory_bytes": memory_bytes(eval_c), "gemm_calls": gemm_calls(hlo),
+    info = {"compile_s": round(seconds, 2), "train_memory_bytes": timing.memory_bytes(train_c),
+            "infer_memory_bytes": timing.memory_bytes(eval_c), "gemm_calls": gemm_calls(hlo),
             "shared_state": key == "shared", "inner": dict(self.inner),
             "min_call_s": self.min_call_s}
     return Arm(name, train_call, infer_call, info,
@@ -183,7 +173,7 @@ class TargetBench:
     variables = jax.device_put(variables)
     compiled = fn.lower(variables, self.batch).compile()
     return dataclasses.replace(arm, infer=lambda: compiled(variables, self.batch),
-                               info={**arm.info, "infer_memory_bytes": memory_bytes(compiled)},
+                               info={**arm.info, "infer_memory_bytes": timing.memory_bytes(compiled)},
                                hlo={**arm.hlo, "infer": compiled.as_text() or ""})
 
   def drop(self, name: str) -> None:

@@ -18,16 +18,6 @@ from loka_jax.train.optim import OptimConfig, make_optimizer
 from loka_jax.train.state import create_train_state
 
 
-def _memory_bytes(compiled) -> Optional[int]:
-  """Arguments + outputs + temporaries - aliased of one compiled step (None if unknown)."""
-  try:
-    m = compiled.memory_analysis()
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-               - m.alias_size_in_bytes)
-  except Exception:  # not implemented on every backend
-    return None
-
-
 def step_calls(model_name: str, preset: str, precision: str, kernel: str,
                mods: Sequence[str] = (), batch_size: Optional[int] = None, seed: int = 0
                ) -> Tuple[Callable[[], Any], Callable[[], Any], Dict[str, Any]]:
@@ -50,8 +40,8 @@ def step_calls(model_name: str, preset: str, precision: str, kernel: str,
   compiled_train = train_step.lower(state, batch).compile()
   compiled_eval = eval_step.lower(state, batch).compile()
   info = {"batch_size": batch_size, "flops_per_example": int(tower_flops(config, features)),
-          "train_memory_bytes": _memory_bytes(compiled_train),
-          "infer_memory_bytes": _memory_bytes(compiled_eval)}
+          "train_memory_bytes": timing.memory_bytes(compiled_train),
+          "infer_memory_bytes": timing.memory_bytes(compiled_eval)}
   holder = {"state": state}
 
   def train_call():
