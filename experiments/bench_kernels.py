@@ -1,336 +1,45 @@
 r"""GPU benchmark of the Pallas FP8 kernels against XLA FP8 and bf16 (docs/BENCHMARKS.md,
 section 3: how speed is measured).
 
-  python3 -m experiments.bench_kernels --out=/tmp/bench --max_minutes=7 [--only=gemm,fmb] \
-      [--tune]
+  python3 -m experiments.bench_kernels --out=/tmp/bench --config.limits.max_minutes=7 \
+      [--config.select.only=gemm,fmb] [--config.timing.tune=true]
 
-Per shape (GEMMs, batched interaction einsums, and the chain quantize -> GEMM ->
-BlockNorm(256) -> Hard Swish -> quantize), every variant is compiled (its backend read from
-the compiled HLO), then timed by `loka_jax.timing.time_variants`: warm-up, variants
-interleaved, --repeats each; a call shorter than a quarter of --min_call_ms is timed as a
-chain of dependent calls less its floor, a longer one as single calls back to back. Each row
-has the median time, TFLOP/s, and the speedup vs the baseline of its group measured in the
-same run (xla_bf16, or the bf16 chain for the fused chain) with a bootstrap 95% CI; the
-fused chain also gets its ratio vs the XLA FP8 chain.
-Rows go to DIR/results.jsonl; a rerun skips finished shapes, so the benchmark resumes across
-invocations that each stop before --max_minutes. A variant that fails to compile records its
-error and the run goes on. The markdown table of all rows is printed last (and written to
-DIR/table.md).
+Settings come from experiments/configs/bench_kernels.py (--config=FILE for another file;
+--config.GROUP.FIELD=VALUE overrides one field); experiments/bench/kernels_suite.py times the
+shapes. Per shape (GEMMs, batched interaction einsums, and the chain quantize -> GEMM ->
+BlockNorm(256) -> Hard Swish -> quantize) every variant is timed interleaved with its group's
+baseline, each row holding the median time, TFLOP/s and the speedup with a bootstrap 95% CI.
+Rows go to OUT/results.jsonl; a rerun skips finished shapes, so the benchmark resumes across
+invocations that each stop at config.limits.max_minutes. The markdown table of all rows is
+printed last (and written to OUT/table.md).
 """
-from __future__ import annotations
-
-import json
-import math
-import os
 import sys
-import time
-import traceback
 
 from absl import app, flags
 
-from experiments.tools import subcommands
-from loka_jax import xla_env
+from experiments import run_config
+from experiments import time_limit
+from experiments.bench import kernels_suite
 
+CONFIG = run_config.define_config_flag("bench_kernels")
+flags.adopt_module_key_flags(run_config)  # --help lists --config
 OUT = flags.DEFINE_string("out", None, "Output directory (results.jsonl, table.md, caches).")
-ONLY = flags.DEFINE_list("only", [], "Run only shapes/variants whose name contains a token.")
-MAX_MINUTES = flags.DEFINE_float("max_minutes", 7.0, "Stop starting new shapes after this.")
-REPEATS = flags.DEFINE_integer("repeats", 25, "Interleaved timing repeats per variant.")
-TUNE = flags.DEFINE_bool("tune", False, "Autotune Pallas tiles (cached under DIR/pallas_tune).")
-MIN_CALL_MS = flags.DEFINE_float("min_call_ms", 1.0,
-                                 "A timed sample's length: calls shorter than a quarter of it "
-                                 "are timed as chains of dependent calls, less their floor.")
-SMOKE = flags.DEFINE_bool("smoke", False,
-                          "Tiny shapes, CPU allowed: checks the script's code paths only "
-                          "(timings meaningless).")
-IMPRECISE_ACC = flags.DEFINE_integer(
-    "fp8_imprecise_acc", 0, "maxNumImpreciseAcc of the Pallas FP8 dots (>= 32 lets Triton use "
-    "Hopper's FP8 wgmma; 0: promote every step, the default). Use its own --out: rows do not "
-    "mix settings.")
-COMPILE_CACHE = flags.DEFINE_string("compile_cache", None,
-                                    "Persistent compilation cache directory "
-                                    "(default ~/.cache/loka_jax/jax_cache).")
-
-SCHEMA = "loka.bench_kernels/1"
-GEMMS = ((2048, 256, 768), (2048, 512, 1024), (2048, 1024, 1024), (4096, 512, 512),
-         (8192, 1024, 1024), (2048, 4096, 1024), (2048, 16384, 1024), (2048, 123200, 1024))
-CHAINS = ((2048, 256, 768), (4096, 512, 512), (2048, 1024, 1024), (8192, 1024, 1024))
-INTERACTIONS = (("fmb", "bnd,bdk->bnk", (4096, 16, 128), (4096, 128, 24)),
-                ("fmb", "bnd,bdk->bnk", (4096, 96, 128), (4096, 128, 96)))
-CHAIN_BLOCK = 256
-# Variant names per shape kind; the first is the baseline every ratio divides.
-VARIANTS = {
-    "gemm": ("xla_bf16", "xla_fp8_tensorwise", "xla_fp8_rowwise", "pallas_fp8_rowwise",
-             "pallas_fp8_blockwise"),
-    "batched": ("xla_bf16", "xla_fp8_tensorwise", "xla_fp8_rowwise", "pallas_fp8_batched"),
-    "chain": ("xla_bf16_chain", "xla_fp8_chain", "pallas_fused_chain"),
-}
-
-
-def _setup_env(out_dir):
-  """Caches and XLA autotune persistence; must run before JAX touches the GPU."""
-  os.environ.setdefault("LOKA_PALLAS_TUNE_DIR", os.path.join(out_dir, "pallas_tune"))
-  if TUNE.value:
-    os.environ["LOKA_PALLAS_AUTOTUNE"] = "1"
-  # Read by kernels_pallas at import (kernels_pallas.compat.fp8_imprecise_acc).
-  os.environ["LOKA_PALLAS_FP8_IMPRECISE_ACC"] = str(IMPRECISE_ACC.value)
-  xla_env.add_xla_flags(xla_env.autotune_flag(os.path.join(out_dir, "xla_autotune.textproto")))
-
-
-def _shapes():
-  out = []
-  gemms, chains, interactions = GEMMS, CHAINS, INTERACTIONS
-  if SMOKE.value:
-    gemms, chains = ((64, 200, 96),), ((64, 200, 256),)
-    interactions = (("fmb", "bnd,bdk->bnk", (4, 16, 64), (4, 64, 24)),)
-  for m, k, n in gemms:
-    out.append({"name": f"gemm_m{m}_k{k}_n{n}", "kind": "gemm", "m": m, "k": k, "n": n})
-  for m, k, n in chains:
-    out.append({"name": f"chain_m{m}_k{k}_n{n}", "kind": "chain", "m": m, "k": k, "n": n})
-  for tag, spec, lhs, rhs in interactions:
-    out.append({"name": f"{tag}_b{lhs[0]}_{lhs[1]}x{lhs[2]}x{rhs[2]}", "kind": "batched",
-                "spec": spec, "lhs": lhs, "rhs": rhs})
-  return out
-
-
-def _selected(name):
-  return not ONLY.value or any(tok in name for tok in ONLY.value)
-
-
-def _shape_selected(shape):
-  return _selected(shape["name"]) or any(_selected(v) for v in VARIANTS[shape["kind"]][1:])
-
-
-def _variants(shape):
-  """(name, fn(a, b) -> output, flops) of one shape; the first is the group's baseline."""
-  import jax
-  import jax.numpy as jnp
-
-  from kernels_pallas import fused
-  from loka_jax import kernels
-  from loka_jax.kernels import EinsumSpec
-  from loka_jax.mods import functional
-  from loka_jax.precision import E4M3, ROWWISE, scaling
-
-  if shape["kind"] == "chain":
-    flops = 2 * shape["m"] * shape["k"] * shape["n"]
-
-    def bf16_chain(x, w):
-      y = jnp.dot(x, w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
-      return functional.hard_swish(functional.block_norm(y, CHAIN_BLOCK)).astype(jnp.bfloat16)
-
-    def xla_fp8_chain(x, w):
-      qx = scaling.quantize(x, E4M3, ROWWISE, (1,))
-      qw = scaling.quantize(w, E4M3, ROWWISE, (0,))
-      y = jax.lax.dot_general(qx.data, qw.data, (((1,), (0,)), ((), ())),
-                              preferred_element_type=jnp.float32) * qx.scale * qw.scale
-      y = functional.hard_swish(functional.block_norm(y, CHAIN_BLOCK))
-      q = scaling.quantize(y, E4M3, ROWWISE, (1,))
-      return q.data, q.scale
-
-    def pallas_chain(x, w):
-      q = fused.fused_dense(x, w, block_size=CHAIN_BLOCK, activation="hard_swish",
-                            quantize_output=True)
-      return q.data, q.scale
-
-    fns = {"xla_bf16_chain": bf16_chain, "xla_fp8_chain": xla_fp8_chain,
-           "pallas_fused_chain": pallas_chain}
-    return [(name, fns[name], flops) for name in VARIANTS["chain"]]
-
-  if shape["kind"] == "gemm":
-    spec = EinsumSpec.parse("mk,kn->mn")
-    flops = 2 * shape["m"] * shape["k"] * shape["n"]
-  else:
-    spec = EinsumSpec.parse(shape["spec"])
-    flops = spec.flops(shape["lhs"], shape["rhs"])
-  out = []
-  for name in VARIANTS[shape["kind"]]:
-    kernel = kernels.get(name)
-    out.append((name, (lambda k: lambda a, b: k.einsum(spec, a, b, pass_name="fwd",
-                                                       out_dtype=jnp.bfloat16))(kernel), flops))
-  return out
-
-
-def _inputs(shape, seed=0):
-  """Random (never zero) bf16 operands: activations with per-row spread, weights N(0, 1/K)."""
-  import jax
-  import jax.numpy as jnp
-  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-  if shape["kind"] == "batched":
-    lhs, rhs = shape["lhs"], shape["rhs"]
-    a = jax.random.normal(k1, lhs, jnp.float32) * jnp.exp(0.5 * jax.random.normal(k3, lhs[:-1] + (1,)))
-    b = jax.random.normal(k2, rhs, jnp.float32)
-    return a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
-  m, k, n = shape["m"], shape["k"], shape["n"]
-  a = jax.random.normal(k1, (m, k), jnp.float32) * jnp.exp(0.5 * jax.random.normal(k3, (m, 1)))
-  w = jax.random.normal(k2, (k, n), jnp.float32) / math.sqrt(k)
-  return a.astype(jnp.bfloat16), (w if shape["kind"] == "chain" else w.astype(jnp.bfloat16))
-
-
-def _backend_tag(compiled_text):
-  if "cublas$lt$matmul$f8" in compiled_text:
-    return "cublasLt_fp8"
-  if "xla.gpu.triton" in compiled_text:
-    return "pallas_triton"
-  if "__cublas$lt" in compiled_text or "__cublas$gemm" in compiled_text:
-    return "cublas"
-  if "triton_gemm" in compiled_text or "__triton" in compiled_text:
-    return "xla_triton"
-  return "other"
-
-
-def _chosen_variants(shape):
-  """Selected variants plus those every ratio needs (the baseline; the XLA FP8 chain)."""
-  names = VARIANTS[shape["kind"]]
-  if _selected(shape["name"]):
-    return list(names)
-  always = names[:2] if shape["kind"] == "chain" else names[:1]
-  return list(always) + [v for v in names[len(always):] if _selected(v)]
-
-
-def run_shape(shape, device, todo):
-  """Times the baseline and the `todo` variants of one shape, interleaved; returns their
-  rows (a variant that fails records its error, never raises)."""
-  import jax
-
-  from loka_jax import timing
-
-  a, b = _inputs(shape)
-  variants = _variants(shape)
-  base_name = variants[0][0]
-  always = VARIANTS[shape["kind"]][:2 if shape["kind"] == "chain" else 1]
-  chosen = [v for v in variants if v[0] in always or v[0] in todo]
-  errors, backends, ready = {}, {}, {}
-  for name, fn, _ in chosen:
-    try:
-      if TUNE.value and name.startswith("pallas"):
-        jax.block_until_ready(fn(a, b))  # eager call: tunes each Pallas GEMM on a cache miss
-      backends[name] = _backend_tag(jax.jit(fn).lower(a, b).compile().as_text())
-      ready[name] = (fn, (a, b))
-    except Exception as e:  # pylint: disable=broad-except
-      errors[name] = f"{type(e).__name__}: {e}"[:2000]
-      traceback.print_exc()
-  timings = {}
-  if base_name in ready:
-    try:
-      timings = timing.time_variants(ready, repeats=REPEATS.value,
-                                     min_call_seconds=MIN_CALL_MS.value * 1e-3)
-    except Exception as e:  # pylint: disable=broad-except
-      traceback.print_exc()
-      for name in ready:
-        errors.setdefault(name, f"timing failed: {type(e).__name__}: {e}"[:2000])
-  else:
-    errors.setdefault(base_name, "baseline failed")
-  flops = {name: fl for name, _, fl in chosen}
-  rows = []
-  for name, _, _ in chosen:
-    row = {"schema": SCHEMA, "shape": shape["name"], "variant": name, "device": device,
-           "jax": jax.__version__, "repeats": REPEATS.value, "baseline": base_name,
-           "backend": backends.get(name), "fp8_imprecise_acc": IMPRECISE_ACC.value,
-           "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    row.update({k: v for k, v in shape.items() if k != "name"})
-    if name in timings:
-      t = timings[name]
-      row["median_us"] = t.median_us
-      row["iters_per_call"] = t.inner
-      row["tflops"] = flops[name] / (t.median_us * 1e-6) / 1e12
-      point, lo, hi = timing.speedup_ci(timings[base_name], t)
-      row["speedup_vs_baseline"] = [lo, point, hi]
-      if shape["kind"] == "chain" and "xla_fp8_chain" in timings:
-        point, lo, hi = timing.speedup_ci(timings["xla_fp8_chain"], t)
-        row["speedup_vs_xla_fp8_chain"] = [lo, point, hi]
-    else:
-      row["error"] = errors.get(name, "not timed")
-    rows.append(row)
-  return rows
-
-
-def _load_rows(path):
-  rows = []
-  if os.path.exists(path):
-    with open(path) as f:
-      for line in f:
-        line = line.strip()
-        if line:
-          try:
-            rows.append(json.loads(line))
-          except ValueError:
-            print(f"skipping unreadable line in {path}", file=sys.stderr)
-  return rows
-
-
-def _latest(rows):
-  """The last row of each (shape, variant, device): reruns re-time the baseline."""
-  latest = {}
-  for r in rows:
-    latest[(r.get("shape"), r.get("variant"), r.get("device"))] = r
-  return list(latest.values())
-
-
-def markdown_table(rows):
-  def ci(r, key):
-    v = r.get(key)
-    return "" if not v else f"{v[1]:.2f} [{v[0]:.2f}, {v[2]:.2f}]"
-  lines = ["| shape | variant | median us | TFLOP/s | speedup vs baseline [95% CI] | "
-           "vs xla_fp8_chain | backend | device | error |",
-           "|---|---|---|---|---|---|---|---|---|"]
-  for r in rows:
-    med = f"{r['median_us']:.1f}" if "median_us" in r else ""
-    tf = f"{r['tflops']:.1f}" if "tflops" in r else ""
-    err = (r.get("error") or "").replace("|", "/").replace("\n", " ")[:80]
-    lines.append(f"| {r['shape']} | {r['variant']} | {med} | {tf} | "
-                 f"{ci(r, 'speedup_vs_baseline')} ({r.get('baseline')}) | "
-                 f"{ci(r, 'speedup_vs_xla_fp8_chain')} | {r.get('backend') or ''} | "
-                 f"{r.get('device')} | {err} |")
-  return "\n".join(lines)
 
 
 def main(argv):
-  del argv
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not OUT.value:
     raise app.UsageError("--out=DIR is required (results.jsonl is appended there)")
-  start = time.time()
-  os.makedirs(OUT.value, exist_ok=True)
-  _setup_env(OUT.value)
-  import jax
-  jax.config.update("jax_compilation_cache_dir",
-                    COMPILE_CACHE.value or os.path.join(os.path.expanduser("~"), ".cache",
-                                                        "loka_jax", "jax_cache"))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-  if jax.default_backend() != "gpu" and not SMOKE.value:
-    raise app.UsageError("bench_kernels times GPU kernels; run it on the GPU host")
-  device = jax.devices()[0].device_kind
-  path = os.path.join(OUT.value, "results.jsonl")
-  done = {(r["shape"], r["variant"], r["device"]) for r in _load_rows(path)}
-  budget = MAX_MINUTES.value * 60
-  for shape in _shapes():
-    if not _shape_selected(shape):
-      continue
-    todo = [v for v in _chosen_variants(shape) if (shape["name"], v, device) not in done]
-    if not todo:
-      print(f"skip {shape['name']} (done)")
-      continue
-    elapsed = time.time() - start
-    if elapsed > budget - 75:  # a shape takes up to about a minute: leave room to finish
-      print(f"stopping after {elapsed:.0f}s (--max_minutes={MAX_MINUTES.value}); rerun to resume")
-      break
-    print(f"running {shape['name']} ({elapsed:.0f}s elapsed)", flush=True)
-    try:
-      rows = run_shape(shape, device, todo)
-    except Exception as e:  # pylint: disable=broad-except
-      traceback.print_exc()
-      rows = [{"schema": SCHEMA, "shape": shape["name"], "variant": "*", "device": device,
-               "error": f"{type(e).__name__}: {e}"[:2000]}]
-    with open(path, "a") as f:
-      for row in rows:
-        f.write(json.dumps(row) + "\n")
-    jax.clear_caches()  # drop this shape's executables; the persistent cache keeps them
-  table = markdown_table(_latest(_load_rows(path)))
-  with open(os.path.join(OUT.value, "table.md"), "w") as f:
-    f.write(f"card: {device}\n\n{table}\n")
+  settings = kernels_suite.Settings.from_config(CONFIG.value)
+  should_stop = time_limit.stop_after(settings.max_minutes * 60)
+  try:
+    device, table = kernels_suite.run(settings, OUT.value, should_stop)
+  except RuntimeError as e:
+    sys.exit(f"error: {e}")
   print(f"\ncard: {device}\n")
   print(table)
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=subcommands.parse_flags)  # --help exits 0, errors in one line
+  app.run(main, flags_parser=run_config.parse_flags)

@@ -28,6 +28,8 @@ GROUPS = (("report", ("rows", "plan_headroom", "validation", "spikes", "kernel_u
 # The other config-driven mains, each with whether it has a --workdir flag.
 OTHER_MAINS = (("probe", True), ("dispatch", False), ("ablate_mods", True), ("kernels", False),
                ("profile_step", True))
+# The benchmark mains driven by a config, each with whether it has a --workdir flag.
+BENCH_MAINS = (("bench_kernels", False),)
 
 
 def load(name, *overrides):
@@ -51,7 +53,7 @@ class EntryPointTest(parameterized.TestCase):
     self.assertIn(os.path.join("experiments", "configs", f"{name}.py"), done.stdout)
     self.assertIn("--workdir:", done.stdout)
 
-  @parameterized.parameters(*OTHER_MAINS)
+  @parameterized.parameters(*OTHER_MAINS, *BENCH_MAINS)
   def test_help_of_the_other_mains_lists_the_config_flag_and_exits_0(self, name, workdir):
     done = run_module(f"experiments.{name}", "--help", timeout=120)
     self.assertEqual(done.returncode, 0, done.stderr[-2000:])
@@ -136,6 +138,19 @@ class OverrideReachesTheRunTest(absltest.TestCase):
     self.assertEqual(done.returncode, 0, done.stderr[-2000:])
     self.assertIn("# Step profile: m/tiny on cpu", done.stdout)
     self.assertTrue(os.path.exists(path[:-len(".json")] + ".png"))
+
+  def test_bench_kernels(self):
+    # The smoke shapes run on the CPU; the fields reach the rows written.
+    out = tempfile.mkdtemp()
+    done = run_module("experiments.bench_kernels", f"--out={out}", "--config.select.smoke=true",
+                      "--config.select.only=xla_fp8_tensorwise", "--config.timing.repeats=3",
+                      timeout=300)
+    self.assertEqual(done.returncode, 0, done.stderr[-2000:])
+    with open(os.path.join(out, "results.jsonl")) as f:
+      rows = [json.loads(line) for line in f]
+    self.assertEqual({(r["variant"], r["repeats"]) for r in rows},
+                     {("xla_bf16", 3), ("xla_fp8_tensorwise", 3)})
+    self.assertIn("| gemm_m64_k200_n96 | xla_fp8_tensorwise |", done.stdout)
 
 
 class LokaConfigTest(absltest.TestCase):
@@ -243,7 +258,7 @@ class PlainFlagMainTest(parameterized.TestCase):
   """The scripts that keep plain absl flags: --help prints their flags and exits 0, and an
   unknown flag is one line."""
 
-  @parameterized.parameters(("your_model", "--width"), ("bench_kernels", "--tune"),
+  @parameterized.parameters(("your_model", "--width"),
                             ("bench_parallel", "--devices"), ("forget_rows", "--workdir"))
   def test_help_exits_0_and_a_wrong_flag_is_one_line(self, name, flag):
     done = run_module(f"experiments.{name}", "--help", timeout=120)
