@@ -1,7 +1,7 @@
 """The config-driven mains (`python -m experiments.loka`, `experiments.train`, `probe`,
-`dispatch`, `ablate_mods`, `kernels`, `profile_step`): --help lists --config and exits 0,
-`--config.GROUP.FIELD=VALUE` overrides one field of the config file and reaches the run, and a
-wrong field or value ends the program with one line naming it."""
+`dispatch`, `ablate_mods`, `kernels`, `profile_step`, `forget_rows`): --help lists --config
+and exits 0, `--config.GROUP.FIELD=VALUE` overrides one field of the config file and reaches
+the run, and a wrong field or value ends the program with one line naming it."""
 import json
 import os
 import tempfile
@@ -27,9 +27,9 @@ GROUPS = (("report", ("rows", "plan_headroom", "validation", "spikes", "kernel_u
            "kernels"))
 # The other config-driven mains, each with whether it has a --workdir flag.
 OTHER_MAINS = (("probe", True), ("dispatch", False), ("ablate_mods", True), ("kernels", False),
-               ("profile_step", True))
+               ("profile_step", True), ("forget_rows", True))
 # The benchmark mains driven by a config, each with whether it has a --workdir flag.
-BENCH_MAINS = (("bench_kernels", False),)
+BENCH_MAINS = (("bench_kernels", False), ("bench_parallel", True))
 
 
 def load(name, *overrides):
@@ -152,6 +152,36 @@ class OverrideReachesTheRunTest(absltest.TestCase):
                      {("xla_bf16", 3), ("xla_fp8_tensorwise", 3)})
     self.assertIn("| gemm_m64_k200_n96 | xla_fp8_tensorwise |", done.stdout)
 
+  def test_bench_parallel(self):
+    # One device on the CPU: the fields reach the speed and loss rows written.
+    workdir = tempfile.mkdtemp()
+    done = run_module("experiments.bench_parallel", f"--workdir={workdir}",
+                      "--config.run.presets=tiny", "--config.parallel.devices=1",
+                      "--config.speed.repeats=3", "--config.loss.steps=4", timeout=300)
+    self.assertEqual(done.returncode, 0, done.stderr[-2000:])
+    with open(os.path.join(workdir, "parallel.jsonl")) as f:
+      rows = [json.loads(line) for line in f]
+    self.assertEqual([(r["kind"], r["preset"], r["variant"]) for r in rows],
+                     [("speed", "tiny", "all"), ("loss", "tiny", "1dev")])
+    self.assertEqual((rows[0]["repeats"], rows[1]["loss_steps"]), (3, 4))
+    wrong = run_module("experiments.bench_parallel", f"--workdir={workdir}",
+                       "--config.parallel.scaling=wide", timeout=120)
+    self.assertEqual(wrong.stderr.strip(),
+                     "error: --config.parallel.scaling=wide: not one of weak, strong")
+
+  def test_forget_rows(self):
+    # The suite names the results file the rows are looked for in.
+    workdir = tempfile.mkdtemp()
+    done = run_module("experiments.forget_rows", f"--workdir={workdir}",
+                      "--config.forget.target=dhen/large", "--config.forget.variants=bf16",
+                      "--config.forget.suite=quality", timeout=120)
+    self.assertEqual(done.returncode, 1, done.stderr[-2000:])
+    self.assertIn(f"error: nothing to forget: {workdir}/quality.jsonl", done.stderr)
+    wrong = run_module("experiments.forget_rows", f"--workdir={workdir}",
+                       "--config.forget.suite=tables", timeout=120)
+    self.assertEqual(wrong.stderr.strip(), "error: --config.forget.suite=tables: not one of "
+                     "models, towers, quality")
+
 
 class LokaConfigTest(absltest.TestCase):
 
@@ -258,8 +288,7 @@ class PlainFlagMainTest(parameterized.TestCase):
   """The scripts that keep plain absl flags: --help prints their flags and exits 0, and an
   unknown flag is one line."""
 
-  @parameterized.parameters(("your_model", "--width"),
-                            ("bench_parallel", "--devices"), ("forget_rows", "--workdir"))
+  @parameterized.parameters(("your_model", "--width"))
   def test_help_exits_0_and_a_wrong_flag_is_one_line(self, name, flag):
     done = run_module(f"experiments.{name}", "--help", timeout=120)
     self.assertEqual(done.returncode, 0, done.stderr[-2000:])

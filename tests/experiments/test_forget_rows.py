@@ -166,13 +166,13 @@ class CliTest(absltest.TestCase):
 
     def run(*args):
       return subprocess.run([sys.executable, "-m", "experiments.forget_rows", f"--workdir={d}",
-                             "--target=dhen/large", *args], cwd=REPO, env=env,
+                             "--config.forget.target=dhen/large", *args], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=120)
 
-    done = run("--variants=loka", "--plan_files=plan_serve.json")
+    done = run("--config.forget.variants=loka", "--config.forget.plan_files=plan_serve.json")
     self.assertEqual(done.returncode, 0, done.stderr[-2000:])
     self.assertIn("moved 1 row(s) of loka and plan_serve.json", done.stdout)
-    again = run("--variants=loka", "--plan_files=plan_serve.json")
+    again = run("--config.forget.variants=loka", "--config.forget.plan_files=plan_serve.json")
     self.assertNotEqual(again.returncode, 0)
     self.assertIn("nothing to forget", again.stderr + again.stdout)
 
