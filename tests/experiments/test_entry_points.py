@@ -1,7 +1,7 @@
 """The config-driven mains (`python -m experiments.loka`, `experiments.train`, `probe`,
-`dispatch`, `ablate_mods`, `kernels`, `profile_step`): --help lists --config and exits 0,
-`--config.GROUP.FIELD=VALUE` overrides one field of the config file and reaches the run, and a
-wrong field or value ends the program with one line naming it."""
+`dispatch`, `ablate_mods`, `kernels`, `profile_step`, `forget_rows`): --help lists --config
+and exits 0, `--config.GROUP.FIELD=VALUE` overrides one field of the config file and reaches
+the run, and a wrong field or value ends the program with one line naming it."""
 import json
 import os
 import tempfile
@@ -27,7 +27,7 @@ GROUPS = (("report", ("rows", "plan_headroom", "validation", "spikes", "kernel_u
            "kernels"))
 # The other config-driven mains, each with whether it has a --workdir flag.
 OTHER_MAINS = (("probe", True), ("dispatch", False), ("ablate_mods", True), ("kernels", False),
-               ("profile_step", True))
+               ("profile_step", True), ("forget_rows", True))
 # The benchmark mains driven by a config, each with whether it has a --workdir flag.
 BENCH_MAINS = (("bench_kernels", False), ("bench_parallel", True))
 
@@ -169,6 +169,19 @@ class OverrideReachesTheRunTest(absltest.TestCase):
     self.assertEqual(wrong.stderr.strip(),
                      "error: --config.parallel.scaling=wide: not one of weak, strong")
 
+  def test_forget_rows(self):
+    # The suite names the results file the rows are looked for in.
+    workdir = tempfile.mkdtemp()
+    done = run_module("experiments.forget_rows", f"--workdir={workdir}",
+                      "--config.forget.target=dhen/large", "--config.forget.variants=bf16",
+                      "--config.forget.suite=quality", timeout=120)
+    self.assertEqual(done.returncode, 1, done.stderr[-2000:])
+    self.assertIn(f"error: nothing to forget: {workdir}/quality.jsonl", done.stderr)
+    wrong = run_module("experiments.forget_rows", f"--workdir={workdir}",
+                       "--config.forget.suite=tables", timeout=120)
+    self.assertEqual(wrong.stderr.strip(), "error: --config.forget.suite=tables: not one of "
+                     "models, towers, quality")
+
 
 class LokaConfigTest(absltest.TestCase):
 
@@ -275,8 +288,7 @@ class PlainFlagMainTest(parameterized.TestCase):
   """The scripts that keep plain absl flags: --help prints their flags and exits 0, and an
   unknown flag is one line."""
 
-  @parameterized.parameters(("your_model", "--width"),
-                            ("forget_rows", "--workdir"))
+  @parameterized.parameters(("your_model", "--width"))
   def test_help_exits_0_and_a_wrong_flag_is_one_line(self, name, flag):
     done = run_module(f"experiments.{name}", "--help", timeout=120)
     self.assertEqual(done.returncode, 0, done.stderr[-2000:])
