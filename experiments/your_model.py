@@ -1,169 +1,57 @@
 """The public API on a model loka_jax did not build, at GPU size: a two-tower rating model of
-plain `nn.Embed` / `nn.Dense` layers with a mean-squared-error loss, trained in the user's own
+plain `nn.Embed` / `nn.Dense` layers (`experiments/two_tower.py`) trained in the user's own
 optax loop with `loka_jax.Probe` observing it, then select -> wrap -> train, against the same
 model in bf16 from the same initialization and data order.
 
-  python -m experiments.your_model --workdir=/tmp/your_model [--steps=200 --batch_size=8192]
+  python3 -m experiments.your_model --workdir=/tmp/your_model [--config.run.steps=200 \
+      --config.run.batch_size=8192]
 
-Writes `row.json` in --workdir: the card, jax version, date and command; time to a plan;
-whole-step training speed of the plan against bf16 (interleaved, median and bootstrap 95% CI);
-held-out loss of both trained arms with the paired verdict per held-out batch; the plan's own
-held-out check (`loka_jax.validate`), whose plan the FP8 arm trains with. About 5 minutes on
-an H200 at the defaults.
+Settings come from experiments/configs/your_model.py (--config=FILE for another file;
+--config.GROUP.FIELD=VALUE overrides one field). Writes `row.json` in --workdir: the card, jax
+version, date and command; time to a plan; whole-step training speed of the plan against bf16
+(interleaved, median and bootstrap 95% CI); held-out loss of both trained arms with the paired
+verdict per held-out batch; the plan's own held-out check (`loka_jax.validate`), whose plan
+the FP8 arm trains with. About 5 minutes on an H200 at the defaults.
 """
-import datetime
 import json
 import os
 import sys
-import time
 
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
 from absl import app, flags
 
-import loka_jax
-from experiments.tools import subcommands
-from loka_jax import timing
-from loka_jax.plan.file import choice_table, kernel_counts
-from loka_jax.kernels import FP8_META, KernelPlan
-from loka_jax.kernels.flax_delayed import merge_fp8_meta
-from loka_jax.train.verdict import noninferiority
+from experiments import run_config
 
-WORKDIR = flags.DEFINE_string("workdir", "your_model_run", "Where row.json and the plan go.")
-STEPS = flags.DEFINE_integer("steps", 200, "Training steps of each arm (the probe observes "
-                             "the bf16 run's first half).")
-BATCH = flags.DEFINE_integer("batch_size", 8192, "Examples per step.")
-WIDTH = flags.DEFINE_integer("width", 4096, "Hidden width of both towers' MLPs.")
-KERNELS = flags.DEFINE_list("kernels", ["xla_bf16", "xla_fp8_tensorwise", "xla_fp8_rowwise",
-                                        "flax_fp8_delayed"], "Candidate kernels.")
-VOCAB, DIM, DENSE = 100_000, 256, 16
-
-
-class Tower(nn.Module):
-  width: int
-
-  @nn.compact
-  def __call__(self, ids, dense):
-    x = jnp.concatenate([nn.Embed(VOCAB, DIM, name="embed")(ids), dense], -1)
-    for i in range(2):
-      x = nn.relu(nn.Dense(self.width, dtype=jnp.bfloat16, name=f"dense_{i}")(x))
-    return nn.Dense(DIM, dtype=jnp.bfloat16, name="out")(x)
-
-
-class TwoTower(nn.Module):
-  width: int
-
-  @nn.compact
-  def __call__(self, batch):
-    user = Tower(self.width, name="user")(batch["user"], batch["user_dense"])
-    item = Tower(self.width, name="item")(batch["item"], batch["item_dense"])
-    return jnp.sum(user.astype(jnp.float32) * item.astype(jnp.float32), -1) / DIM
-
-
-def make_batches(count: int, size: int, seed: int):
-  """Zipf-distributed ids and dense features; ratings from a hidden low-rank teacher."""
-  rng = np.random.default_rng(seed)
-  teacher = np.random.default_rng(0).standard_normal((2, VOCAB, 8)).astype(np.float32)
-  out = []
-  for _ in range(count):
-    u, i = (np.minimum(rng.zipf(1.2, size), VOCAB) - 1 for _ in range(2))
-    ud, idn = (rng.standard_normal((size, DENSE)).astype(np.float32) for _ in range(2))
-    rating = np.sum(teacher[0, u] * teacher[1, i], -1) / 8 + 0.5 * ud[:, 0] * idn[:, 0]
-    out.append({"user": u.astype(np.int32), "item": i.astype(np.int32), "user_dense": ud,
-                "item_dense": idn, "rating": rating.astype(np.float32)})
-  return out
-
-
-def mse(pred, batch):
-  return jnp.mean((pred - batch["rating"]) ** 2)
-
-
-def train_step_fn(model, optimizer):
-  """One step of the user's loop; delayed-scaling state (fp8_meta) takes its gradient's
-  value (Flax's overwrite-with-gradient rule), parameters the optimizer's update."""
-  def step(state, batch):
-    variables, opt = state
-    loss, grads = jax.value_and_grad(lambda v: mse(model.apply(v, batch), batch))(variables)
-    updates, opt = optimizer.update(grads["params"], opt, variables["params"])
-    new = {**variables, "params": optax.apply_updates(variables["params"], updates)}
-    if FP8_META in variables:
-      new[FP8_META] = merge_fp8_meta(grads[FP8_META])
-    return (new, opt), loss
-  return jax.jit(step, donate_argnums=0)
-
-
-def train(model, variables, batches, probe=None, observe_every=25):
-  optimizer = optax.adam(1e-3)
-  step = train_step_fn(model, optimizer)
-  state = (jax.tree.map(jnp.array, variables), optimizer.init(variables["params"]))
-  for i, batch in enumerate(batches):
-    if probe is not None and i % observe_every == 0 and i < len(batches) // 2:
-      probe.observe(state[0], batch)
-    state, _ = step(state, batch)
-  return state, step
+CONFIG = run_config.define_config_flag("your_model")
+flags.adopt_module_key_flags(run_config)  # --help lists --config
+WORKDIR = flags.DEFINE_string("workdir", "your_model_run",
+                              "Where row.json, the probe report and the plans go.")
 
 
 def main(argv):
-  del argv
-  os.makedirs(WORKDIR.value, exist_ok=True)
-  base = TwoTower(WIDTH.value)
-  train_batches = make_batches(STEPS.value, BATCH.value, seed=1)
-  held_out = make_batches(8, BATCH.value, seed=2)
-  init = jax.jit(base.init)(jax.random.PRNGKey(0), train_batches[0])
-  bf16 = loka_jax.wrap(base, KernelPlan.uniform("xla_bf16"))
-
-  t0 = time.time()
-  probe = loka_jax.Probe(base, mse, kernels=KERNELS.value, samples=16)
-  bf16_state, bf16_step = train(bf16, init, train_batches, probe)
-  t_observed = time.time()
-  report = probe.report(os.path.join(WORKDIR.value, "probe"))
-  plan = loka_jax.select(report)
-  time_to_plan = time.time() - t0
-  loka_jax.save_plan(plan, os.path.join(WORKDIR.value, "plan.json"))
-
-  # The plan's held-out check on the probed model's variables, then training under the
-  # validated plan from the same initialization and data order as the bf16 run.
-  checked = loka_jax.validate(loka_jax.wrap(base, plan), plan, bf16_state[0], held_out[:4],
-                              mse, report=report)
-  loka_jax.save_plan(checked, os.path.join(WORKDIR.value, "plan_validated.json"))
-  plan = checked
-  fp8 = loka_jax.wrap(base, plan)
-  fp8_init = fp8.init_state(init, train_batches[0])
-  fp8_state, fp8_step = train(fp8, fp8_init, train_batches)
-
-  eval_loss = lambda m: jax.jit(lambda v, b: mse(m.apply(v, b), b))
-  bf16_losses = [float(eval_loss(bf16)(bf16_state[0], b)) for b in held_out]
-  fp8_losses = [float(eval_loss(fp8)(fp8_state[0], b)) for b in held_out]
-  counts = kernel_counts(plan)
-  if all(k == "xla_bf16" for per_pass in counts.values() for k in per_pass):
-    verdict = {"verdict": "not applicable", "note": "the plan runs no FP8 product"}
-  else:
-    verdict = noninferiority(
-        (np.asarray(fp8_losses) - bf16_losses) / np.asarray(bf16_losses), 2e-4)
-  times = timing.summarize(timing.time_variants(
-      {"bf16": (bf16_step, (bf16_state, train_batches[0])),
-       "loka": (fp8_step, (fp8_state, train_batches[0]))},
-      repeats=20), "bf16")
-  row = {"schema": "loka.your_model/1", "device": jax.devices()[0].device_kind,
-         "jax": jax.__version__, "date": datetime.date.today().isoformat(),
-         "command": "python -m experiments.your_model " + " ".join(sys.argv[1:]),
-         "batch_size": BATCH.value, "width": WIDTH.value, "steps": STEPS.value,
-         "sites": len(report["sites"]), "unrouted_products": report["unrouted_products"],
-         "kernel_counts": counts, "observe_s": t_observed - t0, "time_to_plan_s": time_to_plan,
-         "probe_overhead": report["overhead"], "train_step": times,
-         "held_out_mse": {"bf16": float(np.mean(bf16_losses)), "loka": float(np.mean(fp8_losses))},
-         "trained_verdict": verdict, "validation": checked["validation"][-1]}
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  run, probe = CONFIG.value.run, CONFIG.value.probe
+  kernels = run_config.split(probe.kernels)
+  for name, value in (("run.steps", run.steps), ("run.batch_size", run.batch_size),
+                      ("run.width", run.width)):
+    if value < 1:
+      sys.exit(f"error: --config.{name}={value}: must be >= 1")
+  if not kernels:
+    sys.exit("error: --config.probe.kernels: name at least one kernel")
+  from experiments import two_tower  # pylint: disable=g-import-not-at-top  (after the flags)
+  from loka_jax.plan.file import choice_table  # pylint: disable=g-import-not-at-top
+  row, checked = two_tower.measure(
+      WORKDIR.value, steps=run.steps, batch_size=run.batch_size, width=run.width,
+      kernels=kernels, command="python -m experiments.your_model " + " ".join(sys.argv[1:]))
   with open(os.path.join(WORKDIR.value, "row.json"), "w") as f:
     json.dump(row, f, indent=1, default=str)
+  times, verdict = row["train_step"], row["trained_verdict"]
   print(choice_table(checked))
   print(f"{row['device']}: LoKA train step {times['loka']['speedup']:.3f}x bf16 "
         f"[{times['loka']['speedup_ci'][0]:.3f}, {times['loka']['speedup_ci'][1]:.3f}]; "
         f"held-out MSE {row['held_out_mse']['loka']:.5f} vs {row['held_out_mse']['bf16']:.5f} "
-        f"({verdict['verdict']}); time to a plan {time_to_plan:.0f} s")
+        f"({verdict['verdict']}); time to a plan {row['time_to_plan_s']:.0f} s")
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=subcommands.parse_flags)  # --help exits 0, errors in one line
+  app.run(main, flags_parser=run_config.parse_flags)
