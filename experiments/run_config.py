@@ -16,7 +16,7 @@ import re
 import sys
 from typing import Dict, Optional, Sequence, Tuple
 
-from absl import flags
+from absl import app, flags
 from ml_collections import config_flags
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
@@ -128,3 +128,15 @@ def run_spec(run, **overrides):
   values.update(mods=mods(run.mods), num_eval=run.num_eval or None)
   values.update(overrides)
   return experiment.RunSpec(**values)
+
+
+def read_plan_arg(path: str, flag: str = "--plan"):
+  """`read_plan` of a command-line argument (a Plan): a missing, corrupt or wrong-schema file
+  is absl's UsageError naming the flag and the file, not a traceback."""
+  from loka_jax.plan.file import read_plan
+  if not os.path.exists(path):
+    raise app.UsageError(f"{flag}={path}: no such file")
+  try:
+    return read_plan(path)
+  except ValueError as e:   # PlanFileError, or a malformed plan's own error
+    raise app.UsageError(str(e)) from e

@@ -13,9 +13,9 @@ window, each arm's training loss, which shows when a run left a plateau.
 """
 import os
 
-from absl import app, flags
+from absl import flags
 
-from loka_jax.plan.file import Plan, read_plan
+from experiments.run_config import read_plan_arg
 
 PLAN = flags.DEFINE_string("plan", None, "The plan file (plan.json, plan_validating.json).",
                            required=True)
@@ -23,17 +23,6 @@ OUT = flags.DEFINE_string("out", None, "Folder for the loss-curve plots (none wi
 
 _PANELS = {"quality_shadow": ("data window {}".format, "steps after the switch"),
            "quality_from_init": ("seed {}".format, "step")}
-
-
-def read_plan_arg(path: str, flag: str = "--plan") -> Plan:
-  """`read_plan` of a command-line argument: a missing, corrupt or wrong-schema file is
-  absl's UsageError naming the flag and the file, not a traceback."""
-  if not os.path.exists(path):
-    raise app.UsageError(f"{flag}={path}: no such file")
-  try:
-    return read_plan(path)
-  except ValueError as e:   # PlanFileError, or a malformed plan's own error
-    raise app.UsageError(str(e)) from e
 
 
 def main(argv):

@@ -131,7 +131,7 @@ class CliTest(chex.TestCase):
 
   def test_a_missing_or_corrupt_plan_is_a_usage_error_naming_it(self):
     from absl import app
-    from experiments.tools.validation import read_plan_arg
+    from experiments.run_config import read_plan_arg
     path = os.path.join(tempfile.mkdtemp(prefix="loka_plan_arg_"), "plan.json")
     with self.assertRaisesRegex(app.UsageError, f"--plan={path}: no such file"):
       read_plan_arg(path)
