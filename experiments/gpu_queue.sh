@@ -1,5 +1,5 @@
 #!/bin/bash
-# One GPU call that runs a session's queue: several `experiments/gpu_suite_call.sh` runs in
+# One GPU call that runs a queue: several `experiments/gpu_suite_call.sh` runs in
 # order, each until the bench prints "all selected rows are done", within BUDGET seconds.
 # Device time is spent in whole calls, so the runs that belong together go in one; a queue
 # written down as one command also survives a fresh checkout, where an uncommitted script
@@ -15,7 +15,7 @@
 # spaces inside one). A stage starts only with MIN_LEFT seconds of the budget left; one that
 # is not done ends this call (the next call resumes it, since the bench is resumable). A
 # stage done on this host is skipped on the next call (marker /tmp/loka_queue_$QUEUE_NAME:
-# a host may keep /tmp from an earlier lease, so QUEUE names the session). Each stage's
+# a host may keep /tmp from an earlier lease, so QUEUE names this queue). Each stage's
 # workdir comes back as $OUT/<CARRY's folder name>.tar.gz (stages sharing a carry: the last
 # one's); copy it to CARRY/work.tar.gz before the next call.
 # With CPU_SUITE=1 the CPU test suite runs last, once every stage is done and 250 s are
@@ -25,7 +25,7 @@
 # Environment: QUEUE (required), BUDGET (575: seconds for the whole call), OUT (set on the
 # device; elsewhere /tmp/loka_queue_$QUEUE/out).
 set -u
-QUEUE=${QUEUE:?set QUEUE to name this queue, e.g. the session}
+QUEUE=${QUEUE:?set QUEUE to name this queue, e.g. the date}
 T0=$(date +%s)
 BUDGET=${BUDGET:-575}
 OUT=${OUT:-/tmp/loka_queue_$QUEUE/out}

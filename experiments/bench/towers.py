@@ -3,7 +3,7 @@
 
 The tower is a model in the sense of the training loop (`__call__(batch, *, train)` -> float32
 logits [B]), so the same train/eval steps, the probe and Dispatch work on it unchanged.
-Without Mods a layer is Linear(+bias) -> LayerNorm -> ReLU (the peers' towers in MISSION.md);
+Without Mods a layer is Linear(+bias) -> LayerNorm -> ReLU (the towers the peers are measured on);
 with Mods it is No Bias -> BlockNorm(256) -> Hard Swish.
 """
 from __future__ import annotations
