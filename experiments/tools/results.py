@@ -72,6 +72,9 @@ def page(manifest_path: str) -> str:
       "",
   ]
   body = tables.report(rows, verdicts).replace("# Benchmark results", "# Results", 1)
+  # Notes name the files they read: by their place in the repository, not on this machine.
+  folder = os.path.dirname(os.path.abspath(manifest_path))
+  body = body.replace(folder + os.sep, "docs/results/")
   lines = body.split("\n")
   return "\n".join(lines[:1] + [""] + header + lines[2:]).rstrip() + "\n"
 
