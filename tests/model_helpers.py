@@ -1,6 +1,6 @@
 """The towers at `tiny` for the model, Mods and HLO tests: random batches of the data contract,
 random variables (cheaper than compiling `init`), each model built once per process (`tiny`),
-the tiny presets' site names written out from MODELS.md's equations, and the compiled HLO of
+the tiny presets' site names written out from the towers' equations, and the compiled HLO of
 a tiny Wukong train step (`from model_helpers import ...`)."""
 import functools
 
@@ -98,7 +98,7 @@ def cross_arch(prefix):
           mlp(f"{prefix}/s_gate/mlp", 1))
 
 
-# The tiny presets' sites, written out from MODELS.md's equations.
+# The tiny presets' sites, written out from the towers' equations.
 EXPECTED_SITES = {
     "dlrm": mlp("bottom_mlp", 2) + ["interaction/dot"] + mlp("top_mlp", 3),
     "dcnv2": mlp("bottom_mlp", 2) + ["cross_0/v", "cross_0/u", "cross_1/v", "cross_1/u"]

@@ -1,5 +1,5 @@
 """Forward FLOPs per example of every GEMM site of a tower (`tower_flops`), from the
-equations in MODELS.md: 2 per multiply-add; embedding gathers, norms, activations and softmax
+towers' equations (each model module states its own): 2 per multiply-add; embedding gathers, norms, activations and softmax
 not counted (a training step costs about 3x)."""
 from __future__ import annotations
 

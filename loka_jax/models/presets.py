@@ -4,7 +4,7 @@
 `build_model(config, features, site_config)` (build.py) turns it into a Linen module whose
 `__call__(batch, *, train=False)` returns float32 logits [B]; `apply_mods` (mods_config.py)
 switches Mods on; `tower_flops(config, features)` (flops.py) counts the forward FLOPs per
-example of every GEMM site from the equations in MODELS.md (2 per multiply-add; embedding
+example of every GEMM site from the towers' equations (2 per multiply-add; embedding
 gathers, norms, activations and softmax not counted; a training step costs about 3x). Those
 names, and site inspection's (`site_products`, site.py), are importable from here too.
 

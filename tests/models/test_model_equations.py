@@ -1,5 +1,5 @@
 """Equation tests of the towers' blocks: each block on a tiny hand-sized input against a direct
-numpy computation of the equation in MODELS.md (fp32 sites, random parameters and inputs)."""
+numpy computation of its equation (fp32 sites, random parameters and inputs)."""
 import jax
 import numpy as np
 from absl.testing import absltest, parameterized
