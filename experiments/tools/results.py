@@ -1,77 +1,129 @@
-r"""docs/RESULTS.md from the committed result rows that docs/results/manifest.json lists.
+r"""docs/RESULTS.md, and the README's headline table, from the committed result rows that
+docs/results/manifest.json lists.
 
-  python3 -m experiments.report results            # writes docs/RESULTS.md
-  python3 -m experiments.report results --check    # exit 1 when docs/RESULTS.md is stale
+  python3 -m experiments.report results            # writes docs/RESULTS.md and the README's table
+  python3 -m experiments.report results --check    # exit 1 when either is stale
 
-The manifest names one device kind, the row files oldest first (a later row of the same
-target, variant or arm, seed, device, recipe and Mods set replaces an earlier one) and the
-served-quality reports. The page holds every target met or missed, speed per subject against
-bf16, bf16+Mods and the peers with 95% confidence intervals, and quality: the same tables the
-benchmark writes at the end of a call (`experiments.report rows`), with where each number
-came from. It is generated, never edited by hand.
+The manifest names one device kind; the row files, oldest first (a later row of the same
+target, variant or arm, seed, device, recipe and Mods set replaces an earlier one); the
+served-quality reports; the kernel row files; the headline subjects; the commit that added
+each row file whose rows carry none; and, for every missed target, one line of why. The page
+holds the headline, speed per subject against bf16, bf16+Mods and the peers with 95%
+confidence intervals, quality, the kernels alone, every target met or missed, and why each
+miss happened. It is generated, never edited by hand.
 """
+import dataclasses
 import json
 import os
 import sys
+from typing import Dict, List
 
 from absl import app, flags
+
+from experiments.tools import results_sections as sections
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MANIFEST = flags.DEFINE_string("manifest", os.path.join(REPO, "docs", "results", "manifest.json"),
                                "The manifest of committed rows.")
 OUT = flags.DEFINE_string("out", os.path.join(REPO, "docs", "RESULTS.md"), "The page written.")
-CHECK = flags.DEFINE_bool("check", False, "Write nothing; exit 1 when --out differs from what "
-                          "the manifest makes.")
+README = flags.DEFINE_string("readme", os.path.join(REPO, "README.md"),
+                             "The README whose headline table is rewritten ('' to leave it).")
+CHECK = flags.DEFINE_bool("check", False, "Write nothing; exit 1 when --out or the README's "
+                          "table differs from what the manifest makes.")
 
 COMMAND = "python3 -m experiments.report results"
+REQUIRED = ("device", "rows", "served_quality")
 
 
-def load_manifest(path: str):
-  """(device, row paths, served-quality paths) of the manifest at `path`; a missing or
-  malformed manifest, or a file it names that does not exist, is a one-line UsageError."""
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+  device: str
+  rows: List[str]            # absolute paths, oldest first
+  served: List[str]
+  kernels: List[str]
+  headline: List[str]        # subjects
+  row_commits: Dict[str, str]
+  why: Dict[str, str]        # `sections.miss_key` -> one line
+
+
+def load_manifest(path: str) -> Manifest:
+  """The manifest at `path`; a missing or malformed manifest, or a file it names that does not
+  exist, is a one-line UsageError."""
   try:
     with open(path) as f:
-      manifest = json.load(f)
-    device, rows, served = manifest["device"], manifest["rows"], manifest["served_quality"]
+      data = json.load(f)
+    missing_keys = [k for k in REQUIRED if k not in data]
   except (OSError, ValueError) as e:
     raise app.UsageError(f"{path}: cannot read the manifest ({e})") from e
-  except (KeyError, TypeError) as e:
-    raise app.UsageError(f"{path}: needs 'device', 'rows' and 'served_quality' ({e})") from e
+  except TypeError as e:
+    raise app.UsageError(f"{path}: not a JSON object") from e
+  if missing_keys:
+    raise app.UsageError(f"{path}: needs 'device', 'rows' and 'served_quality' (missing: "
+                         f"{', '.join(missing_keys)})")
   folder = os.path.dirname(os.path.abspath(path))
-  paths = [os.path.join(folder, name) for name in rows], [
-      os.path.join(folder, name) for name in served]
-  missing = [p for p in paths[0] + paths[1] if not os.path.exists(p)]
+  names = {k: list(data.get(k) or []) for k in ("rows", "served_quality", "kernels")}
+  missing = [n for k in names for n in names[k] if not os.path.exists(os.path.join(folder, n))]
   if missing:
     raise app.UsageError(f"{path}: names {len(missing)} missing file(s): "
-                         + ", ".join(os.path.basename(p) for p in missing[:5]))
-  return device, paths[0], paths[1]
+                         + ", ".join(missing[:5]))
+  full = {k: [os.path.join(folder, n) for n in v] for k, v in names.items()}
+  return Manifest(device=data["device"], rows=full["rows"], served=full["served_quality"],
+                  kernels=full["kernels"], headline=list(data.get("headline") or []),
+                  row_commits=dict(data.get("row_commits") or {}),
+                  why=dict(data.get("why") or {}))
+
+
+def _evaluate(manifest: Manifest):
+  from experiments.bench import collect, served_check, targets
+  rows = collect.read_rows(manifest.rows, manifest.device)
+  verdicts = targets.check_all(rows, served_check.load_reports(manifest.served))
+  return rows, verdicts
+
+
+def headline_table(manifest: Manifest, rows=None, verdicts=None) -> str:
+  """The headline table of the page, which the README carries between its markers."""
+  if rows is None:
+    rows, verdicts = _evaluate(manifest)
+  return sections.headline(rows, verdicts,
+                           sections.row_sources(manifest.rows, manifest.device),
+                           manifest.headline, manifest.row_commits)
 
 
 def page(manifest_path: str) -> str:
   """The whole RESULTS.md text."""
-  from experiments.bench import collect, served_check, tables, targets
-  device, row_paths, served_paths = load_manifest(manifest_path)
-  rows = collect.read_rows(row_paths, device)
-  verdicts = targets.check_all(rows, served_check.load_reports(served_paths))
+  from experiments.bench import tables
+  manifest = load_manifest(manifest_path)
+  rows, verdicts = _evaluate(manifest)
   jax_versions = sorted({str(r["jax"]) for r in rows if r.get("jax")})
   dates = sorted({r["date"] for r in rows if r.get("date")} | {
-      name.rsplit("_", 1)[-1].split(".")[0] for name in map(os.path.basename, row_paths)})
+      name.rsplit("_", 1)[-1].split(".")[0] for name in map(os.path.basename, manifest.rows)})
   dates = [d for d in dates if d[:2] == "20"]
   met = sum(v["met"] is True for v in verdicts)
   missed = sum(v["met"] is False for v in verdicts)
   header = [
       "<!-- Generated by `" + COMMAND + "` from docs/results/manifest.json; do not edit. -->",
       "",
-      f"Every number below is a committed row under `docs/results/`, measured on one {device}",
+      f"Every number below is a committed row under `docs/results/`, measured on one "
+      f"{manifest.device}",
       f"(jax {', '.join(jax_versions) or '-'}; rows dated {dates[0] if dates else '-'} to "
       f"{dates[-1] if dates else '-'}) by the protocol of `docs/BENCHMARKS.md`: variants",
       "interleaved in one process, the baseline from the same run, bootstrap 95% confidence",
-      f"intervals. {met} targets met, {missed} missed; a missed target's note says why.",
-      f"Row files, oldest first: {', '.join(os.path.basename(p) for p in row_paths)}.",
+      f"intervals. {met} targets met, {missed} missed; \"Missed targets\" says why each was "
+      "missed.",
+      f"Row files, oldest first: {', '.join(os.path.basename(p) for p in manifest.rows)}.",
+      "",
+      "## Headline",
+      "",
+      headline_table(manifest, rows, verdicts),
       "",
   ]
   body = tables.report(rows, verdicts).replace("# Benchmark results", "# Results", 1)
+  extra = []
+  if manifest.kernels:
+    extra += ["## Kernels alone", "", sections.kernels_table(manifest.kernels), ""]
+  extra += ["## Missed targets", "", sections.misses(verdicts, manifest.why), "", ""]
+  body = body.replace("## Targets at a glance", "\n".join(extra) + "## Targets at a glance", 1)
   # Notes name the files they read: by their place in the repository, not on this machine.
   folder = os.path.dirname(os.path.abspath(manifest_path))
   body = body.replace(folder + os.sep, "docs/results/")
@@ -79,19 +131,37 @@ def page(manifest_path: str) -> str:
   return "\n".join(lines[:1] + [""] + header + lines[2:]).rstrip() + "\n"
 
 
+def _read(path: str):
+  try:
+    with open(path) as f:
+      return f.read()
+  except OSError:
+    return None
+
+
 def main(argv):
   del argv
-  text = page(MANIFEST.value)
+  try:
+    text = page(MANIFEST.value)
+    readme = _read(README.value) if README.value else None
+    if README.value and readme is None:
+      raise app.UsageError(f"{README.value}: cannot read the README")
+    new_readme = (sections.readme_with_headline(
+        readme, headline_table(load_manifest(MANIFEST.value))) if readme is not None else None)
+  except sections.ManifestError as e:
+    raise app.UsageError(f"{MANIFEST.value}: {e}") from e
   if CHECK.value:
-    try:
-      with open(OUT.value) as f:
-        current = f.read()
-    except OSError:
-      current = None
-    if current != text:
-      sys.exit(f"error: {OUT.value} is not what {MANIFEST.value} makes; run `{COMMAND}`")
-    print(f"{OUT.value} is up to date")
+    stale = [p for p, want in ((OUT.value, text), (README.value, new_readme))
+             if want is not None and _read(p) != want]
+    if stale:
+      sys.exit(f"error: {', '.join(stale)} is not what {MANIFEST.value} makes; run `{COMMAND}`")
+    print(f"{OUT.value} is up to date" + (f", and {README.value}'s headline" if new_readme
+                                           else ""))
     return
   with open(OUT.value, "w") as f:
     f.write(text)
-  print(f"wrote {OUT.value} ({len(text)} bytes)")
+  if new_readme is not None:
+    with open(README.value, "w") as f:
+      f.write(new_readme)
+  print(f"wrote {OUT.value} ({len(text)} bytes)"
+        + (f" and the headline table of {README.value}" if new_readme is not None else ""))

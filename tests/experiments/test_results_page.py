@@ -1,7 +1,9 @@
-"""docs/RESULTS.md is exactly what `python3 -m experiments.report results` makes from the rows
-docs/results/manifest.json lists, and a broken manifest is a one-line error."""
+"""docs/RESULTS.md and the README's headline table are exactly what `python3 -m
+experiments.report results` makes from the rows docs/results/manifest.json lists; every miss
+has its reason; a broken manifest is a one-line error."""
 import json
 import os
+import re
 import tempfile
 
 from absl import app
@@ -9,6 +11,7 @@ from absl.testing import absltest
 
 from cli_helpers import REPO, run_module
 from experiments.tools import results
+from experiments.tools import results_sections as sections
 
 MANIFEST = os.path.join(REPO, "docs", "results", "manifest.json")
 
@@ -31,6 +34,46 @@ class ResultsPageTest(absltest.TestCase):
     self.assertRegex(text, r"\d+ targets met, \d+ missed")
     self.assertIn("## Targets at a glance", text)
 
+  def test_the_readme_carries_the_pages_headline(self):
+    with open(os.path.join(REPO, "README.md")) as f:
+      readme = f.read()
+    table = results.headline_table(results.load_manifest(MANIFEST))
+    self.assertIn(sections.README_BEGIN + "\n" + table + "\n" + sections.README_END, readme)
+    self.assertIn("## Headline\n\n" + table, results.page(MANIFEST))
+    # At most ten subjects, each stamped with card, jax, date and commit.
+    body = [line for line in table.splitlines() if line.startswith("| ")][1:]
+    self.assertLessEqual(len(body), 10)
+    for line in body:
+      self.assertRegex(line, r"\| NVIDIA [^|]+, jax [\d.]+ \| 20\d\d-\d\d-\d\d \| [0-9a-f]{7}")
+
+  def test_every_miss_has_a_reason_and_the_findings_it_cites_exist(self):
+    text = results.page(MANIFEST)
+    section = text[text.index("## Missed targets"):text.index("## Targets at a glance")]
+    self.assertEqual(section.count("\n- **"), len(re.findall(r"\| MISSED \|", text)))
+    with open(os.path.join(REPO, "docs", "FINDINGS.md")) as f:
+      entries = set(re.findall(r"^### (\d+)\. ", f.read(), flags=re.M))
+    cited = set(re.findall(r"FINDINGS (\d+)", section))
+    self.assertTrue(cited)
+    self.assertLessEqual(cited, entries)
+
+  def test_a_miss_without_a_reason_or_a_headline_without_a_row_is_refused(self):
+    manifest = results.load_manifest(MANIFEST)
+    rows, verdicts = results._evaluate(manifest)
+    missed = [v for v in verdicts if v["met"] is False]
+    why = dict(manifest.why)
+    del why[sections.miss_key(missed[0])]
+    with self.assertRaisesRegex(sections.ManifestError, "'why' lacks 1 missed target"):
+      sections.misses(verdicts, why)
+    with self.assertRaisesRegex(sections.ManifestError, "'nosuch/large' has no LoKA row"):
+      sections.headline(rows, verdicts, {}, ["nosuch/large"], manifest.row_commits)
+
+  def test_a_readme_without_the_markers_is_refused(self):
+    with self.assertRaisesRegex(sections.ManifestError, "lacks the headline markers"):
+      sections.readme_with_headline("# README\n", "| table |")
+    readme = f"a\n{sections.README_BEGIN}\nold\n{sections.README_END}\nb\n"
+    self.assertEqual(sections.readme_with_headline(readme, "new"),
+                     f"a\n{sections.README_BEGIN}\nnew\n{sections.README_END}\nb\n")
+
   def test_a_manifest_naming_a_missing_file_is_one_line_naming_it(self):
     folder = tempfile.mkdtemp(prefix="loka_manifest_")
     path = os.path.join(folder, "manifest.json")
@@ -48,7 +91,7 @@ class ResultsPageTest(absltest.TestCase):
     with open(stale, "w") as f:
       f.write("# Results\n")
     done = run_module("experiments.report", "results", "--check", f"--out={stale}",
-                      timeout=300)
+                      "--readme=", timeout=300)
     self.assertEqual(done.returncode, 1, done.stderr[-2000:])
     self.assertIn("is not what", done.stderr)
 
