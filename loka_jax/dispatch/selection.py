@@ -56,7 +56,6 @@ OBJECTIVES = (TRAIN, SERVE)
 
 # ----------------------------------------------------------------------------- budgets
 
-
 @dataclasses.dataclass(frozen=True)
 class Budget:
   """The error budget of every site: `default`, or the first `per_site` (regex, Criteria)
@@ -104,7 +103,6 @@ def make_budget(criteria: Criteria = Criteria(), budget_per_site=None) -> Budget
 
 
 # ----------------------------------------------------------------------------- timings
-
 
 @dataclasses.dataclass(frozen=True)
 class TimingSource:
@@ -261,7 +259,6 @@ def effective_site(report: Mapping, name: str, source: TimingSource) -> Tuple[Di
 
 # ----------------------------------------------------------------------------- ranking
 
-
 def _num(x: Optional[float]) -> float:
   return -math.inf if x is None else float(x)
 
@@ -276,6 +273,16 @@ def _accuracy(v: Verdict, metric: str) -> float:
 def rank_key(v: Verdict, metric: str):
   """Sort key of eligible kernels, best first (see the module docstring)."""
   return (-_num(v.speedup_lo), -_num(v.speedup_mid), -_accuracy(v, metric), v.kernel)
+
+
+def _lead(entry: Mapping, criteria: Criteria, what: str) -> str:
+  """How a choice's reason starts; on accuracy alone the fastest safe kernel can be slower
+  than bf16 (median speedup below 1), and the reason says so."""
+  speedup = entry.get("speedup")
+  return (f"fastest eligible{what}" if criteria.min_speedup is not None else
+          f"most accurate safe{what} (accuracy only, speed unknown)" if not speedup else
+          f"safe{what}, chosen on accuracy only, slower than bf16" if speedup[1] < 1 else
+          f"fastest safe{what} (accuracy only)")
 
 
 def _speed_text(entry: Mapping) -> str:
@@ -308,7 +315,6 @@ def _time_hi(entry: Optional[Mapping]) -> Optional[float]:
 
 # ----------------------------------------------------------------------------- one site
 
-
 def select_site(report: Mapping, name: str, criteria: Criteria, source: TimingSource,
                 info: Mapping[str, Mapping]) -> Dict[str, Dict[str, Any]]:
   """{pass: {"kernel", "reason", details}} of one site."""
@@ -337,11 +343,7 @@ def select_site(report: Mapping, name: str, criteria: Criteria, source: TimingSo
     if eligible:
       best = eligible[0]
       e = entries[best.kernel]
-      if criteria.min_speedup is None:  # accuracy only: speed ranks only where it is known
-        lead = ("fastest safe (accuracy only)" if e.get("speedup")
-                else "most accurate safe (accuracy only, speed unknown)")
-      else:
-        lead = "fastest eligible"
+      lead = _lead(e, criteria, "")
       speed = f"{_speed_text(e)}, " if e.get("speedup") else ""
       out[p] = {"kernel": best.kernel,
                 "reason": f"{lead}: {speed}{_accuracy_text(best, criteria.metric)}",
@@ -468,8 +470,7 @@ def select_serving_site(report: Mapping, name: str, criteria: Criteria, source: 
         else no_backward} for p in PASSES}
   best = eligible[0]
   e = entries[best.kernel]
-  lead = ("fastest eligible forward (serving)" if criteria.min_speedup is not None
-          else "fastest safe forward (serving, accuracy only)")
+  lead = _lead(e, criteria, " forward (serving)")
   speed = f"{_speed_text(e)}, " if e.get("speedup") else ""
   out = {"fwd": {"kernel": best.kernel,
                  "reason": f"{lead}: {speed}{_accuracy_text(best, criteria.metric)}",
@@ -483,7 +484,6 @@ def select_serving_site(report: Mapping, name: str, criteria: Criteria, source: 
 
 
 # ----------------------------------------------------------------------------- the plan
-
 
 def report_hash(report: Mapping) -> str:
   """sha256 of the report's canonical JSON (sorted keys, no spaces)."""
@@ -558,7 +558,6 @@ def select(report: Union[Mapping, str], criteria: Optional[Criteria] = None, *,
 
 
 # ----------------------------------------------------------------------------- serving promotion
-
 
 def serving_proposal(report: Mapping, selected: Plan, criteria: Criteria = Criteria(), *,
                      budget_per_site=None, timing_table=None,

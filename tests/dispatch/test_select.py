@@ -511,6 +511,23 @@ class TimingSourceTest(chex.TestCase):
     self.assertEqual(plan["sites"]["s"]["fwd"]["reason"],
                      "most accurate safe (accuracy only, speed unknown): 28.0 dB")
 
+  def test_a_safe_kernel_slower_than_bf16_is_never_called_fastest(self):
+    # On accuracy alone the only safe FP8 kernel wins though it runs at a third of bf16.
+    slow = hm.report({"s": hm.site(hm.same_passes(
+        {"xla_fp8_rowwise": hm.entry(sqnr=28.0, speedup=(0.30, 0.33, 0.36))}))})
+    plan = selection.select(slow, Criteria(min_speedup=None), table_dir=empty_dir())
+    self.assertEqual(set(kernels_of(plan, "s").values()), {"xla_fp8_rowwise"})
+    for p in PASSES:
+      reason = plan["sites"]["s"][p]["reason"]
+      self.assertTrue(reason.startswith("safe, chosen on accuracy only, slower than bf16: "
+                                        "0.33x"), reason)
+      self.assertNotIn("fastest", reason)
+    fast = hm.report({"s": hm.site(hm.same_passes(
+        {"xla_fp8_rowwise": hm.entry(sqnr=28.0, speedup=(1.2, 1.3, 1.4))}))})
+    plan = selection.select(fast, Criteria(min_speedup=None), table_dir=empty_dir())
+    self.assertTrue(plan["sites"]["s"]["fwd"]["reason"].startswith(
+        "fastest safe (accuracy only): 1.30x"))
+
   def test_valid_report_for_another_target_device_uses_that_devices_table(self):
     rep = self._report(True)
     own = selection.select(rep, Criteria(), table_dir=empty_dir())
