@@ -17,6 +17,13 @@ from validate_helpers import (BAD_SITE, GOOD_SITE, OTHER_SITE, context, deadline
                               plan_of, register_test_kernels, unregister_test_kernels)
 
 
+# A test kernel's host stall makes a step 5-80 ms on a CPU, far above the protocol's floor for
+# one step a sample: these tests time one step a sample (speed_min_sample_s=0), where the
+# default would run the fast bf16 step's count (3-13) of every stalled step. Several steps a
+# sample are test_short_steps_are_timed_several_to_a_sample's.
+ONE_STEP_A_SAMPLE = dict(speed=True, speed_min_sample_s=0.0)
+
+
 def setUpModule():
   register_test_kernels()
 
@@ -50,7 +57,7 @@ class SpeedTest(chex.TestCase):
   def test_forced_backs_off_the_slow_site(self):
     ctx = context()
     plan = plan_of({BAD_SITE: "test_slow", GOOD_SITE: "xla_fp8_rowwise"})
-    config = validate.ValidationConfig(speed=True, min_speedup=0.5)
+    config = validate.ValidationConfig(**ONE_STEP_A_SAMPLE, min_speedup=0.5)
     out = validate.check_speed(plan, ctx, config)
     self.assertEqual(kernels(out, BAD_SITE), {p: FALLBACK for p in hm.PASSES})
     records = validate.validation_records(out, "speed")
@@ -75,7 +82,7 @@ class SpeedTest(chex.TestCase):
 
   def test_every_clearly_slow_site_is_backed_off_in_one_round(self):
     plan = plan_of({BAD_SITE: "test_stall", OTHER_SITE: "test_stall"})
-    out = validate.check_speed(plan, context(), validate.ValidationConfig(speed=True))
+    out = validate.check_speed(plan, context(), validate.ValidationConfig(**ONE_STEP_A_SAMPLE))
     records = validate.validation_records(out, "speed")
     first, later = records[0], records[1:]
     slowest = max(first["in_context_slowdown"], key=first["in_context_slowdown"].get)
@@ -109,7 +116,7 @@ class SpeedTest(chex.TestCase):
     # it) and saves it at once: at DHEN large one pair compiles in about 80 s, so a round
     # over 14 sites outlasts a call and must resume where it stopped.
     plan = plan_of({BAD_SITE: "test_slow", GOOD_SITE: "xla_fp8_rowwise"})
-    config = validate.ValidationConfig(speed=True, min_speedup=0.5)
+    config = validate.ValidationConfig(**ONE_STEP_A_SAMPLE, min_speedup=0.5)
     ctx = context()
     timed = {"first": [], "resumed": [], "elsewhere": []}
     phase = ["first"]
@@ -148,15 +155,24 @@ class SpeedTest(chex.TestCase):
       phase[0] = "resumed"
       out = validate.check_speed(partial, ctx, config, validate.Progress())
       # Timings from another card are not this one's: that call times round 0's steps and
-      # its first site again.
+      # its first site again (and is stopped there: the rest of its round is the resumed
+      # call's).
       phase[0] = "elsewhere"
       moved = partial.to_dict()
       for r in moved["validation"]:
         if r["step"] in ("speed_steps", "speed_site"):
           r["device"] = "another GPU"
-      validate.check_speed(moved, ctx, config, validate.Progress())
-    self.assertGreaterEqual(round_steps["elsewhere"], 1)
-    self.assertIn(first["site"], timed["elsewhere"])
+      elsewhere = validate.Progress()
+
+      def stop_after_its_first_site(p):
+        if timed["elsewhere"]:
+          elsewhere.should_stop = deadline_hook(time.time() + 3600.0)
+          elsewhere.longest_s["speed_site"] = 7200.0
+      elsewhere.save = stop_after_its_first_site
+      with self.assertRaisesRegex(validate.ValidationPaused, "speed round 0, site"):
+        validate.check_speed(moved, ctx, config, elsewhere)
+    self.assertEqual(round_steps["elsewhere"], 1)
+    self.assertEqual(timed["elsewhere"], [first["site"]])
     # Nor are the round's steps: round 0's were recorded before its first site.
     self.assertEqual(round_steps["first"], 1)
     rounds = [r for r in validate.validation_records(out, "speed") if "round" in r]
