@@ -84,6 +84,12 @@ def plan_table(plan) -> str:
   return "\n".join(lines)
 
 
+# What the report calls each validation check (the records' `step`).
+CHECK_NAMES = {"speed_promotion": "speed promotion", "quality_held_out": "held-out",
+               "quality_shadow": "shadow training",
+               "quality_from_init": "training from initialization", "speed": "speed"}
+
+
 def validation_lines(plan) -> str:
   """Markdown bullets: each validation measurement and back-off of the plan, in order."""
   lines = (validation_line(r) for r in as_plan(plan)["validation"])
@@ -101,7 +107,7 @@ def validation_line(r: Mapping[str, Any], measurements: bool = False) -> Optiona
   if "to" in r and "sites" in r:  # a promote record
     return f"  - promoted {len(r['sites'])} sites -> {r['to']}: {r.get('reason')}"
   if r.get("skipped"):
-    return f"- {step}: skipped ({r.get('reason', '')})"
+    return f"- {CHECK_NAMES.get(step, step)}: skipped ({r.get('reason', '')})"
   if r.get("reopened"):   # `validate.reopen_check`
     undone = ", ".join(x["site"] for x in r.get("restored", ())) or "none"
     return (f"- {step}: reopened after {r.get('rounds_before')} round(s), back-offs undone: "
@@ -117,8 +123,9 @@ def validation_line(r: Mapping[str, Any], measurements: bool = False) -> Optiona
     se = r.get("rel_logloss_change_se")   # records before it was measured have none
     se_text = "" if se is None else f" +- {100 * se:.4f}% (one standard error)"
     return (f"- held-out (round {r['round']}): log loss {r['logloss']:.5f} vs bf16+Mods "
-            f"{r['logloss_bf16']:.5f} ({100 * r['rel_logloss_change']:+.4f}%{se_text}, "
-            f"budget {100 * r['budget']:g}%): {'pass' if r['passed'] else 'FAIL'}")
+            f"{r['logloss_bf16']:.5f}, {100 * r['rel_logloss_change']:+.4f}%{se_text}; rule: "
+            f"at most +{100 * r['budget']:g}% (a lower loss passes): "
+            f"{'pass' if r['passed'] else 'FAIL'}")
   if step in ("quality_shadow", "quality_from_init"):
     detail = ("non-finite loss" if not r.get("finite") else
               f"train loss {100 * r['rel_train_loss']:+.3f}%, held-out "
@@ -143,7 +150,7 @@ def validation_line(r: Mapping[str, Any], measurements: bool = False) -> Optiona
         [f"mean of {len(r['seeds'])} {unit}s"] if len(r.get("seeds", ())) > 1 else [])
     if recipe:
       what += f" ({', '.join(recipe)})"
-    bounds = f"bound {100 * r['bound']:g}%" + (
+    bounds = f"rule: each change at most +{100 * r['bound']:g}%, a lower loss passes" + (
         f", held-out bound {100 * r['held_out_bound']:.3f}%" if "held_out_bound" in r else "")
     if "noise_floor" in r:   # `ValidationConfig.shadow_noise_floor`
       n = r["noise_floor"]
@@ -154,10 +161,12 @@ def validation_line(r: Mapping[str, Any], measurements: bool = False) -> Optiona
     return (f"- {what} {r['steps']} steps (round {r['round']}): {detail} "
             f"({bounds}): {'pass' if r['passed'] else 'FAIL'}")
   if step == "speed":
+    rule = (f"; rule: each step's CI low end >= {r['min_speedup']:g}x bf16+Mods"
+            if r.get("min_speedup") is not None else "")
     return (f"- speed (round {r['round']}, {r['device']}): train "
             f"{r['train']['speedup']:.3f}x [{r['train']['speedup_ci'][0]:.3f}, "
             f"{r['train']['speedup_ci'][1]:.3f}], inference {r['infer']['speedup']:.3f}x "
-            f"[{r['infer']['speedup_ci'][0]:.3f}, {r['infer']['speedup_ci'][1]:.3f}]: "
+            f"[{r['infer']['speedup_ci'][0]:.3f}, {r['infer']['speedup_ci'][1]:.3f}]{rule}: "
             f"{'pass' if r['passed'] else 'FAIL'}")
   if step == "validated":
     return (f"- validated: FP8 sites {r['fp8_sites_before']} -> {r['fp8_sites_after']}"
@@ -199,7 +208,7 @@ def plot_plan(plan, path: str) -> str:
                    for n in names]).reshape(len(names), len(PASS_COLUMNS))
   from matplotlib.colors import ListedColormap
   cmap = ListedColormap([plt.get_cmap("tab10")(i % 10) for i in range(max(len(kernels), 1))])
-  height = max(3.0, 0.28 * len(names) + 1.2)
+  height = max(3.5, 0.28 * len(names) + 1.8)
   fig, (ax_grid, ax_bar) = plt.subplots(1, 2, figsize=(12, height),
                                         gridspec_kw={"width_ratios": [1.2, 1]})
   ax_grid.imshow(grid, cmap=cmap, vmin=-0.5, vmax=len(kernels) - 0.5, aspect="auto")
@@ -209,7 +218,19 @@ def plot_plan(plan, path: str) -> str:
     for j, (p, _) in enumerate(PASS_COLUMNS):
       if plan["sites"][n][p].get("backed_off_from"):
         ax_grid.text(j, i, "backed off", ha="center", va="center", fontsize=6)
+  # White lines between cells, and a legend naming each colour's kernel.
+  ax_grid.set_xticks(np.arange(len(PASS_COLUMNS) + 1) - 0.5, minor=True)
+  ax_grid.set_yticks(np.arange(len(names) + 1) - 0.5, minor=True)
+  ax_grid.grid(which="minor", color="white", linewidth=1)
+  ax_grid.tick_params(which="minor", length=0)
+  from matplotlib.patches import Patch
+  ax_grid.legend(handles=[Patch(color=cmap(index[k]), label=k) for k in kernels], fontsize=7,
+                 loc="upper center", bbox_to_anchor=(0.5, -0.04 - 0.3 / height),
+                 ncol=min(len(kernels), 3), frameon=False)
   ax_grid.set_title("kernel per site and pass")
+  if kernels == ["xla_bf16"]:
+    fig.suptitle("No FP8 kernel chosen: every site and pass stays in bf16 (xla_bf16)",
+                 fontsize=10)
   counts = kernel_counts(plan)
   width = 0.8 / max(len(kernels), 1)
   for k in kernels:

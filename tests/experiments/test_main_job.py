@@ -52,7 +52,7 @@ class MainJobTest(chex.TestCase):
     self.assertIn("| layer_0/fmb/mlp/dense_0 |", text)
     # The H200 table makes every FP8 candidate slower at these two sites' tiny shapes: an
     # all-bf16 plan has nothing to validate, and says so.
-    self.assertIn("quality_held_out: skipped (no FP8 site in the plan", text)
+    self.assertIn("- held-out: skipped (no FP8 site in the plan", text)
     for arm in ("| bf16+Mods |", "| LoKA (Mods + plan) |", "| fp8_all xla_fp8_tensorwise + Mods |"):
       self.assertIn(arm, text)
     self.assertIn("Speed: not measured (not on a GPU", text)

@@ -11,8 +11,8 @@ weights), and the worst sites are backed off until every check holds. The checks
     it is safe in every pass; the fastest such plan whose train step is provably faster and
     whose inference is not provably slower is kept. Backed-off sites are never promoted.
   held-out (`held_out_check`): the planned model's held-out log loss against bf16+Mods'.
-    While the relative change exceeds `max_rel_logloss`, the site whose plan alone moves it
-    most in the direction of the excess gets a more accurate forward
+    While the relative change is above `max_rel_logloss` (a lower loss passes), the site
+    whose plan alone raises it most gets a more accurate forward
     (`backoff.more_precise_kernel`), or xla_bf16.
   shadow training (`training.check_shadow`): `shadow_steps` steps from the checkpoint, plan
     vs bf16+Mods on the same batches, over `shadow_windows` data windows. The runs diverge

@@ -9,6 +9,7 @@ from absl.testing import absltest
 
 import report_builders as hm
 from loka_jax.dispatch import validate
+from loka_jax.dispatch.validate import held_out_check
 from loka_jax.plan.file import FALLBACK
 from loka_jax.kernels import FUSED_OP, KernelPlan, registry
 from validate_helpers import (BAD_SITE, GOOD_SITE, context, kernels, paused_after_one_site, plan_of,
@@ -56,6 +57,20 @@ class HeldOutTest(chex.TestCase):
     (record,) = validate.validation_records(out, "quality_held_out")
     self.assertTrue(record["passed"])
     self.assertNotEqual(record["logloss"], record["logloss_bf16"])  # FP8 did change numerics
+
+  def test_a_plan_with_a_lower_loss_than_bf16_mods_passes(self):
+    # Being better than the reference is never a miss: a plan whose held-out loss is 1%
+    # below bf16+Mods' (the measured change given, the rule under test) keeps its sites.
+    ctx = context()
+    plan = plan_of({GOOD_SITE: "xla_fp8_rowwise"})
+    config = validate.ValidationConfig(max_rel_logloss=0.002)
+    for rel, passed in ((-0.01, True), (0.002, True), (0.0021, False)):
+      with mock.patch.object(held_out_check, "held_out_change_se", return_value=(rel, 1e-4)):
+        out = validate.check_held_out(plan, ctx, config)
+      first = [r for r in validate.validation_records(out, "quality_held_out") if "round" in r][0]
+      self.assertEqual(first["passed"], passed, rel)
+      self.assertEqual(first["rule"], "relative change <= budget")
+      self.assertEqual(kernels(out, GOOD_SITE)["fwd"] == "xla_fp8_rowwise", passed, rel)
 
   def test_a_held_out_round_paused_between_sites_resumes_without_measuring_them_again(self):
     plan = plan_of({BAD_SITE: "test_two_bit", GOOD_SITE: "xla_fp8_rowwise"})
