@@ -16,15 +16,18 @@ seed, data order and held-out set. Writes, in --workdir (default ./loka_run):
                            speed where valid
   plan.png, arms.png       the plan (kernel per site and pass, sites per kernel), the
                            training loss and held-out NE of the arms
-Rerunning resumes every part (delete a file or directory to redo it).
+Rerunning resumes every part (delete a file or directory to redo it). A rerun with other
+settings redoes the parts they change, moving the old files to WORKDIR/replaced/STAMP/, and
+says so (experiments/job_settings.py).
 """
 import os
+import sys
 import time
 
 import jax
 from absl import app, flags, logging
 
-from experiments import loka_report, run_config
+from experiments import job_settings, loka_report, run_config
 from loka_jax import _compat
 from loka_jax.dispatch import pipeline
 from loka_jax.dispatch import validate as validate_lib
@@ -33,6 +36,7 @@ from loka_jax.probe.collector import ProbeConfig
 from loka_jax.probe.eligibility import Criteria
 from loka_jax.probe.runner import ProbeOptions
 from loka_jax.train import OptimConfig, TrainConfig, experiment, report
+from loka_jax.train.run_files import RunSettingsError
 
 CONFIG = run_config.define_config_flag("loka")
 flags.adopt_module_key_flags(run_config)  # --help lists --config
@@ -77,23 +81,10 @@ def _criteria(min_speedup):
   return Criteria(min_speedup=min_speedup if min_speedup > 0 else None)
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  start = time.time()
-  config, workdir = CONFIG.value, WORKDIR.value
+def _probe_and_plan(config, workdir, probe_train, kernels):
+  """The probe, the selection and the validation (each resumed when its file exists)."""
   run, probe, validate = config.run, config.probe, config.validate
-  if config.compilation_cache:
-    jax.config.update("jax_compilation_cache_dir", config.compilation_cache)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-  experiment.quiet_library_logs()
-  logging.set_verbosity(logging.WARNING)  # one line per step would bury the report
-  kernels = tuple(k.strip() for k in probe.kernels.split(",") if k.strip())
-  kernels = kernels or (() if _compat.on_gpu() else CPU_KERNELS)
-  print(f"== probe -> dispatch -> validate: {run.model}/{_preset(run)} on {run.data} -> "
-        f"{workdir}", flush=True)
-  probe_train = _train_config(run, probe.steps, 0)
-  result = pipeline.probe_and_plan(
+  return pipeline.probe_and_plan(
       _spec(run), workdir, train_config=probe_train,
       probe_config=ProbeConfig(cadence=probe.cadence, seed=run.seed),
       probe_options=ProbeOptions(
@@ -105,15 +96,47 @@ def main(argv):
           max_rel_logloss=validate.max_rel_logloss, shadow_steps=validate.shadow_steps,
           from_init_steps=validate.from_init_steps, from_init_seeds=validate.from_init_seeds,
           seed=run.seed) if validate.enabled else None)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  start = time.time()
+  config, workdir = CONFIG.value, WORKDIR.value
+  run, probe = config.run, config.probe
+  if config.compilation_cache:
+    jax.config.update("jax_compilation_cache_dir", config.compilation_cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  experiment.quiet_library_logs()
+  logging.set_verbosity(logging.WARNING)  # one line per step would bury the report
+  try:
+    replaced = job_settings.settle(workdir, config.to_dict())
+  except ValueError as e:
+    sys.exit(f"error: {e}")
+  if replaced:
+    print(f"== {replaced}", flush=True)
+  kernels = tuple(k.strip() for k in probe.kernels.split(",") if k.strip())
+  kernels = kernels or (() if _compat.on_gpu() else CPU_KERNELS)
+  print(f"== probe -> dispatch -> validate: {run.model}/{_preset(run)} on {run.data} -> "
+        f"{workdir}", flush=True)
+  probe_train = _train_config(run, probe.steps, 0)
+  try:
+    result = _probe_and_plan(config, workdir, probe_train, kernels)
+  except pipeline.RunMismatchError as e:
+    sys.exit(f"error: {e}")
   arms, arms_plans = {}, {}
   for label, key, spec, kernel_plan in _arms(config, result.paths["plan"], result.plan):
     arm_dir = os.path.join(workdir, "arms", key)
     print(f"== {label}: {run.steps} steps -> {arm_dir}", flush=True)
-    experiment.run(spec, arm_dir, _train_config(run, run.steps, max(1, run.steps // 30)))
+    try:
+      experiment.run(spec, arm_dir, _train_config(run, run.steps, max(1, run.steps // 30)))
+    except RunSettingsError as e:
+      sys.exit(f"error: {e}")
     arms[label] = report.load_arm(arm_dir)
     arms_plans[label] = kernel_plan
   loka_report.write(workdir, result, arms, arms_plans, _spec(run), probe_train, run.steps,
                     start)
+  job_settings.record(workdir, config.to_dict())
 
 
 if __name__ == "__main__":

@@ -46,6 +46,26 @@ PROBE_DIR = "probe"
 STATE_DIR = "validation_state"
 
 
+# What a probe report found in the workdir must share with the run asked for.
+SAME_RUN_FIELDS = ("model", "preset", "data", "data_spec", "data_path", "mods", "seed")
+
+
+class RunMismatchError(ValueError):
+  """The workdir's probe report is of another run than the one asked for."""
+
+
+def _check_same_run(report: Mapping, spec, path: str) -> None:
+  """Raises RunMismatchError naming `path` when the report probed another model, data or seed than
+  `spec`: reusing it would select a plan for the wrong sites."""
+  ran = report.get("run") or {}
+  wanted = spec.run_info()
+  differ = [f"{k}: {ran.get(k)!r} there, {wanted.get(k)!r} here" for k in SAME_RUN_FIELDS
+            if k in ran and ran.get(k) != wanted.get(k)]
+  if differ:
+    raise RunMismatchError(f"{path} probed another run ({'; '.join(differ)}): use another workdir, "
+                     "or move the workdir's probe and plans aside to redo them")
+
+
 @dataclasses.dataclass
 class PipelineResult:
   """The plan (validated unless validation was off), the report and the files written."""
@@ -305,6 +325,7 @@ def probe_and_plan(spec, workdir: str, *, train_config, probe_config=None, probe
   report = None
   if os.path.exists(paths["report"]):
     report = load_report(paths["report"])
+    _check_same_run(report, spec, paths["report"])
     if not report.get("complete", True):
       report = None
   if report is None:
