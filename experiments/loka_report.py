@@ -60,6 +60,25 @@ def no_fp8_hint(plan, criteria) -> str:
           "the error budget alone admits (its speed then judged on a GPU).\n\n")
 
 
+TERMS = """## Terms
+
+- **NE** (normalized entropy): held-out log loss divided by the entropy of the held-out
+  set's positive rate (the log loss of always predicting that rate); lower is better, 1 is
+  no better than that constant. **AUC**: area under the ROC curve of the held-out predictions.
+- **bf16+Mods**: the model in bf16 with the Mods (No Bias, BlockNorm where the model has
+  norms, Hard Swish), which make it FP8-friendly; the reference every plan is judged against.
+- **LoKA (Mods + plan)**: bf16+Mods with the plan's kernel at each GEMM site and pass.
+  **fp8_all K + Mods**: naive FP8, kernel K at every site and pass.
+- **fwd / dgrad / wgrad**: a site's forward GEMM, its input-gradient GEMM and its
+  weight-gradient GEMM.
+- **SQNR**: signal-to-quantization-noise ratio of a kernel's output against an fp32
+  reference in dB (higher is more accurate), the pessimistic end of its 95% CI.
+  **Underflow**: the share of an operand's nonzero values that FP8 flushes to zero.
+- **Speedup**: the reference's time over the kernel's or arm's; above 1 is faster, below 1
+  slower. A speed verdict needs the 95% CI's low end above the bar, not the median.
+"""
+
+
 def write(workdir: str, result, arms, arms_plans: Dict[str, KernelPlan],
           spec: experiment.RunSpec, probe_train: TrainConfig, steps: int,
           start: float) -> str:
@@ -97,7 +116,7 @@ def write(workdir: str, result, arms, arms_plans: Dict[str, KernelPlan],
       oracle + f"![loss and NE]({os.path.basename(arms_png)})", "",
       "## Speed", "",
       speed_section(result, arms_plans, spec, probe_train), "",
-      f"Wall time of this invocation: {time.time() - start:.0f} s.", ""])
+      f"Wall time of this invocation: {time.time() - start:.0f} s.", "", TERMS])
   with open(os.path.join(workdir, "report.md"), "w") as f:
     f.write(text)
   print(text)

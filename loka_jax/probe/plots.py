@@ -135,7 +135,7 @@ def site_speedup_plot(report: Mapping, path: str) -> Optional[str]:
     ax.annotate(names[0] + more, (flops / 1e9, speedup), fontsize=6, xytext=(3, 3),
                 textcoords="offset points")
   ax.axhline(bar, color="k", lw=0.8, label=f"selection bar {bar:g}x")
-  ax.axhline(1.0, color="0.6", lw=0.8, ls=":")
+  ax.axhline(1.0, color="0.6", lw=0.8, ls=":", label="bf16 (1.0x; below: slower)")
   ax.set_xscale("log")
   ax.set_xlabel("site GFLOP per step (forward)")
   ax.set_ylabel("best whole-site speedup over xla_bf16")
