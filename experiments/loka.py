@@ -29,6 +29,7 @@ from absl import app, flags, logging
 
 from experiments import job_settings, loka_report, run_config
 from loka_jax import _compat
+from loka_jax.data.sources import DataFileError
 from loka_jax.dispatch import pipeline
 from loka_jax.dispatch import validate as validate_lib
 from loka_jax.kernels import KernelPlan
@@ -122,7 +123,7 @@ def main(argv):
   probe_train = _train_config(run, probe.steps, 0)
   try:
     result = _probe_and_plan(config, workdir, probe_train, kernels)
-  except pipeline.RunMismatchError as e:
+  except (pipeline.RunMismatchError, DataFileError, FileNotFoundError) as e:
     sys.exit(f"error: {e}")
   arms, arms_plans = {}, {}
   for label, key, spec, kernel_plan in _arms(config, result.paths["plan"], result.plan):
@@ -130,7 +131,7 @@ def main(argv):
     print(f"== {label}: {run.steps} steps -> {arm_dir}", flush=True)
     try:
       experiment.run(spec, arm_dir, _train_config(run, run.steps, max(1, run.steps // 30)))
-    except RunSettingsError as e:
+    except (RunSettingsError, DataFileError) as e:
       sys.exit(f"error: {e}")
     arms[label] = report.load_arm(arm_dir)
     arms_plans[label] = kernel_plan

@@ -28,6 +28,7 @@ import jax
 from absl import app, flags
 
 from experiments import run_config, time_limit
+from loka_jax.data.sources import DataFileError
 from loka_jax.probe import eligibility
 from loka_jax.probe.collector import ProbeConfig, ProbeStateError
 from loka_jax.probe.kernel_timing import TimingCacheError
@@ -133,7 +134,8 @@ def main(argv):
       return _time_only(*settings)
     result = run_probe(settings[0], WORKDIR.value, *settings[1:])
   except (NonFiniteError, CheckpointError, RunSettingsError, experiment.PlanError,
-          ProbeStateError, ProbeSetupError, TimingTableError, TimingCacheError) as e:
+          ProbeStateError, ProbeSetupError, TimingTableError, TimingCacheError, DataFileError,
+          FileNotFoundError) as e:
     sys.exit(f"error: {e}")
   _print_summary(result)
   if not result.complete:

@@ -15,6 +15,7 @@ from absl import app, flags
 
 from experiments import run_config
 from loka_jax import xla_env
+from loka_jax.data.sources import DataFileError
 from loka_jax.models.presets import ModsError
 from loka_jax.parallel.mesh import MeshSpecError
 from loka_jax.train import (CheckpointError, NonFiniteError, OptimConfig, RunSettingsError,
@@ -70,7 +71,7 @@ def main(argv):
     else:
       final = experiment.run(spec, WORKDIR.value, train_config)
   except (NonFiniteError, CheckpointError, RunSettingsError, experiment.PlanError,
-          MeshSpecError, ModsError) as e:
+          MeshSpecError, ModsError, DataFileError, FileNotFoundError) as e:
     sys.exit(f"error: {e}")
   print(json.dumps(final, indent=1, sort_keys=True))
 

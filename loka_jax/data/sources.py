@@ -100,10 +100,14 @@ def load_config(cls: Type[C], spec: Union[None, str, os.PathLike, Mapping[str, A
     try:
       values = json.loads(raw)
     except json.JSONDecodeError as e:
-      raise ValueError(f"{what} in {source} is not valid JSON: {e}") from e
+      raise DataFileError(f"{what} in {source} is not valid JSON: {e}") from e
     if not isinstance(values, dict):
-      raise ValueError(f"{what} in {source} must be a JSON object, got {type(values).__name__}")
-    return config_from_dict(cls, values, what)
+      raise DataFileError(f"{what} in {source} must be a JSON object, got "
+                          f"{type(values).__name__}")
+    try:
+      return config_from_dict(cls, values, what)
+    except (TypeError, ValueError) as e:   # an unknown key, or a value its checks refuse
+      raise DataFileError(f"{source}: {e}") from e
   raise TypeError(f"{what} must be None, a dict, a JSON file path or {cls.__name__}, "
                   f"got {type(spec).__name__}")
 

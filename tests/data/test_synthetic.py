@@ -316,6 +316,20 @@ class SpecTest(chex.TestCase):
       synthetic.SyntheticSpec.from_json("{not json")
 
 
+class SpecFileTest(chex.TestCase):
+
+  def test_a_bad_spec_file_is_a_data_file_error_naming_the_file(self):
+    folder = tempfile.mkdtemp(prefix="loka_spec_")
+    for text, said in (('{"num_dense": 3}', r"unknown synthetic spec key\(s\) \['num_dense'\]"),
+                       ('{"base_ctr": ', "is not valid JSON"),
+                       ('[1, 2]', "must be a JSON object, got list")):
+      path = os.path.join(folder, "spec.json")
+      with open(path, "w") as f:
+        f.write(text)
+      with self.assertRaisesRegex(sources.DataFileError, f"{path}.*{said}|{said}.*{path}"):
+        make.make_source("synthetic", features=TINY, spec=path)
+
+
 class SpeedTest(chex.TestCase):
 
   def test_small_batch_is_fast(self):
