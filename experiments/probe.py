@@ -5,7 +5,7 @@ candidate kernel on every GEMM site, write the ProbeReport.
       --config.run.steps=200
 
 Settings come from experiments/configs/probe.py (--config=FILE for another file;
---config.GROUP.FIELD=VALUE overrides one field). Writes WORKDIR/probe_report.json (loka.probe/1,
+--config.GROUP.FIELD=VALUE overrides one field). Writes WORKDIR/probe_report.json (loka.probe/2,
 docs/FORMATS.md), WORKDIR/probe_report.md, WORKDIR/plots/ and, on a GPU, merges its timings
 into loka_jax/probe/timings/<device>.json (copy: WORKDIR/timing_table/). Rerunning the same
 command resumes every phase; with config.budget_s a run that runs out of time exits with

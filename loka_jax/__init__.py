@@ -3,7 +3,7 @@
 The public API, on any Flax Linen model whose matrix products are nn.Dense,
 nn.DenseGeneral, nn.Einsum or loka_jax sites:
 
-  report = loka_jax.probe(model, variables, batches, loss_fn)   # ProbeReport (loka.probe/1)
+  report = loka_jax.probe(model, variables, batches, loss_fn)   # ProbeReport (loka.probe/2)
   plan = loka_jax.select(report)                               # Plan (loka.plan/1)
   fp8_model = loka_jax.wrap(model, plan)                       # same variables
   plan = loka_jax.validate(fp8_model, plan, variables, held_out, loss_fn)

@@ -11,7 +11,7 @@ from ml_collections import config_dict
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
 
-  config.report = config_dict.placeholder(str)  # the ProbeReport (loka.probe/1) to select from
+  config.report = config_dict.placeholder(str)  # the ProbeReport (loka.probe/2) to select from
   config.out = config_dict.placeholder(str)     # where the plan (loka.plan/1) is written
 
   # The budget a kernel must meet at a site and pass to be eligible (eligibility.Criteria).

@@ -10,7 +10,7 @@ run to get the LoKA arm's plan.
 Layout of `workdir`:
   probe/               the probe's training run (bf16 + the spec's Mods), its checkpoints,
                        evaluation cache, report and plots
-  probe_report.json    the ProbeReport (loka.probe/1)
+  probe_report.json    the ProbeReport (loka.probe/2)
   plan_selected.json   the plan as selected, before end-to-end validation
   plan_validating.json the plan part-way through validation (a call its `should_stop`
                        paused); the next call resumes from it

@@ -514,7 +514,7 @@ def select(report: Union[Mapping, str], criteria: Optional[Criteria] = None, *,
   """The Plan for a ProbeReport (a loaded report or its path) under the error budget.
 
   Args:
-    report: a `loka.probe/1` report or the path of one.
+    report: a `loka.probe/2` report or the path of one.
     criteria: the global budget (eligibility.Criteria; metric='mere' for paper parity).
     **criteria_fields: Criteria fields that replace the default's (or `criteria`'s), e.g.
       `select(report, min_sqnr_fwd_db=30, min_speedup=None)`.

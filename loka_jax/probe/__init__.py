@@ -1,5 +1,5 @@
 """The LoKA Probe: streaming per-site statistics during training, per-site kernel errors and
-timings, and the ProbeReport (`loka.probe/1`) that Dispatch selects kernels from.
+timings, and the ProbeReport (`loka.probe/2`) that Dispatch selects kernels from.
 
   report = loka_jax.probe(model, variables, batches, loss_fn)   # this package, called
   probe = loka_jax.Probe(model, loss_fn)                         # in the user's own loop

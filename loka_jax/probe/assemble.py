@@ -220,7 +220,7 @@ def finish_report(site_entries: Dict[str, Dict], sites: Mapping[str, Any], kerne
                   run: Mapping[str, Any], probe_config: Mapping[str, Any],
                   overhead: Mapping[str, Any], pending: Sequence[str],
                   extra: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
-  """The `loka.probe/1` report of evaluated and timed sites, with each site's best kernel
+  """The `loka.probe/2` report of evaluated and timed sites, with each site's best kernel
   per pass under `options.criteria`."""
   info = kernels_info(kernels)
   for name, entry in site_entries.items():

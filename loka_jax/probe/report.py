@@ -1,4 +1,4 @@
-"""ProbeReport (`loka.probe/1`, docs/FORMATS.md): build, save, load, validate, summarize.
+"""ProbeReport (`loka.probe/2`, docs/FORMATS.md): build, save, load, validate, summarize.
 
 The report is plain JSON. Non-finite numbers never enter it as numbers: they become null and
 the enclosing object gets an `error` string. Loading checks the schema and the structure and
@@ -16,7 +16,11 @@ from loka_jax import jsonio
 from loka_jax.kernels import KINDS, PASSES
 from loka_jax.probe import eligibility
 
-SCHEMA = "loka.probe/1"
+SCHEMA = "loka.probe/2"
+# Versions this reader accepts. A loka.probe/1 report may have judged delayed-scaling ops
+# with a scale history warmed on the sample itself (no `evaluation.evaluator`); every field
+# reads the same otherwise.
+READABLE_SCHEMAS = ("loka.probe/1", SCHEMA)
 TRIPLETS = ("sqnr_db", "rel_fro", "mere", "median_rel", "underflow", "time_us", "speedup",
             "baseline_us")
 REQUIRED = {"model": str, "preset": str, "device": str, "jax": str, "timing_valid": bool,
@@ -113,9 +117,9 @@ def validate_report(report, where: str) -> None:
     raise ProbeReportError(f"{where}: a probe report is a JSON object, got "
                            f"{type(report).__name__}")
   schema = report.get("schema")
-  if schema != SCHEMA:
+  if schema not in READABLE_SCHEMAS:
     raise ProbeReportError(
-        f"{where}: schema {schema!r} is not {SCHEMA!r}"
+        f"{where}: schema {schema!r} is not one of {', '.join(map(repr, READABLE_SCHEMAS))}"
         + ("; this file is not a probe report" if schema is None else
            "; it was written by another version: rerun `python -m experiments.probe`"))
   for key, typ in REQUIRED.items():

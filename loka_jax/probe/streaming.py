@@ -7,7 +7,7 @@ evaluates every candidate kernel on every site and pass and writes a ProbeReport
     ...                                          # the user's training step
     if step % 25 == 0:
       probe.observe(variables, batch)            # jitted statistics pass, no training
-  report = probe.report()                        # loka.probe/1
+  report = probe.report()                        # loka.probe/2
 
 Sites are the model's plain `nn.Dense`, `nn.DenseGeneral` and `nn.Einsum` layers (routed
 through GEMM sites for the probe, named by their Linen paths) and its loka_jax sites. Matrix
@@ -332,7 +332,7 @@ class Probe:
   def report(self, workdir: Optional[str] = None) -> Dict[str, Any]:
     """Evaluates every candidate kernel on every site and pass against the fp32 product of
     operands drawn from the statistics, times them (on a GPU; else from the committed timing
-    table, marked estimated) and returns the `loka.probe/1` report; with `workdir`, also
+    table, marked estimated) and returns the `loka.probe/2` report; with `workdir`, also
     writes it there as JSON and markdown with plots."""
     if self._batches == 0:
       raise ProbeInputError("the probe has observed no batch: call observe(variables, batch) "

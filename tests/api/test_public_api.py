@@ -51,7 +51,7 @@ class _ProbeSelectWrap:
     return [s for s, e in self.plan["sites"].items() if e["fwd"]["kernel"] in am.FP8_KERNELS]
 
   def test_sites_are_the_linen_paths_of_every_layer(self):
-    self.assertEqual(self.report["schema"], "loka.probe/1")
+    self.assertEqual(self.report["schema"], "loka.probe/2")
     self.assertEqual(list(self.report["sites"]), list(self.expected))
     self.assertEqual(self.report["unrouted_products"], [])
     self.assertEqual(sorted(self.plan["sites"]), sorted(self.expected))
