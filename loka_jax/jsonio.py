@@ -6,7 +6,7 @@ import hashlib
 import json
 import os
 import zlib
-from typing import Any, Iterator, Optional, Tuple, Type
+from typing import Any, Dict, Iterator, Mapping, Optional, Tuple, Type
 
 GZIP_MAGIC = b"\x1f\x8b"
 
@@ -67,11 +67,46 @@ def write_text_atomic(path: str, text: str) -> None:
   run leaves the old file or the new one, never half of either."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   tmp = f"{path}.tmp"
-  with open(tmp, "w") as f:
-    f.write(text)
-    f.flush()
-    os.fsync(f.fileno())
+  try:
+    with open(tmp, "w") as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+  except OSError as e:   # a full disk, a quota: the old file is untouched
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    kept = "the previous one is intact" if os.path.exists(path) else "nothing was written"
+    raise OSError(e.errno, f"cannot write {path} ({e.strerror or e}); {kept}") from e
   os.replace(tmp, path)
+
+
+DIGEST_FIELD = "sha256"
+
+
+def content_digest(data: Mapping) -> str:
+  """sha256 of a JSON object's canonical form (sorted keys, no spaces), its own `sha256`
+  field left out: a digest that travels inside the file it checks."""
+  body = {k: v for k, v in data.items() if k != DIGEST_FIELD}
+  return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"),
+                                   allow_nan=False).encode()).hexdigest()
+
+
+def with_digest(data: Mapping) -> Dict[str, Any]:
+  """`data` with its `sha256` field set to its content digest."""
+  return {**{k: v for k, v in data.items() if k != DIGEST_FIELD},
+          DIGEST_FIELD: content_digest(data)}
+
+
+def check_digest(data: Any, where: str, what: str, remedy: str,
+                 error: Type[Exception]) -> None:
+  """Raises `error` when `data` carries a `sha256` field that its content does not match: a
+  changed byte or a deleted field that still parses. Files written before the field existed
+  carry none and pass."""
+  if not isinstance(data, Mapping) or DIGEST_FIELD not in data:
+    return
+  if data[DIGEST_FIELD] != content_digest(data):
+    raise error(f"{where}: the {what} does not match its sha256 (changed or damaged after it "
+                f"was written): {remedy}")
 
 
 def file_sha256(path: str) -> str:

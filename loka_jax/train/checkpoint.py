@@ -17,14 +17,29 @@ read part by part as well.
 
 Writes are atomic: a step is written to `DIR/<step>.loka-tmp-<pid>` and renamed when
 complete, so a run killed mid-write leaves the previous checkpoints intact and its partial
-directory is ignored. Restore tries the newest step first; an unreadable or non-finite one is
-moved aside to `DIR/corrupt-<step>` with a warning and the previous one is used.
+directory is ignored; a write that fails (a full disk) removes its partial directory and says
+that the previous checkpoints are intact.
+
+Integrity: layout.json, written after the arrays, holds a CRC-32 of every array's bytes
+(`digests`) and a sha256 of its own content (`sha256`). A restore checks both: a flipped bit
+in an array or in the layout fails the check. CRC-32 catches every error of up to 32
+consecutive bits and misses a random corruption with probability 2**-32. Restore tries the
+newest step first; one that fails to read, fails its integrity check or holds non-finite
+values is moved aside to `DIR/corrupt-<step>` with a warning naming why, and the previous one
+is used.
+
+Rotation keeps the newest `keep` checkpoints and also the newest *earned* one: a checkpoint
+earns its place once training from it reached the next save with every step finite
+(`DIR/earned.json`). A newer checkpoint that has not earned it (a state that was never trained
+on, or one followed by skipped non-finite steps) never pushes it out.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import sys
+import zlib
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import flax
@@ -33,6 +48,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
+from loka_jax import jsonio
 from loka_jax.train.state import TrainState, all_finite
 
 FORMAT = "loka.checkpoint/1"
@@ -41,6 +57,8 @@ TMP_MARK = ".loka-tmp-"  # in the name of a step's directory while it is being w
 STATE = "state"
 EXTRAS = "extras"
 HOST_TRANSFER_GB = 4  # the most array data one save or restore holds in host memory at once
+DIGESTS = "digests"
+EARNED_JSON = "earned.json"
 
 
 class CheckpointError(RuntimeError):
@@ -95,23 +113,37 @@ def _key(i: int) -> str:
   return f"a{i:05d}"
 
 
-def _write_arrays(directory: str, flat: Mapping[Tuple, Any], part_bytes: int) -> List[List]:
+def array_digest(x) -> Optional[str]:
+  """'crc32:<hex>' of an array's bytes in C order; None for an array this process cannot read
+  whole (sharded over several processes: each process sees only its shards)."""
+  if not getattr(x, "is_fully_addressable", True):
+    return None
+  host = np.ascontiguousarray(np.asarray(jax.device_get(x)))
+  return f"crc32:{zlib.crc32(host.reshape(-1).view(np.uint8)):08x}"
+
+
+def _write_arrays(directory: str, flat: Mapping[Tuple, Any], part_bytes: int
+                  ) -> Tuple[List[List], Dict[str, Optional[str]]]:
   """Writes the arrays of `flat` ({path: array}) part by part under `directory`; returns the
-  layout rows [path, part, key]."""
+  layout rows [path, part, key] and {key: `array_digest`}."""
   paths = list(flat)
   parts = plan_parts([_nbytes(flat[p]) for p in paths], part_bytes)
   rows = [[list(p), part, _key(i)] for i, (p, part) in enumerate(zip(paths, parts))]
+  digests = {}
   with ocp.Checkpointer(_handler()) as checkpointer:
     for part in sorted(set(parts)):
       tree = {key: flat[tuple(path)] for path, q, key in rows if q == part}
       checkpointer.save(os.path.join(directory, f"{part:04d}"), args=ocp.args.StandardSave(tree))
-  return rows
+      digests.update({key: array_digest(x) for key, x in tree.items()})
+  return rows, digests
 
 
 def _read_arrays(directory: str, rows: Sequence[Sequence],
-                 abstract: Optional[Mapping[Tuple, Any]] = None) -> Dict[Tuple, Any]:
+                 abstract: Optional[Mapping[Tuple, Any]] = None,
+                 digests: Optional[Mapping[str, Optional[str]]] = None) -> Dict[Tuple, Any]:
   """{path: array} read part by part (into `abstract`'s shapes, dtypes and shardings when
-  given, {path: ShapeDtypeStruct})."""
+  given, {path: ShapeDtypeStruct}); each array whose digest `digests` records must match it,
+  else ValueError naming the array."""
   out = {}
   with ocp.Checkpointer(_handler()) as checkpointer:
     for part in sorted({int(r[1]) for r in rows}):
@@ -120,6 +152,12 @@ def _read_arrays(directory: str, rows: Sequence[Sequence],
       args = ocp.args.StandardRestore(target) if target is not None else ocp.args.StandardRestore()
       tree = checkpointer.restore(os.path.join(directory, f"{part:04d}"), args=args)
       for path, key in members:
+        want = (digests or {}).get(key)
+        if want is not None:
+          got = array_digest(tree[key])
+          if got is not None and got != want:
+            raise ValueError(f"array {'/'.join(map(str, path))} fails its integrity check "
+                             f"({got}, written as {want})")
         out[path] = tree[key]
   return out
 
@@ -134,15 +172,29 @@ def write_step(directory: str, step: int, state_dict: Mapping, extras_json: Mapp
     if TMP_MARK in name:
       shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
   tmp = os.path.join(directory, f"{step}{TMP_MARK}{os.getpid()}")
-  os.makedirs(tmp)
-  layout = {"format": FORMAT, "step": int(step), "extras_json": dict(extras_json),
-            STATE: _write_arrays(os.path.join(tmp, STATE),
-                                 flax.traverse_util.flatten_dict(dict(state_dict)), part_bytes),
-            EXTRAS: (_write_arrays(os.path.join(tmp, EXTRAS),
-                                   flax.traverse_util.flatten_dict(dict(extras_arrays)),
-                                   part_bytes) if extras_arrays else [])}
-  with open(os.path.join(tmp, LAYOUT_JSON), "w") as f:
-    json.dump(layout, f)
+  try:
+    os.makedirs(tmp)
+    state_rows, state_digests = _write_arrays(
+        os.path.join(tmp, STATE), flax.traverse_util.flatten_dict(dict(state_dict)), part_bytes)
+    extras_rows, extras_digests = (_write_arrays(
+        os.path.join(tmp, EXTRAS), flax.traverse_util.flatten_dict(dict(extras_arrays)),
+        part_bytes) if extras_arrays else ([], {}))
+    # Written after every array: a checkpoint with a layout holds all of its data.
+    layout = jsonio.with_digest({
+        "format": FORMAT, "step": int(step), "extras_json": dict(extras_json),
+        STATE: state_rows, EXTRAS: extras_rows,
+        DIGESTS: {STATE: state_digests, EXTRAS: extras_digests}})
+    with open(os.path.join(tmp, LAYOUT_JSON), "w") as f:
+      json.dump(layout, f)
+      f.flush()
+      os.fsync(f.fileno())
+  except OSError as e:   # a full disk or a quota
+    shutil.rmtree(tmp, ignore_errors=True)
+    kept = checkpoint_steps(directory)
+    raise CheckpointError(
+        f"cannot write checkpoint {final} ({e}); "
+        + (f"the previous checkpoints ({', '.join(map(str, kept))}) are intact" if kept
+           else "no earlier checkpoint exists")) from e
   commit(tmp, final)
   return final
 
@@ -168,16 +220,25 @@ def _read_layout(step_dir: str) -> Dict[str, Any]:
     raise ValueError(f"{step_dir} has no {LAYOUT_JSON} (not a {FORMAT} checkpoint)")
   with open(path) as f:
     layout = json.load(f)
-  if layout.get("format") != FORMAT:
-    raise ValueError(f"{path}: format {layout.get('format')!r}, expected {FORMAT!r}")
+  if not isinstance(layout, dict) or layout.get("format") != FORMAT:
+    raise ValueError(f"{path}: format "
+                     f"{layout.get('format') if isinstance(layout, dict) else None!r}, "
+                     f"expected {FORMAT!r}")
+  jsonio.check_digest(layout, path, "checkpoint layout", "it is moved aside", ValueError)
   return layout
+
+
+def _digests(layout: Mapping, section: str) -> Dict[str, Optional[str]]:
+  """{key: digest} of a section's arrays (none for a checkpoint written before digests)."""
+  return dict((layout.get(DIGESTS) or {}).get(section) or {})
 
 
 def _extras(step_dir: str, layout: Mapping, array_extras: bool) -> Dict[str, Any]:
   extras = dict(layout.get("extras_json") or {})
   if array_extras and layout.get(EXTRAS):
     extras.update(flax.traverse_util.unflatten_dict(
-        _read_arrays(os.path.join(step_dir, EXTRAS), layout[EXTRAS])))
+        _read_arrays(os.path.join(step_dir, EXTRAS), layout[EXTRAS],
+                     digests=_digests(layout, EXTRAS))))
   return extras
 
 
@@ -209,7 +270,7 @@ def read_step(step_dir: str, abstract_state: Mapping, array_extras: bool = True
                      f"{['/'.join(map(str, p)) for p in missing[:5]]}, unexpected "
                      f"{['/'.join(map(str, p)) for p in extra[:5]]}")
   arrays = _read_arrays(os.path.join(step_dir, STATE), layout[STATE],
-                        {p: template[p] for p in wanted})
+                        {p: template[p] for p in wanted}, _digests(layout, STATE))
   state = flax.traverse_util.unflatten_dict({**template, **arrays})
   return state, _extras(step_dir, layout, array_extras)
 
@@ -246,16 +307,40 @@ class Checkpointer:
     steps = self.steps()
     return steps[-1] if steps else None
 
-  def save(self, state: TrainState, extras: Optional[Mapping[str, Any]] = None) -> int:
-    """Writes `state` (and extras) at its step; a step already saved is left as it is."""
+  def earned_step(self) -> Optional[int]:
+    """The newest checkpoint that training from it reached the next save with every step
+    finite (rotation keeps it), or None."""
+    try:
+      with open(os.path.join(self.directory, EARNED_JSON)) as f:
+        step = int(json.load(f)["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+      return None
+    return step if step in self.steps() else None
+
+  def mark_earned(self, step: int) -> None:
+    """Records that checkpoint `step` was followed by finite training to the next save."""
+    if step in self.steps():
+      jsonio.write_json_atomic(os.path.join(self.directory, EARNED_JSON), {"step": int(step)})
+
+  def save(self, state: TrainState, extras: Optional[Mapping[str, Any]] = None,
+           previous_earned: bool = False) -> int:
+    """Writes `state` (and extras) at its step; a step already saved is left as it is.
+    `previous_earned`: every step since the newest earlier checkpoint was finite, so that one
+    has earned its place (the module docstring). Rotation then removes all but the newest
+    `keep` checkpoints and the earned one."""
     step = int(jax.device_get(state.step))
     if step in self.steps():
       return step
+    before = [s for s in self.steps() if s < step]
+    if previous_earned and before:
+      self.mark_earned(before[-1])
     json_part, array_part = split_extras(extras)
     write_step(self.directory, step, state.to_state_dict(), json_part, array_part,
                self.part_bytes)
+    earned = self.earned_step()
     for old in self.steps()[:-self.keep]:
-      shutil.rmtree(os.path.join(self.directory, str(old)))
+      if old != earned:
+        shutil.rmtree(os.path.join(self.directory, str(old)))
     return step
 
   def _restore_step(self, step: int, template: TrainState, array_extras: bool = True):
@@ -298,8 +383,11 @@ class Checkpointer:
       except Exception as e:  # orbax/tensorstore raise many types for damaged files
         moved = self._move_aside(step)
         failures.append(f"step {step}: {type(e).__name__}: {str(e)[:300]}")
-        logging.warning("checkpoint %s/%d is unreadable (%s); moved it to %s and falling back "
-                        "to the previous checkpoint", self.directory, step, failures[-1], moved)
+        logging.warning("checkpoint %s/%d is unreadable or damaged (%s); moved it to %s and "
+                        "falling back to the previous checkpoint", self.directory, step,
+                        failures[-1], moved)
+        print(f"checkpoint {self.directory}/{step} is unreadable or damaged ({failures[-1]}); "
+              f"moved it to {moved}", file=sys.stderr, flush=True)
     raise CheckpointError(
         f"no readable checkpoint in {self.directory} (each was moved to corrupt-<step>):\n  "
         + "\n  ".join(failures)

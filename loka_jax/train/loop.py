@@ -145,6 +145,37 @@ def restore_run(workdir: str, model, source, config: TrainConfig, array_extras: 
     return ckpt.restore(template, array_extras)
 
 
+# A non-finite step this soon after a resume most likely comes from the state resumed.
+RESUME_SUSPECT_STEPS = 50
+
+
+def last_checkpoint(checkpointer: Checkpointer) -> Optional[str]:
+  latest = checkpointer.latest_step()
+  return None if latest is None else os.path.join(checkpointer.directory, str(latest))
+
+
+def non_finite_advice(message: str, checkpointer: Checkpointer, step: int, start: int,
+                      resumed: bool) -> str:
+  """What a run stopped by a non-finite step tells the user: the likely cause and where good
+  states are. `step` is the failing step, `start` the step the run resumed from."""
+  directory = checkpointer.directory
+  earned = checkpointer.earned_step()
+  earned_text = ("" if earned is None else
+                 f"; {directory}/{earned} is the newest checkpoint from which training reached "
+                 "the next save with finite steps (kept until a newer one does)")
+  if resumed and step - start <= RESUME_SUSPECT_STEPS:
+    return (f"{message}, {step - start} step(s) after resuming from {directory}/{start}. "
+            "Training stopped (nan_policy='stop'). That checkpoint is the likely cause: it "
+            "passed its integrity check, so the state it holds is itself unstable or was "
+            f"written from a damaged run; move it aside to resume from an earlier one"
+            f"{earned_text}.")
+  latest = last_checkpoint(checkpointer)
+  return (f"{message}. Training stopped (nan_policy='stop'); the state before this step is "
+          f"{latest or 'not saved (no finite state to save)'}{earned_text}. Lower the "
+          "learning rate, check the data, or rerun with train.nan_policy=skip to skip such "
+          "steps.")
+
+
 def train(model, source, workdir: str, config: TrainConfig, *,
           run_info: Optional[Mapping[str, Any]] = None,
           extras: Optional[Mapping[str, Any]] = None,
@@ -212,12 +243,18 @@ def train(model, source, workdir: str, config: TrainConfig, *,
   t0 = time.perf_counter() - loop_extras["elapsed_s"]
   time_split["setup_s"] = time.perf_counter() - entered
   window, last_eval, grad_norm = LossWindow(), None, math.nan
+  # Skipped (non-finite) steps counted at the last save or resume: a checkpoint earns its
+  # place in the rotation when none were skipped before the next save.
+  skipped_at_save = [loop_extras["skipped_steps"]]
 
-  def save():
+  def save(finite_since_last: bool = True):
     began = time.perf_counter()
     loop_extras["elapsed_s"] = began - t0
     hook_extras = dict(model_hook.extras()) if model_hook is not None else {}
-    saved = checkpointer.save(state, {**(extras or {}), **hook_extras, "loop": loop_extras})
+    earned = finite_since_last and loop_extras["skipped_steps"] == skipped_at_save[0]
+    saved = checkpointer.save(state, {**(extras or {}), **hook_extras, "loop": loop_extras},
+                              previous_earned=earned)
+    skipped_at_save[0] = loop_extras["skipped_steps"]
     time_split["checkpoint_s"] += time.perf_counter() - began
     return saved
 
@@ -260,14 +297,11 @@ def train(model, source, workdir: str, config: TrainConfig, *,
           # The state before the bad step is the last good one, unless an earlier update
           # already overflowed the parameters (then the last checkpoint is).
           if all_finite(state.params) and config.saves:
-            save()
-          latest = checkpointer.latest_step()
-          where = None if latest is None else os.path.join(checkpointer.directory, str(latest))
-          raise NonFiniteError(
-              f"{message}. Training stopped (nan_policy='stop'); the last good checkpoint is "
-              f"{where or 'none (no good state was saved)'}. Lower the learning rate, check "
-              "the data, or rerun with train.nan_policy=skip to skip such steps.",
-              step=done, site=site, checkpoint=where)
+            save(finite_since_last=False)   # the state before the bad step
+          raise NonFiniteError(non_finite_advice(message, checkpointer, done, start,
+                                                 restored is not None),
+                               step=done, site=site,
+                               checkpoint=last_checkpoint(checkpointer))
       bar.update(1)
 
       is_eval = (config.eval_every and done % config.eval_every == 0) or done == config.steps
