@@ -14,7 +14,7 @@ import os
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from loka_jax import jsonio
-from experiments.bench import quality, suite
+from experiments.bench import quality, results, suite
 
 SPEED_SUITES = ("towers", "models")
 
@@ -40,7 +40,10 @@ def _read_file(path: str) -> List[Dict]:
       raise RowsError(f"{path}:{number} is not a benchmark row: its 'suite' is "
                       f"{row.get('suite') if isinstance(row, dict) else None!r}, expected "
                       f"one of {SPEED_SUITES + ('quality',)}")
-    rows.append(row)
+    try:
+      rows.append(results.checked_row(row, f"{path}:{number}"))
+    except ValueError as e:
+      raise RowsError(str(e)) from e
   return rows
 
 

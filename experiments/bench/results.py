@@ -1,4 +1,6 @@
-"""Resumable JSONL results: every finished row is appended at once; a rerun skips it."""
+"""Resumable JSONL results: every finished row is appended at once, with the sha256 of its
+content; a rerun skips it. A row that does not parse, or no longer matches its sha256, is
+ignored with a warning and measured again."""
 from __future__ import annotations
 
 import json
@@ -6,6 +8,14 @@ import os
 from typing import Dict, Iterator, Mapping, Tuple
 
 from loka_jax import jsonio
+
+
+def checked_row(row, where: str) -> dict:
+  """`row` without its sha256, which must match its content (rows written before rows
+  carried one pass); else ValueError naming `where`."""
+  jsonio.check_digest(row, where, "row", "measure it again", ValueError)
+  return {k: v for k, v in row.items() if k != jsonio.DIGEST_FIELD} if isinstance(
+      row, dict) else row
 
 
 class ResultsFile:
@@ -22,6 +32,11 @@ class ResultsFile:
           # A line cut by a killed run: ignore it (it will be measured again), say so.
           print(f"warning: {path}:{number} is not JSON (an interrupted write?); ignored")
           continue
+        try:
+          row = checked_row(row, f"{path}:{number}")
+        except ValueError as e:
+          print(f"warning: {e}; ignored (it will be measured again)")
+          continue
         self._rows[self.key(row)] = row
 
   def key(self, row: Mapping) -> tuple:
@@ -37,7 +52,7 @@ class ResultsFile:
 
   def append(self, row: Mapping) -> None:
     with open(self.path, "a") as f:
-      f.write(json.dumps(row) + "\n")
+      f.write(json.dumps(jsonio.with_digest(row)) + "\n")
       f.flush()
       os.fsync(f.fileno())
     self._rows[self.key(row)] = dict(row)

@@ -310,7 +310,7 @@ def probe_and_plan(spec, workdir: str, *, train_config, probe_config=None, probe
     PipelineResult(plan, report, paths, criteria, skipped).
   """
   from loka_jax.probe.collector import ProbeConfig
-  from loka_jax.probe.report import load_report
+  from loka_jax.probe.report import load_report, save_report
   from loka_jax.probe.runner import ProbeOptions, run_probe
   spec = dataclasses.replace(spec, precision="bf16", plan=None)
   os.makedirs(workdir, exist_ok=True)
@@ -338,7 +338,7 @@ def probe_and_plan(spec, workdir: str, *, train_config, probe_config=None, probe
                          f"{'; '.join(result.report.get('pending', []))}); call again to "
                          "finish it")
     report = result.report
-    jsonio.write_json_atomic(paths["report"], report)
+    save_report(report, paths["report"])
   else:
     skipped["probe"] = True
     _log(f"probe report found: {paths['report']}")

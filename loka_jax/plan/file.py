@@ -233,7 +233,8 @@ def to_kernel_plan(plan: PlanLike) -> KernelPlan:
 def save_plan(plan: Union[Plan, Mapping], path: str) -> Dict[str, Any]:
   """Validates and writes the plan atomically; returns what was written."""
   data = as_plan(plan, path).to_dict()
-  jsonio.write_json_atomic(path, data)
+  data.pop(jsonio.DIGEST_FIELD, None)
+  jsonio.write_json_atomic(path, jsonio.with_digest(data))
   return data
 
 
@@ -242,6 +243,11 @@ def read_plan(path: str) -> Plan:
   PlanFileError naming the file."""
   data = jsonio.read_json(path, "plan", "write it again with `python -m experiments.dispatch`",
                           PlanFileError)
+  jsonio.check_digest(data, path, "plan", "select it again with `python -m experiments."
+                      "dispatch`; after editing it by hand on purpose, delete its \"sha256\" "
+                      "field", PlanFileError)
+  if isinstance(data, dict):
+    data.pop(jsonio.DIGEST_FIELD, None)   # the plan is its content; the digest is the file's
   return Plan(data, path)
 
 

@@ -87,14 +87,17 @@ def save_report(report: Mapping, path: str) -> Dict:
   """Validates and writes the report atomically; returns what was written."""
   data = json_ready(report)
   validate_report(data, path)
-  jsonio.write_json_atomic(path, data)
+  jsonio.write_json_atomic(path, jsonio.with_digest(data))
   return data
 
 
 def load_report(path: str) -> Dict:
   """Reads and validates a ProbeReport; raises ProbeReportError naming the file."""
-  data = jsonio.read_json(path, "probe report",
-                          "rerun `python -m experiments.probe` to rewrite it", ProbeReportError)
+  remedy = "rerun `python -m experiments.probe` to rewrite it"
+  data = jsonio.read_json(path, "probe report", remedy, ProbeReportError)
+  jsonio.check_digest(data, path, "probe report", remedy, ProbeReportError)
+  if isinstance(data, dict):
+    data.pop(jsonio.DIGEST_FIELD, None)   # the report is its content; the digest is the file's
   validate_report(data, path)
   return data
 

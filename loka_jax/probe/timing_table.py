@@ -16,7 +16,6 @@ GPU probe runs write them (merging with what is there); reports made where no GP
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import os
 import sys
@@ -75,14 +74,12 @@ def validate(table, where: str) -> Dict:
 
 
 def load_table(path: str) -> Dict:
-  """The table in `path` (validated)."""
-  try:
-    with open(path) as f:
-      table = json.load(f)
-  except json.JSONDecodeError as e:
-    raise TimingTableError(f"{path}: not valid JSON ({e}); the file is truncated or corrupt")
-  except OSError as e:
-    raise TimingTableError(f"{path}: cannot read ({e})") from e
+  """The table in `path` (validated; its sha256, when it has one, must match its content)."""
+  remedy = "time the kernels again or restore the committed file"
+  table = jsonio.read_json(path, "timing table", remedy, TimingTableError)
+  jsonio.check_digest(table, path, "timing table", remedy, TimingTableError)
+  if isinstance(table, dict):
+    table.pop(jsonio.DIGEST_FIELD, None)
   return validate(table, path)
 
 
@@ -128,7 +125,7 @@ def merge_entries(table: Mapping, entries: Iterable[Mapping]) -> Dict:
 def save_table(table: Mapping, path: str) -> None:
   """Writes atomically (a killed run never leaves half a table)."""
   validate(dict(table), path)
-  jsonio.write_json_atomic(path, dict(table))
+  jsonio.write_json_atomic(path, jsonio.with_digest(table))
 
 
 def update_file(path: str, device_kind: str, entries: Sequence[Mapping]) -> Dict:

@@ -5,6 +5,7 @@ plain nn.Dense MLP (squared error), a DenseGeneral / Einsum model, and a model w
 Each model is probed once per class (setUpClass). Expected site names, shapes and FLOPs are
 written by hand from the model definitions in api_models.py.
 """
+import hashlib
 import json
 import math
 import os
@@ -85,7 +86,12 @@ class _ProbeSelectWrap:
     written = loka_jax.save_plan(self.plan, path)
     self.assertEqual(written, self.plan.to_dict())
     with open(path) as f:
-      self.assertEqual(json.load(f), self.plan.to_dict())
+      on_disk = json.load(f)
+    # The file is the plan plus the sha256 of its content, which reading it checks and drops.
+    digest = on_disk.pop("sha256")
+    self.assertEqual(on_disk, self.plan.to_dict())
+    self.assertEqual(digest, hashlib.sha256(json.dumps(
+        on_disk, sort_keys=True, separators=(",", ":")).encode()).hexdigest())
     self.assertEqual(loka_jax.read_plan(path).to_dict(), self.plan.to_dict())
     kernel_plan = loka_jax.load_plan(path)
     self.assertEqual(kernel_plan, self.plan.kernel_plan())
