@@ -4,10 +4,13 @@ naming the field, site, kernel or file and what to do, or handled without NaN or
 Faults already proven elsewhere (checkpoints, probe reports, plans, MovieLens caches, NaN in
 training) are listed in docs/RELIABILITY.md with their tests; this file covers the rest.
 """
+import errno
 import gzip
 import json
 import os
 import tempfile
+
+from unittest import mock
 
 import chex
 import jax
@@ -294,6 +297,18 @@ class DamagedFileTest(chex.TestCase):
       jsonio.write_json_atomic(path, {"ne": float("nan")})
     with open(path) as f:
       self.assertEqual(json.load(f), {"ne": 0.75})
+
+  def test_a_full_disk_keeps_the_previous_file_and_says_so(self):
+    path = os.path.join(tempfile.mkdtemp(prefix="loka_rel_"), "plan.json")
+    jsonio.write_json_atomic(path, {"kept": True})
+    full = OSError(errno.ENOSPC, "No space left on device")
+    with mock.patch.object(jsonio.os, "fsync", side_effect=full):
+      with self.assertRaisesRegex(OSError, f"cannot write {path} .*No space left on device.*; "
+                                           "the previous one is intact"):
+        jsonio.write_json_atomic(path, {"kept": False})
+    with open(path) as f:
+      self.assertEqual(json.load(f), {"kept": True})
+    self.assertEqual(os.listdir(os.path.dirname(path)), ["plan.json"])
 
   def test_empty_json_names_the_file_and_the_remedy(self):
     path = os.path.join(tempfile.mkdtemp(prefix="loka_rel_"), "plan.json")
