@@ -4,14 +4,12 @@ and its plans live in their own folder. Checked on tiny towers on the CPU and on
 rows with known answers."""
 import json
 import os
-import subprocess
-import sys
 from unittest import mock
 
 import numpy as np
 from absl.testing import absltest
 
-from cli_helpers import REPO
+from cli_helpers import run_module
 from bench_rows import speed, tempdir
 from experiments.bench import collect, mods_set, quality, suite, tables, targets, variants
 from experiments.bench.results import ResultsFile
@@ -218,18 +216,15 @@ class CliTest(absltest.TestCase):
 
   def test_the_mods_field_reaches_the_rows_and_a_bad_one_is_refused(self):
     out = tempdir(self)
-    cmd = [sys.executable, "-m", "experiments.bench",
+    cmd = ["experiments.bench",
            "--config=" + os.path.join("experiments", "configs", "bench_towers.py"),
            "--config.targets.towers=32x16x2", "--config.speed.variants=bf16_mods",
            "--config.speed.repeats=3", "--config.pacing.max_minutes=3", f"--workdir={out}",
            "--config.probe.enabled=false", "--config.speed.min_call_ms=0.5"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    bad = subprocess.run(cmd + ["--config.targets.mods=no_bias,swish"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=240)
+    bad = run_module(*cmd, "--config.targets.mods=no_bias,swish", timeout=240)
     self.assertNotEqual(bad.returncode, 0)
     self.assertIn("--config.targets.mods=no_bias,swish: unknown Mod(s) ['swish']", bad.stderr)
-    run = subprocess.run(cmd + ["--config.targets.mods=blocknorm,no_bias"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=240)
+    run = run_module(*cmd, "--config.targets.mods=blocknorm,no_bias", timeout=240)
     self.assertEqual(run.returncode, 0, run.stderr[-3000:])
     rows = [json.loads(line) for line in open(os.path.join(out, "bench.jsonl"))]
     self.assertEqual([(r["variant"], r.get("mods_set"), r["mods"]) for r in rows],

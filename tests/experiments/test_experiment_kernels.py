@@ -2,19 +2,19 @@
 them."""
 import json
 import os
-import subprocess
-import sys
 import tempfile
 
 from absl.testing import absltest
 
+from cli_helpers import run_module
 from loka_jax import kernels
 from loka_jax.kernels import base as kernels_base
 
 
 def _run(*args):
-  return subprocess.run([sys.executable, "-m", "experiments.kernels", *args], check=True,
-                        capture_output=True, text=True, timeout=300)
+  done = run_module("experiments.kernels", *args, timeout=300)
+  done.check_returncode()
+  return done
 
 
 class KernelsCliTest(absltest.TestCase):
@@ -50,10 +50,8 @@ class KernelsCliTest(absltest.TestCase):
     # GEMM with its epilogue fused in) is checked as its whole chain, backward included
     # where it has one.
     path = os.path.join(tempfile.mkdtemp(), "check.json")
-    proc = subprocess.run([sys.executable, "-m", "experiments.kernels", "--config.check.m=8",
-                           "--config.check.k=16", "--config.check.n=16",
-                           f"--config.check.json={path}"], capture_output=True, text=True,
-                          timeout=600)
+    proc = run_module("experiments.kernels", "--config.check.m=8", "--config.check.k=16",
+                      "--config.check.n=16", f"--config.check.json={path}", timeout=600)
     self.assertEqual(proc.returncode, 0, proc.stderr[-2000:] + proc.stdout[-4000:])
     with open(path) as f:
       report = json.load(f)
@@ -73,9 +71,7 @@ class KernelsCliTest(absltest.TestCase):
         self.assertGreaterEqual(row["sqnr_db"], 18.0, (kernel.name, row["pass"]))
 
   def test_bad_arguments_are_one_line_errors(self):
-    proc = subprocess.run([sys.executable, "-m", "experiments.kernels",
-                           "--config.check.shapes=12by4"], capture_output=True, text=True,
-                          timeout=120)
+    proc = run_module("experiments.kernels", "--config.check.shapes=12by4", timeout=120)
     self.assertNotEqual(proc.returncode, 0)
     self.assertIn("error: --config.check.shapes: '12by4' must look like 2048x256x768",
                   proc.stderr)

@@ -2,14 +2,12 @@
 validate -> three arms -> report.md, plan.json, probe_report.json and PNGs; a rerun resumes."""
 import json
 import os
-import subprocess
-import sys
 import tempfile
 
 import chex
 from absl.testing import absltest
 
-from cli_helpers import PNG_MAGIC, REPO, cpu_env
+from cli_helpers import PNG_MAGIC, run_module
 from loka_jax import dispatch
 
 FLAGS = ("--config.probe.steps=10", "--config.probe.samples=2",
@@ -20,9 +18,7 @@ FLAGS = ("--config.probe.steps=10", "--config.probe.samples=2",
 
 
 def run_main(workdir):
-  return subprocess.run([sys.executable, "-m", "experiments.loka", f"--workdir={workdir}",
-                         *FLAGS], cwd=REPO, env=cpu_env(), capture_output=True, text=True,
-                        timeout=400)
+  return run_module("experiments.loka", f"--workdir={workdir}", *FLAGS, timeout=400)
 
 
 class MainJobTest(chex.TestCase):
@@ -68,9 +64,8 @@ class MainJobTest(chex.TestCase):
     self.assertIn("probe report found", again.stdout)
     self.assertIn("validated plan found", again.stdout)
     # Another budget selects and validates again, and trains its own LoKA arm.
-    other = subprocess.run([sys.executable, "-m", "experiments.loka", f"--workdir={workdir}",
-                            *FLAGS, "--config.select.min_speedup=0"], cwd=REPO, env=cpu_env(),
-                           capture_output=True, text=True, timeout=400)
+    other = run_module("experiments.loka", f"--workdir={workdir}", *FLAGS,
+                       "--config.select.min_speedup=0", timeout=400)
     self.assertEqual(other.returncode, 0, other.stderr[-3000:])
     self.assertNotIn("validated plan found", other.stdout)
     with open(os.path.join(workdir, "report.md")) as f:

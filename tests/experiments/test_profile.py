@@ -3,14 +3,12 @@
 import gzip
 import json
 import os
-import subprocess
-import sys
 import tempfile
 
 import jax
 from absl.testing import absltest
 
-from cli_helpers import REPO, cpu_env
+from cli_helpers import run_module
 from experiments.bench import profile
 from model_helpers import wukong_train_hlo
 
@@ -310,11 +308,9 @@ class CliTest(absltest.TestCase):
 
   def test_profiles_and_writes_its_files(self):
     with tempfile.TemporaryDirectory() as tmp:
-      run = subprocess.run(
-          [sys.executable, "-m", "experiments.profile_step", "--config.target.model=wukong",
-           "--config.target.preset=tiny", "--config.variants.names=bf16,bf16_mods",
-           "--config.profile.iterations=1", f"--workdir={tmp}"],
-          cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=600)
+      run = run_module("experiments.profile_step", "--config.target.model=wukong",
+                       "--config.target.preset=tiny", "--config.variants.names=bf16,bf16_mods",
+                       "--config.profile.iterations=1", f"--workdir={tmp}", timeout=600)
       self.assertEqual(run.returncode, 0, run.stderr[-3000:])
       self.assertIn("not on a GPU", run.stdout)
       with open(os.path.join(tmp, "profile.json")) as f:
@@ -343,9 +339,7 @@ class CliTest(absltest.TestCase):
       with open(path, "w") as f:
         json.dump({"target": "m/large", "device": "NVIDIA H200", "sites": ["mlp/dense_0"],
                    "profiles": {"bf16 train": step, "loka train": step}}, f)
-      run = lambda flag: subprocess.run(
-          [sys.executable, "-m", "experiments.profile_step", flag], cwd=REPO, env=cpu_env(),
-          capture_output=True, text=True, timeout=300)
+      run = lambda flag: run_module("experiments.profile_step", flag, timeout=300)
       done = run(f"--config.render={path}")
       self.assertEqual(done.returncode, 0, done.stderr[-3000:])
       self.assertIn("| M/embeddings (bwd) | 30 | 30 |", done.stdout)
