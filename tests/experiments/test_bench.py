@@ -1,13 +1,12 @@
 """The headline benchmark harness on the CPU: resumable rows, targets.only, tables, plots, target
 checks and the quality protocol. Timings here are smoke numbers; the checks are structural,
 and the target arithmetic is checked on hand-made rows with known answers."""
+import copy
 import dataclasses
 import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from unittest import mock
@@ -16,7 +15,7 @@ import chex
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from cli_helpers import REPO
+from cli_helpers import REPO, run_module
 from loka_jax import dispatch
 from experiments.bench import (forget, mods_set, pace, planning, plots, quality, serving, speed,
                                suite, tables, targets, towers, variants)
@@ -904,6 +903,7 @@ class ExportedInferenceTest(chex.TestCase):
   parameters the arms train, and the row says how its sites were exported."""
 
   def test_loka_infers_with_the_exported_model(self):
+    import jax
     from plan_builders import make_plan, probe_stats
     from loka_jax import dispatch
     from loka_jax.dispatch import export as export_lib
@@ -926,8 +926,10 @@ class ExportedInferenceTest(chex.TestCase):
                                  batch=batch).apply(batch)
     np.testing.assert_allclose(np.asarray(served.infer()), np.asarray(expected), rtol=1e-5,
                                atol=1e-5)
-    unexported = np.asarray(dispatch.apply(target.config(), plan).apply(
-        {"params": bench.holder["shared"].params}, batch, train=False), np.float32)
+    # The plan's model as it trains, compiled (run op by op it takes seconds).
+    unexported_model = dispatch.apply(target.config(), plan)
+    unexported = np.asarray(jax.jit(lambda params: unexported_model.apply(
+        {"params": params}, batch, train=False))(bench.holder["shared"].params), np.float32)
     self.assertFalse(np.allclose(np.asarray(served.infer()), unexported, atol=0.0))
 
 
@@ -956,20 +958,28 @@ class ServingPlanBenchTest(chex.TestCase):
   plan selected from the same report; the row names both, and its export modes (not the
   training kernels) decide whether it is the served bf16+Mods program."""
 
-  def _plans(self, target, fwd_speed=(1.06, 1.08, 1.13)):
+  # Per target: the probe's statistics of its bf16 model with LoKA's Mods at initialization,
+  # which every test's report holds; a statistics pass compiles per site, so it runs once.
+  _site_stats = {}
+
+  def _stats(self, target):
     import jax
-    import report_builders as hm
     from plan_builders import probe_stats
+    if target.name not in self._site_stats:
+      source = target.source(0)
+      bf16 = target.build(SiteConfig.for_precision("bf16"), variants.VARIANTS["loka"].mods)
+      batch = source.train_batch(0, target.batch())
+      variables = jax.jit(lambda b: bf16.init(jax.random.PRNGKey(0), b, train=False))(batch)
+      type(self)._site_stats[target.name] = probe_stats(bf16, variables, source)["sites"]
+    return copy.deepcopy(self._site_stats[target.name])
+
+  def _plans(self, target, fwd_speed=(1.06, 1.08, 1.13)):
+    import report_builders as hm
     from loka_jax import dispatch
     from experiments.bench import planning
     from loka_jax.probe.eligibility import Criteria
     from loka_jax.probe.report import save_report
-    mods = variants.VARIANTS["loka"].mods
-    source = target.source(0)
-    bf16 = target.build(SiteConfig.for_precision("bf16"), mods)
-    batch = source.train_batch(0, target.batch())
-    variables = jax.jit(lambda b: bf16.init(jax.random.PRNGKey(0), b, train=False))(batch)
-    stats = probe_stats(bf16, variables, source)["sites"]
+    stats = self._stats(target)
     # Per site: the delayed-scaling forward pays alone (1.08x), not over a training step
     # (its backward at 0.92x), and per-pass FP8 is slow everywhere.
     scope = {"time_scope": "grad_lhs+grad_rhs"}
@@ -1491,13 +1501,12 @@ class CliTest(absltest.TestCase):
 
   def test_runs_filters_and_resumes(self):
     out = _tempdir(self)
-    cmd = [sys.executable, "-m", "experiments.bench", f"--config={TOWERS_CONFIG}",
-           "--config.targets.towers=32x16x2,48x16x2", "--config.targets.only=32x16x2",
-           "--config.speed.variants=bf16,fp8_rowwise", "--config.speed.repeats=3",
-           "--config.pacing.max_minutes=3", "--config.pacing.end_by_minutes=2.5",
-           f"--workdir={out}", "--config.probe.enabled=false", "--config.speed.min_call_ms=0.5"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    first = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    first = run_module("experiments.bench", f"--config={TOWERS_CONFIG}",
+                       "--config.targets.towers=32x16x2,48x16x2", "--config.targets.only=32x16x2",
+                       "--config.speed.variants=bf16,fp8_rowwise", "--config.speed.repeats=3",
+                       "--config.pacing.max_minutes=3", "--config.pacing.end_by_minutes=2.5",
+                       f"--workdir={out}", "--config.probe.enabled=false",
+                       "--config.speed.min_call_ms=0.5", timeout=240)
     self.assertEqual(first.returncode, 0, first.stderr[-3000:])
     # A hard end before pacing.max_minutes caps it, said, and costs the call nothing.
     self.assertIn("pacing.max_minutes=3.0 is past pacing.end_by_minutes=2.5", first.stdout)
@@ -1525,22 +1534,18 @@ class CliTest(absltest.TestCase):
 
   def test_deterministic_ops_run_the_quality_suite_and_no_timed_one(self):
     out = _tempdir(self)
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    base = [sys.executable, "-m", "experiments.bench", f"--workdir={out}"]
+    base = ["experiments.bench", f"--workdir={out}"]
     deterministic = "--config.quality.xla_deterministic=true"
-    timed = subprocess.run(base + [f"--config={TOWERS_CONFIG}", deterministic], cwd=REPO,
-                           env=env, capture_output=True, text=True, timeout=120)
+    timed = run_module(*base, f"--config={TOWERS_CONFIG}", deterministic, timeout=120)
     self.assertNotEqual(timed.returncode, 0)
     self.assertIn("--config.quality.xla_deterministic=True: for suite quality only",
                   timed.stderr)
     # quality.seeds: the arm at each of its seeds, and no bf16 noise seed beside them.
-    quality_run = subprocess.run(
-        base + [f"--config={QUALITY_CONFIG}", deterministic, "--config.quality.data=synthetic",
-                "--config.quality.preset=tiny", "--config.targets.models=dlrm",
-                "--config.quality.arms=bf16", "--config.quality.seeds=2,1",
-                "--config.quality.steps=3", "--config.quality.eval=100",
-                "--config.targets.batch_size=64"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    quality_run = run_module(
+        *base, f"--config={QUALITY_CONFIG}", deterministic, "--config.quality.data=synthetic",
+        "--config.quality.preset=tiny", "--config.targets.models=dlrm",
+        "--config.quality.arms=bf16", "--config.quality.seeds=2,1", "--config.quality.steps=3",
+        "--config.quality.eval=100", "--config.targets.batch_size=64", timeout=240)
     self.assertEqual(quality_run.returncode, 0, quality_run.stderr[-3000:])
     rows = [json.loads(l) for l in open(os.path.join(out, "quality.jsonl"))]
     self.assertEqual([(r["arm"], r["seed"]) for r in rows], [("bf16", 2), ("bf16", 1)])
@@ -1553,10 +1558,8 @@ class CliTest(absltest.TestCase):
   def test_bad_quality_seeds_fail_before_any_run(self):
     out = _tempdir(self)
     for flag in ("--config.quality.seeds=1,x", "--config.quality.noise_seeds=1,1"):
-      run = subprocess.run(
-          [sys.executable, "-m", "experiments.bench", f"--workdir={out}",
-           f"--config={QUALITY_CONFIG}", "--config.quality.data=synthetic", flag], cwd=REPO,
-          env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=120)
+      run = run_module("experiments.bench", f"--workdir={out}", f"--config={QUALITY_CONFIG}",
+                       "--config.quality.data=synthetic", flag, timeout=120)
       self.assertNotEqual(run.returncode, 0, flag)
       self.assertIn(f"{flag}: must list distinct non-negative integers", run.stderr)
       self.assertFalse(os.path.exists(os.path.join(out, "quality.jsonl")), flag)
