@@ -151,6 +151,12 @@ def _ranked_by_report(ctx: ValidationContext, config: ValidationConfig,
           and ctx.report is not None and len(candidates) > config.max_measured_sites)
 
 
+def recorded_scores(scores: Mapping[str, float]) -> Dict[str, Optional[float]]:
+  """`report_scores` as a validation record holds them: JSON has no infinity, so a site that
+  cannot move the check (-inf) is recorded as null."""
+  return {site: (float(v) if math.isfinite(v) else None) for site, v in scores.items()}
+
+
 def report_scores(report: Mapping, plan: Plan, candidates: Mapping[str, KernelChoice],
                   what: str, passes: Sequence[str] = PASSES) -> Dict[str, float]:
   """{site: score} from the probe report alone, higher = back off sooner.

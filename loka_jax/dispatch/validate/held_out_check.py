@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 from loka_jax.plan.file import Plan, add_validation, as_plan
-from loka_jax.dispatch.validate.backoff import (_ranked_by_report, back_off_site,
+from loka_jax.dispatch.validate.backoff import (_ranked_by_report, back_off_site, recorded_scores,
                                                 report_scores, worst_by_report)
 from loka_jax.dispatch.validate.config import (BASELINE, ValidationConfig, ValidationContext,
                                                fp8_sites, only_site)
@@ -48,7 +48,7 @@ def check_held_out(plan, ctx: ValidationContext, config: ValidationConfig = Vali
       # Only the forward pass moves a held-out evaluation.
       scores = report_scores(ctx.report, plan, candidates, "error", passes=("fwd",))
       worst = worst_by_report(scores)
-      record["report_scores"] = scores
+      record["report_scores"] = recorded_scores(scores)
       reasons = {s: f"{excess}; ranked by the probe report's forward error" for s in worst}
     else:
       if config.held_out_one_program:

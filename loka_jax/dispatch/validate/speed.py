@@ -11,7 +11,7 @@ import numpy as np
 
 from loka_jax import timing
 from loka_jax.plan.file import Plan, add_validation, as_plan
-from loka_jax.dispatch.validate.backoff import (_ranked_by_report, back_off_site,
+from loka_jax.dispatch.validate.backoff import (_ranked_by_report, back_off_site, recorded_scores,
                                                 report_scores, worst_by_report)
 from loka_jax.dispatch.validate.config import (BASELINE, ValidationConfig, ValidationContext,
                                                fp8_sites, ruled_out_by_config, without_site)
@@ -163,7 +163,7 @@ def check_speed(plan, ctx: ValidationContext, config: ValidationConfig = Validat
     if _ranked_by_report(ctx, config, candidates, one_program=False):
       scores = report_scores(ctx.report, plan, candidates, "time", passes)
       worst = worst_by_report(scores)
-      record["report_scores"] = scores
+      record["report_scores"] = recorded_scores(scores)
       reasons = {s: f"{excess}; ranked by the probe report's GEMM time vs xla_bf16 "
                     f"({scores[s]:+.1f} us)" for s in worst}
     else:

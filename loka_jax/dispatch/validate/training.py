@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from loka_jax.plan.file import Plan, add_validation, as_plan
-from loka_jax.dispatch.validate.backoff import (_ranked_by_report, back_off_site,
+from loka_jax.dispatch.validate.backoff import (_ranked_by_report, back_off_site, recorded_scores,
                                                 report_scores, worst_by_report)
 from loka_jax.dispatch.validate.config import (BASELINE, NOISE_FLOOR_JITTER, ValidationConfig,
                                                ValidationContext, fp8_sites,
@@ -266,7 +266,7 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
     elif _ranked_by_report(ctx, config, candidates, config.gradient_one_program):
       scores = report_scores(ctx.report, plan, candidates, "error")
       worst = worst_by_report(scores)
-      record["report_scores"] = scores
+      record["report_scores"] = recorded_scores(scores)
       reasons = {s: f"{_TRAINING[start]}: {what}; ranked by the probe report's error (all "
                     "passes)" for s in worst}
     else:

@@ -1,6 +1,8 @@
 """Back-off targets and rankings from the probe report: the fastest more accurate kernel,
 a fused op one gradient at a time, and the worst sites by the report's error or time."""
 import dataclasses
+import os
+import tempfile
 from unittest import mock
 
 import chex
@@ -9,6 +11,8 @@ from absl.testing import absltest, parameterized
 
 import report_builders as hm
 from loka_jax.dispatch import validate
+from loka_jax.dispatch.validate import backoff
+from loka_jax.plan.file import add_validation, read_plan, save_plan
 from loka_jax.plan.file import FALLBACK
 from loka_jax.kernels import registry
 from validate_helpers import (BAD_SITE, GOOD_SITE, OTHER_SITE, context, kernels, plan_of,
@@ -128,6 +132,17 @@ class ReportRankingTest(chex.TestCase):
     candidates = {s: plan.choice_for(s) for s in ("fast", "slow")}
     errors = validate.report_scores(report, plan, candidates, "error")
     self.assertEqual(errors, {"fast": -35.0, "slow": -20.0})   # lowest SQNR = highest score
+    # A site off the report cannot move the check (-inf); the record holds it as null, so
+    # the plan carrying the record still writes as JSON.
+    unknown = {**candidates, "gone": plan.choice_for("fast")}
+    scores = validate.report_scores(report, plan, unknown, "error")
+    self.assertEqual(scores["gone"], -np.inf)
+    recorded = backoff.recorded_scores(scores)
+    self.assertEqual(recorded, {"fast": -35.0, "slow": -20.0, "gone": None})
+    path = os.path.join(tempfile.mkdtemp(prefix="loka_scores_"), "plan.json")
+    save_plan(add_validation(plan, {"step": "quality_held_out", "report_scores": recorded}),
+              path)
+    self.assertEqual(read_plan(path)["validation"][-1]["report_scores"], recorded)
     times = validate.report_scores(report, plan, candidates, "time")
     base = hm.BASE_US
     # Three passes each: plan time minus xla_bf16 time at the median.
