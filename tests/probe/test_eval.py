@@ -151,11 +151,14 @@ class DelayedWarmupTest(chex.TestCase):
     # but a delayed op needs DELAYED_WARMUP others before each sample.
     site = collector.make_site_probe("wide", "mk,kn->mn", "act_weight", (64, 96), (96, 80),
                                      CONFIG)
-    state = jax.device_get(collector.update_site_state(
-        collector.init_site_state(site, CONFIG), site,
+    # Jitted: op by op, one statistics update dispatches (and compiles) hundreds of ops.
+    update = jax.jit(lambda s, x, w, g, k: collector.update_site_state(s, site, x, w, g, k,
+                                                                       CONFIG))
+    state = jax.device_get(update(
+        collector.init_site_state(site, CONFIG),
         *(jax.random.normal(jax.random.PRNGKey(j), shape)
           for j, shape in enumerate(((64, 96), (96, 80), (64, 80)))),
-        jax.random.PRNGKey(0), CONFIG))
+        jax.random.PRNGKey(0)))
     tight = evaluate.EvalConfig(samples=6, reservoir_samples=6, chunk_elements=1024)
     plain = evaluate.evaluate_site(site, state, [kernels_lib.get("xla_fp8_rowwise")],
                                    "bfloat16", tight)
