@@ -45,7 +45,11 @@ class TrainCliTest(chex.TestCase):
     self.assertEqual([r["step"] for r in lines if "ne" in r], [50, 100])
     self.assertEqual(lines[-1]["ne"], final["ne"])
     self.assertTrue(all(np.isfinite(r["loss"]) for r in lines))
-    self.assertEqual(sorted(os.listdir(os.path.join(workdir, "checkpoints"))), ["100", "50"])
+    # Both checkpoints, and the record that training from step 50 reached 100 finitely.
+    self.assertEqual(sorted(os.listdir(os.path.join(workdir, "checkpoints"))),
+                     ["100", "50", "earned.json"])
+    with open(os.path.join(workdir, "checkpoints", "earned.json")) as f:
+      self.assertEqual(json.load(f), {"step": 50})
     with open(os.path.join(workdir, "config.json")) as f:
       self.assertEqual(json.load(f)["run"]["precision"], "bf16")
 
