@@ -27,6 +27,9 @@ from loka_jax.train import read_metrics
 
 TOWERS_CONFIG = os.path.join("experiments", "configs", "bench_towers.py")
 QUALITY_CONFIG = os.path.join("experiments", "configs", "bench_quality.py")
+# A bench CLI run's compilation cache: conftest's for this run (unset, the bench keeps one in
+# its workdir, empty in every test), so the steps this file compiled are not compiled again.
+COMPILE_CACHE = f"--config.compile_cache={os.environ['JAX_COMPILATION_CACHE_DIR']}"
 
 
 def _tempdir(test):
@@ -1506,7 +1509,7 @@ class CliTest(absltest.TestCase):
                        "--config.speed.variants=bf16,fp8_rowwise", "--config.speed.repeats=3",
                        "--config.pacing.max_minutes=3", "--config.pacing.end_by_minutes=2.5",
                        f"--workdir={out}", "--config.probe.enabled=false",
-                       "--config.speed.min_call_ms=0.5", timeout=240)
+                       "--config.speed.min_call_ms=0.5", COMPILE_CACHE, timeout=240)
     self.assertEqual(first.returncode, 0, first.stderr[-3000:])
     # A hard end before pacing.max_minutes caps it, said, and costs the call nothing.
     self.assertIn("pacing.max_minutes=3.0 is past pacing.end_by_minutes=2.5", first.stdout)
@@ -1542,10 +1545,11 @@ class CliTest(absltest.TestCase):
                   timed.stderr)
     # quality.seeds: the arm at each of its seeds, and no bf16 noise seed beside them.
     quality_run = run_module(
-        *base, f"--config={QUALITY_CONFIG}", deterministic, "--config.quality.data=synthetic",
-        "--config.quality.preset=tiny", "--config.targets.models=dlrm",
-        "--config.quality.arms=bf16", "--config.quality.seeds=2,1", "--config.quality.steps=3",
-        "--config.quality.eval=100", "--config.targets.batch_size=64", timeout=240)
+        *base, f"--config={QUALITY_CONFIG}", COMPILE_CACHE, deterministic,
+        "--config.quality.data=synthetic", "--config.quality.preset=tiny",
+        "--config.targets.models=dlrm", "--config.quality.arms=bf16",
+        "--config.quality.seeds=2,1", "--config.quality.steps=3", "--config.quality.eval=100",
+        "--config.targets.batch_size=64", timeout=240)
     self.assertEqual(quality_run.returncode, 0, quality_run.stderr[-3000:])
     rows = [json.loads(l) for l in open(os.path.join(out, "quality.jsonl"))]
     self.assertEqual([(r["arm"], r["seed"]) for r in rows], [("bf16", 2), ("bf16", 1)])

@@ -220,7 +220,10 @@ class CliTest(absltest.TestCase):
            "--config=" + os.path.join("experiments", "configs", "bench_towers.py"),
            "--config.targets.towers=32x16x2", "--config.speed.variants=bf16_mods",
            "--config.speed.repeats=3", "--config.pacing.max_minutes=3", f"--workdir={out}",
-           "--config.probe.enabled=false", "--config.speed.min_call_ms=0.5"]
+           "--config.probe.enabled=false", "--config.speed.min_call_ms=0.5",
+           # conftest's compilation cache (unset, one in the workdir): the tower's steps this
+           # file compiled are not compiled again
+           f"--config.compile_cache={os.environ['JAX_COMPILATION_CACHE_DIR']}"]
     bad = run_module(*cmd, "--config.targets.mods=no_bias,swish", timeout=240)
     self.assertNotEqual(bad.returncode, 0)
     self.assertIn("--config.targets.mods=no_bias,swish: unknown Mod(s) ['swish']", bad.stderr)
