@@ -20,6 +20,9 @@ from loka_jax.models import ActSite, DenseSite, SiteConfig
 from loka_jax.precision import E4M3, QTensor, metrics, scaling
 
 
+# Jitted, as are the products below: op by op, each eager step compiles a small program of
+# its own, which on the CPU cost more than the interpret-mode kernels themselves.
+@functools.partial(jax.jit, static_argnames=("m", "k", "n"))
 def _inputs(seed, m=48, k=200, n=96):
   keys = jax.random.split(jax.random.key(seed), 4)
   x = jax.random.normal(keys[0], (m, k)) * jnp.exp(jax.random.normal(keys[3], (m, 1)))
@@ -44,9 +47,10 @@ class FusedDenseTest(parameterized.TestCase):
     options = dict(options)
     x, w, bias = _inputs(1)
     bias = bias if options.pop("use_bias", False) else None
-    out = fused.fused_dense(x, w, bias=bias, out_dtype=jnp.float32, **options)
-    ref = fused.fused_dense_reference(x, w, bias=bias, out_dtype=jnp.float32,
-                                      quantizer=kq.quantize, **options)
+    out, ref = jax.jit(lambda x, w, bias: (
+        fused.fused_dense(x, w, bias=bias, out_dtype=jnp.float32, **options),
+        fused.fused_dense_reference(x, w, bias=bias, out_dtype=jnp.float32,
+                                    quantizer=kq.quantize, **options)))(x, w, bias)
     chex.assert_shape(out, (48, 96))
     self.assertTrue(bool(jnp.all(jnp.isfinite(out))))
     self.assertLess(_rel_err(out, ref), 1e-5)
@@ -56,17 +60,19 @@ class FusedDenseTest(parameterized.TestCase):
     x, w1, b1 = _inputs(2, k=136, n=96)
     w2 = jax.random.normal(jax.random.key(3), (96, 40)) / np.sqrt(96)
     kw = dict(block_size=32, activation="hard_swish")
-    h = fused.fused_dense(x, w1, bias=b1, quantize_output=True, **kw)
-    h_ref = fused.fused_dense_reference(x, w1, bias=b1, quantize_output=True,
-                                        quantizer=kq.quantize, **kw)
+    h, h_ref = jax.jit(lambda x, w1, b1: (
+        fused.fused_dense(x, w1, bias=b1, quantize_output=True, **kw),
+        fused.fused_dense_reference(x, w1, bias=b1, quantize_output=True,
+                                    quantizer=kq.quantize, **kw)))(x, w1, b1)
     self.assertIsInstance(h, QTensor)
     self.assertEqual((h.granularity, h.axis, h.data.dtype), ("rowwise", (1,), E4M3.dtype))
     np.testing.assert_allclose(np.asarray(h.scale), np.asarray(h_ref.scale), rtol=1e-5)
     same = jnp.mean(h.data.astype(jnp.float32) == h_ref.data.astype(jnp.float32))
     self.assertGreater(float(same), 0.99)  # codes differ only on rounding boundaries
-    out = fused.fused_dense(h, w2, activation="relu", out_dtype=jnp.float32)
-    ref = fused.fused_dense_reference(h, w2, activation="relu", out_dtype=jnp.float32,
-                                      quantizer=kq.quantize)
+    out, ref = jax.jit(lambda h, w2: (
+        fused.fused_dense(h, w2, activation="relu", out_dtype=jnp.float32),
+        fused.fused_dense_reference(h, w2, activation="relu", out_dtype=jnp.float32,
+                                    quantizer=kq.quantize)))(h, w2)
     self.assertLess(_rel_err(out, ref), 1e-5)
     with self.assertRaisesRegex(ValueError, "forward-only"):
       jax.grad(lambda x: jnp.sum(fused.fused_dense(x, w1, quantize_output=True).scale))(x)
@@ -74,9 +80,10 @@ class FusedDenseTest(parameterized.TestCase):
   def test_leading_dims_and_bf16(self):
     x, w, bias = _inputs(4, m=2 * 24, k=72, n=64)
     x = x.reshape((2, 24, 72)).astype(jnp.bfloat16)
-    out = fused.fused_dense(x, w, bias=bias, block_size=32, activation="hard_swish")
-    ref = fused.fused_dense_reference(x, w, bias=bias, block_size=32, activation="hard_swish",
-                                      out_dtype=jnp.float32, quantizer=kq.quantize)
+    out, ref = jax.jit(lambda x, w, bias: (
+        fused.fused_dense(x, w, bias=bias, block_size=32, activation="hard_swish"),
+        fused.fused_dense_reference(x, w, bias=bias, block_size=32, activation="hard_swish",
+                                    out_dtype=jnp.float32, quantizer=kq.quantize)))(x, w, bias)
     chex.assert_shape(out, (2, 24, 64))
     self.assertEqual(out.dtype, jnp.bfloat16)
     self.assertLess(_rel_err(out, ref), 1e-2)  # bf16 output rounding
@@ -91,9 +98,10 @@ class FusedDenseTest(parameterized.TestCase):
     def loss(fn, **extra):
       return lambda x, w, b: jnp.sum(fn(x, w, bias=b, **kw, **extra) * cot)
 
-    got = jax.grad(loss(fused.fused_dense, backward=backward), argnums=(0, 1, 2))(x, w, bias)
-    want = jax.grad(loss(fused.fused_dense_reference, quantizer=kq.quantize),
-                    argnums=(0, 1, 2))(x, w, bias)
+    got, want = jax.jit(lambda x, w, bias: (
+        jax.grad(loss(fused.fused_dense, backward=backward), argnums=(0, 1, 2))(x, w, bias),
+        jax.grad(loss(fused.fused_dense_reference, quantizer=kq.quantize),
+                 argnums=(0, 1, 2))(x, w, bias)))(x, w, bias)
     for name, g, r in zip(("dx", "dw", "dbias"), got, want):
       chex.assert_shape(g, r.shape)
       self.assertTrue(bool(jnp.all(jnp.isfinite(g))), name)
@@ -119,17 +127,18 @@ class SiteIntegrationTest(absltest.TestCase):
     config = SiteConfig.for_precision("fp8_all", kernel="pallas_fp8_rowwise")
     site = DenseSite(features=96, config=config, name="mlp_0")
     x, _, _ = _inputs(8, m=40, k=72)
-    params = site.init(jax.random.key(0), x)
-    out = site.apply(params, x)
+    params = jax.jit(site.init)(jax.random.key(0), x)
+    out = jax.jit(site.apply)(params, x)
     chex.assert_shape(out, (40, 96))
     w = params["params"]["kernel"]
     xq = scaling.quantize(x.astype(jnp.bfloat16), E4M3, "rowwise", (1,)).dequantize()
     wq = scaling.quantize(w.astype(jnp.bfloat16), E4M3, "rowwise", (0,)).dequantize()
     ref = jnp.dot(xq, wq, precision=jax.lax.Precision.HIGHEST)
     self.assertLess(_rel_err(out, ref), 1e-2)  # bf16 output
-    grads = jax.grad(lambda p: jnp.sum(site.apply(p, x).astype(jnp.float32) ** 2))(params)
-    exact = jax.grad(lambda p: jnp.sum((x @ p["params"]["kernel"] + p["params"]["bias"]) ** 2))(
-        jax.tree_util.tree_map(lambda v: v.astype(jnp.float32), params))
+    grads, exact = jax.jit(lambda params: (
+        jax.grad(lambda p: jnp.sum(site.apply(p, x).astype(jnp.float32) ** 2))(params),
+        jax.grad(lambda p: jnp.sum((x @ p["params"]["kernel"] + p["params"]["bias"]) ** 2))(
+            jax.tree_util.tree_map(lambda v: v.astype(jnp.float32), params))))(params)
     for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(exact)):
       self.assertTrue(bool(jnp.all(jnp.isfinite(g))))
       self.assertGreater(float(metrics.sqnr_db(g, r)), 18.0)
