@@ -1,6 +1,7 @@
 """Pallas FP8 GEMM core and per-pass kernels (interpret mode) against fp32 HIGHEST references
 on their own dequantized operands. Interpret mode leaves unwritten outputs NaN, so every
 output is also checked to be finite (the inputs are finite)."""
+import functools
 import os
 from unittest import mock
 
@@ -31,10 +32,19 @@ def _rel_err(out, ref):
 
 def _assert_close(test, out, ref, rtol=RTOL):
   chex.assert_shape(out, ref.shape)
-  test.assertTrue(bool(jnp.all(jnp.isfinite(out))), "unwritten (NaN) or non-finite outputs")
+  test.assertTrue(bool(np.all(np.isfinite(np.asarray(out, np.float32)))),
+                  "unwritten (NaN) or non-finite outputs")
   test.assertLess(_rel_err(out, ref), rtol)
 
 
+def _jitted(fn, *args):
+  """fn(*args) as one jitted program. The operands, kernels and references below run so: op
+  by op, each eager step compiles a small XLA program of its own, which on the CPU costs more
+  than the interpret-mode kernels themselves."""
+  return jax.jit(fn)(*args)
+
+
+@functools.partial(jax.jit, static_argnames=("bt", "m", "k", "n"))
 def _rowwise_operands(key, bt=1, m=48, k=200, n=96):
   ka, kb = jax.random.split(key)
   x = jax.random.normal(ka, (bt, m, k)) * jnp.exp(jax.random.normal(kb, (bt, m, 1)))
@@ -44,6 +54,7 @@ def _rowwise_operands(key, bt=1, m=48, k=200, n=96):
   return qx, qw
 
 
+@functools.partial(jax.jit, static_argnames=("m", "k", "n"))
 def _block_operands(key, m=48, k=300, n=96):
   """x (M, K) in 1x128 blocks with K columns of very different scale, w (K, N) in 128x128
   blocks, and w's scales expanded to one per column (the core's (KB, N) layout)."""
@@ -62,16 +73,20 @@ class GemmCoreTest(parameterized.TestCase):
     qx, qw = _rowwise_operands(jax.random.key(11 + 2 * a_t + b_t))
     a = jnp.swapaxes(qx.data, 1, 2) if a_t else qx.data
     b = jnp.swapaxes(qw.data, 1, 2) if b_t else qw.data
-    out = gemm_lib.gemm(a, b, qx.scale[:, :, 0], qw.scale[:, 0, :], a_t=a_t, b_t=b_t,
-                        out_dtype=jnp.float32, config=SMALL)
-    _assert_close(self, out, gemm_lib.reference(qx.dequantize(), qw.dequantize()))
+    out, ref = _jitted(lambda a, b, qx, qw: (
+        gemm_lib.gemm(a, b, qx.scale[:, :, 0], qw.scale[:, 0, :], a_t=a_t, b_t=b_t,
+                      out_dtype=jnp.float32, config=SMALL),
+        gemm_lib.reference(qx.dequantize(), qw.dequantize())), a, b, qx, qw)
+    _assert_close(self, out, ref)
 
   def test_batch_tail_and_batch_per_program(self):
     qx, qw = _rowwise_operands(jax.random.key(5), bt=3, m=16, k=72, n=24)
     cfg = tuning.TileConfig(16, 32, 32, 1, 4, 2, batch_per_program=2)
-    out = gemm_lib.gemm(qx.data, qw.data, qx.scale[:, :, 0], qw.scale[:, 0, :],
-                        out_dtype=jnp.float32, config=cfg)
-    _assert_close(self, out, gemm_lib.reference(qx.dequantize(), qw.dequantize()))
+    out, ref = _jitted(lambda qx, qw: (
+        gemm_lib.gemm(qx.data, qw.data, qx.scale[:, :, 0], qw.scale[:, 0, :],
+                      out_dtype=jnp.float32, config=cfg),
+        gemm_lib.reference(qx.dequantize(), qw.dequantize())), qx, qw)
+    _assert_close(self, out, ref)
 
   @parameterized.named_parameters(
       ("bias", ep_lib.Epilogue(bias=True)),
@@ -85,13 +100,13 @@ class GemmCoreTest(parameterized.TestCase):
     bias = jax.random.normal(jax.random.key(22), (96,))
     bn = epilogue.block_size or 64
     cfg = tuning.TileConfig(32, bn, 64, 2 if bn == 32 else 1, 4, 2, 1)
-    outs = gemm_lib.gemm(qx.data, qw.data, qx.scale[:, :, 0], qw.scale[:, 0, :],
-                         epilogue=epilogue, bias=bias, out_dtype=jnp.float32, config=cfg)
-    xd, wd = qx.dequantize(), qw.dequantize()
-    ref = gemm_lib.reference(xd, wd, epilogue=epilogue, bias=bias)
+    outs, ref, pre_ref = _jitted(lambda qx, qw, bias: (
+        gemm_lib.gemm(qx.data, qw.data, qx.scale[:, :, 0], qw.scale[:, 0, :],
+                      epilogue=epilogue, bias=bias, out_dtype=jnp.float32, config=cfg),
+        gemm_lib.reference(qx.dequantize(), qw.dequantize(), epilogue=epilogue, bias=bias),
+        gemm_lib.reference(qx.dequantize(), qw.dequantize()) + bias), qx, qw, bias)
     if epilogue.emit_pre:
       out, pre = outs
-      pre_ref = gemm_lib.reference(xd, wd) + bias
       _assert_close(self, pre, pre_ref)
     else:
       out = outs
@@ -103,10 +118,12 @@ class GemmCoreTest(parameterized.TestCase):
     epilogue = ep_lib.Epilogue(bias=True, block_size=32, activation="hard_swish",
                                quantize_output=True)
     cfg = tuning.TileConfig(16, 32, 64, 4, 4, 2, 1)  # 4 x 32 columns hold the 96-wide row
-    q, qs = gemm_lib.gemm(qx.data, qw.data, qx.scale[:, :, 0], qw.scale[:, 0, :],
-                          epilogue=epilogue, bias=bias, config=cfg)
-    ref = gemm_lib.reference(qx.dequantize(), qw.dequantize(), epilogue=epilogue, bias=bias)
-    want = scaling.quantize(ref, E4M3, "rowwise", (2,))
+    (q, qs), want = _jitted(lambda qx, qw, bias: (
+        gemm_lib.gemm(qx.data, qw.data, qx.scale[:, :, 0], qw.scale[:, 0, :],
+                      epilogue=epilogue, bias=bias, config=cfg),
+        scaling.quantize(gemm_lib.reference(qx.dequantize(), qw.dequantize(),
+                                            epilogue=epilogue, bias=bias),
+                         E4M3, "rowwise", (2,))), qx, qw, bias)
     np.testing.assert_allclose(np.asarray(qs), np.asarray(want.scale[:, :, 0]), rtol=RTOL)
     # Equal scales: the same e4m3 codes except values sitting on a rounding boundary.
     got_deq = q.astype(jnp.float32) * qs[..., None]
@@ -118,9 +135,11 @@ class GemmCoreTest(parameterized.TestCase):
   def test_block_scales_promote_each_k_block(self):
     qx, qw, sb = _block_operands(jax.random.key(41), k=300)
     cfg = tuning.TileConfig(32, 64, 64, 1, 4, 2, 1)  # two K steps per scale block
-    out = gemm_lib.gemm(qx.data[None], qw.data[None], qx.scale.T[None], sb[None],
-                        scales=gemm_lib.BLOCK_SCALES, out_dtype=jnp.float32, config=cfg)
-    _assert_close(self, out, gemm_lib.reference(qx.dequantize()[None], qw.dequantize()[None]))
+    out, ref = _jitted(lambda qx, qw, sb: (
+        gemm_lib.gemm(qx.data[None], qw.data[None], qx.scale.T[None], sb[None],
+                      scales=gemm_lib.BLOCK_SCALES, out_dtype=jnp.float32, config=cfg),
+        gemm_lib.reference(qx.dequantize()[None], qw.dequantize()[None])), qx, qw, sb)
+    _assert_close(self, out, ref)
 
   def test_bad_configs_and_inputs_raise(self):
     qx, qw = _rowwise_operands(jax.random.key(1))
@@ -165,9 +184,11 @@ class GemmCoreTest(parameterized.TestCase):
   def test_split_k_with_block_scales_gives_each_slice_its_blocks(self):
     # Scales that differ a lot between K blocks: a slice given another's would show.
     qx, qw, sb = _block_operands(jax.random.key(52), k=512)
-    out = gemm_lib.gemm(qx.data.T[None], qw.data[None], qx.scale.T[None], sb[None], a_t=True,
-                        scales=gemm_lib.BLOCK_SCALES, out_dtype=jnp.float32, split_k=2)
-    _assert_close(self, out, gemm_lib.reference(qx.dequantize()[None], qw.dequantize()[None]))
+    out, ref = _jitted(lambda qx, qw, sb: (
+        gemm_lib.gemm(qx.data.T[None], qw.data[None], qx.scale.T[None], sb[None], a_t=True,
+                      scales=gemm_lib.BLOCK_SCALES, out_dtype=jnp.float32, split_k=2),
+        gemm_lib.reference(qx.dequantize()[None], qw.dequantize()[None])), qx, qw, sb)
+    _assert_close(self, out, ref)
 
   def test_split_k_is_chosen_for_a_long_k_under_a_small_output_only(self):
     plain = ep_lib.Epilogue()
@@ -194,11 +215,13 @@ class GemmCoreTest(parameterized.TestCase):
     x = jax.random.normal(k1, (4096, 24))
     g = jax.random.normal(k2, (4096, 40)) * 1e-3
     with mock.patch.object(gemm_lib, "_split_k_gemm", wraps=gemm_lib._split_k_gemm) as split:
-      out = kernels.get("pallas_fp8_rowwise").einsum(spec, x, g, pass_name="grad_rhs",
-                                                     out_dtype=jnp.float32)
+      out, ref = _jitted(lambda x, g: (
+          kernels.get("pallas_fp8_rowwise").einsum(spec, x, g, pass_name="grad_rhs",
+                                                   out_dtype=jnp.float32),
+          reference_einsum(spec, *products.dequantized_operands(spec, x, g, mode="rowwise",
+                                                                pass_name="grad_rhs"))), x, g)
     self.assertEqual(split.call_count, 1)
-    da, db = products.dequantized_operands(spec, x, g, mode="rowwise", pass_name="grad_rhs")
-    _assert_close(self, out, reference_einsum(spec, da, db))
+    _assert_close(self, out, ref)
 
   def test_split_k_refuses_what_it_cannot_split(self):
     qx, qg = self._k_first_rowwise(jax.random.key(54))
@@ -237,9 +260,11 @@ class PerPassKernelTest(parameterized.TestCase):
     spec = EinsumSpec.parse("mk,kn->mn").for_pass(pass_name)
     kernel = kernels.get(name)
     self.assertIsNone(kernel.unsupported_reason(spec, pass_name, "act_weight", a.shape, b.shape))
-    out = kernel.einsum(spec, a, b, pass_name=pass_name, out_dtype=jnp.float32)
-    da, db = products.dequantized_operands(spec, a, b, mode=kernel.mode, pass_name=pass_name)
-    _assert_close(self, out, reference_einsum(spec, da, db))
+    out, ref = _jitted(lambda a, b: (
+        kernel.einsum(spec, a, b, pass_name=pass_name, out_dtype=jnp.float32),
+        reference_einsum(spec, *products.dequantized_operands(spec, a, b, mode=kernel.mode,
+                                                              pass_name=pass_name))), a, b)
+    _assert_close(self, out, ref)
 
   @parameterized.named_parameters(
       ("fmb_fwd", "bnd,bdk->bnk", "fwd", (3, 16, 40), (3, 40, 24)),
@@ -253,9 +278,11 @@ class PerPassKernelTest(parameterized.TestCase):
     spec = EinsumSpec.parse(site_spec).for_pass(pass_name)
     kernel = kernels.get("pallas_fp8_batched")
     self.assertIsNone(kernel.unsupported_reason(spec, pass_name, "act_act", a.shape, b.shape))
-    out = kernel.einsum(spec, a, b, pass_name=pass_name, out_dtype=jnp.float32)
-    da, db = products.dequantized_operands(spec, a, b, mode="rowwise", pass_name=pass_name)
-    _assert_close(self, out, reference_einsum(spec, da, db))
+    out, ref = _jitted(lambda a, b: (
+        kernel.einsum(spec, a, b, pass_name=pass_name, out_dtype=jnp.float32),
+        reference_einsum(spec, *products.dequantized_operands(spec, a, b, mode="rowwise",
+                                                              pass_name=pass_name))), a, b)
+    _assert_close(self, out, ref)
 
   def test_unsupported_reasons_are_specific(self):
     rowwise, batched = kernels.get("pallas_fp8_rowwise"), kernels.get("pallas_fp8_batched")
@@ -279,10 +306,12 @@ class PerPassKernelTest(parameterized.TestCase):
     spec = EinsumSpec.parse("bnd,dk->bnk")
     k1, k2 = jax.random.split(jax.random.key(9))
     a, b = jax.random.normal(k1, (3, 7, 40)), jax.random.normal(k2, (40, 24))
-    out = kernels.get("pallas_fp8_rowwise").einsum(spec, a, b, pass_name="fwd",
-                                                   out_dtype=jnp.float32)
-    da, db = products.dequantized_operands(spec, a, b, mode="rowwise", pass_name="fwd")
-    _assert_close(self, out, reference_einsum(spec, da, db))
+    out, ref = _jitted(lambda a, b: (
+        kernels.get("pallas_fp8_rowwise").einsum(spec, a, b, pass_name="fwd",
+                                                 out_dtype=jnp.float32),
+        reference_einsum(spec, *products.dequantized_operands(spec, a, b, mode="rowwise",
+                                                              pass_name="fwd"))), a, b)
+    _assert_close(self, out, ref)
 
 
 class TritonLoweringTest(absltest.TestCase):
