@@ -3,6 +3,7 @@
 The quantize kernel against its pure-jnp twin (bit-exact, ragged tiles, NaN/Inf); the fused
 ops' passes against the fp32 product of their own dequantized operands and against Flax's
 delayed-scaling ops (same state, same scales); their plain passes against autodiff's."""
+import functools
 import re
 
 import chex
@@ -30,6 +31,14 @@ def _poisoned(key, shape, dtype):
   x = jax.random.normal(key, shape) * jnp.exp(jax.random.normal(jax.random.fold_in(key, 1), shape))
   x = x.at[0, 3].set(jnp.nan).at[1, 5].set(jnp.inf).at[2, 7].set(-jnp.inf).at[3].set(0.0)
   return x.astype(dtype)
+
+
+def _delayed_passes(kernel, lhs, rhs, g, warmup):
+  """`run_delayed_passes` on "mk,kn->mn" as one jitted program (its warm-up calls unrolled):
+  op by op, each eager step compiles a small XLA program of its own, which on the CPU costs
+  more than the interpret-mode kernels."""
+  return jax.jit(functools.partial(run_delayed_passes, "mk,kn->mn", warmup=warmup,
+                                   kernel=kernel))(lhs, rhs, g)
 
 
 def _operands(seed, m, k, n, dtype=jnp.bfloat16):
@@ -105,7 +114,7 @@ class PallasDelayedOpTest(parameterized.TestCase):
                                                                         fp8):
     x, w, g = _operands(5, 40, 96, 48)
     # The state returned is the one the measured (fourth) call started from.
-    *ours, meta = run_delayed_passes("mk,kn->mn", x, w, g, warmup=3, kernel=name)
+    *ours, meta = _delayed_passes(name, x, w, g, warmup=3)
     refs = delayed_op.delayed_dense_reference(x, w, g, meta)
     _, vjp = jax.vjp(lambda a, b: jnp.einsum("mk,kn->mn", a, b), x, w)
     exact = dict(zip(kernels.PASSES, (f32(x) @ f32(w), *vjp(g))))
@@ -117,7 +126,7 @@ class PallasDelayedOpTest(parameterized.TestCase):
       else:          # the plain product's gradient in the compute dtype, bit for bit
         np.testing.assert_array_equal(f32(got), f32(exact[p]), p)
     # Flax's op of the same recipe learns the same state from the same operands ...
-    *flax, flax_meta = run_delayed_passes("mk,kn->mn", x, w, g, warmup=3, kernel=flax_name)
+    *flax, flax_meta = _delayed_passes(flax_name, x, w, g, warmup=3)
     self.assertEqual(sorted(meta), sorted(flax_meta))
     for key in meta:
       np.testing.assert_array_equal(f32(meta[key]), f32(flax_meta[key]), key)
@@ -134,9 +143,10 @@ class PallasDelayedOpTest(parameterized.TestCase):
     x, w, _ = _operands(2, 24, 32, 16)
     module = kernels.get("pallas_fp8_delayed").make_module(name=None)
     x3 = x.reshape((4, 6, 32))
-    variables = module.init(jax.random.PRNGKey(0), "bsk,kn->bsn", x3, w)
-    out3 = module.apply(variables, "bsk,kn->bsn", x3, w)
-    out2 = module.apply(variables, "mk,kn->mn", x, w)
+    variables = jax.jit(lambda x3, w: module.init(jax.random.PRNGKey(0), "bsk,kn->bsn", x3,
+                                                  w))(x3, w)
+    out3 = jax.jit(lambda v, x3, w: module.apply(v, "bsk,kn->bsn", x3, w))(variables, x3, w)
+    out2 = jax.jit(lambda v, x, w: module.apply(v, "mk,kn->mn", x, w))(variables, x, w)
     chex.assert_shape(out3, (4, 6, 16))
     np.testing.assert_array_equal(f32(out3).reshape(24, 16), f32(out2))
 
@@ -193,7 +203,8 @@ class PallasDelayedOpTest(parameterized.TestCase):
     module = delayed_op.PallasDelayedEinsum(mode=delayed_op.FWD)
     for n in (1, 8, 16):
       x, w, _ = _operands(n, 32, 64, n)
-      variables = module.init(jax.random.PRNGKey(0), "mk,kn->mn", x, w)
+      # The variables' shapes are all the traced program needs.
+      variables = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), "mk,kn->mn", x, w))
       text = str(jax.make_jaxpr(lambda v: module.apply(v, "mk,kn->mn", x, w))(variables))
       precisions = re.findall(r"precision=\(?Precision\.(\w+)", text)
       self.assertEqual(set(precisions), {"DEFAULT"}, (n, precisions))
@@ -216,8 +227,7 @@ class PallasDelayedOpTest(parameterized.TestCase):
     # (tests/gpu/test_pallas_delayed_gpu.py checks the same on the GPU's compiled kernels).
     x, w, g = _operands(12, 48, 96, 40)
     x = x * jnp.exp(jax.random.normal(jax.random.PRNGKey(13), (48, 1))).astype(x.dtype)
-    results = {k: run_delayed_passes("mk,kn->mn", x, w, g, warmup=2, kernel=k)[:3]
-               for k in PALLAS_DELAYED}
+    results = {k: _delayed_passes(k, x, w, g, warmup=2)[:3] for k in PALLAS_DELAYED}
     self.assertEqual(check.pass_numerics_disagreements(results), [])
     # The forwards did quantize: a shared name is not a shared exact product.
     self.assertLess(float(metrics.sqnr_db(results["pallas_fp8_delayed"][0], x @ w)), 45.0)
