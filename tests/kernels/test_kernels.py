@@ -19,6 +19,14 @@ XLA_FP8 = ("xla_fp8_tensorwise", "xla_fp8_rowwise", "xla_fp8_tensorwise_fastacc"
 DENSE = kernels.EinsumSpec.parse("mk,kn->mn")
 
 
+def _delayed_passes(spec, lhs, rhs, g, kernel="flax_fp8_delayed"):
+  """`run_delayed_passes` (3 warm-up calls) as one jitted program: op by op, each eager step
+  of its calls compiles a small XLA program of its own, which on the CPU costs more than the
+  products."""
+  return jax.jit(functools.partial(kernels.flax_delayed.run_delayed_passes, spec, warmup=3,
+                                   kernel=kernel))(lhs, rhs, g)
+
+
 def _operands(seed, m, k, n):
   kx, kw, kg = jax.random.split(jax.random.PRNGKey(seed), 3)
   return (jax.random.normal(kx, (m, k)), jax.random.normal(kw, (k, n)) / np.sqrt(k),
@@ -112,9 +120,10 @@ class SiteProductTest(parameterized.TestCase):
     def f(fn):
       return lambda x_, w_: jnp.sum(fn(x_, w_).astype(jnp.float32) * g)
 
-    got = jax.grad(f(lambda a, b: kernels.per_pass_product(DENSE, choice, jnp.float32, a, b)),
-                   argnums=(0, 1))(x, w)
-    want = jax.grad(f(lambda a, b: reference_einsum(DENSE, a, b)), argnums=(0, 1))(x, w)
+    got, want = jax.jit(lambda x, w: (  # one program: eager, each op compiles on its own
+        jax.grad(f(lambda a, b: kernels.per_pass_product(DENSE, choice, jnp.float32, a, b)),
+                 argnums=(0, 1))(x, w),
+        jax.grad(f(lambda a, b: reference_einsum(DENSE, a, b)), argnums=(0, 1))(x, w)))(x, w)
     for gi, wi in zip(got, want):
       self.assertGreaterEqual(float(metrics.sqnr_db(gi, wi)), 18.0)
 
@@ -151,8 +160,7 @@ class FlaxDelayedTest(absltest.TestCase):
 
   def test_reaches_site_error_bar_after_warmup(self):
     x, w, g = _operands(8, 64, 96, 32)
-    out, dx, dw, meta = kernels.flax_delayed.run_delayed_passes(
-        "mk,kn->mn", x, w, g, warmup=3)
+    out, dx, dw, meta = _delayed_passes("mk,kn->mn", x, w, g)
     self.assertNotEqual(float(meta["input_scale"][0]), 1.0)
     for got, want in ((out, x @ w), (dx, g @ w.T), (dw, x.T @ g)):
       self.assertGreaterEqual(float(metrics.sqnr_db(got, want)), 18.0)
@@ -162,10 +170,8 @@ class FlaxDelayedForwardTest(absltest.TestCase):
 
   def test_forward_is_flax_delayed_and_gradients_are_the_plain_product(self):
     x, w, g = (a.astype(jnp.bfloat16) for a in _operands(9, 32, 128, 48))
-    out, dx, dw, meta = kernels.flax_delayed.run_delayed_passes(
-        "mk,kn->mn", x, w, g, warmup=3, kernel="flax_fp8_delayed_fwd")
-    flax_out, flax_dx, flax_dw, _ = kernels.flax_delayed.run_delayed_passes(
-        "mk,kn->mn", x, w, g, warmup=3)
+    out, dx, dw, meta = _delayed_passes("mk,kn->mn", x, w, g, kernel="flax_fp8_delayed_fwd")
+    flax_out, flax_dx, flax_dw, _ = _delayed_passes("mk,kn->mn", x, w, g)
     # The forward is Flax's delayed-scaling e4m3 product, bit for bit ...
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(flax_out, np.float32))
     self.assertLess(float(metrics.sqnr_db(out, x @ w)), 45.0)  # ... and it did quantize.
@@ -187,8 +193,7 @@ class FlaxDelayedForwardTest(absltest.TestCase):
     # accurate, so the name must mean bit-identical results, and different names different.
     x, w, g = (a.astype(jnp.bfloat16) for a in _operands(10, 32, 128, 48))
     names = ("flax_fp8_delayed", "flax_fp8_delayed_grad_lhs", "flax_fp8_delayed_fwd")
-    results = {k: kernels.flax_delayed.run_delayed_passes("mk,kn->mn", x, w, g, warmup=3,
-                                                         kernel=k)[:3] for k in names}
+    results = {k: _delayed_passes("mk,kn->mn", x, w, g, kernel=k)[:3] for k in names}
     self.assertEqual(check.pass_numerics_disagreements(results), [])
     # Each op quantized its forward: a shared name is not a shared exact product.
     self.assertLess(float(metrics.sqnr_db(results["flax_fp8_delayed_fwd"][0], x @ w)), 45.0)
@@ -222,10 +227,8 @@ class FlaxDelayedGradLhsTest(parameterized.TestCase):
     keys = jax.random.split(jax.random.PRNGKey(11), 3)
     x, w, g = (jax.random.normal(k, shape).astype(jnp.bfloat16)
                for k, shape in zip(keys, (lhs_shape, rhs_shape, out_shape)))
-    out, dx, dw, meta = kernels.flax_delayed.run_delayed_passes(
-        spec, x, w, g, warmup=3, kernel="flax_fp8_delayed_grad_lhs")
-    flax_out, flax_dx, flax_dw, flax_meta = kernels.flax_delayed.run_delayed_passes(
-        spec, x, w, g, warmup=3)
+    out, dx, dw, meta = _delayed_passes(spec, x, w, g, kernel="flax_fp8_delayed_grad_lhs")
+    flax_out, flax_dx, flax_dw, flax_meta = _delayed_passes(spec, x, w, g)
     f32 = lambda a: np.asarray(a, np.float32)
     # The forward and grad_lhs are Flax's delayed-scaling products, bit for bit (the same
     # scales, learned over the same warm-up) ...
