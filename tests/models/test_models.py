@@ -41,7 +41,9 @@ def probe_names(tree, path=()):
 
 
 def all_finite(tree):
-  return all(bool(jnp.all(jnp.isfinite(leaf))) for leaf in jax.tree.leaves(tree))
+  # On the host: eager, every leaf's shape compiles an isfinite and a reduction of its own.
+  return all(bool(np.all(np.isfinite(np.asarray(leaf, np.float32))))
+             for leaf in jax.tree.leaves(tree))
 
 
 class TinyModelTest(chex.TestCase):
@@ -103,7 +105,7 @@ class TinyModelTest(chex.TestCase):
     expected += [f"seq_{a}" for a in range(features.num_seq)]
     self.assertCountEqual(tables, expected)
     for name, grad in tables.items():
-      self.assertGreater(float(jnp.max(jnp.abs(grad))), 0.0, msg=name)
+      self.assertGreater(float(np.max(np.abs(np.asarray(grad, np.float32)))), 0.0, msg=name)
 
   @parameterized.parameters(*MODEL_NAMES)
   def test_embedding_tables_only_under_embeddings(self, model):
@@ -158,8 +160,9 @@ class ModsTest(chex.TestCase):
   def test_mods_change_the_function_not_the_sites(self):
     config, features, batch, variables = tiny("dlrm")
     site = SiteConfig.for_precision("fp32")
-    base = build_model(config, features, site).apply(variables, batch)
-    hard = build_model(apply_mods(config, ["hard_swish"]), features, site).apply(variables, batch)
+    base = jax.jit(build_model(config, features, site).apply)(variables, batch)
+    hard = jax.jit(build_model(apply_mods(config, ["hard_swish"]), features, site).apply)(
+        variables, batch)
     self.assertGreater(float(jnp.max(jnp.abs(base - hard))), 1e-6)
 
 
@@ -258,8 +261,8 @@ class FeatureVariantsTest(chex.TestCase):
     site = SiteConfig.for_precision("fp32")
     raw = ml_collections.ConfigDict(config.to_dict())
     raw.dense_transform = "none"
-    logged = build_model(config, features, site).apply(variables, batch)
-    plain = build_model(raw, features, site).apply(variables, batch)
+    logged = jax.jit(build_model(config, features, site).apply)(variables, batch)
+    plain = jax.jit(build_model(raw, features, site).apply)(variables, batch)
     self.assertGreater(float(jnp.max(jnp.abs(logged - plain))), 1e-4)
     raw.dense_transform = "cube_root"
     with self.assertRaisesRegex(ValueError, "signed_log1p"):
