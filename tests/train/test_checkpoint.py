@@ -1,5 +1,4 @@
 """Checkpoints: round trip, retention, damaged checkpoints, and bit-identical resume."""
-import glob
 import json
 import os
 import shutil
@@ -15,43 +14,24 @@ from absl.testing import absltest
 
 from loka_jax.models import SiteConfig
 from loka_jax.train import checkpoint as checkpoint_lib
-from loka_jax.train import (WALL_CLOCK_FIELDS, Checkpointer, CheckpointError, OptimConfig,
-                            RunSettingsError, TrainConfig, compiled_steps, create_train_state,
-                            make_optimizer, read_metrics, restore_run, train)
+from loka_jax.train import (WALL_CLOCK_FIELDS, Checkpointer, CheckpointError,
+                            RunSettingsError, TrainConfig, read_metrics, restore_run, train)
 
 import train_toys
+from checkpoint_helpers import data_files, template, trained_state
 
-OPTIM = OptimConfig()
 # A failed orbax restore (the damaged-checkpoint tests) leaves a reader thread that later
 # calls back into its closed event loop; harmless, and reported during whichever test of this
 # module runs at that moment.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 
-def trained_state(seed, steps=3, model=None):
-  """A toy TrainState after a few real steps (non-trivial optimizer state)."""
-  model = model or train_toys.ToyClickModel()
-  source = train_toys.ToySource(seed=seed)
-  train_step, _ = compiled_steps(model, OPTIM, "stop")
-  state = create_train_state(model, make_optimizer(OPTIM), source.train_batch(0, 32), seed)
-  for i in range(steps):
-    state, _ = train_step(state, source.train_batch(i, 32))
-  return jax.device_get(state), model
-
-
-def template(model, seed=99):
-  source = train_toys.ToySource()
-  return create_train_state(model, make_optimizer(OPTIM), source.train_batch(0, 32), seed)
-
-
 def damage(directory, step):
   """Truncates every data file of one checkpoint, as a crash or a full disk would."""
-  files = [p for p in glob.glob(os.path.join(directory, str(step), "state", "**", "*"),
-                                recursive=True) if os.path.isfile(p) and "/d/" in p]
-  assert files, f"no data files under {directory}/{step}"
-  for path in files:
+  for path in data_files(directory, step):
     with open(path, "r+b") as f:
       f.truncate(os.path.getsize(path) // 3)
+
 
 # Measured in a child process of its own: in a process that has already freed large buffers
 # (an earlier test, or the other save), malloc reuses pages that are still resident and the
