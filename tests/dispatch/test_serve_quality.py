@@ -1,5 +1,6 @@
 """The served model's held-out quality: each export scored on the probe's trained parameters,
-paired with bf16+Mods, on a tiny DLRM trained on the CPU with real probe statistics."""
+paired with bf16+Mods, on a tiny DLRM probed on the CPU (its trained state and real probe
+statistics), and the measurement's CLI on that planned target."""
 import copy
 import json
 import os
@@ -17,12 +18,32 @@ from loka_jax.dispatch import export as export_lib
 from loka_jax.dispatch import pipeline, serve_quality
 from loka_jax.dispatch.validate import BASELINE
 from loka_jax.probe import ProbeOptions
-from loka_jax.train import experiment
-from loka_jax.train.loop import TrainConfig, train
 from loka_jax.train.metrics import bce_with_logits
-from plan_builders import make_plan, probe_stats
+from plan_builders import make_plan
 
 BATCH = 64
+TARGET = suite.Target("models", "dlrm", "tiny")
+PROBED = {}
+
+
+def setUpModule():
+  """One probe of the tiny DLRM target, planned as the bench plans it: both test classes read
+  it (the exports are scored on its trained state and statistics; the CLI finds the target
+  planned). The top MLP's three sites make a planned target as well as all six (the
+  measurement reads the plan whatever it covers), at half the probe's evaluation."""
+  root = tempfile.mkdtemp(prefix="loka_serve_quality_")
+  plans = os.path.join(root, "plans")
+  spec, config = suite.probe_run(TARGET, suite.SpeedSettings(plans_dir=plans, probe_steps=4))
+  result = pipeline.probe_and_plan(
+      spec, planning.plan_dir(plans, "dlrm", "tiny"), train_config=config, validation=None,
+      probe_options=ProbeOptions(samples=2, repeats=2, bootstrap=20, plots=False,
+                                 site_plots=False, kernels=("xla_bf16", "xla_fp8_rowwise"),
+                                 sites="top_mlp"))
+  PROBED.update(root=root, plans=plans, spec=spec, config=config, result=result)
+
+
+def tearDownModule():
+  shutil.rmtree(PROBED["root"], ignore_errors=True)
 
 
 class ServedQualityTest(absltest.TestCase):
@@ -30,21 +51,13 @@ class ServedQualityTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.dir = tempfile.mkdtemp(prefix="loka_serve_quality_")
-    spec = experiment.RunSpec(model="dlrm", preset="tiny", mods=("all",), num_eval=512)
-    config = TrainConfig(steps=30, batch_size=BATCH, log_every=0, progress=False)
-    model, source, _ = experiment.build_run(spec)
-    train(model, source, cls.dir, config, run_info=spec.run_info())
-    cls.ctx = pipeline.context_for_run(spec, cls.dir, config)
-    cls.report = probe_stats(cls.ctx.build(BASELINE), {"params": cls.ctx.state.params},
-                             cls.ctx.source)
+    result = PROBED["result"]
+    cls.ctx = pipeline.context_for_run(PROBED["spec"], result.paths["probe_dir"],
+                                       PROBED["config"])
+    cls.report = {"sites": {n: {"stats": site["stats"]}
+                            for n, site in result.report["sites"].items()}}
     cls.plan = make_plan(cls.report["sites"])   # FP8 forwards at every site but the last
     cls.measured = cls._measure(cls.report)      # the plan as probed: three tests read it
-
-  @classmethod
-  def tearDownClass(cls):
-    shutil.rmtree(cls.dir, ignore_errors=True)
-    super().tearDownClass()
 
   @classmethod
   def _measure(cls, report):
@@ -59,7 +72,7 @@ class ServedQualityTest(absltest.TestCase):
               for b in self.ctx.source.eval_batches(BATCH)]
     self.assertAlmostEqual(got["plan"]["logloss"], float(np.mean(np.concatenate(losses))),
                            places=5)
-    self.assertEqual(got["plan"]["num_examples"], 512)
+    self.assertEqual(got["plan"]["num_examples"], TARGET.plan_eval_examples())
     self.assertGreater(got["plan"]["export_modes"]["fp8"], 0)
     fp8 = got["plan"]["vs_served_bf16_mods"]
     self.assertNotEqual(fp8["rel_logloss_change"], 0.0)   # e4m3 serving moves the loss
@@ -93,20 +106,7 @@ if __name__ == "__main__":
 class CliTest(absltest.TestCase):
 
   def test_scores_a_planned_targets_exports_and_writes_them(self):
-    root = tempfile.mkdtemp(prefix="loka_serve_quality_cli_")
-    self.addCleanup(shutil.rmtree, root, ignore_errors=True)
-    plans = os.path.join(root, "plans")
-    target = suite.Target("models", "dlrm", "tiny")
-    settings = suite.SpeedSettings(plans_dir=plans, probe_steps=4)
-    spec, config = suite.probe_run(target, settings)
-    folder = planning.plan_dir(plans, "dlrm", "tiny")
-    # The top MLP's three sites make a planned target as well as all six (the measurement
-    # reads the plan whatever it covers), at half the probe's evaluation.
-    pipeline.probe_and_plan(spec, folder, train_config=config, validation=None,
-                            probe_options=ProbeOptions(samples=2, repeats=2, bootstrap=20,
-                                                       plots=False, site_plots=False,
-                                                       kernels=("xla_bf16", "xla_fp8_rowwise"),
-                                                       sites="top_mlp"))
+    plans, root = PROBED["plans"], PROBED["root"]
     out = os.path.join(root, "served.json")
     run = subprocess.run([sys.executable, "-m", "experiments.measure", "serving_quality",
                           "--target=dlrm/tiny", f"--plans_dir={plans}", "--probe_steps=4",
@@ -116,7 +116,7 @@ class CliTest(absltest.TestCase):
     written = json.load(open(out))
     self.assertEqual(written["target"], "dlrm/tiny")
     self.assertEqual(sorted(written["served"]), ["bf16_mods_served", "loka"])
-    self.assertEqual(written["served"]["loka"]["num_examples"], target.plan_eval_examples())
+    self.assertEqual(written["served"]["loka"]["num_examples"], TARGET.plan_eval_examples())
     self.assertIn("| loka |", run.stdout)
     missing = subprocess.run([sys.executable, "-m", "experiments.measure", "serving_quality",
                               "--target=dlrm/small", f"--plans_dir={plans}"],
