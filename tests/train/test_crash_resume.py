@@ -3,23 +3,23 @@ write) and restarted from its workdir ends bit-identical to an uninterrupted run
 
 The run is the tiny DLRM with `--precision=loka` and a plan that mixes XLA FP8 kernels with
 Flax's delayed-scaling op, so FP8 state (amax histories and scales) must survive every kill.
-Subprocesses share a persistent compilation cache: only the first one compiles.
+Each run is a child process of its own, forked from the warm interpreter of the CLI tests
+(`cli_helpers.run_module`), and the children share the suite's compilation cache: only the
+first one compiles the run's steps.
 """
 import json
 import os
 import signal
-import subprocess
-import sys
 import tempfile
 
 import chex
 import numpy as np
 from absl.testing import absltest
 
-from cli_helpers import REPO
+from cli_helpers import run_module
 from loka_jax.train import WALL_CLOCK_FIELDS, read_metrics
 
-CRASH_RUN = os.path.join(REPO, "tests", "crash_run.py")   # a script beside the helpers
+CRASH_RUN = "tests.crash_run"   # tests/crash_run.py, a script beside the helpers, as a module
 STEPS = 8
 CHECKPOINT_EVERY = 2
 BF16 = {"fwd": "xla_bf16", "grad_lhs": "xla_bf16", "grad_rhs": "xla_bf16"}
@@ -61,18 +61,12 @@ class CrashResumeTest(chex.TestCase):
     cls.plan = os.path.join(cls.root, "plan.json")
     with open(cls.plan, "w") as f:
       json.dump(PLAN, f)
-    cls.env = dict(os.environ, JAX_PLATFORMS="cpu",
-                   JAX_COMPILATION_CACHE_DIR=os.path.join(cls.root, "jax_cache"),
-                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
   def launch(self, workdir, *args):
     """Runs tests/crash_run.py; returns (exit code, the first step it trained (None if it
     trained none), stderr tail)."""
-    command = [sys.executable, CRASH_RUN, workdir,
-               f"--plan={self.plan}", f"--steps={STEPS}",
-               f"--checkpoint_every={CHECKPOINT_EVERY}", *args]
-    done = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=240)
+    done = run_module(CRASH_RUN, workdir, f"--plan={self.plan}", f"--steps={STEPS}",
+                      f"--checkpoint_every={CHECKPOINT_EVERY}", *args, timeout=240)
     first = [int(line.split()[-1]) for line in done.stdout.splitlines()
              if line.startswith("first step ")]
     return done.returncode, (first[0] if first else None), done.stderr[-3000:]
