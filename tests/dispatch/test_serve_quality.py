@@ -5,14 +5,12 @@ import copy
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 
 import numpy as np
 from absl.testing import absltest
 
-from cli_helpers import REPO
+from cli_helpers import run_module
 from experiments.bench import planning, suite
 from loka_jax.dispatch import export as export_lib
 from loka_jax.dispatch import pipeline, serve_quality
@@ -108,19 +106,15 @@ class CliTest(absltest.TestCase):
   def test_scores_a_planned_targets_exports_and_writes_them(self):
     plans, root = PROBED["plans"], PROBED["root"]
     out = os.path.join(root, "served.json")
-    run = subprocess.run([sys.executable, "-m", "experiments.measure", "serving_quality",
-                          "--target=dlrm/tiny", f"--plans_dir={plans}", "--probe_steps=4",
-                          f"--out={out}"], cwd=REPO, capture_output=True, text=True,
-                         env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)
+    run = run_module("experiments.measure", "serving_quality", "--target=dlrm/tiny",
+                     f"--plans_dir={plans}", "--probe_steps=4", f"--out={out}")
     self.assertEqual(run.returncode, 0, run.stderr[-3000:])
     written = json.load(open(out))
     self.assertEqual(written["target"], "dlrm/tiny")
     self.assertEqual(sorted(written["served"]), ["bf16_mods_served", "loka"])
     self.assertEqual(written["served"]["loka"]["num_examples"], TARGET.plan_eval_examples())
     self.assertIn("| loka |", run.stdout)
-    missing = subprocess.run([sys.executable, "-m", "experiments.measure", "serving_quality",
-                              "--target=dlrm/small", f"--plans_dir={plans}"],
-                             cwd=REPO, capture_output=True, text=True, timeout=300,
-                             env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    missing = run_module("experiments.measure", "serving_quality", "--target=dlrm/small",
+                         f"--plans_dir={plans}")
     self.assertNotEqual(missing.returncode, 0)
     self.assertIn("no plan at", missing.stderr)
