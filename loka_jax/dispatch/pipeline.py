@@ -321,6 +321,17 @@ def probe_and_plan(spec, workdir: str, *, train_config, probe_config=None, probe
            "probe_dir": os.path.join(workdir, PROBE_DIR),
            "state_dir": os.path.join(workdir, STATE_DIR)}
   skipped = {"probe": False, "select": False, "validate": False}
+  if criteria_changes:
+    unknown = sorted(set(criteria_changes) - {f.name for f in dataclasses.fields(Criteria)})
+    if unknown:
+      raise ValueError(f"criteria_changes: unknown budget field(s) {unknown}; the budget's "
+                       f"fields are {[f.name for f in dataclasses.fields(Criteria)]}")
+  probe_options = probe_options or ProbeOptions()
+  if criteria is not None or criteria_changes:
+    # The probe times only what can change the plan under the budget it will be selected by.
+    probe_options = dataclasses.replace(probe_options, criteria=dataclasses.replace(
+        criteria if criteria is not None else probe_options.criteria,
+        **(criteria_changes or {})))
 
   report = None
   if os.path.exists(paths["report"]):
@@ -332,7 +343,7 @@ def probe_and_plan(spec, workdir: str, *, train_config, probe_config=None, probe
     _log(f"probing {spec.model}/{spec.preset} (mods: {', '.join(spec.mods) or 'none'}) in "
          f"{paths['probe_dir']}")
     result = run_probe(spec, paths["probe_dir"], train_config, probe_config or ProbeConfig(),
-                       probe_options or ProbeOptions(), build=build)
+                       probe_options, build=build)
     if not result.complete:
       raise RuntimeError(f"the probe in {paths['probe_dir']} is incomplete ("
                          f"{'; '.join(result.report.get('pending', []))}); call again to "
@@ -345,10 +356,6 @@ def probe_and_plan(spec, workdir: str, *, train_config, probe_config=None, probe
   digest = report_hash(report)
   criteria = criteria if criteria is not None else default_criteria(report, target_device)
   if criteria_changes:
-    unknown = sorted(set(criteria_changes) - {f.name for f in dataclasses.fields(Criteria)})
-    if unknown:
-      raise ValueError(f"criteria_changes: unknown budget field(s) {unknown}; the budget's "
-                       f"fields are {[f.name for f in dataclasses.fields(Criteria)]}")
     criteria = dataclasses.replace(criteria, **criteria_changes)
 
   contexts = []

@@ -17,6 +17,7 @@ from loka_jax.probe import candidates as candidates_lib
 from loka_jax.probe import evaluate, kernel_timing, plots
 from loka_jax.probe import report as report_lib
 from loka_jax.probe import stats_report, summarize
+from loka_jax.probe import timing_needs as needs_lib
 from loka_jax.probe.options import ProbeOptions, timing_plan
 
 REPORT_JSON = "probe_report.json"
@@ -133,12 +134,22 @@ def _unsupported(entry: Mapping) -> Dict[str, Dict[str, str]]:
           for p, ks in entry["passes"].items()}
 
 
+def _merged(*passes: Mapping[str, Mapping[str, str]]) -> Dict[str, Dict[str, str]]:
+  out: Dict[str, Dict[str, str]] = {}
+  for per_pass in passes:
+    for p, kernels in per_pass.items():
+      out.setdefault(p, {}).update(kernels)
+  return out
+
+
 def attach_timings(site_entries: Dict[str, Dict], sites: Mapping[str, Any], kernels: Sequence,
                    compute_dtype: str, options: ProbeOptions, workdir: Optional[str]) -> Timing:
   """Adds each candidate's time and speedup to every pass of `site_entries`: measured here
-  on a GPU (each distinct shape once, through the on-disk timing cache), else read from the
-  committed timing table of `options.timing_table` (then marked not valid for dispatch
-  unless the table is for the target device: `selection.resolve_timing` decides)."""
+  on a GPU (each distinct shape once, through the on-disk timing cache; only the passes that
+  can change the plan, `timing_needs`, the others reused from this card's committed table or
+  marked skipped), else read from the committed timing table of `options.timing_table` (then
+  marked not valid for dispatch unless the table is for the target device:
+  `selection.resolve_timing` decides)."""
   measure, timing_valid = timing_plan(options)
   device = jax.devices()[0].device_kind
   kind = kernel_timing.device_kind()
@@ -149,26 +160,56 @@ def attach_timings(site_entries: Dict[str, Dict], sites: Mapping[str, Any], kern
     cache_dir = options.timing_cache or os.path.join(workdir or os.curdir, "timing_cache")
     cache = kernel_timing.TimingCache(kernel_timing.default_cache_path(cache_dir, kind), kind)
     source = {"kind": "measured", "device_kind": device, "cache": cache.path}
-    first_of_shape = {name for name, _ in distinct_shapes(sites).values()}
+    same_card = None if options.time_all else needs_lib.same_card_table(options.table_dir)
+    if same_card is not None:
+      source["reused_table"] = same_card[0]
     pace = Pace(options.should_stop)
     if options.min_timing_gflops > 0:
       source["min_timing_gflops"] = options.min_timing_gflops
-    for name, entry in site_entries.items():
+    counts = {"measured": 0, "reused": 0, "not_safe": 0, "dominated": 0}
+    by_shape: Dict[Tuple, List[str]] = {}
+    for name in site_entries:
       layout = sites[name].layout
+      by_shape.setdefault((str(layout.spec), layout.lhs.shape, layout.rhs.shape), []).append(name)
+    for names in by_shape.values():
+      layout = sites[names[0]].layout
       if below_timing_floor(layout, options):
-        timings[name] = skipped_timings(entry["passes"], options)
+        for name in names:
+          timings[name] = skipped_timings(site_entries[name]["passes"], options)
         continue
-      if name in first_of_shape and pace.may_start():
+      unsupported = _unsupported(site_entries[names[0]])
+      needs = needs_lib.shape_needs(
+          layout, [site_entries[n] for n in names], kernels, compute_dtype, unsupported,
+          options.criteria, same_card[1] if same_card else None, options.time_all)
+      for why in needs.skipped.values():
+        counts["dominated" if "dominated" in why else "not_safe"] += 1
+      counts["reused"] += len(needs.reused)
+      counts["measured"] += len(needs.measure)
+      not_measured = _merged(unsupported, needs.not_measured())
+      if needs.measure and pace.may_start():
         t0 = time.time()
         got = kernel_timing.measure_site(layout, kernels, compute_dtype, cache,
-                                         unsupported=_unsupported(entry),
-                                         repeats=options.repeats,
+                                         unsupported=not_measured, repeats=options.repeats,
                                          compile_workers=options.timing_compile_workers)
         if got:
           pace.record(time.time() - t0)
-          _log(f"timed {name} ({len(got)} kernel passes) in {time.time() - t0:.1f}s")
-      timings[name] = kernel_timing.site_timings(layout, kernels, compute_dtype, cache,
-                                                 unsupported=_unsupported(entry))
+          _log(f"timed {names[0]} ({len(got)} kernel passes) in {time.time() - t0:.1f}s")
+      shape_timings = kernel_timing.site_timings(layout, kernels, compute_dtype, cache,
+                                                 unsupported=not_measured)
+      if needs.reused:
+        from_table = kernel_timing.table_timings(layout, kernels, compute_dtype, same_card[1],
+                                                 unsupported=unsupported)
+        for k, p in needs.reused:
+          shape_timings.setdefault(p, {})[k] = {**from_table[p][k], "timing": needs_lib.REUSED,
+                                                "timing_note": "reused from " + same_card[0]}
+      for (k, p), why in needs.skipped.items():
+        shape_timings.setdefault(p, {})[k] = needs_lib.skipped_info(why)
+      for name in names:
+        timings[name] = shape_timings
+    source["kernel_passes"] = counts
+    _log("timing: {measured} kernel passes measured, {reused} reused from this card's "
+         "committed table, {not_safe} not timed (no site of their shape admits them on "
+         "accuracy), {dominated} not timed (dominated on this card)".format(**counts))
     write = timing_valid if options.write_table is None else options.write_table
     if write and cache.entries:
       rows = kernel_timing.table_entries(list(cache.entries.values()))

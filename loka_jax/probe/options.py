@@ -44,6 +44,10 @@ class ProbeOptions:
   # across the H200 table's 140 shape-pass groups below 5 GFLOP no FP8 kernel reached 1.05x
   # but one (a 4096x1 output's grad_lhs).
   min_timing_gflops: float = 0.0
+  # Time every candidate pass of every shape. By default a GPU probe times only what can
+  # change the plan (`timing_needs`): passes some site of the shape admits on accuracy under
+  # `criteria`, not dominated on this card, and not already in this card's committed table.
+  time_all: bool = False
   criteria: eligibility.Criteria = eligibility.Criteria()
   seed: int = 0
 

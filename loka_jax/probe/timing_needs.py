@@ -1,0 +1,181 @@
+"""Which kernel passes a GPU probe must time at a site shape, and which it can do without.
+
+Timing is most of a probe's wall time on a GPU (each shape compiles every candidate's passes
+and autotunes their GEMMs: 20-150 s a shape on an H200), yet most of it cannot change the
+plan. Before a shape is timed, each (kernel, pass) it would time is sorted into one of four:
+
+  measure    timed here, in one interleaving with the bf16 baseline (the protocol)
+  reused     an exact entry of the committed table of this card, measured with this jax
+             minor version, beside its own baseline: its time and speedup are read from it
+  not safe   no site of this shape admits the kernel in this pass on accuracy (SQNR,
+             underflow; a fused op must be safe in every pass of a site): no speedup can
+             make it eligible, so it is not timed
+  dominated  on this card the committed table holds at least `DOMINANCE_SHAPES` shapes of
+             the same size class (forward FLOPs within `CLASS_RATIO` of this one) for the
+             kernel's pass, and at none of them did it reach the speed bar: the pass is not
+             timed
+
+Passes not timed carry `timing: "skipped"` and a `timing_note` saying why, so a reader sees
+that nothing was measured; selection keeps them off FP8 on speed (no speedup is known). A
+probe made with `ProbeOptions.time_all` times everything, as a report that is to be selected
+with looser criteria later should be.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Mapping, Optional, Sequence, Set, Tuple
+
+import jax
+
+from loka_jax.kernels import FUSED_OP, PASSES
+from loka_jax.probe import eligibility
+from loka_jax.probe import timing_table as tables_lib
+from loka_jax.probe.candidates import BASELINE
+from loka_jax.probe.kernel_timing import pass_problem
+
+SKIPPED = "skipped"
+REUSED = "table"
+DOMINANCE_SHAPES = 3
+CLASS_RATIO = 10.0
+
+Pair = Tuple[str, str]  # (kernel, pass)
+
+
+@dataclasses.dataclass
+class ShapeNeeds:
+  """What one site shape's timing does with each (kernel, pass) it could time."""
+  measure: Set[Pair]
+  reused: Set[Pair]
+  skipped: Dict[Pair, str]   # pair -> why it is not timed
+
+  def not_measured(self) -> Dict[str, Dict[str, str]]:
+    """{pass: {kernel: why}} of every pair this shape does not time, in the form the timing
+    functions take their `unsupported` passes."""
+    out: Dict[str, Dict[str, str]] = {}
+    for k, p in self.reused:
+      out.setdefault(p, {})[k] = "reused from the committed table"
+    for (k, p), why in self.skipped.items():
+      out.setdefault(p, {})[k] = why
+    return out
+
+
+def same_card_table(directory: str) -> Optional[Tuple[str, Dict]]:
+  """(path, table) committed for this process's device kind, entries measured with this jax
+  minor version only; None when there is none."""
+  device = jax.devices()[0].device_kind
+  tables = tables_lib.available_tables(directory)
+  if device not in tables:
+    return None
+  path = tables[device]
+  minor = ".".join(jax.__version__.split(".")[:2])
+  table = tables_lib.load_table(path)
+  entries = [e for e in table["entries"]
+             if ".".join(str(e.get("jax", "")).split(".")[:2]) == minor]
+  return path, {**table, "entries": entries}
+
+
+def _safe_pairs(entries: Sequence[Mapping[str, Any]], kernels: Sequence, criteria
+                ) -> Set[Pair]:
+  """(kernel, pass) pairs that some site among `entries` admits on accuracy."""
+  accuracy = dataclasses.replace(criteria, min_speedup=None)
+  safe: Set[Pair] = set()
+  for entry in entries:
+    for kernel in kernels:
+      per_pass = {p: (entry["passes"].get(p) or {}).get(kernel.name) for p in PASSES}
+      verdicts = {p: eligibility.assess({**e, "kernel": kernel.name}, p, accuracy,
+                                        fp8=kernel.fp8).safe
+                  for p, e in per_pass.items() if e is not None}
+      if kernel.sort == FUSED_OP:  # all passes or none
+        if verdicts and all(verdicts.values()):
+          safe |= {(kernel.name, p) for p in verdicts}
+      else:
+        safe |= {(kernel.name, p) for p, ok in verdicts.items() if ok}
+  return safe
+
+
+def _exact(table: Mapping, kernel: str, layout, pass_name: str, dtype: str
+           ) -> Optional[Dict[str, Any]]:
+  spec, a, b = pass_problem(layout, pass_name)
+  hit = tables_lib.lookup(table, kernel, pass_name, spec, a, b, dtype)
+  return hit if hit is not None and not hit["estimated"] else None
+
+
+def _dominated(table: Mapping, kernel: str, layout, pass_name: str, dtype: str,
+               min_speedup: float) -> Optional[str]:
+  """Why the table says this pass cannot reach `min_speedup` at this size, or None."""
+  spec, a, b = pass_problem(layout, pass_name)
+  flops = tables_lib._flops(tables_lib.problem_sizes(spec, a, b))
+  best, shapes = 0.0, 0
+  for e in table["entries"]:
+    if e["kernel"] != kernel or e["pass"] != pass_name or e.get("dtype", dtype) != dtype:
+      continue
+    f = tables_lib._flops(tables_lib.problem_sizes(e["spec"], e["lhs_shape"], e["rhs_shape"]))
+    if not 1 / CLASS_RATIO <= f / flops <= CLASS_RATIO:
+      continue
+    hit = tables_lib.lookup(table, kernel, pass_name, e["spec"], e["lhs_shape"],
+                            e["rhs_shape"], dtype)
+    if hit is None or hit["estimated"]:
+      continue
+    shapes += 1
+    best = max(best, hit["speedup_range"][2])
+  if shapes >= DOMINANCE_SHAPES and best <= min_speedup:
+    return (f"dominated on this card: at {shapes} committed shapes within {CLASS_RATIO:g}x of "
+            f"this one's FLOPs its best speedup was {best:.2f}x <= {min_speedup:g}x")
+  return None
+
+
+def shape_needs(layout, entries: Sequence[Mapping[str, Any]], kernels: Sequence, dtype: str,
+                unsupported: Mapping[str, Mapping[str, str]], criteria,
+                table: Optional[Mapping] = None, time_all: bool = False) -> ShapeNeeds:
+  """Sorts every supported (kernel, pass) of one site shape (see the module docstring).
+  `entries`: the report entries of every site of this shape (their passes' errors);
+  `table`: this card's committed table (`same_card_table`), or None."""
+  pairs = [(k.name, p) for k in kernels for p in PASSES
+           if k.name not in unsupported.get(p, {})]
+  if time_all:
+    return ShapeNeeds(set(pairs), set(), {})
+  by_name = {k.name: k for k in kernels}
+  if table is not None:  # entries of another revision of their kernel time other code
+    table = {**table, "entries": [e for e in table["entries"] if e["kernel"] in by_name and
+                                  e.get("revision", 1) == by_name[e["kernel"]].revision]}
+  safe = _safe_pairs(entries, [k for k in kernels if k.name != BASELINE], criteria)
+  skipped: Dict[Pair, str] = {}
+  reused: Set[Pair] = set()
+  for k, p in pairs:
+    if k == BASELINE:
+      continue
+    if (k, p) not in safe:
+      skipped[(k, p)] = "not timed: no site of this shape admits it on accuracy"
+    elif table is not None and criteria.min_speedup is not None and \
+        by_name[k].sort != FUSED_OP and _dominated(table, k, layout, p, dtype,
+                                                    criteria.min_speedup):
+      skipped[(k, p)] = "not timed: " + _dominated(table, k, layout, p, dtype,
+                                                   criteria.min_speedup)
+  if table is not None:
+    for k in {k for k, _ in pairs if k != BASELINE}:
+      mine = [(k, p) for k2, p in pairs if k2 == k and (k, p) not in skipped]
+      if not mine:
+        continue
+      # A fused op's passes share one timing of its backward: all of them, or none.
+      if by_name[k].sort == FUSED_OP:
+        if all(_exact(table, k, layout, p, dtype) for _, p in mine):
+          reused |= set(mine)
+      else:
+        reused |= {(k, p) for _, p in mine if _exact(table, k, layout, p, dtype)}
+  measure = {kp for kp in pairs if kp not in skipped and kp not in reused}
+  # The baseline is timed in a pass only beside a kernel that is; else the table's (or none).
+  passes_measured = {p for k, p in measure if k != BASELINE}
+  for p in PASSES:
+    if (BASELINE, p) in measure and p not in passes_measured:
+      measure.discard((BASELINE, p))
+      if table is not None and _exact(table, BASELINE, layout, p, dtype):
+        reused.add((BASELINE, p))
+      else:
+        skipped[(BASELINE, p)] = "not timed: no kernel of this pass is"
+  return ShapeNeeds(measure, reused, skipped)
+
+
+def skipped_info(why: str) -> Dict[str, Any]:
+  """A report pass entry's timing fields for a pass not timed."""
+  return {"time_us": None, "speedup": None, "backend": None, "timing": SKIPPED,
+          "timing_note": why}
