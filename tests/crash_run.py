@@ -6,8 +6,8 @@
 Trains the tiny DLRM on synthetic data with `--precision=loka` and the given plan, exactly as
 `experiments.train` does (`experiment.build_run` + `train`), resuming from WORKDIR. `--kill`
 picks where the process dies by SIGKILL, which no Python handler can intercept:
-  step:N        after training step N completed (its metrics line and checkpoint, if any,
-                are written);
+  step:N        after training step N completed (its metrics line is written; its
+                checkpoint, if N is a checkpoint step, is not yet);
   checkpoint:N  inside the checkpoint write of step N, after orbax wrote every file into its
                 temporary directory and before the rename that commits it;
   metrics:N     halfway through writing step N's metrics line (a torn last line);

@@ -315,9 +315,9 @@ def _train_with_statistics(spec: experiment.RunSpec, workdir: str, train_config:
                   extras=collector.extras, step_callback=collector.on_step)
     final_step = int(final.get("steps") or 0)
     _log(f"trained to step {final_step} ({time.time() - start:.0f}s into the probe)")
-    # The loop checkpoints a step before its callback runs, so an observation at the final
-    # step is not in the checkpoint a resumed run starts from: make it again (it is a pure
-    # function of the parameters, the batch and the step), then top up to the minimum.
+    # The final checkpoint holds the observation at the final step (the loop runs its
+    # callback before it saves); one it lacks is made here (a pure function of the
+    # parameters, the batch and the step), then observations are topped up to the minimum.
     catch_up = collector.due(final_step)
     needed = max(probe_config.min_observations - collector.observations - int(catch_up), 0)
     if catch_up or needed:

@@ -62,8 +62,11 @@ class ProbeCollector:
   """Observes a training run every `config.cadence` steps (the loop's step_callback).
 
   `extras` is the dict to hand to `train(..., extras=...)`: it always holds the current
-  statistics, so every checkpoint saves them and a resumed run continues from them. An
-  observation due at a checkpoint step that a resumed run skipped is made one step late.
+  statistics, so every checkpoint saves them and a resumed run continues from them. The loop
+  calls `on_step` before it saves the step's checkpoint, so a checkpoint at an observation
+  step holds that observation, and a resumed run observes at the steps an uninterrupted one
+  does, on the same parameters and batches. An observation due at a step whose checkpoint
+  lacks it is made at the next step.
   """
 
   def __init__(self, model, source, batch_size: int, sites: Mapping[str, SiteProbe],

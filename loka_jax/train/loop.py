@@ -192,8 +192,10 @@ def train(model, source, workdir: str, config: TrainConfig, *,
       config.json and final.json, which also gets `precision` and `seed` from here.
     extras: saved in every checkpoint (see checkpoint.py), e.g. the active plan; the key
       "loop" is the loop's own (skipped steps, elapsed time, worst step).
-    step_callback: called after each completed step as f(step, state, step_metrics); the
-      state's buffers are reused by the next step, so copy (device_get) what you keep.
+    step_callback: called after each completed step as f(step, state, step_metrics), after
+      the step's metrics line and before its checkpoint (which saves `extras` as the
+      callback left them); the state's buffers are reused by the next step, so copy
+      (device_get) what you keep.
     model_hook: may swap the model mid-run (see the module docstring and `ModelHook`); its
       `extras()` are saved in every checkpoint and handed back by `on_restore` on resume.
   Returns:
@@ -308,7 +310,8 @@ def train(model, source, workdir: str, config: TrainConfig, *,
       is_ckpt = config.saves and ((config.checkpoint_every
                                    and done % config.checkpoint_every == 0)
                                   or done == config.steps)
-      if (config.log_every and done % config.log_every == 0) or is_eval or is_ckpt:
+      logged = (config.log_every and done % config.log_every == 0) or is_eval or is_ckpt
+      if logged:
         record = window.record(done, time.perf_counter() - t0, grad_norm)
         if step_metrics["ok"]:  # the norms of the line's last step, as its grad_norm is
           record.update({k: {m: float(v) for m, v in step_metrics[k].items()}
@@ -321,11 +324,15 @@ def train(model, source, workdir: str, config: TrainConfig, *,
                                            for k, v in record.items()
                                            if k != "step" and k not in module_norms_lib.KINDS})
         bar.set_postfix(loss=f"{record['loss']:.4f}")
+      # Before the step's checkpoint: it saves what the callback made of the step (a probe's
+      # observation at a checkpoint step), so a run resumed from it continues as one that
+      # was never stopped.
+      if step_callback is not None:
+        step_callback(done, state, step_metrics)
+      if logged:
         if is_ckpt:
           save()
         window.reset()  # after the save, which the next line's steps_per_sec must not count
-      if step_callback is not None:
-        step_callback(done, state, step_metrics)
       swap = model_hook.after_step(done, state, step_metrics) if model_hook is not None else None
       if swap is not None and swap.model is not None:
         state = swap_model(state, swap.model, first_batch, config.seed)

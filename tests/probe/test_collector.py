@@ -108,6 +108,39 @@ class TrainingLoopTest(chex.TestCase):
     rows = float(collector.site_state(resumed.state, sites, "hidden")["lhs"]["count"])
     self.assertEqual(rows, 4 * BATCH)
 
+  def test_a_run_stopped_after_a_checkpoint_at_an_observation_resumes_with_equal_statistics(
+      self):
+    # Step 4 is both an observation and a checkpoint: the checkpoint holds that observation,
+    # so the run stopped at step 5 resumes from step 4 and observes at 6, as the uninterrupted
+    # run does (not at 5, one step late, on other parameters and another batch).
+    config = TrainConfig(steps=6, batch_size=BATCH, checkpoint_every=4, progress=False,
+                         log_every=0)
+    model, source, _, whole = _setup()
+    train(model, source, tempfile.mkdtemp(prefix="loka_probe_whole_"),
+          config, extras=whole.extras, step_callback=whole.on_step)
+
+    class Stop(Exception):
+      pass
+
+    def stop_at_5(step, state, metrics):
+      first.on_step(step, state, metrics)
+      if step == 5:
+        raise Stop()
+
+    workdir = tempfile.mkdtemp(prefix="loka_probe_stopped_")
+    *_, first = _setup()
+    with self.assertRaises(Stop):
+      train(model, source, workdir, config, extras=first.extras,
+            step_callback=stop_at_5)
+    _, extras = restore_run(workdir, model, source, config)
+    self.assertEqual(extras[training.META_KEY]["steps"], [2, 4])
+    *_, resumed = _setup(state=extras[training.STATS_KEY], meta=extras[training.META_KEY])
+    train(model, source, workdir, config, extras=resumed.extras,
+          step_callback=resumed.on_step)
+    self.assertEqual(resumed.meta["steps"], whole.meta["steps"])
+    self.assertEqual(whole.meta["steps"], [2, 4, 6])
+    chex.assert_trees_all_equal(jax.device_get(resumed.state), jax.device_get(whole.state))
+
   def test_the_pass_compiled_ahead_serves_every_observation_with_equal_statistics(self):
     # Compiled on threads, from the state's shapes before training or from the loop's first
     # step (as the probe runner does): every call of the pass takes an executable compiled
