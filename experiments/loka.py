@@ -24,7 +24,6 @@ import os
 import sys
 import time
 
-import jax
 from absl import app, flags, logging
 
 from experiments import job_settings, loka_report, run_config
@@ -105,9 +104,6 @@ def main(argv):
   start = time.time()
   config, workdir = CONFIG.value, WORKDIR.value
   run, probe = config.run, config.probe
-  if config.compilation_cache:
-    jax.config.update("jax_compilation_cache_dir", config.compilation_cache)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
   experiment.quiet_library_logs()
   logging.set_verbosity(logging.WARNING)  # one line per step would bury the report
   try:

@@ -24,7 +24,6 @@ What a probe will hold (sites, distinct shapes, checkpoint size), on any machine
 """
 import sys
 
-import jax
 from absl import app, flags
 
 from experiments import run_config, time_limit
@@ -123,9 +122,6 @@ def main(argv):
     settings = _settings(config)
   except ValueError as e:
     sys.exit(f"error: {e}")
-  if config.compilation_cache:
-    jax.config.update("jax_compilation_cache_dir", config.compilation_cache)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   experiment.quiet_library_logs()
   try:
     if config.describe:

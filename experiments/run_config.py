@@ -1,6 +1,7 @@
 """What the config-driven mains (`experiments.loka`, `train`, `probe`, `dispatch`, `ablate_mods`,
-`kernels`, `profile_step`) share: their --config flag and its parsing, the fields whose values
-come from a fixed list, comma-separated fields as tuples, and a config's `run` group as the
+`kernels`, `profile_step`) share: their --config flag and its parsing, JAX's persistent
+compilation cache (`use_compilation_cache`, on in every main), the fields whose values come
+from a fixed list, comma-separated fields as tuples, and a config's `run` group as the
 library's RunSpec.
 
 A main reads its settings from a config file, `experiments/configs/<name>.py`, whose
@@ -81,7 +82,32 @@ def parse_flags(argv: Sequence[str]):
   for path, least in LOWER_BOUNDS.items():
     if given.get(path) is not None and given[path] < least:
       sys.exit(f"error: --config.{path}={given[path]}: must be >= {least}")
+  use_compilation_cache(config.get("compilation_cache") if "compilation_cache" in config
+                        else None)
   return rest
+
+
+DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "loka_jax",
+                                         "jax_cache")
+# Compiles at least this long are written to the cache: a tower's training step takes 10-60 s
+# to compile on a GPU, the probe's per-site evaluation and timing programs 0.5-5 s each.
+CACHE_MIN_COMPILE_SECONDS = 0.5
+
+
+def use_compilation_cache(directory: Optional[str] = None) -> Optional[str]:
+  """Turns on JAX's persistent compilation cache for this process, so a second run of the
+  same model and plan loads its executables instead of compiling them. `directory`: a
+  config's `compilation_cache` field ('' turns the cache off); None: $JAX_COMPILATION_CACHE_DIR
+  when set, else ~/.cache/loka_jax/jax_cache. Returns the directory in use (None: off)."""
+  import jax
+  if directory == "":
+    jax.config.update("jax_enable_compilation_cache", False)
+    return None
+  directory = (directory or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+               or DEFAULT_COMPILATION_CACHE)
+  jax.config.update("jax_compilation_cache_dir", directory)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_SECONDS)
+  return directory
 
 
 def _exit(error: BaseException, argv: Sequence[str]):

@@ -5,7 +5,6 @@ bf16+Mods, the plan (Mods + plan) and naive FP8 trained side by side.
 
 --workdir is a flag of the main (default ./loka_run), not a setting: the run directory.
 """
-import os
 
 import ml_collections
 from ml_collections import config_dict
@@ -68,7 +67,7 @@ def get_config() -> ml_collections.ConfigDict:
   arms.naive_fp8 = True               # also the naive arm: arms.kernel at every site, same Mods
   arms.kernel = "xla_fp8_tensorwise"  # the naive arm's kernel
 
-  # Persistent XLA compilation cache ('' disables); reruns compile much less.
-  config.compilation_cache = os.path.join(os.path.expanduser("~"), ".cache", "loka_jax",
-                                          "jax_cache")
+  # Persistent XLA compilation cache: unset, $JAX_COMPILATION_CACHE_DIR or
+  # ~/.cache/loka_jax/jax_cache; '' turns it off. Reruns load executables instead of compiling.
+  config.compilation_cache = config_dict.placeholder(str)
   return config

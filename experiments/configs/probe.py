@@ -7,7 +7,6 @@ ProbeReport.
 
 --workdir is a flag of the main, not a setting: the run directory (rerunning resumes).
 """
-import os
 
 import ml_collections
 from ml_collections import config_dict
@@ -81,7 +80,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Wall-clock budget in seconds (0: none): work that would end past it is left pending, the
   # run exits with status 3, and rerunning finishes it.
   config.budget_s = 0.0
-  # Persistent XLA compilation cache ('' disables); reruns compile much less.
-  config.compilation_cache = os.path.join(os.path.expanduser("~"), ".cache", "loka_jax",
-                                          "jax_cache")
+  # Persistent XLA compilation cache: unset, $JAX_COMPILATION_CACHE_DIR or
+  # ~/.cache/loka_jax/jax_cache; '' turns it off. Reruns load executables instead of compiling.
+  config.compilation_cache = config_dict.placeholder(str)
   return config

@@ -5,6 +5,7 @@ and reaches the run, and a wrong field or value ends the program with one line n
 import json
 import os
 import tempfile
+from unittest import mock
 
 from absl import flags
 from absl.testing import absltest, parameterized
@@ -217,6 +218,40 @@ class LokaConfigTest(absltest.TestCase):
     spec = run_config.run_spec(run, preset="tiny", precision="fp8_all")
     self.assertEqual((spec.model, spec.preset, spec.precision, spec.mods, spec.num_eval),
                      ("wukong", "tiny", "fp8_all", ("no_bias", "keep_bias:cross_*"), None))
+
+
+class CompilationCacheTest(absltest.TestCase):
+  """Every config-driven main turns on JAX's persistent compilation cache."""
+
+  def setUp(self):
+    super().setUp()
+    import jax
+    saved = {k: getattr(jax.config, k) for k in (
+        "jax_compilation_cache_dir", "jax_enable_compilation_cache",
+        "jax_persistent_cache_min_compile_time_secs")}
+    self.addCleanup(lambda: [jax.config.update(k, v) for k, v in saved.items()])
+
+  def test_the_directory_comes_from_the_config_else_the_environment_else_home(self):
+    import jax
+    with mock.patch.dict(os.environ, {"JAX_COMPILATION_CACHE_DIR": "/env/cache"}):
+      self.assertEqual(run_config.use_compilation_cache("/given"), "/given")
+      self.assertEqual(jax.config.jax_compilation_cache_dir, "/given")
+      self.assertEqual(run_config.use_compilation_cache(None), "/env/cache")
+    with mock.patch.dict(os.environ, {}, clear=True):
+      self.assertEqual(run_config.use_compilation_cache(None),
+                       os.path.join(os.path.expanduser("~"), ".cache", "loka_jax", "jax_cache"))
+    self.assertIsNone(run_config.use_compilation_cache(""))
+    self.assertFalse(jax.config.jax_enable_compilation_cache)
+
+  def test_a_train_run_fills_the_cache_a_second_run_reads(self):
+    with tempfile.TemporaryDirectory() as tmp:
+      cache = os.path.join(tmp, "jax_cache")
+      with mock.patch.dict(os.environ, {"JAX_COMPILATION_CACHE_DIR": cache}):
+        out = run_module("experiments.train", f"--workdir={tmp}/run",
+                         "--config.run.steps=2", "--config.run.batch_size=32",
+                         "--config.run.num_eval=64")
+      self.assertEqual(out.returncode, 0, out.stderr[-2000:])
+      self.assertTrue(os.listdir(cache), "the train step's executable was not cached")
 
 
 class TrainConfigTest(absltest.TestCase):
