@@ -1,7 +1,7 @@
 """Row-sharded embedding tables and their lookup under `shard_map`.
 
-Each table `[rows, d]` is split into `model`-axis shards of `rows / M` consecutive rows. The
-choice of exchange (documented in docs/PARALLEL.md): a masked local gather + reduce-scatter.
+Each table `[rows, d]` is padded with zero rows to a multiple of M (step.TableLayout) and
+split into `model`-axis shards of `padded / M` consecutive rows. The choice of exchange (documented in docs/PARALLEL.md): a masked local gather + reduce-scatter.
 
   ids of the data shard [B_d, F, bag] (replicated over `model`, so no ids travel)
     -> each model shard gathers the rows it owns (others contribute 0) and pools them:
@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Dict, Mapping, Sequence
+from typing import Dict, Mapping
 
 import flax.linen as nn
 import jax
@@ -34,7 +34,7 @@ from jax import lax
 from loka_jax.data.spec import FeatureSpec
 from loka_jax.models.embedding import Embeddings, row_index, table_rows
 from loka_jax.parallel import collectives
-from loka_jax.parallel.mesh import MODEL, MeshSpecError, axis_size
+from loka_jax.parallel.mesh import MODEL, axis_size
 
 EXCHANGE_SCOPE = "loka_embedding_exchange"  # named scope of the exchange's collectives (HLO)
 
@@ -50,25 +50,16 @@ def table_shapes(features: FeatureSpec, embed_dim: int, max_vocab: int,
   return shapes
 
 
-def check_shardable(tables: Mapping[str, Sequence[int]], model_size: int) -> None:
-  """Every table's rows must split evenly over the model axis; one error lists them all."""
-  bad = {name: shape[0] for name, shape in tables.items() if shape[0] % model_size}
-  if bad:
-    listed = ", ".join(f"{n} ({r} rows)" for n, r in sorted(bad.items()))
-    raise MeshSpecError(
-        f"embedding tables cannot be row-sharded over {MODEL}:{model_size}: {listed} "
-        f"not divisible by {model_size}; pick a {MODEL} size that divides every table's rows "
-        "or cap the vocabularies (config max_vocab) to a multiple of it")
-
-
-def local_rows(shard: jax.Array, ids: jax.Array, vocab: int, axis: str = MODEL) -> jax.Array:
+def local_rows(shard: jax.Array, ids: jax.Array, vocab: int, rows: int,
+               axis: str = MODEL) -> jax.Array:
   """fp32 rows for `ids` from this device's shard; ids owned by another shard give 0.
 
-  Ids map to table rows through `models.embedding.row_index`, as in the single-device
-  lookup, so both give the same rows.
+  Ids map to table rows through `models.embedding.row_index` with the table's own `rows`
+  (not its padded length), as in the single-device lookup: both give the same rows, and the
+  padding rows at the end of the last shards are never read.
   """
   local = shard.shape[0]
-  ids = row_index(ids, vocab, local * axis_size(axis)) - lax.axis_index(axis) * local
+  ids = row_index(ids, vocab, rows) - lax.axis_index(axis) * local
   mine = (ids >= 0) & (ids < local)
   gathered = jnp.take(shard, jnp.clip(ids, 0, local - 1), axis=0).astype(jnp.float32)
   return gathered * mine[..., None]
@@ -115,7 +106,8 @@ class ShardedLookup:
     ids, mask = self.ids["sparse_ids"], self.ids["sparse_mask"]
     pooled = []
     for f, vocab in enumerate(module.features.vocab_sizes):
-      rows = local_rows(self.tables[f"sparse_{f}"], ids[:, f], vocab, self.axis)
+      rows = local_rows(self.tables[f"sparse_{f}"], ids[:, f], vocab,
+                        table_rows(vocab, module.max_vocab), self.axis)
       m = mask[:, f].astype(jnp.float32)[..., None]
       total = jnp.sum(rows * m, axis=1)
       if module.pooling == "mean":  # linear, so dividing the partial sums is exact
@@ -127,8 +119,10 @@ class ShardedLookup:
   def sequences(self, module: Embeddings) -> jax.Array:
     """[B_d / M, A, T, d] behaviour-sequence embeddings, padded events zero."""
     seq_ids, mask = self.ids["seq_ids"], self.ids["seq_mask"].astype(jnp.float32)[:, :, None]
-    per_attr = [local_rows(self.tables[f"seq_{a}"], seq_ids[:, a], module.features.seq_vocab,
-                           self.axis) * mask for a in range(module.features.num_seq)]
+    vocab = module.features.seq_vocab
+    rows = table_rows(vocab, module.max_vocab)
+    per_attr = [local_rows(self.tables[f"seq_{a}"], seq_ids[:, a], vocab, rows, self.axis)
+                * mask for a in range(module.features.num_seq)]
     partial = jnp.stack(per_attr, axis=1)
     return exchange(partial, self.axis, self.codec).astype(module.policy.compute_dtype)
 

@@ -1,5 +1,5 @@
 """A sharded training run: the loop's files (metrics.jsonl, checkpoints/, final.json) with the
-sharded step, resumable onto any mesh whose `model` size divides the tables' rows.
+sharded step, resumable on any mesh (checkpoints hold the tables without padding).
 
 Kept small on purpose: evaluation, metrics lines and checkpoint layout are the training
 loop's own (loka_jax/train); only the step and the state layout differ.
@@ -48,9 +48,12 @@ def train_sharded(model, source, workdir: str, config: loop.TrainConfig, mesh: M
   tx = make_optimizer(config.optim)
   example = source.train_batch(0, config.batch_size)
   directory = os.path.join(workdir, CHECKPOINTS)
-  template = checkpoint_lib.sharded_template(model, tx, example, mesh)
+  tables = step_lib.table_layout(model, tx, example, mesh)
+  save = lambda state: checkpoint_lib.save_sharded(  # noqa: E731
+      directory, state, tables, keep=config.keep_checkpoints)
   if _has_checkpoint(directory):
-    state, _ = checkpoint_lib.restore_sharded(directory, template)
+    template = checkpoint_lib.sharded_template(model, tx, example, mesh)
+    state, _ = checkpoint_lib.restore_sharded(directory, template, tables)
   else:
     state = step_lib.init_sharded_state(model, tx, example, config.seed, mesh)
   first = int(jax.device_get(state.step))
@@ -66,7 +69,7 @@ def train_sharded(model, source, workdir: str, config: loop.TrainConfig, mesh: M
       ok = bool(out["ok"])
       if not ok and config.nan_policy == "stop":
         if config.saves:
-          checkpoint_lib.save_sharded(directory, state, keep=config.keep_checkpoints)
+          save(state)
         raise loop.NonFiniteError(
             f"non-finite loss or gradient at step {i} (sharded run on "
             f"{format_mesh_spec(mesh)}); the last good state is saved in {directory}",
@@ -79,13 +82,13 @@ def train_sharded(model, source, workdir: str, config: loop.TrainConfig, mesh: M
         writer.write({"step": done, "loss": mean, "time": time.time() - start})
         losses = []
       if config.checkpoint_every and done % config.checkpoint_every == 0:
-        checkpoint_lib.save_sharded(directory, state, keep=config.keep_checkpoints)
+        save(state)
   finally:
     writer.close()
   if config.saves:
-    checkpoint_lib.save_sharded(directory, state, keep=config.keep_checkpoints)
+    save(state)
   _, eval_step = loop.compiled_steps(model, config.optim, config.nan_policy)
-  evaluation = loop.evaluate(eval_step, state, source,
+  evaluation = loop.evaluate(eval_step, step_lib.unshard_state(state, tables), source,
                              config.eval_batch_size or config.batch_size)
   final = {"ne": evaluation["ne"], "auc": evaluation["auc"], "logloss": evaluation["logloss"],
            "steps": int(jax.device_get(state.step)), "skipped_steps": skipped,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -99,18 +99,103 @@ def _table_rows(params) -> Dict[str, int]:
   return {name: int(np.shape(t)[0]) for name, t in tables.items()}
 
 
+def _table_of(path) -> Optional[str]:
+  """The table a state leaf belongs to (its path runs through `embeddings/<table>`), or None."""
+  keys = [k.key for k in path if isinstance(k, DictKey)]
+  if EMBEDDINGS not in keys:
+    return None
+  names = [k for k in keys[keys.index(EMBEDDINGS) + 1:] if isinstance(k, str) and _TABLE.match(k)]
+  return names[0] if names else None
+
+
+def padded_rows(rows: int, model_size: int) -> int:
+  """`rows` rounded up to a multiple of `model_size`: every shard gets rows / M of them."""
+  return -(-rows // model_size) * model_size
+
+
+@dataclasses.dataclass(frozen=True)
+class TableLayout:
+  """How a state's tables lie on a mesh: each table's own rows (`rows`, the vocabulary after
+  any cap) padded with zero rows up to a multiple of the `model` size M, so that every shard
+  holds the same number of consecutive rows. Ids map to rows below `rows` only
+  (`models.embedding.row_index`), so no padding row is ever looked up: its gradient, and so
+  its optimizer state (zero from the start) and its value (zero) never change. Checkpoints
+  and `unshard_state` hold the tables without padding."""
+  rows: Tuple[Tuple[str, int], ...]
+  model_size: int
+
+  @classmethod
+  def of(cls, params, model_size: int) -> "TableLayout":
+    """The layout of unpadded `params` (arrays or shapes) over `model_size` shards."""
+    return cls(tuple(sorted(_table_rows(params).items())), int(model_size))
+
+  def padded(self, name: str) -> int:
+    return padded_rows(dict(self.rows)[name], self.model_size)
+
+  def padding(self) -> Dict[str, int]:
+    """{table: padding rows} of the tables that need any."""
+    return {n: self.padded(n) - r for n, r in self.rows if self.padded(n) != r}
+
+  def _map(self, tree, fn):
+    rows = dict(self.rows)
+
+    def leaf(path, x):
+      name = _table_of(path)
+      if name is None or name not in rows or not np.ndim(x):
+        return x
+      return fn(x, rows[name], self.padded(name))
+    return jax.tree_util.tree_map_with_path(leaf, tree)
+
+  def pad(self, tree):
+    """`tree` (a state or params, unpadded) with zero rows appended to every table leaf."""
+    def pad_leaf(x, rows, padded):
+      if np.shape(x)[0] != rows or padded == rows:
+        return x
+      return jnp.pad(x, [(0, padded - rows)] + [(0, 0)] * (np.ndim(x) - 1))
+    return self._map(tree, pad_leaf)
+
+  def unpad(self, tree):
+    """`tree` (padded) without its padding rows."""
+    return self._map(tree, lambda x, rows, padded: x[:rows] if np.shape(x)[0] == padded else x)
+
+  def unpadded_specs(self, tree):
+    """Partition specs of the unpadded `tree`: a table leaf whose rows divide by M keeps
+    P(MODEL); one that does not is replicated (JAX arrays shard evenly only)."""
+    rows = dict(self.rows)
+
+    def spec(path, x):
+      name = _table_of(path)
+      shape = np.shape(x)
+      if name in rows and shape and shape[0] == rows[name] and rows[name] == self.padded(name):
+        return P(MODEL)
+      return P()
+    return jax.tree_util.tree_map_with_path(spec, tree)
+
+  def abstract_unpadded(self, template):
+    """ShapeDtypeStructs of `template` (padded, with shardings) without padding rows, laid
+    out on the template's mesh as `unpadded_specs` says."""
+    rows = dict(self.rows)
+
+    def leaf(path, x):
+      name = _table_of(path)
+      shape, sharding = tuple(x.shape), x.sharding
+      if name in rows and shape and shape[0] == self.padded(name):
+        shape = (rows[name],) + shape[1:]
+        if rows[name] != self.padded(name):
+          sharding = NamedSharding(sharding.mesh, P())
+      return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding)
+    return jax.tree_util.tree_map_with_path(leaf, template)
+
+
 def state_partition_specs(state: TrainState) -> TrainState:
   """P(MODEL) on the rows of every embedding table and of its optimizer state, P() else."""
   rows = _table_rows(state.params)
 
   def spec(path, leaf):
-    keys = [k.key for k in path if isinstance(k, DictKey)]
-    if EMBEDDINGS in keys:
-      names = [k for k in keys[keys.index(EMBEDDINGS) + 1:] if isinstance(k, str)
-               and _TABLE.match(k)]
-      shape = np.shape(leaf)
-      if names and len(shape) >= 1 and shape[0] == rows.get(names[0]):
-        return P(MODEL)
+    name = _table_of(path)
+    shape = np.shape(leaf)
+    if name is not None and len(shape) >= 1 and shape[0] == rows.get(name):
+      return P(MODEL)
     return P()
 
   return jax.tree_util.tree_map_with_path(spec, state)
@@ -120,29 +205,60 @@ def state_shardings(state: TrainState, mesh: Mesh) -> TrainState:
   return jax.tree.map(lambda s: NamedSharding(mesh, s), state_partition_specs(state))
 
 
-def check_tables(params, mesh: Mesh) -> None:
-  embedding_lib.check_shardable({k: (r,) for k, r in _table_rows(params).items()},
-                                mesh.shape[MODEL])
+def check_padded(params, mesh: Mesh) -> None:
+  """A state handed to the sharded step must be laid out for `mesh` (tables padded)."""
+  m = mesh.shape[MODEL]
+  bad = {n: r for n, r in _table_rows(params).items() if r % m}
+  if bad:
+    listed = ", ".join(f"{n} ({r} rows)" for n, r in sorted(bad.items()))
+    raise MeshSpecError(f"the state is not laid out for {MODEL}:{m}: {listed} not padded to a "
+                        f"multiple of {m}; make it with init_sharded_state or shard_state")
+
+
+def table_layout(model, tx: optax.GradientTransformation, example_batch, mesh: Mesh
+                 ) -> TableLayout:
+  """The TableLayout of `model`'s tables on `mesh` (shapes only, nothing is allocated)."""
+  abstract = jax.eval_shape(lambda: initial_state(model, tx, _one(example_batch), 0))
+  return TableLayout.of(abstract.params, mesh.shape[MODEL])
+
+
+def _one(batch):
+  return jax.tree.map(lambda x: x[:1], batch)
 
 
 def init_sharded_state(model, tx: optax.GradientTransformation, example_batch, seed: int,
                        mesh: Mesh) -> TrainState:
-  """The state `create_train_state` makes (same keys, same values), created directly in its
-  sharded layout so that no device ever holds a whole table."""
+  """The state `create_train_state` makes (same keys, same values), tables padded for `mesh`
+  (TableLayout), created directly in its sharded layout."""
   make = lambda: initial_state(model, tx, example_batch, seed)  # noqa: E731
 
   abstract = jax.eval_shape(make)
-  check_tables(abstract.params, mesh)
-  return jax.jit(make, out_shardings=state_shardings(abstract, mesh))()
+  layout = TableLayout.of(abstract.params, mesh.shape[MODEL])
+  padded = jax.eval_shape(lambda: layout.pad(make()))
+  return jax.jit(lambda: layout.pad(make()), out_shardings=state_shardings(padded, mesh))()
 
 
 def shard_state(state: TrainState, mesh: Mesh) -> TrainState:
-  """An existing state copied to the sharded layout of `mesh` (never aliasing `state`'s
-  buffers: the sharded step donates its state argument)."""
-  check_tables(state.params, mesh)
-  shardings = state_shardings(state, mesh)
-  placed = jax.device_put(state, shardings)  # may alias a replicated leaf's buffer
-  return jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=shardings)(placed)
+  """An existing (unpadded) state padded and copied to the sharded layout of `mesh` (never
+  aliasing `state`'s buffers: the sharded step donates its state argument)."""
+  layout = TableLayout.of(state.params, mesh.shape[MODEL])
+  padded = jax.eval_shape(layout.pad, state)
+  shardings = state_shardings(padded, mesh)
+  placed = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s),
+                                               layout.unpadded_specs(state)))
+  # jnp.copy: padding is a no-op for tables that need none, and device_put may alias a
+  # replicated leaf's buffer, while the step's output must own its buffers.
+  return jax.jit(lambda s: jax.tree.map(jnp.copy, layout.pad(s)), out_shardings=shardings)(placed)
+
+
+def unshard_state(state: TrainState, layout: TableLayout) -> TrainState:
+  """The state without padding rows, on the same mesh (tables that do not divide by M
+  replicated): what checkpoints hold and what the single-device model applies."""
+  abstract = jax.eval_shape(layout.unpad, state)
+  mesh = next(x.sharding.mesh for x in jax.tree.leaves(state)
+              if isinstance(getattr(x, "sharding", None), NamedSharding))
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), layout.unpadded_specs(abstract))
+  return jax.jit(layout.unpad, out_shardings=shardings)(state)
 
 
 # ----------------------------------------------------------------------------- the step
@@ -219,7 +335,7 @@ def _reduce(mesh: Mesh, config: ParallelConfig, loss, grads, fp8_grads):
 
 
 def _specs(mesh: Mesh, state: TrainState, batch):
-  check_tables(state.params, mesh)
+  check_padded(state.params, mesh)
   return state_partition_specs(state), batch_partition_specs(batch)
 
 

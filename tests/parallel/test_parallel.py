@@ -73,16 +73,6 @@ class MeshSpecTest(parameterized.TestCase):
     with self.assertRaisesRegex(parallel.MeshSpecError, message):
       parallel.build_mesh(spec)
 
-  def test_table_rows_must_divide(self):
-    with self.assertRaisesRegex(parallel.MeshSpecError,
-                                r"model:3: sparse_1 \(1000 rows\), sparse_2 \(998 rows\) not"):
-      parallel.check_shardable({"sparse_0": (999, 16), "sparse_1": (1000, 16),
-                                "sparse_2": (998, 16)}, 3)
-    model, batch, state = setup_model("dlrm")
-    mesh = parallel.build_mesh("data:1,model:3", devices=jax.devices()[:3])
-    with self.assertRaisesRegex(parallel.MeshSpecError, "not divisible by 3"):
-      parallel.shard_state(state, mesh)
-
   def test_batch_must_split_over_devices(self):
     model, batch, _ = setup_model("dlrm")
     odd = {k: v[:10] for k, v in batch.items()}
@@ -321,10 +311,12 @@ class CheckpointTest(absltest.TestCase):
         lambda x: jax.device_put((rng.random(x.shape) + 0.5).astype(x.dtype), x.sharding)
         if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim else x, four.opt_state))
     with tempfile.TemporaryDirectory() as directory:
-      parallel_ckpt.save_sharded(directory, four, extras={"mesh": "data:2,model:2"})
+      parallel_ckpt.save_sharded(directory, four, parallel.TableLayout.of(state.params, 2),
+                                 extras={"mesh": "data:2,model:2"})
       two = parallel.build_mesh("data:1,model:2", devices=jax.devices()[2:])
       template = parallel_ckpt.sharded_template(model, tx, batch, two)
-      restored, extras = parallel_ckpt.restore_sharded(directory, template)
+      restored, extras = parallel_ckpt.restore_sharded(
+          directory, template, parallel.table_layout(model, tx, batch, two))
     self.assertEqual(extras, {"mesh": "data:2,model:2"})
     table = restored.params["embeddings"]["sparse_3"]
     self.assertEqual(table.sharding.mesh.devices.size, 2)
@@ -336,7 +328,8 @@ class CheckpointTest(absltest.TestCase):
     model, batch, _ = setup_model("dlrm")
     template = parallel_ckpt.sharded_template(model, make_optimizer(OPTIM), batch, mesh_2x2())
     with self.assertRaisesRegex(parallel_ckpt.CheckpointError, "no checkpoint"):
-      parallel_ckpt.restore_sharded("/nonexistent/loka_ckpt", template)
+      parallel_ckpt.restore_sharded("/nonexistent/loka_ckpt", template,
+                                    parallel.TableLayout.of(template.params, 2))
 
 
 class ShardedRunTest(absltest.TestCase):
