@@ -45,6 +45,7 @@ import jax
 import tqdm
 from absl import logging
 
+from loka_jax.train import prefetch as prefetch_lib
 from loka_jax.train import module_norms as module_norms_lib
 from loka_jax.train import steps as steps_lib
 from loka_jax.train.checkpoint import Checkpointer
@@ -102,12 +103,15 @@ class TrainConfig:
   # with every metrics line, for reading a loss spike (with log_every=1: every step). Off by
   # default: it adds a forward and three reductions per parameter leaf to the step.
   module_norms: bool = False
+  # Batches made and put on the device this many steps ahead, on a background thread
+  # (prefetch.py), so no step waits for the host; 0: each made after the step before it.
+  prefetch: int = 2
   optim: OptimConfig = OptimConfig()
 
   def __post_init__(self):
     if self.nan_policy not in NAN_POLICIES:
       raise ValueError(f"nan_policy={self.nan_policy!r}; use one of {NAN_POLICIES}")
-    for name in ("steps", "eval_every", "log_every", "checkpoint_every"):
+    for name in ("steps", "eval_every", "log_every", "checkpoint_every", "prefetch"):
       if getattr(self, name) < 0:
         raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
     if self.batch_size < 1:
@@ -269,14 +273,16 @@ def train(model, source, workdir: str, config: TrainConfig, *,
   bar = tqdm.tqdm(total=config.steps, initial=start, file=sys.stderr, dynamic_ncols=True,
                   disable=None if config.progress else True,
                   desc=os.path.basename(os.path.normpath(workdir)))
+  make_batch = lambda i: source.train_batch(i, config.batch_size)
+  feed = prefetch_lib.prefetcher(make_batch, start + 1, config.steps, config.prefetch)
   try:
-    batch = first_batch if start == 0 else source.train_batch(start, config.batch_size)
+    batch = first_batch if start == 0 else make_batch(start)
     for i in range(start, config.steps):
       began = time.perf_counter()
       state, step_metrics = train_step(state, batch)
-      # Build the next batch on the host while the device runs this step.
-      next_batch = (source.train_batch(i + 1, config.batch_size) if i + 1 < config.steps
-                    else None)
+      # The next batch: made ahead (feed), else on the host while the device runs this step.
+      next_batch = (None if i + 1 >= config.steps else
+                    feed.get(i + 1) if feed is not None else make_batch(i + 1))
       step_metrics = jax.device_get(step_metrics)
       if i == start:
         time_split["first_step_s"] = time.perf_counter() - began
@@ -353,6 +359,8 @@ def train(model, source, workdir: str, config: TrainConfig, *,
     write_json_atomic(final_path, final)
     return final
   finally:
+    if feed is not None:
+      feed.close()
     bar.close()
     writer.close()
     checkpointer.close()

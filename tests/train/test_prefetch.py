@@ -1,0 +1,133 @@
+"""Batches made ahead on a background thread (`train/prefetch.py`): in order, on the device,
+errors at the step that meets them, and a thread that stops when asked."""
+import threading
+import time
+
+import jax
+import numpy as np
+from absl.testing import absltest
+
+from loka_jax.train import prefetch
+
+
+def make(i):
+  return {"x": np.full((4, 3), i, np.float32), "ids": np.arange(4, dtype=np.int32) + i}
+
+
+class PrefetcherTest(absltest.TestCase):
+
+  def test_batches_arrive_in_order_on_the_device(self):
+    with prefetch.Prefetcher(make, 3, 9, depth=2) as p:
+      for i in range(3, 9):
+        batch = p.get(i)
+        self.assertIsInstance(batch["x"], jax.Array)
+        np.testing.assert_array_equal(np.asarray(batch["x"]), make(i)["x"])
+        np.testing.assert_array_equal(np.asarray(batch["ids"]), make(i)["ids"])
+
+  def test_it_stays_depth_ahead_and_no_further(self):
+    made = []
+    def counting(i):
+      made.append(i)
+      return make(i)
+    with prefetch.Prefetcher(counting, 0, 100, depth=2) as p:
+      p.get(0)
+      time.sleep(0.3)
+      # Batch 0 taken: 1 and 2 wait in the queue, 3 is made and waits for room.
+      self.assertLessEqual(max(made), 3)
+      self.assertGreaterEqual(max(made), 2)
+
+  def test_an_error_is_raised_at_the_batch_that_met_it(self):
+    def failing(i):
+      if i == 2:
+        raise ValueError("sparse_ids: id -3 out of range at row 5")
+      return make(i)
+    with prefetch.Prefetcher(failing, 0, 5, depth=3) as p:
+      p.get(0)
+      p.get(1)
+      with self.assertRaisesRegex(ValueError, "id -3 out of range"):
+        p.get(2)
+
+  def test_close_stops_a_thread_waiting_on_a_full_queue(self):
+    before = threading.active_count()
+    p = prefetch.Prefetcher(make, 0, 10_000, depth=1)
+    time.sleep(0.1)
+    p.close()
+    self.assertFalse(p._thread.is_alive())
+    self.assertEqual(threading.active_count(), before)
+
+  def test_batches_out_of_order_or_past_the_end_are_refused(self):
+    with prefetch.Prefetcher(make, 0, 2, depth=1) as p:
+      with self.assertRaisesRegex(ValueError, "expected batch 0"):
+        p.get(1)
+      p.get(0)
+      p.get(1)
+      with self.assertRaisesRegex(ValueError, "expected batch 2"):
+        p.get(2)
+
+  def test_device_arrays_are_left_as_they_are(self):
+    on_device = jax.device_put(np.ones(3, np.float32))
+    out = prefetch.to_device({"a": on_device, "b": np.zeros(2)})
+    self.assertIs(out["a"], on_device)
+    self.assertIsInstance(out["b"], jax.Array)
+
+  def test_depth_zero_means_no_prefetcher(self):
+    self.assertIsNone(prefetch.prefetcher(make, 0, 5, 0))
+    self.assertIsNone(prefetch.prefetcher(make, 5, 5, 2))
+    with self.assertRaisesRegex(ValueError, "depth=-1"):
+      prefetch.Prefetcher(make, 0, 5, depth=-1)
+
+
+if __name__ == "__main__":
+  absltest.main()
+
+
+class LoopTest(absltest.TestCase):
+  """The training loop with batches made ahead trains exactly as with batches made in turn."""
+
+  def test_prefetching_changes_no_number_and_resumes_the_same(self):
+    import json
+    import os
+    import tempfile
+    import train_toys
+    from loka_jax.train import TrainConfig, train
+
+    def run(workdir, prefetch_depth, steps=12):
+      config = TrainConfig(steps=steps, batch_size=32, log_every=3, checkpoint_every=6,
+                           progress=False, prefetch=prefetch_depth)
+      final = train(train_toys.ToyClickModel(), train_toys.ToySource(seed=1), workdir, config)
+      with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        lines = [json.loads(line) for line in f]
+      return final, [(r["step"], r["loss"]) for r in lines]
+
+    with tempfile.TemporaryDirectory() as tmp:
+      final_0, lines_0 = run(os.path.join(tmp, "in_turn"), 0)
+      final_2, lines_2 = run(os.path.join(tmp, "ahead"), 2)
+      self.assertEqual(lines_0, lines_2)
+      self.assertEqual(final_0["logloss"], final_2["logloss"])
+      # A run stopped at step 6 and resumed with prefetching reads the same batches.
+      resumed = os.path.join(tmp, "resumed")
+      run(resumed, 2, steps=6)
+      final_r, lines_r = run(resumed, 2)
+      self.assertEqual(lines_r, lines_0)
+      self.assertEqual(final_r["logloss"], final_0["logloss"])
+
+  def test_a_bad_batch_met_ahead_stops_the_run_at_its_own_step(self):
+    import os
+    import tempfile
+    import train_toys
+    from loka_jax.data.spec import BatchError
+    from loka_jax.train import TrainConfig, train
+
+    class BadAtFour(train_toys.ToySource):
+      def train_batch(self, step, batch_size):
+        if step == 4:
+          raise BatchError("dense: non-finite value nan at row 1, column 0")
+        return super().train_batch(step, batch_size)
+
+    with tempfile.TemporaryDirectory() as tmp:
+      config = TrainConfig(steps=8, batch_size=32, log_every=1, progress=False, prefetch=3)
+      with self.assertRaisesRegex(BatchError, "non-finite value nan"):
+        train(train_toys.ToyClickModel(), BadAtFour(), tmp, config)
+      with open(os.path.join(tmp, "metrics.jsonl")) as f:
+        # Met where the loop makes batch 4: after starting step 4, before its line.
+        self.assertEqual(len(f.readlines()), 3)
