@@ -1,4 +1,4 @@
-"""PNG plots of the benchmark rows (speedup per variant per target, log-loss gap per arm), of
+"""PNG plots of the benchmark rows (speedup per variant per target, paired quality verdicts), of
 the quality runs' and shadow runs' training curves and of step profiles (where each step's
 device time goes)."""
 from __future__ import annotations
@@ -90,33 +90,79 @@ ARM_COLORS = {"bf16": "0.45", "bf16_mods": "C0", "fp8_naive": "C1", "fp8_delayed
               "loka": "C3"}
 
 
-def loss_gap_plot(rows: Sequence[Mapping], path: str) -> str:
-  """Bars: log-loss gap of every arm vs bf16 per data/model, with the neutral bound shaded."""
-  groups = quality_lib.comparisons(rows)
-  arms = [a for a in quality_lib.ARMS if a != "bf16"]
-  fig, ax = plt.subplots(figsize=(max(6, 2.0 * len(groups)), 4))
-  width = 0.8 / len(arms)
-  for g_i, c in enumerate(groups):
-    means = quality_lib.arm_means(rows, c)
-    floor = quality_lib.noise_floor(rows, c)
-    base = means.get("bf16", {}).get("logloss")
-    if floor["bound"] is not None:
-      ax.fill_between([g_i - 0.45, g_i + 0.45], -floor["bound"], floor["bound"], color="0.85")
-    for j, arm in enumerate(arms):
-      if base is None or arm not in means:
+# Marker of each paired verdict in `paired_quality_plot`.
+VERDICT_MARKERS = {"met": "o", "missed": "X", "unresolved": "s", "not applicable": "D"}
+
+
+def _short_subject(subject: str, width: int = 24) -> str:
+  """A quality subject for a tick label: synthetic data unnamed, a long Mods set cut."""
+  subject = subject.removeprefix("synthetic:")
+  head, sep, mods = subject.partition("(Mods ")
+  return head + (sep + (mods if len(mods) <= width else mods[:width - 3] + "...)")
+                 if sep else "")
+
+
+def paired_quality_plot(verdicts: Sequence[Mapping], path: str) -> Optional[str]:
+  """One panel per reference (bf16+Mods, bf16), one line per subject and judged arm: each
+  seed's paired relative change of held-out log loss (dots), their mean with its 95% CI
+  (marker by verdict; one seed: no interval) and the +0.02% margin. The x axis is symlog,
+  linear within +-0.1%, so the margin and the seeds' spread both read. None without a
+  paired quality verdict."""
+  from experiments.bench import quality_pairs
+  from loka_jax.train.metrics import NEUTRAL_REL_LOGLOSS
+  quality = [v for v in verdicts if v.get("mode") == "quality" and "changes" in v]
+  if not quality:
+    return None
+  references = [r for r in ("bf16_mods", "bf16")
+                if any(v["target"].endswith("_vs_" + r) for v in quality)]
+  lines = list(dict.fromkeys((v["subject"], v["target"].split("_quality_vs_")[0])
+                             for v in quality))
+  fig, axes = plt.subplots(1, len(references), figsize=(5.2 * len(references) + 2.2,
+                                                         1.3 + 0.2 * len(lines)),
+                           sharey=True, squeeze=False)
+  margin = 100 * NEUTRAL_REL_LOGLOSS
+  ends = [100 * x for v in quality for x in v["changes"] + list(v["ci"] or [])]
+  limit = 1.6 * max([abs(x) for x in ends] + [1.0])
+  for ax, reference in zip(axes[0], references):
+    mine = {(v["subject"], v["target"].split("_quality_vs_")[0]): v for v in quality
+            if v["target"].endswith("_vs_" + reference)}
+    for y, key in enumerate(lines):
+      v = mine.get(key)
+      if v is None:
         continue
-      ax.bar(g_i + (j - (len(arms) - 1) / 2) * width, means[arm]["logloss"] - base, width,
-             color=ARM_COLORS[arm], label=arm if g_i == 0 else None)
-  ax.axhline(0.0, color="k", lw=0.8)
-  ax.set_xticks(range(len(groups)))
-  ax.set_xticklabels([tick_label(c.subject) for c in groups], rotation=15, ha="right",
-                     fontsize=8)
-  ax.set_ylabel("held-out log loss - bf16")
-  ax.set_title("Loss gap vs bf16 (grey: neutral bound)")
-  if groups:
-    ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
+      color = ARM_COLORS.get(key[1], "0.5")
+      changes = 100 * np.asarray(v["changes"], float)
+      ax.plot(changes, np.full(len(changes), y + 0.18), ".", color=color, ms=3, alpha=0.7)
+      if v["value"] is None:
+        continue
+      mean = 100 * v["value"]
+      err = None if v["ci"] is None else [[mean - 100 * v["ci"][0]], [100 * v["ci"][1] - mean]]
+      ax.errorbar([mean], [y], xerr=err, fmt=VERDICT_MARKERS.get(v["verdict"], "o"),
+                  color=color, ms=4.5, elinewidth=1.0, capsize=2,
+                  mfc=color if v["verdict"] == "met" else "white")
+    ax.axvline(0.0, color="0.6", lw=0.6)
+    ax.axvline(margin, color="r", ls="--", lw=0.9)
+    ax.set_xscale("symlog", linthresh=0.1, linscale=1.0)
+    ax.set_xlim(-limit, limit)
+    ax.set_xlabel(f"paired change of held-out log loss vs {quality_pairs.LABELS.get(reference, reference)} (%)",
+                  fontsize=8)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.grid(axis="x", color="0.9", lw=0.5)
+  axes[0][0].set_yticks(range(len(lines)))
+  axes[0][0].set_yticklabels([f"{_short_subject(s)} | {quality_pairs.LABELS.get(a, a)}" for s, a in lines],
+                             fontsize=6.5)
+  axes[0][0].set_ylim(len(lines) - 0.5, -0.5)   # the first subject on top, as in the tables
+  handles = [plt.Line2D([], [], color=c, lw=0, marker="s", label=quality_pairs.LABELS.get(a, a))
+             for a, c in ARM_COLORS.items() if any(k[1] == a for k in lines)]
+  handles += [plt.Line2D([], [], color="k", lw=0, marker=m, mfc="k" if w == "met" else "white",
+                         label=f"mean, 95% CI: {w}") for w, m in VERDICT_MARKERS.items()]
+  handles += [plt.Line2D([], [], color="k", lw=0, marker=".", label="one seed"),
+              plt.Line2D([], [], color="r", ls="--", label=f"+{margin:g}% margin")]
+  fig.legend(handles=handles, loc="lower center", fontsize=7, ncol=5)
+  fig.suptitle("Quality, paired by seed: (arm - reference) / reference of held-out log loss",
+               fontsize=9)
+  fig.tight_layout(rect=(0, 0.55 / (1.3 + 0.2 * len(lines)), 1, 1))
+  fig.savefig(path, dpi=90)
   plt.close(fig)
   return path
 
@@ -238,8 +284,11 @@ def write_plots(rows: Sequence[Mapping], out_dir: str,
   for suite in ("towers", "models"):
     if any(r.get("suite") == suite and "train" in r for r in rows):
       paths.append(speedup_plot(rows, suite, os.path.join(out_dir, f"speedup_{suite}.png")))
-  if any(r.get("suite") == "quality" and r.get("logloss") is not None for r in rows):
-    paths.append(loss_gap_plot(rows, os.path.join(out_dir, "loss_gap.png")))
+  from experiments.bench import targets   # the verdicts the plot draws
+  path = paired_quality_plot(targets.check_quality(rows),
+                             os.path.join(out_dir, "quality_paired.png"))
+  if path:
+    paths.append(path)
   if quality_runs:
     for c in quality_lib.comparisons(rows):
       path = training_curves_plot(rows, quality_runs, c,

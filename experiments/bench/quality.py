@@ -1,13 +1,15 @@
 """The quality suite: held-out NE / log loss / AUC of the arms after a fixed number of steps,
-by the quality protocol: every arm trains with the same seed, data order and held-out set
-(>= 200k examples on synthetic teacher data), and extra bf16 seeds give the noise floor.
+by the quality protocol: paired by seed. At each seed every arm trains from the same
+initialization, data order and held-out set (>= 200k examples on synthetic teacher data), and
+each row records fingerprints of all three (`quality_pairs`), so the verdicts pair only rows
+that share them (`quality_pairs.judge`: `loka_jax.train.verdict.paired_quality`).
 
 Arms: bf16, bf16+Mods, naive FP8 (`fp8_all` with `xla_fp8_tensorwise`, no Mods), Flax's
 delayed scaling everywhere (`fp8_all` with `flax_fp8_delayed`, the fastest training peer on the
 largest tower, whose weight gradients measure 9-11 dB there) and LoKA (Mods + the target's
-plan). Synthetic data: the arms at `seed`, plus bf16 at `noise_seeds`.
-MovieLens-100K: every arm at every seed (5 by default). One row per finished run, with the
-fingerprint of the eval set it was scored on, so identical eval sets are checked, not assumed.
+plan, whose kernels its rows record as `plan_kernels`). Every arm runs at each of `seeds`
+(the bench's default: 0, 1, 2; MovieLens: 5); without `seeds`, the arms at `seed` and bf16
+alone at `noise_seeds`, which pair with nothing. One row per finished run.
 
 The recipe is Adam (embeddings: row-wise Adagrad) at constant rates from step 0. At the `large`
 presets that recipe is unstable for the first steps even in bf16 (DLRM `large` spiked to a
@@ -43,13 +45,12 @@ import jax
 import numpy as np
 
 from loka_jax import xla_env
-from experiments.bench import mods_set, pace, planning
+from experiments.bench import mods_set, pace, planning, quality_pairs
 from experiments.bench.results import ResultsFile
 from loka_jax.train import experiment, read_metrics
 from loka_jax.train.loop import RunSettingsError, TrainConfig, train
-from loka_jax.train.metrics import NEUTRAL_REL_LOGLOSS
 from loka_jax.train.optim import OptimConfig, make_optimizer
-from loka_jax.train.state import state_bytes
+from loka_jax.train.state import create_train_state, state_bytes
 
 # `warmup_steps` and `clip_norm` are absent (None) from rows of the plain recipe, and
 # `mods_set` from rows of the default Mods set (`mods_set.DEFAULT`), so rows written before
@@ -99,8 +100,8 @@ class QualitySettings:
   steps: int = 500
   batch_size: Optional[int] = None     # None: the preset's
   seed: int = 0
-  noise_seeds: Tuple[int, ...] = (1, 2)  # extra bf16 seeds (synthetic); with `seed`: >= 3
-  seeds: Tuple[int, ...] = ()          # every arm at each of these (MovieLens: 5 seeds)
+  noise_seeds: Tuple[int, ...] = (1, 2)  # bf16 alone at these (no pair), without `seeds`
+  seeds: Tuple[int, ...] = ()          # every arm at each of these: the paired seeds
   arms: Tuple[str, ...] = tuple(ARMS)
   min_eval: int = MIN_EVAL             # held-out examples (synthetic; MovieLens fixes its own)
   data_cache: Optional[str] = None
@@ -232,8 +233,12 @@ def run_arm(model: str, arm: QualityArm, seed: int, settings: QualitySettings, w
   num_eval = (num_eval_for(settings.min_eval, batch) if settings.data == "synthetic" else None)
   spec = run_spec(model, arm, seed, settings, num_eval, plan)
   built_model, source, _ = experiment.build_run(spec)
-  nbytes = state_bytes(built_model, make_optimizer(settings.optim),
-                       source.train_batch(0, batch), seed)
+  tx, first = make_optimizer(settings.optim), source.train_batch(0, batch)
+  nbytes = state_bytes(built_model, tx, first, seed)
+  # What pairs this run with the other arms' at its seed (`quality_pairs`): the data order
+  # and the initial weights, drawn by the program the run's own start then reuses.
+  paired = {"train_fingerprint": quality_pairs.train_fingerprint(source, batch, settings.steps),
+            "init_fingerprint": initial_weights_fingerprint(built_model, tx, first, seed)}
   checkpoint_every, keep = checkpoint_plan(nbytes, settings.steps, settings.keep_runs)
   config = TrainConfig(steps=settings.steps, batch_size=batch, seed=seed, eval_batch_size=batch,
                        log_every=max(settings.steps // 10, 1),
@@ -246,7 +251,15 @@ def run_arm(model: str, arm: QualityArm, seed: int, settings: QualitySettings, w
           "peak_loss": final.get("peak_loss"), "peak_step": final.get("peak_step"),
           "batch_size": batch, "train_s": round(time.time() - t0, 1),
           "time_split": {k: round(v, 1) for k, v in (final.get("time_split") or {}).items()},
-          "eval_fingerprint": eval_fingerprint(source, batch), "oracle_ne": final.get("oracle_ne")}
+          "eval_fingerprint": eval_fingerprint(source, batch), "oracle_ne": final.get("oracle_ne"),
+          **paired}
+
+
+def initial_weights_fingerprint(model, tx, example_batch, seed: int) -> str:
+  """`quality_pairs.init_fingerprint` of the state a run at `seed` starts from (made and
+  dropped here: the run makes its own with the same compiled init)."""
+  return quality_pairs.init_fingerprint(create_train_state(model, tx, example_batch,
+                                                           seed).params)
 
 
 def checkpoint_plan(state_nbytes: int, steps: int, keep_runs: bool = False
@@ -314,6 +327,9 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
         complete = False
         continue
       row["plan"] = plan
+      kernels = plan_kernels(plan)
+      if kernels is not None:
+        row["plan_kernels"] = kernels
       twin = bf16_mods_twin(results, key, plan)
       if twin is not None:
         row.pop("xla_deterministic", None)  # the twin's run says how it ran, not this process
@@ -351,10 +367,21 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
 # What a LoKA row takes from the bf16+Mods run it is (`bf16_mods_twin`): the run's scores and
 # worst step, not its wall time, which would read as a second run's.
 TWIN_FIELDS = ("ne", "logloss", "auc", "oracle_ne", "num_eval_examples", "steps", "peak_loss",
-               "peak_step", "batch_size", "eval_fingerprint", "xla_deterministic")
+               "peak_step", "batch_size", "eval_fingerprint", "train_fingerprint",
+               "init_fingerprint", "xla_deterministic")
 TWIN_NOTE = ("the plan runs xla_bf16 in every pass of every site (no FP8 kernel), so the LoKA "
              "arm trains the bf16+Mods program: its scores are that arm's run at this seed, "
              "not a second run")
+
+
+def plan_kernels(plan_path: str) -> Optional[List[str]]:
+  """The kernels the plan at `plan_path` runs, sorted (None where it cannot be read: the run
+  then fails on it by name and its row records why)."""
+  from loka_jax.dispatch import PlanFileError, read_plan
+  try:
+    return sorted(read_plan(plan_path).kernel_names())
+  except (PlanFileError, OSError, ValueError):
+    return None
 
 
 def runs_bf16_mods_kernels(plan_path: str) -> bool:
@@ -483,17 +510,6 @@ def run_line(row: Mapping) -> str:
           f"{row.get('train_s', 0):.0f} s" + (
               f"; worst step {row['peak_step']}: training loss {row['peak_loss']:.3g}"
               if row.get("peak_loss") is not None else ""))
-
-
-def noise_floor(rows: Sequence[Mapping], comparison: Comparison) -> Dict:
-  """bf16 seed-to-seed std of log loss and the neutral bound max(0.02% rel, 2 std)."""
-  losses = [r["logloss"] for r in rows if comparison.holds(r) and r.get("arm") == "bf16"]
-  mean = float(np.mean(losses)) if losses else None
-  std = float(np.std(losses, ddof=1)) if len(losses) >= 2 else None
-  rel = NEUTRAL_REL_LOGLOSS * abs(mean) if mean is not None else None
-  bound = max(x for x in (rel, None if std is None else 2 * std) if x is not None) \
-      if rel is not None else None
-  return {"bf16_seeds": len(losses), "bf16_mean": mean, "bf16_std": std, "bound": bound}
 
 
 def by_seed(rows: Sequence[Mapping], comparison: Comparison, arm: str,

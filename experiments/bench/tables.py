@@ -6,6 +6,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from experiments.bench import quality as quality_lib
+from experiments.bench import quality_pairs
 from experiments.bench.mods_set import of_row, preset_label, row_subject
 from experiments.bench.variants import LABELS, VARIANTS
 
@@ -111,31 +112,55 @@ def speed_table(rows: Sequence[Mapping], suite: str) -> str:
 
 def quality_table(rows: Sequence[Mapping]) -> str:
   """Per data/model/preset and arm: mean held-out log loss, NE, AUC over its seeds, and the
-  worst training step of its runs."""
-  lines = ["| data | model | preset | arm | seeds | log loss | NE | AUC | delta log loss vs bf16 "
-           "| bf16 seed std | neutral bound | worst step's loss |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  worst training step of its runs (the verdicts pair them by seed: `quality_verdicts_table`)."""
+  lines = ["| data | model | preset | arm | seeds | log loss | NE | AUC | worst step's loss |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for c in quality_lib.comparisons(rows, scored_only=False):
     means = quality_lib.arm_means(rows, c)
-    floor = quality_lib.noise_floor(rows, c)
-    base = means.get("bf16", {}).get("logloss")
     for arm in quality_lib.ARMS:
       if arm not in means:
         continue
       m = means[arm]
-      delta = "-" if base is None else f"{m['logloss'] - base:+.5f}"
-      std = "-" if floor["bf16_std"] is None else f"{floor['bf16_std']:.5f}"
-      bound = "-" if floor["bound"] is None else f"{floor['bound']:.5f}"
       peak = (f"{m['peak_loss']:.3g} (seed {m['peak_seed']})" if "peak_loss" in m else "-")
       label = arm + (f" (bf16_mods' runs at seeds {m['twin_seeds']}: no FP8 site)"
                      if m["twin_seeds"] else "")
-      lines.append(f"| {c.data} | {c.model} | {c.preset_label} | {label} | {len(m['seeds'])} | "
-                   f"{m['logloss']:.5f} | {m.get('ne', float('nan')):.5f} | "
-                   f"{m.get('auc', float('nan')):.4f} | {delta} | {std} | {bound} | {peak} |")
+      lines.append(f"| {c.data} | {c.model} | {c.preset_label} | {label} | "
+                   f"{','.join(map(str, m['seeds']))} | {m['logloss']:.5f} | "
+                   f"{m.get('ne', float('nan')):.5f} | {m.get('auc', float('nan')):.4f} | "
+                   f"{peak} |")
   errors = [r for r in rows if r.get("suite") == "quality" and "error" in r]
   for r in errors:
     lines.append(f"| {r['data']} | {r['model']} | {r['preset']} | {r['arm']} | seed {r['seed']} "
-                 f"| error: {r['error'][:80]} | | | | | | |")
+                 f"| error: {r['error'][:80]} | | | |")
+  return "\n".join(lines)
+
+
+def _pct(x: Optional[float]) -> str:
+  return "-" if x is None else f"{100 * x:+.3f}%"
+
+
+def _seeds_needed(v: Mapping) -> str:
+  if v["verdict"] != "unresolved":
+    return "-"
+  if v["n"] < 2:
+    return ">= 2 (no spread yet)"
+  return "not resolvable" if v.get("seeds_needed") is None else str(v["seeds_needed"])
+
+
+def quality_verdicts_table(verdicts: Sequence[Mapping]) -> str:
+  """Per quality comparison, arm and reference: paired seeds, the mean paired relative change
+  of held-out log loss, its 95% CI, the verdict and, for an unresolved one, the paired seeds
+  its measured mean and spread say would resolve it."""
+  lines = ["| subject | arm | vs | paired seeds | mean change | 95% CI | verdict | seeds needed |",
+           "|---|---|---|---|---|---|---|---|"]
+  for v in verdicts:
+    if v["mode"] != "quality" or "verdict" not in v:
+      continue
+    arm, _, reference = v["target"].partition("_quality_vs_")
+    ci = "-" if v["ci"] is None else f"[{_pct(v['ci'][0])}, {_pct(v['ci'][1])}]"
+    verdict = v["verdict"] + ("" if v.get("judged") else " (peer)")
+    lines.append(f"| {v['subject']} | {quality_pairs.LABELS.get(arm, arm)} | {quality_pairs.LABELS.get(reference, reference)}"
+                 f" | {v['n']} | {_pct(v['value'])} | {ci} | {verdict} | {_seeds_needed(v)} |")
   return "\n".join(lines)
 
 
@@ -167,13 +192,22 @@ def curves_table(rows: Sequence[Mapping], runs_roots: Sequence[str]) -> str:
                     "loss |", "|---|---|---|---|---|---|---|---|"] + lines)
 
 
+def verdict_word(v: Mapping) -> str:
+  """met, MISSED, unresolved or not applicable; a target reported without a bar: its rule's
+  verdict where it has one (the FP8 peers' quality), else '-'."""
+  if v["met"] is not None:
+    return "met" if v["met"] else "MISSED"
+  return v.get("verdict") or "-"
+
+
 def targets_table(verdicts: Sequence[Mapping]) -> str:
   lines = ["| target | subject | mode | value | 95% CI / bound | need | verdict | note |",
            "|---|---|---|---|---|---|---|---|"]
   for v in verdicts:
-    value = "-" if v["value"] is None else f"{v['value']:.4g}"
-    ci = "-" if v["ci"] is None else f"[{v['ci'][0]:.4g}, {v['ci'][1]:.4g}]"
-    verdict = {True: "met", False: "MISSED", None: "-"}[v["met"]]
+    fmt = _pct if v["mode"] == "quality" else (lambda x: f"{x:.4g}")
+    value = "-" if v["value"] is None else fmt(v["value"])
+    ci = "-" if v["ci"] is None else f"[{fmt(v['ci'][0])}, {fmt(v['ci'][1])}]"
+    verdict = verdict_word(v)
     lines.append(f"| {v['target']} | {v['subject']} | {v['mode']} | {value} | {ci} | "
                  f"{v['need']} | {verdict} | {v['note']} |")
   return "\n".join(lines)
@@ -186,17 +220,18 @@ GLANCE = (("train vs bf16+Mods", "loka_not_slower_than_bf16_mods", "train"),
           ("infer vs bf16+Mods", "loka_not_slower_than_bf16_mods", "infer"),
           ("infer vs served bf16+Mods", "loka_not_slower_than_bf16_mods_served", "infer"),
           ("infer vs best peer", "loka_at_least_best_peer", "infer"),
-          ("quality: delta log loss vs bf16+Mods", "loka_quality_vs_bf16_mods", "quality"),
+          ("quality vs bf16+Mods (paired)", "loka_quality_vs_bf16_mods", "quality"),
+          ("quality vs bf16 (paired)", "loka_quality_vs_bf16", "quality"),
           ("served quality vs served bf16+Mods", "loka_served_quality", "served"))
 
 
 def _glance_cell(v: Mapping) -> str:
+  if v["mode"] == "quality":   # the paired verdict, with the mean relative change
+    return verdict_word(v) + ("" if v["value"] is None else f" ({_pct(v['value'])})")
   if v["value"] is None:
     return "-"
-  text = {"quality": f"{v['value']:+.1e}",   # a log-loss difference
-          "served": f"{v['value']:+.3%}"}.get(v["mode"], f"{v['value']:.3f}x")  # relative
-  return (text + (" MISSED" if v["met"] is False else "")
-          + (" (wide bound)" if v.get("wide_bound") else ""))
+  text = {"served": f"{v['value']:+.3%}"}.get(v["mode"], f"{v['value']:.3f}x")  # relative
+  return text + (" MISSED" if v["met"] is False else "")
 
 
 def glance_table(verdicts: Sequence[Mapping]) -> str:
@@ -214,7 +249,7 @@ def glance_table(verdicts: Sequence[Mapping]) -> str:
     cells[(subject, v["target"], v["mode"])] = v
     said = missed.setdefault(subject, [])
     text = (f"{v['target']} ({v['mode']})" if v["met"] is False else
-            v["note"] if v["value"] is None else None)
+            v["note"] if v["value"] is None and v["mode"] != "quality" else None)
     if text and text not in said:
       said.append(text)
   lines = ["| subject | " + " | ".join(h for h, _, _ in GLANCE) + " | missed |",
@@ -225,6 +260,20 @@ def glance_table(verdicts: Sequence[Mapping]) -> str:
     lines.append(f"| {subject} | " + " | ".join(row) + " | "
                  + ("; ".join(missed.get(subject, [])) or "none") + " |")
   return "\n".join(lines)
+
+
+QUALITY_RULE = (
+    "Every quality verdict is paired by seed: at each seed an arm and its reference train from "
+    "the same initialization, data order and held-out set. Per seed s, d_s = (arm - "
+    "reference) / reference of held-out log loss; the 95% confidence interval of mean(d) is "
+    "Student's t with n - 1 degrees of freedom. **Met**: the interval's upper end <= +0.02%. "
+    "**Missed**: its lower end > +0.02%. Otherwise **unresolved**, with the paired seeds at "
+    "which the half-width t(n-1) sd / sqrt(n) would put the interval wholly on one side of "
+    "+0.02% at the measured mean (\"not resolvable\" where the mean sits at the margin; one "
+    "seed measures no spread). Being better than the reference is never a miss. A LoKA plan "
+    "with no FP8 kernel runs its reference's program: **not applicable**. LoKA's verdicts are "
+    "targets; naive FP8 and Flax delayed scaling everywhere are judged by the same rule beside "
+    "it (peer). The rule is `loka_jax.train.verdict.paired_quality`.")
 
 
 def report(rows: Sequence[Mapping], verdicts: Sequence[Mapping],
@@ -238,7 +287,9 @@ def report(rows: Sequence[Mapping], verdicts: Sequence[Mapping],
     if any(r.get("suite") == suite for r in rows):
       parts += [f"## {title}", "", speed_table(rows, suite), ""]
   if any(r.get("suite") == "quality" for r in rows):
-    parts += ["## Quality", "", quality_table(rows), ""]
+    parts += ["## Quality", "", QUALITY_RULE, "", quality_pairs.pairing_summary(rows), "",
+              quality_verdicts_table(verdicts), "",
+              "### Arms by seed", "", quality_table(rows), ""]
     curves = curves_table(rows, quality_runs)
     if curves:
       parts += ["### Training curves", "", curves, ""]

@@ -1,4 +1,5 @@
-"""The benchmark's targets as a function of the result rows: met or missed, with the number and CI.
+"""The benchmark's targets as a function of the result rows: met or missed, with the number and CI;
+quality by the paired rule, which may also leave a target unresolved or not applicable.
 
 Speed ratios between two variants of one target come from their rows' raw samples, each
 normalized by the bf16 baseline timed beside it (ratio = speedup_a / speedup_b), bootstrapped;
@@ -13,9 +14,9 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from experiments.bench import mods_set
-from experiments.bench import quality as quality_lib
-from experiments.bench import served_check
+from experiments.bench import quality_pairs, served_check
 from experiments.bench.variants import PEERS
+from loka_jax.train import verdict as verdict_lib
 from loka_jax.train.metrics import NEUTRAL_REL_LOGLOSS
 
 NOT_SLOWER = 0.98
@@ -23,8 +24,6 @@ MODES = ("train", "infer")
 WUKONG_LARGE = {"train": 1.25, "infer": 1.5}
 OVER_BEST_SINGLE = 1.05
 SERVED = "bf16_mods_served"
-# Quality arms whose log-loss gap is reported beside LoKA's (no target of their own).
-REPORTED_QUALITY_ARMS = ("fp8_naive", "fp8_delayed")
 
 
 def _boot_speedup(s: Mapping, rng, n_boot: int) -> np.ndarray:
@@ -267,80 +266,63 @@ def _speed_verdicts(subject: str, model: str, preset: str,
 
 
 def check_quality(rows: Sequence[Mapping]) -> List[Dict]:
-  """LoKA quality neutral vs bf16+Mods and bf16; the FP8 peers' gaps reported beside it."""
+  """LoKA's quality against bf16+Mods and bf16 by the paired rule (`quality_pairs.judge`):
+  `verdict` met, missed, unresolved or not applicable (a plan with no FP8 site); `met` True or
+  False only where the rule resolved it. The naive and delayed FP8 arms are judged by the
+  same rule beside it (reported: `judged` False, `met` None)."""
   out = []
-  for c in quality_lib.comparisons(rows):
-    floor = quality_lib.noise_floor(rows, c)
-    wide = wide_bound_note(floor)
-    means = quality_lib.arm_means(rows, c)
-    fingerprints = {fp for m in means.values() for fp in m["eval_fingerprints"]}
-    same_eval = len(fingerprints) <= 1
-    for arm in ("loka",) + REPORTED_QUALITY_ARMS:
-      if arm not in means:
-        continue
-      for base in ("bf16_mods", "bf16"):
-        if base not in means or floor["bound"] is None:
-          continue
-        # Same seeds on both sides: same initialization and data order (the protocol).
-        common = sorted(set(means[arm]["seeds"]) & set(means[base]["seeds"]))
-        if not common:
-          continue
-        paired = quality_lib.arm_means(rows, c, seeds=common)
-        delta = paired[arm]["logloss"] - paired[base]["logloss"]
-        met = abs(delta) <= floor["bound"] if arm == "loka" else None
-        note = (f"bound max(0.02% rel, 2 x bf16 std over {floor['bf16_seeds']} seeds) = "
-                f"{floor['bound']:.2e}; seeds {common}" + ("" if same_eval else "; EVAL SETS DIFFER"))
-        if len(common) > 1:
-          note += "; " + seed_detail(rows, c, arm, base, common)
-        if means[arm]["twin_seeds"]:
-          note += (f"; at seeds {means[arm]['twin_seeds']} its plan ran no FP8 kernel, so its "
-                   "rows are the bf16+Mods runs")
-        if delta < -floor["bound"]:
-          # Neutrality is two-sided, but a reader must not take a gain for a loss.
-          note += f"; {arm} is better than {base} by more than the bound"
-        if wide:
-          note += f"; {wide}"
-        out.append({"target": f"{arm}_quality_vs_{base}", "subject": c.subject,
-                    "mode": "quality", "value": delta, "ci": [-floor["bound"], floor["bound"]],
-                    "met": met if same_eval else False,
-                    "need": "|delta log loss| <= bound" if arm == "loka" else "reported",
-                    "note": note, "wide_bound": bool(wide)})
+  for c, v in quality_pairs.judge_all(rows):
+    judged = v["arm"] == "loka"
+    met = {verdict_lib.MET: True, verdict_lib.MISSED: False}.get(v["verdict"]) \
+        if judged else None
+    out.append({"target": f"{v['arm']}_quality_vs_{v['reference']}", "subject": c.subject,
+                "mode": "quality", "value": v["mean"], "ci": v["ci"], "met": met,
+                "verdict": v["verdict"], "judged": judged,
+                "need": QUALITY_NEED if judged else "reported (same rule)",
+                "note": quality_note(v), "n": v["n"], "seeds": v["seeds"],
+                "changes": v["changes"], "seeds_needed": v.get("pairs_to_resolve")})
   return out
 
 
-def seed_detail(rows: Sequence[Mapping], comparison, arm: str, base: str,
-                seeds: Sequence[int]) -> str:
-  """Each seed's log-loss change, and each run's worst training step where the rows record
-  it: a mean over three seeds can rest on one, and a loss spike in either arm is then why
-  (DCNv2 `large` on an H200)."""
-  losses = {a: quality_lib.by_seed(rows, comparison, a, seeds, "logloss") for a in (arm, base)}
-  text = "by seed " + ", ".join(f"{x - b:+.5f}" for x, b in zip(losses[arm], losses[base]))
-  peaks = {a: quality_lib.by_seed(rows, comparison, a, seeds, "peak_loss") for a in (arm, base)}
-  if all(p is not None for ps in peaks.values() for p in ps):
-    text += "; worst step's training loss by seed " + "; ".join(
-        f"{a} " + ", ".join(f"{p:.3g}" for p in ps) for a, ps in peaks.items())
-  return text
+QUALITY_NEED = (f"95% CI of the mean paired change <= +{100 * NEUTRAL_REL_LOGLOSS:g}% "
+                "(missed: its low end above)")
+
+
+def seeds_needed_text(v: Mapping) -> str:
+  """How many paired seeds would resolve an unresolved verdict, in words ('' otherwise)."""
+  if v["verdict"] != verdict_lib.UNRESOLVED:
+    return ""
+  if v.get("why"):
+    return v["why"]
+  need = v.get("pairs_to_resolve")
+  return ("not resolvable: the mean sits at the margin" if need is None else
+          f"{need} paired seeds would resolve it at this mean and spread")
+
+
+def quality_note(v: Mapping) -> str:
+  """The paired seeds, each seed's change, its runs' worst training steps where recorded (a
+  mean over three seeds can rest on one spike: DCNv2 `large` on an H200), seeds left
+  unpaired and why, and what would resolve an unresolved verdict."""
+  parts = [f"seeds {v['seeds']}" + ("" if not v["seeds"] else ": by seed " + ", ".join(
+      f"{100 * d:+.3f}%" for d in v["changes"]))]
+  peaks = v.get("peaks") or {}
+  if v["seeds"] and all(p is not None for ps in peaks.values() for p in ps):
+    parts.append("worst step's training loss by seed " + "; ".join(
+        f"{a} " + ", ".join(f"{p:.3g}" for p in ps) for a, ps in peaks.items()))
+  if v.get("unpaired"):
+    parts.append("not paired: " + ", ".join(f"seed {s} ({why})"
+                                            for s, why in v["unpaired"].items()))
+  if v["verdict"] == verdict_lib.NOT_APPLICABLE:
+    parts.append("the plan runs no FP8 kernel (it trains bf16+Mods' program)")
+  elif v.get("fp8") is None:
+    parts.append("the plan's kernels are not recorded: judged as an FP8 plan")
+  if v.get("twin_seeds"):
+    parts.append(f"at seeds {v['twin_seeds']} its rows are the bf16+Mods runs")
+  parts.append(seeds_needed_text(v))
+  return "; ".join(p for p in parts if p)
 
 
 def check_all(rows: Sequence[Mapping],
               served_reports: Optional[Mapping[served_check.ReportKey, Mapping]] = None
               ) -> List[Dict]:
   return check_speed(rows, served_reports) + check_quality(rows)
-
-
-# A bound this many times the 0.02% floor is the bf16 seeds' noise, not the budget: a "met"
-# there says less than it reads (DHEN `large` on an H200: 22x).
-WIDE_BOUND = 5.0
-
-
-def wide_bound_note(floor: Mapping) -> Optional[str]:
-  """A warning when `floor`'s bound (`quality.noise_floor`) is the bf16 seeds' spread at more
-  than WIDE_BOUND x the 0.02% relative floor, else None."""
-  mean, bound = floor.get("bf16_mean"), floor.get("bound")
-  if not mean or bound is None:
-    return None
-  ratio = bound / (NEUTRAL_REL_LOGLOSS * abs(mean))
-  if ratio <= WIDE_BOUND:
-    return None
-  return (f"the bound is the bf16 seeds' spread, {ratio:.1f}x the 0.02% floor "
-          f"({100 * bound / abs(mean):.2f}% relative): changes smaller than that pass unseen")

@@ -46,6 +46,25 @@ def _verdict_cell(verdicts: Sequence[Mapping], subject: str, mode: str) -> str:
   return "-"
 
 
+def _quality_cell(verdicts: Sequence[Mapping], row: Mapping) -> str:
+  """LoKA's paired quality verdicts against bf16+Mods on the subject's model, preset and Mods
+  set, one per training recipe: 'unresolved +0.072%, 3 seeds (warmup 50)'."""
+  subject = mods_set.row_subject(row)
+  model_preset, _, mods = subject.partition(" (Mods ")
+  cells = []
+  for v in verdicts:
+    if v["target"] != "loka_quality_vs_bf16_mods" or not v["subject"].startswith("synthetic:"):
+      continue
+    head, _, their_mods = v["subject"].removeprefix("synthetic:").partition(" (Mods ")
+    name, _, recipe = head.partition(" (")
+    if name != model_preset or their_mods != mods:
+      continue
+    mean = "" if v["value"] is None else f" {100 * v['value']:+.3f}%"
+    cells.append(f"{v['verdict']}{mean}, {v['n']} seed{'s' if v['n'] != 1 else ''}"
+                 + (f" ({recipe.rstrip(')')})" if recipe else ""))
+  return "; ".join(cells) or "-"
+
+
 def _stamp(row: Mapping, path: str, row_commits: Mapping[str, str]) -> tuple:
   """(date, commit) of a row: its own fields, else the file name's date and the commit the
   manifest records for the file (marked with a dagger: the commit that added the file)."""
@@ -67,8 +86,8 @@ def headline(rows: Sequence[Mapping], verdicts: Sequence[Mapping],
   commit."""
   loka = {mods_set.row_subject(r): r for r in rows
           if r.get("suite") in collect.SPEED_SUITES and r.get("variant") == "loka"}
-  lines = ["| subject | train vs bf16+Mods | inference vs bf16+Mods | train vs bf16 | card, jax "
-           "| date | commit | rows |", "|---|---|---|---|---|---|---|---|"]
+  lines = ["| subject | train vs bf16+Mods | inference vs bf16+Mods | train vs bf16 | quality vs "
+           "bf16+Mods | card, jax | date | commit | rows |", "|---|---|---|---|---|---|---|---|---|"]
   for subject in subjects:
     row = loka.get(subject)
     if row is None:
@@ -80,12 +99,15 @@ def headline(rows: Sequence[Mapping], verdicts: Sequence[Mapping],
         f"| {subject} | {_verdict_cell(verdicts, subject, 'train')} | "
         f"{_verdict_cell(verdicts, subject, 'infer')} | "
         f"{_ci(row['train']['speedup'], row['train']['speedup_ci'])} | "
-        f"{row['device']}, jax {row.get('jax', '-')} | {date} | {commit} | "
+        f"{_quality_cell(verdicts, row)} | {row['device']}, jax {row.get('jax', '-')} | {date} | {commit} | "
         f"`{os.path.basename(path)}` |")
   return "\n".join(lines + [
       "", "Each row is the LoKA arm (the Mods and the plan its row names) of the subject, timed "
       "as whole steps interleaved with its references in one process, >= 20 repeats: the "
-      "median ratio and its bootstrap 95% CI; MISSED: the CI's low end is below 0.98. \u2020: the row predates "
+      "median ratio and its bootstrap 95% CI; MISSED: the CI's low end is below 0.98. Quality: "
+      "LoKA's paired verdict against bf16+Mods on synthetic data (\"Quality\": met, missed, "
+      "unresolved or not applicable), its mean change and paired seeds, per training recipe. "
+      "\u2020: the row predates "
       "the `commit` field; the commit named is the one that added its file."])
 
 

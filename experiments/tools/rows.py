@@ -63,8 +63,12 @@ def main(argv):
   print(report)
   counts = {"met": sum(v["met"] is True for v in verdicts),
             "missed": sum(v["met"] is False for v in verdicts),
+            "unresolved": sum(bool(v.get("judged")) and v.get("verdict") == "unresolved"
+                              for v in verdicts),
+            "not applicable": sum(bool(v.get("judged")) and v.get("verdict") == "not applicable"
+                                  for v in verdicts),
             "reported without a bar": sum(v["met"] is None and v["value"] is not None
-                                          for v in verdicts),
+                                          and not v.get("judged") for v in verdicts),
             "not measured yet": sum(v["value"] is None for v in verdicts)}
   print(f"[report rows] {len(rows)} rows from {len(ROWS.value)} files; targets: "
         + ", ".join(f"{n} {w}" for w, n in counts.items())

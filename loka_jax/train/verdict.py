@@ -5,15 +5,24 @@ Each pair (one seed, or one held-out batch) gives the relative change
 (Student's t): *met* when its upper end is at most the bound, *missed* when its lower end is
 above it, otherwise *unresolved*, with the number of pairs the measured spread says would
 resolve it. Being better than the reference is never a miss.
+
+`paired_quality` is the quality rule every verdict on held-out log loss uses (the bench's
+quality targets, RESULTS): pairs are seeds, each arm and its reference trained from the same
+initialization, data order and held-out set; the bound is +0.02% (`NEUTRAL_REL_LOGLOSS`). A
+plan with no FP8 site runs its reference's program, so the rule does not apply to it.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from loka_jax.train.metrics import NEUTRAL_REL_LOGLOSS
+
 MET, MISSED, UNRESOLVED = "met", "missed", "unresolved"
+NOT_APPLICABLE = "not applicable"
+VERDICTS = (MET, MISSED, UNRESOLVED, NOT_APPLICABLE)
 
 # Two-sided 95% quantiles of Student's t by degrees of freedom (1..30); above 30 the normal
 # quantile is within 4% of t's.
@@ -66,3 +75,32 @@ def noninferiority(changes: Sequence[float], bound: float) -> Dict[str, Any]:
   if verdict == UNRESOLVED:
     out["pairs_to_resolve"] = _pairs_to_resolve(mean, sd, bound)
   return out
+
+
+def paired_by_seed(arm: Mapping[int, float], reference: Mapping[int, float]
+                   ) -> Tuple[List[int], np.ndarray]:
+  """(the seeds both arms hold, sorted; (arm - reference) / reference of each)."""
+  seeds = sorted(set(arm) & set(reference))
+  return seeds, relative_changes([arm[s] for s in seeds], [reference[s] for s in seeds])
+
+
+def paired_quality(arm: Mapping[int, float], reference: Mapping[int, float],
+                   bound: float = NEUTRAL_REL_LOGLOSS, applicable: bool = True
+                   ) -> Dict[str, Any]:
+  """The quality verdict of an arm against its reference from held-out log loss by seed
+  ({seed: loss}; only seeds both hold pair): `noninferiority` of the paired relative
+  changes against `bound`, plus `seeds` and `changes`. Fewer than two pairs measure no
+  spread: unresolved, with `why` and no seed count. `applicable=False` (a plan with no FP8
+  site): NOT_APPLICABLE, the changes still listed."""
+  seeds, changes = paired_by_seed(arm, reference)
+  listed = {"seeds": seeds, "changes": [float(c) for c in changes]}
+  mean = float(changes.mean()) if len(changes) and np.all(np.isfinite(changes)) else None
+  if not applicable:
+    return {"verdict": NOT_APPLICABLE, "n": len(seeds), "mean": mean, "ci": None,
+            "bound": bound, **listed}
+  if len(seeds) < 2:
+    return {"verdict": UNRESOLVED, "n": len(seeds), "mean": mean, "ci": None, "bound": bound,
+            "pairs_to_resolve": None, **listed,
+            "why": ("no seed holds both arms" if not seeds else
+                    "one paired seed measures no spread; the seed count is sized from two")}
+  return {**noninferiority(changes, bound), **listed}

@@ -115,5 +115,61 @@ class NoninferiorityTest(chex.TestCase):
       verdict.relative_changes([1.0, 2.0], [1.0])
 
 
+class PairedQualityTest(chex.TestCase):
+  """The quality rule: seeds pair, d_s = (arm - reference) / reference, bound +0.02%."""
+
+  def test_only_seeds_both_arms_hold_pair(self):
+    # Seeds 0, 1, 2 pair; 3 (arm only) and 9 (reference only) do not. Changes -0.01%, 0,
+    # +0.01%: mean 0, sd 1e-4, half-width 4.303e-4 / sqrt(3) = 2.484338e-4: unresolved.
+    arm = {0: 0.49995, 1: 0.5, 2: 0.50005, 3: 0.7}
+    ref = {0: 0.5, 1: 0.5, 2: 0.5, 9: 0.1}
+    out = verdict.paired_quality(arm, ref)
+    self.assertEqual(out["seeds"], [0, 1, 2])
+    np.testing.assert_allclose(out["changes"], [-1e-4, 0.0, 1e-4], atol=1e-15)
+    self.assertEqual((out["verdict"], out["n"], out["bound"]), (verdict.UNRESOLVED, 3, 2e-4))
+    np.testing.assert_allclose(out["ci"], [-2.484338e-4, 2.484338e-4], rtol=1e-6)
+    # gap 2e-4, sd 1e-4: n = 4 gives 3.182 / 2 = 1.591 < 2 (n = 3: 4.303 / 1.732 = 2.484)
+    self.assertEqual(out["pairs_to_resolve"], 4)
+
+  def test_met_missed_and_better(self):
+    ref = {0: 0.4, 1: 0.4, 2: 0.4}
+    arm = lambda changes: {s: 0.4 * (1 + d) for s, d in enumerate(changes)}  # noqa: E731
+    # 0, 1e-4, 2e-4: mean 1e-4, upper end 1e-4 + 2.484338e-4 = 3.484e-4 > 2e-4: unresolved
+    self.assertEqual(verdict.paired_quality(arm((0, 1e-4, 2e-4)), ref)["verdict"],
+                     verdict.UNRESOLVED)
+    # 0, 2e-5, 4e-5: upper end 2e-5 + 4.303 * 2e-5 / sqrt(3) = 6.969e-5 <= 2e-4: met
+    met = verdict.paired_quality(arm((0, 2e-5, 4e-5)), ref)
+    self.assertEqual(met["verdict"], verdict.MET)
+    self.assertAlmostEqual(met["ci"][1], 6.968675e-5, places=10)
+    # 1e-3, 2e-3, 3e-3: lower end 2e-3 - 4.303e-3 / sqrt(3) = -4.843e-4: unresolved;
+    # 5e-3, 5.1e-3, 5.2e-3: lower end 5.1e-3 - 2.484338e-4 = 4.8516e-3 > 2e-4: missed
+    self.assertEqual(verdict.paired_quality(arm((1e-3, 2e-3, 3e-3)), ref)["verdict"],
+                     verdict.UNRESOLVED)
+    self.assertEqual(verdict.paired_quality(arm((5e-3, 5.1e-3, 5.2e-3)), ref)["verdict"],
+                     verdict.MISSED)
+    # 1% better at every seed: met, never missed
+    self.assertEqual(verdict.paired_quality(arm((-0.01, -0.011, -0.009)), ref)["verdict"],
+                     verdict.MET)
+
+  def test_one_or_no_pair_is_unresolved_with_no_seed_count(self):
+    one = verdict.paired_quality({0: 0.402}, {0: 0.4, 1: 0.4})
+    self.assertEqual((one["verdict"], one["n"], one["ci"], one["pairs_to_resolve"]),
+                     (verdict.UNRESOLVED, 1, None, None))
+    self.assertAlmostEqual(one["mean"], 0.005, places=12)
+    self.assertIn("one paired seed", one["why"])
+    none = verdict.paired_quality({0: 0.4}, {1: 0.4})
+    self.assertEqual((none["verdict"], none["n"], none["mean"]), (verdict.UNRESOLVED, 0, None))
+    self.assertIn("no seed holds both arms", none["why"])
+
+  def test_a_plan_without_fp8_is_not_applicable(self):
+    out = verdict.paired_quality({0: 0.5, 1: 0.6}, {0: 0.4, 1: 0.4}, applicable=False)
+    self.assertEqual((out["verdict"], out["ci"]), (verdict.NOT_APPLICABLE, None))
+    self.assertAlmostEqual(out["mean"], 0.375, places=12)  # (0.25 + 0.5) / 2, still listed
+    self.assertNotIn("pairs_to_resolve", out)
+
+  def test_the_default_bound_is_two_hundredths_of_a_percent(self):
+    self.assertEqual(verdict.paired_quality({0: 1.0, 1: 1.0}, {0: 1.0, 1: 1.0})["bound"], 2e-4)
+
+
 if __name__ == "__main__":
   absltest.main()

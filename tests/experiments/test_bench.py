@@ -248,99 +248,96 @@ class TargetCheckTest(parameterized.TestCase):
     self.assertAlmostEqual(missed["value"], 2.0 / 1.3, delta=0.05)
     self.assertTrue(missed["met"])
 
-  def test_quality_neutral_and_not(self):
-    def q(arm, seed, logloss, fp="abc"):
-      return _quality_row("wukong", "small", arm, seed, logloss, eval_fingerprint=fp)
-    # bf16 seeds: 0.4000, 0.4002, 0.3998 -> std 2e-4, bound max(8e-5, 4e-4) = 4e-4.
-    rows = [q("bf16", 0, 0.4000), q("bf16", 1, 0.4002), q("bf16", 2, 0.3998),
-            q("bf16_mods", 0, 0.4001), q("loka", 0, 0.4003), q("fp8_naive", 0, 0.4100),
-            q("fp8_delayed", 0, 0.4010)]
-    verdicts = targets.check_quality(rows)
-    loka = _verdict(verdicts, "loka_quality_vs_bf16", "synthetic:wukong/small", "quality")
-    self.assertTrue(loka["met"])
-    self.assertAlmostEqual(loka["value"], 0.0003, places=7)  # seed 0 against seed 0
-    self.assertAlmostEqual(loka["ci"][1], 4e-4, places=6)
-    naive = _verdict(verdicts, "fp8_naive_quality_vs_bf16", "synthetic:wukong/small", "quality")
-    self.assertIsNone(naive["met"])
-    self.assertAlmostEqual(naive["value"], 0.01, places=6)
-    delayed = _verdict(verdicts, "fp8_delayed_quality_vs_bf16_mods", "synthetic:wukong/small",
-                       "quality")
-    self.assertIsNone(delayed["met"])
-    self.assertAlmostEqual(delayed["value"], 0.0009, places=6)
-    rows = rows[:-1]
-    better = _verdict(targets.check_quality(rows[:-2] + [q("loka", 0, 0.3990)]),
-                      "loka_quality_vs_bf16_mods", "synthetic:wukong/small", "quality")
-    self.assertFalse(better["met"])  # neutrality is two-sided: a gain misses it too, said so
-    self.assertIn("loka is better than bf16_mods", better["note"])
-    worse = targets.check_quality(rows[:-2] + [q("loka", 0, 0.4010)])
-    self.assertFalse(_verdict(worse, "loka_quality_vs_bf16_mods", "synthetic:wukong/small",
-                              "quality")["met"])
-    differ = targets.check_quality(rows[:-2] + [q("loka", 0, 0.4001, fp="other")])
-    self.assertFalse(_verdict(differ, "loka_quality_vs_bf16", "synthetic:wukong/small",
-                              "quality")["met"])
+  def test_quality_is_judged_paired_by_seed(self):
+    # Every reference at 0.4; an arm's loss 0.4 * (1 + d_s) gives the paired change d_s.
+    # Three changes m - e, m, m + e: sd e, half-width t(2) e / sqrt(3), t(2) = 4.303.
+    def q(arm, changes, **fields):
+      return [_quality_row("wukong", "small", arm, s, 0.4 * (1 + d), **fields)
+              for s, d in enumerate(changes)]
+    refs = q("bf16", (0, 0, 0)) + q("bf16_mods", (0, 0, 0))
 
-  def test_a_bound_the_seed_noise_widens_is_said_to_be_weak(self):
-    # DHEN large's warm-up rows (H200): bf16 seeds spread over 0.002, so the bound is about
-    # 22 x the 0.02% floor and a LoKA change of 0.07% relative passes; the note says so.
-    def q(arm, seed, logloss):
-      return _quality_row("dhen", "large", arm, seed, logloss)
-    bf16 = [0.48627, 0.48828, 0.48792]
-    rows = [q("bf16", s, v) for s, v in enumerate(bf16)] + [q("bf16_mods", 0, 0.48525),
-                                                            q("loka", 0, 0.48558)]
-    loka = _verdict(targets.check_quality(rows), "loka_quality_vs_bf16_mods",
-                    "synthetic:dhen/large", "quality")
-    self.assertTrue(loka["met"])
-    ratio = 2 * np.std(bf16, ddof=1) / (2e-4 * np.mean(bf16))
-    self.assertIn(f"the bound is the bf16 seeds' spread, {ratio:.1f}x the 0.02% floor",
-                  loka["note"])
-    self.assertTrue(loka["wide_bound"])
-    self.assertIn("| +3.3e-04 (wide bound) |",
-                  tables.glance_table(targets.check_quality(rows)))
-    # Seeds that agree within the floor give no such note.
-    tight = [q("bf16", s, 0.48627 + 1e-5 * s) for s in range(3)] + rows[3:]
-    self.assertNotIn("seeds' spread", _verdict(targets.check_quality(tight),
-                                                "loka_quality_vs_bf16_mods",
-                                                "synthetic:dhen/large", "quality")["note"])
+    def loka(changes, **fields):
+      return _verdict(targets.check_quality(refs + q("loka", changes, **fields)),
+                      "loka_quality_vs_bf16", "synthetic:wukong/small", "quality")
+    # 0, 0.005%, 0.01%: mean 5e-5, upper end 5e-5 + 4.303 * 5e-5 / sqrt(3) = 1.742169e-4.
+    met = loka((0.0, 5e-5, 1e-4))
+    self.assertEqual((met["verdict"], met["met"], met["n"]), ("met", True, 3))
+    self.assertAlmostEqual(met["value"], 5e-5, places=12)
+    self.assertAlmostEqual(met["ci"][1], 1.742169e-4, places=10)
+    self.assertIsNone(met["seeds_needed"])
+    # -0.01%, 0, +0.01%: upper end 2.484338e-4 > 2e-4 and lower end below it. With sd 1e-4,
+    # gap 2e-4: n = 3 gives 4.303 / sqrt(3) = 2.48 > 2, n = 4 gives 3.182 / 2 = 1.59 < 2.
+    open_ = loka((-1e-4, 0.0, 1e-4))
+    self.assertEqual((open_["verdict"], open_["met"]), ("unresolved", None))
+    self.assertAlmostEqual(open_["ci"][1], 2.484338e-4, places=10)
+    self.assertEqual(open_["seeds_needed"], 4)
+    self.assertIn("4 paired seeds would resolve it", open_["note"])
+    # 0.1%, 0.11%, 0.12%: lower end 1.1e-3 - 2.484338e-4 = 8.515662e-4 > 2e-4.
+    missed = loka((1e-3, 1.1e-3, 1.2e-3))
+    self.assertEqual((missed["verdict"], missed["met"]), ("missed", False))
+    self.assertAlmostEqual(missed["ci"][0], 8.515662e-4, places=10)
+    self.assertIn("by seed +0.100%, +0.110%, +0.120%", missed["note"])
+    # Far better than bf16 is met, never a miss (the old two-sided bound missed it).
+    self.assertEqual(loka((-0.01, -0.011, -0.012))["verdict"], "met")
+    # A seed scored on another held-out set is no pair: seeds 0 and 1 remain.
+    rows = refs + q("loka", (0.0, 5e-5)) + [_quality_row("wukong", "small", "loka", 2, 0.4,
+                                                         eval_fingerprint="other")]
+    two = _verdict(targets.check_quality(rows), "loka_quality_vs_bf16",
+                   "synthetic:wukong/small", "quality")
+    self.assertEqual(two["seeds"], [0, 1])
+    self.assertIn("not paired: seed 2 (eval fingerprints differ)", two["note"])
+    # A plan with no FP8 kernel is not applicable; one with an FP8 kernel is judged.
+    na = loka((0.0, 0.0, 0.0), plan_kernels=["xla_bf16"])
+    self.assertEqual((na["verdict"], na["met"], na["judged"]), ("not applicable", None, True))
+    self.assertEqual(loka((0.0, 0.0, 0.0), plan_kernels=["flax_fp8_delayed", "xla_bf16"])
+                     ["verdict"], "met")
+    # The peers are judged by the same rule beside LoKA, not as targets; one seed is
+    # unresolved with no seed count.
+    rows = refs + q("fp8_naive", (1e-3, 1.1e-3, 1.2e-3)) + q("fp8_delayed", (5e-5,))
+    naive = _verdict(targets.check_quality(rows), "fp8_naive_quality_vs_bf16_mods",
+                     "synthetic:wukong/small", "quality")
+    self.assertEqual((naive["verdict"], naive["met"], naive["judged"]),
+                     ("missed", None, False))
+    one = _verdict(targets.check_quality(rows), "fp8_delayed_quality_vs_bf16",
+                   "synthetic:wukong/small", "quality")
+    self.assertEqual((one["verdict"], one["n"], one["ci"], one["seeds_needed"]),
+                     ("unresolved", 1, None, None))
+    self.assertIn("one paired seed measures no spread", one["note"])
+    table = tables.quality_verdicts_table(targets.check_quality(rows))
+    self.assertIn("| synthetic:wukong/small | naive FP8 | bf16 | 3 | +0.110% | "
+                  "[+0.085%, +0.135%] | missed (peer) | - |", table)
+    self.assertIn("| Flax delayed everywhere | bf16+Mods | 1 | +0.005% | - | unresolved "
+                  "(peer) | >= 2 (no spread yet) |", table)
 
   def test_quality_compares_rows_of_one_recipe(self):
     def q(arm, seed, logloss, warmup=None):
       return _quality_row("dlrm", "large", arm, seed, logloss,
                           **({} if warmup is None else {"warmup_steps": warmup}))
-    # Plain recipe: LoKA 0.005 worse (missed). Warm-up recipe: its own bf16 seeds and arms,
-    # LoKA within its bound; mixing the two would pair LoKA-with-warm-up against plain bf16.
-    rows = [q("bf16", s, 0.484 + 0.001 * d) for s, d in ((0, 0), (1, 1), (2, -1))]
-    rows += [q("bf16_mods", 0, 0.482), q("loka", 0, 0.487)]
-    rows += [q("bf16", s, 0.470 + 0.0002 * d, 50) for s, d in ((0, 0), (1, 1), (2, -1))]
-    rows += [q("bf16_mods", 0, 0.4701, 50), q("loka", 0, 0.4702, 50)]
+    # Plain recipe: LoKA 1% worse at both seeds (missed). Warm-up recipe: its own arms, LoKA
+    # equal at both (met); mixing the two would pair LoKA-with-warm-up against plain bf16.
+    rows = [q(a, s, 0.5) for a in ("bf16", "bf16_mods") for s in (0, 1)]
+    rows += [q("loka", s, 0.505) for s in (0, 1)]
+    rows += [q(a, s, 0.47, 50) for a in ("bf16", "bf16_mods", "loka") for s in (0, 1)]
     verdicts = targets.check_quality(rows)
     plain = _verdict(verdicts, "loka_quality_vs_bf16_mods", "synthetic:dlrm/large", "quality")
-    self.assertFalse(plain["met"])
-    self.assertAlmostEqual(plain["value"], 0.005, places=7)
+    self.assertEqual(plain["verdict"], "missed")
+    self.assertAlmostEqual(plain["value"], 0.01, places=12)
     warm = _verdict(verdicts, "loka_quality_vs_bf16_mods", "synthetic:dlrm/large (warmup 50)",
                     "quality")
-    self.assertTrue(warm["met"])
-    self.assertAlmostEqual(warm["value"], 0.0001, places=7)
-    self.assertAlmostEqual(warm["ci"][1], 2 * 0.0002, places=6)  # its own seeds' std
+    self.assertEqual((warm["verdict"], warm["value"], warm["n"]), ("met", 0.0, 2))
     table = tables.quality_table(rows)
-    self.assertIn("| synthetic | dlrm | large (warmup 50) | loka | 1 | 0.47020 |", table)
-    self.assertIn("| synthetic | dlrm | large | loka | 1 | 0.48700 |", table)
+    self.assertIn("| synthetic | dlrm | large (warmup 50) | loka | 0,1 | 0.47000 |", table)
+    self.assertIn("| synthetic | dlrm | large | loka | 0,1 | 0.50500 |", table)
     self.assertIn("dlrm/large (warmup 50)", tables.glance_table(verdicts))
     with self.assertRaisesRegex(ValueError, "warmup_steps must be in"):
       quality.QualitySettings(steps=10, warmup_steps=11)
-    # A clipped recipe is a subject of its own too, its bound from its own bf16 seeds.
-    clipped = [q("bf16", s, 0.471 + 0.0003 * d, 50) | {"clip_norm": 1.0}
-               for s, d in ((0, 0), (1, 1), (2, -1))]
-    clipped += [q(a, 0, v, 50) | {"clip_norm": 1.0} for a, v in (("bf16_mods", 0.4712),
-                                                                  ("loka", 0.4730))]
-    verdicts = targets.check_quality(rows + clipped)
-    clip = _verdict(verdicts, "loka_quality_vs_bf16_mods",
+    # A clipped recipe is a subject of its own too.
+    clipped = [q(a, s, 0.471, 50) | {"clip_norm": 1.0} for a in ("bf16", "bf16_mods")
+               for s in (0, 1)] + [q("loka", s, 0.4719, 50) | {"clip_norm": 1.0} for s in (0, 1)]
+    clip = _verdict(targets.check_quality(rows + clipped), "loka_quality_vs_bf16_mods",
                     "synthetic:dlrm/large (warmup 50, clip 1)", "quality")
-    self.assertFalse(clip["met"])
-    self.assertAlmostEqual(clip["value"], 0.0018, places=7)
-    self.assertAlmostEqual(clip["ci"][1], 2 * 0.0003, places=6)
-    self.assertEqual(_verdict(verdicts, "loka_quality_vs_bf16_mods",
-                              "synthetic:dlrm/large (warmup 50)", "quality")["value"],
-                     warm["value"])
+    self.assertEqual(clip["verdict"], "missed")
+    self.assertAlmostEqual(clip["value"], 0.0009 / 0.471, places=12)
     with self.assertRaisesRegex(ValueError, "clip_norm must be > 0"):
       quality.QualitySettings(clip_norm=0.0)
 
@@ -355,17 +352,19 @@ class TargetCheckTest(parameterized.TestCase):
     rows += [q("loka", 0, 0.4778, 0.72), q("loka", 1, 0.4766, 0.70), q("loka", 2, 0.5036, 6.91)]
     loka = _verdict(targets.check_quality(rows), "loka_quality_vs_bf16_mods",
                     "synthetic:dcnv2/large (warmup 50)", "quality")
-    self.assertIn("by seed +0.00120, -0.00100, +0.01890", loka["note"])
+    # 0.4778 / 0.4766 - 1 = +0.252%, 0.4766 / 0.4776 - 1 = -0.209%, 0.5036 / 0.4847 - 1 =
+    # +3.899%
+    self.assertIn("by seed +0.252%, -0.209%, +3.899%", loka["note"])
     self.assertIn("worst step's training loss by seed loka 0.72, 0.7, 6.91; "
                   "bf16_mods 0.7, 0.71, 5.65", loka["note"])
-    self.assertIn("| synthetic | dcnv2 | large (warmup 50) | loka | 3 | 0.48600 | ",
+    self.assertIn("| synthetic | dcnv2 | large (warmup 50) | loka | 0,1,2 | 0.48600 | ",
                   tables.quality_table(rows))
     self.assertIn("| 6.91 (seed 2) |", tables.quality_table(rows))
     # Rows from before the worst step was kept: the seeds' changes only.
     old = [{k: v for k, v in r.items() if k not in ("peak_loss", "peak_step")} for r in rows]
     note = _verdict(targets.check_quality(old), "loka_quality_vs_bf16_mods",
                     "synthetic:dcnv2/large (warmup 50)", "quality")["note"]
-    self.assertIn("by seed +0.00120", note)
+    self.assertIn("by seed +0.252%", note)
     self.assertNotIn("worst step", note)
     self.assertNotIn("(seed 2)", tables.quality_table(old))
 
@@ -386,12 +385,15 @@ class RenderTest(absltest.TestCase):
     self.assertIn("| tower | 4096x256x8 | LoKA | 4096 |", text)
     self.assertIn("1.30 [1.29, 1.31]", text)
     self.assertIn("error: ValueError: boom", text)
-    self.assertIn("| movielens | wukong | tiny | loka | 3 | 0.50150 |", text)
-    self.assertIn("+0.00050", text)
+    self.assertIn("| movielens | wukong | tiny | loka | 0,1,2 | 0.50150 |", text)
+    # d_s = 0.0005 / (0.5 + 0.001 s): 0.1%, 0.0998%, 0.0996%, mean +0.100%, all far above
+    # +0.02%: missed.
+    self.assertIn("| movielens:wukong/tiny | LoKA | bf16 | 3 | +0.100% |", text)
+    self.assertIn("| missed | - |", text)
     out = _tempdir(self)
     paths = plots.write_plots(rows, out)
     self.assertEqual(sorted(os.path.basename(p) for p in paths),
-                     ["loss_gap.png", "speedup_towers.png"])
+                     ["quality_paired.png", "speedup_towers.png"])
     for p in paths:
       with open(p, "rb") as f:
         self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
@@ -419,7 +421,7 @@ class RenderTest(absltest.TestCase):
     out = _tempdir(self)
     paths = plots.write_plots(rows, out, quality_runs=[empty, root])
     self.assertEqual(sorted(os.path.basename(p) for p in paths),
-                     ["curves_synthetic_dcnv2_large_warmup_50.png", "loss_gap.png"])
+                     ["curves_synthetic_dcnv2_large_warmup_50.png", "quality_paired.png"])
     with open(os.path.join(out, "curves_synthetic_dcnv2_large_warmup_50.png"), "rb") as f:
       png = f.read()
     self.assertEqual(png[:8], b"\x89PNG\r\n\x1a\n")
@@ -1615,6 +1617,11 @@ class QualityProtocolTest(absltest.TestCase):
     self.assertEqual(sorted((r["arm"], r["seed"]) for r in rows),
                      [("bf16", 0), ("bf16", 1), ("fp8_naive", 0)])
     self.assertLen({r["eval_fingerprint"] for r in rows}, 1)
+    # The arms of seed 0 share the data order and the initial weights; seed 1 has its own.
+    by = {(r["arm"], r["seed"]): r for r in rows}
+    for field in ("train_fingerprint", "init_fingerprint"):
+      self.assertEqual(by["bf16", 0][field], by["fp8_naive", 0][field], field)
+      self.assertNotEqual(by["bf16", 0][field], by["bf16", 1][field], field)
     self.assertTrue(all(r["num_eval_examples"] == 128 for r in rows))  # 2 x 64 >= 100
     self.assertNotEqual(rows[0]["logloss"], rows[2]["logloss"])
     again = quality.run_model("dlrm", settings, results, out, deadline=float("inf"),
@@ -1682,8 +1689,10 @@ class QualityProtocolTest(absltest.TestCase):
     rows = {r["arm"]: r for r in results.rows()}
     twin, loka = rows["bf16_mods"], rows["loka"]
     self.assertEqual(loka["same_run_as"], "bf16_mods")
-    for field in ("logloss", "ne", "auc", "eval_fingerprint", "peak_loss", "peak_step"):
+    for field in ("logloss", "ne", "auc", "eval_fingerprint", "train_fingerprint",
+                  "init_fingerprint", "peak_loss", "peak_step"):
       self.assertEqual(loka[field], twin[field], field)
+    self.assertEqual(loka["plan_kernels"], ["xla_bf16"])
     self.assertNotIn("train_s", loka)  # no second run's time
     self.assertFalse(os.path.exists(quality.run_dir(out, loka)))
     self.assertTrue(any("no FP8 kernel" in line for line in logs), logs)
@@ -1716,6 +1725,8 @@ class QualityProtocolTest(absltest.TestCase):
                                       deadline=float("inf"), device="cpu", log=logs.append))
     loka = {r["arm"]: r for r in fresh.rows()}["loka"]
     self.assertNotIn("same_run_as", loka)
+    self.assertEqual(loka["plan_kernels"], ["xla_fp8_tensorwise"])
+    self.assertEqual(loka["init_fingerprint"], twin["init_fingerprint"])
     self.assertIn("train_s", loka)
     self.assertNotEqual(loka["logloss"], twin["logloss"])
 
@@ -1728,8 +1739,9 @@ class QualityProtocolTest(absltest.TestCase):
     self.assertNotIn("| bf16_mods (", table)
     verdict = _verdict(targets.check_quality(rows), "loka_quality_vs_bf16_mods",
                        "synthetic:dlrm/large", "quality")
-    self.assertTrue(verdict["met"])
-    self.assertIn("at seeds [0] its plan ran no FP8 kernel", verdict["note"])
+    self.assertEqual((verdict["verdict"], verdict["met"]), ("not applicable", None))
+    self.assertIn("the plan runs no FP8 kernel", verdict["note"])
+    self.assertIn("at seeds [0] its rows are the bf16+Mods runs", verdict["note"])
     self.assertNotIn("no FP8 kernel", _verdict(targets.check_quality(rows[:3] + rows[3:4] + [
         _quality_row("dlrm", "large", "loka", 0, 0.4705)]), "loka_quality_vs_bf16_mods",
         "synthetic:dlrm/large", "quality")["note"])

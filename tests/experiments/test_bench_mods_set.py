@@ -154,30 +154,33 @@ class VerdictTest(absltest.TestCase):
              "auc": 0.7, "eval_fingerprint": "e", "warmup_steps": 50}
       return row if label is None else {**row, "mods_set": label}
     # The arms without Mods ran once, in the default set; the set's comparison shares them.
-    rows = [q("bf16", s, 0.4700 + 0.0002 * d) for s, d in ((0, 0), (1, 1), (2, -1))]
-    rows += [q("fp8_naive", 0, 0.4730)]
-    rows += [q("bf16_mods", 0, 0.4716), q("loka", 0, 0.4717)]           # +0.0017 vs bf16
-    rows += [q("bf16_mods", 0, 0.4701, LABEL), q("loka", 0, 0.4702, LABEL)]
+    rows = [q("bf16", s, 0.47) for s in range(3)] + [q("fp8_naive", 0, 0.4730)]
+    rows += [q(a, s, 0.47 * 1.01) for a in ("bf16_mods", "loka") for s in range(3)]  # +1%
+    rows += [q("bf16_mods", s, 0.47, LABEL) for s in range(3)]
+    rows += [q("loka", s, 0.47 * (1 + d), LABEL) for s, d in enumerate((0.0, 1e-5, 2e-5))]
     verdicts = {v["subject"]: v for v in targets.check_quality(rows)
                 if v["target"] == "loka_quality_vs_bf16"}
-    self.assertFalse(verdicts["synthetic:dlrm/large (warmup 50)"]["met"])
+    self.assertEqual(verdicts["synthetic:dlrm/large (warmup 50)"]["verdict"], "missed")
     mine = verdicts[f"synthetic:dlrm/large (warmup 50) (Mods {LABEL})"]
-    self.assertTrue(mine["met"])
-    self.assertAlmostEqual(mine["value"], 0.0002, places=7)
-    # Its bound is the shared bf16 seeds' (2 x std 0.0002 = 0.0004 > 0.02% of 0.47).
-    self.assertIn("2 x bf16 std over 3 seeds) = 4.00e-04", mine["note"])
+    # Paired with the shared bf16 runs: 0, 0.001%, 0.002%, mean 1e-5, upper end
+    # 1e-5 + 4.303 * 1e-5 / sqrt(3) = 3.484e-5 <= 2e-4.
+    self.assertEqual(mine["verdict"], "met")
+    self.assertAlmostEqual(mine["value"], 1e-5, places=10)
+    self.assertAlmostEqual(mine["ci"][1], 3.4843e-5, places=8)
     table = tables.quality_table(rows)
-    self.assertIn(f"| synthetic | dlrm | large (warmup 50) (Mods {LABEL}) | loka | 1 |", table)
-    self.assertIn(f"| synthetic | dlrm | large (warmup 50) (Mods {LABEL}) | bf16 | 3 |", table)
-    self.assertIn(f"| synthetic | dlrm | large (warmup 50) (Mods {LABEL}) | fp8_naive | 1 |",
+    self.assertIn(f"| synthetic | dlrm | large (warmup 50) (Mods {LABEL}) | loka | 0,1,2 |",
+                  table)
+    self.assertIn(f"| synthetic | dlrm | large (warmup 50) (Mods {LABEL}) | bf16 | 0,1,2 |",
+                  table)
+    self.assertIn(f"| synthetic | dlrm | large (warmup 50) (Mods {LABEL}) | fp8_naive | 0 |",
                   table)
     # Only the arms without Mods are shared: the default set's Mods arms stay its own.
-    self.assertEqual(table.count("| bf16_mods | 1 |"), 2)
+    self.assertEqual(table.count("| bf16_mods | 0,1,2 |"), 2)
     comparison = [c for c in quality.comparisons(rows) if c.mods_set == LABEL]
     self.assertLen(comparison, 1)
     self.assertEqual(
         sorted(r["arm"] for r in rows if comparison[0].holds(r)),
-        ["bf16", "bf16", "bf16", "bf16_mods", "fp8_naive", "loka"])
+        ["bf16"] * 3 + ["bf16_mods"] * 3 + ["fp8_naive"] + ["loka"] * 3)
 
 
 class QualityRunTest(absltest.TestCase):

@@ -118,8 +118,10 @@ class GlanceTableTest(absltest.TestCase):
     self.assertIn("loka_not_slower_than_bf16_mods (train)", dlrm["missed"])
     self.assertAlmostEqual(float(dlrm["infer vs bf16+Mods"].rstrip("x")), 1.25, delta=0.02)
     self.assertNotIn("(infer)", dlrm["missed"])                     # 1.5x over the peer's 1.1x
-    # Its bf16 seeds spread over 0.002, 20x the 0.02% floor: the cell says the bound is wide.
-    self.assertEqual(dlrm["quality: delta log loss vs bf16+Mods"], "+1.0e-04 (wide bound)")
+    # One paired seed, 0.5001 against 0.5 (+0.02%): the paired verdict, unresolved.
+    self.assertEqual(dlrm["quality vs bf16+Mods (paired)"], "unresolved (+0.020%)")
+    self.assertEqual(dlrm["quality vs bf16 (paired)"], "unresolved (+0.020%)")
+    self.assertNotIn("quality", dlrm["missed"])   # unresolved is no miss
     self.assertEqual(lines["dhen/large"]["missed"], "no LoKA row yet")
 
 
