@@ -76,7 +76,8 @@ def fp8_plan(rows: Sequence[Mapping], comparison, arm: str) -> Optional[bool]:
   """Whether `arm` runs an FP8 kernel in `comparison`: the naive and delayed arms do; LoKA
   where its rows' plan (`plan_kernels`) names one. A LoKA row that took bf16+Mods' run
   (`same_run_as`) has none; rows without `plan_kernels` fall back on the LoKA speed row of
-  the same model, preset and Mods set (its `kernels`); None where neither says."""
+  the same model, preset and Mods set (its `kernels`), then on bf16+Mods' scores (identical
+  at every seed: its program); None where none says."""
   if arm != "loka":
     return True
   from experiments.bench import mods_set
@@ -91,6 +92,12 @@ def fp8_plan(rows: Sequence[Mapping], comparison, arm: str) -> Optional[bool]:
              and r.get("model") == comparison.model and r.get("preset") == comparison.preset
              and (mods_set.of_row(r) or "") == comparison.mods_set]
   if not named:
+    # Bit-identical scores at every seed with bf16+Mods' runs: the same program (a plan
+    # with no FP8 kernel, on a deterministic backend such as the CPU).
+    twins = rows_by_seed(rows, comparison, "bf16_mods")
+    if arm_rows and all(r["seed"] in twins and twins[r["seed"]]["logloss"] == r["logloss"]
+                        for r in arm_rows):
+      return False
     return None
 
   def fp8(name: str) -> bool:
@@ -164,7 +171,7 @@ def pairing_summary(rows: Sequence[Mapping]) -> str:
           "also record the data order (`train_fingerprint`: the batches at the first, second, "
           "middle and last steps) and the initial weights (`init_fingerprint`: every "
           "parameter but the biases and norm scales the Mods drop), and a seed whose "
-          f"recorded fingerprints differ is left out of the pairs ({unpaired} pairs here). "
+          f"recorded fingerprints differ is left out of the pairs ({unpaired} seeds here). "
           "Rows without them rely on the code: a synthetic source's batch is a function of "
           "(task seed, seed, step) and a MovieLens source's order of its seed, and every "
           "arm draws its parameters from the seed's key by module path; "

@@ -137,10 +137,12 @@ def get_config() -> ml_collections.ConfigDict:
   # Global-norm clipping of the dense gradients in the synthetic runs (unset: none); a recipe
   # of its own, like the warm-up.
   quality.clip_norm = config_dict.placeholder(float)
-  quality.noise_seeds = "1,2"   # extra bf16 seeds beside targets.seed (the noise floor)
-  # Every arm at each of these seeds, in place of targets.seed and the bf16 noise seeds (e.g.
-  # more paired seeds of two arms in one call). Empty: targets.seed and noise_seeds.
-  quality.seeds = ""
+  # bf16 alone at these seeds beside targets.seed, when quality.seeds is empty (unpaired:
+  # the quality verdicts pair arms by seed and judge none of these).
+  quality.noise_seeds = "1,2"
+  # Every arm at each of these seeds, in place of targets.seed and the bf16 noise seeds: the
+  # paired seeds the quality verdicts need (at least 2). Empty: targets.seed and noise_seeds.
+  quality.seeds = "0,1,2"
   # Deterministic GPU ops (--xla_gpu_deterministic_ops): a run repeats bit for bit, so a loss
   # spike can be run again and read. Quality suite only, since it slows the steps; rows
   # record it.

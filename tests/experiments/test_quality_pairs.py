@@ -82,6 +82,10 @@ class PairingTest(absltest.TestCase):
              "kernels": ["xla_bf16"]}
     self.assertFalse(quality_pairs.fp8_plan(loka() + [speed], c, "loka"))
     self.assertIsNone(quality_pairs.fp8_plan(loka(), c, "loka"))
+    # ... else bf16+Mods' runs, where every seed's score is bit-identical (the CPU's).
+    self.assertFalse(quality_pairs.fp8_plan(loka() + [_row("bf16_mods", 0)], c, "loka"))
+    self.assertIsNone(quality_pairs.fp8_plan(loka() + [_row("bf16_mods", 0, logloss=0.4)], c,
+                                             "loka"))
 
 
 if __name__ == "__main__":
