@@ -74,9 +74,18 @@ def default_workers() -> int:
   return max(1, min(16, os.cpu_count() or 1))
 
 
+def compiler_options() -> Dict[str, Any]:
+  """XLA options of the probe's own functions (statistics, samplers, error evaluation). On a
+  GPU, no autotuning: XLA would time every GEMM algorithm of every function on the device
+  (most of a 100-step probe's 116 s on Wukong `small`, H200), yet these functions run a few
+  times each and what they compute does not depend on the algorithm beyond accumulation
+  order, far below the errors they measure. Kernel timing and training compile as usual."""
+  return {"xla_gpu_autotune_level": 0} if jax.default_backend() == "gpu" else {}
+
+
 def _compile(key: Tuple, fn: Callable, args: Tuple):
   try:
-    executable = fn.lower(*args).compile()
+    executable = fn.lower(*args).compile(compiler_options=compiler_options() or None)
   except BaseException:
     with _LOCK:
       _PENDING.pop(key, None)
