@@ -28,7 +28,7 @@ OUTPUTS = {
     "arms": ("arms", "report.md", "plan.png", "arms.png"),
 }
 # Settings that change nothing already computed.
-NEUTRAL = ("compilation_cache", "probe.compile_workers")
+NEUTRAL = ("compilation_cache", "probe.compile_workers", "probe.checkpoint_every")
 
 
 def flatten(settings: Mapping, prefix: str = "") -> Dict[str, object]:

@@ -44,6 +44,12 @@ WORKDIR = flags.DEFINE_string("workdir", "loka_run", "Run directory: the probe, 
                               "arms and the report; rerunning resumes every part.")
 
 CPU_KERNELS = ("xla_bf16", "xla_fp8_tensorwise", "xla_fp8_rowwise")
+# On a GPU: the kernels Dispatch selects in validated plans on the H200 (Flax's delayed
+# scaling, its forward-only and forward+dgrad twins) and XLA's rowwise FP8 dot. The other
+# registered candidates cost a probe minutes of compiles on a GPU (config.probe.kernels
+# names them).
+GPU_KERNELS = ("xla_bf16", "xla_fp8_rowwise", "flax_fp8_delayed", "flax_fp8_delayed_fwd",
+               "flax_fp8_delayed_grad_lhs")
 
 
 def _preset(run) -> str:
@@ -56,10 +62,11 @@ def _spec(run, **overrides) -> experiment.RunSpec:
                              mods=run_config.mods(run.mods) or ("all",), **overrides)
 
 
-def _train_config(run, steps: int, log_every: int) -> TrainConfig:
+def _train_config(run, steps: int, log_every: int, checkpoint_every: int = 0) -> TrainConfig:
   batch_size = run.batch_size or experiment.preset_batch_size(run.model, _preset(run))
   return TrainConfig(steps=steps, seed=run.seed, batch_size=batch_size, log_every=log_every,
-                     checkpoint_every=steps, progress=False, optim=OptimConfig())
+                     checkpoint_every=checkpoint_every or steps, progress=False,
+                     optim=OptimConfig())
 
 
 def _arms(config, plan_path: str, plan):
@@ -104,6 +111,9 @@ def main(argv):
   start = time.time()
   config, workdir = CONFIG.value, WORKDIR.value
   run, probe = config.run, config.probe
+  if probe.checkpoint_every < 0:
+    sys.exit(f"error: --config.probe.checkpoint_every={probe.checkpoint_every}: must be >= 0 "
+             "(0: the probe checkpoints only at its end)")
   experiment.quiet_library_logs()
   logging.set_verbosity(logging.WARNING)  # one line per step would bury the report
   try:
@@ -113,10 +123,10 @@ def main(argv):
   if replaced:
     print(f"== {replaced}", flush=True)
   kernels = tuple(k.strip() for k in probe.kernels.split(",") if k.strip())
-  kernels = kernels or (() if _compat.on_gpu() else CPU_KERNELS)
+  kernels = kernels or (GPU_KERNELS if _compat.on_gpu() else CPU_KERNELS)
   print(f"== probe -> dispatch -> validate: {run.model}/{_preset(run)} on {run.data} -> "
         f"{workdir}", flush=True)
-  probe_train = _train_config(run, probe.steps, 0)
+  probe_train = _train_config(run, probe.steps, 0, probe.checkpoint_every)
   try:
     result = _probe_and_plan(config, workdir, probe_train, kernels)
   except (pipeline.RunMismatchError, DataFileError, FileNotFoundError) as e:

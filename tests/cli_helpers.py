@@ -35,19 +35,45 @@ def cpu_env(**extra):
               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]), **extra)
 
 
-def run_module(module: str, *args, timeout: float = 300):
+def run_module(module: str, *args, timeout: float = 300, kill_when=None):
   """`python -m module args` from the repository root under `cpu_env`, output captured (a
-  `subprocess.CompletedProcess`; `subprocess.TimeoutExpired` past `timeout`)."""
+  `subprocess.CompletedProcess`; `subprocess.TimeoutExpired` past `timeout`).
+
+  `kill_when(stdout, stderr) -> bool`, if given, is asked every `POLL_S` seconds with the
+  run's output so far; when it answers True the run is killed with SIGKILL (what a crash or
+  the OOM killer does: no handler runs), and its returncode is -SIGKILL."""
   env = cpu_env()
   if os.environ.get("LOKA_TEST_FRESH_CLI") == "1":
-    return _fresh(module, args, env, timeout)
+    return _fresh(module, args, env, timeout, kill_when)
   with _LOCK:
-    return _forked(module, args, env, timeout)
+    return _forked(module, args, env, timeout, kill_when)
 
 
-def _fresh(module, args, env, timeout):
-  return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=timeout)
+POLL_S = 0.02   # how often `kill_when` is asked
+
+
+def _fresh(module, args, env, timeout, kill_when=None):
+  cmd = [sys.executable, "-m", module, *args]
+  if kill_when is None:
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+  with tempfile.TemporaryDirectory(prefix="loka_cli_") as tmp:
+    out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+    with open(out, "w") as fo, open(err, "w") as fe:
+      proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=fo,
+                              stderr=fe)
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None:
+      if time.monotonic() > deadline:
+        proc.kill()
+        proc.wait()
+        raise subprocess.TimeoutExpired(cmd, timeout, _read(out), _read(err))
+      if kill_when(_read(out), _read(err)):
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        break
+      time.sleep(POLL_S)
+    return subprocess.CompletedProcess(cmd, proc.returncode, _read(out), _read(err))
 
 
 # What every CLI imports from outside the repository. Importing them starts no thread but
@@ -158,7 +184,7 @@ def _settled(env):
   return {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
 
 
-def _forked(module, args, env, timeout):
+def _forked(module, args, env, timeout, kill_when=None):
   global _warm
   cmd = [sys.executable, "-m", module, *args]
   if _warm is None or _warm.env != _settled(env) or _warm.proc.poll() is not None:
@@ -178,11 +204,23 @@ def _forked(module, args, env, timeout):
       except (BrokenPipeError, _Gone):  # it could not start: a fresh interpreter instead
         _warm = None
         return _fresh(module, args, env, timeout)
-      done = warm.reply(time.monotonic() + timeout)
-      if done is None:
-        os.kill(child, signal.SIGKILL)
-        warm.reply(None)
-        raise subprocess.TimeoutExpired(cmd, timeout, _read(out), _read(err))
+      deadline = time.monotonic() + timeout
+      while True:
+        done = warm.reply(deadline if kill_when is None
+                          else min(deadline, time.monotonic() + POLL_S))
+        if done is not None:
+          break
+        if time.monotonic() >= deadline:
+          os.kill(child, signal.SIGKILL)
+          warm.reply(None)
+          raise subprocess.TimeoutExpired(cmd, timeout, _read(out), _read(err))
+        if kill_when(_read(out), _read(err)):
+          try:
+            os.kill(child, signal.SIGKILL)
+          except ProcessLookupError:   # it ended meanwhile: its own exit status stands
+            pass
+          done = warm.reply(None)
+          break
     except BaseException as e:
       # Interrupted mid-run (pytest's timeout, say): the child and the warm interpreter go,
       # so no reply of this run is read as the next one's.

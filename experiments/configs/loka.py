@@ -36,10 +36,13 @@ def get_config() -> ml_collections.ConfigDict:
   config.probe = probe = ml_collections.ConfigDict()
   probe.steps = 100      # training steps of the probe run
   probe.cadence = 25     # a statistics pass every this many steps
+  # Steps between the probe run's checkpoints, which carry its statistics: a killed job
+  # resumes its probe from the newest (0: only at the probe's end).
+  probe.checkpoint_every = 0
   probe.samples = 8      # draws per site and source
   # Candidate kernels, comma-separated. Empty: on a CPU xla_bf16, xla_fp8_tensorwise and
-  # xla_fp8_rowwise (their fast-accumulation twins compute the same there), on a GPU the
-  # probe's default list.
+  # xla_fp8_rowwise (their fast-accumulation twins compute the same there); on a GPU
+  # xla_bf16, xla_fp8_rowwise and Flax's three delayed-scaling ops (experiments/loka.py).
   probe.kernels = ""
   probe.sites = config_dict.placeholder(str)  # regex: probe only these sites (others stay bf16)
   # Threads compiling the error evaluation of upcoming sites, and the statistics pass, ahead

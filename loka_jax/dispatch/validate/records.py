@@ -25,9 +25,9 @@ class ValidationPaused(RuntimeError):
 class Progress:
   """Where a long validation saves its plan and when it must stop.
 
-  `save(plan)` is called at the start of every back-off round, before every site measured
-  within a round, and after every check, so an interrupted validation loses at most the
-  measurement it was in. `should_stop(ahead_s)`, the caller's, is asked before every round
+  `save(plan)` is called at the start of every back-off round, before and after every site
+  measured within a round, and after every check, so an interrupted validation loses at most
+  the measurement it was in. `should_stop(ahead_s)`, the caller's, is asked before every round
   and check (ahead_s 0) and before every measurement, with the seconds that measurement is
   expected to take at most (`pace`); when it says True the plan is saved and
   ValidationPaused raised. A caller with a deadline (a time.time() value) passes
@@ -241,8 +241,8 @@ def take_in_turn(plan: Plan, progress: Progress, record_step: str,
                  program_of: Optional[Callable[[Dict[str, Any]], Hashable]] = None) -> Plan:
   """Takes each pending measurement (where, its identifying fields, a call returning its
   result fields) in turn and records it at once as a `record_step` record with the
-  `seconds` it took, saving the plan before the next, so a call that stops midway keeps
-  what it measured. Before each, `progress.checkpoint` asks the caller's `should_stop` with
+  `seconds` it took, saving the plan as soon as it is recorded (before its log line), so a
+  call that stops or is killed midway keeps what it measured. Before each, `progress.checkpoint` asks the caller's `should_stop` with
   the pace of the slowest `record_step` record, from this call or an earlier one, or where
   `program_of` (fields -> the compiled program the measurement runs; None: its own) says its
   program already ran in this call, of the slowest warm one (`Progress.pace`)."""
@@ -257,8 +257,11 @@ def take_in_turn(plan: Plan, progress: Progress, record_step: str,
     result = measure()
     seconds = time.time() - start
     progress.measured(record_step, seconds, program)
-    plan = progress.note(add_validation(plan, {"step": record_step, **fields, **result,
-                                               "seconds": round(seconds, 2)}), -1)
+    plan = add_validation(plan, {"step": record_step, **fields, **result,
+                                 "seconds": round(seconds, 2)})
+    if progress.save is not None:  # saved before it is logged: a kill after its line loses
+      progress.save(plan)          # nothing the line reported
+    plan = progress.note(plan, -1)
   return plan
 
 
