@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import subprocess
@@ -34,7 +35,7 @@ RECBOLE_WHEEL_SHA256 = "9c9948202011f37eb0a7c6768129313f00d6403ad221ec940d5e2d5d
 MEMBER_DIR = "recbole/dataset_example/ml-100k"
 PARTS = ("inter", "user", "item")
 DEFAULT_CACHE = os.path.join("~", ".cache", "loka_jax", "movielens")
-CACHE_VERSION = 1
+CACHE_VERSION = 2   # the parsed cache's layout; 2: with its digest (`DIGEST_KEY`)
 
 SPARSE_NAMES = ("user", "item", "age_bucket", "gender", "occupation", "zip_prefix",
                 "release_year", "genres")
@@ -275,6 +276,44 @@ _PARSED_KEYS = ("version", "inter_user", "inter_item", "inter_rating", "inter_ti
                 "occupations", "genres", "num_users", "num_items")
 
 
+DIGEST_KEY = "digest"   # the cache's own entry: JSON {array: {dtype, shape, crc32}}
+
+
+def array_record(value: np.ndarray) -> Dict[str, object]:
+  """dtype, shape and CRC-32 of the bytes (C order) of one array of the parsed cache."""
+  value = np.ascontiguousarray(value)
+  return {"dtype": value.dtype.str, "shape": list(value.shape),
+          "crc32": f"{zlib.crc32(value.reshape(-1).view(np.uint8)):08x}"}
+
+
+def cache_digest(parsed: Dict[str, np.ndarray]) -> str:
+  """The digest entry of a parsed cache: every array's `array_record`, as JSON."""
+  return json.dumps({k: array_record(parsed[k]) for k in _PARSED_KEYS}, sort_keys=True)
+
+
+def _read_cache(cache: str, source: str) -> Dict[str, np.ndarray]:
+  """The parsed arrays of the cache file `cache`, each checked against the digest written
+  with them; any unreadable, missing or changed part is a one-line DataFileError naming the
+  file and the remedy (the cache is rebuilt from `source`)."""
+  remedy = f"delete it: it is rebuilt from {source}"
+  try:
+    with np.load(cache, allow_pickle=False) as z:
+      parsed = {k: z[k] for k in _PARSED_KEYS}
+      written = json.loads(str(z[DIGEST_KEY][()]))
+  except Exception as e:  # any unreadable cache means the same thing to the user
+    reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+    raise DataFileError(f"MovieLens cache {cache} is corrupt or truncated ({reason}); "
+                        f"{remedy}") from e
+  for key in _PARSED_KEYS:
+    found = array_record(parsed[key])
+    expected = written.get(key) if isinstance(written, dict) else None
+    if found != expected:
+      raise DataFileError(f"MovieLens cache {cache}: array {key!r} does not match its digest "
+                          f"(it holds {found}, written as {expected}): changed or damaged "
+                          f"after it was written; {remedy}")
+  return parsed
+
+
 def _content_hash(raw: Dict[str, Tuple[str, bytes]]) -> str:
   digest = hashlib.sha256()
   for part in PARTS:
@@ -283,29 +322,26 @@ def _content_hash(raw: Dict[str, Tuple[str, bytes]]) -> str:
 
 
 def load_parsed(source: str, cache_dir: Optional[str]) -> Dict[str, np.ndarray]:
-  """Parsed arrays of `source`, through an npz cache in `cache_dir` keyed by the files' hash."""
+  """Parsed arrays of `source`, through an npz cache in `cache_dir` keyed by the files' hash.
+  The cache carries the dtype, shape and CRC-32 of every array (`DIGEST_KEY`), checked when
+  it is read: a changed or damaged cache is an error naming it, never other data."""
   raw = read_raw_files(source)
   if cache_dir is None:
     return parse_files(raw)
   cache_dir = os.path.expanduser(cache_dir)
   cache = os.path.join(cache_dir, f"ml-100k.parsed.{_content_hash(raw)[:16]}.v{CACHE_VERSION}.npz")
   if os.path.exists(cache):
-    try:
-      with np.load(cache, allow_pickle=False) as z:
-        parsed = {k: z[k] for k in _PARSED_KEYS}
-    except Exception as e:  # any unreadable cache means the same thing to the user
-      raise DataFileError(f"MovieLens cache {cache} is corrupt or truncated ({type(e).__name__}: "
-                          f"{e}); delete it and run again") from e
+    parsed = _read_cache(cache, source)
     if int(parsed["version"]) != CACHE_VERSION:
       raise DataFileError(f"MovieLens cache {cache} has version {int(parsed['version'])}, "
-                          f"expected {CACHE_VERSION}; delete it and run again")
+                          f"expected {CACHE_VERSION}; delete it: it is rebuilt from {source}")
     return parsed
   parsed = parse_files(raw)
   os.makedirs(cache_dir, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".ml-100k.", suffix=".npz")
   try:
     with os.fdopen(fd, "wb") as f:
-      np.savez(f, **parsed)
+      np.savez(f, **parsed, **{DIGEST_KEY: np.asarray(cache_digest(parsed))})
     os.replace(tmp, cache)
   finally:
     if os.path.exists(tmp):

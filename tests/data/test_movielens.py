@@ -179,6 +179,27 @@ class ExamplesTest(chex.TestCase):
     with self.assertRaisesRegex(DataFileError, "corrupt or truncated.*delete it"):
       movielens.load_parsed(path, str(cache))
 
+  def test_a_changed_array_that_still_loads_fails_the_cache_digest(self):
+    # Rewritten as a valid npz (its zip CRCs and npy headers all fit) with one rating changed
+    # and the written digest kept: only the digest can tell.
+    path = _write_zip(self.tmp / "ml.zip")
+    cache = self.tmp / "cache"
+    movielens.load_parsed(path, str(cache))
+    (npz,) = [p for p in os.listdir(cache) if p.endswith(".npz")]
+    with np.load(cache / npz) as z:
+      arrays = {k: z[k] for k in z.files}
+    arrays["inter_rating"] = arrays["inter_rating"].copy()
+    arrays["inter_rating"][3] += 1.0
+    with open(cache / npz, "wb") as f:
+      np.savez(f, **arrays)
+    with self.assertRaisesRegex(DataFileError, rf"{npz}: array 'inter_rating' does not match "
+                                               r"its digest .*; delete it: it is rebuilt from "
+                                               rf".*ml\.zip$"):
+      movielens.load_parsed(path, str(cache))
+    os.remove(cache / npz)                                # as the message says: rebuilt
+    self.assertEqual(movielens.load_parsed(path, str(cache))["inter_rating"].tolist(),
+                     [float(r) for _, _, r, _ in _interactions()])
+
   def test_directory_source(self):
     folder = self.tmp / "files"
     folder.mkdir()
