@@ -45,7 +45,7 @@ def choices() -> Dict[str, Tuple[str, ...]]:
 
 
 # The least value a listed numeric field takes, by its path in the config.
-LOWER_BOUNDS = {"timing.compile_workers": 1, "timing.min_gflops": 0.0}
+LOWER_BOUNDS = {"timing.compile_workers": 1, "timing.min_gflops": 0.0, "train.prefetch": 0}
 
 
 def define_config_flag(name: str) -> flags.FlagHolder:

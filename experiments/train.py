@@ -46,7 +46,7 @@ def main(argv):
       eval_every=loop.eval_every, eval_batch_size=loop.eval_batch_size or None,
       log_every=loop.log_every, checkpoint_every=loop.checkpoint_every,
       keep_checkpoints=loop.keep_checkpoints, nan_policy=loop.nan_policy,
-      progress=loop.progress, module_norms=loop.module_norms,
+      progress=loop.progress, module_norms=loop.module_norms, prefetch=loop.prefetch,
       optim=OptimConfig(learning_rate=optim.lr, embedding_learning_rate=optim.embedding_lr,
                         warmup_steps=optim.warmup_steps, weight_decay=optim.weight_decay))
   for note in experiment.recipe_notes(spec.preset, train_config.optim):

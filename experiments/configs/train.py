@@ -29,6 +29,7 @@ def get_config() -> ml_collections.ConfigDict:
   # On a non-finite loss or gradient: stop (keeping the last good checkpoint) or skip the step.
   train.nan_policy = "stop"
   train.progress = True         # progress bar on stderr (when a terminal)
+  train.prefetch = 2            # batches made and put on the device ahead (0: in turn)
   # Each module's gradient, parameter and update norms and its output's RMS with every
   # metrics line (with log_every=1: every step), to read a loss spike with
   # `experiments.report spikes`. Adds a forward to each step.

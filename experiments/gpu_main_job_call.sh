@@ -1,0 +1,31 @@
+#!/bin/bash
+# One GPU call timing the main job as a new user meets it: `python3 -m experiments.loka` with
+# its defaults on a cold host (empty compilation cache, no timing cache), then the same command
+# again on the warm workdir. Each output line is stamped with the seconds since its start.
+#
+#   bash experiments/gpu_main_job_call.sh        (the device call carries .whl)
+#
+# Environment: WORK (/tmp/main_job), LIMIT (seconds for the cold run, 500), OUT (set on the
+# device; elsewhere $WORK/out). Arguments go to both runs, as config overrides.
+set -u
+WORK=${WORK:-/tmp/main_job}
+OUT=${OUT:-$WORK/out}
+mkdir -p "$WORK" "$OUT"
+source experiments/gpu_common.sh
+ensure_wheels || exit 1
+export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR="$WORK/jax_cache"
+stamp() { python3 -c "
+import sys, time
+t = time.time()
+for line in sys.stdin:
+  print(f'{time.time() - t:7.1f} {line}', end='', flush=True)"; }
+echo "card: $(nvidia-smi --query-gpu=name --format=csv,noheader) jax $(python3 -c 'import jax; print(jax.__version__)')"
+for run in cold warm; do
+  limit=$([ $run = cold ] && echo "${LIMIT:-500}" || echo 120)
+  start=$(date +%s.%N)
+  timeout "$limit" python3 -m experiments.loka --workdir="$WORK/run" "$@" 2>&1 | stamp > "$OUT/$run.log"
+  rc=${PIPESTATUS[0]}
+  echo "$run: rc=$rc wall=$(python3 -c "import time; print(round(time.time() - $start, 1))") s"
+done
+cp "$WORK/run/report.md" "$WORK/run/probe_report.json" "$OUT/" 2>/dev/null
+grep -h -e "^ *[0-9.]* \(==\|\[pipeline\]\|\[probe\] timing\|\[probe\] timed\)" "$OUT/cold.log" | tail -40
