@@ -17,11 +17,12 @@ import dataclasses
 import json
 import os
 import sys
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 from absl import app, flags
 
 from experiments.tools import results_sections as sections
+from experiments.tools import results_user_speed as user_speed
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -49,6 +50,7 @@ class Manifest:
   row_commits: Dict[str, str]
   why: Dict[str, str]        # `sections.miss_key` -> one line
   quality_plot: str = ""     # absolute path of the paired quality plot ('' for none)
+  user_speed: Tuple[str, ...] = ()  # absolute paths of time-to-plan and start-up rows
 
 
 def load_manifest(path: str) -> Manifest:
@@ -66,7 +68,8 @@ def load_manifest(path: str) -> Manifest:
     raise app.UsageError(f"{path}: needs 'device', 'rows' and 'served_quality' (missing: "
                          f"{', '.join(missing_keys)})")
   folder = os.path.dirname(os.path.abspath(path))
-  names = {k: list(data.get(k) or []) for k in ("rows", "served_quality", "kernels")}
+  names = {k: list(data.get(k) or []) for k in ("rows", "served_quality", "kernels",
+                                                  "user_speed")}
   missing = [n for k in names for n in names[k] if not os.path.exists(os.path.join(folder, n))]
   if missing:
     raise app.UsageError(f"{path}: names {len(missing)} missing file(s): "
@@ -77,7 +80,8 @@ def load_manifest(path: str) -> Manifest:
                   row_commits=dict(data.get("row_commits") or {}),
                   why=dict(data.get("why") or {}),
                   quality_plot=(os.path.join(folder, data["quality_plot"])
-                                if data.get("quality_plot") else ""))
+                                if data.get("quality_plot") else ""),
+                  user_speed=tuple(full["user_speed"]))
 
 
 def _evaluate(manifest: Manifest):
@@ -132,6 +136,9 @@ def page(manifest_path: str) -> str:
   extra = []
   if manifest.kernels:
     extra += ["## Kernels alone", "", sections.kernels_table(manifest.kernels), ""]
+  if manifest.user_speed:
+    extra += ["## Speed where the user sees it", "", user_speed.section(manifest.user_speed),
+              ""]
   extra += ["## Missed targets", "", sections.misses(verdicts, manifest.why), "", ""]
   body = body.replace("## Targets at a glance", "\n".join(extra) + "## Targets at a glance", 1)
   if manifest.quality_plot:
@@ -176,6 +183,8 @@ def main(argv):
         readme, headline_table(load_manifest(MANIFEST.value))) if readme is not None else None)
   except sections.ManifestError as e:
     raise app.UsageError(f"{MANIFEST.value}: {e}") from e
+  except user_speed.UserSpeedError as e:
+    raise app.UsageError(str(e)) from e
   if CHECK.value:
     stale = [p for p, want in ((OUT.value, text), (README.value, new_readme))
              if want is not None and _read(p) != want]

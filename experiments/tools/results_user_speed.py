@@ -1,0 +1,119 @@
+"""RESULTS' "Speed where the user sees it": what a user of the main job and of
+`experiments.train` waits for and gets, from committed rows (JSONL, one object a line, each
+with its sha256): the time to a plan, cold and warm (`time_to_plan`), the start-up and loop
+speed of each training arm (`startup`) and the probe's statistics pass against the training
+step (`probe_overhead`). Each row names its card, jax, date, commit and command."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from typing import Dict, List, Mapping, Sequence
+
+from loka_jax import jsonio
+
+KINDS = ("time_to_plan", "startup", "probe_overhead")
+REQUIRED = ("kind", "model", "preset", "device", "jax", "date", "commit", "command")
+
+
+class UserSpeedError(ValueError):
+  """A row file that cannot be read (the message names the file and line)."""
+
+
+def load_rows(paths: Sequence[str]) -> List[Dict]:
+  """Every row of `paths`, checked: valid JSON, its sha256, a known kind, the fields every
+  row needs."""
+  rows = []
+  for path in paths:
+    with open(path) as f:
+      for n, line in enumerate(f, 1):
+        where = f"{path}:{n}"
+        try:
+          row = json.loads(line)
+        except ValueError as e:
+          raise UserSpeedError(f"{where}: not valid JSON ({e})") from e
+        jsonio.check_digest(row, where, "row", "measure it again", UserSpeedError)
+        missing = [k for k in REQUIRED if k not in row]
+        if missing or row.get("kind") not in KINDS:
+          raise UserSpeedError(f"{where}: a user-speed row needs {', '.join(REQUIRED)} and a "
+                               f"kind among {', '.join(KINDS)} (missing: {missing})")
+        rows.append({k: v for k, v in row.items() if k != jsonio.DIGEST_FIELD})
+  return rows
+
+
+def _s(value) -> str:
+  return "-" if value is None else f"{value:.0f} s" if value >= 10 else f"{value:.1f} s"
+
+
+def _provenance(rows: Sequence[Mapping]) -> str:
+  seen = dict.fromkeys((r["device"], r["jax"], r["date"], r["commit"], r["command"])
+                       for r in rows)
+  return "; ".join(f"{d}, jax {j}, {day}, commit {c}, `{cmd}`" for d, j, day, c, cmd in seen)
+
+
+def time_to_plan_table(rows: Sequence[Mapping]) -> str:
+  lines = ["| model | candidates | cold | warm | probe training | evaluation | timing | "
+           "arms | FP8 sites |", "|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    stages = r.get("stages_s", {})
+    timing = stages.get("timing", stages.get("timing_incomplete"))
+    cold = _s(r["cold_s"]) if r.get("complete") else f"> {_s(r['cold_s'])} (stopped)"
+    lines.append(
+        f"| {r['model']}/{r['preset']} | {r['candidates']} | {cold} | {_s(r.get('warm_s'))} | "
+        f"{_s(stages.get('probe_training'))} | {_s(stages.get('evaluation'))} | "
+        f"{_s(timing)}{'' if r.get('complete') else ' (cut)'} | {_s(stages.get('arms'))} | "
+        f"{'-' if r.get('fp8_sites') is None else r['fp8_sites']} |")
+  notes = [f"- {r['model']}/{r['preset']}, {r['candidates']}: {r['note']}" for r in rows
+           if r.get("note")]
+  counts = [r["kernel_passes"] for r in rows if r.get("kernel_passes")]
+  if counts:
+    c = counts[-1]
+    notes.append(f"- Kernel passes of the complete run: {c['measured']} timed, {c['reused']} "
+                 f"reused from the card's committed table, {c['not_safe']} not timed (no site "
+                 f"of their shape admits them on accuracy), {c['dominated']} not timed "
+                 "(dominated on the card).")
+  return "\n".join(lines + [""] + notes)
+
+
+def startup_table(rows: Sequence[Mapping]) -> str:
+  lines = ["| model | arm | compilation cache | batches ahead | process start to first step | "
+           "set-up | first step | steps/s (median; windows) |", "|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    rates = r["window_steps_per_s"]
+    lines.append(
+        f"| {r['model']}/{r['preset']} | {r['arm']} | {r['cache']} | {r['prefetch']} | "
+        f"{_s(r['start_to_first_step_s'])} | {_s(r['setup_s'])} | {_s(r['first_step_s'])} | "
+        f"{statistics.median(rates):.2f} ({min(rates):.2f}-{max(rates):.2f}) |")
+  return "\n".join(lines)
+
+
+def overhead_table(rows: Sequence[Mapping]) -> str:
+  lines = ["| model | cadence (steps) | statistics pass | training step | share of training "
+           "time |", "|---|---|---|---|---|"]
+  for r in rows:
+    lines.append(f"| {r['model']}/{r['preset']} | {r['cadence']} | {r['pass_ms']:.0f} ms | "
+                 f"{r['step_ms']:.1f} ms | {100 * r['fraction']:.1f}% |")
+  return "\n".join(lines)
+
+
+def section(paths: Sequence[str]) -> str:
+  """The section's markdown (without its heading)."""
+  rows = load_rows(paths)
+  by_kind = {k: [r for r in rows if r["kind"] == k] for k in KINDS}
+  out = []
+  if by_kind["time_to_plan"]:
+    out += ["The main job (`python3 -m experiments.loka`, its defaults) on a fresh host with an "
+            "empty compilation cache (cold), then rerun on its workdir (warm):", "",
+            time_to_plan_table(by_kind["time_to_plan"]), "",
+            "Rows: " + _provenance(by_kind["time_to_plan"]) + ".", ""]
+  if by_kind["startup"]:
+    out += ["`experiments.train` per arm: seconds from process start to the first step, and "
+            "the steps/s of each 25-step metrics window after the first:", "",
+            startup_table(by_kind["startup"]), "",
+            "Rows: " + _provenance(by_kind["startup"]) + ".", ""]
+  if by_kind["probe_overhead"]:
+    out += ["The probe's statistics pass during training, at its default cadence:", "",
+            overhead_table(by_kind["probe_overhead"]), "",
+            "Rows: " + _provenance(by_kind["probe_overhead"]) + ".", ""]
+  out.append("Files: " + ", ".join(f"`{os.path.basename(p)}`" for p in paths) + ".")
+  return "\n".join(out)

@@ -1,0 +1,68 @@
+"""RESULTS' "Speed where the user sees it" from committed rows (experiments/tools/
+results_user_speed.py): the tables show the rows' numbers, and a changed, malformed or
+unknown row is refused naming its file and line."""
+import json
+import os
+import tempfile
+
+from absl.testing import absltest
+
+from experiments.tools import results_user_speed as user_speed
+from loka_jax import jsonio
+
+BASE = {"model": "wukong", "preset": "large", "device": "NVIDIA H200", "jax": "0.11.2",
+        "date": "2026-12-04", "commit": "abc1234", "command": "bash call.sh"}
+
+
+def write(rows, digest=True):
+  fd, path = tempfile.mkstemp(suffix=".jsonl")
+  with os.fdopen(fd, "w") as f:
+    for r in rows:
+      f.write(json.dumps(jsonio.with_digest(r) if digest else r) + "\n")
+  return path
+
+
+class UserSpeedTest(absltest.TestCase):
+
+  def test_the_tables_show_the_rows(self):
+    path = write([
+        {**BASE, "kind": "startup", "arm": "LoKA", "cache": "cold", "prefetch": 2,
+         "start_to_first_step_s": 124.0, "setup_s": 7.8, "first_step_s": 111.8,
+         "window_steps_per_s": [8.1, 8.3, 8.2]},
+        {**BASE, "kind": "time_to_plan", "preset": "small", "candidates": "five", "complete": True,
+         "cold_s": 295.7, "warm_s": 23.9, "fp8_sites": 3,
+         "stages_s": {"probe_training": 65.9, "evaluation": 105.7, "timing": 2.7, "arms": 93.9}},
+        {**BASE, "kind": "probe_overhead", "preset": "small", "cadence": 25, "pass_ms": 170.2,
+         "step_ms": 27.3, "fraction": 0.249}])
+    self.addCleanup(os.remove, path)
+    text = user_speed.section([path])
+    self.assertIn("| wukong/large | LoKA | cold | 2 | 124 s | 7.8 s | 112 s | 8.20 (8.10-8.30) |",
+                  text)
+    self.assertIn("| wukong/small | five | 296 s | 24 s | 66 s | 106 s | 2.7 s | 94 s | 3 |",
+                  text)
+    self.assertIn("| wukong/small | 25 | 170 ms | 27.3 ms | 24.9% |", text)
+    self.assertIn("NVIDIA H200, jax 0.11.2, 2026-12-04, commit abc1234, `bash call.sh`", text)
+
+  def test_a_changed_malformed_or_unknown_row_names_its_file_and_line(self):
+    good = {**BASE, "kind": "probe_overhead", "cadence": 25, "pass_ms": 1.0, "step_ms": 2.0,
+            "fraction": 0.02}
+    changed = jsonio.with_digest(good)
+    changed["pass_ms"] = 0.5
+    cases = {"does not match its sha256": [json.dumps(jsonio.with_digest(good)),
+                                            json.dumps(changed)],
+             "not valid JSON": [json.dumps(good)[:-3]],
+             "needs kind": [json.dumps({**good, "kind": "lunch"})],
+             "missing: \\['commit'\\]": [json.dumps({k: v for k, v in good.items()
+                                                     if k != "commit"})]}
+    for message, lines in cases.items():
+      fd, path = tempfile.mkstemp(suffix=".jsonl")
+      with os.fdopen(fd, "w") as f:
+        f.write("\n".join(lines) + "\n")
+      self.addCleanup(os.remove, path)
+      with self.assertRaisesRegex(user_speed.UserSpeedError,
+                                  f"{path}:{len(lines)}: .*{message}"):
+        user_speed.load_rows([path])
+
+
+if __name__ == "__main__":
+  absltest.main()
