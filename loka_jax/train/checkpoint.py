@@ -166,14 +166,19 @@ def write_step(directory: str, step: int, state_dict: Mapping, extras_json: Mapp
                extras_arrays: Mapping, part_bytes: int) -> str:
   """Writes checkpoint `step` atomically (see the module docstring); returns its directory."""
   final = os.path.join(directory, str(step))
+  # Several processes (jax.distributed) write one checkpoint together: orbax writes each
+  # process's shards into the same directory, the first process does the rest.
+  primary = jax.process_index() == 0
   # Unfinished writes of killed runs are never checkpoints; a large model's would fill the
   # disk (Wukong large's probe checkpoint takes 41 GB), so they go before this one is written.
-  for name in os.listdir(directory):
+  for name in os.listdir(directory) if primary else ():
     if TMP_MARK in name:
       shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
-  tmp = os.path.join(directory, f"{step}{TMP_MARK}{os.getpid()}")
+  mark = os.getpid() if jax.process_count() == 1 else "processes"
+  tmp = os.path.join(directory, f"{step}{TMP_MARK}{mark}")
   try:
-    os.makedirs(tmp)
+    os.makedirs(tmp, exist_ok=not primary)
+    _sync("loka_checkpoint_tmp")
     state_rows, state_digests = _write_arrays(
         os.path.join(tmp, STATE), flax.traverse_util.flatten_dict(dict(state_dict)), part_bytes)
     extras_rows, extras_digests = (_write_arrays(
@@ -184,10 +189,11 @@ def write_step(directory: str, step: int, state_dict: Mapping, extras_json: Mapp
         "format": FORMAT, "step": int(step), "extras_json": dict(extras_json),
         STATE: state_rows, EXTRAS: extras_rows,
         DIGESTS: {STATE: state_digests, EXTRAS: extras_digests}})
-    with open(os.path.join(tmp, LAYOUT_JSON), "w") as f:
-      json.dump(layout, f)
-      f.flush()
-      os.fsync(f.fileno())
+    if primary:
+      with open(os.path.join(tmp, LAYOUT_JSON), "w") as f:
+        json.dump(layout, f)
+        f.flush()
+        os.fsync(f.fileno())
   except OSError as e:   # a full disk or a quota
     shutil.rmtree(tmp, ignore_errors=True)
     kept = checkpoint_steps(directory)
@@ -195,8 +201,17 @@ def write_step(directory: str, step: int, state_dict: Mapping, extras_json: Mapp
         f"cannot write checkpoint {final} ({e}); "
         + (f"the previous checkpoints ({', '.join(map(str, kept))}) are intact" if kept
            else "no earlier checkpoint exists")) from e
-  commit(tmp, final)
+  if primary:
+    commit(tmp, final)
+  _sync("loka_checkpoint_commit")
   return final
+
+
+def _sync(name: str) -> None:
+  """A barrier of every process (nothing to wait for in a single-process run)."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    multihost_utils.sync_global_devices(name)
 
 
 def commit(tmp: str, final: str) -> None:
@@ -338,7 +353,7 @@ class Checkpointer:
     write_step(self.directory, step, state.to_state_dict(), json_part, array_part,
                self.part_bytes)
     earned = self.earned_step()
-    for old in self.steps()[:-self.keep]:
+    for old in self.steps()[:-self.keep] if jax.process_index() == 0 else ():
       if old != earned:
         shutil.rmtree(os.path.join(self.directory, str(old)))
     return step
