@@ -60,7 +60,10 @@ def train_sharded(model, source, workdir: str, config: loop.TrainConfig, mesh: M
   step_fn = step_lib.make_train_step(model, tx, mesh, state,
                                      step_lib.shard_batch(example, mesh), parallel,
                                      config.nan_policy)
-  writer = loop.MetricsWriter(os.path.join(workdir, "metrics.jsonl"), first)
+  # Every process computes the same global values; one of them writes the run's files.
+  primary = jax.process_index() == 0
+  writer = (loop.MetricsWriter(os.path.join(workdir, "metrics.jsonl"), first) if primary
+            else _NoWriter())
   start, losses, skipped = time.time(), [], 0
   try:
     for i in range(first, config.steps):
@@ -95,5 +98,16 @@ def train_sharded(model, source, workdir: str, config: loop.TrainConfig, mesh: M
            "seed": config.seed, "time": time.time() - start}
   final.update({k: v for k, v in run_info.items() if k not in final})
   final = json_safe(final)
-  jsonio.write_json_atomic(os.path.join(workdir, "final.json"), final, sort_keys=True)
+  if primary:
+    jsonio.write_json_atomic(os.path.join(workdir, "final.json"), final, sort_keys=True)
   return final
+
+
+class _NoWriter:
+  """The metrics writer of every process but the first."""
+
+  def write(self, record) -> None:
+    del record
+
+  def close(self) -> None:
+    pass
