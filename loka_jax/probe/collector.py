@@ -287,7 +287,7 @@ class StatisticsPass:
         out[names[name]] = (*operands[name], grads[name])
       return out
 
-    self.extract = jax.jit(extract)
+    self.extract = executables.autotuned(jax.jit(extract))
     self.updates: Dict[Any, Callable] = {}
     for site in self.sites.values():
       key = _update_key(site, config)
@@ -296,7 +296,8 @@ class StatisticsPass:
           if on_trace is not None:
             on_trace(f"update {site.spec} {site.layout.lhs.shape} {site.layout.rhs.shape}")
           return update_site_state(state, site, lhs, rhs, grad, rng_key, config)
-        self.updates[key] = jax.jit(update, donate_argnums=(0,) if donate else ())
+        self.updates[key] = executables.autotuned(
+            jax.jit(update, donate_argnums=(0,) if donate else ()))
 
   def __call__(self, state, variables, batch, rng, key):
     operands = executables.call(self.extract, variables, batch, rng)

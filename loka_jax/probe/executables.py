@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
+import weakref
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import jax
@@ -74,18 +75,30 @@ def default_workers() -> int:
   return max(1, min(16, os.cpu_count() or 1))
 
 
-def compiler_options() -> Dict[str, Any]:
-  """XLA options of the probe's own functions (statistics, samplers, error evaluation). On a
-  GPU, no autotuning: XLA would time every GEMM algorithm of every function on the device
-  (most of a 100-step probe's 116 s on Wukong `small`, H200), yet these functions run a few
-  times each and what they compute does not depend on the algorithm beyond accumulation
-  order, far below the errors they measure. Kernel timing and training compile as usual."""
-  return {"xla_gpu_autotune_level": 0} if jax.default_backend() == "gpu" else {}
+_AUTOTUNED: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def autotuned(fn: Callable) -> Callable:
+  """Marks `fn` as a function whose compile keeps XLA's autotuning (`compiler_options`)."""
+  _AUTOTUNED.add(fn)
+  return fn
+
+
+def compiler_options(fn: Optional[Callable] = None) -> Dict[str, Any]:
+  """XLA options of a probe function compiled ahead. On a GPU, no autotuning for the
+  samplers and error evaluators: XLA would time every GEMM algorithm of each on the device,
+  yet each runs a few times per site and what it computes depends on the algorithm only
+  through accumulation order, far below the errors it measures. The statistics pass runs
+  all through training, so its functions are `autotuned`; kernel timing and training do not
+  come through here."""
+  if jax.default_backend() != "gpu" or (fn is not None and fn in _AUTOTUNED):
+    return {}
+  return {"xla_gpu_autotune_level": 0}
 
 
 def _compile(key: Tuple, fn: Callable, args: Tuple):
   try:
-    executable = fn.lower(*args).compile(compiler_options=compiler_options() or None)
+    executable = fn.lower(*args).compile(compiler_options=compiler_options(fn) or None)
   except BaseException:
     with _LOCK:
       _PENDING.pop(key, None)

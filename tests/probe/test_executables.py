@@ -2,6 +2,7 @@
 numbers as jit compiling on first call, nothing compiled twice, failures left to jit. A
 whole probe takes every evaluation function compiled ahead: tests/probe/test_timing_ahead.py."""
 import threading
+from unittest import mock
 
 import chex
 import jax
@@ -48,7 +49,7 @@ class _BlockingFn:
     self.release.wait(10)
     return self
 
-  def compile(self):
+  def compile(self, compiler_options=None):
     return lambda *args: "compiled"
 
 
@@ -121,6 +122,22 @@ class ExecutablesTest(chex.TestCase):
     self.assertEqual([fn.lowered for fn in queued], [0, 0])
     self.assertEqual(executables.call(running, jnp.ones((1,))), "compiled")
     self.assertFalse(any(f in queued for f, _ in executables._PENDING))
+
+  def test_on_a_gpu_only_the_statistics_pass_compiles_with_autotuning(self):
+    sites = {"s": collector.make_site_probe("s", "mk,kn->mn", "act_weight", (8, 4), (4, 2),
+                                            CONFIG)}
+    stats_pass = collector.make_observe(lambda v, b, r: 0.0, sites, CONFIG,
+                                        {"s": jax.ShapeDtypeStruct((8, 2), jnp.float32)})
+    evaluator = jax.jit(lambda x: x * 2)
+    with mock.patch.object(jax, "default_backend", return_value="gpu"):
+      self.assertEqual(executables.compiler_options(evaluator), {"xla_gpu_autotune_level": 0})
+      for fn in (stats_pass.extract, *stats_pass.updates.values()):
+        self.assertEqual(executables.compiler_options(fn), {})
+    self.assertEqual(executables.compiler_options(evaluator), {})  # the CPU has no autotuner
+    # What the options ask for reaches XLA: a compile with them computes the same.
+    x = jnp.arange(6.0)
+    compiled = evaluator.lower(x).compile(compiler_options={"xla_gpu_autotune_level": 0})
+    np.testing.assert_array_equal(compiled(x), x * 2)
 
   def test_needs_a_worker(self):
     with self.assertRaisesRegex(ValueError, "at least one worker"):
