@@ -1,5 +1,6 @@
 """Beyond one device: meshes, row-sharded embeddings, quantized collectives, the sharded
-train step and checkpoints that restore onto another mesh (docs/PARALLEL.md)."""
+train step, checkpoints that restore onto another mesh and the bytes model of the step's
+collectives (traffic.py; docs/PARALLEL.md)."""
 from loka_jax.parallel.collectives import (MODES, Codec, all_gather, all_reduce, all_to_all,
                                            measure, reduce_scatter, tree_all_reduce)
 from loka_jax.parallel.embedding import ShardedLookup, sharded_embeddings

@@ -1,0 +1,246 @@
+"""Bytes the sharded step moves per step, per device: a model of its collectives
+(step.py, embedding.py, collectives.py) computed from shapes alone, for any tower, preset,
+mesh and payload, to set against measured interconnect traffic.
+
+Per collective of one step it gives the operand bytes one device hands the collective calls
+(`payload`: values, FP8 block scales and padding; `hlo_collectives` reads the same from a
+compiled step) and the bytes one device sends (`wire`), for a group of n devices:
+  all-reduce (fp32, bf16)   ring: 2 (n-1)/n x payload
+  all-reduce (fp8)          an all-to-all of n chunks, then an all-gather of one chunk
+                            (payload (n + 1) x chunk): 2 (n-1) x chunk
+  reduce-scatter            (n-1)/n x payload (fp8: an all-to-all, the same bytes)
+  all-gather                (n-1) x payload (each device's piece goes to the n-1 others)
+The collectives of one step:
+  grads/dense       dense gradients, all-reduced over every device, in buckets (`BUCKET_ELEMENTS`)
+  grads/tables      table-shard gradients (rows / M, padded), all-reduced over `data` (N > 1)
+  exchange/fwd      pooled partial bags [B/N, F, d] (and sequences [B/N, A, T, d]),
+                    reduce-scattered over `model` (M > 1)
+  exchange/bwd      their gradients [B/(NM), F, d], all-gathered over `model` (M > 1)
+  fp8_meta          delayed-scaling state, max-reduced over every device (fp32, any mode)
+The loss, gradient norm and global-amax scalars are left out (a few bytes each).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import jax
+import numpy as np
+
+from loka_jax.kernels import FP8_META
+from loka_jax.models.embedding import EMBEDDINGS
+from loka_jax.parallel import collectives
+from loka_jax.parallel.step import ParallelConfig, padded_rows
+
+VALUE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
+SCALE_BYTES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective of the step: what it moves, over how many devices, and its bytes."""
+  name: str           # grads/dense, grads/tables, exchange/fwd, exchange/bwd, fp8_meta
+  op: str             # all_reduce, reduce_scatter, all_gather
+  mode: str           # fp32, bf16, fp8
+  group: int          # devices taking part
+  elements: int       # values it moves (before padding)
+  payload: int        # operand bytes per device (values + scales + padding)
+  wire: int           # bytes one device sends
+
+  def to_dict(self) -> Dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+def _scales(values: int, codec: collectives.Codec, last: int) -> int:
+  """fp32 scale bytes of `values` encoded with rows of length `last` (block scales)."""
+  if codec.mode != "fp8":
+    return 0
+  block = codec.block if last % codec.block == 0 else last
+  return SCALE_BYTES * (values // block)
+
+
+def all_reduce_bytes(elements: int, n: int, codec: collectives.Codec):
+  """(payload, wire) of `collectives.all_reduce` of `elements` values over n devices."""
+  if codec.mode != "fp8":
+    payload = VALUE_BYTES[codec.mode] * elements
+    return payload, 2 * (n - 1) * payload // n
+  # Chunks of whole scale blocks, padded to n of them (collectives.all_reduce).
+  chunk = -(-elements // (n * codec.block)) * codec.block
+  piece = chunk + SCALE_BYTES * (chunk // codec.block)
+  return (n + 1) * piece, 2 * (n - 1) * piece
+
+
+def tree_all_reduce(sizes: Sequence[int], n: int, codec: collectives.Codec,
+                    bucket_elements: int = collectives.BUCKET_ELEMENTS):
+  """(payload, wire) of `collectives.tree_all_reduce` of leaves of `sizes` values: bucketed
+  exactly as it buckets them, each bucket one all-reduce."""
+  buckets, current = [], 0
+  for size in sizes:
+    if current and current + size > bucket_elements:
+      buckets.append(current)
+      current = 0
+    current += size
+  if current:
+    buckets.append(current)
+  totals = [all_reduce_bytes(b, n, codec) for b in buckets]
+  return sum(t[0] for t in totals), sum(t[1] for t in totals)
+
+
+def _exchange(name_shape: Sequence[int], m: int, codec: collectives.Codec) -> List[tuple]:
+  """(op, elements, payload, wire) of the forward reduce-scatter and backward all-gather of
+  one exchanged tensor [B/N, ..., d] over m model shards."""
+  elements = int(np.prod(name_shape))
+  last = int(name_shape[-1])
+  fwd = VALUE_BYTES[codec.mode] * elements + _scales(elements, codec, last)
+  piece_elements = elements // m
+  bwd = VALUE_BYTES[codec.mode] * piece_elements + _scales(piece_elements, codec, last)
+  return [("reduce_scatter", elements, fwd, (m - 1) * fwd // m),
+          ("all_gather", piece_elements, bwd, (m - 1) * bwd)]
+
+
+def step_collectives(params: Mapping, fp8_meta: Mapping, batch: Mapping, data: int, model: int,
+                     config: ParallelConfig = ParallelConfig()) -> List[Collective]:
+  """Every collective of one sharded step on a data:`data`,model:`model` mesh.
+
+  params, fp8_meta: the model's unpadded variables (arrays or ShapeDtypeStructs); batch: one
+  global batch (arrays or shapes; its `label` field gives the batch size B).
+  """
+  n = data * model
+  grad, embed = config.grad_codec(), config.embedding_codec()
+  tables = dict(params.get(EMBEDDINGS, {}))
+  dense = {k: v for k, v in params.items() if k != EMBEDDINGS}
+  out: List[Collective] = []
+
+  def add(name, op, codec, group, elements, payload, wire):
+    out.append(Collective(name, op, codec.mode, group, int(elements), int(payload), int(wire)))
+
+  if n > 1:
+    sizes = [int(np.prod(np.shape(x))) for x in jax.tree.leaves(dense)]
+    add("grads/dense", "all_reduce", grad, n, sum(sizes), *tree_all_reduce(sizes, n, grad))
+  if data > 1 and tables:
+    sizes = [padded_rows(int(np.shape(t)[0]), model) // model * int(np.prod(np.shape(t)[1:]))
+             for t in jax.tree.leaves(tables)]
+    add("grads/tables", "all_reduce", grad, data, sum(sizes),
+        *tree_all_reduce(sizes, data, grad))
+  if model > 1 and tables:
+    batch_size = int(np.shape(batch["label"])[0])
+    b_d = batch_size // data
+    width = int(np.shape(next(iter(tables.values())))[1])
+    shapes = [(b_d, int(np.shape(batch["sparse_ids"])[1]), width)]
+    if "seq_ids" in batch and any(k.startswith("seq_") for k in tables):
+      _, attrs, steps = (int(s) for s in np.shape(batch["seq_ids"]))
+      shapes.append((b_d, attrs, steps, width))
+    for shape in shapes:
+      for op, elements, payload, wire in _exchange(shape, model, embed):
+        name = "exchange/fwd" if op == "reduce_scatter" else "exchange/bwd"
+        add(name, op, embed, model, elements, payload, wire)
+  meta = [int(np.prod(np.shape(x))) for x in jax.tree.leaves(fp8_meta)]
+  if n > 1 and meta:
+    fp32 = collectives.Codec("fp32")
+    add("fp8_meta", "all_reduce", fp32, n, sum(meta),
+        sum(all_reduce_bytes(s, n, fp32)[0] for s in meta),
+        sum(all_reduce_bytes(s, n, fp32)[1] for s in meta))
+  return _merge(out)
+
+
+def _merge(rows: List[Collective]) -> List[Collective]:
+  """One row per (name, op): the sequence exchange adds to the bags' row."""
+  merged: Dict[tuple, Collective] = {}
+  for r in rows:
+    key = (r.name, r.op)
+    if key in merged:
+      m = merged[key]
+      r = dataclasses.replace(m, elements=m.elements + r.elements, payload=m.payload + r.payload,
+                              wire=m.wire + r.wire)
+    merged[key] = r
+  return list(merged.values())
+
+
+def model_collectives(model, example_batch, batch_size: int, data: int, model_size: int,
+                      config: ParallelConfig = ParallelConfig()) -> List[Collective]:
+  """`step_collectives` of a Flax tower training global batches of `batch_size` examples
+  shaped like `example_batch` (any batch size), from shapes only (nothing is allocated)."""
+  one = jax.tree.map(lambda x: np.asarray(x)[:1], example_batch)
+  variables = jax.eval_shape(lambda: model.init(
+      {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}, one, train=False))
+  shapes = {k: jax.ShapeDtypeStruct((batch_size,) + v.shape[1:], v.dtype)
+            for k, v in one.items()}
+  return step_collectives(variables["params"], variables.get(FP8_META, {}), shapes, data,
+                          model_size, config)
+
+
+def totals(rows: Sequence[Collective]) -> Dict[str, int]:
+  """{'payload', 'wire'} summed over a step's collectives."""
+  return {"payload": sum(r.payload for r in rows), "wire": sum(r.wire for r in rows)}
+
+
+def table(rows_by_mode: Mapping[str, Sequence[Collective]], title: Optional[str] = None) -> str:
+  """Text table of one step's bytes per collective, a column pair per payload mode."""
+  modes = list(rows_by_mode)
+  names = []
+  for rows in rows_by_mode.values():
+    names += [(r.name, r.op) for r in rows if (r.name, r.op) not in names]
+  head = f"{'collective':<14} {'op':<15} {'group':>5} {'values':>12}" + "".join(
+      f" {m + ' payload':>14} {m + ' wire':>12}" for m in modes)
+  lines = ([title] if title else []) + [head]
+  for name, op in names + [("total", "")]:
+    found = {m: [r for r in rows_by_mode[m] if (name == "total" or (r.name, r.op) == (name, op))]
+             for m in modes}
+    any_rows = next((rs for rs in found.values() if rs), [])
+    group = any_rows[0].group if any_rows and name != "total" else ""
+    values = sum(r.elements for r in any_rows) if name != "total" else ""
+    line = f"{name:<14} {op:<15} {group!s:>5} {values!s:>12}"
+    for m in modes:
+      t = totals(found[m])
+      line += f" {t['payload']:>14,} {t['wire']:>12,}"
+    lines.append(line)
+  return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- compiled steps
+
+_COLLECTIVE = re.compile(r"=\s*(?P<type>\(.*?\)|[a-z0-9]+\[[0-9,]*\]\S*)\s+(?P<op>all-reduce|"
+                         r"all-gather|all-to-all|reduce-scatter|collective-permute)(?:-start)?\(")
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_GROUPS = re.compile(r"replica_groups=(\{\{[0-9,{}]*\}\}|\[[0-9,]+\]<=\[[0-9,]+\])")
+_DTYPE_BYTES = {"pred": 1, "u8": 1, "s8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
+                "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8}
+
+
+def _group_size(line: str) -> int:
+  found = _GROUPS.search(line)
+  if not found:
+    return 1
+  text = found.group(1)
+  if text.startswith("{{"):
+    return len(text[2:].split("}")[0].split(","))
+  return int(text[1:].split("]")[0].split(",")[-1])   # [groups, size]<=[devices]
+
+
+def hlo_collectives(hlo_text: str, min_elements: int = 2) -> List[Dict[str, Any]]:
+  """Every collective of a compiled module, counting only arrays of at least `min_elements`
+  values (scalars such as the loss are left out, also when XLA combined them): {"op", "dtypes", "group", "payload"} with `payload` its operand
+  bytes per device, comparable to `Collective.payload`."""
+  found = []
+  for line in hlo_text.splitlines():
+    match = _COLLECTIVE.search(line)
+    if not match:
+      continue
+    arrays = [(d, int(np.prod([int(x) for x in dims.split(",") if x] or [1])))
+              for d, dims in _ARRAY.findall(match.group("type"))]
+    arrays = [(d, n) for d, n in arrays if n >= min_elements]   # combined scalars too
+    if not arrays:
+      continue
+    out_bytes = sum(_DTYPE_BYTES[d] * n for d, n in arrays)
+    group = _group_size(line)
+    op = match.group("op")
+    payload = (out_bytes // group if op == "all-gather" else
+               out_bytes * group if op == "reduce-scatter" else out_bytes)
+    found.append({"op": op, "dtypes": sorted({d for d, _ in arrays}), "group": group,
+                  "payload": payload})
+  return found
+
+
+__all__ = ["Collective", "all_reduce_bytes", "hlo_collectives", "model_collectives",
+           "step_collectives", "table", "totals", "tree_all_reduce"]
