@@ -43,12 +43,6 @@ TIMED = {"time_us", "time_iqr_us", "speedup", "baseline_us", "timing", "timing_n
          "cache"}
 
 
-def _cache_flag():
-  # The suite's compilation cache (tests/conftest.py): the killed runs and their reruns load
-  # what the uninterrupted run compiled.
-  return f"--config.compilation_cache={os.environ.get('JAX_COMPILATION_CACHE_DIR', '')}"
-
-
 MAIN_FLAGS = ("--config.run.model=dlrm", "--config.run.preset=tiny", "--config.run.steps=2",
               "--config.run.batch_size=64", "--config.run.num_eval=256",
               "--config.probe.steps=10", "--config.probe.cadence=5",
@@ -118,8 +112,10 @@ class KillResumeCase(chex.TestCase):
 
   @classmethod
   def run_job(cls, workdir, kill_when=None):
-    return run_module(cls.MODULE, f"--workdir={workdir}", *cls.FLAGS, _cache_flag(),
-                      timeout=300, kill_when=kill_when)
+    # Every run uses the suite's compilation cache ($JAX_COMPILATION_CACHE_DIR, from
+    # tests/conftest.py): the killed runs and the reruns load what the first run compiled.
+    return run_module(cls.MODULE, f"--workdir={workdir}", *cls.FLAGS, timeout=300,
+                      kill_when=kill_when)
 
   def workdir_at(self, name, reached=()):
     """A new workdir holding the files (`reached`, paths in the workdir) the uninterrupted
