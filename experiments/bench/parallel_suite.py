@@ -4,9 +4,10 @@ scaling efficiency and loss on 1 and N devices, with bf16 or FP8 collectives (do
 Variants of one preset: `1dev` (the training loop's own single-device step, the baseline)
 and `<n>dev_<mode>` (the sharded step on an n-device mesh `data:n,model:1`: every device
 takes its share of the batch, tables replicated; `model_axis='all'` makes it
-`data:1,model:n`, every device holding rows/n of every table, which needs every table's
-vocabulary divisible by n: the presets' Criteo-like vocabularies are not). Weak scaling (the
-default) gives n devices n x batch_size examples per step, strong keeps the global batch.
+`data:1,model:n`, every device holding rows/n of every table, padded to a multiple of n).
+Weak scaling (the default) gives n devices n x batch_size examples per step, strong keeps the
+global batch. The precision arm (`precision`, `mods`, and for `loka` the `plans` of each
+preset) is one per run: run it again for another arm (rows keep them apart).
 Rows go to WORKDIR/parallel.jsonl:
   kind=speed  one per preset: every variant timed in the same run (interleaved, except for
               the `sequential` presets whose states do not fit side by side), median step
@@ -34,6 +35,7 @@ class Settings:
   kernel: str = "xla_fp8_tensorwise"     # the kernel of every site with fp8_all
   seed: int = 0                          # parameters and data order
   mods: str = ""                         # comma-separated Mods
+  plans: Tuple[Tuple[str, str], ...] = ()  # (preset, plan file) of precision loka
   devices: Tuple[int, ...] = (1, 2)      # device counts (1: the plain step)
   collectives: Tuple[str, ...] = ("bf16", "fp8")  # collective modes of sharded variants
   model_axis: str = "1"                  # all: tables row-sharded; 1: replicated
@@ -61,13 +63,24 @@ class Settings:
                                   ("scaling", par.scaling, SCALINGS)):
       if value not in allowed:
         raise ValueError(f"--config.parallel.{field}={value}: not one of {', '.join(allowed)}")
+    plans = []
+    for item in run_config.split(run.plans):
+      preset, sep, path = item.partition(":")
+      if not sep or not path:
+        raise ValueError(f"--config.run.plans={run.plans}: {item!r} is not PRESET:PLAN_FILE")
+      plans.append((preset.strip(), path.strip()))
+    missing = [p for p in run_config.split(run.presets) if p not in dict(plans)]
+    if run.precision == "loka" and missing:
+      raise ValueError(f"--config.run.precision=loka needs a plan for every preset: "
+                       f"--config.run.plans has none for {', '.join(missing)}")
     collectives = run_config.split(par.collective_modes)
     wrong = [c for c in collectives if c not in run_config.COLLECTIVES]
     if wrong:
       raise ValueError(f"--config.parallel.collective_modes={par.collective_modes}: not one of "
                        f"{', '.join(run_config.COLLECTIVES)}")
     return cls(model=run.model, presets=run_config.split(run.presets), precision=run.precision,
-               kernel=run.kernel, seed=run.seed, mods=run.mods, devices=devices,
+               kernel=run.kernel, seed=run.seed, mods=run.mods, plans=tuple(plans),
+               devices=devices,
                collectives=collectives, model_axis=par.model_axis, scaling=par.scaling,
                batch_size=par.batch_size, repeats=speed.repeats,
                sequential=run_config.split(speed.sequential), loss_steps=loss.steps,
@@ -75,8 +88,8 @@ class Settings:
                compile_cache=limits.compile_cache)
 
 
-KEY_FIELDS = ("kind", "model", "preset", "precision", "batch_size", "scaling", "variant",
-              "loss_steps")
+KEY_FIELDS = ("kind", "model", "preset", "precision", "mods", "model_axis", "batch_size",
+              "scaling", "variant", "loss_steps")
 
 
 def _log(message: str) -> None:
@@ -197,16 +210,24 @@ def loss_row(v, source, preset, steps, device, precision):
           "wall_s": seconds}
 
 
+def arm_label(row) -> str:
+  """precision[+mods][/tables sharded] of a row: which arm and layout it measured."""
+  label = row["precision"] + (f"+{row['mods']}" if row.get("mods") else "")
+  return label + ("/sharded" if row.get("model_axis") == "all" else "")
+
+
 def print_table(rows, log):
-  log("model/preset   variant       batch   step ms (95% CI)          ex/s   thr.ratio "
-      " efficiency  loss@N")
-  losses = {(r["model"], r["preset"], r["variant"]): r for r in rows if r["kind"] == "loss"}
+  log("model/preset   arm                   variant       batch   step ms (95% CI)          "
+      "ex/s   thr.ratio  efficiency  loss@N")
+  arm = lambda r: (r["model"], r["preset"], r["precision"], r.get("mods"),  # noqa: E731
+                   r.get("model_axis"), r["batch_size"], r["scaling"])
+  losses = {arm(r) + (r["variant"],): r for r in rows if r["kind"] == "loss"}
   for r in sorted((r for r in rows if r["kind"] == "speed"),
-                  key=lambda r: (r["model"], r["preset"])):
+                  key=lambda r: tuple(str(x) for x in arm(r))):
     for name, e in r["variants"].items():
-      loss = losses.get((r["model"], r["preset"], name))
+      loss = losses.get(arm(r) + (name,))
       ci = e["ci_ms"]
-      log(f"{r['model']}/{r['preset']:<7} {name:<12} {e['batch_size']:6d} "
+      log(f"{r['model']}/{r['preset']:<7} {arm_label(r):<21} {name:<12} {e['batch_size']:6d} "
           f"{e['median_ms']:8.2f} [{ci[0]:.2f}, {ci[1]:.2f}]  {e['examples_per_s']:10.0f}  "
           f"{e.get('throughput_ratio', float('nan')):7.3f}  "
           f"{e.get('efficiency', float('nan')):9.3f}  "
@@ -243,12 +264,16 @@ def run(s: Settings, workdir: str, log: Callable[[str], None] = _log,
     if s.only and preset not in s.only and not any(n in s.only for n in names):
       continue
     spec = experiment.RunSpec(model=s.model, preset=preset, precision=s.precision,
-                              kernel=s.kernel, seed=s.seed, mods=run_config.mods(s.mods))
+                              kernel=s.kernel, seed=s.seed, mods=run_config.mods(s.mods),
+                              plan=dict(s.plans).get(preset))
     model, source, config = experiment.build_run(spec)
     batch_size = s.batch_size or int(config.batch_size)
     tx = make_optimizer(optim)
     variants = [Variant(n, model, tx, source, batch_size, s.seed, optim, s) for n in names]
+    # Rows of the defaults (no Mods, replicated tables) keep the keys they had without these.
     common_key = dict(model=spec.model, preset=preset, precision=s.precision,
+                      mods=s.mods or None,
+                      model_axis=None if s.model_axis == "1" else s.model_axis,
                       batch_size=batch_size, scaling=s.scaling)
     key = dict(kind="speed", variant="all", loss_steps=None, **common_key)
     if not rows.done(rows.key(key)):

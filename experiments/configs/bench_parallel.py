@@ -18,20 +18,22 @@ def get_config() -> ml_collections.ConfigDict:
   config.run = run = ml_collections.ConfigDict()
   run.model = "wukong"          # tower: dlrm, dcnv2, wukong, dhen, interformer
   run.presets = "small"         # comma-separated presets, each a speed row and loss rows
-  run.precision = "bf16"        # fp32 | bf16 | fp8_all (run.kernel at every site)
+  run.precision = "bf16"        # fp32 | bf16 | fp8_all (run.kernel at every site) | loka
   run.kernel = "xla_fp8_tensorwise"  # the kernel of every site with fp8_all
   run.seed = 0                  # parameters and data order
   # Comma-separated Mods: no_bias, blocknorm, hard_swish (or all); keep_bias:PATTERN keeps
   # No Bias's biases at the dense sites whose path matches the glob.
   run.mods = ""
+  # Precision loka: the plan of each preset, comma-separated PRESET:PLAN_FILE pairs.
+  run.plans = ""
 
   # The variants: device counts, collectives, table sharding and batch.
   config.parallel = parallel = ml_collections.ConfigDict()
   parallel.devices = "1,2"      # comma-separated device counts (1: the plain step)
   # Comma-separated payloads of the sharded variants' collectives: fp32, bf16, fp8.
   parallel.collective_modes = "bf16,fp8"
-  # Tables row-sharded over every device ('all': data:1,model:n; every table's vocabulary
-  # must divide by n) or replicated ('1': data:n,model:1).
+  # Tables row-sharded over every device ('all': data:1,model:n, rows padded to a multiple
+  # of n) or replicated ('1': data:n,model:1).
   parallel.model_axis = "1"
   # weak: n devices train on n x batch_size examples per step; strong: every variant uses
   # the same global batch.
