@@ -124,8 +124,10 @@ class SwitchedHeldOutTest(chex.TestCase):
     plan = KernelPlan(sites=tuple(sorted((s, wanted[s]) for s in (BAD_SITE, GOOD_SITE))),
                                default=validate.BASELINE.default)
     np.testing.assert_array_equal(both["logits"], validate.held_out(ctx, plan)["logits"])
-    # One switched model built for all of it (the per-site references built their own).
-    self.assertLen([kp for kp in builds if kp.switched], 1)
+    # At most one switched model built for all of it (the per-site references built their
+    # own; none when an earlier test of this process left a board covering these sites).
+    self.assertLessEqual(len([kp for kp in builds if kp.switched]), 1)
+    self.assertTrue(any(b.covers(wanted) for b in ctx._cache["switch_boards"]))
     # A board covers what it holds, and nothing it does not.
     board = validate.switch_board(ctx, {GOOD_SITE: wanted[GOOD_SITE]})
     self.assertEqual(sorted(board.candidates), sorted(wanted))
