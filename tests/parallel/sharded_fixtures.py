@@ -1,6 +1,9 @@
 """Tiny towers, meshes and single-device references shared by the tests/parallel modules
 (`from sharded_fixtures import ...`); every fixture is built once per test session."""
 import functools
+import os
+import re
+import shlex
 
 import jax
 import jax.numpy as jnp
@@ -56,3 +59,44 @@ def odd_state():
 def copy(tree):
   """A copy that owns its buffers (steps donate their state)."""
   return jax.tree.map(jnp.copy, tree)
+
+
+# ----------------------------------------------------------------------------- docs/PARALLEL.md
+
+DOC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "docs", "PARALLEL.md")
+
+
+def doc_commands():
+  """The shell blocks of docs/PARALLEL.md, each a list of commands; a command is
+  (environment assignments {NAME: value}, python module, [arguments]). An `export` line's
+  assignments apply to the commands after it in its block."""
+  with open(DOC) as f:
+    text = f.read()
+  blocks = re.findall(r"```\n(.*?)```", text, flags=re.S)
+  out = []
+  for block in blocks:
+    commands, exported = [], {}
+    for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+      words = shlex.split(line.rstrip("&").strip())
+      if not words:
+        continue
+      if words[0] == "export":
+        exported.update(w.split("=", 1) for w in words[1:])
+        continue
+      env = dict(exported)
+      while words and re.match(r"^[A-Z_]+=", words[0]):
+        name, value = words.pop(0).split("=", 1)
+        env[name] = value
+      if words[:2] == ["python3", "-m"]:
+        commands.append((env, words[2], words[3:]))
+    out.append(commands)
+  return out
+
+
+def with_args(args, **values):
+  """`args` with `--NAME=...` replaced (or added) for each NAME=value (dots as '__')."""
+  out = list(args)
+  for name, value in values.items():
+    flag = "--" + name.replace("__", ".")
+    out = [a for a in out if not a.startswith(flag + "=")] + [f"{flag}={value}"]
+  return out
