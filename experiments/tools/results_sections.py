@@ -111,13 +111,66 @@ def headline(rows: Sequence[Mapping], verdicts: Sequence[Mapping],
       "the `commit` field; the commit named is the one that added its file."])
 
 
-def kernels_table(paths: Sequence[str]) -> str:
-  """Per GEMM shape, each kernel's median-time ratio over bf16 (XLA's dot) with its 95% CI:
-  the kernels alone, outside any model."""
+# Dense (no sparsity) tensor-core peaks in TFLOP/s of the SXM cards, from NVIDIA's datasheets
+# ("NVIDIA H100 Tensor Core GPU" and "NVIDIA H200 Tensor Core GPU"), which list the sparse
+# figures, twice these: 3,958 TFLOP/s FP8 and 1,979 TFLOP/s BF16 for H100 SXM and H200 SXM.
+# The PCIe and NVL cards have lower clocks and peaks: no peak is claimed for them.
+DENSE_PEAK_TFLOPS = {"H100": {"fp8": 1979.0, "bf16": 989.0},
+                     "H200": {"fp8": 1979.0, "bf16": 989.0}}
+# XLA's FP8 dot as cuBLASLt runs it: per shape, the first of these variants whose row's backend
+# is cuBLASLt's FP8 GEMM is the reference of the "vs cuBLASLt" ratio.
+CUBLASLT_FP8 = "cublasLt_fp8"
+XLA_FP8_DOTS = ("xla_fp8_tensorwise", "xla_fp8_rowwise", "xla_fp8_chain")
+
+
+def dense_peak_tflops(device: str, fp8: bool):
+  """The card's dense tensor-core peak (TFLOP/s) in FP8 or bf16, or None for a card without
+  one here (not an SXM H100 or H200)."""
+  if any(word in device for word in ("PCIe", "NVL")):
+    return None
+  for card, peaks in DENSE_PEAK_TFLOPS.items():
+    if card in device:
+      return peaks["fp8" if fp8 else "bf16"]
+  return None
+
+
+def row_flops(row: Mapping):
+  """2 M K N of a row's product (2 B M K N for a batched shape named `<kind>_b<B>_<M>x<K>x<N>`,
+  as the benchmark's interaction shapes are), or None."""
+  if all(isinstance(row.get(d), int) for d in ("m", "k", "n")):
+    return 2.0 * row["m"] * row["k"] * row["n"]
+  match = re.fullmatch(r"[a-z]+_b(\d+)_(\d+)x(\d+)x(\d+)", str(row.get("shape", "")))
+  if match:
+    b, m, k, n = (int(g) for g in match.groups())
+    return 2.0 * b * m * k * n
+  return None
+
+
+def is_fp8_variant(variant: str) -> bool:
+  """bf16 kernels (`xla_bf16`, `xla_bf16_chain`) are held to the bf16 peak, the rest to FP8's."""
+  return "bf16" not in variant
+
+
+def _kernel_rows(paths: Sequence[str]):
   rows = kernels_suite.latest([r for p in paths for r in kernels_suite.load_rows(p)])
   shapes = list(dict.fromkeys(r["shape"] for r in rows))
   variants = list(dict.fromkeys(r["variant"] for r in rows))
-  cells = {(r["shape"], r["variant"]): r for r in rows}
+  return rows, shapes, variants, {(r["shape"], r["variant"]): r for r in rows}
+
+
+def _sources_note(rows, paths: Sequence[str]) -> str:
+  devices = sorted({r["device"] for r in rows if r.get("device")})
+  jax = sorted({str(r["jax"]) for r in rows if r.get("jax")})
+  return (f"{', '.join(devices)}, jax {', '.join(jax)}; files "
+          f"{', '.join('`' + os.path.basename(p) + '`' for p in paths)} "
+          "(`python3 -m experiments.bench_kernels`)")
+
+
+def kernels_table(paths: Sequence[str]) -> str:
+  """Per GEMM shape, each kernel's median-time ratio over bf16 (XLA's dot) with its 95% CI:
+  the kernels alone, outside any model; then the share of the card's peak each reaches and
+  its ratio over XLA's FP8 dot (`kernels_peak_table`)."""
+  rows, shapes, variants, cells = _kernel_rows(paths)
   lines = ["| shape | " + " | ".join(variants) + " |", "|---" * (len(variants) + 1) + "|"]
   for shape in shapes:
     out = []
@@ -126,13 +179,59 @@ def kernels_table(paths: Sequence[str]) -> str:
       ratio = (r or {}).get("speedup_vs_baseline")
       out.append("-" if not ratio else f"{ratio[1]:.2f} [{ratio[0]:.2f}, {ratio[2]:.2f}]")
     lines.append(f"| {shape} | " + " | ".join(out) + " |")
-  devices = sorted({r["device"] for r in rows if r.get("device")})
-  jax = sorted({str(r["jax"]) for r in rows if r.get("jax")})
   return "\n".join(lines + [
       "", f"Ratio of bf16's median time to the kernel's (above 1: faster than bf16), one GEMM "
-      f"per call repeated inside a jitted loop; {', '.join(devices)}, jax {', '.join(jax)}; "
-      f"files {', '.join('`' + os.path.basename(p) + '`' for p in paths)} "
-      "(`python3 -m experiments.bench_kernels`)."])
+      f"per call repeated inside a jitted loop; {_sources_note(rows, paths)}.", "",
+      kernels_peak_table(paths)])
+
+
+def _percent(fraction: float) -> str:
+  """'42%', or one decimal below 10% ('6.6%')."""
+  tenths = f"{100 * fraction:.1f}"
+  return f"{100 * fraction:.0f}%" if float(tenths) >= 10 else tenths + "%"
+
+
+def kernels_peak_table(paths: Sequence[str]) -> str:
+  """Per shape and kernel: the share of the card's dense tensor-core peak it reaches
+  (2 M K N / median time; FP8 kernels against the FP8 peak, bf16 ones against bf16's) and the
+  ratio of XLA's FP8 dot's median time (cuBLASLt, `XLA_FP8_DOTS`) to the kernel's."""
+  rows, shapes, variants, cells = _kernel_rows(paths)
+  lines = ["| shape | GFLOP | cuBLASLt FP8 dot | " + " | ".join(variants) + " |",
+           "|---" * (len(variants) + 3) + "|"]
+  above_peak = []
+  for shape in shapes:
+    shape_rows = [r for r in rows if r["shape"] == shape]
+    flops = next((f for f in map(row_flops, shape_rows) if f), None)
+    reference = next((cells[(shape, v)] for v in XLA_FP8_DOTS
+                      if (cells.get((shape, v)) or {}).get("backend") == CUBLASLT_FP8), None)
+    out = []
+    for variant in variants:
+      r = cells.get((shape, variant))
+      if r is None or not r.get("median_us"):
+        out.append("-")
+        continue
+      peak = dense_peak_tflops(r.get("device", ""), is_fp8_variant(variant))
+      achieved = None if flops is None else flops / (r["median_us"] * 1e-6) / 1e12
+      share = "-" if achieved is None or peak is None else _percent(achieved / peak)
+      if achieved is not None and peak is not None and achieved > peak:
+        share += "!"
+        above_peak.append(f"{shape} {variant}")
+      versus = ("" if reference is None else
+                f" \u00b7 {reference['median_us'] / r['median_us']:.2f}x")
+      out.append(share + versus)
+    ref_name = "-" if reference is None else reference["variant"]
+    gflop = "-" if flops is None else f"{flops / 1e9:.3g}"
+    lines.append(f"| {shape} | {gflop} | {ref_name} | " + " | ".join(out) + " |")
+  note = ("Share of the card's dense tensor-core peak each kernel reaches (2 M K N over its "
+          "median time; FP8 kernels against the FP8 peak, 1979 TFLOP/s on the H100 and H200 "
+          "SXM, the bf16 ones against bf16's, 989 TFLOP/s; NVIDIA's datasheets), then "
+          "\u00b7 the ratio of XLA's FP8 dot's median time (the shape's cuBLASLt row, named in "
+          "the third column) to the kernel's (above 1: faster than cuBLASLt); a chain's FLOPs "
+          f"are its GEMM's; {_sources_note(rows, paths)}.")
+  if above_peak:
+    note += (" !: above the card's peak, which no kernel can reach: the median time of "
+             + ", ".join(above_peak) + " is too short to be the whole product's.")
+  return "\n".join(lines + ["", note])
 
 
 def miss_key(verdict: Mapping) -> str:

@@ -96,5 +96,35 @@ class ResultsPageTest(absltest.TestCase):
     self.assertIn("is not what", done.stderr)
 
 
+  def test_kernel_rows_against_the_cards_peak_by_hand(self):
+    """1000 x 1000 x 1000 is 2 GFLOP. bf16 in 10 us: 200 TFLOP/s, 20% of 989; FP8 in 4 us:
+    500 TFLOP/s, 25% of 1979, and 5 / 4 = 1.25x cuBLASLt's tensorwise dot (5 us: 20%, 1.00x).
+    xla_fp8_rowwise on XLA's Triton in 3 us (667 TFLOP/s, 34%, 1.67x) is no cuBLASLt
+    reference. A batched 1000 x 10x100x10
+    product (20 MFLOP) in 0.01 us would be 2000 TFLOP/s, 202% of the bf16 peak: marked."""
+    def row(shape, variant, us, backend="xla_triton", **dims):
+      return {"schema": "loka.bench_kernels/1", "shape": shape, "variant": variant,
+              "device": "NVIDIA H200", "jax": "0.11.2", "backend": backend, "median_us": us,
+              "speedup_vs_baseline": [1.0, 1.0, 1.0], "time": "2026-11-26T00:00:00Z", **dims}
+    dims = dict(m=1000, k=1000, n=1000)
+    rows = [row("gemm", "xla_bf16", 10.0, **dims),
+            row("gemm", "xla_fp8_rowwise", 3.0, **dims),
+            row("gemm", "xla_fp8_tensorwise", 5.0, "cublasLt_fp8", **dims),
+            row("gemm", "pallas_fp8_rowwise", 4.0, "pallas_triton", **dims),
+            row("fmb_b1000_10x100x10", "xla_bf16", 0.01)]
+    path = os.path.join(tempfile.mkdtemp(prefix="loka_kernels_"), "bench_kernels_x.jsonl")
+    with open(path, "w") as f:
+      f.write("".join(json.dumps(r) + "\n" for r in rows))
+    table = sections.kernels_peak_table([path]).splitlines()
+    self.assertEqual(table[0], "| shape | GFLOP | cuBLASLt FP8 dot | xla_bf16 | xla_fp8_rowwise "
+                               "| xla_fp8_tensorwise | pallas_fp8_rowwise |")
+    self.assertEqual(table[2], "| gemm | 2 | xla_fp8_tensorwise | 20% \u00b7 0.50x | 34% \u00b7 "
+                               "1.67x | 20% \u00b7 1.00x | 25% \u00b7 1.25x |")
+    self.assertEqual(table[3], "| fmb_b1000_10x100x10 | 0.02 | - | 202%! | - | - | - |")
+    self.assertIn("fmb_b1000_10x100x10 xla_bf16 is too short", table[-1])
+    self.assertIsNone(sections.dense_peak_tflops("NVIDIA H100 PCIe", fp8=True))
+    self.assertEqual(sections.dense_peak_tflops("NVIDIA H100 80GB HBM3", fp8=False), 989.0)
+    self.assertIn("| gemm | 1.00 [1.00, 1.00] |", sections.kernels_table([path]))
+
 if __name__ == "__main__":
   absltest.main()
