@@ -17,7 +17,7 @@ The collectives of one step:
                     reduce-scattered over `model` (M > 1)
   exchange/bwd      their gradients [B/(NM), F, d], all-gathered over `model` (M > 1)
   fp8_meta          delayed-scaling state, max-reduced over every device (fp32, any mode)
-The loss, gradient norm and global-amax scalars are left out (a few bytes each).
+The loss, gradient norm and global-amax values are left out (4 bytes each).
 """
 from __future__ import annotations
 
@@ -218,18 +218,18 @@ def _group_size(line: str) -> int:
   return int(text[1:].split("]")[0].split(",")[-1])   # [groups, size]<=[devices]
 
 
-def hlo_collectives(hlo_text: str, min_elements: int = 2) -> List[Dict[str, Any]]:
-  """Every collective of a compiled module, counting only arrays of at least `min_elements`
-  values (scalars such as the loss are left out, also when XLA combined them): {"op", "dtypes", "group", "payload"} with `payload` its operand
-  bytes per device, comparable to `Collective.payload`."""
+def hlo_collectives(hlo_text: str) -> List[Dict[str, Any]]:
+  """Every collective of a compiled module: {"op", "dtypes", "group", "payload"} with
+  `payload` its operand bytes per device, comparable to `Collective.payload`. Rank-0 arrays
+  (the loss, the gradient norm, global amaxes) are left out, also when XLA combined them
+  with others."""
   found = []
   for line in hlo_text.splitlines():
     match = _COLLECTIVE.search(line)
     if not match:
       continue
-    arrays = [(d, int(np.prod([int(x) for x in dims.split(",") if x] or [1])))
-              for d, dims in _ARRAY.findall(match.group("type"))]
-    arrays = [(d, n) for d, n in arrays if n >= min_elements]   # combined scalars too
+    arrays = [(d, int(np.prod([int(x) for x in dims.split(",")])))
+              for d, dims in _ARRAY.findall(match.group("type")) if dims]
     if not arrays:
       continue
     out_bytes = sum(_DTYPE_BYTES[d] * n for d, n in arrays)

@@ -10,6 +10,7 @@ from absl.testing import absltest, parameterized
 
 import loka_jax
 from loka_jax import dispatch, kernels, parallel
+from loka_jax.parallel import traffic
 from loka_jax.kernels import PASSES
 from loka_jax.models.site import site_products
 from loka_jax.train import compiled_steps, create_train_state, make_optimizer
@@ -98,6 +99,18 @@ class ShardedPlanTest(parameterized.TestCase):
     sharded = parallel.shard_state(state, the_mesh)
     step = parallel.make_train_step(model, tx, the_mesh, sharded,
                                     parallel.shard_batch(batches[0], the_mesh), config)
+    # The bytes model covers every collective of the step, delayed-scaling state included;
+    # it leaves out the global amaxes, one fp32 value per tensorwise-quantized operand.
+    first = parallel.shard_batch(batches[0], the_mesh)
+    hlo = step.lower(sharded, first).compile().as_text()
+    sizes = dict(parallel.parse_mesh_spec(MESHES[name]))
+    rows = traffic.model_collectives(model, batches[0], BATCH, sizes["data"], sizes["model"],
+                                     config)
+    self.assertIn("fp8_meta", {r.name for r in rows})
+    amaxes = sum(c["payload"] for c in traffic.hlo_collectives(hlo)) - traffic.totals(
+        rows)["payload"]
+    self.assertEqual(amaxes % 4, 0)
+    self.assertBetween(amaxes // 4, 1, 12)
     loop_step, _ = compiled_steps(model, OPTIM, "stop")
     single, losses, ref_losses, metas = copy(state), [], [], []
     for batch in batches:
