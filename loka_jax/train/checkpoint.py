@@ -169,6 +169,8 @@ def write_step(directory: str, step: int, state_dict: Mapping, extras_json: Mapp
   # Several processes (jax.distributed) write one checkpoint together: orbax writes each
   # process's shards into the same directory, the first process does the rest.
   primary = jax.process_index() == 0
+  # No process may create this write's directory before the first has cleared old ones.
+  _sync("loka_checkpoint_begin")
   # Unfinished writes of killed runs are never checkpoints; a large model's would fill the
   # disk (Wukong large's probe checkpoint takes 41 GB), so they go before this one is written.
   for name in os.listdir(directory) if primary else ():
@@ -177,7 +179,8 @@ def write_step(directory: str, step: int, state_dict: Mapping, extras_json: Mapp
   mark = os.getpid() if jax.process_count() == 1 else "processes"
   tmp = os.path.join(directory, f"{step}{TMP_MARK}{mark}")
   try:
-    os.makedirs(tmp, exist_ok=not primary)
+    if primary:  # the others write into it once the barrier says it exists
+      os.makedirs(tmp)
     _sync("loka_checkpoint_tmp")
     state_rows, state_digests = _write_arrays(
         os.path.join(tmp, STATE), flax.traverse_util.flatten_dict(dict(state_dict)), part_bytes)
