@@ -337,7 +337,13 @@ def probe_and_plan(spec, workdir: str, *, train_config, probe_config=None, probe
   if os.path.exists(paths["report"]):
     report = load_report(paths["report"])
     _check_same_run(report, spec, paths["report"])
+    trimmed = (report.get("timing_source") or {}).get("timed_for")
     if not report.get("complete", True):
+      report = None
+    elif trimmed is not None and trimmed != probe_options.criteria.to_dict():
+      # A GPU probe times only what can change the plan under the criteria it was given;
+      # other criteria may need other timings (the probe resumes from its caches).
+      _log("the probe report's timings were chosen for other criteria: timing again")
       report = None
   if report is None:
     _log(f"probing {spec.model}/{spec.preset} (mods: {', '.join(spec.mods) or 'none'}) in "

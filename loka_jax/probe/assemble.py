@@ -14,7 +14,7 @@ import jax
 from loka_jax.probe import timing_table as tables_lib
 from loka_jax.kernels import EinsumSpec
 from loka_jax.probe import candidates as candidates_lib
-from loka_jax.probe import evaluate, kernel_timing, plots
+from loka_jax.probe import chain_timing, evaluate, kernel_timing, plots
 from loka_jax.probe import report as report_lib
 from loka_jax.probe import stats_report, summarize
 from loka_jax.probe import timing_needs as needs_lib
@@ -23,7 +23,7 @@ from loka_jax.probe.options import ProbeOptions, timing_plan
 REPORT_JSON = "probe_report.json"
 REPORT_MD = "probe_report.md"
 PLOTS_DIR = "plots"
-SKIPPED = "skipped"   # a pass not timed: its shape is below `min_timing_gflops`
+SKIPPED = needs_lib.SKIPPED   # a pass not timed (below `min_timing_gflops`, or not needed)
 
 
 def _log(message: str) -> None:
@@ -44,8 +44,8 @@ def skipped_timings(passes: Mapping[str, Mapping[str, Any]], options: ProbeOptio
                     ) -> Dict[str, Dict[str, Dict]]:
   """{pass: {kernel: timing}} of a site whose shape is not timed: no speed, and why."""
   note = f"not timed: the shape is below min_timing_gflops={options.min_timing_gflops:g}"
-  return {p: {k: {"time_us": None, "speedup": None, "backend": None, "timing": SKIPPED,
-                  "timing_note": note} for k in per_kernel} for p, per_kernel in passes.items()}
+  return {p: {k: needs_lib.skipped_info(note) for k in per_kernel}
+          for p, per_kernel in passes.items()}
 
 
 def distinct_shapes(sites: Mapping[str, Any]) -> Dict[Tuple, Tuple[str, Any]]:
@@ -93,10 +93,13 @@ def site_entry(site, stats: Mapping[str, Any], info: Mapping[str, Any],
                passes: Mapping[str, Any]) -> Dict[str, Any]:
   """A site's entry in the report (its timings are added by `attach_timings`)."""
   layout = site.layout
-  return {"kind": site.kind, "spec": site.spec,
-          "shapes": {k: list(v) for k, v in layout.shapes().items()},
-          "flops": int(layout.spec.flops(layout.lhs.shape, layout.rhs.shape)),
-          "modes": site.describe(), "stats": stats, "evaluation": info, "passes": passes}
+  entry = {"kind": site.kind, "spec": site.spec,
+           "shapes": {k: list(v) for k, v in layout.shapes().items()},
+           "flops": int(layout.spec.flops(layout.lhs.shape, layout.rhs.shape)),
+           "modes": site.describe(), "stats": stats, "evaluation": info, "passes": passes}
+  if site.chain is not None:  # a fused Mods layer: what follows its product
+    entry["chain"] = dataclasses.asdict(site.chain)
+  return entry
 
 
 # ----------------------------------------------------------------------------- timing
@@ -134,6 +137,14 @@ def _unsupported(entry: Mapping) -> Dict[str, Dict[str, str]]:
           for p, ks in entry["passes"].items()}
 
 
+def _unsupported_everywhere(entries: Sequence[Mapping]) -> Dict[str, Dict[str, str]]:
+  """{pass: {kernel: reason}} of what no site among `entries` (one shape's) supports: a
+  fused-epilogue kernel runs at the shape's fused Mods chains only (`probe.chains`)."""
+  each = [_unsupported(e) for e in entries]
+  return {p: {k: why for k, why in ks.items() if all(k in u.get(p, {}) for u in each)}
+          for p, ks in each[0].items()}
+
+
 def _merged(*passes: Mapping[str, Mapping[str, str]]) -> Dict[str, Dict[str, str]]:
   out: Dict[str, Dict[str, str]] = {}
   for per_pass in passes:
@@ -161,12 +172,15 @@ def attach_timings(site_entries: Dict[str, Dict], sites: Mapping[str, Any], kern
     cache = kernel_timing.TimingCache(kernel_timing.default_cache_path(cache_dir, kind), kind)
     source = {"kind": "measured", "device_kind": device, "cache": cache.path}
     same_card = None if options.time_all else needs_lib.same_card_table(options.table_dir)
+    if not options.time_all:  # what was timed depends on them (`timing_needs`)
+      source["timed_for"] = options.criteria.to_dict()
     if same_card is not None:
       source["reused_table"] = same_card[0]
     pace = Pace(options.should_stop)
     if options.min_timing_gflops > 0:
       source["min_timing_gflops"] = options.min_timing_gflops
-    counts = {"measured": 0, "reused": 0, "not_safe": 0, "dominated": 0}
+    counts = {"measured": 0, "reused": 0, "not_safe": 0, "dominated": 0,
+              "baseline_unneeded": 0}
     by_shape: Dict[Tuple, List[str]] = {}
     for name in site_entries:
       layout = sites[name].layout
@@ -177,28 +191,29 @@ def attach_timings(site_entries: Dict[str, Dict], sites: Mapping[str, Any], kern
         for name in names:
           timings[name] = skipped_timings(site_entries[name]["passes"], options)
         continue
-      unsupported = _unsupported(site_entries[names[0]])
+      unsupported = _unsupported_everywhere([site_entries[n] for n in names])
       needs = needs_lib.shape_needs(
           layout, [site_entries[n] for n in names], kernels, compute_dtype, unsupported,
           options.criteria, same_card[1] if same_card else None, options.time_all)
-      for why in needs.skipped.values():
-        counts["dominated" if "dominated" in why else "not_safe"] += 1
+      for (kernel, _), why in needs.skipped.items():
+        counts["baseline_unneeded" if kernel == candidates_lib.BASELINE else
+               "dominated" if "dominated" in why else "not_safe"] += 1
       counts["reused"] += len(needs.reused)
       counts["measured"] += len(needs.measure)
       not_measured = _merged(unsupported, needs.not_measured())
       if needs.measure and pace.may_start():
         t0 = time.time()
-        got = kernel_timing.measure_site(layout, kernels, compute_dtype, cache,
+        got = chain_timing.measure_site(layout, kernels, compute_dtype, cache,
                                          unsupported=not_measured, repeats=options.repeats,
                                          compile_workers=options.timing_compile_workers)
         if got:
           pace.record(time.time() - t0)
           _log(f"timed {names[0]} ({len(got)} kernel passes) in {time.time() - t0:.1f}s")
-      shape_timings = kernel_timing.site_timings(layout, kernels, compute_dtype, cache,
-                                                 unsupported=not_measured)
+      shape_timings = chain_timing.site_timings(layout, kernels, compute_dtype, cache,
+                                                unsupported=not_measured)
       if needs.reused:
-        from_table = kernel_timing.table_timings(layout, kernels, compute_dtype, same_card[1],
-                                                 unsupported=unsupported)
+        from_table = chain_timing.table_timings(layout, kernels, compute_dtype, same_card[1],
+                                                unsupported=unsupported)
         for k, p in needs.reused:
           shape_timings.setdefault(p, {})[k] = {**from_table[p][k], "timing": needs_lib.REUSED,
                                                 "timing_note": "reused from " + same_card[0]}
@@ -209,7 +224,8 @@ def attach_timings(site_entries: Dict[str, Dict], sites: Mapping[str, Any], kern
     source["kernel_passes"] = counts
     _log("timing: {measured} kernel passes measured, {reused} reused from this card's "
          "committed table, {not_safe} not timed (no site of their shape admits them on "
-         "accuracy), {dominated} not timed (dominated on this card)".format(**counts))
+         "accuracy), {dominated} not timed (dominated on this card), {baseline_unneeded} "
+         "bf16 baseline passes not timed (no kernel of their pass is)".format(**counts))
     write = timing_valid if options.write_table is None else options.write_table
     if write and cache.entries:
       rows = kernel_timing.table_entries(list(cache.entries.values()))
@@ -227,14 +243,14 @@ def attach_timings(site_entries: Dict[str, Dict], sites: Mapping[str, Any], kern
       path, table = chosen
       source = {"kind": "table", "device_kind": table["device_kind"], "path": path}
       for name, entry in site_entries.items():
-        timings[name] = kernel_timing.table_timings(sites[name].layout, kernels, compute_dtype,
-                                                    table, unsupported=_unsupported(entry))
+        timings[name] = chain_timing.table_timings(sites[name].layout, kernels, compute_dtype,
+                                                   table, unsupported=_unsupported(entry))
   missing_timing = False
   for name, entry in site_entries.items():
     for p, per_kernel in entry["passes"].items():
       for k, e in per_kernel.items():
         t = timings.get(name, {}).get(p, {}).get(k)
-        if t is None:
+        if t is None or e.get("unsupported"):  # (timed at another site of its shape)
           e.update(time_us=None, speedup=None, backend=None, timing=None)
           continue
         e.update(t)

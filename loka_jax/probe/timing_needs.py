@@ -28,7 +28,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Set, Tuple
 import jax
 
 from loka_jax.kernels import FUSED_OP, PASSES
-from loka_jax.probe import eligibility
+from loka_jax.probe import chain_timing, eligibility
 from loka_jax.probe import timing_table as tables_lib
 from loka_jax.probe.candidates import BASELINE
 from loka_jax.probe.kernel_timing import pass_problem
@@ -96,7 +96,8 @@ def _safe_pairs(entries: Sequence[Mapping[str, Any]], kernels: Sequence, criteri
 def _exact(table: Mapping, kernel: str, layout, pass_name: str, dtype: str
            ) -> Optional[Dict[str, Any]]:
   spec, a, b = pass_problem(layout, pass_name)
-  hit = tables_lib.lookup(table, kernel, pass_name, spec, a, b, dtype)
+  hit = tables_lib.lookup(table, kernel, pass_name, spec, a, b, dtype,
+                          baseline=chain_timing.exact_baseline(kernel))
   return hit if hit is not None and not hit["estimated"] else None
 
 
@@ -146,11 +147,11 @@ def shape_needs(layout, entries: Sequence[Mapping[str, Any]], kernels: Sequence,
       continue
     if (k, p) not in safe:
       skipped[(k, p)] = "not timed: no site of this shape admits it on accuracy"
-    elif table is not None and criteria.min_speedup is not None and \
-        by_name[k].sort != FUSED_OP and _dominated(table, k, layout, p, dtype,
-                                                    criteria.min_speedup):
-      skipped[(k, p)] = "not timed: " + _dominated(table, k, layout, p, dtype,
-                                                   criteria.min_speedup)
+      continue
+    if table is not None and criteria.min_speedup is not None and by_name[k].sort != FUSED_OP:
+      why = _dominated(table, k, layout, p, dtype, criteria.min_speedup)
+      if why:
+        skipped[(k, p)] = "not timed: " + why
   if table is not None:
     for k in {k for k, _ in pairs if k != BASELINE}:
       mine = [(k, p) for k2, p in pairs if k2 == k and (k, p) not in skipped]

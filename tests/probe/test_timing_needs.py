@@ -160,7 +160,9 @@ class AttachTimingsTest(absltest.TestCase):
                              timing_cache=os.path.join(tmp, "cache"))
       timing = assemble.attach_timings(entries, sites, kernels, "bfloat16", options, tmp)
       counts = timing.source["kernel_passes"]
-      self.assertEqual(counts, {"measured": 4, "reused": 4, "not_safe": 1, "dominated": 0})
+      self.assertEqual(counts, {"measured": 4, "reused": 4, "not_safe": 1, "dominated": 0,
+                                "baseline_unneeded": 0})
+      self.assertEqual(timing.source["timed_for"], options.criteria.to_dict())
       for name in entries:
         passes = entries[name]["passes"]
         self.assertEqual(passes["fwd"]["xla_fp8_rowwise"]["timing"], "measured")
