@@ -14,6 +14,11 @@ from loka_jax import jsonio
 
 KINDS = ("time_to_plan", "startup", "probe_overhead")
 REQUIRED = ("kind", "model", "preset", "device", "jax", "date", "commit", "command")
+# What each kind's table reads, beyond REQUIRED.
+KIND_FIELDS = {"time_to_plan": ("candidates", "complete", "cold_s", "stages_s"),
+               "startup": ("arm", "cache", "prefetch", "start_to_first_step_s", "setup_s",
+                           "first_step_s", "window_steps_per_s"),
+               "probe_overhead": ("cadence", "pass_ms", "step_ms", "fraction")}
 
 
 class UserSpeedError(ValueError):
@@ -33,10 +38,16 @@ def load_rows(paths: Sequence[str]) -> List[Dict]:
         except ValueError as e:
           raise UserSpeedError(f"{where}: not valid JSON ({e})") from e
         jsonio.check_digest(row, where, "row", "measure it again", UserSpeedError)
-        missing = [k for k in REQUIRED if k not in row]
-        if missing or row.get("kind") not in KINDS:
-          raise UserSpeedError(f"{where}: a user-speed row needs {', '.join(REQUIRED)} and a "
-                               f"kind among {', '.join(KINDS)} (missing: {missing})")
+        if not isinstance(row, dict) or row.get("kind") not in KINDS:
+          raise UserSpeedError(f"{where}: a user-speed row needs a kind among "
+                               f"{', '.join(KINDS)}")
+        missing = [k for k in REQUIRED + KIND_FIELDS[row["kind"]] if k not in row]
+        if missing:
+          raise UserSpeedError(f"{where}: a {row['kind']} row needs "
+                               f"{', '.join(REQUIRED + KIND_FIELDS[row['kind']])} (missing: "
+                               f"{missing})")
+        if row["kind"] == "startup" and not row["window_steps_per_s"]:
+          raise UserSpeedError(f"{where}: window_steps_per_s is empty")
         rows.append({k: v for k, v in row.items() if k != jsonio.DIGEST_FIELD})
   return rows
 

@@ -16,9 +16,6 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
-_END = object()
-
-
 def to_device(batch: Any) -> Any:
   """`batch` with its host (numpy) arrays put on the default device; arrays already on a
   device (a sharded batch) are left as they are."""
@@ -47,11 +44,10 @@ class Prefetcher:
     for i in range(start, stop):
       try:
         item = (i, put(make(i)), None)
-      except Exception as e:  # handed to the loop at this step, then nothing more is made
+      except BaseException as e:  # handed to the loop at this step; nothing more is made
         item = (i, None, e)
       if not self._offer(item) or item[2] is not None:
         return
-    self._offer((stop, _END, None))
 
   def _offer(self, item) -> bool:
     """Puts `item` on the queue unless closed first; False when closed."""

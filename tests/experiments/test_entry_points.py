@@ -243,7 +243,7 @@ class CompilationCacheTest(absltest.TestCase):
     self.assertIsNone(run_config.use_compilation_cache(""))
     self.assertFalse(jax.config.jax_enable_compilation_cache)
 
-  def test_a_train_run_fills_the_cache_a_second_run_reads(self):
+  def test_a_train_run_fills_the_cache(self):
     with tempfile.TemporaryDirectory() as tmp:
       cache = os.path.join(tmp, "jax_cache")
       with mock.patch.dict(os.environ, {"JAX_COMPILATION_CACHE_DIR": cache}):

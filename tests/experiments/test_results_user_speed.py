@@ -51,9 +51,11 @@ class UserSpeedTest(absltest.TestCase):
     cases = {"does not match its sha256": [json.dumps(jsonio.with_digest(good)),
                                             json.dumps(changed)],
              "not valid JSON": [json.dumps(good)[:-3]],
-             "needs kind": [json.dumps({**good, "kind": "lunch"})],
+             "needs a kind": [json.dumps({**good, "kind": "lunch"})],
              "missing: \\['commit'\\]": [json.dumps({k: v for k, v in good.items()
-                                                     if k != "commit"})]}
+                                                     if k != "commit"})],
+             "missing: \\['pass_ms'\\]": [json.dumps({k: v for k, v in good.items()
+                                                      if k != "pass_ms"})]}
     for message, lines in cases.items():
       fd, path = tempfile.mkstemp(suffix=".jsonl")
       with os.fdopen(fd, "w") as f:

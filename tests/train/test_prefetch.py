@@ -31,10 +31,13 @@ class PrefetcherTest(absltest.TestCase):
       return make(i)
     with prefetch.Prefetcher(counting, 0, 100, depth=2) as p:
       p.get(0)
-      time.sleep(0.3)
+      deadline = time.monotonic() + 30
+      while max(made) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+      self.assertGreaterEqual(max(made), 2)
+      time.sleep(0.2)
       # Batch 0 taken: 1 and 2 wait in the queue, 3 is made and waits for room.
       self.assertLessEqual(max(made), 3)
-      self.assertGreaterEqual(max(made), 2)
 
   def test_an_error_is_raised_at_the_batch_that_met_it(self):
     def failing(i):
@@ -48,12 +51,23 @@ class PrefetcherTest(absltest.TestCase):
         p.get(2)
 
   def test_close_stops_a_thread_waiting_on_a_full_queue(self):
-    before = threading.active_count()
-    p = prefetch.Prefetcher(make, 0, 10_000, depth=1)
-    time.sleep(0.1)
+    made = threading.Event()
+    def signalling(i):
+      made.set()
+      return make(i)
+    p = prefetch.Prefetcher(signalling, 0, 10_000, depth=1)
+    self.assertTrue(made.wait(30))
     p.close()
     self.assertFalse(p._thread.is_alive())
-    self.assertEqual(threading.active_count(), before)
+
+  def test_any_exception_of_the_thread_reaches_the_loop(self):
+    class Stop(BaseException):
+      pass
+    def stopping(i):
+      raise Stop()
+    with prefetch.Prefetcher(stopping, 0, 3, depth=1) as p:
+      with self.assertRaises(Stop):
+        p.get(0)
 
   def test_batches_out_of_order_or_past_the_end_are_refused(self):
     with prefetch.Prefetcher(make, 0, 2, depth=1) as p:
@@ -76,9 +90,6 @@ class PrefetcherTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "depth=-1"):
       prefetch.Prefetcher(make, 0, 5, depth=-1)
 
-
-if __name__ == "__main__":
-  absltest.main()
 
 
 class LoopTest(absltest.TestCase):
@@ -131,3 +142,7 @@ class LoopTest(absltest.TestCase):
       with open(os.path.join(tmp, "metrics.jsonl")) as f:
         # Met where the loop makes batch 4: after starting step 4, before its line.
         self.assertEqual(len(f.readlines()), 3)
+
+
+if __name__ == "__main__":
+  absltest.main()
