@@ -1,6 +1,7 @@
 """What the config-driven mains (`experiments.loka`, `train`, `probe`, `dispatch`, `ablate_mods`,
 `kernels`, `profile_step`) share: their --config flag and its parsing, JAX's persistent
-compilation cache (`use_compilation_cache`, on in every main), the fields whose values come
+compilation cache (`use_compilation_cache`, on in every main and in `experiments.measure` and
+`experiments.report`), the fields whose values come
 from a fixed list, comma-separated fields as tuples, and a config's `run` group as the
 library's RunSpec.
 

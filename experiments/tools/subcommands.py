@@ -55,8 +55,11 @@ def parse_flags(argv: Sequence[str]):
   """`app.run`'s flags parser: --helpfull and --helpxml exit 0; a wrong flag or value
   prints one line naming it and exits 1."""
   try:
-    return flags.FLAGS(list(argv))
+    rest = flags.FLAGS(list(argv))
   except SystemExit as e:  # absl's help flags print their text and exit 1: no error here
     sys.exit(0 if e.code == 1 else e.code)
   except flags.Error as e:
     sys.exit(f"error: {e}")
+  from experiments import run_config
+  run_config.use_compilation_cache()  # the measurements train, probe and time
+  return rest
