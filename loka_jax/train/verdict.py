@@ -45,18 +45,27 @@ def relative_changes(arm: Sequence[float], reference: Sequence[float]) -> np.nda
   return (a - r) / r
 
 
+# Beyond this many pairs a verdict is "not resolvable": the mean sits (nearly) on the bound.
+MAX_PAIRS = 100_000
+
+
 def _pairs_to_resolve(mean: float, sd: float, bound: float) -> Optional[int]:
   """Pairs whose interval would exclude the bound at this mean and spread (None: never, the
   mean sits on the bound)."""
   gap = abs(bound - mean)
   if gap == 0:
     return None
-  n = 2
-  while n < 100000:
-    if t975(n - 1) * sd / math.sqrt(n) < gap:
-      return n
-    n += 1 if n < 64 else n // 8
-  return None
+  resolves = lambda n: t975(n - 1) * sd / math.sqrt(n) < gap  # true from some n on
+  hi = 2
+  while not resolves(hi):
+    if hi > MAX_PAIRS:
+      return None
+    hi *= 2
+  lo = max(2, hi // 2)
+  while lo < hi:  # the least n that resolves
+    mid = (lo + hi) // 2
+    lo, hi = (lo, mid) if resolves(mid) else (mid + 1, hi)
+  return lo if lo <= MAX_PAIRS else None
 
 
 def noninferiority(changes: Sequence[float], bound: float) -> Dict[str, Any]:

@@ -171,5 +171,18 @@ class PairedQualityTest(chex.TestCase):
     self.assertEqual(verdict.paired_quality({0: 1.0, 1: 1.0}, {0: 1.0, 1: 1.0})["bound"], 2e-4)
 
 
+class PairsToResolveTest(absltest.TestCase):
+
+  def test_the_least_number_of_pairs_that_resolves(self):
+    # Changes -1 and +1: mean 0, sd sqrt(2); against a bound of 1 the half-width
+    # t(n-1) sqrt(2) / sqrt(n) first drops below 1 at n = 11 (t(10) = 2.228: 0.950), not at
+    # n = 10 (t(9) = 2.262: 1.012); t from a printed table.
+    out = verdict.noninferiority([-1.0, 1.0], 1.0)
+    self.assertEqual((out["verdict"], out["pairs_to_resolve"]), ("unresolved", 11))
+
+  def test_a_mean_on_the_bound_is_not_resolvable(self):
+    self.assertIsNone(verdict.noninferiority([0.0, 2.0], 1.0)["pairs_to_resolve"])
+
+
 if __name__ == "__main__":
   absltest.main()

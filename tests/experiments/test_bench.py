@@ -277,7 +277,7 @@ class TargetCheckTest(parameterized.TestCase):
     self.assertEqual((missed["verdict"], missed["met"]), ("missed", False))
     self.assertAlmostEqual(missed["ci"][0], 8.515662e-4, places=10)
     self.assertIn("by seed +0.100%, +0.110%, +0.120%", missed["note"])
-    # Far better than bf16 is met, never a miss (the old two-sided bound missed it).
+    # Far better than bf16 is met, never a miss (a two-sided bound would miss it).
     self.assertEqual(loka((-0.01, -0.011, -0.012))["verdict"], "met")
     # A seed scored on another held-out set is no pair: seeds 0 and 1 remain.
     rows = refs + q("loka", (0.0, 5e-5)) + [_quality_row("wukong", "small", "loka", 2, 0.4,
