@@ -167,6 +167,18 @@ def fused_dense(x: Union[jax.Array, QTensor], w: jax.Array, *, bias: Optional[ja
   return _trainable(x, w, bias, block_size, activation, jnp.dtype(out_dtype), backward, eps)
 
 
+def pre_norm(x: jax.Array, w: jax.Array, *, bias: Optional[jax.Array] = None,
+             block_size: Optional[int] = None, activation: str = "identity",
+             out_dtype=jnp.bfloat16, eps: float = functional.DEFAULT_EPS) -> jax.Array:
+  """The pre-norm value (scaled product + bias) fused_dense saves for its backward, in x's
+  dtype: where its backward evaluates the epilogue's derivative."""
+  _check(x, w, bias)
+  if bias is not None:
+    bias = bias.astype(jnp.float32)
+  ep = _epilogue(bias, block_size, activation, False, eps, emit_pre=True)
+  return _forward(x, w, bias, ep, jnp.dtype(out_dtype), x.dtype)[1]
+
+
 def fused_dense_reference(x: Union[jax.Array, QTensor], w: jax.Array, *,
                           bias: Optional[jax.Array] = None, block_size: Optional[int] = None,
                           activation: str = "identity", quantize_output: bool = False,

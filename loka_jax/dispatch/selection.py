@@ -13,7 +13,8 @@ A fused-op kernel (Flax's delayed scaling) runs all three passes or none: it rep
 per-pass choice only when it is eligible (safe in every pass, and its pessimistic site speedup
 over bf16 above `min_speedup`: `eligibility.py`) and its pessimistic whole-site time
 (forward + backward, upper CI ends) beats the per-pass choice's; on a tie the stateless
-per-pass choice stays.
+per-pass choice stays. A fused-epilogue kernel (GEMM + BlockNorm + activation) replaces either
+where its whole chain saves more (`chain_selection`); serving plans leave it out (the export).
 
 A serving plan (`objective="serve"`) is for inference, which runs forwards only: per site,
 the fastest eligible forward judged on the forward pass alone (its SQNR, underflow and
@@ -45,6 +46,7 @@ import jax
 from loka_jax.probe import timing_table as tables_lib
 from loka_jax.plan.file import FALLBACK, SCHEMA, Plan, as_plan
 from loka_jax.kernels import FUSED_OP, PASSES, PER_PASS, registry
+from loka_jax.dispatch import chain_selection
 from loka_jax.probe import eligibility
 from loka_jax.probe.eligibility import FUSED_SCOPE, UNRESOLVED, Criteria, Verdict
 from loka_jax.probe.report import load_report, validate_report
@@ -211,7 +213,7 @@ def _unresolve_report_timings(site: Mapping, passes: Dict[str, Dict[str, Dict]])
 def _table_timings(site: Mapping, name: str, kernels: Sequence, dtype: str,
                    table: Mapping) -> Tuple[Dict[str, Dict[str, Dict]], Optional[str]]:
   """({pass: {kernel: timing fields}}, problem) from a table, at the site's full shapes."""
-  from loka_jax.probe import kernel_timing
+  from loka_jax.probe import chain_timing
   if not site.get("spec"):
     return {}, f"site {name} has no 'spec' in the report: no table lookup"
   try:
@@ -220,8 +222,7 @@ def _table_timings(site: Mapping, name: str, kernels: Sequence, dtype: str,
     return {}, f"site {name}: {e}"
   unsupported = {p: {k: e.get("error", "unsupported") for k, e in ks.items()
                      if e.get("unsupported")} for p, ks in site.get("passes", {}).items()}
-  return kernel_timing.table_timings(layout, kernels, dtype, table,
-                                     unsupported=unsupported), None
+  return chain_timing.table_timings(layout, kernels, dtype, table, unsupported=unsupported), None
 
 
 TIMING_FIELDS = ("time_us", "speedup", "timing", "time_scope", "backend", "estimated_from",
@@ -241,7 +242,7 @@ def effective_site(report: Mapping, name: str, source: TimingSource) -> Tuple[Di
     _unresolve_report_timings(site, passes)
     return {**site, "passes": passes}, notes
   names = sorted({k for ks in passes.values() for k in ks})
-  kernels = [k for k in (_kernel_object(n) for n in names) if k is not None and k.passes]
+  kernels = [k for k in (_kernel_object(n) for n in names) if k and chain_selection.timed(k)]
   timings: Dict[str, Dict[str, Dict]] = {}
   if source.kind == "table":
     dtype = (report.get("evaluation") or {}).get("compute_dtype", "bfloat16")
@@ -352,6 +353,7 @@ def select_site(report: Mapping, name: str, criteria: Criteria, source: TimingSo
     out[p] = {"kernel": FALLBACK, "reason": _no_eligible_reason(
         usable, entries, criteria, no_timing, source, notes + skipped)}
   _consider_fused(out, site, verdicts, criteria, info)
+  chain_selection.consider_chains(out, site, verdicts, criteria)
   return out
 
 
@@ -407,7 +409,8 @@ def _consider_fused(out: Dict[str, Dict], site: Mapping, verdicts: Mapping,
 
   best = None
   for k, meta in sorted(info.items()):
-    if meta.get("sort") != FUSED_OP or _kernel_object(k) is None:
+    if meta.get("sort") != FUSED_OP or _kernel_object(k) is None or \
+        chain_selection.is_chain_kernel(k):
       continue
     vs = [verdicts.get(p, {}).get(k) for p in PASSES]
     if not all(v is not None and v.eligible for v in vs):
@@ -445,7 +448,8 @@ def select_serving_site(report: Mapping, name: str, criteria: Criteria, source: 
       continue
     if _kernel_object(k) is None:
       skipped.append(f"{k} not registered here")
-    elif info.get(k, {}).get("sort") in (PER_PASS, FUSED_OP):
+    elif info.get(k, {}).get("sort") in (PER_PASS, FUSED_OP) and \
+        not chain_selection.is_chain_kernel(k):
       usable[k] = eligibility.assess({**e, "kernel": k}, "fwd", criteria,
                                      fp8=info.get(k, {}).get("fp8", True))
   def gradient_accuracy(kernel: str) -> float:

@@ -23,8 +23,10 @@ backward kernel for the gradients): the same numbers, with the product visible.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
-from typing import Dict, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -49,6 +51,49 @@ def epilogue_of(block_size: Optional[int], activation: str, quantize_output: boo
   if quantize_output:
     parts.append("e4m3 rowwise output")
   return " -> ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+  """What a FusedDenseNormAct computes after its product: the probe judges the fused-epilogue
+  kernels whose (block_size, activation, quantize_output) equal `epilogue` on this chain."""
+  block_size: Optional[int]
+  activation: str
+  quantize_output: bool = False
+  epsilon: float = functional.DEFAULT_EPS
+  use_bias: bool = True
+
+  @property
+  def epilogue(self) -> Tuple[Optional[int], str, bool]:
+    return (self.block_size, self.activation, self.quantize_output)
+
+  def describe(self) -> str:
+    return epilogue_of(*self.epilogue)
+
+  def apply(self, z):
+    """BlockNorm and the activation on a product `z` (bias included), in z's dtype: the
+    chain's epilogue without output quantization (the references the probe judges by)."""
+    y = z if self.block_size is None else functional.block_norm(z, self.block_size,
+                                                                 self.epsilon)
+    return functional.activation(self.activation)(y)
+
+
+@contextlib.contextmanager
+def recording_chains() -> Iterator[Dict[str, Chain]]:
+  """Within this context, every FusedDenseNormAct called (also inside a user's apply_fn, and
+  under jax tracing) records its Chain under its site name, first call first."""
+  found: Dict[str, Chain] = {}
+
+  def record(next_fun, args, kwargs, context):
+    module = context.module
+    if context.method_name == "__call__" and isinstance(module, FusedDenseNormAct):
+      found.setdefault(site_name(module), Chain(module.block_size, module.activation,
+                                                module.quantize_output, module.epsilon,
+                                                module.use_bias))
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(record):
+    yield found
 
 
 def fused_epilogue_kernel(name: str):
@@ -212,17 +257,9 @@ class FusedDenseNormAct(DenseSite):
 def fused_sites(model: nn.Module, batch) -> Dict[str, Tuple[Optional[int], str, bool]]:
   """{site name: (block_size, activation, quantize_output)} of every FusedDenseNormAct the
   model calls on `batch` (abstract trace, nothing compiled)."""
-  found = {}
-
-  def record(next_fun, args, kwargs, context):
-    module = context.module
-    if context.method_name == "__call__" and isinstance(module, FusedDenseNormAct):
-      found[site_name(module)] = (module.block_size, module.activation, module.quantize_output)
-    return next_fun(*args, **kwargs)
-
-  with nn.intercept_methods(record):
+  with recording_chains() as found:
     jax.eval_shape(lambda b: model.init(jax.random.PRNGKey(0), b), batch)
-  return found
+  return {name: chain.epilogue for name, chain in found.items()}
 
 
 def fused_plan(model: nn.Module, batch, base: KernelPlan,

@@ -1,9 +1,11 @@
 """Which registered kernels the probe evaluates, and which of them compute the same thing.
 
 Default candidates: every kernel that can compute a plain site product (per-pass kernels and
-fused ops with passes), except the fp32 reference arm (never faster than xla_bf16) and, on a
-CPU, the Pallas kernels (interpret mode is slow; name them among the candidates to include
-them).
+fused ops with passes) and the fused-epilogue kernels (`ChainKernel`: GEMM + BlockNorm +
+activation), except the fp32 reference arm (never faster than xla_bf16) and, on a CPU, the
+Pallas kernels (interpret mode is slow; name them among the candidates to include them). A
+fused-epilogue kernel is judged only at sites whose fused Mods chain has its epilogue
+(`probe.chains`); at every other site it is unsupported, with the reason.
 Kernels whose code for a pass is identical share one evaluation and one timing of that pass:
 the XLA FP8 variants differ only in which passes accumulate fast, and the delayed-scaling fused
 ops only in their backward (they share one timing of the forward).
@@ -13,7 +15,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from loka_jax import kernels as kernels_lib
-from loka_jax.kernels.base import FUSED_OP, Kernel
+from loka_jax.kernels.base import FUSED_OP, ChainKernel, Kernel
 
 BASELINE = "xla_bf16"
 REFERENCE_ARM = "xla_fp32"
@@ -29,7 +31,7 @@ def candidate_kernels(names: Optional[Sequence[str]] = None, platform: str = "cp
       raise ValueError(f"unknown kernel(s) {unknown}; registered: {', '.join(kernels_lib.names())}")
     chosen = [kernels_lib.get(n) for n in dict.fromkeys(names)]
     for k in chosen:
-      if k.sort == FUSED_OP and not k.passes:
+      if k.sort == FUSED_OP and not k.passes and not isinstance(k, ChainKernel):
         raise ValueError(f"kernel {k.name} computes no plain site product (it fuses an "
                          "epilogue); it cannot be probed per site")
     for n in kernels_lib.names():
@@ -40,8 +42,8 @@ def candidate_kernels(names: Optional[Sequence[str]] = None, platform: str = "cp
     for k in kernels_lib.all_kernels():
       if k.name == REFERENCE_ARM:
         excluded[k.name] = "fp32 reference arm: never faster than xla_bf16"
-      elif k.sort == FUSED_OP and not k.passes:
-        excluded[k.name] = "fuses an epilogue (BlockNorm/activation): not a plain site product"
+      elif k.sort == FUSED_OP and not k.passes and not isinstance(k, ChainKernel):
+        excluded[k.name] = "computes no plain site product and no chain a site can run"
       elif k.backend == "pallas_triton" and platform == "cpu":
         excluded[k.name] = ("Pallas kernel: interpret mode on the CPU is slow; name it among "
                             "the candidate kernels to include it")

@@ -78,6 +78,8 @@ class SiteProbe:
   layout: SiteLayout
   modes: Mapping[str, Any]            # operand -> GaussianMode | MatrixNormalMode
   reservoir_capacity: int             # 0: no reservoir (no slice index)
+  chain: Optional[Any] = None         # models.fused.Chain: the epilogue a fused Mods layer
+                                      # applies after this product (None: a plain product)
 
   @property
   def kind(self) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 from loka_jax.kernels import PASSES
 from loka_jax.probe.candidates import BASELINE
@@ -184,16 +184,17 @@ def assess(entry: Mapping, pass_name: str, criteria: Criteria = Criteria(),
                  underflow_hi, speedup_lo, speedup_mid)
 
 
-def site_times(passes: Mapping[str, Mapping], kernel: str) -> Optional[Tuple[float, float]]:
-  """(baseline us, kernel us) of a whole site (every pass on `kernel`), pessimistic for the
-  kernel, or None if a pass is untimed.
+def site_times(passes: Mapping[str, Mapping], kernel: str,
+               scopes: Sequence[str] = PASSES) -> Optional[Tuple[float, float]]:
+  """(baseline us, kernel us) of a whole site (every pass on `kernel`; the passes `scopes`
+  only, when given), pessimistic for the kernel, or None if a pass is untimed.
 
   Each timed scope (the forward; the backward once when timed as one, `FUSED_SCOPE`, else
   each gradient pass) contributes the baseline's time, `time_us * speedup` at the medians,
   and the kernel's time at the scope's speedup lower bound.
   """
   base_total = op_total = 0.0
-  for p in PASSES:
+  for p in scopes:
     e = passes.get(p, {}).get(kernel) or {}
     if p == "grad_rhs" and ((passes.get("grad_lhs", {}).get(kernel) or {}).get("time_scope")
                             == FUSED_SCOPE):
@@ -212,6 +213,27 @@ def fused_site_speedup(passes: Mapping[str, Mapping], kernel: str) -> Optional[f
   if untimed."""
   times = site_times(passes, kernel)
   return times[0] / times[1] if times and times[1] > 0 else None
+
+
+def choice_savings_us(passes: Mapping[str, Mapping], choice: Mapping[str, str]
+                      ) -> Optional[float]:
+  """Microseconds a site's choice ({pass: kernel}) saves against bf16, pessimistic as
+  `site_times`: each scope's baseline time less the kernel's time at the speedup's lower
+  bound, over the passes not in bf16; one kernel in every pass over its whole site (a fused
+  op's backward once; a fused-epilogue kernel's against the bf16 chain it is timed beside).
+  None where a time it needs is missing."""
+  if len(set(choice.values())) == 1:
+    kernel = next(iter(choice.values()))
+    times = None if kernel == BASELINE else site_times(passes, kernel)
+    return 0.0 if kernel == BASELINE else None if times is None else times[0] - times[1]
+  saved = 0.0
+  for p, kernel in choice.items():
+    if kernel != BASELINE:
+      times = site_times({p: passes.get(p, {})}, kernel, (p,))
+      if times is None:
+        return None
+      saved += times[0] - times[1]
+  return saved
 
 
 def assess_fused(passes: Mapping[str, Mapping], kernel: str, criteria: Criteria = Criteria(),

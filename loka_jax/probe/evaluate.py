@@ -31,7 +31,7 @@ from loka_jax.kernels.flax_delayed import FP8_META, merge_fp8_meta
 from loka_jax.kernels.spec import ACT_WEIGHT
 from loka_jax.precision import flush_fractions
 from loka_jax.precision import metrics as metrics_lib
-from loka_jax.probe import executables, gaussian, matrix_normal
+from loka_jax.probe import chains, executables, gaussian, matrix_normal
 from loka_jax.probe.collector import SiteProbe
 from loka_jax.probe.layout import SiteLayout
 
@@ -260,6 +260,44 @@ def fused_evaluator(kernel_name: str, spec: str, compute_dtype: str):
   return _eval_jit(chunk)
 
 
+@functools.lru_cache(maxsize=None)
+def chain_evaluator(kernel_name: str, passes: Tuple[str, ...], spec: str, compute_dtype: str,
+                    chain):
+  """jit(vmap(...)): per-sample errors of a fused-epilogue kernel on the site's `chain`
+  (`probe.chains`): its output and the gradients its backward computes, against the chain in
+  float32 on the original operands (the gradients' epilogue backward at the kernel's own
+  pre-norm value). The operands' flush is that of the e4m3 rowwise products it runs
+  (`chains.BACKWARD`'s quantization)."""
+  kernel = registry.get(kernel_name)
+  rowwise = registry.get(chains.BACKWARD)
+  parsed = EinsumSpec.parse(spec)
+  dt = jnp.dtype(compute_dtype)
+
+  def one(lhs, rhs, grad, refs):
+    del refs  # the product's references; the chain has its own
+    x, w = lhs.astype(dt), rhs.astype(dt)
+    pre = chains.pre_norm(kernel, x, w, chain)
+    y_ref, d_lhs_ref, d_rhs_ref, dz = chains.reference(lhs, rhs, grad, chain, pre)
+    run = lambda a, b: chains.run(kernel, a, b, chain, dt)
+    if passes == ("fwd",):
+      outs = {"fwd": run(x, w)}
+    else:
+      y, vjp = jax.vjp(run, x, w)
+      d_lhs, d_rhs = vjp(grad.astype(y.dtype))
+      outs = {"fwd": y, "grad_lhs": d_lhs, "grad_rhs": d_rhs}
+    refs = {"fwd": y_ref, "grad_lhs": d_lhs_ref, "grad_rhs": d_rhs_ref}
+    g = dz.astype(dt)
+    operands = {"fwd": (x, w), "grad_lhs": (g, w), "grad_rhs": (x, g)}
+    results = {}
+    for p in passes:
+      errs = _errors(outs[p], refs[p])
+      ua, ub, sa, sb = _operand_flush(rowwise, parsed.for_pass(p), p, *operands[p])
+      errs.update(underflow_a=ua, underflow_b=ub, saturation_a=sa, saturation_b=sb)
+      results[p] = errs
+    return results
+  return _eval_jit(jax.vmap(one))
+
+
 # ----------------------------------------------------------------------------- per site
 
 
@@ -309,12 +347,19 @@ def _append(store, key_path, values: Mapping[str, jax.Array], count: int):
     leaf[name] = np.concatenate([leaf[name], arr]) if name in leaf else arr
 
 
-def unsupported_passes(layout, kernels) -> Dict[str, Dict[str, str]]:
+def unsupported_passes(layout, kernels, chain=None) -> Dict[str, Dict[str, str]]:
   """{pass: {kernel: reason}} of the passes a kernel does not support at this site (its kind,
-  spec and shapes); decided before any operand is drawn."""
+  spec and shapes; for a fused-epilogue kernel, the site's `chain`: `chains`); decided before
+  any operand is drawn."""
   out: Dict[str, Dict[str, str]] = {p: {} for p in PASSES}
   for kernel in kernels:
     for p in PASSES:
+      if chains.is_chain_kernel(kernel):
+        reason = chains.unsupported_reason(kernel, chain, layout.spec, p, layout.lhs.shape,
+                                           layout.rhs.shape)
+        if reason:
+          out[p][kernel.name] = reason
+        continue
       reason = kernel.unsupported_reason(layout.spec.for_pass(p), p, layout.kind,
                                          layout.lhs.shape, layout.rhs.shape)
       if reason:
@@ -336,6 +381,7 @@ class _SitePlan:
   size: int                                # samples per vmapped chunk (every chunk, both sources)
   reservoir: Dict[str, object]
   jitter: float
+  chain: Any = None                        # the site's fused Mods chain (`SiteProbe.chain`)
 
 
 def _site_plan(site: SiteProbe, has_reservoir: bool, kernels: Sequence,
@@ -343,7 +389,7 @@ def _site_plan(site: SiteProbe, has_reservoir: bool, kernels: Sequence,
   full = site.layout
   slices = eval_slices(site, config)
   layout = full.subsampled(slices) if slices else full
-  unsupported = unsupported_passes(full, kernels)
+  unsupported = unsupported_passes(full, kernels, site.chain)
   calls, aliases, first_of = [], {}, {}
   for kernel in kernels:
     passes = [p for p in PASSES if kernel.name not in unsupported[p]]
@@ -372,10 +418,10 @@ def _site_plan(site: SiteProbe, has_reservoir: bool, kernels: Sequence,
     reservoir["reason"] = full.slice_reason
   # One chunk size for both sources: every chunk has the same shapes and reuses one compile.
   size = _chunk_size(layout, max(draws.values()), config)
-  if any(kernel.sort == FUSED_OP for kernel, _ in calls):
+  if any(kernel.stateful for kernel, _ in calls):
     size = max(size, fused_chunk_floor(max(draws.values())))
   return _SitePlan(layout, slices, str(full.spec), unsupported, tuple(calls), aliases, draws,
-                   size, reservoir, config.jitter)
+                   size, reservoir, config.jitter, site.chain)
 
 
 def fused_chunk_floor(samples: int) -> int:
@@ -394,6 +440,8 @@ def warmup_excludes_self(size: int) -> bool:
 
 
 def _evaluator(plan: _SitePlan, kernel, passes: Tuple[str, ...], compute_dtype: str):
+  if chains.is_chain_kernel(kernel):
+    return chain_evaluator(kernel.name, passes, plan.spec, compute_dtype, plan.chain)
   if kernel.sort == FUSED_OP:
     return fused_evaluator(kernel.name, plan.spec, compute_dtype)
   return kernel_evaluator(kernel.name, passes, plan.spec, compute_dtype)

@@ -32,6 +32,7 @@ from loka_jax.probe import assemble
 from loka_jax.probe import candidates as candidates_lib
 from loka_jax.probe import collector as collector_lib
 from loka_jax.probe import stats_report
+from loka_jax.models import fused as fused_lib
 from loka_jax.models import routing as routing_lib
 from loka_jax.models import tap as probe_hooks
 from loka_jax.probe.collector import ProbeConfig
@@ -236,7 +237,8 @@ class Probe:
     """{site name: SiteProbe} of the sites this probe observes (those `sites=` selects) in
     one forward pass on `batch`, in call order; also lists the products outside sites
     (`self.unrouted`). Abstract: `variables` may be shapes."""
-    tapped = probe_hooks.discover_sites(self._loss_of, variables, batch)
+    with fused_lib.recording_chains() as chains:  # the fused Mods layers' epilogues
+      tapped = probe_hooks.discover_sites(self._loss_of, variables, batch)
     if not tapped:
       raise ProbeInputError(
           f"{self.name} computes no matrix product the probe can reach: route its products "
@@ -250,9 +252,10 @@ class Probe:
     if not chosen:
       raise ProbeInputError(f"sites={pattern!r} matches none of the sites: {list(tapped)}")
     self._tapped = {n: tapped[n] for n in chosen}
-    return {n: collector_lib.make_site_probe(n, tapped[n].spec, tapped[n].kind,
-                                             tapped[n].lhs.shape, tapped[n].rhs.shape,
-                                             self.config) for n in chosen}
+    return {n: dataclasses.replace(
+        collector_lib.make_site_probe(n, tapped[n].spec, tapped[n].kind, tapped[n].lhs.shape,
+                                      tapped[n].rhs.shape, self.config), chain=chains.get(n))
+            for n in chosen}
 
   def setup(self, variables, batch, *, sites: Optional[Mapping[str, Any]] = None, state=None,
             on_trace: Optional[Callable[[str], None]] = None) -> None:
