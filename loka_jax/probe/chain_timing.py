@@ -14,7 +14,7 @@ every other kernel to them.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Sequence
+from typing import Dict, List, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -180,7 +180,3 @@ def exact_baseline(kernel_name: str) -> str:
   from loka_jax.kernels import registry
   return (baseline_name(kernel_name) if chains.is_chain_kernel(registry.get(kernel_name))
           else BASELINE)
-
-
-def chain_kernels(kernels: Sequence) -> List[str]:
-  return [k.name for k in kernels if chains.is_chain_kernel(k)]
