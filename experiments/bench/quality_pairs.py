@@ -12,7 +12,6 @@ seed whose fingerprints differ is left out of the pairs and named in the verdict
 from __future__ import annotations
 
 import hashlib
-import math
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import jax
@@ -142,17 +141,6 @@ def judge_all(rows: Sequence[Mapping]) -> List[Tuple[object, Dict]]:
         if v is not None:
           out.append((c, v))
   return out
-
-
-def seeds_to_run(v: Mapping) -> Optional[int]:
-  """Paired seeds still to run for an unresolved verdict to resolve at its measured mean and
-  spread (None: it never would, or no spread is measured yet)."""
-  need = v.get("pairs_to_resolve")
-  return None if need is None else max(need - v["n"], 0)
-
-
-def pct(x: Optional[float], digits: int = 3) -> str:
-  return "-" if x is None or not math.isfinite(x) else f"{100 * x:+.{digits}f}%"
 
 
 def pairing_summary(rows: Sequence[Mapping]) -> str:
