@@ -9,6 +9,7 @@ each collective's operand bytes per device (`payload`) and bytes one device send
 one column pair per mode; --config.output=PATH writes the same rows as JSON.
 """
 import json
+import os
 import sys
 
 from absl import app
@@ -28,6 +29,10 @@ def rows(config):
   if wrong:
     raise ValueError(f"--config.parallel.modes={config.parallel.modes}: {wrong} not among "
                      f"{', '.join(run_config.COLLECTIVES)}")
+  if config.run.precision == "loka" and "plan" not in config.run:
+    raise ValueError("--config.run.precision=loka: this config has no run.plan to read a "
+                     "kernel plan from; use --config.run.precision=fp32, bf16 or fp8_all (a "
+                     "delayed-scaling --config.run.kernel adds its fp8_meta all-reduce)")
   meshes = [m.strip() for m in config.parallel.meshes.split(";") if m.strip()]
   out = []
   for preset in run_config.split(config.run.presets):
@@ -51,6 +56,10 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   from loka_jax.parallel import traffic  # pylint: disable=g-import-not-at-top
   config = CONFIG.value
+  folder = os.path.dirname(os.path.abspath(config.output)) if config.output else None
+  if folder and not os.path.isdir(folder):
+    sys.exit(f"error: --config.output={config.output}: no folder {folder}; create it or "
+             "write to an existing one")
   try:
     found = rows(config)
   except ValueError as e:
@@ -64,8 +73,11 @@ def main(argv):
       records += [{"model": config.run.model, "preset": preset, "mesh": mesh,
                    "batch_size": batch, **c.to_dict()} for c in collectives]
   if config.output:
-    with open(config.output, "w") as f:
-      json.dump(records, f, indent=1)
+    try:
+      with open(config.output, "w") as f:
+        json.dump(records, f, indent=1)
+    except OSError as e:
+      sys.exit(f"error: --config.output={config.output}: {e.strerror or e}")
 
 
 if __name__ == "__main__":

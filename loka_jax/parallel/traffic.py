@@ -104,9 +104,14 @@ def step_collectives(params: Mapping, fp8_meta: Mapping, batch: Mapping, data: i
   """Every collective of one sharded step on a data:`data`,model:`model` mesh.
 
   params, fp8_meta: the model's unpadded variables (arrays or ShapeDtypeStructs); batch: one
-  global batch (arrays or shapes; its `label` field gives the batch size B).
+  global batch (arrays or shapes; its `label` field gives the batch size B), which must
+  split over the mesh's devices, as the step's does (ValueError otherwise).
   """
   n = data * model
+  batch_size = int(np.shape(batch["label"])[0])
+  if batch_size % n:
+    raise ValueError(f"batch size {batch_size} does not split over the {n} devices of mesh "
+                     f"data:{data},model:{model}; use a multiple of {n}")
   grad, embed = config.grad_codec(), config.embedding_codec()
   tables = dict(params.get(EMBEDDINGS, {}))
   dense = {k: v for k, v in params.items() if k != EMBEDDINGS}
@@ -124,7 +129,6 @@ def step_collectives(params: Mapping, fp8_meta: Mapping, batch: Mapping, data: i
     add("grads/tables", "all_reduce", grad, data, sum(sizes),
         *tree_all_reduce(sizes, data, grad))
   if model > 1 and tables:
-    batch_size = int(np.shape(batch["label"])[0])
     b_d = batch_size // data
     width = int(np.shape(next(iter(tables.values())))[1])
     shapes = [(b_d, int(np.shape(batch["sparse_ids"])[1]), width)]
@@ -202,45 +206,98 @@ def table(rows_by_mode: Mapping[str, Sequence[Collective]], title: Optional[str]
 
 _COLLECTIVE = re.compile(r"=\s*(?P<type>\(.*?\)|[a-z0-9]+\[[0-9,]*\]\S*)\s+(?P<op>all-reduce|"
                          r"all-gather|all-to-all|reduce-scatter|collective-permute)(?:-start)?\(")
-_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
-_GROUPS = re.compile(r"replica_groups=(\{\{[0-9,{}]*\}\}|\[[0-9,]+\]<=\[[0-9,]+\])")
-_DTYPE_BYTES = {"pred": 1, "u8": 1, "s8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
-                "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8}
+# An array type with its layout: f32[4,16]{1,0}, s4[64]{0:E(4)} (E(bits): packed values).
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
+_GROUPS = re.compile(r"replica_groups=(\{\}|\{\{[0-9,{}]*\}\}|\[[0-9,]+\]<=\[[0-9,]+\])")
+# An XLA primitive type's HLO name: pred; s, u (integers), f, bf (floats) or c (complex) and
+# its width in bits, a float's exponent and mantissa bits (and flags) after it: s16, u4, f32,
+# f8e5m2fnuz, f4e2m1fn, f8e4m3b11fnuz, c64.
+_PRIMITIVE = re.compile(r"(?:pred|(?:s|u|bf|c)(?P<int>[0-9]+)|f(?P<float>[0-9]+)(?:e[0-9]+m[0-9]+"
+                        r"[a-z0-9]*)?)")
+_MODULE_COUNTS = re.compile(r"\b(replica_count|num_partitions)=([0-9]+)")
 
 
-def _group_size(line: str) -> int:
+def dtype_bits(name: str) -> int:
+  """Bits of one value of the XLA primitive type named `name` in HLO text (pred: 8, as
+  XLA stores it); ValueError for a name of no array type."""
+  found = _PRIMITIVE.fullmatch(name)
+  if not found:
+    raise ValueError(f"unknown XLA primitive type {name!r} in a collective's operand (known: "
+                     "pred, s/u/f/bf/c with a width in bits, e.g. s16, f8e5m2fnuz, c64)")
+  return int(found.group("int") or found.group("float") or 8)
+
+
+def array_bytes(dtype: str, count: int, layout: str = "") -> int:
+  """Bytes of `count` values of `dtype` in memory: a value narrower than a byte takes a byte
+  unless the layout packs it (`E(bits)`, e.g. {0:E(4)})."""
+  bits = dtype_bits(dtype)
+  packed = re.search(r"E\(([0-9]+)\)", layout or "")
+  if packed:
+    return -(-count * int(packed.group(1)) // 8)
+  return count * -(-bits // 8)
+
+
+def _module_devices(hlo_text: str) -> Dict[str, int]:
+  """The module's replica_count and num_partitions (1 when its header leaves one out)."""
+  header = next((line for line in hlo_text.splitlines() if line.startswith("HloModule")), "")
+  counts = {"replica_count": 1, "num_partitions": 1}
+  counts.update((k, int(v)) for k, v in _MODULE_COUNTS.findall(header))
+  return counts
+
+
+def _group_size(line: str, op: str, replicas: int = 1, partitions: int = 1) -> int:
+  """Devices taking part in one collective of a module of `replicas` x `partitions`, by
+  XLA's group modes: without channel_id the groups hold replicas; with channel_id and
+  use_global_device_ids they hold global device ids; with channel_id alone, an all-to-all's
+  or permute's hold partitions, and the other collectives' hold replicas, each with every
+  partition. Empty groups (`replica_groups={}`) are all of them."""
   found = _GROUPS.search(line)
   if not found:
-    return 1
+    return 1   # collective-permute: pairs of devices
   text = found.group(1)
-  if text.startswith("{{"):
-    return len(text[2:].split("}")[0].split(","))
-  return int(text[1:].split("]")[0].split(",")[-1])   # [groups, size]<=[devices]
+  channel = re.search(r"\bchannel_id=", line) is not None
+  flattened = "use_global_device_ids=true" in line
+  if not channel:
+    everyone, per_member = replicas, 1
+  elif flattened:
+    everyone, per_member = replicas * partitions, 1
+  elif op in ("all-to-all", "collective-permute"):
+    everyone, per_member = partitions, 1
+  else:
+    everyone, per_member = replicas, partitions
+  if text == "{}":
+    size = everyone
+  elif text.startswith("{{"):
+    size = len(text[2:].split("}")[0].split(","))
+  else:
+    size = int(text[1:].split("]")[0].split(",")[-1])   # [groups, size]<=[devices]
+  return size * per_member
 
 
 def hlo_collectives(hlo_text: str) -> List[Dict[str, Any]]:
   """Every collective of a compiled module: {"op", "dtypes", "group", "payload"} with
   `payload` its operand bytes per device, comparable to `Collective.payload`. Rank-0 arrays
   (the loss, the gradient norm, global amaxes) are left out, also when XLA combined them
-  with others."""
+  with others. ValueError for an operand of a type that is not an XLA array type."""
+  devices = _module_devices(hlo_text)
   found = []
   for line in hlo_text.splitlines():
     match = _COLLECTIVE.search(line)
     if not match:
       continue
-    arrays = [(d, int(np.prod([int(x) for x in dims.split(",")])))
-              for d, dims in _ARRAY.findall(match.group("type")) if dims]
+    arrays = [(d, int(np.prod([int(x) for x in dims.split(",")])), layout)
+              for d, dims, layout in _ARRAY.findall(match.group("type")) if dims]
     if not arrays:
       continue
-    out_bytes = sum(_DTYPE_BYTES[d] * n for d, n in arrays)
-    group = _group_size(line)
+    out_bytes = sum(array_bytes(d, n, layout) for d, n, layout in arrays)
     op = match.group("op")
+    group = _group_size(line, op, devices["replica_count"], devices["num_partitions"])
     payload = (out_bytes // group if op == "all-gather" else
                out_bytes * group if op == "reduce-scatter" else out_bytes)
-    found.append({"op": op, "dtypes": sorted({d for d, _ in arrays}), "group": group,
+    found.append({"op": op, "dtypes": sorted({d for d, _, _ in arrays}), "group": group,
                   "payload": payload})
   return found
 
 
-__all__ = ["Collective", "all_reduce_bytes", "hlo_collectives", "model_collectives",
-           "step_collectives", "table", "totals", "tree_all_reduce"]
+__all__ = ["Collective", "all_reduce_bytes", "array_bytes", "dtype_bits", "hlo_collectives",
+           "model_collectives", "step_collectives", "table", "totals", "tree_all_reduce"]

@@ -1,11 +1,15 @@
 """The bytes model of the sharded step (traffic.py) against hand-computed bytes of a tiny
 tower and against the collectives of the compiled step."""
 import collections
+import tempfile
 
 import jax
+import ml_dtypes
 import numpy as np
 from absl.testing import absltest
+from jax._src.lib import xla_client
 
+from cli_helpers import run_module
 from loka_jax import parallel
 from loka_jax.parallel import traffic
 from loka_jax.train import make_optimizer
@@ -61,6 +65,14 @@ class HandComputedTest(absltest.TestCase):
     # (995 + 583 + 995 + 13 + 305 + 7 + 995 + 24) = 3917 rows of 16 values.
     self.assertEqual(rows["grads/tables"].elements, 3917 * 16)
 
+  def test_a_batch_that_does_not_split_over_the_mesh_is_refused(self):
+    dlrm, _ = odd_dlrm()
+    batch, _ = odd_state()
+    # 66 splits over data:2 but not over the 4 devices the step splits the batch over.
+    for data, model in ((2, 2), (4, 1)):
+      with self.assertRaisesRegex(ValueError, f"batch size 66 .* mesh data:{data},model:{model}"):
+        traffic.model_collectives(dlrm, batch, 66, data, model)
+
 
 class CompiledStepTest(absltest.TestCase):
 
@@ -98,6 +110,125 @@ class CompiledStepTest(absltest.TestCase):
     self.assertEqual(sum(by_op.values()), sum(r.payload for r in rows.values()))
     self.assertEqual(by_op["reduce-scatter"], rows["exchange/fwd"].payload)
     self.assertEqual(by_op["all-gather"], rows["exchange/bwd"].payload)
+
+
+
+# Types that are no arrays: no operand of a collective has them.
+NOT_ARRAYS = {"PRIMITIVE_TYPE_INVALID", "TUPLE", "OPAQUE_TYPE", "TOKEN", "BUFFER"}
+
+
+def expected_bits(xla_name):
+  """Bits of a value of an XLA primitive type by numpy / ml_dtypes (None: no type known
+  there)."""
+  if xla_name == "PRED":
+    return 8 * np.dtype(bool).itemsize
+  kind, rest = xla_name[0], xla_name[1:].lower()
+  if xla_name == "BF16":
+    return ml_dtypes.finfo(ml_dtypes.bfloat16).bits
+  if kind == "C":
+    return 8 * np.dtype(f"complex{rest}").itemsize
+  if kind in "SU":
+    name = ("" if kind == "S" else "u") + f"int{rest}"
+    found = getattr(np, name, None) or getattr(ml_dtypes, name, None)
+    return None if found is None else ml_dtypes.iinfo(found).bits
+  if rest.isdigit():
+    return ml_dtypes.finfo(np.dtype(f"float{rest}")).bits
+  bits, fmt = rest.split("e", 1)
+  found = getattr(ml_dtypes, f"float{bits}_e{fmt}", None)
+  return None if found is None else ml_dtypes.finfo(found).bits
+
+
+def hlo(*lines, header="HloModule m, num_partitions=4"):
+  return "\n".join([header, *lines])
+
+
+class HloWidthsAndGroupsTest(absltest.TestCase):
+  """`hlo_collectives` on hand-written HLO lines: every primitive type's width, packed
+  sub-byte layouts, every replica-group form and group mode."""
+
+  def test_every_xla_primitive_type_has_its_width(self):
+    names = [n for n in dir(xla_client.PrimitiveType) if n.isupper() and n not in NOT_ARRAYS]
+    self.assertGreater(len(names), 20)
+    checked = 0
+    for name in names:
+      width = traffic.dtype_bits(name.lower())   # every array type has one
+      expected = expected_bits(name)
+      if expected is not None:
+        self.assertEqual(width, expected, name)
+        checked += 1
+    self.assertGreaterEqual(checked, len(names) - 2)
+    with self.assertRaisesRegex(ValueError, "'q7x'"):
+      traffic.hlo_collectives(hlo("  %a = q7x[4]{0} all-reduce(%p), channel_id=1, "
+                                  "replica_groups={{0,1,2,3}}, use_global_device_ids=true"))
+
+  def test_payload_bytes_of_wide_narrow_and_packed_types(self):
+    flat = "channel_id=1, replica_groups={{0,1},{2,3}}, use_global_device_ids=true"
+    found = traffic.hlo_collectives(hlo(
+        f"  %a = s16[8]{{0}} all-reduce(%p), {flat}, to_apply=%r",
+        f"  %b = u64[2,3]{{1,0}} all-reduce(%p), {flat}, to_apply=%r",
+        f"  %c = f8e5m2fnuz[16]{{0}} all-gather(%p), {flat}, dimensions={{0}}",
+        f"  %d = s4[64]{{0:E(4)}} all-reduce(%p), {flat}, to_apply=%r",
+        f"  %e = s4[64]{{0}} all-reduce(%p), {flat}, to_apply=%r",
+        f"  %f = (c64[4]{{0}}, pred[3]{{0}}) all-to-all(%p, %q), {flat}",
+        f"  %g = f4e2m1fn[32]{{0:E(4)}} reduce-scatter(%p), {flat}, dimensions={{0}}"))
+    self.assertEqual([c["payload"] for c in found], [16, 48, 8, 32, 64, 35, 32])
+    self.assertEqual({c["group"] for c in found}, {2})
+
+  def test_group_sizes(self):
+    line = lambda groups, extra="": (f"  %a = f32[8]{{0}} all-reduce(%p), {extra}"
+                                     f"replica_groups={groups}, to_apply=%r")
+    cases = [  # (header, line, devices in the group)
+        # Empty groups: every device of the group mode's kind.
+        ("HloModule m, num_partitions=4",
+         line("{}", "channel_id=1, use_global_device_ids=true, "), 4),
+        ("HloModule m, replica_count=2, num_partitions=4",
+         line("{}", "channel_id=1, use_global_device_ids=true, "), 8),
+        ("HloModule m, replica_count=2, num_partitions=4", line("{}"), 2),     # replicas
+        ("HloModule m, replica_count=2, num_partitions=4",
+         line("{}", "channel_id=1, "), 8),                     # replicas, each with partitions
+        ("HloModule m, replica_count=2, num_partitions=4",
+         "  %a = f32[8]{0} all-to-all(%p), channel_id=1, replica_groups={}", 4),  # partitions
+        ("HloModule m", line("{}"), 1),
+        # Listed and iota groups.
+        ("HloModule m, num_partitions=4",
+         line("{{0,2},{1,3}}", "channel_id=1, use_global_device_ids=true, "), 2),
+        ("HloModule m, num_partitions=8",
+         line("[2,4]<=[8]", "channel_id=1, use_global_device_ids=true, "), 4),
+        ("HloModule m, num_partitions=8",
+         line("[4,2]<=[2,4]T(1,0)", "channel_id=1, use_global_device_ids=true, "), 2),
+        ("HloModule m, replica_count=2, num_partitions=4", line("{{0,1}}", "channel_id=1, "), 8),
+    ]
+    for header, text, group in cases:
+      [found] = traffic.hlo_collectives(hlo(text, header=header))
+      self.assertEqual(found["group"], group, f"{header}\n{text}")
+      # An all-gather's payload is one device's piece of its output (32 bytes).
+      if "all-reduce" in text:
+        [gathered] = traffic.hlo_collectives(hlo(text.replace("all-reduce", "all-gather"),
+                                                 header=header))
+        self.assertEqual(gathered["payload"], 32 // group)
+
+
+class BytesCommandTest(absltest.TestCase):
+  """`python -m experiments.parallel_bytes` on bad settings: one line naming the field."""
+
+  def test_bad_settings_are_one_line_errors(self):
+    with tempfile.TemporaryDirectory() as tmp:
+      cases = [
+          (["--config.output=" + f"{tmp}/missing/bytes.json"],
+           f"--config.output={tmp}/missing/bytes.json: no folder {tmp}/missing"),
+          (["--config.run.precision=loka"], "--config.run.precision=loka: this config has no "
+                                            "run.plan"),
+          (["--config.run.model=dlrm", "--config.run.presets=tiny",
+            "--config.parallel.meshes=data:2,model:2", "--config.parallel.batch_size=66"],
+           "batch size 66 does not split over the 4 devices of mesh data:2,model:2"),
+      ]
+      for args, said in cases:
+        done = run_module("experiments.parallel_bytes", *args)
+        self.assertEqual(done.returncode, 1, done.stderr[-2000:])
+        self.assertNotIn("Traceback", done.stderr)
+        lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+        self.assertLen(lines, 1, done.stderr[-2000:])
+        self.assertIn(said, lines[0])
 
 
 if __name__ == "__main__":
