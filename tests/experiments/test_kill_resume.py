@@ -83,6 +83,12 @@ def read_json(path):
     return json.load(f)
 
 
+def lines_of(path):
+  """The whole JSON lines of a metrics.jsonl (a torn last line left out)."""
+  with open(path) as f:
+    return [line.rstrip("\n") for line in f if line.endswith("\n")]
+
+
 class KillAt:
   """`run_module`'s kill_when: True `delay` seconds after the run's output first holds
   `count` lines matching `pattern` (or, with `path`, after that path exists)."""
@@ -127,11 +133,12 @@ class KillResumeCase(chex.TestCase):
       (shutil.copytree if os.path.isdir(source) else shutil.copy2)(source, target)
     return workdir
 
-  def kill_then_rerun(self, workdir, killer, stage_end, work=None):
+  def kill_then_rerun(self, workdir, killer, stage_end, work=None, on_killed=None):
     """Runs the job in `workdir` until `killer` kills it, checks that the output then lacked
     `stage_end` (the kill fell inside the stage), and reruns it to its end. `work`: a
     pattern of the output lines that report a piece of work done (and kept); the rerun does
-    none of the pieces the killed run reported again."""
+    none of the pieces the killed run reported again. `on_killed()`: called between the
+    runs (to read what the killed run left)."""
     name = os.path.basename(workdir)
     killed = self.run_job(workdir, killer)
     self.assertEqual(killed.returncode, -signal.SIGKILL,
@@ -139,6 +146,8 @@ class KillResumeCase(chex.TestCase):
                      f"{killed.stderr[-2000:]}")
     self.assertNotIn(stage_end, killed.stdout,
                      f"{name}: the kill fell after the stage it was meant for")
+    if on_killed is not None:
+      on_killed()
     again = self.run_job(workdir)
     self.assertEqual(again.returncode, 0, again.stdout[-2000:] + again.stderr[-3000:])
     if work is not None:
@@ -182,7 +191,18 @@ class MainJobKillTest(KillResumeCase):
     workdir = self.workdir_at("statistics")
     killer = KillAt("statistics", path=os.path.join(workdir, "probe", "checkpoints", "5"),
                     max_delay=0.05)
-    self.kill_then_rerun(workdir, killer, "[probe] trained to step")
+    # The probe writes a metrics line at each checkpoint (5, 10), before saving it. A rerun
+    # keeps the lines up to the step it resumes from as they are and writes the later ones;
+    # one that trained from step 0 again would write line 5 anew (its time and speed differ).
+    metrics = os.path.join(workdir, "probe", "metrics.jsonl")
+    killed_lines = []
+    self.kill_then_rerun(workdir, killer, "[probe] trained to step",
+                         on_killed=lambda: killed_lines.extend(lines_of(metrics)))
+    kept = [line for line in killed_lines if json.loads(line)["step"] <= 5]
+    self.assertEqual([json.loads(line)["step"] for line in kept], [5])
+    rerun = lines_of(metrics)
+    self.assertEqual([json.loads(line)["step"] for line in rerun], [5, 10])
+    self.assertEqual(rerun[0], kept[0], "the rerun trained the checkpoint's steps again")
     self.assertSameOutcome(workdir)
 
   def test_killed_in_the_per_site_evaluation(self):
