@@ -56,6 +56,21 @@ def odd_state():
   return batch, create_train_state(model, make_optimizer(OPTIM), batch, seed=1)
 
 
+@functools.lru_cache(maxsize=None)
+def odd_step(collectives: str):
+  """(sharded state, sharded batch, jitted train step) of `odd_dlrm` on data:2,model:2 with
+  `collectives` payloads, from `odd_state`: compiled once per mode in a test session, by
+  whichever test lowers or calls it first. The step donates its state: pass it a `copy`."""
+  model, _ = odd_dlrm()
+  batch, state = odd_state()
+  the_mesh = mesh("data:2,model:2")
+  sharded = parallel.shard_state(state, the_mesh)
+  sharded_batch = parallel.shard_batch(batch, the_mesh)
+  step = parallel.make_train_step(model, make_optimizer(OPTIM), the_mesh, sharded, sharded_batch,
+                                  parallel.ParallelConfig(collectives=collectives))
+  return sharded, sharded_batch, step
+
+
 def copy(tree):
   """A copy that owns its buffers (steps donate their state)."""
   return jax.tree.map(jnp.copy, tree)

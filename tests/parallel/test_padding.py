@@ -11,7 +11,8 @@ from jax.sharding import PartitionSpec as P
 from loka_jax import parallel
 from loka_jax.parallel import checkpoint as parallel_ckpt
 from loka_jax.train import Checkpointer, bce_with_logits, compiled_steps, make_optimizer
-from sharded_fixtures import MAX_VOCAB, ODD_VOCABS, OPTIM, copy, host, mesh, odd_dlrm, odd_state
+from sharded_fixtures import (MAX_VOCAB, ODD_VOCABS, OPTIM, copy, host, mesh, odd_dlrm,
+                              odd_state, odd_step)
 
 FP32 = parallel.ParallelConfig(collectives="fp32")
 
@@ -41,9 +42,7 @@ class PaddingTest(absltest.TestCase):
     batch, state = odd_state()
     cls.tx = make_optimizer(OPTIM)
     cls.mesh = mesh("data:2,model:2")
-    cls.sharded = parallel.shard_state(state, cls.mesh)
-    sharded_batch = parallel.shard_batch(batch, cls.mesh)
-    step = parallel.make_train_step(model, cls.tx, cls.mesh, cls.sharded, sharded_batch, FP32)
+    cls.sharded, sharded_batch, step = odd_step("fp32")   # test_traffic compiles it too
     cls.new, cls.out = step(copy(cls.sharded), sharded_batch)
     loop_step, _ = compiled_steps(model, OPTIM, "stop")
     cls.ref, cls.ref_out = loop_step(copy(state), batch)

@@ -12,8 +12,7 @@ from jax._src.lib import xla_client
 from cli_helpers import run_module
 from loka_jax import parallel
 from loka_jax.parallel import traffic
-from loka_jax.train import make_optimizer
-from sharded_fixtures import OPTIM, mesh, odd_dlrm, odd_state
+from sharded_fixtures import odd_dlrm, odd_state, odd_step
 
 
 def rows_of(mode, data=2, model=2):
@@ -78,14 +77,10 @@ class CompiledStepTest(absltest.TestCase):
 
   def check(self, mode):
     dlrm, _ = odd_dlrm()
-    batch, state = odd_state()
-    the_mesh = mesh("data:2,model:2")
-    tx = make_optimizer(OPTIM)
-    sharded = parallel.shard_state(state, the_mesh)
-    sharded_batch = parallel.shard_batch(batch, the_mesh)
+    batch, _ = odd_state()
+    sharded, sharded_batch, step = odd_step(mode)   # test_padding trains the fp32 one
     config = parallel.ParallelConfig(collectives=mode)
-    hlo = parallel.make_train_step(dlrm, tx, the_mesh, sharded, sharded_batch, config).lower(
-        sharded, sharded_batch).compile().as_text()
+    hlo = step.lower(sharded, sharded_batch).compile().as_text()
     found = traffic.hlo_collectives(hlo)
     by_op = collections.Counter()
     for c in found:
