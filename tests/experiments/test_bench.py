@@ -311,8 +311,10 @@ class TargetCheckTest(parameterized.TestCase):
 
   def test_quality_compares_rows_of_one_recipe(self):
     def q(arm, seed, logloss, warmup=None):
+      # LoKA's rows name their plan's FP8 kernel: scores equal to bf16+Mods' are a result.
       return _quality_row("dlrm", "large", arm, seed, logloss,
-                          **({} if warmup is None else {"warmup_steps": warmup}))
+                          **({} if warmup is None else {"warmup_steps": warmup}),
+                          **({"plan_kernels": ["xla_fp8_rowwise"]} if arm == "loka" else {}))
     # Plain recipe: LoKA 1% worse at both seeds (missed). Warm-up recipe: its own arms, LoKA
     # equal at both (met); mixing the two would pair LoKA-with-warm-up against plain bf16.
     rows = [q(a, s, 0.5) for a in ("bf16", "bf16_mods") for s in (0, 1)]
@@ -1743,8 +1745,8 @@ class QualityProtocolTest(absltest.TestCase):
     self.assertIn("the plan runs no FP8 kernel", verdict["note"])
     self.assertIn("at seeds [0] its rows are the bf16+Mods runs", verdict["note"])
     self.assertNotIn("no FP8 kernel", _verdict(targets.check_quality(rows[:3] + rows[3:4] + [
-        _quality_row("dlrm", "large", "loka", 0, 0.4705)]), "loka_quality_vs_bf16_mods",
-        "synthetic:dlrm/large", "quality")["note"])
+        _quality_row("dlrm", "large", "loka", 0, 0.4705, plan_kernels=["xla_fp8_rowwise"])]),
+        "loka_quality_vs_bf16_mods", "synthetic:dlrm/large", "quality")["note"])
 
   def test_a_warm_up_recipe_trains_its_own_runs(self):
     out = _tempdir(self)

@@ -151,7 +151,8 @@ class VerdictTest(absltest.TestCase):
     def q(arm, seed, logloss, label=None):
       row = {"suite": "quality", "data": "synthetic", "model": "dlrm", "preset": "large",
              "arm": arm, "seed": seed, "device": "H200", "logloss": logloss, "ne": 0.9,
-             "auc": 0.7, "eval_fingerprint": "e", "warmup_steps": 50}
+             "auc": 0.7, "eval_fingerprint": "e", "warmup_steps": 50,
+             **({"plan_kernels": ["xla_fp8_rowwise"]} if arm == "loka" else {})}
       return row if label is None else {**row, "mods_set": label}
     # The arms without Mods ran once, in the default set; the set's comparison shares them.
     rows = [q("bf16", s, 0.47) for s in range(3)] + [q("fp8_naive", 0, 0.4730)]
