@@ -4,6 +4,7 @@ gradient from its own program (`only_site`) or every site's from one switch boar
 (`gradient_switched`); the distance in float32 on the device (`gradient_distance`)."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
@@ -19,8 +20,15 @@ def _gradient(ctx: ValidationContext, kplan: KernelPlan, batches: int):
   """The parameter gradient under `kplan`, summed over the context's first `batches`
   training batches (`_summed_gradient`)."""
   model, state = state_for(ctx, kplan)
-  grad = jax.jit(jax.grad(lambda p, m, b: _loss(model, p, m, b)))
+  grad = _jitted_gradient(model)
   return _summed_gradient(lambda b: grad(state.params, state.fp8_meta, b), ctx, batches)
+
+
+@functools.lru_cache(maxsize=64)
+def _jitted_gradient(model):
+  """The jitted parameter gradient of `model`'s loss, one per model (equal models, as the
+  same plan builds them, share it: measuring a site again traces and compiles nothing)."""
+  return jax.jit(jax.grad(lambda p, m, b: _loss(model, p, m, b)))
 
 
 def _summed_gradient(grad_of: Callable, ctx: ValidationContext, batches: int):
