@@ -76,13 +76,15 @@ def _fresh(module, args, env, timeout, kill_when=None):
     return subprocess.CompletedProcess(cmd, proc.returncode, _read(out), _read(err))
 
 
-# What every CLI imports from outside the repository. Importing them starts no thread but
+# What every CLI imports, the library included. Importing them starts no thread but
 # OpenBLAS's pool (which handles a fork), and JAX starts no backend on import, so a fork is
 # safe. JAX reads its JAX_* settings on import and XLA_FLAGS when a backend starts: the warm
 # interpreter runs under the very environment its children would get.
 _PRELOAD = ("numpy", "ml_dtypes", "jax", "jax.numpy", "flax.linen", "optax", "orbax.checkpoint",
             "matplotlib.pyplot", "absl.app", "absl.flags", "absl.logging",
-            "ml_collections.config_flags")
+            "ml_collections.config_flags",
+            # The library too: it defines no flag and starts no backend on import.
+            "loka_jax", "loka_jax.dispatch", "loka_jax.probe.runner", "loka_jax.train.loop")
 
 # The warm interpreter: imports _PRELOAD, then for each request (a JSON line on stdin) forks a
 # child, replies with the child's pid, waits for it and replies with its exit status. The

@@ -115,6 +115,19 @@ class KillAt:
 class KillResumeCase(chex.TestCase):
   MODULE = None
   FLAGS = ()
+  PREFIX = None   # of the temporary folder holding the uninterrupted run and the killed ones
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    if cls.MODULE is None:  # the shared base, no job of its own
+      return
+    cls.root = tempfile.mkdtemp(prefix=cls.PREFIX)
+    cls.reference = os.path.join(cls.root, "uninterrupted")
+    done = cls.run_job(cls.reference)
+    if done.returncode != 0:
+      raise AssertionError(f"the uninterrupted {cls.MODULE} run failed:\n"
+                           f"{done.stderr[-3000:]}")
 
   @classmethod
   def run_job(cls, workdir, kill_when=None):
@@ -160,15 +173,7 @@ class KillResumeCase(chex.TestCase):
 class MainJobKillTest(KillResumeCase):
   MODULE = "experiments.loka"
   FLAGS = MAIN_FLAGS
-
-  @classmethod
-  def setUpClass(cls):
-    super().setUpClass()
-    cls.root = tempfile.mkdtemp(prefix="loka_kill_main_")
-    cls.reference = os.path.join(cls.root, "uninterrupted")
-    done = cls.run_job(cls.reference)
-    if done.returncode != 0:
-      raise AssertionError(f"the uninterrupted run failed:\n{done.stderr[-3000:]}")
+  PREFIX = "loka_kill_main_"
 
   def assertSameOutcome(self, workdir):
     plan, expected = (read_json(os.path.join(d, "plan.json")) for d in (workdir, self.reference))
@@ -231,15 +236,7 @@ class MainJobKillTest(KillResumeCase):
 class ProbeKillTest(KillResumeCase):
   MODULE = "experiments.probe"
   FLAGS = PROBE_FLAGS
-
-  @classmethod
-  def setUpClass(cls):
-    super().setUpClass()
-    cls.root = tempfile.mkdtemp(prefix="loka_kill_probe_")
-    cls.reference = os.path.join(cls.root, "uninterrupted")
-    done = cls.run_job(cls.reference)
-    if done.returncode != 0:
-      raise AssertionError(f"the uninterrupted probe failed:\n{done.stderr[-3000:]}")
+  PREFIX = "loka_kill_probe_"
 
   def test_killed_in_the_kernel_timing(self):
     # From the trained and evaluated probe (its statistics summarized, every site's errors
