@@ -28,6 +28,8 @@ CHUNK_ELEMENTS = flags.DEFINE_integer("chunk_elements", 1024, "Operand elements 
                                       "a chunk.")
 KERNELS = flags.DEFINE_list("kernels", ["xla_bf16", "xla_fp8_tensorwise", "flax_fp8_delayed",
                                         "flax_fp8_delayed_grad_lhs"], "Probe candidates.")
+SITES = flags.DEFINE_string("sites", None, "Regex (re.search): probe only these sites; "
+                            "default every site.")
 DELAYED = ("flax_fp8_delayed", "pallas_fp8_delayed")
 
 
@@ -51,7 +53,8 @@ def main(argv):
   spec = experiment.RunSpec(model=common.MODEL.value, preset=common.PRESET.value,
                             mods=("all",), num_eval=512)
   options = ProbeOptions(samples=SAMPLES.value, kernels=tuple(KERNELS.value),
-                         chunk_elements=CHUNK_ELEMENTS.value, plots=False, site_plots=False,
+                         chunk_elements=CHUNK_ELEMENTS.value, sites=SITES.value,
+                         plots=False, site_plots=False,
                          bootstrap=200, criteria=Criteria(min_speedup=None))
   config = TrainConfig(steps=common.STEPS.value, batch_size=BATCH_SIZE.value, progress=False,
                        log_every=0)
