@@ -8,7 +8,12 @@
 #   bash experiments/gpu_startup_call.sh        (the device call carries .whl)
 #
 # Environment: MODEL (wukong), PRESET (large), PLAN (the committed plan of that preset),
-# STEPS (150), WORK (/tmp/startup), OUT (set on the device; elsewhere $WORK/out).
+# STEPS (150), ARM_LIMIT (seconds per arm, 240), WORK (/tmp/startup), OUT (set on the device;
+# elsewhere $WORK/out), ARMS (the arms to run, in order; default "bf16_mods loka
+# bf16_mods_in_turn loka_warm"). Arms with compiler variants, each on its own empty
+# compilation cache: bf16_mods_autotune0 and loka_autotune0 (XLA's GPU autotuning off:
+# --xla_gpu_autotune_level=0), loka_no_triton_gemm (cuBLAS for every GEMM fusion:
+# --xla_gpu_enable_triton_gemm=false).
 set -u
 source experiments/gpu_common.sh
 ensure_wheels || exit 1
@@ -17,14 +22,14 @@ PRESET=${PRESET:-large}
 PLAN=${PLAN:-docs/results/plan_wukong_large_wgrad0_h200_2026-12-02.json}
 WORK=${WORK:-/tmp/startup}
 OUT=${OUT:-$WORK/out}
-rm -rf "$WORK/runs" "$WORK/jax_cache"
+rm -rf "$WORK/runs" "$WORK"/jax_cache*
 mkdir -p "$WORK/runs" "$OUT"
 export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR="$WORK/jax_cache"
 echo "card: $(nvidia-smi --query-gpu=name --format=csv,noheader) jax $(python3 -c 'import jax; print(jax.__version__)') $MODEL/$PRESET"
 arm() {  # arm NAME ARGS...: one train run, its summary line
   local name=$1; shift
   local start; start=$(date +%s.%N)
-  timeout 240 python3 -m experiments.train --workdir="$WORK/runs/$name" \
+  timeout "${ARM_LIMIT:-240}" python3 -m experiments.train --workdir="$WORK/runs/$name" \
     --config.run.model="$MODEL" --config.run.preset="$PRESET" --config.run.mods=all \
     --config.run.steps="${STEPS:-150}" --config.train.log_every=25 \
     --config.train.checkpoint_every=0 --config.train.keep_checkpoints=0 \
@@ -45,7 +50,21 @@ print(f"{name:18s} start->first step {first:6.1f} s (imports+build {started:5.1f
       f"{sorted(rates)[len(rates) // 2] if rates else float('nan'):.2f}")
 PY
 }
-arm bf16_mods --config.run.precision=bf16
-arm loka --config.run.precision=loka --config.run.plan="$PLAN"
-arm bf16_mods_in_turn --config.run.precision=bf16 --config.train.prefetch=0
-arm loka_warm --config.run.precision=loka --config.run.plan="$PLAN"
+variant() {  # variant NAME XLA_FLAG ARGS...: an arm compiled with XLA_FLAG on a cold cache
+  local name=$1 flag=$2; shift 2
+  XLA_FLAGS="${XLA_FLAGS:-} $flag" JAX_COMPILATION_CACHE_DIR="$WORK/jax_cache_$name" \
+    arm "$name" "$@"
+}
+BF16=(--config.run.precision=bf16)
+LOKA=(--config.run.precision=loka --config.run.plan="$PLAN")
+for name in ${ARMS:-bf16_mods loka bf16_mods_in_turn loka_warm}; do
+  case $name in
+    bf16_mods) arm bf16_mods "${BF16[@]}" ;;
+    loka | loka_warm) arm "$name" "${LOKA[@]}" ;;
+    bf16_mods_in_turn) arm bf16_mods_in_turn "${BF16[@]}" --config.train.prefetch=0 ;;
+    bf16_mods_autotune0) variant "$name" --xla_gpu_autotune_level=0 "${BF16[@]}" ;;
+    loka_autotune0) variant "$name" --xla_gpu_autotune_level=0 "${LOKA[@]}" ;;
+    loka_no_triton_gemm) variant "$name" --xla_gpu_enable_triton_gemm=false "${LOKA[@]}" ;;
+    *) echo "unknown arm $name" >&2; exit 2 ;;
+  esac
+done

@@ -23,6 +23,8 @@ COMMANDS = {
                        "the probe's delayed-scaling errors warmed on other samples vs itself"),
     "timing_check": ("experiments.tools.timing_check",
                      "the timing loops against the profiler's kernel times (GPU)"),
+    "probe_overhead": ("experiments.tools.probe_overhead",
+                       "the statistics pass against the training step, part by part"),
     "kernel_resources": ("experiments.tools.kernel_resources",
                          "the Pallas FP8 GEMMs compiled for sm_90: registers, MMA (triton)"),
 }

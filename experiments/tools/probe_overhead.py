@@ -1,0 +1,184 @@
+r"""What the probe's statistics pass costs against the training step, and where its time goes.
+
+  python3 -m experiments.measure probe_overhead --model=wukong --preset=small \
+      --out=overhead.json
+
+Builds the bf16+Mods tower of the preset, times its jitted training step and the statistics
+pass (`loka_jax.probe.collector.StatisticsPass`, what the probe runs every `cadence` steps)
+in steady state (compiled first, then the median of --repeats calls, each waited for), and
+each part of the pass on its own: the extract stage (the loss's forward and backward with
+every site's operands and output gradient returned) and, summed over the sites, the
+Gaussian, matrix-normal, underflow-table, amax and reservoir updates. Prints the pass's
+share of training time at each of --cadences (pass / (cadence x step)) and writes a JSON row
+with --out. Needs a GPU for numbers that mean anything; on a CPU it runs, slowly.
+"""
+import dataclasses
+import json
+import time
+
+from absl import app, flags
+
+from experiments import common_flags as common  # the common flags, defined once
+
+BATCH_SIZE = flags.DEFINE_integer("batch_size", 0, "Training batch; 0: the preset's.")
+REPEATS = flags.DEFINE_integer("repeats", 10, "Timed calls of each function (median).")
+CADENCES = flags.DEFINE_list("cadences", ["25", "50", "100", "200"],
+                             "Steps between observations at which to state the share.")
+PARTS = flags.DEFINE_bool("parts", True, "Also time each part of the pass on its own.")
+OUT = flags.DEFINE_string("out", None, "Write the row here (JSON).")
+CONFIG = flags.DEFINE_string("probe_config", "", "ProbeConfig fields, FIELD=VALUE,... (for "
+                             "example weight_every=4).")
+
+
+def _median_ms(fn, repeats: int) -> float:
+  import jax
+  import numpy as np
+  jax.block_until_ready(fn())   # compiles (and warms) outside the timing
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return 1e3 * float(np.median(times))
+
+
+def _probe_config(text: str):
+  from loka_jax.probe import ProbeConfig
+  fields = {f.name: f.type for f in dataclasses.fields(ProbeConfig)}
+  values = {}
+  for item in filter(None, text.split(",")):
+    name, _, value = item.partition("=")
+    if name not in fields or not value:
+      raise app.UsageError(f"--probe_config: {item!r} is not FIELD=VALUE with a ProbeConfig "
+                           f"field ({', '.join(fields)})")
+    values[name] = float(value) if "." in value else int(value)
+  return ProbeConfig(**values)
+
+
+def _parts(sp, state, operands, keys):
+  """{part: jitted fn(site state, lhs, rhs, grad, key)} for one site, per part of the update."""
+  import jax
+  import jax.numpy as jnp
+  from loka_jax.kernels import ACT_WEIGHT
+  from loka_jax.probe import collector, gaussian, matrix_normal, reservoir
+  from loka_jax.probe.layout import OPERANDS, PASS_AXES
+
+  def parts_of(site):
+    layout, config = site.layout, sp.config
+
+    def gaussians(st, lhs, rhs, grad, key):
+      out = [gaussian.update(st["lhs"], layout.lhs.to_rows(lhs)),
+             gaussian.update(st["grad"], layout.grad.to_rows(grad))]
+      if site.kind != ACT_WEIGHT:
+        out.append(gaussian.update(st["rhs"], layout.rhs.to_rows(rhs)))
+      return out
+
+    def weight(st, lhs, rhs, grad, key):
+      if site.kind != ACT_WEIGHT:
+        return jnp.zeros(())
+      # What one observation costs on average: the refit runs on 1 in weight_every.
+      return matrix_normal.update(st["rhs"], layout.rhs.to_rows(rhs), ema=config.weight_ema,
+                                  jitter=config.jitter)
+
+    def flush(st, lhs, rhs, grad, key):
+      values = {"lhs": lhs, "rhs": rhs, "grad": grad}
+      return [collector._update_flush(st["flush"][op], layout.operand(op).to_canonical(
+          values[op]), tuple(PASS_AXES[op].values())) for op in OPERANDS]
+
+    def amax(st, lhs, rhs, grad, key):
+      values = {"lhs": lhs, "rhs": rhs, "grad": grad}
+      return [collector._update_amax(st["amax"][op], values[op]) for op in OPERANDS]
+
+    def kept_rows(st, lhs, rhs, grad, key):
+      if "reservoir" not in st:
+        return jnp.zeros(())
+      values = {"lhs": lhs, "rhs": rhs, "grad": grad}
+      items = {op: jnp.moveaxis(values[op], layout.slice_axis(op), 0)
+               for op in layout.sliced_operands()}
+      return reservoir.update(st["reservoir"], items, key)
+
+    return {"gaussian": gaussians, "matrix_normal": weight, "flush": flush, "amax": amax,
+            "reservoir": kept_rows}
+
+  totals = {}
+  compiled = {}
+  for i, (name, site) in enumerate(sp.sites.items()):
+    k = sp.names[name]
+    update_key = collector._update_key(site, sp.config)
+    if update_key not in compiled:
+      compiled[update_key] = {part: jax.jit(fn) for part, fn in parts_of(site).items()}
+    for part, fn in compiled[update_key].items():
+      args = (state["sites"][k], *operands[k], keys[i])
+      ms = _median_ms(lambda: fn(*args), REPEATS.value)
+      if part == "matrix_normal":
+        ms /= sp.config.weight_every
+      totals[part] = totals.get(part, 0.0) + ms
+  return totals
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  import jax
+  from loka_jax.probe.training import ProbeCollector, probe_sites
+  from loka_jax.train import OptimConfig, experiment
+  from loka_jax.train.state import create_train_state
+  from loka_jax.train.optim import make_optimizer
+  from loka_jax.train.steps import compiled_steps
+
+  cadences = [int(c) for c in CADENCES.value]
+  probe_config = _probe_config(CONFIG.value)
+  spec = experiment.RunSpec(model=common.MODEL.value, preset=common.PRESET.value,
+                            mods=("all",))
+  batch_size = BATCH_SIZE.value or experiment.preset_batch_size(spec.model, spec.preset)
+  model, source, _ = experiment.build_run(spec)
+  batch = jax.device_put(source.train_batch(0, batch_size))
+  optim = OptimConfig()
+  train_step, _ = compiled_steps(model, optim, "stop")
+  state = create_train_state(model, make_optimizer(optim), batch, seed=0)
+
+  holder = {"state": state}
+
+  def step():
+    holder["state"], metrics = train_step(holder["state"], batch)
+    return metrics
+
+  step_ms = _median_ms(step, REPEATS.value)
+  state = holder["state"]
+  sites = probe_sites(model, None, batch, probe_config)
+  collector = ProbeCollector(model, source, batch_size, sites, probe_config)
+  sp = collector.probe.statistics_pass
+  stats = collector.state
+  variables, rng, key = state.variables(), state.rng, jax.random.PRNGKey(1)
+  observed = {"stats": stats}
+
+  def observe():  # successive observations, so that weight_every's skipped refits count
+    observed["stats"] = sp(observed["stats"], variables, batch, rng, key)
+    return observed["stats"]
+
+  pass_ms = _median_ms(observe, REPEATS.value)
+  row = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+         "model": spec.model, "preset": spec.preset, "batch_size": batch_size,
+         "sites": len(sites), "probe_config": probe_config.to_dict(),
+         "step_ms": round(step_ms, 2), "pass_ms": round(pass_ms, 2),
+         "fraction": {c: round(pass_ms / (c * step_ms), 4) for c in cadences}}
+  if PARTS.value:
+    operands = sp.extract(variables, batch, rng)
+    parts = {"extract": _median_ms(lambda: sp.extract(variables, batch, rng), REPEATS.value)}
+    keys = jax.random.split(key, len(sp.sites))
+    parts.update(_parts(sp, stats, operands, keys))
+    row["parts_ms"] = {k: round(v, 2) for k, v in parts.items()}
+  print(f"{spec.model}/{spec.preset} batch {batch_size} on {row['device']}: train step "
+        f"{step_ms:.1f} ms, statistics pass {pass_ms:.1f} ms over {len(sites)} sites")
+  for part, ms in row.get("parts_ms", {}).items():
+    print(f"  {part:14s} {ms:8.1f} ms")
+  for c in cadences:
+    print(f"  every {c:4d} steps: {100 * row['fraction'][c]:6.2f}% of training time")
+  if OUT.value:
+    with open(OUT.value, "w") as f:
+      json.dump(row, f, indent=1)
+    print(f"[probe_overhead] wrote {OUT.value}")
+
+
+if __name__ == "__main__":
+  app.run(main)
