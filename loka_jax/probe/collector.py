@@ -48,6 +48,9 @@ class ProbeConfig:
   rank: int = 32                       # eigenpairs of the low-rank part above that width
   oversample: int = 32                 # extra Nystrom sketch columns beyond `rank`
   weight_ema: float = 0.1              # EMA rate of the matrix-normal fit; 0: running average
+  # Refit the weight's matrix normal on every this many observations (the first always): its
+  # two Cholesky solves per weight are most of a GPU pass, and a weight moves slowly.
+  weight_every: int = 1
   jitter: float = 1e-6                 # relative diagonal jitter before Cholesky
   reservoir_elements: int = 1 << 20    # elements per operand buffer of a site's reservoir
   reservoir_min: int = 8               # slices kept at least ...
@@ -61,6 +64,8 @@ class ProbeConfig:
     if self.max_full_width < 1 or self.rank < 1:
       raise ValueError(f"probe options: max_full_width={self.max_full_width} and "
                        f"rank={self.rank} must both be >= 1")
+    if self.weight_every < 1:
+      raise ValueError(f"weight_every must be >= 1 observation, got {self.weight_every}")
     if not 0.0 <= self.weight_ema < 1.0:
       raise ValueError(f"weight_ema must be in [0, 1), got {self.weight_ema}")
     if self.reservoir_min < 1 or self.reservoir_max < self.reservoir_min:
@@ -213,15 +218,22 @@ def _update_amax(acc, x):
           "growth_max": jnp.maximum(acc["growth_max"], growth)}
 
 
-def update_site_state(state, site: SiteProbe, lhs, rhs, grad, key, config: ProbeConfig):
-  """Folds one observation of a site's operands and output gradient into its state."""
+def update_site_state(state, site: SiteProbe, lhs, rhs, grad, key, config: ProbeConfig,
+                      observation=0):
+  """Folds observation number `observation` (from 0) of a site's operands and output
+  gradient into its state."""
   layout = site.layout
   values = {"lhs": lhs, "rhs": rhs, "grad": grad}
   out = {"lhs": gaussian.update(state["lhs"], layout.lhs.to_rows(lhs)),
          "grad": gaussian.update(state["grad"], layout.grad.to_rows(grad))}
   if site.kind == ACT_WEIGHT:
-    out["rhs"] = matrix_normal.update(state["rhs"], layout.rhs.to_rows(rhs),
-                                      ema=config.weight_ema, jitter=config.jitter)
+    refit = lambda st: matrix_normal.update(st, layout.rhs.to_rows(rhs), ema=config.weight_ema,
+                                            jitter=config.jitter)
+    if config.weight_every == 1:
+      out["rhs"] = refit(state["rhs"])
+    else:  # a real branch: the skipped refit costs nothing
+      out["rhs"] = jax.lax.cond(observation % config.weight_every == 0, refit, lambda st: st,
+                                state["rhs"])
     out["weight"] = rhs.astype(state["weight"].dtype)
   else:
     out["rhs"] = gaussian.update(state["rhs"], layout.rhs.to_rows(rhs))
@@ -294,10 +306,10 @@ class StatisticsPass:
     for site in self.sites.values():
       key = _update_key(site, config)
       if key not in self.updates:
-        def update(state, lhs, rhs, grad, rng_key, site=site):
+        def update(state, lhs, rhs, grad, rng_key, observation, site=site):
           if on_trace is not None:
             on_trace(f"update {site.spec} {site.layout.lhs.shape} {site.layout.rhs.shape}")
-          return update_site_state(state, site, lhs, rhs, grad, rng_key, config)
+          return update_site_state(state, site, lhs, rhs, grad, rng_key, config, observation)
         self.updates[key] = executables.autotuned(
             jax.jit(update, donate_argnums=(0,) if donate else ()))
 
@@ -308,7 +320,8 @@ class StatisticsPass:
     for i, (name, site) in enumerate(self.sites.items()):
       k = self.names[name]
       new_sites[k] = executables.call(self.updates[_update_key(site, self.config)],
-                                      state["sites"][k], *operands[k], keys[i])
+                                      state["sites"][k], *operands[k], keys[i],
+                                      state["observations"])
     return {"observations": state["observations"] + 1, "sites": new_sites}
 
   def compile_jobs(self, state, variables, batch, rng, key) -> List[executables.Job]:
@@ -323,7 +336,7 @@ class StatisticsPass:
         seen.add(update_key)
         k = self.names[name]
         jobs.append((self.updates[update_key],
-                     (state["sites"][k], *operands[k], site_key)))
+                     (state["sites"][k], *operands[k], site_key, state["observations"])))
     return jobs
 
 

@@ -58,12 +58,15 @@ def table(x: jax.Array, contracting_axis: int, formats=FORMATS,
   finite_nonzero = jnp.isfinite(xf) & (xf != 0)
   ax = jnp.where(jnp.isfinite(xf), jnp.abs(xf), 0.0)
   count = jnp.maximum(jnp.sum(finite_nonzero), 1)
-  groups = jnp.stack([group_amax(ax, g, contracting_axis) for g in granularities])
-  # All formats x granularities in one comparison and one reduction.
-  scales = jnp.stack([scale_from_amax(groups, fmt) for fmt in formats])
-  bars = jnp.asarray([fmt.min_subnormal / 2 for fmt in formats], jnp.float32)
-  flushed = finite_nonzero & (ax / scales <= bars[:, None, None, None, None])
-  return jnp.sum(flushed, axis=(2, 3, 4)) / count
+  # One count per (format, granularity), each fused with its group's amax: stacking the
+  # broadcast amaxes would write 8 operand-sized arrays first.
+  counts = []
+  for fmt in formats:
+    bar = jnp.float32(fmt.min_subnormal / 2)
+    for g in granularities:
+      scale = scale_from_amax(group_amax(ax, g, contracting_axis), fmt)
+      counts.append(jnp.sum(finite_nonzero & (ax / scale <= bar)))
+  return jnp.stack(counts).reshape(len(formats), len(granularities)) / count
 
 
 def underflow_fraction(x: jax.Array, fmt, granularity: str, contracting_axis: int) -> jax.Array:

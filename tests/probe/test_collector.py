@@ -80,6 +80,38 @@ class StatisticsPassTest(chex.TestCase):
     self.assertEqual(len(traces), 1 + len(bigger))
 
 
+class WeightEveryTest(chex.TestCase):
+
+  def test_the_matrix_normal_is_refit_on_every_kth_observation_only(self):
+    sparse = collector.ProbeConfig(cadence=2, min_observations=1, weight_every=3)
+    model, source = train_toys.ToyClickModel(), train_toys.ToySource(seed=3, num_eval=64)
+    batch = source.train_batch(0, BATCH)
+    params = model.init({"params": jax.random.PRNGKey(1)}, batch)
+    sites = training.probe_sites(model, params, batch, sparse)
+    every, skipping = (training.ProbeCollector(model, source, BATCH, sites, config)
+                       for config in (CONFIG, sparse))
+    moved = jax.tree.map(lambda x: x * 1.5, params)
+    # Observations 0-3 with the weights moving at 1 and 3; weight_every=3 refits at 0 and 3.
+    for i, variables in enumerate((params, moved, moved, params)):
+      skipping.observe(variables, jax.random.PRNGKey(0), step=2 * i)
+      if i in (0, 3):
+        every.observe(variables, jax.random.PRNGKey(0), step=2 * i)
+    for name in sites:
+      got = collector.site_state(jax.device_get(skipping.state), sites, name)
+      want = collector.site_state(jax.device_get(every.state), sites, name)
+      self.assertEqual(float(got["rhs"]["count"]), 2.0)
+      for field in ("mean", "row_cov", "col_cov"):
+        np.testing.assert_allclose(got["rhs"][field], want["rhs"][field], rtol=1e-6,
+                                   err_msg=f"{name} {field}")
+      # The other statistics still see every observation, and the latest weight is kept.
+      self.assertEqual(float(got["lhs"]["count"]), 4 * BATCH)
+      np.testing.assert_array_equal(got["weight"], want["weight"])
+
+  def test_weight_every_below_one_is_refused(self):
+    with self.assertRaisesRegex(ValueError, "weight_every must be >= 1"):
+      collector.ProbeConfig(weight_every=0)
+
+
 class TrainingLoopTest(chex.TestCase):
 
   def test_statistics_ride_in_checkpoints_and_resume(self):
