@@ -1,14 +1,14 @@
 r"""What the probe's statistics pass costs against the training step, and where its time goes.
 
   python3 -m experiments.measure probe_overhead --model=wukong --preset=small \
-      --out=overhead.json
+      --out=overhead.json [--parts] [--probe_config=weight_every=4]
 
 Builds the bf16+Mods tower of the preset, times its jitted training step and the statistics
 pass (`loka_jax.probe.collector.StatisticsPass`, what the probe runs every `cadence` steps)
 in steady state (compiled first, then the median of --repeats calls, each waited for), and
-each part of the pass on its own: the extract stage (the loss's forward and backward with
-every site's operands and output gradient returned) and, summed over the sites, the
-Gaussian, matrix-normal, underflow-table, amax and reservoir updates. Prints the pass's
+its extract stage (the loss's forward and backward with every site's operands and output
+gradient returned); with --parts also, summed over the sites, the Gaussian, matrix-normal,
+underflow-table, amax and reservoir updates, each on its own. Prints the pass's
 share of training time at each of --cadences (pass / (cadence x step)) and writes a JSON row
 with --out. Needs a GPU for numbers that mean anything; on a CPU it runs, slowly.
 """
@@ -24,10 +24,15 @@ BATCH_SIZE = flags.DEFINE_integer("batch_size", 0, "Training batch; 0: the prese
 REPEATS = flags.DEFINE_integer("repeats", 10, "Timed calls of each function (median).")
 CADENCES = flags.DEFINE_list("cadences", ["25", "50", "100", "200"],
                              "Steps between observations at which to state the share.")
-PARTS = flags.DEFINE_bool("parts", True, "Also time each part of the pass on its own.")
+PARTS = flags.DEFINE_bool("parts", False, "Also time each part of the updates on its own "
+                          "(compiles five functions per distinct site: minutes on a GPU).")
 OUT = flags.DEFINE_string("out", None, "Write the row here (JSON).")
 CONFIG = flags.DEFINE_string("probe_config", "", "ProbeConfig fields, FIELD=VALUE,... (for "
                              "example weight_every=4).")
+
+
+def _say(text: str) -> None:
+  print(f"[probe_overhead] {text}", flush=True)
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -103,6 +108,7 @@ def _parts(sp, state, operands, keys):
   totals = {}
   compiled = {}
   for i, (name, site) in enumerate(sp.sites.items()):
+    _say(f"parts of site {i + 1}/{len(sp.sites)} {name}")
     k = sp.names[name]
     update_key = collector._update_key(site, sp.config)
     if update_key not in compiled:
@@ -120,7 +126,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   import jax
-  from loka_jax.probe.training import ProbeCollector, probe_sites
+  from loka_jax.probe.training import STATS_KEY, ProbeCollector, probe_sites
   from loka_jax.train import OptimConfig, experiment
   from loka_jax.train.state import create_train_state
   from loka_jax.train.optim import make_optimizer
@@ -144,15 +150,23 @@ def main(argv):
     return metrics
 
   step_ms = _median_ms(step, REPEATS.value)
+  _say(f"train step {step_ms:.1f} ms")
   state = holder["state"]
   sites = probe_sites(model, None, batch, probe_config)
   collector = ProbeCollector(model, source, batch_size, sites, probe_config)
   sp = collector.probe.statistics_pass
-  stats = collector.state
   variables, rng, key = state.variables(), state.rng, jax.random.PRNGKey(1)
-  observed = {"stats": stats}
+  parts = {"extract": _median_ms(lambda: sp.extract(variables, batch, rng), REPEATS.value)}
+  _say(f"extract stage {parts['extract']:.1f} ms")
+  if PARTS.value:
+    operands = sp.extract(variables, batch, rng)
+    parts.update(_parts(sp, collector.state, operands,
+                        jax.random.split(key, len(sp.sites))))
+    del operands
+  # Successive observations (so that weight_every's skipped refits count), holding one state.
+  observed = {"stats": collector.extras.pop(STATS_KEY)}
 
-  def observe():  # successive observations, so that weight_every's skipped refits count
+  def observe():
     observed["stats"] = sp(observed["stats"], variables, batch, rng, key)
     return observed["stats"]
 
@@ -161,16 +175,11 @@ def main(argv):
          "model": spec.model, "preset": spec.preset, "batch_size": batch_size,
          "sites": len(sites), "probe_config": probe_config.to_dict(),
          "step_ms": round(step_ms, 2), "pass_ms": round(pass_ms, 2),
-         "fraction": {c: round(pass_ms / (c * step_ms), 4) for c in cadences}}
-  if PARTS.value:
-    operands = sp.extract(variables, batch, rng)
-    parts = {"extract": _median_ms(lambda: sp.extract(variables, batch, rng), REPEATS.value)}
-    keys = jax.random.split(key, len(sp.sites))
-    parts.update(_parts(sp, stats, operands, keys))
-    row["parts_ms"] = {k: round(v, 2) for k, v in parts.items()}
+         "fraction": {c: round(pass_ms / (c * step_ms), 4) for c in cadences},
+         "parts_ms": {k: round(v, 2) for k, v in parts.items()}}
   print(f"{spec.model}/{spec.preset} batch {batch_size} on {row['device']}: train step "
         f"{step_ms:.1f} ms, statistics pass {pass_ms:.1f} ms over {len(sites)} sites")
-  for part, ms in row.get("parts_ms", {}).items():
+  for part, ms in row["parts_ms"].items():
     print(f"  {part:14s} {ms:8.1f} ms")
   for c in cadences:
     print(f"  every {c:4d} steps: {100 * row['fraction'][c]:6.2f}% of training time")
