@@ -3,17 +3,32 @@ import tempfile
 
 from absl.testing import absltest, parameterized
 
+from loka_jax.data.make import make_source
+from loka_jax.data.spec import FeatureSpec
+from loka_jax.models import SiteConfig, build_model, get_config
 from loka_jax.models.presets import MODEL_NAMES
-from loka_jax.train import TrainConfig, experiment
+from loka_jax.train import TrainConfig, train
+
+# DHEN and InterFormer learn with one layer of their stack: every layer is the same module, and
+# the second one doubles the compile (InterFormer 24 s -> 14 s, DHEN 8 s -> 5 s on 2 cores),
+# while the held-out NE after 120 steps stays where two layers leave it (InterFormer 0.934
+# either way, DHEN 0.905 vs 0.915).
+ONE_LAYER = ("dhen", "interformer")
 
 
 class TinyModelsLearnTest(parameterized.TestCase):
 
   @parameterized.parameters(*MODEL_NAMES)
   def test_held_out_ne_falls_clearly_below_one(self, model):
-    spec = experiment.RunSpec(model=model, preset="tiny", num_eval=4096)
-    final = experiment.run(spec, tempfile.mkdtemp(), TrainConfig(
-        steps=120, batch_size=256, log_every=120, checkpoint_every=0, progress=False))
+    config = get_config(model, "tiny")
+    if model in ONE_LAYER:
+      config.num_layers = 1
+    source = make_source("synthetic", features=FeatureSpec.from_dict(dict(config.features)),
+                         seed=0, num_eval=4096)
+    final = train(build_model(config, source.features, SiteConfig.for_precision("bf16")),
+                  source, tempfile.mkdtemp(), TrainConfig(
+                      steps=120, batch_size=256, log_every=120, checkpoint_every=0,
+                      progress=False))
     # NE 1.0 is predicting the base rate; the teacher's own NE is ~0.8.
     self.assertLess(final["ne"], 0.96, final)
     self.assertGreater(final["ne"], final["oracle_ne"] - 0.02, final)
