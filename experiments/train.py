@@ -37,6 +37,8 @@ def main(argv):
   run, loop, optim = config.run, config.train, config.optim
   if loop.xla_deterministic:  # before anything starts JAX's backend
     xla_env.add_xla_flags(xla_env.DETERMINISTIC)
+  if not loop.triton_gemm:
+    xla_env.add_xla_flags(xla_env.NO_TRITON_GEMM)
   experiment.quiet_library_logs()
   spec = run_config.run_spec(run, drift_every=config.drift.every,
                              drift_report=config.drift.report)

@@ -17,8 +17,11 @@ REQUIRED = ("kind", "model", "preset", "device", "jax", "date", "commit", "comma
 # What each kind's table reads, beyond REQUIRED.
 KIND_FIELDS = {"time_to_plan": ("candidates", "complete", "cold_s", "stages_s"),
                "startup": ("arm", "cache", "prefetch", "start_to_first_step_s", "setup_s",
-                           "first_step_s", "window_steps_per_s"),
-               "probe_overhead": ("cadence", "pass_ms", "step_ms", "fraction")}
+                           "first_step_s", "window_steps_per_s"),  # optional: xla_flags, note
+               "probe_overhead": ("cadence", "pass_ms", "step_ms")}  # optional: batch_size,
+# weight_every, extract_ms, measured_in
+# The cadences at which RESULTS states the statistics pass's share of training time.
+CADENCES = (25, 100, 200)
 
 
 class UserSpeedError(ValueError):
@@ -87,23 +90,32 @@ def time_to_plan_table(rows: Sequence[Mapping]) -> str:
 
 
 def startup_table(rows: Sequence[Mapping]) -> str:
-  lines = ["| model | arm | compilation cache | batches ahead | process start to first step | "
-           "set-up | first step | steps/s (median; windows) |", "|---|---|---|---|---|---|---|---|"]
+  lines = ["| model | arm | XLA flags | compilation cache | batches ahead | process start to "
+           "first step | set-up | first step | steps/s (median; windows) |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     rates = r["window_steps_per_s"]
+    flags = f"`{r['xla_flags']}`" if r.get("xla_flags") else "-"
     lines.append(
-        f"| {r['model']}/{r['preset']} | {r['arm']} | {r['cache']} | {r['prefetch']} | "
+        f"| {r['model']}/{r['preset']} | {r['arm']} | {flags} | {r['cache']} | {r['prefetch']} | "
         f"{_s(r['start_to_first_step_s'])} | {_s(r['setup_s'])} | {_s(r['first_step_s'])} | "
         f"{statistics.median(rates):.2f} ({min(rates):.2f}-{max(rates):.2f}) |")
-  return "\n".join(lines)
+  notes = [f"- {r['model']}/{r['preset']} {r['arm']}"
+           f"{' with ' + r['xla_flags'] if r.get('xla_flags') else ''}: {r['note']}"
+           for r in rows if r.get("note")]
+  return "\n".join(lines + ([""] + notes if notes else []))
 
 
 def overhead_table(rows: Sequence[Mapping]) -> str:
-  lines = ["| model | cadence (steps) | statistics pass | training step | share of training "
-           "time |", "|---|---|---|---|---|"]
+  shares = " | ".join(f"every {c} steps" for c in CADENCES)
+  lines = [f"| model | batch | measured in | weight refit every | statistics pass | extract stage "
+           f"| training step | {shares} |", "|---|---|---|---|---|---|---|" + "---|" * len(CADENCES)]
   for r in rows:
-    lines.append(f"| {r['model']}/{r['preset']} | {r['cadence']} | {r['pass_ms']:.0f} ms | "
-                 f"{r['step_ms']:.1f} ms | {100 * r['fraction']:.1f}% |")
+    share = " | ".join(f"{100 * r['pass_ms'] / (c * r['step_ms']):.1f}%" for c in CADENCES)
+    extract = f"{r['extract_ms']:.1f} ms" if r.get("extract_ms") is not None else "-"
+    lines.append(f"| {r['model']}/{r['preset']} | {r.get('batch_size', '-')} | "
+                 f"{r.get('measured_in', '-')} | {r.get('weight_every', 1)} | "
+                 f"{r['pass_ms']:.0f} ms | {extract} | {r['step_ms']:.1f} ms | {share} |")
   return "\n".join(lines)
 
 
@@ -123,7 +135,9 @@ def section(paths: Sequence[str]) -> str:
             startup_table(by_kind["startup"]), "",
             "Rows: " + _provenance(by_kind["startup"]) + ".", ""]
   if by_kind["probe_overhead"]:
-    out += ["The probe's statistics pass during training, at its default cadence:", "",
+    out += ["The probe's statistics pass against the training step: its cost per observation, "
+            "and its share of training time when it runs every 25 (the default), 100 or 200 "
+            "steps:", "",
             overhead_table(by_kind["probe_overhead"]), "",
             "Rows: " + _provenance(by_kind["probe_overhead"]) + ".", ""]
   out.append("Files: " + ", ".join(f"`{os.path.basename(p)}`" for p in paths) + ".")

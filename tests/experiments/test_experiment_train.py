@@ -53,6 +53,17 @@ class TrainCliTest(chex.TestCase):
     with open(os.path.join(workdir, "config.json")) as f:
       self.assertEqual(json.load(f)["run"]["precision"], "bf16")
 
+  def test_triton_gemm_off_sets_its_xla_flag_and_trains(self):
+    # XLA parses XLA_FLAGS when the backend starts and aborts on a flag it does not know, so
+    # a run that trains took the flag.
+    workdir = tempfile.mkdtemp(prefix="loka_cli_")
+    result = run_cli("--config.run.model=dlrm", "--config.run.preset=tiny",
+                     "--config.run.steps=4", "--config.run.batch_size=64",
+                     "--config.run.num_eval=128", "--config.train.log_every=2",
+                     "--config.train.triton_gemm=false", f"--workdir={workdir}")
+    self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+    self.assertEqual(json.loads(result.stdout)["steps"], 4)
+
   def test_a_large_preset_without_warmup_gets_a_note(self):
     # The note comes before anything is built; a flag combination refused right after it
     # keeps the test from building a `large` model.

@@ -29,18 +29,32 @@ class UserSpeedTest(absltest.TestCase):
         {**BASE, "kind": "startup", "arm": "LoKA", "cache": "cold", "prefetch": 2,
          "start_to_first_step_s": 124.0, "setup_s": 7.8, "first_step_s": 111.8,
          "window_steps_per_s": [8.1, 8.3, 8.2]},
+        {**BASE, "kind": "startup", "arm": "LoKA", "cache": "cold", "prefetch": 2,
+         "xla_flags": "--xla_gpu_enable_triton_gemm=false", "start_to_first_step_s": 55.2,
+         "setup_s": 33.9, "first_step_s": 18.0, "window_steps_per_s": [7.86],
+         "note": "one window"},
         {**BASE, "kind": "time_to_plan", "preset": "small", "candidates": "five", "complete": True,
          "cold_s": 295.7, "warm_s": 23.9, "fp8_sites": 3,
          "stages_s": {"probe_training": 65.9, "evaluation": 105.7, "timing": 2.7, "arms": 93.9}},
         {**BASE, "kind": "probe_overhead", "preset": "small", "cadence": 25, "pass_ms": 170.2,
-         "step_ms": 27.3, "fraction": 0.249}])
+         "step_ms": 27.3, "fraction": 0.249},
+        {**BASE, "kind": "probe_overhead", "cadence": 25, "pass_ms": 377.0, "step_ms": 154.5,
+         "batch_size": 4096, "weight_every": 4, "extract_ms": 95.2,
+         "measured_in": "experiments.measure probe_overhead"}])
     self.addCleanup(os.remove, path)
     text = user_speed.section([path])
-    self.assertIn("| wukong/large | LoKA | cold | 2 | 124 s | 7.8 s | 112 s | 8.20 (8.10-8.30) |",
-                  text)
+    self.assertIn("| wukong/large | LoKA | - | cold | 2 | 124 s | 7.8 s | 112 s | "
+                  "8.20 (8.10-8.30) |", text)
+    self.assertIn("| wukong/large | LoKA | `--xla_gpu_enable_triton_gemm=false` | cold | 2 | "
+                  "55 s | 34 s | 18 s | 7.86 (7.86-7.86) |", text)
+    self.assertIn("- wukong/large LoKA with --xla_gpu_enable_triton_gemm=false: one window", text)
     self.assertIn("| wukong/small | five | 296 s | 24 s | 66 s | 106 s | 2.7 s | 94 s | 3 |",
                   text)
-    self.assertIn("| wukong/small | 25 | 170 ms | 27.3 ms | 24.9% |", text)
+    # Shares at 25, 100 and 200 steps: 170.2 / (25 x 27.3) = 24.9%, then 6.2% and 3.1%.
+    self.assertIn("| wukong/small | - | - | 1 | 170 ms | - | 27.3 ms | 24.9% | 6.2% | 3.1% |",
+                  text)
+    self.assertIn("| wukong/large | 4096 | experiments.measure probe_overhead | 4 | 377 ms | "
+                  "95.2 ms | 154.5 ms | 9.8% | 2.4% | 1.2% |", text)
     self.assertIn("NVIDIA H200, jax 0.11.2, 2026-12-04, commit abc1234, `bash call.sh`", text)
 
   def test_a_changed_malformed_or_unknown_row_names_its_file_and_line(self):
