@@ -22,6 +22,8 @@ COMMANDS = {
                "which module a training-loss spike started in (a run with module norms)"),
     "kernel_usage": ("experiments.tools.kernel_usage",
                      "which kernels the selection picks over one card's probe reports"),
+    "loop_vs_bench": ("experiments.tools.loop_vs_bench",
+                      "the training loop's steps/s beside the bench's step, per arm (rows)"),
     "hlo_scope": ("experiments.tools.hlo_scope",
                   "what one name scope of two compiled steps runs, and how they differ"),
 }

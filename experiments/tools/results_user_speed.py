@@ -12,14 +12,17 @@ from typing import Dict, List, Mapping, Sequence
 
 from loka_jax import jsonio
 
-KINDS = ("time_to_plan", "startup", "probe_overhead")
+KINDS = ("time_to_plan", "startup", "probe_overhead", "loop_vs_bench")
 REQUIRED = ("kind", "model", "preset", "device", "jax", "date", "commit", "command")
 # What each kind's table reads, beyond REQUIRED.
 KIND_FIELDS = {"time_to_plan": ("candidates", "complete", "cold_s", "stages_s"),
                "startup": ("arm", "cache", "prefetch", "start_to_first_step_s", "setup_s",
                            "first_step_s", "window_steps_per_s"),  # optional: xla_flags, note
-               "probe_overhead": ("cadence", "pass_ms", "step_ms")}  # optional: batch_size,
+               "probe_overhead": ("cadence", "pass_ms", "step_ms"),  # optional: batch_size,
 # weight_every, extract_ms, measured_in
+                 "loop_vs_bench": ("arm", "bench_steps_per_s", "window_steps_per_s",
+                                   "loop_steps_per_s", "loop_over_bench")}  # LoKA's row:
+# speedup_bench, speedup_loop
 # The cadences at which RESULTS states the statistics pass's share of training time.
 CADENCES = (25, 100, 200)
 
@@ -49,7 +52,7 @@ def load_rows(paths: Sequence[str]) -> List[Dict]:
           raise UserSpeedError(f"{where}: a {row['kind']} row needs "
                                f"{', '.join(REQUIRED + KIND_FIELDS[row['kind']])} (missing: "
                                f"{missing})")
-        if row["kind"] == "startup" and not row["window_steps_per_s"]:
+        if row["kind"] in ("startup", "loop_vs_bench") and not row["window_steps_per_s"]:
           raise UserSpeedError(f"{where}: window_steps_per_s is empty")
         rows.append({k: v for k, v in row.items() if k != jsonio.DIGEST_FIELD})
   return rows
@@ -119,6 +122,19 @@ def overhead_table(rows: Sequence[Mapping]) -> str:
   return "\n".join(lines)
 
 
+def loop_table(rows: Sequence[Mapping]) -> str:
+  lines = ["| model | arm | bench step | loop steps/s (median; windows) | loop / bench | LoKA "
+           "over bf16+Mods: bench, loop |", "|---|---|---|---|---|---|"]
+  for r in rows:
+    rates = r["window_steps_per_s"]
+    speedup = (f"{r['speedup_bench']:.3f}x, {r['speedup_loop']:.3f}x"
+               if r.get("speedup_loop") is not None else "-")
+    lines.append(f"| {r['model']}/{r['preset']} | {r['arm']} | {r['bench_steps_per_s']:.2f} "
+                 f"steps/s | {r['loop_steps_per_s']:.2f} ({min(rates):.2f}-{max(rates):.2f}) | "
+                 f"{r['loop_over_bench']:.3f} | {speedup} |")
+  return "\n".join(lines)
+
+
 def section(paths: Sequence[str]) -> str:
   """The section's markdown (without its heading)."""
   rows = load_rows(paths)
@@ -140,5 +156,10 @@ def section(paths: Sequence[str]) -> str:
             "steps:", "",
             overhead_table(by_kind["probe_overhead"]), "",
             "Rows: " + _provenance(by_kind["probe_overhead"]) + ".", ""]
+  if by_kind["loop_vs_bench"]:
+    out += ["`experiments.train`'s loop beside the bench's timed step of the same arm, in one "
+            "call (the loop's 25-step windows after the first):", "",
+            loop_table(by_kind["loop_vs_bench"]), "",
+            "Rows: " + _provenance(by_kind["loop_vs_bench"]) + ".", ""]
   out.append("Files: " + ", ".join(f"`{os.path.basename(p)}`" for p in paths) + ".")
   return "\n".join(out)

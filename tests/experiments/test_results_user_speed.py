@@ -40,7 +40,10 @@ class UserSpeedTest(absltest.TestCase):
          "step_ms": 27.3, "fraction": 0.249},
         {**BASE, "kind": "probe_overhead", "cadence": 25, "pass_ms": 377.0, "step_ms": 154.5,
          "batch_size": 4096, "weight_every": 4, "extract_ms": 95.2,
-         "measured_in": "experiments.measure probe_overhead"}])
+         "measured_in": "experiments.measure probe_overhead"},
+        {**BASE, "kind": "loop_vs_bench", "arm": "LoKA", "bench_steps_per_s": 8.3,
+         "window_steps_per_s": [8.0, 8.2], "loop_steps_per_s": 8.1, "loop_over_bench": 0.976,
+         "speedup_bench": 1.33, "speedup_loop": 1.31}])
     self.addCleanup(os.remove, path)
     text = user_speed.section([path])
     self.assertIn("| wukong/large | LoKA | - | cold | 2 | 124 s | 7.8 s | 112 s | "
@@ -55,6 +58,8 @@ class UserSpeedTest(absltest.TestCase):
                   text)
     self.assertIn("| wukong/large | 4096 | experiments.measure probe_overhead | 4 | 377 ms | "
                   "95.2 ms | 154.5 ms | 9.8% | 2.4% | 1.2% |", text)
+    self.assertIn("| wukong/large | LoKA | 8.30 steps/s | 8.10 (8.00-8.20) | 0.976 | 1.330x, "
+                  "1.310x |", text)
     self.assertIn("NVIDIA H200, jax 0.11.2, 2026-12-04, commit abc1234, `bash call.sh`", text)
 
   def test_a_changed_malformed_or_unknown_row_names_its_file_and_line(self):

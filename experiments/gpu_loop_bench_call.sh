@@ -1,0 +1,66 @@
+#!/bin/bash
+# One GPU call comparing the training loop a user runs with the bench's step, in the same call:
+# for each model of MODELS at PRESET, the bench's timed training step of bf16+Mods and (where a
+# plan is given) LoKA, then `experiments.train` of the same arms for STEPS steps on the bench's
+# warm compilation cache, then one JSON row per arm (kind loop_vs_bench: the bench's step as
+# steps/s, the loop's 25-step windows after the first, their ratio, and LoKA's speedup over
+# bf16+Mods in both) appended to $OUT/loop_vs_bench.jsonl and printed as a table.
+#
+#   bash experiments/gpu_loop_bench_call.sh        (the device call carries .whl)
+#
+# Environment: MODELS (wukong), PRESET (large), STEPS (150), PLAN_<MODEL> (a plan file; the
+# defaults are the committed large plans of wukong, dlrm and dcnv2; empty: no LoKA arm),
+# ARM_LIMIT (seconds per loop arm, 240), MAXMIN (3: the bench's minutes per model), COMMIT
+# (recorded in the rows), WORK (/tmp/loop_bench), OUT (set on the device; elsewhere
+# $WORK/out).
+set -u
+source experiments/gpu_common.sh
+ensure_wheels || exit 1
+R=docs/results
+WORK=${WORK:-/tmp/loop_bench}
+OUT=${OUT:-$WORK/out}
+PRESET=${PRESET:-large}
+STEPS=${STEPS:-150}
+mkdir -p "$WORK" "$OUT"
+export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR="$WORK/jax_cache"
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || echo cpu)
+echo "card: $CARD jax $(python3 -c 'import jax; print(jax.__version__)') $PRESET"
+default_plan() {
+  case $1 in
+    wukong) echo "$R/plan_wukong_large_wgrad0_h200_2026-12-02.json" ;;
+    dlrm) echo "$R/plan_dlrm_large_h200_2026-11-28.json" ;;
+    dcnv2) echo "$R/plan_dcnv2_large_h200_2026-11-28.json" ;;
+  esac
+}
+for MODEL in ${MODELS:-wukong}; do
+  var="PLAN_${MODEL^^}"
+  PLAN=${!var-$( [ "$PRESET" = large ] && default_plan "$MODEL")}
+  variants=bf16_mods
+  rm -rf "$WORK/$MODEL"
+  if [ -n "$PLAN" ]; then
+    mkdir -p "$WORK/$MODEL/plans/${MODEL}_$PRESET"
+    cp "$PLAN" "$WORK/$MODEL/plans/${MODEL}_$PRESET/plan.json"
+    variants=bf16_mods,loka
+  fi
+  python3 -m experiments.bench --config=experiments/configs/bench_models.py \
+    --config.targets.models="$MODEL" --config.targets.presets="$PRESET" \
+    --config.speed.variants="$variants" --config.speed.head_to_head= \
+    --config.probe.enabled=false --workdir="$WORK/$MODEL/bench" \
+    --config.plans_dir="$WORK/$MODEL/plans" --config.pacing.max_minutes="${MAXMIN:-3}" \
+    > "$OUT/${MODEL}_bench.log" 2>&1
+  echo "$MODEL bench rc=$?"
+  for arm in ${variants//,/ }; do
+    args=(--config.run.precision=bf16)
+    [ "$arm" = loka ] && args=(--config.run.precision=loka --config.run.plan="$PLAN")
+    timeout "${ARM_LIMIT:-240}" python3 -m experiments.train --workdir="$WORK/$MODEL/loop_$arm" \
+      --config.run.model="$MODEL" --config.run.preset="$PRESET" --config.run.mods=all \
+      --config.run.steps="$STEPS" --config.train.log_every=25 \
+      --config.train.checkpoint_every=0 --config.train.keep_checkpoints=0 \
+      --config.train.progress=false "${args[@]}" > "$OUT/${MODEL}_loop_$arm.log" 2>&1
+    echo "$MODEL loop $arm rc=$?"
+  done
+  python3 -m experiments.report loop_vs_bench --bench="$WORK/$MODEL/bench/bench.jsonl" \
+    --loops="$WORK/$MODEL/loop_bf16_mods,$WORK/$MODEL/loop_loka" --plan="$PLAN" \
+    --command="MODELS=$MODEL bash experiments/gpu_loop_bench_call.sh" \
+    --commit="${COMMIT:-unknown}" --out="$OUT/loop_vs_bench.jsonl"
+done

@@ -1,0 +1,74 @@
+"""`experiments.report loop_vs_bench`: the loop's windows beside the bench's step, per arm,
+from a bench.jsonl and experiments.train run directories written by hand."""
+import json
+import os
+import tempfile
+
+from absl import app
+from absl.testing import absltest
+
+from experiments.tools import loop_vs_bench
+from experiments.tools import results_user_speed as user_speed
+from loka_jax import jsonio
+
+
+def _bench_row(variant, median_us):
+  return {"suite": "models", "model": "wukong", "preset": "large", "device": "NVIDIA H200",
+          "jax": "0.11.2", "batch_size": 4096, "variant": variant,
+          "train": {"median_us": median_us}}
+
+
+def _loop(root, name, rates):
+  path = os.path.join(root, name)
+  os.makedirs(path)
+  with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+    for i, rate in enumerate(rates, 1):
+      f.write(json.dumps({"step": 25 * i, "loss": 0.5, "steps_per_sec": rate}) + "\n")
+  return path
+
+
+class LoopVsBenchTest(absltest.TestCase):
+
+  def test_rows_compare_each_arm_and_the_speedup_in_both(self):
+    root = tempfile.mkdtemp()
+    bench = os.path.join(root, "bench.jsonl")
+    with open(bench, "w") as f:
+      for row in (_bench_row("bf16", 170000.0), _bench_row("bf16_mods", 160000.0),
+                  _bench_row("loka", 120000.0)):
+        f.write(json.dumps(row) + "\n")
+    # The first window (compiles) is left out of the median.
+    loops = [_loop(root, "loop_bf16_mods", [0.4, 6.0, 6.2, 6.1]),
+             _loop(root, "loop_loka", [0.2, 8.0, 8.1, 8.2])]
+    rows = loop_vs_bench.rows(bench, loops, "/x/plan.json", "cmd", "abc", "2026-12-04")
+    self.assertEqual([r["arm"] for r in rows], ["bf16+Mods", "LoKA"])
+    base, loka = rows
+    self.assertEqual(base["bench_steps_per_s"], 6.25)        # 1e6 / 160000 us
+    self.assertEqual(base["window_steps_per_s"], [6.0, 6.2, 6.1])
+    self.assertEqual(base["loop_steps_per_s"], 6.1)
+    self.assertEqual(base["loop_over_bench"], 0.976)          # 6.1 / 6.25
+    self.assertIsNone(base["plan"])
+    self.assertEqual(loka["plan"], "plan.json")
+    self.assertEqual(loka["speedup_bench"], 1.3333)            # 160000 / 120000
+    self.assertEqual(loka["speedup_loop"], 1.3279)             # 8.1 / 6.1
+    # The rows pass RESULTS' reader.
+    out = os.path.join(root, "rows.jsonl")
+    with open(out, "w") as f:
+      for r in rows:
+        f.write(json.dumps(jsonio.with_digest(r)) + "\n")
+    self.assertLen(user_speed.load_rows([out]), 2)
+
+  def test_a_missing_arm_is_left_out_and_a_misnamed_directory_refused(self):
+    root = tempfile.mkdtemp()
+    bench = os.path.join(root, "bench.jsonl")
+    with open(bench, "w") as f:
+      f.write(json.dumps(_bench_row("bf16_mods", 100000.0)) + "\n")
+    loops = [_loop(root, "loop_bf16_mods", [1.0, 9.0]), os.path.join(root, "loop_loka")]
+    rows = loop_vs_bench.rows(bench, loops, "", "cmd", "abc", "2026-12-04")
+    self.assertEqual([r["arm"] for r in rows], ["bf16+Mods"])
+    self.assertNotIn("speedup_loop", rows[0])
+    with self.assertRaisesRegex(app.UsageError, "loop_<variant>"):
+      loop_vs_bench.rows(bench, [os.path.join(root, "run")], "", "cmd", "abc", "2026-12-04")
+
+
+if __name__ == "__main__":
+  absltest.main()
