@@ -58,7 +58,7 @@ done
        "$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null)" \
        "$(df -BG "$WORK" | awk 'NR==2{print $3}')" >> "$WORK/hostmem.txt"
   sleep 5
-done) &
+done) > /dev/null 2>&1 &  # its sleep must not hold the caller's output open
 SAMPLER=$!
 trap 'kill $SAMPLER 2>/dev/null' EXIT
 
