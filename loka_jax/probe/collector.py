@@ -51,6 +51,10 @@ class ProbeConfig:
   # Refit the weight's matrix normal on every this many observations (the first always): its
   # two Cholesky solves per weight are most of a GPU pass, and a weight moves slowly.
   weight_every: int = 1
+  # The whole pass (extract stage and every site's update) as one compiled program: no
+  # dispatch per site, and XLA schedules all sites' updates together; longer to compile,
+  # since equal sites no longer share one compiled update.
+  one_program: bool = False
   jitter: float = 1e-6                 # relative diagonal jitter before Cholesky
   reservoir_elements: int = 1 << 20    # elements per operand buffer of a site's reservoir
   reservoir_min: int = 8               # slices kept at least ...
@@ -258,7 +262,9 @@ def _update_key(site: SiteProbe, config: ProbeConfig):
 
 def statistics_functions(sites: Mapping[str, SiteProbe], config: ProbeConfig) -> int:
   """The functions the statistics pass compiles: its extract stage and one update per
-  distinct site."""
+  distinct site, or one program (`ProbeConfig.one_program`)."""
+  if config.one_program:
+    return 1
   return 1 + len({_update_key(site, config) for site in sites.values()})
 
 
@@ -270,7 +276,8 @@ class StatisticsPass:
   into its statistics, compiled once per distinct site shape and shared by equal sites.
   Both go through `executables.call`, so functions compiled ahead (`compile_jobs`) are
   taken from there: on first call they compile one after another, which took 58 s of
-  InterFormer `large`'s first observation, 33 functions (H200).
+  InterFormer `large`'s first observation, 33 functions (H200). With
+  `ProbeConfig.one_program` both stages and every site are one jitted program.
   """
 
   def __init__(self, loss_of: Callable, sites: Mapping[str, SiteProbe], config: ProbeConfig,
@@ -301,19 +308,36 @@ class StatisticsPass:
         out[names[name]] = (*operands[name], grads[name])
       return out
 
+    def update_of(site):
+      def update(state, lhs, rhs, grad, rng_key, observation):
+        if on_trace is not None:
+          on_trace(f"update {site.spec} {site.layout.lhs.shape} {site.layout.rhs.shape}")
+        return update_site_state(state, site, lhs, rhs, grad, rng_key, config, observation)
+      return update
+
+    def whole(state, variables, batch, rng, key):
+      operands = extract(variables, batch, rng)
+      keys = jax.random.split(key, len(self.sites))
+      new_sites = {names[name]: update_of(site)(state["sites"][names[name]],
+                                                *operands[names[name]], keys[i],
+                                                state["observations"])
+                   for i, (name, site) in enumerate(self.sites.items())}
+      return {"observations": state["observations"] + 1, "sites": new_sites}
+
+    donated = (0,) if donate else ()
+    self.whole = (executables.autotuned(jax.jit(whole, donate_argnums=donated))
+                  if config.one_program else None)
     self.extract = executables.autotuned(jax.jit(extract))
     self.updates: Dict[Any, Callable] = {}
     for site in self.sites.values():
       key = _update_key(site, config)
-      if key not in self.updates:
-        def update(state, lhs, rhs, grad, rng_key, observation, site=site):
-          if on_trace is not None:
-            on_trace(f"update {site.spec} {site.layout.lhs.shape} {site.layout.rhs.shape}")
-          return update_site_state(state, site, lhs, rhs, grad, rng_key, config, observation)
-        self.updates[key] = executables.autotuned(
-            jax.jit(update, donate_argnums=(0,) if donate else ()))
+      if key not in self.updates and not config.one_program:
+        self.updates[key] = executables.autotuned(jax.jit(update_of(site),
+                                                          donate_argnums=donated))
 
   def __call__(self, state, variables, batch, rng, key):
+    if self.whole is not None:
+      return executables.call(self.whole, state, variables, batch, rng, key)
     operands = executables.call(self.extract, variables, batch, rng)
     keys = jax.random.split(key, len(self.sites))
     new_sites = {}
@@ -326,7 +350,10 @@ class StatisticsPass:
 
   def compile_jobs(self, state, variables, batch, rng, key) -> List[executables.Job]:
     """What the first observation compiles, as `executables.Precompiler` jobs: the extract
-    stage and each distinct update, for arguments like these (arrays or their shapes)."""
+    stage and each distinct update, or the one program, for arguments like these (arrays or
+    their shapes)."""
+    if self.whole is not None:
+      return [(self.whole, (state, variables, batch, rng, key))]
     operands = jax.eval_shape(self.extract, variables, batch, rng)
     site_key = jax.eval_shape(lambda k: jax.random.split(k, len(self.sites))[0], key)
     jobs, seen = [(self.extract, (variables, batch, rng))], set()

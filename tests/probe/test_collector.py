@@ -107,6 +107,28 @@ class WeightEveryTest(chex.TestCase):
       self.assertEqual(float(got["lhs"]["count"]), 4 * BATCH)
       np.testing.assert_array_equal(got["weight"], want["weight"])
 
+  def test_one_program_gives_the_statistics_of_the_staged_pass(self):
+    whole = collector.ProbeConfig(cadence=2, min_observations=1, one_program=True)
+    model, source = train_toys.ToyClickModel(), train_toys.ToySource(seed=3, num_eval=64)
+    batch = source.train_batch(0, BATCH)
+    params = model.init({"params": jax.random.PRNGKey(1)}, batch)
+    sites = training.probe_sites(model, params, batch, CONFIG)
+    traces = []
+    staged = training.ProbeCollector(model, source, BATCH, sites, CONFIG)
+    one = training.ProbeCollector(model, source, BATCH, sites, whole, on_trace=traces.append)
+    self.assertEqual(collector.statistics_functions(sites, whole), 1)
+    self.assertLen(one.probe.statistics_pass.compile_jobs(
+        one.state, params, batch, jax.random.PRNGKey(0), jax.random.PRNGKey(0)), 1)
+    for step in (2, 4, 6):
+      staged.observe(params, jax.random.PRNGKey(0), step=step)
+      one.observe(params, jax.random.PRNGKey(0), step=step)
+    # One trace: the extract stage and each site's update inside it.
+    self.assertEqual(traces.count("extract"), 1)
+    self.assertLen([t for t in traces if t.startswith("update")], len(sites))
+    got, want = jax.device_get(one.state), jax.device_get(staged.state)
+    self.assertEqual(int(got["observations"]), 3)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+
   def test_weight_every_below_one_is_refused(self):
     with self.assertRaisesRegex(ValueError, "weight_every must be >= 1"):
       collector.ProbeConfig(weight_every=0)
