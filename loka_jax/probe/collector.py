@@ -48,8 +48,8 @@ class ProbeConfig:
   rank: int = 32                       # eigenpairs of the low-rank part above that width
   oversample: int = 32                 # extra Nystrom sketch columns beyond `rank`
   weight_ema: float = 0.1              # EMA rate of the matrix-normal fit; 0: running average
-  # Refit the weight's matrix normal on every this many observations (the first always): its
-  # two Cholesky solves per weight are most of a GPU pass, and a weight moves slowly.
+  # Refit the weight's matrix normal on every this many observations (the first always): a
+  # weight moves slowly between observations, and each refit takes two Cholesky solves.
   weight_every: int = 1
   # The whole pass (extract stage and every site's update) as one compiled program: no
   # dispatch per site, and XLA schedules all sites' updates together; longer to compile,
