@@ -1,7 +1,8 @@
 """The GPU call scripts (`experiments/gpu_suite_call.sh`, `experiments/gpu_loka_call.sh`) run
 on the CPU: a call's rows travel to a fresh host through the carry folder, and the call's hard
 end reaches the bench, so a row starts past pacing.max_minutes when the rows recorded before it
-say it ends in time (`experiments/bench/pace.py`)."""
+say it ends in time (`experiments/bench/pace.py`). The scripts' `python3 -m` calls fork from
+one warm interpreter (tests/warm_python.py)."""
 import json
 import os
 import shutil
@@ -12,16 +13,28 @@ import tempfile
 from absl.testing import absltest
 
 from cli_helpers import REPO
+from warm_python import WarmPython
 
 TOWER = "32x16x2"
 TOWERS_CONFIG = "--config=experiments/configs/bench_towers.py"
 
 
+_warm = None
+
+
+def setUpModule():
+  global _warm
+  _warm = WarmPython()
+
+
+def tearDownModule():
+  _warm.close()
+
+
 def _call(script, env, *args):
   """The script's output, which ends with the bench's last lines of this call."""
   done = subprocess.run(["bash", os.path.join("experiments", script), *args], cwd=REPO,
-                        env={**os.environ, "JAX_PLATFORMS": "cpu", **env},
-                        capture_output=True, text=True, timeout=600)
+                        env=_warm.env(**env), capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   return done.stdout
 
