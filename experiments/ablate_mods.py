@@ -1,11 +1,14 @@
 r"""The Mods ablation: 8 on/off combinations of No Bias, BlockNorm, Hard Swish x {bf16, FP8}.
 
-  python3 -m experiments.ablate_mods --workdir=/tmp/abl --config.run.steps=60
+  python3 -m experiments.ablate_mods --workdir=/tmp/abl --config.run.steps=60 \
+      --config.ablation.seeds=0,1,2
 
 Settings come from experiments/configs/ablate_mods.py (--config=FILE for another file;
---config.GROUP.FIELD=VALUE overrides one field). Every arm trains with the same seed, data
-order and held-out set (loka_jax.train.experiment); on a GPU each combination's train step and
-inference are also timed against the bf16 baseline. Writes WORKDIR/ablation.{json,md,png}.
+--config.GROUP.FIELD=VALUE overrides one field). Every arm trains at each of
+config.ablation.seeds; the arms of one seed share initialization, data order and held-out set
+(loka_jax.train.experiment), and the loss verdicts pair them by seed. On a GPU each
+combination's train step and inference are also timed against the bf16 baseline. Writes
+WORKDIR/ablation.{json,md,png}.
 Resumable: rerun the same command after config.max_minutes stopped it; finished arms and
 timing rows are kept (loka_jax/train/ablation.py). The time limit is this script's: the
 library asks its `should_stop` hook before each arm and timing row (`experiments.time_limit`).
@@ -28,18 +31,17 @@ WORKDIR = flags.DEFINE_string("workdir", None, "The ablation's directory: every 
 def ablation_config(config) -> ablation.AblationConfig:
   """The library's AblationConfig of the config (ValueError on bad values)."""
   run, arms, timing = config.run, config.ablation, config.timing
-  try:
-    noise_seeds = tuple(int(s) for s in run_config.split(arms.noise_seeds))
-  except ValueError:
-    raise ValueError(f"--config.ablation.noise_seeds={arms.noise_seeds}: not a list of "
-                     "integers") from None
+  seeds = run_config.split(arms.seeds)
+  if not seeds or not all(s.isdigit() for s in seeds) or len(set(seeds)) != len(seeds):
+    raise ValueError(f"--config.ablation.seeds={arms.seeds!r}: list distinct non-negative "
+                     "integers, e.g. 0,1,2")
   return ablation.AblationConfig(
       model=run.model, preset=run.preset, steps=run.steps, batch_size=run.batch_size or None,
-      num_eval=run.num_eval, seed=run.seed, kernel=run.kernel, data=run.data,
+      num_eval=run.num_eval, kernel=run.kernel, data=run.data,
       data_path=run.data_path, data_cache=run.data_cache, learning_rate=config.optim.lr,
       warmup_steps=config.optim.warmup_steps,
       combinations=ablation.parse_combinations(run_config.split(arms.combinations)),
-      precisions=run_config.split(arms.precisions), noise_seeds=noise_seeds,
+      precisions=run_config.split(arms.precisions), seeds=tuple(int(s) for s in seeds),
       timing=timing.mode, repeats=timing.repeats, workers=arms.workers,
       keep_checkpoints=arms.keep_checkpoints, xla_deterministic=arms.xla_deterministic)
 

@@ -1,14 +1,17 @@
 """The Mods ablation: every on/off combination of No Bias, BlockNorm and Hard Swish, each
-trained in bf16 and in FP8 (one kernel at every site) with the same seed, data order and
-held-out set, plus (on a GPU) train-step and inference time.
+trained in bf16 and in FP8 (one kernel at every site) at each of the config's seeds (the arms
+of one seed share their initialization key, data order and held-out set), plus (on a GPU)
+train-step and inference time. Loss verdicts pair the arms by seed
+(`loka_jax.train.verdict.paired_quality`).
 
 Work directory (resumable: finished arms and timing rows are never redone):
   DIR/settings.json      what every arm shares; a rerun with other settings is refused
-  DIR/runs/<arm>/        one `experiment.run` directory per arm (final.json when finished,
+  DIR/runs/<arm>/        one `experiment.run` directory per arm and seed, e.g.
+                         runs/fp8_all__no_bias__seed1 (final.json when finished,
                          error.json when it failed; delete the directory to retry)
   DIR/timing.jsonl       one row per mods combination: bf16 baseline, bf16 and FP8 with the
                          mods, timed interleaved in one process (GPU only, or timing 'force')
-  DIR/ablation.json      schema loka.ablation/1 (see `summarize`)
+  DIR/ablation.json      schema loka.ablation/2 (see `summarize`)
   DIR/ablation.md        the markdown table
   DIR/ablation.png       NE per combination (bf16 vs FP8) and latency where measured
 
@@ -36,15 +39,15 @@ from loka_jax.train.ablation_arms import (FREE_SETTINGS, PRECISIONS, SHORT, TIMI
                                          arms, combination_key, combination_label,
                                          parse_combinations, run_spec, timing_enabled,
                                          train_config)
-from loka_jax.train.ablation_report import (SCHEMA, markdown_table, plot, reading, summarize,
-                                           write_json, write_outputs)
+from loka_jax.train.ablation_report import (SCHEMA, load, markdown_table, plot, reading,
+                                           summarize, write_json, write_outputs)
 from loka_jax.train.ablation_timing import step_calls, time_combination, timing_variants
 from loka_jax.train import NonFiniteError, experiment
 
 __all__ = [
     "AblationConfig", "Arm", "Combination", "FREE_SETTINGS", "PRECISIONS", "SCHEMA", "SHORT",
     "SettingsError", "TIMING_MODES", "all_combinations", "arm_result", "arms",
-    "check_settings", "combination_key", "combination_label", "markdown_table",
+    "check_settings", "combination_key", "combination_label", "load", "markdown_table",
     "parse_combinations", "plot", "reading", "run", "run_spec", "step_calls", "summarize",
     "time_combination", "timing_enabled", "timing_variants", "train_arm", "train_config",
     "use_compile_cache", "write_outputs",
@@ -115,6 +118,9 @@ def check_settings(config: AblationConfig, workdir: str) -> None:
   settings = json.loads(json.dumps(config.shared_settings()))
   if os.path.exists(path):
     old = _read_json(path)
+    # A workdir whose settings name one `seed` holds arms named by their seed
+    # (runs/<arm>__seed<N>): they resume at whatever seeds the config lists.
+    old.pop("seed", None)
     diffs = [f"{k}: {old.get(k)!r} -> {settings.get(k)!r}"
              for k in sorted(set(old) | set(settings)) if old.get(k) != settings.get(k)]
     if diffs:

@@ -1,6 +1,7 @@
 """What the Mods ablation runs: the on/off combinations of No Bias, BlockNorm and Hard Swish,
 its settings (`AblationConfig`) and its arms (a combination in one precision with one seed),
-each an `experiment.run` with the same data order and held-out set."""
+each an `experiment.run`. The arms of one seed pair: the same initialization key, data order
+and held-out set (the verdicts compare them seed by seed)."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +16,7 @@ PRECISIONS = ("bf16", "fp8_all")
 SHORT = {"no_bias": "NB", "blocknorm": "BN", "hard_swish": "HS"}
 TIMING_MODES = ("auto", "off", "force")
 # Settings a rerun may change (which arms, how they run); anything else must match.
-FREE_SETTINGS = ("combinations", "precisions", "noise_seeds", "timing", "repeats", "workers",
+FREE_SETTINGS = ("combinations", "precisions", "seeds", "timing", "repeats", "workers",
                  "keep_checkpoints", "data_cache")
 
 Combination = Tuple[str, ...]
@@ -70,7 +71,6 @@ class AblationConfig:
   steps: int = 60
   batch_size: Optional[int] = None          # None: the preset's
   num_eval: int = 2048                      # held-out examples (same set for every arm)
-  seed: int = 0                             # parameters and training data order of every arm
   kernel: str = "xla_fp8_tensorwise"        # the FP8 arm's one kernel at every site
   data: str = "synthetic"                   # data source (timing always uses synthetic)
   data_path: Optional[str] = None
@@ -81,7 +81,9 @@ class AblationConfig:
   warmup_steps: int = 0
   combinations: Tuple[Combination, ...] = all_combinations()
   precisions: Tuple[str, ...] = PRECISIONS
-  noise_seeds: Tuple[int, ...] = ()         # extra bf16 baseline seeds for the noise floor
+  # Every arm trains at each seed (its initialization key and data order); the arms of one
+  # seed pair in the verdicts, which need two seeds or more to measure a spread.
+  seeds: Tuple[int, ...] = (0,)
   timing: str = "auto"                      # 'auto': on a GPU only; 'off'; 'force': also CPU
   repeats: int = 20                         # timed repeats per variant (interleaved)
   workers: int = 1                          # arms trained at once (threads; 1 on a GPU)
@@ -102,8 +104,10 @@ class AblationConfig:
     if not 0 <= self.warmup_steps <= self.steps:
       raise ValueError(f"warmup_steps must be in [0, steps={self.steps}], got "
                        f"{self.warmup_steps}")
-    if self.seed in self.noise_seeds:
-      raise ValueError(f"noise_seeds {self.noise_seeds} must differ from seed {self.seed}")
+    if (not self.seeds or len(set(self.seeds)) != len(self.seeds)
+        or not all(isinstance(s, int) and s >= 0 for s in self.seeds)):
+      raise ValueError(f"ablation seeds {self.seeds}: list distinct non-negative integers, "
+                       "e.g. 0,1,2")
     if self.xla_deterministic and self.timing != "off":
       raise ValueError("xla_deterministic slows the steps the ablation times: use it with "
                        "timing='off'")
@@ -137,10 +141,10 @@ class Arm:
 
 
 def arms(config: AblationConfig) -> List[Arm]:
-  """Every arm: combinations x precisions with the config's seed, then the noise arms."""
-  out = [Arm(c, p, config.seed) for c in config.combinations for p in config.precisions]
-  out += [Arm((), "bf16", s) for s in config.noise_seeds]
-  return out
+  """Every arm: combinations x precisions at each seed, seed by seed (the first seed's arms
+  first, so a run stopped early has whole seeds)."""
+  return [Arm(c, p, s) for s in config.seeds for c in config.combinations
+          for p in config.precisions]
 
 
 def run_spec(config: AblationConfig, arm: Arm) -> experiment.RunSpec:
@@ -156,7 +160,6 @@ def train_config(config: AblationConfig, seed: int) -> TrainConfig:
                      keep_checkpoints=1, progress=False,
                      optim=OptimConfig(learning_rate=config.learning_rate,
                                        warmup_steps=config.warmup_steps))
-
 
 
 def timing_enabled(config: AblationConfig) -> bool:

@@ -66,7 +66,7 @@ def time_combination(config: AblationConfig, mods: Combination) -> Dict[str, Any
   """One timing row: train-step and inference time of `timing_variants`, interleaved."""
   variants = timing_variants(config, mods)
   prepared = {name: step_calls(config.model, config.preset, precision, config.kernel, m,
-                               config.batch, seed=config.seed)
+                               config.batch, seed=config.seeds[0])
               for name, precision, m in variants}
   baseline = variants[0][0]
   row = {"combination": combination_key(mods), "device": jax.devices()[0].device_kind,

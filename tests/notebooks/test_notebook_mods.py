@@ -26,7 +26,7 @@ class ModsNotebookTest(chex.TestCase):
     client.execute(env=cpu_env(LOKA_NOTEBOOK_TINY="1", LOKA_ABLATION_DIR=workdir))
     self.assertEqual(outputs(nb, "error"), [])
     text = "".join(o.get("text", "") for o in outputs(nb, "stream"))
-    self.assertIn(f"6 arms in {workdir}", text)             # 2 combinations x 2 + 2 seeds
+    self.assertIn(f"8 arms in {workdir}", text)   # 2 combinations x 2 precisions x 2 seeds
     displays = [o["data"] for o in outputs(nb, "display_data")]
     tables = [d["text/markdown"] for d in displays if "text/markdown" in d]
     self.assertLen(tables, 1)
@@ -40,7 +40,8 @@ class ModsNotebookTest(chex.TestCase):
       result = json.load(f)
     self.assertTrue(result["complete"])
     self.assertEqual(result["settings"]["steps"], 60)
-    self.assertEqual(len(result["noise"]["logloss"]), 3)
+    self.assertEqual(result["settings"]["seeds"], [0, 1])
+    self.assertEqual(result["rows"][1]["fp8_mods_vs_baseline"]["seeds"], [0, 1])   # paired
 
 
 if __name__ == "__main__":
