@@ -292,7 +292,9 @@ class ShouldStopTest(chex.TestCase):
   what finished and leaves the rest pending for a rerun."""
 
   def config(self):
-    return ablation.AblationConfig(steps=3, num_eval=256, combinations=((),), timing="off")
+    # DLRM, the cheapest tower to compile: the hook is asked the same way for any model.
+    return ablation.AblationConfig(model="dlrm", steps=3, batch_size=64, num_eval=256,
+                                   combinations=((),), timing="off")
 
   def test_stopping_at_once_saves_every_unit_as_pending(self):
     workdir = tempfile.mkdtemp(prefix="loka_ablation_stop_")
