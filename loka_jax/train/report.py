@@ -150,8 +150,16 @@ def validation_line(r: Mapping[str, Any], measurements: bool = False) -> Optiona
         [f"mean of {len(r['seeds'])} {unit}s"] if len(r.get("seeds", ())) > 1 else [])
     if recipe:
       what += f" ({', '.join(recipe)})"
-    bounds = f"rule: each change at most +{100 * r['bound']:g}%, a lower loss passes" + (
-        f", held-out bound {100 * r['held_out_bound']:.3f}%" if "held_out_bound" in r else "")
+    bounds = f"rule: each change at most +{100 * r['bound']:g}%, a lower loss passes"
+    if "held_out_quality" in r:   # `ValidationConfig.from_init_quality_bound`
+      bounds += "; quality rule: " + held_out_gate_text(r["held_out_quality"])
+    elif "held_out_bound" in r:
+      # A gate record without the verdict: its mean change was judged against this bound,
+      # max(max_rel_logloss, 2 x the bf16+Mods seeds' relative std).
+      noise = r.get("held_out_noise")
+      bounds += f", held-out bound {100 * r['held_out_bound']:.3f}%" + (
+          "" if noise is None else
+          f" (bf16+Mods seeds' relative std {100 * noise:.3f}%)")
     if "noise_floor" in r:   # `ValidationConfig.shadow_noise_floor`
       n = r["noise_floor"]
       bounds += (f"; noise floor by {unit}: held-out " + ", ".join(
@@ -194,6 +202,31 @@ def validation_line(r: Mapping[str, Any], measurements: bool = False) -> Optiona
     return (f"  - {step[:-len('_run')]} run, {r['arm']} seed {r['seed']}: {losses} "
             f"({r.get('seconds')} s)")
   return None
+
+
+def held_out_gate_text(q: Mapping[str, Any]) -> str:
+  """The check from initialization's held-out gate (a round's `held_out_quality`, the quality
+  rule's verdict by seed) in words, e.g. "held-out change +0.310% [+0.120%, +0.500%] missed
+  the +0.02% bound over 3 paired seeds"."""
+  bound = f"+{100 * q['bound']:g}% bound"
+  mean = "not finite" if q.get("mean") is None else f"{100 * q['mean']:+.3f}%"
+  if q["verdict"] == "not applicable":
+    return f"held-out change {mean}: no FP8 site, the rule does not apply"
+  if q.get("ci") is None:
+    if q.get("n", 0) > 1:   # a seed's change is not finite
+      return f"held-out change not finite at a seed: {q['verdict']} the {bound}"
+    where = "within" if q["passed"] else "above"
+    return (f"held-out change {mean} at one seed is {where} the {bound} (one seed "
+            "measures no interval)")
+  lo, hi = q["ci"]
+  said = f"held-out change {mean} [{100 * lo:+.3f}%, {100 * hi:+.3f}%]"
+  seeds = f"over {q['n']} paired seeds"
+  if q["verdict"] != "unresolved":
+    return f"{said} {q['verdict']} the {bound} {seeds}"
+  need = q.get("pairs_to_resolve")
+  need = (f"{need} paired seeds would resolve it" if need else
+          "no seed count resolves it, the mean sits on the bound")
+  return f"{said} is unresolved against the {bound} {seeds} ({need}; unresolved passes)"
 
 
 def plot_plan(plan, path: str) -> str:

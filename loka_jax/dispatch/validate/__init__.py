@@ -33,8 +33,10 @@ weights), and the worst sites are backed off until every check holds. The checks
     recipe the model is trained with (`from_init_warmup_steps`, `from_init_clip_norm`). The
     checks from a trained state cannot see early training: at DLRM `large`, FP8 gradients
     enlarge Adam's early spike (+0.004 held-out log loss after 500 steps, H200) under a plan
-    that passed both. `from_init_quality_bound` also fails a mean held-out change above the
-    quality target's bound, max(`max_rel_logloss`, 2 x the bf16+Mods seeds' relative std).
+    that passed both. `from_init_quality_bound` also judges each round's held-out log loss by
+    the quality rule (`held_out_gate`: `train.verdict.paired_quality` of the plan against
+    bf16+Mods by seed, bound `max_rel_logloss`): a missed verdict fails the round, as does,
+    with one seed, a change above the bound; an unresolved one passes, recorded as such.
   speed (`speed`; on a GPU, or `speed=True`): whole jitted train and inference steps, plan vs
     bf16+Mods, interleaved, >= 20 repeats, bootstrap 95% CI of the speedup. While a lower
     bound is below `min_speedup`, the site slowest in context goes to xla_bf16 with every
@@ -88,7 +90,7 @@ from loka_jax.dispatch.validate.state import (SwitchBoard, held_out, held_out_ch
                                               held_out_switched, model_and_meta, state_for,
                                               switch_board, switched_plan, working_state)
 from loka_jax.dispatch.validate.training import (check_from_init, check_shadow,
-                                                 held_out_quality_bound, shadow_diverged,
+                                                 held_out_gate, shadow_diverged,
                                                  shadow_noise_bounds, stalled_back_off)
 
 __all__ = [
@@ -100,7 +102,7 @@ __all__ = [
     "check_speed", "clearly_slow_sites", "finished", "fp8_sites", "gradient_change",
     "gradient_distance", "gradient_switched", "held_out", "held_out_backed_off",
     "held_out_change", "held_out_change_se", "held_out_change_switched",
-    "held_out_quality_bound", "held_out_switched", "in_context_slowdown", "initial_state",
+    "held_out_gate", "held_out_switched", "in_context_slowdown", "initial_state",
     "is_back_off", "jittered", "loss_curve", "matching_records", "measure_sites",
     "measure_steps", "model_and_meta", "more_precise_fused_op", "more_precise_kernel",
     "on_gpu_unless", "only_site", "promotable_sites", "promotion_enabled", "promotion_pays",

@@ -1,8 +1,10 @@
 """The training checks: shadow training from the checkpoint (`check_shadow`) and training
 from a fresh initialization (`check_from_init`), plan vs bf16+Mods on the same batches. A
-round fails when the plan's loss climbs above the baseline's beyond its bound (one-sided);
-then the site whose plan moves the gradient most steps down, or, when the last back-off
-moved no loss, every site with an FP8 gradient pass (`stalled_back_off`)."""
+round fails when the plan's loss climbs above the baseline's beyond its bound (one-sided), or,
+from initialization with `from_init_quality_bound`, when the quality rule's verdict on its
+held-out log loss is missed (`held_out_gate`); then the site whose plan moves the gradient
+most steps down, or, when the last back-off moved no loss, every site with an FP8 gradient
+pass (`stalled_back_off`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -23,6 +25,7 @@ from loka_jax.dispatch.validate.records import (Progress, _final, _live_records,
 from loka_jax.dispatch.validate.runs import (BASELINE_ARM, CHECKPOINT, INIT, NOISE_ARM,
                                              PLAN_ARM, _training_runs)
 from loka_jax.train.optim import OptimConfig
+from loka_jax.train.verdict import MISSED, paired_quality
 
 
 def _rel(value: float, base: float) -> float:
@@ -82,17 +85,23 @@ def shadow_noise_bounds(config: ValidationConfig, noise_runs: Sequence[Mapping[s
           "train_bound": bound(trains), "held_out_bound": bound(evals)}
 
 
-def held_out_quality_bound(config: ValidationConfig,
-                           baseline_loglosses: Sequence[float]) -> Dict[str, Any]:
-  """The check from initialization's held-out bound (`from_init_quality_bound`):
-  {"bound": max(max_rel_logloss, 2 x noise), "noise": the relative std (ddof 1) of
-  bf16+Mods' held-out log loss over the seeds, None with one seed}. The quality target's
-  noise floor, read from this check's own bf16+Mods runs."""
-  losses = np.asarray(baseline_loglosses, float)
-  noise = (float(np.std(losses, ddof=1) / abs(np.mean(losses))) if losses.size > 1
-           else None)
-  return {"bound": max(config.max_rel_logloss, 2 * noise if noise is not None else 0.0),
-          "noise": noise}
+def held_out_gate(config: ValidationConfig, plan_loglosses: Mapping[int, float],
+                  baseline_loglosses: Mapping[int, float],
+                  applicable: bool = True) -> Dict[str, Any]:
+  """The check from initialization's held-out gate (`from_init_quality_bound`): the quality
+  rule, `paired_quality` of the plan's held-out log loss against bf16+Mods' by seed ({seed:
+  loss}, both arms trained from that seed's initialization and data order), bound
+  `max_rel_logloss`. Its `verdict`, `n`, `mean`, `ci`, `bound` (and `pairs_to_resolve` or
+  `why` where it has them), plus `passed`: False when the verdict is missed, and with one
+  seed (no interval) when that seed's change is above the bound. An unresolved verdict of
+  two or more seeds passes, recorded as unresolved; `applicable=False` (no FP8 site) passes."""
+  q = paired_quality(plan_loglosses, baseline_loglosses, config.max_rel_logloss, applicable)
+  if q["n"] == 1 and q["ci"] is None and applicable:
+    passed = q["mean"] is not None and q["mean"] <= q["bound"]
+  else:
+    passed = q["verdict"] != MISSED
+  kept = ("verdict", "n", "mean", "ci", "bound", "pairs_to_resolve", "why", "error")
+  return {**{k: q[k] for k in kept if k in q}, "passed": passed}
 
 
 def check_shadow(plan, ctx: ValidationContext, config: ValidationConfig = ValidationConfig(),
@@ -106,7 +115,8 @@ def check_shadow(plan, ctx: ValidationContext, config: ValidationConfig = Valida
 def check_from_init(plan, ctx: ValidationContext, config: ValidationConfig = ValidationConfig(),
                     progress: Optional[Progress] = None) -> Plan:
   """Training from a fresh initialization, plan vs bf16+Mods (`from_init_steps`); backs off
-  as the shadow check does while the runs diverge (bound: `shadow_max_rel_loss`)."""
+  as the shadow check does while the runs diverge (bound: `shadow_max_rel_loss`) and, with
+  `from_init_quality_bound`, while `held_out_gate` fails."""
   recipe = {k: v for k, v in (("warmup_steps", config.from_init_warmup_steps),
                               ("clip_norm", config.from_init_clip_norm)) if v is not None}
   optim = dataclasses.replace(ctx.optim, **recipe) if recipe else None
@@ -163,8 +173,7 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
         + ("the checkpoint or " if start == CHECKPOINT else "") + "the learning rate is at "
         "fault, not the plan")
   base_windows = [b["window_loss"] for b in bases]
-  held_bound = (held_out_quality_bound(config, [b["logloss"] for b in bases])
-                if start == INIT and config.from_init_quality_bound else None)
+  gated = start == INIT and config.from_init_quality_bound
   noise = None
   if start == CHECKPOINT and config.shadow_noise_floor:
     plan, noise_runs = _training_runs(plan, ctx, progress, step, NOISE_ARM, BASELINE, seeds,
@@ -177,10 +186,10 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
   train_bound = noise["train_bound"] if noise else config.shadow_max_rel_loss
   eval_bound = noise["held_out_bound"] if noise else config.shadow_max_rel_loss
   first = _rounds_done(plan, step)
-  # What each loss is judged against (the check from initialization's quality bound is the
-  # tighter held-out one where it is set): a stall is read against these.
+  # What each loss is judged against (with the held-out gate, its bound is the tighter
+  # held-out one): a stall is read against these.
   bounds = {"rel_train_loss": train_bound,
-            "rel_logloss_change": (min(eval_bound, held_bound["bound"]) if held_bound
+            "rel_logloss_change": (min(eval_bound, config.max_rel_logloss) if gated
                                    else eval_bound)}
   for round_ in range(first, config.max_rounds + 1):
     progress.checkpoint(plan, f"{step} round {round_}")
@@ -202,8 +211,6 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
                               "peak_loss_bf16": max(b["peak_loss"] for b in bases)}
     if len(seeds) > 1:
       record["seeds"] = seeds
-    if held_bound is not None:
-      record.update(held_out_bound=held_bound["bound"], held_out_noise=held_bound["noise"])
     if noise is not None:
       record["noise_floor"] = noise
     if finite:
@@ -213,7 +220,11 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
       # The mean over seeds of each seed's relative difference (one seed: that difference).
       rel_train, rel_eval = float(np.mean(rel_trains)), float(np.mean(rel_evals))
       climbed = shadow_diverged(rel_train, rel_eval, train_bound, eval_bound)
-      diverged = climbed or (held_bound is not None and rel_eval > held_bound["bound"])
+      if gated:
+        record["held_out_quality"] = held_out_gate(
+            config, {s: r["logloss"] for s, r in zip(seeds, runs)},
+            {s: b["logloss"] for s, b in zip(seeds, bases)}, applicable=bool(candidates))
+      diverged = climbed or (gated and not record["held_out_quality"]["passed"])
       record.update(train_loss=float(np.mean(windows)), rel_train_loss=rel_train,
                     peak_loss=max(r["peak_loss"] for r in runs),
                     logloss=float(np.mean([r["logloss"] for r in runs])),
@@ -252,9 +263,12 @@ def _check_training(plan, ctx: ValidationContext, config: ValidationConfig,
       what = (f"losses diverge beyond {100 * config.shadow_max_rel_loss:g}% (train "
               f"{100 * record['rel_train_loss']:+.3f}%, held-out "
               f"{100 * record['rel_logloss_change']:+.3f}%)")
-    else:   # within the divergence bound, above the quality bound
-      what = (f"held-out {100 * record['rel_logloss_change']:+.3f}% is above the quality "
-              f"bound {100 * held_bound['bound']:.3f}%")
+    else:
+      what = ""
+    gate = record.get("held_out_quality")
+    if gate is not None and not gate["passed"]:   # the quality rule's verdict
+      from loka_jax.train.report import held_out_gate_text   # matplotlib: only when needed
+      what = "; ".join(w for w in (what, held_out_gate_text(gate)) if w)
     stalled = (stalled_back_off(previous, record, bounds, config.stalled_fraction,
                                 backed_off) if previous is not None else None)
     if stalled is not None:
