@@ -165,7 +165,7 @@ class SpeedSettings:
   # The selection's bar for FP8 weight gradients (`Criteria.min_sqnr_wgrad_db`; None: the
   # input gradient's, 20 dB). A plan selected under another bar is selected again.
   select_min_sqnr_wgrad_db: Optional[float] = None
-  # Whether it also judges held-out log loss against the quality target's bound
+  # Whether it also judges held-out log loss by the quality targets' rule, by seed
   # (`ValidationConfig.from_init_quality_bound`).
   validation_from_init_quality_bound: bool = False
   # Validation's held-out check measures a round's sites in one compiled program
