@@ -92,6 +92,8 @@ DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "lok
                                          "jax_cache")
 # Compiles at least this long are written to the cache: a tower's training step takes 10-60 s
 # to compile on a GPU, the probe's per-site evaluation and timing programs 0.5-5 s each.
+# $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS, JAX's own setting, overrides it when set (the
+# CPU tests set it lower: a run they kill and resume loads its short compiles as well).
 CACHE_MIN_COMPILE_SECONDS = 0.5
 
 
@@ -99,7 +101,9 @@ def use_compilation_cache(directory: Optional[str] = None) -> Optional[str]:
   """Turns on JAX's persistent compilation cache for this process, so a second run of the
   same model and plan loads its executables instead of compiling them. `directory`: a
   config's `compilation_cache` field ('' turns the cache off); None: $JAX_COMPILATION_CACHE_DIR
-  when set, else ~/.cache/loka_jax/jax_cache. Returns the directory in use (None: off)."""
+  when set, else ~/.cache/loka_jax/jax_cache. Compiles shorter than
+  $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS (unset: CACHE_MIN_COMPILE_SECONDS) are not
+  cached. Returns the directory in use (None: off)."""
   import jax
   if directory == "":
     jax.config.update("jax_enable_compilation_cache", False)
@@ -107,7 +111,8 @@ def use_compilation_cache(directory: Optional[str] = None) -> Optional[str]:
   directory = (directory or os.environ.get("JAX_COMPILATION_CACHE_DIR")
                or DEFAULT_COMPILATION_CACHE)
   jax.config.update("jax_compilation_cache_dir", directory)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_SECONDS)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", float(
+      os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", CACHE_MIN_COMPILE_SECONDS)))
   return directory
 
 

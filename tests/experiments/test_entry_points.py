@@ -243,12 +243,25 @@ class CompilationCacheTest(absltest.TestCase):
     self.assertIsNone(run_config.use_compilation_cache(""))
     self.assertFalse(jax.config.jax_enable_compilation_cache)
 
+  def test_the_shortest_compile_cached_is_the_environments_else_half_a_second(self):
+    import jax
+    with mock.patch.dict(os.environ, {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.07"}):
+      run_config.use_compilation_cache("/given")
+      self.assertEqual(jax.config.jax_persistent_cache_min_compile_time_secs, 0.07)
+    with mock.patch.dict(os.environ):
+      os.environ.pop("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", None)
+      run_config.use_compilation_cache("/given")
+      self.assertEqual(jax.config.jax_persistent_cache_min_compile_time_secs,
+                       run_config.CACHE_MIN_COMPILE_SECONDS)
+    self.assertEqual(run_config.CACHE_MIN_COMPILE_SECONDS, 0.5)
+
   def test_a_train_run_fills_the_cache(self):
     with tempfile.TemporaryDirectory() as tmp:
       cache = os.path.join(tmp, "jax_cache")
       with mock.patch.dict(os.environ, {"JAX_COMPILATION_CACHE_DIR": cache}):
         out = run_module("experiments.train", f"--workdir={tmp}/run",
-                         "--config.run.steps=2", "--config.run.batch_size=32",
+                         "--config.run.model=dlrm", "--config.run.steps=2",
+                         "--config.run.batch_size=32",
                          "--config.run.num_eval=64")
       self.assertEqual(out.returncode, 0, out.stderr[-2000:])
       self.assertTrue(os.listdir(cache), "the train step's executable was not cached")
