@@ -17,6 +17,9 @@ from warm_python import WarmPython
 
 TOWER = "32x16x2"
 TOWERS_CONFIG = "--config=experiments/configs/bench_towers.py"
+# The suite's compilation cache (tests/conftest.py) instead of the calls' /tmp/jc, which would
+# outlive the run: a later override of the field wins.
+COMPILE_CACHE = f"--config.compile_cache={os.environ['JAX_COMPILATION_CACHE_DIR']}"
 
 
 _warm = None
@@ -33,6 +36,8 @@ def tearDownModule():
 
 def _call(script, env, *args):
   """The script's output, which ends with the bench's last lines of this call."""
+  if script != "gpu_queue.sh":   # a queue's stages carry their own arguments
+    args = (*args, COMPILE_CACHE)
   done = subprocess.run(["bash", os.path.join("experiments", script), *args], cwd=REPO,
                         env=_warm.env(**env), capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -144,7 +149,7 @@ class QueueTest(absltest.TestCase):
     self.addCleanup(lambda: [os.remove(os.path.join("/tmp", f))
                              for f in os.listdir("/tmp") if f.startswith(f"loka_queue_{queue}_")])
     flags = (f"{TOWERS_CONFIG} --config.targets.towers={TOWER} --config.speed.repeats=3 "
-             "--config.probe.enabled=false --config.speed.variants=bf16_mods")
+             f"--config.probe.enabled=false --config.speed.variants=bf16_mods {COMPILE_CACHE}")
     first = f"a {tmp}/wa {tmp}/ca 10 {flags}"
     never = f"b {tmp}/wb {tmp}/cb 100000 {flags}"  # asks for more time than any call has
     env = {"QUEUE": queue, "OUT": os.path.join(tmp, "out"), "BUDGET": "400"}
