@@ -31,6 +31,9 @@ OTHER_MAINS = (("probe", True), ("dispatch", False), ("ablate_mods", True), ("ke
                ("profile_step", True), ("forget_rows", True), ("your_model", True))
 # The benchmark mains driven by a config, each with whether it has a --workdir flag.
 BENCH_MAINS = (("bench_kernels", False), ("bench_parallel", True))
+# The suite's compilation cache (tests/conftest.py) for the bench mains, whose own defaults
+# (~/.cache/loka_jax, /tmp/jc) would outlive the run.
+SUITE_CACHE = f"--config.limits.compile_cache={os.environ['JAX_COMPILATION_CACHE_DIR']}"
 
 
 def load(name, *overrides):
@@ -145,7 +148,7 @@ class OverrideReachesTheRunTest(absltest.TestCase):
     out = tempfile.mkdtemp()
     done = run_module("experiments.bench_kernels", f"--out={out}", "--config.select.smoke=true",
                       "--config.select.only=xla_fp8_tensorwise", "--config.timing.repeats=3",
-                      timeout=300)
+                      SUITE_CACHE, timeout=300)
     self.assertEqual(done.returncode, 0, done.stderr[-2000:])
     with open(os.path.join(out, "results.jsonl")) as f:
       rows = [json.loads(line) for line in f]
@@ -158,7 +161,8 @@ class OverrideReachesTheRunTest(absltest.TestCase):
     workdir = tempfile.mkdtemp()
     done = run_module("experiments.bench_parallel", f"--workdir={workdir}",
                       "--config.run.presets=tiny", "--config.parallel.devices=1",
-                      "--config.speed.repeats=3", "--config.loss.steps=4", timeout=300)
+                      "--config.speed.repeats=3", "--config.loss.steps=4", SUITE_CACHE,
+                      timeout=300)
     self.assertEqual(done.returncode, 0, done.stderr[-2000:])
     with open(os.path.join(workdir, "parallel.jsonl")) as f:
       rows = [json.loads(line) for line in f]
