@@ -4,10 +4,9 @@ import json
 import os
 import tempfile
 
-from absl import app
 from absl.testing import absltest
 
-from experiments.tools import loop_vs_bench
+from experiments.tools import loop_rows
 from experiments.tools import results_user_speed as user_speed
 from loka_jax import jsonio
 
@@ -39,7 +38,7 @@ class LoopVsBenchTest(absltest.TestCase):
     # The first window (compiles) is left out of the median.
     loops = [_loop(root, "loop_bf16_mods", [0.4, 6.0, 6.2, 6.1]),
              _loop(root, "loop_loka", [0.2, 8.0, 8.1, 8.2])]
-    rows = loop_vs_bench.rows(bench, loops, "/x/plan.json", "cmd", "abc", "2026-12-04")
+    rows = loop_rows.rows(bench, loops, "/x/plan.json", "cmd", "abc", "2026-12-04")
     self.assertEqual([r["arm"] for r in rows], ["bf16+Mods", "LoKA"])
     base, loka = rows
     self.assertEqual(base["bench_steps_per_s"], 6.25)        # 1e6 / 160000 us
@@ -63,11 +62,11 @@ class LoopVsBenchTest(absltest.TestCase):
     with open(bench, "w") as f:
       f.write(json.dumps(_bench_row("bf16_mods", 100000.0)) + "\n")
     loops = [_loop(root, "loop_bf16_mods", [1.0, 9.0]), os.path.join(root, "loop_loka")]
-    rows = loop_vs_bench.rows(bench, loops, "", "cmd", "abc", "2026-12-04")
+    rows = loop_rows.rows(bench, loops, "", "cmd", "abc", "2026-12-04")
     self.assertEqual([r["arm"] for r in rows], ["bf16+Mods"])
     self.assertNotIn("speedup_loop", rows[0])
-    with self.assertRaisesRegex(app.UsageError, "loop_<variant>"):
-      loop_vs_bench.rows(bench, [os.path.join(root, "run")], "", "cmd", "abc", "2026-12-04")
+    with self.assertRaisesRegex(ValueError, "loop_<variant>"):
+      loop_rows.rows(bench, [os.path.join(root, "run")], "", "cmd", "abc", "2026-12-04")
 
 
 if __name__ == "__main__":
