@@ -12,8 +12,9 @@
 # elsewhere $WORK/out), ARMS (the arms to run, in order; default "bf16_mods loka
 # bf16_mods_in_turn loka_warm"). Arms with compiler variants, each on its own empty
 # compilation cache: bf16_mods_autotune0 and loka_autotune0 (XLA's GPU autotuning off:
-# --xla_gpu_autotune_level=0), loka_no_triton_gemm (cuBLAS for every GEMM fusion:
-# --xla_gpu_enable_triton_gemm=false).
+# --xla_gpu_autotune_level=0), bf16_mods_no_triton_gemm and loka_no_triton_gemm (cuBLAS for
+# every GEMM fusion: --xla_gpu_enable_triton_gemm=false, experiments.train's
+# --config.train.triton_gemm=false).
 set -u
 source experiments/gpu_common.sh
 ensure_wheels || exit 1
@@ -64,6 +65,7 @@ for name in ${ARMS:-bf16_mods loka bf16_mods_in_turn loka_warm}; do
     bf16_mods_in_turn) arm bf16_mods_in_turn "${BF16[@]}" --config.train.prefetch=0 ;;
     bf16_mods_autotune0) variant "$name" --xla_gpu_autotune_level=0 "${BF16[@]}" ;;
     loka_autotune0) variant "$name" --xla_gpu_autotune_level=0 "${LOKA[@]}" ;;
+    bf16_mods_no_triton_gemm) variant "$name" --xla_gpu_enable_triton_gemm=false "${BF16[@]}" ;;
     loka_no_triton_gemm) variant "$name" --xla_gpu_enable_triton_gemm=false "${LOKA[@]}" ;;
     *) echo "unknown arm $name" >&2; exit 2 ;;
   esac
