@@ -61,49 +61,11 @@ def _probe_config(text: str):
 
 
 def _parts(sp, state, operands, keys):
-  """{part: jitted fn(site state, lhs, rhs, grad, key)} for one site, per part of the update."""
+  """{part: milliseconds summed over the sites} of each part of the sites' updates
+  (`collector.UPDATE_PARTS`), each jitted alone, once per distinct site."""
+  import functools
   import jax
-  import jax.numpy as jnp
-  from loka_jax.kernels import ACT_WEIGHT
-  from loka_jax.probe import collector, gaussian, matrix_normal, reservoir
-  from loka_jax.probe.layout import OPERANDS, PASS_AXES
-
-  def parts_of(site):
-    layout, config = site.layout, sp.config
-
-    def gaussians(st, lhs, rhs, grad, key):
-      out = [gaussian.update(st["lhs"], layout.lhs.to_rows(lhs)),
-             gaussian.update(st["grad"], layout.grad.to_rows(grad))]
-      if site.kind != ACT_WEIGHT:
-        out.append(gaussian.update(st["rhs"], layout.rhs.to_rows(rhs)))
-      return out
-
-    def weight(st, lhs, rhs, grad, key):
-      if site.kind != ACT_WEIGHT:
-        return jnp.zeros(())
-      # What one observation costs on average: the refit runs on 1 in weight_every.
-      return matrix_normal.update(st["rhs"], layout.rhs.to_rows(rhs), ema=config.weight_ema,
-                                  jitter=config.jitter)
-
-    def flush(st, lhs, rhs, grad, key):
-      values = {"lhs": lhs, "rhs": rhs, "grad": grad}
-      return [collector._update_flush(st["flush"][op], layout.operand(op).to_canonical(
-          values[op]), tuple(PASS_AXES[op].values())) for op in OPERANDS]
-
-    def amax(st, lhs, rhs, grad, key):
-      values = {"lhs": lhs, "rhs": rhs, "grad": grad}
-      return [collector._update_amax(st["amax"][op], values[op]) for op in OPERANDS]
-
-    def kept_rows(st, lhs, rhs, grad, key):
-      if "reservoir" not in st:
-        return jnp.zeros(())
-      values = {"lhs": lhs, "rhs": rhs, "grad": grad}
-      items = {op: jnp.moveaxis(values[op], layout.slice_axis(op), 0)
-               for op in layout.sliced_operands()}
-      return reservoir.update(st["reservoir"], items, key)
-
-    return {"gaussian": gaussians, "matrix_normal": weight, "flush": flush, "amax": amax,
-            "reservoir": kept_rows}
+  from loka_jax.probe import collector
 
   totals = {}
   compiled = {}
@@ -112,11 +74,15 @@ def _parts(sp, state, operands, keys):
     k = sp.names[name]
     update_key = collector._update_key(site, sp.config)
     if update_key not in compiled:
-      compiled[update_key] = {part: jax.jit(fn) for part, fn in parts_of(site).items()}
+      # Observation 0: the matrix normal refits, as on one observation in weight_every.
+      compiled[update_key] = {
+          part: jax.jit(functools.partial(collector.update_part, part, site=site,
+                                          config=sp.config))
+          for part in collector.UPDATE_PARTS}
     for part, fn in compiled[update_key].items():
-      args = (state["sites"][k], *operands[k], keys[i])
-      ms = _median_ms(lambda: fn(*args), REPEATS.value)
-      if part == "matrix_normal":
+      st, (lhs, rhs, grad), key = state["sites"][k], operands[k], keys[i]
+      ms = _median_ms(lambda: fn(st, lhs=lhs, rhs=rhs, grad=grad, key=key), REPEATS.value)
+      if part == "matrix_normal":  # what one observation costs on average
         ms /= sp.config.weight_every
       totals[part] = totals.get(part, 0.0) + ms
   return totals

@@ -222,36 +222,55 @@ def _update_amax(acc, x):
           "growth_max": jnp.maximum(acc["growth_max"], growth)}
 
 
-def update_site_state(state, site: SiteProbe, lhs, rhs, grad, key, config: ProbeConfig,
-                      observation=0):
-  """Folds observation number `observation` (from 0) of a site's operands and output
-  gradient into its state."""
+# The parts of a site's update, each writing its own fields of the state.
+UPDATE_PARTS = ("gaussian", "matrix_normal", "flush", "amax", "reservoir")
+
+
+def update_part(part: str, state, site: SiteProbe, lhs, rhs, grad, key, config: ProbeConfig,
+                observation=0) -> Dict[str, Any]:
+  """The fields of a site's state that one part of `update_site_state` writes (a part with
+  nothing to update at this site gives {})."""
   layout = site.layout
   values = {"lhs": lhs, "rhs": rhs, "grad": grad}
-  out = {"lhs": gaussian.update(state["lhs"], layout.lhs.to_rows(lhs)),
-         "grad": gaussian.update(state["grad"], layout.grad.to_rows(grad))}
-  if site.kind == ACT_WEIGHT:
+  if part == "gaussian":
+    out = {"lhs": gaussian.update(state["lhs"], layout.lhs.to_rows(lhs)),
+           "grad": gaussian.update(state["grad"], layout.grad.to_rows(grad))}
+    if site.kind != ACT_WEIGHT:
+      out["rhs"] = gaussian.update(state["rhs"], layout.rhs.to_rows(rhs))
+    return out
+  if part == "matrix_normal":
+    if site.kind != ACT_WEIGHT:
+      return {}
     refit = lambda st: matrix_normal.update(st, layout.rhs.to_rows(rhs), ema=config.weight_ema,
                                             jitter=config.jitter)
     if config.weight_every == 1:
-      out["rhs"] = refit(state["rhs"])
+      fitted = refit(state["rhs"])
     else:  # a real branch: the skipped refit costs nothing
-      out["rhs"] = jax.lax.cond(observation % config.weight_every == 0, refit, lambda st: st,
-                                state["rhs"])
-    out["weight"] = rhs.astype(state["weight"].dtype)
-  else:
-    out["rhs"] = gaussian.update(state["rhs"], layout.rhs.to_rows(rhs))
-  out["flush"] = {}
-  out["amax"] = {}
-  for op in OPERANDS:
-    canon = layout.operand(op).to_canonical(values[op])
-    uses = tuple(PASS_AXES[op].values())
-    out["flush"][op] = _update_flush(state["flush"][op], canon, uses)
-    out["amax"][op] = _update_amax(state["amax"][op], values[op])
-  if "reservoir" in state:
+      fitted = jax.lax.cond(observation % config.weight_every == 0, refit, lambda st: st,
+                            state["rhs"])
+    return {"rhs": fitted, "weight": rhs.astype(state["weight"].dtype)}
+  if part == "flush":
+    return {"flush": {op: _update_flush(state["flush"][op],
+                                        layout.operand(op).to_canonical(values[op]),
+                                        tuple(PASS_AXES[op].values())) for op in OPERANDS}}
+  if part == "amax":
+    return {"amax": {op: _update_amax(state["amax"][op], values[op]) for op in OPERANDS}}
+  if part == "reservoir":
+    if "reservoir" not in state:
+      return {}
     items = {op: jnp.moveaxis(values[op], layout.slice_axis(op), 0)
              for op in layout.sliced_operands()}
-    out["reservoir"] = reservoir.update(state["reservoir"], items, key)
+    return {"reservoir": reservoir.update(state["reservoir"], items, key)}
+  raise ValueError(f"unknown update part {part!r}; known: {UPDATE_PARTS}")
+
+
+def update_site_state(state, site: SiteProbe, lhs, rhs, grad, key, config: ProbeConfig,
+                      observation=0):
+  """Folds observation number `observation` (from 0) of a site's operands and output
+  gradient into its state: every part of `UPDATE_PARTS`."""
+  out = {}
+  for part in UPDATE_PARTS:
+    out.update(update_part(part, state, site, lhs, rhs, grad, key, config, observation))
   return out
 
 
