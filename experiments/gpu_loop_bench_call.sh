@@ -52,11 +52,7 @@ for MODEL in ${MODELS:-wukong}; do
   for arm in ${variants//,/ }; do
     args=(--config.run.precision=bf16)
     [ "$arm" = loka ] && args=(--config.run.precision=loka --config.run.plan="$PLAN")
-    timeout "${ARM_LIMIT:-240}" python3 -m experiments.train --workdir="$WORK/$MODEL/loop_$arm" \
-      --config.run.model="$MODEL" --config.run.preset="$PRESET" --config.run.mods=all \
-      --config.run.steps="$STEPS" --config.train.log_every=25 \
-      --config.train.checkpoint_every=0 --config.train.keep_checkpoints=0 \
-      --config.train.progress=false "${args[@]}" > "$OUT/${MODEL}_loop_$arm.log" 2>&1
+    train_run "$WORK/$MODEL/loop_$arm" "$OUT/${MODEL}_loop_$arm.log" "${args[@]}"
     echo "$MODEL loop $arm rc=$?"
   done
   python3 -m experiments.report loop_vs_bench --bench="$WORK/$MODEL/bench/bench.jsonl" \

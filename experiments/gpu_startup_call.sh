@@ -30,11 +30,7 @@ echo "card: $(nvidia-smi --query-gpu=name --format=csv,noheader) jax $(python3 -
 arm() {  # arm NAME ARGS...: one train run, its summary line
   local name=$1; shift
   local start; start=$(date +%s.%N)
-  timeout "${ARM_LIMIT:-240}" python3 -m experiments.train --workdir="$WORK/runs/$name" \
-    --config.run.model="$MODEL" --config.run.preset="$PRESET" --config.run.mods=all \
-    --config.run.steps="${STEPS:-150}" --config.train.log_every=25 \
-    --config.train.checkpoint_every=0 --config.train.keep_checkpoints=0 \
-    --config.train.progress=false "$@" > "$OUT/$name.log" 2>&1
+  train_run "$WORK/runs/$name" "$OUT/$name.log" "$@"
   echo "rc=$?" >> "$OUT/$name.log"
   python3 - "$WORK/runs/$name" "$name" "$start" <<'PY'
 import json, os, sys
