@@ -60,12 +60,12 @@ def table(x: jax.Array, contracting_axis: int, formats=FORMATS,
   count = jnp.maximum(jnp.sum(finite_nonzero), 1)
   # One count per (format, granularity), each fused with its group's amax: stacking the
   # broadcast amaxes would write 8 operand-sized arrays first.
+  groups = [group_amax(ax, g, contracting_axis) for g in granularities]
   counts = []
   for fmt in formats:
     bar = jnp.float32(fmt.min_subnormal / 2)
-    for g in granularities:
-      scale = scale_from_amax(group_amax(ax, g, contracting_axis), fmt)
-      counts.append(jnp.sum(finite_nonzero & (ax / scale <= bar)))
+    for group in groups:
+      counts.append(jnp.sum(finite_nonzero & (ax / scale_from_amax(group, fmt) <= bar)))
   return jnp.stack(counts).reshape(len(formats), len(granularities)) / count
 
 
