@@ -1,7 +1,7 @@
 r"""What the probe's statistics pass costs against the training step, and where its time goes.
 
   python3 -m experiments.measure probe_overhead --model=wukong --preset=small \
-      --out=overhead.json [--parts] [--probe_config=weight_every=4]
+      --out=overhead.json [--parts] [--probe_config=weight_every=4,pass_compile=cublas]
 
 Builds the bf16+Mods tower of the preset, times its jitted training step and the statistics
 pass (`loka_jax.probe.collector.StatisticsPass`, what the probe runs every `cadence` steps)
@@ -56,7 +56,12 @@ def _probe_config(text: str):
     if name not in fields or not value:
       raise app.UsageError(f"--probe_config: {item!r} is not FIELD=VALUE with a ProbeConfig "
                            f"field ({', '.join(fields)})")
-    values[name] = float(value) if "." in value else int(value)
+    kind = str(fields[name])
+    try:
+      values[name] = (value if kind == "str" else bool(int(value)) if kind == "bool"
+                      else float(value) if kind == "float" else int(value))
+    except ValueError:
+      raise app.UsageError(f"--probe_config: {item!r}: {name} takes a {kind}") from None
   return ProbeConfig(**values)
 
 
@@ -77,7 +82,8 @@ def _parts(sp, state, operands, keys):
       # Observation 0: the matrix normal refits, as on one observation in weight_every.
       compiled[update_key] = {
           part: jax.jit(functools.partial(collector.update_part, part, site=site,
-                                          config=sp.config))
+                                          config=sp.config),
+                        compiler_options=collector.PASS_COMPILES[sp.config.pass_compile] or None)
           for part in collector.UPDATE_PARTS}
     for part, fn in compiled[update_key].items():
       st, (lhs, rhs, grad), key = state["sites"][k], operands[k], keys[i]
@@ -136,15 +142,21 @@ def main(argv):
     observed["stats"] = sp(observed["stats"], variables, batch, rng, key)
     return observed["stats"]
 
+  began = time.perf_counter()
+  jax.block_until_ready(observe())   # the first observation compiles the pass
+  compile_s = time.perf_counter() - began
+  _say(f"statistics pass compiled and run once in {compile_s:.1f} s")
   pass_ms = _median_ms(observe, REPEATS.value)
   row = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
          "model": spec.model, "preset": spec.preset, "batch_size": batch_size,
          "sites": len(sites), "probe_config": probe_config.to_dict(),
          "step_ms": round(step_ms, 2), "pass_ms": round(pass_ms, 2),
+         "pass_first_call_s": round(compile_s, 1),
          "fraction": {c: round(pass_ms / (c * step_ms), 4) for c in cadences},
          "parts_ms": {k: round(v, 2) for k, v in parts.items()}}
   print(f"{spec.model}/{spec.preset} batch {batch_size} on {row['device']}: train step "
-        f"{step_ms:.1f} ms, statistics pass {pass_ms:.1f} ms over {len(sites)} sites")
+        f"{step_ms:.1f} ms, statistics pass {pass_ms:.1f} ms over {len(sites)} sites (first "
+        f"call, compiling it: {compile_s:.1f} s)")
   for part, ms in row["parts_ms"].items():
     print(f"  {part:14s} {ms:8.1f} ms")
   for c in cadences:

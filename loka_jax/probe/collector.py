@@ -19,6 +19,7 @@ from loka_jax's training loop every `cadence` steps and keeps the statistics in 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
@@ -34,6 +35,14 @@ from loka_jax.probe import gaussian, matrix_normal, reservoir
 from loka_jax.models import tap as probe_hooks
 from loka_jax.probe.layout import OPERANDS, PASS_AXES, SiteLayout, site_layout
 
+
+
+# XLA options of the statistics pass's compiles, by `ProbeConfig.pass_compile`: autotuned (every
+# cuBLAS algorithm and Triton tiling timed on the device), cublas (cuBLAS algorithms only, no
+# Triton GEMMs), untuned (no autotuning at all). They change which GEMM algorithm runs, not
+# what the statistics compute.
+PASS_COMPILES = {"autotuned": {}, "cublas": {"xla_gpu_enable_triton_gemm": False},
+                 "untuned": {"xla_gpu_autotune_level": 0}}
 
 
 class ProbeStateError(ValueError):
@@ -55,6 +64,9 @@ class ProbeConfig:
   # dispatch per site, and XLA schedules all sites' updates together; longer to compile,
   # since equal sites no longer share one compiled update.
   one_program: bool = False
+  # How XLA compiles the pass on a GPU (`PASS_COMPILES`): its products are small statistics
+  # GEMMs, for which autotuning Triton tilings costs seconds of compile per function.
+  pass_compile: str = "autotuned"
   jitter: float = 1e-6                 # relative diagonal jitter before Cholesky
   reservoir_elements: int = 1 << 20    # elements per operand buffer of a site's reservoir
   reservoir_min: int = 8               # slices kept at least ...
@@ -70,6 +82,9 @@ class ProbeConfig:
                        f"rank={self.rank} must both be >= 1")
     if self.weight_every < 1:
       raise ValueError(f"weight_every must be >= 1 observation, got {self.weight_every}")
+    if self.pass_compile not in PASS_COMPILES:
+      raise ValueError(f"pass_compile={self.pass_compile!r}: use one of "
+                       f"{', '.join(PASS_COMPILES)}")
     if not 0.0 <= self.weight_ema < 1.0:
       raise ValueError(f"weight_ema must be in [0, 1), got {self.weight_ema}")
     if self.reservoir_min < 1 or self.reservoir_max < self.reservoir_min:
@@ -344,15 +359,15 @@ class StatisticsPass:
       return {"observations": state["observations"] + 1, "sites": new_sites}
 
     donated = (0,) if donate else ()
-    self.whole = (executables.autotuned(jax.jit(whole, donate_argnums=donated))
+    jit = functools.partial(jax.jit, compiler_options=PASS_COMPILES[config.pass_compile] or None)
+    self.whole = (executables.autotuned(jit(whole, donate_argnums=donated))
                   if config.one_program else None)
-    self.extract = executables.autotuned(jax.jit(extract))
+    self.extract = executables.autotuned(jit(extract))
     self.updates: Dict[Any, Callable] = {}
     for site in self.sites.values():
       key = _update_key(site, config)
       if key not in self.updates and not config.one_program:
-        self.updates[key] = executables.autotuned(jax.jit(update_of(site),
-                                                          donate_argnums=donated))
+        self.updates[key] = executables.autotuned(jit(update_of(site), donate_argnums=donated))
 
   def __call__(self, state, variables, batch, rng, key):
     if self.whole is not None:

@@ -79,7 +79,8 @@ _AUTOTUNED: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def autotuned(fn: Callable) -> Callable:
-  """Marks `fn` as a function whose compile keeps XLA's autotuning (`compiler_options`)."""
+  """Marks `fn` as a function compiled with its own jit options (`compiler_options` adds
+  none): the statistics pass, whose options `ProbeConfig.pass_compile` sets."""
   _AUTOTUNED.add(fn)
   return fn
 
@@ -89,7 +90,7 @@ def compiler_options(fn: Optional[Callable] = None) -> Dict[str, Any]:
   samplers and error evaluators: XLA would time every GEMM algorithm of each on the device,
   yet each runs a few times per site and what it computes depends on the algorithm only
   through accumulation order, far below the errors it measures. The statistics pass runs
-  all through training, so its functions are `autotuned`; kernel timing and training do not
+  all through training and chooses its own (`autotuned`); kernel timing and training do not
   come through here."""
   if jax.default_backend() != "gpu" or (fn is not None and fn in _AUTOTUNED):
     return {}

@@ -129,6 +129,27 @@ class WeightEveryTest(chex.TestCase):
     self.assertEqual(int(got["observations"]), 3)
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
 
+  def test_each_pass_compile_gives_the_statistics_of_the_default(self):
+    model, source = train_toys.ToyClickModel(), train_toys.ToySource(seed=3, num_eval=64)
+    batch = source.train_batch(0, BATCH)
+    params = model.init({"params": jax.random.PRNGKey(1)}, batch)
+    sites = training.probe_sites(model, params, batch, CONFIG)
+    probes = {way: training.ProbeCollector(
+        model, source, BATCH, sites,
+        collector.ProbeConfig(cadence=2, min_observations=1, pass_compile=way))
+              for way in collector.PASS_COMPILES}
+    for step in (2, 4):
+      for probe in probes.values():
+        probe.observe(params, jax.random.PRNGKey(0), step=step)
+    want = jax.device_get(probes["autotuned"].state)
+    for way in ("cublas", "untuned"):
+      chex.assert_trees_all_close(jax.device_get(probes[way].state), want, rtol=1e-5,
+                                  atol=1e-6, custom_message=way)
+
+  def test_an_unknown_pass_compile_is_refused(self):
+    with self.assertRaisesRegex(ValueError, "pass_compile='fast': use one of autotuned"):
+      collector.ProbeConfig(pass_compile="fast")
+
   def test_weight_every_below_one_is_refused(self):
     with self.assertRaisesRegex(ValueError, "weight_every must be >= 1"):
       collector.ProbeConfig(weight_every=0)
