@@ -52,8 +52,9 @@ def get_config() -> ml_collections.ConfigDict:
   optim.warmup_steps = 0
   optim.weight_decay = 0.0      # AdamW weight decay (dense towers)
 
-  # The drift valve of a loka run: refresh the probe's statistics every `every` steps and
-  # switch sites whose statistics drifted and whose kernel is no longer safe.
+  # The drift valve of a loka run: refresh the probe's statistics every `every` steps (less
+  # often when refreshes would take more than 2% of the training time) and switch sites whose
+  # statistics drifted and whose kernel is no longer safe.
   config.drift = drift = ml_collections.ConfigDict()
   drift.every = 0               # 0: off
   # The probe report the plan was selected on (unset: the one its provenance names): the

@@ -5,7 +5,9 @@ that shifted, and switch the kernels that are no longer safe (recompiling once).
   train(valve.model, source, workdir, train_config, model_hook=valve)
 
 Every `cadence` steps the valve runs the probe's jitted statistics pass on the next training
-batch with the current parameters, into fresh statistics (one observation), and compares each
+batch with the current parameters, into fresh statistics (one observation); when refreshes
+would take more than `max_overhead` of the training time (2%), it waits longer between them,
+from their measured cost and the step's. Each refresh compares each
 site with its *baseline*: the report's statistics the plan was selected on, or the statistics
 of the site's last re-evaluation. A site beyond `DriftBound` (drift.py) gets the probe's
 evaluation on its fresh statistics (errors only: speed does not drift, so each entry keeps the
@@ -23,6 +25,7 @@ that plan, so a resumed run continues with it.
 """
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import os
@@ -30,6 +33,7 @@ import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import jax
+import numpy as np
 
 from loka_jax.dispatch import drift as drift_lib
 from loka_jax.plan.file import Plan, as_plan, save_plan, to_kernel_plan
@@ -60,7 +64,11 @@ class ValveSetupError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class ValveConfig:
   """When the valve looks and how it re-evaluates a shifted site."""
-  cadence: int = 25                          # steps between statistics refreshes
+  cadence: int = 25                          # steps between statistics refreshes, at least
+  # The most training time refreshes may take (a fraction): past it, a refresh waits longer
+  # than `cadence` (`collector.budgeted_gap`, from the measured refresh and step times). 0:
+  # every `cadence` steps, whatever they cost.
+  max_overhead: float = 0.02
   bound: drift_lib.DriftBound = drift_lib.DriftBound()
   criteria: Optional[Criteria] = None        # None: the plan's own budget (provenance)
   samples: int = 32                          # evaluation draws per source and site
@@ -71,6 +79,8 @@ class ValveConfig:
   def __post_init__(self):
     if self.cadence < 1:
       raise ValueError(f"drift valve cadence must be >= 1 step, got {self.cadence}")
+    if not 0.0 <= self.max_overhead < 1.0:
+      raise ValueError(f"drift valve max_overhead must be in [0, 1), got {self.max_overhead}")
     if self.samples < 2:
       raise ValueError(f"drift valve samples must be >= 2, got {self.samples}")
 
@@ -188,6 +198,10 @@ class DriftValve:
     self.events: List[Dict[str, Any]] = []
     self.refreshes: List[int] = []
     self.seconds: List[float] = []
+    # Wall-clock seconds between the loop's calls, refreshes left out (the latest thousand).
+    self.step_seconds: "collections.deque[float]" = collections.deque(maxlen=1000)
+    self.next_refresh: Optional[int] = None   # set by the overhead budget; None: cadence
+    self._last_return: Optional[float] = None
     self.model = build(to_kernel_plan(self.plan))
     self._collector = None
 
@@ -196,7 +210,8 @@ class DriftValve:
   def extras(self) -> Dict[str, Any]:
     return {PLAN_KEY: self.plan.to_dict(),
             STATE_KEY: {"baselines": self.baselines, "events": self.events,
-                        "refreshes": self.refreshes, "config": self.config.to_dict()}}
+                        "refreshes": self.refreshes, "next_refresh": self.next_refresh,
+                        "config": self.config.to_dict()}}
 
   def on_restore(self, step: int, extras: Mapping[str, Any]) -> None:
     saved = extras.get(PLAN_KEY)
@@ -209,16 +224,34 @@ class DriftValve:
     self.baselines.update(state.get("baselines") or {})
     self.events = [e for e in state.get("events", []) if e.get("step", 0) <= step]
     self.refreshes = [s for s in state.get("refreshes", []) if s <= step]
+    self.next_refresh = state.get("next_refresh")
 
   def after_step(self, step: int, state, step_metrics=None) -> Optional[ModelSwap]:
     del step_metrics
-    if step % self.config.cadence:
+    now = time.perf_counter()
+    if self._last_return is not None:
+      self.step_seconds.append(now - self._last_return)
+    self._last_return = now
+    due = (step % self.config.cadence == 0 if self.next_refresh is None
+           else step >= self.next_refresh)
+    if not due:
       return None
-    start = time.perf_counter()
     try:
       return self._refresh(step, state)
     finally:
-      self.seconds.append(time.perf_counter() - start)
+      self._last_return = time.perf_counter()
+      self.seconds.append(self._last_return - now)
+      self._schedule_next(step)
+
+  def _schedule_next(self, step: int) -> None:
+    """The step of the next refresh under the overhead budget: from the median refresh
+    after the first (which compiles) and the median step."""
+    if not self.config.max_overhead or len(self.seconds) < 2 or not self.step_seconds:
+      return
+    gap = collector_lib.budgeted_gap(self.config.cadence, float(np.median(self.seconds[1:])),
+                                     float(np.median(self.step_seconds)),
+                                     self.config.max_overhead)
+    self.next_refresh = int(step) + gap
 
   # ---------------------------------------------------------------- the refresh
 
@@ -293,9 +326,11 @@ class DriftValve:
     return ModelSwap(self.model, tuple(records))
 
   def overhead(self) -> Dict[str, Any]:
-    """Refreshes made and their wall-clock seconds (the first includes compilation)."""
+    """Refreshes made and their wall-clock seconds (the first includes compilation), and
+    the step the next is due at under the overhead budget (None: the next cadence point)."""
     return {"refreshes": len(self.refreshes), "seconds": list(self.seconds),
-            "switches": sum(1 for e in self.events if e["event"] == SWITCH_EVENT)}
+            "switches": sum(1 for e in self.events if e["event"] == SWITCH_EVENT),
+            "next_refresh": self.next_refresh}
 
 
 def _reservoir_dtype(state):

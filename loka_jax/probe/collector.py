@@ -53,6 +53,10 @@ class ProbeStateError(ValueError):
 class ProbeConfig:
   """How statistics are collected (static: it shapes the state and the compiled pass)."""
   cadence: int = 25                    # observe every `cadence` training steps
+  # The most training time the statistics pass may take (a fraction); past it, observations
+  # wait longer than `cadence` (`budgeted_gap`, from the measured pass and step times).
+  # 0: every `cadence` steps, whatever they cost (the probe run, whose product they are).
+  max_overhead: float = 0.0
   max_full_width: int = 2048           # full covariance up to this many features
   rank: int = 32                       # eigenpairs of the low-rank part above that width
   oversample: int = 32                 # extra Nystrom sketch columns beyond `rank`
@@ -82,6 +86,8 @@ class ProbeConfig:
                        f"rank={self.rank} must both be >= 1")
     if self.weight_every < 1:
       raise ValueError(f"weight_every must be >= 1 observation, got {self.weight_every}")
+    if not 0.0 <= self.max_overhead < 1.0:
+      raise ValueError(f"max_overhead must be in [0, 1), got {self.max_overhead}")
     if self.pass_compile not in PASS_COMPILES:
       raise ValueError(f"pass_compile={self.pass_compile!r}: use one of "
                        f"{', '.join(PASS_COMPILES)}")
@@ -93,6 +99,26 @@ class ProbeConfig:
 
   def to_dict(self) -> Dict[str, Any]:
     return dataclasses.asdict(self)
+
+  def statistics_settings(self) -> Dict[str, Any]:
+    """`to_dict` without the fields that only change how the pass is compiled: what the
+    statistics of a training run depend on."""
+    return {k: v for k, v in self.to_dict().items() if k not in RUN_ONLY_FIELDS}
+
+
+# ProbeConfig fields that leave a run's statistics as they are: how the pass compiles (the
+# same statistics up to float accumulation order).
+RUN_ONLY_FIELDS = ("one_program", "pass_compile")
+
+
+def budgeted_gap(cadence: int, cost_s: Optional[float], step_s: Optional[float],
+                 max_overhead: float) -> int:
+  """Training steps until the next observation: `cadence`, or more when one observation
+  (`cost_s` seconds) would take more than `max_overhead` of the training time it is spread
+  over (gap x `step_s`). Unknown costs or no budget: `cadence`."""
+  if not max_overhead or not cost_s or not step_s:
+    return cadence
+  return max(cadence, math.ceil(cost_s / (max_overhead * step_s)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -255,7 +255,7 @@ def markdown(report: Mapping) -> str:
            f" (source: {ts.get('kind')}{', ' + ts['device_kind'] if ts.get('device_kind') else ''})",
            f"- run: {report['run'].get('steps')} steps, batch {report['run'].get('batch_size')}, "
            f"data {report['run'].get('data')}, precision {report['run'].get('precision')}",
-           f"- statistics: {ov.get('observations')} observations every {ov.get('cadence')} steps; "
+           f"- statistics: {ov.get('observations')} observations every {ov.get('gap') or ov.get('cadence')} steps; "
            f"probe pass {_fmt(ov.get('probe_ms'), '.1f')} ms vs step "
            f"{_fmt(ov.get('step_ms'), '.1f')} ms -> overhead "
            f"{_fmt(None if ov.get('fraction') is None else 100 * ov['fraction'], '.2f')}% "

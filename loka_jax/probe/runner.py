@@ -273,7 +273,7 @@ def _trained_key(spec: experiment.RunSpec, train_config: TrainConfig,
   return report_lib.json_ready({
       "run": spec.run_info(), "steps": t.steps, "batch_size": t.batch_size, "seed": t.seed,
       "nan_policy": t.nan_policy, "optim": dataclasses.asdict(t.optim),
-      "probe_config": probe_config.to_dict()})
+      "probe_config": probe_config.statistics_settings()})
 
 
 def _read_trained(path: str, key: Mapping) -> Optional[Dict[str, Any]]:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from loka_jax.probe import executables
-from loka_jax.probe.collector import ProbeConfig, ProbeStateError, SiteProbe
+from loka_jax.probe.collector import ProbeConfig, ProbeStateError, SiteProbe, budgeted_gap
 from loka_jax.probe.streaming import Probe
 from loka_jax.train.metrics import bce_with_logits
 
@@ -93,7 +93,10 @@ class ProbeCollector:
                  "steps": list(meta.get("steps", [])),
                  "probe_s": list(meta.get("probe_s", [])),
                  "step_s": list(meta.get("step_s", [])),
-                 "compile_s": meta.get("compile_s")}
+                 "compile_s": meta.get("compile_s"),
+                 # The first step an observation is due at under `max_overhead` (None: the
+                 # next cadence point); saved, so a resumed run keeps its schedule.
+                 "next_step": meta.get("next_step")}
     self.extras = {STATS_KEY: self.probe.state, META_KEY: self.meta}
     self._last_return: Optional[float] = None
     self._compiled = False
@@ -155,8 +158,21 @@ class ProbeCollector:
     return max(self.meta["steps"]) if self.meta["steps"] else 0
 
   def due(self, step: int) -> bool:
-    """A cadence point was passed since the last observation."""
+    """A cadence point was passed since the last observation, or, under
+    `ProbeConfig.max_overhead`, the step the overhead budget set was reached."""
+    if self.meta.get("next_step") is not None:
+      return step >= self.meta["next_step"]
     return (step // self.config.cadence) * self.config.cadence > self.last_observed_step()
+
+  def _schedule_next(self, step: int) -> None:
+    """Sets when the next observation is due under the overhead budget, from the median
+    observation and training step measured so far (compiling calls left out)."""
+    if not self.config.max_overhead or not self.meta["probe_s"]:
+      return
+    steps = self.meta["step_s"][1:] if len(self.meta["step_s"]) > 1 else self.meta["step_s"]
+    gap = budgeted_gap(self.config.cadence, _median(self.meta["probe_s"]), _median(steps),
+                       self.config.max_overhead)
+    self.meta["next_step"] = int(step) + gap
 
   def on_step(self, step: int, train_state, step_metrics=None) -> None:
     """The training loop's step_callback."""
@@ -190,6 +206,7 @@ class ProbeCollector:
       self.close()   # every function it compiled ahead has been taken
     self.extras[STATS_KEY] = self.probe.state
     self.meta["steps"].append(int(step))
+    self._schedule_next(step)
 
   def overhead(self) -> Dict[str, Any]:
     """Measured probe cost against the training step time."""
@@ -197,12 +214,14 @@ class ProbeCollector:
     # The first gap of a process includes compiling the train step: leave it out.
     steps = self.meta["step_s"][1:] if len(self.meta["step_s"]) > 1 else self.meta["step_s"]
     step = _median(steps)
+    gap = budgeted_gap(self.config.cadence, probe, step, self.config.max_overhead)
     out = {"observations": self.observations, "cadence": self.config.cadence,
+           "max_overhead": self.config.max_overhead, "gap": gap,
            "probe_ms": None if probe is None else 1e3 * probe,
            "step_ms": None if step is None else 1e3 * step,
            "compile_s": self.meta.get("compile_s"),
            "fraction": None}
     if probe is not None and step:
-      # One observation per `cadence` steps.
-      out["fraction"] = probe / (self.config.cadence * step)
+      # One observation per `gap` steps: `cadence`, or longer under the overhead budget.
+      out["fraction"] = probe / (gap * step)
     return out

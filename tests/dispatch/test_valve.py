@@ -28,7 +28,8 @@ BATCH = 32
 CANDIDATES = ("xla_bf16", "xla_fp8_tensorwise", "xla_fp8_rowwise")
 SHIFT_AT = 6          # training batches from here on have dense features x1000
 CADENCE = 4           # refreshes after steps 4 (before the shift), 8 and 12 (after it)
-CONFIG = valve_lib.ValveConfig(cadence=CADENCE, samples=8, bootstrap=100)
+# No overhead budget: these tests guard what a refresh at each cadence point does.
+CONFIG = valve_lib.ValveConfig(cadence=CADENCE, samples=8, bootstrap=100, max_overhead=0.0)
 
 
 class ShiftedSource(train_toys.ToySource):
@@ -149,9 +150,30 @@ class DriftValveTest(chex.TestCase):
     self.assertTrue(np.isfinite(final["logloss"]))
     self.assertEqual([r for r in metrics if "event" in r], [])
     self.assertEqual(valve.overhead(), {"refreshes": 3, "seconds": valve.seconds,
-                                        "switches": 0})
+                                        "switches": 0, "next_refresh": None})
     self.assertEqual(valve.plan["sites"], self.plan["sites"])
     self.assertFalse(os.path.exists(os.path.join(workdir, valve_lib.ACTIVE_PLAN)))
+
+  def test_an_overhead_budget_spaces_refreshes_by_their_measured_cost(self):
+    # A refresh (statistics pass and checks) costs far more than a toy step: under a budget
+    # of 1% the third refresh waits until refreshes average at most 1% of the steps' time.
+    source = train_toys.ToySource(seed=3, num_eval=64)
+    workdir = os.path.join(self.dir, "budget")
+    config = dataclasses.replace(CONFIG, max_overhead=0.01)
+    valve = valve_lib.DriftValve(build, self.plan, self.report, source, BATCH, workdir,
+                                 config, log=lambda _: None)
+    train(valve.model, source, workdir, train_config(16), model_hook=valve)
+    self.assertEqual(valve.refreshes, [4, 8])
+    # What the valve knew at step 8: the refresh there and the gaps between steps 1..8.
+    refresh, step = valve.seconds[1], np.median(list(valve.step_seconds)[:7])
+    self.assertGreater(refresh, 0.01 * 8 * step)   # so a refresh at 12 or 16 would exceed it
+    self.assertEqual(valve.next_refresh, 8 + int(np.ceil(refresh / (0.01 * step))))
+    # The schedule rides in the checkpoint: a valve resumed there keeps it.
+    again = valve_lib.DriftValve(build, self.plan, self.report, source, BATCH, workdir,
+                                 config, log=lambda _: None)
+    train(again.model, source, workdir, train_config(20), model_hook=again)
+    self.assertEqual(again.next_refresh, valve.next_refresh)
+    self.assertEqual(again.refreshes, [4, 8])
 
 
 class TrainRunValveTest(chex.TestCase):

@@ -39,7 +39,8 @@ class UserSpeedTest(absltest.TestCase):
         {**BASE, "kind": "probe_overhead", "preset": "small", "cadence": 25, "pass_ms": 170.2,
          "step_ms": 27.3, "fraction": 0.249},
         {**BASE, "kind": "probe_overhead", "cadence": 25, "pass_ms": 377.0, "step_ms": 154.5,
-         "batch_size": 4096, "weight_every": 4, "extract_ms": 95.2,
+         "batch_size": 4096, "weight_every": 4, "extract_ms": 95.2, "one_program": True,
+         "pass_compile": "cublas", "first_call_s": 107.8,
          "measured_in": "experiments.measure probe_overhead"},
         {**BASE, "kind": "loop_vs_bench", "arm": "LoKA", "bench_steps_per_s": 8.3,
          "window_steps_per_s": [8.0, 8.2], "loop_steps_per_s": 8.1, "loop_over_bench": 0.976,
@@ -54,10 +55,10 @@ class UserSpeedTest(absltest.TestCase):
     self.assertIn("| wukong/small | five | 296 s | 24 s | 66 s | 106 s | 2.7 s | 94 s | 3 |",
                   text)
     # Shares at 25, 100 and 200 steps: 170.2 / (25 x 27.3) = 24.9%, then 6.2% and 3.1%.
-    self.assertIn("| wukong/small | - | - | 1 | 170 ms | - | 27.3 ms | 24.9% | 6.2% | 3.1% |",
-                  text)
-    self.assertIn("| wukong/large | 4096 | experiments.measure probe_overhead | 4 | 377 ms | "
-                  "95.2 ms | 154.5 ms | 9.8% | 2.4% | 1.2% |", text)
+    self.assertIn("| wukong/small | - | - | 1 | per site, autotuned | - | 170 ms | - | 27.3 ms | "
+                  "24.9% | 6.2% | 3.1% |", text)
+    self.assertIn("| wukong/large | 4096 | experiments.measure probe_overhead | 4 | one program, "
+                  "cublas | 108 s | 377 ms | 95.2 ms | 154.5 ms | 9.8% | 2.4% | 1.2% |", text)
     self.assertIn("| wukong/large | LoKA | 8.30 steps/s | 8.10 (8.00-8.20) | 0.976 | 1.330x, "
                   "1.310x |", text)
     self.assertIn("NVIDIA H200, jax 0.11.2, 2026-12-04, commit abc1234, `bash call.sh`", text)

@@ -1,5 +1,6 @@
 """The statistics pass on a real model inside the real training loop: output gradients,
 compile counts, checkpointed statistics and resume."""
+import dataclasses
 import tempfile
 from unittest import mock
 
@@ -20,12 +21,12 @@ CONFIG = collector.ProbeConfig(cadence=2, min_observations=1)
 BATCH = 16
 
 
-def _setup(on_trace=None, state=None, meta=None):
+def _setup(on_trace=None, state=None, meta=None, config=CONFIG):
   model, source = train_toys.ToyClickModel(), train_toys.ToySource(seed=3, num_eval=64)
   batch = source.train_batch(0, BATCH)
   abstract = jax.eval_shape(lambda b: model.init({"params": jax.random.PRNGKey(0)}, b), batch)
-  sites = training.probe_sites(model, abstract, batch, CONFIG)
-  probe = training.ProbeCollector(model, source, BATCH, sites, CONFIG, state=state, meta=meta,
+  sites = training.probe_sites(model, abstract, batch, config)
+  probe = training.ProbeCollector(model, source, BATCH, sites, config, state=state, meta=meta,
                                    example_variables=abstract, on_trace=on_trace)
   return model, source, sites, probe
 
@@ -182,6 +183,32 @@ class TrainingLoopTest(chex.TestCase):
     self.assertEqual(resumed.meta["steps"], [2, 4, 6, 8])
     rows = float(collector.site_state(resumed.state, sites, "hidden")["lhs"]["count"])
     self.assertEqual(rows, 4 * BATCH)
+
+  def test_an_overhead_budget_spaces_observations_and_a_resumed_run_keeps_its_schedule(self):
+    budget = dataclasses.replace(CONFIG, max_overhead=0.001)
+    workdir = tempfile.mkdtemp(prefix="loka_probe_budget_")
+    model, source, _, probe = _setup(config=budget)
+    config = TrainConfig(steps=8, batch_size=BATCH, checkpoint_every=4, progress=False,
+                         log_every=0)
+    train(model, source, workdir, config, extras=probe.extras, step_callback=probe.on_step)
+    # Step 2's observation compiles the pass, step 4's is timed: a pass costs far more than
+    # 0.1% of two toy steps, so the next one waits past the run's end.
+    self.assertEqual(probe.meta["steps"], [2, 4])
+    self.assertGreater(probe.meta["next_step"], 8)
+    overhead = probe.overhead()
+    self.assertGreater(overhead["gap"], 4)
+    self.assertLessEqual(overhead["fraction"], 0.001)
+    self.assertEqual(collector.budgeted_gap(2, None, 1.0, 0.001), 2)   # unmeasured: cadence
+    self.assertEqual(collector.budgeted_gap(2, 0.5, 0.01, 0.02), 2500)
+    self.assertEqual(collector.budgeted_gap(25, 0.001, 0.01, 0.02), 25)
+    # Resumed from step 8's checkpoint, the run observes when the saved schedule says.
+    state, extras = restore_run(workdir, model, source, config)
+    _, _, _, resumed = _setup(state=extras[training.STATS_KEY],
+                              meta=extras[training.META_KEY], config=budget)
+    self.assertEqual(resumed.meta["next_step"], probe.meta["next_step"])
+    more = dataclasses.replace(config, steps=12)
+    train(model, source, workdir, more, extras=resumed.extras, step_callback=resumed.on_step)
+    self.assertEqual(resumed.meta["steps"], [2, 4])
 
   def test_a_run_stopped_after_a_checkpoint_at_an_observation_resumes_with_equal_statistics(
       self):
