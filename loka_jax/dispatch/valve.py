@@ -245,8 +245,12 @@ class DriftValve:
 
   def _schedule_next(self, step: int) -> None:
     """The step of the next refresh under the overhead budget: from the median refresh
-    after the first (which compiles) and the median step."""
-    if not self.config.max_overhead or len(self.seconds) < 2 or not self.step_seconds:
+    after the first of this process (which compiles) and the median step; until both are
+    measured (a fresh or resumed process), the next cadence point."""
+    if not self.config.max_overhead:
+      return
+    if len(self.seconds) < 2 or not self.step_seconds:
+      self.next_refresh = None
       return
     gap = collector_lib.budgeted_gap(self.config.cadence, float(np.median(self.seconds[1:])),
                                      float(np.median(self.step_seconds)),

@@ -174,6 +174,11 @@ class DriftValveTest(chex.TestCase):
     train(again.model, source, workdir, train_config(20), model_hook=again)
     self.assertEqual(again.next_refresh, valve.next_refresh)
     self.assertEqual(again.refreshes, [4, 8])
+    # A resumed process's first refresh (it compiles) sets no budget gap: back to the
+    # cadence points until a second one is measured, not a refresh at every step.
+    again.seconds = [5.0]
+    again._schedule_next(valve.next_refresh)
+    self.assertIsNone(again.next_refresh)
 
 
 class TrainRunValveTest(chex.TestCase):
