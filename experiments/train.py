@@ -41,7 +41,8 @@ def main(argv):
     xla_env.add_xla_flags(xla_env.NO_TRITON_GEMM)
   experiment.quiet_library_logs()
   spec = run_config.run_spec(run, drift_every=config.drift.every,
-                             drift_report=config.drift.report)
+                             drift_report=config.drift.report,
+                             drift_max_overhead=config.drift.max_overhead)
   train_config = TrainConfig(
       steps=run.steps, seed=run.seed,
       batch_size=run.batch_size or experiment.preset_batch_size(spec.model, spec.preset),

@@ -57,6 +57,7 @@ def get_config() -> ml_collections.ConfigDict:
   # statistics drifted and whose kernel is no longer safe.
   config.drift = drift = ml_collections.ConfigDict()
   drift.every = 0               # 0: off
+  drift.max_overhead = 0.02     # refreshes' share of training time, at most (0: no budget)
   # The probe report the plan was selected on (unset: the one its provenance names): the
   # valve's baseline statistics and timings.
   drift.report = config_dict.placeholder(str)

@@ -361,8 +361,13 @@ def run_valve(spec, config, source, workdir: str, batch_size: int) -> DriftValve
   build = lambda kernel_plan: build_model(config, features, SiteConfig.for_precision(
       "loka", plan=kernel_plan))
   try:
+    valve_config = ValveConfig(cadence=spec.drift_every, max_overhead=spec.drift_max_overhead)
+  except ValueError as e:
+    raise PlanError(f"drift.every={spec.drift_every}, drift.max_overhead="
+                    f"{spec.drift_max_overhead}: {e}") from e
+  try:
     return DriftValve(build, plan, load_report(report_path), source, batch_size, workdir,
-                      ValveConfig(cadence=spec.drift_every))
+                      valve_config)
   except ValueError as e:  # a bad report file, or a plan/report mismatch
     raise PlanError(f"drift.every: {e}") from e
 

@@ -218,6 +218,12 @@ class TrainRunValveTest(chex.TestCase):
     with self.assertRaisesRegex(experiment.PlanError, "names no probe report"):
       valve_lib.run(dataclasses.replace(run_spec, plan=bare_path), os.path.join(root, "bad"),
                      TrainConfig(steps=2, batch_size=64, progress=False))
+    # A budget outside [0, 1) is refused with the setting it came from.
+    with self.assertRaisesRegex(experiment.PlanError,
+                                r"drift.max_overhead=2.0: .*must be in \[0, 1\)"):
+      valve_lib.run(dataclasses.replace(run_spec, drift_max_overhead=2.0),
+                    os.path.join(root, "bad_budget"),
+                    TrainConfig(steps=2, batch_size=64, progress=False))
 
 
 if __name__ == "__main__":
