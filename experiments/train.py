@@ -16,6 +16,7 @@ from absl import app, flags
 from experiments import run_config
 from loka_jax import xla_env
 from loka_jax.data.sources import DataFileError
+from loka_jax.dispatch import valve
 from loka_jax.models.presets import ModsError
 from loka_jax.parallel.mesh import MeshSpecError
 from loka_jax.train import (CheckpointError, NonFiniteError, OptimConfig, RunSettingsError,
@@ -72,7 +73,9 @@ def main(argv):
           parallel.ParallelConfig(collectives=config.parallel.collectives),
           run_info=spec.run_info())
     else:
-      final = experiment.run(spec, WORKDIR.value, train_config)
+      # With drift.every, the drift valve guards the plan (a model hook of the loop).
+      final = valve.run(spec, WORKDIR.value, train_config,
+                        log=lambda line: print(line, file=sys.stderr, flush=True))
   except (NonFiniteError, CheckpointError, RunSettingsError, experiment.PlanError,
           MeshSpecError, ModsError, DataFileError, FileNotFoundError) as e:
     sys.exit(f"error: {e}")

@@ -200,6 +200,7 @@ class DriftValve:
     self.seconds: List[float] = []
     # Wall-clock seconds between the loop's calls, refreshes left out (the latest thousand).
     self.step_seconds: "collections.deque[float]" = collections.deque(maxlen=1000)
+    self.stepping_s = 0.0   # their sum over this process
     self.next_refresh: Optional[int] = None   # set by the overhead budget; None: cadence
     self._last_return: Optional[float] = None
     self.model = build(to_kernel_plan(self.plan))
@@ -231,6 +232,7 @@ class DriftValve:
     now = time.perf_counter()
     if self._last_return is not None:
       self.step_seconds.append(now - self._last_return)
+      self.stepping_s += now - self._last_return
     self._last_return = now
     due = (step % self.config.cadence == 0 if self.next_refresh is None
            else step >= self.next_refresh)
@@ -330,11 +332,16 @@ class DriftValve:
     return ModelSwap(self.model, tuple(records))
 
   def overhead(self) -> Dict[str, Any]:
-    """Refreshes made and their wall-clock seconds (the first includes compilation), and
-    the step the next is due at under the overhead budget (None: the next cadence point)."""
+    """Refreshes made and their wall-clock seconds in this process (the first includes
+    compilation), switches, the step the next refresh is due at under the overhead budget
+    (None: the next cadence point) and `share`: this process's refresh seconds over its
+    training time (steps and refreshes; None before a step was timed)."""
+    spent = sum(self.seconds)
+    total = spent + self.stepping_s
     return {"refreshes": len(self.refreshes), "seconds": list(self.seconds),
             "switches": sum(1 for e in self.events if e["event"] == SWITCH_EVENT),
-            "next_refresh": self.next_refresh}
+            "next_refresh": self.next_refresh,
+            "share": spent / total if self.stepping_s > 0 else None}
 
 
 def _reservoir_dtype(state):
@@ -372,6 +379,20 @@ def run_valve(spec, config, source, workdir: str, batch_size: int) -> DriftValve
     raise PlanError(f"drift.every: {e}") from e
 
 
-def run(spec, workdir: str, train_config):
-  """`train.experiment.run` with the drift valve when `spec.drift_every` asks for one."""
-  return experiment.run(spec, workdir, train_config, hook=run_valve)
+def run(spec, workdir: str, train_config, log: Callable[[str], None] = print):
+  """`train.experiment.run` with the drift valve when `spec.drift_every` asks for one; then
+  `log` gets one line on what the valve's refreshes cost."""
+  made: List[DriftValve] = []
+
+  def hook(*args):
+    made.append(run_valve(*args))
+    return made[-1]
+
+  final = experiment.run(spec, workdir, train_config, hook=hook)
+  if made:
+    o = made[-1].overhead()
+    share = "-" if o["share"] is None else f"{100 * o['share']:.2f}%"
+    log(f"[drift] {len(o['seconds'])} refreshes in this process ({sum(o['seconds']):.1f} s, the "
+        f"first compiling), {o['switches']} switches: {share} of its training time; next "
+        f"refresh at step {o['next_refresh'] or 'the next multiple of ' + str(spec.drift_every)}")
+  return final

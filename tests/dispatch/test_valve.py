@@ -150,7 +150,10 @@ class DriftValveTest(chex.TestCase):
     self.assertTrue(np.isfinite(final["logloss"]))
     self.assertEqual([r for r in metrics if "event" in r], [])
     self.assertEqual(valve.overhead(), {"refreshes": 3, "seconds": valve.seconds,
-                                        "switches": 0, "next_refresh": None})
+                                        "switches": 0, "next_refresh": None,
+                                        "share": valve.overhead()["share"]})
+    self.assertGreater(valve.overhead()["share"], 0.0)
+    self.assertLess(valve.overhead()["share"], 1.0)
     self.assertEqual(valve.plan["sites"], self.plan["sites"])
     self.assertFalse(os.path.exists(os.path.join(workdir, valve_lib.ACTIVE_PLAN)))
 
