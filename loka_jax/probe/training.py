@@ -160,7 +160,7 @@ class ProbeCollector:
   def due(self, step: int) -> bool:
     """A cadence point was passed since the last observation, or, under
     `ProbeConfig.max_overhead`, the step the overhead budget set was reached."""
-    if self.meta.get("next_step") is not None:
+    if self.config.max_overhead and self.meta.get("next_step") is not None:
       return step >= self.meta["next_step"]
     return (step // self.config.cadence) * self.config.cadence > self.last_observed_step()
 
