@@ -2,7 +2,9 @@
 `experiments.train` waits for and gets, from committed rows (JSONL, one object a line, each
 with its sha256): the time to a plan, cold and warm (`time_to_plan`), the start-up and loop
 speed of each training arm (`startup`) and the probe's statistics pass against the training
-step (`probe_overhead`). Each row names its card, jax, date, commit and command."""
+step (`probe_overhead`), the loop beside the bench (`loop_vs_bench`) and what the drift
+valve's refreshes cost in a training run (`drift_run`). Each row names its card, jax, date,
+commit and command."""
 from __future__ import annotations
 
 import json
@@ -13,7 +15,7 @@ from typing import Dict, List, Mapping, Sequence
 
 from loka_jax import jsonio
 
-KINDS = ("time_to_plan", "startup", "probe_overhead", "loop_vs_bench")
+KINDS = ("time_to_plan", "startup", "probe_overhead", "loop_vs_bench", "drift_run")
 REQUIRED = ("kind", "model", "preset", "device", "jax", "date", "commit", "command")
 # What each kind's table reads, beyond REQUIRED.
 KIND_FIELDS = {"time_to_plan": ("candidates", "complete", "cold_s", "stages_s"),
@@ -22,8 +24,10 @@ KIND_FIELDS = {"time_to_plan": ("candidates", "complete", "cold_s", "stages_s"),
                "probe_overhead": ("cadence", "pass_ms", "step_ms"),  # optional: batch_size,
 # weight_every, one_program, pass_compile, first_call_s, extract_ms, measured_in
                  "loop_vs_bench": ("arm", "bench_steps_per_s", "window_steps_per_s",
-                                   "loop_steps_per_s", "loop_over_bench")}  # LoKA's row:
+                                   "loop_steps_per_s", "loop_over_bench"),  # LoKA's row:
 # speedup_bench, speedup_loop
+               "drift_run": ("cadence", "max_overhead", "steps", "refresh_steps", "refresh_s",
+                             "later_refresh_s", "step_ms", "share", "share_after_first")}
 # The cadences at which RESULTS states the statistics pass's share of training time.
 CADENCES = (25, 100, 200)
 # The overhead budget at which RESULTS states the gap between observations (`budgeted_gap`:
@@ -145,6 +149,25 @@ def loop_table(rows: Sequence[Mapping]) -> str:
   return "\n".join(lines)
 
 
+def _pct(share) -> str:
+  return "-" if share is None else f"{100 * share:.2f}%"
+
+
+def drift_table(rows: Sequence[Mapping]) -> str:
+  lines = ["| model | plan | every | budget | steps | refreshes at | first refresh | later "
+           "refreshes (median) | training step | share of training time | without the first |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    first = f"{r['refresh_s'][0]:.1f} s" if r["refresh_s"] else "-"
+    later = "-" if r["later_refresh_s"] is None else f"{1e3 * r['later_refresh_s']:.0f} ms"
+    lines.append(f"| {r['model']}/{r['preset']} | {r.get('plan') or '-'} | {r['cadence']} | "
+                 f"{_pct(r['max_overhead']) if r['max_overhead'] else 'none'} | "
+                 f"{r['steps']} | {', '.join(map(str, r['refresh_steps'])) or '-'} | {first} | "
+                 f"{later} | {r['step_ms']:.1f} ms | {_pct(r['share'])} | "
+                 f"{_pct(r['share_after_first'])} |")
+  return "\n".join(lines)
+
+
 def section(paths: Sequence[str]) -> str:
   """The section's markdown (without its heading)."""
   rows = load_rows(paths)
@@ -172,5 +195,12 @@ def section(paths: Sequence[str]) -> str:
             "call (the loop's 25-step windows after the first):", "",
             loop_table(by_kind["loop_vs_bench"]), "",
             "Rows: " + _provenance(by_kind["loop_vs_bench"]) + ".", ""]
+  if by_kind["drift_run"]:
+    out += ["The drift valve in `experiments.train` (`--config.drift.every`): where its "
+            "refreshes fell under the overhead budget, what each cost (the first compiles the "
+            "statistics pass) and their share of the run's training time, with and without "
+            "the first:", "",
+            drift_table(by_kind["drift_run"]), "",
+            "Rows: " + _provenance(by_kind["drift_run"]) + ".", ""]
   out.append("Files: " + ", ".join(f"`{os.path.basename(p)}`" for p in paths) + ".")
   return "\n".join(out)

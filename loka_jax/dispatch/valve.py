@@ -332,16 +332,24 @@ class DriftValve:
     return ModelSwap(self.model, tuple(records))
 
   def overhead(self) -> Dict[str, Any]:
-    """Refreshes made and their wall-clock seconds in this process (the first includes
+    """Refreshes made (and their steps, a resumed run's earlier ones included), the
+    wall-clock seconds of this process's refreshes (the first includes
     compilation), switches, the step the next refresh is due at under the overhead budget
-    (None: the next cadence point) and `share`: this process's refresh seconds over its
-    training time (steps and refreshes; None before a step was timed)."""
+    (None: the next cadence point), `stepping_s` (the seconds between the loop's calls,
+    refreshes left out), `share`: this process's refresh seconds over its training time
+    (steps and refreshes; None before a step was timed), and `share_after_first`: the same
+    without the first refresh, what a long run tends to once that compile is paid (None
+    before a second refresh)."""
     spent = sum(self.seconds)
-    total = spent + self.stepping_s
-    return {"refreshes": len(self.refreshes), "seconds": list(self.seconds),
+    later = sum(self.seconds[1:])
+    timed = self.stepping_s > 0
+    return {"refreshes": len(self.refreshes), "refresh_steps": list(self.refreshes),
+            "seconds": list(self.seconds),
             "switches": sum(1 for e in self.events if e["event"] == SWITCH_EVENT),
-            "next_refresh": self.next_refresh,
-            "share": spent / total if self.stepping_s > 0 else None}
+            "next_refresh": self.next_refresh, "stepping_s": self.stepping_s,
+            "share": spent / (spent + self.stepping_s) if timed else None,
+            "share_after_first": (later / (later + self.stepping_s)
+                                  if timed and len(self.seconds) > 1 else None)}
 
 
 def _reservoir_dtype(state):
@@ -381,7 +389,8 @@ def run_valve(spec, config, source, workdir: str, batch_size: int) -> DriftValve
 
 def run(spec, workdir: str, train_config, log: Callable[[str], None] = print):
   """`train.experiment.run` with the drift valve when `spec.drift_every` asks for one; then
-  `log` gets one line on what the valve's refreshes cost."""
+  `log` gets one line on what the valve's refreshes cost, and the returned final metrics
+  their `DriftValve.overhead` under "drift"."""
   made: List[DriftValve] = []
 
   def hook(*args):
@@ -391,8 +400,10 @@ def run(spec, workdir: str, train_config, log: Callable[[str], None] = print):
   final = experiment.run(spec, workdir, train_config, hook=hook)
   if made:
     o = made[-1].overhead()
-    share = "-" if o["share"] is None else f"{100 * o['share']:.2f}%"
+    pct = lambda share: "-" if share is None else f"{100 * share:.2f}%"
     log(f"[drift] {len(o['seconds'])} refreshes in this process ({sum(o['seconds']):.1f} s, the "
-        f"first compiling), {o['switches']} switches: {share} of its training time; next "
+        f"first compiling), {o['switches']} switches: {pct(o['share'])} of its training time "
+        f"({pct(o['share_after_first'])} without the first); next "
         f"refresh at step {o['next_refresh'] or 'the next multiple of ' + str(spec.drift_every)}")
+    final = {**final, "drift": o}
   return final

@@ -63,6 +63,21 @@ class UserSpeedTest(absltest.TestCase):
                   "1.310x |", text)
     self.assertIn("NVIDIA H200, jax 0.11.2, 2026-12-04, commit abc1234, `bash call.sh`", text)
 
+  def test_the_drift_table_shows_where_refreshes_fell_and_their_share(self):
+    path = write([
+        {**BASE, "kind": "drift_run", "plan": "plan.json", "cadence": 25, "max_overhead": 0.02,
+         "steps": 600, "refresh_steps": [25, 50, 172, 300], "refresh_s": [104.2, 0.41, 0.39, 0.4],
+         "later_refresh_s": 0.4, "step_ms": 122.4, "share": 0.59, "share_after_first": 0.0165},
+        {**BASE, "kind": "drift_run", "preset": "small", "cadence": 25, "max_overhead": 0.0,
+         "steps": 30, "refresh_steps": [25], "refresh_s": [50.0], "later_refresh_s": None,
+         "step_ms": 7.0, "share": 0.99, "share_after_first": None}])
+    self.addCleanup(os.remove, path)
+    text = user_speed.section([path])
+    self.assertIn("| wukong/large | plan.json | 25 | 2.00% | 600 | 25, 50, 172, 300 | 104.2 s | "
+                  "400 ms | 122.4 ms | 59.00% | 1.65% |", text)
+    self.assertIn("| wukong/small | - | 25 | none | 30 | 25 | 50.0 s | - | 7.0 ms | 99.00% | - |",
+                  text)
+
   def test_a_changed_malformed_or_unknown_row_names_its_file_and_line(self):
     good = {**BASE, "kind": "probe_overhead", "cadence": 25, "pass_ms": 1.0, "step_ms": 2.0,
             "fraction": 0.02}
