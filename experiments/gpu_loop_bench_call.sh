@@ -9,7 +9,10 @@
 #   bash experiments/gpu_loop_bench_call.sh        (the device call carries .whl)
 #
 # Environment: MODELS (wukong), PRESET (large), STEPS (150), PLAN_<MODEL> (a plan file; the
-# defaults are the committed large plans of wukong, dlrm and dcnv2; empty: no LoKA arm),
+# defaults are the committed large plans of wukong, dlrm and dcnv2; empty: no LoKA arm) and
+# REPORT_<MODEL> (the probe report it was selected on, which the bench's LoKA arm reads to
+# calibrate its exported model; defaults: the committed wukong and dcnv2 large reports;
+# without one the LoKA arm is left out),
 # ARM_LIMIT (seconds per loop arm, 240), MAXMIN (3: the bench's minutes per model), COMMIT
 # (recorded in the rows), WORK (/tmp/loop_bench), OUT (set on the device; elsewhere
 # $WORK/out).
@@ -32,14 +35,26 @@ default_plan() {
     dcnv2) echo "$R/plan_dcnv2_large_h200_2026-11-28.json" ;;
   esac
 }
+default_report() {  # the probe report a committed large plan was selected on, where committed
+  case $1 in
+    wukong) echo "$R/probe_report_wukong_large_h200_2026-11-27.json.gz" ;;
+    dcnv2) echo "$R/probe_report_dcnv2_large_h200_2026-11-28.json.gz" ;;
+  esac
+}
 for MODEL in ${MODELS:-wukong}; do
   var="PLAN_${MODEL^^}"
   PLAN=${!var-$( [ "$PRESET" = large ] && default_plan "$MODEL")}
+  rvar="REPORT_${MODEL^^}"
+  REPORT=${!rvar-$( [ "$PRESET" = large ] && default_report "$MODEL")}
   variants=bf16_mods
   rm -rf "$WORK/$MODEL"
-  if [ -n "$PLAN" ]; then
+  if [ -n "$PLAN" ] && [ -z "$REPORT" ]; then
+    echo "$MODEL: no probe report for $PLAN (the bench's LoKA arm calibrates its exported" \
+      "model with it; set $rvar): LoKA left out"
+  elif [ -n "$PLAN" ]; then
     mkdir -p "$WORK/$MODEL/plans/${MODEL}_$PRESET"
     cp "$PLAN" "$WORK/$MODEL/plans/${MODEL}_$PRESET/plan.json"
+    cp "$REPORT" "$WORK/$MODEL/plans/${MODEL}_$PRESET/probe_report.json"
     variants=bf16_mods,loka
   fi
   python3 -m experiments.bench --config=experiments/configs/bench_models.py \

@@ -43,7 +43,8 @@ def main(argv):
   experiment.quiet_library_logs()
   spec = run_config.run_spec(run, drift_every=config.drift.every,
                              drift_report=config.drift.report,
-                             drift_max_overhead=config.drift.max_overhead)
+                             drift_max_overhead=config.drift.max_overhead,
+                             drift_compile_ahead=config.drift.compile_ahead)
   train_config = TrainConfig(
       steps=run.steps, seed=run.seed,
       batch_size=run.batch_size or experiment.preset_batch_size(spec.model, spec.preset),

@@ -58,6 +58,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.drift = drift = ml_collections.ConfigDict()
   drift.every = 0               # 0: off
   drift.max_overhead = 0.02     # refreshes' share of training time, at most (0: no budget)
+  # Compile the statistics pass on background threads from the first step (a refresh due
+  # earlier waits for it, training does not); false: the first refresh compiles it inline.
+  drift.compile_ahead = True
   # The probe report the plan was selected on (unset: the one its provenance names): the
   # valve's baseline statistics and timings.
   drift.report = config_dict.placeholder(str)

@@ -70,5 +70,6 @@ def row(run_dir: str, final_path: str, device: str, jax_version: str, date: str,
       # The windows hold the refreshes; the step alone is the stepping time per step.
       "step_ms": round(1e3 * drift["stepping_s"] / max(1, final["steps"] - 1), 3),
       "window_steps_per_s": [round(r, 3) for r in rates],
+      "ahead_s": drift.get("ahead_s"), "waiting_since": drift.get("waiting_since"),
       "switches": drift["switches"], "share": drift["share"],
       "share_after_first": drift["share_after_first"]}

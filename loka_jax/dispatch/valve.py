@@ -7,7 +7,9 @@ that shifted, and switch the kernels that are no longer safe (recompiling once).
 Every `cadence` steps the valve runs the probe's jitted statistics pass on the next training
 batch with the current parameters, into fresh statistics (one observation); when refreshes
 would take more than `max_overhead` of the training time (2%), it waits longer between them,
-from their measured cost and the step's. Each refresh compares each
+from their measured cost and the step's. The statistics pass compiles on background threads
+from the first step (`compile_ahead`; autotuning it takes minutes on a GPU) while training
+goes on, and a refresh that falls due before it is ready waits for it. Each refresh compares each
 site with its *baseline*: the report's statistics the plan was selected on, or the statistics
 of the site's last re-evaluation. A site beyond `DriftBound` (drift.py) gets the probe's
 evaluation on its fresh statistics (errors only: speed does not drift, so each entry keeps the
@@ -41,7 +43,7 @@ from loka_jax.dispatch.selection import TIMING_FIELDS
 from loka_jax.kernels import registry
 from loka_jax.probe import collector as collector_lib
 from loka_jax.probe import training
-from loka_jax.probe import evaluate, stats_report, summarize
+from loka_jax.probe import evaluate, executables, stats_report, summarize
 from loka_jax.probe.eligibility import Criteria
 from loka_jax.models import SiteConfig, build_model
 from loka_jax.probe.report import load_report
@@ -69,6 +71,10 @@ class ValveConfig:
   # than `cadence` (`collector.budgeted_gap`, from the measured refresh and step times). 0:
   # every `cadence` steps, whatever they cost.
   max_overhead: float = 0.02
+  # Compile the statistics pass on background threads from the first step, and put off a
+  # refresh due before that compile ends to the first step after it, so training never stalls
+  # on it. False: the first refresh compiles it, the loop waiting.
+  compile_ahead: bool = True
   bound: drift_lib.DriftBound = drift_lib.DriftBound()
   criteria: Optional[Criteria] = None        # None: the plan's own budget (provenance)
   samples: int = 32                          # evaluation draws per source and site
@@ -205,6 +211,9 @@ class DriftValve:
     self._last_return: Optional[float] = None
     self.model = build(to_kernel_plan(self.plan))
     self._collector = None
+    self._ahead_for = None   # the collector whose pass compiles ahead (a swap makes another)
+    self.deferred_since: Optional[int] = None   # a due refresh waiting for that compile
+    self.ahead_s = 0.0   # the loop's seconds in starting it (building the pass, tracing)
 
   # ---------------------------------------------------------------- ModelHook
 
@@ -234,10 +243,23 @@ class DriftValve:
       self.step_seconds.append(now - self._last_return)
       self.stepping_s += now - self._last_return
     self._last_return = now
-    due = (step % self.config.cadence == 0 if self.next_refresh is None
-           else step >= self.next_refresh)
+    due = self.deferred_since is not None or (
+        step % self.config.cadence == 0 if self.next_refresh is None
+        else step >= self.next_refresh)
+    compiling = False
+    if self.config.compile_ahead:
+      compiling = self._pass_compiling(state)
+      self._last_return = time.perf_counter()
+      self.ahead_s += self._last_return - now
+    if compiling:
+      if due and self.deferred_since is None:
+        self.deferred_since = step
+        self.log(f"[drift] step {step}: a refresh is due; the statistics pass is still "
+                 "compiling in the background, so it waits for that while training goes on")
+      return None
     if not due:
       return None
+    self.deferred_since = None
     try:
       return self._refresh(step, state)
     finally:
@@ -258,6 +280,15 @@ class DriftValve:
                                      float(np.median(self.step_seconds)),
                                      self.config.max_overhead)
     self.next_refresh = int(step) + gap
+
+  def _pass_compiling(self, state) -> bool:
+    """Starts compiling the current model's statistics pass ahead (once per model, from the
+    training state of the step just taken); whether that compile is still running."""
+    collector = self._sites_collector()
+    if self._ahead_for is not collector:
+      self._ahead_for = collector
+      collector.try_compile_ahead(state, max(1, executables.default_workers() // 2))
+    return collector.compiling_ahead
 
   # ---------------------------------------------------------------- the refresh
 
@@ -333,20 +364,23 @@ class DriftValve:
 
   def overhead(self) -> Dict[str, Any]:
     """Refreshes made (and their steps, a resumed run's earlier ones included), the
-    wall-clock seconds of this process's refreshes (the first includes
-    compilation), switches, the step the next refresh is due at under the overhead budget
+    wall-clock seconds of this process's refreshes (the first compiles what was not compiled
+    ahead), switches, the step the next refresh is due at under the overhead budget
     (None: the next cadence point), `stepping_s` (the seconds between the loop's calls,
-    refreshes left out), `share`: this process's refresh seconds over its training time
-    (steps and refreshes; None before a step was timed), and `share_after_first`: the same
-    without the first refresh, what a long run tends to once that compile is paid (None
-    before a second refresh)."""
-    spent = sum(self.seconds)
+    refreshes left out), `ahead_s` (the loop's seconds in starting the pass's compile ahead),
+    `waiting_since` (the step of a due refresh still waiting for that compile, or None),
+    `share`: this process's refresh and start seconds over its training time (steps,
+    refreshes and starts; None before a step was timed), and `share_after_first`: the
+    refreshes after the first alone, what a long run tends to once the one-time costs are
+    paid (None before a second refresh)."""
+    spent = sum(self.seconds) + self.ahead_s
     later = sum(self.seconds[1:])
     timed = self.stepping_s > 0
     return {"refreshes": len(self.refreshes), "refresh_steps": list(self.refreshes),
             "seconds": list(self.seconds),
             "switches": sum(1 for e in self.events if e["event"] == SWITCH_EVENT),
             "next_refresh": self.next_refresh, "stepping_s": self.stepping_s,
+            "ahead_s": self.ahead_s, "waiting_since": self.deferred_since,
             "share": spent / (spent + self.stepping_s) if timed else None,
             "share_after_first": (later / (later + self.stepping_s)
                                   if timed and len(self.seconds) > 1 else None)}
@@ -361,7 +395,8 @@ def _reservoir_dtype(state):
   return jax.numpy.bfloat16
 
 
-def run_valve(spec, config, source, workdir: str, batch_size: int) -> DriftValve:
+def run_valve(spec, config, source, workdir: str, batch_size: int,
+              log: Callable[[str], None] = print) -> DriftValve:
   """The valve of a run with precision 'loka', a plan and `drift_every` N (the report:
   `drift_report`, else the one named in the plan's provenance)."""
   if spec.precision != "loka" or not spec.plan:
@@ -376,13 +411,14 @@ def run_valve(spec, config, source, workdir: str, batch_size: int) -> DriftValve
   build = lambda kernel_plan: build_model(config, features, SiteConfig.for_precision(
       "loka", plan=kernel_plan))
   try:
-    valve_config = ValveConfig(cadence=spec.drift_every, max_overhead=spec.drift_max_overhead)
+    valve_config = ValveConfig(cadence=spec.drift_every, max_overhead=spec.drift_max_overhead,
+                               compile_ahead=spec.drift_compile_ahead)
   except ValueError as e:
     raise PlanError(f"drift.every={spec.drift_every}, drift.max_overhead="
                     f"{spec.drift_max_overhead}: {e}") from e
   try:
     return DriftValve(build, plan, load_report(report_path), source, batch_size, workdir,
-                      valve_config)
+                      valve_config, log=log)
   except ValueError as e:  # a bad report file, or a plan/report mismatch
     raise PlanError(f"drift.every: {e}") from e
 
@@ -394,7 +430,7 @@ def run(spec, workdir: str, train_config, log: Callable[[str], None] = print):
   made: List[DriftValve] = []
 
   def hook(*args):
-    made.append(run_valve(*args))
+    made.append(run_valve(*args, log=log))
     return made[-1]
 
   final = experiment.run(spec, workdir, train_config, hook=hook)
@@ -404,6 +440,9 @@ def run(spec, workdir: str, train_config, log: Callable[[str], None] = print):
     log(f"[drift] {len(o['seconds'])} refreshes in this process ({sum(o['seconds']):.1f} s, the "
         f"first compiling), {o['switches']} switches: {pct(o['share'])} of its training time "
         f"({pct(o['share_after_first'])} without the first); next "
-        f"refresh at step {o['next_refresh'] or 'the next multiple of ' + str(spec.drift_every)}")
+        f"refresh at step {o['next_refresh'] or 'the next multiple of ' + str(spec.drift_every)}"
+        + ("" if o["waiting_since"] is None else
+           f"; a refresh due since step {o['waiting_since']} was still waiting for the "
+           "statistics pass's compile ahead"))
     final = {**final, "drift": o}
   return final

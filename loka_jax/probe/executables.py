@@ -120,6 +120,7 @@ class Precompiler:
       raise ValueError(f"Precompiler needs at least one worker, got {workers}")
     self._pool = concurrent.futures.ThreadPoolExecutor(self.workers,
                                                        thread_name_prefix="loka-compile")
+    self._futures = []
 
   def submit(self, jobs: Iterable[Job]) -> int:
     """Queues the compile of every job not compiled or queued yet; returns how many."""
@@ -130,8 +131,14 @@ class Precompiler:
         if key in _EXECUTABLES or key in _PENDING:
           continue
         _PENDING[key] = self._pool.submit(_compile, key, fn, args)
+        self._futures.append(_PENDING[key])
       queued += 1
     return queued
+
+  def done(self) -> bool:
+    """Whether every compile this pool was given has finished (or failed: its function then
+    compiles through jit on first call and raises there)."""
+    return all(f.done() for f in self._futures)
 
   def close(self) -> None:
     self._pool.shutdown(wait=True, cancel_futures=True)

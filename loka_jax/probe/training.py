@@ -140,6 +140,12 @@ class ProbeCollector:
     autotuning results may be saved for every later program with the same fusions."""
     self._ahead_workers, self._ahead_pending = workers, True
 
+  @property
+  def compiling_ahead(self) -> bool:
+    """Whether functions `compile_ahead` queued are still compiling (an observation now
+    would wait for them)."""
+    return self._precompiler is not None and not self._precompiler.done()
+
   def close(self) -> None:
     """Ends compiling ahead: queued compiles are dropped, running ones finish."""
     if self._precompiler is not None:

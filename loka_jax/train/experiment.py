@@ -40,6 +40,7 @@ class RunSpec:
   drift_every: int = 0                  # loka: drift valve cadence in steps (0: off)
   drift_report: Optional[str] = None    # loka: the plan's probe report (default: provenance)
   drift_max_overhead: float = 0.02      # loka: the valve's share of training time, at most
+  drift_compile_ahead: bool = True      # loka: compile the valve's pass in the background
 
   def run_info(self) -> Dict[str, Any]:
     """What identifies the run in config.json and final.json."""
@@ -56,7 +57,8 @@ class RunSpec:
         info["plan_kernels_sha256"] = read_plan(self.plan).kernel_digest()
       if self.drift_every:  # only then: runs without the valve keep their config.json
         info.update(drift_every=self.drift_every, drift_report=self.drift_report,
-                    drift_max_overhead=self.drift_max_overhead)
+                    drift_max_overhead=self.drift_max_overhead,
+                    drift_compile_ahead=self.drift_compile_ahead)
     return info
 
 

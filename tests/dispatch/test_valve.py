@@ -5,6 +5,7 @@ and on unshifted data (it never fires)."""
 import dataclasses
 import os
 import tempfile
+from unittest import mock
 
 import chex
 import jax
@@ -17,6 +18,7 @@ from loka_jax.kernels import KernelPlan, registry
 from loka_jax.models import SiteConfig
 from loka_jax.precision import BF16
 from loka_jax.probe import collector as collector_lib
+from loka_jax.probe import executables
 from loka_jax.probe import training
 from loka_jax.probe import report as report_lib
 from loka_jax.probe.eligibility import Criteria
@@ -28,8 +30,10 @@ BATCH = 32
 CANDIDATES = ("xla_bf16", "xla_fp8_tensorwise", "xla_fp8_rowwise")
 SHIFT_AT = 6          # training batches from here on have dense features x1000
 CADENCE = 4           # refreshes after steps 4 (before the shift), 8 and 12 (after it)
-# No overhead budget: these tests guard what a refresh at each cadence point does.
-CONFIG = valve_lib.ValveConfig(cadence=CADENCE, samples=8, bootstrap=100, max_overhead=0.0)
+# No overhead budget and no compile ahead: these tests guard what a refresh at each cadence
+# point does.
+CONFIG = valve_lib.ValveConfig(cadence=CADENCE, samples=8, bootstrap=100, max_overhead=0.0,
+                               compile_ahead=False)
 
 
 class ShiftedSource(train_toys.ToySource):
@@ -192,6 +196,34 @@ class DriftValveTest(chex.TestCase):
     again._schedule_next(valve.next_refresh)
     self.assertIsNone(again.next_refresh)
 
+  def test_the_pass_compiles_ahead_and_a_refresh_due_before_then_waits_for_it(self):
+    # The compile ahead reads as running through step 5: the refresh due at step 4 waits,
+    # training goes on, and it runs at step 6 on the executables compiled ahead; then the
+    # cadence points again.
+    source = train_toys.ToySource(seed=3, num_eval=64)
+    workdir = os.path.join(self.dir, "ahead")
+    lines = []
+    valve = valve_lib.DriftValve(build, self.plan, self.report, source, BATCH, workdir,
+                                 dataclasses.replace(CONFIG, compile_ahead=True),
+                                 log=lines.append)
+    ahead_before = executables.counts()["ahead"]
+    with mock.patch.object(training.ProbeCollector, "compiling_ahead",
+                           new_callable=mock.PropertyMock,
+                           side_effect=[True] * 5 + [False] * 20) as compiling:
+      train(valve.model, source, workdir, train_config(16), model_hook=valve)
+    self.assertEqual(compiling.call_count, 16)   # asked once a step, from the first
+    self.assertEqual(valve.refreshes, [6, 8, 12, 16])
+    self.assertIsNone(valve.deferred_since)
+    self.assertEqual([l for l in lines if "still compiling" in l],
+                     ["[drift] step 4: a refresh is due; the statistics pass is still compiling "
+                      "in the background, so it waits for that while training goes on"])
+    # The refreshes took the functions compiled ahead instead of compiling them inline.
+    self.assertGreater(executables.counts()["ahead"], ahead_before)
+    overhead = valve.overhead()
+    self.assertGreater(overhead["ahead_s"], 0.0)
+    spent = sum(valve.seconds) + overhead["ahead_s"]
+    self.assertAlmostEqual(overhead["share"], spent / (spent + overhead["stepping_s"]))
+
 
 class TrainRunValveTest(chex.TestCase):
   """The path `experiments.train --config.run.precision=loka --config.run.plan=P
@@ -212,7 +244,8 @@ class TrainRunValveTest(chex.TestCase):
                                    plots=False),
         criteria=Criteria(min_speedup=None), validation=None)
     run_spec = experiment.RunSpec(model="wukong", preset="tiny", mods=("all",), num_eval=256,
-                                  precision="loka", plan=result.paths["plan"], drift_every=3)
+                                  precision="loka", plan=result.paths["plan"], drift_every=3,
+                                  drift_compile_ahead=False)
     workdir = os.path.join(root, "run")
     final = valve_lib.run(run_spec, workdir, TrainConfig(
         steps=6, batch_size=64, progress=False, log_every=3, checkpoint_every=3))

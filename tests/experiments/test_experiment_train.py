@@ -106,7 +106,8 @@ class TrainCliTest(chex.TestCase):
     run = run_cli("--config.run.model=wukong", "--config.run.preset=tiny",
                   "--config.run.mods=all", "--config.run.precision=loka",
                   f"--config.run.plan={result.paths['plan']}", "--config.drift.every=3",
-                  "--config.drift.max_overhead=0", "--config.run.steps=6",
+                  "--config.drift.max_overhead=0", "--config.drift.compile_ahead=false",
+                  "--config.run.steps=6",
                   "--config.run.batch_size=64", "--config.run.num_eval=256",
                   "--config.train.log_every=3", f"--workdir={workdir}")
     self.assertEqual(run.returncode, 0, run.stderr[-3000:])
@@ -115,7 +116,9 @@ class TrainCliTest(chex.TestCase):
     self.assertRegex(run.stderr, r"\[drift\] 2 refreshes in this process \([0-9.]+ s, the "
                      r"first compiling\), [0-9]+ switches: [0-9.]+% of its training time")
     with open(os.path.join(workdir, "config.json")) as f:
-      self.assertEqual(json.load(f)["run"]["drift_max_overhead"], 0.0)
+      run_info = json.load(f)["run"]
+    self.assertEqual((run_info["drift_max_overhead"], run_info["drift_compile_ahead"]),
+                     (0.0, False))
 
   def test_loka_without_plan_is_a_clear_error(self):
     result = run_cli("--config.run.model=wukong", "--config.run.precision=loka",
