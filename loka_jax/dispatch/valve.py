@@ -38,9 +38,9 @@ import jax
 import numpy as np
 
 from loka_jax.dispatch import drift as drift_lib
-from loka_jax.plan.file import Plan, as_plan, save_plan, to_kernel_plan
+from loka_jax.plan.file import FALLBACK, Plan, as_plan, save_plan, to_kernel_plan
 from loka_jax.dispatch.selection import TIMING_FIELDS
-from loka_jax.kernels import registry
+from loka_jax.kernels import PASSES, registry
 from loka_jax.probe import collector as collector_lib
 from loka_jax.probe import training
 from loka_jax.probe import evaluate, executables, stats_report, summarize
@@ -123,18 +123,35 @@ def _without_histograms(stats: Mapping) -> Dict:
               else v) for k, v in stats.items()}
 
 
-def site_entry(site: collector_lib.SiteProbe, state, kernel_names, compute_dtype: str,
-               config: ValveConfig, observations: int, kernels_info: Mapping) -> Dict[str, Any]:
-  """A report entry of one site from its statistics `state`, as the probe evaluates it:
-  kind, spec, shapes, `stats` and per-pass errors of every registered candidate."""
+def _registered(kernel_names) -> List[Any]:
   kernels = []
   for k in kernel_names:
     try:
       kernels.append(registry.get(k))
     except KeyError:
       continue  # not registered in this process: it gets no entry, so it is not chosen
-  eval_config = evaluate.EvalConfig(samples=config.samples, seed=config.seed)
-  ev = evaluate.evaluate_site(site, state, kernels, compute_dtype, eval_config)
+  return kernels
+
+
+def _candidates(report: Mapping, name: str) -> List[str]:
+  """The kernels the report evaluated at site `name` (a re-evaluation evaluates them again)."""
+  return sorted({k for ks in report["sites"][name].get("passes", {}).values() for k in ks})
+
+
+def _compute_dtype(report: Mapping) -> str:
+  return (report.get("evaluation") or {}).get("compute_dtype", "bfloat16")
+
+
+def _eval_config(config: ValveConfig) -> evaluate.EvalConfig:
+  return evaluate.EvalConfig(samples=config.samples, seed=config.seed)
+
+
+def site_entry(site: collector_lib.SiteProbe, state, kernel_names, compute_dtype: str,
+               config: ValveConfig, observations: int, kernels_info: Mapping) -> Dict[str, Any]:
+  """A report entry of one site from its statistics `state`, as the probe evaluates it:
+  kind, spec, shapes, `stats` and per-pass errors of every registered candidate."""
+  kernels = _registered(kernel_names)
+  ev = evaluate.evaluate_site(site, state, kernels, compute_dtype, _eval_config(config))
   entry = {"kind": site.kind, "spec": site.spec,
            "shapes": {k: list(v) for k, v in site.layout.shapes().items()},
            "stats": stats_report.site_stats(site, state, observations),
@@ -149,9 +166,8 @@ def reevaluated_entry(report: Mapping, name: str, site: collector_lib.SiteProbe,
   """The report entry of site `name` re-evaluated on fresh statistics `state` (one
   observation): the same candidates' errors, the report's timings (speed does not drift)."""
   old = report["sites"][name]
-  names = sorted({k for ks in old.get("passes", {}).values() for k in ks})
-  dtype = (report.get("evaluation") or {}).get("compute_dtype", "bfloat16")
-  fresh = site_entry(site, state, names, dtype, config, 1, report.get("kernels") or {})
+  fresh = site_entry(site, state, _candidates(report, name), _compute_dtype(report), config, 1,
+                     report.get("kernels") or {})
   for p, per_kernel in fresh["passes"].items():
     for k, e in per_kernel.items():
       before = old.get("passes", {}).get(p, {}).get(k, {})
@@ -214,6 +230,7 @@ class DriftValve:
     self._ahead_for = None   # the collector whose pass compiles ahead (a swap makes another)
     self.deferred_since: Optional[int] = None   # a due refresh waiting for that compile
     self.ahead_s = 0.0   # the loop's seconds in starting it (building the pass, tracing)
+    self._evaluations: Optional[executables.Precompiler] = None   # re-evaluations' compiles
 
   # ---------------------------------------------------------------- ModelHook
 
@@ -287,8 +304,38 @@ class DriftValve:
     collector = self._sites_collector()
     if self._ahead_for is not collector:
       self._ahead_for = collector
-      collector.try_compile_ahead(state, max(1, executables.default_workers() // 2))
+      workers = max(1, executables.default_workers() // 2)
+      collector.try_compile_ahead(state, workers)
+      self._compile_evaluations_ahead(collector, workers)
     return collector.compiling_ahead
+
+  def fp8_sites(self) -> List[str]:
+    """The active plan's sites with a pass in another kernel than xla_bf16: the only ones a
+    drift can make unsafe (bf16 is every site's fallback)."""
+    return [n for n, site in self.plan["sites"].items()
+            if any(site[p]["kernel"] != FALLBACK for p in PASSES)]
+
+  def _compile_evaluations_ahead(self, collector, workers: int) -> None:
+    """Queues the evaluation functions a re-evaluation of each FP8 site would compile, on
+    their own threads (the statistics pass's close at its first call), so a refresh that
+    finds such a site shifted does not stop training for their compiles. Only a speed-up:
+    a failure leaves them to compile when first called, which reports the error."""
+    if self._evaluations is not None:
+      self._evaluations.close()
+    try:
+      jobs = []
+      for name in self.fp8_sites():
+        if name in collector.sites:
+          jobs += evaluate.compile_jobs(
+              collector.sites[name],
+              collector_lib.site_state(collector.state, collector.sites, name),
+              _registered(_candidates(self.report, name)), _compute_dtype(self.report),
+              _eval_config(self.config))
+      self._evaluations = executables.Precompiler(workers)
+      self._evaluations.submit(jobs)
+    except Exception as e:  # noqa: BLE001 - compiling ahead is an optimization only
+      self.log(f"[drift] the evaluation functions were not compiled ahead ({type(e).__name__}: "
+               f"{str(e)[:200]}); a re-evaluation compiles them when it needs them")
 
   # ---------------------------------------------------------------- the refresh
 
@@ -327,18 +374,24 @@ class DriftValve:
     shifted = {n: d for n, d in drifts.items() if d.shifted}
     if not shifted:
       return None
+    # A site in bf16 on every pass has nothing a drift could make unsafe: not re-evaluated.
+    fp8 = set(self.fp8_sites())
+    bf16_only = sorted(n for n in shifted if n not in fp8)
+    shifted = {n: d for n, d in shifted.items() if n in fp8}
     collector = self._collector
     keys = collector_lib.state_keys(collector.sites)
     new_report = copy.deepcopy(dict(self.report))
     for name in shifted:
       new_report["sites"][name] = reevaluated_entry(
           self.report, name, collector.sites[name], raw["sites"][keys[name]], self.config)
-    new_plan, steps = drift_lib.reselect_drifted(
+    new_plan, steps = (drift_lib.reselect_drifted(
         self.plan, new_report, shifted, self.criteria, budget_per_site=self.per_site or None,
-        timing_table=self.timing_table)
-    for name in shifted:  # the site's kernels were judged on these statistics now
+        timing_table=self.timing_table) if shifted else (self.plan, []))
+    for name in [*shifted, *bf16_only]:  # judged (or nothing to judge) on these statistics
       self.baselines[name] = _without_histograms(stats[name])
-    records = []
+    records = [{"step": step, "event": KEPT_EVENT, "site": name,
+                "reason": f"{'; '.join(drifts[name].reasons)}; every pass runs {FALLBACK}: "
+                          "nothing to re-evaluate"} for name in bf16_only]
     for s in steps:
       reason = "; ".join(s.get("reasons", []))
       if s.get("switched"):

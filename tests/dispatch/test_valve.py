@@ -224,6 +224,52 @@ class DriftValveTest(chex.TestCase):
     spent = sum(valve.seconds) + overhead["ahead_s"]
     self.assertAlmostEqual(overhead["share"], spent / (spent + overhead["stepping_s"]))
 
+  def test_a_reevaluation_takes_the_evaluation_functions_compiled_ahead(self):
+    # With compile ahead, the functions of the FP8 sites' re-evaluation compile in the
+    # background from the first step: the switch after the shift compiles nothing inline.
+    source = ShiftedSource(SHIFT_AT, 1000.0, seed=3, num_eval=64)
+    workdir = os.path.join(self.dir, "ahead_shift")
+    valve = valve_lib.DriftValve(build, self.plan, self.report, source, BATCH, workdir,
+                                 dataclasses.replace(CONFIG, compile_ahead=True),
+                                 log=lambda _: None)
+    self.assertIn("hidden", valve.fp8_sites())
+    inline_before = executables.counts()["inline"]
+    with mock.patch.object(training.ProbeCollector, "compiling_ahead",
+                           new_callable=mock.PropertyMock, return_value=False):
+      train(valve.model, source, workdir, train_config(9), model_hook=valve)
+    metrics = read_metrics(os.path.join(workdir, "metrics.jsonl"))
+    self.assertEqual({r["step"] for r in metrics if r.get("event") == valve_lib.SWITCH_EVENT},
+                     {8})
+    self.assertEqual(executables.counts()["inline"], inline_before)
+
+  def test_a_shifted_site_in_bf16_on_every_pass_is_not_reevaluated(self):
+    # bf16 is every site's fallback: a drift cannot make it unsafe, so the valve records the
+    # drift and evaluates nothing.
+    plan = self.plan
+    for name, site in self.plan["sites"].items():
+      if any(site[p]["kernel"] != "xla_bf16" for p in ("fwd", "grad_lhs", "grad_rhs")):
+        plan = dispatch.back_off(plan, name, None, "this test runs it in bf16", step="test")
+    source = ShiftedSource(SHIFT_AT, 1000.0, seed=3, num_eval=64)
+    workdir = os.path.join(self.dir, "bf16_shift")
+    valve = valve_lib.DriftValve(build, plan, self.report, source, BATCH, workdir, CONFIG,
+                                 log=lambda _: None)
+    self.assertEqual(valve.fp8_sites(), [])
+    with mock.patch.object(valve_lib.evaluate, "evaluate_site",
+                           wraps=valve_lib.evaluate.evaluate_site) as evaluated:
+      train(valve.model, source, workdir, train_config(9), model_hook=valve)
+    evaluated.assert_not_called()
+    metrics = read_metrics(os.path.join(workdir, "metrics.jsonl"))
+    self.assertEqual([r for r in metrics if r.get("event") == valve_lib.SWITCH_EVENT], [])
+    kept = [r for r in metrics if r.get("event") == valve_lib.KEPT_EVENT]
+    self.assertIn("hidden", {r["site"] for r in kept})
+    self.assertEqual({r["step"] for r in kept}, {8})
+    for r in kept:
+      self.assertTrue(r["reason"].endswith("; every pass runs xla_bf16: nothing to re-evaluate"),
+                      r["reason"])
+    self.assertRegex([r for r in kept if r["site"] == "hidden"][0]["reason"],
+                     r"^lhs\.(spread|crest)_log2")
+    self.assertEqual(valve.plan["sites"], plan["sites"])
+
 
 class TrainRunValveTest(chex.TestCase):
   """The path `experiments.train --config.run.precision=loka --config.run.plan=P
