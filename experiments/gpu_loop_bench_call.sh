@@ -72,6 +72,6 @@ for MODEL in ${MODELS:-wukong}; do
   done
   python3 -m experiments.report loop_vs_bench --bench="$WORK/$MODEL/bench/bench.jsonl" \
     --loops="$WORK/$MODEL/loop_bf16_mods,$WORK/$MODEL/loop_loka" --plan="$PLAN" \
-    --command="MODELS=$MODEL bash experiments/gpu_loop_bench_call.sh" \
+    --command="MODELS=$MODEL PRESET=$PRESET STEPS=$STEPS MAXMIN=${MAXMIN:-3} bash experiments/gpu_loop_bench_call.sh" \
     --commit="${COMMIT:-unknown}" --out="$OUT/loop_vs_bench.jsonl"
 done
