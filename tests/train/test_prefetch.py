@@ -2,6 +2,7 @@
 errors at the step that meets them, and a thread that stops when asked."""
 import threading
 import time
+import warnings
 
 import jax
 import numpy as np
@@ -12,6 +13,15 @@ from loka_jax.train import prefetch
 
 def make(i):
   return {"x": np.full((4, 3), i, np.float32), "ids": np.arange(4, dtype=np.int32) + i}
+
+
+class FailingAtTwo:
+  """A picklable maker (worker processes import it from this module) that fails at batch 2."""
+
+  def __call__(self, i):
+    if i == 2:
+      raise ValueError("sparse_ids: id -3 out of range at row 5")
+    return make(i)
 
 
 class PrefetcherTest(absltest.TestCase):
@@ -84,6 +94,24 @@ class PrefetcherTest(absltest.TestCase):
     self.assertIs(out["a"], on_device)
     self.assertIsInstance(out["b"], jax.Array)
 
+  def test_worker_processes_make_the_batches_in_order_and_errors_at_their_batch(self):
+    with prefetch.Prefetcher(FailingAtTwo(), 0, 6, depth=1, workers=2) as p:
+      self.assertEqual(p.workers, 2)
+      for i in (0, 1):
+        np.testing.assert_array_equal(np.asarray(p.get(i)["x"]), make(i)["x"])
+      with self.assertRaisesRegex(ValueError, "id -3 out of range"):
+        p.get(2)
+
+  def test_a_maker_that_does_not_pickle_is_run_on_the_thread(self):
+    with self.assertWarnsRegex(UserWarning, "does not pickle"):
+      p = prefetch.Prefetcher(lambda i: make(i), 0, 3, depth=1, workers=2)
+    with p:
+      self.assertEqual(p.workers, 0)
+      for i in range(3):
+        np.testing.assert_array_equal(np.asarray(p.get(i)["ids"]), make(i)["ids"])
+    with self.assertRaisesRegex(ValueError, "workers=-1"):
+      prefetch.Prefetcher(make, 0, 5, depth=1, workers=-1)
+
   def test_depth_zero_means_no_prefetcher(self):
     self.assertIsNone(prefetch.prefetcher(make, 0, 5, 0))
     self.assertIsNone(prefetch.prefetcher(make, 5, 5, 2))
@@ -102,9 +130,9 @@ class LoopTest(absltest.TestCase):
     import train_toys
     from loka_jax.train import TrainConfig, train
 
-    def run(workdir, prefetch_depth, steps=12):
+    def run(workdir, prefetch_depth, steps=12, workers=0):
       config = TrainConfig(steps=steps, batch_size=32, log_every=3, checkpoint_every=6,
-                           progress=False, prefetch=prefetch_depth)
+                           progress=False, prefetch=prefetch_depth, batch_workers=workers)
       final = train(train_toys.ToyClickModel(), train_toys.ToySource(seed=1), workdir, config)
       with open(os.path.join(workdir, "metrics.jsonl")) as f:
         lines = [json.loads(line) for line in f]
@@ -115,6 +143,13 @@ class LoopTest(absltest.TestCase):
       final_2, lines_2 = run(os.path.join(tmp, "ahead"), 2)
       self.assertEqual(lines_0, lines_2)
       self.assertEqual(final_0["logloss"], final_2["logloss"])
+      # Batches made in worker processes are the same batches (the toy source pickles, so
+      # the workers make them: no fallback to the thread).
+      with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="batches are made on one thread")
+        final_w, lines_w = run(os.path.join(tmp, "workers"), 2, workers=2)
+      self.assertEqual(lines_w, lines_0)
+      self.assertEqual(final_w["logloss"], final_0["logloss"])
       # A run stopped at step 6 and resumed with prefetching reads the same batches.
       resumed = os.path.join(tmp, "resumed")
       run(resumed, 2, steps=6)
