@@ -172,35 +172,31 @@ def section(paths: Sequence[str]) -> str:
   """The section's markdown (without its heading)."""
   rows = load_rows(paths)
   by_kind = {k: [r for r in rows if r["kind"] == k] for k in KINDS}
+  # Each kind's table, after a sentence saying what it shows.
+  parts = (
+      ("time_to_plan", time_to_plan_table,
+       "The main job (`python3 -m experiments.loka`, its defaults) on a fresh host with an "
+       "empty compilation cache (cold), then rerun on its workdir (warm):"),
+      ("startup", startup_table,
+       "`experiments.train` per arm: seconds from process start to the first step, and the "
+       "steps/s of each 25-step metrics window after the first:"),
+      ("probe_overhead", overhead_table,
+       "The probe's statistics pass against the training step: its cost per observation, its "
+       "share of training time when it runs every 25 (the default), 100 or 200 steps, and how "
+       "far apart an overhead budget of 2% of training time (the drift valve's default "
+       "`max_overhead`) spaces its observations:"),
+      ("loop_vs_bench", loop_table,
+       "`experiments.train`'s loop beside the bench's timed step of the same arm, in one call "
+       "(the loop's 25-step windows after the first):"),
+      ("drift_run", drift_table,
+       "The drift valve in `experiments.train` (`--config.drift.every`): where its refreshes "
+       "fell under the overhead budget, what each cost (the first compiles what was not "
+       "compiled ahead) and their share of the run's training time, with and without the "
+       "first:"))
   out = []
-  if by_kind["time_to_plan"]:
-    out += ["The main job (`python3 -m experiments.loka`, its defaults) on a fresh host with an "
-            "empty compilation cache (cold), then rerun on its workdir (warm):", "",
-            time_to_plan_table(by_kind["time_to_plan"]), "",
-            "Rows: " + _provenance(by_kind["time_to_plan"]) + ".", ""]
-  if by_kind["startup"]:
-    out += ["`experiments.train` per arm: seconds from process start to the first step, and "
-            "the steps/s of each 25-step metrics window after the first:", "",
-            startup_table(by_kind["startup"]), "",
-            "Rows: " + _provenance(by_kind["startup"]) + ".", ""]
-  if by_kind["probe_overhead"]:
-    out += ["The probe's statistics pass against the training step: its cost per observation, "
-            "its share of training time when it runs every 25 (the default), 100 or 200 "
-            "steps, and how far apart an overhead budget of 2% of training time (the drift "
-            "valve's default `max_overhead`) spaces its observations:", "",
-            overhead_table(by_kind["probe_overhead"]), "",
-            "Rows: " + _provenance(by_kind["probe_overhead"]) + ".", ""]
-  if by_kind["loop_vs_bench"]:
-    out += ["`experiments.train`'s loop beside the bench's timed step of the same arm, in one "
-            "call (the loop's 25-step windows after the first):", "",
-            loop_table(by_kind["loop_vs_bench"]), "",
-            "Rows: " + _provenance(by_kind["loop_vs_bench"]) + ".", ""]
-  if by_kind["drift_run"]:
-    out += ["The drift valve in `experiments.train` (`--config.drift.every`): where its "
-            "refreshes fell under the overhead budget, what each cost (the first compiles the "
-            "statistics pass) and their share of the run's training time, with and without "
-            "the first:", "",
-            drift_table(by_kind["drift_run"]), "",
-            "Rows: " + _provenance(by_kind["drift_run"]) + ".", ""]
+  for kind, table, intro in parts:
+    if by_kind[kind]:
+      out += [intro, "", table(by_kind[kind]), "", "Rows: " + _provenance(by_kind[kind]) + ".",
+              ""]
   out.append("Files: " + ", ".join(f"`{os.path.basename(p)}`" for p in paths) + ".")
   return "\n".join(out)
