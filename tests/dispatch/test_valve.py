@@ -3,6 +3,7 @@ with the valve on data whose dense features jump 1000x mid-run (it switches the 
 kernel, recompiling once, logs it and saves the plan; a resumed run keeps the switched plan)
 and on unshifted data (it never fires)."""
 import dataclasses
+import json
 import os
 import tempfile
 from unittest import mock
@@ -25,6 +26,7 @@ from loka_jax.probe.eligibility import Criteria
 from loka_jax.train import TrainConfig, read_metrics, train
 from loka_jax.train import loop as loop_lib
 import train_toys
+from cli_helpers import run_module
 
 BATCH = 32
 CANDIDATES = ("xla_bf16", "xla_fp8_tensorwise", "xla_fp8_rowwise")
@@ -292,6 +294,24 @@ class TrainRunValveTest(chex.TestCase):
     run_spec = experiment.RunSpec(model="wukong", preset="tiny", mods=("all",), num_eval=256,
                                   precision="loka", plan=result.paths["plan"], drift_every=3,
                                   drift_compile_ahead=False)
+    # The command line takes the valve's settings (no budget, no compile ahead): it refreshes
+    # at steps 3 and 6, says what they cost, and the run's config.json records the settings.
+    cli_dir = os.path.join(root, "cli")
+    run = run_module("experiments.train", "--config.run.model=wukong",
+                     "--config.run.preset=tiny", "--config.run.mods=all",
+                     "--config.run.precision=loka", f"--config.run.plan={result.paths['plan']}",
+                     "--config.drift.every=3", "--config.drift.max_overhead=0",
+                     "--config.drift.compile_ahead=false", "--config.run.steps=6",
+                     "--config.run.batch_size=64", "--config.run.num_eval=256",
+                     "--config.train.log_every=3", f"--workdir={cli_dir}", timeout=300)
+    self.assertEqual(run.returncode, 0, run.stderr[-3000:])
+    self.assertEqual(json.loads(run.stdout)["steps"], 6)
+    self.assertRegex(run.stderr, r"\[drift\] 2 refreshes in this process \([0-9.]+ s, the "
+                     r"first compiling\), [0-9]+ switches: [0-9.]+% of its training time")
+    with open(os.path.join(cli_dir, "config.json")) as f:
+      run_info = json.load(f)["run"]
+    self.assertEqual((run_info["drift_max_overhead"], run_info["drift_compile_ahead"]),
+                     (0.0, False))
     workdir = os.path.join(root, "run")
     final = valve_lib.run(run_spec, workdir, TrainConfig(
         steps=6, batch_size=64, progress=False, log_every=3, checkpoint_every=3))

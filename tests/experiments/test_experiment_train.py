@@ -87,39 +87,6 @@ class TrainCliTest(chex.TestCase):
     self.assertEqual(experiment.recipe_notes("small", OptimConfig()), ())
     self.assertEqual(experiment.recipe_notes("tiny", OptimConfig()), ())
 
-  def test_a_loka_run_with_drift_every_trains_under_the_valve(self):
-    from loka_jax.dispatch import pipeline
-    from loka_jax.probe import ProbeConfig, ProbeOptions
-    from loka_jax.probe.eligibility import Criteria
-    from loka_jax.train import TrainConfig
-    root = tempfile.mkdtemp(prefix="loka_cli_drift_")
-    spec = experiment.RunSpec(model="wukong", preset="tiny", mods=("all",), num_eval=256)
-    result = pipeline.probe_and_plan(
-        spec, os.path.join(root, "plan"),
-        train_config=TrainConfig(steps=6, batch_size=64, progress=False, log_every=0),
-        probe_config=ProbeConfig(cadence=3),
-        probe_options=ProbeOptions(samples=2, kernels=("xla_bf16", "xla_fp8_rowwise"),
-                                   sites="layer_0/fmb/mlp/dense_0", bootstrap=20,
-                                   plots=False),
-        criteria=Criteria(min_speedup=None), validation=None)
-    workdir = os.path.join(root, "run")
-    run = run_cli("--config.run.model=wukong", "--config.run.preset=tiny",
-                  "--config.run.mods=all", "--config.run.precision=loka",
-                  f"--config.run.plan={result.paths['plan']}", "--config.drift.every=3",
-                  "--config.drift.max_overhead=0", "--config.drift.compile_ahead=false",
-                  "--config.run.steps=6",
-                  "--config.run.batch_size=64", "--config.run.num_eval=256",
-                  "--config.train.log_every=3", f"--workdir={workdir}")
-    self.assertEqual(run.returncode, 0, run.stderr[-3000:])
-    self.assertEqual(json.loads(run.stdout)["steps"], 6)
-    # Without a budget the valve refreshes at steps 3 and 6, and says what they cost.
-    self.assertRegex(run.stderr, r"\[drift\] 2 refreshes in this process \([0-9.]+ s, the "
-                     r"first compiling\), [0-9]+ switches: [0-9.]+% of its training time")
-    with open(os.path.join(workdir, "config.json")) as f:
-      run_info = json.load(f)["run"]
-    self.assertEqual((run_info["drift_max_overhead"], run_info["drift_compile_ahead"]),
-                     (0.0, False))
-
   def test_loka_without_plan_is_a_clear_error(self):
     result = run_cli("--config.run.model=wukong", "--config.run.precision=loka",
                      "--workdir=" + tempfile.mkdtemp())
