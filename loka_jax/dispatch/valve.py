@@ -230,7 +230,7 @@ class DriftValve:
     self._ahead_for = None   # the collector whose pass compiles ahead (a swap makes another)
     self.deferred_since: Optional[int] = None   # a due refresh waiting for that compile
     self.ahead_s = 0.0   # the loop's seconds in starting it (building the pass, tracing)
-    self._evaluations: Optional[executables.Precompiler] = None   # re-evaluations' compiles
+    self._evaluations: List[executables.Precompiler] = []   # re-evaluations' compiles
 
   # ---------------------------------------------------------------- ModelHook
 
@@ -309,6 +309,14 @@ class DriftValve:
       self._compile_evaluations_ahead(collector, workers)
     return collector.compiling_ahead
 
+  def close(self) -> None:
+    """Drops the compiles still queued ahead (running ones finish): at the end of training,
+    so the process does not wait at exit for functions no refresh will call."""
+    for pool in [*self._evaluations, self._collector]:
+      if pool is not None:
+        pool.close()
+    self._evaluations = []
+
   def fp8_sites(self) -> List[str]:
     """The active plan's sites with a pass in another kernel than xla_bf16: the only ones a
     drift can make unsafe (bf16 is every site's fallback)."""
@@ -316,12 +324,14 @@ class DriftValve:
             if any(site[p]["kernel"] != FALLBACK for p in PASSES)]
 
   def _compile_evaluations_ahead(self, collector, workers: int) -> None:
-    """Queues the evaluation functions a re-evaluation of each FP8 site would compile, on
-    their own threads (the statistics pass's close at its first call), so a refresh that
-    finds such a site shifted does not stop training for their compiles. Only a speed-up:
-    a failure leaves them to compile when first called, which reports the error."""
-    if self._evaluations is not None:
-      self._evaluations.close()
+    """Queues the evaluation functions a re-evaluation of each FP8 site would compile, on a
+    pool of their own (the statistics pass's pool closes at its first call), so a refresh
+    that finds such a site shifted does not stop training for their compiles. After a swap
+    the new plan's jobs join what is compiled or queued already (equal jobs compile once).
+    Only a speed-up: a failure leaves them to compile when first called, which reports the
+    error."""
+    for pool in self._evaluations:   # an earlier plan's: what it queued still compiles
+      pool.finish_in_background()
     try:
       jobs = []
       for name in self.fp8_sites():
@@ -331,8 +341,8 @@ class DriftValve:
               collector_lib.site_state(collector.state, collector.sites, name),
               _registered(_candidates(self.report, name)), _compute_dtype(self.report),
               _eval_config(self.config))
-      self._evaluations = executables.Precompiler(workers)
-      self._evaluations.submit(jobs)
+      self._evaluations.append(executables.Precompiler(workers))
+      self._evaluations[-1].submit(jobs)
     except Exception as e:  # noqa: BLE001 - compiling ahead is an optimization only
       self.log(f"[drift] the evaluation functions were not compiled ahead ({type(e).__name__}: "
                f"{str(e)[:200]}); a re-evaluation compiles them when it needs them")
@@ -486,7 +496,11 @@ def run(spec, workdir: str, train_config, log: Callable[[str], None] = print):
     made.append(run_valve(*args, log=log))
     return made[-1]
 
-  final = experiment.run(spec, workdir, train_config, hook=hook)
+  try:
+    final = experiment.run(spec, workdir, train_config, hook=hook)
+  finally:
+    for valve in made:
+      valve.close()
   if made:
     o = made[-1].overhead()
     pct = lambda share: "-" if share is None else f"{100 * share:.2f}%"

@@ -140,6 +140,11 @@ class Precompiler:
     compiles through jit on first call and raises there)."""
     return all(f.done() for f in self._futures)
 
+  def finish_in_background(self) -> None:
+    """Takes no more jobs and lets the queued and running ones finish on their threads,
+    without waiting for them."""
+    self._pool.shutdown(wait=False)
+
   def close(self) -> None:
     self._pool.shutdown(wait=True, cancel_futures=True)
     with _LOCK:

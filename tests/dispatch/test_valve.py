@@ -243,6 +243,12 @@ class DriftValveTest(chex.TestCase):
     self.assertEqual({r["step"] for r in metrics if r.get("event") == valve_lib.SWITCH_EVENT},
                      {8})
     self.assertEqual(executables.counts()["inline"], inline_before)
+    # The swap queued the new plan's evaluations; closing at the end of training leaves no
+    # compile queued for the process to wait on at exit.
+    pools = list(valve._evaluations)
+    self.assertLen(pools, 2)
+    valve.close()
+    self.assertTrue(all(f.done() for pool in pools for f in pool._futures))
 
   def test_a_shifted_site_in_bf16_on_every_pass_is_not_reevaluated(self):
     # bf16 is every site's fallback: a drift cannot make it unsafe, so the valve records the
