@@ -58,7 +58,8 @@ class UserSpeedTest(absltest.TestCase):
     self.assertIn("| wukong/small | - | - | 1 | per site, autotuned | - | 170 ms | - | 27.3 ms | "
                   "24.9% | 6.2% | 3.1% | 312 steps |", text)
     self.assertIn("| wukong/large | 4096 | experiments.measure probe_overhead | 4 | one program, "
-                  "cublas | 108 s | 377 ms | 95.2 ms | 154.5 ms | 9.8% | 2.4% | 1.2% | 123 steps |", text)
+                  "cublas | 108 s | 377 ms | 95.2 ms | 154.5 ms | 9.8% | 2.4% | 1.2% | "
+                  "123 steps |", text)
     self.assertIn("| wukong/large | LoKA | 8.30 steps/s | 8.10 (8.00-8.20) | 0.976 | 1.330x, "
                   "1.310x |", text)
     self.assertIn("NVIDIA H200, jax 0.11.2, 2026-12-04, commit abc1234, `bash call.sh`", text)
