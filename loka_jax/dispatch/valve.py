@@ -504,8 +504,9 @@ def run(spec, workdir: str, train_config, log: Callable[[str], None] = print):
   if made:
     o = made[-1].overhead()
     pct = lambda share: "-" if share is None else f"{100 * share:.2f}%"
-    log(f"[drift] {len(o['seconds'])} refreshes in this process ({sum(o['seconds']):.1f} s, the "
-        f"first compiling), {o['switches']} switches: {pct(o['share'])} of its training time "
+    done = (f"{len(o['seconds'])} refreshes in this process ({sum(o['seconds']):.1f} s; the "
+            f"first {o['seconds'][0]:.1f} s)" if o["seconds"] else "no refresh in this process")
+    log(f"[drift] {done}, {o['switches']} switches: {pct(o['share'])} of its training time "
         f"({pct(o['share_after_first'])} without the first); next "
         f"refresh at step {o['next_refresh'] or 'the next multiple of ' + str(spec.drift_every)}"
         + ("" if o["waiting_since"] is None else

@@ -312,8 +312,8 @@ class TrainRunValveTest(chex.TestCase):
                      "--config.train.log_every=3", f"--workdir={cli_dir}", timeout=300)
     self.assertEqual(run.returncode, 0, run.stderr[-3000:])
     self.assertEqual(json.loads(run.stdout)["steps"], 6)
-    self.assertRegex(run.stderr, r"\[drift\] 2 refreshes in this process \([0-9.]+ s, the "
-                     r"first compiling\), [0-9]+ switches: [0-9.]+% of its training time")
+    self.assertRegex(run.stderr, r"\[drift\] 2 refreshes in this process \([0-9.]+ s; the "
+                     r"first [0-9.]+ s\), [0-9]+ switches: [0-9.]+% of its training time")
     with open(os.path.join(cli_dir, "config.json")) as f:
       run_info = json.load(f)["run"]
     self.assertEqual((run_info["drift_max_overhead"], run_info["drift_compile_ahead"]),
