@@ -305,7 +305,12 @@ class DriftValve:
     if self._ahead_for is not collector:
       self._ahead_for = collector
       workers = max(1, executables.default_workers() // 2)
-      collector.try_compile_ahead(state, workers)
+      # Shapes, not the arrays: the next step donates this state's buffers while the compile
+      # threads may still be lowering the pass for it.
+      shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+          x.shape, x.dtype, sharding=getattr(x, "sharding", None),
+          weak_type=getattr(x, "weak_type", False)), state)
+      collector.try_compile_ahead(shapes, workers)
       self._compile_evaluations_ahead(collector, workers)
     return collector.compiling_ahead
 
