@@ -25,6 +25,8 @@ COMMANDS = {
                      "the timing loops against the profiler's kernel times (GPU)"),
     "probe_overhead": ("experiments.tools.probe_overhead",
                        "the statistics pass against the training step, part by part"),
+    "batch_making": ("experiments.tools.batch_making",
+                     "milliseconds to make a training batch: the prefetch thread, workers"),
     "kernel_resources": ("experiments.tools.kernel_resources",
                          "the Pallas FP8 GEMMs compiled for sm_90: registers, MMA (triton)"),
 }

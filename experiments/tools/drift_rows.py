@@ -13,14 +13,6 @@ class DriftRowError(ValueError):
   """A run that cannot make a row (the message names the file and what is missing)."""
 
 
-def _read_json(path: str, what: str) -> Dict[str, Any]:
-  try:
-    with open(path) as f:
-      return json.load(f)
-  except (OSError, ValueError) as e:
-    raise DriftRowError(f"{path}: cannot read {what} ({e})") from None
-
-
 def _final_metrics(path: str) -> Dict[str, Any]:
   """The JSON object experiments.train printed last (its stdout also holds the valve's lines;
   the object starts on a line of its own)."""
@@ -44,7 +36,8 @@ def row(run_dir: str, final_path: str, device: str, jax_version: str, date: str,
         commit: str, command: str) -> Dict[str, Any]:
   """One drift_run row from a run directory (its config.json and metrics.jsonl) and the final
   metrics `experiments.train` printed (`final_path`, which holds the valve's "drift")."""
-  config = _read_json(os.path.join(run_dir, "config.json"), "the run's config.json")
+  config = jsonio.read_json(os.path.join(run_dir, "config.json"), "run settings (config.json)",
+                            "give the directory of an experiments.train run", DriftRowError)
   info = config.get("run", config)
   if not info.get("drift_every"):
     raise DriftRowError(f"{run_dir}/config.json: not a drift run (no drift_every); train "

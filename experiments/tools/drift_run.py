@@ -18,6 +18,7 @@ from absl import app, flags
 import jax
 
 from experiments.tools import drift_rows
+from experiments.tools.results_user_speed import percent
 from loka_jax import jsonio
 
 RUN = flags.DEFINE_string("run", None, "The experiments.train run directory.")
@@ -26,10 +27,6 @@ FINAL = flags.DEFINE_string("final", None, "The final metrics experiments.train 
 COMMAND = flags.DEFINE_string("command", "", "The command that trained it (recorded).")
 COMMIT = flags.DEFINE_string("commit", "unknown", "The commit measured (recorded).")
 OUT = flags.DEFINE_string("out", None, "Append the row here (JSONL).")
-
-
-def _pct(share):
-  return "-" if share is None else f"{100 * share:.2f}%"
 
 
 def main(argv):
@@ -46,10 +43,10 @@ def main(argv):
     raise app.UsageError(str(e)) from None
   later = "-" if row["later_refresh_s"] is None else f"{row['later_refresh_s']:.2f} s"
   print(f"{row['model']}/{row['preset']} every {row['cadence']}, budget "
-        f"{_pct(row['max_overhead'])}: {len(row['refresh_s'])} refreshes at steps "
+        f"{percent(row['max_overhead'])}: {len(row['refresh_s'])} refreshes at steps "
         f"{row['refresh_steps']} (first {row['refresh_s'][0] if row['refresh_s'] else 0:.1f} s, "
-        f"later median {later}), step {row['step_ms']:.2f} ms; share {_pct(row['share'])}, "
-        f"without the first {_pct(row['share_after_first'])}")
+        f"later median {later}), step {row['step_ms']:.2f} ms; share {percent(row['share'])}, "
+        f"without the first {percent(row['share_after_first'])}")
   if OUT.value:
     with open(OUT.value, "a") as f:
       f.write(json.dumps(jsonio.with_digest(row)) + "\n")

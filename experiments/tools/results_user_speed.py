@@ -149,7 +149,7 @@ def loop_table(rows: Sequence[Mapping]) -> str:
   return "\n".join(lines)
 
 
-def _pct(share) -> str:
+def percent(share) -> str:
   return "-" if share is None else f"{100 * share:.2f}%"
 
 
@@ -161,10 +161,10 @@ def drift_table(rows: Sequence[Mapping]) -> str:
     first = f"{r['refresh_s'][0]:.1f} s" if r["refresh_s"] else "-"
     later = "-" if r["later_refresh_s"] is None else f"{1e3 * r['later_refresh_s']:.0f} ms"
     lines.append(f"| {r['model']}/{r['preset']} | {r.get('plan') or '-'} | {r['cadence']} | "
-                 f"{_pct(r['max_overhead']) if r['max_overhead'] else 'none'} | "
+                 f"{percent(r['max_overhead']) if r['max_overhead'] else 'none'} | "
                  f"{r['steps']} | {', '.join(map(str, r['refresh_steps'])) or '-'} | {first} | "
-                 f"{later} | {r['step_ms']:.1f} ms | {_pct(r['share'])} | "
-                 f"{_pct(r['share_after_first'])} |")
+                 f"{later} | {r['step_ms']:.1f} ms | {percent(r['share'])} | "
+                 f"{percent(r['share_after_first'])} |")
   return "\n".join(lines)
 
 

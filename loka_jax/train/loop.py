@@ -107,7 +107,7 @@ class TrainConfig:
   # (prefetch.py), so no step waits for the host; 0: each made after the step before it.
   prefetch: int = 2
   # Processes that make those batches (prefetch.py's `workers`): one thread makes one batch
-  # at a time, slower than a short step (DLRM `large`: about 15 ms a batch on one core, a
+  # at a time, slower than a short step (DLRM `large`: 15-18 ms a batch on one core, a
   # 6-7 ms step on an H200); 0: the prefetch thread makes them.
   batch_workers: int = 0
   optim: OptimConfig = OptimConfig()

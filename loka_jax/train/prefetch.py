@@ -8,7 +8,7 @@ the next `depth` batches on a background thread, in step order, and starts their
 (`jax.device_put` returns at once), so the step finds its batch on the device.
 
 One thread makes one batch at a time, and making one is mostly numpy indexing that holds the
-GIL (about 15 ms for DLRM `large`'s 4096 synthetic examples on one core, where the bench's
+GIL (15-18 ms for DLRM `large`'s 4096 synthetic examples on one core, where the bench's
 step takes 6-7 ms on an H200), so more threads would not help. With `workers` N > 0 the
 batches are made in N worker processes (spawned: the parent's JAX backend is never forked),
 N + `depth` in flight, and the thread only puts them on the device in order. `make` must then
