@@ -10,32 +10,14 @@ the workers to start; prints the milliseconds per batch. A step shorter than tha
 device waiting in `experiments.train`. The numbers are the host's: a busy machine makes them
 slower, and workers only pay where cores are free.
 """
-import time
-from typing import Dict, Sequence
-
 from absl import app, flags
 
 from experiments import common_flags as common  # the common flags, defined once
+from experiments.tools.batch_rates import ms_per_batch
 
 BATCH_SIZE = flags.DEFINE_integer("batch_size", 0, "Training batch; 0: the preset's.")
 BATCHES = flags.DEFINE_integer("batches", 60, "Batches timed per setting.")
 WORKERS = flags.DEFINE_list("workers", ["0", "2"], "Worker processes to time (0: the thread).")
-
-
-def ms_per_batch(make, workers: Sequence[int], batches: int) -> Dict[int, float]:
-  """{workers: milliseconds per batch} of `make` (a picklable batch maker) made ahead by a
-  Prefetcher with that many worker processes, batches left on the host."""
-  from loka_jax.train import prefetch
-  out = {}
-  for n in workers:
-    with prefetch.Prefetcher(make, 0, batches + 1, depth=2, put=lambda b: b,
-                             workers=n) as feed:
-      feed.get(0)   # the workers have started
-      began = time.perf_counter()
-      for i in range(1, batches + 1):
-        feed.get(i)
-      out[n] = 1e3 * (time.perf_counter() - began) / batches
-  return out
 
 
 def main(argv):

@@ -1,11 +1,11 @@
-"""`experiments.measure batch_making` (experiments/tools/batch_making.py): the milliseconds a
-batch takes to make, measured through the prefetcher as the loop makes them."""
+"""`experiments.measure batch_making`'s timing (experiments/tools/batch_rates.py): the
+milliseconds a batch takes to make, measured through the prefetcher as the loop makes them."""
 import time
 
 import numpy as np
 from absl.testing import absltest
 
-from experiments.tools import batch_making
+from experiments.tools import batch_rates
 
 
 def slow_make(i):
@@ -16,7 +16,7 @@ def slow_make(i):
 class BatchMakingTest(absltest.TestCase):
 
   def test_a_batch_that_takes_20_ms_reads_at_least_20_ms(self):
-    rates = batch_making.ms_per_batch(slow_make, [0], batches=5)
+    rates = batch_rates.ms_per_batch(slow_make, [0], batches=5)
     self.assertEqual(list(rates), [0])
     self.assertGreaterEqual(rates[0], 20.0)
     self.assertLess(rates[0], 1000.0)
