@@ -271,8 +271,9 @@ class DriftValve:
     if compiling:
       if due and self.deferred_since is None:
         self.deferred_since = step
-        self.log(f"[drift] step {step}: a refresh is due; the statistics pass is still "
-                 "compiling in the background, so it waits for that while training goes on")
+        self.log(f"[drift] step {step}: a refresh is due; the statistics pass or the "
+                 "evaluation functions are still compiling in the background, so it waits "
+                 "for them while training goes on")
       return None
     if not due:
       return None
@@ -299,8 +300,11 @@ class DriftValve:
     self.next_refresh = int(step) + gap
 
   def _pass_compiling(self, state) -> bool:
-    """Starts compiling the current model's statistics pass ahead (once per model, from the
-    training state of the step just taken); whether that compile is still running."""
+    """Starts compiling the current model's statistics pass and its FP8 sites' evaluation
+    functions ahead (once per model, from the training state of the step just taken);
+    whether any of those compiles is still running. A refresh waits for both: a shifted
+    site's re-evaluation would otherwise wait inline for its functions, which under a cold
+    cache can take minutes for a `large` model's sites."""
     collector = self._sites_collector()
     if self._ahead_for is not collector:
       self._ahead_for = collector
@@ -312,7 +316,7 @@ class DriftValve:
           weak_type=getattr(x, "weak_type", False)), state)
       collector.try_compile_ahead(shapes, workers)
       self._compile_evaluations_ahead(collector, workers)
-    return collector.compiling_ahead
+    return collector.compiling_ahead or not all(pool.done() for pool in self._evaluations)
 
   def close(self) -> None:
     """Drops the compiles still queued ahead (running ones finish): at the end of training,

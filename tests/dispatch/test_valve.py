@@ -199,9 +199,9 @@ class DriftValveTest(chex.TestCase):
     self.assertIsNone(again.next_refresh)
 
   def test_the_pass_compiles_ahead_and_a_refresh_due_before_then_waits_for_it(self):
-    # The compile ahead reads as running through step 5: the refresh due at step 4 waits,
-    # training goes on, and it runs at step 6 on the executables compiled ahead; then the
-    # cadence points again.
+    # The statistics pass reads as compiling through step 3 and the evaluation functions
+    # through step 5: the refresh due at step 4 waits, training goes on, and it runs at step
+    # 6 on the executables compiled ahead; then the cadence points again.
     source = train_toys.ToySource(seed=3, num_eval=64)
     workdir = os.path.join(self.dir, "ahead")
     lines = []
@@ -211,14 +211,18 @@ class DriftValveTest(chex.TestCase):
     ahead_before = executables.counts()["ahead"]
     with mock.patch.object(training.ProbeCollector, "compiling_ahead",
                            new_callable=mock.PropertyMock,
-                           side_effect=[True] * 5 + [False] * 20) as compiling:
+                           side_effect=[True] * 3 + [False] * 20) as compiling, \
+        mock.patch.object(executables.Precompiler, "done",
+                          side_effect=[False] * 2 + [True] * 20) as evaluations_done:
       train(valve.model, source, workdir, train_config(16), model_hook=valve)
     self.assertEqual(compiling.call_count, 16)   # asked once a step, from the first
+    self.assertEqual(evaluations_done.call_count, 13)   # once the pass is compiled
     self.assertEqual(valve.refreshes, [6, 8, 12, 16])
     self.assertIsNone(valve.deferred_since)
     self.assertEqual([l for l in lines if "still compiling" in l],
-                     ["[drift] step 4: a refresh is due; the statistics pass is still compiling "
-                      "in the background, so it waits for that while training goes on"])
+                     ["[drift] step 4: a refresh is due; the statistics pass or the evaluation "
+                      "functions are still compiling in the background, so it waits for them "
+                      "while training goes on"])
     # The refreshes took the functions compiled ahead instead of compiling them inline.
     self.assertGreater(executables.counts()["ahead"], ahead_before)
     overhead = valve.overhead()
@@ -236,8 +240,11 @@ class DriftValveTest(chex.TestCase):
                                  log=lambda _: None)
     self.assertIn("hidden", valve.fp8_sites())
     inline_before = executables.counts()["inline"]
+    # Both compiles read as done from the first step: the refreshes keep their steps, and a
+    # function still compiling is waited for where the re-evaluation calls it.
     with mock.patch.object(training.ProbeCollector, "compiling_ahead",
-                           new_callable=mock.PropertyMock, return_value=False):
+                           new_callable=mock.PropertyMock, return_value=False), \
+        mock.patch.object(executables.Precompiler, "done", return_value=True):
       train(valve.model, source, workdir, train_config(9), model_hook=valve)
     metrics = read_metrics(os.path.join(workdir, "metrics.jsonl"))
     self.assertEqual({r["step"] for r in metrics if r.get("event") == valve_lib.SWITCH_EVENT},
