@@ -397,6 +397,9 @@ class DriftValve:
     fp8 = set(self.fp8_sites())
     bf16_only = sorted(n for n in shifted if n not in fp8)
     shifted = {n: d for n, d in shifted.items() if n in fp8}
+    if shifted:   # said before it starts: each site runs every candidate kernel again
+      self.log(f"[drift] step {step}: {len(shifted)} FP8 site(s) drifted; re-evaluating their "
+               f"kernels: {', '.join(sorted(shifted)[:6])}{' ...' if len(shifted) > 6 else ''}")
     collector = self._collector
     keys = collector_lib.state_keys(collector.sites)
     new_report = copy.deepcopy(dict(self.report))

@@ -100,10 +100,10 @@ class DriftValveTest(chex.TestCase):
     cls.plan = dispatch.select(cls.report, Criteria(min_speedup=None))
     cls.dir = tempfile.mkdtemp(prefix="loka_valve_")
 
-  def run_valve(self, name, source, steps):
+  def run_valve(self, name, source, steps, log=lambda _: None):
     workdir = os.path.join(self.dir, name)
     valve = valve_lib.DriftValve(build, self.plan, self.report, source, BATCH, workdir,
-                                 CONFIG, log=lambda _: None)
+                                 CONFIG, log=log)
     final = train(valve.model, source, workdir, train_config(steps), model_hook=valve)
     return valve, final, read_metrics(os.path.join(workdir, "metrics.jsonl")), workdir
 
@@ -116,8 +116,14 @@ class DriftValveTest(chex.TestCase):
     compiled_before = set(loop_lib._STEP_CACHE)
     # Stop right after the first refresh past the shift: later refreshes may rightly switch
     # again as training reacts to the shift, which the resumed run below allows.
-    valve, final, metrics, workdir = self.run_valve("shift", source, steps=9)
+    lines = []
+    valve, final, metrics, workdir = self.run_valve("shift", source, steps=9, log=lines.append)
     self.assertTrue(np.isfinite(final["logloss"]))
+    # Said before the re-evaluation starts, naming the drifted FP8 sites.
+    started = [l for l in lines if "re-evaluating" in l]
+    self.assertLen(started, 1)
+    self.assertRegex(started[0], r"^\[drift\] step 8: \d+ FP8 site\(s\) drifted; "
+                     r"re-evaluating their kernels: .*hidden")
     self.assertTrue(all(np.isfinite(r["loss"]) for r in metrics if "loss" in r))
     switches = [r for r in metrics if r.get("event") == valve_lib.SWITCH_EVENT]
     self.assertNotEmpty(switches)
