@@ -27,7 +27,7 @@ max_minutes() {
 
 # train_run DIR LOG ARGS...: `experiments.train` of MODEL/PRESET (all Mods) for STEPS (150)
 # steps into DIR, a metrics window every 25 steps, no checkpoints, batches made in
-# BATCH_WORKERS (0: the prefetch thread) processes, killed after ARM_LIMIT (240) seconds; its
+# BATCH_WORKERS (-1: as many as the step needs; 0: the prefetch thread) processes, killed after ARM_LIMIT (240) seconds; its
 # output goes to LOG, ARGS are config overrides (the arm).
 train_run() {
   local dir=$1 log=$2; shift 2
@@ -35,6 +35,6 @@ train_run() {
     --config.run.model="$MODEL" --config.run.preset="$PRESET" --config.run.mods=all \
     --config.run.steps="${STEPS:-150}" --config.train.log_every=25 \
     --config.train.checkpoint_every=0 --config.train.keep_checkpoints=0 \
-    --config.train.progress=false --config.train.batch_workers="${BATCH_WORKERS:-0}" \
+    --config.train.progress=false --config.train.batch_workers="${BATCH_WORKERS:--1}" \
     "$@" > "$log" 2>&1
 }

@@ -13,7 +13,7 @@
 # REPORT_<MODEL> (the probe report it was selected on, which the bench's LoKA arm reads to
 # calibrate its exported model; defaults: the committed wukong and dcnv2 large reports;
 # without one the LoKA arm is left out),
-# BATCH_WORKERS (the loop's batch-making processes, 0), ARM_LIMIT (seconds per loop arm,
+# BATCH_WORKERS (the loop's batch-making processes; -1, the default: as many as the step needs), ARM_LIMIT (seconds per loop arm,
 # 240), MAXMIN (3: the bench's minutes per model), COMMIT (recorded in the rows), WORK
 # (/tmp/loop_bench), OUT (set on the device; elsewhere $WORK/out).
 set -u
@@ -72,6 +72,6 @@ for MODEL in ${MODELS:-wukong}; do
   done
   python3 -m experiments.report loop_vs_bench --bench="$WORK/$MODEL/bench/bench.jsonl" \
     --loops="$WORK/$MODEL/loop_bf16_mods,$WORK/$MODEL/loop_loka" --plan="$PLAN" \
-    --command="MODELS=$MODEL PRESET=$PRESET STEPS=$STEPS MAXMIN=${MAXMIN:-3} BATCH_WORKERS=${BATCH_WORKERS:-0} bash experiments/gpu_loop_bench_call.sh" \
+    --command="MODELS=$MODEL PRESET=$PRESET STEPS=$STEPS MAXMIN=${MAXMIN:-3} BATCH_WORKERS=${BATCH_WORKERS:--1} bash experiments/gpu_loop_bench_call.sh" \
     --commit="${COMMIT:-unknown}" --out="$OUT/loop_vs_bench.jsonl"
 done

@@ -30,9 +30,10 @@ def get_config() -> ml_collections.ConfigDict:
   train.nan_policy = "stop"
   train.progress = True         # progress bar on stderr (when a terminal)
   train.prefetch = 2            # batches made and put on the device ahead (0: in turn)
-  # Processes making those batches (0: the prefetch thread): where a step is shorter than
-  # making a batch on one core (DLRM and DCNv2 `large` on an H200).
-  train.batch_workers = 0
+  # Processes making those batches: where a step is shorter than making a batch on one core
+  # (DLRM and DCNv2 `large` on an H200). -1: started when the loop waits on the prefetch
+  # thread, as many as the step needs (none on a CPU backend); 0: the thread alone.
+  train.batch_workers = -1
   # Each module's gradient, parameter and update norms and its output's RMS with every
   # metrics line (with log_every=1: every step), to read a loss spike with
   # `experiments.report spikes`. Adds a forward to each step.

@@ -108,17 +108,20 @@ class TrainConfig:
   prefetch: int = 2
   # Processes that make those batches (prefetch.py's `workers`): one thread makes one batch
   # at a time, slower than a short step (DLRM `large`: 15-18 ms a batch on one core, a
-  # 6-7 ms step on an H200); 0: the prefetch thread makes them.
-  batch_workers: int = 0
+  # 6-7 ms step on an H200); 0: the prefetch thread makes them; -1: started when the loop
+  # waits on the thread, as many as its step needs (none on a CPU backend).
+  batch_workers: int = prefetch_lib.AUTO
   optim: OptimConfig = OptimConfig()
 
   def __post_init__(self):
     if self.nan_policy not in NAN_POLICIES:
       raise ValueError(f"nan_policy={self.nan_policy!r}; use one of {NAN_POLICIES}")
-    for name in ("steps", "eval_every", "log_every", "checkpoint_every", "prefetch",
-                 "batch_workers"):
+    for name in ("steps", "eval_every", "log_every", "checkpoint_every", "prefetch"):
       if getattr(self, name) < 0:
         raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+    if self.batch_workers < prefetch_lib.AUTO:
+      raise ValueError(f"batch_workers must be >= 0, or {prefetch_lib.AUTO} (as many as the "
+                       f"step needs), got {self.batch_workers}")
     if self.batch_size < 1:
       raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
     if self.keep_checkpoints < 0:
@@ -289,6 +292,11 @@ def train(model, source, workdir: str, config: TrainConfig, *,
       # The next batch: made ahead (feed), else on the host while the device runs this step.
       next_batch = (None if i + 1 >= config.steps else
                     feed.get(i + 1) if feed is not None else make_batch(i + 1))
+      for event in (feed.take_events() if feed is not None else ()):
+        writer.write({"step": i + 1, **event})
+        logging.info("batches from step %d on are made in %d worker processes (a batch took "
+                     "%.1f ms to make, the loop %.1f ms a step waiting for it)",
+                     event["from_batch"], event["workers"], event["make_ms"], event["loop_ms"])
       step_metrics = jax.device_get(step_metrics)
       if i == start:
         time_split["first_step_s"] = time.perf_counter() - began

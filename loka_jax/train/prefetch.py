@@ -14,17 +14,29 @@ batches are made in N worker processes (spawned: the parent's JAX backend is nev
 N + `depth` in flight, and the thread only puts them on the device in order. `make` must then
 pickle (`BatchMaker` of a source that pickles); one that does not falls back to the thread,
 with a warning.
+
+With `workers` AUTO (-1) the thread makes the first batches and times them against the
+loop's time between two `get` calls; once the loop has waited for its batch on most of the
+last eight steps and a batch takes longer to make than that time, it starts as many worker
+processes as the ratio asks (up to `auto_worker_cap()`: none on a CPU backend, whose step
+needs those cores) and they make every batch after that. Their start is a one-time pause of
+a few seconds (each imports the source's module); a loop whose batches keep pace never
+starts any.
 """
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import math
 import multiprocessing
+import os
 import pickle
 import queue
+import statistics
 import threading
+import time
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import jax
 import numpy as np
@@ -72,6 +84,30 @@ def worker_pool(make: Callable[[int], Any], workers: int
       initargs=(make,))
 
 
+AUTO = -1
+# The batches and steps the automatic choice reads (the latest of each), and the steps it
+# leaves out first (compiles, the first puts).
+AUTO_WINDOW = 8
+AUTO_SKIP = 3
+
+
+def auto_worker_cap() -> int:
+  """The most worker processes AUTO starts: none on a CPU backend (the step runs on those
+  cores), else all cores but two (the loop's thread and the prefetch thread), at most 8."""
+  if jax.default_backend() == "cpu":
+    return 0
+  return max(0, min(8, (os.cpu_count() or 1) - 2))
+
+
+def workers_for(make_s: float, step_s: float, cap: int) -> int:
+  """Worker processes that keep a loop of `step_s` seconds a step fed with batches that take
+  `make_s` to make (with half again in hand: the step time measured while the loop waits
+  for batches is its host side alone), at most `cap`; 0 when one thread keeps pace."""
+  if cap < 1 or make_s <= 1.1 * step_s:
+    return 0
+  return min(cap, math.ceil(1.5 * make_s / max(step_s, 1e-6)))
+
+
 class Prefetcher:
   """Batches `make(i)` for i in [start, stop), made `depth` ahead on a background thread (or
   in `workers` processes) and put on the device. `get(i)` must be called with start,
@@ -80,18 +116,32 @@ class Prefetcher:
   context manager) stops the thread and the workers."""
 
   def __init__(self, make: Callable[[int], Any], start: int, stop: int, depth: int = 2,
-               put: Callable[[Any], Any] = to_device, workers: int = 0):
+               put: Callable[[Any], Any] = to_device, workers: int = 0,
+               max_workers: Optional[int] = None):
+    """`workers`: N >= 1 worker processes, 0 the thread alone, AUTO started when the loop
+    waits on the thread (at most `max_workers`, default `auto_worker_cap()`)."""
     if depth < 1:
       raise ValueError(f"Prefetcher depth={depth}: must be >= 1")
-    if workers < 0:
-      raise ValueError(f"Prefetcher workers={workers}: must be >= 0")
+    if workers < AUTO:
+      raise ValueError(f"Prefetcher workers={workers}: must be >= 0, or {AUTO} (automatic)")
     self._next = start
     self._stop = stop
     self._queue: "queue.Queue" = queue.Queue(maxsize=depth)
     self._closed = threading.Event()
-    self._pool = worker_pool(make, workers) if workers else None
+    self._events: List[Dict[str, Any]] = []
+    # The loop's seconds between a get's return and the next get, and whether that get
+    # found no batch ready (AUTO reads both).
+    self._outside: "collections.deque" = collections.deque(maxlen=AUTO_WINDOW)
+    self._waited: "collections.deque" = collections.deque(maxlen=AUTO_WINDOW)
+    self._returned: Optional[float] = None
+    self._gets = 0
+    self._cap = 0
+    if workers == AUTO:
+      self._cap = auto_worker_cap() if max_workers is None else int(max_workers)
+    self._pool = worker_pool(make, workers) if workers > 0 else None
     self.workers = workers if self._pool is not None else 0
-    fill = self._fill_from_pool if self._pool is not None else self._fill
+    fill = (self._fill_from_pool if self._pool is not None else
+            self._fill_then_workers if self._cap > 0 else self._fill)
     self._thread = threading.Thread(target=fill, args=(make, put, start, stop, depth),
                                     name="loka-batch-prefetch", daemon=True)
     self._thread.start()
@@ -105,6 +155,49 @@ class Prefetcher:
         item = (i, None, e)
       if not self._offer(item) or item[2] is not None:
         return
+
+  def _fill_then_workers(self, make, put, start: int, stop: int, depth: int) -> None:
+    """AUTO: the thread makes batches, timing each, until the loop is seen waiting on it;
+    then worker processes make the rest."""
+    made: "collections.deque" = collections.deque(maxlen=AUTO_WINDOW)
+    i = start
+    while i < stop:
+      began = time.perf_counter()
+      try:
+        item = (i, put(make(i)), None)
+      except BaseException as e:  # handed to the loop at this step; nothing more is made
+        item = (i, None, e)
+      made.append(time.perf_counter() - began)
+      if not self._offer(item) or item[2] is not None:
+        return
+      i += 1
+      wanted = self._workers_wanted(made)
+      if wanted and i < stop:
+        self._pool = worker_pool(make, wanted)
+        if self._pool is None:   # the maker does not pickle (warned): the thread goes on
+          self._cap = 0
+          continue
+        self.workers = wanted
+        self._events.append({"event": "batch_workers", "from_batch": i, "workers": wanted,
+                             "make_ms": round(1e3 * statistics.median(made), 3),
+                             "loop_ms": round(1e3 * statistics.median(self._outside), 3)})
+        self._fill_from_pool(make, put, i, stop, depth)
+        return
+
+  def _workers_wanted(self, made) -> int:
+    """Worker processes to start now (0: none): once both windows are full, the loop waited
+    for its batch on most of its last steps, and making one is slower than its step."""
+    if self._cap < 1 or len(made) < AUTO_WINDOW or len(self._outside) < AUTO_WINDOW:
+      return 0
+    if sum(self._waited) <= AUTO_WINDOW // 2:
+      return 0
+    return workers_for(statistics.median(made), statistics.median(self._outside), self._cap)
+
+  def take_events(self) -> List[Dict[str, Any]]:
+    """What the prefetcher changed since the last call (AUTO's start of worker processes:
+    `{"event": "batch_workers", "from_batch", "workers", "make_ms", "loop_ms"}`)."""
+    events, self._events = self._events, []
+    return events
 
   def _fill_from_pool(self, make, put, start: int, stop: int, depth: int) -> None:
     del make  # the workers hold it
@@ -141,7 +234,14 @@ class Prefetcher:
     if i != self._next or i >= self._stop:
       raise ValueError(f"Prefetcher.get({i}): expected batch {self._next} of "
                        f"[{self._next}, {self._stop})")
+    called = time.perf_counter()
+    if self._returned is not None:
+      self._gets += 1
+      if self._gets > AUTO_SKIP:
+        self._waited.append(self._queue.empty())
+        self._outside.append(called - self._returned)
     index, batch, error = self._queue.get()
+    self._returned = time.perf_counter()
     assert index == i, (index, i)
     self._next = i + 1
     if error is not None:
@@ -162,7 +262,7 @@ class Prefetcher:
 
 
 def prefetcher(make: Callable[[int], Any], start: int, stop: int, depth: Optional[int],
-               workers: int = 0) -> Optional[Prefetcher]:
+               workers: int = AUTO) -> Optional[Prefetcher]:
   """A Prefetcher, or None when `depth` is 0 or None (batches made in the loop, in turn)."""
   if not depth or start >= stop:
     return None

@@ -3,11 +3,13 @@ errors at the step that meets them, and a thread that stops when asked."""
 import threading
 import time
 import warnings
+from unittest import mock
 
 import jax
 import numpy as np
 from absl.testing import absltest
 
+import train_toys
 from loka_jax.train import prefetch
 
 
@@ -22,6 +24,27 @@ class FailingAtTwo:
     if i == 2:
       raise ValueError("sparse_ids: id -3 out of range at row 5")
     return make(i)
+
+
+class SlowMaker:
+  """A picklable maker that takes `seconds` a batch and fails at batch `fail_at`."""
+
+  def __init__(self, seconds, fail_at=None):
+    self.seconds, self.fail_at = seconds, fail_at
+
+  def __call__(self, i):
+    time.sleep(self.seconds)
+    if i == self.fail_at:
+      raise ValueError(f"dense: non-finite value at batch {i}")
+    return make(i)
+
+
+def thread_pool(maker, workers):
+  """What `prefetch.worker_pool` gives, on threads: the same calls in this process (an AUTO
+  test measures when and how many start, not process start-up)."""
+  import concurrent.futures
+  return concurrent.futures.ThreadPoolExecutor(workers, initializer=prefetch._start_worker,
+                                               initargs=(maker,))
 
 
 class PrefetcherTest(absltest.TestCase):
@@ -109,8 +132,57 @@ class PrefetcherTest(absltest.TestCase):
       self.assertEqual(p.workers, 0)
       for i in range(3):
         np.testing.assert_array_equal(np.asarray(p.get(i)["ids"]), make(i)["ids"])
-    with self.assertRaisesRegex(ValueError, "workers=-1"):
-      prefetch.Prefetcher(make, 0, 5, depth=1, workers=-1)
+    with self.assertRaisesRegex(ValueError, "workers=-2: must be >= 0, or -1"):
+      prefetch.Prefetcher(make, 0, 5, depth=1, workers=-2)
+
+  def test_workers_for_keeps_a_step_fed_within_the_cap(self):
+    self.assertEqual(prefetch.workers_for(0.030, 0.007, 8), 7)   # ceil(1.5 * 30 / 7)
+    self.assertEqual(prefetch.workers_for(0.030, 0.001, 8), 8)   # the cap
+    self.assertEqual(prefetch.workers_for(0.010, 0.010, 8), 0)   # one thread keeps pace
+    self.assertEqual(prefetch.workers_for(0.0105, 0.010, 8), 0)  # within 10%: still pace
+    self.assertEqual(prefetch.workers_for(0.012, 0.010, 8), 2)
+    self.assertEqual(prefetch.workers_for(0.030, 0.007, 0), 0)   # none allowed
+
+  def test_auto_starts_workers_once_the_loop_waits_on_the_thread(self):
+    # The loop takes no time between batches, so it waits on every one the thread makes in
+    # 20 ms: after the windows fill, workers (at most max_workers) make the rest, in order,
+    # and an error still reaches its own batch.
+    with mock.patch.object(prefetch, "worker_pool", thread_pool):
+      with prefetch.Prefetcher(SlowMaker(0.02, fail_at=40), 0, 60, depth=2, put=lambda b: b,
+                               workers=prefetch.AUTO, max_workers=3) as p:
+        for i in range(40):
+          np.testing.assert_array_equal(p.get(i)["ids"], make(i)["ids"])
+        with self.assertRaisesRegex(ValueError, "non-finite value at batch 40"):
+          p.get(40)
+        self.assertEqual(p.workers, 3)
+        events = p.take_events()
+    self.assertLen(events, 1)
+    event = events[0]
+    self.assertEqual((event["event"], event["workers"]), ("batch_workers", 3))
+    # Not before both windows are full: the skipped gets, then AUTO_WINDOW measured ones.
+    self.assertBetween(event["from_batch"], prefetch.AUTO_SKIP + prefetch.AUTO_WINDOW + 1, 25)
+    self.assertGreaterEqual(event["make_ms"], 20.0)
+    self.assertLess(event["loop_ms"], event["make_ms"] / 1.1)
+    self.assertEqual(p.take_events(), [])
+
+  def test_auto_keeps_the_thread_when_batches_keep_pace(self):
+    with mock.patch.object(prefetch, "worker_pool", thread_pool):
+      with prefetch.Prefetcher(make, 0, 30, depth=2, put=lambda b: b, workers=prefetch.AUTO,
+                               max_workers=3) as p:
+        for i in range(30):
+          p.get(i)
+          time.sleep(0.005)   # a 5 ms step; a batch takes microseconds
+        self.assertEqual((p.workers, p.take_events()), (0, []))
+
+  def test_auto_starts_none_on_a_cpu_backend(self):
+    # These tests run on XLA:CPU, where the step needs the cores the workers would take.
+    self.assertEqual(prefetch.auto_worker_cap(), 0)
+    with mock.patch.object(prefetch, "worker_pool", thread_pool):
+      with prefetch.Prefetcher(SlowMaker(0.01), 0, 25, depth=2, put=lambda b: b,
+                               workers=prefetch.AUTO) as p:
+        for i in range(25):
+          p.get(i)
+        self.assertEqual((p.workers, p.take_events()), (0, []))
 
   def test_depth_zero_means_no_prefetcher(self):
     self.assertIsNone(prefetch.prefetcher(make, 0, 5, 0))
@@ -120,6 +192,14 @@ class PrefetcherTest(absltest.TestCase):
 
 
 
+class SlowToySource(train_toys.ToySource):
+  """The toy source, 30 ms a batch: slower than the toy model's step on XLA:CPU."""
+
+  def train_batch(self, step, batch_size):
+    time.sleep(0.03)
+    return super().train_batch(step, batch_size)
+
+
 class LoopTest(absltest.TestCase):
   """The training loop with batches made ahead trains exactly as with batches made in turn."""
 
@@ -127,7 +207,6 @@ class LoopTest(absltest.TestCase):
     import json
     import os
     import tempfile
-    import train_toys
     from loka_jax.train import TrainConfig, train
 
     def run(workdir, prefetch_depth, steps=12, workers=0):
@@ -136,21 +215,35 @@ class LoopTest(absltest.TestCase):
       final = train(train_toys.ToyClickModel(), train_toys.ToySource(seed=1), workdir, config)
       with open(os.path.join(workdir, "metrics.jsonl")) as f:
         lines = [json.loads(line) for line in f]
-      return final, [(r["step"], r["loss"]) for r in lines]
+      return final, [(r["step"], r["loss"]) for r in lines if "loss" in r]
 
     with tempfile.TemporaryDirectory() as tmp:
       final_0, lines_0 = run(os.path.join(tmp, "in_turn"), 0)
       final_2, lines_2 = run(os.path.join(tmp, "ahead"), 2)
       self.assertEqual(lines_0, lines_2)
       self.assertEqual(final_0["logloss"], final_2["logloss"])
-      # Batches made in a worker process are the same batches (the toy source pickles, so
-      # the worker makes them: no fallback to the thread; the order across several workers
-      # is PrefetcherTest's).
-      with warnings.catch_warnings():
+      # Batches made in a worker process are the same batches. With batch_workers -1 (the
+      # default) and a source slower than the toy step, the loop starts a worker once it
+      # has waited on the thread (windows of 2 here; a real backend's cap, 1): the toy
+      # source pickles, so the worker makes the rest, with no fallback to the thread; the
+      # order across several workers is PrefetcherTest's.
+      self.assertEqual(TrainConfig().batch_workers, prefetch.AUTO)
+      with warnings.catch_warnings(), \
+          mock.patch.object(prefetch, "auto_worker_cap", return_value=1), \
+          mock.patch.multiple(prefetch, AUTO_WINDOW=2, AUTO_SKIP=1), \
+          mock.patch.object(train_toys, "ToySource", SlowToySource):
         warnings.filterwarnings("error", message="batches are made on one thread")
-        final_w, lines_w = run(os.path.join(tmp, "workers"), 2, workers=1)
+        final_w, lines_w = run(os.path.join(tmp, "workers"), 2, workers=prefetch.AUTO)
       self.assertEqual(lines_w, lines_0)
       self.assertEqual(final_w["logloss"], final_0["logloss"])
+      with open(os.path.join(tmp, "workers", "metrics.jsonl")) as f:
+        started = [json.loads(line) for line in f if '"batch_workers"' in line]
+      self.assertLen(started, 1)
+      self.assertEqual(started[0]["workers"], 1)
+      self.assertGreater(started[0]["make_ms"], started[0]["loop_ms"])
+      self.assertBetween(started[0]["step"], 4, 11)
+      with self.assertRaisesRegex(ValueError, "batch_workers must be >= 0, or -1"):
+        TrainConfig(batch_workers=-2)
       # A run stopped at step 6 and resumed with prefetching reads the same batches.
       resumed = os.path.join(tmp, "resumed")
       run(resumed, 2, steps=6)
