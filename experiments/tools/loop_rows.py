@@ -27,6 +27,23 @@ def _windows(run_dir: str):
   return rates[1:]
 
 
+def _batch_workers(run_dir: str):
+  """(worker processes making the loop's batches at its end, the step they started at): the
+  last `batch_workers` line of metrics.jsonl, else the run's setting in config.json (a
+  setting of -1 that started none: 0), with no step."""
+  lines = [row for _, row, error in jsonio.jsonl_rows(os.path.join(run_dir, "metrics.jsonl"))
+           if error is None and isinstance(row, dict) and row.get("event") == "batch_workers"]
+  if lines:
+    return lines[-1]["workers"], lines[-1]["step"]
+  path = os.path.join(run_dir, "config.json")
+  setting = 0
+  if os.path.exists(path):
+    config = jsonio.read_json(path, "run settings (config.json)", "rerun the loop",
+                              ValueError)
+    setting = (config.get("train") or {}).get("batch_workers", 0)
+  return max(int(setting), 0), None
+
+
 def rows(bench_path: str, loop_dirs, plan: str, command: str, commit: str, date: str):
   """One loop_vs_bench row per arm that both the bench and a loop directory hold."""
   bench = _bench_rows(bench_path)
@@ -44,6 +61,7 @@ def rows(bench_path: str, loop_dirs, plan: str, command: str, commit: str, date:
       print(f"[loop_vs_bench] {run_dir}: fewer than two metrics windows; left out")
       continue
     b = bench[variant]
+    workers, workers_from = _batch_workers(run_dir)
     bench_rate = 1e6 / b["train"]["median_us"]
     loop_rate = statistics.median(windows)
     out[variant] = {
@@ -55,7 +73,8 @@ def rows(bench_path: str, loop_dirs, plan: str, command: str, commit: str, date:
         "bench_steps_per_s": round(bench_rate, 3),
         "window_steps_per_s": [round(r, 3) for r in windows],
         "loop_steps_per_s": round(loop_rate, 3),
-        "loop_over_bench": round(loop_rate / bench_rate, 4)}
+        "loop_over_bench": round(loop_rate / bench_rate, 4),
+        "batch_workers": workers, "batch_workers_from_step": workers_from}
   if "loka" in out and "bf16_mods" in out:
     base, loka = out["bf16_mods"], out["loka"]
     loka["speedup_bench"] = round(loka["bench_steps_per_s"] / base["bench_steps_per_s"], 4)

@@ -8,7 +8,9 @@ The bench times a device-resident training step (`experiments.bench`, its row's
 read). Per arm (bf16+Mods from the loop directory named loop_bf16_mods, LoKA from loop_loka)
 this writes one `loop_vs_bench` row: the bench's step as steps/s, the loop's 25-step metrics
 windows after the first and their median, the loop over the bench, and in LoKA's row its
-speedup over bf16+Mods in both. `experiments/gpu_loop_bench_call.sh` runs both and this.
+speedup over bf16+Mods in both, and the batch workers that fed the loop (its setting, or
+those it started and the step it did). `experiments/gpu_loop_bench_call.sh` runs both and
+this.
 """
 import datetime
 import json
@@ -41,8 +43,11 @@ def main(argv):
   for r in made:
     extra = (f"; LoKA over bf16+Mods {r['speedup_bench']:.3f}x in the bench, "
              f"{r['speedup_loop']:.3f}x in the loop" if "speedup_loop" in r else "")
+    started = (f" from step {r['batch_workers_from_step']}"
+               if r["batch_workers_from_step"] is not None else "")
     print(f"{r['model']}/{r['preset']} {r['arm']:9s} bench {r['bench_steps_per_s']:7.2f} "
-          f"steps/s, loop {r['loop_steps_per_s']:7.2f} (windows "
+          f"steps/s, loop {r['loop_steps_per_s']:7.2f} ({r['batch_workers']} batch workers"
+          f"{started}; windows "
           f"{' '.join(f'{w:.2f}' for w in r['window_steps_per_s'])}): loop/bench "
           f"{r['loop_over_bench']:.3f}{extra}")
   if OUT.value and made:

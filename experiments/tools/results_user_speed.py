@@ -137,15 +137,19 @@ def overhead_table(rows: Sequence[Mapping]) -> str:
 
 
 def loop_table(rows: Sequence[Mapping]) -> str:
-  lines = ["| model | arm | bench step | loop steps/s (median; windows) | loop / bench | LoKA "
-           "over bf16+Mods: bench, loop |", "|---|---|---|---|---|---|"]
+  lines = ["| model | arm | batch workers | bench step | loop steps/s (median; windows) | "
+           "loop / bench | LoKA over bf16+Mods: bench, loop |", "|---|---|---|---|---|---|---|"]
   for r in rows:
     rates = r["window_steps_per_s"]
     speedup = (f"{r['speedup_bench']:.3f}x, {r['speedup_loop']:.3f}x"
                if r.get("speedup_loop") is not None else "-")
-    lines.append(f"| {r['model']}/{r['preset']} | {r['arm']} | {r['bench_steps_per_s']:.2f} "
-                 f"steps/s | {r['loop_steps_per_s']:.2f} ({min(rates):.2f}-{max(rates):.2f}) | "
-                 f"{r['loop_over_bench']:.3f} | {speedup} |")
+    workers = r.get("batch_workers", 0)
+    if r.get("batch_workers_from_step") is not None:
+      workers = f"{workers} (from step {r['batch_workers_from_step']})"
+    lines.append(f"| {r['model']}/{r['preset']} | {r['arm']} | {workers} | "
+                 f"{r['bench_steps_per_s']:.2f} steps/s | {r['loop_steps_per_s']:.2f} "
+                 f"({min(rates):.2f}-{max(rates):.2f}) | {r['loop_over_bench']:.3f} | "
+                 f"{speedup} |")
   return "\n".join(lines)
 
 

@@ -17,12 +17,20 @@ def _bench_row(variant, median_us):
           "train": {"median_us": median_us}}
 
 
-def _loop(root, name, rates):
+def _loop(root, name, rates, batch_workers=None, started=None):
+  """A run directory: its metrics windows, its config.json's batch_workers when given, and
+  a `batch_workers` line after the first window when `started` (workers) is given."""
   path = os.path.join(root, name)
   os.makedirs(path)
   with open(os.path.join(path, "metrics.jsonl"), "w") as f:
     for i, rate in enumerate(rates, 1):
       f.write(json.dumps({"step": 25 * i, "loss": 0.5, "steps_per_sec": rate}) + "\n")
+      if i == 1 and started:
+        f.write(json.dumps({"step": 14, "event": "batch_workers", "from_batch": 14,
+                            "workers": started, "make_ms": 30.0, "loop_ms": 1.0}) + "\n")
+  if batch_workers is not None:
+    with open(os.path.join(path, "config.json"), "w") as f:
+      json.dump({"run": {}, "train": {"batch_workers": batch_workers}}, f)
   return path
 
 
@@ -36,8 +44,8 @@ class LoopVsBenchTest(absltest.TestCase):
                   _bench_row("loka", 120000.0)):
         f.write(json.dumps(row) + "\n")
     # The first window (compiles) is left out of the median.
-    loops = [_loop(root, "loop_bf16_mods", [0.4, 6.0, 6.2, 6.1]),
-             _loop(root, "loop_loka", [0.2, 8.0, 8.1, 8.2])]
+    loops = [_loop(root, "loop_bf16_mods", [0.4, 6.0, 6.2, 6.1], batch_workers=2),
+             _loop(root, "loop_loka", [0.2, 8.0, 8.1, 8.2], batch_workers=-1, started=6)]
     rows = loop_rows.rows(bench, loops, "/x/plan.json", "cmd", "abc", "2026-12-04")
     self.assertEqual([r["arm"] for r in rows], ["bf16+Mods", "LoKA"])
     base, loka = rows
@@ -49,6 +57,9 @@ class LoopVsBenchTest(absltest.TestCase):
     self.assertEqual(loka["plan"], "plan.json")
     self.assertEqual(loka["speedup_bench"], 1.3333)            # 160000 / 120000
     self.assertEqual(loka["speedup_loop"], 1.3279)             # 8.1 / 6.1
+    # Batch workers: the setting, or the workers the loop started and the step it did.
+    self.assertEqual((base["batch_workers"], base["batch_workers_from_step"]), (2, None))
+    self.assertEqual((loka["batch_workers"], loka["batch_workers_from_step"]), (6, 14))
     # The rows pass RESULTS' reader.
     out = os.path.join(root, "rows.jsonl")
     with open(out, "w") as f:
@@ -65,6 +76,7 @@ class LoopVsBenchTest(absltest.TestCase):
     rows = loop_rows.rows(bench, loops, "", "cmd", "abc", "2026-12-04")
     self.assertEqual([r["arm"] for r in rows], ["bf16+Mods"])
     self.assertNotIn("speedup_loop", rows[0])
+    self.assertEqual(rows[0]["batch_workers"], 0)   # no config.json, no line: none
     with self.assertRaisesRegex(ValueError, "loop_<variant>"):
       loop_rows.rows(bench, [os.path.join(root, "run")], "", "cmd", "abc", "2026-12-04")
 

@@ -44,7 +44,11 @@ class UserSpeedTest(absltest.TestCase):
          "measured_in": "experiments.measure probe_overhead"},
         {**BASE, "kind": "loop_vs_bench", "arm": "LoKA", "bench_steps_per_s": 8.3,
          "window_steps_per_s": [8.0, 8.2], "loop_steps_per_s": 8.1, "loop_over_bench": 0.976,
-         "speedup_bench": 1.33, "speedup_loop": 1.31}])
+         "speedup_bench": 1.33, "speedup_loop": 1.31},
+        {**BASE, "kind": "loop_vs_bench", "model": "dlrm", "arm": "bf16+Mods",
+         "bench_steps_per_s": 140.0, "window_steps_per_s": [80.0, 128.0, 130.0],
+         "loop_steps_per_s": 128.0, "loop_over_bench": 0.914, "batch_workers": 8,
+         "batch_workers_from_step": 14}])
     self.addCleanup(os.remove, path)
     text = user_speed.section([path])
     self.assertIn("| wukong/large | LoKA | - | cold | 2 | 124 s | 7.8 s | 112 s | "
@@ -60,8 +64,11 @@ class UserSpeedTest(absltest.TestCase):
     self.assertIn("| wukong/large | 4096 | experiments.measure probe_overhead | 4 | one program, "
                   "cublas | 108 s | 377 ms | 95.2 ms | 154.5 ms | 9.8% | 2.4% | 1.2% | "
                   "123 steps |", text)
-    self.assertIn("| wukong/large | LoKA | 8.30 steps/s | 8.10 (8.00-8.20) | 0.976 | 1.330x, "
-                  "1.310x |", text)
+    # A row without batch_workers had none; one whose loop started them says when.
+    self.assertIn("| wukong/large | LoKA | 0 | 8.30 steps/s | 8.10 (8.00-8.20) | 0.976 | "
+                  "1.330x, 1.310x |", text)
+    self.assertIn("| dlrm/large | bf16+Mods | 8 (from step 14) | 140.00 steps/s | 128.00 "
+                  "(80.00-130.00) | 0.914 | - |", text)
     self.assertIn("NVIDIA H200, jax 0.11.2, 2026-12-04, commit abc1234, `bash call.sh`", text)
 
   def test_the_drift_table_shows_where_refreshes_fell_and_their_share(self):
