@@ -52,7 +52,7 @@ def main(argv):
       log_every=loop.log_every, checkpoint_every=loop.checkpoint_every,
       keep_checkpoints=loop.keep_checkpoints, nan_policy=loop.nan_policy,
       progress=loop.progress, module_norms=loop.module_norms, prefetch=loop.prefetch,
-      batch_workers=loop.batch_workers,
+      batch_workers=loop.batch_workers, run_ahead=loop.run_ahead,
       optim=OptimConfig(learning_rate=optim.lr, embedding_learning_rate=optim.embedding_lr,
                         warmup_steps=optim.warmup_steps, weight_decay=optim.weight_decay))
   for note in experiment.recipe_notes(spec.preset, train_config.optim):

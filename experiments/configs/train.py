@@ -34,6 +34,9 @@ def get_config() -> ml_collections.ConfigDict:
   # (DLRM and DCNv2 `large` on an H200). -1: started when the loop waits on the prefetch
   # thread, as many as the step needs (none on a CPU backend); 0: the thread alone.
   train.batch_workers = -1
+  # Read a step's metrics after dispatching the next one, where nothing else needs the step
+  # (not at eval, checkpoint or drift-valve steps): host and device overlap. Same numbers.
+  train.run_ahead = True
   # Each module's gradient, parameter and update norms and its output's RMS with every
   # metrics line (with log_every=1: every step), to read a loss spike with
   # `experiments.report spikes`. Adds a forward to each step.

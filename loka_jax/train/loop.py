@@ -26,6 +26,12 @@ state, reports the step and the first module (site) whose forward output, or the
 whose gradient, is non-finite, and raises NonFiniteError; 'skip' leaves the parameters as they
 were, moves on to the next batch and counts the skipped steps (a line with "skipped": true).
 
+Run-ahead (`TrainConfig.run_ahead`): a step's metrics are read after the next step is
+dispatched, unless what follows the step reads its state (evaluation, checkpoint, a step
+callback or model hook). The step dispatched ahead takes `halted` from the one before it and,
+once a step in flight was non-finite, changes nothing: 'stop' raises with the state before
+the bad step, 'skip' dispatches that step again. No number changes.
+
 Model swaps (`model_hook`, e.g. the Dispatch drift valve): after a step the hook may return a
 `ModelSwap` with a new model of the same parameters (another kernel plan). The loop keeps the
 parameters, optimizer state, data position and fp8 state (entries of sites that keep their
@@ -42,6 +48,7 @@ import time
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import jax
+import numpy as np
 import tqdm
 from absl import logging
 
@@ -111,6 +118,10 @@ class TrainConfig:
   # 6-7 ms step on an H200); 0: the prefetch thread makes them; -1: started when the loop
   # waits on the thread, as many as its step needs (none on a CPU backend).
   batch_workers: int = prefetch_lib.AUTO
+  # Read a step's metrics after dispatching the next one, where nothing but its metrics line
+  # needs it (not at evaluation, checkpoint, callback or model-hook steps): the host's work
+  # between two steps then overlaps the device's. Changes no number.
+  run_ahead: bool = True
   optim: OptimConfig = OptimConfig()
 
   def __post_init__(self):
@@ -284,11 +295,106 @@ def train(model, source, workdir: str, config: TrainConfig, *,
   make_batch = prefetch_lib.BatchMaker(source, config.batch_size)
   feed = prefetch_lib.prefetcher(make_batch, start + 1, config.steps, config.prefetch,
                                  config.batch_workers)
+  def is_eval(done: int) -> bool:
+    return bool(config.eval_every and done % config.eval_every == 0) or done == config.steps
+
+  def is_ckpt(done: int) -> bool:
+    return config.saves and (bool(config.checkpoint_every and done % config.checkpoint_every == 0)
+                             or done == config.steps)
+
+  def reads_state(done: int) -> bool:
+    """Whether what follows step `done` reads the state after it (which a step dispatched
+    ahead would have replaced)."""
+    return (step_callback is not None or model_hook is not None or is_eval(done)
+            or is_ckpt(done))
+
+  def finish(i: int, step_metrics, step_batch, began: float) -> bool:
+    """What follows step i once its metrics are read: the loss window, a non-finite step's
+    handling, the metrics line, evaluation, the callback, the checkpoint and a model swap.
+    False when the step was skipped (non-finite, nan_policy 'skip')."""
+    nonlocal state, model, train_step, eval_step, last_eval, grad_norm
+    step_metrics = jax.device_get(step_metrics)
+    if i == start:
+      time_split["first_step_s"] = time.perf_counter() - began
+    done = i + 1
+    if step_metrics["ok"]:
+      window.add(float(step_metrics["loss"]))
+      note_peak(loop_extras, float(step_metrics["loss"]), done)
+      grad_norm = float(step_metrics["grad_norm"])
+    else:
+      site = locate_non_finite(model, state, step_batch, i)
+      message = (f"non-finite loss/gradient (loss={float(step_metrics['loss'])}) in training "
+                 f"step {done} (batch index {i})"
+                 + (f"; first non-finite value at {site}" if site else ""))
+      writer.write({"step": done, "error": message,
+                    **({"skipped": True} if config.nan_policy == "skip" else {})})
+      if config.nan_policy == "skip":
+        loop_extras["skipped_steps"] += 1
+        logging.warning("%s; skipped it (nan_policy='skip')", message)
+      else:
+        # The state before the bad step is the last good one, unless an earlier update
+        # already overflowed the parameters (then the last checkpoint is).
+        if all_finite(state.params) and config.saves:
+          save(finite_since_last=False)   # the state before the bad step
+        raise NonFiniteError(non_finite_advice(message, checkpointer, done, start,
+                                               restored is not None),
+                             step=done, site=site,
+                             checkpoint=last_checkpoint(checkpointer))
+    bar.update(1)
+
+    logged = (config.log_every and done % config.log_every == 0) or is_eval(done) or is_ckpt(
+        done)
+    if logged:
+      record = window.record(done, time.perf_counter() - t0, grad_norm)
+      if step_metrics["ok"]:  # the norms of the line's last step, as its grad_norm is
+        record.update({k: {m: float(v) for m, v in step_metrics[k].items()}
+                       for k in module_norms_lib.KINDS if k in step_metrics})
+      if is_eval(done):
+        last_eval = (done, timed_evaluate())
+        record.update({k: last_eval[1][k] for k in ("ne", "auc", "logloss")})
+      writer.write(record)
+      logging.info("step %d: %s", done, {k: round(v, 5) if isinstance(v, float) else v
+                                         for k, v in record.items()
+                                         if k != "step" and k not in module_norms_lib.KINDS})
+      bar.set_postfix(loss=f"{record['loss']:.4f}")
+    # Before the step's checkpoint: it saves what the callback made of the step (a probe's
+    # observation at a checkpoint step), so a run resumed from it continues as one that
+    # was never stopped.
+    if step_callback is not None:
+      step_callback(done, state, step_metrics)
+    if logged:
+      if is_ckpt(done):
+        save()
+      window.reset()  # after the save, which the next line's steps_per_sec must not count
+    swap = model_hook.after_step(done, state, step_metrics) if model_hook is not None else None
+    if swap is not None and swap.model is not None:
+      state = swap_model(state, swap.model, first_batch, config.seed)
+      model = swap.model
+      train_step, eval_step = compiled_steps(model, config.optim, config.nan_policy,
+                                             config.module_norms)
+    for record in (swap.records if swap is not None else ()):
+      writer.write(record)
+    return bool(step_metrics["ok"])
+
+  # Run-ahead: a step whose outcome nothing but its metrics line needs is read after the
+  # next step is dispatched, so the device never waits for the host between them. The step
+  # takes `halted` (true once a step in flight was non-finite) and then changes nothing:
+  # 'stop' raises with the state before the bad step, 'skip' runs the step behind it again.
+  running = jax.device_put(np.False_)
+  halted = running
+  pending = None   # (i, metrics, batch, began) of a step whose metrics are not read yet
   try:
     batch = first_batch if start == 0 else make_batch(start)
-    for i in range(start, config.steps):
+    i = start
+    while i < config.steps:
       began = time.perf_counter()
-      state, step_metrics = train_step(state, batch)
+      state, step_metrics = train_step(state, batch, halted)
+      halted = step_metrics["halted"]
+      if pending is not None:
+        behind, pending = pending, None
+        if not finish(*behind):   # skipped: this step ran as a no-op behind it; again
+          halted = running
+          continue
       # The next batch: made ahead (feed), else on the host while the device runs this step.
       next_batch = (None if i + 1 >= config.steps else
                     feed.get(i + 1) if feed is not None else make_batch(i + 1))
@@ -297,71 +403,13 @@ def train(model, source, workdir: str, config: TrainConfig, *,
         logging.info("batches from step %d on are made in %d worker processes (a batch took "
                      "%.1f ms to make, the loop %.1f ms a step waiting for it)",
                      event["from_batch"], event["workers"], event["make_ms"], event["loop_ms"])
-      step_metrics = jax.device_get(step_metrics)
-      if i == start:
-        time_split["first_step_s"] = time.perf_counter() - began
-      done = i + 1
-      if step_metrics["ok"]:
-        window.add(float(step_metrics["loss"]))
-        note_peak(loop_extras, float(step_metrics["loss"]), done)
-        grad_norm = float(step_metrics["grad_norm"])
+      if config.run_ahead and i > start and not reads_state(i + 1):
+        pending = (i, step_metrics, batch, began)
       else:
-        site = locate_non_finite(model, state, batch, i)
-        message = (f"non-finite loss/gradient (loss={float(step_metrics['loss'])}) in training "
-                   f"step {done} (batch index {i})"
-                   + (f"; first non-finite value at {site}" if site else ""))
-        writer.write({"step": done, "error": message,
-                      **({"skipped": True} if config.nan_policy == "skip" else {})})
-        if config.nan_policy == "skip":
-          loop_extras["skipped_steps"] += 1
-          logging.warning("%s; skipped it (nan_policy='skip')", message)
-        else:
-          # The state before the bad step is the last good one, unless an earlier update
-          # already overflowed the parameters (then the last checkpoint is).
-          if all_finite(state.params) and config.saves:
-            save(finite_since_last=False)   # the state before the bad step
-          raise NonFiniteError(non_finite_advice(message, checkpointer, done, start,
-                                                 restored is not None),
-                               step=done, site=site,
-                               checkpoint=last_checkpoint(checkpointer))
-      bar.update(1)
-
-      is_eval = (config.eval_every and done % config.eval_every == 0) or done == config.steps
-      is_ckpt = config.saves and ((config.checkpoint_every
-                                   and done % config.checkpoint_every == 0)
-                                  or done == config.steps)
-      logged = (config.log_every and done % config.log_every == 0) or is_eval or is_ckpt
-      if logged:
-        record = window.record(done, time.perf_counter() - t0, grad_norm)
-        if step_metrics["ok"]:  # the norms of the line's last step, as its grad_norm is
-          record.update({k: {m: float(v) for m, v in step_metrics[k].items()}
-                         for k in module_norms_lib.KINDS if k in step_metrics})
-        if is_eval:
-          last_eval = (done, timed_evaluate())
-          record.update({k: last_eval[1][k] for k in ("ne", "auc", "logloss")})
-        writer.write(record)
-        logging.info("step %d: %s", done, {k: round(v, 5) if isinstance(v, float) else v
-                                           for k, v in record.items()
-                                           if k != "step" and k not in module_norms_lib.KINDS})
-        bar.set_postfix(loss=f"{record['loss']:.4f}")
-      # Before the step's checkpoint: it saves what the callback made of the step (a probe's
-      # observation at a checkpoint step), so a run resumed from it continues as one that
-      # was never stopped.
-      if step_callback is not None:
-        step_callback(done, state, step_metrics)
-      if logged:
-        if is_ckpt:
-          save()
-        window.reset()  # after the save, which the next line's steps_per_sec must not count
-      swap = model_hook.after_step(done, state, step_metrics) if model_hook is not None else None
-      if swap is not None and swap.model is not None:
-        state = swap_model(state, swap.model, first_batch, config.seed)
-        model = swap.model
-        train_step, eval_step = compiled_steps(model, config.optim, config.nan_policy,
-                                               config.module_norms)
-      for record in (swap.records if swap is not None else ()):
-        writer.write(record)
+        finish(i, step_metrics, batch, began)
+        halted = running   # read: a skipped step has nothing dispatched behind it
       batch = next_batch
+      i += 1
 
     final_step = int(jax.device_get(state.step))
     if last_eval is None or last_eval[0] != final_step:  # e.g. resumed at the end

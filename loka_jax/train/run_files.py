@@ -20,7 +20,7 @@ from loka_jax.train import metrics as metrics_lib
 # A plan's path ("plan") may change too: what it runs is pinned by "plan_kernels_sha256".
 RESUMABLE_SETTINGS = ("steps", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints",
                       "nan_policy", "progress", "plan", "module_norms", "prefetch",
-                      "batch_workers", "drift_compile_ahead")
+                      "batch_workers", "run_ahead", "drift_compile_ahead")
 # Fields of metrics lines and final.json that are wall-clock readings: the only ones a resumed
 # run may write differently from an uninterrupted one.
 WALL_CLOCK_FIELDS = ("time", "steps_per_sec", "time_split")

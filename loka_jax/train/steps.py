@@ -39,7 +39,12 @@ def loss_fn(model, params, fp8_meta, batch, rng, extra_variables=None):
 
 def _build_train_step(model, tx: optax.GradientTransformation, nan_policy: str,
                       module_norms: bool = False):
-  def train_step(state: TrainState, batch) -> Tuple[TrainState, Dict[str, jax.Array]]:
+  def train_step(state: TrainState, batch, halted=None
+                 ) -> Tuple[TrainState, Dict[str, jax.Array]]:
+    """One step. `halted` (a device bool, optional): an earlier step still unread by the
+    host was non-finite, so this one changes nothing; the metrics then carry `halted` for
+    the next step (the loop's run-ahead, loop.py). Without it the program has no such
+    input or output."""
     grad_fn = jax.value_and_grad(lambda p, f: loss_fn(model, p, f, batch,
                                                        step_rng(state, state.step)),
                                  argnums=(0, 1), has_aux=True)
@@ -50,9 +55,13 @@ def _build_train_step(model, tx: optax.GradientTransformation, nan_policy: str,
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     # Never apply a non-finite update; 'skip' still advances the data position.
     bad_step = 0 if nan_policy == "stop" else 1
-    new = jax.lax.cond(ok, lambda s: s.apply_gradients(tx, grads, fp8_grads),
-                       lambda s: s.replace(step=s.step + bad_step), state)
+    apply = ok if halted is None else ok & ~halted
+    advance = bad_step if halted is None else jnp.where(halted, 0, bad_step)
+    new = jax.lax.cond(apply, lambda s: s.apply_gradients(tx, grads, fp8_grads),
+                       lambda s: s.replace(step=s.step + advance), state)
     metrics = {"loss": loss, "ok": ok, "grad_norm": grad_norm}
+    if halted is not None:
+      metrics["halted"] = halted | ~ok
     if module_norms:  # the outputs from a second forward: the step's own is inside its grad
       metrics.update(module_norms_lib.step_norms(grads, state.params, new.params))
       metrics[module_norms_lib.OUTPUT] = module_norms_lib.output_rms(
