@@ -382,7 +382,7 @@ class DriftValve:
     collector.observe(state.variables(), state.rng, step)
     raw = jax.device_get(collector.state)
     keys = collector_lib.state_keys(collector.sites)
-    stats = {n: stats_report.site_stats(s, raw["sites"][keys[n]], 1)
+    stats = {n: stats_report.site_stats(s, raw["sites"][keys[n]], 1, detail=False)
              for n, s in collector.sites.items()}
     return stats, raw
 

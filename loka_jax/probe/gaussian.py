@@ -181,15 +181,18 @@ def sample_rows(key, factors, num_rows: int) -> jax.Array:
   return rows + jax.random.normal(k2, (num_rows, mean.shape[0]), jnp.float32) * diag_std
 
 
-def summary(state, top: int = 32) -> Dict:
-  """JSON-ready numbers for the report (host side)."""
+def summary(state, top: int = 32, spectrum: bool = True) -> Dict:
+  """JSON-ready numbers for the report (host side). `spectrum` False leaves out the
+  eigenvalues (an eigendecomposition of the covariance: most of this function's time) and
+  what depends on them ("spectrum" empty, "top_eigen_fraction" None)."""
   count = float(state["count"])
   cov_diag = (np.diag(np.asarray(covariance(state))) if "m2" in state
               else np.asarray(state["m2_diag"]) / max(count, 1.0))
   std = np.sqrt(np.maximum(cov_diag, 0.0))
   mean = np.asarray(state["mean"])
   med = float(np.median(std)) if std.size else 0.0
-  spectrum = np.asarray(eigenvalues(state, top)) if count > 0 else np.zeros(0)
+  spectrum = (np.asarray(eigenvalues(state, top)) if count > 0 and spectrum
+              else np.zeros(0))
   total = float(np.sum(np.maximum(cov_diag, 0.0)))
   return {
       "rows_seen": count,

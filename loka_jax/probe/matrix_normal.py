@@ -138,8 +138,16 @@ def sample(key, factors) -> jax.Array:
   return mean + z
 
 
-def summary(state) -> Dict:
-  """JSON-ready numbers for the report (host side)."""
+def _top_eigenvalues(cov: np.ndarray, top: int = 16) -> list:
+  """The `top` largest eigenvalues of a covariance (2-D) or of a diagonal one (1-D)."""
+  return [float(x) for x in np.sort(np.linalg.eigvalsh(cov) if cov.ndim == 2
+                                    else cov)[::-1][:top]]
+
+
+def summary(state, spectrum: bool = True) -> Dict:
+  """JSON-ready numbers for the report (host side). `spectrum` False leaves out the row and
+  column covariances' eigenvalues (empty lists): their host eigendecompositions are most of
+  this function's time."""
   mean = np.asarray(state["mean"])
   u = np.asarray(state["row_cov"])
   v = np.asarray(state["col_cov"])
@@ -157,8 +165,6 @@ def summary(state) -> Dict:
       "drift_rms": float(np.sqrt(max(drift_var, 0.0))),
       # Per contracted-index scale spread of the weight (outlier input channels).
       "col_rms_max_over_median": float(col_std.max() / med) if med > 0 else None,
-      "row_cov_spectrum": [float(x) for x in np.sort(np.linalg.eigvalsh(u) if u.ndim == 2
-                                                      else u)[::-1][:16]],
-      "col_cov_spectrum": [float(x) for x in np.sort(np.linalg.eigvalsh(v) if v.ndim == 2
-                                                      else v)[::-1][:16]],
+      "row_cov_spectrum": _top_eigenvalues(u) if spectrum else [],
+      "col_cov_spectrum": _top_eigenvalues(v) if spectrum else [],
   }

@@ -48,22 +48,25 @@ def _amax_summary(acc: Mapping, observations: int) -> Dict:
           "growth_max": float(acc["growth_max"])}
 
 
-def site_stats(site: SiteProbe, state: Mapping, observations: int) -> Dict:
-  """The `stats` object of one site in the report."""
+def site_stats(site: SiteProbe, state: Mapping, observations: int,
+               detail: bool = True) -> Dict:
+  """The `stats` object of one site in the report. `detail` False leaves out what the drift
+  check does not read: the covariance spectra (host and device eigendecompositions, most of
+  the time a refresh of the drift valve spent here) and the histograms."""
   out: Dict = {"observations": observations}
   for op in OPERANDS:
     mode = site.modes[op].describe()
     if op == "rhs" and site.kind == ACT_WEIGHT:
-      numbers = matrix_normal.summary(state["rhs"])
+      numbers = matrix_normal.summary(state["rhs"], spectrum=detail)
       values = np.asarray(state["weight"], np.float32)
     else:
-      numbers = gaussian.summary(state[op])
+      numbers = gaussian.summary(state[op], spectrum=detail)
       values = (np.asarray(state["reservoir"][op]) if "reservoir" in state
                 and op in state["reservoir"] else None)
     entry = {**mode, **numbers,
              "flush": _flush_summary(state["flush"][op], observations, op),
              "amax": _amax_summary(state["amax"][op], observations)}
-    if values is not None:
+    if values is not None and detail:
       entry["histogram"] = histogram(values)
     out[op] = entry
   if "reservoir" in state:

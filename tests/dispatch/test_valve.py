@@ -23,7 +23,9 @@ from loka_jax.probe import executables
 from loka_jax.probe import training
 from loka_jax.probe import report as report_lib
 from loka_jax.probe.eligibility import Criteria
-from loka_jax.train import TrainConfig, read_metrics, train
+from loka_jax.probe import stats_report
+from loka_jax.train import (OptimConfig, TrainConfig, create_train_state, make_optimizer,
+                            read_metrics, train)
 from loka_jax.train import loop as loop_lib
 import train_toys
 from cli_helpers import run_module
@@ -262,6 +264,38 @@ class DriftValveTest(chex.TestCase):
     self.assertLen(pools, 2)
     valve.close()
     self.assertTrue(all(f.done() for pool in pools for f in pool._futures))
+
+  def test_a_refresh_computes_the_drift_numbers_without_spectra_or_histograms(self):
+    # The drift check reads scales, spreads, amax and flush; a refresh leaves out the
+    # covariance spectra and histograms (most of its host time) and computes the rest as a
+    # report's full statistics do.
+    source = ShiftedSource(0, 1000.0, seed=3, num_eval=64)
+    valve = valve_lib.DriftValve(build, self.plan, self.report, source, BATCH,
+                                 os.path.join(self.dir, "light"), CONFIG, log=lambda _: None)
+    state = create_train_state(valve.model, make_optimizer(OptimConfig()),
+                               source.train_batch(0, BATCH), 0)
+    light, raw = valve.refresh_stats(0, state)
+    sites = valve._sites_collector().sites
+    keys = collector_lib.state_keys(sites)
+    full = {n: stats_report.site_stats(s, raw["sites"][keys[n]], 1) for n, s in sites.items()}
+    spectra = ("spectrum", "row_cov_spectrum", "col_cov_spectrum")
+    for name, stats in full.items():
+      for op in ("lhs", "rhs", "grad"):
+        detailed = stats[op]
+        self.assertTrue(any(detailed.get(k) for k in spectra), (name, op))
+        self.assertNotIn("histogram", light[name][op])
+        for key in spectra:
+          if key in detailed:
+            self.assertEqual(light[name][op][key], [])
+        left_out = (*spectra, "histogram", "top_eigen_fraction")
+        self.assertEqual({k: v for k, v in light[name][op].items() if k not in left_out},
+                         {k: v for k, v in detailed.items() if k not in left_out})
+    # The same verdicts (the source's shift fires them).
+    by_light = dispatch.drift.drifted_sites(self.report, light, CONFIG.bound)
+    by_full = dispatch.drift.drifted_sites(self.report, full, CONFIG.bound)
+    self.assertTrue(any(d.shifted for d in by_full.values()))
+    self.assertEqual({n: d.to_dict() for n, d in by_light.items()},
+                     {n: d.to_dict() for n, d in by_full.items()})
 
   def test_a_shifted_site_in_bf16_on_every_pass_is_not_reevaluated(self):
     # bf16 is every site's fallback: a drift cannot make it unsafe, so the valve records the
