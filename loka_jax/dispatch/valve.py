@@ -57,6 +57,8 @@ STATE_KEY = "drift_valve"      # checkpoint extras: baselines, events, refresh s
 ACTIVE_PLAN = "drift_plan.json"
 SWITCH_EVENT = "drift_switch"
 KEPT_EVENT = "drift_kept"
+# A drifted site in bf16 on every pass: the fallback itself, which no drift makes unsafe.
+NOTHING_TO_REEVALUATE = f"every pass runs {FALLBACK}: nothing to re-evaluate"
 
 
 class ValveSetupError(ValueError):
@@ -412,8 +414,8 @@ class DriftValve:
     for name in [*shifted, *bf16_only]:  # judged (or nothing to judge) on these statistics
       self.baselines[name] = _without_histograms(stats[name])
     records = [{"step": step, "event": KEPT_EVENT, "site": name,
-                "reason": f"{'; '.join(drifts[name].reasons)}; every pass runs {FALLBACK}: "
-                          "nothing to re-evaluate"} for name in bf16_only]
+                "reason": f"{'; '.join(drifts[name].reasons)}; {NOTHING_TO_REEVALUATE}"}
+               for name in bf16_only]
     for s in steps:
       reason = "; ".join(s.get("reasons", []))
       if s.get("switched"):
@@ -428,6 +430,7 @@ class DriftValve:
     for r in records:
       self.log(f"[drift] step {step}: {r['site']} " + (
           f"{r['pass']} {r['from']} -> {r['to']}" if r["event"] == SWITCH_EVENT
+          else f"drifted; {NOTHING_TO_REEVALUATE}" if r["site"] in bf16_only
           else "kernels still safe: kept"))
     self.plan = new_plan  # with the validation record of the re-evaluation
     if not any(s.get("switched") for s in steps):

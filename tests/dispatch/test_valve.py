@@ -306,8 +306,9 @@ class DriftValveTest(chex.TestCase):
         plan = dispatch.back_off(plan, name, None, "this test runs it in bf16", step="test")
     source = ShiftedSource(SHIFT_AT, 1000.0, seed=3, num_eval=64)
     workdir = os.path.join(self.dir, "bf16_shift")
+    lines = []
     valve = valve_lib.DriftValve(build, plan, self.report, source, BATCH, workdir, CONFIG,
-                                 log=lambda _: None)
+                                 log=lines.append)
     self.assertEqual(valve.fp8_sites(), [])
     with mock.patch.object(valve_lib.evaluate, "evaluate_site",
                            wraps=valve_lib.evaluate.evaluate_site) as evaluated:
@@ -324,6 +325,9 @@ class DriftValveTest(chex.TestCase):
     self.assertRegex([r for r in kept if r["site"] == "hidden"][0]["reason"],
                      r"^lhs\.(spread|crest)_log2")
     self.assertEqual(valve.plan["sites"], plan["sites"])
+    self.assertIn("[drift] step 8: hidden drifted; every pass runs xla_bf16: nothing to "
+                  "re-evaluate", lines)
+    self.assertFalse([l for l in lines if "still safe" in l])
 
 
 class TrainRunValveTest(chex.TestCase):
