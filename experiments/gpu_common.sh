@@ -27,8 +27,8 @@ max_minutes() {
 
 # train_run DIR LOG ARGS...: `experiments.train` of MODEL/PRESET (all Mods) for STEPS (150)
 # steps into DIR, a metrics window every 25 steps, no checkpoints, batches made in
-# BATCH_WORKERS (-1: as many as the step needs; 0: the prefetch thread) processes, killed after ARM_LIMIT (240) seconds; its
-# output goes to LOG, ARGS are config overrides (the arm).
+# BATCH_WORKERS processes (-1: as many as the step needs; 0: the prefetch thread), killed
+# after ARM_LIMIT (240) seconds; its output goes to LOG, ARGS are config overrides (the arm).
 train_run() {
   local dir=$1 log=$2; shift 2
   timeout "${ARM_LIMIT:-240}" python3 -m experiments.train --workdir="$dir" \
