@@ -14,8 +14,9 @@
 # calibrate its exported model; defaults: the committed wukong and dcnv2 large reports;
 # without one the LoKA arm is left out),
 # BATCH_WORKERS (the loop's batch-making processes; -1, the default: as many as the step
-# needs), ARM_LIMIT (seconds per loop arm, 240), MAXMIN (3: the bench's minutes per model), COMMIT (recorded in the rows), WORK
-# (/tmp/loop_bench), OUT (set on the device; elsewhere $WORK/out).
+# needs), ARM_LIMIT (seconds per loop arm, 240), MAXMIN (3: the bench's minutes per model),
+# COMMIT (recorded in the rows), WORK (/tmp/loop_bench), OUT (set on the device; elsewhere
+# $WORK/out).
 set -u
 source experiments/gpu_common.sh
 ensure_wheels || exit 1
