@@ -2,13 +2,11 @@
 a later measurement replacing an earlier one, and the at-a-glance table of the targets."""
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 from absl.testing import absltest
 
-from cli_helpers import REPO
+from cli_helpers import run_module
 from bench_rows import speed, tempdir
 from experiments.bench import collect, tables, targets
 
@@ -128,9 +126,7 @@ class GlanceTableTest(absltest.TestCase):
 class CliTest(absltest.TestCase):
 
   def _run(self, *args):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "MPLBACKEND": "Agg"}
-    return subprocess.run([sys.executable, "-m", "experiments.report", "rows", *args], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=120)
+    return run_module("experiments.report", "rows", *args, timeout=120)
 
   def test_writes_the_report_targets_and_plots_and_refuses_mixed_cards(self):
     rng = np.random.default_rng(4)

@@ -4,13 +4,11 @@ resumed bench then sees them as not done."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 
 from absl.testing import absltest
 
-from cli_helpers import REPO
+from cli_helpers import run_module
 from experiments.bench import forget, planning, quality, suite
 from experiments.bench.results import ResultsFile
 
@@ -162,12 +160,10 @@ class CliTest(absltest.TestCase):
 
   def test_moves_the_rows_and_says_so(self):
     d, _ = _workdir(self)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
     def run(*args):
-      return subprocess.run([sys.executable, "-m", "experiments.forget_rows", f"--workdir={d}",
-                             "--config.forget.target=dhen/large", *args], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=120)
+      return run_module("experiments.forget_rows", f"--workdir={d}",
+                        "--config.forget.target=dhen/large", *args, timeout=120)
 
     done = run("--config.forget.variants=loka", "--config.forget.plan_files=plan_serve.json")
     self.assertEqual(done.returncode, 0, done.stderr[-2000:])

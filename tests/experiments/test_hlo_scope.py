@@ -3,13 +3,11 @@ control flow), signatures, and the comparison of two programs, on a hand-written
 on a real compiled step."""
 import os
 import re
-import subprocess
-import sys
 import tempfile
 
 from absl.testing import absltest
 
-from cli_helpers import REPO
+from cli_helpers import run_module
 from experiments.bench import hlo_scope
 from model_helpers import wukong_train_hlo
 
@@ -128,9 +126,7 @@ class CompareTest(absltest.TestCase):
     path = os.path.join(tmp, "module.txt")
     with open(path, "w") as f:
       f.write(MODULE)
-    run = lambda *args: subprocess.run(
-        [sys.executable, "-m", "experiments.report", "hlo_scope", *args], cwd=REPO,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=120)
+    run = lambda *args: run_module("experiments.report", "hlo_scope", *args, timeout=120)
     done = run("--scope=M/emb (bwd)", "--names=x,y", path, path)
     self.assertEqual(done.returncode, 0, done.stderr)
     self.assertIn("x runs 2 instructions, y 2; 2 the same in both", done.stdout)

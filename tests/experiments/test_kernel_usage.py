@@ -3,14 +3,12 @@ serving, which per-pass kernels nothing picks, and the command that prints it.""
 import gzip
 import json
 import os
-import subprocess
-import sys
 import tempfile
 
 from absl.testing import absltest
 
 import report_builders as hm
-from cli_helpers import REPO
+from cli_helpers import run_module
 from loka_jax.dispatch import usage
 
 
@@ -60,9 +58,7 @@ class KernelUsageTest(absltest.TestCase):
     with gzip.open(good, "wt") as f:
       json.dump(_report(), f)
     out = os.path.join(tmp, "usage.json")
-    run = lambda *args: subprocess.run(
-        [sys.executable, "-m", "experiments.report", "kernel_usage", *args], cwd=REPO,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=120)
+    run = lambda *args: run_module("experiments.report", "kernel_usage", *args, timeout=120)
     done = run(good, f"--out={out}")
     self.assertEqual(done.returncode, 0, done.stderr)
     self.assertIn("per-pass kernels no selection picked: pallas_fp8_rowwise", done.stdout)

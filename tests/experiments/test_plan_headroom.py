@@ -3,15 +3,13 @@ savings summed from hand-made kernel timings and checked against hand arithmetic
 import gzip
 import json
 import os
-import subprocess
-import sys
 import tempfile
 
 import chex
 from absl.testing import absltest
 
 import report_builders as hm
-from cli_helpers import REPO
+from cli_helpers import run_module
 from experiments.bench import headroom
 from loka_jax.dispatch import pipeline, selection
 from loka_jax.plan.file import save_plan
@@ -167,10 +165,9 @@ class CliTest(chex.TestCase):
     save_report(rep, os.path.join(tmp, "report.json"))
     save_plan(selection.select(rep, Criteria()), os.path.join(tmp, "plan.json"))
     out = os.path.join(tmp, "out")
-    cmd = [sys.executable, "-m", "experiments.report", "plan_headroom",
-           f"--report={tmp}/report.json", f"--plans=loka={tmp}/plan.json",
-           "--train_step_ms=2", "--infer_step_ms=1", "--train_target=1.25", f"--out={out}"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    args = ["plan_headroom", f"--report={tmp}/report.json", f"--plans=loka={tmp}/plan.json",
+            "--train_step_ms=2", "--infer_step_ms=1", "--train_target=1.25", f"--out={out}"]
+    done = run_module("experiments.report", *args)
     self.assertEqual(done.returncode, 0, done.stderr[-2000:])
     self.assertIn("| b | xla_fp8_rowwise | flax_fp8_delayed |", done.stdout)
     with open(os.path.join(out, "headroom.json")) as f:
@@ -179,8 +176,7 @@ class CliTest(chex.TestCase):
     self.assertAlmostEqual(loka["projected"], 2.0 / (2.0 - (125 + 60) / 1e3), places=6)
     with open(os.path.join(out, "headroom.png"), "rb") as f:
       self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
-    bad = subprocess.run(cmd[:5] + ["--plans=loka"], capture_output=True, text=True,
-                         timeout=300, cwd=REPO)
+    bad = run_module("experiments.report", *args[:2], "--plans=loka")
     self.assertNotEqual(bad.returncode, 0)
     self.assertIn("give name=PLAN.json", bad.stderr)
 

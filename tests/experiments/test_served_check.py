@@ -3,13 +3,11 @@ which score applies to a row, how an outside-the-budget score voids the inferenc
 and nothing else, and the report's `--served_quality` flag end to end."""
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 from absl.testing import absltest
 
-from cli_helpers import REPO
+from cli_helpers import run_module
 from bench_rows import speed, tempdir
 from experiments.bench import served_check, tables, targets
 
@@ -191,13 +189,10 @@ class CliTest(absltest.TestCase):
     with open(rows, "w") as f:
       for r in _rows(np.random.default_rng(5)):
         f.write(json.dumps(r) + "\n")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "MPLBACKEND": "Agg"}
 
     def run(*args):
-      return subprocess.run([sys.executable, "-m", "experiments.report", "rows",
-                             f"--rows={rows}",
-                             f"--out={os.path.join(d, 'out')}", *args], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=120)
+      return run_module("experiments.report", "rows", f"--rows={rows}",
+                        f"--out={os.path.join(d, 'out')}", *args, timeout=120)
 
     done = run(f"--served_quality={_report(d, 'r.json')}")
     self.assertEqual(done.returncode, 0, done.stderr[-2000:])

@@ -1,8 +1,6 @@
 """No Bias's exceptions: `keep_bias:PATTERN` Mods entries keep the matching dense sites' biases."""
 import json
 import os
-import subprocess
-import sys
 import tempfile
 
 import chex
@@ -10,7 +8,7 @@ import jax
 import numpy as np
 from absl.testing import absltest
 
-from cli_helpers import REPO
+from cli_helpers import run_module
 from experiments.bench import mods_set, quality, suite, towers
 from loka_jax.models import SiteConfig, apply_mods, get_config
 from loka_jax.models.presets import ModsError
@@ -79,19 +77,19 @@ class KeepBiasTest(chex.TestCase):
 
   def test_the_train_script_takes_and_records_them(self):
     with tempfile.TemporaryDirectory() as tmp:
-      run = subprocess.run(
-          [sys.executable, "-m", "experiments.train", "--config.run.model=dcnv2",
-           "--config.run.preset=tiny", "--config.run.mods=all,keep_bias:cross_*",
-           "--config.run.steps=2", "--config.run.num_eval=256", "--config.train.progress=false",
-           f"--workdir={tmp}"], cwd=REPO, capture_output=True, text=True)
+      run = run_module(
+          "experiments.train", "--config.run.model=dcnv2",
+          "--config.run.preset=tiny", "--config.run.mods=all,keep_bias:cross_*",
+          "--config.run.steps=2", "--config.run.num_eval=256", "--config.train.progress=false",
+          f"--workdir={tmp}")
       self.assertEqual(run.returncode, 0, run.stderr[-2000:])
       with open(os.path.join(tmp, "config.json")) as f:
         self.assertEqual(json.load(f)["run"]["mods"], ["all", "keep_bias:cross_*"])
-      bad = subprocess.run(
-          [sys.executable, "-m", "experiments.train", "--config.run.model=dcnv2",
-           "--config.run.preset=tiny", "--config.run.mods=all,keep_bias:nowhere",
-           "--config.run.steps=2", "--config.train.progress=false",
-           f"--workdir={os.path.join(tmp, 'bad')}"], cwd=REPO, capture_output=True, text=True)
+      bad = run_module(
+          "experiments.train", "--config.run.model=dcnv2",
+          "--config.run.preset=tiny", "--config.run.mods=all,keep_bias:nowhere",
+          "--config.run.steps=2", "--config.train.progress=false",
+          f"--workdir={os.path.join(tmp, 'bad')}")
       self.assertNotEqual(bad.returncode, 0)
       self.assertIn("error: keep_bias pattern(s) ['nowhere'] keep no bias", bad.stderr)
 

@@ -7,8 +7,6 @@ on metrics written by hand with a planted jump.
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 
 import chex
@@ -16,7 +14,7 @@ import jax
 import numpy as np
 from absl.testing import absltest
 
-from cli_helpers import REPO
+from cli_helpers import run_module
 from loka_jax.train import (OptimConfig, TrainConfig, make_optimizer, read_metrics,
                             restore_run, train)
 from loka_jax.train import module_norms as norms_lib
@@ -266,17 +264,16 @@ class SpikeReadingTest(chex.TestCase):
       spikes.read_trace(os.path.join(self.tmp, "missing"))
 
   def test_the_script_writes_the_report_and_plot(self):
-    out = subprocess.run([sys.executable, "-m", "experiments.report", "spikes",
-                          f"--workdir={self.tmp}"], cwd=REPO, capture_output=True, text=True,
-                         check=True).stdout
+    done = run_module("experiments.report", "spikes", f"--workdir={self.tmp}")
+    self.assertEqual(done.returncode, 0, done.stderr[-2000:])
+    out = done.stdout
     self.assertIn("First gradient jump: `cross_0` at step 31", out)
     for name in ("spike.json", "spike.md", "spike.png"):
       self.assertGreater(os.path.getsize(os.path.join(self.tmp, name)), 100, name)
     with open(os.path.join(self.tmp, "spike.json")) as f:
       self.assertEqual(json.load(f)["first_module"], "cross_0")
-    failed = subprocess.run([sys.executable, "-m", "experiments.report", "spikes",
-                             f"--workdir={os.path.join(self.tmp, 'none')}"], cwd=REPO,
-                            capture_output=True, text=True)
+    failed = run_module("experiments.report", "spikes",
+                        f"--workdir={os.path.join(self.tmp, 'none')}")
     self.assertNotEqual(failed.returncode, 0)
     self.assertIn("no metrics file", failed.stderr)
 
