@@ -27,8 +27,8 @@ whose gradient, is non-finite, and raises NonFiniteError; 'skip' leaves the para
 were, moves on to the next batch and counts the skipped steps (a line with "skipped": true).
 
 Run-ahead (`TrainConfig.run_ahead`): a step's metrics are read after the next step is
-dispatched, unless what follows the step reads its state (evaluation, checkpoint, a step
-callback or model hook). The step dispatched ahead takes `halted` from the one before it and,
+dispatched, unless what follows the step reads its state (evaluation, checkpoint; every step
+of a run with a step callback or model hook). The step dispatched ahead takes `halted` from the one before it and,
 once a step in flight was non-finite, changes nothing: 'stop' raises with the state before
 the bad step, 'skip' dispatches that step again. No number changes.
 
@@ -119,8 +119,9 @@ class TrainConfig:
   # waits on the thread, as many as its step needs (none on a CPU backend).
   batch_workers: int = prefetch_lib.AUTO
   # Read a step's metrics after dispatching the next one, where nothing but its metrics line
-  # needs it (not at evaluation, checkpoint, callback or model-hook steps): the host's work
-  # between two steps then overlaps the device's. Changes no number.
+  # needs it (not at evaluation or checkpoint steps, and never in a run with a step callback
+  # or model hook, which read every step's state): the host's work between two steps then
+  # overlaps the device's. Changes no number.
   run_ahead: bool = True
   optim: OptimConfig = OptimConfig()
 
@@ -377,10 +378,13 @@ def train(model, source, workdir: str, config: TrainConfig, *,
     return bool(step_metrics["ok"])
 
   # Run-ahead: a step whose outcome nothing but its metrics line needs is read after the
-  # next step is dispatched, so the device never waits for the host between them. The step
+  # next step is dispatched, so the device never waits for the host between them. A step
+  # callback or model hook reads every step's state, so with either there is no run-ahead. The step
   # takes `halted` (true once a step in flight was non-finite) and then changes nothing:
   # 'stop' raises with the state before the bad step, 'skip' runs the step behind it again.
-  running = jax.device_put(np.False_)
+  # Placed as the step's own outputs are (the state's step counter), so the flag a step
+  # returns and the one the loop starts with compile to one program.
+  running = jax.device_put(np.False_, state.step.sharding)
   halted = running
   pending = None   # (i, metrics, batch, began) of a step whose metrics are not read yet
   try:

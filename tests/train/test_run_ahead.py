@@ -10,7 +10,8 @@ import jax
 import numpy as np
 from absl.testing import absltest
 
-from loka_jax.train import NonFiniteError, TrainConfig, loop, read_metrics, restore_run, train
+from loka_jax.train import (NonFiniteError, OptimConfig, TrainConfig, loop, read_metrics,
+                            restore_run, train)
 from loka_jax.train import run_files
 
 import train_toys
@@ -103,6 +104,18 @@ class RunAheadTest(absltest.TestCase):
 
     self.assertEqual(order(False), ["D", 1, "D", 2, "D", 3, "D", 4, "D", 5, "D", 6])
     self.assertEqual(order(True), ["D", 1, "D", "D", 2, "D", 3, "D", 4, "D", 5, 6])
+
+  def test_the_step_compiles_once(self):
+    # The flag the loop starts with and the one each step returns are placed alike: one
+    # program, not a second compile a few steps in. (A learning rate of its own gives this
+    # test a jitted step no other test has called.)
+    optim = OptimConfig(learning_rate=0.00123)
+    config = TrainConfig(steps=8, batch_size=32, log_every=1, keep_checkpoints=0,
+                         progress=False, optim=optim)
+    with jax.log_compiles(True), self.assertLogs("jax._src.interpreters.pxla", "WARNING") as logs:
+      train(train_toys.ToyClickModel(), train_toys.ToySource(),
+            os.path.join(self.dir, "once"), config)
+    self.assertEqual(sum("Compiling jit(train_step)" in m for m in logs.output), 1)
 
 
 if __name__ == "__main__":
