@@ -28,9 +28,10 @@ def _windows(run_dir: str):
 
 
 def _batch_workers(run_dir: str):
-  """(worker processes making the loop's batches at its end, the step they started at): the
-  last `batch_workers` line of metrics.jsonl, else the run's setting in config.json (a
-  setting of -1 that started none: 0), with no step."""
+  """(worker processes that made the loop's batches, the step they started at): those of the
+  last `batch_workers` line of metrics.jsonl (the latest process that started any; the call
+  runs one process), else the run's setting in config.json (a setting of -1 that started
+  none: 0), with no step."""
   lines = [row for _, row, error in jsonio.jsonl_rows(os.path.join(run_dir, "metrics.jsonl"))
            if error is None and isinstance(row, dict) and row.get("event") == "batch_workers"]
   if lines:

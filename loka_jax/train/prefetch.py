@@ -1,9 +1,9 @@
 """Training batches made and moved to the device ahead of the step that takes them.
 
-The loop reads each step's metrics before it starts the next one (a non-finite step must stop
-with the state before it), so every gap between two steps is device time lost: a batch made on
-the host (14-34 ms for a `large` preset's 4096 synthetic examples on one core) and copied to
-the device (2-5 MB) after the previous step ended would be such a gap. A `Prefetcher` makes
+The loop dispatches each step as soon as the one before it is dispatched or read (loop.py), so
+every gap between two steps is device time lost: a batch made on the host (14-34 ms for a
+`large` preset's 4096 synthetic examples on one core) and copied to the device (2-5 MB) after
+the previous step ended would be such a gap. A `Prefetcher` makes
 the next `depth` batches on a background thread, in step order, and starts their transfer
 (`jax.device_put` returns at once), so the step finds its batch on the device.
 
@@ -13,7 +13,8 @@ step takes 6-7 ms on an H200), so more threads would not help. With `workers` N 
 batches are made in N worker processes (spawned: the parent's JAX backend is never forked),
 N + `depth` in flight, and the thread only puts them on the device in order. `make` must then
 pickle (`BatchMaker` of a source that pickles); one that does not falls back to the thread,
-with a warning.
+with a warning, as do the batches after a worker process dies (`BrokenProcessPool`: killed for
+memory, or unable to import the source's module).
 
 With `workers` AUTO (-1) the thread makes the first batches and times them against the
 loop's time between two `get` calls; once the loop has waited for its batch on most of the
@@ -21,7 +22,9 @@ last eight steps and a batch takes longer to make than that time, it starts as m
 processes as the ratio asks (up to `auto_worker_cap()`: none on a CPU backend, whose step
 needs those cores) and they make every batch after that. Their start is a one-time pause of
 a few seconds (each imports the source's module); a loop whose batches keep pace never
-starts any.
+starts any. AUTO starts none where a spawned process would run the user's script again (a
+script started by path rather than with `python -m`) or could not import the source's class
+(one defined in a notebook or interactive session): it warns once and stays on the thread.
 """
 from __future__ import annotations
 
@@ -33,9 +36,11 @@ import os
 import pickle
 import queue
 import statistics
+import sys
 import threading
 import time
 import warnings
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Dict, List, Optional
 
 import jax
@@ -84,6 +89,29 @@ def worker_pool(make: Callable[[int], Any], workers: int
       initargs=(make,))
 
 
+def spawn_blocker(make: Callable[[int], Any]) -> Optional[str]:
+  """Why AUTO must not start worker processes for `make` (None: it may). A spawned process
+  imports the parent's main module again: by name when it was started with `python -m`
+  (its `if __name__ == "__main__"` part does not run), by path otherwise (all of a script
+  runs again, which only a guarded script survives); and a class defined in a notebook or
+  interactive session cannot be imported at all."""
+  try:
+    blob = pickle.dumps(make)
+  except Exception as e:  # noqa: BLE001 - any pickling failure means: no worker processes
+    return (f"the batch maker does not pickle ({type(e).__name__}: {str(e)[:200]}), which "
+            "worker processes need")
+  main = sys.modules.get("__main__")
+  if getattr(main, "__spec__", None) is not None:
+    return None
+  if getattr(main, "__file__", None):
+    return (f"a worker process would run {main.__file__} again; start it with python -m, "
+            "or set batch_workers=N with its entry under `if __name__ == \"__main__\"`")
+  if b"__main__" in blob:
+    return ("the batch maker's source is defined in this notebook or interactive session, "
+            "which worker processes cannot import; define it in a module")
+  return None
+
+
 AUTO = -1
 # The batches and steps the automatic choice reads (the latest of each), and the steps it
 # leaves out first (compiles, the first puts).
@@ -128,7 +156,8 @@ class Prefetcher:
     self._stop = stop
     self._queue: "queue.Queue" = queue.Queue(maxsize=depth)
     self._closed = threading.Event()
-    self._events: List[Dict[str, Any]] = []
+    self._events: "queue.SimpleQueue" = queue.SimpleQueue()
+    self._next_offer = start   # the batch index the loop gets next from the queue
     # The loop's seconds between a get's return and the next get, and whether that get
     # found no batch ready (AUTO reads both).
     self._outside: "collections.deque" = collections.deque(maxlen=AUTO_WINDOW)
@@ -142,7 +171,8 @@ class Prefetcher:
     self.workers = workers if self._pool is not None else 0
     fill = (self._fill_from_pool if self._pool is not None else
             self._fill_then_workers if self._cap > 0 else self._fill)
-    self._thread = threading.Thread(target=fill, args=(make, put, start, stop, depth),
+    self._thread = threading.Thread(target=self._guarded,
+                                    args=(fill, make, put, start, stop, depth),
                                     name="loka-batch-prefetch", daemon=True)
     self._thread.start()
 
@@ -155,6 +185,14 @@ class Prefetcher:
         item = (i, None, e)
       if not self._offer(item) or item[2] is not None:
         return
+
+  def _guarded(self, fill, *args) -> None:
+    """Runs `fill`; an exception it did not hand to the loop itself reaches the loop at the
+    batch it expects next, so `get` never waits on a thread that has died."""
+    try:
+      fill(*args)
+    except BaseException as e:  # noqa: BLE001 - whatever it is, the loop must see it
+      self._offer((self._next_offer, None, e))
 
   def _fill_then_workers(self, make, put, start: int, stop: int, depth: int) -> None:
     """AUTO: the thread makes batches, timing each, until the loop is seen waiting on it;
@@ -173,12 +211,14 @@ class Prefetcher:
       i += 1
       wanted = self._workers_wanted(made)
       if wanted and i < stop:
-        self._pool = worker_pool(make, wanted)
-        if self._pool is None:   # the maker does not pickle (warned): the thread goes on
+        blocker = spawn_blocker(make)
+        if blocker is not None:
+          warnings.warn(f"batches are made on one thread, slower than the step: {blocker}")
           self._cap = 0
           continue
+        self._pool = worker_pool(make, wanted)
         self.workers = wanted
-        self._events.append({"event": "batch_workers", "from_batch": i, "workers": wanted,
+        self._events.put({"event": "batch_workers", "from_batch": i, "workers": wanted,
                              "make_ms": round(1e3 * statistics.median(made), 3),
                              "loop_ms": round(1e3 * statistics.median(self._outside), 3)})
         self._fill_from_pool(make, put, i, stop, depth)
@@ -196,34 +236,58 @@ class Prefetcher:
   def take_events(self) -> List[Dict[str, Any]]:
     """What the prefetcher changed since the last call (AUTO's start of worker processes:
     `{"event": "batch_workers", "from_batch", "workers", "make_ms", "loop_ms"}`)."""
-    events, self._events = self._events, []
-    return events
+    events = []
+    while True:
+      try:
+        events.append(self._events.get_nowait())
+      except queue.Empty:
+        return events
 
   def _fill_from_pool(self, make, put, start: int, stop: int, depth: int) -> None:
-    del make  # the workers hold it
+    """Batches from the worker processes, in order; after a worker died, from the thread."""
     pending: "collections.deque" = collections.deque()
     i = start
     while True:
-      while i < stop and len(pending) < depth + self.workers:
-        pending.append((i, self._pool.submit(_make_in_worker, i)))
-        i += 1
+      try:
+        while i < stop and len(pending) < depth + self.workers:
+          pending.append((i, self._pool.submit(_make_in_worker, i)))
+          i += 1
+      except BrokenProcessPool as e:
+        self._back_to_thread(e, pending[0][0] if pending else i, pending)
+        return self._fill(make, put, pending[0][0] if pending else i, stop, depth)
       if not pending:
         return
-      index, future = pending.popleft()
+      index, future = pending[0]
       try:
         item = (index, put(future.result()), None)
+      except BrokenProcessPool as e:
+        self._back_to_thread(e, index, pending)
+        return self._fill(make, put, index, stop, depth)
       except BaseException as e:  # handed to the loop at this step; nothing more is made
         item = (index, None, e)
+      pending.popleft()
       if not self._offer(item) or item[2] is not None:
         for _, f in pending:
           f.cancel()
         return
+
+  def _back_to_thread(self, error, index: int, pending) -> None:
+    """After a worker process died: the pool is dropped and the thread makes batch `index`
+    on (the batches in flight are lost with the pool)."""
+    warnings.warn(f"batches are made on one thread from batch {index} on: a worker process "
+                  f"died ({type(error).__name__}: {str(error)[:200]})")
+    for _, f in pending:
+      f.cancel()
+    pending.clear()
+    self._pool.shutdown(wait=False, cancel_futures=True)
+    self.workers = 0
 
   def _offer(self, item) -> bool:
     """Puts `item` on the queue unless closed first; False when closed."""
     while not self._closed.is_set():
       try:
         self._queue.put(item, timeout=0.1)
+        self._next_offer = item[0] + 1
         return True
       except queue.Full:
         continue

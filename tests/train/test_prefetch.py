@@ -1,8 +1,11 @@
 """Batches made ahead on a background thread (`train/prefetch.py`): in order, on the device,
 errors at the step that meets them, and a thread that stops when asked."""
+import sys
 import threading
 import time
+import types
 import warnings
+from concurrent.futures.process import BrokenProcessPool
 from unittest import mock
 
 import jax
@@ -39,12 +42,26 @@ class SlowMaker:
     return make(i)
 
 
+class DiesInAWorkerAt:
+  """A picklable maker whose worker dies at batch `at` (the pool breaks, as when the kernel
+  kills a process for memory); the prefetch thread makes that batch as any other."""
+
+  def __init__(self, at):
+    self.at = at
+
+  def __call__(self, i):
+    if i == self.at and threading.current_thread().name.startswith("stand-in-worker"):
+      raise BrokenProcessPool("A process in the process pool was terminated abruptly")
+    return make(i)
+
+
 def thread_pool(maker, workers):
   """What `prefetch.worker_pool` gives, on threads: the same calls in this process (an AUTO
   test measures when and how many start, not process start-up)."""
   import concurrent.futures
   return concurrent.futures.ThreadPoolExecutor(workers, initializer=prefetch._start_worker,
-                                               initargs=(maker,))
+                                               initargs=(maker,),
+                                               thread_name_prefix="stand-in-worker")
 
 
 class PrefetcherTest(absltest.TestCase):
@@ -165,6 +182,57 @@ class PrefetcherTest(absltest.TestCase):
     self.assertLess(event["loop_ms"], event["make_ms"] / 1.1)
     self.assertEqual(p.take_events(), [])
 
+  def test_after_a_worker_dies_the_thread_makes_the_batches_on(self):
+    with mock.patch.object(prefetch, "worker_pool", thread_pool), \
+        self.assertWarnsRegex(UserWarning, "from batch 5 on: a worker process died"):
+      with prefetch.Prefetcher(DiesInAWorkerAt(5), 0, 12, depth=2, put=lambda b: b,
+                               workers=2) as p:
+        for i in range(12):
+          np.testing.assert_array_equal(p.get(i)["ids"], make(i)["ids"])
+        self.assertEqual(p.workers, 0)
+
+  def test_an_unexpected_error_of_the_thread_reaches_the_loop(self):
+    # Anything the fill thread meets outside a batch (here: the pool refusing work) is
+    # raised by the get that expects the next batch, instead of leaving it waiting.
+    class Refusing:
+      def submit(self, *args):
+        raise RuntimeError("cannot schedule new futures after shutdown")
+
+      def shutdown(self, **kwargs):
+        pass
+
+    with mock.patch.object(prefetch, "worker_pool", lambda maker, n: Refusing()):
+      with prefetch.Prefetcher(make, 0, 6, depth=1, put=lambda b: b, workers=2) as p:
+        with self.assertRaisesRegex(RuntimeError, "cannot schedule new futures"):
+          p.get(0)
+
+  def test_auto_starts_no_worker_that_would_rerun_a_script_or_miss_a_class(self):
+    script = types.ModuleType("__main__")
+    script.__file__, script.__spec__ = "/home/me/train_my_model.py", None
+    module = types.ModuleType("__main__")
+    module.__file__, module.__spec__ = "/x/experiments/train.py", mock.Mock()
+    session = types.ModuleType("__main__")
+    session.__spec__ = None
+
+    class Local:   # pickles by reference to a module a worker could not import
+      def __call__(self, i):
+        return make(i)
+    Local.__module__ = "__main__"
+    Local.__qualname__ = "Local"
+    for main, maker, expected in ((module, SlowMaker(0.0), None),
+                                  (script, SlowMaker(0.0), "would run /home/me/"),
+                                  (session, SlowMaker(0.0), None),
+                                  (lambda: None, lambda i: i, "does not pickle")):
+      with mock.patch.dict(sys.modules, {"__main__": main}):
+        blocker = prefetch.spawn_blocker(maker)
+      if expected is None:
+        self.assertIsNone(blocker)
+      else:
+        self.assertIn(expected, blocker)
+    with mock.patch.dict(sys.modules, {"__main__": session}):
+      session.Local = Local
+      self.assertIn("notebook or interactive session", prefetch.spawn_blocker(Local()))
+
   def test_auto_keeps_the_thread_when_batches_keep_pace(self):
     with mock.patch.object(prefetch, "worker_pool", thread_pool):
       with prefetch.Prefetcher(make, 0, 30, depth=2, put=lambda b: b, workers=prefetch.AUTO,
@@ -224,16 +292,19 @@ class LoopTest(absltest.TestCase):
       self.assertEqual(final_0["logloss"], final_2["logloss"])
       # Batches made in a worker process are the same batches. With batch_workers -1 (the
       # default) and a source slower than the toy step, the loop starts a worker once it
-      # has waited on the thread (windows of 2 here; a real backend's cap, 1): the toy
-      # source pickles, so the worker makes the rest, with no fallback to the thread; the
-      # order across several workers is PrefetcherTest's.
+      # has waited on the thread (windows of 2 and one batch ahead here, so the waits show
+      # early; a real backend's cap, 1): the toy source pickles, so the worker makes the
+      # rest, with no fallback to the thread; the order across several workers is
+      # PrefetcherTest's. (The test runner's main module is not a user's script: which
+      # main modules rule workers out is PrefetcherTest's.)
       self.assertEqual(TrainConfig().batch_workers, prefetch.AUTO)
       with warnings.catch_warnings(), \
           mock.patch.object(prefetch, "auto_worker_cap", return_value=1), \
-          mock.patch.multiple(prefetch, AUTO_WINDOW=2, AUTO_SKIP=1), \
+          mock.patch.multiple(prefetch, AUTO_WINDOW=2, AUTO_SKIP=1,
+                              spawn_blocker=lambda make: None), \
           mock.patch.object(train_toys, "ToySource", SlowToySource):
         warnings.filterwarnings("error", message="batches are made on one thread")
-        final_w, lines_w = run(os.path.join(tmp, "workers"), 2, workers=prefetch.AUTO)
+        final_w, lines_w = run(os.path.join(tmp, "workers"), 1, workers=prefetch.AUTO)
       self.assertEqual(lines_w, lines_0)
       self.assertEqual(final_w["logloss"], final_0["logloss"])
       with open(os.path.join(tmp, "workers", "metrics.jsonl")) as f:
