@@ -33,6 +33,7 @@ for name in names:
 sys.argv[1:] = []
 import gc
 gc.freeze()
+gc.set_threshold(10_000, 10, 10)   # as tests/conftest.py and cli_helpers set
 READ_ON_IMPORT = %r
 own = {k: v for k, v in os.environ.items() if k.startswith(READ_ON_IMPORT)}
 server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
