@@ -7,7 +7,6 @@ The GPU checks live in tests/gpu and run on the GPU host with `python3 -m pytest
 below (no fake CPU devices, no CPU-only XLA flags, no JAX_PLATFORMS=cpu)."""
 import atexit
 import gc
-import json
 import os
 import pathlib
 import re
@@ -45,33 +44,6 @@ def pytest_ignore_collect(collection_path, config):
   if collection_path.resolve() == GPU_DIR and not selects_gpu(config.option.markexpr):
     return True
   return None
-
-
-# Seconds each test file took in a full run on 2 cores (setup, call and teardown summed):
-# only their order matters. xdist hands a worker the next file whenever it has two tests or
-# fewer left, so the files handed out last decide how far apart the workers end. Ordered by
-# number of tests (xdist's own order) the last files were the one-test notebook and CLI files
-# of 12-40 s each, and the workers ended 41 s apart (simulated from a full run's durations,
-# which the run's own 787 s matched); longest first, the short files come last and fill the
-# gap (766 s; over per-test durations drawn +-30% around those, 786 -> 769 s on average).
-FILE_SECONDS = pathlib.Path(__file__).resolve().parent / "file_seconds.json"
-
-
-def pytest_collection_modifyitems(session, config, items):
-  """Test files longest first by FILE_SECONDS, a file not listed there before all of them
-  (it may be long); ties in collection order, and each file's tests in their own order."""
-  try:
-    seconds = json.loads(FILE_SECONDS.read_text())
-  except (OSError, ValueError):
-    return
-  first = {}
-  for i, item in enumerate(items):
-    first.setdefault(item.nodeid.split("::")[0], i)
-
-  def key(item):
-    path = item.nodeid.split("::")[0]
-    return -seconds.get(path, float("inf")), first[path]
-  items.sort(key=key)
 
 
 # A GPU run is told by its command line, read here because this set-up must run before jax
