@@ -71,8 +71,14 @@ if GPU_RUN:
 # One part compiles the same code (tiny Wukong, DCNv2 and InterFormer init and train steps:
 # 8.6 -> 7.1 s of compile CPU); tests/models, test_plans, test_loop and tests/api on 2
 # workers 121.9 -> 111.7 s.
+# XLA:CPU's FAST_COMPILE preset (what XLA runs its own CPU tests under as well) runs fewer
+# HLO fusion passes: tiny Wukong+Mods' bf16 and FP8 train steps compile to more, smaller
+# fusions and give bit-identical losses and parameters after three steps. The init programs
+# compile 20-25% faster (the same three towers: 7.9 -> 7.1 s of compile CPU); tests/models,
+# test_plans, test_loop and tests/api on 2 workers 110.4 -> 103.8 s.
 _CHEAP_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
-                  "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")
+                  "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1",
+                  "--xla_cpu_opt_preset=FAST_COMPILE")
 
 
 def _xla_accepts(flags):
