@@ -47,7 +47,7 @@ def choices() -> Dict[str, Tuple[str, ...]]:
 
 # The least value a listed numeric field takes, by its path in the config.
 LOWER_BOUNDS = {"timing.compile_workers": 1, "timing.min_gflops": 0.0, "train.prefetch": 0,
-                "train.batch_workers": -1}
+                "train.batch_workers": -1, "speed.train_calls": 1}
 
 
 def define_config_flag(name: str) -> flags.FlagHolder:

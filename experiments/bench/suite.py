@@ -180,6 +180,7 @@ class SpeedSettings:
   # (`ValidationConfig.stalled_fraction`; 0: one site a round, always).
   validation_stalled_fraction: float = 0.1
   min_call_s: float = speed.MIN_CALL_S  # steps shorter than this run N to a timed call
+  train_calls: int = speed.TRAIN_CALLS  # train calls back to back in a timed sample
   seed: int = 0
   # Seed of the probe run that makes a missing plan: apart from `seed`, so quality runs at
   # every seed (one invocation each) find and resume the same probe and share its plan.
@@ -469,7 +470,8 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
   if set_label is not None:
     base["mods_set"] = set_label
   batch = target.source(settings.seed).train_batch(0, target.batch())
-  bench = speed.TargetBench(batch, seed=settings.seed, min_call_s=settings.min_call_s)
+  bench = speed.TargetBench(batch, seed=settings.seed, min_call_s=settings.min_call_s,
+                            train_calls=settings.train_calls)
   t0 = time.time()
   try:
     bench.set_baseline(target.build(SiteConfig.for_precision("bf16")))
@@ -479,7 +481,8 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
     return True
   baseline_build_s = time.time() - t0
   longest_build_s = baseline_build_s   # a reference rebuilt for LoKA's pairs takes as long
-  log(f"  bf16 compiled in {longest_build_s:.0f}s (steps per timed call: {bench.inner})")
+  log(f"  bf16 compiled in {longest_build_s:.0f}s (steps per timed call: {bench.inner}; "
+      f"calls per timed sample: {bench.calls_per_sample})")
   complete = True
   alive: Dict[str, speed.Arm] = {}  # arms built here on the shared state, kept for the pairs
 

@@ -43,7 +43,8 @@ def _preset(row: Mapping) -> str:
 
 
 def _timed_alike(row: Mapping) -> Tuple:
-  return (row_subject(row), row.get("device"), str(row.get("inner")), row.get("min_call_s"))
+  return (row_subject(row), row.get("device"), str(row.get("inner")), row.get("min_call_s"),
+          str(row.get("calls_per_sample")))
 
 
 def baseline_drift(rows: Sequence[Mapping]) -> Dict[Tuple[int, str], float]:

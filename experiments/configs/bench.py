@@ -52,6 +52,9 @@ def get_config() -> ml_collections.ConfigDict:
   # Steps shorter than this run N times in one jitted loop per timed call (N from the bf16
   # step, per mode), so host dispatch jitter is spread over N steps. Unset: 5 ms.
   speed.min_call_ms = config_dict.placeholder(float)
+  # Train calls dispatched back to back in a timed sample, blocked on the last: the host's work
+  # between steps overlaps the device's as in the training loop (1: every step blocked).
+  speed.train_calls = 4
   # Variants also timed against bf16+Mods, served bf16+Mods and the best peer, in one
   # interleaving per pair (they run last in a target; the other arms stay alive until then).
   # Empty: targets use the ratio of rows only.

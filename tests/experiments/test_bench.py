@@ -878,8 +878,25 @@ class InnerStepsTest(chex.TestCase):
     mods.train()
     self.assertEqual(int(bench.holder["shared"].step), before + 1)
     chex.assert_shape(np.asarray(mods.infer()), (32,))
+    before = int(bench.holder["shared"].step)
     timed = bench.time_pair(mods, repeats=3)
-    self.assertEqual((timed["train"]["inner"], timed["infer"]["inner"]), (1, 10))
+    # Steps per timed sample: 4 train calls back to back; one inference call of 10 steps.
+    self.assertEqual((timed["train"]["inner"], timed["infer"]["inner"]), (4, 10))
+    self.assertEqual(mods.info["calls_per_sample"], {"train": 4, "infer": 1})
+    # bf16 and bf16+Mods thread one state: 3 warm-up calls each, then 3 samples of 4 calls.
+    self.assertEqual(int(bench.holder["shared"].step), before + 2 * (3 + 3 * 4))
+
+  def test_one_train_call_a_sample_when_asked_and_none_refused(self):
+    shape = towers.TowerShape(32, 16, 2)
+    batch = towers.TowerSource(16).train_batch(0, 32)
+    with self.assertRaisesRegex(ValueError, "train_calls must be >= 1"):
+      suite.speed.TargetBench(batch, train_calls=0)
+    bench = suite.speed.TargetBench(batch, min_call_s=0.0, train_calls=1)
+    base = bench.set_baseline(towers.build_tower(shape, SiteConfig.for_precision("bf16")))
+    before = int(bench.holder["shared"].step)
+    timed = bench.time_pair(base, repeats=2)
+    self.assertEqual(timed["train"]["inner"], 1)
+    self.assertEqual(int(bench.holder["shared"].step), before + 3 + 2)
 
 
 class AllBf16PlanTest(absltest.TestCase):
