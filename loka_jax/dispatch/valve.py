@@ -14,7 +14,8 @@ site with its *baseline*: the report's statistics the plan was selected on, or t
 of the site's last re-evaluation. A site beyond `DriftBound` (drift.py) gets the probe's
 evaluation on its fresh statistics (errors only: speed does not drift, so each entry keeps the
 report's timing fields), and `drift.reselect_drifted` judges its current kernels under the
-plan's own budget (its `provenance.budget`). If any pass switches, the valve builds the model
+plan's own budget (its `provenance.budget`): first only the kernels it runs are evaluated,
+and every candidate only where one of those is no longer safe (`DriftValve.reselect`). If any pass switches, the valve builds the model
 for the new plan and hands it to the loop as a `ModelSwap`: the train step recompiles once,
 parameters, optimizer and fp8 state carry over, and metrics.jsonl gets one line per switched
 pass {"step", "event": "drift_switch", "site", "pass", "from", "to", "reason"} (and one
@@ -32,7 +33,7 @@ import copy
 import dataclasses
 import os
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
@@ -164,11 +165,16 @@ def site_entry(site: collector_lib.SiteProbe, state, kernel_names, compute_dtype
 
 
 def reevaluated_entry(report: Mapping, name: str, site: collector_lib.SiteProbe, state,
-                      config: ValveConfig) -> Dict[str, Any]:
+                      config: ValveConfig, kernels: Optional[Sequence[str]] = None
+                      ) -> Dict[str, Any]:
   """The report entry of site `name` re-evaluated on fresh statistics `state` (one
-  observation): the same candidates' errors, the report's timings (speed does not drift)."""
+  observation): the errors of `kernels` (default: every candidate the report evaluated
+  there), the report's timings (speed does not drift)."""
   old = report["sites"][name]
-  fresh = site_entry(site, state, _candidates(report, name), _compute_dtype(report), config, 1,
+  candidates = _candidates(report, name)
+  if kernels is not None:
+    candidates = [k for k in candidates if k in set(kernels)]
+  fresh = site_entry(site, state, candidates, _compute_dtype(report), config, 1,
                      report.get("kernels") or {})
   for p, per_kernel in fresh["passes"].items():
     for k, e in per_kernel.items():
@@ -233,6 +239,9 @@ class DriftValve:
     self.deferred_since: Optional[int] = None   # a due refresh waiting for that compile
     self.ahead_s = 0.0   # the loop's seconds in starting it (building the pass, tracing)
     self._evaluations: List[executables.Precompiler] = []   # re-evaluations' compiles
+    # Per pool, how many of its compiles (queued first) a refresh waits for: the kernels the
+    # plan runs, which every re-evaluation checks; the other candidates compile after them.
+    self._evaluations_first: List[int] = []
 
   # ---------------------------------------------------------------- ModelHook
 
@@ -318,7 +327,8 @@ class DriftValve:
           weak_type=getattr(x, "weak_type", False)), state)
       collector.try_compile_ahead(shapes, workers)
       self._compile_evaluations_ahead(collector, workers)
-    return collector.compiling_ahead or not all(pool.done() for pool in self._evaluations)
+    return collector.compiling_ahead or not all(
+        pool.done(first=n) for pool, n in zip(self._evaluations, self._evaluations_first))
 
   def close(self) -> None:
     """Drops the compiles still queued ahead (running ones finish): at the end of training,
@@ -326,7 +336,7 @@ class DriftValve:
     for pool in [*self._evaluations, self._collector]:
       if pool is not None:
         pool.close()
-    self._evaluations = []
+    self._evaluations, self._evaluations_first = [], []
 
   def fp8_sites(self) -> List[str]:
     """The active plan's sites with a pass in another kernel than xla_bf16: the only ones a
@@ -334,26 +344,41 @@ class DriftValve:
     return [n for n, site in self.plan["sites"].items()
             if any(site[p]["kernel"] != FALLBACK for p in PASSES)]
 
+  def running_kernels(self, name: str) -> List[str]:
+    """The kernels the active plan runs at site `name`, and the bf16 fallback: what a
+    re-evaluation checks first (the safety verdicts of the kernels a site runs)."""
+    return sorted({self.plan["sites"][name][p]["kernel"] for p in PASSES} | {FALLBACK})
+
   def _compile_evaluations_ahead(self, collector, workers: int) -> None:
     """Queues the evaluation functions a re-evaluation of each FP8 site would compile, on a
     pool of their own (the statistics pass's pool closes at its first call), so a refresh
-    that finds such a site shifted does not stop training for their compiles. After a swap
-    the new plan's jobs join what is compiled or queued already (equal jobs compile once).
-    Only a speed-up: a failure leaves them to compile when first called, which reports the
-    error."""
+    that finds such a site shifted does not stop training for their compiles: first those
+    of the kernels the plan runs (a refresh waits for these), then the other candidates',
+    which only a site that must switch evaluates. After a swap the new plan's jobs join
+    what is compiled or queued already (equal jobs compile once). Only a speed-up: a
+    failure leaves them to compile when first called, which reports the error."""
     for pool in self._evaluations:   # an earlier plan's: what it queued still compiles
       pool.finish_in_background()
     try:
-      jobs = []
+      stages: Tuple[List, List] = ([], [])
       for name in self.fp8_sites():
-        if name in collector.sites:
-          jobs += evaluate.compile_jobs(
-              collector.sites[name],
-              collector_lib.site_state(collector.state, collector.sites, name),
-              _registered(_candidates(self.report, name)), _compute_dtype(self.report),
-              _eval_config(self.config))
-      self._evaluations.append(executables.Precompiler(workers))
-      self._evaluations[-1].submit(jobs)
+        if name not in collector.sites:
+          continue
+        running = self.running_kernels(name)
+        candidates = _candidates(self.report, name)
+        for jobs, kernels in zip(stages, ([k for k in candidates if k in running],
+                                          [k for k in candidates if k not in running])):
+          if kernels:
+            jobs += evaluate.compile_jobs(
+                collector.sites[name],
+                collector_lib.site_state(collector.state, collector.sites, name),
+                _registered(kernels), _compute_dtype(self.report), _eval_config(self.config))
+      pool = executables.Precompiler(workers)
+      self._evaluations.append(pool)
+      self._evaluations_first.append(pool.queued)
+      pool.submit(stages[0])
+      self._evaluations_first[-1] = pool.queued
+      pool.submit(stages[1])
     except Exception as e:  # noqa: BLE001 - compiling ahead is an optimization only
       self.log(f"[drift] the evaluation functions were not compiled ahead ({type(e).__name__}: "
                f"{str(e)[:200]}); a re-evaluation compiles them when it needs them")
@@ -399,18 +424,10 @@ class DriftValve:
     fp8 = set(self.fp8_sites())
     bf16_only = sorted(n for n in shifted if n not in fp8)
     shifted = {n: d for n, d in shifted.items() if n in fp8}
-    if shifted:   # said before it starts: each site runs every candidate kernel again
+    if shifted:   # said before it starts: it evaluates the kernels each site runs
       self.log(f"[drift] step {step}: {len(shifted)} FP8 site(s) drifted; re-evaluating their "
                f"kernels: {', '.join(sorted(shifted)[:6])}{' ...' if len(shifted) > 6 else ''}")
-    collector = self._collector
-    keys = collector_lib.state_keys(collector.sites)
-    new_report = copy.deepcopy(dict(self.report))
-    for name in shifted:
-      new_report["sites"][name] = reevaluated_entry(
-          self.report, name, collector.sites[name], raw["sites"][keys[name]], self.config)
-    new_plan, steps = (drift_lib.reselect_drifted(
-        self.plan, new_report, shifted, self.criteria, budget_per_site=self.per_site or None,
-        timing_table=self.timing_table) if shifted else (self.plan, []))
+    new_plan, steps = self.reselect(step, shifted, raw) if shifted else (self.plan, [])
     for name in [*shifted, *bf16_only]:  # judged (or nothing to judge) on these statistics
       self.baselines[name] = _without_histograms(stats[name])
     records = [{"step": step, "event": KEPT_EVENT, "site": name,
@@ -439,6 +456,40 @@ class DriftValve:
     self.model = self.build(to_kernel_plan(self.plan))
     self._collector = None  # the statistics pass follows the new model
     return ModelSwap(self.model, tuple(records))
+
+  def reselect(self, step: int, shifted: Mapping[str, drift_lib.SiteDrift], raw
+               ) -> Tuple[Plan, List[Dict]]:
+    """(new plan, drift steps) of the `shifted` FP8 sites on fresh statistics `raw`, in two
+    stages: the kernels each site runs (and bf16) are evaluated and judged first, and only a
+    site where one is no longer safe evaluates every candidate to choose its new kernels.
+    The result is the same as evaluating every candidate everywhere (each kernel's errors
+    and bootstrap do not depend on the others evaluated beside it); a `large` model's
+    refresh that finds most sites drifted but safe evaluates a fraction of the kernels."""
+    collector = self._collector
+    keys = collector_lib.state_keys(collector.sites)
+    new_report = copy.deepcopy(dict(self.report))
+
+    def evaluate_sites(names, kernels_of):
+      for name in names:
+        new_report["sites"][name] = reevaluated_entry(
+            self.report, name, collector.sites[name], raw["sites"][keys[name]], self.config,
+            kernels_of(name))
+
+    def judge():
+      return drift_lib.reselect_drifted(
+          self.plan, new_report, shifted, self.criteria, budget_per_site=self.per_site or None,
+          timing_table=self.timing_table)
+
+    evaluate_sites(shifted, self.running_kernels)
+    new_plan, steps = judge()
+    switching = [s["site"] for s in steps if s.get("switched")]
+    if not switching:
+      return new_plan, steps
+    self.log(f"[drift] step {step}: {len(switching)} site(s) run a kernel no longer safe; "
+             f"evaluating every candidate to choose again: {', '.join(switching[:6])}"
+             f"{' ...' if len(switching) > 6 else ''}")
+    evaluate_sites(switching, lambda name: None)
+    return judge()
 
   def overhead(self) -> Dict[str, Any]:
     """Refreshes made (and their steps, a resumed run's earlier ones included), the

@@ -135,10 +135,16 @@ class Precompiler:
       queued += 1
     return queued
 
-  def done(self) -> bool:
-    """Whether every compile this pool was given has finished (or failed: its function then
-    compiles through jit on first call and raises there)."""
-    return all(f.done() for f in self._futures)
+  @property
+  def queued(self) -> int:
+    """How many compiles this pool was given so far (`done(first=...)` counts from here)."""
+    return len(self._futures)
+
+  def done(self, first: Optional[int] = None) -> bool:
+    """Whether every compile this pool was given (or its `first` ones: the pool runs them in
+    the order given) has finished, or failed: its function then compiles through jit on
+    first call and raises there."""
+    return all(f.done() for f in self._futures[:first])
 
   def finish_in_background(self) -> None:
     """Takes no more jobs and lets the queued and running ones finish on their threads,

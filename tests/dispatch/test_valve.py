@@ -32,6 +32,7 @@ from cli_helpers import run_module
 
 BATCH = 32
 CANDIDATES = ("xla_bf16", "xla_fp8_tensorwise", "xla_fp8_rowwise")
+CANDIDATES_SORTED = sorted(CANDIDATES)
 SHIFT_AT = 6          # training batches from here on have dense features x1000
 CADENCE = 4           # refreshes after steps 4 (before the shift), 8 and 12 (after it)
 # No overhead budget and no compile ahead: these tests guard what a refresh at each cadence
@@ -52,6 +53,13 @@ class ShiftedSource(train_toys.ToySource):
     if step >= self.at:
       batch = dict(batch, dense=(batch["dense"] * self.factor).astype(np.float32))
     return batch
+
+
+def _untimed(plan):
+  """A plan's dict without the times its validation records were added at."""
+  data = plan.to_dict()
+  data["validation"] = [{k: v for k, v in r.items() if k != "time"} for r in data["validation"]]
+  return data
 
 
 def build(kernel_plan: KernelPlan):
@@ -328,6 +336,97 @@ class DriftValveTest(chex.TestCase):
     self.assertIn("[drift] step 8: hidden drifted; every pass runs xla_bf16: nothing to "
                   "re-evaluate", lines)
     self.assertFalse([l for l in lines if "still safe" in l])
+
+  def _refresh_at_init(self, plan, factor, name):
+    """The valve on `plan` and the statistics of one refresh of its initial state on
+    training data scaled by `factor`: (valve, {shifted FP8 site: drift}, raw statistics)."""
+    source = ShiftedSource(0, factor, seed=3, num_eval=64)
+    valve = valve_lib.DriftValve(build, plan, self.report, source, BATCH,
+                                 os.path.join(self.dir, name), CONFIG, log=lambda _: None)
+    state = create_train_state(valve.model, make_optimizer(OptimConfig()),
+                               source.train_batch(0, BATCH), 0)
+    stats, raw = valve.refresh_stats(0, state)
+    drifts = dispatch.drift.drifted_sites(valve.baselines, stats, CONFIG.bound)
+    shifted = {n: d for n, d in drifts.items() if d.shifted and n in valve.fp8_sites()}
+    return valve, shifted, raw
+
+  def _every_candidate(self, valve, shifted, raw):
+    """What a re-evaluation of every candidate at every shifted site selects."""
+    sites = valve._collector.sites
+    keys = collector_lib.state_keys(sites)
+    report = dict(self.report, sites=dict(self.report["sites"]))
+    for name in shifted:
+      report["sites"][name] = valve_lib.reevaluated_entry(
+          self.report, name, sites[name], raw["sites"][keys[name]], CONFIG)
+    return dispatch.drift.reselect_drifted(valve.plan, report, shifted, valve.criteria,
+                                           budget_per_site=valve.per_site or None)
+
+  def _evaluated(self, valve, shifted, raw):
+    """(valve.reselect's result, [(site, kernels evaluated)] in call order)."""
+    with mock.patch.object(valve_lib.evaluate, "evaluate_site",
+                           wraps=valve_lib.evaluate.evaluate_site) as evaluated:
+      result = valve.reselect(0, shifted, raw)
+    return result, [(c.args[0].name, sorted(k.name for k in c.args[2]))
+                    for c in evaluated.call_args_list]
+
+  def test_a_drifted_site_whose_kernels_stay_safe_evaluates_only_those(self):
+    # `hidden` runs xla_fp8_rowwise (and bf16 on grad_rhs); a 30x scale shifts it but its
+    # kernels stay safe: xla_fp8_tensorwise, a candidate it does not run, is not evaluated,
+    # and the outcome is what evaluating every candidate gives.
+    plan = dispatch.back_off(self.plan, "hidden", "grad_rhs", "this test", step="test")
+    self.assertEqual({plan["sites"]["hidden"][p]["kernel"] for p in ("fwd", "grad_lhs")},
+                     {"xla_fp8_rowwise"})
+    valve, shifted, raw = self._refresh_at_init(plan, 30.0, "safe_subset")
+    self.assertIn("hidden", shifted)
+    (new_plan, steps), calls = self._evaluated(valve, shifted, raw)
+    self.assertIn(("hidden", ["xla_bf16", "xla_fp8_rowwise"]), calls)
+    self.assertNotIn("xla_fp8_tensorwise", {k for _, ks in calls for k in ks})
+    self.assertFalse(any(s["switched"] for s in steps))
+    full_plan, full_steps = self._every_candidate(valve, shifted, raw)
+    self.assertEqual(_untimed(new_plan), _untimed(full_plan))
+    self.assertEqual(steps, full_steps)
+
+  def test_a_site_that_must_switch_evaluates_every_candidate_to_choose_again(self):
+    # A 1000x scale makes both sites' FP8 kernels unsafe: each is evaluated on the kernels
+    # it runs, then on every candidate, and the switch is the one a full evaluation makes.
+    plan = dispatch.back_off(self.plan, "hidden", "grad_rhs", "this test", step="test")
+    lines = []
+    valve, shifted, raw = self._refresh_at_init(plan, 1000.0, "switch_subset")
+    valve.log = lines.append
+    self.assertIn("hidden", shifted)
+    (new_plan, steps), calls = self._evaluated(valve, shifted, raw)
+    switched = [s["site"] for s in steps if s["switched"]]
+    self.assertIn("hidden", switched)
+    hidden = [ks for name, ks in calls if name == "hidden"]
+    self.assertEqual(hidden, [["xla_bf16", "xla_fp8_rowwise"], list(CANDIDATES_SORTED)])
+    self.assertRegex(lines[-1], r"^\[drift\] step 0: \d site\(s\) run a kernel no longer "
+                     r"safe; evaluating every candidate to choose again: .*hidden")
+    full_plan, full_steps = self._every_candidate(valve, shifted, raw)
+    self.assertEqual(_untimed(new_plan), _untimed(full_plan))
+    self.assertEqual(steps, full_steps)
+
+  def test_a_refresh_waits_only_for_the_compiles_of_the_kernels_the_plan_runs(self):
+    # The running kernels' evaluation functions are queued first; the other candidates'
+    # (here xla_fp8_tensorwise at `hidden`) after them, and no refresh waits for those.
+    plan = dispatch.back_off(self.plan, "hidden", "grad_rhs", "this test", step="test")
+    source = train_toys.ToySource(seed=3, num_eval=64)
+    valve = valve_lib.DriftValve(build, plan, self.report, source, BATCH,
+                                 os.path.join(self.dir, "ahead_first"),
+                                 dataclasses.replace(CONFIG, compile_ahead=True),
+                                 log=lambda _: None)
+    state = create_train_state(valve.model, make_optimizer(OptimConfig()),
+                               source.train_batch(0, BATCH), 0)
+    executables.clear()   # compiled by an earlier test, a job is not queued again
+    try:
+      valve._pass_compiling(state)
+      pool, first = valve._evaluations[0], valve._evaluations_first[0]
+      self.assertGreater(first, 0)
+      self.assertGreater(pool.queued, first)
+      for f in pool._futures[:first]:
+        f.result()
+      self.assertTrue(pool.done(first=first))
+    finally:
+      valve.close()
 
 
 class TrainRunValveTest(chex.TestCase):
