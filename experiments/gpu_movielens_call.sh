@@ -1,0 +1,58 @@
+#!/bin/bash
+# One GPU call of the MovieLens-100K quality runs: for each model of MODELS at `tiny`, a LoKA
+# plan probed, selected and validated on MovieLens on this GPU (its kernel timings measured
+# here), then bf16, bf16+Mods, naive FP8, Flax delayed scaling everywhere and LoKA at each of
+# SEEDS seeds, paired by seed. The host reaches no network, so the data's cache (the recbole
+# wheel that ships MovieLens-100K, and its parsed arrays) is carried; fetch it once here:
+#
+#   python3 -c "from loka_jax.data import movielens; movielens.MovieLensSource(data_cache='.snap/movielens')"
+#   CARRY=.snap/mlq bash experiments/gpu_movielens_call.sh   (the call carries .snap, .whl)
+#
+# Rows append to $WORK/quality.jsonl and plans live under $WORK/plans, both started from
+# $CARRY, so no run or probe is repeated and each call goes on where the last stopped. After
+# each call copy $OUT/quality.jsonl and $OUT/plans to $CARRY; rerun until the log ends in
+# "all selected rows are done", then commit the rows and each model's plan.json and
+# probe_report.json under docs/results/.
+#
+# Environment: CARRY (.snap/mlq), DATA (.snap/movielens: the data cache), MODELS
+# (dlrm,dcnv2,dhen,wukong,interformer), SEEDS (5: seeds 0..4), STEPS (600), LIMIT (540: hard
+# seconds of the call), MAXMIN (7.5), WORK (/tmp/mlcall), OUT (set on the device; elsewhere
+# $WORK/out), COMMIT (recorded in the log).
+set -u
+source experiments/gpu_common.sh
+ensure_wheels || exit 1
+export PYTHONUNBUFFERED=1
+LIMIT=${LIMIT:-540}
+CARRY=${CARRY:-.snap/mlq}
+DATA=${DATA:-.snap/movielens}
+WORK=${WORK:-/tmp/mlcall}
+OUT=${OUT:-$WORK/out}
+if ! ls "$DATA"/recbole-*.whl > /dev/null 2>&1; then
+  echo "error: $DATA holds no recbole wheel; fetch the data cache first (see the head of $0)"
+  exit 1
+fi
+mkdir -p "$WORK" "$OUT"
+# A warm host's rows and plans are the newest; a fresh host takes the carried ones.
+if [ ! -f "$WORK/quality.jsonl" ] && [ -d "$CARRY" ]; then
+  cp -r "$CARRY/." "$WORK/"
+fi
+echo "=== $(date +%T) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)," \
+  "jax $(python3 -c 'import jax; print(jax.__version__)'), commit ${COMMIT:-unknown}" \
+  | tee -a "$OUT/log.txt"
+timeout "$LIMIT" python3 -m experiments.bench \
+  --config=experiments/configs/bench_quality.py --config.quality.data=movielens \
+  --config.quality.movielens.models="${MODELS:-dlrm,dcnv2,dhen,wukong,interformer}" \
+  --config.quality.movielens.seeds="${SEEDS:-5}" \
+  --config.quality.movielens.steps="${STEPS:-600}" \
+  --config.quality.movielens.data_cache="$DATA" \
+  --workdir="$WORK" --config.plans_dir="$WORK/plans" --config.compile_cache=/tmp/jc \
+  --config.pacing.max_minutes="$(max_minutes)" \
+  --config.pacing.end_by_minutes="$(end_by_minutes)" >> "$OUT/log.txt" 2>&1
+echo "rc=$?" | tee -a "$OUT/log.txt"
+cp "$WORK/quality.jsonl" "$OUT/quality.jsonl" 2>/dev/null
+# The plans, probe reports and validation records, without the probes' checkpoints (a probe
+# killed midway starts again; at `tiny` it takes about a minute).
+(cd "$WORK" && find plans -type f ! -path '*/checkpoints/*' -print0 2>/dev/null \
+  | xargs -0 -r cp --parents -t "$OUT/")
+grep -v -e '^W[0-9]' -e '^I[0-9]' "$OUT/log.txt" | grep -e '^===' -e 'rc=' -e 'probing' \
+  -e 'plan:' -e 'held-out log loss [0-9n]' -e 'deadline' -e 'all selected' | tail -40
