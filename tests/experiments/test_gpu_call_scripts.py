@@ -171,3 +171,18 @@ class QueueTest(absltest.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+class MovieLensCallTest(absltest.TestCase):
+
+  def test_without_the_carried_data_cache_it_says_how_to_fetch_it(self):
+    work = tempfile.mkdtemp(prefix="loka_mlcall_")
+    self.addCleanup(shutil.rmtree, work, ignore_errors=True)
+    done = subprocess.run(["bash", "experiments/gpu_movielens_call.sh"], cwd=REPO,
+                          env={**os.environ, "WORK": work, "DATA": os.path.join(work, "none")},
+                          capture_output=True, text=True, timeout=60)
+    self.assertEqual(done.returncode, 1)
+    self.assertEqual(done.stdout.strip(),
+                     f"error: {work}/none holds no recbole wheel; fetch the data cache first "
+                     "(see the head of experiments/gpu_movielens_call.sh)")
+    self.assertFalse(os.path.exists(os.path.join(work, "quality.jsonl")))
