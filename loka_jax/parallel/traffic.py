@@ -209,6 +209,15 @@ _COLLECTIVE = re.compile(r"=\s*(?P<type>\(.*?\)|[a-z0-9]+\[[0-9,]*\]\S*)\s+(?P<o
 # An array type with its layout: f32[4,16]{1,0}, s4[64]{0:E(4)} (E(bits): packed values).
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
 _GROUPS = re.compile(r"replica_groups=(\{\}|\{\{[0-9,{}]*\}\}|\[[0-9,]+\]<=\[[0-9,]+\])")
+# The mesh form of replica groups (the XLA of jax 0.12 prints it for a shard_map's
+# collectives): the mesh's axes with their sizes, its device order when that is no iota, and
+# the axes a group spans, each whole or a sub-axis 'name':(pre-size)size:
+# replica_groups=mesh['data'=2,'model'=2] {'model'},
+# replica_groups=mesh['x'=4,'y'=2], device_ids=(...) {'x':(1)2,'y'}.
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[(?P<mesh>[^\]]*)\](?:,\s*device_ids=\([^)]*\))?"
+                          r"\s*\{(?P<axes>[^}]*)\}")
+_MESH_AXIS = re.compile(r"'?(?P<name>[^'=,\s]+)'?=(?P<size>[0-9]+)")
+_GROUP_AXIS = re.compile(r"'?(?P<name>[^':,\s]+)'?(?::\((?P<pre>[0-9]+)\)(?P<size>[0-9]+))?")
 # An XLA primitive type's HLO name: pred; s, u (integers), f, bf (floats) or c (complex) and
 # its width in bits, a float's exponent and mantissa bits (and flags) after it: s16, u4, f32,
 # f8e5m2fnuz, f4e2m1fn, f8e4m3b11fnuz, c64.
@@ -245,16 +254,30 @@ def _module_devices(hlo_text: str) -> Dict[str, int]:
   return counts
 
 
+def _mesh_group_size(mesh: str, axes: str, line: str) -> int:
+  """Devices in one group of the mesh form: the product of the sizes of the axes it names,
+  a sub-axis by its own size. ValueError for an axis the mesh does not have."""
+  sizes = {m.group("name"): int(m.group("size")) for m in _MESH_AXIS.finditer(mesh)}
+  size = 1
+  for part in filter(None, (p.strip() for p in axes.split(","))):
+    axis = _GROUP_AXIS.fullmatch(part)
+    if not axis or axis.group("name") not in sizes:
+      raise ValueError(f"replica group axis {part} is no axis of mesh[{mesh}]: {line.strip()}")
+    size *= int(axis.group("size") or sizes[axis.group("name")])
+  return size
+
+
 def _group_size(line: str, op: str, replicas: int = 1, partitions: int = 1) -> int:
   """Devices taking part in one collective of a module of `replicas` x `partitions`, by
   XLA's group modes: without channel_id the groups hold replicas; with channel_id and
   use_global_device_ids they hold global device ids; with channel_id alone, an all-to-all's
   or permute's hold partitions, and the other collectives' hold replicas, each with every
-  partition. Empty groups (`replica_groups={}`) are all of them."""
-  found = _GROUPS.search(line)
-  if not found:
+  partition. Empty groups (`replica_groups={}`) are all of them; a group in the mesh form
+  holds the product of the sizes of the mesh axes (or sub-axes) it names."""
+  mesh_form = _MESH_GROUPS.search(line)
+  found = None if mesh_form else _GROUPS.search(line)
+  if not mesh_form and not found:
     return 1   # collective-permute: pairs of devices
-  text = found.group(1)
   channel = re.search(r"\bchannel_id=", line) is not None
   flattened = "use_global_device_ids=true" in line
   if not channel:
@@ -265,12 +288,14 @@ def _group_size(line: str, op: str, replicas: int = 1, partitions: int = 1) -> i
     everyone, per_member = partitions, 1
   else:
     everyone, per_member = replicas, partitions
-  if text == "{}":
+  if mesh_form:
+    size = _mesh_group_size(mesh_form.group("mesh"), mesh_form.group("axes"), line)
+  elif found.group(1) == "{}":
     size = everyone
-  elif text.startswith("{{"):
-    size = len(text[2:].split("}")[0].split(","))
+  elif found.group(1).startswith("{{"):
+    size = len(found.group(1)[2:].split("}")[0].split(","))
   else:
-    size = int(text[1:].split("]")[0].split(",")[-1])   # [groups, size]<=[devices]
+    size = int(found.group(1)[1:].split("]")[0].split(",")[-1])   # [groups, size]<=[devices]
   return size * per_member
 
 

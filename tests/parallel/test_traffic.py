@@ -192,6 +192,20 @@ class HloWidthsAndGroupsTest(absltest.TestCase):
         ("HloModule m, num_partitions=8",
          line("[4,2]<=[2,4]T(1,0)", "channel_id=1, use_global_device_ids=true, "), 2),
         ("HloModule m, replica_count=2, num_partitions=4", line("{{0,1}}", "channel_id=1, "), 8),
+        # Mesh groups: the product of the named axes' sizes, a sub-axis by its own size.
+        ("HloModule m, num_partitions=4", line("mesh['data'=2,'model'=2] {'model'}",
+                                               "channel_id=1, use_global_device_ids=true, "), 2),
+        ("HloModule m, num_partitions=4", line("mesh['data'=2,'model'=2] {'data','model'}",
+                                               "channel_id=1, use_global_device_ids=true, "), 4),
+        ("HloModule m, num_partitions=8", line("mesh['x'=4,'y'=2] {'x':(1)2,'y'}",
+                                               "channel_id=1, use_global_device_ids=true, "), 4),
+        ("HloModule m, num_partitions=4",
+         line("mesh['x'=2,'y'=2], device_ids=(0,2,1,3) {'x'}",
+              "channel_id=1, use_global_device_ids=true, "), 2),
+        ("HloModule m, num_partitions=8", line("mesh[x=8] {x}",
+                                               "channel_id=1, use_global_device_ids=true, "), 8),
+        ("HloModule m, replica_count=2, num_partitions=4",
+         line("mesh['r'=2] {'r'}", "channel_id=1, "), 8),      # replicas, each with partitions
     ]
     for header, text, group in cases:
       [found] = traffic.hlo_collectives(hlo(text, header=header))
@@ -201,6 +215,12 @@ class HloWidthsAndGroupsTest(absltest.TestCase):
         [gathered] = traffic.hlo_collectives(hlo(text.replace("all-reduce", "all-gather"),
                                                  header=header))
         self.assertEqual(gathered["payload"], 32 // group)
+
+  def test_a_mesh_group_naming_no_axis_of_its_mesh_is_refused(self):
+    with self.assertRaisesRegex(ValueError, "'z' is no axis of mesh"):
+      traffic.hlo_collectives(hlo("  %a = f32[8]{0} all-reduce(%p), channel_id=1, "
+                                  "replica_groups=mesh['x'=2,'y'=2] {'z'}, "
+                                  "use_global_device_ids=true, to_apply=%r"))
 
 
 class BytesCommandTest(absltest.TestCase):
