@@ -242,6 +242,7 @@ class DriftValve:
     # Per pool, how many of its compiles (queued first) a refresh waits for: the kernels the
     # plan runs, which every re-evaluation checks; the other candidates compile after them.
     self._evaluations_first: List[int] = []
+    self._reads: Dict[int, bool] = {}   # reads_state's answers, until after_step takes them
 
   # ---------------------------------------------------------------- ModelHook
 
@@ -264,6 +265,27 @@ class DriftValve:
     self.refreshes = [s for s in state.get("refreshes", []) if s <= step]
     self.next_refresh = state.get("next_refresh")
 
+  def _due(self, step: int) -> bool:
+    """Whether a refresh is due after `step`: one waiting for its compiles, else the next
+    cadence point or the step the overhead budget set."""
+    return self.deferred_since is not None or (
+        step % self.config.cadence == 0 if self.next_refresh is None
+        else step >= self.next_refresh)
+
+  def reads_state(self, step: int) -> bool:
+    """Whether `after_step(step)` reads the training state (loop.ModelHook): at the call
+    that starts the compiles ahead from the state's shapes (the first, and the first after a
+    swap), and at a refresh that is due and whose compiles are done. The loop runs ahead of
+    every other step. The answer binds `after_step(step)`: a refresh whose compiles end in
+    between waits a step."""
+    if self.config.compile_ahead and (self._collector is None
+                                      or self._ahead_for is not self._collector):
+      reads = True   # the compiles ahead start from this call (after a swap: the new model's)
+    else:
+      reads = self._due(step) and not (self.config.compile_ahead and self._compiling())
+    self._reads[step] = reads
+    return reads
+
   def after_step(self, step: int, state, step_metrics=None) -> Optional[ModelSwap]:
     del step_metrics
     now = time.perf_counter()
@@ -271,12 +293,12 @@ class DriftValve:
       self.step_seconds.append(now - self._last_return)
       self.stepping_s += now - self._last_return
     self._last_return = now
-    due = self.deferred_since is not None or (
-        step % self.config.cadence == 0 if self.next_refresh is None
-        else step >= self.next_refresh)
+    due = self._due(step)
+    # False: the loop ran ahead on this step's word that no state would be read.
+    may_read = self._reads.pop(step, True)
     compiling = False
     if self.config.compile_ahead:
-      compiling = self._pass_compiling(state)
+      compiling = self._pass_compiling(state) or not may_read
       self._last_return = time.perf_counter()
       self.ahead_s += self._last_return - now
     if compiling:
@@ -327,7 +349,14 @@ class DriftValve:
           weak_type=getattr(x, "weak_type", False)), state)
       collector.try_compile_ahead(shapes, workers)
       self._compile_evaluations_ahead(collector, workers)
-    return collector.compiling_ahead or not all(
+    return self._compiling()
+
+  def _compiling(self) -> bool:
+    """Whether the current model's compiles a refresh waits for are still running (true
+    before they were started)."""
+    if self._ahead_for is not self._collector or self._collector is None:
+      return True
+    return self._collector.compiling_ahead or not all(
         pool.done(first=n) for pool, n in zip(self._evaluations, self._evaluations_first))
 
   def close(self) -> None:

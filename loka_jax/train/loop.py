@@ -28,8 +28,9 @@ were, moves on to the next batch and counts the skipped steps (a line with "skip
 
 Run-ahead (`TrainConfig.run_ahead`): a step's metrics are read after the next step is
 dispatched, unless what follows the step reads its state (evaluation, checkpoint; every step
-of a run with a step callback or model hook). The step dispatched ahead takes `halted` from the one before it and,
-once a step in flight was non-finite, changes nothing: 'stop' raises with the state before
+of a run with a step callback, and the steps a model hook's `reads_state` names). The step
+dispatched ahead takes `halted` from the one before it and, once a step in flight was
+non-finite, changes nothing: 'stop' raises with the state before
 the bad step, 'skip' dispatches that step again. No number changes.
 
 Model swaps (`model_hook`, e.g. the Dispatch drift valve): after a step the hook may return a
@@ -303,11 +304,15 @@ def train(model, source, workdir: str, config: TrainConfig, *,
     return config.saves and (bool(config.checkpoint_every and done % config.checkpoint_every == 0)
                              or done == config.steps)
 
+  # A hook says which steps it reads the state after (`reads_state`); one that does not
+  # reads every step's.
+  hook_reads = getattr(model_hook, "reads_state", lambda done: True)
+
   def reads_state(done: int) -> bool:
     """Whether what follows step `done` reads the state after it (which a step dispatched
     ahead would have replaced)."""
-    return (step_callback is not None or model_hook is not None or is_eval(done)
-            or is_ckpt(done))
+    return (step_callback is not None or (model_hook is not None and hook_reads(done))
+            or is_eval(done) or is_ckpt(done))
 
   def finish(i: int, step_metrics, step_batch, began: float) -> bool:
     """What follows step i once its metrics are read: the loss window, a non-finite step's
@@ -379,7 +384,8 @@ def train(model, source, workdir: str, config: TrainConfig, *,
 
   # Run-ahead: a step whose outcome nothing but its metrics line needs is read after the
   # next step is dispatched, so the device never waits for the host between them. A step
-  # callback or model hook reads every step's state, so with either there is no run-ahead. The step
+  # callback reads every step's state, so with one there is no run-ahead; a model hook
+  # reads the steps its `reads_state` names (every step without one). The step
   # takes `halted` (true once a step in flight was non-finite) and then changes nothing:
   # 'stop' raises with the state before the bad step, 'skip' runs the step behind it again.
   # Placed as the step's own outputs are (the state's step counter), so the flag a step

@@ -36,7 +36,12 @@ class ModelHook(Protocol):
     """The extras of the checkpoint the run resumes from (at `step`)."""
 
   def after_step(self, step: int, state, step_metrics) -> Optional[ModelSwap]:
-    """After step `step` (and the step_callback); None keeps the model."""
+    """After step `step` (and the step_callback); None keeps the model.
+
+    A hook may also define `reads_state(step) -> bool`, which a loop running ahead asks
+    before `after_step(step)` (from the run's second step on): False promises that `after_step(step)` reads no array of
+    `state` and returns no model, so the loop may call it after dispatching the next step,
+    with that step's state. A hook without it reads every step's state."""
 
 
 class ModelSwapError(ValueError):

@@ -27,6 +27,7 @@ from loka_jax.probe import stats_report
 from loka_jax.train import (OptimConfig, TrainConfig, create_train_state, make_optimizer,
                             read_metrics, train)
 from loka_jax.train import loop as loop_lib
+from loka_jax.train import run_files
 import train_toys
 from cli_helpers import run_module
 
@@ -217,7 +218,8 @@ class DriftValveTest(chex.TestCase):
   def test_the_pass_compiles_ahead_and_a_refresh_due_before_then_waits_for_it(self):
     # The statistics pass reads as compiling through step 3 and the evaluation functions
     # through step 5: the refresh due at step 4 waits, training goes on, and it runs at step
-    # 6 on the executables compiled ahead; then the cadence points again.
+    # 6 on the executables compiled ahead; then the cadence points again. Without run-ahead,
+    # the valve is asked about compiles once a step, after it.
     source = train_toys.ToySource(seed=3, num_eval=64)
     workdir = os.path.join(self.dir, "ahead")
     lines = []
@@ -230,7 +232,8 @@ class DriftValveTest(chex.TestCase):
                            side_effect=[True] * 3 + [False] * 20) as compiling, \
         mock.patch.object(executables.Precompiler, "done",
                           side_effect=[False] * 2 + [True] * 20) as evaluations_done:
-      train(valve.model, source, workdir, train_config(16), model_hook=valve)
+      train(valve.model, source, workdir,
+            dataclasses.replace(train_config(16), run_ahead=False), model_hook=valve)
     self.assertEqual(compiling.call_count, 16)   # asked once a step, from the first
     self.assertEqual(evaluations_done.call_count, 13)   # once the pass is compiled
     self.assertEqual(valve.refreshes, [6, 8, 12, 16])
@@ -427,6 +430,37 @@ class DriftValveTest(chex.TestCase):
       self.assertTrue(pool.done(first=first))
     finally:
       valve.close()
+
+  def test_the_loop_runs_ahead_of_the_steps_the_valve_does_not_read(self):
+    # Refreshes at 4 and 8 (the shift fires a switch at 8): the valve reads the state after
+    # those, the loop the last (evaluated); after every other step the valve is called with
+    # the next step's state, dispatched ahead. The run's lines, events and plan are those of
+    # a run that never runs ahead.
+    source = ShiftedSource(SHIFT_AT, 1000.0, seed=3, num_eval=64)
+    out = {}
+    for ahead in (False, True):
+      workdir = os.path.join(self.dir, f"valve_ahead_{ahead}")
+      valve = valve_lib.DriftValve(build, self.plan, self.report, source, BATCH, workdir,
+                                   CONFIG, log=lambda _: None)
+      seen = []
+      after_step = valve.after_step
+
+      def recording(step, state, step_metrics=None, after_step=after_step, seen=seen):
+        seen.append((step, int(state.step)))
+        return after_step(step, state, step_metrics)
+
+      valve.after_step = recording
+      train(valve.model, source, workdir,
+            dataclasses.replace(train_config(9), run_ahead=ahead), model_hook=valve)
+      lines = [{k: v for k, v in r.items() if k not in run_files.WALL_CLOCK_FIELDS}
+               for r in read_metrics(os.path.join(workdir, "metrics.jsonl"))]
+      out[ahead] = (seen, lines, valve.refreshes, _untimed(valve.plan))
+    self.assertEqual(out[False][0], [(s, s) for s in range(1, 10)])
+    self.assertEqual(out[True][0], [(s, s if s in (1, 4, 8, 9) else s + 1)
+                                    for s in range(1, 10)])
+    self.assertEqual(out[True][2], [4, 8])
+    self.assertIn(valve_lib.SWITCH_EVENT, {r.get("event") for r in out[True][1]})
+    self.assertEqual(out[True][1:], out[False][1:])
 
 
 class TrainRunValveTest(chex.TestCase):
