@@ -15,8 +15,9 @@ of the site's last re-evaluation. A site beyond `DriftBound` (drift.py) gets the
 evaluation on its fresh statistics (errors only: speed does not drift, so each entry keeps the
 report's timing fields), and `drift.reselect_drifted` judges its current kernels under the
 plan's own budget (its `provenance.budget`): first only the kernels it runs are evaluated,
-and every candidate only where one of those is no longer safe (`DriftValve.reselect`). If any pass switches, the valve builds the model
-for the new plan and hands it to the loop as a `ModelSwap`: the train step recompiles once,
+and every candidate only where one of those is no longer safe (`DriftValve.reselect`). If
+any pass switches, the valve builds the model for the new plan and hands it to the loop as
+a `ModelSwap`: the train step recompiles once,
 parameters, optimizer and fp8 state carry over, and metrics.jsonl gets one line per switched
 pass {"step", "event": "drift_switch", "site", "pass", "from", "to", "reason"} (and one
 {"event": "drift_kept"} line per shifted site whose kernels stayed safe).

@@ -39,9 +39,10 @@ class ModelHook(Protocol):
     """After step `step` (and the step_callback); None keeps the model.
 
     A hook may also define `reads_state(step) -> bool`, which a loop running ahead asks
-    before `after_step(step)` (from the run's second step on): False promises that `after_step(step)` reads no array of
-    `state` and returns no model, so the loop may call it after dispatching the next step,
-    with that step's state. A hook without it reads every step's state."""
+    before `after_step(step)` (from the run's second step on): False promises that
+    `after_step(step)` reads no array of `state` and returns no model, so the loop may call
+    it after dispatching the next step, with that step's state. A hook without it reads
+    every step's state."""
 
 
 class ModelSwapError(ValueError):
