@@ -34,18 +34,19 @@ import copy
 import dataclasses
 import os
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import jax
 import numpy as np
 
 from loka_jax.dispatch import drift as drift_lib
+from loka_jax.dispatch import reevaluation as reeval_lib
+from loka_jax.dispatch.reevaluation import reevaluated_entry, site_entry  # noqa: F401 (API)
 from loka_jax.plan.file import FALLBACK, Plan, as_plan, save_plan, to_kernel_plan
-from loka_jax.dispatch.selection import TIMING_FIELDS
-from loka_jax.kernels import PASSES, registry
+from loka_jax.kernels import PASSES
 from loka_jax.probe import collector as collector_lib
 from loka_jax.probe import training
-from loka_jax.probe import evaluate, executables, stats_report, summarize
+from loka_jax.probe import evaluate, executables, stats_report
 from loka_jax.probe.eligibility import Criteria
 from loka_jax.models import SiteConfig, build_model
 from loka_jax.probe.report import load_report
@@ -125,63 +126,6 @@ def _without_histograms(stats: Mapping) -> Dict:
   """A site's stats without the histograms (the baselines travel in checkpoint JSON)."""
   return {k: ({kk: vv for kk, vv in v.items() if kk != "histogram"} if isinstance(v, Mapping)
               else v) for k, v in stats.items()}
-
-
-def _registered(kernel_names) -> List[Any]:
-  kernels = []
-  for k in kernel_names:
-    try:
-      kernels.append(registry.get(k))
-    except KeyError:
-      continue  # not registered in this process: it gets no entry, so it is not chosen
-  return kernels
-
-
-def _candidates(report: Mapping, name: str) -> List[str]:
-  """The kernels the report evaluated at site `name` (a re-evaluation evaluates them again)."""
-  return sorted({k for ks in report["sites"][name].get("passes", {}).values() for k in ks})
-
-
-def _compute_dtype(report: Mapping) -> str:
-  return (report.get("evaluation") or {}).get("compute_dtype", "bfloat16")
-
-
-def _eval_config(config: ValveConfig) -> evaluate.EvalConfig:
-  return evaluate.EvalConfig(samples=config.samples, seed=config.seed)
-
-
-def site_entry(site: collector_lib.SiteProbe, state, kernel_names, compute_dtype: str,
-               config: ValveConfig, observations: int, kernels_info: Mapping) -> Dict[str, Any]:
-  """A report entry of one site from its statistics `state`, as the probe evaluates it:
-  kind, spec, shapes, `stats` and per-pass errors of every registered candidate."""
-  kernels = _registered(kernel_names)
-  ev = evaluate.evaluate_site(site, state, kernels, compute_dtype, _eval_config(config))
-  entry = {"kind": site.kind, "spec": site.spec,
-           "shapes": {k: list(v) for k, v in site.layout.shapes().items()},
-           "stats": stats_report.site_stats(site, state, observations),
-           "passes": summarize.site_passes(ev, [k.name for k in kernels],
-                                           n_boot=config.bootstrap, seed=config.seed)}
-  stats_report.underflow_from_stats(entry, kernels_info, site.layout)
-  return entry
-
-
-def reevaluated_entry(report: Mapping, name: str, site: collector_lib.SiteProbe, state,
-                      config: ValveConfig, kernels: Optional[Sequence[str]] = None
-                      ) -> Dict[str, Any]:
-  """The report entry of site `name` re-evaluated on fresh statistics `state` (one
-  observation): the errors of `kernels` (default: every candidate the report evaluated
-  there), the report's timings (speed does not drift)."""
-  old = report["sites"][name]
-  candidates = _candidates(report, name)
-  if kernels is not None:
-    candidates = [k for k in candidates if k in set(kernels)]
-  fresh = site_entry(site, state, candidates, _compute_dtype(report), config, 1,
-                     report.get("kernels") or {})
-  for p, per_kernel in fresh["passes"].items():
-    for k, e in per_kernel.items():
-      before = old.get("passes", {}).get(p, {}).get(k, {})
-      e.update({f: before[f] for f in TIMING_FIELDS if f in before})
-  return {**old, "passes": fresh["passes"], "stats": fresh["stats"]}
 
 
 class DriftValve:
@@ -395,14 +339,15 @@ class DriftValve:
         if name not in collector.sites:
           continue
         running = self.running_kernels(name)
-        candidates = _candidates(self.report, name)
+        candidates = reeval_lib.candidates(self.report, name)
         for jobs, kernels in zip(stages, ([k for k in candidates if k in running],
                                           [k for k in candidates if k not in running])):
           if kernels:
             jobs += evaluate.compile_jobs(
                 collector.sites[name],
                 collector_lib.site_state(collector.state, collector.sites, name),
-                _registered(kernels), _compute_dtype(self.report), _eval_config(self.config))
+                reeval_lib.registered(kernels), reeval_lib.compute_dtype(self.report),
+                reeval_lib.eval_config(self.config))
       pool = executables.Precompiler(workers)
       self._evaluations.append(pool)
       self._evaluations_first.append(pool.queued)
@@ -501,7 +446,7 @@ class DriftValve:
 
     def evaluate_sites(names, kernels_of):
       for name in names:
-        new_report["sites"][name] = reevaluated_entry(
+        new_report["sites"][name] = reeval_lib.reevaluated_entry(
             self.report, name, collector.sites[name], raw["sites"][keys[name]], self.config,
             kernels_of(name))
 
