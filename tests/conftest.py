@@ -15,6 +15,8 @@ import shutil
 import sys
 import tempfile
 
+import pytest
+
 GPU_DIR = pathlib.Path(__file__).resolve().parent / "gpu"
 
 
@@ -148,6 +150,49 @@ if not GPU_RUN:
 # cli_helpers' and warm_python's warm interpreters set the same for their children.
 GC_THRESHOLD = (10_000, 10, 10)
 gc.set_threshold(*GC_THRESHOLD)
+
+
+# XLA:CPU links each compiled program's machine code into memory mappings of its own (three
+# per LLVM module), and jax's caches keep every program a process compiled. jax 0.12's XLA:CPU,
+# which has no legacy elemental emitters (above), makes an LLVM module of each fusion: a toy
+# function of 20 layers holds 75 mappings compiled there, 7 on jax 0.10 under these flags. An
+# xdist worker running half the suite on jax 0.12 then reaches Linux's limit of mappings per
+# process (vm.max_map_count, 65,530 by default; 64,653 measured), where the next link fails
+# ("LLVM compilation error: Cannot allocate memory") and the worker dies; on jax 0.10 a worker
+# peaks near 37,000. Between two test files, a process holding more than half the limit drops
+# jax's caches (its later compiles load from the persistent cache above).
+def _max_map_count() -> int:
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      return int(f.read())
+  except (OSError, ValueError):
+    return 0   # no such limit to read (not Linux)
+
+
+MAX_MAP_COUNT = _max_map_count()
+
+
+def map_count() -> int:
+  """Memory mappings this process holds (0 where /proc cannot tell)."""
+  try:
+    with open("/proc/self/maps", "rb") as f:
+      return sum(1 for _ in f)
+  except OSError:
+    return 0
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+  """After a test file's last test and its module fixtures' teardown: jax's caches dropped
+  when the process holds more than half of vm.max_map_count mappings."""
+  yield
+  if not MAX_MAP_COUNT or "jax" not in sys.modules:
+    return
+  if nextitem is not None and nextitem.path == item.path:
+    return
+  if map_count() > MAX_MAP_COUNT // 2:
+    sys.modules["jax"].clear_caches()
+    gc.collect()
 
 import hypothesis  # noqa: E402
 
