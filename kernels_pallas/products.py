@@ -106,9 +106,25 @@ def _finish(out, spec, layout, sizes, out_dtype):
   return out.reshape(tuple(sizes[i] for i in spec.out)).astype(out_dtype)
 
 
-def rowwise_einsum(spec: EinsumSpec, a, b, *, out_dtype, kernel_name: str,
-                   config=None) -> jax.Array:
-  """Both operands quantized e4m3 with one scale per non-contracting index, then the core."""
+@dataclasses.dataclass(frozen=True)
+class RowwiseOperands:
+  """A spec's operands quantized e4m3 with one scale per non-contracting index, as 3-D core
+  operands in their stored layouts: `a` supplies the output rows, `b` its columns (the
+  operands are swapped where the spec's rhs supplies the rows; `layout.a_t`, `layout.b_t`
+  say how each is stored)."""
+  layout: Layout
+  sizes: dict
+  a: jax.Array
+  b: jax.Array
+  sa: jax.Array
+  sb: jax.Array
+
+  def finish(self, out, spec: EinsumSpec, out_dtype) -> jax.Array:
+    """The core's (batch, rows, cols) output in the spec's output shape."""
+    return _finish(out, spec, self.layout, self.sizes, out_dtype)
+
+
+def rowwise_operands(spec: EinsumSpec, a, b, *, kernel_name: str) -> RowwiseOperands:
   layout = analyze(spec)
   if isinstance(layout, str):
     raise ValueError(f"{kernel_name}: {layout}")
@@ -121,10 +137,17 @@ def rowwise_einsum(spec: EinsumSpec, a, b, *, out_dtype, kernel_name: str,
   sa, sb = qa.scale.reshape((bat, -1)), qb.scale.reshape((bat, -1))
   if layout.swap:
     da, db, sa, sb = db, da, sb, sa
-  out = gemm_lib.gemm(da, db, sa, sb, a_t=layout.a_t, b_t=layout.b_t,
+  return RowwiseOperands(layout, sizes, da, db, sa, sb)
+
+
+def rowwise_einsum(spec: EinsumSpec, a, b, *, out_dtype, kernel_name: str,
+                   config=None) -> jax.Array:
+  """Both operands quantized e4m3 with one scale per non-contracting index, then the core."""
+  ops = rowwise_operands(spec, a, b, kernel_name=kernel_name)
+  out = gemm_lib.gemm(ops.a, ops.b, ops.sa, ops.sb, a_t=ops.layout.a_t, b_t=ops.layout.b_t,
                       scales=gemm_lib.ROWWISE_SCALES, out_dtype=out_dtype, config=config,
                       kernel_name=kernel_name)
-  return _finish(out, spec, layout, sizes, out_dtype)
+  return ops.finish(out, spec, out_dtype)
 
 
 def _block_operand(x2, contract_first: bool, square: bool):
