@@ -26,10 +26,21 @@ def use_interpret() -> bool:
   return jax.default_backend() == "cpu" and not _FORCE_COMPILED.get()
 
 
+def mosaic_interpret():
+  """GPU interpret-mode parameters for Mosaic GPU kernels on the CPU (None: compile them).
+
+  jax's GPU interpret mode simulates shared memory, TMA copies, barriers and wgmma on the
+  CPU; its parameters class is not exported by `jax.experimental.pallas.mosaic_gpu`."""
+  if not use_interpret():
+    return None
+  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+  return InterpretGPUParams()
+
+
 @contextlib.contextmanager
 def compiled_kernels():
-  """Traces kernels for the Triton backend even on the CPU, e.g. to lower them for 'cuda'
-  (checks the Triton lowering without a GPU); running them then needs a GPU."""
+  """Traces Pallas kernels compiled (Triton or Mosaic GPU) even on the CPU, e.g. to lower them
+  for 'cuda' (checks their lowering without a GPU); running them then needs a GPU."""
   token = _FORCE_COMPILED.set(True)
   try:
     yield

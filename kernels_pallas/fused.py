@@ -1,5 +1,8 @@
 """Fused dense layer: quantize -> FP8 GEMM -> bias -> BlockNorm -> activation (-> quantize).
 
+The GEMM and its epilogue run as one Pallas kernel on either core: Triton (`gemm`) or
+Mosaic GPU (`mosaic_gemm`, Hopper only).
+
 `fused_dense` is the functional API Mods layers call; `fused_dense_reference` computes the
 same function unfused in pure jnp (fp32 HIGHEST product of the dequantized operands). The
 fused op has a custom_vjp: backward recomputes BlockNorm/activation from the saved pre-norm
@@ -21,6 +24,7 @@ from jax import lax
 
 from kernels_pallas import epilogue as epilogue_lib
 from kernels_pallas import gemm as gemm_lib
+from kernels_pallas import mosaic_gemm
 from kernels_pallas import quantize as quantize_lib
 from loka_jax.kernels import registry
 from loka_jax.kernels.spec import EinsumSpec
@@ -29,6 +33,9 @@ from loka_jax.precision import E4M3, ROWWISE, TENSORWISE, QTensor
 from loka_jax.precision import scaling
 
 _FWD = EinsumSpec.parse("mk,kn->mn")
+TRITON = "triton"          # kernels_pallas.gemm: Pallas' Triton backend
+MOSAIC_GPU = "mosaic_gpu"  # kernels_pallas.mosaic_gemm: Pallas' Mosaic GPU backend (Hopper)
+CORES = (TRITON, MOSAIC_GPU)
 
 
 def _epilogue(bias, block_size, activation, quantize_output, eps, emit_pre=False):
@@ -37,7 +44,13 @@ def _epilogue(bias, block_size, activation, quantize_output, eps, emit_pre=False
                                emit_pre=emit_pre)
 
 
-def _check(x, w, bias):
+def _check(x, w, bias, core=TRITON, ep=None):
+  if core not in CORES:
+    raise ValueError(f"fused_dense: unknown core {core!r}; use one of {', '.join(CORES)}")
+  if core == MOSAIC_GPU and ep is not None:
+    reason = mosaic_gemm.unsupported_epilogue(ep)
+    if reason:
+      raise ValueError(f"fused_dense on the mosaic_gpu core: {reason}; use core='triton'")
   k = x.shape[-1]
   if w.ndim != 2 or w.shape[0] != k:
     raise ValueError(f"fused_dense: weight must be (K={k}, N), got {w.shape}")
@@ -62,13 +75,18 @@ def _x_operand(x):
   return q.data[None], q.scale.reshape((1, -1))
 
 
-def _forward(x, w, bias, ep, out_dtype, pre_dtype):
+def _forward(x, w, bias, ep, out_dtype, pre_dtype, core=TRITON):
   lead = x.shape[:-1]
   xd, xs = _x_operand(x)
   qw = quantize_lib.quantize(w, E4M3, ROWWISE, (0,))
-  outs = gemm_lib.gemm(xd, qw.data[None], xs, qw.scale.reshape((1, -1)), epilogue=ep,
-                       bias=bias, out_dtype=out_dtype, pre_dtype=pre_dtype,
-                       kernel_name="pallas_fp8_rowwise_fused")
+  if core == MOSAIC_GPU:  # wgmma's 8-bit operands are K-major: the weight's codes as (N, K)
+    outs = mosaic_gemm.gemm(xd, qw.data.T[None], xs, qw.scale.reshape((1, -1)), epilogue=ep,
+                            bias=bias, out_dtype=out_dtype, pre_dtype=pre_dtype,
+                            kernel_name="pallas_mosaic_fp8_rowwise_fused")
+  else:
+    outs = gemm_lib.gemm(xd, qw.data[None], xs, qw.scale.reshape((1, -1)), epilogue=ep,
+                         bias=bias, out_dtype=out_dtype, pre_dtype=pre_dtype,
+                         kernel_name="pallas_fp8_rowwise_fused")
   n = w.shape[1]
   outs = outs if isinstance(outs, tuple) else (outs,)
   if ep.quantize_output:
@@ -90,20 +108,20 @@ def _post(pre, block_size, activation, eps):
   return functional.activation(activation)(y)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _trainable(x, w, bias, block_size, activation, out_dtype, backward, eps):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _trainable(x, w, bias, block_size, activation, out_dtype, backward, eps, core):
   ep = _epilogue(bias, block_size, activation, False, eps)
-  return _forward(x, w, bias, ep, out_dtype, x.dtype)[0]
+  return _forward(x, w, bias, ep, out_dtype, x.dtype, core)[0]
 
 
-def _trainable_fwd(x, w, bias, block_size, activation, out_dtype, backward, eps):
+def _trainable_fwd(x, w, bias, block_size, activation, out_dtype, backward, eps, core):
   ep = _epilogue(bias, block_size, activation, False, eps, emit_pre=True)
-  out, pre = _forward(x, w, bias, ep, out_dtype, x.dtype)
+  out, pre = _forward(x, w, bias, ep, out_dtype, x.dtype, core)
   # Residuals in the compute dtype (x's): the operands and the pre-norm value.
   return out, (x, w, pre, bias is not None)
 
 
-def _trainable_bwd(block_size, activation, out_dtype, backward, eps, res, dy):
+def _trainable_bwd(block_size, activation, out_dtype, backward, eps, core, res, dy):
   x, w, pre, has_bias = res
   _, post_vjp = jax.vjp(lambda p: _post(p, block_size, activation, eps),
                         pre.astype(jnp.float32))
@@ -124,12 +142,12 @@ def _trainable_bwd(block_size, activation, out_dtype, backward, eps, res, dy):
 _trainable.defvjp(_trainable_fwd, _trainable_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _forward_only(x, w, bias, ep, out_dtype):
-  return _forward(x, w, bias, ep, out_dtype, jnp.float32)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _forward_only(x, w, bias, ep, out_dtype, core):
+  return _forward(x, w, bias, ep, out_dtype, jnp.float32, core)[0]
 
 
-def _forward_only_fwd(x, w, bias, ep, out_dtype):
+def _forward_only_fwd(x, w, bias, ep, out_dtype, core):
   raise ValueError(
       "fused_dense with quantize_output=True or a QTensor input is forward-only (a QTensor "
       "carries no float gradient); train with quantize_output=False and array inputs")
@@ -142,7 +160,8 @@ def fused_dense(x: Union[jax.Array, QTensor], w: jax.Array, *, bias: Optional[ja
                 block_size: Optional[int] = None, activation: str = "identity",
                 quantize_output: bool = False, out_dtype=jnp.bfloat16,
                 backward: str = "pallas_fp8_rowwise",
-                eps: float = functional.DEFAULT_EPS) -> Union[jax.Array, QTensor]:
+                eps: float = functional.DEFAULT_EPS,
+                core: str = TRITON) -> Union[jax.Array, QTensor]:
   """act(block_norm(x @ w + bias)) with e4m3 rowwise operands in one Pallas kernel.
 
   Args:
@@ -157,26 +176,31 @@ def fused_dense(x: Union[jax.Array, QTensor], w: jax.Array, *, bias: Optional[ja
     out_dtype: dtype of the array output.
     backward: registered per-pass kernel for dgrad and wgrad in the custom_vjp.
     eps: BlockNorm epsilon.
+    core: the GEMM kernel: 'triton' (`kernels_pallas.gemm`, which also fuses output
+      quantization) or 'mosaic_gpu' (`kernels_pallas.mosaic_gemm`: Hopper FP8 wgmma;
+      BlockNorm blocks of 64, 128 or 256, no output quantization).
   """
-  _check(x, w, bias)
+  _check(x, w, bias, core, _epilogue(bias, block_size, activation, quantize_output, eps))
   if bias is not None:
     bias = bias.astype(jnp.float32)
   if quantize_output or isinstance(x, QTensor):
     ep = _epilogue(bias, block_size, activation, quantize_output, eps)
-    return _forward_only(x, w, bias, ep, jnp.dtype(out_dtype))
-  return _trainable(x, w, bias, block_size, activation, jnp.dtype(out_dtype), backward, eps)
+    return _forward_only(x, w, bias, ep, jnp.dtype(out_dtype), core)
+  return _trainable(x, w, bias, block_size, activation, jnp.dtype(out_dtype), backward, eps,
+                    core)
 
 
 def pre_norm(x: jax.Array, w: jax.Array, *, bias: Optional[jax.Array] = None,
              block_size: Optional[int] = None, activation: str = "identity",
-             out_dtype=jnp.bfloat16, eps: float = functional.DEFAULT_EPS) -> jax.Array:
+             out_dtype=jnp.bfloat16, eps: float = functional.DEFAULT_EPS,
+             core: str = TRITON) -> jax.Array:
   """The pre-norm value (scaled product + bias) fused_dense saves for its backward, in x's
   dtype: where its backward evaluates the epilogue's derivative."""
-  _check(x, w, bias)
+  ep = _epilogue(bias, block_size, activation, False, eps, emit_pre=True)
+  _check(x, w, bias, core, ep)
   if bias is not None:
     bias = bias.astype(jnp.float32)
-  ep = _epilogue(bias, block_size, activation, False, eps, emit_pre=True)
-  return _forward(x, w, bias, ep, jnp.dtype(out_dtype), x.dtype)[1]
+  return _forward(x, w, bias, ep, jnp.dtype(out_dtype), x.dtype, core)[1]
 
 
 def fused_dense_reference(x: Union[jax.Array, QTensor], w: jax.Array, *,

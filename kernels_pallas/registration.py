@@ -1,4 +1,4 @@
-"""The Pallas kernels as registry entries (backend 'pallas_triton').
+"""The Pallas kernels as registry entries (backends 'pallas_triton' and 'pallas_mosaic_gpu').
 
 Per-pass kernels (mix freely with others per pass):
   pallas_fp8_rowwise    2-D (and flattened) specs; e4m3 operands, one scale per
@@ -18,6 +18,11 @@ Fused-op kernels (own all three passes):
                         the forward alone (kernels_pallas.delayed_op).
 Fused epilogue kernels (`pallas_fp8_rowwise_fused_<epilogue>`) compute act(norm(x W + b)),
 not a site's plain product: Mods layers call them through kernels_pallas.fused.fused_dense.
+Mosaic GPU kernels (Hopper only: FP8 wgmma fed by TMA, `kernels_pallas.mosaic_gemm`):
+  pallas_mosaic_fp8_rowwise, pallas_mosaic_fp8_batched
+                        the rowwise products above (e4m3 operands, gradients e4m3 rowwise)
+                        on the Mosaic GPU core; Dispatch keeps whichever backend is faster
+                        per site and pass.
 """
 from __future__ import annotations
 
@@ -27,13 +32,14 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas import delayed_op, epilogue, fused, gemm, products
+from kernels_pallas import delayed_op, epilogue, fused, gemm, mosaic_gemm, products
 from loka_jax.kernels import registry
 from loka_jax.kernels.base import FUSED_OP, ChainKernel, Kernel, reference_einsum
 from loka_jax.kernels.spec import ACT_WEIGHT, EinsumSpec
 from loka_jax.precision import QTensor
 
 BACKEND = "pallas_triton"
+MOSAIC_BACKEND = "pallas_mosaic_gpu"
 _DENSE = EinsumSpec.parse("mk,kn->mn")
 
 
@@ -79,6 +85,39 @@ class PallasFp8(Kernel):
     return products.rowwise_einsum(spec, a, b, out_dtype=out_dtype, kernel_name=self.name)
 
 
+def mosaic_device_reason() -> Optional[str]:
+  """Why this device cannot run the Mosaic GPU kernels (FP8 wgmma is Hopper's, sm_90);
+  None on the CPU (interpret mode) and on Hopper GPUs."""
+  dev = jax.devices()[0]
+  if dev.platform == "cpu":
+    return None
+  if dev.platform != "gpu":
+    return f"Pallas Mosaic GPU kernels need an NVIDIA GPU, got {dev.platform}"
+  cc = str(getattr(dev, "compute_capability", ""))
+  if cc and not cc.startswith("9."):
+    return f"FP8 wgmma needs a Hopper GPU (compute capability 9.x), device has {cc}"
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasMosaicFp8(PallasFp8):
+  """A per-pass rowwise FP8 product on the Mosaic GPU core (TMA + FP8 wgmma)."""
+  revision: int = 1
+
+  def unsupported_reason(self, spec, pass_name, kind, lhs_shape, rhs_shape):
+    reason = Kernel.unsupported_reason(self, spec, pass_name, kind, lhs_shape, rhs_shape)
+    if reason:
+      return reason
+    reason = products.unsupported(spec, batched=self.batched) or mosaic_device_reason()
+    return f"kernel {self.name}: {reason}" if reason else None
+
+  def einsum(self, spec, a, b, *, pass_name, out_dtype):
+    reason = products.unsupported(spec, batched=self.batched) or mosaic_device_reason()
+    if reason:
+      raise ValueError(f"kernel {self.name}, {pass_name}: {reason}")
+    return mosaic_gemm.rowwise_einsum(spec, a, b, out_dtype=out_dtype, kernel_name=self.name)
+
+
 @dataclasses.dataclass(frozen=True)
 class PallasDelayed(Kernel):
   """Delayed-scaling FP8 as one fused op, quantized in one Pallas pass per operand."""
@@ -113,22 +152,29 @@ class PallasDelayed(Kernel):
 
 @dataclasses.dataclass(frozen=True)
 class PallasFusedEpilogue(ChainKernel):
-  """GEMM + bias + BlockNorm + activation (+ output quantization) as one kernel."""
+  """GEMM + bias + BlockNorm + activation (+ output quantization) as one kernel.
+
+  `core`: the GEMM kernel underneath (fused.TRITON or fused.MOSAIC_GPU). `equivalent`: the
+  per-pass kernel that quantizes its operands as this kernel's forward does (e4m3 rowwise):
+  what its backward runs for dgrad and wgrad when a plan names it in every pass."""
   block_size: Optional[int] = None
   activation: str = "identity"
   quantize_output: bool = False
+  core: str = fused.TRITON
+  equivalent: str = "pallas_fp8_rowwise"
 
   def unsupported_reason(self, spec, pass_name, kind, lhs_shape, rhs_shape):
     return (f"kernel {self.name} fuses BlockNorm/activation into the GEMM, so it is not a "
             "site's plain product; call kernels_pallas.fused.fused_dense from a Mods layer "
             "(or kernel.apply)")
 
-  def apply(self, x, w, bias=None, *, out_dtype=None, backward="pallas_fp8_rowwise"):
-    """fused_dense with this kernel's epilogue."""
+  def apply(self, x, w, bias=None, *, out_dtype=None, backward=None):
+    """fused_dense with this kernel's epilogue and core (backward: `equivalent` unless
+    named)."""
     kwargs = {} if out_dtype is None else {"out_dtype": out_dtype}
     return fused.fused_dense(x, w, bias=bias, block_size=self.block_size,
                              activation=self.activation, quantize_output=self.quantize_output,
-                             backward=backward, **kwargs)
+                             backward=backward or self.equivalent, core=self.core, **kwargs)
 
   @property
   def has_backward(self) -> bool:
@@ -138,7 +184,7 @@ class PallasFusedEpilogue(ChainKernel):
     if self.quantize_output and n > gemm.MAX_FULL_ROW:
       return (f"kernel {self.name}: output quantization holds whole rows in one program; "
               f"N={n} exceeds {gemm.MAX_FULL_ROW}")
-    reason = device_reason()
+    reason = mosaic_device_reason() if self.core == fused.MOSAIC_GPU else device_reason()
     return f"kernel {self.name}: {reason}" if reason else None
 
   def chain(self, x, w, bias, *, out_dtype):
@@ -152,14 +198,16 @@ class PallasFusedEpilogue(ChainKernel):
     return epilogue.reference(z, ep, None if bias is None else bias.astype(jnp.float32))
 
 
-def fused_name(block_size, activation, quantize_output) -> str:
+def fused_name(block_size, activation, quantize_output, core=fused.TRITON) -> str:
   parts = []
   if block_size is not None:
     parts.append(f"blocknorm{block_size}")
   parts.append(activation)
   if quantize_output:
     parts.append("quant")
-  return "pallas_fp8_rowwise_fused_" + "_".join(parts)
+  prefix = "pallas_mosaic_fp8_rowwise_fused_" if core == fused.MOSAIC_GPU else (
+      "pallas_fp8_rowwise_fused_")
+  return prefix + "_".join(parts)
 
 
 def register_all() -> None:
@@ -175,6 +223,14 @@ def register_all() -> None:
       name="pallas_fp8_batched", backend=BACKEND, mode="rowwise", batched=True,
       description="Pallas Triton FP8 batched (interaction shapes): rowwise e4m3, batch on "
                   "the grid"))
+  registry.register(PallasMosaicFp8(
+      name="pallas_mosaic_fp8_rowwise", backend=MOSAIC_BACKEND, mode="rowwise",
+      description="Pallas Mosaic GPU FP8 (Hopper): e4m3 rowwise (grads e4m3 rowwise), TMA-fed "
+                  "FP8 wgmma, fp32 accumulator"))
+  registry.register(PallasMosaicFp8(
+      name="pallas_mosaic_fp8_batched", backend=MOSAIC_BACKEND, mode="rowwise", batched=True,
+      description="Pallas Mosaic GPU FP8 batched (interaction shapes): rowwise e4m3, batch "
+                  "on the grid"))
   for mode, suffix, what in ((delayed_op.ALL, "", "FP8 in every pass"),
                             (delayed_op.GRAD_LHS, "_grad_lhs",
                              "FP8 fwd and grad_lhs, grad_rhs in the compute dtype"),
@@ -196,3 +252,11 @@ def register_all() -> None:
                          f"{'' if block_size is None else f' + BlockNorm({block_size})'}"
                          f" + {activation}{' + rowwise e4m3 output' if quant else ''}; "
                          "via fused_dense")))
+      registry.register(PallasFusedEpilogue(
+          name=fused_name(block_size, activation, False, fused.MOSAIC_GPU),
+          backend=MOSAIC_BACKEND, sort=FUSED_OP, passes=frozenset(), block_size=block_size,
+          activation=activation, core=fused.MOSAIC_GPU, equivalent="pallas_mosaic_fp8_rowwise",
+          description=(f"Pallas Mosaic GPU FP8 GEMM (Hopper wgmma) + bias"
+                       f"{'' if block_size is None else f' + BlockNorm({block_size})'}"
+                       f" + {activation}; via fused_dense, backward on "
+                       "pallas_mosaic_fp8_rowwise")))

@@ -1,17 +1,18 @@
 """The kernel benchmark of `python3 -m experiments.bench_kernels`: the Pallas FP8 kernels
-against XLA FP8 and bf16 at recommendation shapes (docs/BENCHMARKS.md, section 3: how speed
-is measured).
+(Triton and Mosaic GPU) against XLA FP8 and bf16 at recommendation shapes
+(docs/BENCHMARKS.md, section 3: how speed is measured).
 
 Per shape (GEMMs, batched interaction einsums, and the chain quantize -> GEMM ->
-BlockNorm(256) -> Hard Swish -> quantize), every variant is compiled (its backend read from
-the compiled HLO), then timed by `loka_jax.timing.time_variants`: warm-up, variants
-interleaved, `repeats` each; a call shorter than a quarter of `min_call_ms` is timed as a
-chain of dependent calls less its floor, a longer one as single calls back to back. Each row
-has the median time, TFLOP/s, and the speedup vs the baseline of its group measured in the
-same run (xla_bf16, or the bf16 chain for the fused chain) with a bootstrap 95% CI; the
-fused chain also gets its ratio vs the XLA FP8 chain. Rows go to OUT/results.jsonl; `run`
-skips finished shapes, so the benchmark resumes across invocations that each stop at their
-time limit. A variant that fails to compile records its error and the run goes on.
+BlockNorm(256) -> Hard Swish -> quantize; the Mosaic GPU chain stops before the quantize),
+every variant is compiled (its backend read from the compiled HLO), then timed by
+`loka_jax.timing.time_variants`: warm-up, variants interleaved, `repeats` each; a call
+shorter than a quarter of `min_call_ms` is timed as a chain of dependent calls less its
+floor, a longer one as single calls back to back. Each row has the median time, TFLOP/s,
+and the speedup vs the baseline of its group measured in the same run (xla_bf16, or the
+bf16 chain for the fused chain) with a bootstrap 95% CI; the fused chain also gets its
+ratio vs the XLA FP8 chain. Rows go to OUT/results.jsonl; `run` skips finished shapes, so
+the benchmark resumes across invocations that each stop at their time limit. A variant that
+fails to compile records its error and the run goes on.
 """
 from __future__ import annotations
 
@@ -59,9 +60,11 @@ CHAIN_BLOCK = 256
 # Variant names per shape kind; the first is the baseline every ratio divides.
 VARIANTS = {
     "gemm": ("xla_bf16", "xla_fp8_tensorwise", "xla_fp8_rowwise", "pallas_fp8_rowwise",
-             "pallas_fp8_blockwise"),
-    "batched": ("xla_bf16", "xla_fp8_tensorwise", "xla_fp8_rowwise", "pallas_fp8_batched"),
-    "chain": ("xla_bf16_chain", "xla_fp8_chain", "pallas_fused_chain"),
+             "pallas_fp8_blockwise", "pallas_mosaic_fp8_rowwise"),
+    "batched": ("xla_bf16", "xla_fp8_tensorwise", "xla_fp8_rowwise", "pallas_fp8_batched",
+                "pallas_mosaic_fp8_batched"),
+    "chain": ("xla_bf16_chain", "xla_fp8_chain", "pallas_fused_chain",
+              "pallas_mosaic_fused_chain"),
 }
 
 
@@ -131,8 +134,13 @@ def _variants(shape):
                             quantize_output=True)
       return q.data, q.scale
 
+    def mosaic_chain(x, w):
+      # The Mosaic GPU core fuses no output quantization: bf16 out, as the bf16 chain's.
+      return fused.fused_dense(x, w, block_size=CHAIN_BLOCK, activation="hard_swish",
+                               core=fused.MOSAIC_GPU)
+
     fns = {"xla_bf16_chain": bf16_chain, "xla_fp8_chain": xla_fp8_chain,
-           "pallas_fused_chain": pallas_chain}
+           "pallas_fused_chain": pallas_chain, "pallas_mosaic_fused_chain": mosaic_chain}
     return [(name, fns[name], flops) for name in VARIANTS["chain"]]
 
   if shape["kind"] == "gemm":
@@ -170,6 +178,8 @@ def _backend_tag(compiled_text):
     return "cublasLt_fp8"
   if "xla.gpu.triton" in compiled_text:
     return "pallas_triton"
+  if "mosaic_gpu" in compiled_text:
+    return "pallas_mosaic_gpu"
   if "__cublas$lt" in compiled_text or "__cublas$gemm" in compiled_text:
     return "cublas"
   if "triton_gemm" in compiled_text or "__triton" in compiled_text:

@@ -41,6 +41,7 @@ _GEMM_PATTERNS = (
     # XLA's Triton GEMM fusions: the legacy kind and the nested-fusion kind newer XLA emits.
     ("xla_triton_gemm", r"__triton_gemm|__triton_nested_gemm_fusion"),
     ("pallas_triton", r"__gpu\$xla\.gpu\.triton|triton_kernel_call"),
+    ("pallas_mosaic_gpu", r"mosaic_gpu"),
 )
 
 

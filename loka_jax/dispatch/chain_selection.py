@@ -7,7 +7,7 @@ the whole chain, forward and backward, faster than the bf16 chain by `min_speedu
 pessimistic end), and it saves more time than that choice: the bf16 chain's time less the
 kernel's, against what the choice saves over bf16 (`eligibility.choice_savings_us`, both
 pessimistic). The plan then names it in every pass, which `models.fused.FusedDenseNormAct`
-runs as one kernel with `chains.BACKWARD` for dgrad and wgrad.
+runs as one kernel with its per-pass equivalent (`chains.backward_of`) for dgrad and wgrad.
 """
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ import re
 
 # Ordered: the first pattern found names the backend.
 _PATTERNS = (
+    ("pallas_mosaic_gpu", re.compile(r"mosaic_gpu")),
     ("pallas_triton", re.compile(r"__gpu\$xla\.gpu\.triton|triton_kernel_call|pallas")),
     ("cublaslt_fp8", re.compile(r"__cublas\$lt\$matmul\$f8")),
     ("xla_triton_gemm", re.compile(r'"kind":"__triton_gemm"|kind=__triton_gemm|__triton_gemm')),

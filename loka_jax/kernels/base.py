@@ -22,7 +22,7 @@ class Kernel(abc.ABC):
 
   Attributes:
     name: registry key, used in plans and reports.
-    backend: 'xla', 'pallas_triton' or 'flax'.
+    backend: 'xla', 'pallas_triton', 'pallas_mosaic_gpu' or 'flax'.
     sort: PER_PASS or FUSED_OP.
     passes: passes it can compute.
     kinds: site kinds it supports ('act_weight', 'act_act').

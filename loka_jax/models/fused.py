@@ -119,17 +119,25 @@ def fused_kernel_name(block_size: Optional[int], activation: str,
   return None
 
 
+def equivalent_kernel(name: str) -> str:
+  """The per-pass kernel quantizing its operands as fused kernel `name`'s forward does (its
+  default backward): the kernel's own `equivalent`, else FUSED_EQUIVALENT."""
+  kernel = fused_epilogue_kernel(name)
+  return getattr(kernel, "equivalent", None) or FUSED_EQUIVALENT
+
+
 def backward_kernel(choice: KernelChoice, site: str) -> str:
   """The one per-pass kernel a fused site's backward uses for dgrad and wgrad."""
   grads = {choice.grad_lhs, choice.grad_rhs}
+  equivalent = equivalent_kernel(choice.fwd)
   if grads == {choice.fwd}:
-    return FUSED_EQUIVALENT
+    return equivalent
   if len(grads) != 1 or choice.fwd in grads:
     raise ValueError(
         f"site {site}: fused kernel {choice.fwd} runs dgrad and wgrad with one per-pass "
         f"kernel, but the plan gives grad_lhs={choice.grad_lhs!r}, "
         f"grad_rhs={choice.grad_rhs!r}; name the same per-pass kernel for both (or the fused "
-        f"kernel for all three passes, which means {FUSED_EQUIVALENT})")
+        f"kernel for all three passes, which means {equivalent})")
   name = grads.pop()
   if kernels.get(name).sort != kernels.PER_PASS:
     raise ValueError(f"site {site}: the backward of fused kernel {choice.fwd} needs a "
@@ -178,10 +186,10 @@ class FusedDenseNormAct(DenseSite):
     lead = x.shape[:-1]
     self._check_backward(backward, name, (math.prod(lead), in_features))
     if self._probe_wants_gradients():
-      return self._unfused(x, kernel, bias, KernelChoice(FUSED_EQUIVALENT, backward, backward))
-    return self._fused(x, kernel, bias, backward)
+      return self._unfused(x, kernel, bias, KernelChoice(fused.equivalent, backward, backward))
+    return self._fused(x, kernel, bias, backward, fused.core)
 
-  def _fused(self, x, kernel, bias, backward: str):
+  def _fused(self, x, kernel, bias, backward: str, core: str):
     from kernels_pallas import fused as fused_lib  # the Pallas plugin; present when registered
     policy = self.config.policy
     w = kernel.astype(policy.compute_dtype)
@@ -190,7 +198,7 @@ class FusedDenseNormAct(DenseSite):
     return fused_lib.fused_dense(
         x_in, w, bias=bias, block_size=self.block_size, activation=self.activation,
         quantize_output=self.quantize_output, out_dtype=policy.output_dtype,
-        backward=backward, eps=self.epsilon)
+        backward=backward, eps=self.epsilon, core=core)
 
   def _unfused(self, x, kernel, bias, choice: Optional[KernelChoice] = None):
     policy = self.config.policy

@@ -44,7 +44,7 @@ def candidate_kernels(names: Optional[Sequence[str]] = None, platform: str = "cp
         excluded[k.name] = "fp32 reference arm: never faster than xla_bf16"
       elif k.sort == FUSED_OP and not k.passes and not isinstance(k, ChainKernel):
         excluded[k.name] = "computes no plain site product and no chain a site can run"
-      elif k.backend == "pallas_triton" and platform == "cpu":
+      elif k.backend.startswith("pallas_") and platform == "cpu":
         excluded[k.name] = ("Pallas kernel: interpret mode on the CPU is slow; name it among "
                             "the candidate kernels to include it")
       else:

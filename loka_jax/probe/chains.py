@@ -12,7 +12,8 @@ fused op, all three passes or none, with each pass judged on the chain:
             error);
   grad_lhs  d loss / d x    as the fused kernel's backward computes them (the epilogue's
   grad_rhs  d loss / d W    backward on its own pre-norm value, then dgrad and wgrad with
-                            `BACKWARD`: what a plan naming the kernel in every pass runs),
+                            its per-pass equivalent, `backward_of`: what a plan naming the
+                            kernel in every pass runs),
                             against float32 HIGHEST products of the original operands with
                             the epilogue's backward taken in float32 at that same pre-norm
                             value.
@@ -42,6 +43,17 @@ from loka_jax.models import fused as fused_lib
 
 BACKWARD = fused_lib.FUSED_EQUIVALENT  # dgrad and wgrad of a plan naming the kernel throughout
 DENSE = "mk,kn->mn"
+
+
+def backward_of(kernel) -> str:
+  """The per-pass kernel a fused-epilogue kernel's backward runs when a plan names it in
+  every pass (its `equivalent`; BACKWARD for kernels that name none)."""
+  return getattr(kernel, "equivalent", None) or BACKWARD
+
+
+def core_of(kernel) -> str:
+  """The GEMM core under a fused-epilogue kernel ('triton' unless it names another)."""
+  return getattr(kernel, "core", None) or "triton"
 
 
 def is_chain_kernel(kernel) -> bool:
@@ -74,7 +86,7 @@ def unsupported_reason(kernel, chain: Optional[fused_lib.Chain], spec: EinsumSpe
   reason = kernel.chain_unsupported_reason(m, k, rhs_shape[1])
   if reason or pass_name == "fwd":
     return reason
-  backward = registry.get(BACKWARD)
+  backward = registry.get(backward_of(kernel))
   return backward.unsupported_reason(spec.for_pass(pass_name), pass_name, "act_weight",
                                      lhs_shape, rhs_shape)
 
@@ -84,7 +96,8 @@ def run(kernel, x, w, chain: fused_lib.Chain, out_dtype, bias=None):
   from kernels_pallas import fused  # the plugin that registered the kernel
   out = fused.fused_dense(x, w, bias=bias, block_size=chain.block_size,
                           activation=chain.activation, quantize_output=chain.quantize_output,
-                          out_dtype=out_dtype, backward=BACKWARD, eps=chain.epsilon)
+                          out_dtype=out_dtype, backward=backward_of(kernel),
+                          eps=chain.epsilon, core=core_of(kernel))
   return out.dequantize(out_dtype) if hasattr(out, "dequantize") else out
 
 
@@ -100,10 +113,9 @@ def bf16_chain(x, w, chain: fused_lib.Chain, out_dtype, bias=None):
 
 def pre_norm(kernel, x, w, chain: fused_lib.Chain):
   """The pre-norm value the fused kernel's backward evaluates the epilogue's derivative at."""
-  del kernel  # every fused-epilogue kernel is kernels_pallas.fused.fused_dense
-  from kernels_pallas import fused  # the plugin that registered the kernel
+  from kernels_pallas import fused  # every fused-epilogue kernel is its fused_dense
   return fused.pre_norm(x, w, block_size=chain.block_size, activation=chain.activation,
-                        out_dtype=x.dtype, eps=chain.epsilon)
+                        out_dtype=x.dtype, eps=chain.epsilon, core=core_of(kernel))
 
 
 def reference(lhs, rhs, grad, chain: fused_lib.Chain, pre):

@@ -154,7 +154,7 @@ def _operand_flush(kernel, spec, pass_name, a, b):
     ub, sb = flush_fractions(b, qb) if qb is not None else (nan, nan)
     return ua, ub, sa, sb
   mode = getattr(kernel, "mode", None)
-  if kernel.backend == "pallas_triton" and mode is not None:
+  if kernel.backend.startswith("pallas_") and mode is not None:
     from kernels_pallas import products  # the plugin that registered this kernel
     da, db = products.dequantized_operands(spec, a, b, mode=mode, pass_name=pass_name)
     return _deq_underflow(a, da), _deq_underflow(b, db), nan, nan
@@ -267,9 +267,9 @@ def chain_evaluator(kernel_name: str, passes: Tuple[str, ...], spec: str, comput
   (`probe.chains`): its output and the gradients its backward computes, against the chain in
   float32 on the original operands (the gradients' epilogue backward at the kernel's own
   pre-norm value). The operands' flush is that of the e4m3 rowwise products it runs
-  (`chains.BACKWARD`'s quantization)."""
+  (its backward's, `chains.backward_of`)."""
   kernel = registry.get(kernel_name)
-  rowwise = registry.get(chains.BACKWARD)
+  rowwise = registry.get(chains.backward_of(kernel))
   parsed = EinsumSpec.parse(spec)
   dt = jnp.dtype(compute_dtype)
 

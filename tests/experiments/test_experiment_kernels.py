@@ -58,9 +58,10 @@ class KernelsCliTest(absltest.TestCase):
     verdicts = report["verdicts"]
     self.assertEqual(sorted(verdicts), kernels.names())
     self.assertNotIn("error", verdicts.values())
+    batched = ["pallas_fp8_batched", "pallas_mosaic_fp8_batched"]
     self.assertEqual([k for k, v in verdicts.items() if v == "unsupported"],
-                     ["pallas_fp8_batched"])  # batched specs only; this one is dense
-    self.assertIn(f"verdicts: {len(verdicts) - 1} measured, 1 unsupported", proc.stdout)
+                     batched)  # batched specs only; this one is dense
+    self.assertIn(f"verdicts: {len(verdicts) - 2} measured, 2 unsupported", proc.stdout)
     chains = [k for k in kernels.all_kernels() if isinstance(k, kernels_base.ChainKernel)]
     self.assertNotEmpty(chains)  # the fused-epilogue kernels
     for kernel in chains:

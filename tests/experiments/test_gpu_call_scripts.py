@@ -169,10 +169,6 @@ class QueueTest(absltest.TestCase):
     self.assertIn("give NAME WORK CARRY MIN_LEFT", bad.stderr)
 
 
-if __name__ == "__main__":
-  absltest.main()
-
-
 class MovieLensCallTest(absltest.TestCase):
 
   def test_without_the_carried_data_cache_it_says_how_to_fetch_it(self):
@@ -186,3 +182,31 @@ class MovieLensCallTest(absltest.TestCase):
                      f"error: {work}/none holds no recbole wheel; fetch the data cache first "
                      "(see the head of experiments/gpu_movielens_call.sh)")
     self.assertFalse(os.path.exists(os.path.join(work, "quality.jsonl")))
+
+
+class MosaicCallTest(absltest.TestCase):
+
+  def test_rows_of_the_mosaic_variants_come_back_and_resume(self):
+    # The kernel benchmark's tiny shapes run on the CPU (interpret mode): the Mosaic GPU
+    # variant's row comes back with its baseline's; a call carrying them times nothing again.
+    work = tempfile.mkdtemp(prefix="loka_mosaic_")
+    self.addCleanup(shutil.rmtree, work, ignore_errors=True)
+    env = {"WORK": os.path.join(work, "a"), "TESTS_LIMIT": "0", "SMOKE": "1",
+           "ONLY": "pallas_mosaic_fp8_rowwise"}
+    out = _call("gpu_mosaic_call.sh", env)
+    self.assertIn("bench_kernels rc 0", out)
+    with open(os.path.join(work, "a", "out", "kernels", "results.jsonl")) as f:
+      rows = [json.loads(line) for line in f]
+    self.assertEqual({(r["shape"], r["variant"]) for r in rows},
+                     {("gemm_m64_k200_n96", "xla_bf16"),
+                      ("gemm_m64_k200_n96", "pallas_mosaic_fp8_rowwise")})
+    self.assertTrue(all("median_us" in r and "error" not in r for r in rows), rows)
+    again = _call("gpu_mosaic_call.sh", {**env, "WORK": os.path.join(work, "b"),
+                                         "CARRY": os.path.join(work, "a", "out", "kernels")})
+    self.assertIn("bench_kernels rc 0", again)
+    with open(os.path.join(work, "b", "out", "kernels", "results.jsonl")) as f:
+      self.assertLen(f.readlines(), 2)
+
+
+if __name__ == "__main__":
+  absltest.main()

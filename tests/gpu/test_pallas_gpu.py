@@ -24,29 +24,10 @@ from loka_jax.kernels import EinsumSpec, reference_einsum
 from loka_jax.mods import functional
 from loka_jax.precision import E4M3, metrics, scaling
 
+from gpu_helpers import close as _close, heavy as _heavy, operands as _operands
+
 SITE_SQNR_DB = 18.0
 DENSE = EinsumSpec.parse("mk,kn->mn")
-
-
-def _heavy(key, shape, dtype=jnp.bfloat16):
-  k1, k2 = jax.random.split(key)
-  scale = jnp.exp(0.5 * jax.random.normal(k2, shape[:-1] + (1,)))
-  return (jax.random.normal(k1, shape) * scale).astype(dtype)
-
-
-def _close(out, ref, rtol):
-  out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-  assert np.all(np.isfinite(out)), "non-finite outputs"
-  err = np.max(np.abs(out - ref)) / np.max(np.abs(ref))
-  assert err < rtol, f"max error {err:.3g} relative to max |ref| (limit {rtol})"
-
-
-def _operands(pass_name, m, k, n, seed):
-  keys = jax.random.split(jax.random.key(seed), 3)
-  x, w = _heavy(keys[0], (m, k)), (jax.random.normal(keys[1], (k, n)) / np.sqrt(k))
-  g = _heavy(keys[2], (m, n)) * 1e-4
-  return {"fwd": (x, w.astype(jnp.bfloat16)), "grad_lhs": (g, w.astype(jnp.bfloat16)),
-          "grad_rhs": (x, g)}[pass_name]
 
 
 @pytest.mark.parametrize("name", ["pallas_fp8_rowwise", "pallas_fp8_blockwise"])

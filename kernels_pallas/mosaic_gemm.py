@@ -1,0 +1,319 @@
+"""The FP8 GEMM core on Pallas' Mosaic GPU backend: TMA-pipelined Hopper wgmma + epilogue.
+
+Computes out[b, m, n] = epilogue(sum_k A[b, m, k] B[b, n, k] * sa[b, m] * sb[b, n]) with e4m3
+operands and one fp32 scale per row of each (rowwise). Each program owns one (block_m,
+block_n) output tile of one batch entry: `plgpu.emit_pipeline` streams (block_m, 128) and
+(block_n, 128) operand tiles into swizzled shared memory by TMA, several K steps ahead, and
+each step issues one FP8 wgmma into an fp32 accumulator held in registers. The epilogue (row
+and column scales, bias, BlockNorm over the tile, ReLU or Hard Swish) runs on the
+accumulator, and the output tile (and, for a training forward, the pre-norm value) leaves
+through shared memory by TMA.
+
+Hopper's wgmma reads 8-bit operands only K-major, so both operands are stored with K last:
+A as (B, M, K), B as (B, N, K). The products wrapper (`rowwise_einsum`) quantizes each
+operand of a pass and transposes the e4m3 codes where its layout has K first. wgmma tiles
+are multiples of 64 rows and at most 256 columns; operands are zero-padded to whole tiles
+(a no-op for the aligned shapes of the towers) and the output is sliced back, so any shape
+runs. The Triton core (`kernels_pallas.gemm`) takes the other layouts without a transpose
+but lowers FP8 dots to f16 `mma.sync` (`compat.fp8_imprecise_acc`); this one keeps FP8 on
+the tensor cores.
+
+On the CPU the kernel runs in jax's GPU interpret mode, which simulates shared memory, TMA
+and barriers; it cannot read a transposed shared-memory view, so there B is passed as
+(B, K, N) and read without `transpose_ref` (the numbers are the same, the layout is not).
+`lowered_for_cuda` checks the compiled kernel's structure (wgmma shapes, layouts, shared
+memory) on a machine without a GPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels_pallas import compat
+from kernels_pallas import epilogue as epilogue_lib
+from kernels_pallas import products
+from loka_jax.kernels.spec import EinsumSpec
+from loka_jax.precision import E4M3
+
+BLOCK_K = 128          # one 128-byte swizzled row of e4m3 codes: wgmma's K group
+WGMMA_M = 64           # Hopper's wgmma instruction height
+MAX_BLOCK_N = 256      # the widest wgmma
+# Shared memory for the operand stages and the output tiles: below the 227 KiB a Hopper
+# block may use, leaving room for the barriers and the scale and bias tiles (3 KiB at most).
+SMEM_BUDGET = 224 * 1024
+MAX_STAGES = 4
+# Registers: the accumulator is block_m x block_n fp32 over one warpgroup's 128 threads.
+MAX_ACC_ELEMENTS = 128 * 128
+# Programs that fill an H100/H200 (132 SMs): below this, 64-row tiles double the programs.
+TARGET_PROGRAMS = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+  """A program's output tile and how many K steps its pipeline keeps in flight."""
+  block_m: int
+  block_n: int
+  stages: int
+
+
+def _round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+def _out_bytes(cfg: MosaicConfig, ep: epilogue_lib.Epilogue, out_dtype, pre_dtype) -> int:
+  tile = cfg.block_m * cfg.block_n
+  return tile * (jnp.dtype(out_dtype).itemsize
+                 + (jnp.dtype(pre_dtype).itemsize if ep.emit_pre else 0))
+
+
+def shared_memory_bytes(cfg: MosaicConfig, ep: epilogue_lib.Epilogue, out_dtype=jnp.bfloat16,
+                        pre_dtype=jnp.float32) -> int:
+  """Operand stages (e4m3, one byte a code) plus the output tiles staged for TMA."""
+  per_stage = (cfg.block_m + cfg.block_n) * BLOCK_K
+  return per_stage * cfg.stages + _out_bytes(cfg, ep, out_dtype, pre_dtype)
+
+
+def validate_config(cfg: MosaicConfig, dims, ep: epilogue_lib.Epilogue,
+                    out_dtype=jnp.bfloat16, pre_dtype=jnp.float32) -> Optional[str]:
+  """Why this config cannot run this problem (None when it can)."""
+  if cfg.block_m < WGMMA_M or cfg.block_m % WGMMA_M:
+    return f"block_m={cfg.block_m} must be a multiple of {WGMMA_M} (wgmma's height)"
+  if cfg.block_n not in (64, 128, 256):
+    return f"block_n={cfg.block_n} must be 64, 128 or 256 (a wgmma width)"
+  if cfg.block_m * cfg.block_n > MAX_ACC_ELEMENTS:
+    return (f"accumulator {cfg.block_m}x{cfg.block_n} exceeds {MAX_ACC_ELEMENTS} fp32 values "
+            "(128 registers a thread)")
+  if ep.block_size is not None and cfg.block_n != ep.block_size:
+    return f"BlockNorm needs block_n == block_size ({ep.block_size}), got {cfg.block_n}"
+  if ep.quantize_output:
+    return "output quantization is not fused on the Mosaic GPU core"
+  if cfg.stages < 2:
+    return "stages must be >= 2 (each step's operand slots are released a step late)"
+  smem = shared_memory_bytes(cfg, ep, out_dtype, pre_dtype)
+  if smem > SMEM_BUDGET:
+    return (f"{cfg.stages} stages and the output tiles need {smem // 1024} KiB of shared "
+            f"memory (> {SMEM_BUDGET // 1024} KiB); lower stages or the tile")
+  return None
+
+
+def unsupported_epilogue(ep: epilogue_lib.Epilogue) -> Optional[str]:
+  """Why no tile of this core can run the epilogue (None when one can)."""
+  if ep.quantize_output:
+    return "output quantization is not fused on the Mosaic GPU core"
+  if ep.block_size is not None and ep.block_size not in (64, 128, 256):
+    return (f"BlockNorm({ep.block_size}) needs one tile a block, and a Mosaic GPU tile is "
+            "64, 128 or 256 columns wide")
+  return None
+
+
+def default_config(dims, ep: epilogue_lib.Epilogue, out_dtype=jnp.bfloat16,
+                   pre_dtype=jnp.float32) -> MosaicConfig:
+  """The tile by shape class: 128 columns (64 for narrow outputs, the block for BlockNorm),
+  128 rows unless that leaves the GPU short of programs, and as many stages as fit."""
+  Bt, M, N, _ = dims
+  if ep.block_size is not None:
+    bn = ep.block_size
+  else:
+    bn = 64 if N <= 64 else 128
+  bm = 128
+  if M <= WGMMA_M or Bt * -(-M // 128) * -(-N // bn) < TARGET_PROGRAMS:
+    bm = WGMMA_M
+  bm = min(bm, MAX_ACC_ELEMENTS // bn)
+  stages = MAX_STAGES
+  while stages > 2 and validate_config(MosaicConfig(bm, bn, stages), dims, ep, out_dtype,
+                                       pre_dtype):
+    stages -= 1
+  return MosaicConfig(bm, bn, stages)
+
+
+def _swizzled(minor: int, dtype):
+  """Tiling and swizzle transforms for a shared-memory tile `minor` elements wide."""
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = plgpu.find_swizzle(minor * itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _kernel(a_g, b_g, sa_g, sb_g, *refs, n_true, cfg, ep, k_steps, interpret, out_dtype,
+            pre_dtype):
+  bm, bn = cfg.block_m, cfg.block_n
+  refs = list(refs)
+  bias_g = refs.pop(0) if ep.bias else None
+  o_g = refs.pop(0)
+  pre_g = refs.pop(0) if ep.emit_pre else None
+  operand = _swizzled(BLOCK_K, E4M3.dtype)
+  delay = 1 if k_steps > 1 else 0  # a single K step has no next wgmma to overlap
+  # Interpret mode knows no layouts (and no rule for casting one): values pass unchanged.
+  as_layout = (lambda x, _: x) if interpret else plgpu.layout_cast
+  rows = plgpu.Layout.WGMMA.reduce(1)   # one value per accumulator row
+  cols = plgpu.Layout.WGMMA.reduce(0)   # one value per accumulator column
+
+  def scoped(o_smem, pre_smem, sa_smem, sb_smem, bias_smem, barriers):
+    ni, mi, bi = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("b")
+    m_slice, n_slice = pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)
+    # The epilogue's scale and bias tiles load while the K loop runs.
+    plgpu.copy_gmem_to_smem(sa_g.at[bi, m_slice], sa_smem, barriers.at[0])
+    plgpu.copy_gmem_to_smem(sb_g.at[bi, n_slice], sb_smem, barriers.at[1])
+    if ep.bias:
+      plgpu.copy_gmem_to_smem(bias_g.at[n_slice], bias_smem, barriers.at[2])
+
+    def k_step(_, a_smem, b_smem, acc_ref):
+      b_view = b_smem if interpret else plgpu.transpose_ref(b_smem, (1, 0))
+      plgpu.wgmma(acc_ref, a_smem, b_view)
+      # One wgmma stays in flight while the next is issued; its operand slots are released
+      # a step late (delay_release) so the pipeline does not refill them under it.
+      plgpu.wgmma_wait(delay)
+
+    if interpret:
+      b_spec = plgpu.BlockSpec((BLOCK_K, bn), lambda k: (k, 0),
+                               transforms=_swizzled(bn, E4M3.dtype), delay_release=delay)
+      b_tiles = b_g.at[bi, :, n_slice]
+    else:
+      b_spec = plgpu.BlockSpec((bn, BLOCK_K), lambda k: (0, k), transforms=operand,
+                               delay_release=delay)
+      b_tiles = b_g.at[bi, n_slice]
+
+    def product(acc_ref):
+      plgpu.emit_pipeline(
+          functools.partial(k_step, acc_ref=acc_ref), grid=(k_steps,),
+          in_specs=[plgpu.BlockSpec((bm, BLOCK_K), lambda k: (0, k), transforms=operand,
+                                    delay_release=delay),
+                    b_spec],
+          max_concurrent_steps=cfg.stages)(a_g.at[bi, m_slice], b_tiles)
+      plgpu.wgmma_wait(0)
+      return acc_ref[...]
+
+    acc = pl.run_scoped(product, plgpu.ACC((bm, bn), jnp.float32))
+    plgpu.barrier_wait(barriers.at[0])
+    plgpu.barrier_wait(barriers.at[1])
+    row_scale = as_layout(sa_smem[...], rows)
+    col_scale = as_layout(sb_smem[...], cols)
+    y = (acc * lax.broadcast_in_dim(row_scale, (bm, bn), (0,))
+         * lax.broadcast_in_dim(col_scale, (bm, bn), (1,)))
+    if ep.bias:
+      plgpu.barrier_wait(barriers.at[2])
+      y = y + lax.broadcast_in_dim(as_layout(bias_smem[...], cols), (bm, bn), (1,))
+    if ep.emit_pre:
+      pre_smem[...] = y.astype(pre_dtype)
+    if ep.block_size is not None:
+      # Padded columns are zero (zero rows of B, zero bias), so the sum of squares needs no
+      # mask; the last, shorter block divides by its own width, as functional.block_norm.
+      width = jnp.clip(n_true - ni * bn, 1, bn).astype(jnp.float32)
+      mean_square = jnp.sum(y * y, axis=1) / width
+      y = y * lax.broadcast_in_dim(lax.rsqrt(mean_square + ep.eps), (bm, bn), (0,))
+    y = epilogue_lib.activate(y, ep.activation)
+    o_smem[...] = y.astype(out_dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_g.at[bi, m_slice, n_slice])
+    if ep.emit_pre:
+      plgpu.copy_smem_to_gmem(pre_smem, pre_g.at[bi, m_slice, n_slice])
+    plgpu.wait_smem_to_gmem(0)
+
+  scratch = [plgpu.SMEM((bm, bn), out_dtype, transforms=_swizzled(bn, out_dtype)),
+             plgpu.SMEM((bm, bn), pre_dtype, transforms=_swizzled(bn, pre_dtype))
+             if ep.emit_pre else None,
+             plgpu.SMEM((bm,), jnp.float32), plgpu.SMEM((bn,), jnp.float32),
+             plgpu.SMEM((bn,), jnp.float32) if ep.bias else None,
+             plgpu.Barrier(num_barriers=3)]
+  allocated = [s for s in scratch if s is not None]
+
+  def with_scratch(*refs_in):
+    it = iter(refs_in)
+    scoped(*(None if s is None else next(it) for s in scratch))
+
+  pl.run_scoped(with_scratch, *allocated)
+
+
+def _pad_to(x, axis: int, multiple: int, value=0):
+  extra = _round_up(x.shape[axis], multiple) - x.shape[axis]
+  if not extra:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def gemm(a, b, sa, sb, *, epilogue: epilogue_lib.Epilogue = epilogue_lib.Epilogue(),
+         bias=None, out_dtype=jnp.bfloat16, pre_dtype=jnp.float32,
+         config: Optional[MosaicConfig] = None, kernel_name: str = "pallas_mosaic_gemm"):
+  """The batched scaled GEMM on K-last e4m3 operands: a (B, M, K), b (B, N, K), rowwise
+  scales sa (B, M), sb (B, N). Returns out (B, M, N), plus pre (B, M, N) when
+  epilogue.emit_pre (the scaled product + bias, before BlockNorm and the activation)."""
+  if a.ndim != 3 or b.ndim != 3:
+    raise ValueError(f"{kernel_name}: operands must be 3-D (batch, rows, K), got {a.shape} "
+                     f"and {b.shape}")
+  if a.dtype != E4M3.dtype or b.dtype != E4M3.dtype:
+    raise ValueError(f"{kernel_name}: FP8 wgmma takes e4m3 operands, got {a.dtype} and "
+                     f"{b.dtype}; quantize them first (quantize.quantize(x, E4M3, ...))")
+  Bt, M, K = a.shape
+  if b.shape[0] != Bt or b.shape[2] != K:
+    raise ValueError(f"{kernel_name}: a {a.shape} and b {b.shape} must be (B, M, K) and "
+                     "(B, N, K) with the same B and K")
+  N = b.shape[1]
+  if sa.shape != (Bt, M) or sb.shape != (Bt, N):
+    raise ValueError(f"{kernel_name}: rowwise scales must have shapes {(Bt, M)} and "
+                     f"{(Bt, N)}, got {sa.shape} and {sb.shape}")
+  if epilogue.bias and (bias is None or bias.shape != (N,)):
+    raise ValueError(f"{kernel_name}: the epilogue adds a bias: pass one of shape ({N},), got "
+                     f"{None if bias is None else bias.shape}")
+  dims = (Bt, M, N, K)
+  cfg = config or default_config(dims, epilogue, out_dtype, pre_dtype)
+  problem = validate_config(cfg, dims, epilogue, out_dtype, pre_dtype)
+  if problem:
+    raise ValueError(f"{kernel_name} b{Bt}_m{M}_n{N}_k{K}: tile config {cfg} invalid: "
+                     f"{problem}")
+  interpret = compat.mosaic_interpret()
+  # Zero codes in the padding: padded K adds nothing, padded rows and columns are sliced off.
+  a_p = _pad_to(_pad_to(a, 1, cfg.block_m), 2, BLOCK_K)
+  b_p = _pad_to(_pad_to(b, 1, cfg.block_n), 2, BLOCK_K)
+  sa_p = _pad_to(sa.astype(jnp.float32), 1, cfg.block_m, 1.0)
+  sb_p = _pad_to(sb.astype(jnp.float32), 1, cfg.block_n, 1.0)
+  Mp, Np, Kp = a_p.shape[1], b_p.shape[1], a_p.shape[2]
+  args = [a_p, jnp.swapaxes(b_p, 1, 2) if interpret else b_p, sa_p, sb_p]
+  if epilogue.bias:
+    args.append(_pad_to(bias.astype(jnp.float32), 0, cfg.block_n))
+  out_type = [jax.ShapeDtypeStruct((Bt, Mp, Np), out_dtype)]
+  if epilogue.emit_pre:
+    out_type.append(jax.ShapeDtypeStruct((Bt, Mp, Np), pre_dtype))
+  body = functools.partial(_kernel, n_true=N, cfg=cfg, ep=epilogue, k_steps=Kp // BLOCK_K,
+                           interpret=interpret is not None, out_dtype=jnp.dtype(out_dtype),
+                           pre_dtype=jnp.dtype(pre_dtype))
+  call = plgpu.kernel(body, out_type=tuple(out_type), grid=(Np // cfg.block_n,
+                      Mp // cfg.block_m, Bt), grid_names=("n", "m", "b"),
+                      interpret=interpret)
+  outs = tuple(o[:, :M, :N] for o in call(*args))
+  return outs[0] if len(outs) == 1 else outs
+
+
+def reference(a_deq, b_deq, *, epilogue=epilogue_lib.Epilogue(), bias=None,
+              out_dtype=jnp.float32):
+  """Kernel-correctness reference: fp32 HIGHEST product of dequantized K-last operands."""
+  z = jnp.einsum("bmk,bnk->bmn", a_deq.astype(jnp.float32), b_deq.astype(jnp.float32),
+                 precision=lax.Precision.HIGHEST)
+  return epilogue_lib.reference(z, epilogue, bias).astype(out_dtype)
+
+
+def rowwise_einsum(spec: EinsumSpec, a, b, *, out_dtype, kernel_name: str,
+                   config: Optional[MosaicConfig] = None) -> jax.Array:
+  """Both operands quantized e4m3 with one scale per non-contracting index, then the core.
+  wgmma's 8-bit operands are K-major: an operand stored K first has its codes transposed."""
+  ops = products.rowwise_operands(spec, a, b, kernel_name=kernel_name)
+  da = jnp.swapaxes(ops.a, 1, 2) if ops.layout.a_t else ops.a
+  db = ops.b if ops.layout.b_t else jnp.swapaxes(ops.b, 1, 2)
+  out = gemm(da, db, ops.sa, ops.sb, out_dtype=out_dtype, config=config,
+             kernel_name=kernel_name)
+  return ops.finish(out, spec, out_dtype)
+
+
+def lowered_for_cuda(fn, *args) -> str:
+  """The StableHLO text of `fn(*args)` lowered for 'cuda' with compiled (not interpreted)
+  Mosaic GPU kernels; no GPU needed. Lowering builds each kernel's Mosaic GPU module, so a
+  wgmma shape, layout or shared-memory error surfaces here."""
+  with compat.compiled_kernels():
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

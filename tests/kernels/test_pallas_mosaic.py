@@ -1,0 +1,229 @@
+"""The Mosaic GPU FP8 GEMM core and its per-pass kernels, run in jax's GPU interpret mode
+(shared memory, TMA and wgmma simulated on the CPU) against fp32 HIGHEST products of their
+own dequantized operands on fresh random inputs, and lowered for 'cuda' (the compiled
+kernel's Mosaic GPU module is built, so wgmma shapes, layouts and shared memory are checked
+without a GPU)."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+import chex
+
+from kernels_pallas import epilogue as ep_lib
+from kernels_pallas import fused, mosaic_gemm, products, registration
+from kernels_pallas import quantize as kq
+from loka_jax import kernels
+from loka_jax.kernels import EinsumSpec, reference_einsum
+from loka_jax.kernels.backend import backend_from_hlo
+from loka_jax.models import fused as fused_sites
+from loka_jax.precision import metrics
+from loka_jax.probe import candidates, chains
+
+RTOL = 1e-5
+DENSE = EinsumSpec.parse("mk,kn->mn")
+
+
+def _rel_err(out, ref):
+  out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+  return float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
+
+
+def _assert_close(test, out, ref, rtol=RTOL):
+  chex.assert_shape(out, ref.shape)
+  test.assertTrue(bool(np.all(np.isfinite(np.asarray(out, np.float32)))),
+                  "unwritten (NaN) or non-finite outputs")
+  test.assertLess(_rel_err(out, ref), rtol)
+
+
+@functools.partial(jax.jit, static_argnames=("bt", "m", "n", "k"))
+def _core_operands(key, bt, m, n, k):
+  """K-last e4m3 codes with per-row scales spread over two decades, and a bias."""
+  keys = jax.random.split(key, 5)
+  a = (jax.random.normal(keys[0], (bt, m, k)) * 4).astype(jnp.float8_e4m3fn)
+  b = (jax.random.normal(keys[1], (bt, n, k)) * 4).astype(jnp.float8_e4m3fn)
+  sa = jnp.exp(jax.random.uniform(keys[2], (bt, m), minval=-2.3, maxval=2.3))
+  sb = jnp.exp(jax.random.uniform(keys[3], (bt, n), minval=-2.3, maxval=2.3))
+  return a, b, sa, sb, jax.random.normal(keys[4], (n,))
+
+
+def _core_reference(a, b, sa, sb, epilogue, bias):
+  return mosaic_gemm.reference(a.astype(jnp.float32) * sa[..., None],
+                               b.astype(jnp.float32) * sb[..., None], epilogue=epilogue,
+                               bias=bias if epilogue.bias else None)
+
+
+class MosaicCoreTest(parameterized.TestCase):
+
+  def test_plain_product_with_every_tail(self):
+    # M, N and K all fall short of whole tiles (64/128 rows, 64/128 columns, 128-wide K).
+    a, b, sa, sb, _ = _core_operands(jax.random.key(1), 1, 100, 200, 300)
+    out = mosaic_gemm.gemm(a, b, sa, sb, out_dtype=jnp.float32)
+    _assert_close(self, out, _core_reference(a, b, sa, sb, ep_lib.Epilogue(), None))
+
+  @parameterized.named_parameters(
+      ("bias_blocknorm128_hard_swish_pre", ep_lib.Epilogue(
+          bias=True, block_size=128, activation="hard_swish", emit_pre=True), (2, 128, 256, 256)),
+      # 300 columns: the second BlockNorm(256) block is 44 wide and normalizes over its own.
+      ("bias_blocknorm256_relu_short_block", ep_lib.Epilogue(
+          bias=True, block_size=256, activation="relu"), (1, 64, 300, 128)))
+  def test_fused_epilogue(self, epilogue, dims):
+    a, b, sa, sb, bias = _core_operands(jax.random.key(sum(dims)), *dims)
+    outs = mosaic_gemm.gemm(a, b, sa, sb, epilogue=epilogue, bias=bias, out_dtype=jnp.float32)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    _assert_close(self, outs[0], _core_reference(a, b, sa, sb, epilogue, bias), rtol=1e-4)
+    if epilogue.emit_pre:
+      pre_ref = _core_reference(a, b, sa, sb, ep_lib.Epilogue(bias=True), bias)
+      _assert_close(self, outs[1], pre_ref)
+
+  def test_lowers_for_cuda(self):
+    # The compiled path (TMA into swizzled tiles, FP8 wgmma with a transposed B view,
+    # layouts of the epilogue's row and column vectors) builds its Mosaic GPU module.
+    a, b, sa, sb, bias = _core_operands(jax.random.key(2), 1, 256, 512, 384)
+    ep = ep_lib.Epilogue(bias=True, block_size=128, activation="hard_swish", emit_pre=True)
+    text = mosaic_gemm.lowered_for_cuda(
+        lambda *x: mosaic_gemm.gemm(*x[:4], epilogue=ep, bias=x[4]), a, b, sa, sb, bias)
+    self.assertIn("mosaic_gpu", text)
+    self.assertEqual(backend_from_hlo('custom_call_target="mosaic_gpu_v2"', "gpu"),
+                     "pallas_mosaic_gpu")
+
+  def test_default_configs_are_valid(self):
+    for dims in ((1, 8192, 1024, 1024), (1, 64, 96, 4096), (4096, 16, 24, 128),
+                 (1, 2048, 4096, 1024)):
+      for ep in (ep_lib.Epilogue(), ep_lib.Epilogue(bias=True, block_size=256,
+                                                    activation="relu", emit_pre=True)):
+        for dtype in (jnp.bfloat16, jnp.float32):  # fp32 output and pre-norm: the widest
+          cfg = mosaic_gemm.default_config(dims, ep, dtype, dtype)
+          self.assertIsNone(mosaic_gemm.validate_config(cfg, dims, ep, dtype, dtype),
+                            (dims, ep, cfg, dtype))
+
+  def test_bad_input_is_one_clear_error(self):
+    a, b, sa, sb, _ = _core_operands(jax.random.key(3), 1, 64, 64, 128)
+    with self.assertRaisesRegex(ValueError, "multiple of 64"):
+      mosaic_gemm.gemm(a, b, sa, sb, config=mosaic_gemm.MosaicConfig(32, 64, 2))
+    with self.assertRaisesRegex(ValueError, "e4m3 operands"):
+      mosaic_gemm.gemm(a.astype(jnp.bfloat16), b, sa, sb)
+    with self.assertRaisesRegex(ValueError, r"scales must have shapes \(1, 64\)"):
+      mosaic_gemm.gemm(a, b, sa[:, :32], sb)
+    self.assertIn("BlockNorm(512)", mosaic_gemm.unsupported_epilogue(
+        ep_lib.Epilogue(block_size=512)))
+    self.assertIn("output quantization", mosaic_gemm.unsupported_epilogue(
+        ep_lib.Epilogue(quantize_output=True)))
+
+
+def _pass_operands(key, pass_name, m, k, n):
+  keys = jax.random.split(key, 3)
+  x = jax.random.normal(keys[0], (m, k)) * jnp.exp(jax.random.normal(keys[2], (m, 1)))
+  w = jax.random.normal(keys[1], (k, n)) / np.sqrt(k)
+  g = jax.random.normal(keys[2], (m, n)) * 1e-3
+  return {"fwd": (x, w), "grad_lhs": (g, w), "grad_rhs": (x, g)}[pass_name]
+
+
+class MosaicKernelTest(parameterized.TestCase):
+
+  @parameterized.parameters("fwd", "grad_lhs", "grad_rhs")
+  def test_dense_pass(self, pass_name):
+    # Each pass stores its operands differently: fwd's weight and grad_rhs's both operands
+    # have K first and are transposed to K-last codes before the core.
+    spec = DENSE.for_pass(pass_name)
+    a, b = _pass_operands(jax.random.key(len(pass_name)), pass_name, 96, 200, 160)
+    kernel = kernels.get("pallas_mosaic_fp8_rowwise")
+    out = jax.jit(lambda a, b: kernel.einsum(spec, a, b, pass_name=pass_name,
+                                             out_dtype=jnp.float32))(a, b)
+    da, db = products.dequantized_operands(spec, a, b, mode="rowwise", pass_name=pass_name)
+    _assert_close(self, out, reference_einsum(spec, da, db))
+
+  def test_batched_interaction(self):
+    spec = EinsumSpec.parse("bnd,bdk->bnk")
+    keys = jax.random.split(jax.random.key(4), 2)
+    a, b = jax.random.normal(keys[0], (3, 16, 64)), jax.random.normal(keys[1], (3, 64, 24))
+    kernel = kernels.get("pallas_mosaic_fp8_batched")
+    self.assertIsNone(kernel.unsupported_reason(spec, "fwd", "act_act", a.shape, b.shape))
+    out = jax.jit(lambda a, b: kernel.einsum(spec, a, b, pass_name="fwd",
+                                             out_dtype=jnp.float32))(a, b)
+    da, db = products.dequantized_operands(spec, a, b, mode="rowwise", pass_name="fwd")
+    _assert_close(self, out, reference_einsum(spec, da, db))
+    self.assertIn("has no batch index", kernel.unsupported_reason(
+        DENSE, "fwd", "act_weight", (8, 8), (8, 8)))
+
+  def test_registered_beside_triton_and_left_out_on_cpu(self):
+    names = {k.name: k.backend for k in kernels.all_kernels()}
+    self.assertEqual(names["pallas_mosaic_fp8_rowwise"], registration.MOSAIC_BACKEND)
+    self.assertEqual(names["pallas_fp8_rowwise"], registration.BACKEND)
+    self.assertIsNone(registration.mosaic_device_reason())   # CPU: interpret mode
+    chosen, excluded = candidates.candidate_kernels(platform="cpu")
+    self.assertNotIn("pallas_mosaic_fp8_rowwise", [k.name for k in chosen])
+    self.assertIn("interpret mode", excluded["pallas_mosaic_fp8_rowwise"])
+    chosen, _ = candidates.candidate_kernels(platform="gpu")
+    self.assertIn("pallas_mosaic_fp8_rowwise", [k.name for k in chosen])
+
+
+class MosaicFusedTest(parameterized.TestCase):
+  """fused_dense on the Mosaic GPU core: the forward against the unfused reference on the
+  kernel's own quantizer, the custom_vjp (dgrad, wgrad on pallas_mosaic_fp8_rowwise)
+  against jax.grad of the reference."""
+
+  def _inputs(self, seed, m=96, k=200, n=256):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    x = jax.random.normal(keys[0], (m, k)) * jnp.exp(jax.random.normal(keys[3], (m, 1)))
+    return (x, jax.random.normal(keys[1], (k, n)) / np.sqrt(k),
+            jax.random.normal(keys[2], (n,)))
+
+  def test_forward_and_gradients(self):
+    x, w, bias = self._inputs(7)
+    cot = jax.random.normal(jax.random.key(8), (96, 256))
+    kw = dict(block_size=128, activation="hard_swish", out_dtype=jnp.float32)
+
+    def loss(fn, **extra):
+      return lambda x, w, b: jnp.sum(fn(x, w, bias=b, **kw, **extra) * cot)
+
+    out, ref, got, want = jax.jit(lambda x, w, bias: (
+        fused.fused_dense(x, w, bias=bias, core=fused.MOSAIC_GPU, **kw),
+        fused.fused_dense_reference(x, w, bias=bias, quantizer=kq.quantize, **kw),
+        jax.grad(loss(fused.fused_dense, core=fused.MOSAIC_GPU,
+                      backward="pallas_mosaic_fp8_rowwise"), argnums=(0, 1, 2))(x, w, bias),
+        jax.grad(loss(fused.fused_dense_reference, quantizer=kq.quantize),
+                 argnums=(0, 1, 2))(x, w, bias)))(x, w, bias)
+    _assert_close(self, out, ref, rtol=1e-4)
+    for name, g, r in zip(("dx", "dw", "dbias"), got, want):
+      chex.assert_shape(g, r.shape)
+      self.assertTrue(bool(jnp.all(jnp.isfinite(g))), name)
+      if name == "dbias":  # never goes through an FP8 product
+        self.assertLess(_rel_err(g, r), 1e-5, name)
+      else:
+        self.assertGreater(float(metrics.sqnr_db(g, r)), 25.0, name)
+
+  def test_registered_chain_kernel_and_its_backward(self):
+    kernel = kernels.get("pallas_mosaic_fp8_rowwise_fused_blocknorm256_relu")
+    self.assertEqual((kernel.backend, kernel.core, kernel.equivalent),
+                     (registration.MOSAIC_BACKEND, fused.MOSAIC_GPU,
+                      "pallas_mosaic_fp8_rowwise"))
+    self.assertEqual(chains.backward_of(kernel), "pallas_mosaic_fp8_rowwise")
+    self.assertEqual(chains.core_of(kernel), fused.MOSAIC_GPU)
+    triton = kernels.get("pallas_fp8_rowwise_fused_blocknorm256_relu")
+    self.assertEqual(chains.backward_of(triton), "pallas_fp8_rowwise")
+    # A plan naming the fused kernel in every pass runs its equivalent for dgrad and wgrad.
+    choice = kernels.KernelChoice(kernel.name, kernel.name, kernel.name)
+    self.assertEqual(fused_sites.backward_kernel(choice, "tower/0"),
+                     "pallas_mosaic_fp8_rowwise")
+    self.assertNotIn("pallas_mosaic_fp8_rowwise_fused_blocknorm256_relu_quant",
+                     kernels.names())
+    x, w, bias = self._inputs(9, m=64, k=128, n=256)
+    out = jax.jit(lambda x, w, b: kernel.chain(x, w, b, out_dtype=jnp.float32))(x, w, bias)
+    ref = fused.fused_dense_reference(x, w, bias=bias, block_size=256, activation="relu",
+                                      out_dtype=jnp.float32, quantizer=kq.quantize)
+    _assert_close(self, out, ref, rtol=1e-4)
+
+  def test_unfusable_epilogue_is_one_clear_error(self):
+    x, w, _ = self._inputs(10, m=64, k=128, n=64)
+    with self.assertRaisesRegex(ValueError, "mosaic_gpu core: output quantization"):
+      fused.fused_dense(x, w, quantize_output=True, core=fused.MOSAIC_GPU)
+    with self.assertRaisesRegex(ValueError, "BlockNorm\\(32\\)"):
+      fused.fused_dense(x, w, block_size=32, core=fused.MOSAIC_GPU)
+    with self.assertRaisesRegex(ValueError, "unknown core 'cuda'"):
+      fused.fused_dense(x, w, core="cuda")
+
+
+if __name__ == "__main__":
+  absltest.main()
