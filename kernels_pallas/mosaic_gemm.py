@@ -1,10 +1,16 @@
 """The FP8 GEMM core on Pallas' Mosaic GPU backend: TMA-pipelined Hopper wgmma + epilogue.
 
 Computes out[b, m, n] = epilogue(sum_k A[b, m, k] B[b, n, k] * sa[b, m] * sb[b, n]) with e4m3
-operands and one fp32 scale per row of each (rowwise). Each program owns one (block_m,
+operands and one fp32 scale per row of each (rowwise), or with one scale per row and 128-wide
+K block (block scales, 1x128 and 128x128 blocks as `products.block_operands` makes them).
+Each program owns one (block_m,
 block_n) output tile of one batch entry: `plgpu.emit_pipeline` streams (block_m, 128) and
 (block_n, 128) operand tiles into swizzled shared memory by TMA, several K steps ahead, and
-each step issues one FP8 wgmma into an fp32 accumulator held in registers. The epilogue (row
+each step issues one FP8 wgmma into an fp32 accumulator held in registers. The tensor cores
+accumulate FP8 products at a precision of their own (about 14 bits kept on an H800, per
+DeepSeek-V3's technical report, arXiv:2412.19437, section 3.3); a precise product (and every one with
+block scales) takes each K step's 128 products out into an fp32 sum in registers instead,
+scaled by its K block's scales first. The epilogue (row
 and column scales, bias, BlockNorm over the tile, ReLU or Hard Swish) runs on the
 accumulator, and the output tile (and, for a training forward, the pre-norm value) leaves
 through shared memory by TMA.
@@ -43,6 +49,8 @@ from loka_jax.kernels.spec import EinsumSpec
 from loka_jax.precision import E4M3
 
 BLOCK_K = 128          # one 128-byte swizzled row of e4m3 codes: wgmma's K group
+ROWWISE_SCALES = "rowwise"
+BLOCK_SCALES = "block"  # one scale per 128-wide K block (BLOCK_K == qtensor.BLOCK)
 WGMMA_M = 64           # Hopper's wgmma instruction height
 MAX_BLOCK_N = 256      # the widest wgmma
 # Shared memory for the operand stages and the output tiles: below the 227 KiB a Hopper
@@ -74,29 +82,33 @@ def _out_bytes(cfg: MosaicConfig, ep: epilogue_lib.Epilogue, out_dtype, pre_dtyp
 
 
 def shared_memory_bytes(cfg: MosaicConfig, ep: epilogue_lib.Epilogue, out_dtype=jnp.bfloat16,
-                        pre_dtype=jnp.float32) -> int:
-  """Operand stages (e4m3, one byte a code) plus the output tiles staged for TMA."""
-  per_stage = (cfg.block_m + cfg.block_n) * BLOCK_K
+                        pre_dtype=jnp.float32, promote: bool = False) -> int:
+  """Operand stages (e4m3, one byte a code; a promoted K loop may also stage one fp32 row of
+  block scales per operand) plus the output tiles staged for TMA."""
+  per_stage = (cfg.block_m + cfg.block_n) * (BLOCK_K + (4 if promote else 0))
   return per_stage * cfg.stages + _out_bytes(cfg, ep, out_dtype, pre_dtype)
 
 
 def validate_config(cfg: MosaicConfig, dims, ep: epilogue_lib.Epilogue,
-                    out_dtype=jnp.bfloat16, pre_dtype=jnp.float32) -> Optional[str]:
-  """Why this config cannot run this problem (None when it can)."""
+                    out_dtype=jnp.bfloat16, pre_dtype=jnp.float32,
+                    promote: bool = False) -> Optional[str]:
+  """Why this config cannot run this problem (None when it can). `promote`: each K step's
+  product is summed in registers beside the accumulator, which holds twice the values."""
   if cfg.block_m < WGMMA_M or cfg.block_m % WGMMA_M:
     return f"block_m={cfg.block_m} must be a multiple of {WGMMA_M} (wgmma's height)"
   if cfg.block_n not in (64, 128, 256):
     return f"block_n={cfg.block_n} must be 64, 128 or 256 (a wgmma width)"
-  if cfg.block_m * cfg.block_n > MAX_ACC_ELEMENTS:
-    return (f"accumulator {cfg.block_m}x{cfg.block_n} exceeds {MAX_ACC_ELEMENTS} fp32 values "
-            "(128 registers a thread)")
+  acc_limit = MAX_ACC_ELEMENTS // 2 if promote else MAX_ACC_ELEMENTS
+  if cfg.block_m * cfg.block_n > acc_limit:
+    return (f"accumulator {cfg.block_m}x{cfg.block_n}{' and its fp32 sum' if promote else ''} "
+            f"exceed {MAX_ACC_ELEMENTS} fp32 values (128 registers a thread)")
   if ep.block_size is not None and cfg.block_n != ep.block_size:
     return f"BlockNorm needs block_n == block_size ({ep.block_size}), got {cfg.block_n}"
   if ep.quantize_output:
     return "output quantization is not fused on the Mosaic GPU core"
   if cfg.stages < 2:
     return "stages must be >= 2 (each step's operand slots are released a step late)"
-  smem = shared_memory_bytes(cfg, ep, out_dtype, pre_dtype)
+  smem = shared_memory_bytes(cfg, ep, out_dtype, pre_dtype, promote)
   if smem > SMEM_BUDGET:
     return (f"{cfg.stages} stages and the output tiles need {smem // 1024} KiB of shared "
             f"memory (> {SMEM_BUDGET // 1024} KiB); lower stages or the tile")
@@ -114,9 +126,10 @@ def unsupported_epilogue(ep: epilogue_lib.Epilogue) -> Optional[str]:
 
 
 def default_config(dims, ep: epilogue_lib.Epilogue, out_dtype=jnp.bfloat16,
-                   pre_dtype=jnp.float32) -> MosaicConfig:
+                   pre_dtype=jnp.float32, promote: bool = False) -> MosaicConfig:
   """The tile by shape class: 128 columns (64 for narrow outputs, the block for BlockNorm),
-  128 rows unless that leaves the GPU short of programs, and as many stages as fit."""
+  128 rows unless that leaves the GPU short of programs (or the registers short of room for
+  a promoted sum), and as many stages as fit."""
   Bt, M, N, _ = dims
   if ep.block_size is not None:
     bn = ep.block_size
@@ -125,10 +138,10 @@ def default_config(dims, ep: epilogue_lib.Epilogue, out_dtype=jnp.bfloat16,
   bm = 128
   if M <= WGMMA_M or Bt * -(-M // 128) * -(-N // bn) < TARGET_PROGRAMS:
     bm = WGMMA_M
-  bm = min(bm, MAX_ACC_ELEMENTS // bn)
+  bm = max(WGMMA_M, min(bm, (MAX_ACC_ELEMENTS // (2 if promote else 1)) // bn))
   stages = MAX_STAGES
   while stages > 2 and validate_config(MosaicConfig(bm, bn, stages), dims, ep, out_dtype,
-                                       pre_dtype):
+                                       pre_dtype, promote):
     stages -= 1
   return MosaicConfig(bm, bn, stages)
 
@@ -140,35 +153,44 @@ def _swizzled(minor: int, dtype):
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _kernel(a_g, b_g, sa_g, sb_g, *refs, n_true, cfg, ep, k_steps, interpret, out_dtype,
-            pre_dtype):
+def _kernel(a_g, b_g, sa_g, sb_g, *refs, n_true, cfg, ep, k_steps, scales, precise,
+            interpret, out_dtype, pre_dtype):
   bm, bn = cfg.block_m, cfg.block_n
   refs = list(refs)
   bias_g = refs.pop(0) if ep.bias else None
   o_g = refs.pop(0)
   pre_g = refs.pop(0) if ep.emit_pre else None
+  block_scales = scales == BLOCK_SCALES
+  promote = precise or block_scales
   operand = _swizzled(BLOCK_K, E4M3.dtype)
-  delay = 1 if k_steps > 1 else 0  # a single K step has no next wgmma to overlap
+  # Fast accumulation keeps one wgmma in flight while the next is issued, its operand slots
+  # released a step late (delay_release) so the pipeline does not refill them under it; a
+  # promoted step reads its own result before the next starts.
+  delay = 1 if k_steps > 1 and not promote else 0
   # Interpret mode knows no layouts (and no rule for casting one): values pass unchanged.
   as_layout = (lambda x, _: x) if interpret else plgpu.layout_cast
   rows = plgpu.Layout.WGMMA.reduce(1)   # one value per accumulator row
   cols = plgpu.Layout.WGMMA.reduce(0)   # one value per accumulator column
 
+  def by_rows(v):
+    return lax.broadcast_in_dim(as_layout(v, rows), (bm, bn), (0,))
+
+  def by_cols(v):
+    return lax.broadcast_in_dim(as_layout(v, cols), (bm, bn), (1,))
+
   def scoped(o_smem, pre_smem, sa_smem, sb_smem, bias_smem, barriers):
     ni, mi, bi = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("b")
     m_slice, n_slice = pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)
     # The epilogue's scale and bias tiles load while the K loop runs.
-    plgpu.copy_gmem_to_smem(sa_g.at[bi, m_slice], sa_smem, barriers.at[0])
-    plgpu.copy_gmem_to_smem(sb_g.at[bi, n_slice], sb_smem, barriers.at[1])
+    if not block_scales:
+      plgpu.copy_gmem_to_smem(sa_g.at[bi, m_slice], sa_smem, barriers.at[0])
+      plgpu.copy_gmem_to_smem(sb_g.at[bi, n_slice], sb_smem, barriers.at[1])
     if ep.bias:
       plgpu.copy_gmem_to_smem(bias_g.at[n_slice], bias_smem, barriers.at[2])
 
-    def k_step(_, a_smem, b_smem, acc_ref):
+    def issue(acc_ref, a_smem, b_smem):
       b_view = b_smem if interpret else plgpu.transpose_ref(b_smem, (1, 0))
       plgpu.wgmma(acc_ref, a_smem, b_view)
-      # One wgmma stays in flight while the next is issued; its operand slots are released
-      # a step late (delay_release) so the pipeline does not refill them under it.
-      plgpu.wgmma_wait(delay)
 
     if interpret:
       b_spec = plgpu.BlockSpec((BLOCK_K, bn), lambda k: (k, 0),
@@ -178,27 +200,55 @@ def _kernel(a_g, b_g, sa_g, sb_g, *refs, n_true, cfg, ep, k_steps, interpret, ou
       b_spec = plgpu.BlockSpec((bn, BLOCK_K), lambda k: (0, k), transforms=operand,
                                delay_release=delay)
       b_tiles = b_g.at[bi, n_slice]
+    specs = [plgpu.BlockSpec((bm, BLOCK_K), lambda k: (0, k), transforms=operand,
+                             delay_release=delay), b_spec]
+    tiles = [a_g.at[bi, m_slice], b_tiles]
+    if block_scales:  # each K step's row of scales arrives with its operand tiles
+      specs += [plgpu.BlockSpec((1, bm), lambda k: (k, 0)),
+                plgpu.BlockSpec((1, bn), lambda k: (k, 0))]
+      tiles += [sa_g.at[bi, :, m_slice], sb_g.at[bi, :, n_slice]]
 
-    def product(acc_ref):
-      plgpu.emit_pipeline(
-          functools.partial(k_step, acc_ref=acc_ref), grid=(k_steps,),
-          in_specs=[plgpu.BlockSpec((bm, BLOCK_K), lambda k: (0, k), transforms=operand,
-                                    delay_release=delay),
-                    b_spec],
-          max_concurrent_steps=cfg.stages)(a_g.at[bi, m_slice], b_tiles)
-      plgpu.wgmma_wait(0)
-      return acc_ref[...]
+    if promote:
+      # Each K step's product leaves the tensor cores for an fp32 sum in registers (scaled
+      # by its K block's scales first), so no more than 128 products accumulate at the
+      # tensor cores' own precision.
+      def k_step(_, a_smem, b_smem, *rest):
+        *scale_smem, total = rest
 
-    acc = pl.run_scoped(product, plgpu.ACC((bm, bn), jnp.float32))
-    plgpu.barrier_wait(barriers.at[0])
-    plgpu.barrier_wait(barriers.at[1])
-    row_scale = as_layout(sa_smem[...], rows)
-    col_scale = as_layout(sb_smem[...], cols)
-    y = (acc * lax.broadcast_in_dim(row_scale, (bm, bn), (0,))
-         * lax.broadcast_in_dim(col_scale, (bm, bn), (1,)))
+        def one(acc_ref):
+          issue(acc_ref, a_smem, b_smem)
+          plgpu.wgmma_wait(0)
+          return acc_ref[...]
+
+        part = pl.run_scoped(one, plgpu.ACC((bm, bn), jnp.float32))
+        if block_scales:
+          sa_k, sb_k = scale_smem
+          part = part * by_rows(sa_k[0]) * by_cols(sb_k[0])
+        return total + part
+
+      zeros = as_layout(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)
+      acc = plgpu.emit_pipeline(k_step, grid=(k_steps,), in_specs=specs,
+                                max_concurrent_steps=cfg.stages, init_carry=zeros)(*tiles)
+    else:
+      def k_step(_, a_smem, b_smem, acc_ref):
+        issue(acc_ref, a_smem, b_smem)
+        plgpu.wgmma_wait(delay)
+
+      def product(acc_ref):
+        plgpu.emit_pipeline(functools.partial(k_step, acc_ref=acc_ref), grid=(k_steps,),
+                            in_specs=specs, max_concurrent_steps=cfg.stages)(*tiles)
+        plgpu.wgmma_wait(0)
+        return acc_ref[...]
+
+      acc = pl.run_scoped(product, plgpu.ACC((bm, bn), jnp.float32))
+    y = acc
+    if not block_scales:
+      plgpu.barrier_wait(barriers.at[0])
+      plgpu.barrier_wait(barriers.at[1])
+      y = y * by_rows(sa_smem[...]) * by_cols(sb_smem[...])
     if ep.bias:
       plgpu.barrier_wait(barriers.at[2])
-      y = y + lax.broadcast_in_dim(as_layout(bias_smem[...], cols), (bm, bn), (1,))
+      y = y + by_cols(bias_smem[...])
     if ep.emit_pre:
       pre_smem[...] = y.astype(pre_dtype)
     if ep.block_size is not None:
@@ -215,10 +265,12 @@ def _kernel(a_g, b_g, sa_g, sb_g, *refs, n_true, cfg, ep, k_steps, interpret, ou
       plgpu.copy_smem_to_gmem(pre_smem, pre_g.at[bi, m_slice, n_slice])
     plgpu.wait_smem_to_gmem(0)
 
+  rowwise = not block_scales
   scratch = [plgpu.SMEM((bm, bn), out_dtype, transforms=_swizzled(bn, out_dtype)),
              plgpu.SMEM((bm, bn), pre_dtype, transforms=_swizzled(bn, pre_dtype))
              if ep.emit_pre else None,
-             plgpu.SMEM((bm,), jnp.float32), plgpu.SMEM((bn,), jnp.float32),
+             plgpu.SMEM((bm,), jnp.float32) if rowwise else None,
+             plgpu.SMEM((bn,), jnp.float32) if rowwise else None,
              plgpu.SMEM((bn,), jnp.float32) if ep.bias else None,
              plgpu.Barrier(num_barriers=3)]
   allocated = [s for s in scratch if s is not None]
@@ -239,12 +291,18 @@ def _pad_to(x, axis: int, multiple: int, value=0):
   return jnp.pad(x, widths, constant_values=value)
 
 
-def gemm(a, b, sa, sb, *, epilogue: epilogue_lib.Epilogue = epilogue_lib.Epilogue(),
-         bias=None, out_dtype=jnp.bfloat16, pre_dtype=jnp.float32,
+def gemm(a, b, sa, sb, *, scales: str = ROWWISE_SCALES, precise: bool = False,
+         epilogue: epilogue_lib.Epilogue = epilogue_lib.Epilogue(), bias=None,
+         out_dtype=jnp.bfloat16, pre_dtype=jnp.float32,
          config: Optional[MosaicConfig] = None, kernel_name: str = "pallas_mosaic_gemm"):
-  """The batched scaled GEMM on K-last e4m3 operands: a (B, M, K), b (B, N, K), rowwise
-  scales sa (B, M), sb (B, N). Returns out (B, M, N), plus pre (B, M, N) when
-  epilogue.emit_pre (the scaled product + bias, before BlockNorm and the activation)."""
+  """The batched scaled GEMM on K-last e4m3 operands: a (B, M, K), b (B, N, K).
+
+  scales: 'rowwise', sa (B, M) and sb (B, N) applied to the accumulator once; or 'block',
+  sa (B, KB, M) and sb (B, KB, N), one row per 128-wide K block, applied to each K step's
+  product. precise: every K step's product is summed in fp32 registers (always so with
+  block scales); otherwise the tensor cores accumulate the whole K. Returns out (B, M, N),
+  plus pre (B, M, N) when epilogue.emit_pre (the scaled product + bias, before BlockNorm and
+  the activation)."""
   if a.ndim != 3 or b.ndim != 3:
     raise ValueError(f"{kernel_name}: operands must be 3-D (batch, rows, K), got {a.shape} "
                      f"and {b.shape}")
@@ -256,15 +314,23 @@ def gemm(a, b, sa, sb, *, epilogue: epilogue_lib.Epilogue = epilogue_lib.Epilogu
     raise ValueError(f"{kernel_name}: a {a.shape} and b {b.shape} must be (B, M, K) and "
                      "(B, N, K) with the same B and K")
   N = b.shape[1]
-  if sa.shape != (Bt, M) or sb.shape != (Bt, N):
-    raise ValueError(f"{kernel_name}: rowwise scales must have shapes {(Bt, M)} and "
-                     f"{(Bt, N)}, got {sa.shape} and {sb.shape}")
+  if scales == ROWWISE_SCALES:
+    want_a, want_b = (Bt, M), (Bt, N)
+  elif scales == BLOCK_SCALES:
+    want_a, want_b = (Bt, -(-K // BLOCK_K), M), (Bt, -(-K // BLOCK_K), N)
+  else:
+    raise ValueError(f"{kernel_name}: unknown scales mode {scales!r}; use "
+                     f"{ROWWISE_SCALES!r} or {BLOCK_SCALES!r}")
+  if sa.shape != want_a or sb.shape != want_b:
+    raise ValueError(f"{kernel_name}: {scales} scales must have shapes {want_a} and "
+                     f"{want_b}, got {sa.shape} and {sb.shape}")
   if epilogue.bias and (bias is None or bias.shape != (N,)):
     raise ValueError(f"{kernel_name}: the epilogue adds a bias: pass one of shape ({N},), got "
                      f"{None if bias is None else bias.shape}")
   dims = (Bt, M, N, K)
-  cfg = config or default_config(dims, epilogue, out_dtype, pre_dtype)
-  problem = validate_config(cfg, dims, epilogue, out_dtype, pre_dtype)
+  promote = precise or scales == BLOCK_SCALES
+  cfg = config or default_config(dims, epilogue, out_dtype, pre_dtype, promote=promote)
+  problem = validate_config(cfg, dims, epilogue, out_dtype, pre_dtype, promote=promote)
   if problem:
     raise ValueError(f"{kernel_name} b{Bt}_m{M}_n{N}_k{K}: tile config {cfg} invalid: "
                      f"{problem}")
@@ -272,8 +338,8 @@ def gemm(a, b, sa, sb, *, epilogue: epilogue_lib.Epilogue = epilogue_lib.Epilogu
   # Zero codes in the padding: padded K adds nothing, padded rows and columns are sliced off.
   a_p = _pad_to(_pad_to(a, 1, cfg.block_m), 2, BLOCK_K)
   b_p = _pad_to(_pad_to(b, 1, cfg.block_n), 2, BLOCK_K)
-  sa_p = _pad_to(sa.astype(jnp.float32), 1, cfg.block_m, 1.0)
-  sb_p = _pad_to(sb.astype(jnp.float32), 1, cfg.block_n, 1.0)
+  sa_p = _pad_to(sa.astype(jnp.float32), sa.ndim - 1, cfg.block_m, 1.0)
+  sb_p = _pad_to(sb.astype(jnp.float32), sb.ndim - 1, cfg.block_n, 1.0)
   Mp, Np, Kp = a_p.shape[1], b_p.shape[1], a_p.shape[2]
   args = [a_p, jnp.swapaxes(b_p, 1, 2) if interpret else b_p, sa_p, sb_p]
   if epilogue.bias:
@@ -282,8 +348,8 @@ def gemm(a, b, sa, sb, *, epilogue: epilogue_lib.Epilogue = epilogue_lib.Epilogu
   if epilogue.emit_pre:
     out_type.append(jax.ShapeDtypeStruct((Bt, Mp, Np), pre_dtype))
   body = functools.partial(_kernel, n_true=N, cfg=cfg, ep=epilogue, k_steps=Kp // BLOCK_K,
-                           interpret=interpret is not None, out_dtype=jnp.dtype(out_dtype),
-                           pre_dtype=jnp.dtype(pre_dtype))
+                           scales=scales, precise=precise, interpret=interpret is not None,
+                           out_dtype=jnp.dtype(out_dtype), pre_dtype=jnp.dtype(pre_dtype))
   call = plgpu.kernel(body, out_type=tuple(out_type), grid=(Np // cfg.block_n,
                       Mp // cfg.block_m, Bt), grid_names=("n", "m", "b"),
                       interpret=interpret)
@@ -299,14 +365,33 @@ def reference(a_deq, b_deq, *, epilogue=epilogue_lib.Epilogue(), bias=None,
   return epilogue_lib.reference(z, epilogue, bias).astype(out_dtype)
 
 
-def rowwise_einsum(spec: EinsumSpec, a, b, *, out_dtype, kernel_name: str,
-                   config: Optional[MosaicConfig] = None) -> jax.Array:
-  """Both operands quantized e4m3 with one scale per non-contracting index, then the core.
-  wgmma's 8-bit operands are K-major: an operand stored K first has its codes transposed."""
-  ops = products.rowwise_operands(spec, a, b, kernel_name=kernel_name)
+def _k_last(ops: products.CoreOperands):
+  """The core operands with K last: wgmma's 8-bit operands are K-major, so an operand
+  stored K first has its e4m3 codes transposed."""
   da = jnp.swapaxes(ops.a, 1, 2) if ops.layout.a_t else ops.a
   db = ops.b if ops.layout.b_t else jnp.swapaxes(ops.b, 1, 2)
-  out = gemm(da, db, ops.sa, ops.sb, out_dtype=out_dtype, config=config,
+  return da, db
+
+
+def rowwise_einsum(spec: EinsumSpec, a, b, *, out_dtype, kernel_name: str,
+                   precise: bool = False, config: Optional[MosaicConfig] = None) -> jax.Array:
+  """Both operands quantized e4m3 with one scale per non-contracting index, then the core
+  (`precise`: each K step's product summed in fp32 registers)."""
+  ops = products.rowwise_operands(spec, a, b, kernel_name=kernel_name)
+  da, db = _k_last(ops)
+  out = gemm(da, db, ops.sa, ops.sb, precise=precise, out_dtype=out_dtype, config=config,
+             kernel_name=kernel_name)
+  return ops.finish(out, spec, out_dtype)
+
+
+def blockwise_einsum(spec: EinsumSpec, a, b, *, pass_name: str, out_dtype, kernel_name: str,
+                     config: Optional[MosaicConfig] = None) -> jax.Array:
+  """1x128 blocks along the contraction for activations and gradients, 128x128 for the
+  weight (`products.block_operands`), each K step's product scaled by its block's scales
+  and summed in fp32 registers."""
+  ops = products.block_operands(spec, a, b, pass_name=pass_name, kernel_name=kernel_name)
+  da, db = _k_last(ops)
+  out = gemm(da, db, ops.sa, ops.sb, scales=BLOCK_SCALES, out_dtype=out_dtype, config=config,
              kernel_name=kernel_name)
   return ops.finish(out, spec, out_dtype)
 

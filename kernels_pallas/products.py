@@ -107,11 +107,11 @@ def _finish(out, spec, layout, sizes, out_dtype):
 
 
 @dataclasses.dataclass(frozen=True)
-class RowwiseOperands:
-  """A spec's operands quantized e4m3 with one scale per non-contracting index, as 3-D core
-  operands in their stored layouts: `a` supplies the output rows, `b` its columns (the
-  operands are swapped where the spec's rhs supplies the rows; `layout.a_t`, `layout.b_t`
-  say how each is stored)."""
+class CoreOperands:
+  """A spec's operands quantized e4m3, as 3-D core operands in their stored layouts: `a`
+  supplies the output rows, `b` its columns (the operands are swapped where the spec's rhs
+  supplies the rows; `layout.a_t`, `layout.b_t` say how each is stored), with their scales:
+  rowwise (B, rows) and (B, cols), or per 128-wide K block (B, KB, rows) and (B, KB, cols)."""
   layout: Layout
   sizes: dict
   a: jax.Array
@@ -124,7 +124,8 @@ class RowwiseOperands:
     return _finish(out, spec, self.layout, self.sizes, out_dtype)
 
 
-def rowwise_operands(spec: EinsumSpec, a, b, *, kernel_name: str) -> RowwiseOperands:
+def rowwise_operands(spec: EinsumSpec, a, b, *, kernel_name: str) -> CoreOperands:
+  """Both operands e4m3 with one scale per non-contracting index."""
   layout = analyze(spec)
   if isinstance(layout, str):
     raise ValueError(f"{kernel_name}: {layout}")
@@ -137,7 +138,7 @@ def rowwise_operands(spec: EinsumSpec, a, b, *, kernel_name: str) -> RowwiseOper
   sa, sb = qa.scale.reshape((bat, -1)), qb.scale.reshape((bat, -1))
   if layout.swap:
     da, db, sa, sb = db, da, sb, sa
-  return RowwiseOperands(layout, sizes, da, db, sa, sb)
+  return CoreOperands(layout, sizes, da, db, sa, sb)
 
 
 def rowwise_einsum(spec: EinsumSpec, a, b, *, out_dtype, kernel_name: str,
@@ -164,10 +165,11 @@ def _block_operand(x2, contract_first: bool, square: bool):
   return q.data, (s if contract_first else s.T)
 
 
-def blockwise_einsum(spec: EinsumSpec, a, b, *, pass_name: str, out_dtype,
-                     kernel_name: str, config=None) -> jax.Array:
+def block_operands(spec: EinsumSpec, a, b, *, pass_name: str, kernel_name: str
+                   ) -> CoreOperands:
   """1x128 blocks along the contraction for activations and gradients; 128x128 for the rhs
-  of fwd and grad_lhs (the weight of an act x weight site: one quantization serves both)."""
+  of fwd and grad_lhs (the weight of an act x weight site: one quantization serves both).
+  2-D specs only (batch 1)."""
   layout = analyze(spec)
   if isinstance(layout, str):
     raise ValueError(f"{kernel_name}: {layout}")
@@ -181,10 +183,17 @@ def blockwise_einsum(spec: EinsumSpec, a, b, *, pass_name: str, out_dtype,
   db, sb = _block_operand(b2, layout.rhs_contract_first, square=square_rhs)
   if layout.swap:
     da, db, sa, sb = db, da, sb, sa
-  out = gemm_lib.gemm(da[None], db[None], sa[None], sb[None], a_t=layout.a_t, b_t=layout.b_t,
+  return CoreOperands(layout, sizes, da[None], db[None], sa[None], sb[None])
+
+
+def blockwise_einsum(spec: EinsumSpec, a, b, *, pass_name: str, out_dtype,
+                     kernel_name: str, config=None) -> jax.Array:
+  """`block_operands`, then the core with per-K-block scales."""
+  ops = block_operands(spec, a, b, pass_name=pass_name, kernel_name=kernel_name)
+  out = gemm_lib.gemm(ops.a, ops.b, ops.sa, ops.sb, a_t=ops.layout.a_t, b_t=ops.layout.b_t,
                       scales=gemm_lib.BLOCK_SCALES, out_dtype=out_dtype, config=config,
                       kernel_name=kernel_name)
-  return _finish(out, spec, layout, sizes, out_dtype)
+  return ops.finish(out, spec, out_dtype)
 
 
 def dequantized_operands(spec: EinsumSpec, a, b, *, mode: str, pass_name: str):

@@ -19,10 +19,12 @@ Fused-op kernels (own all three passes):
 Fused epilogue kernels (`pallas_fp8_rowwise_fused_<epilogue>`) compute act(norm(x W + b)),
 not a site's plain product: Mods layers call them through kernels_pallas.fused.fused_dense.
 Mosaic GPU kernels (Hopper only: FP8 wgmma fed by TMA, `kernels_pallas.mosaic_gemm`):
-  pallas_mosaic_fp8_rowwise, pallas_mosaic_fp8_batched
-                        the rowwise products above (e4m3 operands, gradients e4m3 rowwise)
-                        on the Mosaic GPU core; Dispatch keeps whichever backend is faster
-                        per site and pass.
+  pallas_mosaic_fp8_rowwise, pallas_mosaic_fp8_blockwise, pallas_mosaic_fp8_batched
+                        the products above on the Mosaic GPU core; Dispatch keeps whichever
+                        backend is faster per site and pass. The rowwise and batched ones
+                        let the tensor cores accumulate the whole K; the blockwise one, and
+  pallas_mosaic_fp8_rowwise_precise
+                        the rowwise product, sum each 128-wide K step's product in fp32.
 """
 from __future__ import annotations
 
@@ -101,8 +103,11 @@ def mosaic_device_reason() -> Optional[str]:
 
 @dataclasses.dataclass(frozen=True)
 class PallasMosaicFp8(PallasFp8):
-  """A per-pass rowwise FP8 product on the Mosaic GPU core (TMA + FP8 wgmma)."""
+  """A per-pass FP8 product on the Mosaic GPU core (TMA + FP8 wgmma), mode 'rowwise' or
+  'blockwise'. `precise`: each K step's product is summed in fp32 registers rather than at
+  the tensor cores' own accumulation precision (blockwise products always are)."""
   revision: int = 1
+  precise: bool = False
 
   def unsupported_reason(self, spec, pass_name, kind, lhs_shape, rhs_shape):
     reason = Kernel.unsupported_reason(self, spec, pass_name, kind, lhs_shape, rhs_shape)
@@ -115,7 +120,11 @@ class PallasMosaicFp8(PallasFp8):
     reason = products.unsupported(spec, batched=self.batched) or mosaic_device_reason()
     if reason:
       raise ValueError(f"kernel {self.name}, {pass_name}: {reason}")
-    return mosaic_gemm.rowwise_einsum(spec, a, b, out_dtype=out_dtype, kernel_name=self.name)
+    if self.mode == "blockwise":
+      return mosaic_gemm.blockwise_einsum(spec, a, b, pass_name=pass_name,
+                                          out_dtype=out_dtype, kernel_name=self.name)
+    return mosaic_gemm.rowwise_einsum(spec, a, b, out_dtype=out_dtype, kernel_name=self.name,
+                                      precise=self.precise)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +236,15 @@ def register_all() -> None:
       name="pallas_mosaic_fp8_rowwise", backend=MOSAIC_BACKEND, mode="rowwise",
       description="Pallas Mosaic GPU FP8 (Hopper): e4m3 rowwise (grads e4m3 rowwise), TMA-fed "
                   "FP8 wgmma, fp32 accumulator"))
+  registry.register(PallasMosaicFp8(
+      name="pallas_mosaic_fp8_rowwise_precise", backend=MOSAIC_BACKEND, mode="rowwise",
+      precise=True,
+      description="Pallas Mosaic GPU FP8 (Hopper): e4m3 rowwise, each 128-wide K step's "
+                  "wgmma product summed in fp32 registers"))
+  registry.register(PallasMosaicFp8(
+      name="pallas_mosaic_fp8_blockwise", backend=MOSAIC_BACKEND, mode="blockwise",
+      description="Pallas Mosaic GPU FP8 (Hopper): 1x128 activations/grads, 128x128 weights, "
+                  "each K block's wgmma product scaled and summed in fp32 registers"))
   registry.register(PallasMosaicFp8(
       name="pallas_mosaic_fp8_batched", backend=MOSAIC_BACKEND, mode="rowwise", batched=True,
       description="Pallas Mosaic GPU FP8 batched (interaction shapes): rowwise e4m3, batch "

@@ -77,6 +77,31 @@ class MosaicCoreTest(parameterized.TestCase):
       pre_ref = _core_reference(a, b, sa, sb, ep_lib.Epilogue(bias=True), bias)
       _assert_close(self, outs[1], pre_ref)
 
+  @parameterized.named_parameters(("precise_rowwise", False), ("block_scales", True))
+  def test_promoted_k_steps(self, block):
+    # Each K step's product summed in fp32 registers (and, with block scales, scaled by its
+    # K block's own scales first); K = 300 leaves a partial last block.
+    bt, m, n, k = 1, 100, 200, 300
+    a, b, sa, sb, _ = _core_operands(jax.random.key(5), bt, m, n, k)
+    if block:
+      keys = jax.random.split(jax.random.key(6), 2)
+      kb = -(-k // mosaic_gemm.BLOCK_K)
+      sa = jnp.exp(jax.random.uniform(keys[0], (bt, kb, m), minval=-2.3, maxval=2.3))
+      sb = jnp.exp(jax.random.uniform(keys[1], (bt, kb, n), minval=-2.3, maxval=2.3))
+      block_of = jnp.arange(k) // mosaic_gemm.BLOCK_K   # each K index's block
+      da = a.astype(jnp.float32) * jnp.swapaxes(sa, 1, 2)[:, :, block_of]
+      db = b.astype(jnp.float32) * jnp.swapaxes(sb, 1, 2)[:, :, block_of]
+      out = mosaic_gemm.gemm(a, b, sa, sb, scales=mosaic_gemm.BLOCK_SCALES,
+                             out_dtype=jnp.float32)
+    else:
+      da, db = a.astype(jnp.float32) * sa[..., None], b.astype(jnp.float32) * sb[..., None]
+      out = mosaic_gemm.gemm(a, b, sa, sb, precise=True, out_dtype=jnp.float32)
+    _assert_close(self, out, mosaic_gemm.reference(da, db))
+    text = mosaic_gemm.lowered_for_cuda(
+        lambda *x: mosaic_gemm.gemm(*x, scales=mosaic_gemm.BLOCK_SCALES if block else "rowwise",
+                                    precise=not block), a, b, sa, sb)
+    self.assertIn("mosaic_gpu", text)
+
   def test_lowers_for_cuda(self):
     # The compiled path (TMA into swizzled tiles, FP8 wgmma with a transposed B view,
     # layouts of the epilogue's row and column vectors) builds its Mosaic GPU module.
@@ -132,6 +157,19 @@ class MosaicKernelTest(parameterized.TestCase):
     out = jax.jit(lambda a, b: kernel.einsum(spec, a, b, pass_name=pass_name,
                                              out_dtype=jnp.float32))(a, b)
     da, db = products.dequantized_operands(spec, a, b, mode="rowwise", pass_name=pass_name)
+    _assert_close(self, out, reference_einsum(spec, da, db))
+
+  @parameterized.named_parameters(
+      ("blockwise_fwd", "pallas_mosaic_fp8_blockwise", "blockwise", "fwd"),
+      ("blockwise_grad_rhs", "pallas_mosaic_fp8_blockwise", "blockwise", "grad_rhs"),
+      ("precise_grad_lhs", "pallas_mosaic_fp8_rowwise_precise", "rowwise", "grad_lhs"))
+  def test_promoted_kernels(self, name, mode, pass_name):
+    spec = DENSE.for_pass(pass_name)
+    a, b = _pass_operands(jax.random.key(len(name)), pass_name, 96, 300, 160)
+    kernel = kernels.get(name)
+    out = jax.jit(lambda a, b: kernel.einsum(spec, a, b, pass_name=pass_name,
+                                             out_dtype=jnp.float32))(a, b)
+    da, db = products.dequantized_operands(spec, a, b, mode=mode, pass_name=pass_name)
     _assert_close(self, out, reference_einsum(spec, da, db))
 
   def test_batched_interaction(self):
