@@ -60,7 +60,8 @@ CHAIN_BLOCK = 256
 # Variant names per shape kind; the first is the baseline every ratio divides.
 VARIANTS = {
     "gemm": ("xla_bf16", "xla_fp8_tensorwise", "xla_fp8_rowwise", "pallas_fp8_rowwise",
-             "pallas_fp8_blockwise", "pallas_mosaic_fp8_rowwise"),
+             "pallas_fp8_blockwise", "pallas_mosaic_fp8_rowwise",
+             "pallas_mosaic_fp8_rowwise_precise", "pallas_mosaic_fp8_blockwise"),
     "batched": ("xla_bf16", "xla_fp8_tensorwise", "xla_fp8_rowwise", "pallas_fp8_batched",
                 "pallas_mosaic_fp8_batched"),
     "chain": ("xla_bf16_chain", "xla_fp8_chain", "pallas_fused_chain",

@@ -26,17 +26,20 @@ SITE_SQNR_DB = 18.0
 DENSE = EinsumSpec.parse("mk,kn->mn")
 
 
+@pytest.mark.parametrize("name", ["pallas_mosaic_fp8_rowwise",
+                                  "pallas_mosaic_fp8_rowwise_precise",
+                                  "pallas_mosaic_fp8_blockwise"])
 @pytest.mark.parametrize("pass_name", ["fwd", "grad_lhs", "grad_rhs"])
 @pytest.mark.parametrize("m,k,n", [(2048, 256, 768), (1000, 1000, 300), (512, 12320, 256)])
-def test_dense_passes(pass_name, m, k, n):
+def test_dense_passes(name, pass_name, m, k, n):
   a, b = operands(pass_name, m, k, n, seed=m + k + n)
   spec = DENSE.for_pass(pass_name)
-  kernel = kernels.get("pallas_mosaic_fp8_rowwise")
+  kernel = kernels.get(name)
   run = lambda a, b: kernel.einsum(spec, a, b, pass_name=pass_name, out_dtype=jnp.float32)
   assert compiled_backend(run, a, b) == "pallas_mosaic_gpu"
   out = jax.jit(run)(a, b)
   assert float(metrics.sqnr_db(out, reference_einsum(spec, a, b))) >= SITE_SQNR_DB
-  da, db = products.dequantized_operands(spec, a, b, mode="rowwise", pass_name=pass_name)
+  da, db = products.dequantized_operands(spec, a, b, mode=kernel.mode, pass_name=pass_name)
   close(out, reference_einsum(spec, da, db), rtol=5e-3)
 
 
