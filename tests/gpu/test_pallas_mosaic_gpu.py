@@ -3,8 +3,8 @@
 Run on an H100/H200: `python3 -m pytest tests/gpu/test_pallas_mosaic_gpu.py -m gpu -q`.
 (a) site error: SQNR >= 18 dB against the fp32 HIGHEST product of the original operands;
 (b) kernel correctness: close to the fp32 HIGHEST product of the kernel's own dequantized
-operands. The tensor cores accumulate FP8 products at their own precision before each K
-step's result joins the fp32 accumulator, so (b) is looser than in interpret mode. Garbage
+operands. The tensor cores accumulate FP8 products at a precision of their own, so (b) is
+looser than in interpret mode, and loosest where they accumulate the whole K. Garbage
 in an unwritten tile (a TMA store that missed it) fails (b) elementwise.
 """
 import jax
@@ -40,7 +40,10 @@ def test_dense_passes(name, pass_name, m, k, n):
   out = jax.jit(run)(a, b)
   assert float(metrics.sqnr_db(out, reference_einsum(spec, a, b))) >= SITE_SQNR_DB
   da, db = products.dequantized_operands(spec, a, b, mode=kernel.mode, pass_name=pass_name)
-  close(out, reference_einsum(spec, da, db), rtol=5e-3)
+  # The whole K at the tensor cores' accumulation precision drifts further from the fp32 sum
+  # than a sum promoted every 128 products does (at K = 12320 most of all).
+  promoted = kernel.precise or kernel.mode == "blockwise"
+  close(out, reference_einsum(spec, da, db), rtol=5e-3 if promoted else 2e-2)
 
 
 @pytest.mark.parametrize("spec_text,lhs,rhs", [
