@@ -399,6 +399,7 @@ def blockwise_einsum(spec: EinsumSpec, a, b, *, pass_name: str, out_dtype, kerne
 def lowered_for_cuda(fn, *args) -> str:
   """The StableHLO text of `fn(*args)` lowered for 'cuda' with compiled (not interpreted)
   Mosaic GPU kernels; no GPU needed. Lowering builds each kernel's Mosaic GPU module, so a
-  wgmma shape, layout or shared-memory error surfaces here."""
+  wgmma shape, layout or shared-memory error surfaces here. Pass a function this process
+  has not traced yet: jax reuses a trace made in interpret mode."""
   with compat.compiled_kernels():
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -172,6 +172,17 @@ class MosaicKernelTest(parameterized.TestCase):
     da, db = products.dequantized_operands(spec, a, b, mode=mode, pass_name=pass_name)
     _assert_close(self, out, reference_einsum(spec, da, db))
 
+  def test_the_probes_vmapped_evaluation_lowers_for_cuda(self):
+    # The probe evaluates a kernel vmapped over samples: the batched kernel must compile too.
+    spec = DENSE.for_pass("grad_rhs")
+    keys = jax.random.split(jax.random.key(7), 2)
+    x, g = jax.random.normal(keys[0], (3, 64, 128)), jax.random.normal(keys[1], (3, 64, 96))
+    kernel = kernels.get("pallas_mosaic_fp8_rowwise")
+    text = mosaic_gemm.lowered_for_cuda(jax.vmap(
+        lambda a, b: kernel.einsum(spec, a, b, pass_name="grad_rhs", out_dtype=jnp.float32)),
+        x, g)
+    self.assertIn("mosaic_gpu", text)
+
   def test_batched_interaction(self):
     spec = EinsumSpec.parse("bnd,bdk->bnk")
     keys = jax.random.split(jax.random.key(4), 2)
