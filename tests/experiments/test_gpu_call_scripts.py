@@ -192,14 +192,14 @@ class MosaicCallTest(absltest.TestCase):
     work = tempfile.mkdtemp(prefix="loka_mosaic_")
     self.addCleanup(shutil.rmtree, work, ignore_errors=True)
     env = {"WORK": os.path.join(work, "a"), "TESTS_LIMIT": "0", "SMOKE": "1",
-           "ONLY": "pallas_mosaic_fp8_rowwise"}
+           "ONLY": "pallas_mosaic_fp8_rowwise_precise"}
     out = _call("gpu_mosaic_call.sh", env)
     self.assertIn("bench_kernels rc 0", out)
     with open(os.path.join(work, "a", "out", "kernels", "results.jsonl")) as f:
       rows = [json.loads(line) for line in f]
     self.assertEqual({(r["shape"], r["variant"]) for r in rows},
                      {("gemm_m64_k200_n96", "xla_bf16"),
-                      ("gemm_m64_k200_n96", "pallas_mosaic_fp8_rowwise")})
+                      ("gemm_m64_k200_n96", "pallas_mosaic_fp8_rowwise_precise")})
     self.assertTrue(all("median_us" in r and "error" not in r for r in rows), rows)
     again = _call("gpu_mosaic_call.sh", {**env, "WORK": os.path.join(work, "b"),
                                          "CARRY": os.path.join(work, "a", "out", "kernels")})
