@@ -70,17 +70,25 @@ class PallasFp8(Kernel):
   # 2: long-K products with small outputs (weight gradients) split K (`gemm.split_k_for`).
   revision: int = 2
 
+  def device_reason(self) -> Optional[str]:
+    """Why this device cannot run the kernel (None: it can)."""
+    return device_reason()
+
   def unsupported_reason(self, spec, pass_name, kind, lhs_shape, rhs_shape):
     reason = super().unsupported_reason(spec, pass_name, kind, lhs_shape, rhs_shape)
     if reason:
       return reason
-    reason = products.unsupported(spec, batched=self.batched) or device_reason()
+    reason = products.unsupported(spec, batched=self.batched) or self.device_reason()
     return f"kernel {self.name}: {reason}" if reason else None
 
   def einsum(self, spec, a, b, *, pass_name, out_dtype):
-    reason = products.unsupported(spec, batched=self.batched) or device_reason()
+    reason = products.unsupported(spec, batched=self.batched) or self.device_reason()
     if reason:
       raise ValueError(f"kernel {self.name}, {pass_name}: {reason}")
+    return self.product(spec, a, b, pass_name=pass_name, out_dtype=out_dtype)
+
+  def product(self, spec, a, b, *, pass_name, out_dtype):
+    """The pass's product on a spec and device the kernel supports."""
     if self.mode == "blockwise":
       return products.blockwise_einsum(spec, a, b, pass_name=pass_name, out_dtype=out_dtype,
                                        kernel_name=self.name)
@@ -109,17 +117,10 @@ class PallasMosaicFp8(PallasFp8):
   revision: int = 1
   precise: bool = False
 
-  def unsupported_reason(self, spec, pass_name, kind, lhs_shape, rhs_shape):
-    reason = Kernel.unsupported_reason(self, spec, pass_name, kind, lhs_shape, rhs_shape)
-    if reason:
-      return reason
-    reason = products.unsupported(spec, batched=self.batched) or mosaic_device_reason()
-    return f"kernel {self.name}: {reason}" if reason else None
+  def device_reason(self) -> Optional[str]:
+    return mosaic_device_reason()
 
-  def einsum(self, spec, a, b, *, pass_name, out_dtype):
-    reason = products.unsupported(spec, batched=self.batched) or mosaic_device_reason()
-    if reason:
-      raise ValueError(f"kernel {self.name}, {pass_name}: {reason}")
+  def product(self, spec, a, b, *, pass_name, out_dtype):
     if self.mode == "blockwise":
       return mosaic_gemm.blockwise_einsum(spec, a, b, pass_name=pass_name,
                                           out_dtype=out_dtype, kernel_name=self.name)

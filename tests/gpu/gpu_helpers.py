@@ -27,3 +27,28 @@ def operands(pass_name, m, k, n, seed):
   g = heavy(keys[2], (m, n)) * 1e-4
   return {"fwd": (x, w.astype(jnp.bfloat16)), "grad_lhs": (g, w.astype(jnp.bfloat16)),
           "grad_rhs": (x, g)}[pass_name]
+
+
+SITE_SQNR_DB = 18.0
+
+
+def check_batched_pass(kernel_name, spec_text, lhs, rhs, pass_name, rtol):
+  """A batched kernel's pass on heavy-tailed operands: SQNR >= SITE_SQNR_DB against the fp32
+  HIGHEST product of the originals, and within rtol of the product of its own dequantized
+  operands."""
+  from kernels_pallas import products
+  from loka_jax import kernels
+  from loka_jax.kernels import EinsumSpec, reference_einsum
+  from loka_jax.precision import metrics
+  k1, k2, k3 = jax.random.split(jax.random.key(len(spec_text) + lhs[1]), 3)
+  x, y = heavy(k1, lhs), heavy(k2, rhs)
+  site = EinsumSpec.parse(spec_text)
+  g = heavy(k3, site.shapes(lhs, rhs))
+  a, b = {"fwd": (x, y), "grad_lhs": (g, y), "grad_rhs": (x, g)}[pass_name]
+  spec = site.for_pass(pass_name)
+  kernel = kernels.get(kernel_name)
+  out = jax.jit(lambda a, b: kernel.einsum(spec, a, b, pass_name=pass_name,
+                                           out_dtype=jnp.float32))(a, b)
+  assert float(metrics.sqnr_db(out, reference_einsum(spec, a, b))) >= SITE_SQNR_DB
+  da, db = products.dequantized_operands(spec, a, b, mode="rowwise", pass_name=pass_name)
+  close(out, reference_einsum(spec, da, db), rtol=rtol)

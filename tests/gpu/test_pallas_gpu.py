@@ -24,9 +24,8 @@ from loka_jax.kernels import EinsumSpec, reference_einsum
 from loka_jax.mods import functional
 from loka_jax.precision import E4M3, metrics, scaling
 
+from gpu_helpers import SITE_SQNR_DB, check_batched_pass
 from gpu_helpers import close as _close, heavy as _heavy, operands as _operands
-
-SITE_SQNR_DB = 18.0
 DENSE = EinsumSpec.parse("mk,kn->mn")
 
 
@@ -117,18 +116,7 @@ def test_fp8_fast_accumulation(acc):
 ])
 @pytest.mark.parametrize("pass_name", ["fwd", "grad_lhs", "grad_rhs"])
 def test_batched(spec_text, lhs, rhs, pass_name):
-  k1, k2, k3 = jax.random.split(jax.random.key(len(spec_text) + lhs[1]), 3)
-  x, y = _heavy(k1, lhs), _heavy(k2, rhs)
-  site = EinsumSpec.parse(spec_text)
-  g = _heavy(k3, site.shapes(lhs, rhs))
-  a, b = {"fwd": (x, y), "grad_lhs": (g, y), "grad_rhs": (x, g)}[pass_name]
-  spec = site.for_pass(pass_name)
-  kernel = kernels.get("pallas_fp8_batched")
-  out = jax.jit(lambda a, b: kernel.einsum(spec, a, b, pass_name=pass_name,
-                                           out_dtype=jnp.float32))(a, b)
-  assert float(metrics.sqnr_db(out, reference_einsum(spec, a, b))) >= SITE_SQNR_DB
-  da, db = products.dequantized_operands(spec, a, b, mode="rowwise", pass_name=pass_name)
-  _close(out, reference_einsum(spec, da, db), rtol=2e-3)
+  check_batched_pass("pallas_fp8_batched", spec_text, lhs, rhs, pass_name, rtol=2e-3)
 
 
 @pytest.mark.parametrize("gran,axes", [("rowwise", (1,)), ("rowwise", (0,)), ("tensorwise", ()),

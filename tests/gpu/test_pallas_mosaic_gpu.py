@@ -13,16 +13,14 @@ import numpy as np
 import pytest
 
 from kernels_pallas import fused, mosaic_gemm, products
-from kernels_pallas import quantize as kq
 from kernels_pallas.epilogue import Epilogue
 from loka_jax import kernels
 from loka_jax.kernels import EinsumSpec, reference_einsum
 from loka_jax.kernels.backend import compiled_backend
 from loka_jax.precision import metrics
 
-from gpu_helpers import close, heavy, operands
-
-SITE_SQNR_DB = 18.0
+from gpu_helpers import SITE_SQNR_DB, check_batched_pass, close, operands
+from kernel_helpers import fused_dense_against_reference
 DENSE = EinsumSpec.parse("mk,kn->mn")
 
 
@@ -53,19 +51,7 @@ def test_dense_passes(name, pass_name, m, k, n):
 ])
 @pytest.mark.parametrize("pass_name", ["fwd", "grad_lhs", "grad_rhs"])
 def test_batched(spec_text, lhs, rhs, pass_name):
-  k1, k2, k3 = jax.random.split(jax.random.key(len(spec_text) + lhs[1]), 3)
-  x, y = heavy(k1, lhs), heavy(k2, rhs)
-  spec = EinsumSpec.parse(spec_text)
-  out_shape = jax.eval_shape(lambda a, b: jnp.einsum(spec_text, a, b), x, y).shape
-  g = heavy(k3, out_shape)
-  a, b = {"fwd": (x, y), "grad_lhs": (g, y), "grad_rhs": (x, g)}[pass_name]
-  pass_spec = spec.for_pass(pass_name)
-  kernel = kernels.get("pallas_mosaic_fp8_batched")
-  out = jax.jit(lambda a, b: kernel.einsum(pass_spec, a, b, pass_name=pass_name,
-                                           out_dtype=jnp.float32))(a, b)
-  assert float(metrics.sqnr_db(out, reference_einsum(pass_spec, a, b))) >= SITE_SQNR_DB
-  da, db = products.dequantized_operands(pass_spec, a, b, mode="rowwise", pass_name=pass_name)
-  close(out, reference_einsum(pass_spec, da, db), rtol=5e-3)
+  check_batched_pass("pallas_mosaic_fp8_batched", spec_text, lhs, rhs, pass_name, rtol=2e-2)
 
 
 @pytest.mark.parametrize("m,k,n", [(2048, 256, 768), (8192, 1024, 1024), (333, 200, 300)])
@@ -95,18 +81,10 @@ def test_fused_chain_trains(block_size, activation):
   x, w = operands("fwd", 2048, 512, 1024, seed=11)
   bias = jax.random.normal(jax.random.key(12), (1024,))
   cot = jax.random.normal(jax.random.key(13), (2048, 1024))
-  kw = dict(block_size=block_size, activation=activation, out_dtype=jnp.float32)
-
-  def loss(fn, **extra):
-    return lambda x, w, b: jnp.sum(fn(x, w, bias=b, **kw, **extra) * cot)
-
-  out, ref, got, want = jax.jit(lambda x, w, bias: (
-      fused.fused_dense(x, w, bias=bias, core=fused.MOSAIC_GPU, **kw),
-      fused.fused_dense_reference(x, w, bias=bias, quantizer=kq.quantize, **kw),
-      jax.grad(loss(fused.fused_dense, core=fused.MOSAIC_GPU,
-                    backward="pallas_mosaic_fp8_rowwise"), argnums=(0, 1, 2))(x, w, bias),
-      jax.grad(loss(fused.fused_dense_reference, quantizer=kq.quantize),
-               argnums=(0, 1, 2))(x, w, bias)))(x, w.astype(jnp.float32), bias)
+  out, ref, got, want = fused_dense_against_reference(
+      x, w.astype(jnp.float32), bias, cot, core=fused.MOSAIC_GPU,
+      backward="pallas_mosaic_fp8_rowwise", block_size=block_size, activation=activation,
+      out_dtype=jnp.float32)
   close(out, ref, rtol=5e-3)
   for name, g, r in zip(("dx", "dw", "dbias"), got, want):
     assert np.all(np.isfinite(np.asarray(g))), name

@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
-import chex
 
 from kernels_pallas import compat
 from kernels_pallas import epilogue as ep_lib
@@ -19,22 +18,12 @@ from loka_jax import _compat, kernels
 from loka_jax.kernels import EinsumSpec, reference_einsum
 from loka_jax.precision import E4M3, scaling
 
-RTOL = 1e-5
+from kernel_helpers import RTOL
+from kernel_helpers import assert_close as _assert_close
+
 # Tiles smaller than the (48, 200) x (200, 96) problem: M, N and K tails all get exercised.
 SMALL = tuning.TileConfig(block_m=32, block_n=64, block_k=64, n_sub=1, num_warps=4,
                           num_stages=2, batch_per_program=1)
-
-
-def _rel_err(out, ref):
-  out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-  return float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
-
-
-def _assert_close(test, out, ref, rtol=RTOL):
-  chex.assert_shape(out, ref.shape)
-  test.assertTrue(bool(np.all(np.isfinite(np.asarray(out, np.float32)))),
-                  "unwritten (NaN) or non-finite outputs")
-  test.assertLess(_rel_err(out, ref), rtol)
 
 
 def _jitted(fn, *args):

@@ -21,20 +21,11 @@ from loka_jax.models import fused as fused_sites
 from loka_jax.precision import metrics
 from loka_jax.probe import candidates, chains
 
-RTOL = 1e-5
+from kernel_helpers import assert_close as _assert_close
+from kernel_helpers import fused_dense_against_reference
+from kernel_helpers import rel_err as _rel_err
+
 DENSE = EinsumSpec.parse("mk,kn->mn")
-
-
-def _rel_err(out, ref):
-  out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-  return float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
-
-
-def _assert_close(test, out, ref, rtol=RTOL):
-  chex.assert_shape(out, ref.shape)
-  test.assertTrue(bool(np.all(np.isfinite(np.asarray(out, np.float32)))),
-                  "unwritten (NaN) or non-finite outputs")
-  test.assertLess(_rel_err(out, ref), rtol)
 
 
 @functools.partial(jax.jit, static_argnames=("bt", "m", "n", "k"))
@@ -222,18 +213,9 @@ class MosaicFusedTest(parameterized.TestCase):
   def test_forward_and_gradients(self):
     x, w, bias = self._inputs(7)
     cot = jax.random.normal(jax.random.key(8), (96, 256))
-    kw = dict(block_size=128, activation="hard_swish", out_dtype=jnp.float32)
-
-    def loss(fn, **extra):
-      return lambda x, w, b: jnp.sum(fn(x, w, bias=b, **kw, **extra) * cot)
-
-    out, ref, got, want = jax.jit(lambda x, w, bias: (
-        fused.fused_dense(x, w, bias=bias, core=fused.MOSAIC_GPU, **kw),
-        fused.fused_dense_reference(x, w, bias=bias, quantizer=kq.quantize, **kw),
-        jax.grad(loss(fused.fused_dense, core=fused.MOSAIC_GPU,
-                      backward="pallas_mosaic_fp8_rowwise"), argnums=(0, 1, 2))(x, w, bias),
-        jax.grad(loss(fused.fused_dense_reference, quantizer=kq.quantize),
-                 argnums=(0, 1, 2))(x, w, bias)))(x, w, bias)
+    out, ref, got, want = fused_dense_against_reference(
+        x, w, bias, cot, core=fused.MOSAIC_GPU, backward="pallas_mosaic_fp8_rowwise",
+        block_size=128, activation="hard_swish", out_dtype=jnp.float32)
     _assert_close(self, out, ref, rtol=1e-4)
     for name, g, r in zip(("dx", "dw", "dbias"), got, want):
       chex.assert_shape(g, r.shape)

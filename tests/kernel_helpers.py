@@ -1,0 +1,42 @@
+"""Closeness checks and the fused-dense gradient comparison shared by the kernel tests (the
+CPU's interpret-mode ones and the GPU's compiled ones)."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+RTOL = 1e-5
+
+
+def rel_err(out, ref):
+  """The largest absolute error relative to the largest |ref|."""
+  out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+  return float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
+
+
+def assert_close(test, out, ref, rtol=RTOL):
+  """Same shape, every output finite (interpret mode leaves unwritten outputs NaN), and
+  rel_err below rtol."""
+  chex.assert_shape(out, ref.shape)
+  test.assertTrue(bool(np.all(np.isfinite(np.asarray(out, np.float32)))),
+                  "unwritten (NaN) or non-finite outputs")
+  test.assertLess(rel_err(out, ref), rtol)
+
+
+def fused_dense_against_reference(x, w, bias, cot, *, core, backward, **kw):
+  """(out, ref, grads, ref_grads): fused_dense on `core` and its unfused reference on the
+  kernel's own quantizer, and the gradients of sum(out * cot) in (x, w, bias): the custom_vjp
+  (dgrad and wgrad on `backward`) against jax.grad of the reference."""
+  from kernels_pallas import fused
+  from kernels_pallas import quantize as kq
+
+  def loss(fn, **extra):
+    return lambda x, w, b: jnp.sum(fn(x, w, bias=b, **kw, **extra) * cot)
+
+  return jax.jit(lambda x, w, bias: (
+      fused.fused_dense(x, w, bias=bias, core=core, **kw),
+      fused.fused_dense_reference(x, w, bias=bias, quantizer=kq.quantize, **kw),
+      jax.grad(loss(fused.fused_dense, core=core, backward=backward),
+               argnums=(0, 1, 2))(x, w, bias),
+      jax.grad(loss(fused.fused_dense_reference, quantizer=kq.quantize),
+               argnums=(0, 1, 2))(x, w, bias)))(x, w, bias)
