@@ -30,6 +30,12 @@ def operands(pass_name, m, k, n, seed):
 
 
 SITE_SQNR_DB = 18.0
+# The interaction einsums of the towers: Wukong's FMB (two widths) and DLRM's dot interaction.
+BATCHED_SHAPES = [
+    ("bnd,bdk->bnk", (4096, 16, 128), (4096, 128, 24)),
+    ("bnd,bdk->bnk", (4096, 96, 128), (4096, 128, 96)),
+    ("bfd,bgd->bfg", (1024, 27, 128), (1024, 27, 128)),
+]
 
 
 def check_batched_pass(kernel_name, spec_text, lhs, rhs, pass_name, rtol):

@@ -24,7 +24,7 @@ from loka_jax.kernels import EinsumSpec, reference_einsum
 from loka_jax.mods import functional
 from loka_jax.precision import E4M3, metrics, scaling
 
-from gpu_helpers import SITE_SQNR_DB, check_batched_pass
+from gpu_helpers import BATCHED_SHAPES, SITE_SQNR_DB, check_batched_pass
 from gpu_helpers import close as _close, heavy as _heavy, operands as _operands
 DENSE = EinsumSpec.parse("mk,kn->mn")
 
@@ -109,11 +109,7 @@ def test_fp8_fast_accumulation(acc):
     assert float(metrics.sqnr_db(out, reference_einsum(DENSE, a, b))) >= SITE_SQNR_DB, (m, k, n)
 
 
-@pytest.mark.parametrize("spec_text,lhs,rhs", [
-    ("bnd,bdk->bnk", (4096, 16, 128), (4096, 128, 24)),
-    ("bnd,bdk->bnk", (4096, 96, 128), (4096, 128, 96)),
-    ("bfd,bgd->bfg", (1024, 27, 128), (1024, 27, 128)),
-])
+@pytest.mark.parametrize("spec_text,lhs,rhs", BATCHED_SHAPES)
 @pytest.mark.parametrize("pass_name", ["fwd", "grad_lhs", "grad_rhs"])
 def test_batched(spec_text, lhs, rhs, pass_name):
   check_batched_pass("pallas_fp8_batched", spec_text, lhs, rhs, pass_name, rtol=2e-3)

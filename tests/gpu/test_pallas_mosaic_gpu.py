@@ -19,7 +19,7 @@ from loka_jax.kernels import EinsumSpec, reference_einsum
 from loka_jax.kernels.backend import compiled_backend
 from loka_jax.precision import metrics
 
-from gpu_helpers import SITE_SQNR_DB, check_batched_pass, close, operands
+from gpu_helpers import BATCHED_SHAPES, SITE_SQNR_DB, check_batched_pass, close, operands
 from kernel_helpers import fused_dense_against_reference
 DENSE = EinsumSpec.parse("mk,kn->mn")
 
@@ -44,11 +44,7 @@ def test_dense_passes(name, pass_name, m, k, n):
   close(out, reference_einsum(spec, da, db), rtol=5e-3 if promoted else 2e-2)
 
 
-@pytest.mark.parametrize("spec_text,lhs,rhs", [
-    ("bnd,bdk->bnk", (4096, 16, 128), (4096, 128, 24)),
-    ("bnd,bdk->bnk", (4096, 96, 128), (4096, 128, 96)),
-    ("bfd,bgd->bfg", (1024, 27, 128), (1024, 27, 128)),
-])
+@pytest.mark.parametrize("spec_text,lhs,rhs", BATCHED_SHAPES)
 @pytest.mark.parametrize("pass_name", ["fwd", "grad_lhs", "grad_rhs"])
 def test_batched(spec_text, lhs, rhs, pass_name):
   check_batched_pass("pallas_mosaic_fp8_batched", spec_text, lhs, rhs, pass_name, rtol=2e-2)
