@@ -10,7 +10,9 @@
 # Environment: TESTS_LIMIT (seconds for the tests, 240; 0 skips them), MAXMIN (the
 # benchmark's minutes, 5), ONLY (its select.only tokens: which variants run beside each
 # shape's baseline), CARRY (a folder holding an earlier call's results.jsonl: its shapes are
-# not timed again), SMOKE (1: the benchmark's tiny shapes, which run on a CPU too), WORK
+# not timed again), TUNE (1: the Pallas kernels' tiles are tuned per shape first, cached
+# under $WORK/kernels/pallas_tune and brought back), SMOKE (1: the benchmark's tiny shapes,
+# which run on a CPU too), WORK
 # (/tmp/mosaic), OUT (set on the device; elsewhere $WORK/out).
 set -u
 source experiments/gpu_common.sh
@@ -30,11 +32,13 @@ fi
 if [ -n "${CARRY:-}" ] && [ -f "$CARRY/results.jsonl" ] && [ ! -f "$WORK/kernels/results.jsonl" ]; then
   cp "$CARRY/results.jsonl" "$WORK/kernels/results.jsonl"
 fi
-SMOKE_ARGS=()
-[ "${SMOKE:-0}" = 1 ] && SMOKE_ARGS=(--config.select.smoke=true --config.timing.repeats=3)
+EXTRA_ARGS=()
+[ "${SMOKE:-0}" = 1 ] && EXTRA_ARGS=(--config.select.smoke=true --config.timing.repeats=3)
+[ "${TUNE:-0}" = 1 ] && EXTRA_ARGS+=(--config.timing.tune=true)
 python3 -m experiments.bench_kernels --out="$WORK/kernels" --config.select.only="$ONLY" \
   --config.limits.max_minutes="${MAXMIN:-5}" --config.limits.compile_cache="$WORK/jax_cache" \
-  ${SMOKE_ARGS[@]+"${SMOKE_ARGS[@]}"} > "$OUT/bench.log" 2>&1
+  ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"} > "$OUT/bench.log" 2>&1
 echo "bench_kernels rc $?"
 cp "$WORK/kernels/results.jsonl" "$OUT/kernels/" 2>/dev/null
+cp "$WORK"/kernels/pallas_tune/*.json "$OUT/kernels/" 2>/dev/null
 cat "$WORK/kernels/table.md" 2>/dev/null || tail -n 20 "$OUT/bench.log"

@@ -26,6 +26,15 @@ def use_interpret() -> bool:
   return jax.default_backend() == "cpu" and not _FORCE_COMPILED.get()
 
 
+_TRACER = getattr(jax.core, "Tracer", None)
+
+
+def concrete(*values) -> bool:
+  """Whether none of `values` is a tracer: only eager (concrete) calls can feed the tile
+  tuner, which runs the kernel."""
+  return _TRACER is not None and not any(isinstance(x, _TRACER) for x in values)
+
+
 def mosaic_interpret():
   """GPU interpret-mode parameters for Mosaic GPU kernels on the CPU (None: compile them).
 

@@ -30,7 +30,6 @@ from kernels_pallas.quantize import finite_abs, saturating_cast, scale_from_amax
 from loka_jax.precision import E4M3
 from loka_jax.precision.qtensor import BLOCK
 
-_TRACER = getattr(jax.core, "Tracer", None)
 ROWWISE_SCALES = "rowwise"
 BLOCK_SCALES = "block"
 
@@ -387,9 +386,7 @@ def gemm(a, b, sa, sb, *, a_t: bool = False, b_t: bool = False, scales: str = RO
         return gemm(a, b, sa, sb, a_t=a_t, b_t=b_t, scales=scales, epilogue=epilogue,
                     bias=bias, out_dtype=out_dtype, pre_dtype=pre_dtype, config=cfg)
       return call, (a, b, sa, sb, bias)
-    # Tracers cannot feed the tuner; it only runs on eager (concrete) calls.
-    concrete = _TRACER is not None and not any(
-        isinstance(x, _TRACER) for x in (a, b, sa, sb, bias))
+    concrete = compat.concrete(a, b, sa, sb, bias)
     config = tuning.choose(kernel_name, key, default,
                            candidate_configs(dims, epilogue, scales, a.dtype),
                            runner if concrete else None)

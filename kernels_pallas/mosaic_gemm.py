@@ -44,7 +44,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas import compat
 from kernels_pallas import epilogue as epilogue_lib
-from kernels_pallas import products
+from kernels_pallas import products, tuning
 from loka_jax.kernels.spec import EinsumSpec
 from loka_jax.precision import E4M3
 
@@ -64,7 +64,7 @@ TARGET_PROGRAMS = 132
 
 
 @dataclasses.dataclass(frozen=True)
-class MosaicConfig:
+class MosaicConfig(tuning.Config):
   """A program's output tile and how many K steps its pipeline keeps in flight."""
   block_m: int
   block_n: int
@@ -144,6 +144,27 @@ def default_config(dims, ep: epilogue_lib.Epilogue, out_dtype=jnp.bfloat16,
                                        pre_dtype, promote):
     stages -= 1
   return MosaicConfig(bm, bn, stages)
+
+
+def candidate_configs(dims, ep: epilogue_lib.Epilogue, out_dtype=jnp.bfloat16,
+                      pre_dtype=jnp.float32, promote: bool = False):
+  """The default tile and the valid ones around it (at most tuning.MAX_CANDIDATES): 64 or
+  128 rows, 64 to 256 columns (the block for BlockNorm), 2 to 4 stages."""
+  default = default_config(dims, ep, out_dtype, pre_dtype, promote)
+  widths = (ep.block_size,) if ep.block_size is not None else (128, 64, 256)
+  cands = [default] + [MosaicConfig(bm, bn, stages) for bn in widths for bm in (128, 64)
+                       for stages in (4, 3, 2)]
+  return tuning.filter_candidates(cands, lambda c: validate_config(
+      c, dims, ep, out_dtype, pre_dtype, promote) is None)
+
+
+def shape_key(dims, scales: str, precise: bool, ep: epilogue_lib.Epilogue, out_dtype,
+              pre_dtype) -> str:
+  """The tuning cache's key of one problem: its sizes and everything that changes the
+  kernel's code or shared memory."""
+  Bt, M, N, K = dims
+  return (f"b{Bt}_m{M}_n{N}_k{K}_{scales}{'_precise' if precise else ''}_{ep.tag}_"
+          f"{jnp.dtype(out_dtype).name}_{jnp.dtype(pre_dtype).name}")
 
 
 def _swizzled(minor: int, dtype):
@@ -300,7 +321,9 @@ def gemm(a, b, sa, sb, *, scales: str = ROWWISE_SCALES, precise: bool = False,
   scales: 'rowwise', sa (B, M) and sb (B, N) applied to the accumulator once; or 'block',
   sa (B, KB, M) and sb (B, KB, N), one row per 128-wide K block, applied to each K step's
   product. precise: every K step's product is summed in fp32 registers (always so with
-  block scales); otherwise the tensor cores accumulate the whole K. Returns out (B, M, N),
+  block scales); otherwise the tensor cores accumulate the whole K. config: the tile; None
+  takes the tuning cache's for this shape (`kernels_pallas.tuning`: tuned on an eager call
+  on a GPU with LOKA_PALLAS_AUTOTUNE=1), else `default_config`. Returns out (B, M, N),
   plus pre (B, M, N) when epilogue.emit_pre (the scaled product + bias, before BlockNorm and
   the activation)."""
   if a.ndim != 3 or b.ndim != 3:
@@ -329,7 +352,21 @@ def gemm(a, b, sa, sb, *, scales: str = ROWWISE_SCALES, precise: bool = False,
                      f"{None if bias is None else bias.shape}")
   dims = (Bt, M, N, K)
   promote = precise or scales == BLOCK_SCALES
-  cfg = config or default_config(dims, epilogue, out_dtype, pre_dtype, promote=promote)
+  cfg = config
+  if cfg is None:
+    def runner(candidate):
+      # A jittable call on these operands: tuning times the kernel, not eager dispatch.
+      def call(a, b, sa, sb, bias):
+        return gemm(a, b, sa, sb, scales=scales, precise=precise, epilogue=epilogue,
+                    bias=bias, out_dtype=out_dtype, pre_dtype=pre_dtype, config=candidate,
+                    kernel_name=kernel_name)
+      return call, (a, b, sa, sb, bias)
+    concrete = compat.concrete(a, b, sa, sb, bias)
+    cfg = tuning.choose(kernel_name, shape_key(dims, scales, precise, epilogue, out_dtype,
+                                               pre_dtype),
+                        default_config(dims, epilogue, out_dtype, pre_dtype, promote),
+                        candidate_configs(dims, epilogue, out_dtype, pre_dtype, promote),
+                        runner if concrete else None)
   problem = validate_config(cfg, dims, epilogue, out_dtype, pre_dtype, promote=promote)
   if problem:
     raise ValueError(f"{kernel_name} b{Bt}_m{M}_n{N}_k{K}: tile config {cfg} invalid: "

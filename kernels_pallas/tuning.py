@@ -1,7 +1,9 @@
-"""Per-shape tile autotuning, cached on disk per device kind.
+"""Per-shape tile autotuning of both Pallas GEMM cores, cached on disk per device kind.
 
 Cache: `$LOKA_PALLAS_TUNE_DIR/<device_kind>.json` (default `~/.cache/loka_jax/pallas_tune/`),
-`{"schema": "loka.pallas_tune/1", "device": ..., "entries": {kernel: {shape_key: config}}}`.
+`{"schema": "loka.pallas_tune/1", "device": ..., "entries": {kernel: {shape_key: config}}}`,
+a config being a `Config` dataclass as a dict (`TileConfig` for the Triton core,
+`mosaic_gemm.MosaicConfig` for the Mosaic GPU one).
 Kernels look configs up at trace time (`lookup`): the user's cached winner, else the winner
 shipped with the package for that device kind (`kernels_pallas/tuned/<device_kind>.json`, from
 the benchmark's `--tune` runs), else a default chosen by shape class. Tuning runs kernels, so
@@ -34,8 +36,20 @@ _lock = threading.Lock()
 _memory: Dict[str, dict] = {}
 
 
+class Config:
+  """A frozen dataclass of int fields a tuning cache stores as a dict."""
+
+  def to_dict(self):
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d):
+    fields = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: int(v) for k, v in d.items() if k in fields})
+
+
 @dataclasses.dataclass(frozen=True)
-class TileConfig:
+class TileConfig(Config):
   """Tiles and Triton launch parameters of one GEMM launch.
 
   block_n is one accumulator's width; n_sub accumulators side by side cover
@@ -49,14 +63,6 @@ class TileConfig:
   num_warps: int = 4
   num_stages: int = 3
   batch_per_program: int = 1
-
-  def to_dict(self):
-    return dataclasses.asdict(self)
-
-  @classmethod
-  def from_dict(cls, d) -> "TileConfig":
-    fields = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: int(v) for k, v in d.items() if k in fields})
 
 
 def cache_dir() -> str:
@@ -110,18 +116,19 @@ def shipped_path(device_kind: Optional[str] = None) -> str:
   return os.path.join(SHIPPED_DIR, f"{device_kind or _compat.device_kind()}.json")
 
 
-def cached(kernel: str, key: str, shipped: bool = True) -> Optional[TileConfig]:
-  """The tuned config for this device kind: the user's cache first, then (`shipped`) the
-  package's table (one file per device kind: GPU entries never reach the CPU)."""
+def cached(kernel: str, key: str, shipped: bool = True, config_type=TileConfig):
+  """The tuned config (a `config_type`) for this device kind: the user's cache first, then
+  (`shipped`) the package's table (one file per device kind: GPU entries never reach the
+  CPU); None when neither has one."""
   with _lock:
     for path in (cache_path(), shipped_path()) if shipped else (cache_path(),):
       entry = _load(path)["entries"].get(kernel, {}).get(key)
       if entry:
-        return TileConfig.from_dict(entry["config"])
+        return config_type.from_dict(entry["config"])
   return None
 
 
-def record(kernel: str, key: str, config: TileConfig, time_us: float,
+def record(kernel: str, key: str, config: Config, time_us: float,
            timings: Optional[dict] = None) -> None:
   path = cache_path()
   with _lock:
@@ -146,9 +153,9 @@ def time_call(fn: Callable, args: Sequence, repeats: int = 10, inner: int = 1) -
   return statistics.median(sampler.sample() * 1e6 for _ in range(repeats))
 
 
-def tune(kernel: str, key: str, candidates: Sequence[TileConfig],
-         run: Callable[[TileConfig], Tuple[Callable, Sequence]], repeats: int = 10,
-         inner: int = TUNE_INNER) -> TileConfig:
+def tune(kernel: str, key: str, candidates: Sequence[Config],
+         run: Callable[[Config], Tuple[Callable, Sequence]], repeats: int = 10,
+         inner: int = TUNE_INNER) -> Config:
   """Times each candidate (at most MAX_CANDIDATES) and caches the fastest.
 
   `run(config)` returns `(fn, args)`: a jittable kernel call and its concrete inputs.
@@ -181,16 +188,16 @@ def tune(kernel: str, key: str, candidates: Sequence[TileConfig],
   return best
 
 
-def choose(kernel: str, key: str, default: TileConfig, candidates: Iterable[TileConfig],
-           run: Optional[Callable[[TileConfig], Tuple[Callable, Sequence]]] = None
-           ) -> TileConfig:
+def choose(kernel: str, key: str, default: Config, candidates: Iterable[Config],
+           run: Optional[Callable[[Config], Tuple[Callable, Sequence]]] = None) -> Config:
   """Cached config, else (on a GPU with LOKA_PALLAS_AUTOTUNE=1 and a runner) tune, else default.
 
   The shipped table is not consulted while autotuning (tuning is what was asked) nor under
   FP8 fast accumulation (its winners were measured with precise accumulation).
   """
   tuning_now = run is not None and autotune_enabled() and jax.default_backend() != "cpu"
-  hit = cached(kernel, key, shipped=not tuning_now and compat.fp8_imprecise_acc() == 0)
+  hit = cached(kernel, key, shipped=not tuning_now and compat.fp8_imprecise_acc() == 0,
+               config_type=type(default))
   if hit is not None:
     return hit
   if tuning_now:
@@ -198,7 +205,7 @@ def choose(kernel: str, key: str, default: TileConfig, candidates: Iterable[Tile
   return default
 
 
-def filter_candidates(candidates: Iterable[TileConfig],
-                      valid: Callable[[TileConfig], bool]) -> List[TileConfig]:
+def filter_candidates(candidates: Iterable[Config],
+                      valid: Callable[[Config], bool]) -> List[Config]:
   out = [c for c in dict.fromkeys(candidates) if valid(c)]
   return out[:MAX_CANDIDATES]

@@ -4,6 +4,9 @@ own dequantized operands on fresh random inputs, and lowered for 'cuda' (the com
 kernel's Mosaic GPU module is built, so wgmma shapes, layouts and shared memory are checked
 without a GPU)."""
 import functools
+import os
+import tempfile
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +15,7 @@ from absl.testing import absltest, parameterized
 import chex
 
 from kernels_pallas import epilogue as ep_lib
-from kernels_pallas import fused, mosaic_gemm, products, registration
+from kernels_pallas import fused, mosaic_gemm, products, registration, tuning
 from kernels_pallas import quantize as kq
 from loka_jax import kernels
 from loka_jax.kernels import EinsumSpec, reference_einsum
@@ -113,6 +116,32 @@ class MosaicCoreTest(parameterized.TestCase):
           cfg = mosaic_gemm.default_config(dims, ep, dtype, dtype)
           self.assertIsNone(mosaic_gemm.validate_config(cfg, dims, ep, dtype, dtype),
                             (dims, ep, cfg, dtype))
+
+  def test_candidate_tiles_are_valid_and_the_tuning_cache_is_read(self):
+    dims, ep = (1, 64, 64, 128), ep_lib.Epilogue(block_size=128)
+    cands = mosaic_gemm.candidate_configs(dims, ep)
+    self.assertEqual(cands[0], mosaic_gemm.default_config(dims, ep))
+    self.assertBetween(len(cands), 2, tuning.MAX_CANDIDATES)
+    for cfg in cands:
+      self.assertIsNone(mosaic_gemm.validate_config(cfg, dims, ep), cfg)
+    # A config in the tuning cache for this shape is the one the kernel runs: here one that
+    # cannot run it (BlockNorm(128) needs 128-wide tiles), so the error names it.
+    a, b, sa, sb, _ = _core_operands(jax.random.key(11), *dims)
+    key = mosaic_gemm.shape_key(dims, "rowwise", False, ep, jnp.bfloat16, jnp.float32)
+    with tempfile.TemporaryDirectory() as tmp, mock.patch.dict(os.environ,
+                                                               {tuning.ENV_DIR: tmp}):
+      tuning.clear_memory()
+      try:
+        tuning.record("pallas_mosaic_gemm", key, mosaic_gemm.MosaicConfig(64, 64, 2), 1.0)
+        tuning.clear_memory()   # read back from disk
+        self.assertEqual(tuning.cached("pallas_mosaic_gemm", key,
+                                       config_type=mosaic_gemm.MosaicConfig),
+                         mosaic_gemm.MosaicConfig(64, 64, 2))
+        with self.assertRaisesRegex(ValueError, r"MosaicConfig\(block_m=64, block_n=64, "
+                                    r"stages=2\) invalid: BlockNorm needs block_n == block_size \(128\)"):
+          mosaic_gemm.gemm(a, b, sa, sb, epilogue=ep)
+      finally:
+        tuning.clear_memory()
 
   def test_bad_input_is_one_clear_error(self):
     a, b, sa, sb, _ = _core_operands(jax.random.key(3), 1, 64, 64, 128)
