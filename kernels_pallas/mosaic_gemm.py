@@ -26,7 +26,7 @@ the tensor cores.
 
 On the CPU the kernel runs in jax's GPU interpret mode, which simulates shared memory, TMA
 and barriers; it cannot read a transposed shared-memory view, so there B is passed as
-(B, K, N) and read without `transpose_ref` (the numbers are the same, the layout is not).
+(B, K, N) and read without a transposed view (the numbers are the same, the layout is not).
 `lowered_for_cuda` checks the compiled kernel's structure (wgmma shapes, layouts, shared
 memory) on a machine without a GPU.
 """
@@ -45,6 +45,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels_pallas import compat
 from kernels_pallas import epilogue as epilogue_lib
 from kernels_pallas import products, tuning
+from loka_jax import _compat
 from loka_jax.kernels.spec import EinsumSpec
 from loka_jax.precision import E4M3
 
@@ -210,7 +211,7 @@ def _kernel(a_g, b_g, sa_g, sb_g, *refs, n_true, cfg, ep, k_steps, scales, preci
       plgpu.copy_gmem_to_smem(bias_g.at[n_slice], bias_smem, barriers.at[2])
 
     def issue(acc_ref, a_smem, b_smem):
-      b_view = b_smem if interpret else plgpu.transpose_ref(b_smem, (1, 0))
+      b_view = b_smem if interpret else b_smem.transpose((1, 0))
       plgpu.wgmma(acc_ref, a_smem, b_view)
 
     if interpret:
@@ -438,5 +439,7 @@ def lowered_for_cuda(fn, *args) -> str:
   Mosaic GPU kernels; no GPU needed. Lowering builds each kernel's Mosaic GPU module, so a
   wgmma shape, layout or shared-memory error surfaces here. Pass a function this process
   has not traced yet: jax reuses a trace made in interpret mode."""
-  with compat.compiled_kernels():
+  # An abstract GPU: jax 0.11 and later ask it for the device (a vmapped kernel's lowering
+  # does) and find none on a CPU-only process.
+  with compat.compiled_kernels(), _compat.abstract_gpu():
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
