@@ -58,7 +58,7 @@ def _check(x, w, bias, core=TRITON, ep=None):
     raise ValueError(f"fused_dense: bias must be ({w.shape[1]},), got {bias.shape}")
 
 
-def _x_operand(x):
+def _x_operand(x, quantize=quantize_lib.quantize):
   """(data (1, M, K), row scales (1, M)) from an array or a rowwise/tensorwise QTensor."""
   if isinstance(x, QTensor):
     if x.data.dtype != E4M3.dtype:
@@ -71,14 +71,15 @@ def _x_operand(x):
     data = x.data.reshape((1, -1, x.data.shape[-1]))
     scale = jnp.broadcast_to(x.scale, x.data.shape[:-1] + (1,)).reshape((1, -1))
     return data, scale
-  q = quantize_lib.quantize(x.reshape((-1, x.shape[-1])), E4M3, ROWWISE, (1,))
+  q = quantize(x.reshape((-1, x.shape[-1])), E4M3, ROWWISE, (1,))
   return q.data[None], q.scale.reshape((1, -1))
 
 
 def _forward(x, w, bias, ep, out_dtype, pre_dtype, core=TRITON):
   lead = x.shape[:-1]
-  xd, xs = _x_operand(x)
-  qw = quantize_lib.quantize(w, E4M3, ROWWISE, (0,))
+  quantize = mosaic_gemm.QUANTIZE if core == MOSAIC_GPU else quantize_lib.quantize
+  xd, xs = _x_operand(x, quantize)
+  qw = quantize(w, E4M3, ROWWISE, (0,))
   if core == MOSAIC_GPU:  # wgmma's 8-bit operands are K-major: the weight's codes as (N, K)
     outs = mosaic_gemm.gemm(xd, qw.data.T[None], xs, qw.scale.reshape((1, -1)), epilogue=ep,
                             bias=bias, out_dtype=out_dtype, pre_dtype=pre_dtype,

@@ -47,7 +47,7 @@ from kernels_pallas import epilogue as epilogue_lib
 from kernels_pallas import products, tuning
 from loka_jax import _compat
 from loka_jax.kernels.spec import EinsumSpec
-from loka_jax.precision import E4M3
+from loka_jax.precision import E4M3, scaling
 
 BLOCK_K = 128          # one 128-byte swizzled row of e4m3 codes: wgmma's K group
 ROWWISE_SCALES = "rowwise"
@@ -403,6 +403,12 @@ def reference(a_deq, b_deq, *, epilogue=epilogue_lib.Epilogue(), bias=None,
   return epilogue_lib.reference(z, epilogue, bias).astype(out_dtype)
 
 
+# The operands' quantize: the library's pure-jnp one (kernels_pallas.quantize follows the same
+# convention in one Triton pass), which XLA fuses with the transpose a K-first operand needs,
+# and which keeps this core independent of Pallas' Triton backend.
+QUANTIZE = scaling.quantize
+
+
 def _k_last(ops: products.CoreOperands):
   """The core operands with K last: wgmma's 8-bit operands are K-major, so an operand
   stored K first has its e4m3 codes transposed."""
@@ -415,7 +421,7 @@ def rowwise_einsum(spec: EinsumSpec, a, b, *, out_dtype, kernel_name: str,
                    precise: bool = False, config: Optional[MosaicConfig] = None) -> jax.Array:
   """Both operands quantized e4m3 with one scale per non-contracting index, then the core
   (`precise`: each K step's product summed in fp32 registers)."""
-  ops = products.rowwise_operands(spec, a, b, kernel_name=kernel_name)
+  ops = products.rowwise_operands(spec, a, b, kernel_name=kernel_name, quantize=QUANTIZE)
   da, db = _k_last(ops)
   out = gemm(da, db, ops.sa, ops.sb, precise=precise, out_dtype=out_dtype, config=config,
              kernel_name=kernel_name)
@@ -427,7 +433,8 @@ def blockwise_einsum(spec: EinsumSpec, a, b, *, pass_name: str, out_dtype, kerne
   """1x128 blocks along the contraction for activations and gradients, 128x128 for the
   weight (`products.block_operands`), each K step's product scaled by its block's scales
   and summed in fp32 registers."""
-  ops = products.block_operands(spec, a, b, pass_name=pass_name, kernel_name=kernel_name)
+  ops = products.block_operands(spec, a, b, pass_name=pass_name, kernel_name=kernel_name,
+                                quantize=QUANTIZE)
   da, db = _k_last(ops)
   out = gemm(da, db, ops.sa, ops.sb, scales=BLOCK_SCALES, out_dtype=out_dtype, config=config,
              kernel_name=kernel_name)

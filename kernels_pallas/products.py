@@ -124,14 +124,17 @@ class CoreOperands:
     return _finish(out, spec, self.layout, self.sizes, out_dtype)
 
 
-def rowwise_operands(spec: EinsumSpec, a, b, *, kernel_name: str) -> CoreOperands:
-  """Both operands e4m3 with one scale per non-contracting index."""
+def rowwise_operands(spec: EinsumSpec, a, b, *, kernel_name: str,
+                     quantize=quantize_lib.quantize) -> CoreOperands:
+  """Both operands e4m3 with one scale per non-contracting index, by `quantize` (the Pallas
+  quantize kernel, or `scaling.quantize`, its pure-jnp twin, which XLA fuses with a
+  transpose after it)."""
   layout = analyze(spec)
   if isinstance(layout, str):
     raise ValueError(f"{kernel_name}: {layout}")
   sizes = _sizes(spec, a.shape, b.shape)
-  qa = quantize_lib.quantize(a, E4M3, ROWWISE, _contract_axes(spec.lhs, layout))
-  qb = quantize_lib.quantize(b, E4M3, ROWWISE, _contract_axes(spec.rhs, layout))
+  qa = quantize(a, E4M3, ROWWISE, _contract_axes(spec.lhs, layout))
+  qb = quantize(b, E4M3, ROWWISE, _contract_axes(spec.rhs, layout))
   bat = _prod(sizes, layout.batch)
   da = _operand_3d(qa.data, spec.lhs, layout, sizes, layout.free_lhs, layout.lhs_contract_first)
   db = _operand_3d(qb.data, spec.rhs, layout, sizes, layout.free_rhs, layout.rhs_contract_first)
@@ -151,22 +154,22 @@ def rowwise_einsum(spec: EinsumSpec, a, b, *, out_dtype, kernel_name: str,
   return ops.finish(out, spec, out_dtype)
 
 
-def _block_operand(x2, contract_first: bool, square: bool):
+def _block_operand(x2, contract_first: bool, square: bool, quantize=quantize_lib.quantize):
   """Quantizes a 2-D operand stored (C, F) or (F, C); returns data and (KB, F) scales."""
   c_axis = 0 if contract_first else 1
   if square:
-    q = quantize_lib.quantize(x2, E4M3, BLOCK_128x128, (c_axis,))
+    q = quantize(x2, E4M3, BLOCK_128x128, (c_axis,))
     f_axis = 1 - c_axis
     s = jnp.repeat(q.scale, BLOCK, axis=f_axis)
     s = jax.lax.slice_in_dim(s, 0, x2.shape[f_axis], axis=f_axis)
   else:
-    q = quantize_lib.quantize(x2, E4M3, BLOCK_1x128, (c_axis,))
+    q = quantize(x2, E4M3, BLOCK_1x128, (c_axis,))
     s = q.scale
   return q.data, (s if contract_first else s.T)
 
 
-def block_operands(spec: EinsumSpec, a, b, *, pass_name: str, kernel_name: str
-                   ) -> CoreOperands:
+def block_operands(spec: EinsumSpec, a, b, *, pass_name: str, kernel_name: str,
+                   quantize=quantize_lib.quantize) -> CoreOperands:
   """1x128 blocks along the contraction for activations and gradients; 128x128 for the rhs
   of fwd and grad_lhs (the weight of an act x weight site: one quantization serves both).
   2-D specs only (batch 1)."""
@@ -179,8 +182,8 @@ def block_operands(spec: EinsumSpec, a, b, *, pass_name: str, kernel_name: str
   square_rhs = pass_name in ("fwd", "grad_lhs")
   a2 = _operand_3d(a, spec.lhs, layout, sizes, layout.free_lhs, layout.lhs_contract_first)[0]
   b2 = _operand_3d(b, spec.rhs, layout, sizes, layout.free_rhs, layout.rhs_contract_first)[0]
-  da, sa = _block_operand(a2, layout.lhs_contract_first, square=False)
-  db, sb = _block_operand(b2, layout.rhs_contract_first, square=square_rhs)
+  da, sa = _block_operand(a2, layout.lhs_contract_first, square=False, quantize=quantize)
+  db, sb = _block_operand(b2, layout.rhs_contract_first, square=square_rhs, quantize=quantize)
   if layout.swap:
     da, db, sa, sb = db, da, sb, sa
   return CoreOperands(layout, sizes, da[None], db[None], sa[None], sb[None])
@@ -196,7 +199,8 @@ def blockwise_einsum(spec: EinsumSpec, a, b, *, pass_name: str, out_dtype,
   return ops.finish(out, spec, out_dtype)
 
 
-def dequantized_operands(spec: EinsumSpec, a, b, *, mode: str, pass_name: str):
+def dequantized_operands(spec: EinsumSpec, a, b, *, mode: str, pass_name: str,
+                         quantize=quantize_lib.quantize):
   """The operands a kernel actually multiplies, from its own quantize calls (2-D for
   blockwise): the kernel-correctness reference is their fp32 HIGHEST product."""
   layout = analyze(spec)
@@ -204,11 +208,11 @@ def dequantized_operands(spec: EinsumSpec, a, b, *, mode: str, pass_name: str):
     raise ValueError(layout)
   ca, cb = _contract_axes(spec.lhs, layout), _contract_axes(spec.rhs, layout)
   if mode == "rowwise":
-    return (quantize_lib.quantize(a, E4M3, ROWWISE, ca).dequantize(),
-            quantize_lib.quantize(b, E4M3, ROWWISE, cb).dequantize())
+    return (quantize(a, E4M3, ROWWISE, ca).dequantize(),
+            quantize(b, E4M3, ROWWISE, cb).dequantize())
   gran_b = BLOCK_128x128 if pass_name in ("fwd", "grad_lhs") else BLOCK_1x128
-  return (quantize_lib.quantize(a, E4M3, BLOCK_1x128, ca).dequantize(),
-          quantize_lib.quantize(b, E4M3, gran_b, cb).dequantize())
+  return (quantize(a, E4M3, BLOCK_1x128, ca).dequantize(),
+          quantize(b, E4M3, gran_b, cb).dequantize())
 
 
 def unsupported(spec: EinsumSpec, *, batched: Optional[bool]) -> Optional[str]:

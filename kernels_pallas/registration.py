@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import delayed_op, epilogue, fused, gemm, mosaic_gemm, products
+from kernels_pallas import quantize as quantize_lib
 from loka_jax.kernels import registry
 from loka_jax.kernels.base import FUSED_OP, ChainKernel, Kernel, reference_einsum
 from loka_jax.kernels.spec import ACT_WEIGHT, EinsumSpec
@@ -73,6 +74,11 @@ class PallasFp8(Kernel):
   def device_reason(self) -> Optional[str]:
     """Why this device cannot run the kernel (None: it can)."""
     return device_reason()
+
+  @property
+  def quantizer(self):
+    """The quantize its operands go through: their dequantized values are its reference."""
+    return quantize_lib.quantize
 
   def unsupported_reason(self, spec, pass_name, kind, lhs_shape, rhs_shape):
     reason = super().unsupported_reason(spec, pass_name, kind, lhs_shape, rhs_shape)
@@ -119,6 +125,10 @@ class PallasMosaicFp8(PallasFp8):
 
   def device_reason(self) -> Optional[str]:
     return mosaic_device_reason()
+
+  @property
+  def quantizer(self):
+    return mosaic_gemm.QUANTIZE
 
   def product(self, spec, a, b, *, pass_name, out_dtype):
     if self.mode == "blockwise":

@@ -23,20 +23,19 @@ def assert_close(test, out, ref, rtol=RTOL):
   test.assertLess(rel_err(out, ref), rtol)
 
 
-def fused_dense_against_reference(x, w, bias, cot, *, core, backward, **kw):
+def fused_dense_against_reference(x, w, bias, cot, *, core, backward, quantizer, **kw):
   """(out, ref, grads, ref_grads): fused_dense on `core` and its unfused reference on the
-  kernel's own quantizer, and the gradients of sum(out * cot) in (x, w, bias): the custom_vjp
+  core's own `quantizer`, and the gradients of sum(out * cot) in (x, w, bias): the custom_vjp
   (dgrad and wgrad on `backward`) against jax.grad of the reference."""
   from kernels_pallas import fused
-  from kernels_pallas import quantize as kq
 
   def loss(fn, **extra):
     return lambda x, w, b: jnp.sum(fn(x, w, bias=b, **kw, **extra) * cot)
 
   return jax.jit(lambda x, w, bias: (
       fused.fused_dense(x, w, bias=bias, core=core, **kw),
-      fused.fused_dense_reference(x, w, bias=bias, quantizer=kq.quantize, **kw),
+      fused.fused_dense_reference(x, w, bias=bias, quantizer=quantizer, **kw),
       jax.grad(loss(fused.fused_dense, core=core, backward=backward),
                argnums=(0, 1, 2))(x, w, bias),
-      jax.grad(loss(fused.fused_dense_reference, quantizer=kq.quantize),
+      jax.grad(loss(fused.fused_dense_reference, quantizer=quantizer),
                argnums=(0, 1, 2))(x, w, bias)))(x, w, bias)

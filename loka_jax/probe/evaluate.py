@@ -156,7 +156,8 @@ def _operand_flush(kernel, spec, pass_name, a, b):
   mode = getattr(kernel, "mode", None)
   if kernel.backend.startswith("pallas_") and mode is not None:
     from kernels_pallas import products  # the plugin that registered this kernel
-    da, db = products.dequantized_operands(spec, a, b, mode=mode, pass_name=pass_name)
+    da, db = products.dequantized_operands(spec, a, b, mode=mode, pass_name=pass_name,
+                                           quantize=kernel.quantizer)
     return _deq_underflow(a, da), _deq_underflow(b, db), nan, nan
   return nan, nan, nan, nan
 

@@ -56,5 +56,6 @@ def check_batched_pass(kernel_name, spec_text, lhs, rhs, pass_name, rtol):
   out = jax.jit(lambda a, b: kernel.einsum(spec, a, b, pass_name=pass_name,
                                            out_dtype=jnp.float32))(a, b)
   assert float(metrics.sqnr_db(out, reference_einsum(spec, a, b))) >= SITE_SQNR_DB
-  da, db = products.dequantized_operands(spec, a, b, mode="rowwise", pass_name=pass_name)
+  da, db = products.dequantized_operands(spec, a, b, mode="rowwise", pass_name=pass_name,
+                                         quantize=kernel.quantizer)
   close(out, reference_einsum(spec, da, db), rtol=rtol)

@@ -37,7 +37,8 @@ def test_dense_passes(name, pass_name, m, k, n):
   assert compiled_backend(run, a, b) == "pallas_mosaic_gpu"
   out = jax.jit(run)(a, b)
   assert float(metrics.sqnr_db(out, reference_einsum(spec, a, b))) >= SITE_SQNR_DB
-  da, db = products.dequantized_operands(spec, a, b, mode=kernel.mode, pass_name=pass_name)
+  da, db = products.dequantized_operands(spec, a, b, mode=kernel.mode, pass_name=pass_name,
+                                         quantize=kernel.quantizer)
   # The whole K at the tensor cores' accumulation precision drifts further from the fp32 sum
   # than a sum promoted every 128 products does (at K = 12320 most of all).
   promoted = kernel.precise or kernel.mode == "blockwise"
@@ -71,7 +72,7 @@ def test_core_epilogue_and_pre_norm(m, k, n):
 
 @pytest.mark.parametrize("block_size,activation", [(None, "relu"), (256, "hard_swish")])
 def test_fused_chain_trains(block_size, activation):
-  """fused_dense on the Mosaic GPU core: forward against the reference on the kernel's own
+  """fused_dense on the Mosaic GPU core: forward against the reference on the core's own
   quantizer, and its custom_vjp (dgrad, wgrad on pallas_mosaic_fp8_rowwise) against
   jax.grad of the reference."""
   x, w = operands("fwd", 2048, 512, 1024, seed=11)
@@ -79,7 +80,8 @@ def test_fused_chain_trains(block_size, activation):
   cot = jax.random.normal(jax.random.key(13), (2048, 1024))
   out, ref, got, want = fused_dense_against_reference(
       x, w.astype(jnp.float32), bias, cot, core=fused.MOSAIC_GPU,
-      backward="pallas_mosaic_fp8_rowwise", block_size=block_size, activation=activation,
+      backward="pallas_mosaic_fp8_rowwise", quantizer=mosaic_gemm.QUANTIZE,
+      block_size=block_size, activation=activation,
       out_dtype=jnp.float32)
   close(out, ref, rtol=5e-3)
   for name, g, r in zip(("dx", "dw", "dbias"), got, want):

@@ -16,7 +16,6 @@ import chex
 
 from kernels_pallas import epilogue as ep_lib
 from kernels_pallas import fused, mosaic_gemm, products, registration, tuning
-from kernels_pallas import quantize as kq
 from loka_jax import kernels
 from loka_jax.kernels import EinsumSpec, reference_einsum
 from loka_jax.kernels.backend import backend_from_hlo
@@ -176,7 +175,8 @@ class MosaicKernelTest(parameterized.TestCase):
     kernel = kernels.get("pallas_mosaic_fp8_rowwise")
     out = jax.jit(lambda a, b: kernel.einsum(spec, a, b, pass_name=pass_name,
                                              out_dtype=jnp.float32))(a, b)
-    da, db = products.dequantized_operands(spec, a, b, mode="rowwise", pass_name=pass_name)
+    da, db = products.dequantized_operands(spec, a, b, mode="rowwise", pass_name=pass_name,
+                                           quantize=kernel.quantizer)
     _assert_close(self, out, reference_einsum(spec, da, db))
 
   @parameterized.named_parameters(
@@ -189,7 +189,8 @@ class MosaicKernelTest(parameterized.TestCase):
     kernel = kernels.get(name)
     out = jax.jit(lambda a, b: kernel.einsum(spec, a, b, pass_name=pass_name,
                                              out_dtype=jnp.float32))(a, b)
-    da, db = products.dequantized_operands(spec, a, b, mode=mode, pass_name=pass_name)
+    da, db = products.dequantized_operands(spec, a, b, mode=mode, pass_name=pass_name,
+                                           quantize=kernel.quantizer)
     _assert_close(self, out, reference_einsum(spec, da, db))
 
   def test_the_probes_vmapped_evaluation_lowers_for_cuda(self):
@@ -211,7 +212,8 @@ class MosaicKernelTest(parameterized.TestCase):
     self.assertIsNone(kernel.unsupported_reason(spec, "fwd", "act_act", a.shape, b.shape))
     out = jax.jit(lambda a, b: kernel.einsum(spec, a, b, pass_name="fwd",
                                              out_dtype=jnp.float32))(a, b)
-    da, db = products.dequantized_operands(spec, a, b, mode="rowwise", pass_name="fwd")
+    da, db = products.dequantized_operands(spec, a, b, mode="rowwise", pass_name="fwd",
+                                           quantize=kernel.quantizer)
     _assert_close(self, out, reference_einsum(spec, da, db))
     self.assertIn("has no batch index", kernel.unsupported_reason(
         DENSE, "fwd", "act_weight", (8, 8), (8, 8)))
@@ -230,7 +232,7 @@ class MosaicKernelTest(parameterized.TestCase):
 
 class MosaicFusedTest(parameterized.TestCase):
   """fused_dense on the Mosaic GPU core: the forward against the unfused reference on the
-  kernel's own quantizer, the custom_vjp (dgrad, wgrad on pallas_mosaic_fp8_rowwise)
+  core's own quantizer, the custom_vjp (dgrad, wgrad on pallas_mosaic_fp8_rowwise)
   against jax.grad of the reference."""
 
   def _inputs(self, seed, m=96, k=200, n=256):
@@ -244,6 +246,7 @@ class MosaicFusedTest(parameterized.TestCase):
     cot = jax.random.normal(jax.random.key(8), (96, 256))
     out, ref, got, want = fused_dense_against_reference(
         x, w, bias, cot, core=fused.MOSAIC_GPU, backward="pallas_mosaic_fp8_rowwise",
+        quantizer=mosaic_gemm.QUANTIZE,
         block_size=128, activation="hard_swish", out_dtype=jnp.float32)
     _assert_close(self, out, ref, rtol=1e-4)
     for name, g, r in zip(("dx", "dw", "dbias"), got, want):
@@ -272,7 +275,7 @@ class MosaicFusedTest(parameterized.TestCase):
     x, w, bias = self._inputs(9, m=64, k=128, n=256)
     out = jax.jit(lambda x, w, b: kernel.chain(x, w, b, out_dtype=jnp.float32))(x, w, bias)
     ref = fused.fused_dense_reference(x, w, bias=bias, block_size=256, activation="relu",
-                                      out_dtype=jnp.float32, quantizer=kq.quantize)
+                                      out_dtype=jnp.float32, quantizer=mosaic_gemm.QUANTIZE)
     _assert_close(self, out, ref, rtol=1e-4)
 
   def test_unfusable_epilogue_is_one_clear_error(self):
