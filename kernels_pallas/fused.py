@@ -181,11 +181,11 @@ def fused_dense(x: Union[jax.Array, QTensor], w: jax.Array, *, bias: Optional[ja
       quantization) or 'mosaic_gpu' (`kernels_pallas.mosaic_gemm`: Hopper FP8 wgmma;
       BlockNorm blocks of 64, 128 or 256, no output quantization).
   """
-  _check(x, w, bias, core, _epilogue(bias, block_size, activation, quantize_output, eps))
+  ep = _epilogue(bias, block_size, activation, quantize_output, eps)
+  _check(x, w, bias, core, ep)
   if bias is not None:
     bias = bias.astype(jnp.float32)
   if quantize_output or isinstance(x, QTensor):
-    ep = _epilogue(bias, block_size, activation, quantize_output, eps)
     return _forward_only(x, w, bias, ep, jnp.dtype(out_dtype), core)
   return _trainable(x, w, bias, block_size, activation, jnp.dtype(out_dtype), backward, eps,
                     core)

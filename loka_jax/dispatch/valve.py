@@ -41,7 +41,6 @@ import numpy as np
 
 from loka_jax.dispatch import drift as drift_lib
 from loka_jax.dispatch import reevaluation as reeval_lib
-from loka_jax.dispatch.reevaluation import reevaluated_entry, site_entry  # noqa: F401 (API)
 from loka_jax.plan.file import FALLBACK, Plan, as_plan, save_plan, to_kernel_plan
 from loka_jax.kernels import PASSES
 from loka_jax.probe import collector as collector_lib

@@ -41,14 +41,13 @@ from loka_jax.kernels import EinsumSpec, registry, reference_einsum
 from loka_jax.kernels.base import ChainKernel
 from loka_jax.models import fused as fused_lib
 
-BACKWARD = fused_lib.FUSED_EQUIVALENT  # dgrad and wgrad of a plan naming the kernel throughout
 DENSE = "mk,kn->mn"
 
 
 def backward_of(kernel) -> str:
   """The per-pass kernel a fused-epilogue kernel's backward runs when a plan names it in
-  every pass (its `equivalent`; BACKWARD for kernels that name none)."""
-  return getattr(kernel, "equivalent", None) or BACKWARD
+  every pass (`models.fused.equivalent_kernel`)."""
+  return fused_lib.equivalent_kernel(kernel.name)
 
 
 def core_of(kernel) -> str:

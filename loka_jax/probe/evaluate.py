@@ -153,11 +153,11 @@ def _operand_flush(kernel, spec, pass_name, a, b):
     ua, sa = flush_fractions(a, qa) if qa is not None else (nan, nan)
     ub, sb = flush_fractions(b, qb) if qb is not None else (nan, nan)
     return ua, ub, sa, sb
-  mode = getattr(kernel, "mode", None)
-  if kernel.backend.startswith("pallas_") and mode is not None:
+  mode, quantizer = getattr(kernel, "mode", None), getattr(kernel, "quantizer", None)
+  if mode is not None and quantizer is not None:  # a Pallas per-pass kernel
     from kernels_pallas import products  # the plugin that registered this kernel
     da, db = products.dequantized_operands(spec, a, b, mode=mode, pass_name=pass_name,
-                                           quantize=kernel.quantizer)
+                                           quantize=quantizer)
     return _deq_underflow(a, da), _deq_underflow(b, db), nan, nan
   return nan, nan, nan, nan
 

@@ -14,6 +14,7 @@ import numpy as np
 from absl.testing import absltest
 
 from loka_jax import dispatch
+from loka_jax.dispatch import reevaluation
 from loka_jax.dispatch import valve as valve_lib
 from loka_jax.kernels import KernelPlan, registry
 from loka_jax.models import SiteConfig
@@ -90,7 +91,7 @@ def probe_report(source):
       kernels=info, excluded_kernels={})
   state = jax.device_get(collector.state)
   for name, site in sites.items():
-    report["sites"][name] = valve_lib.site_entry(
+    report["sites"][name] = reevaluation.site_entry(
         site, collector_lib.site_state(state, sites, name), CANDIDATES, "bfloat16", CONFIG,
         collector.observations, info)
   return report
@@ -359,7 +360,7 @@ class DriftValveTest(chex.TestCase):
     keys = collector_lib.state_keys(sites)
     report = dict(self.report, sites=dict(self.report["sites"]))
     for name in shifted:
-      report["sites"][name] = valve_lib.reevaluated_entry(
+      report["sites"][name] = reevaluation.reevaluated_entry(
           self.report, name, sites[name], raw["sites"][keys[name]], CONFIG)
     return dispatch.drift.reselect_drifted(valve.plan, report, shifted, valve.criteria,
                                            budget_per_site=valve.per_site or None)
