@@ -39,7 +39,7 @@ class ModsNotebookTest(chex.TestCase):
     with open(os.path.join(workdir, "ablation.json")) as f:
       result = json.load(f)
     self.assertTrue(result["complete"])
-    self.assertEqual(result["settings"]["steps"], 60)
+    self.assertEqual(result["settings"]["steps"], 20)
     self.assertEqual(result["settings"]["seeds"], [0, 1])
     self.assertEqual(result["rows"][1]["fp8_mods_vs_baseline"]["seeds"], [0, 1])   # paired
 
