@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
+import zipfile
 
 from absl.testing import absltest
 
@@ -206,6 +207,54 @@ class MosaicCallTest(absltest.TestCase):
     self.assertIn("bench_kernels rc 0", again)
     with open(os.path.join(work, "b", "out", "kernels", "results.jsonl")) as f:
       self.assertLen(f.readlines(), 2)
+
+
+class JaxNextCallTest(absltest.TestCase):
+
+  def test_parts_packed_here_are_checked_and_unpacked_first_on_the_path(self):
+    # A wheel of 300 KB of random bytes packs into several 100 KB parts; a call with some of
+    # them (or a damaged one) names what to carry next; with all of them it unpacks the
+    # wheel's files into the site it puts first on PYTHONPATH.
+    work = tempfile.mkdtemp(prefix="loka_jax_next_")
+    self.addCleanup(shutil.rmtree, work, ignore_errors=True)
+    wheels, dest = os.path.join(work, "wheels"), os.path.join(work, "dest")
+    os.makedirs(wheels)
+    payload = os.urandom(300_000)
+    with zipfile.ZipFile(os.path.join(wheels, "tinypkg-1.0-py3-none-any.whl"), "w") as z:
+      z.writestr("tinypkg/__init__.py", "VALUE = 7\n")
+      z.writestr("tinypkg/blob.bin", payload)
+      z.writestr("tinypkg-1.0.data/purelib/tinyextra.py", "EXTRA = 1\n")
+      z.writestr("tinypkg-1.0.dist-info/METADATA", "Name: tinypkg\nVersion: 1.0\n")
+    packed = _call("gpu_jax_next_pack.sh", {"WHEELS": wheels, "DEST": dest,
+                                            "PART_BYTES": "100000"})
+    parts = sorted(p for p in os.listdir(dest) if p.startswith("part-"))
+    self.assertGreaterEqual(len(parts), 3)
+    self.assertIn(f"packed 1 wheels into {len(parts)} part(s)", packed)
+    self.assertEqual(packed.count("bash experiments/gpu_jax_next_call.sh"), len(parts))
+    with open(os.path.join(dest, "MANIFEST")) as f:
+      manifest = f.read()
+    self.assertIn("# tinypkg-1.0-py3-none-any.whl", manifest)
+    site = os.path.join(work, "site")
+    env = {"DEST": dest, "SITE": site, "WORK": os.path.join(work, "call"), "TESTS_LIMIT": "0",
+           "MAXMIN": "0"}
+    last = os.path.join(dest, parts[-1])
+    with open(last, "rb") as f:
+      tail = f.read()
+    os.remove(last)
+    self.assertIn(f"parts here: {len(parts) - 1} of {len(parts)}; carry next: {parts[-1]}",
+                  _call("gpu_jax_next_call.sh", env))
+    with open(last, "wb") as f:   # damaged on the way: its sha256 no longer matches
+      f.write(tail[:-1] + bytes([tail[-1] ^ 1]))
+    self.assertIn(f"carry next: {parts[-1]}", _call("gpu_jax_next_call.sh", env))
+    self.assertFalse(os.path.exists(site))
+    with open(last, "wb") as f:
+      f.write(tail)
+    out = _call("gpu_jax_next_call.sh", env)
+    self.assertRegex(out, r"card: .*jax \S+ jaxlib \S+ flax \S+ orbax \S+ on cpu")
+    with open(os.path.join(site, "tinypkg", "blob.bin"), "rb") as f:
+      self.assertEqual(f.read(), payload)
+    self.assertTrue(os.path.exists(os.path.join(site, "tinyextra.py")))
+    self.assertFalse(os.path.exists(os.path.join(site, "tinypkg-1.0.data")))
 
 
 if __name__ == "__main__":
