@@ -9,8 +9,8 @@
 #   bash experiments/gpu_jax_next_pack.sh
 #
 # Environment: JAX (0.12.0.1), FLAX (0.12.12), ORBAX (0.12.8), CUDA (13), PART_MIB (48; the
-# working tree takes the rest of a call's 64 MiB; PART_BYTES overrides it), WHEELS (a folder of wheels to pack instead
-# of downloading them), DEST (.jaxnext, which .gitignore leaves out).
+# working tree takes the rest of a call's 64 MiB; PART_BYTES overrides it), WHEELS (a folder
+# of wheels to pack instead of downloading them), DEST (.jaxnext, which .gitignore leaves out).
 # Writes DEST/part-NN and DEST/MANIFEST (each part's sha256, then the packed wheels), and
 # prints the device calls to make, in order.
 set -eu
@@ -40,7 +40,8 @@ for data in "$STAGE"/site/*.data; do   # a wheel's purelib/platlib files go to t
 done
 rm -rf "$DEST"
 mkdir -p "$DEST"
-tar -C "$STAGE/site" -cf - . | xz -T0 -6 | split -b "${PART_BYTES:-$(( ${PART_MIB:-48} * 1048576 ))}" -d -a 2 - "$DEST/part-"
+PART_BYTES=${PART_BYTES:-$(( ${PART_MIB:-48} * 1048576 ))}
+tar -C "$STAGE/site" -cf - . | xz -T0 -6 | split -b "$PART_BYTES" -d -a 2 - "$DEST/part-"
 (cd "$DEST" && sha256sum part-* > MANIFEST)
 (cd "$WHEELS" && ls *.whl | sed 's/^/# /') >> "$DEST/MANIFEST"
 parts=$(ls "$DEST" | grep -c '^part-')
