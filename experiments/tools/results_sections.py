@@ -152,10 +152,14 @@ def is_fp8_variant(variant: str) -> bool:
 
 
 def _kernel_rows(paths: Sequence[str]):
-  rows = kernels_suite.latest([r for p in paths for r in kernels_suite.load_rows(p)])
+  """(the latest row of each shape and variant, shapes, variants, those rows by (shape,
+  variant), each row's file by id)."""
+  loaded = [(r, p) for p in paths for r in kernels_suite.load_rows(p)]
+  rows = kernels_suite.latest([r for r, _ in loaded])
+  files = {id(r): p for r, p in loaded}
   shapes = list(dict.fromkeys(r["shape"] for r in rows))
   variants = list(dict.fromkeys(r["variant"] for r in rows))
-  return rows, shapes, variants, {(r["shape"], r["variant"]): r for r in rows}
+  return rows, shapes, variants, {(r["shape"], r["variant"]): r for r in rows}, files
 
 
 def _sources_note(rows, paths: Sequence[str]) -> str:
@@ -170,7 +174,7 @@ def kernels_table(paths: Sequence[str]) -> str:
   """Per GEMM shape, each kernel's median-time ratio over bf16 (XLA's dot) with its 95% CI:
   the kernels alone, outside any model; then the share of the card's peak each reaches and
   its ratio over XLA's FP8 dot (`kernels_peak_table`)."""
-  rows, shapes, variants, cells = _kernel_rows(paths)
+  rows, shapes, variants, cells, _ = _kernel_rows(paths)
   lines = ["| shape | " + " | ".join(variants) + " |", "|---" * (len(variants) + 1) + "|"]
   for shape in shapes:
     out = []
@@ -195,15 +199,16 @@ def kernels_peak_table(paths: Sequence[str]) -> str:
   """Per shape and kernel: the share of the card's dense tensor-core peak it reaches
   (2 M K N / median time; FP8 kernels against the FP8 peak, bf16 ones against bf16's) and the
   ratio of XLA's FP8 dot's median time (cuBLASLt, `XLA_FP8_DOTS`) to the kernel's."""
-  rows, shapes, variants, cells = _kernel_rows(paths)
+  rows, shapes, variants, cells, files = _kernel_rows(paths)
   lines = ["| shape | GFLOP | cuBLASLt FP8 dot | " + " | ".join(variants) + " |",
            "|---" * (len(variants) + 3) + "|"]
   above_peak = []
   for shape in shapes:
     shape_rows = [r for r in rows if r["shape"] == shape]
     flops = next((f for f in map(row_flops, shape_rows) if f), None)
-    reference = next((cells[(shape, v)] for v in XLA_FP8_DOTS
-                      if (cells.get((shape, v)) or {}).get("backend") == CUBLASLT_FP8), None)
+    references = [cells[(shape, v)] for v in XLA_FP8_DOTS
+                  if (cells.get((shape, v)) or {}).get("backend") == CUBLASLT_FP8]
+    reference = next(iter(references), None)
     out = []
     for variant in variants:
       r = cells.get((shape, variant))
@@ -216,8 +221,9 @@ def kernels_peak_table(paths: Sequence[str]) -> str:
       if achieved is not None and peak is not None and achieved > peak:
         share += "!"
         above_peak.append(f"{shape} {variant}")
-      versus = ("" if reference is None else
-                f" \u00b7 {reference['median_us'] / r['median_us']:.2f}x")
+      # A kernel is held to the cuBLASLt row of its own run (file) where that run has one.
+      own = next((ref for ref in references if files[id(ref)] == files[id(r)]), reference)
+      versus = ("" if own is None else f" \u00b7 {own['median_us'] / r['median_us']:.2f}x")
       out.append(share + versus)
     ref_name = "-" if reference is None else reference["variant"]
     gflop = "-" if flops is None else f"{flops / 1e9:.3g}"
@@ -226,7 +232,8 @@ def kernels_peak_table(paths: Sequence[str]) -> str:
           "median time; FP8 kernels against the FP8 peak, 1979 TFLOP/s on the H100 and H200 "
           "SXM, the bf16 ones against bf16's, 989 TFLOP/s; NVIDIA's datasheets), then "
           "\u00b7 the ratio of XLA's FP8 dot's median time (the shape's cuBLASLt row, named in "
-          "the third column) to the kernel's (above 1: faster than cuBLASLt); a chain's FLOPs "
+          "the third column, or the one timed in the kernel's own run where that run has one) to "
+          "the kernel's (above 1: faster than cuBLASLt); a chain's FLOPs "
           f"are its GEMM's; {_sources_note(rows, paths)}.")
   if above_peak:
     note += (" !: above the card's peak, which no kernel can reach: the median time of "

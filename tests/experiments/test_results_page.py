@@ -125,6 +125,16 @@ class ResultsPageTest(absltest.TestCase):
     self.assertIsNone(sections.dense_peak_tflops("NVIDIA H100 PCIe", fp8=True))
     self.assertEqual(sections.dense_peak_tflops("NVIDIA H100 80GB HBM3", fp8=False), 989.0)
     self.assertIn("| gemm | 1.00 [1.00, 1.00] |", sections.kernels_table([path]))
+    # A later run with a kernel and cuBLASLt's rowwise dot (4 us): the kernel (2 us) is held
+    # to its own run's dot, 4 / 2 = 2.00x, not to the earlier run's tensorwise one (5 / 2).
+    later = os.path.join(os.path.dirname(path), "bench_kernels_y.jsonl")
+    with open(later, "w") as f:
+      f.write("".join(json.dumps(r) + "\n" for r in [
+          row("gemm", "xla_fp8_rowwise", 4.0, "cublasLt_fp8", **dims),
+          row("gemm", "pallas_mosaic_fp8_rowwise", 2.0, "pallas_mosaic_gpu", **dims)]))
+    table = sections.kernels_peak_table([path, later]).splitlines()
+    self.assertEqual(table[2], "| gemm | 2 | xla_fp8_tensorwise | 20% \u00b7 0.50x | 25% \u00b7 "
+                               "1.00x | 20% \u00b7 1.00x | 25% \u00b7 1.25x | 51% \u00b7 2.00x |")
 
 if __name__ == "__main__":
   absltest.main()
