@@ -43,6 +43,13 @@ from loka_jax.precision import QTensor
 
 BACKEND = "pallas_triton"
 MOSAIC_BACKEND = "pallas_mosaic_gpu"
+# Compiled on an H200, the Mosaic GPU fused forward without BlockNorm misses its reference by
+# 3.8% of the largest output (tests/gpu/test_pallas_mosaic_gpu.py, fused_dense at 2048 x 512 x
+# 1024), and BlockNorm 256 with Hard Swish there needs 232,504 bytes of shared memory, over
+# the 232,448 a block may take. Until both pass, the probe evaluates these kernels only when
+# named: an error of that size can still clear an SQNR budget.
+MOSAIC_FUSED_HELD_BACK = ("Mosaic GPU fused epilogue: its compiled forward does not yet pass "
+                          "the GPU check (tests/gpu/test_pallas_mosaic_gpu.py)")
 _DENSE = EinsumSpec.parse("mk,kn->mn")
 
 
@@ -285,6 +292,7 @@ def register_all() -> None:
           name=fused_name(block_size, activation, False, fused.MOSAIC_GPU),
           backend=MOSAIC_BACKEND, sort=FUSED_OP, passes=frozenset(), block_size=block_size,
           activation=activation, core=fused.MOSAIC_GPU, equivalent="pallas_mosaic_fp8_rowwise",
+          held_back=MOSAIC_FUSED_HELD_BACK,
           description=(f"Pallas Mosaic GPU FP8 GEMM (Hopper wgmma) + bias"
                        f"{'' if block_size is None else f' + BlockNorm({block_size})'}"
                        f" + {activation}; via fused_dense, backward on "

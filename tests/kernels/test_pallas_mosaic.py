@@ -226,8 +226,16 @@ class MosaicKernelTest(parameterized.TestCase):
     chosen, excluded = candidates.candidate_kernels(platform="cpu")
     self.assertNotIn("pallas_mosaic_fp8_rowwise", [k.name for k in chosen])
     self.assertIn("interpret mode", excluded["pallas_mosaic_fp8_rowwise"])
-    chosen, _ = candidates.candidate_kernels(platform="gpu")
+    chosen, excluded = candidates.candidate_kernels(platform="gpu")
     self.assertIn("pallas_mosaic_fp8_rowwise", [k.name for k in chosen])
+    # The fused-epilogue kernels are held back by default on a GPU too, and evaluated when named.
+    fused_names = [n for n in names if n.startswith("pallas_mosaic_fp8_rowwise_fused_")]
+    self.assertLen(fused_names, 4)
+    for name in fused_names:
+      self.assertNotIn(name, [k.name for k in chosen])
+      self.assertIn("does not yet pass the GPU check", excluded[name])
+    chosen, _ = candidates.candidate_kernels(["xla_bf16", fused_names[0]], platform="gpu")
+    self.assertEqual([k.name for k in chosen], ["xla_bf16", fused_names[0]])
 
 
 class MosaicFusedTest(parameterized.TestCase):
