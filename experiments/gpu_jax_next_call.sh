@@ -27,12 +27,13 @@ if [ ! -f "$SITE/.complete" ]; then
     [ -f "$part" ] && [ "$(sha256sum "$part" | cut -d' ' -f1)" = "$sum" ] || echo "$part"
   done)
   if [ -n "$missing" ]; then
-    echo "parts here: $(( $(grep -vc '^#' "$DEST/MANIFEST") - $(echo "$missing" | wc -l) ))" \
-      "of $(grep -vc '^#' "$DEST/MANIFEST"); carry next: $(echo $missing)"
+    total=$(grep -vc '^#' "$DEST/MANIFEST")
+    echo "parts here: $(( total - $(echo "$missing" | wc -l) )) of $total;" \
+      "carry next: $(echo $missing)"
     exit 0
   fi
   rm -rf "$SITE" && mkdir -p "$SITE"
-  cat $(grep -v '^#' "$DEST/MANIFEST" | awk '{print "'"$DEST"'/" $2}') | xz -d | tar -C "$SITE" -xf - \
+  (cd "$DEST" && cat $(grep -v '^#' MANIFEST | awk '{print $2}')) | xz -d | tar -C "$SITE" -xf - \
     || { echo "unpacking the parts failed"; exit 1; }
   touch "$SITE/.complete"
 fi
