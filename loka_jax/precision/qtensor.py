@@ -46,7 +46,15 @@ class QTensor:
     return jnp.broadcast_to(scale, self.data.shape)
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
-    return (self.data.astype(jnp.float32) * self.expanded_scale()).astype(dtype)
+    """data x scale in `dtype`: the value an FP8 kernel multiplies.
+
+    The codes pass an optimization barrier first. In a program that quantizes and
+    dequantizes, XLA:GPU otherwise removes the round trip through the 8-bit format (under
+    its default excess precision a convert pair f32 -> e4m3 -> f32 is simplified away) and
+    returns the unquantized value. Codes that are already a stored array or a kernel's
+    output are unaffected."""
+    codes = jax.lax.optimization_barrier(self.data)
+    return (codes.astype(jnp.float32) * self.expanded_scale()).astype(dtype)
 
   def check_axis(self, contracting_axes, who: str) -> None:
     """Raises if this tensor's scales were laid out for a different product."""

@@ -144,6 +144,24 @@ class QuantizeTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "requantize"):
       q.check_axis((0,), "grad_rhs")
 
+  def test_dequantize_keeps_the_round_trip_in_one_program(self):
+    # XLA:GPU simplifies a convert pair f32 -> e4m3 -> f32 away under its default excess
+    # precision, so a program that quantizes and dequantizes would multiply unquantized
+    # values. The codes reach the dequantize through an optimization barrier, which no
+    # simplification crosses (tests/gpu/test_precision_gpu.py checks the values on a GPU).
+    x = _normal(3, (64, 32))
+    text = jax.jit(lambda x: P.quantize_dequantize(x, P.E4M3, P.ROWWISE, (1,))).lower(
+        x).as_text()
+    barriers = [line for line in text.splitlines() if "optimization_barrier" in line]
+    self.assertLen(barriers, 1)
+    self.assertIn("f8E4M3FN", barriers[0])
+    # And the round trip is the cast's, value for value (here on the CPU).
+    q = P.quantize(x, P.E4M3, P.ROWWISE, (1,))
+    scale = np.asarray(q.scale, np.float32)
+    want = (np.asarray(x) / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale
+    np.testing.assert_array_equal(
+        jax.jit(lambda x: P.quantize_dequantize(x, P.E4M3, P.ROWWISE, (1,)))(x), want)
+
   def test_qtensor_is_a_pytree_through_jit(self):
     q = P.quantize(_normal(10, (16, 32)), P.E4M3, P.ROWWISE, (1,))
     back = jax.jit(lambda t: t)(q)
