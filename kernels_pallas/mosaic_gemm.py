@@ -13,7 +13,9 @@ block scales) takes each K step's 128 products out into an fp32 sum in registers
 scaled by its K block's scales first. The epilogue (row
 and column scales, bias, BlockNorm over the tile, ReLU or Hard Swish) runs on the
 accumulator, and the output tile (and, for a training forward, the pre-norm value) leaves
-through shared memory by TMA.
+through shared memory by TMA; those tiles take the shared memory the K loop's operand stages
+held, so a wide fp32 epilogue leaves the pipeline its full depth (`shared_memory_bytes`
+counts a program's shared memory as Mosaic GPU allocates it).
 
 Hopper's wgmma reads 8-bit operands only K-major, so both operands are stored with K last:
 A as (B, M, K), B as (B, N, K). The products wrapper (`rowwise_einsum`) quantizes each
@@ -54,9 +56,14 @@ ROWWISE_SCALES = "rowwise"
 BLOCK_SCALES = "block"  # one scale per 128-wide K block (BLOCK_K == qtensor.BLOCK)
 WGMMA_M = 64           # Hopper's wgmma instruction height
 MAX_BLOCK_N = 256      # the widest wgmma
-# Shared memory for the operand stages and the output tiles: below the 227 KiB a Hopper
-# block may use, leaving room for the barriers and the scale and bias tiles (3 KiB at most).
-SMEM_BUDGET = 224 * 1024
+# Shared memory a Hopper (H100/H200) block may use, and how Mosaic GPU lays it out: every
+# buffer starts on a 1 KiB boundary, each barrier takes 8 bytes, and a row reduction
+# (BlockNorm's sum of squares) reserves its compiler's default scratch.
+SMEM_LIMIT = 227 * 1024
+SMEM_ALIGNMENT = 1024
+BARRIER_BYTES = 8
+REDUCTION_SCRATCH_BYTES = 128 * 4 * 4
+EPILOGUE_BARRIERS = 3  # the row scales, column scales and bias tiles each arrive on one
 MAX_STAGES = 4
 # Registers: the accumulator is block_m x block_n fp32 over one warpgroup's 128 threads.
 MAX_ACC_ELEMENTS = 128 * 128
@@ -76,25 +83,41 @@ def _round_up(n: int, m: int) -> int:
   return -(-n // m) * m
 
 
-def _out_bytes(cfg: MosaicConfig, ep: epilogue_lib.Epilogue, out_dtype, pre_dtype) -> int:
-  tile = cfg.block_m * cfg.block_n
-  return tile * (jnp.dtype(out_dtype).itemsize
-                 + (jnp.dtype(pre_dtype).itemsize if ep.emit_pre else 0))
+def _aligned(nbytes: int) -> int:
+  return _round_up(nbytes, SMEM_ALIGNMENT)
 
 
 def shared_memory_bytes(cfg: MosaicConfig, ep: epilogue_lib.Epilogue, out_dtype=jnp.bfloat16,
-                        pre_dtype=jnp.float32, promote: bool = False) -> int:
-  """Operand stages (e4m3, one byte a code; a promoted K loop may also stage one fp32 row of
-  block scales per operand) plus the output tiles staged for TMA."""
-  per_stage = (cfg.block_m + cfg.block_n) * (BLOCK_K + (4 if promote else 0))
-  return per_stage * cfg.stages + _out_bytes(cfg, ep, out_dtype, pre_dtype)
+                        pre_dtype=jnp.float32, block_scales: bool = False) -> int:
+  """The shared memory Mosaic GPU allocates for one program, counted as it counts it.
+
+  The epilogue's scale and bias tiles stay for the whole program. The K loop's operand
+  stages (e4m3, one byte a code, and with block scales one fp32 row per operand a stage)
+  are released when it ends, and the output tiles staged for TMA reuse their space, so a
+  program needs the larger of the two."""
+  bm, bn, stages = cfg.block_m, cfg.block_n, cfg.stages
+  resident = 0 if block_scales else _aligned(bm * 4) + _aligned(bn * 4)
+  if ep.bias:
+    resident += _aligned(bn * 4)
+  pipeline = _aligned(stages * bm * BLOCK_K) + _aligned(stages * bn * BLOCK_K)
+  if block_scales:
+    pipeline += _aligned(stages * bm * 4) + _aligned(stages * bn * 4)
+  tiles = _aligned(bm * bn * jnp.dtype(out_dtype).itemsize)
+  if ep.emit_pre:
+    tiles += _aligned(bm * bn * jnp.dtype(pre_dtype).itemsize)
+  if ep.block_size is not None:
+    tiles += REDUCTION_SCRATCH_BYTES
+  barriers = (EPILOGUE_BARRIERS + stages) * BARRIER_BYTES
+  return resident + max(pipeline, tiles) + barriers
 
 
 def validate_config(cfg: MosaicConfig, dims, ep: epilogue_lib.Epilogue,
                     out_dtype=jnp.bfloat16, pre_dtype=jnp.float32,
-                    promote: bool = False) -> Optional[str]:
+                    promote: bool = False, block_scales: bool = False) -> Optional[str]:
   """Why this config cannot run this problem (None when it can). `promote`: each K step's
-  product is summed in registers beside the accumulator, which holds twice the values."""
+  product is summed in registers beside the accumulator, which holds twice the values
+  (always so with `block_scales`, whose rows of scales are staged with the operands)."""
+  promote = promote or block_scales
   if cfg.block_m < WGMMA_M or cfg.block_m % WGMMA_M:
     return f"block_m={cfg.block_m} must be a multiple of {WGMMA_M} (wgmma's height)"
   if cfg.block_n not in (64, 128, 256):
@@ -109,10 +132,10 @@ def validate_config(cfg: MosaicConfig, dims, ep: epilogue_lib.Epilogue,
     return "output quantization is not fused on the Mosaic GPU core"
   if cfg.stages < 2:
     return "stages must be >= 2 (each step's operand slots are released a step late)"
-  smem = shared_memory_bytes(cfg, ep, out_dtype, pre_dtype, promote)
-  if smem > SMEM_BUDGET:
-    return (f"{cfg.stages} stages and the output tiles need {smem // 1024} KiB of shared "
-            f"memory (> {SMEM_BUDGET // 1024} KiB); lower stages or the tile")
+  smem = shared_memory_bytes(cfg, ep, out_dtype, pre_dtype, block_scales)
+  if smem > SMEM_LIMIT:
+    return (f"{cfg.stages} stages or the output tiles need {smem} bytes of shared memory "
+            f"(> {SMEM_LIMIT}); lower stages or the tile")
   return None
 
 
@@ -127,7 +150,8 @@ def unsupported_epilogue(ep: epilogue_lib.Epilogue) -> Optional[str]:
 
 
 def default_config(dims, ep: epilogue_lib.Epilogue, out_dtype=jnp.bfloat16,
-                   pre_dtype=jnp.float32, promote: bool = False) -> MosaicConfig:
+                   pre_dtype=jnp.float32, promote: bool = False,
+                   block_scales: bool = False) -> MosaicConfig:
   """The tile by shape class: 128 columns (64 for narrow outputs, the block for BlockNorm),
   128 rows unless that leaves the GPU short of programs (or the registers short of room for
   a promoted sum), and as many stages as fit."""
@@ -139,24 +163,26 @@ def default_config(dims, ep: epilogue_lib.Epilogue, out_dtype=jnp.bfloat16,
   bm = 128
   if M <= WGMMA_M or Bt * -(-M // 128) * -(-N // bn) < TARGET_PROGRAMS:
     bm = WGMMA_M
+  promote = promote or block_scales
   bm = max(WGMMA_M, min(bm, (MAX_ACC_ELEMENTS // (2 if promote else 1)) // bn))
   stages = MAX_STAGES
   while stages > 2 and validate_config(MosaicConfig(bm, bn, stages), dims, ep, out_dtype,
-                                       pre_dtype, promote):
+                                       pre_dtype, promote, block_scales):
     stages -= 1
   return MosaicConfig(bm, bn, stages)
 
 
 def candidate_configs(dims, ep: epilogue_lib.Epilogue, out_dtype=jnp.bfloat16,
-                      pre_dtype=jnp.float32, promote: bool = False):
+                      pre_dtype=jnp.float32, promote: bool = False,
+                      block_scales: bool = False):
   """The default tile and the valid ones around it (at most tuning.MAX_CANDIDATES): 64 or
   128 rows, 64 to 256 columns (the block for BlockNorm), 2 to 4 stages."""
-  default = default_config(dims, ep, out_dtype, pre_dtype, promote)
+  default = default_config(dims, ep, out_dtype, pre_dtype, promote, block_scales)
   widths = (ep.block_size,) if ep.block_size is not None else (128, 64, 256)
   cands = [default] + [MosaicConfig(bm, bn, stages) for bn in widths for bm in (128, 64)
                        for stages in (4, 3, 2)]
   return tuning.filter_candidates(cands, lambda c: validate_config(
-      c, dims, ep, out_dtype, pre_dtype, promote) is None)
+      c, dims, ep, out_dtype, pre_dtype, promote, block_scales) is None)
 
 
 def shape_key(dims, scales: str, precise: bool, ep: epilogue_lib.Epilogue, out_dtype,
@@ -200,7 +226,7 @@ def _kernel(a_g, b_g, sa_g, sb_g, *refs, n_true, cfg, ep, k_steps, scales, preci
   def by_cols(v):
     return lax.broadcast_in_dim(as_layout(v, cols), (bm, bn), (1,))
 
-  def scoped(o_smem, pre_smem, sa_smem, sb_smem, bias_smem, barriers):
+  def scoped(sa_smem, sb_smem, bias_smem, barriers):
     ni, mi, bi = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("b")
     m_slice, n_slice = pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)
     # The epilogue's scale and bias tiles load while the K loop runs.
@@ -263,38 +289,44 @@ def _kernel(a_g, b_g, sa_g, sb_g, *refs, n_true, cfg, ep, k_steps, scales, preci
         return acc_ref[...]
 
       acc = pl.run_scoped(product, plgpu.ACC((bm, bn), jnp.float32))
-    y = acc
-    if not block_scales:
-      plgpu.barrier_wait(barriers.at[0])
-      plgpu.barrier_wait(barriers.at[1])
-      y = y * by_rows(sa_smem[...]) * by_cols(sb_smem[...])
-    if ep.bias:
-      plgpu.barrier_wait(barriers.at[2])
-      y = y + by_cols(bias_smem[...])
-    if ep.emit_pre:
-      pre_smem[...] = y.astype(pre_dtype)
-    if ep.block_size is not None:
-      # Padded columns are zero (zero rows of B, zero bias), so the sum of squares needs no
-      # mask; the last, shorter block divides by its own width, as functional.block_norm.
-      width = jnp.clip(n_true - ni * bn, 1, bn).astype(jnp.float32)
-      mean_square = jnp.sum(y * y, axis=1) / width
-      y = y * lax.broadcast_in_dim(lax.rsqrt(mean_square + ep.eps), (bm, bn), (0,))
-    y = epilogue_lib.activate(y, ep.activation)
-    o_smem[...] = y.astype(out_dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_g.at[bi, m_slice, n_slice])
-    if ep.emit_pre:
-      plgpu.copy_smem_to_gmem(pre_smem, pre_g.at[bi, m_slice, n_slice])
-    plgpu.wait_smem_to_gmem(0)
+
+    def store(o_smem, pre_smem=None):
+      y = acc
+      if not block_scales:
+        plgpu.barrier_wait(barriers.at[0])
+        plgpu.barrier_wait(barriers.at[1])
+        y = y * by_rows(sa_smem[...]) * by_cols(sb_smem[...])
+      if ep.bias:
+        plgpu.barrier_wait(barriers.at[2])
+        y = y + by_cols(bias_smem[...])
+      if ep.emit_pre:
+        pre_smem[...] = y.astype(pre_dtype)
+      if ep.block_size is not None:
+        # Padded columns are zero (zero rows of B, zero bias), so the sum of squares needs
+        # no mask; the last, shorter block divides by its own width, as
+        # functional.block_norm.
+        width = jnp.clip(n_true - ni * bn, 1, bn).astype(jnp.float32)
+        mean_square = jnp.sum(y * y, axis=1) / width
+        y = y * lax.broadcast_in_dim(lax.rsqrt(mean_square + ep.eps), (bm, bn), (0,))
+      y = epilogue_lib.activate(y, ep.activation)
+      o_smem[...] = y.astype(out_dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem, o_g.at[bi, m_slice, n_slice])
+      if ep.emit_pre:
+        plgpu.copy_smem_to_gmem(pre_smem, pre_g.at[bi, m_slice, n_slice])
+      plgpu.wait_smem_to_gmem(0)
+
+    # The K loop has released its operand stages: the output tiles reuse that memory.
+    pl.run_scoped(store, *(s for s in out_scratch if s is not None))
 
   rowwise = not block_scales
-  scratch = [plgpu.SMEM((bm, bn), out_dtype, transforms=_swizzled(bn, out_dtype)),
-             plgpu.SMEM((bm, bn), pre_dtype, transforms=_swizzled(bn, pre_dtype))
-             if ep.emit_pre else None,
-             plgpu.SMEM((bm,), jnp.float32) if rowwise else None,
+  out_scratch = [plgpu.SMEM((bm, bn), out_dtype, transforms=_swizzled(bn, out_dtype)),
+                 plgpu.SMEM((bm, bn), pre_dtype, transforms=_swizzled(bn, pre_dtype))
+                 if ep.emit_pre else None]
+  scratch = [plgpu.SMEM((bm,), jnp.float32) if rowwise else None,
              plgpu.SMEM((bn,), jnp.float32) if rowwise else None,
              plgpu.SMEM((bn,), jnp.float32) if ep.bias else None,
-             plgpu.Barrier(num_barriers=3)]
+             plgpu.Barrier(num_barriers=EPILOGUE_BARRIERS)]
   allocated = [s for s in scratch if s is not None]
 
   def with_scratch(*refs_in):
@@ -352,7 +384,7 @@ def gemm(a, b, sa, sb, *, scales: str = ROWWISE_SCALES, precise: bool = False,
     raise ValueError(f"{kernel_name}: the epilogue adds a bias: pass one of shape ({N},), got "
                      f"{None if bias is None else bias.shape}")
   dims = (Bt, M, N, K)
-  promote = precise or scales == BLOCK_SCALES
+  block_scales = scales == BLOCK_SCALES
   cfg = config
   if cfg is None:
     def runner(candidate):
@@ -365,10 +397,12 @@ def gemm(a, b, sa, sb, *, scales: str = ROWWISE_SCALES, precise: bool = False,
     concrete = compat.concrete(a, b, sa, sb, bias)
     cfg = tuning.choose(kernel_name, shape_key(dims, scales, precise, epilogue, out_dtype,
                                                pre_dtype),
-                        default_config(dims, epilogue, out_dtype, pre_dtype, promote),
-                        candidate_configs(dims, epilogue, out_dtype, pre_dtype, promote),
+                        default_config(dims, epilogue, out_dtype, pre_dtype, precise,
+                                       block_scales),
+                        candidate_configs(dims, epilogue, out_dtype, pre_dtype, precise,
+                                          block_scales),
                         runner if concrete else None)
-  problem = validate_config(cfg, dims, epilogue, out_dtype, pre_dtype, promote=promote)
+  problem = validate_config(cfg, dims, epilogue, out_dtype, pre_dtype, precise, block_scales)
   if problem:
     raise ValueError(f"{kernel_name} b{Bt}_m{M}_n{N}_k{K}: tile config {cfg} invalid: "
                      f"{problem}")

@@ -39,3 +39,20 @@ def fused_dense_against_reference(x, w, bias, cot, *, core, backward, quantizer,
                argnums=(0, 1, 2))(x, w, bias),
       jax.grad(loss(fused.fused_dense_reference, quantizer=quantizer),
                argnums=(0, 1, 2))(x, w, bias)))(x, w, bias)
+
+
+def mosaic_shared_memory(fn, *args):
+  """The shared memory in bytes that Mosaic GPU allocates for each kernel of fn(*args), as
+  it sums it when lowering the kernel's launch for 'cuda' (no GPU needed)."""
+  from unittest import mock
+  from jax.experimental.mosaic.gpu import core as mosaic_core
+  from kernels_pallas import mosaic_gemm
+  count, sizes = mosaic_core._smem_tree_size, []
+
+  def record(tree):
+    sizes.append(count(tree))
+    return sizes[-1]
+
+  with mock.patch.object(mosaic_core, "_smem_tree_size", record):
+    mosaic_gemm.lowered_for_cuda(fn, *args)
+  return sizes

@@ -24,7 +24,7 @@ from loka_jax.precision import metrics
 from loka_jax.probe import candidates, chains
 
 from kernel_helpers import assert_close as _assert_close
-from kernel_helpers import fused_dense_against_reference
+from kernel_helpers import fused_dense_against_reference, mosaic_shared_memory
 from kernel_helpers import rel_err as _rel_err
 
 DENSE = EinsumSpec.parse("mk,kn->mn")
@@ -105,6 +105,43 @@ class MosaicCoreTest(parameterized.TestCase):
     self.assertIn("mosaic_gpu", text)
     self.assertEqual(backend_from_hlo('custom_call_target="mosaic_gpu_v2"', "gpu"),
                      "pallas_mosaic_gpu")
+
+  @parameterized.named_parameters(
+      ("plain_bf16_out", ep_lib.Epilogue(), mosaic_gemm.ROWWISE_SCALES, False,
+       jnp.bfloat16, (128, 128, 4)),
+      ("promoted_fp32_out", ep_lib.Epilogue(), mosaic_gemm.ROWWISE_SCALES, True,
+       jnp.float32, (64, 128, 4)),
+      ("block_scales", ep_lib.Epilogue(), mosaic_gemm.BLOCK_SCALES, False, jnp.bfloat16,
+       (64, 128, 3)),
+      # The two widest epilogues: fp32 output (and pre-norm) tiles 256 columns wide beside
+      # as many stages as fit.
+      ("blocknorm256_fp32_out", ep_lib.Epilogue(bias=True, block_size=256,
+                                                activation="relu"),
+       mosaic_gemm.ROWWISE_SCALES, False, jnp.float32, (64, 256, 4)),
+      ("blocknorm256_fp32_pre", ep_lib.Epilogue(bias=True, block_size=256,
+                                                activation="hard_swish", emit_pre=True),
+       mosaic_gemm.ROWWISE_SCALES, False, jnp.float32, (64, 256, 2)))
+  def test_shared_memory_is_counted_as_mosaic_allocates(self, ep, scales, precise, dtype,
+                                                        tile):
+    # validate_config keeps a tile within a Hopper block's shared memory only if
+    # shared_memory_bytes counts what Mosaic GPU will ask for at launch.
+    cfg, (bt, m, n, k) = mosaic_gemm.MosaicConfig(*tile), (1, 256, 512, 512)
+    a, b, sa, sb, bias = _core_operands(jax.random.key(21), bt, m, n, k)
+    if scales == mosaic_gemm.BLOCK_SCALES:
+      sa = jnp.ones((bt, k // mosaic_gemm.BLOCK_K, m))
+      sb = jnp.ones((bt, k // mosaic_gemm.BLOCK_K, n))
+    block_scales = scales == mosaic_gemm.BLOCK_SCALES
+    self.assertIsNone(mosaic_gemm.validate_config(cfg, (bt, m, n, k), ep, dtype, dtype,
+                                                  precise, block_scales))
+    sizes = mosaic_shared_memory(
+        lambda a, b, sa, sb, bias: mosaic_gemm.gemm(
+            a, b, sa, sb, scales=scales, precise=precise, epilogue=ep,
+            bias=bias if ep.bias else None, out_dtype=dtype, pre_dtype=dtype, config=cfg),
+        a, b, sa, sb, bias)
+    self.assertLen(sizes, 1)
+    self.assertEqual(sizes[0], mosaic_gemm.shared_memory_bytes(cfg, ep, dtype, dtype,
+                                                               block_scales))
+    self.assertLessEqual(sizes[0], mosaic_gemm.SMEM_LIMIT)
 
   def test_default_configs_are_valid(self):
     for dims in ((1, 8192, 1024, 1024), (1, 64, 96, 4096), (4096, 16, 24, 128),
