@@ -43,14 +43,6 @@ from loka_jax.precision import QTensor
 
 BACKEND = "pallas_triton"
 MOSAIC_BACKEND = "pallas_mosaic_gpu"
-# Compiled on an H200, fused_dense on the Mosaic core at 2048 x 512 x 1024 agrees with the
-# Triton core to 4e-4, yet both miss fused_dense_reference there by 3.8% of the largest
-# output, so the GPU check (tests/gpu/test_pallas_mosaic_gpu.py) fails on its reference; and
-# BlockNorm 256 with an fp32 pre-norm needs 232,504 bytes of shared memory, over the 232,448
-# a block may take. Until that check passes, the probe evaluates these kernels only when
-# named.
-MOSAIC_FUSED_HELD_BACK = ("Mosaic GPU fused epilogue: the GPU check of its compiled forward "
-                          "(tests/gpu/test_pallas_mosaic_gpu.py) does not pass yet")
 _DENSE = EinsumSpec.parse("mk,kn->mn")
 
 
@@ -293,7 +285,6 @@ def register_all() -> None:
           name=fused_name(block_size, activation, False, fused.MOSAIC_GPU),
           backend=MOSAIC_BACKEND, sort=FUSED_OP, passes=frozenset(), block_size=block_size,
           activation=activation, core=fused.MOSAIC_GPU, equivalent="pallas_mosaic_fp8_rowwise",
-          held_back=MOSAIC_FUSED_HELD_BACK,
           description=(f"Pallas Mosaic GPU FP8 GEMM (Hopper wgmma) + bias"
                        f"{'' if block_size is None else f' + BlockNorm({block_size})'}"
                        f" + {activation}; via fused_dense, backward on "

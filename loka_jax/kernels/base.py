@@ -31,8 +31,6 @@ class Kernel(abc.ABC):
     description: one line for the registry's listing (`experiments.kernels`).
     revision: bumped when the kernel's computation changes, so timings measured before
       (caches, committed tables) are measured again rather than reused.
-    held_back: why the probe leaves it out of its default candidates ('' for none); named
-      among the candidates, it is evaluated like any other.
   """
   name: str
   backend: str
@@ -43,7 +41,6 @@ class Kernel(abc.ABC):
   fp8: bool = True
   description: str = ""
   revision: int = 1
-  held_back: str = ""
 
   def quantizes(self, pass_name: str) -> bool:
     """Whether this kernel's `pass_name` pass runs in FP8. A fused op names itself in every

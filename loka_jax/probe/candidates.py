@@ -2,8 +2,8 @@
 
 Default candidates: every kernel that can compute a plain site product (per-pass kernels and
 fused ops with passes) and the fused-epilogue kernels (`ChainKernel`: GEMM + BlockNorm +
-activation), except the fp32 reference arm (never faster than xla_bf16), kernels held back
-with a reason (`Kernel.held_back`) and, on a CPU, the Pallas kernels (interpret mode is slow).
+activation), except the fp32 reference arm (never faster than xla_bf16) and, on a CPU, the
+Pallas kernels (interpret mode is slow).
 Named among the candidates, any of them is evaluated. A fused-epilogue kernel is judged only
 at sites whose fused Mods chain has its epilogue (`probe.chains`); at every other site it is
 unsupported, with the reason.
@@ -46,8 +46,6 @@ def candidate_kernels(names: Optional[Sequence[str]] = None, platform: str = "cp
         excluded[k.name] = "fp32 reference arm: never faster than xla_bf16"
       elif k.sort == FUSED_OP and not k.passes and not isinstance(k, ChainKernel):
         excluded[k.name] = "computes no plain site product and no chain a site can run"
-      elif k.held_back:
-        excluded[k.name] = f"{k.held_back}; {NAME_TO_INCLUDE}"
       elif k.backend.startswith("pallas_") and platform == "cpu":
         excluded[k.name] = f"Pallas kernel: interpret mode on the CPU is slow; {NAME_TO_INCLUDE}"
       else:
