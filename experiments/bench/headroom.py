@@ -31,6 +31,7 @@ import math
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from experiments.bench import mods_set, variants
+from loka_jax import figures
 from loka_jax.dispatch import pipeline, selection
 from loka_jax.plan.file import SCHEMA, Plan, as_plan
 from loka_jax.kernels import PASSES, registry
@@ -258,15 +259,12 @@ def plot(all_lines: Sequence[Line], path: str, targets: Mapping[str, float],
          baselines: Mapping[str, str], title: str) -> None:
   """Projected (bars) and measured (dots) speedups per plan, one panel per mode, with each
   target as a dashed line."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
   modes = [m for m in MODES if any(l.mode == m and l.projected for l in all_lines)]
   if not modes:
     raise ValueError("nothing to plot: give the measured step (--rows or --*_step_ms)")
   per_mode = max(sum(l.mode == m for l in all_lines) for m in modes)
-  fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 0.45 * per_mode + 2.2),
-                           squeeze=False)
+  fig, axes = figures.subplots(1, len(modes), figsize=(6.5 * len(modes), 0.45 * per_mode + 2.2),
+                               squeeze=False)
   for ax, mode in zip(axes[0], modes):
     mine = [l for l in all_lines if l.mode == mode and l.projected]
     ys = list(range(len(mine)))[::-1]
@@ -285,4 +283,3 @@ def plot(all_lines: Sequence[Line], path: str, targets: Mapping[str, float],
   fig.suptitle(title)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
-  plt.close(fig)

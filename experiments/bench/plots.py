@@ -8,14 +8,13 @@ import re
 from typing import Any, Callable, List, Mapping, Optional, Sequence
 
 import matplotlib
+import numpy as np
+from matplotlib.lines import Line2D
 
-matplotlib.use("Agg")  # files only; no display on the GPU host or in CI
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from experiments.bench import quality as quality_lib  # noqa: E402
-from experiments.bench.mods_set import row_subject  # noqa: E402
-from experiments.bench.variants import LABELS, VARIANTS  # noqa: E402
+from experiments.bench import quality as quality_lib
+from experiments.bench.mods_set import row_subject
+from experiments.bench.variants import LABELS, VARIANTS
+from loka_jax import figures
 
 
 def variant_color(variant: str) -> str:
@@ -57,7 +56,7 @@ def speedup_plot(rows: Sequence[Mapping], suite: str, path: str) -> str:
   by = {(row_subject(r), r["variant"]): r for r in rows}
   # Wide enough to tell the bars apart, not so wide that a page shrinks it past reading.
   width_in = min(16, max(6, 1.4 * len(targets) * max(len(variants), 1) / 3))
-  fig, axes = plt.subplots(2, 1, figsize=(width_in, 7), squeeze=False)
+  fig, axes = figures.subplots(2, 1, figsize=(width_in, 7), squeeze=False)
   width = 0.8 / max(len(variants), 1)
   x = np.arange(len(targets))
   for ax, mode in zip(axes[:, 0], ("train", "infer")):
@@ -81,7 +80,6 @@ def speedup_plot(rows: Sequence[Mapping], suite: str, path: str) -> str:
   axes[0, 0].set_title(f"{suite}: speedup vs bf16 of the same run (95% CI)")
   fig.tight_layout(rect=(0, 0.07, 1, 1))
   fig.savefig(path, dpi=110)
-  plt.close(fig)
   return path
 
 
@@ -117,9 +115,9 @@ def paired_quality_plot(verdicts: Sequence[Mapping], path: str) -> Optional[str]
                 if any(v["target"].endswith("_vs_" + r) for v in quality)]
   lines = list(dict.fromkeys((v["subject"], v["target"].split("_quality_vs_")[0])
                              for v in quality))
-  fig, axes = plt.subplots(1, len(references), figsize=(5.2 * len(references) + 2.2,
-                                                         1.3 + 0.2 * len(lines)),
-                           sharey=True, squeeze=False)
+  fig, axes = figures.subplots(1, len(references), figsize=(5.2 * len(references) + 2.2,
+                                                             1.3 + 0.2 * len(lines)),
+                               sharey=True, squeeze=False)
   margin = 100 * NEUTRAL_REL_LOGLOSS
   ends = [100 * x for v in quality for x in v["changes"] + list(v["ci"] or [])]
   limit = 1.6 * max([abs(x) for x in ends] + [1.0])
@@ -152,18 +150,17 @@ def paired_quality_plot(verdicts: Sequence[Mapping], path: str) -> Optional[str]
   axes[0][0].set_yticklabels([f"{_short_subject(s)} | {quality_pairs.LABELS.get(a, a)}" for s, a in lines],
                              fontsize=6.5)
   axes[0][0].set_ylim(len(lines) - 0.5, -0.5)   # the first subject on top, as in the tables
-  handles = [plt.Line2D([], [], color=c, lw=0, marker="s", label=quality_pairs.LABELS.get(a, a))
+  handles = [Line2D([], [], color=c, lw=0, marker="s", label=quality_pairs.LABELS.get(a, a))
              for a, c in ARM_COLORS.items() if any(k[1] == a for k in lines)]
-  handles += [plt.Line2D([], [], color="k", lw=0, marker=m, mfc="k" if w == "met" else "white",
-                         label=f"mean, 95% CI: {w}") for w, m in VERDICT_MARKERS.items()]
-  handles += [plt.Line2D([], [], color="k", lw=0, marker=".", label="one seed"),
-              plt.Line2D([], [], color="r", ls="--", label=f"+{margin:g}% margin")]
+  handles += [Line2D([], [], color="k", lw=0, marker=m, mfc="k" if w == "met" else "white",
+                     label=f"mean, 95% CI: {w}") for w, m in VERDICT_MARKERS.items()]
+  handles += [Line2D([], [], color="k", lw=0, marker=".", label="one seed"),
+              Line2D([], [], color="r", ls="--", label=f"+{margin:g}% margin")]
   fig.legend(handles=handles, loc="lower center", fontsize=7, ncol=5)
   fig.suptitle("Quality, paired by seed: (arm - reference) / reference of held-out log loss",
                fontsize=9)
   fig.tight_layout(rect=(0, 0.55 / (1.3 + 0.2 * len(lines)), 1, 1))
   fig.savefig(path, dpi=90)
-  plt.close(fig)
   return path
 
 
@@ -179,8 +176,8 @@ def training_curves_plot(rows: Sequence[Mapping], runs_roots: Sequence[str],
   if not curves:
     return None
   seeds = sorted(curves)
-  fig, axes = plt.subplots(1, len(seeds), figsize=(4.2 * len(seeds), 3.4), sharey=True,
-                           squeeze=False)
+  fig, axes = figures.subplots(1, len(seeds), figsize=(4.2 * len(seeds), 3.4), sharey=True,
+                               squeeze=False)
   for ax, seed in zip(axes[0], seeds):
     for arm in (a for a in quality_lib.ARMS if a in curves[seed]):
       c = curves[seed][arm]
@@ -201,7 +198,6 @@ def training_curves_plot(rows: Sequence[Mapping], runs_roots: Sequence[str],
                "worst step)", fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
-  plt.close(fig)
   return path
 
 
@@ -216,8 +212,8 @@ def shadow_curves_plot(curves: Mapping[tuple, Sequence[Optional[float]]], every:
   left (Wukong `large` on an H200)."""
   windows = sorted({w for _, w in curves})
   arms = list(dict.fromkeys(arm for arm, _ in curves))   # one colour per arm in every panel
-  fig, axes = plt.subplots(1, len(windows), figsize=(4.6 * len(windows), 3.4), sharey=True,
-                           squeeze=False)
+  fig, axes = figures.subplots(1, len(windows), figsize=(4.6 * len(windows), 3.4), sharey=True,
+                               squeeze=False)
   for ax, window in zip(axes[0], windows):
     for (arm, w), curve in curves.items():
       if w != window:
@@ -234,7 +230,6 @@ def shadow_curves_plot(curves: Mapping[tuple, Sequence[Optional[float]]], every:
     fig.suptitle(title, fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
-  plt.close(fig)
   return path
 
 
@@ -251,7 +246,7 @@ def profile_plot(profiles: Mapping[str, Mapping], path: str, title: str = "") ->
   names = list(parts)
   legend_rows = -(-len(labels) // 4)
   height_in = 1.4 + 0.45 * len(names) + 0.2 * legend_rows
-  fig, ax = plt.subplots(figsize=(9, height_in))
+  fig, ax = figures.subplots(figsize=(9, height_in))
   left = np.zeros(len(names))
   colors = ["#1f77b4", "#aec7e8", "C2", "C3", "C4", "C5", "0.75"]
   for i, label in enumerate(labels):
@@ -270,7 +265,6 @@ def profile_plot(profiles: Mapping[str, Mapping], path: str, title: str = "") ->
              ncol=min(len(labels), 4))
   fig.tight_layout(rect=(0, (0.1 + 0.2 * legend_rows) / height_in, 1, 1))
   fig.savefig(path, dpi=110)
-  plt.close(fig)
   return path
 
 

@@ -15,16 +15,13 @@ import os
 import re
 from typing import Dict, List, Mapping, Optional
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from loka_jax.kernels import PASSES  # noqa: E402
-from loka_jax.probe import eligibility  # noqa: E402
-from loka_jax.probe import flush as flush_lib  # noqa: E402
-from loka_jax.probe.candidates import BASELINE  # noqa: E402
+from loka_jax import figures
+from loka_jax.kernels import PASSES
+from loka_jax.probe import eligibility
+from loka_jax.probe import flush as flush_lib
+from loka_jax.probe.candidates import BASELINE
 
 PASS_LABELS = {"fwd": "fwd", "grad_lhs": "dgrad", "grad_rhs": "wgrad"}
 
@@ -53,8 +50,8 @@ def _heatmap(data, title: str, cmap: str, path: str, vmin=None, vmax=None, fmt="
              center: Optional[float] = None) -> str:
   sites, kernels = data["sites"], data["kernels"]
   height = max(3.0, 0.28 * len(sites) + 1.8)
-  fig, axes = plt.subplots(1, 3, figsize=(3.2 + 1.1 * len(kernels) * 1.4, height),
-                           sharey=True, squeeze=False)
+  fig, axes = figures.subplots(1, 3, figsize=(3.2 + 1.1 * len(kernels) * 1.4, height),
+                               sharey=True, squeeze=False)
   for ax, p in zip(axes[0], PASSES):
     m = data[p]
     if center is not None and np.isfinite(m).any():
@@ -74,7 +71,6 @@ def _heatmap(data, title: str, cmap: str, path: str, vmin=None, vmax=None, fmt="
   fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
   fig.suptitle(title, fontsize=10, y=1.04)
   fig.savefig(path, dpi=110, bbox_inches="tight")
-  plt.close(fig)
   return path
 
 
@@ -122,7 +118,7 @@ def site_speedup_plot(report: Mapping, path: str) -> Optional[str]:
   bar = ((report.get("criteria") or {}).get("min_speedup")
          or eligibility.Criteria().min_speedup)
   kernels = sorted({k for _, k in best.values()})
-  fig, ax = plt.subplots(figsize=(7.5, 4.2))
+  fig, ax = figures.subplots(figsize=(7.5, 4.2))
   for i, k in enumerate(kernels):
     names = [n for n, (_, kk) in best.items() if kk == k]
     ax.scatter([report["sites"][n]["flops"] / 1e9 for n in names], [best[n][0] for n in names],
@@ -146,7 +142,6 @@ def site_speedup_plot(report: Mapping, path: str) -> Optional[str]:
   ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
-  plt.close(fig)
   return path
 
 
@@ -162,7 +157,7 @@ def _hist_curve(ax, hist: Mapping, label: str):
 def site_plot(report: Mapping, site: str, path: str) -> str:
   entry = report["sites"][site]
   stats = entry.get("stats", {})
-  fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
+  fig, axes = figures.subplots(1, 3, figsize=(14, 3.6))
   ax = axes[0]
   for op in ("lhs", "rhs", "grad"):
     spec = stats.get(op, {}).get("spectrum") or stats.get(op, {}).get("col_cov_spectrum")
@@ -200,7 +195,6 @@ def site_plot(report: Mapping, site: str, path: str) -> str:
   fig.suptitle(f"{site} ({entry['kind']}, {entry['spec']})", fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=90)
-  plt.close(fig)
   return path
 
 

@@ -20,6 +20,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 import jax
 import numpy as np
 
+from loka_jax import figures
 from loka_jax.models.presets import get_config
 from loka_jax.train import verdict as verdict_lib
 from loka_jax.train.ablation_arms import (AblationConfig, Arm, arms, combination_key,
@@ -296,9 +297,6 @@ def plot(result: Mapping[str, Any], path: str) -> str:
   bf16 verdict) and, where measured, the train / inference speedup vs the bf16 baseline;
   saved as a PNG at `path`."""
   check_schema(result)
-  import matplotlib
-  matplotlib.use("Agg", force=False)
-  import matplotlib.pyplot as plt
 
   rows = result["rows"]
   labels = [r["label"] for r in rows]
@@ -307,8 +305,8 @@ def plot(result: Mapping[str, Any], path: str) -> str:
   # Without timing rows the latency panel would be an empty frame: the figure is the quality
   # panel alone, and its title says why there is no latency.
   measured = any("train_ms" in (r.get(p) or {}) for r in rows for p in colors)
-  fig, axes = plt.subplots(1, 2 if measured else 1, squeeze=False,
-                           figsize=(12, 4.2) if measured else (7, 4.4))
+  fig, axes = figures.subplots(1, 2 if measured else 1, squeeze=False,
+                               figsize=(12, 4.2) if measured else (7, 4.4))
   ax_ne = axes[0, 0]
   names = {"bf16": "bf16", "fp8_all": f"FP8 ({result['settings']['kernel']})"}
   for offset, precision in ((-0.12, "bf16"), (0.12, "fp8_all")):
@@ -364,7 +362,6 @@ def plot(result: Mapping[str, Any], path: str) -> str:
                + ("" if measured else f"\nno latency: timing {result['timing']}"))
   fig.tight_layout()
   fig.savefig(path, dpi=110)
-  plt.close(fig)
   return path
 
 

@@ -6,12 +6,8 @@ import os
 import textwrap
 from typing import Any, Dict, Mapping, Optional
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from loka_jax.train.loop import read_metrics  # noqa: E402
+from loka_jax import figures
+from loka_jax.train.loop import read_metrics
 from loka_jax.plan.file import as_plan, kernel_counts
 
 
@@ -36,7 +32,7 @@ def comparison_table(arms: Mapping[str, Dict], baseline: str) -> str:
 
 def plot_arms(arms: Mapping[str, Dict], path: str, oracle_ne: Optional[float] = None) -> str:
   """Training loss per arm (left) and held-out NE per arm (right)."""
-  fig, (ax_loss, ax_ne) = plt.subplots(1, 2, figsize=(10, 3.8))
+  fig, (ax_loss, ax_ne) = figures.subplots(1, 2, figsize=(10, 3.8))
   for name, arm in arms.items():
     rows = [r for r in arm["metrics"] if r.get("loss") is not None]
     ax_loss.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=name)
@@ -61,7 +57,6 @@ def plot_arms(arms: Mapping[str, Dict], path: str, oracle_ne: Optional[float] = 
   ax_ne.set_xlim(low - 0.02 * low, high + 0.02 * high)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
-  plt.close(fig)
   return path
 
 
@@ -239,11 +234,12 @@ def plot_plan(plan, path: str) -> str:
   index = {k: i for i, k in enumerate(kernels)}
   grid = np.array([[index[plan["sites"][n][p]["kernel"]] for p, _ in PASS_COLUMNS]
                    for n in names]).reshape(len(names), len(PASS_COLUMNS))
+  from matplotlib import colormaps
   from matplotlib.colors import ListedColormap
-  cmap = ListedColormap([plt.get_cmap("tab10")(i % 10) for i in range(max(len(kernels), 1))])
+  cmap = ListedColormap([colormaps["tab10"](i % 10) for i in range(max(len(kernels), 1))])
   height = max(3.5, 0.28 * len(names) + 1.8)
-  fig, (ax_grid, ax_bar) = plt.subplots(1, 2, figsize=(12, height),
-                                        gridspec_kw={"width_ratios": [1.2, 1]})
+  fig, (ax_grid, ax_bar) = figures.subplots(1, 2, figsize=(12, height),
+                                            gridspec_kw={"width_ratios": [1.2, 1]})
   ax_grid.imshow(grid, cmap=cmap, vmin=-0.5, vmax=len(kernels) - 0.5, aspect="auto")
   ax_grid.set_xticks(range(len(PASS_COLUMNS)), [label for _, label in PASS_COLUMNS])
   ax_grid.set_yticks(range(len(names)), names, fontsize=7)
@@ -277,5 +273,4 @@ def plot_plan(plan, path: str) -> str:
   ax_bar.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
-  plt.close(fig)
   return path

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 
-from loka_jax import jsonio
+from loka_jax import figures, jsonio
 from loka_jax.train import module_norms as norms_lib
 
 GRAD_FACTOR = 10.0   # a module's gradient (or update) norm jumps at 10x its recent median
@@ -237,9 +237,6 @@ def spike_plot(trace: NormTrace, summary: Mapping[str, Any], path: str, top: int
   """Loss, then the gradient and update norms of the modules that jumped first (else of the
   largest gradients) and the output RMS of the modules whose outputs jumped first, over the
   logged steps, with the loss's jump and worst step marked."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
   shown = [j["series"] for j in summary["grad_jumps"][:top]]
   if len(shown) < top:
@@ -248,7 +245,7 @@ def spike_plot(trace: NormTrace, summary: Mapping[str, Any], path: str, top: int
   outputs = trace.norms[norms_lib.OUTPUT]
   shown_out = [j["series"] for j in summary.get("output_jumps", [])[:top]]
   shown_out += [m for m in shown if m in outputs and m not in shown_out][:top - len(shown_out)]
-  fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
+  fig, axes = figures.subplots(4, 1, figsize=(10, 11), sharex=True)
   axes[0].plot(trace.steps, trace.max_loss, color="black", lw=1)
   axes[0].set_ylabel("training loss (worst step of a line)")
   for ax, kind, label, modules in ((axes[1], norms_lib.GRAD, "gradient norm", shown),
@@ -269,5 +266,4 @@ def spike_plot(trace: NormTrace, summary: Mapping[str, Any], path: str, top: int
   axes[0].set_title(os.path.dirname(trace.path) or trace.path, fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
-  plt.close(fig)
   return path
