@@ -145,7 +145,9 @@ def flush_fractions(x: jax.Array, q: QTensor) -> Tuple[jax.Array, jax.Array]:
   finite_nonzero = jnp.isfinite(xf) & (xf != 0)
   count = jnp.maximum(jnp.sum(finite_nonzero), 1)
   scaled = jnp.abs(xf / q.expanded_scale())
-  flushed = finite_nonzero & (q.data.astype(jnp.float32) == 0)
+  # A code is zero where its dequantized value is (every scale is positive); dequantize keeps
+  # the round trip through the 8-bit format where XLA:GPU would simplify a bare cast away.
+  flushed = finite_nonzero & (q.dequantize() == 0)
   saturated = finite_nonzero & (scaled > fmt_max)
   return jnp.sum(flushed) / count, jnp.sum(saturated) / count
 

@@ -27,3 +27,16 @@ def test_round_trip_survives_one_program(granularity, axes):
   # unquantized values miss nearly every entry.
   assert off(got) <= 1e-4
   assert off(np.asarray(x)) > 0.5
+
+
+def test_underflow_counts_the_codes_at_zero_in_one_program():
+  # The probe's no-flush criterion reads flush_fractions inside its jitted evaluators.
+  x = heavy(jax.random.key(6), (1024, 256), dtype=np.float32)
+  x = x.at[:, :8].multiply(1e-6)   # 8 of 256 entries a row flush under the row's scale
+  q = P.quantize(x, P.E4M3, P.ROWWISE, (1,))
+  scale = np.asarray(q.scale, np.float32)
+  codes = (np.asarray(x) / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  want = float(np.mean(codes == 0))
+  assert want >= 8 / 256
+  got = jax.jit(lambda x: P.flush_fractions(x, P.quantize(x, P.E4M3, P.ROWWISE, (1,)))[0])(x)
+  assert abs(float(got) - want) <= 1e-4

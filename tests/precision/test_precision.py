@@ -161,6 +161,12 @@ class QuantizeTest(parameterized.TestCase):
     want = (np.asarray(x) / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale
     np.testing.assert_array_equal(
         jax.jit(lambda x: P.quantize_dequantize(x, P.E4M3, P.ROWWISE, (1,)))(x), want)
+    # The underflow count reads its codes the same way (a cast simplified away would leave
+    # none at zero, and the probe's no-flush criterion would pass every kernel).
+    tiny = x.at[:, 0].set(1e-6)    # each row's first entry flushes under its row's scale
+    flush = jax.jit(lambda x: P.flush_fractions(x, P.quantize(x, P.E4M3, P.ROWWISE, (1,)))[0])
+    self.assertIn("optimization_barrier", flush.lower(tiny).as_text())
+    self.assertAlmostEqual(float(flush(tiny)), 1 / 32, places=6)
 
   def test_qtensor_is_a_pytree_through_jit(self):
     q = P.quantize(_normal(10, (16, 32)), P.E4M3, P.ROWWISE, (1,))
