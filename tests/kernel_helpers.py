@@ -47,6 +47,8 @@ def mosaic_shared_memory(fn, *args):
   from unittest import mock
   from jax.experimental.mosaic.gpu import core as mosaic_core
   from kernels_pallas import mosaic_gemm
+  # A private function of jax's Mosaic GPU: the one place it sums a kernel's buffers (an
+  # AttributeError here after a jax upgrade means the sum moved).
   count, sizes = mosaic_core._smem_tree_size, []
 
   def record(tree):
