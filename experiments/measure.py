@@ -27,6 +27,8 @@ COMMANDS = {
                        "the statistics pass against the training step, part by part"),
     "batch_making": ("experiments.tools.batch_making",
                      "milliseconds to make a training batch: the prefetch thread, workers"),
+    "round_trip": ("experiments.tools.round_trip",
+                   "a quantize-dequantize round trip in one program vs the cast (GPU)"),
     "kernel_resources": ("experiments.tools.kernel_resources",
                          "the Pallas FP8 GEMMs compiled for sm_90: registers, MMA (triton)"),
 }

@@ -3,10 +3,9 @@
 Default candidates: every kernel that can compute a plain site product (per-pass kernels and
 fused ops with passes) and the fused-epilogue kernels (`ChainKernel`: GEMM + BlockNorm +
 activation), except the fp32 reference arm (never faster than xla_bf16) and, on a CPU, the
-Pallas kernels (interpret mode is slow).
-Named among the candidates, any of them is evaluated. A fused-epilogue kernel is judged only
-at sites whose fused Mods chain has its epilogue (`probe.chains`); at every other site it is
-unsupported, with the reason.
+Pallas kernels (interpret mode is slow; name them among the candidates to include them). A
+fused-epilogue kernel is judged only at sites whose fused Mods chain has its epilogue
+(`probe.chains`); at every other site it is unsupported, with the reason.
 Kernels whose code for a pass is identical share one evaluation and one timing of that pass:
 the XLA FP8 variants differ only in which passes accumulate fast, and the delayed-scaling fused
 ops only in their backward (they share one timing of the forward).
@@ -20,7 +19,6 @@ from loka_jax.kernels.base import FUSED_OP, ChainKernel, Kernel
 
 BASELINE = "xla_bf16"
 REFERENCE_ARM = "xla_fp32"
-NAME_TO_INCLUDE = "name it among the candidate kernels to include it"
 
 
 def candidate_kernels(names: Optional[Sequence[str]] = None, platform: str = "cpu"
@@ -47,7 +45,8 @@ def candidate_kernels(names: Optional[Sequence[str]] = None, platform: str = "cp
       elif k.sort == FUSED_OP and not k.passes and not isinstance(k, ChainKernel):
         excluded[k.name] = "computes no plain site product and no chain a site can run"
       elif k.backend.startswith("pallas_") and platform == "cpu":
-        excluded[k.name] = f"Pallas kernel: interpret mode on the CPU is slow; {NAME_TO_INCLUDE}"
+        excluded[k.name] = ("Pallas kernel: interpret mode on the CPU is slow; name it among "
+                            "the candidate kernels to include it")
       else:
         chosen.append(k)
   if BASELINE not in [k.name for k in chosen]:

@@ -24,7 +24,7 @@ GROUPS = (("report", ("rows", "plan_headroom", "validation", "spikes", "kernel_u
                       "hlo_scope"), "rows"),
           ("timing_cache", ("compare", "merge"), "out"),
           ("measure", ("held_out_sites", "shadow_arms", "serving_quality",
-                       "delayed_warmup", "timing_check", "kernel_resources"),
+                       "delayed_warmup", "timing_check", "kernel_resources", "round_trip"),
            "kernels"))
 # The other config-driven mains, each with whether it has a --workdir flag.
 OTHER_MAINS = (("probe", True), ("dispatch", False), ("ablate_mods", True), ("kernels", False),
