@@ -22,7 +22,6 @@ from absl import app, flags
 SHAPE = flags.DEFINE_string("shape", "2048x512x1024", "M x K x N of the fused GEMM.")
 CORES = flags.DEFINE_list("cores", ["triton", "mosaic_gpu"],
                           "fused_dense cores to run beside the references (empty: none).")
-SEED = flags.DEFINE_integer("seed", 11, "Seed of the operands.")
 
 
 def _cast_values(v, axis: int):
@@ -91,7 +90,7 @@ def main(argv):
   except ValueError:
     raise app.UsageError(f"--shape={SHAPE.value}: give M x K x N, e.g. 2048x512x1024") from None
   import jax
-  errors, (read, cast) = compare(m, k, n, SEED.value, [c for c in CORES.value if c])
+  errors, (read, cast) = compare(m, k, n, cores=[c for c in CORES.value if c])
   print(f"[round_trip] {jax.devices()[0].device_kind}, jax {jax.__version__}, "
         f"{m}x{k}x{n}, e4m3 rowwise, bias + ReLU")
   print(f"| result | vs quantized fp64 | vs unquantized fp64 |\n|---|---|---|")
