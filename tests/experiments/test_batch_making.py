@@ -16,9 +16,12 @@ def slow_make(i):
 class BatchMakingTest(absltest.TestCase):
 
   def test_a_batch_that_takes_20_ms_reads_at_least_20_ms(self):
-    rates = batch_rates.ms_per_batch(slow_make, [0], batches=5)
+    rates = batch_rates.ms_per_batch(slow_make, [0], batches=10)
     self.assertEqual(list(rates), [0])
-    self.assertGreaterEqual(rates[0], 20.0)
+    # The clock starts when batch 0 is handed over, and the maker began batch 1 the moment
+    # batch 0 was done, so a loaded machine's hand-over delay shortens the reading by a few
+    # milliseconds over the ten batches; a reading of queued batches would be near zero.
+    self.assertGreaterEqual(rates[0], 18.0)
     self.assertLess(rates[0], 1000.0)
 
 
