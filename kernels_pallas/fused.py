@@ -48,7 +48,7 @@ def _check(x, w, bias, core=TRITON, ep=None):
   if core not in CORES:
     raise ValueError(f"fused_dense: unknown core {core!r}; use one of {', '.join(CORES)}")
   if core == MOSAIC_GPU and ep is not None:
-    reason = mosaic_gemm.unsupported_epilogue(ep)
+    reason = mosaic_gemm.unsupported_epilogue(ep, w.shape[-1] if w.ndim == 2 else None)
     if reason:
       raise ValueError(f"fused_dense on the mosaic_gpu core: {reason}; use core='triton'")
   k = x.shape[-1]
@@ -173,13 +173,14 @@ def fused_dense(x: Union[jax.Array, QTensor], w: jax.Array, *, bias: Optional[ja
     block_size: BlockNorm block (a power of two in [16, 1024]) or None for no norm.
     activation: 'identity', 'relu' or 'hard_swish'.
     quantize_output: return a rowwise e4m3 QTensor (scales over the last axis) for the next
-      layer instead of an out_dtype array (needs N <= gemm.MAX_FULL_ROW; forward-only).
+      layer instead of an out_dtype array (forward-only; the Triton core holds rows of up to
+      gemm.MAX_FULL_ROW columns, the Mosaic GPU core see `core`).
     out_dtype: dtype of the array output.
     backward: registered per-pass kernel for dgrad and wgrad in the custom_vjp.
     eps: BlockNorm epsilon.
-    core: the GEMM kernel: 'triton' (`kernels_pallas.gemm`, which also fuses output
-      quantization) or 'mosaic_gpu' (`kernels_pallas.mosaic_gemm`: Hopper FP8 wgmma;
-      BlockNorm blocks of 64, 128 or 256, no output quantization).
+    core: the GEMM kernel: 'triton' (`kernels_pallas.gemm`) or 'mosaic_gpu'
+      (`kernels_pallas.mosaic_gemm`: Hopper FP8 wgmma; BlockNorm blocks of 64, 128 or 256,
+      and output quantization for N up to 256, or the BlockNorm block).
   """
   ep = _epilogue(bias, block_size, activation, quantize_output, eps)
   _check(x, w, bias, core, ep)

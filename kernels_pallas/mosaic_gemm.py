@@ -1,21 +1,22 @@
 """The FP8 GEMM core on Pallas' Mosaic GPU backend: TMA-pipelined Hopper wgmma + epilogue.
 
-Computes out[b, m, n] = epilogue(sum_k A[b, m, k] B[b, n, k] * sa[b, m] * sb[b, n]) with e4m3
-operands and one fp32 scale per row of each (rowwise), or with one scale per row and 128-wide
-K block (block scales, 1x128 and 128x128 blocks as `products.block_operands` makes them).
-Each program owns one (block_m,
-block_n) output tile of one batch entry: `plgpu.emit_pipeline` streams (block_m, 128) and
-(block_n, 128) operand tiles into swizzled shared memory by TMA, several K steps ahead, and
-each step issues one FP8 wgmma into an fp32 accumulator held in registers. The tensor cores
-accumulate FP8 products at a precision of their own (about 14 bits kept on an H800, per
-DeepSeek-V3's technical report, arXiv:2412.19437, section 3.3); a precise product (and every one with
-block scales) takes each K step's 128 products out into an fp32 sum in registers instead,
-scaled by its K block's scales first. The epilogue (row
-and column scales, bias, BlockNorm over the tile, ReLU or Hard Swish) runs on the
-accumulator, and the output tile (and, for a training forward, the pre-norm value) leaves
-through shared memory by TMA; those tiles take the shared memory the K loop's operand stages
-held, so a wide fp32 epilogue leaves the pipeline its full depth (`shared_memory_bytes`
-counts a program's shared memory as Mosaic GPU allocates it).
+Computes out[b, m, n] = epilogue(sum_k A[b, m, k] B[b, n, k] * sa[b, m] * sb[b, n]) with
+e4m3 operands and one fp32 scale per row of each (rowwise), or with one scale per row and
+128-wide K block (block scales, 1x128 and 128x128 blocks as `products.block_operands` makes
+them). Each program owns one (block_m, block_n) output tile of one batch entry:
+`plgpu.emit_pipeline` streams (block_m, 128) and (block_n, 128) operand tiles into swizzled
+shared memory by TMA, several K steps ahead, and each step issues one FP8 wgmma into an fp32
+accumulator held in registers. The tensor cores accumulate FP8 products at a precision of
+their own (about 14 bits kept on an H800, per DeepSeek-V3's technical report,
+arXiv:2412.19437, section 3.3); a precise product (and every one with block scales) takes
+each K step's 128 products out into an fp32 sum in registers instead, scaled by its K
+block's scales first. The epilogue (row and column scales, bias, BlockNorm over the tile,
+ReLU or Hard Swish, and optionally rowwise e4m3 quantization of the result for the next
+layer when a tile holds whole rows) runs on the accumulator, and the output tile (and, for a
+training forward, the pre-norm value) leaves through shared memory by TMA; those tiles take
+the shared memory the K loop's operand stages held, so a wide fp32 epilogue leaves the
+pipeline its full depth (`shared_memory_bytes` counts a program's shared memory as Mosaic
+GPU allocates it).
 
 Hopper's wgmma reads 8-bit operands only K-major, so both operands are stored with K last:
 A as (B, M, K), B as (B, N, K). The products wrapper (`rowwise_einsum`) quantizes each
@@ -47,6 +48,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels_pallas import compat
 from kernels_pallas import epilogue as epilogue_lib
 from kernels_pallas import products, tuning
+from kernels_pallas.quantize import finite_abs, saturating_cast, scale_from_amax
 from loka_jax import _compat
 from loka_jax.kernels.spec import EinsumSpec
 from loka_jax.precision import E4M3, scaling
@@ -102,10 +104,13 @@ def shared_memory_bytes(cfg: MosaicConfig, ep: epilogue_lib.Epilogue, out_dtype=
   pipeline = _aligned(stages * bm * BLOCK_K) + _aligned(stages * bn * BLOCK_K)
   if block_scales:
     pipeline += _aligned(stages * bm * 4) + _aligned(stages * bn * 4)
-  tiles = _aligned(bm * bn * jnp.dtype(out_dtype).itemsize)
+  if ep.quantize_output:  # e4m3 codes and one fp32 scale a row
+    tiles = _aligned(bm * bn) + _aligned(bm * 4)
+  else:
+    tiles = _aligned(bm * bn * jnp.dtype(out_dtype).itemsize)
   if ep.emit_pre:
     tiles += _aligned(bm * bn * jnp.dtype(pre_dtype).itemsize)
-  if ep.block_size is not None:
+  if ep.block_size is not None or ep.quantize_output:   # a row sum or a row amax
     tiles += REDUCTION_SCRATCH_BYTES
   barriers = (EPILOGUE_BARRIERS + stages) * BARRIER_BYTES
   return resident + max(pipeline, tiles) + barriers
@@ -128,8 +133,9 @@ def validate_config(cfg: MosaicConfig, dims, ep: epilogue_lib.Epilogue,
             f"exceed {MAX_ACC_ELEMENTS} fp32 values (128 registers a thread)")
   if ep.block_size is not None and cfg.block_n != ep.block_size:
     return f"BlockNorm needs block_n == block_size ({ep.block_size}), got {cfg.block_n}"
-  if ep.quantize_output:
-    return "output quantization is not fused on the Mosaic GPU core"
+  if ep.quantize_output and cfg.block_n < dims[2]:
+    return (f"output quantization needs whole rows in one program: block_n={cfg.block_n} "
+            f"< N={dims[2]}")
   if cfg.stages < 2:
     return "stages must be >= 2 (each step's operand slots are released a step late)"
   smem = shared_memory_bytes(cfg, ep, out_dtype, pre_dtype, block_scales)
@@ -139,14 +145,23 @@ def validate_config(cfg: MosaicConfig, dims, ep: epilogue_lib.Epilogue,
   return None
 
 
-def unsupported_epilogue(ep: epilogue_lib.Epilogue) -> Optional[str]:
-  """Why no tile of this core can run the epilogue (None when one can)."""
-  if ep.quantize_output:
-    return "output quantization is not fused on the Mosaic GPU core"
+def unsupported_epilogue(ep: epilogue_lib.Epilogue, n: Optional[int] = None) -> Optional[str]:
+  """Why no tile of this core can run the epilogue on `n` output columns (None when one
+  can; without `n`, whether one can for some width)."""
   if ep.block_size is not None and ep.block_size not in (64, 128, 256):
     return (f"BlockNorm({ep.block_size}) needs one tile a block, and a Mosaic GPU tile is "
             "64, 128 or 256 columns wide")
+  widest = MAX_BLOCK_N if ep.block_size is None else ep.block_size
+  if ep.quantize_output and n is not None and n > widest:
+    what = "the widest wgmma" if ep.block_size is None else "a BlockNorm block's tile"
+    return (f"output quantization needs each row in one tile, and N={n} is wider than "
+            f"{widest} columns ({what})")
   return None
+
+
+def _row_width(n: int) -> int:
+  """The narrowest wgmma width that holds a whole row of n columns."""
+  return next(w for w in (64, 128, MAX_BLOCK_N) if w >= n or w == MAX_BLOCK_N)
 
 
 def default_config(dims, ep: epilogue_lib.Epilogue, out_dtype=jnp.bfloat16,
@@ -158,6 +173,8 @@ def default_config(dims, ep: epilogue_lib.Epilogue, out_dtype=jnp.bfloat16,
   Bt, M, N, _ = dims
   if ep.block_size is not None:
     bn = ep.block_size
+  elif ep.quantize_output:
+    bn = _row_width(N)
   else:
     bn = 64 if N <= 64 else 128
   bm = 128
@@ -178,7 +195,12 @@ def candidate_configs(dims, ep: epilogue_lib.Epilogue, out_dtype=jnp.bfloat16,
   """The default tile and the valid ones around it (at most tuning.MAX_CANDIDATES): 64 or
   128 rows, 64 to 256 columns (the block for BlockNorm), 2 to 4 stages."""
   default = default_config(dims, ep, out_dtype, pre_dtype, promote, block_scales)
-  widths = (ep.block_size,) if ep.block_size is not None else (128, 64, 256)
+  if ep.block_size is not None:
+    widths = (ep.block_size,)
+  elif ep.quantize_output:
+    widths = tuple(w for w in (64, 128, MAX_BLOCK_N) if w >= _row_width(dims[2]))
+  else:
+    widths = (128, 64, 256)
   cands = [default] + [MosaicConfig(bm, bn, stages) for bn in widths for bm in (128, 64)
                        for stages in (4, 3, 2)]
   return tuning.filter_candidates(cands, lambda c: validate_config(
@@ -206,7 +228,8 @@ def _kernel(a_g, b_g, sa_g, sb_g, *refs, n_true, cfg, ep, k_steps, scales, preci
   bm, bn = cfg.block_m, cfg.block_n
   refs = list(refs)
   bias_g = refs.pop(0) if ep.bias else None
-  o_g = refs.pop(0)
+  o_g = refs.pop(0)    # the output, or with output quantization its e4m3 codes
+  scale_g = refs.pop(0) if ep.quantize_output else None
   pre_g = refs.pop(0) if ep.emit_pre else None
   block_scales = scales == BLOCK_SCALES
   promote = precise or block_scales
@@ -290,7 +313,9 @@ def _kernel(a_g, b_g, sa_g, sb_g, *refs, n_true, cfg, ep, k_steps, scales, preci
 
       acc = pl.run_scoped(product, plgpu.ACC((bm, bn), jnp.float32))
 
-    def store(o_smem, pre_smem=None):
+    def store(o_smem, *rest):
+      scale_smem = rest[0] if ep.quantize_output else None
+      pre_smem = rest[-1] if ep.emit_pre else None
       y = acc
       if not block_scales:
         plgpu.barrier_wait(barriers.at[0])
@@ -309,9 +334,18 @@ def _kernel(a_g, b_g, sa_g, sb_g, *refs, n_true, cfg, ep, k_steps, scales, preci
         mean_square = jnp.sum(y * y, axis=1) / width
         y = y * lax.broadcast_in_dim(lax.rsqrt(mean_square + ep.eps), (bm, bn), (0,))
       y = epilogue_lib.activate(y, ep.activation)
-      o_smem[...] = y.astype(out_dtype)
+      if ep.quantize_output:
+        # The tile holds whole rows (padded columns are zero, as above): each row's scale
+        # for the next layer, as quantize.quantize's rowwise one.
+        scale = scale_from_amax(jnp.max(finite_abs(y), axis=1), E4M3.max)
+        o_smem[...] = saturating_cast(y / by_rows(scale), E4M3)
+        scale_smem[...] = scale
+      else:
+        o_smem[...] = y.astype(out_dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_smem, o_g.at[bi, m_slice, n_slice])
+      if ep.quantize_output:
+        plgpu.copy_smem_to_gmem(scale_smem, scale_g.at[bi, m_slice])
       if ep.emit_pre:
         plgpu.copy_smem_to_gmem(pre_smem, pre_g.at[bi, m_slice, n_slice])
       plgpu.wait_smem_to_gmem(0)
@@ -320,7 +354,9 @@ def _kernel(a_g, b_g, sa_g, sb_g, *refs, n_true, cfg, ep, k_steps, scales, preci
     pl.run_scoped(store, *(s for s in out_scratch if s is not None))
 
   rowwise = not block_scales
-  out_scratch = [plgpu.SMEM((bm, bn), out_dtype, transforms=_swizzled(bn, out_dtype)),
+  code_dtype = E4M3.dtype if ep.quantize_output else out_dtype
+  out_scratch = [plgpu.SMEM((bm, bn), code_dtype, transforms=_swizzled(bn, code_dtype)),
+                 plgpu.SMEM((bm,), jnp.float32) if ep.quantize_output else None,
                  plgpu.SMEM((bm, bn), pre_dtype, transforms=_swizzled(bn, pre_dtype))
                  if ep.emit_pre else None]
   scratch = [plgpu.SMEM((bm,), jnp.float32) if rowwise else None,
@@ -356,7 +392,8 @@ def gemm(a, b, sa, sb, *, scales: str = ROWWISE_SCALES, precise: bool = False,
   product. precise: every K step's product is summed in fp32 registers (always so with
   block scales); otherwise the tensor cores accumulate the whole K. config: the tile; None
   takes the tuning cache's for this shape (`kernels_pallas.tuning`: tuned on an eager call
-  on a GPU with LOKA_PALLAS_AUTOTUNE=1), else `default_config`. Returns out (B, M, N),
+  on a GPU with LOKA_PALLAS_AUTOTUNE=1), else `default_config`. Returns out (B, M, N), or
+  with epilogue.quantize_output its e4m3 codes (B, M, N) and one fp32 scale a row (B, M);
   plus pre (B, M, N) when epilogue.emit_pre (the scaled product + bias, before BlockNorm and
   the activation)."""
   if a.ndim != 3 or b.ndim != 3:
@@ -416,7 +453,11 @@ def gemm(a, b, sa, sb, *, scales: str = ROWWISE_SCALES, precise: bool = False,
   args = [a_p, jnp.swapaxes(b_p, 1, 2) if interpret else b_p, sa_p, sb_p]
   if epilogue.bias:
     args.append(_pad_to(bias.astype(jnp.float32), 0, cfg.block_n))
-  out_type = [jax.ShapeDtypeStruct((Bt, Mp, Np), out_dtype)]
+  if epilogue.quantize_output:
+    out_type = [jax.ShapeDtypeStruct((Bt, Mp, Np), E4M3.dtype),
+                jax.ShapeDtypeStruct((Bt, Mp), jnp.float32)]
+  else:
+    out_type = [jax.ShapeDtypeStruct((Bt, Mp, Np), out_dtype)]
   if epilogue.emit_pre:
     out_type.append(jax.ShapeDtypeStruct((Bt, Mp, Np), pre_dtype))
   body = functools.partial(_kernel, n_true=N, cfg=cfg, ep=epilogue, k_steps=Kp // BLOCK_K,
@@ -425,7 +466,7 @@ def gemm(a, b, sa, sb, *, scales: str = ROWWISE_SCALES, precise: bool = False,
   call = plgpu.kernel(body, out_type=tuple(out_type), grid=(Np // cfg.block_n,
                       Mp // cfg.block_m, Bt), grid_names=("n", "m", "b"),
                       interpret=interpret)
-  outs = tuple(o[:, :M, :N] for o in call(*args))
+  outs = tuple(o[:, :M, :N] if o.ndim == 3 else o[:, :M] for o in call(*args))
   return outs[0] if len(outs) == 1 else outs
 
 

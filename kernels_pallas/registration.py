@@ -201,7 +201,13 @@ class PallasFusedEpilogue(ChainKernel):
     return not self.quantize_output  # a QTensor output carries no float gradient
 
   def chain_unsupported_reason(self, m, k, n):
-    if self.quantize_output and n > gemm.MAX_FULL_ROW:
+    if self.core == fused.MOSAIC_GPU:
+      reason = mosaic_gemm.unsupported_epilogue(epilogue.Epilogue(
+          block_size=self.block_size, activation=self.activation,
+          quantize_output=self.quantize_output), n)
+      if reason:
+        return f"kernel {self.name}: {reason}"
+    elif self.quantize_output and n > gemm.MAX_FULL_ROW:
       return (f"kernel {self.name}: output quantization holds whole rows in one program; "
               f"N={n} exceeds {gemm.MAX_FULL_ROW}")
     reason = mosaic_device_reason() if self.core == fused.MOSAIC_GPU else device_reason()
@@ -281,11 +287,14 @@ def register_all() -> None:
                          f"{'' if block_size is None else f' + BlockNorm({block_size})'}"
                          f" + {activation}{' + rowwise e4m3 output' if quant else ''}; "
                          "via fused_dense")))
-      registry.register(PallasFusedEpilogue(
-          name=fused_name(block_size, activation, False, fused.MOSAIC_GPU),
-          backend=MOSAIC_BACKEND, sort=FUSED_OP, passes=frozenset(), block_size=block_size,
-          activation=activation, core=fused.MOSAIC_GPU, equivalent="pallas_mosaic_fp8_rowwise",
-          description=(f"Pallas Mosaic GPU FP8 GEMM (Hopper wgmma) + bias"
-                       f"{'' if block_size is None else f' + BlockNorm({block_size})'}"
-                       f" + {activation}; via fused_dense, backward on "
-                       "pallas_mosaic_fp8_rowwise")))
+        registry.register(PallasFusedEpilogue(
+            name=fused_name(block_size, activation, quant, fused.MOSAIC_GPU),
+            backend=MOSAIC_BACKEND, sort=FUSED_OP, passes=frozenset(), block_size=block_size,
+            activation=activation, quantize_output=quant, core=fused.MOSAIC_GPU,
+            equivalent="pallas_mosaic_fp8_rowwise",
+            description=(f"Pallas Mosaic GPU FP8 GEMM (Hopper wgmma) + bias"
+                         f"{'' if block_size is None else f' + BlockNorm({block_size})'}"
+                         f" + {activation}"
+                         f"{' + rowwise e4m3 output (N <= 256)' if quant else ''}; via "
+                         "fused_dense"
+                         f"{'' if quant else ', backward on pallas_mosaic_fp8_rowwise'}")))

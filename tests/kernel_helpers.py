@@ -58,3 +58,14 @@ def mosaic_shared_memory(fn, *args):
   with mock.patch.object(mosaic_core, "_smem_tree_size", record):
     mosaic_gemm.lowered_for_cuda(fn, *args)
   return sizes
+
+
+def e4m3_steps(q, q_ref):
+  """(fraction of codes that differ, the most e4m3 steps any code lies from its reference):
+  an e4m3 code's low seven bits order its magnitude, so sign * those bits counts steps
+  along the format's values (+0 and -0 are both step 0)."""
+  def rank(codes):
+    bits = np.asarray(codes).view(np.uint8).astype(np.int32)
+    return np.where(bits & 0x80, -1, 1) * (bits & 0x7F)
+  steps = np.abs(rank(q) - rank(q_ref))
+  return float(np.mean(steps > 0)), int(np.max(steps))

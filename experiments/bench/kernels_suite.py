@@ -3,7 +3,8 @@
 (docs/BENCHMARKS.md, section 3: how speed is measured).
 
 Per shape (GEMMs, batched interaction einsums, and the chain quantize -> GEMM ->
-BlockNorm(256) -> Hard Swish -> quantize; the Mosaic GPU chain stops before the quantize),
+BlockNorm(256) -> Hard Swish -> quantize; the Mosaic GPU chain stops before the quantize,
+which it fuses only for rows of at most 256 columns),
 every variant is compiled (its backend read from the compiled HLO), then timed by
 `loka_jax.timing.time_variants`: warm-up, variants interleaved, `repeats` each; a call
 shorter than a quarter of `min_call_ms` is timed as a chain of dependent calls less its
@@ -136,7 +137,8 @@ def _variants(shape):
       return q.data, q.scale
 
     def mosaic_chain(x, w):
-      # The Mosaic GPU core fuses no output quantization: bf16 out, as the bf16 chain's.
+      # The Mosaic GPU core quantizes its output only where a tile holds whole rows (at
+      # most 256 columns), narrower than these chains: bf16 out, as the bf16 chain's.
       return fused.fused_dense(x, w, block_size=CHAIN_BLOCK, activation="hard_swish",
                                core=fused.MOSAIC_GPU)
 

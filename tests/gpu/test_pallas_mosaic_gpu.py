@@ -20,7 +20,8 @@ from loka_jax.kernels.backend import compiled_backend
 from loka_jax.precision import metrics
 
 from gpu_helpers import BATCHED_SHAPES, SITE_SQNR_DB, check_batched_pass, close, operands
-from kernel_helpers import fused_dense_against_reference
+from kernel_helpers import e4m3_steps, fused_dense_against_reference
+from loka_jax.precision import E4M3, ROWWISE, scaling
 DENSE = EinsumSpec.parse("mk,kn->mn")
 
 
@@ -87,3 +88,31 @@ def test_fused_chain_trains(block_size, activation):
   for name, g, r in zip(("dx", "dw", "dbias"), got, want):
     assert np.all(np.isfinite(np.asarray(g))), name
     assert float(metrics.sqnr_db(g, r)) >= 25.0, name
+
+
+@pytest.mark.parametrize("m,k,n,block_size,activation", [
+    (2048, 512, 256, 256, "hard_swish"), (333, 200, 200, None, "relu"),
+    (8192, 1024, 64, None, "hard_swish")])
+def test_core_output_quantization(m, k, n, block_size, activation):
+  """The rowwise e4m3 output (codes and one scale a row) against the library's quantize of
+  the same kernel's fp32 output: both come from the same accumulator, so only a division on
+  a rounding boundary may move a code, by one step."""
+  keys = jax.random.split(jax.random.key(m + k + n), 5)
+  a = (jax.random.normal(keys[0], (1, m, k)) * 4).astype(jnp.float8_e4m3fn)
+  b = (jax.random.normal(keys[1], (1, n, k)) * 4).astype(jnp.float8_e4m3fn)
+  sa = jnp.exp(jax.random.uniform(keys[2], (1, m), minval=-2.0, maxval=2.0))
+  sb = jnp.exp(jax.random.uniform(keys[3], (1, n), minval=-2.0, maxval=2.0))
+  bias = jax.random.normal(keys[4], (n,))
+  ep = Epilogue(bias=True, block_size=block_size, activation=activation)
+  quantized = Epilogue(bias=True, block_size=block_size, activation=activation,
+                       quantize_output=True)
+  run = lambda e, **kw: jax.jit(lambda *x: mosaic_gemm.gemm(*x[:4], epilogue=e, bias=x[4],
+                                                            **kw))(a, b, sa, sb, bias)
+  codes, scales = run(quantized)
+  y = run(ep, out_dtype=jnp.float32)
+  want = scaling.quantize(y, E4M3, ROWWISE, (2,))
+  close(scales, want.scale[..., 0], rtol=1e-6)
+  mismatched, furthest = e4m3_steps(codes, want.data)
+  assert furthest <= 1 and mismatched < 1e-2, (mismatched, furthest)
+  da, db = a.astype(jnp.float32) * sa[..., None], b.astype(jnp.float32) * sb[..., None]
+  close(y, mosaic_gemm.reference(da, db, epilogue=ep, bias=bias), rtol=5e-3)

@@ -20,11 +20,11 @@ from loka_jax import kernels
 from loka_jax.kernels import EinsumSpec, reference_einsum
 from loka_jax.kernels.backend import backend_from_hlo
 from loka_jax.models import fused as fused_sites
-from loka_jax.precision import metrics
+from loka_jax.precision import E4M3, ROWWISE, QTensor, metrics, scaling
 from loka_jax.probe import candidates, chains
 
 from kernel_helpers import assert_close as _assert_close
-from kernel_helpers import fused_dense_against_reference, mosaic_shared_memory
+from kernel_helpers import e4m3_steps, fused_dense_against_reference, mosaic_shared_memory
 from kernel_helpers import rel_err as _rel_err
 
 DENSE = EinsumSpec.parse("mk,kn->mn")
@@ -70,6 +70,32 @@ class MosaicCoreTest(parameterized.TestCase):
       pre_ref = _core_reference(a, b, sa, sb, ep_lib.Epilogue(bias=True), bias)
       _assert_close(self, outs[1], pre_ref)
 
+  @parameterized.named_parameters(
+      # 200 columns in one 256-wide tile; 100 rows and K = 300 fall short of whole tiles.
+      ("bias_blocknorm256_hard_swish_tails", ep_lib.Epilogue(
+          bias=True, block_size=256, activation="hard_swish", quantize_output=True),
+       (1, 100, 200, 300)),
+      ("relu_two_batches_64_wide", ep_lib.Epilogue(activation="relu", quantize_output=True),
+       (2, 128, 64, 128)))
+  def test_output_quantization(self, epilogue, dims):
+    # Each row's e4m3 codes and scale, as the library's rowwise quantize of the reference
+    # epilogue gives them: the next layer's QTensor without a pass of its own.
+    a, b, sa, sb, bias = _core_operands(jax.random.key(sum(dims) + 1), *dims)
+    codes, scales = mosaic_gemm.gemm(a, b, sa, sb, epilogue=epilogue, bias=bias)
+    ref = _core_reference(a, b, sa, sb, epilogue, bias)
+    want = scaling.quantize(ref, E4M3, ROWWISE, (2,))
+    chex.assert_shape((codes, scales), (ref.shape, ref.shape[:2]))
+    self.assertEqual(codes.dtype, jnp.float8_e4m3fn)
+    _assert_close(self, scales, want.scale[..., 0])
+    # The kernel sums its products in another order than the reference's einsum: a value on
+    # a rounding boundary may round to the neighbouring code, never further.
+    mismatched, furthest = e4m3_steps(codes, want.data)
+    self.assertLessEqual(furthest, 1)
+    self.assertLess(mismatched, 1e-3)
+    text = mosaic_gemm.lowered_for_cuda(
+        lambda *x: mosaic_gemm.gemm(*x[:4], epilogue=epilogue, bias=x[4]), a, b, sa, sb, bias)
+    self.assertIn("mosaic_gpu", text)
+
   @parameterized.named_parameters(("precise_rowwise", False), ("block_scales", True))
   def test_promoted_k_steps(self, block):
     # Each K step's product summed in fp32 registers (and, with block scales, scaled by its
@@ -109,6 +135,13 @@ class MosaicCoreTest(parameterized.TestCase):
   @parameterized.named_parameters(
       ("plain_bf16_out", ep_lib.Epilogue(), mosaic_gemm.ROWWISE_SCALES, False,
        jnp.bfloat16, (128, 128, 4)),
+      # e4m3 codes and a row of scales in place of the output tile, and the row amax's
+      # reduction scratch (beside BlockNorm's, or alone).
+      ("blocknorm256_quantized", ep_lib.Epilogue(bias=True, block_size=256, activation="relu",
+                                                 quantize_output=True),
+       mosaic_gemm.ROWWISE_SCALES, False, jnp.bfloat16, (64, 256, 4), 256),
+      ("quantized_64_wide", ep_lib.Epilogue(quantize_output=True),
+       mosaic_gemm.ROWWISE_SCALES, False, jnp.bfloat16, (128, 64, 4), 64),
       ("promoted_fp32_out", ep_lib.Epilogue(), mosaic_gemm.ROWWISE_SCALES, True,
        jnp.float32, (64, 128, 4)),
       ("block_scales", ep_lib.Epilogue(), mosaic_gemm.BLOCK_SCALES, False, jnp.bfloat16,
@@ -122,10 +155,10 @@ class MosaicCoreTest(parameterized.TestCase):
                                                 activation="hard_swish", emit_pre=True),
        mosaic_gemm.ROWWISE_SCALES, False, jnp.float32, (64, 256, 2)))
   def test_shared_memory_is_counted_as_mosaic_allocates(self, ep, scales, precise, dtype,
-                                                        tile):
+                                                        tile, n=512):
     # validate_config keeps a tile within a Hopper block's shared memory only if
     # shared_memory_bytes counts what Mosaic GPU will ask for at launch.
-    cfg, (bt, m, n, k) = mosaic_gemm.MosaicConfig(*tile), (1, 256, 512, 512)
+    cfg, (bt, m, k) = mosaic_gemm.MosaicConfig(*tile), (1, 256, 512)
     a, b, sa, sb, bias = _core_operands(jax.random.key(21), bt, m, n, k)
     if scales == mosaic_gemm.BLOCK_SCALES:
       sa = jnp.ones((bt, k // mosaic_gemm.BLOCK_K, m))
@@ -144,10 +177,14 @@ class MosaicCoreTest(parameterized.TestCase):
     self.assertLessEqual(sizes[0], mosaic_gemm.SMEM_LIMIT)
 
   def test_default_configs_are_valid(self):
+    quantized = ep_lib.Epilogue(bias=True, activation="hard_swish", quantize_output=True)
     for dims in ((1, 8192, 1024, 1024), (1, 64, 96, 4096), (4096, 16, 24, 128),
-                 (1, 2048, 4096, 1024)):
+                 (1, 2048, 4096, 1024), (1, 8192, 256, 1024), (1, 2048, 130, 512)):
       for ep in (ep_lib.Epilogue(), ep_lib.Epilogue(bias=True, block_size=256,
-                                                    activation="relu", emit_pre=True)):
+                                                    activation="relu", emit_pre=True),
+                 quantized):
+        if ep.quantize_output and dims[2] > mosaic_gemm.MAX_BLOCK_N:
+          continue
         for dtype in (jnp.bfloat16, jnp.float32):  # fp32 output and pre-norm: the widest
           cfg = mosaic_gemm.default_config(dims, ep, dtype, dtype)
           self.assertIsNone(mosaic_gemm.validate_config(cfg, dims, ep, dtype, dtype),
@@ -189,8 +226,17 @@ class MosaicCoreTest(parameterized.TestCase):
       mosaic_gemm.gemm(a, b, sa[:, :32], sb)
     self.assertIn("BlockNorm(512)", mosaic_gemm.unsupported_epilogue(
         ep_lib.Epilogue(block_size=512)))
-    self.assertIn("output quantization", mosaic_gemm.unsupported_epilogue(
-        ep_lib.Epilogue(quantize_output=True)))
+    quantized = ep_lib.Epilogue(quantize_output=True)
+    self.assertIsNone(mosaic_gemm.unsupported_epilogue(quantized, 256))
+    self.assertIn("N=300 is wider than 256 columns (the widest wgmma)",
+                  mosaic_gemm.unsupported_epilogue(quantized, 300))
+    self.assertIn("N=256 is wider than 128 columns (a BlockNorm block's tile)",
+                  mosaic_gemm.unsupported_epilogue(
+                      ep_lib.Epilogue(block_size=128, quantize_output=True), 256))
+    a, b, sa, sb, _ = _core_operands(jax.random.key(3), 1, 64, 96, 128)
+    with self.assertRaisesRegex(ValueError, "whole rows in one program: block_n=64 < N=96"):
+      mosaic_gemm.gemm(a, b, sa, sb, epilogue=quantized,
+                       config=mosaic_gemm.MosaicConfig(64, 64, 2))
 
 
 def _pass_operands(key, pass_name, m, k, n):
@@ -265,9 +311,12 @@ class MosaicKernelTest(parameterized.TestCase):
     self.assertIn("interpret mode", excluded["pallas_mosaic_fp8_rowwise"])
     chosen, excluded = candidates.candidate_kernels(platform="gpu")
     self.assertIn("pallas_mosaic_fp8_rowwise", [k.name for k in chosen])
-    # The fused-epilogue kernels are default candidates on a GPU as well (chain kernels).
+    # The fused-epilogue kernels are default candidates on a GPU as well (chain kernels),
+    # with and without output quantization, as the Triton ones.
     fused_names = [n for n in names if n.startswith("pallas_mosaic_fp8_rowwise_fused_")]
-    self.assertLen(fused_names, 4)
+    self.assertLen(fused_names, 8)
+    self.assertEqual(sorted(n.replace("pallas_mosaic_", "pallas_") for n in fused_names),
+                     sorted(n for n in names if n.startswith("pallas_fp8_rowwise_fused_")))
     for name in fused_names:
       self.assertIn(name, [k.name for k in chosen])
       self.assertNotIn(name, excluded)
@@ -313,18 +362,50 @@ class MosaicFusedTest(parameterized.TestCase):
     choice = kernels.KernelChoice(kernel.name, kernel.name, kernel.name)
     self.assertEqual(fused_sites.backward_kernel(choice, "tower/0"),
                      "pallas_mosaic_fp8_rowwise")
-    self.assertNotIn("pallas_mosaic_fp8_rowwise_fused_blocknorm256_relu_quant",
-                     kernels.names())
     x, w, bias = self._inputs(9, m=64, k=128, n=256)
     out = jax.jit(lambda x, w, b: kernel.chain(x, w, b, out_dtype=jnp.float32))(x, w, bias)
     ref = fused.fused_dense_reference(x, w, bias=bias, block_size=256, activation="relu",
                                       out_dtype=jnp.float32, quantizer=mosaic_gemm.QUANTIZE)
     _assert_close(self, out, ref, rtol=1e-4)
 
+  def test_quantized_output_feeds_the_next_layer(self):
+    # A rowwise e4m3 QTensor straight from the first layer's kernel, read by the second's;
+    # each against the reference on the core's own quantizer.
+    x, w, bias = self._inputs(11, m=96, k=200, n=192)
+    w2 = jax.random.normal(jax.random.key(12), (192, 64)) / np.sqrt(192)
+    common = dict(bias=bias, activation="relu", quantize_output=True)
+    q, want = jax.jit(lambda x, w, b: (
+        fused.fused_dense(x, w, core=fused.MOSAIC_GPU, **{**common, "bias": b}),
+        fused.fused_dense_reference(x, w, quantizer=mosaic_gemm.QUANTIZE,
+                                    **{**common, "bias": b})))(x, w, bias)
+    self.assertIsInstance(q, QTensor)
+    chex.assert_shape((q.data, q.scale), ((96, 192), (96, 1)))
+    _assert_close(self, q.scale, want.scale)
+    mismatched, furthest = e4m3_steps(q.data, want.data)
+    self.assertLessEqual(furthest, 1)
+    self.assertLess(mismatched, 1e-3)
+    out = fused.fused_dense(q, w2, block_size=64, activation="hard_swish",
+                            out_dtype=jnp.float32, core=fused.MOSAIC_GPU)
+    ref = fused.fused_dense_reference(q, w2, block_size=64, activation="hard_swish",
+                                      out_dtype=jnp.float32, quantizer=mosaic_gemm.QUANTIZE)
+    _assert_close(self, out, ref, rtol=1e-4)
+    # The registered chain kernel returns its codes dequantized, and refuses rows too wide.
+    kernel = kernels.get("pallas_mosaic_fp8_rowwise_fused_relu_quant")
+    self.assertFalse(kernel.has_backward)
+    got = jax.jit(lambda x, w, b: kernel.chain(x, w, b, out_dtype=jnp.float32))(x, w, bias)
+    _assert_close(self, got, want.dequantize(jnp.float32), rtol=0.07)
+    self.assertIsNone(kernel.chain_unsupported_reason(96, 200, 256))
+    self.assertIn("N=300 is wider than 256", kernel.chain_unsupported_reason(96, 200, 300))
+    with self.assertRaisesRegex(ValueError, "forward-only"):
+      jax.grad(lambda x: jnp.sum(fused.fused_dense(
+          x, w, core=fused.MOSAIC_GPU, **common).dequantize(jnp.float32)))(x)
+
   def test_unfusable_epilogue_is_one_clear_error(self):
-    x, w, _ = self._inputs(10, m=64, k=128, n=64)
-    with self.assertRaisesRegex(ValueError, "mosaic_gpu core: output quantization"):
+    x, w, _ = self._inputs(10, m=64, k=128, n=300)
+    with self.assertRaisesRegex(ValueError, "mosaic_gpu core: output quantization needs each "
+                                "row in one tile, and N=300"):
       fused.fused_dense(x, w, quantize_output=True, core=fused.MOSAIC_GPU)
+    x, w, _ = self._inputs(10, m=64, k=128, n=64)
     with self.assertRaisesRegex(ValueError, "BlockNorm\\(32\\)"):
       fused.fused_dense(x, w, block_size=32, core=fused.MOSAIC_GPU)
     with self.assertRaisesRegex(ValueError, "unknown core 'cuda'"):
