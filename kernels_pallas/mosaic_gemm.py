@@ -47,7 +47,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas import compat
 from kernels_pallas import epilogue as epilogue_lib
-from kernels_pallas import products, tuning
+from kernels_pallas import mosaic_ws, products, tuning
 from kernels_pallas.quantize import finite_abs, saturating_cast, scale_from_amax
 from loka_jax import _compat
 from loka_jax.kernels.spec import EinsumSpec
@@ -75,10 +75,15 @@ TARGET_PROGRAMS = 132
 
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig(tuning.Config):
-  """A program's output tile and how many K steps its pipeline keeps in flight."""
+  """A program's output tile and how many K steps its pipeline keeps in flight.
+
+  compute_wgs: 1, one warpgroup copies and computes a (block_m, block_n) tile; 2, the
+  warp-specialized core (`mosaic_ws`): a memory warpgroup feeds two compute warpgroups of
+  block_m rows each, a (2 * block_m, block_n) tile (plain rowwise products only)."""
   block_m: int
   block_n: int
   stages: int
+  compute_wgs: int = 1
 
 
 def _round_up(n: int, m: int) -> int:
@@ -98,6 +103,15 @@ def shared_memory_bytes(cfg: MosaicConfig, ep: epilogue_lib.Epilogue, out_dtype=
   are released when it ends, and the output tiles staged for TMA reuse their space, so a
   program needs the larger of the two."""
   bm, bn, stages = cfg.block_m, cfg.block_n, cfg.stages
+  if cfg.compute_wgs > 1:
+    # Every buffer lives for the whole program: A stages of both warpgroups' rows, B stages,
+    # each warpgroup's output tile and scales; a stage has a barrier for full and one for
+    # consumed, and each warpgroup's scales arrive on two.
+    wgs = cfg.compute_wgs
+    pipeline = _aligned(stages * wgs * bm * BLOCK_K) + _aligned(stages * bn * BLOCK_K)
+    tiles = (_aligned(wgs * bm * bn * jnp.dtype(out_dtype).itemsize) + _aligned(wgs * bm * 4)
+             + _aligned(wgs * bn * 4))
+    return pipeline + tiles + (2 * stages + 2 * wgs) * BARRIER_BYTES
   resident = 0 if block_scales else _aligned(bm * 4) + _aligned(bn * 4)
   if ep.bias:
     resident += _aligned(bn * 4)
@@ -122,6 +136,13 @@ def validate_config(cfg: MosaicConfig, dims, ep: epilogue_lib.Epilogue,
   """Why this config cannot run this problem (None when it can). `promote`: each K step's
   product is summed in registers beside the accumulator, which holds twice the values
   (always so with `block_scales`, whose rows of scales are staged with the operands)."""
+  if cfg.compute_wgs not in (1, mosaic_ws.COMPUTE_WGS):
+    return f"compute_wgs={cfg.compute_wgs} must be 1 or {mosaic_ws.COMPUTE_WGS}"
+  if cfg.compute_wgs > 1:
+    reason = mosaic_ws.unsupported(ep, BLOCK_SCALES if block_scales else ROWWISE_SCALES,
+                                   promote)
+    if reason:
+      return reason
   promote = promote or block_scales
   if cfg.block_m < WGMMA_M or cfg.block_m % WGMMA_M:
     return f"block_m={cfg.block_m} must be a multiple of {WGMMA_M} (wgmma's height)"
@@ -201,8 +222,12 @@ def candidate_configs(dims, ep: epilogue_lib.Epilogue, out_dtype=jnp.bfloat16,
     widths = tuple(w for w in (64, 128, MAX_BLOCK_N) if w >= _row_width(dims[2]))
   else:
     widths = (128, 64, 256)
-  cands = [default] + [MosaicConfig(bm, bn, stages) for bn in widths for bm in (128, 64)
-                       for stages in (4, 3, 2)]
+  # The warp-specialized tiles first after the default (where the problem allows them), so
+  # the tuner always times some.
+  cands = [default] + [MosaicConfig(bm, bn, stages, mosaic_ws.COMPUTE_WGS)
+                       for bm, bn, stages in ((64, 128, 4), (128, 128, 3), (64, 256, 3))]
+  cands += [MosaicConfig(bm, bn, stages) for bn in widths for bm in (128, 64)
+            for stages in (4, 3, 2)]
   return tuning.filter_candidates(cands, lambda c: validate_config(
       c, dims, ep, out_dtype, pre_dtype, promote, block_scales) is None)
 
@@ -445,12 +470,17 @@ def gemm(a, b, sa, sb, *, scales: str = ROWWISE_SCALES, precise: bool = False,
                      f"{problem}")
   interpret = compat.mosaic_interpret()
   # Zero codes in the padding: padded K adds nothing, padded rows and columns are sliced off.
-  a_p = _pad_to(_pad_to(a, 1, cfg.block_m), 2, BLOCK_K)
+  a_p = _pad_to(_pad_to(a, 1, cfg.block_m * cfg.compute_wgs), 2, BLOCK_K)
   b_p = _pad_to(_pad_to(b, 1, cfg.block_n), 2, BLOCK_K)
-  sa_p = _pad_to(sa.astype(jnp.float32), sa.ndim - 1, cfg.block_m, 1.0)
+  sa_p = _pad_to(sa.astype(jnp.float32), sa.ndim - 1, cfg.block_m * cfg.compute_wgs, 1.0)
   sb_p = _pad_to(sb.astype(jnp.float32), sb.ndim - 1, cfg.block_n, 1.0)
   Mp, Np, Kp = a_p.shape[1], b_p.shape[1], a_p.shape[2]
   args = [a_p, jnp.swapaxes(b_p, 1, 2) if interpret else b_p, sa_p, sb_p]
+  if cfg.compute_wgs > 1:
+    out = mosaic_ws.gemm(*args, block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.stages,
+                         block_k=BLOCK_K, swizzled=_swizzled, out_dtype=out_dtype,
+                         interpret=interpret)
+    return out[:, :M, :N]
   if epilogue.bias:
     args.append(_pad_to(bias.astype(jnp.float32), 0, cfg.block_n))
   if epilogue.quantize_output:

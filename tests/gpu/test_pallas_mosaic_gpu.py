@@ -116,3 +116,23 @@ def test_core_output_quantization(m, k, n, block_size, activation):
   assert furthest <= 1 and mismatched < 1e-2, (mismatched, furthest)
   da, db = a.astype(jnp.float32) * sa[..., None], b.astype(jnp.float32) * sb[..., None]
   close(y, mosaic_gemm.reference(da, db, epilogue=ep, bias=bias), rtol=5e-3)
+
+
+@pytest.mark.parametrize("m,k,n", [(2048, 256, 768), (8192, 1024, 1024), (333, 200, 300)])
+@pytest.mark.parametrize("tile", [(64, 128, 4, 2), (128, 128, 2, 2), (128, 64, 4, 2)])
+def test_warp_specialized_core(m, k, n, tile):
+  """The warp-specialized core (a memory warpgroup, two compute warpgroups) against the
+  reference on its dequantized operands, and against the 1-warpgroup core, whose wgmma
+  sequence per output tile is the same (fp32 outputs: the widest tiles that fit them)."""
+  keys = jax.random.split(jax.random.key(m + k + n), 4)
+  a = (jax.random.normal(keys[0], (1, m, k)) * 4).astype(jnp.float8_e4m3fn)
+  b = (jax.random.normal(keys[1], (1, n, k)) * 4).astype(jnp.float8_e4m3fn)
+  sa = jnp.exp(jax.random.uniform(keys[2], (1, m), minval=-2.0, maxval=2.0))
+  sb = jnp.exp(jax.random.uniform(keys[3], (1, n), minval=-2.0, maxval=2.0))
+  run = lambda cfg: jax.jit(lambda *x: mosaic_gemm.gemm(*x, out_dtype=jnp.float32,
+                                                        config=cfg))(a, b, sa, sb)
+  ws = run(mosaic_gemm.MosaicConfig(*tile))
+  one = run(mosaic_gemm.MosaicConfig(tile[0], tile[1], 2))
+  da, db = a.astype(jnp.float32) * sa[..., None], b.astype(jnp.float32) * sb[..., None]
+  close(ws, mosaic_gemm.reference(da, db), rtol=2e-2)
+  close(ws, one, rtol=1e-5)

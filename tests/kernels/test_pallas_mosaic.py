@@ -71,6 +71,44 @@ class MosaicCoreTest(parameterized.TestCase):
       _assert_close(self, outs[1], pre_ref)
 
   @parameterized.named_parameters(
+      # Two batch entries, and M, N and K all short of whole (128, 128) tiles and 128-wide
+      # K steps.
+      ("tails_fp32_out", (2, 100, 200, 300), (64, 128, 2, 2), jnp.float32),
+      ("rows_of_128_bf16_out", (1, 256, 256, 512), (128, 128, 3, 2), jnp.bfloat16))
+  def test_warp_specialized_core(self, dims, tile, dtype):
+    # One memory warpgroup feeding two compute warpgroups computes the 1-warpgroup core's
+    # plain product.
+    a, b, sa, sb, _ = _core_operands(jax.random.key(sum(dims) + 2), *dims)
+    cfg = mosaic_gemm.MosaicConfig(*tile)
+    self.assertIsNone(mosaic_gemm.validate_config(cfg, dims, ep_lib.Epilogue(), dtype))
+    out = mosaic_gemm.gemm(a, b, sa, sb, out_dtype=dtype, config=cfg)
+    _assert_close(self, out, _core_reference(a, b, sa, sb, ep_lib.Epilogue(), None),
+                  rtol=1e-5 if dtype == jnp.float32 else 1e-2)
+    text = mosaic_gemm.lowered_for_cuda(
+        lambda *x: mosaic_gemm.gemm(*x, out_dtype=dtype, config=cfg), a, b, sa, sb)
+    self.assertIn("mosaic_gpu", text)
+
+  def test_warp_specialized_tiles_only_where_they_apply(self):
+    dims, ws = (1, 2048, 1024, 1024), mosaic_gemm.MosaicConfig(64, 128, 4, 2)
+    plain = ep_lib.Epilogue()
+    self.assertIn(ws, mosaic_gemm.candidate_configs(dims, plain))
+    fused_ep = ep_lib.Epilogue(bias=True, activation="relu")
+    for kw in ({"ep": fused_ep}, {"ep": plain, "promote": True},
+               {"ep": plain, "block_scales": True}):
+      cands = mosaic_gemm.candidate_configs(dims, kw["ep"], promote=kw.get("promote", False),
+                                            block_scales=kw.get("block_scales", False))
+      self.assertEqual([c for c in cands if c.compute_wgs != 1], [], kw)
+    self.assertIn("fuses no epilogue (got bias_relu)",
+                  mosaic_gemm.validate_config(ws, dims, fused_ep))
+    self.assertIn("accumulated on the tensor cores",
+                  mosaic_gemm.validate_config(ws, dims, plain, promote=True))
+    self.assertIn("compute_wgs=3 must be 1 or 2", mosaic_gemm.validate_config(
+        mosaic_gemm.MosaicConfig(64, 128, 4, 3), dims, plain))
+    # A tuning cache written before the field existed reads as the 1-warpgroup core.
+    self.assertEqual(mosaic_gemm.MosaicConfig.from_dict(
+        {"block_m": 64, "block_n": 128, "stages": 4}).compute_wgs, 1)
+
+  @parameterized.named_parameters(
       # 200 columns in one 256-wide tile; 100 rows and K = 300 fall short of whole tiles.
       ("bias_blocknorm256_hard_swish_tails", ep_lib.Epilogue(
           bias=True, block_size=256, activation="hard_swish", quantize_output=True),
@@ -142,6 +180,12 @@ class MosaicCoreTest(parameterized.TestCase):
        mosaic_gemm.ROWWISE_SCALES, False, jnp.bfloat16, (64, 256, 4), 256),
       ("quantized_64_wide", ep_lib.Epilogue(quantize_output=True),
        mosaic_gemm.ROWWISE_SCALES, False, jnp.bfloat16, (128, 64, 4), 64),
+      # Warp-specialized: nothing is released before the output tiles, and each stage has a
+      # full and a consumed barrier.
+      ("warp_specialized_fp32_out", ep_lib.Epilogue(), mosaic_gemm.ROWWISE_SCALES, False,
+       jnp.float32, (64, 128, 4, 2)),
+      ("warp_specialized_256_wide", ep_lib.Epilogue(), mosaic_gemm.ROWWISE_SCALES, False,
+       jnp.bfloat16, (64, 256, 3, 2)),
       ("promoted_fp32_out", ep_lib.Epilogue(), mosaic_gemm.ROWWISE_SCALES, True,
        jnp.float32, (64, 128, 4)),
       ("block_scales", ep_lib.Epilogue(), mosaic_gemm.BLOCK_SCALES, False, jnp.bfloat16,
@@ -211,7 +255,8 @@ class MosaicCoreTest(parameterized.TestCase):
                                        config_type=mosaic_gemm.MosaicConfig),
                          mosaic_gemm.MosaicConfig(64, 64, 2))
         with self.assertRaisesRegex(ValueError, r"MosaicConfig\(block_m=64, block_n=64, "
-                                    r"stages=2\) invalid: BlockNorm needs block_n == block_size \(128\)"):
+                                    r"stages=2, compute_wgs=1\) invalid: BlockNorm needs "
+                                    r"block_n == block_size \(128\)"):
           mosaic_gemm.gemm(a, b, sa, sb, epilogue=ep)
       finally:
         tuning.clear_memory()
