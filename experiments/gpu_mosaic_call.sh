@@ -7,7 +7,8 @@
 #
 #   bash experiments/gpu_mosaic_call.sh        (the device call carries .whl)
 #
-# Environment: TESTS_LIMIT (seconds for the tests, 240; 0 skips them), MAXMIN (the
+# Environment: TESTS_LIMIT (seconds for the tests, 240; 0 skips them), TESTS_K (a pytest -k
+# expression: only those tests, e.g. "warp_specialized or output_quantization"), MAXMIN (the
 # benchmark's minutes, 5), ONLY (its select.only tokens: which variants run beside each
 # shape's baseline), CARRY (a folder holding an earlier call's results.jsonl: its shapes are
 # not timed again), TUNE (1: the Pallas kernels' tiles are tuned per shape first, cached
@@ -25,8 +26,10 @@ export PYTHONUNBUFFERED=1
 echo "card: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || echo cpu)" \
   "jax $(python3 -c 'import jax; print(jax.__version__)')"
 if [ "${TESTS_LIMIT:-240}" != 0 ]; then
+  SELECT=()
+  [ -n "${TESTS_K:-}" ] && SELECT=(-k "$TESTS_K")
   timeout "${TESTS_LIMIT:-240}" python3 -m pytest tests/gpu/test_pallas_mosaic_gpu.py -m gpu \
-    -q -n 0 -p no:cacheprovider > "$OUT/tests.log" 2>&1
+    -q -n 0 -p no:cacheprovider ${SELECT[@]+"${SELECT[@]}"} > "$OUT/tests.log" 2>&1
   echo "tests (rc $?): $(tail -n 1 "$OUT/tests.log")"
 fi
 if [ -n "${CARRY:-}" ] && [ -f "$CARRY/results.jsonl" ] && [ ! -f "$WORK/kernels/results.jsonl" ]; then
