@@ -214,7 +214,8 @@ def candidate_configs(dims, ep: epilogue_lib.Epilogue, out_dtype=jnp.bfloat16,
                       pre_dtype=jnp.float32, promote: bool = False,
                       block_scales: bool = False):
   """The default tile and the valid ones around it (at most tuning.MAX_CANDIDATES): 64 or
-  128 rows, 64 to 256 columns (the block for BlockNorm), 2 to 4 stages."""
+  128 rows, 64 to 256 columns (the block for BlockNorm, whole rows for output
+  quantization), 2 to 4 stages, and for plain rowwise products warp-specialized tiles."""
   default = default_config(dims, ep, out_dtype, pre_dtype, promote, block_scales)
   if ep.block_size is not None:
     widths = (ep.block_size,)
