@@ -8,7 +8,7 @@ pallas_mosaic_fp8_rowwise_fused_*.
 Modules: quantize (fused amax + scale + cast), delayed (delayed scaling's cast, amax and
 transposed copy in one pass) and delayed_op (the fused ops built on it), gemm (the scaled
 GEMM core and its epilogue), mosaic_gemm (the same on Hopper's FP8 wgmma) and mosaic_ws (its
-warp-specialized tile for plain products), products (einsum
+warp-specialized tile), products (einsum
 specs -> core), fused (fused_dense and its reference), tuning (per-shape tile autotuning
 cache). On the CPU kernels run in interpret mode
 (jax's GPU interpret mode for the Mosaic GPU ones).

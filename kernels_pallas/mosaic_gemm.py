@@ -47,8 +47,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas import compat
 from kernels_pallas import epilogue as epilogue_lib
-from kernels_pallas import mosaic_ws, products, tuning
-from kernels_pallas.quantize import finite_abs, saturating_cast, scale_from_amax
+from kernels_pallas import mosaic_epilogue, mosaic_ws, products, tuning
 from loka_jax import _compat
 from loka_jax.kernels.spec import EinsumSpec
 from loka_jax.precision import E4M3, scaling
@@ -79,7 +78,8 @@ class MosaicConfig(tuning.Config):
 
   compute_wgs: 1, one warpgroup copies and computes a (block_m, block_n) tile; 2, the
   warp-specialized core (`mosaic_ws`): a memory warpgroup feeds two compute warpgroups of
-  block_m rows each, a (2 * block_m, block_n) tile (plain rowwise products only)."""
+  block_m rows each, a (2 * block_m, block_n) tile (rowwise scales, the whole K
+  accumulated on the tensor cores)."""
   block_m: int
   block_n: int
   stages: int
@@ -95,23 +95,33 @@ def _aligned(nbytes: int) -> int:
 
 
 def shared_memory_bytes(cfg: MosaicConfig, ep: epilogue_lib.Epilogue, out_dtype=jnp.bfloat16,
-                        pre_dtype=jnp.float32, block_scales: bool = False) -> int:
+                        pre_dtype=jnp.float32, block_scales: bool = False,
+                        k_steps: Optional[int] = None) -> int:
   """The shared memory Mosaic GPU allocates for one program, counted as it counts it.
 
   The epilogue's scale and bias tiles stay for the whole program. The K loop's operand
   stages (e4m3, one byte a code, and with block scales one fp32 row per operand a stage)
   are released when it ends, and the output tiles staged for TMA reuse their space, so a
-  program needs the larger of the two."""
-  bm, bn, stages = cfg.block_m, cfg.block_n, cfg.stages
+  program needs the larger of the two. A pipeline of `k_steps` K steps keeps no more stages
+  than it has steps."""
+  bm, bn = cfg.block_m, cfg.block_n
+  stages = cfg.stages if k_steps is None else min(cfg.stages, k_steps)
   if cfg.compute_wgs > 1:
     # Every buffer lives for the whole program: A stages of both warpgroups' rows, B stages,
-    # each warpgroup's output tile and scales; a stage has a barrier for full and one for
-    # consumed, and each warpgroup's scales arrive on two.
-    wgs = cfg.compute_wgs
+    # each warpgroup's output tiles, scales (and bias); a stage has a barrier for full and
+    # one for consumed, and each warpgroup's vectors arrive on one each.
+    wgs, vectors = cfg.compute_wgs, 3 if ep.bias else 2
     pipeline = _aligned(stages * wgs * bm * BLOCK_K) + _aligned(stages * bn * BLOCK_K)
-    tiles = (_aligned(wgs * bm * bn * jnp.dtype(out_dtype).itemsize) + _aligned(wgs * bm * 4)
-             + _aligned(wgs * bn * 4))
-    return pipeline + tiles + (2 * stages + 2 * wgs) * BARRIER_BYTES
+    code_bytes = 1 if ep.quantize_output else jnp.dtype(out_dtype).itemsize
+    tiles = _aligned(wgs * bm * bn * code_bytes) + _aligned(wgs * bm * 4)
+    tiles += _aligned(wgs * bn * 4) * (vectors - 1)
+    if ep.quantize_output:
+      tiles += _aligned(wgs * bm * 4)
+    if ep.emit_pre:
+      tiles += _aligned(wgs * bm * bn * jnp.dtype(pre_dtype).itemsize)
+    if ep.block_size is not None or ep.quantize_output:
+      tiles += REDUCTION_SCRATCH_BYTES
+    return pipeline + tiles + (2 * stages + vectors * wgs) * BARRIER_BYTES
   resident = 0 if block_scales else _aligned(bm * 4) + _aligned(bn * 4)
   if ep.bias:
     resident += _aligned(bn * 4)
@@ -139,8 +149,7 @@ def validate_config(cfg: MosaicConfig, dims, ep: epilogue_lib.Epilogue,
   if cfg.compute_wgs not in (1, mosaic_ws.COMPUTE_WGS):
     return f"compute_wgs={cfg.compute_wgs} must be 1 or {mosaic_ws.COMPUTE_WGS}"
   if cfg.compute_wgs > 1:
-    reason = mosaic_ws.unsupported(ep, BLOCK_SCALES if block_scales else ROWWISE_SCALES,
-                                   promote)
+    reason = mosaic_ws.unsupported(BLOCK_SCALES if block_scales else ROWWISE_SCALES, promote)
     if reason:
       return reason
   promote = promote or block_scales
@@ -159,7 +168,8 @@ def validate_config(cfg: MosaicConfig, dims, ep: epilogue_lib.Epilogue,
             f"< N={dims[2]}")
   if cfg.stages < 2:
     return "stages must be >= 2 (each step's operand slots are released a step late)"
-  smem = shared_memory_bytes(cfg, ep, out_dtype, pre_dtype, block_scales)
+  smem = shared_memory_bytes(cfg, ep, out_dtype, pre_dtype, block_scales,
+                             k_steps=-(-dims[3] // BLOCK_K))
   if smem > SMEM_LIMIT:
     return (f"{cfg.stages} stages or the output tiles need {smem} bytes of shared memory "
             f"(> {SMEM_LIMIT}); lower stages or the tile")
@@ -215,7 +225,8 @@ def candidate_configs(dims, ep: epilogue_lib.Epilogue, out_dtype=jnp.bfloat16,
                       block_scales: bool = False):
   """The default tile and the valid ones around it (at most tuning.MAX_CANDIDATES): 64 or
   128 rows, 64 to 256 columns (the block for BlockNorm, whole rows for output
-  quantization), 2 to 4 stages, and for plain rowwise products warp-specialized tiles."""
+  quantization), 2 to 4 stages, and warp-specialized tiles where rowwise scales meet the
+  tensor cores' own accumulation."""
   default = default_config(dims, ep, out_dtype, pre_dtype, promote, block_scales)
   if ep.block_size is not None:
     widths = (ep.block_size,)
@@ -223,14 +234,16 @@ def candidate_configs(dims, ep: epilogue_lib.Epilogue, out_dtype=jnp.bfloat16,
     widths = tuple(w for w in (64, 128, MAX_BLOCK_N) if w >= _row_width(dims[2]))
   else:
     widths = (128, 64, 256)
-  # The warp-specialized tiles first after the default (where the problem allows them), so
-  # the tuner always times some.
-  cands = [default] + [MosaicConfig(bm, bn, stages, mosaic_ws.COMPUTE_WGS)
-                       for bm, bn, stages in ((64, 128, 4), (128, 128, 3), (64, 256, 3))]
+  valid = lambda c: validate_config(c, dims, ep, out_dtype, pre_dtype, promote,
+                                    block_scales) is None
+  # Up to three warp-specialized tiles (where the problem allows them) first after the
+  # default, so the tuner always times some.
+  ws = [MosaicConfig(bm, bn, stages, mosaic_ws.COMPUTE_WGS) for bn in widths
+        for bm, stages in ((64, 4), (128, 3), (64, 2))]
+  cands = [default] + [c for c in ws if valid(c)][:3]
   cands += [MosaicConfig(bm, bn, stages) for bn in widths for bm in (128, 64)
             for stages in (4, 3, 2)]
-  return tuning.filter_candidates(cands, lambda c: validate_config(
-      c, dims, ep, out_dtype, pre_dtype, promote, block_scales) is None)
+  return tuning.filter_candidates(cands, valid)
 
 
 def shape_key(dims, scales: str, precise: bool, ep: epilogue_lib.Epilogue, out_dtype,
@@ -266,14 +279,9 @@ def _kernel(a_g, b_g, sa_g, sb_g, *refs, n_true, cfg, ep, k_steps, scales, preci
   delay = 1 if k_steps > 1 and not promote else 0
   # Interpret mode knows no layouts (and no rule for casting one): values pass unchanged.
   as_layout = (lambda x, _: x) if interpret else plgpu.layout_cast
-  rows = plgpu.Layout.WGMMA.reduce(1)   # one value per accumulator row
-  cols = plgpu.Layout.WGMMA.reduce(0)   # one value per accumulator column
-
-  def by_rows(v):
-    return lax.broadcast_in_dim(as_layout(v, rows), (bm, bn), (0,))
-
-  def by_cols(v):
-    return lax.broadcast_in_dim(as_layout(v, cols), (bm, bn), (1,))
+  rows_of, cols_of = mosaic_epilogue.layouts(interpret)
+  by_rows = lambda v: rows_of(v, (bm, bn))
+  by_cols = lambda v: cols_of(v, (bm, bn))
 
   def scoped(sa_smem, sb_smem, bias_smem, barriers):
     ni, mi, bi = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("b")
@@ -352,22 +360,10 @@ def _kernel(a_g, b_g, sa_g, sb_g, *refs, n_true, cfg, ep, k_steps, scales, preci
         y = y + by_cols(bias_smem[...])
       if ep.emit_pre:
         pre_smem[...] = y.astype(pre_dtype)
-      if ep.block_size is not None:
-        # Padded columns are zero (zero rows of B, zero bias), so the sum of squares needs
-        # no mask; the last, shorter block divides by its own width, as
-        # functional.block_norm.
-        width = jnp.clip(n_true - ni * bn, 1, bn).astype(jnp.float32)
-        mean_square = jnp.sum(y * y, axis=1) / width
-        y = y * lax.broadcast_in_dim(lax.rsqrt(mean_square + ep.eps), (bm, bn), (0,))
-      y = epilogue_lib.activate(y, ep.activation)
+      y, scale = mosaic_epilogue.after_pre(y, ep, n_true - ni * bn, rows_of)
+      o_smem[...] = y if ep.quantize_output else y.astype(out_dtype)
       if ep.quantize_output:
-        # The tile holds whole rows (padded columns are zero, as above): each row's scale
-        # for the next layer, as quantize.quantize's rowwise one.
-        scale = scale_from_amax(jnp.max(finite_abs(y), axis=1), E4M3.max)
-        o_smem[...] = saturating_cast(y / by_rows(scale), E4M3)
         scale_smem[...] = scale
-      else:
-        o_smem[...] = y.astype(out_dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_smem, o_g.at[bi, m_slice, n_slice])
       if ep.quantize_output:
@@ -477,13 +473,15 @@ def gemm(a, b, sa, sb, *, scales: str = ROWWISE_SCALES, precise: bool = False,
   sb_p = _pad_to(sb.astype(jnp.float32), sb.ndim - 1, cfg.block_n, 1.0)
   Mp, Np, Kp = a_p.shape[1], b_p.shape[1], a_p.shape[2]
   args = [a_p, jnp.swapaxes(b_p, 1, 2) if interpret else b_p, sa_p, sb_p]
-  if cfg.compute_wgs > 1:
-    out = mosaic_ws.gemm(*args, block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.stages,
-                         block_k=BLOCK_K, swizzled=_swizzled, out_dtype=out_dtype,
-                         interpret=interpret)
-    return out[:, :M, :N]
   if epilogue.bias:
     args.append(_pad_to(bias.astype(jnp.float32), 0, cfg.block_n))
+  if cfg.compute_wgs > 1:
+    outs = mosaic_ws.gemm(*args[:4], args[4] if epilogue.bias else None, ep=epilogue,
+                          n_true=N, block_m=cfg.block_m, block_n=cfg.block_n,
+                          stages=cfg.stages, block_k=BLOCK_K, swizzled=_swizzled,
+                          out_dtype=jnp.dtype(out_dtype), pre_dtype=jnp.dtype(pre_dtype),
+                          interpret=interpret)
+    return _unpadded(outs, M, N)
   if epilogue.quantize_output:
     out_type = [jax.ShapeDtypeStruct((Bt, Mp, Np), E4M3.dtype),
                 jax.ShapeDtypeStruct((Bt, Mp), jnp.float32)]
@@ -497,7 +495,12 @@ def gemm(a, b, sa, sb, *, scales: str = ROWWISE_SCALES, precise: bool = False,
   call = plgpu.kernel(body, out_type=tuple(out_type), grid=(Np // cfg.block_n,
                       Mp // cfg.block_m, Bt), grid_names=("n", "m", "b"),
                       interpret=interpret)
-  outs = tuple(o[:, :M, :N] if o.ndim == 3 else o[:, :M] for o in call(*args))
+  return _unpadded(call(*args), M, N)
+
+
+def _unpadded(outs, M: int, N: int):
+  """The kernel's outputs less their padding: one array, or a tuple of them."""
+  outs = tuple(o[:, :M, :N] if o.ndim == 3 else o[:, :M] for o in outs)
   return outs[0] if len(outs) == 1 else outs
 
 

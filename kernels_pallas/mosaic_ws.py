@@ -8,11 +8,13 @@ warpgroups read the same B tile of every K step, so a program moves a B tile per
 rows, and while one warpgroup waits on its wgmma the other's runs (the layout of jax's own
 Hopper matmul, `jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu`, on FP8 operands).
 
-It computes what `mosaic_gemm.gemm` computes for a plain epilogue on rowwise scales with the
-tensor cores accumulating the whole K: out[b, m, n] = sum_k A[b, m, k] B[b, n, k] * sa[b, m]
-* sb[b, n]. `mosaic_gemm.gemm` runs it for a `MosaicConfig` with `compute_wgs=2`, a tile the
-tuner may pick on a GPU; operands arrive padded to whole tiles, with B as (B, N, K), or
-(B, K, N) in interpret mode, which reads no transposed shared-memory view.
+It computes what `mosaic_gemm.gemm` computes on rowwise scales with the tensor cores
+accumulating the whole K, epilogue included (`mosaic_epilogue`: bias, BlockNorm, activation,
+the pre-norm value, output quantization), each warpgroup on its own rows. `mosaic_gemm.gemm`
+runs it for a `MosaicConfig` with `compute_wgs=2`, a tile the tuner may pick on a GPU;
+operands arrive padded to whole tiles, with B as (B, N, K), or (B, K, N) in interpret mode,
+which reads no transposed shared-memory view. Nothing of its shared memory is released
+before the epilogue, so its output tiles sit beside the operand stages.
 """
 from __future__ import annotations
 
@@ -22,59 +24,81 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels_pallas import mosaic_epilogue
+
 COMPUTE_WGS = 2       # compute warpgroups a program
 MEMORY_REGISTERS = 40  # registers a thread of the memory warpgroup keeps (jax's Hopper matmul)
 
 
-def unsupported(epilogue, scales: str, precise: bool) -> str | None:
+def unsupported(scales: str, precise: bool) -> str | None:
   """Why the warp-specialized core cannot run this problem (None when it can)."""
-  if not epilogue.is_plain:
-    return f"the warp-specialized core fuses no epilogue (got {epilogue.tag})"
   if scales != "rowwise" or precise:
     return "the warp-specialized core takes rowwise scales accumulated on the tensor cores"
   return None
 
 
-def gemm(a, b, sa, sb, *, block_m: int, block_n: int, stages: int, block_k: int,
-         swizzled, out_dtype, interpret):
-  """out (Bt, Mp, Np) of padded operands: a (Bt, Mp, Kp) e4m3, b (Bt, Np, Kp) e4m3 (or
-  (Bt, Kp, Np) in interpret mode), sa (Bt, Mp), sb (Bt, Np) fp32. Mp is a multiple of
-  2 * block_m, Np of block_n and Kp of block_k. `swizzled(minor, dtype)` gives a tile's
+def gemm(a, b, sa, sb, bias, *, ep, n_true: int, block_m: int, block_n: int, stages: int,
+         block_k: int, swizzled, out_dtype, pre_dtype, interpret):
+  """The padded outputs of padded operands: a (Bt, Mp, Kp) e4m3, b (Bt, Np, Kp) e4m3 (or
+  (Bt, Kp, Np) in interpret mode), sa (Bt, Mp), sb (Bt, Np) fp32, bias (Np,) fp32 or None.
+  Mp is a multiple of 2 * block_m, Np of block_n and Kp of block_k. Returns out (Bt, Mp,
+  Np), or with output quantization its e4m3 codes and (Bt, Mp) scales; plus pre (Bt, Mp,
+  Np) with `ep.emit_pre`, as `mosaic_gemm.gemm`. `swizzled(minor, dtype)` gives a tile's
   shared-memory transforms."""
   bt, mp, kp = a.shape
   np_ = sb.shape[1]
   rows = COMPUTE_WGS * block_m
   k_steps = kp // block_k
   operand = swizzled(block_k, jnp.float8_e4m3fn)
-  as_layout = (lambda x, _: x) if interpret else plgpu.layout_cast
+  rows_of, cols_of = mosaic_epilogue.layouts(interpret is not None)
+  tile = (block_m, block_n)
+  code_dtype = jnp.float8_e4m3fn if ep.quantize_output else out_dtype
 
-  def body(a_g, b_g, sa_g, sb_g, o_g, out_smem, sa_smem, sb_smem, scale_barriers):
+  def body(a_g, b_g, sa_g, sb_g, *refs):
+    refs = list(refs)
+    bias_g = refs.pop(0) if ep.bias else None
+    o_g = refs.pop(0)
+    scale_g = refs.pop(0) if ep.quantize_output else None
+    pre_g = refs.pop(0) if ep.emit_pre else None
+    allocated = iter(refs)
+    out_smem, scale_smem, pre_smem, sa_smem, sb_smem, bias_smem, barriers = (
+        None if s is None else next(allocated) for s in scratch)
     ni, mi, bi = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("b")
     n_slice = pl.ds(ni * block_n, block_n)
 
     def compute(eval_pipeline):
       wg = lax.axis_index("wg")
       m_slice = pl.ds(mi * rows + wg * block_m, block_m)
-      # This warpgroup's row and column scales load while its K loop runs.
-      plgpu.copy_gmem_to_smem(sa_g.at[bi, m_slice], sa_smem.at[wg], scale_barriers.at[wg])
-      plgpu.copy_gmem_to_smem(sb_g.at[bi, n_slice], sb_smem.at[wg],
-                              scale_barriers.at[COMPUTE_WGS + wg])
+      # This warpgroup's row scales, column scales and bias load while its K loop runs.
+      loads = [(sa_g.at[bi, m_slice], sa_smem), (sb_g.at[bi, n_slice], sb_smem)]
+      if ep.bias:
+        loads.append((bias_g.at[n_slice], bias_smem))
+      for i, (src, dst) in enumerate(loads):
+        plgpu.copy_gmem_to_smem(src, dst.at[wg], barriers.at[i * COMPUTE_WGS + wg])
 
       def with_acc(acc_ref):
         eval_pipeline(acc_ref)
         acc = acc_ref[...]
-        plgpu.barrier_wait(scale_barriers.at[wg])
-        plgpu.barrier_wait(scale_barriers.at[COMPUTE_WGS + wg])
-        by_rows = lax.broadcast_in_dim(
-            as_layout(sa_smem[wg], plgpu.Layout.WGMMA.reduce(1)), (block_m, block_n), (0,))
-        by_cols = lax.broadcast_in_dim(
-            as_layout(sb_smem[wg], plgpu.Layout.WGMMA.reduce(0)), (block_m, block_n), (1,))
-        out_smem[wg] = (acc * by_rows * by_cols).astype(out_dtype)
+        for i in range(len(loads)):
+          plgpu.barrier_wait(barriers.at[i * COMPUTE_WGS + wg])
+        y = acc * rows_of(sa_smem[wg], tile) * cols_of(sb_smem[wg], tile)
+        if ep.bias:
+          y = y + cols_of(bias_smem[wg], tile)
+        if ep.emit_pre:
+          pre_smem[wg] = y.astype(pre_dtype)
+        y, scale = mosaic_epilogue.after_pre(y, ep, n_true - ni * block_n, rows_of)
+        out_smem[wg] = y if ep.quantize_output else y.astype(out_dtype)
+        if ep.quantize_output:
+          scale_smem[wg] = scale
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_smem.at[wg], o_g.at[bi, m_slice, n_slice])
+        if ep.quantize_output:
+          plgpu.copy_smem_to_gmem(scale_smem.at[wg], scale_g.at[bi, m_slice])
+        if ep.emit_pre:
+          plgpu.copy_smem_to_gmem(pre_smem.at[wg], pre_g.at[bi, m_slice, n_slice])
         plgpu.wait_smem_to_gmem(0)
 
-      pl.run_scoped(with_acc, plgpu.ACC((block_m, block_n), jnp.float32))
+      pl.run_scoped(with_acc, plgpu.ACC(tile, jnp.float32))
 
     def k_step(_, a_smem, b_smem, acc_ref):
       wg_rows = a_smem.at[pl.ds(lax.axis_index("wg") * block_m, block_m)]
@@ -97,15 +121,25 @@ def gemm(a, b, sa, sb, *, block_m: int, block_n: int, stages: int, block_k: int,
         compute_context=compute)
     pipeline(a_g.at[bi, pl.ds(mi * rows, rows)], b_tiles)
 
+  out_type = [jax.ShapeDtypeStruct((bt, mp, np_), code_dtype)]
+  if ep.quantize_output:
+    out_type.append(jax.ShapeDtypeStruct((bt, mp), jnp.float32))
+  if ep.emit_pre:
+    out_type.append(jax.ShapeDtypeStruct((bt, mp, np_), pre_dtype))
+  vectors = 3 if ep.bias else 2   # row scales, column scales (and bias) of each warpgroup
+  scratch = [
+      plgpu.SMEM((COMPUTE_WGS,) + tile, code_dtype, transforms=swizzled(block_n, code_dtype)),
+      plgpu.SMEM((COMPUTE_WGS, block_m), jnp.float32) if ep.quantize_output else None,
+      plgpu.SMEM((COMPUTE_WGS,) + tile, pre_dtype, transforms=swizzled(block_n, pre_dtype))
+      if ep.emit_pre else None,
+      plgpu.SMEM((COMPUTE_WGS, block_m), jnp.float32),
+      plgpu.SMEM((COMPUTE_WGS, block_n), jnp.float32),
+      plgpu.SMEM((COMPUTE_WGS, block_n), jnp.float32) if ep.bias else None,
+      plgpu.Barrier(num_barriers=vectors * COMPUTE_WGS)]
   call = plgpu.kernel(
-      body, out_type=jax.ShapeDtypeStruct((bt, mp, np_), out_dtype),
+      body, out_type=tuple(out_type),
       grid=(np_ // block_n, mp // rows, bt), grid_names=("n", "m", "b"),
       num_threads=COMPUTE_WGS + 1, thread_name="wg",
-      scratch_types=[
-          plgpu.SMEM((COMPUTE_WGS, block_m, block_n), out_dtype,
-                     transforms=swizzled(block_n, out_dtype)),
-          plgpu.SMEM((COMPUTE_WGS, block_m), jnp.float32),
-          plgpu.SMEM((COMPUTE_WGS, block_n), jnp.float32),
-          plgpu.Barrier(num_barriers=2 * COMPUTE_WGS)],
-      interpret=interpret)
-  return call(a, b, sa, sb)
+      scratch_types=[s for s in scratch if s is not None], interpret=interpret)
+  args = (a, b, sa, sb) + ((bias,) if ep.bias else ())
+  return call(*args)

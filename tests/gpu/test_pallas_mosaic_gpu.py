@@ -25,6 +25,17 @@ from loka_jax.precision import E4M3, ROWWISE, scaling
 DENSE = EinsumSpec.parse("mk,kn->mn")
 
 
+def core_operands(m, k, n, seed):
+  """The core's K-last e4m3 operands (1, M, K) and (1, N, K), per-row scales spread over
+  two decades, and an (N,) bias."""
+  keys = jax.random.split(jax.random.key(seed), 5)
+  a = (jax.random.normal(keys[0], (1, m, k)) * 4).astype(jnp.float8_e4m3fn)
+  b = (jax.random.normal(keys[1], (1, n, k)) * 4).astype(jnp.float8_e4m3fn)
+  sa = jnp.exp(jax.random.uniform(keys[2], (1, m), minval=-2.0, maxval=2.0))
+  sb = jnp.exp(jax.random.uniform(keys[3], (1, n), minval=-2.0, maxval=2.0))
+  return a, b, sa, sb, jax.random.normal(keys[4], (n,))
+
+
 @pytest.mark.parametrize("name", ["pallas_mosaic_fp8_rowwise",
                                   "pallas_mosaic_fp8_rowwise_precise",
                                   "pallas_mosaic_fp8_blockwise"])
@@ -56,12 +67,7 @@ def test_batched(spec_text, lhs, rhs, pass_name):
 def test_core_epilogue_and_pre_norm(m, k, n):
   """The fused epilogue on the tensor cores' accumulator, and the pre-norm value stored
   beside it, against the reference epilogue on the same dequantized operands."""
-  keys = jax.random.split(jax.random.key(m + n), 5)
-  a = (jax.random.normal(keys[0], (1, m, k)) * 4).astype(jnp.float8_e4m3fn)
-  b = (jax.random.normal(keys[1], (1, n, k)) * 4).astype(jnp.float8_e4m3fn)
-  sa = jnp.exp(jax.random.uniform(keys[2], (1, m), minval=-2.0, maxval=2.0))
-  sb = jnp.exp(jax.random.uniform(keys[3], (1, n), minval=-2.0, maxval=2.0))
-  bias = jax.random.normal(keys[4], (n,))
+  a, b, sa, sb, bias = core_operands(m, k, n, seed=m + n)
   ep = Epilogue(bias=True, block_size=256, activation="hard_swish", emit_pre=True)
   out, pre = jax.jit(lambda *x: mosaic_gemm.gemm(*x[:4], epilogue=ep, bias=x[4],
                                                  out_dtype=jnp.float32))(a, b, sa, sb, bias)
@@ -97,12 +103,7 @@ def test_core_output_quantization(m, k, n, block_size, activation):
   """The rowwise e4m3 output (codes and one scale a row) against the library's quantize of
   the same kernel's fp32 output: both come from the same accumulator, so only a division on
   a rounding boundary may move a code, by one step."""
-  keys = jax.random.split(jax.random.key(m + k + n), 5)
-  a = (jax.random.normal(keys[0], (1, m, k)) * 4).astype(jnp.float8_e4m3fn)
-  b = (jax.random.normal(keys[1], (1, n, k)) * 4).astype(jnp.float8_e4m3fn)
-  sa = jnp.exp(jax.random.uniform(keys[2], (1, m), minval=-2.0, maxval=2.0))
-  sb = jnp.exp(jax.random.uniform(keys[3], (1, n), minval=-2.0, maxval=2.0))
-  bias = jax.random.normal(keys[4], (n,))
+  a, b, sa, sb, bias = core_operands(m, k, n, seed=m + k + n)
   ep = Epilogue(bias=True, block_size=block_size, activation=activation)
   quantized = Epilogue(bias=True, block_size=block_size, activation=activation,
                        quantize_output=True)
@@ -118,21 +119,26 @@ def test_core_output_quantization(m, k, n, block_size, activation):
   close(y, mosaic_gemm.reference(da, db, epilogue=ep, bias=bias), rtol=5e-3)
 
 
+WS_PLAIN = Epilogue()
+WS_FUSED = Epilogue(bias=True, block_size=128, activation="hard_swish", emit_pre=True)
+
+
 @pytest.mark.parametrize("m,k,n", [(2048, 256, 768), (8192, 1024, 1024), (333, 200, 300)])
-@pytest.mark.parametrize("tile", [(64, 128, 4, 2), (128, 128, 2, 2), (128, 64, 4, 2)])
-def test_warp_specialized_core(m, k, n, tile):
+@pytest.mark.parametrize("tile,ep", [((64, 128, 4, 2), WS_PLAIN), ((128, 128, 2, 2), WS_PLAIN),
+                                     ((128, 64, 4, 2), WS_PLAIN), ((64, 128, 2, 2), WS_FUSED)])
+def test_warp_specialized_core(m, k, n, tile, ep):
   """The warp-specialized core (a memory warpgroup, two compute warpgroups) against the
   reference on its dequantized operands, and against the 1-warpgroup core, whose wgmma
-  sequence per output tile is the same (fp32 outputs: the widest tiles that fit them)."""
-  keys = jax.random.split(jax.random.key(m + k + n), 4)
-  a = (jax.random.normal(keys[0], (1, m, k)) * 4).astype(jnp.float8_e4m3fn)
-  b = (jax.random.normal(keys[1], (1, n, k)) * 4).astype(jnp.float8_e4m3fn)
-  sa = jnp.exp(jax.random.uniform(keys[2], (1, m), minval=-2.0, maxval=2.0))
-  sb = jnp.exp(jax.random.uniform(keys[3], (1, n), minval=-2.0, maxval=2.0))
-  run = lambda cfg: jax.jit(lambda *x: mosaic_gemm.gemm(*x, out_dtype=jnp.float32,
-                                                        config=cfg))(a, b, sa, sb)
+  sequence and epilogue per output tile are the same (fp32 outputs: the widest tiles that
+  fit them)."""
+  a, b, sa, sb, bias = core_operands(m, k, n, seed=m + k + n)
+  run = lambda cfg: jax.jit(lambda *x: mosaic_gemm.gemm(
+      *x[:4], epilogue=ep, bias=x[4] if ep.bias else None, out_dtype=jnp.float32,
+      config=cfg))(a, b, sa, sb, bias)
   ws = run(mosaic_gemm.MosaicConfig(*tile))
   one = run(mosaic_gemm.MosaicConfig(tile[0], tile[1], 2))
+  ws, one = (x if isinstance(x, tuple) else (x,) for x in (ws, one))
   da, db = a.astype(jnp.float32) * sa[..., None], b.astype(jnp.float32) * sb[..., None]
-  close(ws, mosaic_gemm.reference(da, db), rtol=2e-2)
-  close(ws, one, rtol=1e-5)
+  close(ws[0], mosaic_gemm.reference(da, db, epilogue=ep, bias=bias), rtol=2e-2)
+  for got, want in zip(ws, one):
+    close(got, want, rtol=1e-5)

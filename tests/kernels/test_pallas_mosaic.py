@@ -73,33 +73,46 @@ class MosaicCoreTest(parameterized.TestCase):
   @parameterized.named_parameters(
       # Two batch entries, and M, N and K all short of whole (128, 128) tiles and 128-wide
       # K steps.
-      ("tails_fp32_out", (2, 100, 200, 300), (64, 128, 2, 2), jnp.float32),
-      ("rows_of_128_bf16_out", (1, 256, 256, 512), (128, 128, 3, 2), jnp.bfloat16))
-  def test_warp_specialized_core(self, dims, tile, dtype):
-    # One memory warpgroup feeding two compute warpgroups computes the 1-warpgroup core's
-    # plain product.
-    a, b, sa, sb, _ = _core_operands(jax.random.key(sum(dims) + 2), *dims)
+      ("tails_fp32_out", ep_lib.Epilogue(), (2, 100, 200, 300), (64, 128, 2, 2),
+       jnp.float32),
+      ("rows_of_128_bf16_out", ep_lib.Epilogue(), (1, 256, 256, 512), (128, 128, 3, 2),
+       jnp.bfloat16),
+      ("bias_blocknorm128_hard_swish_pre", ep_lib.Epilogue(
+          bias=True, block_size=128, activation="hard_swish", emit_pre=True),
+       (1, 200, 256, 256), (64, 128, 2, 2), jnp.float32),
+      ("bias_blocknorm256_relu_quantized", ep_lib.Epilogue(
+          bias=True, block_size=256, activation="relu", quantize_output=True),
+       (1, 130, 200, 256), (64, 256, 2, 2), jnp.bfloat16))
+  def test_warp_specialized_core(self, epilogue, dims, tile, dtype):
+    # One memory warpgroup feeding two compute warpgroups, each on its own rows, computes
+    # what the 1-warpgroup core does, epilogue included: the same numbers in interpret mode.
+    a, b, sa, sb, bias = _core_operands(jax.random.key(sum(dims) + 2), *dims)
     cfg = mosaic_gemm.MosaicConfig(*tile)
-    self.assertIsNone(mosaic_gemm.validate_config(cfg, dims, ep_lib.Epilogue(), dtype))
-    out = mosaic_gemm.gemm(a, b, sa, sb, out_dtype=dtype, config=cfg)
-    _assert_close(self, out, _core_reference(a, b, sa, sb, ep_lib.Epilogue(), None),
-                  rtol=1e-5 if dtype == jnp.float32 else 1e-2)
-    text = mosaic_gemm.lowered_for_cuda(
-        lambda *x: mosaic_gemm.gemm(*x, out_dtype=dtype, config=cfg), a, b, sa, sb)
+    self.assertIsNone(mosaic_gemm.validate_config(cfg, dims, epilogue, dtype, dtype))
+    run = lambda c: mosaic_gemm.gemm(a, b, sa, sb, epilogue=epilogue, bias=bias, out_dtype=dtype,
+                                     pre_dtype=dtype, config=c)
+    got, one = run(cfg), run(mosaic_gemm.MosaicConfig(tile[0], tile[1], 2))
+    got, one = (x if isinstance(x, tuple) else (x,) for x in (got, one))
+    self.assertLen(got, len(one))
+    for g, o in zip(got, one):
+      np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(o, np.float32))
+    if not epilogue.quantize_output:
+      _assert_close(self, got[0], _core_reference(a, b, sa, sb, epilogue, bias),
+                    rtol=1e-4 if dtype == jnp.float32 else 1e-2)
+    text = mosaic_gemm.lowered_for_cuda(lambda *x: mosaic_gemm.gemm(
+        *x[:4], epilogue=epilogue, bias=x[4], out_dtype=dtype, pre_dtype=dtype, config=cfg),
+        a, b, sa, sb, bias)
     self.assertIn("mosaic_gpu", text)
 
   def test_warp_specialized_tiles_only_where_they_apply(self):
     dims, ws = (1, 2048, 1024, 1024), mosaic_gemm.MosaicConfig(64, 128, 4, 2)
     plain = ep_lib.Epilogue()
-    self.assertIn(ws, mosaic_gemm.candidate_configs(dims, plain))
-    fused_ep = ep_lib.Epilogue(bias=True, activation="relu")
-    for kw in ({"ep": fused_ep}, {"ep": plain, "promote": True},
-               {"ep": plain, "block_scales": True}):
-      cands = mosaic_gemm.candidate_configs(dims, kw["ep"], promote=kw.get("promote", False),
-                                            block_scales=kw.get("block_scales", False))
+    for ep in (plain, ep_lib.Epilogue(bias=True, block_size=256, activation="relu")):
+      cands = mosaic_gemm.candidate_configs(dims, ep)
+      self.assertBetween(len([c for c in cands if c.compute_wgs == 2]), 1, 3, ep)
+    for kw in ({"promote": True}, {"block_scales": True}):
+      cands = mosaic_gemm.candidate_configs(dims, plain, **kw)
       self.assertEqual([c for c in cands if c.compute_wgs != 1], [], kw)
-    self.assertIn("fuses no epilogue (got bias_relu)",
-                  mosaic_gemm.validate_config(ws, dims, fused_ep))
     self.assertIn("accumulated on the tensor cores",
                   mosaic_gemm.validate_config(ws, dims, plain, promote=True))
     self.assertIn("compute_wgs=3 must be 1 or 2", mosaic_gemm.validate_config(
@@ -186,6 +199,15 @@ class MosaicCoreTest(parameterized.TestCase):
        jnp.float32, (64, 128, 4, 2)),
       ("warp_specialized_256_wide", ep_lib.Epilogue(), mosaic_gemm.ROWWISE_SCALES, False,
        jnp.bfloat16, (64, 256, 3, 2)),
+      ("warp_specialized_blocknorm_pre", ep_lib.Epilogue(
+          bias=True, block_size=128, activation="hard_swish", emit_pre=True),
+       mosaic_gemm.ROWWISE_SCALES, False, jnp.bfloat16, (64, 128, 3, 2)),
+      ("warp_specialized_quantized", ep_lib.Epilogue(bias=True, activation="relu",
+                                                     quantize_output=True),
+       mosaic_gemm.ROWWISE_SCALES, False, jnp.bfloat16, (64, 256, 3, 2), 256),
+      # K = 256 is two K steps: a pipeline keeps no more stages than it has steps.
+      ("stages_past_the_k_steps", ep_lib.Epilogue(), mosaic_gemm.ROWWISE_SCALES, False,
+       jnp.bfloat16, (64, 128, 4, 2), 512, 256),
       ("promoted_fp32_out", ep_lib.Epilogue(), mosaic_gemm.ROWWISE_SCALES, True,
        jnp.float32, (64, 128, 4)),
       ("block_scales", ep_lib.Epilogue(), mosaic_gemm.BLOCK_SCALES, False, jnp.bfloat16,
@@ -199,10 +221,10 @@ class MosaicCoreTest(parameterized.TestCase):
                                                 activation="hard_swish", emit_pre=True),
        mosaic_gemm.ROWWISE_SCALES, False, jnp.float32, (64, 256, 2)))
   def test_shared_memory_is_counted_as_mosaic_allocates(self, ep, scales, precise, dtype,
-                                                        tile, n=512):
+                                                        tile, n=512, k=512):
     # validate_config keeps a tile within a Hopper block's shared memory only if
     # shared_memory_bytes counts what Mosaic GPU will ask for at launch.
-    cfg, (bt, m, k) = mosaic_gemm.MosaicConfig(*tile), (1, 256, 512)
+    cfg, (bt, m) = mosaic_gemm.MosaicConfig(*tile), (1, 256)
     a, b, sa, sb, bias = _core_operands(jax.random.key(21), bt, m, n, k)
     if scales == mosaic_gemm.BLOCK_SCALES:
       sa = jnp.ones((bt, k // mosaic_gemm.BLOCK_K, m))
@@ -216,8 +238,8 @@ class MosaicCoreTest(parameterized.TestCase):
             bias=bias if ep.bias else None, out_dtype=dtype, pre_dtype=dtype, config=cfg),
         a, b, sa, sb, bias)
     self.assertLen(sizes, 1)
-    self.assertEqual(sizes[0], mosaic_gemm.shared_memory_bytes(cfg, ep, dtype, dtype,
-                                                               block_scales))
+    self.assertEqual(sizes[0], mosaic_gemm.shared_memory_bytes(
+        cfg, ep, dtype, dtype, block_scales, k_steps=k // mosaic_gemm.BLOCK_K))
     self.assertLessEqual(sizes[0], mosaic_gemm.SMEM_LIMIT)
 
   def test_default_configs_are_valid(self):
