@@ -68,6 +68,10 @@ class ProbeConfig:
   # dispatch per site, and XLA schedules all sites' updates together; longer to compile,
   # since equal sites no longer share one compiled update.
   one_program: bool = False
+  # Sites equal up to their name (same layout, modes and reservoir) updated together: their
+  # states and operands stacked and one update vmapped over them, so a tower's repeated
+  # layers launch one set of update kernels, not one each.
+  group_sites: bool = False
   # How XLA compiles the pass on a GPU (`PASS_COMPILES`): its products are small statistics
   # GEMMs, for which autotuning Triton tilings costs seconds of compile per function.
   pass_compile: str = "autotuned"
@@ -108,7 +112,7 @@ class ProbeConfig:
 
 # ProbeConfig fields that leave a run's statistics as they are: how the pass compiles (the
 # same statistics up to float accumulation order).
-RUN_ONLY_FIELDS = ("one_program", "pass_compile")
+RUN_ONLY_FIELDS = ("one_program", "group_sites", "pass_compile")
 
 
 def budgeted_gap(cadence: int, cost_s: Optional[float], step_s: Optional[float],
@@ -320,9 +324,31 @@ def _update_key(site: SiteProbe, config: ProbeConfig):
   return (site.layout, tuple(sorted(site.modes.items())), site.reservoir_capacity, config)
 
 
+def site_groups(sites: Mapping[str, SiteProbe], config: ProbeConfig) -> List[List[str]]:
+  """The sites' names in groups of sites equal up to their name (one compiled update each),
+  in order of first appearance."""
+  groups: Dict[Any, List[str]] = {}
+  for name, site in sites.items():
+    groups.setdefault(_update_key(site, config), []).append(name)
+  return list(groups.values())
+
+
+def _grouped(update):
+  """`update(state, lhs, rhs, grad, key, observation)` of one site as one update of a group
+  of equal sites: lists of each in, the list of new states out, vmapped over the group."""
+  def run(states, lhs, rhs, grads, keys, observation):
+    stack = lambda trees: jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
+    out = jax.vmap(update, in_axes=(0, 0, 0, 0, 0, None))(
+        stack(states), jnp.stack(lhs), jnp.stack(rhs), jnp.stack(grads), jnp.stack(keys),
+        observation)
+    return [jax.tree.map(lambda x, i=i: x[i], out) for i in range(len(states))]
+  return run
+
+
 def statistics_functions(sites: Mapping[str, SiteProbe], config: ProbeConfig) -> int:
   """The functions the statistics pass compiles: its extract stage and one update per
-  distinct site, or one program (`ProbeConfig.one_program`)."""
+  distinct site (per group of equal sites with `ProbeConfig.group_sites`), or one program
+  (`ProbeConfig.one_program`)."""
   if config.one_program:
     return 1
   return 1 + len({_update_key(site, config) for site in sites.values()})
@@ -378,11 +404,10 @@ class StatisticsPass:
     def whole(state, variables, batch, rng, key):
       operands = extract(variables, batch, rng)
       keys = jax.random.split(key, len(self.sites))
-      new_sites = {names[name]: update_of(site)(state["sites"][names[name]],
-                                                *operands[names[name]], keys[i],
-                                                state["observations"])
-                   for i, (name, site) in enumerate(self.sites.items())}
-      return {"observations": state["observations"] + 1, "sites": new_sites}
+      return {"observations": state["observations"] + 1,
+              "sites": self._update_all(
+                  lambda site: _grouped(update_of(site)) if config.group_sites
+                  else update_of(site), state, operands, keys)}
 
     donated = (0,) if donate else ()
     jit = functools.partial(jax.jit, compiler_options=PASS_COMPILES[config.pass_compile] or None)
@@ -393,20 +418,36 @@ class StatisticsPass:
     for site in self.sites.values():
       key = _update_key(site, config)
       if key not in self.updates and not config.one_program:
-        self.updates[key] = executables.autotuned(jit(update_of(site), donate_argnums=donated))
+        update = _grouped(update_of(site)) if config.group_sites else update_of(site)
+        self.updates[key] = executables.autotuned(jit(update, donate_argnums=donated))
+
+  def _update_all(self, update_for, state, operands, keys):
+    """Every site's new state: `update_for(site)` run per site, or per group of equal sites
+    on lists (`ProbeConfig.group_sites`); site i draws from keys[i] either way."""
+    index = {name: i for i, name in enumerate(self.sites)}
+    new_sites = {}
+    for members in (site_groups(self.sites, self.config) if self.config.group_sites
+                    else [[name] for name in self.sites]):
+      ks = [self.names[name] for name in members]
+      args = ([state["sites"][k] for k in ks], *map(list, zip(*(operands[k] for k in ks))),
+              [keys[index[name]] for name in members])
+      update = update_for(self.sites[members[0]])
+      if self.config.group_sites:
+        new = update(*args, state["observations"])
+      else:
+        new = [update(*(a[0] for a in args), state["observations"])]
+      new_sites.update(zip(ks, new))
+    return new_sites
 
   def __call__(self, state, variables, batch, rng, key):
     if self.whole is not None:
       return executables.call(self.whole, state, variables, batch, rng, key)
     operands = executables.call(self.extract, variables, batch, rng)
     keys = jax.random.split(key, len(self.sites))
-    new_sites = {}
-    for i, (name, site) in enumerate(self.sites.items()):
-      k = self.names[name]
-      new_sites[k] = executables.call(self.updates[_update_key(site, self.config)],
-                                      state["sites"][k], *operands[k], keys[i],
-                                      state["observations"])
-    return {"observations": state["observations"] + 1, "sites": new_sites}
+    staged = lambda site: functools.partial(
+        executables.call, self.updates[_update_key(site, self.config)])
+    return {"observations": state["observations"] + 1,
+            "sites": self._update_all(staged, state, operands, keys)}
 
   def compile_jobs(self, state, variables, batch, rng, key) -> List[executables.Job]:
     """What the first observation compiles, as `executables.Precompiler` jobs: the extract
@@ -416,14 +457,15 @@ class StatisticsPass:
       return [(self.whole, (state, variables, batch, rng, key))]
     operands = jax.eval_shape(self.extract, variables, batch, rng)
     site_key = jax.eval_shape(lambda k: jax.random.split(k, len(self.sites))[0], key)
-    jobs, seen = [(self.extract, (variables, batch, rng))], set()
-    for name, site in self.sites.items():
-      update_key = _update_key(site, self.config)
-      if update_key not in seen:
-        seen.add(update_key)
-        k = self.names[name]
-        jobs.append((self.updates[update_key],
-                     (state["sites"][k], *operands[k], site_key, state["observations"])))
+    jobs = [(self.extract, (variables, batch, rng))]
+    for members in site_groups(self.sites, self.config):
+      ks = [self.names[name] for name in (members if self.config.group_sites else members[:1])]
+      args = ([state["sites"][k] for k in ks], *map(list, zip(*(operands[k] for k in ks))),
+              [site_key] * len(ks))
+      if not self.config.group_sites:
+        args = tuple(a[0] for a in args)
+      jobs.append((self.updates[_update_key(self.sites[members[0]], self.config)],
+                   (*args, state["observations"])))
     return jobs
 
 
