@@ -50,7 +50,8 @@ def gemm(a, b, sa, sb, bias, *, ep, n_true: int, block_m: int, block_n: int, sta
   rows = COMPUTE_WGS * block_m
   k_steps = kp // block_k
   operand = swizzled(block_k, jnp.float8_e4m3fn)
-  rows_of, cols_of = mosaic_epilogue.layouts(interpret is not None)
+  interpreted = interpret is not None   # `interpret`: the GPU interpret mode's parameters
+  rows_of, cols_of = mosaic_epilogue.layouts(interpreted)
   tile = (block_m, block_n)
   code_dtype = jnp.float8_e4m3fn if ep.quantize_output else out_dtype
 
@@ -102,11 +103,11 @@ def gemm(a, b, sa, sb, bias, *, ep, n_true: int, block_m: int, block_n: int, sta
 
     def k_step(_, a_smem, b_smem, acc_ref):
       wg_rows = a_smem.at[pl.ds(lax.axis_index("wg") * block_m, block_m)]
-      plgpu.wgmma(acc_ref, wg_rows, b_smem if interpret else b_smem.transpose((1, 0)))
+      plgpu.wgmma(acc_ref, wg_rows, b_smem if interpreted else b_smem.transpose((1, 0)))
       plgpu.wgmma_wait(0)
       return acc_ref
 
-    if interpret:
+    if interpreted:
       b_spec = plgpu.BlockSpec((block_k, block_n), lambda k: (k, 0),
                                transforms=swizzled(block_n, jnp.float8_e4m3fn))
       b_tiles = b_g.at[bi, :, n_slice]

