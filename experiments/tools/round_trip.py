@@ -4,14 +4,14 @@ on this device, and what the fused GEMM's reference and the probe's underflow co
   python3 -m experiments.measure round_trip [--shape=2048x512x1024] [--cores=triton,mosaic_gpu]
 
 On heavy-tailed operands x (M, K) and w (K, N), e4m3 rowwise, with a bias and ReLU, it prints
-each result's largest error relative to the largest output, against the float64 product of the
-quantized operands (the codes of the library's quantize run op by op) and against the float64 product of the
-unquantized ones: the fused kernels on --cores, `fused_dense_reference` jitted and run op by op,
-and a bare cast round trip jitted without `QTensor.dequantize`'s barrier. XLA:GPU, under its
-default excess precision, simplifies that bare round trip away. Then the underflow
-`flush_fractions` reads in one program, beside the share of the cast's zero codes, on x with
-8 columns scaled by 1e-6. --cores=
-(empty) leaves the kernels out (on a CPU they run in interpret mode, slowly at large shapes).
+each result's largest error relative to the largest output, against the float64 product of
+the quantized operands (the codes of the library's quantize run op by op) and against the
+float64 product of the unquantized ones: the fused kernels on --cores, `fused_dense_reference`
+jitted and run op by op, and a bare cast round trip jitted without `QTensor.dequantize`'s
+barrier. XLA:GPU, under its default excess precision, simplifies that bare round trip away.
+Then the underflow `flush_fractions` reads in one program, beside the share of the cast's zero
+codes, on x with 8 columns scaled by 1e-6. --cores= (empty) leaves the kernels out (on a CPU
+they run in interpret mode, slowly at large shapes).
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def compare(m: int, k: int, n: int, seed: int = 11,
   results["reference, op by op"] = fused.fused_dense_reference(x, w, **kw)
 
   def bare(v, axis):   # the cast round trip without dequantize's barrier
-    scale = jnp.max(jnp.abs(v), axis=axis, keepdims=True) / 448.0
+    scale = jnp.max(jnp.abs(v), axis=axis, keepdims=True) / E4M3.max
     return (v / scale).astype(jnp.float8_e4m3fn).astype(jnp.float32) * scale
 
   results["bare cast, one program"] = jax.jit(lambda x, w: jax.nn.relu(jnp.dot(
@@ -93,7 +93,7 @@ def main(argv):
   errors, (read, cast) = compare(m, k, n, cores=[c for c in CORES.value if c])
   print(f"[round_trip] {jax.devices()[0].device_kind}, jax {jax.__version__}, "
         f"{m}x{k}x{n}, e4m3 rowwise, bias + ReLU")
-  print(f"| result | vs quantized fp64 | vs unquantized fp64 |\n|---|---|---|")
+  print("| result | vs quantized fp64 | vs unquantized fp64 |\n|---|---|---|")
   for name, (quantized, unquantized) in errors.items():
     print(f"| {name} | {quantized:.2e} | {unquantized:.2e} |")
   print(f"underflow of x: read in one program {read:.3e}, the cast's zero codes {cast:.3e}")

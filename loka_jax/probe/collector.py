@@ -373,6 +373,12 @@ class StatisticsPass:
     self.config = config
     self.names = state_keys(sites)
     names = self.names
+    # Which sites one update call takes (groups of equal sites, or each alone), and each
+    # site's index into the observation's keys: fixed for the pass.
+    self._groups = site_groups(self.sites, config)
+    self._updated_together = (self._groups if config.group_sites
+                              else [[name] for name in self.sites])
+    self._key_index = {name: i for i, name in enumerate(self.sites)}
 
     def extract(variables, batch, rng):
       if on_trace is not None:
@@ -424,13 +430,11 @@ class StatisticsPass:
   def _update_all(self, update_for, state, operands, keys):
     """Every site's new state: `update_for(site)` run per site, or per group of equal sites
     on lists (`ProbeConfig.group_sites`); site i draws from keys[i] either way."""
-    index = {name: i for i, name in enumerate(self.sites)}
     new_sites = {}
-    for members in (site_groups(self.sites, self.config) if self.config.group_sites
-                    else [[name] for name in self.sites]):
+    for members in self._updated_together:
       ks = [self.names[name] for name in members]
       args = ([state["sites"][k] for k in ks], *map(list, zip(*(operands[k] for k in ks))),
-              [keys[index[name]] for name in members])
+              [keys[self._key_index[name]] for name in members])
       update = update_for(self.sites[members[0]])
       if self.config.group_sites:
         new = update(*args, state["observations"])
@@ -458,7 +462,7 @@ class StatisticsPass:
     operands = jax.eval_shape(self.extract, variables, batch, rng)
     site_key = jax.eval_shape(lambda k: jax.random.split(k, len(self.sites))[0], key)
     jobs = [(self.extract, (variables, batch, rng))]
-    for members in site_groups(self.sites, self.config):
+    for members in self._groups:
       ks = [self.names[name] for name in (members if self.config.group_sites else members[:1])]
       args = ([state["sites"][k] for k in ks], *map(list, zip(*(operands[k] for k in ks))),
               [site_key] * len(ks))
