@@ -60,7 +60,6 @@ def main(argv):
     xla_env.add_xla_flags(xla_env.DETERMINISTIC)
   experiment.quiet_library_logs()
   workdir = WORKDIR.value
-  ablation.use_compile_cache(config.compile_cache or os.path.join(workdir, "jax_cache"))
   try:
     result = ablation.run(settings, workdir, log=lambda line: print(line, flush=True),
                           should_stop=time_limit.stop_after(60 * config.max_minutes))

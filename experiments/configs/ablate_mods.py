@@ -62,6 +62,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Start no arm or timing row expected to end after this many minutes (by the longest
   # finished one of its kind; rerun to continue); 0: no limit.
   config.max_minutes = 6.5
-  # Persistent compilation cache; unset: WORKDIR/jax_cache.
-  config.compile_cache = config_dict.placeholder(str)
+  # Persistent XLA compilation cache: unset, $JAX_COMPILATION_CACHE_DIR or
+  # ~/.cache/loka_jax/jax_cache; '' turns it off. Reruns load executables instead of compiling.
+  config.compilation_cache = config_dict.placeholder(str)
   return config

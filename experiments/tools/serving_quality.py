@@ -24,8 +24,9 @@ TARGET = flags.DEFINE_string("target", None, "model/preset, or tower/BxWIDTHxDEP
                              required=True)
 PLANS = flags.DEFINE_string("plans_dir", None, "The bench's plan folder (WORKDIR/plans).",
                             required=True)
-PROBE_STEPS = flags.DEFINE_integer("probe_steps", 100, "The bench's --probe_steps.")
-BATCH = flags.DEFINE_integer("batch_size", 0, "The bench's --batch_size (0: the preset's).")
+PROBE_STEPS = flags.DEFINE_integer("probe_steps", 100, "The bench's config.probe.steps.")
+BATCH = flags.DEFINE_integer("batch_size", 0,
+                             "The bench's config.targets.batch_size (0: the preset's).")
 OUT = flags.DEFINE_string("out", None,
                           "JSON file (default: PLAN_FOLDER/serving_quality_report.json).")
 
