@@ -487,6 +487,7 @@ class TrainRunValveTest(chex.TestCase):
                                   drift_compile_ahead=False)
     # The command line takes the valve's settings (no budget, no compile ahead): it refreshes
     # at steps 3 and 6, says what they cost, and the run's config.json records the settings.
+    # `experiments.train` runs `valve_lib.run`: its final metrics are the command's stdout.
     cli_dir = os.path.join(root, "cli")
     run = run_module("experiments.train", "--config.run.model=wukong",
                      "--config.run.preset=tiny", "--config.run.mods=all",
@@ -496,24 +497,21 @@ class TrainRunValveTest(chex.TestCase):
                      "--config.run.batch_size=64", "--config.run.num_eval=256",
                      "--config.train.log_every=3", f"--workdir={cli_dir}", timeout=300)
     self.assertEqual(run.returncode, 0, run.stderr[-3000:])
-    self.assertEqual(json.loads(run.stdout)["steps"], 6)
+    final = json.loads(run.stdout)
+    self.assertEqual(final["steps"], 6)
+    self.assertTrue(np.isfinite(final["logloss"]))
     self.assertRegex(run.stderr, r"\[drift\] 2 refreshes in this process \([0-9.]+ s; the "
                      r"first [0-9.]+ s\), [0-9]+ switches: [0-9.]+% of its training time")
     with open(os.path.join(cli_dir, "config.json")) as f:
       run_info = json.load(f)["run"]
     self.assertEqual((run_info["drift_max_overhead"], run_info["drift_compile_ahead"]),
                      (0.0, False))
-    workdir = os.path.join(root, "run")
-    final = valve_lib.run(run_spec, workdir, TrainConfig(
-        steps=6, batch_size=64, progress=False, log_every=3, checkpoint_every=3))
-    self.assertEqual(final["steps"], 6)
-    self.assertTrue(np.isfinite(final["logloss"]))
     # The final metrics say what the refreshes (at steps 3 and 6) cost.
     self.assertEqual(final["drift"]["refreshes"], 2)
     self.assertEqual(len(final["drift"]["seconds"]), 2)
     self.assertGreater(final["drift"]["share"], final["drift"]["share_after_first"])
     # The valve's plan rides in the run's checkpoints (what a resumed run continues with).
-    step, saved = valve_lib.checkpoint_plan(workdir)
+    step, saved = valve_lib.checkpoint_plan(cli_dir)
     self.assertEqual(step, 6)
     self.assertEqual(saved.kernel_digest(), result.plan.kernel_digest())
     # A plan whose provenance names no report cannot guard anything: refused up front.

@@ -19,13 +19,13 @@ class DelayedWarmupCliTest(absltest.TestCase):
     workdir = tempfile.mkdtemp(prefix="loka_delayed_warmup_")
     got = run_cli("--model=dlrm", "--preset=tiny", "--steps=30", "--batch_size=64",
                   "--samples=4", "--kernels=xla_bf16,flax_fp8_delayed",
-                  "--sites=top_mlp/dense_[01]$", f"--workdir={workdir}")
+                  "--sites=top_mlp/dense_0$", f"--workdir={workdir}")
     self.assertEqual(got.returncode, 0, got.stderr[-3000:])
     with open(os.path.join(workdir, "delayed_warmup.json")) as f:
       out = json.load(f)
     self.assertEqual(out["chunks"], {"itself": [1], "others": [4]})
     # Every site's three passes, each with both readings; the trained statistics are one.
-    self.assertEqual(len(out["rows"]), 3 * 2)   # the two sites asked for
+    self.assertEqual(len(out["rows"]), 3)   # the one site asked for
     self.assertTrue(any(r["sqnr_db_lo"][0] != r["sqnr_db_lo"][1] for r in out["rows"]))
     self.assertIn("| site | pass | kernel |", got.stdout)
     reports = [json.load(open(os.path.join(workdir, w, "probe_report.json")))

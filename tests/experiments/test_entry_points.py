@@ -157,17 +157,19 @@ class OverrideReachesTheRunTest(absltest.TestCase):
     self.assertIn("| gemm_m64_k200_n96 | xla_fp8_tensorwise |", done.stdout)
 
   def test_bench_parallel(self):
-    # One device on the CPU: the fields reach the speed and loss rows written.
+    # One device on the CPU, DLRM (the cheapest tower to compile): the fields reach the speed
+    # and loss rows written.
     workdir = tempfile.mkdtemp()
     done = run_module("experiments.bench_parallel", f"--workdir={workdir}",
-                      "--config.run.presets=tiny", "--config.parallel.devices=1",
+                      "--config.run.model=dlrm", "--config.run.presets=tiny",
+                      "--config.parallel.devices=1",
                       "--config.speed.repeats=3", "--config.loss.steps=4", SUITE_CACHE,
                       timeout=300)
     self.assertEqual(done.returncode, 0, done.stderr[-2000:])
     with open(os.path.join(workdir, "parallel.jsonl")) as f:
       rows = [json.loads(line) for line in f]
-    self.assertEqual([(r["kind"], r["preset"], r["variant"]) for r in rows],
-                     [("speed", "tiny", "all"), ("loss", "tiny", "1dev")])
+    self.assertEqual([(r["kind"], r["model"], r["preset"], r["variant"]) for r in rows],
+                     [("speed", "dlrm", "tiny", "all"), ("loss", "dlrm", "tiny", "1dev")])
     self.assertEqual((rows[0]["repeats"], rows[1]["loss_steps"]), (3, 4))
     wrong = run_module("experiments.bench_parallel", f"--workdir={workdir}",
                        "--config.parallel.scaling=wide", timeout=120)
@@ -262,7 +264,10 @@ class CompilationCacheTest(absltest.TestCase):
   def test_a_train_run_fills_the_cache(self):
     with tempfile.TemporaryDirectory() as tmp:
       cache = os.path.join(tmp, "jax_cache")
-      with mock.patch.dict(os.environ, {"JAX_COMPILATION_CACHE_DIR": cache}):
+      # In a fresh interpreter (LOKA_TEST_FRESH_CLI): run_module's warm one, serving the
+      # suite's environment, would restart for this environment and again for the next CLI.
+      with mock.patch.dict(os.environ, {"JAX_COMPILATION_CACHE_DIR": cache,
+                                        "LOKA_TEST_FRESH_CLI": "1"}):
         out = run_module("experiments.train", f"--workdir={tmp}/run",
                          "--config.run.model=dlrm", "--config.run.steps=2",
                          "--config.run.batch_size=32",

@@ -8,10 +8,13 @@ validation. Each kill is placed by what the run has written so far (a progress l
 committed checkpoint): the k-th event of the stage (k drawn from the stage's seed) and then a
 short random delay; the test checks from the killed run's output that the stage had not
 ended, and from the rerun's that it did no piece of work again that the killed run had
-reported done. A run killed in a later stage starts in a workdir holding the files the
-uninterrupted run had written when it reached that stage (what a run killed there has on
-disk besides the stage's own), so it goes straight to it. What may differ between the runs is wall-clock: creation times, durations, the probe's
-measured overhead and, on the CPU, the measured kernel times, and the digests over them.
+reported done. The main job is killed in (a), (b) and (d) in turn in one workdir: each rerun
+resumes the run killed before it, finishes that run's stage and is killed in the next one; the
+last rerun runs to the end. The probe is killed in (c) in a workdir holding the files the
+uninterrupted probe had written when it reached the timing (what a probe killed there has on
+disk besides the stage's own), so it goes straight to it. What may differ between the runs is
+wall-clock: creation times, durations, the probe's measured overhead and, on the CPU, the
+measured kernel times, and the digests over them.
 
 The dlrm `tiny` tower with a 10-step probe is the cheapest run whose plan holds FP8 sites
 after the held-out check backs some of them off over three rounds.
@@ -33,7 +36,6 @@ from loka_jax.dispatch import select
 from loka_jax.probe.report import load_report
 
 SEED = 7
-SETTINGS = "job_settings.json"   # the main job's settings, recorded when it starts
 # Wall-clock fields, the workdir's own path, and the digests that cover them.
 VOLATILE = {"created", "report_created", "time", "seconds", "report_path", "sha256",
             "report_sha256", "overhead"}
@@ -146,34 +148,76 @@ class KillResumeCase(chex.TestCase):
       (shutil.copytree if os.path.isdir(source) else shutil.copy2)(source, target)
     return workdir
 
-  def kill_then_rerun(self, workdir, killer, stage_end, work=None, on_killed=None):
-    """Runs the job in `workdir` until `killer` kills it, checks that the output then lacked
-    `stage_end` (the kill fell inside the stage), and reruns it to its end. `work`: a
-    pattern of the output lines that report a piece of work done (and kept); the rerun does
-    none of the pieces the killed run reported again. `on_killed()`: called between the
-    runs (to read what the killed run left)."""
-    name = os.path.basename(workdir)
-    killed = self.run_job(workdir, killer)
+  def assertResumed(self, name, killed, again, stage_end, work=None):
+    """`killed`: a run killed in a stage (its output then lacks `stage_end`); `again`: the
+    rerun in its workdir, which finished that stage (to the end of the job, or until killed
+    in a later stage). `work`: a pattern of the output lines that report a piece of work done
+    (and kept); the rerun does none of the pieces the killed run reported again."""
     self.assertEqual(killed.returncode, -signal.SIGKILL,
                      f"{name}: the run was not killed\n{killed.stdout[-2000:]}"
                      f"{killed.stderr[-2000:]}")
     self.assertNotIn(stage_end, killed.stdout,
                      f"{name}: the kill fell after the stage it was meant for")
-    if on_killed is not None:
-      on_killed()
-    again = self.run_job(workdir)
-    self.assertEqual(again.returncode, 0, again.stdout[-2000:] + again.stderr[-3000:])
+    self.assertIn(again.returncode, (0, -signal.SIGKILL),
+                  again.stdout[-2000:] + again.stderr[-3000:])
+    self.assertIn(stage_end, again.stdout, f"{name}: the rerun did not finish the stage\n"
+                  f"{again.stdout[-2000:]}{again.stderr[-3000:]}")
     if work is not None:
       before = re.findall(work, killed.stdout, re.M)
       self.assertNotEmpty(before, f"{name}: the kill came before any work of the stage")
       self.assertEmpty(set(before) & set(re.findall(work, again.stdout, re.M)),
                        f"{name}: the rerun did again what the killed run had done")
 
+  def kill_then_rerun(self, workdir, killer, stage_end, work=None):
+    """Runs the job in `workdir` until `killer` kills it, then reruns it to its end; checks
+    both with `assertResumed`."""
+    killed = self.run_job(workdir, killer)
+    again = self.run_job(workdir)
+    self.assertEqual(again.returncode, 0, again.stdout[-2000:] + again.stderr[-3000:])
+    self.assertResumed(os.path.basename(workdir), killed, again, stage_end, work)
+
 
 class MainJobKillTest(KillResumeCase):
   MODULE = "experiments.loka"
   FLAGS = MAIN_FLAGS
   PREFIX = "loka_kill_main_"
+  # The stages the job is killed in, in turn, and the start of the line its output has once
+  # the stage ended.
+  STAGES = (("statistics", "[probe] trained to step"),
+            ("evaluation", "[probe] evaluation phase"),
+            ("validation", "[pipeline] plan: "))
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.workdir = os.path.join(cls.root, "killed")
+    metrics = os.path.join(cls.workdir, "probe", "metrics.jsonl")
+    killers = {
+        # Just after the probe's checkpoint at step 5, an observation step (the next is at
+        # 10): the rerun resumes from it, and must observe at step 10, not 6.
+        "statistics": KillAt("statistics", max_delay=0.05,
+                             path=os.path.join(cls.workdir, "probe", "checkpoints", "5")),
+        # After the first of the probe's three sites (each takes 0.1-0.5 s).
+        "evaluation": KillAt("evaluation", r"^\[probe\] evaluated \d+/", max_delay=0.15),
+        # Among the held-out rounds' site measurements (saved one by one in
+        # plan_validating.json).
+        "validation": KillAt("validation", r"^\[pipeline\] quality_held_out round \d+, site",
+                             count=(1, 3)),
+    }
+    # Each run's output, and the probe's metrics lines when it ended.
+    cls.runs, cls.metrics = [], []
+    for stage, _ in cls.STAGES:
+      cls.runs.append(cls.run_job(cls.workdir, killers[stage]))
+      cls.metrics.append(lines_of(metrics) if os.path.exists(metrics) else [])
+    cls.runs.append(cls.run_job(cls.workdir))
+    cls.metrics.append(lines_of(metrics))
+
+  def assertKilledThenResumed(self, stage, work=None):
+    """The run killed in `stage`, and its rerun: see `assertResumed`."""
+    i = [name for name, _ in self.STAGES].index(stage)
+    self.assertResumed(stage, self.runs[i], self.runs[i + 1], self.STAGES[i][1], work)
+    last = self.runs[-1]
+    self.assertEqual(last.returncode, 0, last.stdout[-2000:] + last.stderr[-3000:])
 
   def assertSameOutcome(self, workdir):
     plan, expected = (read_json(os.path.join(d, "plan.json")) for d in (workdir, self.reference))
@@ -191,46 +235,30 @@ class MainJobKillTest(KillResumeCase):
     self.assertTrue(os.path.exists(os.path.join(workdir, "report.md")))
 
   def test_killed_in_the_statistics_pass(self):
-    # Just after the probe's checkpoint at step 5, an observation step (the next is at 10):
-    # the rerun resumes from it, and must observe at step 10, not 6.
-    workdir = self.workdir_at("statistics")
-    killer = KillAt("statistics", path=os.path.join(workdir, "probe", "checkpoints", "5"),
-                    max_delay=0.05)
-    # The probe writes a metrics line at each checkpoint (5, 10), before saving it. A rerun
-    # keeps the lines up to the step it resumes from as they are and writes the later ones;
-    # one that trained from step 0 again would write line 5 anew (its time and speed differ).
-    metrics = os.path.join(workdir, "probe", "metrics.jsonl")
-    killed_lines = []
-    self.kill_then_rerun(workdir, killer, "[probe] trained to step",
-                         on_killed=lambda: killed_lines.extend(lines_of(metrics)))
-    kept = [line for line in killed_lines if json.loads(line)["step"] <= 5]
+    # The first run, from an empty workdir. The probe writes a metrics line at each checkpoint
+    # (5, 10), before saving it. A rerun keeps the lines up to the step it resumes from as
+    # they are and writes the later ones; one that trained from step 0 again would write line
+    # 5 anew (its time and speed differ).
+    self.assertKilledThenResumed("statistics")
+    kept = [line for line in self.metrics[0] if json.loads(line)["step"] <= 5]
     self.assertEqual([json.loads(line)["step"] for line in kept], [5])
-    rerun = lines_of(metrics)
-    self.assertEqual([json.loads(line)["step"] for line in rerun], [5, 10])
-    self.assertEqual(rerun[0], kept[0], "the rerun trained the checkpoint's steps again")
-    self.assertSameOutcome(workdir)
+    for rerun in self.metrics[1:]:   # the rerun trained to its end; the later ones kept it
+      self.assertEqual([json.loads(line)["step"] for line in rerun], [5, 10])
+      self.assertEqual(rerun[0], kept[0], "the rerun trained the checkpoint's steps again")
+    self.assertSameOutcome(self.workdir)
 
   def test_killed_in_the_per_site_evaluation(self):
-    # From the trained probe (its checkpoints, statistics inside), after the first of its
-    # three sites (each takes 0.1-0.5 s).
-    workdir = self.workdir_at("evaluation", [SETTINGS] + [
-        os.path.join("probe", n) for n in ("checkpoints", "config.json", "metrics.jsonl",
-                                           "final.json")])
-    killer = KillAt("evaluation", r"^\[probe\] evaluated \d+/", max_delay=0.15)
-    self.kill_then_rerun(workdir, killer, "[probe] evaluation phase",
-                         work=r"^\[probe\] evaluated \d+/\d+ (\S+)")
-    self.assertSameOutcome(workdir)
+    # The rerun of the run killed in the statistics pass: the probe trained (its checkpoints,
+    # statistics inside), then killed among its sites.
+    self.assertKilledThenResumed("evaluation", work=r"^\[probe\] evaluated \d+/\d+ (\S+)")
+    self.assertSameOutcome(self.workdir)
 
   def test_killed_in_the_validation(self):
-    # From the probe report and the selected plan, among the held-out rounds' site
-    # measurements (saved one by one in plan_validating.json).
-    workdir = self.workdir_at("validation", [SETTINGS, "probe", "probe_report.json",
-                                             "plan_selected.json"])
-    killer = KillAt("validation", r"^\[pipeline\] quality_held_out round \d+, site",
-                    count=(1, 3))
-    self.kill_then_rerun(workdir, killer, "[pipeline] plan: ",
-                         work=r"^\[pipeline\] quality_held_out round (\d+), site (\S+):")
-    self.assertSameOutcome(workdir)
+    # The rerun of the run killed in the evaluation: the probe report and the selected plan
+    # written, then killed among the held-out rounds.
+    self.assertKilledThenResumed(
+        "validation", work=r"^\[pipeline\] quality_held_out round (\d+), site (\S+):")
+    self.assertSameOutcome(self.workdir)
 
 
 class ProbeKillTest(KillResumeCase):

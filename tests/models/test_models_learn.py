@@ -14,6 +14,10 @@ from loka_jax.train import TrainConfig, train
 # while the held-out NE after 120 steps stays where two layers leave it (InterFormer 0.934
 # either way, DHEN 0.905 vs 0.915).
 ONE_LAYER = ("dhen", "interformer")
+# InterFormer trains on batches of 128: its steps (attention over the sequences) are most of
+# its run, and after 120 steps its held-out NE is where batches of 256 leave it (0.933 vs
+# 0.934); the other towers' runs are mostly compiles.
+BATCH_SIZE = {"interformer": 128}
 
 
 class TinyModelsLearnTest(parameterized.TestCase):
@@ -27,8 +31,8 @@ class TinyModelsLearnTest(parameterized.TestCase):
                          seed=0, num_eval=4096)
     final = train(build_model(config, source.features, SiteConfig.for_precision("bf16")),
                   source, tempfile.mkdtemp(), TrainConfig(
-                      steps=120, batch_size=256, log_every=120, checkpoint_every=0,
-                      progress=False))
+                      steps=120, batch_size=BATCH_SIZE.get(model, 256), log_every=120,
+                      checkpoint_every=0, progress=False))
     # NE 1.0 is predicting the base rate; the teacher's own NE is ~0.8.
     self.assertLess(final["ne"], 0.96, final)
     self.assertGreater(final["ne"], final["oracle_ne"] - 0.02, final)

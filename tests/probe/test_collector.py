@@ -295,8 +295,8 @@ class TrainingLoopTest(chex.TestCase):
     # step (as the probe runner does): every call of the pass takes an executable compiled
     # ahead, none goes through jit, and the statistics equal those of the pass compiled on
     # first call.
-    config = TrainConfig(steps=5, batch_size=BATCH, checkpoint_every=0, progress=False,
-                         log_every=0)
+    config = TrainConfig(steps=5, batch_size=BATCH, checkpoint_every=0, keep_checkpoints=0,
+                         progress=False, log_every=0)
     def run(ahead: str):
       model, source, _, probe = _setup()
       if ahead == "shapes":
@@ -324,8 +324,8 @@ class TrainingLoopTest(chex.TestCase):
 
   def test_a_failed_compile_ahead_only_warns_and_the_pass_compiles_on_first_call(self):
     model, source, _, probe = _setup()
-    config = TrainConfig(steps=3, batch_size=BATCH, checkpoint_every=0, progress=False,
-                         log_every=0)
+    config = TrainConfig(steps=3, batch_size=BATCH, checkpoint_every=0, keep_checkpoints=0,
+                         progress=False, log_every=0)
     probe.compile_ahead_after_first_step(workers=2)
     def broken(*args, **kwargs):
       raise RuntimeError("no shapes today")

@@ -46,7 +46,8 @@ class DescribeTest(chex.TestCase):
     self.assertEqual(d["state_bytes"], nbytes(state))
     sites = training.probe_sites(model, None, batch, ProbeConfig())
     self.assertEqual(d["sites"], len(sites))
-    stats = collector_lib.init_state(sites, ProbeConfig(), jnp.bfloat16)
+    # The state the probe creates, made in one program (not an eager op per array).
+    stats = jax.jit(lambda: collector_lib.init_state(sites, ProbeConfig(), jnp.bfloat16))()
     self.assertEqual(d["statistics_bytes"], nbytes(stats))
     # Two Wukong layers of one shape: fewer distinct shapes than sites, and fewer sites
     # that bring new evaluation functions.

@@ -341,8 +341,9 @@ class FromInitTest(chex.TestCase):
     model = ctx.build(validate.BASELINE)
     fresh = create_train_state(model, make_optimizer(ctx.optim), ctx.source.train_batch(0, 1),
                                5)
-    second = float(loss_fn(model, fresh.params, fresh.fp8_meta,
-                           ctx.source.train_batch(1, ctx.batch_size), jax.random.PRNGKey(0))[0])
+    loss = jax.jit(lambda params, meta, batch: loss_fn(model, params, meta, batch,
+                                                       jax.random.PRNGKey(0))[0])
+    second = float(loss(fresh.params, fresh.fp8_meta, ctx.source.train_batch(1, ctx.batch_size)))
     warm = validate.shadow_run(ctx, validate.BASELINE, steps=2, start=validate.INIT, seed=5,
                                optim=dataclasses.replace(ctx.optim, warmup_steps=10))
     plain = validate.shadow_run(ctx, validate.BASELINE, steps=2, start=validate.INIT, seed=5)
