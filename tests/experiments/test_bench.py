@@ -811,11 +811,14 @@ class TowerSourceTest(chex.TestCase):
   per-channel scales, labels that follow the hidden teacher."""
 
   def test_batches_are_a_pure_function_of_seed_and_step(self):
-    a, b = towers.TowerSource(32, seed=1), towers.TowerSource(32, seed=1)
+    # `a` and `other` hold 4 held-out batches, `b` the default: the train batches depend on the
+    # seed and the step alone, not on the held-out size.
+    a = towers.TowerSource(32, seed=1, num_eval=256)
+    b = towers.TowerSource(32, seed=1)
     np.testing.assert_array_equal(a.train_batch(3, 64)["dense"], b.train_batch(3, 64)["dense"])
     self.assertFalse(np.array_equal(a.train_batch(3, 64)["dense"],
                                     a.train_batch(4, 64)["dense"]))
-    other = towers.TowerSource(32, seed=2)
+    other = towers.TowerSource(32, seed=2, num_eval=256)
     self.assertFalse(np.array_equal(a.train_batch(3, 64)["dense"],
                                     other.train_batch(3, 64)["dense"]))
     # The held-out set is the task's, the same for every seed.
@@ -1355,10 +1358,10 @@ class DeadlineTest(absltest.TestCase):
     self.assertAlmostEqual(suite.expected_row_s(results, key, "bf16"),
                            pace.MARGIN * rows["bf16"]["row_s"])
     # The bf16 row's length counts the baseline's build, the bf16 arm itself: a slow build
-    # (here 2 s more) shows in it, so the rows paced by it expect a compile.
+    # (here 1 s more) shows in it, so the rows paced by it expect a compile.
     set_baseline = speed.TargetBench.set_baseline
     def set_baseline_slowly(bench, model):
-      time.sleep(2.0)
+      time.sleep(1.0)
       return set_baseline(bench, model)
     scratch = ResultsFile(os.path.join(out, "scratch.jsonl"), suite.KEY_FIELDS)
     with mock.patch.object(speed.TargetBench, "set_baseline", set_baseline_slowly):
@@ -1367,7 +1370,7 @@ class DeadlineTest(absltest.TestCase):
           settings=suite.SpeedSettings(repeats=3, probe=False), deadline=float("inf"),
           device="cpu", log=logs.append))
     (bf16_row,) = list(scratch.rows())
-    self.assertGreaterEqual(bf16_row["row_s"], 2.0)
+    self.assertGreaterEqual(bf16_row["row_s"], 1.0)
     # Past pacing.max_minutes, a row starts when the longest recorded one would end in time ...
     self.assertTrue(run(["fp8_tensorwise"], time.time() - 1, time.time() + 3600))
     self.assertIn("fp8_tensorwise", {r["variant"] for r in results.rows()})

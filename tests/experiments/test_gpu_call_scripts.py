@@ -50,7 +50,27 @@ def _rows(archive):
     return [json.loads(line) for line in tar.extractfile("./bench.jsonl").read().splitlines()]
 
 
+SUITE_FLAGS = (TOWERS_CONFIG, f"--config.targets.towers={TOWER}", "--config.speed.repeats=3",
+               "--config.probe.enabled=false")
+
+
+def _env(root, host, **extra):
+  work = os.path.join(root, host)
+  return {"CARRY": os.path.join(root, "carry"), "WORK": work,
+          "OUT": os.path.join(work, "out"), "LIMIT": "300", **extra}
+
+
 class SuiteCallTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    # One suite call of the tower's bf16_mods row, whose rows the later calls carry.
+    super().setUpClass()
+    cls.shared = tempfile.mkdtemp(prefix="loka_calls_")
+    cls.addClassCleanup(shutil.rmtree, cls.shared, ignore_errors=True)
+    cls.first = _env(cls.shared, "host1")
+    cls.first_out = _call("gpu_suite_call.sh", cls.first, *SUITE_FLAGS,
+                          "--config.speed.variants=bf16_mods")
 
   def setUp(self):
     super().setUp()
@@ -58,27 +78,23 @@ class SuiteCallTest(absltest.TestCase):
     self.addCleanup(shutil.rmtree, self.dir, ignore_errors=True)
 
   def env(self, host, **extra):
-    work = os.path.join(self.dir, host)
-    return {"CARRY": os.path.join(self.dir, "carry"), "WORK": work,
-            "OUT": os.path.join(work, "out"), "LIMIT": "300", **extra}
+    return _env(self.dir, host, **extra)
 
-  def carry_back(self, env):
-    shutil.copy(os.path.join(env["OUT"], "work.tar.gz"), env["CARRY"])
+  def carry_first(self, carry):
+    """The first call's work.tar.gz, copied into the folder `carry`."""
+    os.makedirs(carry, exist_ok=True)
+    shutil.copy(os.path.join(self.first["OUT"], "work.tar.gz"), carry)
+    return os.path.join(carry, "work.tar.gz")
 
   def test_rows_travel_and_a_row_starts_past_max_minutes_when_it_fits(self):
-    flags = (TOWERS_CONFIG, f"--config.targets.towers={TOWER}", "--config.speed.repeats=3",
-             "--config.probe.enabled=false")
-    first = self.env("host1")
-    out = _call("gpu_suite_call.sh", first, *flags, "--config.speed.variants=bf16_mods")
-    self.assertIn("all selected rows are done", out.splitlines()[-2])
-    self.carry_back(first)
-    rows = _rows(os.path.join(first["CARRY"], "work.tar.gz"))
+    self.assertIn("all selected rows are done", self.first_out.splitlines()[-2])
+    rows = _rows(self.carry_first(os.path.join(self.dir, "carry")))
     self.assertEqual(sorted(r["variant"] for r in rows), ["bf16", "bf16_mods"])
     self.assertTrue(all(r["row_s"] > 0 for r in rows))
     # A fresh host, pacing.max_minutes already past: the carried rows' lengths let the next row
     # start, since the call's hard end is minutes away.
     second = self.env("host2", MAXMIN="0")
-    out = _call("gpu_suite_call.sh", second, *flags,
+    out = _call("gpu_suite_call.sh", second, *SUITE_FLAGS,
                 "--config.speed.variants=bf16_mods,fp8_tensorwise")
     self.assertIn("all selected rows are done", out.splitlines()[-2])
     rows = _rows(os.path.join(second["OUT"], "work.tar.gz"))
@@ -109,18 +125,18 @@ class SuiteCallTest(absltest.TestCase):
     self.assertIn("./bench.jsonl", names)
 
   def test_the_loka_call_passes_the_hard_end_too(self):
-    first = self.env("host1", TARGET=f"tower/{TOWER}", VARIANTS="bf16_mods")
-    _call("gpu_loka_call.sh", first, "--config.speed.repeats=3", "--config.probe.enabled=false")
-    rows = [json.loads(line) for line in open(os.path.join(first["WORK"], "bench.jsonl"))]
-    self.assertEqual(sorted(r["variant"] for r in rows), ["bf16", "bf16_mods"])
-    second = self.env("host1", TARGET=f"tower/{TOWER}", VARIANTS="bf16_mods,fp8_tensorwise",
-                      MAXMIN="0")
-    _call("gpu_loka_call.sh", second, "--config.speed.repeats=3",
+    # The loka call takes the carried rows (bench.jsonl) of the tower's bf16_mods row; past
+    # pacing.max_minutes their lengths let its new row start.
+    call = self.env("host1", TARGET=f"tower/{TOWER}", VARIANTS="bf16_mods,fp8_tensorwise",
+                    MAXMIN="0")
+    with tarfile.open(self.carry_first(self.dir)) as tar:
+      tar.extract("./bench.jsonl", call["CARRY"])
+    _call("gpu_loka_call.sh", call, "--config.speed.repeats=3",
           "--config.probe.enabled=false")
-    log = open(os.path.join(second["WORK"], "log.txt")).read().splitlines()
+    log = open(os.path.join(call["WORK"], "log.txt")).read().splitlines()
     self.assertIn("all selected rows are done", log[-2])
-    rows = [json.loads(line) for line in open(os.path.join(second["WORK"], "bench.jsonl"))]
-    self.assertIn("fp8_tensorwise", {r["variant"] for r in rows})
+    rows = [json.loads(line) for line in open(os.path.join(call["WORK"], "bench.jsonl"))]
+    self.assertEqual(sorted(r["variant"] for r in rows), ["bf16", "bf16_mods", "fp8_tensorwise"])
 
 
 class TimeLimitTest(absltest.TestCase):

@@ -1,5 +1,6 @@
-"""docs/PARALLEL.md's CPU commands run as written (fewer steps), and its numbers are the
-library's."""
+"""docs/PARALLEL.md's CPU commands run as written (fewer steps, fewer held-out examples, no
+checkpoint: sharded checkpoints are tests/parallel/test_parallel.py's and test_multiprocess.py's),
+and its numbers are the library's."""
 import json
 import re
 import tempfile
@@ -21,7 +22,9 @@ class DocCommandsTest(absltest.TestCase):
     self.assertEqual(env["XLA_FLAGS"],
                      f"--xla_force_host_platform_device_count={jax.device_count()}")
     with tempfile.TemporaryDirectory() as workdir:
-      done = run_module(module, *with_args(args, workdir=workdir, config__run__steps=2))
+      done = run_module(module, *with_args(
+          args, workdir=workdir, config__run__steps=2, config__run__num_eval=512,
+          config__train__checkpoint_every=0, config__train__keep_checkpoints=0))
       self.assertEqual(done.returncode, 0, done.stderr[-3000:])
       with open(f"{workdir}/final.json") as f:
         final = json.load(f)
