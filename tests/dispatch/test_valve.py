@@ -473,23 +473,23 @@ class TrainRunValveTest(chex.TestCase):
     from loka_jax.probe import ProbeConfig, ProbeOptions
     from loka_jax.train import experiment
     root = tempfile.mkdtemp(prefix="loka_valve_run_")
-    spec = experiment.RunSpec(model="wukong", preset="tiny", mods=("all",), num_eval=256)
+    spec = experiment.RunSpec(model="dlrm", preset="tiny", mods=("all",), num_eval=256)
     probe_train = TrainConfig(steps=6, batch_size=64, progress=False, log_every=0)
     result = pipeline.probe_and_plan(
         spec, os.path.join(root, "plan"), train_config=probe_train,
         probe_config=ProbeConfig(cadence=3),
         probe_options=ProbeOptions(samples=2, kernels=("xla_bf16", "xla_fp8_rowwise"),
-                                   sites="layer_0/fmb/mlp/dense_0", bootstrap=20,
+                                   sites="top_mlp/dense_0", bootstrap=20,
                                    plots=False),
         criteria=Criteria(min_speedup=None), validation=None)
-    run_spec = experiment.RunSpec(model="wukong", preset="tiny", mods=("all",), num_eval=256,
+    run_spec = experiment.RunSpec(model="dlrm", preset="tiny", mods=("all",), num_eval=256,
                                   precision="loka", plan=result.paths["plan"], drift_every=3,
                                   drift_compile_ahead=False)
     # The command line takes the valve's settings (no budget, no compile ahead): it refreshes
     # at steps 3 and 6, says what they cost, and the run's config.json records the settings.
     # `experiments.train` runs `valve_lib.run`: its final metrics are the command's stdout.
     cli_dir = os.path.join(root, "cli")
-    run = run_module("experiments.train", "--config.run.model=wukong",
+    run = run_module("experiments.train", "--config.run.model=dlrm",
                      "--config.run.preset=tiny", "--config.run.mods=all",
                      "--config.run.precision=loka", f"--config.run.plan={result.paths['plan']}",
                      "--config.drift.every=3", "--config.drift.max_overhead=0",

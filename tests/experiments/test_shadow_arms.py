@@ -1,6 +1,6 @@
-"""`experiments.measure shadow_arms` on a tiny Wukong: the baseline's own kernel as an arm
-trains exactly as bf16+Mods, an FP8 arm differs, a rerun trains nothing, and bad arms fail
-before any training with a message naming them."""
+"""`experiments.measure shadow_arms` on a tiny DLRM (the cheapest tower to compile): the
+baseline's own kernel as an arm trains exactly as bf16+Mods, an FP8 arm differs, a rerun trains
+nothing, and bad arms fail before any training with a message naming them."""
 import json
 import os
 import tempfile
@@ -9,7 +9,7 @@ from absl.testing import absltest
 
 from cli_helpers import run_module
 
-COMMON = ("--model=wukong", "--preset=tiny", "--mods=all", "--steps=6", "--batch_size=64",
+COMMON = ("--model=dlrm", "--preset=tiny", "--mods=all", "--steps=6", "--batch_size=64",
           "--shadow_steps=4", "--windows=2", "--num_eval=512", "--eval_batch_size=256")
 
 
@@ -22,9 +22,9 @@ class ShadowArmsTest(absltest.TestCase):
   def test_arms_train_from_one_state_and_a_rerun_skips_them(self):
     workdir = tempfile.mkdtemp(prefix="loka_shadow_arms_")
     plan = os.path.join(workdir, "plan.json")
-    _write_plan(plan, {"layer_0/fmb/mlp/dense_0": "xla_fp8_rowwise"})
+    _write_plan(plan, {"top_mlp/dense_0": "xla_fp8_rowwise"})
     arms = ("--arm=same=.*:xla_bf16",
-            r"--arm=fp8=layer_\d+/fmb/mlp/dense_\d+:xla_fp8_rowwise,head/.*:flax_fp8_delayed",
+            r"--arm=fp8=bottom_mlp/dense_\d+:xla_fp8_rowwise,top_mlp/dense_2:flax_fp8_delayed",
             f"--plan_arm=planned={plan}")
     got = run_cli(*COMMON, *arms, f"--workdir={workdir}")
     self.assertEqual(got.returncode, 0, got.stderr[-3000:])
@@ -48,7 +48,7 @@ class ShadowArmsTest(absltest.TestCase):
         self.assertNotEqual(arm["logloss"], base["logloss"])
       self.assertNotEqual(planned["logloss"], fp8["logloss"])
       self.assertTrue(0.0 < base["auc"] < 1.0)
-    self.assertIn('"layer_0/fmb/mlp/dense_0": {"fwd": "xla_fp8_rowwise"',
+    self.assertIn('"top_mlp/dense_0": {"fwd": "xla_fp8_rowwise"',
                   rows["planned", 0]["setup"])
     self.assertNotEqual(rows["bf16_mods", 0]["first_loss"], rows["bf16_mods", 1]["first_loss"])
     self.assertIn("| same | 1 |", got.stdout)
@@ -84,7 +84,7 @@ class ShadowArmsTest(absltest.TestCase):
     from loka_jax.models.presets import site_products
     from loka_jax.train import experiment
     model, source, _ = experiment.build_run(
-        experiment.RunSpec(model="wukong", preset="tiny", mods=("all",), num_eval=512))
+        experiment.RunSpec(model="dlrm", preset="tiny", mods=("all",), num_eval=512))
     example = source.train_batch(0, 8)
     sites = list(site_products(model, None, example))
     for arm, message in (("no_equals", "write NAME=REGEX:KERNEL"),
