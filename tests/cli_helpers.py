@@ -5,13 +5,13 @@ It lives at tests/ level, which is on sys.path in every test (tests/conftest.py 
 any test imports it as `from cli_helpers import ...` wherever the test file sits.
 
 `run_module` runs each CLI in a process of its own (its exit status, stdout and stderr are
-what a user sees), forked from a warm interpreter that has imported the third-party libraries
-every CLI imports (JAX, Flax, Optax, Orbax, Matplotlib, absl, ml_collections) and nothing of
-the repository's: the suite runs about a hundred CLIs, and those imports were most of each
-one's cost on the CPU. The child imports the repository's modules itself, in the CLI's own
-order, from the same environment a fresh `python -m` gets. What it shares with its siblings is
-the warm interpreter's hash seed (set iteration order); LOKA_TEST_FRESH_CLI=1 runs every CLI
-in a fresh interpreter instead."""
+what a user sees), forked from a warm interpreter that has imported what every CLI imports (JAX, Flax, Optax,
+Orbax, Matplotlib, absl, ml_collections, and the library's core modules, `_PRELOAD`): the
+suite runs about a hundred CLIs, and those imports were most of each one's cost on the CPU.
+The child runs the CLI's module itself, under the same environment a fresh `python -m` gets.
+What it shares with its siblings is the warm interpreter's hash seed (set iteration order).
+A CLI whose test changed the environment (JAX reads its settings on import) runs in a fresh
+interpreter, as every CLI does under LOKA_TEST_FRESH_CLI=1."""
 import json
 import locale
 import os
@@ -175,26 +175,23 @@ class _Warm:
     line, _, self.buffer = self.buffer.partition(b"\n")
     return json.loads(line)
 
-  def close(self):
-    try:
-      self.proc.stdin.close()
-      self.proc.wait(timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-      self.proc.kill()
-
-
 def _settled(env):
   """`env` but for what pytest changes from test to test: a warm interpreter serves every CLI
   whose environment differs from its own in these alone (each child gets its own)."""
   return {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
 
 
+# The suite's environment, as the test modules are collected (after conftest's set-up): the
+# warm interpreter runs under it, and a CLI whose test changed it runs in a fresh interpreter.
+_SUITE_ENV = _settled(cpu_env())
+
+
 def _forked(module, args, env, timeout, kill_when=None):
   global _warm
+  if _settled(env) != _SUITE_ENV:   # a test's own environment (patched): a fresh interpreter
+    return _fresh(module, args, env, timeout, kill_when)
   cmd = [sys.executable, "-m", module, *args]
-  if _warm is None or _warm.env != _settled(env) or _warm.proc.poll() is not None:
-    if _warm is not None:
-      _warm.close()
+  if _warm is None or _warm.proc.poll() is not None:
     _warm = _Warm(env)
   warm, child = _warm, None
   with tempfile.TemporaryDirectory(prefix="loka_cli_") as tmp:

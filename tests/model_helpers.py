@@ -64,10 +64,18 @@ def random_variables(shapes, seed=0):
   return jax.tree_util.tree_map_with_path(fill, shapes)
 
 
+# The towers whose stack repeats one layer module: tests that need every kind of site, not
+# the preset's depth, run them one layer deep (their compiles halve).
+ONE_LAYER = ("dhen", "interformer")
+
+
 @functools.lru_cache(maxsize=None)
-def tiny(model: str):
-  """(config, features, batch, variables) of a tiny model, built once per session."""
+def tiny(model: str, one_layer: bool = False):
+  """(config, features, batch, variables) of a tiny model, built once per session;
+  `one_layer`: one layer of the stack for the towers of ONE_LAYER."""
   config = get_config(model, "tiny")
+  if one_layer and model in ONE_LAYER:
+    config.num_layers = 1
   features = features_of(config)
   batch = make_batch(features)
   module = build_model(config, features, SiteConfig.for_precision("bf16"))

@@ -264,10 +264,7 @@ class CompilationCacheTest(absltest.TestCase):
   def test_a_train_run_fills_the_cache(self):
     with tempfile.TemporaryDirectory() as tmp:
       cache = os.path.join(tmp, "jax_cache")
-      # In a fresh interpreter (LOKA_TEST_FRESH_CLI): run_module's warm one, serving the
-      # suite's environment, would restart for this environment and again for the next CLI.
-      with mock.patch.dict(os.environ, {"JAX_COMPILATION_CACHE_DIR": cache,
-                                        "LOKA_TEST_FRESH_CLI": "1"}):
+      with mock.patch.dict(os.environ, {"JAX_COMPILATION_CACHE_DIR": cache}):
         out = run_module("experiments.train", f"--workdir={tmp}/run",
                          "--config.run.model=dlrm", "--config.run.steps=2",
                          "--config.run.batch_size=32",

@@ -17,29 +17,9 @@ from loka_jax.models import (EMBEDDINGS, MODEL_NAMES, PRESETS, SiteConfig, apply
                              build_model, get_config, site_products, tower_flops)
 from loka_jax.models.presets import DOCUMENTED_FLOPS
 from loka_jax.models.tap import PROBE_COLLECTION
-from model_helpers import (BATCH, EXPECTED_SITES, FINAL_LAYER, features_of, make_batch,
-                           random_variables, tiny)
+from model_helpers import BATCH, EXPECTED_SITES, FINAL_LAYER, features_of, make_batch, tiny
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-# DHEN and InterFormer run their FP8 forward and bf16 gradients with one layer of their stack:
-# every layer is the same module, and the second one doubles those compiles. Both layers'
-# sites are traced (site names) and run in fp32 (every site sown) at the preset's depth.
-ONE_LAYER = ("dhen", "interformer")
-
-
-@functools.lru_cache(maxsize=None)
-def shallow(model):
-  """`tiny(model)`, with one layer of the stack for the towers of ONE_LAYER."""
-  config, features, batch, variables = tiny(model)
-  if model not in ONE_LAYER:
-    return config, features, batch, variables
-  config = ml_collections.ConfigDict(config.to_dict())
-  config.num_layers = 1
-  module = build_model(config, features, SiteConfig.for_precision("bf16"))
-  return config, features, batch, random_variables(
-      jax.eval_shape(module.init, jax.random.PRNGKey(0), batch))
-
-
 def site_names(config, features, batch, site_config=None):
   module = build_model(config, features, site_config or SiteConfig.for_precision("bf16"))
   return list(site_products(module, None, batch))
@@ -91,9 +71,11 @@ class TinyModelTest(chex.TestCase):
     operand = subtree(state[PROBE_COLLECTION], EXPECTED_SITES[model][0])["lhs"][0]
     chex.assert_type(operand, jnp.float32)                                  # fp32 policy
 
+  # One layer of DHEN's and InterFormer's stack: every kind of site runs in FP8 and in the
+  # backward below; both layers' sites are traced and run in fp32 at the preset's depth above.
   @parameterized.parameters(*MODEL_NAMES)
   def test_fp8_all_forward(self, model):
-    config, features, batch, variables = shallow(model)
+    config, features, batch, variables = tiny(model, one_layer=True)
     module = build_model(config, features, SiteConfig.for_precision("fp8_all"))
     logits = jax.jit(module.apply, compiler_options=FAST_COMPILE)(variables, batch)
     chex.assert_shape(logits, (BATCH,))
@@ -103,7 +85,7 @@ class TinyModelTest(chex.TestCase):
 
   @parameterized.parameters(*MODEL_NAMES)
   def test_bf16_gradients_finite_and_reach_every_table(self, model):
-    config, features, batch, variables = shallow(model)
+    config, features, batch, variables = tiny(model, one_layer=True)
     module = build_model(config, features, SiteConfig.for_precision("bf16"))
     labels = jnp.asarray(batch["label"])
 

@@ -8,12 +8,12 @@ from loka_jax.data.spec import FeatureSpec
 from loka_jax.models import SiteConfig, build_model, get_config
 from loka_jax.models.presets import MODEL_NAMES
 from loka_jax.train import TrainConfig, train
+from model_helpers import ONE_LAYER
 
 # DHEN and InterFormer learn with one layer of their stack: every layer is the same module, and
 # the second one doubles the compile (InterFormer 24 s -> 14 s, DHEN 8 s -> 5 s on 2 cores),
 # while the held-out NE after 120 steps stays where two layers leave it (InterFormer 0.934
 # either way, DHEN 0.905 vs 0.915).
-ONE_LAYER = ("dhen", "interformer")
 # InterFormer trains on batches of 128: its steps (attention over the sequences) are most of
 # its run, and after 120 steps its held-out NE is where batches of 256 leave it (0.933 vs
 # 0.934); the other towers' runs are mostly compiles.
