@@ -345,6 +345,15 @@ def _grouped(update):
   return run
 
 
+def _alone(update):
+  """`update(state, lhs, rhs, grad, key, observation)` of one site in the form `_grouped`
+  gives: lists of one in, the list of its new state out."""
+  def run(states, lhs, rhs, grads, keys, observation):
+    (state,), (x,), (w,), (grad,), (key,) = states, lhs, rhs, grads, keys
+    return [update(state, x, w, grad, key, observation)]
+  return run
+
+
 def statistics_functions(sites: Mapping[str, SiteProbe], config: ProbeConfig) -> int:
   """The functions the statistics pass compiles: its extract stage and one update per
   distinct site (per group of equal sites with `ProbeConfig.group_sites`), or one program
@@ -378,6 +387,8 @@ class StatisticsPass:
     self._groups = site_groups(self.sites, config)
     self._updated_together = (self._groups if config.group_sites
                               else [[name] for name in self.sites])
+    # One update call takes lists (of a group's sites, or of one site).
+    as_call = _grouped if config.group_sites else _alone
     self._key_index = {name: i for i, name in enumerate(self.sites)}
 
     def extract(variables, batch, rng):
@@ -411,9 +422,8 @@ class StatisticsPass:
       operands = extract(variables, batch, rng)
       keys = jax.random.split(key, len(self.sites))
       return {"observations": state["observations"] + 1,
-              "sites": self._update_all(
-                  lambda site: _grouped(update_of(site)) if config.group_sites
-                  else update_of(site), state, operands, keys)}
+              "sites": self._update_all(lambda site: as_call(update_of(site)), state,
+                                        operands, keys)}
 
     donated = (0,) if donate else ()
     jit = functools.partial(jax.jit, compiler_options=PASS_COMPILES[config.pass_compile] or None)
@@ -424,23 +434,25 @@ class StatisticsPass:
     for site in self.sites.values():
       key = _update_key(site, config)
       if key not in self.updates and not config.one_program:
-        update = _grouped(update_of(site)) if config.group_sites else update_of(site)
-        self.updates[key] = executables.autotuned(jit(update, donate_argnums=donated))
+        self.updates[key] = executables.autotuned(
+            jit(as_call(update_of(site)), donate_argnums=donated))
+
+  def _call_args(self, members, state, operands, keys):
+    """One update call's list arguments for the sites `members` (their states, operands,
+    output gradients and `keys`) and the observation count."""
+    ks = [self.names[name] for name in members]
+    return ([state["sites"][k] for k in ks], *map(list, zip(*(operands[k] for k in ks))),
+            list(keys), state["observations"])
 
   def _update_all(self, update_for, state, operands, keys):
     """Every site's new state: `update_for(site)` run per site, or per group of equal sites
-    on lists (`ProbeConfig.group_sites`); site i draws from keys[i] either way."""
+    (`ProbeConfig.group_sites`), on lists; site i draws from keys[i] either way."""
     new_sites = {}
     for members in self._updated_together:
-      ks = [self.names[name] for name in members]
-      args = ([state["sites"][k] for k in ks], *map(list, zip(*(operands[k] for k in ks))),
-              [keys[self._key_index[name]] for name in members])
       update = update_for(self.sites[members[0]])
-      if self.config.group_sites:
-        new = update(*args, state["observations"])
-      else:
-        new = [update(*(a[0] for a in args), state["observations"])]
-      new_sites.update(zip(ks, new))
+      new = update(*self._call_args(members, state, operands,
+                                    [keys[self._key_index[name]] for name in members]))
+      new_sites.update(zip((self.names[name] for name in members), new))
     return new_sites
 
   def __call__(self, state, variables, batch, rng, key):
@@ -462,14 +474,10 @@ class StatisticsPass:
     operands = jax.eval_shape(self.extract, variables, batch, rng)
     site_key = jax.eval_shape(lambda k: jax.random.split(k, len(self.sites))[0], key)
     jobs = [(self.extract, (variables, batch, rng))]
-    for members in self._groups:
-      ks = [self.names[name] for name in (members if self.config.group_sites else members[:1])]
-      args = ([state["sites"][k] for k in ks], *map(list, zip(*(operands[k] for k in ks))),
-              [site_key] * len(ks))
-      if not self.config.group_sites:
-        args = tuple(a[0] for a in args)
+    for members in self._groups:   # one job per distinct update
+      members = members if self.config.group_sites else members[:1]
       jobs.append((self.updates[_update_key(self.sites[members[0]], self.config)],
-                   (*args, state["observations"])))
+                   self._call_args(members, state, operands, [site_key] * len(members))))
     return jobs
 
 

@@ -159,21 +159,28 @@ class WeightEveryTest(chex.TestCase):
     self.assertEqual(sorted(n for g in groups for n in g), sorted(sites))
 
     def observed(config):
+      """The statistics after two observations, the updates traced, and the compiled calls
+      the pass made."""
       traces = []
       probe = training.ProbeCollector(model, source, BATCH, sites, config,
                                       on_trace=traces.append)
-      for step in (2, 4):
-        probe.observe(params, jax.random.PRNGKey(0), step=step)
-      return jax.device_get(probe.state), [t for t in traces if t.startswith("update")]
+      with mock.patch.object(collector.executables, "call",
+                             wraps=executables.call) as calls:
+        for step in (2, 4):
+          probe.observe(params, jax.random.PRNGKey(0), step=step)
+      return (jax.device_get(probe.state), [t for t in traces if t.startswith("update")],
+              calls.call_count)
 
-    want, per_site = observed(CONFIG)
+    want, per_site, per_site_calls = observed(CONFIG)
     self.assertLen(per_site, len(groups))   # equal sites share one compiled update
+    self.assertEqual(per_site_calls, 2 * (1 + len(sites)))   # extract, then each site
     for one_program in (False, True):
       config = dataclasses.replace(CONFIG, group_sites=True, one_program=one_program)
-      got, updates = observed(config)
+      got, updates, calls = observed(config)
       self.assertLen(updates, len(groups), one_program)   # each traced once, for its group
-      # A batched product may sum in another order than one site's (measured: 2 of 256
-      # second moments 1.7e-5 apart).
+      # Staged: the extract stage, then one call a group; in one program: one call.
+      self.assertEqual(calls, 2 * (1 if one_program else 1 + len(groups)), one_program)
+      # A batched product may sum in another order than one site's.
       chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-6)
     self.assertNotIn("group_sites", CONFIG.statistics_settings())
 
