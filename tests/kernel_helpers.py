@@ -1,5 +1,7 @@
 """Closeness checks and the fused-dense gradient comparison shared by the kernel tests (the
 CPU's interpret-mode ones and the GPU's compiled ones)."""
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -69,3 +71,15 @@ def e4m3_steps(q, q_ref):
     return np.where(bits & 0x80, -1, 1) * (bits & 0x7F)
   steps = np.abs(rank(q) - rank(q_ref))
   return float(np.mean(steps > 0)), int(np.max(steps))
+
+
+@functools.partial(jax.jit, static_argnames=("bt", "m", "n", "k"))
+def mosaic_core_operands(key, bt, m, n, k):
+  """The Mosaic GPU core's K-last e4m3 operands (bt, M, K) and (bt, N, K), per-row scales
+  spread over two decades, and an (N,) bias."""
+  keys = jax.random.split(key, 5)
+  a = (jax.random.normal(keys[0], (bt, m, k)) * 4).astype(jnp.float8_e4m3fn)
+  b = (jax.random.normal(keys[1], (bt, n, k)) * 4).astype(jnp.float8_e4m3fn)
+  sa = jnp.exp(jax.random.uniform(keys[2], (bt, m), minval=-2.3, maxval=2.3))
+  sb = jnp.exp(jax.random.uniform(keys[3], (bt, n), minval=-2.3, maxval=2.3))
+  return a, b, sa, sb, jax.random.normal(keys[4], (n,))

@@ -20,20 +20,9 @@ from loka_jax.kernels.backend import compiled_backend
 from loka_jax.precision import metrics
 
 from gpu_helpers import BATCHED_SHAPES, SITE_SQNR_DB, check_batched_pass, close, operands
-from kernel_helpers import e4m3_steps, fused_dense_against_reference
+from kernel_helpers import e4m3_steps, fused_dense_against_reference, mosaic_core_operands
 from loka_jax.precision import E4M3, ROWWISE, scaling
 DENSE = EinsumSpec.parse("mk,kn->mn")
-
-
-def core_operands(m, k, n, seed):
-  """The core's K-last e4m3 operands (1, M, K) and (1, N, K), per-row scales spread over
-  two decades, and an (N,) bias."""
-  keys = jax.random.split(jax.random.key(seed), 5)
-  a = (jax.random.normal(keys[0], (1, m, k)) * 4).astype(jnp.float8_e4m3fn)
-  b = (jax.random.normal(keys[1], (1, n, k)) * 4).astype(jnp.float8_e4m3fn)
-  sa = jnp.exp(jax.random.uniform(keys[2], (1, m), minval=-2.0, maxval=2.0))
-  sb = jnp.exp(jax.random.uniform(keys[3], (1, n), minval=-2.0, maxval=2.0))
-  return a, b, sa, sb, jax.random.normal(keys[4], (n,))
 
 
 @pytest.mark.parametrize("name", ["pallas_mosaic_fp8_rowwise",
@@ -67,7 +56,7 @@ def test_batched(spec_text, lhs, rhs, pass_name):
 def test_core_epilogue_and_pre_norm(m, k, n):
   """The fused epilogue on the tensor cores' accumulator, and the pre-norm value stored
   beside it, against the reference epilogue on the same dequantized operands."""
-  a, b, sa, sb, bias = core_operands(m, k, n, seed=m + n)
+  a, b, sa, sb, bias = mosaic_core_operands(jax.random.key(m + n), 1, m, n, k)
   ep = Epilogue(bias=True, block_size=256, activation="hard_swish", emit_pre=True)
   out, pre = jax.jit(lambda *x: mosaic_gemm.gemm(*x[:4], epilogue=ep, bias=x[4],
                                                  out_dtype=jnp.float32))(a, b, sa, sb, bias)
@@ -103,7 +92,7 @@ def test_core_output_quantization(m, k, n, block_size, activation):
   """The rowwise e4m3 output (codes and one scale a row) against the library's quantize of
   the same kernel's fp32 output: both come from the same accumulator, so only a division on
   a rounding boundary may move a code, by one step."""
-  a, b, sa, sb, bias = core_operands(m, k, n, seed=m + k + n)
+  a, b, sa, sb, bias = mosaic_core_operands(jax.random.key(m + k + n), 1, m, n, k)
   ep = Epilogue(bias=True, block_size=block_size, activation=activation)
   quantized = Epilogue(bias=True, block_size=block_size, activation=activation,
                        quantize_output=True)
@@ -131,7 +120,7 @@ def test_warp_specialized_core(m, k, n, tile, ep):
   reference on its dequantized operands, and against the 1-warpgroup core, whose wgmma
   sequence and epilogue per output tile are the same (fp32 outputs: the widest tiles that
   fit them)."""
-  a, b, sa, sb, bias = core_operands(m, k, n, seed=m + k + n)
+  a, b, sa, sb, bias = mosaic_core_operands(jax.random.key(m + k + n), 1, m, n, k)
   run = lambda cfg: jax.jit(lambda *x: mosaic_gemm.gemm(
       *x[:4], epilogue=ep, bias=x[4] if ep.bias else None, out_dtype=jnp.float32,
       config=cfg))(a, b, sa, sb, bias)

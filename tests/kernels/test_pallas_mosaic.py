@@ -3,7 +3,6 @@
 own dequantized operands on fresh random inputs, and lowered for 'cuda' (the compiled
 kernel's Mosaic GPU module is built, so wgmma shapes, layouts and shared memory are checked
 without a GPU)."""
-import functools
 import os
 import tempfile
 from unittest import mock
@@ -24,21 +23,11 @@ from loka_jax.precision import E4M3, ROWWISE, QTensor, metrics, scaling
 from loka_jax.probe import candidates, chains
 
 from kernel_helpers import assert_close as _assert_close
-from kernel_helpers import e4m3_steps, fused_dense_against_reference, mosaic_shared_memory
+from kernel_helpers import (e4m3_steps, fused_dense_against_reference, mosaic_core_operands,
+                            mosaic_shared_memory)
 from kernel_helpers import rel_err as _rel_err
 
 DENSE = EinsumSpec.parse("mk,kn->mn")
-
-
-@functools.partial(jax.jit, static_argnames=("bt", "m", "n", "k"))
-def _core_operands(key, bt, m, n, k):
-  """K-last e4m3 codes with per-row scales spread over two decades, and a bias."""
-  keys = jax.random.split(key, 5)
-  a = (jax.random.normal(keys[0], (bt, m, k)) * 4).astype(jnp.float8_e4m3fn)
-  b = (jax.random.normal(keys[1], (bt, n, k)) * 4).astype(jnp.float8_e4m3fn)
-  sa = jnp.exp(jax.random.uniform(keys[2], (bt, m), minval=-2.3, maxval=2.3))
-  sb = jnp.exp(jax.random.uniform(keys[3], (bt, n), minval=-2.3, maxval=2.3))
-  return a, b, sa, sb, jax.random.normal(keys[4], (n,))
 
 
 def _core_reference(a, b, sa, sb, epilogue, bias):
@@ -51,7 +40,7 @@ class MosaicCoreTest(parameterized.TestCase):
 
   def test_plain_product_with_every_tail(self):
     # M, N and K all fall short of whole tiles (64/128 rows, 64/128 columns, 128-wide K).
-    a, b, sa, sb, _ = _core_operands(jax.random.key(1), 1, 100, 200, 300)
+    a, b, sa, sb, _ = mosaic_core_operands(jax.random.key(1), 1, 100, 200, 300)
     out = mosaic_gemm.gemm(a, b, sa, sb, out_dtype=jnp.float32)
     _assert_close(self, out, _core_reference(a, b, sa, sb, ep_lib.Epilogue(), None))
 
@@ -62,7 +51,7 @@ class MosaicCoreTest(parameterized.TestCase):
       ("bias_blocknorm256_relu_short_block", ep_lib.Epilogue(
           bias=True, block_size=256, activation="relu"), (1, 64, 300, 128)))
   def test_fused_epilogue(self, epilogue, dims):
-    a, b, sa, sb, bias = _core_operands(jax.random.key(sum(dims)), *dims)
+    a, b, sa, sb, bias = mosaic_core_operands(jax.random.key(sum(dims)), *dims)
     outs = mosaic_gemm.gemm(a, b, sa, sb, epilogue=epilogue, bias=bias, out_dtype=jnp.float32)
     outs = outs if isinstance(outs, tuple) else (outs,)
     _assert_close(self, outs[0], _core_reference(a, b, sa, sb, epilogue, bias), rtol=1e-4)
@@ -86,7 +75,7 @@ class MosaicCoreTest(parameterized.TestCase):
   def test_warp_specialized_core(self, epilogue, dims, tile, dtype):
     # One memory warpgroup feeding two compute warpgroups, each on its own rows, computes
     # what the 1-warpgroup core does, epilogue included: the same numbers in interpret mode.
-    a, b, sa, sb, bias = _core_operands(jax.random.key(sum(dims) + 2), *dims)
+    a, b, sa, sb, bias = mosaic_core_operands(jax.random.key(sum(dims) + 2), *dims)
     cfg = mosaic_gemm.MosaicConfig(*tile)
     self.assertIsNone(mosaic_gemm.validate_config(cfg, dims, epilogue, dtype, dtype))
     run = lambda c: mosaic_gemm.gemm(a, b, sa, sb, epilogue=epilogue, bias=bias, out_dtype=dtype,
@@ -128,7 +117,7 @@ class MosaicCoreTest(parameterized.TestCase):
   def test_output_quantization(self, epilogue, dims):
     # Each row's e4m3 codes and scale, as the library's rowwise quantize of the reference
     # epilogue gives them: the next layer's QTensor without a pass of its own.
-    a, b, sa, sb, bias = _core_operands(jax.random.key(sum(dims) + 1), *dims)
+    a, b, sa, sb, bias = mosaic_core_operands(jax.random.key(sum(dims) + 1), *dims)
     codes, scales = mosaic_gemm.gemm(a, b, sa, sb, epilogue=epilogue, bias=bias)
     ref = _core_reference(a, b, sa, sb, epilogue, bias)
     want = scaling.quantize(ref, E4M3, ROWWISE, (2,))
@@ -147,7 +136,7 @@ class MosaicCoreTest(parameterized.TestCase):
     # Each K step's product summed in fp32 registers (and, with block scales, scaled by its
     # K block's own scales first); K = 300 leaves a partial last block.
     bt, m, n, k = 1, 100, 200, 300
-    a, b, sa, sb, _ = _core_operands(jax.random.key(5), bt, m, n, k)
+    a, b, sa, sb, _ = mosaic_core_operands(jax.random.key(5), bt, m, n, k)
     if block:
       keys = jax.random.split(jax.random.key(6), 2)
       kb = -(-k // mosaic_gemm.BLOCK_K)
@@ -170,7 +159,7 @@ class MosaicCoreTest(parameterized.TestCase):
   def test_lowers_for_cuda(self):
     # The compiled path (TMA into swizzled tiles, FP8 wgmma with a transposed B view,
     # layouts of the epilogue's row and column vectors) builds its Mosaic GPU module.
-    a, b, sa, sb, bias = _core_operands(jax.random.key(2), 1, 256, 512, 384)
+    a, b, sa, sb, bias = mosaic_core_operands(jax.random.key(2), 1, 256, 512, 384)
     ep = ep_lib.Epilogue(bias=True, block_size=128, activation="hard_swish", emit_pre=True)
     text = mosaic_gemm.lowered_for_cuda(
         lambda *x: mosaic_gemm.gemm(*x[:4], epilogue=ep, bias=x[4]), a, b, sa, sb, bias)
@@ -220,7 +209,7 @@ class MosaicCoreTest(parameterized.TestCase):
     # validate_config keeps a tile within a Hopper block's shared memory only if
     # shared_memory_bytes counts what Mosaic GPU will ask for at launch.
     cfg, (bt, m) = mosaic_gemm.MosaicConfig(*tile), (1, 256)
-    a, b, sa, sb, bias = _core_operands(jax.random.key(21), bt, m, n, k)
+    a, b, sa, sb, bias = mosaic_core_operands(jax.random.key(21), bt, m, n, k)
     if scales == mosaic_gemm.BLOCK_SCALES:
       sa = jnp.ones((bt, k // mosaic_gemm.BLOCK_K, m))
       sb = jnp.ones((bt, k // mosaic_gemm.BLOCK_K, n))
@@ -260,7 +249,7 @@ class MosaicCoreTest(parameterized.TestCase):
       self.assertIsNone(mosaic_gemm.validate_config(cfg, dims, ep), cfg)
     # A config in the tuning cache for this shape is the one the kernel runs: here one that
     # cannot run it (BlockNorm(128) needs 128-wide tiles), so the error names it.
-    a, b, sa, sb, _ = _core_operands(jax.random.key(11), *dims)
+    a, b, sa, sb, _ = mosaic_core_operands(jax.random.key(11), *dims)
     key = mosaic_gemm.shape_key(dims, "rowwise", False, ep, jnp.bfloat16, jnp.float32)
     with tempfile.TemporaryDirectory() as tmp, mock.patch.dict(os.environ,
                                                                {tuning.ENV_DIR: tmp}):
@@ -279,7 +268,7 @@ class MosaicCoreTest(parameterized.TestCase):
         tuning.clear_memory()
 
   def test_bad_input_is_one_clear_error(self):
-    a, b, sa, sb, _ = _core_operands(jax.random.key(3), 1, 64, 64, 128)
+    a, b, sa, sb, _ = mosaic_core_operands(jax.random.key(3), 1, 64, 64, 128)
     with self.assertRaisesRegex(ValueError, "multiple of 64"):
       mosaic_gemm.gemm(a, b, sa, sb, config=mosaic_gemm.MosaicConfig(32, 64, 2))
     with self.assertRaisesRegex(ValueError, "e4m3 operands"):
@@ -295,7 +284,7 @@ class MosaicCoreTest(parameterized.TestCase):
     self.assertIn("N=256 is wider than 128 columns (a BlockNorm block's tile)",
                   mosaic_gemm.unsupported_epilogue(
                       ep_lib.Epilogue(block_size=128, quantize_output=True), 256))
-    a, b, sa, sb, _ = _core_operands(jax.random.key(3), 1, 64, 96, 128)
+    a, b, sa, sb, _ = mosaic_core_operands(jax.random.key(3), 1, 64, 96, 128)
     with self.assertRaisesRegex(ValueError, "whole rows in one program: block_n=64 < N=96"):
       mosaic_gemm.gemm(a, b, sa, sb, epilogue=quantized,
                        config=mosaic_gemm.MosaicConfig(64, 64, 2))
