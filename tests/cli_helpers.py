@@ -155,7 +155,6 @@ class _Gone(Exception):
 class _Warm:
 
   def __init__(self, env):
-    self.env = _settled(env)
     self.proc = subprocess.Popen([sys.executable, "-c", _WARM, *_PRELOAD], cwd=REPO, env=env,
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  stderr=subprocess.DEVNULL, bufsize=0)
@@ -175,20 +174,24 @@ class _Warm:
     line, _, self.buffer = self.buffer.partition(b"\n")
     return json.loads(line)
 
-def _settled(env):
-  """`env` but for what pytest changes from test to test: a warm interpreter serves every CLI
-  whose environment differs from its own in these alone (each child gets its own)."""
-  return {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
+# What the warm interpreter's imports read from the environment (JAX its JAX_* settings,
+# Python and Matplotlib theirs; XLA_FLAGS as the suite sets it). A CLI whose environment
+# differs from the suite's in these (its test patched one) runs in a fresh interpreter; any
+# other variable is the child's own (it takes the CLI's whole environment).
+READ_ON_IMPORT = ("JAX_", "XLA_", "PYTHON", "MPL")
 
 
-# The suite's environment, as the test modules are collected (after conftest's set-up): the
-# warm interpreter runs under it, and a CLI whose test changed it runs in a fresh interpreter.
-_SUITE_ENV = _settled(cpu_env())
+def _read_on_import(env):
+  return {k: v for k, v in env.items() if k.startswith(READ_ON_IMPORT)}
+
+
+# The suite's, as the test modules are collected (after conftest's set-up).
+_SUITE_ENV = _read_on_import(cpu_env())
 
 
 def _forked(module, args, env, timeout, kill_when=None):
   global _warm
-  if _settled(env) != _SUITE_ENV:   # a test's own environment (patched): a fresh interpreter
+  if _read_on_import(env) != _SUITE_ENV:
     return _fresh(module, args, env, timeout, kill_when)
   cmd = [sys.executable, "-m", module, *args]
   if _warm is None or _warm.proc.poll() is not None:

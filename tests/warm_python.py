@@ -19,11 +19,8 @@ import subprocess
 import sys
 import tempfile
 
-from cli_helpers import _PRELOAD, REPO
+from cli_helpers import _PRELOAD, READ_ON_IMPORT, REPO
 
-# What the imports read from the environment: a call that differs from the server in one of
-# these runs in a fresh interpreter.
-_READ_ON_IMPORT = ("JAX_", "XLA_", "PYTHON", "MPL")
 
 _SERVER = r"""
 import json, os, select, signal, socket, sys
@@ -99,7 +96,7 @@ import runpy
 sys.argv = [request["module"], *request["args"]]
 sys.path[0] = os.getcwd()   # `python -m` puts the working directory first
 runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
-""" % (_READ_ON_IMPORT,)
+""" % (READ_ON_IMPORT,)
 
 _CLIENT = r"""
 import json, os, signal, socket, sys
