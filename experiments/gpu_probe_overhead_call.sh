@@ -35,14 +35,15 @@ for variant in ${VARIANTS:?set VARIANTS}; do
 done
 python3 - "$OUT" <<'PY'
 import glob, json, sys
-print(f"{'model/preset':18s} {'config':44s} {'step ms':>8s} {'pass ms':>8s} {'1st s':>6s} "
+print(f"{'model/preset':18s} {'config':66s} {'step ms':>8s} {'pass ms':>8s} {'1st s':>6s} "
       f"{'@25':>7s} {'@100':>7s} {'@200':>7s}  parts")
 for path in sorted(glob.glob(f"{sys.argv[1]}/probe_overhead_*.json")):
   r = json.load(open(path))
   c = r["probe_config"]
-  config = ",".join(f"{k}={c.get(k)}" for k in ("weight_every", "one_program", "pass_compile"))
+  config = ",".join(f"{k}={c.get(k)}" for k in ("weight_every", "one_program", "group_sites",
+                                                  "pass_compile"))
   f = r["fraction"]
-  print(f"{r['model'] + '/' + r['preset']:18s} {config:44s} {r['step_ms']:8.1f} "
+  print(f"{r['model'] + '/' + r['preset']:18s} {config:66s} {r['step_ms']:8.1f} "
         f"{r['pass_ms']:8.1f} {r.get('pass_first_call_s', 0):6.1f} {100 * f['25']:6.1f}% {100 * f['100']:6.1f}% "
         f"{100 * f['200']:6.1f}%  {r['parts_ms']}")
 PY

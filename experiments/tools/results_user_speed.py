@@ -22,7 +22,7 @@ KIND_FIELDS = {"time_to_plan": ("candidates", "complete", "cold_s", "stages_s"),
                "startup": ("arm", "cache", "prefetch", "start_to_first_step_s", "setup_s",
                            "first_step_s", "window_steps_per_s"),  # optional: xla_flags, note
                "probe_overhead": ("cadence", "pass_ms", "step_ms"),  # optional: batch_size,
-# weight_every, one_program, pass_compile, first_call_s, extract_ms, measured_in
+# weight_every, one_program, group_sites, pass_compile, first_call_s, extract_ms, measured_in
                  "loop_vs_bench": ("arm", "bench_steps_per_s", "window_steps_per_s",
                                    "loop_steps_per_s", "loop_over_bench"),  # LoKA's row:
 # speedup_bench, speedup_loop
@@ -127,6 +127,7 @@ def overhead_table(rows: Sequence[Mapping]) -> str:
     share = " | ".join(f"{100 * r['pass_ms'] / (c * r['step_ms']):.1f}%" for c in CADENCES)
     extract = f"{r['extract_ms']:.1f} ms" if r.get("extract_ms") is not None else "-"
     compiled = (f"{'one program' if r.get('one_program') else 'per site'}, "
+                f"{'sites grouped, ' if r.get('group_sites') else ''}"
                 f"{r.get('pass_compile', 'autotuned')}")
     first = f"{r['first_call_s']:.0f} s" if r.get("first_call_s") is not None else "-"
     lines.append(f"| {r['model']}/{r['preset']} | {r.get('batch_size', '-')} | "

@@ -42,6 +42,8 @@ class UserSpeedTest(absltest.TestCase):
          "batch_size": 4096, "weight_every": 4, "extract_ms": 95.2, "one_program": True,
          "pass_compile": "cublas", "first_call_s": 107.8,
          "measured_in": "experiments.measure probe_overhead"},
+        {**BASE, "kind": "probe_overhead", "cadence": 25, "pass_ms": 300.0, "step_ms": 150.0,
+         "weight_every": 4, "one_program": True, "group_sites": True, "pass_compile": "cublas"},
         {**BASE, "kind": "loop_vs_bench", "arm": "LoKA", "bench_steps_per_s": 8.3,
          "window_steps_per_s": [8.0, 8.2], "loop_steps_per_s": 8.1, "loop_over_bench": 0.976,
          "speedup_bench": 1.33, "speedup_loop": 1.31},
@@ -64,6 +66,9 @@ class UserSpeedTest(absltest.TestCase):
     self.assertIn("| wukong/large | 4096 | experiments.measure probe_overhead | 4 | one program, "
                   "cublas | 108 s | 377 ms | 95.2 ms | 154.5 ms | 9.8% | 2.4% | 1.2% | "
                   "123 steps |", text)
+    # 300 / (25 x 150) = 8.0%; 300 / (0.02 x 150) = 100 observations apart.
+    self.assertIn("| wukong/large | - | - | 4 | one program, sites grouped, cublas | - | 300 ms | "
+                  "- | 150.0 ms | 8.0% | 2.0% | 1.0% | 100 steps |", text)
     # A row without batch_workers had none; one whose loop started them says when.
     self.assertIn("| wukong/large | LoKA | 0 | 8.30 steps/s | 8.10 (8.00-8.20) | 0.976 | "
                   "1.330x, 1.310x |", text)
