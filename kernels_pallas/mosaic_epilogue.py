@@ -8,6 +8,7 @@ squares nor the row amax needs a mask.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -48,3 +49,45 @@ def after_pre(pre, ep: epilogue_lib.Epilogue, n_left, by_rows):
     return y, None
   scale = scale_from_amax(jnp.max(finite_abs(y), axis=1), E4M3.max)
   return saturating_cast(y / by_rows(scale, y.shape), E4M3), scale
+
+
+def out_types(bt: int, mp: int, np_: int, ep: epilogue_lib.Epilogue, out_dtype, pre_dtype):
+  """A kernel's outputs on padded sizes: the result (Bt, Mp, Np), or with output
+  quantization its e4m3 codes and one fp32 scale a row (Bt, Mp); then the pre-norm value
+  (Bt, Mp, Np) with `ep.emit_pre`."""
+  types = [jax.ShapeDtypeStruct((bt, mp, np_), E4M3.dtype if ep.quantize_output else out_dtype)]
+  if ep.quantize_output:
+    types.append(jax.ShapeDtypeStruct((bt, mp), jnp.float32))
+  if ep.emit_pre:
+    types.append(jax.ShapeDtypeStruct((bt, mp, np_), pre_dtype))
+  return tuple(types)
+
+
+def out_slices(out_g, scale_g, pre_g, bi, m_slice, n_slice):
+  """A tile's slices of the kernel's outputs (None where an output is not emitted)."""
+  return (out_g.at[bi, m_slice, n_slice],
+          None if scale_g is None else scale_g.at[bi, m_slice],
+          None if pre_g is None else pre_g.at[bi, m_slice, n_slice])
+
+
+def write_tile(pre, ep: epilogue_lib.Epilogue, n_left, by_rows, out_dtype, pre_dtype, smem,
+               gmem):
+  """Finishes a tile from its fp32 pre-norm value and sends it out: the pre-norm value (with
+  `ep.emit_pre`) and `after_pre`'s output (or codes and row scales) into their shared-memory
+  tiles `smem` = (out, scale, pre), then by TMA to the global slices `gmem` = (out, scale,
+  pre); a tile an epilogue does not emit is None in both."""
+  out_smem, scale_smem, pre_smem = smem
+  out_g, scale_g, pre_g = gmem
+  if ep.emit_pre:
+    pre_smem[...] = pre.astype(pre_dtype)
+  y, scale = after_pre(pre, ep, n_left, by_rows)
+  out_smem[...] = y if ep.quantize_output else y.astype(out_dtype)
+  if ep.quantize_output:
+    scale_smem[...] = scale
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(out_smem, out_g)
+  if ep.quantize_output:
+    plgpu.copy_smem_to_gmem(scale_smem, scale_g)
+  if ep.emit_pre:
+    plgpu.copy_smem_to_gmem(pre_smem, pre_g)
+  plgpu.wait_smem_to_gmem(0)

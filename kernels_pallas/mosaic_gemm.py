@@ -149,7 +149,7 @@ def validate_config(cfg: MosaicConfig, dims, ep: epilogue_lib.Epilogue,
   if cfg.compute_wgs not in (1, mosaic_ws.COMPUTE_WGS):
     return f"compute_wgs={cfg.compute_wgs} must be 1 or {mosaic_ws.COMPUTE_WGS}"
   if cfg.compute_wgs > 1:
-    reason = mosaic_ws.unsupported(BLOCK_SCALES if block_scales else ROWWISE_SCALES, promote)
+    reason = mosaic_ws.unsupported(block_scales, promote)
     if reason:
       return reason
   promote = promote or block_scales
@@ -234,8 +234,9 @@ def candidate_configs(dims, ep: epilogue_lib.Epilogue, out_dtype=jnp.bfloat16,
     widths = tuple(w for w in (64, 128, MAX_BLOCK_N) if w >= _row_width(dims[2]))
   else:
     widths = (128, 64, 256)
-  valid = lambda c: validate_config(c, dims, ep, out_dtype, pre_dtype, promote,
-                                    block_scales) is None
+  # Cached: the warp-specialized tiles are checked when picked and again with the rest.
+  valid = functools.cache(lambda c: validate_config(c, dims, ep, out_dtype, pre_dtype, promote,
+                                                    block_scales) is None)
   # Up to three warp-specialized tiles (where the problem allows them) first after the
   # default, so the tuner always times some.
   ws = [MosaicConfig(bm, bn, stages, mosaic_ws.COMPUTE_WGS) for bn in widths
@@ -358,19 +359,10 @@ def _kernel(a_g, b_g, sa_g, sb_g, *refs, n_true, cfg, ep, k_steps, scales, preci
       if ep.bias:
         plgpu.barrier_wait(barriers.at[2])
         y = y + by_cols(bias_smem[...])
-      if ep.emit_pre:
-        pre_smem[...] = y.astype(pre_dtype)
-      y, scale = mosaic_epilogue.after_pre(y, ep, n_true - ni * bn, rows_of)
-      o_smem[...] = y if ep.quantize_output else y.astype(out_dtype)
-      if ep.quantize_output:
-        scale_smem[...] = scale
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_smem, o_g.at[bi, m_slice, n_slice])
-      if ep.quantize_output:
-        plgpu.copy_smem_to_gmem(scale_smem, scale_g.at[bi, m_slice])
-      if ep.emit_pre:
-        plgpu.copy_smem_to_gmem(pre_smem, pre_g.at[bi, m_slice, n_slice])
-      plgpu.wait_smem_to_gmem(0)
+      mosaic_epilogue.write_tile(
+          y, ep, n_true - ni * bn, rows_of, out_dtype, pre_dtype,
+          (o_smem, scale_smem, pre_smem),
+          mosaic_epilogue.out_slices(o_g, scale_g, pre_g, bi, m_slice, n_slice))
 
     # The K loop has released its operand stages: the output tiles reuse that memory.
     pl.run_scoped(store, *(s for s in out_scratch if s is not None))
@@ -482,17 +474,11 @@ def gemm(a, b, sa, sb, *, scales: str = ROWWISE_SCALES, precise: bool = False,
                           out_dtype=jnp.dtype(out_dtype), pre_dtype=jnp.dtype(pre_dtype),
                           interpret=interpret)
     return _unpadded(outs, M, N)
-  if epilogue.quantize_output:
-    out_type = [jax.ShapeDtypeStruct((Bt, Mp, Np), E4M3.dtype),
-                jax.ShapeDtypeStruct((Bt, Mp), jnp.float32)]
-  else:
-    out_type = [jax.ShapeDtypeStruct((Bt, Mp, Np), out_dtype)]
-  if epilogue.emit_pre:
-    out_type.append(jax.ShapeDtypeStruct((Bt, Mp, Np), pre_dtype))
   body = functools.partial(_kernel, n_true=N, cfg=cfg, ep=epilogue, k_steps=Kp // BLOCK_K,
                            scales=scales, precise=precise, interpret=interpret is not None,
                            out_dtype=jnp.dtype(out_dtype), pre_dtype=jnp.dtype(pre_dtype))
-  call = plgpu.kernel(body, out_type=tuple(out_type), grid=(Np // cfg.block_n,
+  call = plgpu.kernel(body, out_type=mosaic_epilogue.out_types(Bt, Mp, Np, epilogue, out_dtype,
+                                                                pre_dtype), grid=(Np // cfg.block_n,
                       Mp // cfg.block_m, Bt), grid_names=("n", "m", "b"),
                       interpret=interpret)
   return _unpadded(call(*args), M, N)

@@ -18,7 +18,6 @@ before the epilogue, so its output tiles sit beside the operand stages.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -30,9 +29,9 @@ COMPUTE_WGS = 2       # compute warpgroups a program
 MEMORY_REGISTERS = 40  # registers a thread of the memory warpgroup keeps (jax's Hopper matmul)
 
 
-def unsupported(scales: str, precise: bool) -> str | None:
+def unsupported(block_scales: bool, precise: bool) -> str | None:
   """Why the warp-specialized core cannot run this problem (None when it can)."""
-  if scales != "rowwise" or precise:
+  if block_scales or precise:
     return "the warp-specialized core takes rowwise scales accumulated on the tensor cores"
   return None
 
@@ -85,19 +84,11 @@ def gemm(a, b, sa, sb, bias, *, ep, n_true: int, block_m: int, block_n: int, sta
         y = acc * rows_of(sa_smem[wg], tile) * cols_of(sb_smem[wg], tile)
         if ep.bias:
           y = y + cols_of(bias_smem[wg], tile)
-        if ep.emit_pre:
-          pre_smem[wg] = y.astype(pre_dtype)
-        y, scale = mosaic_epilogue.after_pre(y, ep, n_true - ni * block_n, rows_of)
-        out_smem[wg] = y if ep.quantize_output else y.astype(out_dtype)
-        if ep.quantize_output:
-          scale_smem[wg] = scale
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem.at[wg], o_g.at[bi, m_slice, n_slice])
-        if ep.quantize_output:
-          plgpu.copy_smem_to_gmem(scale_smem.at[wg], scale_g.at[bi, m_slice])
-        if ep.emit_pre:
-          plgpu.copy_smem_to_gmem(pre_smem.at[wg], pre_g.at[bi, m_slice, n_slice])
-        plgpu.wait_smem_to_gmem(0)
+        own = lambda ref: None if ref is None else ref.at[wg]   # this warpgroup's tile
+        mosaic_epilogue.write_tile(
+            y, ep, n_true - ni * block_n, rows_of, out_dtype, pre_dtype,
+            (own(out_smem), own(scale_smem), own(pre_smem)),
+            mosaic_epilogue.out_slices(o_g, scale_g, pre_g, bi, m_slice, n_slice))
 
       pl.run_scoped(with_acc, plgpu.ACC(tile, jnp.float32))
 
@@ -122,11 +113,6 @@ def gemm(a, b, sa, sb, bias, *, ep, n_true: int, block_m: int, block_n: int, sta
         compute_context=compute)
     pipeline(a_g.at[bi, pl.ds(mi * rows, rows)], b_tiles)
 
-  out_type = [jax.ShapeDtypeStruct((bt, mp, np_), code_dtype)]
-  if ep.quantize_output:
-    out_type.append(jax.ShapeDtypeStruct((bt, mp), jnp.float32))
-  if ep.emit_pre:
-    out_type.append(jax.ShapeDtypeStruct((bt, mp, np_), pre_dtype))
   vectors = 3 if ep.bias else 2   # row scales, column scales (and bias) of each warpgroup
   scratch = [
       plgpu.SMEM((COMPUTE_WGS,) + tile, code_dtype, transforms=swizzled(block_n, code_dtype)),
@@ -138,7 +124,7 @@ def gemm(a, b, sa, sb, bias, *, ep, n_true: int, block_m: int, block_n: int, sta
       plgpu.SMEM((COMPUTE_WGS, block_n), jnp.float32) if ep.bias else None,
       plgpu.Barrier(num_barriers=vectors * COMPUTE_WGS)]
   call = plgpu.kernel(
-      body, out_type=tuple(out_type),
+      body, out_type=mosaic_epilogue.out_types(bt, mp, np_, ep, out_dtype, pre_dtype),
       grid=(np_ // block_n, mp // rows, bt), grid_names=("n", "m", "b"),
       num_threads=COMPUTE_WGS + 1, thread_name="wg",
       scratch_types=[s for s in scratch if s is not None], interpret=interpret)
