@@ -131,7 +131,7 @@ def _cpu_set_up():
   # Every compile goes in, eager single ops (~40 ms each on a CPU) too: the CLIs honour it
   # (experiments/run_config.py), so a CLI child, a run killed and resumed, or a second run of
   # a test's settings loads its short compiles as well as its steps. Measured on 2 cores:
-  # against 0.2 s, 0.05 s took test_bench.py 67 -> 61 s and test_kill_resume.py 48 -> 44 s;
+  # against 0.2 s, 0.05 s took the bench tests 67 -> 61 s and test_kill_resume.py 48 -> 44 s;
   # against 0.05 s, 0 took the main-job, probe, kill-resume and shadow-arm CLI tests
   # 71.1 -> 69.0 s and test_bench, tests/api and tests/models 101.7 -> 100.4 s.
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

@@ -1,0 +1,110 @@
+"""The bench's MLP towers and timed steps on the CPU: the tower source, one state shared by
+the arms and the train calls of a timed sample."""
+from unittest import mock
+
+import chex
+import numpy as np
+from absl.testing import absltest
+
+from experiments.bench import suite, towers
+from loka_jax.models.site import SiteConfig
+
+
+class TowerSourceTest(chex.TestCase):
+  """The towers' data: pure in (task_seed, seed, step), heavy-tailed inputs with the
+  per-channel scales, labels that follow the hidden teacher."""
+
+  def test_batches_are_a_pure_function_of_seed_and_step(self):
+    # `a` and `other` hold 4 held-out batches, `b` the default: the train batches depend on the
+    # seed and the step alone, not on the held-out size.
+    a = towers.TowerSource(32, seed=1, num_eval=256)
+    b = towers.TowerSource(32, seed=1)
+    np.testing.assert_array_equal(a.train_batch(3, 64)["dense"], b.train_batch(3, 64)["dense"])
+    self.assertFalse(np.array_equal(a.train_batch(3, 64)["dense"],
+                                    a.train_batch(4, 64)["dense"]))
+    other = towers.TowerSource(32, seed=2, num_eval=256)
+    self.assertFalse(np.array_equal(a.train_batch(3, 64)["dense"],
+                                    other.train_batch(3, 64)["dense"]))
+    # The held-out set is the task's, the same for every seed.
+    for x, y in zip(a.eval_batches(64), other.eval_batches(64)):
+      np.testing.assert_array_equal(x["dense"], y["dense"])
+
+  def test_inputs_are_heavy_tailed_and_labels_follow_the_teacher(self):
+    source = towers.TowerSource(64, num_eval=8192)
+    batch = source.train_batch(0, 8192)
+    chex.assert_shape(batch["dense"], (8192, 64))
+    self.assertEqual(batch["dense"].dtype, np.float32)
+    z = (batch["dense"] / source._scale).astype(np.float64)
+    self.assertAlmostEqual(z.std(), np.sqrt(5 / 3), delta=0.05)  # t(5): variance 5/3
+    self.assertGreater(np.mean(z ** 4) / np.mean(z ** 2) ** 2, 4.0)  # a normal gives 3
+    # The teacher's logit, recomputed here in NumPy, predicts the labels.
+    logit = np.tanh(z @ source._w1) @ source._w2 * 0.5
+    labels = batch["label"]
+    self.assertTrue(set(np.unique(labels)) <= {0.0, 1.0})
+    self.assertGreater(labels[logit > 1].mean() - labels[logit < -1].mean(), 0.3)
+
+
+class SharedStateTest(chex.TestCase):
+
+  def test_variants_thread_one_state_and_keep_their_fp8_meta(self):
+    shape = towers.TowerShape(32, 16, 2)
+    batch = towers.TowerSource(16).train_batch(0, 32)
+    bench = suite.speed.TargetBench(batch, min_call_s=0.0)
+    base = bench.set_baseline(towers.build_tower(shape, SiteConfig.for_precision("bf16")))
+    mods = bench.add("bf16_mods", towers.build_tower(
+        shape, SiteConfig.for_precision("bf16"), ("all",)))
+    flax_arm = bench.add("flax", towers.build_tower(
+        shape, SiteConfig.for_precision("fp8_all", kernel="flax_fp8_delayed")))
+    self.assertTrue(mods.info["shared_state"])
+    self.assertTrue(flax_arm.info["shared_state"])
+    before = int(bench.holder["shared"].step)
+    for arm in (base, mods, flax_arm, flax_arm):
+      arm.train()
+    self.assertEqual(int(bench.holder["shared"].step), before + 4)
+    self.assertEqual(bench.holder["shared"].fp8_meta, bench.holder["empty_meta"])
+    chex.assert_shape(np.asarray(flax_arm.infer()), (32,))
+
+
+class InnerStepsTest(chex.TestCase):
+
+  def test_steps_per_timed_call_are_chosen_per_mode(self):
+    # A train step above min_call_s runs once a call; an inference step 50x shorter runs
+    # often enough to reach it. The single-call times are fixed here (the numerics are not).
+    shape = towers.TowerShape(32, 16, 2)
+    batch = towers.TowerSource(16).train_batch(0, 32)
+    bench = suite.speed.TargetBench(batch, min_call_s=1e-3)
+    one_call = {"train_call": 5e-3, "infer_call": 1e-4}
+    with mock.patch.object(suite.speed.timing, "call_seconds",
+                           lambda call: one_call[call.__name__]):
+      base = bench.set_baseline(towers.build_tower(shape, SiteConfig.for_precision("bf16")))
+    self.assertEqual(bench.inner, {"train": 1, "infer": 10})
+    self.assertEqual(base.info["inner"], {"train": 1, "infer": 10})
+    mods = bench.add("bf16_mods", towers.build_tower(
+        shape, SiteConfig.for_precision("bf16"), ("all",)))
+    before = int(bench.holder["shared"].step)
+    mods.train()
+    self.assertEqual(int(bench.holder["shared"].step), before + 1)
+    chex.assert_shape(np.asarray(mods.infer()), (32,))
+    before = int(bench.holder["shared"].step)
+    timed = bench.time_pair(mods, repeats=3)
+    # Steps per timed sample: 4 train calls back to back; one inference call of 10 steps.
+    self.assertEqual((timed["train"]["inner"], timed["infer"]["inner"]), (4, 10))
+    self.assertEqual(mods.info["calls_per_sample"], {"train": 4, "infer": 1})
+    # bf16 and bf16+Mods thread one state: 3 warm-up calls each, then 3 samples of 4 calls.
+    self.assertEqual(int(bench.holder["shared"].step), before + 2 * (3 + 3 * 4))
+
+  def test_one_train_call_a_sample_when_asked_and_none_refused(self):
+    shape = towers.TowerShape(32, 16, 2)
+    batch = towers.TowerSource(16).train_batch(0, 32)
+    with self.assertRaisesRegex(ValueError, "train_calls must be >= 1"):
+      suite.speed.TargetBench(batch, train_calls=0)
+    bench = suite.speed.TargetBench(batch, min_call_s=0.0, train_calls=1)
+    base = bench.set_baseline(towers.build_tower(shape, SiteConfig.for_precision("bf16")))
+    before = int(bench.holder["shared"].step)
+    timed = bench.time_pair(base, repeats=2)
+    self.assertEqual(timed["train"]["inner"], 1)
+    self.assertEqual(int(bench.holder["shared"].step), before + 3 + 2)
+
+
+if __name__ == "__main__":
+  absltest.main()
