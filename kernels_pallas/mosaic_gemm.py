@@ -94,6 +94,22 @@ def _aligned(nbytes: int) -> int:
   return _round_up(nbytes, SMEM_ALIGNMENT)
 
 
+def _output_tiles(rows: int, bn: int, ep: epilogue_lib.Epilogue, out_dtype, pre_dtype) -> int:
+  """Shared memory of the epilogue's outputs staged for TMA, over `rows` rows (one buffer
+  for all of a program's warpgroups): the output, or its e4m3 codes and one fp32 scale a row;
+  the pre-norm value; and a row reduction's scratch (BlockNorm's sum, the quantization's
+  amax)."""
+  if ep.quantize_output:
+    tiles = _aligned(rows * bn) + _aligned(rows * 4)
+  else:
+    tiles = _aligned(rows * bn * jnp.dtype(out_dtype).itemsize)
+  if ep.emit_pre:
+    tiles += _aligned(rows * bn * jnp.dtype(pre_dtype).itemsize)
+  if ep.block_size is not None or ep.quantize_output:
+    tiles += REDUCTION_SCRATCH_BYTES
+  return tiles
+
+
 def shared_memory_bytes(cfg: MosaicConfig, ep: epilogue_lib.Epilogue, out_dtype=jnp.bfloat16,
                         pre_dtype=jnp.float32, block_scales: bool = False,
                         k_steps: Optional[int] = None) -> int:
@@ -112,15 +128,8 @@ def shared_memory_bytes(cfg: MosaicConfig, ep: epilogue_lib.Epilogue, out_dtype=
     # one for consumed, and each warpgroup's vectors arrive on one each.
     wgs, vectors = cfg.compute_wgs, 3 if ep.bias else 2
     pipeline = _aligned(stages * wgs * bm * BLOCK_K) + _aligned(stages * bn * BLOCK_K)
-    code_bytes = 1 if ep.quantize_output else jnp.dtype(out_dtype).itemsize
-    tiles = _aligned(wgs * bm * bn * code_bytes) + _aligned(wgs * bm * 4)
-    tiles += _aligned(wgs * bn * 4) * (vectors - 1)
-    if ep.quantize_output:
-      tiles += _aligned(wgs * bm * 4)
-    if ep.emit_pre:
-      tiles += _aligned(wgs * bm * bn * jnp.dtype(pre_dtype).itemsize)
-    if ep.block_size is not None or ep.quantize_output:
-      tiles += REDUCTION_SCRATCH_BYTES
+    vector_tiles = _aligned(wgs * bm * 4) + _aligned(wgs * bn * 4) * (vectors - 1)
+    tiles = _output_tiles(wgs * bm, bn, ep, out_dtype, pre_dtype) + vector_tiles
     return pipeline + tiles + (2 * stages + vectors * wgs) * BARRIER_BYTES
   resident = 0 if block_scales else _aligned(bm * 4) + _aligned(bn * 4)
   if ep.bias:
@@ -128,14 +137,7 @@ def shared_memory_bytes(cfg: MosaicConfig, ep: epilogue_lib.Epilogue, out_dtype=
   pipeline = _aligned(stages * bm * BLOCK_K) + _aligned(stages * bn * BLOCK_K)
   if block_scales:
     pipeline += _aligned(stages * bm * 4) + _aligned(stages * bn * 4)
-  if ep.quantize_output:  # e4m3 codes and one fp32 scale a row
-    tiles = _aligned(bm * bn) + _aligned(bm * 4)
-  else:
-    tiles = _aligned(bm * bn * jnp.dtype(out_dtype).itemsize)
-  if ep.emit_pre:
-    tiles += _aligned(bm * bn * jnp.dtype(pre_dtype).itemsize)
-  if ep.block_size is not None or ep.quantize_output:   # a row sum or a row amax
-    tiles += REDUCTION_SCRATCH_BYTES
+  tiles = _output_tiles(bm, bn, ep, out_dtype, pre_dtype)
   barriers = (EPILOGUE_BARRIERS + stages) * BARRIER_BYTES
   return resident + max(pipeline, tiles) + barriers
 
