@@ -13,6 +13,13 @@ from experiments.bench import forget, planning, quality, suite, towers, variants
 from experiments.bench.results import ResultsFile
 
 
+def _probe_and_plan_kwargs(target, settings):
+  """The keyword arguments the bench's probe for `target`'s plan gives the pipeline."""
+  with mock.patch("loka_jax.dispatch.pipeline.probe_and_plan") as probe_and_plan:
+    suite._probe_for_plan(target, settings, deadline=time.time() + 600, log=lambda line: None)
+  return probe_and_plan.call_args.kwargs
+
+
 class SelectionTest(absltest.TestCase):
 
   def test_plans_are_validated_on_up_to_16_batches_of_held_out_examples(self):
@@ -78,10 +85,7 @@ class ValidationFromInitTest(absltest.TestCase):
                                      validation_stalled_fraction=0.05 * seeds,
                                      validation_shadow_warmup_steps=warmup,
                                      validation_shadow_steps=steps)
-      with mock.patch("loka_jax.dispatch.pipeline.probe_and_plan") as probe_and_plan:
-        suite._probe_for_plan(target, settings,
-                              deadline=time.time() + 600, log=lambda line: None)
-      validation = probe_and_plan.call_args.kwargs["validation"]
+      validation = _probe_and_plan_kwargs(target, settings)["validation"]
       self.assertEqual((validation.from_init_steps, validation.from_init_warmup_steps,
                         validation.from_init_clip_norm, validation.from_init_seeds,
                         validation.from_init_quality_bound, validation.held_out_one_program,
@@ -105,12 +109,10 @@ class ValidationFromInitTest(absltest.TestCase):
       settings = suite.SpeedSettings(plans_dir=plans, probe_min_timing_gflops=floor,
                                      probe_compile_workers=workers,
                                      select_min_sqnr_wgrad_db=wgrad)
-      with mock.patch("loka_jax.dispatch.pipeline.probe_and_plan") as probe_and_plan:
-        suite._probe_for_plan(target, settings,
-                              deadline=time.time() + 600, log=lambda line: None)
-      options = probe_and_plan.call_args.kwargs["probe_options"]
+      kwargs = _probe_and_plan_kwargs(target, settings)
+      options = kwargs["probe_options"]
       self.assertEqual((options.min_timing_gflops, options.compile_workers), (floor, workers))
-      self.assertEqual(probe_and_plan.call_args.kwargs["criteria_changes"],
+      self.assertEqual(kwargs["criteria_changes"],
                        None if wgrad is None else {"min_sqnr_wgrad_db": wgrad})
 
 
