@@ -1,5 +1,6 @@
-"""The bench's quality protocol on the CPU: paired seeds, verdicts on hand-made rows and the
-pacing of quality runs."""
+"""The bench's quality protocol on the CPU: one held-out set for every arm, checkpoints of
+large states, a plan without FP8 handed the bf16+Mods run, the warm-up and clipped recipes,
+and quality runs paced against the call's hard end."""
 import dataclasses
 import json
 import os

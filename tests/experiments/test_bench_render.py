@@ -1,5 +1,5 @@
-"""The bench's tables and plots from hand-made rows: what they show, the colour of each
-variant and the tick labels."""
+"""The bench's tables and plots from hand-made rows and runs: the tables, the training curves
+and their table, each variant's colour and the tick labels."""
 import json
 import os
 from unittest import mock
