@@ -479,10 +479,9 @@ def gemm(a, b, sa, sb, *, scales: str = ROWWISE_SCALES, precise: bool = False,
   body = functools.partial(_kernel, n_true=N, cfg=cfg, ep=epilogue, k_steps=Kp // BLOCK_K,
                            scales=scales, precise=precise, interpret=interpret is not None,
                            out_dtype=jnp.dtype(out_dtype), pre_dtype=jnp.dtype(pre_dtype))
-  call = plgpu.kernel(body, out_type=mosaic_epilogue.out_types(Bt, Mp, Np, epilogue, out_dtype,
-                                                                pre_dtype), grid=(Np // cfg.block_n,
-                      Mp // cfg.block_m, Bt), grid_names=("n", "m", "b"),
-                      interpret=interpret)
+  out_type = mosaic_epilogue.out_types(Bt, Mp, Np, epilogue, out_dtype, pre_dtype)
+  call = plgpu.kernel(body, out_type=out_type, grid=(Np // cfg.block_n, Mp // cfg.block_m, Bt),
+                      grid_names=("n", "m", "b"), interpret=interpret)
   return _unpadded(call(*args), M, N)
 
 

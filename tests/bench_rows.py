@@ -38,7 +38,7 @@ def quality_row(model, preset, arm, seed, logloss, **fields):
           "eval_fingerprint": "abc", **fields}
 
 
-def verdict(verdicts, target, subject, mode):
+def find_verdict(verdicts, target, subject, mode):
   """The one verdict of `target` for `subject` in `mode` among `verdicts`."""
   found = [v for v in verdicts if v["target"] == target and v["subject"] == subject
            and v["mode"] == mode]

@@ -5,7 +5,7 @@ import os
 
 from absl.testing import absltest
 
-import bench_rows
+from bench_rows import tempdir
 from cli_helpers import REPO, run_module
 from experiments.bench import suite, variants
 from experiments.bench.results import ResultsFile
@@ -21,7 +21,7 @@ COMPILE_CACHE = f"--config.compile_cache={os.environ['JAX_COMPILATION_CACHE_DIR'
 class CliTest(absltest.TestCase):
 
   def test_runs_filters_and_resumes(self):
-    out = bench_rows.tempdir(self)
+    out = tempdir(self)
     first = run_module("experiments.bench", f"--config={TOWERS_CONFIG}",
                        "--config.targets.towers=32x16x2,48x16x2", "--config.targets.only=32x16x2",
                        "--config.speed.variants=bf16,fp8_rowwise", "--config.speed.repeats=3",
@@ -54,7 +54,7 @@ class CliTest(absltest.TestCase):
 
 
   def test_deterministic_ops_run_the_quality_suite_and_no_timed_one(self):
-    out = bench_rows.tempdir(self)
+    out = tempdir(self)
     base = ["experiments.bench", f"--workdir={out}"]
     deterministic = "--config.quality.xla_deterministic=true"
     timed = run_module(*base, f"--config={TOWERS_CONFIG}", deterministic, timeout=120)
@@ -78,7 +78,7 @@ class CliTest(absltest.TestCase):
     self.assertNotEqual(rows[0]["logloss"], rows[1]["logloss"])
 
   def test_bad_quality_seeds_fail_before_any_run(self):
-    out = bench_rows.tempdir(self)
+    out = tempdir(self)
     for flag in ("--config.quality.seeds=1,x", "--config.quality.noise_seeds=1,1"):
       run = run_module("experiments.bench", f"--workdir={out}", f"--config={QUALITY_CONFIG}",
                        "--config.quality.data=synthetic", flag, timeout=120)
@@ -96,7 +96,7 @@ class CliTest(absltest.TestCase):
       self.assertRegex(field_help, rf"\b{name}\b", name)
 
   def test_a_missing_plan_alone_builds_no_baseline(self):
-    out = bench_rows.tempdir(self)
+    out = tempdir(self)
     results = ResultsFile(os.path.join(out, "bench.jsonl"), suite.KEY_FIELDS)
     target = suite.tower_targets(["32x16x2"])[0]
     settings = suite.SpeedSettings(repeats=3, probe=False, plans_dir=os.path.join(out, "plans"))

@@ -7,7 +7,7 @@ from unittest import mock
 
 from absl.testing import absltest
 
-import bench_rows
+from bench_rows import tempdir
 from loka_jax import dispatch
 from experiments.bench import forget, planning, quality, suite, towers, variants
 from experiments.bench.results import ResultsFile
@@ -122,7 +122,7 @@ class QualityPlanMakerTest(absltest.TestCase):
     # The quality suite makes a missing plan with the speed suite's probe options (the
     # carried timing cache above all: without it every site is timed again) and at the
     # probe seed, whatever the quality seed: each seed's invocation resumes the same probe.
-    out = bench_rows.tempdir(self)
+    out = tempdir(self)
     settings = suite.SpeedSettings(plans_dir=os.path.join(out, "plans"), probe_steps=7,
                                    probe_samples=5, probe_kernels=("xla_bf16", "xla_fp8_rowwise"),
                                    probe_timing_cache=os.path.join(out, "tc"),
@@ -156,7 +156,7 @@ class QualityPlanMakerTest(absltest.TestCase):
     # A probe that ran out of budget returns no plan: the model's rows are not done (the
     # bench must not print "all selected rows are done", nor a queue move on); the next run
     # with the plan made records the LoKA row.
-    out = bench_rows.tempdir(self)
+    out = tempdir(self)
     settings = quality.QualitySettings(preset="tiny", steps=2, batch_size=64, min_eval=64,
                                        noise_seeds=(), arms=("bf16_mods", "loka"),
                                        plans_dir=os.path.join(out, "plans"))
@@ -184,7 +184,7 @@ class QualityPlanMakerTest(absltest.TestCase):
     # A row forgotten without its run folder leaves a run the next settings cannot resume:
     # the arm is refused, left unrecorded and the model unfinished (recorded as an error row
     # it would read as done). `forget` moves the folder with the row, and the arm runs.
-    out = bench_rows.tempdir(self)
+    out = tempdir(self)
     path = os.path.join(out, "quality.jsonl")
     root = os.path.join(out, quality.RUNS_FOLDER)
 

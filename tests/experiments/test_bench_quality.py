@@ -9,7 +9,7 @@ from unittest import mock
 
 from absl.testing import absltest
 
-import bench_rows
+from bench_rows import find_verdict, quality_row, tempdir
 from loka_jax import dispatch
 from experiments.bench import mods_set, pace, planning, quality, tables, targets
 from experiments.bench.results import ResultsFile
@@ -20,7 +20,7 @@ from loka_jax.train import read_metrics
 class QualityProtocolTest(absltest.TestCase):
 
   def test_every_arm_scores_the_same_eval_set(self):
-    out = bench_rows.tempdir(self)
+    out = tempdir(self)
     settings = quality.QualitySettings(preset="tiny", steps=3, batch_size=64, min_eval=100,
                                        arms=("bf16", "fp8_naive"), noise_seeds=(1,))
     results = ResultsFile(os.path.join(out, "quality.jsonl"), quality.KEY_FIELDS)
@@ -59,7 +59,7 @@ class QualityProtocolTest(absltest.TestCase):
     self.assertEqual(nbytes, sum(x.nbytes for x in leaves))
     saved, scores = {}, {}
     for bar, keep_runs in ((nbytes + 1, True), (nbytes, True), (nbytes, False)):
-      out = bench_rows.tempdir(self)
+      out = tempdir(self)
       settings = quality.QualitySettings(preset="tiny", steps=8, batch_size=64, min_eval=64,
                                          arms=("bf16",), noise_seeds=(), keep_runs=keep_runs)
       results = ResultsFile(os.path.join(out, "quality.jsonl"), quality.KEY_FIELDS)
@@ -92,7 +92,7 @@ class QualityProtocolTest(absltest.TestCase):
     return path
 
   def test_a_plan_without_fp8_hands_loka_the_bf16_mods_run(self):
-    out = bench_rows.tempdir(self)
+    out = tempdir(self)
     settings = quality.QualitySettings(preset="tiny", steps=3, batch_size=64, min_eval=100,
                                        arms=("bf16_mods", "loka"), noise_seeds=(),
                                        plans_dir=os.path.join(out, "plans"))
@@ -146,23 +146,23 @@ class QualityProtocolTest(absltest.TestCase):
     self.assertNotEqual(loka["logloss"], twin["logloss"])
 
   def test_a_handed_over_loka_row_says_so_in_the_table_and_verdict(self):
-    rows = [bench_rows.quality_row("dlrm", "large", "bf16", s, 0.47 + 0.001 * s) for s in range(3)]
-    rows += [bench_rows.quality_row("dlrm", "large", "bf16_mods", 0, 0.4705),
-             bench_rows.quality_row("dlrm", "large", "loka", 0, 0.4705, same_run_as="bf16_mods")]
+    rows = [quality_row("dlrm", "large", "bf16", s, 0.47 + 0.001 * s) for s in range(3)]
+    rows += [quality_row("dlrm", "large", "bf16_mods", 0, 0.4705),
+             quality_row("dlrm", "large", "loka", 0, 0.4705, same_run_as="bf16_mods")]
     table = tables.quality_table(rows)
     self.assertIn("| loka (bf16_mods' runs at seeds [0]: no FP8 site) |", table)
     self.assertNotIn("| bf16_mods (", table)
-    verdict = bench_rows.verdict(targets.check_quality(rows), "loka_quality_vs_bf16_mods",
+    verdict = find_verdict(targets.check_quality(rows), "loka_quality_vs_bf16_mods",
                        "synthetic:dlrm/large", "quality")
     self.assertEqual((verdict["verdict"], verdict["met"]), ("not applicable", None))
     self.assertIn("the plan runs no FP8 kernel", verdict["note"])
     self.assertIn("at seeds [0] its rows are the bf16+Mods runs", verdict["note"])
-    self.assertNotIn("no FP8 kernel", bench_rows.verdict(targets.check_quality(rows[:3] + rows[3:4] + [
-        bench_rows.quality_row("dlrm", "large", "loka", 0, 0.4705, plan_kernels=["xla_fp8_rowwise"])]),
+    self.assertNotIn("no FP8 kernel", find_verdict(targets.check_quality(rows[:3] + rows[3:4] + [
+        quality_row("dlrm", "large", "loka", 0, 0.4705, plan_kernels=["xla_fp8_rowwise"])]),
         "loka_quality_vs_bf16_mods", "synthetic:dlrm/large", "quality")["note"])
 
   def test_a_warm_up_recipe_trains_its_own_runs(self):
-    out = bench_rows.tempdir(self)
+    out = tempdir(self)
     results = ResultsFile(os.path.join(out, "quality.jsonl"), quality.KEY_FIELDS)
     common = dict(preset="tiny", steps=4, batch_size=64, min_eval=100, arms=("bf16",),
                   noise_seeds=())
@@ -180,7 +180,7 @@ class QualityProtocolTest(absltest.TestCase):
     self.assertEqual(config["train"]["optim"]["warmup_steps"], 2)
 
   def test_a_clipped_recipe_trains_its_own_runs_and_rows_keep_the_worst_step(self):
-    out = bench_rows.tempdir(self)
+    out = tempdir(self)
     results = ResultsFile(os.path.join(out, "quality.jsonl"), quality.KEY_FIELDS)
     common = dict(preset="tiny", steps=4, batch_size=64, min_eval=100, arms=("bf16",),
                   noise_seeds=())
@@ -227,7 +227,7 @@ class QualityPacingTest(absltest.TestCase):
     self.assertTrue(pace.may_start(now, 2000.0, None, 150.0)[0])
 
   def test_the_expected_time_is_the_longest_recorded_run_of_the_model_and_preset(self):
-    out = bench_rows.tempdir(self)
+    out = tempdir(self)
     results = ResultsFile(os.path.join(out, "quality.jsonl"), quality.KEY_FIELDS)
     settings = quality.QualitySettings(preset="large")
     self.assertIsNone(quality.expected_run_s(results, "dhen", settings))
@@ -252,7 +252,7 @@ class QualityPacingTest(absltest.TestCase):
         results, "dhen", dataclasses.replace(settings, data="movielens")))
 
   def test_run_model_stops_before_a_run_that_would_outlast_the_hard_end(self):
-    out = bench_rows.tempdir(self)
+    out = tempdir(self)
     results = ResultsFile(os.path.join(out, "quality.jsonl"), quality.KEY_FIELDS)
     settings = quality.QualitySettings(preset="tiny", steps=2, batch_size=64, min_eval=100,
                                        arms=("bf16", "fp8_naive"), noise_seeds=())

@@ -7,7 +7,7 @@ from unittest import mock
 import numpy as np
 from absl.testing import absltest
 
-import bench_rows
+from bench_rows import model_row, quality_row, tempdir
 from experiments.bench import plots, quality, tables, targets, variants
 
 
@@ -15,7 +15,7 @@ class RenderTest(absltest.TestCase):
 
   def test_tables_and_plots_from_hand_rows(self):
     rng = np.random.default_rng(3)
-    rows = [bench_rows.model_row("tower", "4096x256x8", v, s, s, rng, "towers")
+    rows = [model_row("tower", "4096x256x8", v, s, s, rng, "towers")
             for v, s in (("bf16", 1.0), ("bf16_mods", 1.1), ("loka", 1.3))]
     rows.append({"suite": "towers", "model": "tower", "preset": "4096x256x8",
                  "variant": "pallas", "device": "H100", "error": "ValueError: boom"})
@@ -32,7 +32,7 @@ class RenderTest(absltest.TestCase):
     # +0.02%: missed.
     self.assertIn("| movielens:wukong/tiny | LoKA | bf16 | 3 | +0.100% |", text)
     self.assertIn("| missed | - |", text)
-    out = bench_rows.tempdir(self)
+    out = tempdir(self)
     paths = plots.write_plots(rows, out)
     self.assertEqual(sorted(os.path.basename(p) for p in paths),
                      ["quality_paired.png", "speedup_towers.png"])
@@ -44,10 +44,10 @@ class RenderTest(absltest.TestCase):
   def test_training_curves_are_drawn_from_the_runs_found(self):
     # Two comparisons: DCNv2 `large` with the warm-up, whose runs are on disk (seed 2's LoKA
     # run spikes), and DLRM `small`, whose runs are not.
-    rows = [bench_rows.quality_row("dcnv2", "large", a, s, 0.48, warmup_steps=50)
+    rows = [quality_row("dcnv2", "large", a, s, 0.48, warmup_steps=50)
             for a in ("bf16", "bf16_mods", "loka") for s in range(3)]
-    rows += [bench_rows.quality_row("dlrm", "small", a, 0, 0.47) for a in ("bf16", "loka")]
-    empty, root = bench_rows.tempdir(self), bench_rows.tempdir(self)
+    rows += [quality_row("dlrm", "small", a, 0, 0.47) for a in ("bf16", "loka")]
+    empty, root = tempdir(self), tempdir(self)
     for r in rows[:9]:
       run = quality.run_dir(root, r)
       os.makedirs(run)
@@ -60,7 +60,7 @@ class RenderTest(absltest.TestCase):
     self.assertEqual(curve["loss"][1], 6.9)
     self.assertEqual(curve["max_loss"][1], 6.95)
     self.assertIsNone(quality.read_curve(quality.run_dir(empty, rows[8])))
-    out = bench_rows.tempdir(self)
+    out = tempdir(self)
     paths = plots.write_plots(rows, out, quality_runs=[empty, root])
     self.assertEqual(sorted(os.path.basename(p) for p in paths),
                      ["curves_synthetic_dcnv2_large_warmup_50.png", "quality_paired.png"])
@@ -104,11 +104,11 @@ class RenderTest(absltest.TestCase):
   def test_the_curves_table_orders_runs_by_held_out_loss_beside_when_they_came_down(self):
     # Wukong `large`-like: three runs on disk, the one that leaves the plateau late holds the
     # worst held-out loss; a fourth run is not on disk and is left out.
-    rows = [bench_rows.quality_row("wukong", "large", "bf16", 0, 0.4779, warmup_steps=50),
-            bench_rows.quality_row("wukong", "large", "bf16_mods", 0, 0.4812, warmup_steps=50),
-            bench_rows.quality_row("wukong", "large", "loka", 0, 0.4772, warmup_steps=50),
-            bench_rows.quality_row("wukong", "large", "bf16", 1, 0.4807, warmup_steps=50)]
-    root = bench_rows.tempdir(self)
+    rows = [quality_row("wukong", "large", "bf16", 0, 0.4779, warmup_steps=50),
+            quality_row("wukong", "large", "bf16_mods", 0, 0.4812, warmup_steps=50),
+            quality_row("wukong", "large", "loka", 0, 0.4772, warmup_steps=50),
+            quality_row("wukong", "large", "bf16", 1, 0.4807, warmup_steps=50)]
+    root = tempdir(self)
     losses = {"bf16": [0.63, 0.56, 0.54, 0.48], "bf16_mods": [0.64, 0.57, 0.58, 0.48],
               "loka": [0.63, 0.53, 0.50, 0.48]}
     for r in rows[:3]:
@@ -117,7 +117,7 @@ class RenderTest(absltest.TestCase):
       with open(os.path.join(run, "metrics.jsonl"), "w") as f:
         for step, loss in zip((50, 100, 150, 500), losses[r["arm"]]):
           f.write(json.dumps({"step": step, "loss": loss}) + "\n")
-    table = tables.curves_table(rows, [bench_rows.tempdir(self), root])
+    table = tables.curves_table(rows, [tempdir(self), root])
     lines = table.splitlines()[2:]
     self.assertEqual([l.split(" | ")[1] for l in lines], ["loka", "bf16", "bf16_mods"])
     # One mark for all three: a quarter of their mean descent (0.6333 -> 0.48) left.
@@ -131,7 +131,7 @@ class RenderTest(absltest.TestCase):
     self.assertEqual(lines[0].split(" | ")[4], f"{100 + 50 * (0.53 - mark) / 0.03:.0f}")
     self.assertIn("| 0.6400 (50) |", lines[2])
     self.assertIn("| 0.4800 (500) | 0.48120 |", lines[2])
-    self.assertEqual(tables.curves_table(rows, [bench_rows.tempdir(self)]), "")
+    self.assertEqual(tables.curves_table(rows, [tempdir(self)]), "")
     verdicts = targets.check_all(rows)
     self.assertIn("### Training curves", tables.report(rows, verdicts, [root]))
     self.assertNotIn("### Training curves", tables.report(rows, verdicts))
@@ -159,7 +159,7 @@ class VariantColourTest(absltest.TestCase):
       return real_savefig(fig, *args, **kwargs)
 
     with mock.patch.object(plt.Figure, "savefig", keep_figure):
-      plots.speedup_plot(rows, "towers", os.path.join(bench_rows.tempdir(self), "s.png"))
+      plots.speedup_plot(rows, "towers", os.path.join(tempdir(self), "s.png"))
     handles, labels = saved["fig"].axes[0].get_legend_handles_labels()
     face = {label: to_rgba(h.patches[0].get_facecolor()) for h, label in zip(handles, labels)}
     self.assertLen(set(face.values()), len(variants.VARIANTS))

@@ -10,7 +10,7 @@ import chex
 import numpy as np
 from absl.testing import absltest
 
-import bench_rows
+from bench_rows import tempdir
 from experiments.bench import serving, suite, targets, variants
 from experiments.bench.results import ResultsFile
 from loka_jax.kernels.choice import KernelChoice, KernelPlan
@@ -77,7 +77,7 @@ class ExportedInferenceTest(chex.TestCase):
 
 
   def test_served_bf16_mods_infers_from_bf16_weights_stored_once(self):
-    out = bench_rows.tempdir(self)
+    out = tempdir(self)
     results = ResultsFile(os.path.join(out, "bench.jsonl"), suite.KEY_FIELDS)
     target = suite.tower_targets(["32x16x2"])[0]
     done = suite.run_target(target, variants.parse_variants(["bf16_mods_served"]), results,
@@ -134,7 +134,7 @@ class ServingPlanBenchTest(chex.TestCase):
                                            "flax_fp8_delayed_fwd": fused[p]}
                                        for p in hm.PASSES}), "stats": st["stats"]}
                         for n, st in stats.items()}, model=target.model, preset=target.preset)
-    plans = os.path.join(bench_rows.tempdir(self), "plans")
+    plans = os.path.join(tempdir(self), "plans")
     os.makedirs(planning.plan_dir(plans, target.model, target.preset))
     save_report(report, planning.report_path(plans, target.model, target.preset))
     dispatch.save_plan(dispatch.select(report, Criteria()),
@@ -145,7 +145,7 @@ class ServingPlanBenchTest(chex.TestCase):
                 budget=2e-4):
     # The gate is off where a test times the serving decision: on a 512-example eval set
     # e4m3 serving moves log loss by more than the 0.02% budget (+-0.09% standard error).
-    out = bench_rows.tempdir(self)
+    out = tempdir(self)
     results = ResultsFile(os.path.join(out, "bench.jsonl"), suite.KEY_FIELDS)
     settings = suite.SpeedSettings(repeats=3, probe=False, plans_dir=plans, head_to_head=(),
                                    serve_plan=serve_plan, serve_promotion=serve_promotion,
@@ -320,7 +320,7 @@ class ServingPlanBenchTest(chex.TestCase):
 
   def test_a_corrupt_scores_file_is_refused_by_name(self):
     from experiments.bench import serving_gate
-    plans = bench_rows.tempdir(self)
+    plans = tempdir(self)
     path = serving_gate.quality_path(plans, "tower", "32x16x2")
     os.makedirs(os.path.dirname(path))
     with open(path, "w") as f:

@@ -10,7 +10,7 @@ from unittest import mock
 import numpy as np
 from absl.testing import absltest
 
-import bench_rows
+from bench_rows import tempdir
 from experiments.bench import pace, speed, suite, targets, variants
 from experiments.bench.results import ResultsFile
 from loka_jax.kernels.choice import KernelChoice, KernelPlan
@@ -82,7 +82,7 @@ class SameProgramTest(absltest.TestCase):
 class DeadlineTest(absltest.TestCase):
 
   def test_past_the_deadline_nothing_is_built_and_a_rerun_finishes(self):
-    out = bench_rows.tempdir(self)
+    out = tempdir(self)
     results = ResultsFile(os.path.join(out, "bench.jsonl"), suite.KEY_FIELDS)
     target = suite.tower_targets(["32x16x2"])[0]
     settings = suite.SpeedSettings(repeats=3, probe=False)
@@ -103,7 +103,7 @@ class DeadlineTest(absltest.TestCase):
 
 
   def test_rows_start_by_their_expected_length_when_the_hard_end_is_known(self):
-    out = bench_rows.tempdir(self)
+    out = tempdir(self)
     results = ResultsFile(os.path.join(out, "bench.jsonl"), suite.KEY_FIELDS)
     target = suite.tower_targets(["32x16x2"])[0]
     key = ("towers", target.model, target.preset, "cpu", None)
@@ -173,7 +173,7 @@ class ProbeThenRowsTest(absltest.TestCase):
     # peers too, instead of compiling a baseline the deadline throws away.
     from loka_jax import dispatch
     from experiments.bench import planning
-    out = bench_rows.tempdir(self)
+    out = tempdir(self)
     results = ResultsFile(os.path.join(out, "bench.jsonl"), suite.KEY_FIELDS)
     target = suite.tower_targets(["32x16x2"])[0]
     settings = suite.SpeedSettings(repeats=3, plans_dir=os.path.join(out, "plans"),
@@ -212,7 +212,7 @@ class ProbeThenRowsTest(absltest.TestCase):
 class HeadToHeadTest(absltest.TestCase):
 
   def test_the_subject_runs_last_and_is_timed_against_each_reference(self):
-    out = bench_rows.tempdir(self)
+    out = tempdir(self)
     results = ResultsFile(os.path.join(out, "bench.jsonl"), suite.KEY_FIELDS)
     target = suite.tower_targets(["32x16x2"])[0]
     settings = suite.SpeedSettings(repeats=3, probe=False, head_to_head=("fp8_rowwise",))

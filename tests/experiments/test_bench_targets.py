@@ -5,7 +5,7 @@ timings."""
 import numpy as np
 from absl.testing import absltest, parameterized
 
-import bench_rows
+from bench_rows import find_verdict, model_row, quality_row, speed
 from experiments.bench import quality, tables, targets
 
 
@@ -17,14 +17,14 @@ class TargetCheckTest(parameterized.TestCase):
     # wukong/large: LoKA 1.6x train / 2.0x infer over bf16; bf16+Mods 1.2x / 1.25x; so over
     # bf16+Mods LoKA is 1.333x (met) and 1.6x (met). dlrm/small: LoKA slower than the peer.
     self.rows = [
-        bench_rows.model_row("wukong", "large", "bf16", 1.0, 1.0, rng),
-        bench_rows.model_row("wukong", "large", "bf16_mods", 1.2, 1.25, rng),
-        bench_rows.model_row("wukong", "large", "fp8_rowwise", 1.1, 1.3, rng),
-        bench_rows.model_row("wukong", "large", "loka", 1.6, 2.0, rng),
-        bench_rows.model_row("dlrm", "small", "bf16", 1.0, 1.0, rng),
-        bench_rows.model_row("dlrm", "small", "bf16_mods", 1.1, 1.1, rng),
-        bench_rows.model_row("dlrm", "small", "fp8_tensorwise", 0.9, 0.95, rng),
-        bench_rows.model_row("dlrm", "small", "loka", 0.8, 1.0, rng),
+        model_row("wukong", "large", "bf16", 1.0, 1.0, rng),
+        model_row("wukong", "large", "bf16_mods", 1.2, 1.25, rng),
+        model_row("wukong", "large", "fp8_rowwise", 1.1, 1.3, rng),
+        model_row("wukong", "large", "loka", 1.6, 2.0, rng),
+        model_row("dlrm", "small", "bf16", 1.0, 1.0, rng),
+        model_row("dlrm", "small", "bf16_mods", 1.1, 1.1, rng),
+        model_row("dlrm", "small", "fp8_tensorwise", 0.9, 0.95, rng),
+        model_row("dlrm", "small", "loka", 0.8, 1.0, rng),
     ]
     self.verdicts = targets.check_speed(self.rows)
 
@@ -35,33 +35,33 @@ class TargetCheckTest(parameterized.TestCase):
     self.assertGreater(r["ci"][1], r["ratio"])
 
   def test_wukong_large_targets_met(self):
-    train = bench_rows.verdict(self.verdicts, "wukong_large_over_bf16_mods", "wukong/large", "train")
-    infer = bench_rows.verdict(self.verdicts, "wukong_large_over_bf16_mods", "wukong/large", "infer")
+    train = find_verdict(self.verdicts, "wukong_large_over_bf16_mods", "wukong/large", "train")
+    infer = find_verdict(self.verdicts, "wukong_large_over_bf16_mods", "wukong/large", "infer")
     self.assertTrue(train["met"])
     self.assertTrue(infer["met"])
     self.assertAlmostEqual(infer["value"], 2.0 / 1.25, delta=0.04)
-    plain = bench_rows.verdict(self.verdicts, "wukong_large_over_bf16", "wukong/large", "train")
+    plain = find_verdict(self.verdicts, "wukong_large_over_bf16", "wukong/large", "train")
     self.assertIsNone(plain["met"])  # reported beside the bar, not judged
     self.assertAlmostEqual(plain["value"], 1.6, delta=0.04)
 
   def test_slower_loka_is_missed_with_its_ci(self):
-    v = bench_rows.verdict(self.verdicts, "loka_not_slower_than_bf16_mods", "dlrm/small", "train")
+    v = find_verdict(self.verdicts, "loka_not_slower_than_bf16_mods", "dlrm/small", "train")
     self.assertFalse(v["met"])
     self.assertAlmostEqual(v["value"], 0.8 / 1.1, delta=0.03)
     self.assertLess(v["ci"][1], 0.98)
-    best = bench_rows.verdict(self.verdicts, "loka_at_least_best_peer", "dlrm/small", "train")
+    best = find_verdict(self.verdicts, "loka_at_least_best_peer", "dlrm/small", "train")
     self.assertIn("fp8_tensorwise", best["note"])
     self.assertFalse(best["met"])
 
   def test_an_all_bf16_plan_is_judged_by_whether_its_ci_holds_one(self):
     rng = np.random.default_rng(3)
-    mods = bench_rows.model_row("dcnv2", "small", "bf16_mods", 1.10, 1.10, rng)
-    noisy = dict(bench_rows.model_row("dcnv2", "small", "loka", 1.08, 1.10, rng), kernels=["xla_bf16"])
+    mods = model_row("dcnv2", "small", "bf16_mods", 1.10, 1.10, rng)
+    noisy = dict(model_row("dcnv2", "small", "loka", 1.08, 1.10, rng), kernels=["xla_bf16"])
     noisy["train"]["speedup_ci"] = [1.0, 1.2]
     # Wide timing jitter: the same program measured twice, CI around 1.0 reaching below 0.98.
     for row in (mods, noisy):
-      row["train"] = bench_rows.speed(row["train"]["speedup"], rng, jitter=0.08)
-    v = bench_rows.verdict(targets.check_speed([mods, noisy]), "loka_not_slower_than_bf16_mods",
+      row["train"] = speed(row["train"]["speedup"], rng, jitter=0.08)
+    v = find_verdict(targets.check_speed([mods, noisy]), "loka_not_slower_than_bf16_mods",
                  "dcnv2/small", "train")
     self.assertLess(v["ci"][0], 0.98)
     self.assertLessEqual(v["ci"][0], 1.0)
@@ -69,14 +69,14 @@ class TargetCheckTest(parameterized.TestCase):
     self.assertTrue(v["met"])
     self.assertIn("timing noise", v["note"])
     # Clearly slower although the same program: reported as missed, flagged.
-    slow = dict(bench_rows.model_row("dcnv2", "small", "loka", 0.8, 1.1, rng), kernels=["xla_bf16"])
-    v = bench_rows.verdict(targets.check_speed([mods, slow]), "loka_not_slower_than_bf16_mods",
+    slow = dict(model_row("dcnv2", "small", "loka", 0.8, 1.1, rng), kernels=["xla_bf16"])
+    v = find_verdict(targets.check_speed([mods, slow]), "loka_not_slower_than_bf16_mods",
                  "dcnv2/small", "train")
     self.assertFalse(v["met"])
     self.assertIn("measurement problem", v["note"])
     # An FP8 plan gets no such reading.
     fp8 = dict(slow, kernels=["xla_bf16", "xla_fp8_rowwise"])
-    v = bench_rows.verdict(targets.check_speed([mods, fp8]), "loka_not_slower_than_bf16_mods",
+    v = find_verdict(targets.check_speed([mods, fp8]), "loka_not_slower_than_bf16_mods",
                  "dcnv2/small", "train")
     self.assertFalse(v["met"])
     self.assertEqual(v["note"], "")
@@ -86,38 +86,38 @@ class TargetCheckTest(parameterized.TestCase):
     # between the two rows is noise (CI holds 1.0) or a measurement problem, never a verdict
     # on FP8.
     rng = np.random.default_rng(7)
-    served = bench_rows.model_row("wukong", "small", "bf16_mods_served", 1.2, 1.30, rng)
-    served["infer"] = bench_rows.speed(1.30, rng, jitter=0.08)
+    served = model_row("wukong", "small", "bf16_mods_served", 1.2, 1.30, rng)
+    served["infer"] = speed(1.30, rng, jitter=0.08)
     for loka_infer, met, note in ((1.27, True, "timing noise"),
                                   (1.0, False, "measurement problem")):
-      loka = dict(bench_rows.model_row("wukong", "small", "loka", 1.2, loka_infer, rng), kernels=["xla_bf16"])
-      loka["infer"] = bench_rows.speed(loka_infer, rng, jitter=0.08)
-      v = bench_rows.verdict(targets.check_speed([served, loka]),
+      loka = dict(model_row("wukong", "small", "loka", 1.2, loka_infer, rng), kernels=["xla_bf16"])
+      loka["infer"] = speed(loka_infer, rng, jitter=0.08)
+      v = find_verdict(targets.check_speed([served, loka]),
                    "loka_not_slower_than_bf16_mods_served", "wukong/small", "infer")
       self.assertEqual(v["met"], met)
       self.assertIn(note, v["note"])
       self.assertIn("exported model", v["note"])
     # A plan with FP8 sites is judged by the bar alone.
     fp8 = dict(loka, kernels=["xla_bf16", "flax_fp8_delayed"])
-    v = bench_rows.verdict(targets.check_speed([served, fp8]),
+    v = find_verdict(targets.check_speed([served, fp8]),
                  "loka_not_slower_than_bf16_mods_served", "wukong/small", "infer")
     self.assertFalse(v["met"])
     self.assertEqual(v["note"], "both infer from exported weights")
 
   def test_served_bf16_mods_is_the_inference_bar_beside_the_others(self):
     rng = np.random.default_rng(5)
-    served = bench_rows.model_row("wukong", "large", "bf16_mods_served", 1.2, 1.6, rng)
+    served = model_row("wukong", "large", "bf16_mods_served", 1.2, 1.6, rng)
     verdicts = targets.check_speed(self.rows + [served])
-    v = bench_rows.verdict(verdicts, "loka_not_slower_than_bf16_mods_served", "wukong/large", "infer")
+    v = find_verdict(verdicts, "loka_not_slower_than_bf16_mods_served", "wukong/large", "infer")
     self.assertAlmostEqual(v["value"], 2.0 / 1.6, delta=0.04)
     self.assertTrue(v["met"])
-    over = bench_rows.verdict(verdicts, "wukong_large_over_bf16_mods_served", "wukong/large", "infer")
+    over = find_verdict(verdicts, "wukong_large_over_bf16_mods_served", "wukong/large", "infer")
     self.assertIsNone(over["met"])                   # reported, not judged
     # Training is the same step as bf16+Mods': no served verdict for it.
     self.assertFalse([x for x in verdicts if "served" in x["target"] and x["mode"] == "train"])
     # A LoKA that only matches bf16+Mods by storing its weights once is caught here.
-    slow = bench_rows.model_row("wukong", "large", "bf16_mods_served", 1.2, 2.3, rng)
-    v = bench_rows.verdict(targets.check_speed(self.rows + [slow]),
+    slow = model_row("wukong", "large", "bf16_mods_served", 1.2, 2.3, rng)
+    v = find_verdict(targets.check_speed(self.rows + [slow]),
                  "loka_not_slower_than_bf16_mods_served", "wukong/large", "infer")
     self.assertFalse(v["met"])
 
@@ -125,15 +125,15 @@ class TargetCheckTest(parameterized.TestCase):
     # Two rows of one program whose bf16 baselines drifted apart: the ratio of rows reads
     # 0.85x, the pair timed together 1.01x. The verdict takes the pair and says so.
     rng = np.random.default_rng(11)
-    served = bench_rows.model_row("wukong", "small", "bf16_mods_served", 1.2, 1.40, rng)
-    loka = dict(bench_rows.model_row("wukong", "small", "loka", 1.2, 1.19, rng), kernels=["xla_bf16"])
-    by_rows = bench_rows.verdict(targets.check_speed([served, loka]),
+    served = model_row("wukong", "small", "bf16_mods_served", 1.2, 1.40, rng)
+    loka = dict(model_row("wukong", "small", "loka", 1.2, 1.19, rng), kernels=["xla_bf16"])
+    by_rows = find_verdict(targets.check_speed([served, loka]),
                        "loka_not_slower_than_bf16_mods_served", "wukong/small", "infer")
     self.assertAlmostEqual(by_rows["value"], 1.19 / 1.40, delta=0.02)
     self.assertFalse(by_rows["met"])
     self.assertNotIn("interleaving", by_rows["note"])
     loka["head_to_head"] = {"bf16_mods_served": {"infer": {"ratio": 1.01, "ci": [0.99, 1.03]}}}
-    v = bench_rows.verdict(targets.check_speed([served, loka]),
+    v = find_verdict(targets.check_speed([served, loka]),
                  "loka_not_slower_than_bf16_mods_served", "wukong/small", "infer")
     self.assertEqual((v["value"], v["ci"], v["met"]), (1.01, [0.99, 1.03], True))
     self.assertIn("timed in one interleaving", v["note"])
@@ -146,9 +146,9 @@ class TargetCheckTest(parameterized.TestCase):
     # pairs: 12% apart over four timings, against pairs whose CIs are 2% wide. Each verdict
     # timed in one interleaving says so; with the pairs at 50-51 us it says nothing.
     rng = np.random.default_rng(3)
-    mods = bench_rows.model_row("dcnv2", "large", "bf16_mods", 1.0, 1.0, rng)
-    peer = bench_rows.model_row("dcnv2", "large", "pallas_delayed", 1.8, 1.8, rng)
-    loka = bench_rows.model_row("dcnv2", "large", "loka", 2.0, 2.0, rng)
+    mods = model_row("dcnv2", "large", "bf16_mods", 1.0, 1.0, rng)
+    peer = model_row("dcnv2", "large", "pallas_delayed", 1.8, 1.8, rng)
+    loka = model_row("dcnv2", "large", "loka", 2.0, 2.0, rng)
     own = float(np.median(loka["train"]["samples_us"]))
     self.assertAlmostEqual(own, 50.0, delta=1.0)
     def pairs(medians):
@@ -161,32 +161,32 @@ class TargetCheckTest(parameterized.TestCase):
     verdicts = targets.check_speed([mods, peer, loka])
     for target in ("loka_not_slower_than_bf16_mods", "loka_at_least_best_peer",
                    "loka_over_best_single_kernel"):
-      note = bench_rows.verdict(verdicts, target, "dcnv2/large", "train")["note"]
+      note = find_verdict(verdicts, target, "dcnv2/large", "train")["note"]
       self.assertIn(f"LoKA's own step read {own / 1e3:.3g}-0.056 ms over its 4 timings in "
                     f"this call ({56.0 / own - 1:.1%} apart), wider than this CI", note)
-    self.assertNotIn("own step", bench_rows.verdict(verdicts, "loka_not_slower_than_bf16_mods",
+    self.assertNotIn("own step", find_verdict(verdicts, "loka_not_slower_than_bf16_mods",
                                           "dcnv2/large", "infer")["note"])
     loka["head_to_head"] = pairs([own * 1.005, own * 1.01, own])
-    quiet = bench_rows.verdict(targets.check_speed([mods, peer, loka]), "loka_at_least_best_peer",
+    quiet = find_verdict(targets.check_speed([mods, peer, loka]), "loka_at_least_best_peer",
                      "dcnv2/large", "train")
     self.assertEqual(quiet["note"], "best peer: pallas_delayed; timed in one interleaving")
 
   def test_interleaved_references_are_the_variants_the_targets_compare_with(self):
     rng = np.random.default_rng(2)
-    rows = {v: bench_rows.model_row("wukong", "small", v, train, infer, rng)
+    rows = {v: model_row("wukong", "small", v, train, infer, rng)
             for v, train, infer in (("bf16_mods", 1.1, 1.0), ("fp8_rowwise", 1.3, 0.9),
                                     ("flax_fp8_delayed", 1.2, 1.4), ("loka", 2.0, 2.0))}
     self.assertEqual(targets.interleaved_references("loka", rows),
                      ["bf16_mods", "fp8_rowwise", "flax_fp8_delayed"])
-    rows["bf16_mods_served"] = bench_rows.model_row("wukong", "small", "bf16_mods_served", 1.1, 1.3, rng)
-    rows["fp8_rowwise"] = bench_rows.model_row("wukong", "small", "fp8_rowwise", 1.3, 1.5, rng)
+    rows["bf16_mods_served"] = model_row("wukong", "small", "bf16_mods_served", 1.1, 1.3, rng)
+    rows["fp8_rowwise"] = model_row("wukong", "small", "fp8_rowwise", 1.3, 1.5, rng)
     self.assertEqual(targets.interleaved_references("loka", rows),
                      ["bf16_mods", "bf16_mods_served", "fp8_rowwise"])
 
   def test_over_best_single_kernel(self):
-    met = bench_rows.verdict(self.verdicts, "loka_over_best_single_kernel", "wukong/large", "train")
+    met = find_verdict(self.verdicts, "loka_over_best_single_kernel", "wukong/large", "train")
     self.assertTrue(met["met"])  # 1.6 / 1.1 = 1.45x
-    missed = bench_rows.verdict(self.verdicts, "loka_over_best_single_kernel", "wukong/large", "infer")
+    missed = find_verdict(self.verdicts, "loka_over_best_single_kernel", "wukong/large", "infer")
     self.assertAlmostEqual(missed["value"], 2.0 / 1.3, delta=0.05)
     self.assertTrue(missed["met"])
 
@@ -194,12 +194,12 @@ class TargetCheckTest(parameterized.TestCase):
     # Every reference at 0.4; an arm's loss 0.4 * (1 + d_s) gives the paired change d_s.
     # Three changes m - e, m, m + e: sd e, half-width t(2) e / sqrt(3), t(2) = 4.303.
     def q(arm, changes, **fields):
-      return [bench_rows.quality_row("wukong", "small", arm, s, 0.4 * (1 + d), **fields)
+      return [quality_row("wukong", "small", arm, s, 0.4 * (1 + d), **fields)
               for s, d in enumerate(changes)]
     refs = q("bf16", (0, 0, 0)) + q("bf16_mods", (0, 0, 0))
 
     def loka(changes, **fields):
-      return bench_rows.verdict(targets.check_quality(refs + q("loka", changes, **fields)),
+      return find_verdict(targets.check_quality(refs + q("loka", changes, **fields)),
                       "loka_quality_vs_bf16", "synthetic:wukong/small", "quality")
     # 0, 0.005%, 0.01%: mean 5e-5, upper end 5e-5 + 4.303 * 5e-5 / sqrt(3) = 1.742169e-4.
     met = loka((0.0, 5e-5, 1e-4))
@@ -222,9 +222,9 @@ class TargetCheckTest(parameterized.TestCase):
     # Far better than bf16 is met, never a miss (a two-sided bound would miss it).
     self.assertEqual(loka((-0.01, -0.011, -0.012))["verdict"], "met")
     # A seed scored on another held-out set is no pair: seeds 0 and 1 remain.
-    rows = refs + q("loka", (0.0, 5e-5)) + [bench_rows.quality_row("wukong", "small", "loka", 2, 0.4,
+    rows = refs + q("loka", (0.0, 5e-5)) + [quality_row("wukong", "small", "loka", 2, 0.4,
                                                          eval_fingerprint="other")]
-    two = bench_rows.verdict(targets.check_quality(rows), "loka_quality_vs_bf16",
+    two = find_verdict(targets.check_quality(rows), "loka_quality_vs_bf16",
                    "synthetic:wukong/small", "quality")
     self.assertEqual(two["seeds"], [0, 1])
     self.assertIn("not paired: seed 2 (eval fingerprints differ)", two["note"])
@@ -236,11 +236,11 @@ class TargetCheckTest(parameterized.TestCase):
     # The peers are judged by the same rule beside LoKA, not as targets; one seed is
     # unresolved with no seed count.
     rows = refs + q("fp8_naive", (1e-3, 1.1e-3, 1.2e-3)) + q("fp8_delayed", (5e-5,))
-    naive = bench_rows.verdict(targets.check_quality(rows), "fp8_naive_quality_vs_bf16_mods",
+    naive = find_verdict(targets.check_quality(rows), "fp8_naive_quality_vs_bf16_mods",
                      "synthetic:wukong/small", "quality")
     self.assertEqual((naive["verdict"], naive["met"], naive["judged"]),
                      ("missed", None, False))
-    one = bench_rows.verdict(targets.check_quality(rows), "fp8_delayed_quality_vs_bf16",
+    one = find_verdict(targets.check_quality(rows), "fp8_delayed_quality_vs_bf16",
                    "synthetic:wukong/small", "quality")
     self.assertEqual((one["verdict"], one["n"], one["ci"], one["seeds_needed"]),
                      ("unresolved", 1, None, None))
@@ -254,7 +254,7 @@ class TargetCheckTest(parameterized.TestCase):
   def test_quality_compares_rows_of_one_recipe(self):
     def q(arm, seed, logloss, warmup=None):
       # LoKA's rows name their plan's FP8 kernel: scores equal to bf16+Mods' are a result.
-      return bench_rows.quality_row("dlrm", "large", arm, seed, logloss,
+      return quality_row("dlrm", "large", arm, seed, logloss,
                           **({} if warmup is None else {"warmup_steps": warmup}),
                           **({"plan_kernels": ["xla_fp8_rowwise"]} if arm == "loka" else {}))
     # Plain recipe: LoKA 1% worse at both seeds (missed). Warm-up recipe: its own arms, LoKA
@@ -263,10 +263,10 @@ class TargetCheckTest(parameterized.TestCase):
     rows += [q("loka", s, 0.505) for s in (0, 1)]
     rows += [q(a, s, 0.47, 50) for a in ("bf16", "bf16_mods", "loka") for s in (0, 1)]
     verdicts = targets.check_quality(rows)
-    plain = bench_rows.verdict(verdicts, "loka_quality_vs_bf16_mods", "synthetic:dlrm/large", "quality")
+    plain = find_verdict(verdicts, "loka_quality_vs_bf16_mods", "synthetic:dlrm/large", "quality")
     self.assertEqual(plain["verdict"], "missed")
     self.assertAlmostEqual(plain["value"], 0.01, places=12)
-    warm = bench_rows.verdict(verdicts, "loka_quality_vs_bf16_mods", "synthetic:dlrm/large (warmup 50)",
+    warm = find_verdict(verdicts, "loka_quality_vs_bf16_mods", "synthetic:dlrm/large (warmup 50)",
                     "quality")
     self.assertEqual((warm["verdict"], warm["value"], warm["n"]), ("met", 0.0, 2))
     table = tables.quality_table(rows)
@@ -278,7 +278,7 @@ class TargetCheckTest(parameterized.TestCase):
     # A clipped recipe is a subject of its own too.
     clipped = [q(a, s, 0.471, 50) | {"clip_norm": 1.0} for a in ("bf16", "bf16_mods")
                for s in (0, 1)] + [q("loka", s, 0.4719, 50) | {"clip_norm": 1.0} for s in (0, 1)]
-    clip = bench_rows.verdict(targets.check_quality(rows + clipped), "loka_quality_vs_bf16_mods",
+    clip = find_verdict(targets.check_quality(rows + clipped), "loka_quality_vs_bf16_mods",
                     "synthetic:dlrm/large (warmup 50, clip 1)", "quality")
     self.assertEqual(clip["verdict"], "missed")
     self.assertAlmostEqual(clip["value"], 0.0009 / 0.471, places=12)
@@ -288,13 +288,13 @@ class TargetCheckTest(parameterized.TestCase):
   def test_a_quality_verdict_over_seeds_names_each_seed_and_its_worst_steps(self):
     # LoKA's mean change rests on seed 2, where its run spiked (as DCNv2 `large`'s did).
     def q(arm, seed, logloss, peak):
-      return bench_rows.quality_row("dcnv2", "large", arm, seed, logloss, warmup_steps=50,
+      return quality_row("dcnv2", "large", arm, seed, logloss, warmup_steps=50,
                           peak_loss=peak, peak_step=100 + seed)
     rows = [q("bf16", s, 0.4770 + 0.0001 * s, 0.69) for s in range(3)]
     rows += [q("bf16_mods", 0, 0.4766, 0.70), q("bf16_mods", 1, 0.4776, 0.71),
              q("bf16_mods", 2, 0.4847, 5.65)]
     rows += [q("loka", 0, 0.4778, 0.72), q("loka", 1, 0.4766, 0.70), q("loka", 2, 0.5036, 6.91)]
-    loka = bench_rows.verdict(targets.check_quality(rows), "loka_quality_vs_bf16_mods",
+    loka = find_verdict(targets.check_quality(rows), "loka_quality_vs_bf16_mods",
                     "synthetic:dcnv2/large (warmup 50)", "quality")
     # 0.4778 / 0.4766 - 1 = +0.252%, 0.4766 / 0.4776 - 1 = -0.209%, 0.5036 / 0.4847 - 1 =
     # +3.899%
@@ -306,7 +306,7 @@ class TargetCheckTest(parameterized.TestCase):
     self.assertIn("| 6.91 (seed 2) |", tables.quality_table(rows))
     # Rows from before the worst step was kept: the seeds' changes only.
     old = [{k: v for k, v in r.items() if k not in ("peak_loss", "peak_step")} for r in rows]
-    note = bench_rows.verdict(targets.check_quality(old), "loka_quality_vs_bf16_mods",
+    note = find_verdict(targets.check_quality(old), "loka_quality_vs_bf16_mods",
                     "synthetic:dcnv2/large (warmup 50)", "quality")["note"]
     self.assertIn("by seed +0.252%", note)
     self.assertNotIn("worst step", note)
@@ -316,7 +316,7 @@ class TargetCheckTest(parameterized.TestCase):
 class BaselineDriftTest(absltest.TestCase):
 
   def _rows(self, rng):
-    return [bench_rows.model_row("dlrm", "large", v, s, s, rng)
+    return [model_row("dlrm", "large", v, s, s, rng)
             for v, s in (("bf16", 1.0), ("bf16_mods", 1.0), ("fp8_tensorwise", 0.98),
                          ("flax_fp8_delayed", 0.97))]
 
