@@ -1,22 +1,23 @@
 #!/bin/bash
 # One GPU call measuring the probe's statistics pass against the training step
 # (`experiments.measure probe_overhead`) for several models, presets and probe settings, each
-# in its own process on one shared compilation cache, killed after its own limit. Rows go to
-# $OUT/probe_overhead_<n>.json, logs beside them; a table is printed last.
+# in its own process on one shared compilation cache, killed after its own limit. Each
+# measurement goes to $OUT/probe_overhead_<n>.json, their RESULTS rows (`experiments.report
+# probe_overhead`) to $OUT/rows.jsonl, the logs to $OUT/logs.tgz; a table is printed last.
 #
 #   VARIANTS="wukong:small:one_program=1,weight_every=4 wukong:large:weight_every=4:parts" \
 #     bash experiments/gpu_probe_overhead_call.sh        (the device call carries .whl)
 #
 # Environment: VARIANTS (MODEL:PRESET:PROBE_CONFIG[:parts], space-separated; PROBE_CONFIG as
 # --probe_config, '-' for none), LIMITS (seconds per variant, space-separated in the same
-# order; default 150 each), REPEATS (10), WORK (/tmp/probe_overhead), OUT (set on the device;
-# elsewhere $WORK/out).
+# order; default 150 each), REPEATS (10), COMMIT (recorded in the rows), WORK
+# (/tmp/probe_overhead), OUT (set on the device; elsewhere $WORK/out).
 set -u
 source experiments/gpu_common.sh
 ensure_wheels || exit 1
 WORK=${WORK:-/tmp/probe_overhead}
 OUT=${OUT:-$WORK/out}
-mkdir -p "$WORK" "$OUT"
+mkdir -p "$WORK/logs" "$OUT"
 export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR="$WORK/jax_cache"
 echo "card: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || echo cpu)"
 read -r -a limits <<< "${LIMITS:-}"
@@ -29,7 +30,7 @@ for variant in ${VARIANTS:?set VARIANTS}; do
   [ "${parts:-}" = parts ] && args+=(--parts)
   began=$(date +%s)
   timeout "${limits[$n]:-150}" python3 -m experiments.measure probe_overhead "${args[@]}" \
-    > "$OUT/probe_overhead_$n.log" 2>&1
+    > "$WORK/logs/probe_overhead_$n.log" 2>&1
   echo "$variant rc=$? $(( $(date +%s) - began )) s"
   n=$((n + 1))
 done
@@ -47,3 +48,7 @@ for path in sorted(glob.glob(f"{sys.argv[1]}/probe_overhead_*.json")):
         f"{r['pass_ms']:8.1f} {r.get('pass_first_call_s', 0):6.1f} {100 * f['25']:6.1f}% {100 * f['100']:6.1f}% "
         f"{100 * f['200']:6.1f}%  {r['parts_ms']}")
 PY
+measured=$(ls "$OUT"/probe_overhead_*.json 2>/dev/null | paste -sd, -)
+[ -n "$measured" ] && python3 -m experiments.report probe_overhead --measured="$measured" \
+  --commit="${COMMIT:-unknown}" --out="$OUT/rows.jsonl"
+tar czf "$OUT/logs.tgz" -C "$WORK" logs

@@ -24,6 +24,8 @@ COMMANDS = {
                      "which kernels the selection picks over one card's probe reports"),
     "loop_vs_bench": ("experiments.tools.loop_vs_bench",
                       "the training loop's steps/s beside the bench's step, per arm (rows)"),
+    "probe_overhead": ("experiments.tools.overhead_run",
+                       "the statistics pass against the training step, per measurement (rows)"),
     "drift_run": ("experiments.tools.drift_run",
                   "what the drift valve's refreshes cost in one training run (a row)"),
     "hlo_scope": ("experiments.tools.hlo_scope",

@@ -13,7 +13,9 @@ share of training time at each of --cadences (pass / (cadence x step)) and write
 with --out. Needs a GPU for numbers that mean anything; on a CPU it runs, slowly.
 """
 import dataclasses
+import datetime
 import json
+import sys
 import time
 
 from absl import app, flags
@@ -147,7 +149,11 @@ def main(argv):
   compile_s = time.perf_counter() - began
   _say(f"statistics pass compiled and run once in {compile_s:.1f} s")
   pass_ms = _median_ms(observe, REPEATS.value)
+  # The command line's flags without --out (where the JSON went), for the row RESULTS reads.
+  command = " ".join(["python3 -m experiments.measure probe_overhead"] +
+                     [a for a in sys.argv[1:] if a.startswith("-") and a.split("=")[0] != "--out"])
   row = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+         "date": datetime.date.today().isoformat(), "command": command,
          "model": spec.model, "preset": spec.preset, "batch_size": batch_size,
          "sites": len(sites), "probe_config": probe_config.to_dict(),
          "step_ms": round(step_ms, 2), "pass_ms": round(pass_ms, 2),
