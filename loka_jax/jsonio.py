@@ -6,7 +6,7 @@ import hashlib
 import json
 import os
 import zlib
-from typing import Any, Dict, Iterator, Mapping, Optional, Tuple, Type
+from typing import Any, Dict, Iterable, Iterator, Mapping, Optional, Tuple, Type
 
 GZIP_MAGIC = b"\x1f\x8b"
 
@@ -95,6 +95,16 @@ def with_digest(data: Mapping) -> Dict[str, Any]:
   """`data` with its `sha256` field set to its content digest."""
   return {**{k: v for k, v in data.items() if k != DIGEST_FIELD},
           DIGEST_FIELD: content_digest(data)}
+
+
+def append_rows(path: str, rows: Iterable[Mapping]) -> None:
+  """Appends each row to the JSONL file at `path`, one line each with its `sha256`, flushed to
+  disk before returning (a row a reader finds is whole)."""
+  with open(path, "a") as f:
+    for row in rows:
+      f.write(json.dumps(with_digest(row)) + "\n")
+    f.flush()
+    os.fsync(f.fileno())
 
 
 def check_digest(data: Any, where: str, what: str, remedy: str,

@@ -3,7 +3,6 @@ content; a rerun skips it. A row that does not parse, or no longer matches its s
 ignored with a warning and measured again."""
 from __future__ import annotations
 
-import json
 import os
 from typing import Dict, Iterator, Mapping, Tuple
 
@@ -51,10 +50,7 @@ class ResultsFile:
     return None if row is None else dict(row)
 
   def append(self, row: Mapping) -> None:
-    with open(self.path, "a") as f:
-      f.write(json.dumps(jsonio.with_digest(row)) + "\n")
-      f.flush()
-      os.fsync(f.fileno())
+    jsonio.append_rows(self.path, [row])
     self._rows[self.key(row)] = dict(row)
 
   def rows(self) -> Iterator[dict]:

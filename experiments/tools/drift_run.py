@@ -12,7 +12,6 @@ time with and without the first. The card and jax are this process's, so run it 
 that trained. `experiments/gpu_drift_call.sh` runs both.
 """
 import datetime
-import json
 
 from absl import app, flags
 import jax
@@ -48,8 +47,7 @@ def main(argv):
         f"later median {later}), step {row['step_ms']:.2f} ms; share {percent(row['share'])}, "
         f"without the first {percent(row['share_after_first'])}")
   if OUT.value:
-    with open(OUT.value, "a") as f:
-      f.write(json.dumps(jsonio.with_digest(row)) + "\n")
+    jsonio.append_rows(OUT.value, [row])
     print(f"[drift_run] appended a row to {OUT.value}")
 
 

@@ -13,7 +13,6 @@ those it started and the step it did). `experiments/gpu_loop_bench_call.sh` runs
 this.
 """
 import datetime
-import json
 import os
 
 from absl import app, flags
@@ -51,9 +50,7 @@ def main(argv):
           f"{' '.join(f'{w:.2f}' for w in r['window_steps_per_s'])}): loop/bench "
           f"{r['loop_over_bench']:.3f}{extra}")
   if OUT.value and made:
-    with open(OUT.value, "a") as f:
-      for r in made:
-        f.write(json.dumps(jsonio.with_digest(r)) + "\n")
+    jsonio.append_rows(OUT.value, made)
     print(f"[loop_vs_bench] appended {len(made)} rows to {OUT.value}")
 
 

@@ -12,7 +12,6 @@ its cost (weight refits, one program, grouped sites, pass compile). RESULTS stat
 row's share of training time at 25, 100 and 200 steps and the gap a 2% budget sets.
 `experiments/gpu_probe_overhead_call.sh` measures and writes the rows.
 """
-import json
 
 from absl import app, flags
 
@@ -47,9 +46,7 @@ def main(argv):
           f"{100 * r['pass_ms'] / (r['cadence'] * r['step_ms']):.1f}% of training time every "
           f"{r['cadence']} steps")
   if OUT.value:
-    with open(OUT.value, "a") as f:
-      for r in rows:
-        f.write(json.dumps(jsonio.with_digest(r)) + "\n")
+    jsonio.append_rows(OUT.value, rows)
     print(f"[probe_overhead] appended {len(rows)} row(s) to {OUT.value}")
 
 
