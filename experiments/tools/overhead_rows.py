@@ -18,8 +18,8 @@ class OverheadRowError(ValueError):
 def row(path: str, commit: str, command: Optional[str] = None,
         date: Optional[str] = None) -> Dict[str, Any]:
   """One probe_overhead row from the JSON at `path`. The measurement's own date and command
-  line are kept unless `date` or `command` are given (a measurement written before it
-  recorded them needs both)."""
+  line are kept unless `date` or `command` are given (a measurement that records neither
+  needs both)."""
   measured = jsonio.read_json(path, "probe-overhead measurement",
                               "give the JSON experiments.measure probe_overhead wrote "
                               "with --out", OverheadRowError)
