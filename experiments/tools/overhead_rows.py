@@ -10,6 +10,9 @@ MEASURED_IN = "experiments.measure probe_overhead"
 NEEDED = ("device", "jax", "model", "preset", "batch_size", "sites", "probe_config", "step_ms",
           "pass_ms", "pass_first_call_s", "parts_ms")
 
+# The ProbeConfig fields a row states (`group_sites` is read as off where absent).
+CONFIG_FIELDS = ("cadence", "weight_every", "one_program", "pass_compile")
+
 
 class OverheadRowError(ValueError):
   """A measurement that cannot make a row (the message names the file and what is missing)."""
@@ -34,6 +37,10 @@ def row(path: str, commit: str, command: Optional[str] = None,
     raise OverheadRowError(f"{path}: records no {'date' if not date else 'command'}; give it "
                            "(--date, --command)")
   config = measured["probe_config"]
+  lacking = [k for k in CONFIG_FIELDS if not isinstance(config, dict) or k not in config]
+  if lacking:
+    raise OverheadRowError(f"{path}: its probe_config lacks {', '.join(lacking)} (the "
+                           "ProbeConfig fields experiments.measure probe_overhead records)")
   return {"kind": "probe_overhead", "model": measured["model"], "preset": measured["preset"],
           "device": measured["device"], "jax": measured["jax"], "date": date,
           "commit": commit, "command": command, "measured_in": MEASURED_IN,

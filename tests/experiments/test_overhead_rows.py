@@ -59,7 +59,9 @@ class OverheadRowTest(absltest.TestCase):
         ("torn.json", '{"device": ', "not valid JSON"),
         ("list.json", [1, 2], "not a probe-overhead measurement"),
         ("short.json", {k: v for k, v in MEASURED.items() if k != "pass_ms"}, "no pass_ms"),
-        ("undated.json", {k: v for k, v in MEASURED.items() if k != "date"}, "no date")):
+        ("undated.json", {k: v for k, v in MEASURED.items() if k != "date"}, "no date"),
+        ("config.json", {**MEASURED, "probe_config": {"cadence": 25}},
+         "probe_config lacks weight_every, one_program, pass_compile")):
       path = self.write(name, content)
       with self.assertRaisesRegex(overhead_rows.OverheadRowError, f"{path}.*{says}"):
         overhead_rows.row(path, "abc1234")
