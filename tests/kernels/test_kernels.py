@@ -234,8 +234,11 @@ class FlaxDelayedGradLhsTest(parameterized.TestCase):
     # scales, learned over the same warm-up) ...
     np.testing.assert_array_equal(f32(out), f32(flax_out))
     np.testing.assert_array_equal(f32(dx), f32(flax_dx))
-    _, vjp = jax.vjp(lambda a, b: jnp.einsum(spec, a, b), x, w)
-    exact_dx, exact_dw = vjp(g)
+    # The plain product's gradients in one jitted program, as the kernel's run: op by op,
+    # jax 0.11's XLA:CPU sums the batched bf16 weight gradient less precisely (36 dB from the
+    # jitted one at 'bnd,nk->bdk').
+    exact_dx, exact_dw = jax.jit(
+        lambda a, b, d: jax.vjp(lambda a, b: jnp.einsum(spec, a, b), a, b)[1](d))(x, w, g)
     self.assertLess(float(metrics.sqnr_db(dx, exact_dx)), 40.0)  # ... and both quantized;
     # grad_rhs is the plain product's in the compute dtype, where Flax's is e5m2 x e4m3.
     np.testing.assert_array_equal(f32(dw), f32(exact_dw))
