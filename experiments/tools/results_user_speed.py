@@ -117,12 +117,18 @@ def startup_table(rows: Sequence[Mapping]) -> str:
   return "\n".join(lines + ([""] + notes if notes else []))
 
 
+def card(device: str) -> str:
+  """'NVIDIA H100 80GB HBM3' -> 'H100 80GB HBM3': the rows of one table may come from
+  different cards."""
+  return device[len("NVIDIA "):] if device.startswith("NVIDIA ") else device
+
+
 def overhead_table(rows: Sequence[Mapping]) -> str:
   shares = " | ".join(f"every {c} steps" for c in CADENCES)
-  lines = [f"| model | batch | measured in | weight refit every | compiled as | first call "
+  lines = [f"| model | card | batch | measured in | weight refit every | compiled as | first call "
            f"| statistics pass | extract stage | training step | {shares} | every under a "
            f"{BUDGET:.0%} budget |",
-           "|---|---|---|---|---|---|---|---|---|" + "---|" * (len(CADENCES) + 1)]
+           "|---|---|---|---|---|---|---|---|---|---|" + "---|" * (len(CADENCES) + 1)]
   for r in rows:
     share = " | ".join(f"{100 * r['pass_ms'] / (c * r['step_ms']):.1f}%" for c in CADENCES)
     extract = f"{r['extract_ms']:.1f} ms" if r.get("extract_ms") is not None else "-"
@@ -130,8 +136,8 @@ def overhead_table(rows: Sequence[Mapping]) -> str:
                 f"{'sites grouped, ' if r.get('group_sites') else ''}"
                 f"{r.get('pass_compile', 'autotuned')}")
     first = f"{r['first_call_s']:.0f} s" if r.get("first_call_s") is not None else "-"
-    lines.append(f"| {r['model']}/{r['preset']} | {r.get('batch_size', '-')} | "
-                 f"{r.get('measured_in', '-')} | {r.get('weight_every', 1)} | {compiled} | "
+    lines.append(f"| {r['model']}/{r['preset']} | {card(r['device'])} | "
+                 f"{r.get('batch_size', '-')} | {r.get('measured_in', '-')} | {r.get('weight_every', 1)} | {compiled} | "
                  f"{first} | {r['pass_ms']:.0f} ms | {extract} | {r['step_ms']:.1f} ms | {share} | "
                  f"{math.ceil(r['pass_ms'] / (BUDGET * r['step_ms']))} steps |")
   return "\n".join(lines)

@@ -50,7 +50,7 @@ class OverheadRowTest(absltest.TestCase):
     (loaded,) = results_user_speed.load_rows([rows_path])
     # 300 / (25 x 150) = 8.0%, / (100 x 150) = 2.0%, / (200 x 150) = 1.0%; a 2% budget
     # spaces observations 300 / (0.02 x 150) = 100 steps apart.
-    self.assertIn("| wukong/large | 4096 | experiments.measure probe_overhead | 4 | one "
+    self.assertIn("| wukong/large | H200 | 4096 | experiments.measure probe_overhead | 4 | one "
                   "program, sites grouped, cublas | 90 s | 300 ms | 95.0 ms | 150.0 ms | 8.0% | "
                   "2.0% | 1.0% | 100 steps |", results_user_speed.overhead_table([loaded]))
 

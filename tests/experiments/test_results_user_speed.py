@@ -61,13 +61,13 @@ class UserSpeedTest(absltest.TestCase):
     self.assertIn("| wukong/small | five | 296 s | 24 s | 66 s | 106 s | 2.7 s | 94 s | 3 |",
                   text)
     # Shares at 25, 100 and 200 steps: 170.2 / (25 x 27.3) = 24.9%, then 6.2% and 3.1%.
-    self.assertIn("| wukong/small | - | - | 1 | per site, autotuned | - | 170 ms | - | 27.3 ms | "
+    self.assertIn("| wukong/small | H200 | - | - | 1 | per site, autotuned | - | 170 ms | - | 27.3 ms | "
                   "24.9% | 6.2% | 3.1% | 312 steps |", text)
-    self.assertIn("| wukong/large | 4096 | experiments.measure probe_overhead | 4 | one program, "
+    self.assertIn("| wukong/large | H200 | 4096 | experiments.measure probe_overhead | 4 | one program, "
                   "cublas | 108 s | 377 ms | 95.2 ms | 154.5 ms | 9.8% | 2.4% | 1.2% | "
                   "123 steps |", text)
     # 300 / (25 x 150) = 8.0%; 300 / (0.02 x 150) = 100 observations apart.
-    self.assertIn("| wukong/large | - | - | 4 | one program, sites grouped, cublas | - | 300 ms | "
+    self.assertIn("| wukong/large | H200 | - | - | 4 | one program, sites grouped, cublas | - | 300 ms | "
                   "- | 150.0 ms | 8.0% | 2.0% | 1.0% | 100 steps |", text)
     # A row without batch_workers had none; one whose loop started them says when.
     self.assertIn("| wukong/large | LoKA | 0 | 8.30 steps/s | 8.10 (8.00-8.20) | 0.976 | "
@@ -75,6 +75,14 @@ class UserSpeedTest(absltest.TestCase):
     self.assertIn("| dlrm/large | bf16+Mods | 8 (from step 14) | 140.00 steps/s | 128.00 "
                   "(80.00-130.00) | 0.914 | - |", text)
     self.assertIn("NVIDIA H200, jax 0.11.2, 2026-12-04, commit abc1234, `bash call.sh`", text)
+
+  def test_the_overhead_table_names_each_rows_card(self):
+    rows = [{**BASE, "kind": "probe_overhead", "cadence": 25, "pass_ms": 74.0, "step_ms": 7.4,
+             "device": device} for device in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "cpu")]
+    table = user_speed.overhead_table(rows)
+    for card in ("| wukong/large | H100 80GB HBM3 | ", "| wukong/large | H200 | ",
+                 "| wukong/large | cpu | "):
+      self.assertIn(card, table)
 
   def test_the_drift_table_shows_where_refreshes_fell_and_their_share(self):
     path = write([
