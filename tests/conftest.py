@@ -65,9 +65,11 @@ if GPU_RUN:
 # only a few tests train long.
 # XLA:CPU's older elemental fusion emitters compile the suite's steps faster than its MLIR
 # fusion emitters (Wukong tiny's train step 6.0 s -> 2.8 s by JAX's compile log; the
-# suite 17.3 -> 11.7 min with the one-example init). Newer jaxlibs (0.11.2)
-# dropped that flag while its name stays in their libraries, and XLA aborts the process on an
-# unknown flag; so the flags go to XLA only after a child process accepted them.
+# suite 17.3 -> 11.7 min with the one-example init). Newer jaxlibs (0.11.2) dropped that
+# flag, and XLA aborts the process on an unknown flag, so the flags go to XLA only after a
+# child process accepted them; there the backend option xla_cpu_disable_new_fusion_emitters
+# picks the same emitters (tests/models on 2 workers under jax 0.11.2: 57.7 -> 35.6 s; under
+# 0.10.2, which takes both, 38.5 s with or without it).
 # XLA:CPU splits each program's LLVM module into parts it compiles on a thread pool: on cores
 # that the two xdist workers already keep busy, the threads add CPU and save no wall time.
 # One part compiles the same code (tiny Wukong, DCNv2 and InterFormer init and train steps:
@@ -80,7 +82,8 @@ if GPU_RUN:
 # test_plans, test_loop and tests/api on 2 workers 110.4 -> 103.8 s.
 _CHEAP_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
                   "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1",
-                  "--xla_cpu_opt_preset=FAST_COMPILE")
+                  "--xla_cpu_opt_preset=FAST_COMPILE",
+                  "--xla_backend_extra_options=xla_cpu_disable_new_fusion_emitters=true")
 
 
 def _xla_accepts(flags):
