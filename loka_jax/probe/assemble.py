@@ -192,9 +192,14 @@ def attach_timings(site_entries: Dict[str, Dict], sites: Mapping[str, Any], kern
           timings[name] = skipped_timings(site_entries[name]["passes"], options)
         continue
       unsupported = _unsupported_everywhere([site_entries[n] for n in names])
+      # What this card timed so far (earlier shapes, earlier runs in the workdir) counts
+      # towards dominance beside its committed table.
+      measured = {**tables_lib.empty_table(device),
+                  "entries": kernel_timing.table_entries(list(cache.entries.values()))}
       needs = needs_lib.shape_needs(
           layout, [site_entries[n] for n in names], kernels, compute_dtype, unsupported,
-          options.criteria, same_card[1] if same_card else None, options.time_all)
+          options.criteria, same_card[1] if same_card else None, options.time_all,
+          measured=measured)
       for (kernel, _), why in needs.skipped.items():
         counts["baseline_unneeded" if kernel == candidates_lib.BASELINE else
                "dominated" if "dominated" in why else "not_safe"] += 1

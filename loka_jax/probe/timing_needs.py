@@ -10,10 +10,13 @@ plan. Before a shape is timed, each (kernel, pass) it would time is sorted into 
   not safe   no site of this shape admits the kernel in this pass on accuracy (SQNR,
              underflow; a fused op must be safe in every pass of a site): no speedup can
              make it eligible, so it is not timed
-  dominated  on this card the committed table holds at least `DOMINANCE_SHAPES` shapes of
-             the same size class (forward FLOPs within `CLASS_RATIO` of this one) for the
-             kernel's pass, and at none of them did it reach the speed bar: the pass is not
-             timed
+  dominated  on this card at least `DOMINANCE_SHAPES` shapes of the same size class
+             (forward FLOPs within `CLASS_RATIO` of this one) were timed for the kernel's
+             pass, in the committed table or in this probe's timing cache (shapes timed
+             earlier in this run or by an earlier run in the workdir), and at none of them
+             did it reach the speed bar: the pass is not timed. On a card without a
+             committed table the probe so stops timing a kernel once it has lost at three
+             shapes of a class, where it would otherwise time it at every shape.
 
 Passes not timed carry `timing: "skipped"` and a `timing_note` saying why, so a reader sees
 that nothing was measured; selection keeps them off FP8 on speed (no speedup is known). A
@@ -120,25 +123,51 @@ def _dominated(table: Mapping, kernel: str, layout, pass_name: str, dtype: str,
     shapes += 1
     best = max(best, hit["speedup_range"][2])
   if shapes >= DOMINANCE_SHAPES and best <= min_speedup:
-    return (f"dominated on this card: at {shapes} committed shapes within {CLASS_RATIO:g}x of "
+    return (f"dominated on this card: at {shapes} timed shapes within {CLASS_RATIO:g}x of "
             f"this one's FLOPs its best speedup was {best:.2f}x <= {min_speedup:g}x")
   return None
 
 
+def _of_revisions(table: Optional[Mapping], by_name: Mapping) -> Optional[Dict]:
+  """`table` without entries of kernels not in `by_name` or of another revision of their
+  kernel (they timed other code)."""
+  if table is None:
+    return None
+  return {**table, "entries": [e for e in table["entries"] if e["kernel"] in by_name and
+                               e.get("revision", 1) == by_name[e["kernel"]].revision]}
+
+
+def _combined(table: Optional[Mapping], measured: Optional[Mapping]) -> Optional[Dict]:
+  """The committed table's entries and the timing cache's, the cache's replacing an entry
+  of the same problem (it is this card's newer measurement)."""
+  if measured is None:
+    return table
+  if table is None:
+    return dict(measured)
+  mine = {tables_lib.entry_key(e) for e in measured["entries"]}
+  return {**table, "entries": [e for e in table["entries"]
+                               if tables_lib.entry_key(e) not in mine] + measured["entries"]}
+
+
 def shape_needs(layout, entries: Sequence[Mapping[str, Any]], kernels: Sequence, dtype: str,
                 unsupported: Mapping[str, Mapping[str, str]], criteria,
-                table: Optional[Mapping] = None, time_all: bool = False) -> ShapeNeeds:
+                table: Optional[Mapping] = None, time_all: bool = False,
+                measured: Optional[Mapping] = None) -> ShapeNeeds:
   """Sorts every supported (kernel, pass) of one site shape (see the module docstring).
   `entries`: the report entries of every site of this shape (their passes' errors);
-  `table`: this card's committed table (`same_card_table`), or None."""
+  `table`: this card's committed table (`same_card_table`), or None; `measured`: the
+  probe's timing cache as a table of this card, or None. The cache's entries count towards
+  dominance only (what they hold of this shape is read from the cache, never re-timed), and
+  a pass the cache holds for this shape is never skipped as dominated, so a rerun reports
+  what the first run measured."""
   pairs = [(k.name, p) for k in kernels for p in PASSES
            if k.name not in unsupported.get(p, {})]
   if time_all:
     return ShapeNeeds(set(pairs), set(), {})
   by_name = {k.name: k for k in kernels}
-  if table is not None:  # entries of another revision of their kernel time other code
-    table = {**table, "entries": [e for e in table["entries"] if e["kernel"] in by_name and
-                                  e.get("revision", 1) == by_name[e["kernel"]].revision]}
+  table = _of_revisions(table, by_name)
+  measured = _of_revisions(measured, by_name)
+  dominance = _combined(table, measured)
   safe = _safe_pairs(entries, [k for k in kernels if k.name != BASELINE], criteria)
   skipped: Dict[Pair, str] = {}
   reused: Set[Pair] = set()
@@ -148,8 +177,10 @@ def shape_needs(layout, entries: Sequence[Mapping[str, Any]], kernels: Sequence,
     if (k, p) not in safe:
       skipped[(k, p)] = "not timed: no site of this shape admits it on accuracy"
       continue
-    if table is not None and criteria.min_speedup is not None and by_name[k].sort != FUSED_OP:
-      why = _dominated(table, k, layout, p, dtype, criteria.min_speedup)
+    if (dominance is not None and criteria.min_speedup is not None
+        and by_name[k].sort != FUSED_OP
+        and not (measured is not None and _exact(measured, k, layout, p, dtype))):
+      why = _dominated(dominance, k, layout, p, dtype, criteria.min_speedup)
       if why:
         skipped[(k, p)] = "not timed: " + why
   if table is not None:

@@ -9,7 +9,7 @@ import jax
 from absl.testing import absltest
 
 from loka_jax import kernels as kernels_lib
-from loka_jax.probe import assemble, timing_needs
+from loka_jax.probe import assemble, kernel_timing, timing_needs
 from loka_jax.probe import timing_table as tables_lib
 from loka_jax.probe.eligibility import Criteria
 from loka_jax.probe.kernel_timing import pass_problem
@@ -46,6 +46,16 @@ def table_entry(kernel, pass_name, layout, median_us, **extra):
 def table(entries):
   return {"schema": tables_lib.SCHEMA, "device_kind": "cpu", "entries": entries}
 
+
+def class_rows(ms, fp8_us):
+  """bf16 at 10 us and xla_fp8_tensorwise at `fp8_us` in the forward of (m x 32) . (32 x 16)
+  for each m in `ms` (all within 10x of LAYOUT's FLOPs)."""
+  rows = []
+  for m in ms:
+    layout = site_layout("mk,kn->mn", "act_weight", (m, 32), (32, 16))
+    rows += [table_entry("xla_bf16", "fwd", layout, 10.0),
+             table_entry("xla_fp8_tensorwise", "fwd", layout, fp8_us)]
+  return rows
 
 class ShapeNeedsTest(absltest.TestCase):
 
@@ -140,6 +150,28 @@ class ShapeNeedsTest(absltest.TestCase):
                                        Criteria(), table=table(rows))
       self.assertIn(("xla_fp8_tensorwise", "fwd"), needs.measure)
 
+  def test_three_slow_shapes_this_card_timed_dominate_without_a_committed_table(self):
+    rows = class_rows((48, 96, 128), fp8_us=20.0)
+    needs = timing_needs.shape_needs(LAYOUT, [site_entry({})], KERNELS, "bfloat16", {},
+                                     Criteria(), measured=table(rows))
+    self.assertIn("dominated", needs.skipped[("xla_fp8_tensorwise", "fwd")])
+    self.assertIn(("xla_fp8_rowwise", "fwd"), needs.measure)  # never timed: not dominated
+    self.assertEqual(needs.reused, set())  # the cache's entries are never "reused"
+
+  def test_a_pass_the_cache_holds_for_this_shape_is_read_not_skipped(self):
+    rows = class_rows((48, 64, 96, 128), fp8_us=20.0)   # 64: LAYOUT itself
+    needs = timing_needs.shape_needs(LAYOUT, [site_entry({})], KERNELS, "bfloat16", {},
+                                     Criteria(), measured=table(rows))
+    self.assertIn(("xla_fp8_tensorwise", "fwd"), needs.measure)
+
+  def test_the_caches_newer_time_replaces_the_committed_one(self):
+    fast, slow = class_rows((48, 96, 128), fp8_us=5.0), class_rows((48, 96, 128), fp8_us=20.0)
+    for committed, cached, dominated in ((fast, slow, True), (slow, fast, False)):
+      needs = timing_needs.shape_needs(LAYOUT, [site_entry({})], KERNELS, "bfloat16", {},
+                                       Criteria(), table=table(committed),
+                                       measured=table(cached))
+      self.assertEqual(("xla_fp8_tensorwise", "fwd") in needs.skipped, dominated)
+
 
 class AttachTimingsTest(absltest.TestCase):
   """On the CPU with `time=True`: what is measured is timed, the rest is said."""
@@ -173,6 +205,34 @@ class AttachTimingsTest(absltest.TestCase):
         skipped = passes["grad_rhs"]["xla_fp8_rowwise"]
         self.assertEqual((skipped["timing"], skipped["speedup"]), ("skipped", None))
       self.assertEqual(timing.pending, [])
+
+
+  def test_what_the_timing_cache_holds_of_this_card_dominates_without_a_table(self):
+    with tempfile.TemporaryDirectory() as tmp:
+      # No committed table; the workdir's timing cache holds three shapes of LAYOUT's class
+      # at which tensorwise lost to bf16 (20 us against 10).
+      kind = kernel_timing.device_kind()
+      cache = kernel_timing.TimingCache(
+          kernel_timing.default_cache_path(os.path.join(tmp, "cache"), kind), kind)
+      for row in class_rows((48, 96, 128), fp8_us=20.0):
+        key = kernel_timing.cache_key(row["kernel"], row["pass"], row["spec"],
+                                      row["lhs_shape"], row["rhs_shape"], row["dtype"])
+        cache.put(key, {**row, "seconds": [1e-6 * row["median_us"]] * 3, "repeats": 3,
+                        "inner": 1, "unroll": 1})
+      os.makedirs(os.path.dirname(cache.path))
+      cache.save()
+      entries = {"a": site_entry({})}
+      options = ProbeOptions(time=True, repeats=3, table_dir=os.path.join(tmp, "none"),
+                             write_table=False, timing_cache=os.path.join(tmp, "cache"))
+      timing = assemble.attach_timings(entries, {"a": types.SimpleNamespace(layout=LAYOUT)},
+                                       KERNELS[:3], "bfloat16", options, tmp)
+      self.assertEqual(timing.source["kernel_passes"]["dominated"], 1)
+      skipped = entries["a"]["passes"]["fwd"]["xla_fp8_tensorwise"]
+      self.assertEqual(skipped["timing"], "skipped")
+      self.assertIn("dominated on this card: at 3 timed shapes", skipped["timing_note"])
+      # Its other passes were never timed at this class: measured here.
+      self.assertEqual(entries["a"]["passes"]["grad_lhs"]["xla_fp8_tensorwise"]["timing"],
+                       "measured")
 
 
 if __name__ == "__main__":
