@@ -185,7 +185,11 @@ def attach_timings(site_entries: Dict[str, Dict], sites: Mapping[str, Any], kern
     for name in site_entries:
       layout = sites[name].layout
       by_shape.setdefault((str(layout.spec), layout.lhs.shape, layout.rhs.shape), []).append(name)
-    for names in by_shape.values():
+    if same_card is None and not options.time_all:
+      n = len(by_shape)
+      _log(f"no committed kernel timings for {device} in {options.table_dir}: timing {n} "
+           f"site shape{'' if n == 1 else 's'} here, each compiling its kernels' passes")
+    for shape_index, names in enumerate(by_shape.values(), 1):
       layout = sites[names[0]].layout
       if below_timing_floor(layout, options):
         for name in names:
@@ -213,7 +217,8 @@ def attach_timings(site_entries: Dict[str, Dict], sites: Mapping[str, Any], kern
                                          compile_workers=options.timing_compile_workers)
         if got:
           pace.record(time.time() - t0)
-          _log(f"timed {names[0]} ({len(got)} kernel passes) in {time.time() - t0:.1f}s")
+          _log(f"timed {names[0]} ({len(got)} kernel passes; shape {shape_index}/"
+               f"{len(by_shape)}) in {time.time() - t0:.1f}s")
       shape_timings = chain_timing.site_timings(layout, kernels, compute_dtype, cache,
                                                 unsupported=not_measured)
       if needs.reused:

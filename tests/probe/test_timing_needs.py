@@ -1,6 +1,8 @@
 """What a GPU probe times at a site shape (`probe/timing_needs.py`) and how `attach_timings`
 fills in what it does not: passes no site admits on accuracy, passes dominated on the card,
 and exact entries of the card's committed table are not timed."""
+import contextlib
+import io
 import os
 import tempfile
 import types
@@ -224,8 +226,14 @@ class AttachTimingsTest(absltest.TestCase):
       entries = {"a": site_entry({})}
       options = ProbeOptions(time=True, repeats=3, table_dir=os.path.join(tmp, "none"),
                              write_table=False, timing_cache=os.path.join(tmp, "cache"))
-      timing = assemble.attach_timings(entries, {"a": types.SimpleNamespace(layout=LAYOUT)},
-                                       KERNELS[:3], "bfloat16", options, tmp)
+      log = io.StringIO()
+      with contextlib.redirect_stdout(log):
+        timing = assemble.attach_timings(entries, {"a": types.SimpleNamespace(layout=LAYOUT)},
+                                         KERNELS[:3], "bfloat16", options, tmp)
+      # The user is told why timing takes long here, and how far it got.
+      self.assertIn(f"no committed kernel timings for {jax.devices()[0].device_kind} in "
+                    f"{options.table_dir}: timing 1 site shape here", log.getvalue())
+      self.assertIn("kernel passes; shape 1/1) in", log.getvalue())
       self.assertEqual(timing.source["kernel_passes"]["dominated"], 1)
       skipped = entries["a"]["passes"]["fwd"]["xla_fp8_tensorwise"]
       self.assertEqual(skipped["timing"], "skipped")
