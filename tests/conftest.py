@@ -69,7 +69,7 @@ if GPU_RUN:
 # flag, and XLA aborts the process on an unknown flag, so the flags go to XLA only after a
 # child process accepted them; there the backend option xla_cpu_disable_new_fusion_emitters
 # picks the same emitters (tests/models on 2 workers under jax 0.11.2: 57.7 -> 35.6 s; under
-# 0.10.2, which takes both, 38.5 s with or without it).
+# 0.10.2, which takes both, 38.5 s with or without it). jaxlib 0.12 has neither: 52.7 s.
 # XLA:CPU splits each program's LLVM module into parts it compiles on a thread pool: on cores
 # that the two xdist workers already keep busy, the threads add CPU and save no wall time.
 # One part compiles the same code (tiny Wukong, DCNv2 and InterFormer init and train steps:
