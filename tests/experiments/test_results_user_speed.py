@@ -61,14 +61,14 @@ class UserSpeedTest(absltest.TestCase):
     self.assertIn("| wukong/small | five | 296 s | 24 s | 66 s | 106 s | 2.7 s | 94 s | 3 |",
                   text)
     # Shares at 25, 100 and 200 steps: 170.2 / (25 x 27.3) = 24.9%, then 6.2% and 3.1%.
-    self.assertIn("| wukong/small | H200 | - | - | 1 | per site, autotuned | - | 170 ms | - | 27.3 ms | "
-                  "24.9% | 6.2% | 3.1% | 312 steps |", text)
-    self.assertIn("| wukong/large | H200 | 4096 | experiments.measure probe_overhead | 4 | one program, "
-                  "cublas | 108 s | 377 ms | 95.2 ms | 154.5 ms | 9.8% | 2.4% | 1.2% | "
-                  "123 steps |", text)
+    self.assertIn("| wukong/small | H200 | - | - | 1 | per site, autotuned | - | 170 ms | - | "
+                  "27.3 ms | 24.9% | 6.2% | 3.1% | 312 steps |", text)
+    self.assertIn("| wukong/large | H200 | 4096 | experiments.measure probe_overhead | 4 | "
+                  "one program, cublas | 108 s | 377 ms | 95.2 ms | 154.5 ms | 9.8% | 2.4% | "
+                  "1.2% | 123 steps |", text)
     # 300 / (25 x 150) = 8.0%; 300 / (0.02 x 150) = 100 observations apart.
-    self.assertIn("| wukong/large | H200 | - | - | 4 | one program, sites grouped, cublas | - | 300 ms | "
-                  "- | 150.0 ms | 8.0% | 2.0% | 1.0% | 100 steps |", text)
+    self.assertIn("| wukong/large | H200 | - | - | 4 | one program, sites grouped, cublas | - | "
+                  "300 ms | - | 150.0 ms | 8.0% | 2.0% | 1.0% | 100 steps |", text)
     # A row without batch_workers had none; one whose loop started them says when.
     self.assertIn("| wukong/large | LoKA | 0 | 8.30 steps/s | 8.10 (8.00-8.20) | 0.976 | "
                   "1.330x, 1.310x |", text)
