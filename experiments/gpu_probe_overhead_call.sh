@@ -31,7 +31,11 @@ for variant in ${VARIANTS:?set VARIANTS}; do
   began=$(date +%s)
   timeout "${limits[$n]:-150}" python3 -m experiments.measure probe_overhead "${args[@]}" \
     > "$WORK/logs/probe_overhead_$n.log" 2>&1
-  echo "$variant rc=$? $(( $(date +%s) - began )) s"
+  rc=$?
+  echo "$variant rc=$rc $(( $(date +%s) - began )) s"
+  # Why it ended without a measurement: the log's last line (the error, or where the limit
+  # cut it), since the logs come back packed.
+  [ $rc != 0 ] && echo "  $(tail -n 1 "$WORK/logs/probe_overhead_$n.log" | cut -c1-240)"
   n=$((n + 1))
 done
 python3 - "$OUT" <<'PY'
