@@ -20,14 +20,9 @@ OUT = flags.DEFINE_string("out", None, "Write every compared row here (JSON).")
 
 def _entries(path: str):
   try:
-    with open(path) as f:
-      data = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
-    raise app.UsageError(f"{path}: not a readable timing cache ({e})") from e
-  if data.get("schema") != kernel_timing.CACHE_SCHEMA:
-    raise app.UsageError(f"{path}: schema {data.get('schema')!r}, expected "
-                         f"{kernel_timing.CACHE_SCHEMA!r}")
-  return data["entries"]
+    return timing_caches.read_cache(path).entries
+  except kernel_timing.TimingCacheError as e:
+    raise app.UsageError(str(e)) from e
 
 
 def main(argv):

@@ -7,8 +7,6 @@ Each product problem (spec, shapes, dtype) keeps every entry of the first file t
 (`timing_caches.merge_caches`): list the target's own cache first. Prints how many problems
 each file gave.
 """
-import json
-
 from absl import app, flags
 
 from loka_jax.probe import kernel_timing, timing_caches
@@ -19,12 +17,7 @@ flags.mark_flag_as_required("out")
 
 def _read(path: str) -> kernel_timing.TimingCache:
   try:
-    with open(path) as f:
-      kind = json.load(f).get("device_kind")
-  except (OSError, ValueError) as e:
-    raise app.UsageError(f"{path}: not a readable timing cache ({e})") from e
-  try:
-    return kernel_timing.TimingCache(path, kind)
+    return timing_caches.read_cache(path)
   except kernel_timing.TimingCacheError as e:
     raise app.UsageError(str(e)) from e
 

@@ -1,15 +1,29 @@
 """Two or more kernel timing caches side by side: how far one card's measurements of the same
 kernel passes agree (`compare_caches`, `experiments.timing_cache compare`) and one cache
-made of several (`merge_caches`, `experiments.timing_cache merge`)."""
+made of several (`merge_caches`, `experiments.timing_cache merge`); `read_cache` opens one
+of any card."""
 from __future__ import annotations
 
+import json
 from typing import Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
 
 from loka_jax.probe.candidates import BASELINE
 from loka_jax.probe.eligibility import FUSED_SCOPE
-from loka_jax.probe.kernel_timing import cache_key, usable
+from loka_jax.probe.kernel_timing import TimingCache, TimingCacheError, cache_key, usable
+
+
+def read_cache(path: str) -> TimingCache:
+  """The timing cache at `path`, of the card it names; TimingCacheError naming the file when
+  it is not a readable timing cache."""
+  try:
+    with open(path) as f:
+      kind = json.load(f).get("device_kind")
+  except (OSError, ValueError, AttributeError) as e:
+    raise TimingCacheError(f"{path}: not a readable timing cache ({e})") from e
+  return TimingCache(path, kind)
+
 
 def compare_caches(first: Mapping[str, Dict], second: Mapping[str, Dict]) -> Dict:
   """Two timing caches' entries ({key: entry}) of the same kernel passes, measured apart
