@@ -1,5 +1,5 @@
 """`python -m experiments.probe` end to end on a tiny Wukong, then resumed with a timing table;
-`experiments.timing_cache compare` and `merge` on small caches."""
+`experiments.timing_cache compare`, `merge` and `table` on small caches."""
 import json
 import os
 import tempfile
@@ -215,6 +215,56 @@ class MergeTimingCachesCliTest(absltest.TestCase):
     result = run_cli("merge", f"--out={os.path.join(d, 'x.json')}", os.path.join(d, "missing.json"),
                      module="experiments.timing_cache")
     self.assertNotEqual(result.returncode, 0)
+    self.assertIn("missing.json: not a readable timing cache", result.stderr)
+
+
+class TimingCacheTableCliTest(absltest.TestCase):
+
+  def test_a_cards_cache_goes_into_its_committed_table_and_a_cpus_does_not(self):
+    d = tempfile.mkdtemp(prefix="loka_cache_table_")
+    kind = "NVIDIA H100 80GB HBM3"
+
+    def write(name, device, rows):
+      cache = kernel_timing.TimingCache(os.path.join(d, name), device)
+      for kernel, k, us in rows:
+        key = kernel_timing.cache_key(kernel, "fwd", "mk,kn->mn", [64, k], [k, 32], "bfloat16")
+        entry = {"kernel": kernel, "pass": "fwd", "spec": "mk,kn->mn", "lhs_shape": [64, k],
+                 "rhs_shape": [k, 32], "dtype": "bfloat16", "median_us": us,
+                 "ci_us": [0.9 * us, 1.1 * us], "backend": "xla", "seconds": [1e-6 * us],
+                 "jax": "0.11.2", "date": "2026-12-05", "revision": 1}
+        cache.put(key, entry if us else {**entry, "error": "RESOURCE_EXHAUSTED"})
+      cache.save()
+      return cache.path
+
+    tables = os.path.join(d, "timings")
+    first = write("first.json", kind, [("xla_bf16", 32, 10.0), ("xla_fp8_rowwise", 32, 8.0),
+                                       ("xla_fp8_tensorwise", 64, 0.0)])
+    result = run_cli("table", first, f"--table_dir={tables}", module="experiments.timing_cache")
+    self.assertEqual(result.returncode, 0, result.stderr)
+    path = timing_table.table_path(kind, tables)
+    self.assertIn(f"{path}: 2 entries (0 before, 2 from {first}", result.stdout)
+    table = timing_table.load_table(path)
+    self.assertEqual(table["device_kind"], kind)
+    hit = timing_table.lookup(table, "xla_fp8_rowwise", "fwd", "mk,kn->mn", [64, 32], [32, 32],
+                              "bfloat16")
+    self.assertAlmostEqual(hit["speedup"], 10.0 / 8.0)   # the error entry was left out
+    self.assertFalse(hit["estimated"])
+    # A second cache's timing of the same problem replaces it whole; other problems stay.
+    second = write("second.json", kind, [("xla_bf16", 32, 12.0), ("xla_bf16", 128, 30.0)])
+    result = run_cli("table", second, f"--table_dir={tables}", module="experiments.timing_cache")
+    self.assertEqual(result.returncode, 0, result.stderr)
+    entries = timing_table.load_table(path)["entries"]
+    self.assertEqual(sorted((e["kernel"], e["lhs_shape"][1], e["median_us"]) for e in entries),
+                     [("xla_bf16", 32, 12.0), ("xla_bf16", 128, 30.0)])
+    for name, device, says in (("cpu.json", "cpu", "a CPU's timings"),
+                               ("empty.json", kind, "no timing without an error")):
+      bad = write(name, device, [("xla_bf16", 32, 10.0)] if device == "cpu" else [])
+      result = run_cli("table", bad, f"--table_dir={tables}", module="experiments.timing_cache")
+      self.assertNotEqual(result.returncode, 0)
+      self.assertIn(says, result.stderr)
+      self.assertNotIn("Traceback", result.stderr)
+    result = run_cli("table", os.path.join(d, "missing.json"), f"--table_dir={tables}",
+                     module="experiments.timing_cache")
     self.assertIn("missing.json: not a readable timing cache", result.stderr)
 
 
