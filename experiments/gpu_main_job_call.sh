@@ -28,4 +28,10 @@ for run in cold warm; do
   echo "$run: rc=$rc wall=$(python3 -c "import time; print(round(time.time() - $start, 1))") s"
 done
 cp "$WORK/run/report.md" "$WORK/run/probe_report.json" "$OUT/" 2>/dev/null
+# The card's kernel timings the probe measured, saved after each shape, so a run cut by its
+# limit brings back the shapes it finished: `python3 -m experiments.timing_cache table` commits
+# them into the card's timing table, which the next run on such a card reads.
+find "$WORK/run" -path '*/timing_cache/*.json' | while read -r f; do
+  cp "$f" "$OUT/timing_cache_$(basename "$f")"
+done
 grep -h -e "^ *[0-9.]* \(==\|\[pipeline\]\|\[probe\] timing\|\[probe\] timed\)" "$OUT/cold.log" | tail -40
