@@ -34,7 +34,7 @@ from loka_jax.dispatch import validate as validate_lib
 from loka_jax.kernels import KernelPlan
 from loka_jax.probe.collector import ProbeConfig
 from loka_jax.probe.eligibility import Criteria
-from loka_jax.probe.runner import ProbeOptions
+from loka_jax.probe.runner import ProbeOptions, ProbeSetupError
 from loka_jax.train import OptimConfig, TrainConfig, experiment, report
 from loka_jax.train.run_files import RunSettingsError
 
@@ -129,7 +129,7 @@ def main(argv):
   probe_train = _train_config(run, probe.steps, 0, probe.checkpoint_every)
   try:
     result = _probe_and_plan(config, workdir, probe_train, kernels)
-  except (pipeline.RunMismatchError, DataFileError, FileNotFoundError) as e:
+  except (pipeline.RunMismatchError, ProbeSetupError, DataFileError, FileNotFoundError) as e:
     sys.exit(f"error: {e}")
   arms, arms_plans = {}, {}
   for label, key, spec, kernel_plan in _arms(config, result.paths["plan"], result.plan):

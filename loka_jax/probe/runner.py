@@ -33,7 +33,7 @@ from loka_jax.probe.assemble import below_timing_floor, distinct_shapes
 from loka_jax.probe.options import ProbeOptions, ProbeSetupError
 from loka_jax.probe import candidates as candidates_lib
 from loka_jax.probe import collector as collector_lib
-from loka_jax.probe import evaluate, executables, kernel_timing
+from loka_jax.probe import evaluate, executables, kernel_timing, memory
 from loka_jax.probe import report as report_lib
 from loka_jax.probe import stats_report
 from loka_jax.probe.collector import ProbeConfig
@@ -191,29 +191,44 @@ def describe_probe(spec: experiment.RunSpec, train_config: TrainConfig,
   that bring new ones; the functions the statistics pass compiles; and the distinct shapes
   timing measures at
   `options.min_timing_gflops` (`shapes_to_time`)."""
-  from loka_jax.train.optim import make_optimizer
-  from loka_jax.train.state import state_bytes, tree_bytes
   setup = _setup(spec, train_config.batch_size, probe_config, options, build)
-  batch = setup.source.train_batch(0, train_config.batch_size)
-  dtype = site_config_dtype(spec)
-  stats = jax.eval_shape(lambda: collector_lib.init_state(setup.sites, probe_config, dtype))
+  stats = _abstract_statistics(spec, probe_config, setup)
   # The functions the error evaluation compiles (`evaluate.compile_jobs`), and the sites that
   # bring new ones: the sites whose evaluation waits on compiles.
   seen, compiling = set(), 0
   for name, site in setup.sites.items():
     jobs = evaluate.compile_jobs(site, collector_lib.site_state(stats, setup.sites, name),
-                                 setup.kernels, str(np.dtype(dtype)), assemble.eval_config(options))
+                                 setup.kernels, str(np.dtype(site_config_dtype(spec))),
+                                 assemble.eval_config(options))
     keys = {(fn, executables.signature(args)) for fn, args in jobs}
     compiling += bool(keys - seen)
     seen |= keys
   layouts = [layout for _, layout in distinct_shapes(setup.sites).values()]
   return {"sites": len(setup.sites), "distinct_shapes": len(layouts),
           "shapes_to_time": sum(not below_timing_floor(l, options) for l in layouts),
-          "state_bytes": state_bytes(setup.model, make_optimizer(train_config.optim), batch,
-                                     train_config.seed),
-          "statistics_bytes": tree_bytes(stats),
+          **_standing_bytes(spec, train_config, probe_config, setup, stats),
           "evaluation_functions": len(seen), "sites_compiling": compiling,
           "statistics_functions": collector_lib.statistics_functions(setup.sites, probe_config)}
+
+
+def _abstract_statistics(spec: experiment.RunSpec, probe_config: ProbeConfig, setup: _Setup):
+  """The statistics' shapes (`jax.ShapeDtypeStruct`s): nothing is allocated."""
+  dtype = site_config_dtype(spec)
+  return jax.eval_shape(lambda: collector_lib.init_state(setup.sites, probe_config, dtype))
+
+
+def _standing_bytes(spec: experiment.RunSpec, train_config: TrainConfig,
+                    probe_config: ProbeConfig, setup: _Setup, stats=None) -> Dict[str, int]:
+  """{"state_bytes", "statistics_bytes"}: what a probe holds on the device all run, from
+  abstract shapes."""
+  from loka_jax.train.optim import make_optimizer
+  from loka_jax.train.state import state_bytes, tree_bytes
+  if stats is None:
+    stats = _abstract_statistics(spec, probe_config, setup)
+  batch = setup.source.train_batch(0, train_config.batch_size)
+  return {"state_bytes": state_bytes(setup.model, make_optimizer(train_config.optim), batch,
+                                     train_config.seed),
+          "statistics_bytes": tree_bytes(stats)}
 
 
 def time_site_shapes(spec: experiment.RunSpec, batch_size: int, cache_dir: str,
@@ -300,6 +315,13 @@ def _train_with_statistics(spec: experiment.RunSpec, workdir: str, train_config:
   collector, holding every observation, and the run's final metrics. `compile_workers`:
   threads compiling the statistics pass's functions side by side (None: CPUs up to 16; 0:
   each on its first call, in turn)."""
+  limit = memory.device_limit()
+  if limit is not None:  # on a GPU: stop now a run that cannot fit, warn one that may not
+    standing = _standing_bytes(spec, train_config, probe_config, setup)
+    note = memory.standing_memory_note(standing["state_bytes"], standing["statistics_bytes"],
+                                       limit)
+    if note:
+      _log(note)
   saved_stats, saved_meta = _saved_statistics(workdir)
   collector = ProbeCollector(setup.model, setup.source, train_config.batch_size, setup.sites,
                              probe_config, state=saved_stats, meta=saved_meta,
