@@ -122,7 +122,7 @@ def make_plan(spec: experiment.RunSpec, plans_root: str, train_config: TrainConf
   before a round or measurement expected to end past it."""
   from loka_jax.dispatch.pipeline import probe_and_plan  # heavy: only when planning
   from loka_jax.dispatch.validate import ValidationConfig
-  from loka_jax.probe.runner import ProbeOptions
+  from loka_jax.probe.runner import ProbeOptions, ProbeSetupError
   workdir = plan_dir(plans_root, spec.model, spec.preset)
   path = os.path.join(workdir, PLAN_FILE)
   if os.path.exists(path):
@@ -140,5 +140,8 @@ def make_plan(spec: experiment.RunSpec, plans_root: str, train_config: TrainConf
                    validation=validation or ValidationConfig())
   except RuntimeError as e:  # the probe's budget or validation's deadline: a rerun resumes
     print(f"[bench] plan for {spec.model}/{spec.preset} not ready: {e}", flush=True)
+    return None
+  except ProbeSetupError as e:  # e.g. the probe cannot fit the card: no rerun makes the plan
+    print(f"[bench] no plan for {spec.model}/{spec.preset}: {e}", flush=True)
     return None
   return path if os.path.exists(path) else None

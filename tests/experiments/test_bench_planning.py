@@ -224,6 +224,19 @@ class QualityPlanMakerTest(absltest.TestCase):
     self.assertIsNone(got)
     probe_and_plan.assert_not_called()
 
+  def test_a_probe_that_cannot_fit_the_card_leaves_the_target_without_a_plan(self):
+    from loka_jax.probe import memory
+    from loka_jax.train import TrainConfig, experiment
+    spec = experiment.RunSpec(model="wukong", preset="tiny", mods=("all",), num_eval=256)
+    config = TrainConfig(steps=4, batch_size=64, progress=False, log_every=0)
+    with mock.patch("builtins.print") as printed, \
+         mock.patch.object(memory, "device_limit", return_value=("a 1 MB card", 1_000_000)):
+      got = planning.make_plan(spec, tempdir(self), config, budget_s=600, samples=2,
+                               kernels=("xla_bf16",))
+    self.assertIsNone(got)
+    said = " ".join(str(c.args[0]) for c in printed.call_args_list if c.args)
+    self.assertIn("[bench] no plan for wukong/tiny: the probe cannot fit", said)
+
 
 if __name__ == "__main__":
   absltest.main()
