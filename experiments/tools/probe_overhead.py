@@ -96,6 +96,21 @@ def _parts(sp, state, operands, keys):
   return totals
 
 
+def _command_line(argv) -> str:
+  """The command that measured, for the row RESULTS reads: this subcommand's arguments, as
+  given, without --out (where the JSON went) and its value."""
+  rest = argv[argv.index("probe_overhead") + 1:] if "probe_overhead" in argv else argv[1:]
+  kept, skip_value = [], False
+  for arg in rest:
+    if skip_value or arg.startswith("--out="):
+      skip_value = False
+      continue
+    skip_value = arg == "--out"
+    if not skip_value:
+      kept.append(arg)
+  return " ".join(["python3 -m experiments.measure probe_overhead", *kept])
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -149,11 +164,8 @@ def main(argv):
   compile_s = time.perf_counter() - began
   _say(f"statistics pass compiled and run once in {compile_s:.1f} s")
   pass_ms = _median_ms(observe, REPEATS.value)
-  # The command line's flags without --out (where the JSON went), for the row RESULTS reads.
-  command = " ".join(["python3 -m experiments.measure probe_overhead"] +
-                     [a for a in sys.argv[1:] if a.startswith("-") and a.split("=")[0] != "--out"])
   row = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-         "date": datetime.date.today().isoformat(), "command": command,
+         "date": datetime.date.today().isoformat(), "command": _command_line(sys.argv),
          "model": spec.model, "preset": spec.preset, "batch_size": batch_size,
          "sites": len(sites), "probe_config": probe_config.to_dict(),
          "step_ms": round(step_ms, 2), "pass_ms": round(pass_ms, 2),

@@ -72,9 +72,11 @@ class OverheadRowTest(absltest.TestCase):
 
   def test_measured_then_reported_on_the_cpu(self):
     measured, rows = os.path.join(self.dir, "m.json"), os.path.join(self.dir, "rows.jsonl")
-    args = ("--model=dlrm", "--preset=tiny", "--batch_size=64", "--repeats=1",
+    # A flag's value may follow it as its own argument; --out and its value are left out.
+    args = ("--model=dlrm", "--preset=tiny", "--batch_size=64", "--repeats", "1",
             "--probe_config=weight_every=4,group_sites=1")
-    done = run_module("experiments.measure", "probe_overhead", *args, f"--out={measured}")
+    done = run_module("experiments.measure", "probe_overhead", *args[:3], "--out", measured,
+                      *args[3:])
     self.assertEqual(done.returncode, 0, done.stderr[-2000:])
     with open(measured) as f:
       self.assertEqual(json.load(f)["command"],
