@@ -120,7 +120,7 @@ def startup_table(rows: Sequence[Mapping]) -> str:
 def card(device: str) -> str:
   """'NVIDIA H100 80GB HBM3' -> 'H100 80GB HBM3': the rows of one table may come from
   different cards."""
-  return device[len("NVIDIA "):] if device.startswith("NVIDIA ") else device
+  return device.removeprefix("NVIDIA ")
 
 
 def overhead_table(rows: Sequence[Mapping]) -> str:
