@@ -5,8 +5,10 @@
 #
 #   bash experiments/gpu_main_job_call.sh        (the device call carries .whl)
 #
-# Environment: WORK (/tmp/main_job), LIMIT (seconds for the cold run, 500), OUT (set on the
-# device; elsewhere $WORK/out). Arguments go to both runs, as config overrides.
+# Environment: WORK (/tmp/main_job), LIMIT (seconds for the cold run, 500), RUNS ("cold warm";
+# "cold" alone gives a long cold run the whole call, and a second such call on the same warm
+# host resumes it from the workdir), OUT (set on the device; elsewhere $WORK/out). Arguments go
+# to every run, as config overrides.
 set -u
 WORK=${WORK:-/tmp/main_job}
 OUT=${OUT:-$WORK/out}
@@ -20,7 +22,7 @@ t = time.time()
 for line in sys.stdin:
   print(f'{time.time() - t:7.1f} {line}', end='', flush=True)"; }
 echo "card: $(nvidia-smi --query-gpu=name --format=csv,noheader) jax $(python3 -c 'import jax; print(jax.__version__)')"
-for run in cold warm; do
+for run in ${RUNS:-cold warm}; do
   limit=$([ $run = cold ] && echo "${LIMIT:-500}" || echo 120)
   start=$(date +%s.%N)
   timeout "$limit" python3 -m experiments.loka --workdir="$WORK/run" "$@" 2>&1 | stamp > "$OUT/$run.log"
