@@ -2,7 +2,8 @@
 # One device call running the CPU test suite under the GPU host's jax (newer than CI's) on the
 # host's cores: JAX_PLATFORMS=cpu, WORKERS xdist workers, each test's outcome written to the log
 # as it ends, so a call its limit cuts short still names every failure so far. The notebook
-# tests are left out: the host lacks nbclient.
+# tests are left out (the host lacks nbclient), and so are those marked `network` (the host
+# reaches no network).
 #
 #   bash experiments/gpu_cpu_suite_call.sh        (the device call carries .whl)
 #
@@ -15,7 +16,7 @@ OUT=${OUT:-/tmp/cpu_suite/out}
 mkdir -p "$OUT"
 echo "jax $(python3 -c 'import jax; print(jax.__version__)'), $(nproc) cores"
 JAX_PLATFORMS=cpu timeout "${LIMIT:-400}" python3 -m pytest -v -n "${WORKERS:-16}" \
-  --dist loadfile -p no:cacheprovider --ignore=tests/notebooks "${@:-tests}" \
+  --dist loadfile -p no:cacheprovider --ignore=tests/notebooks -m "not network" "${@:-tests}" \
   > "$OUT/cpu_suite.log" 2>&1
 rc=$?
 echo "pytest rc $rc$([ $rc = 124 ] && echo ' (cut by LIMIT)')"

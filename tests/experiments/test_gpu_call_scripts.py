@@ -39,8 +39,11 @@ def _call(script, env, *args):
   """The script's output, which ends with the bench's last lines of this call."""
   if script != "gpu_queue.sh":   # a queue's stages carry their own arguments
     args = (*args, COMPILE_CACHE)
+  # An OUT the test does not name is the script's default under WORK, never one inherited
+  # from the environment (a device call sets OUT to the folder it brings back).
   done = subprocess.run(["bash", os.path.join("experiments", script), *args], cwd=REPO,
-                        env=_warm.env(**env), capture_output=True, text=True, timeout=600)
+                        env=_warm.env(**{"OUT": "", **env}), capture_output=True, text=True,
+                        timeout=600)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   return done.stdout
 
