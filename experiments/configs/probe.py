@@ -48,8 +48,8 @@ def get_config() -> ml_collections.ConfigDict:
   timing.time = "auto"     # time kernels here: auto (on a GPU only), on or off
   timing.repeats = 20      # timed repeats per kernel and pass
   timing.cache = config_dict.placeholder(str)  # timing cache directory; unset: WORKDIR/timing_cache
-  # The committed table an untimed run falls back on (device kind or path); unset: an H100
-  # table if one is committed.
+  # The committed table an untimed run falls back on (device kind or path); unset: the one
+  # with the most entries.
   timing.table = config_dict.placeholder(str)
   # Merge the timings into loka_jax/probe/timings/<device>.json: auto (on a GPU), on or off.
   timing.write_table = "auto"

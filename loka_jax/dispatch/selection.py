@@ -128,7 +128,7 @@ def resolve_timing(report: Mapping, *, timing_table=None, target_device: Optiona
                    table_dir: str = tables_lib.TIMINGS_DIR) -> TimingSource:
   """The report's timings when valid for the target device; else a committed table (given
   as a path, a device kind or a loaded table; by default the target device's, else the one
-  the report fell back on, else an H100's); else none."""
+  the report fell back on, else the widest committed one); else none."""
   device = report.get("device")
   if report.get("timing_valid") and (target_device is None or _same_device(device,
                                                                           target_device)):
@@ -150,7 +150,7 @@ def resolve_timing(report: Mapping, *, timing_table=None, target_device: Optiona
     if wanted is None and (report.get("timing_source") or {}).get("kind") == "table":
       wanted = report["timing_source"].get("device_kind")  # the table the probe fell back on
     if wanted is None:
-      chosen = tables_lib.choose_table(None, table_dir)  # an H100 table, else the first
+      chosen = tables_lib.choose_table(None, table_dir)  # the widest committed table
       if chosen is not None:
         path, table = chosen
     else:

@@ -209,8 +209,9 @@ def lookup(table: Mapping, kernel: str, pass_name: str, spec: str, lhs_shape, rh
 
 def choose_table(preferred: Optional[str] = None, directory: str = TIMINGS_DIR
                  ) -> Optional[Tuple[str, Dict]]:
-  """(path, table) to fall back on: `preferred` (a path or device kind), else an H100 table,
-  else the first committed one; None when there is none."""
+  """(path, table) to fall back on: `preferred` (a path or device kind), else the committed
+  table with the most entries (the widest cover of kernels and shapes, so the nearest measured
+  shape is nearest); None when there is none."""
   if preferred:
     if os.path.exists(preferred):
       return preferred, load_table(preferred)
@@ -219,11 +220,10 @@ def choose_table(preferred: Optional[str] = None, directory: str = TIMINGS_DIR
       if preferred in (kind, file_name(kind)[:-5]):
         return path, load_table(path)
     raise TimingTableError(f"no timing table {preferred!r}; committed: {sorted(tables) or 'none'}")
-  tables = available_tables(directory)
-  if not tables:
+  loaded = [(path, load_table(path)) for path in available_tables(directory).values()]
+  if not loaded:
     return None
-  kind = next((k for k in tables if "H100" in k), sorted(tables)[0])
-  return tables[kind], load_table(tables[kind])
+  return max(loaded, key=lambda chosen: (len(chosen[1]["entries"]), chosen[1]["device_kind"]))
 
 
 def _main(argv: List[str]) -> int:

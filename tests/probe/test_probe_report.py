@@ -267,6 +267,21 @@ class TimingTableTest(parameterized.TestCase):
     with self.assertRaisesRegex(timing_table.TimingTableError, "holds timings of"):
       timing_table.update_file(path, "NVIDIA H200", [])
 
+  def test_an_untimed_run_falls_back_on_the_widest_table_unless_told_which(self):
+    directory = tempfile.mkdtemp(prefix="loka_tables_")
+    narrow = timing_table.table_path("NVIDIA H100 80GB HBM3", directory)
+    wide = timing_table.table_path("NVIDIA H200", directory)
+    timing_table.update_file(narrow, "NVIDIA H100 80GB HBM3",
+                             [self._entry("xla_bf16", 1024, 20.0)])
+    timing_table.update_file(wide, "NVIDIA H200",
+                             [self._entry("xla_bf16", 1024, 15.0),
+                              self._entry("xla_fp8_rowwise", 1024, 10.0),
+                              self._entry("xla_bf16", 4096, 50.0)])
+    self.assertEqual(timing_table.choose_table(None, directory)[0], wide)
+    self.assertEqual(timing_table.choose_table("NVIDIA H100 80GB HBM3", directory)[0], narrow)
+    self.assertEqual(timing_table.choose_table("NVIDIA_H100_80GB_HBM3", directory)[0], narrow)
+    self.assertIsNone(timing_table.choose_table(None, tempfile.mkdtemp()))
+
   def test_bad_tables_are_rejected_naming_the_file(self):
     path = os.path.join(tempfile.mkdtemp(), "t.json")
     with open(path, "w") as f:
