@@ -10,9 +10,9 @@
 #
 # Rows append to $WORK/quality.jsonl and plans live under $WORK/plans, both started from
 # $CARRY, so no run or probe is repeated and each call goes on where the last stopped. After
-# each call copy $OUT/quality.jsonl and $OUT/plans to $CARRY; rerun until the log ends in
-# "all selected rows are done", then commit the rows and each model's plan.json and
-# probe_report.json under docs/results/.
+# each call copy $OUT/quality.jsonl and $OUT/plans.tar.gz to $CARRY; rerun until the log ends
+# in "all selected rows are done", then commit the rows and each model's plan.json and
+# probe_report.json (in plans.tar.gz) under docs/results/.
 #
 # Environment: CARRY (.snap/mlq), DATA (.snap/movielens: the data cache), MODELS
 # (dlrm,dcnv2,dhen,wukong,interformer), SEEDS (5: seeds 0..4), STEPS (600), LIMIT (540: hard
@@ -35,6 +35,7 @@ mkdir -p "$WORK" "$OUT"
 # A warm host's rows and plans are the newest; a fresh host takes the carried ones.
 if [ ! -f "$WORK/quality.jsonl" ] && [ -d "$CARRY" ]; then
   cp -r "$CARRY/." "$WORK/"
+  [ -f "$WORK/plans.tar.gz" ] && tar -xzf "$WORK/plans.tar.gz" -C "$WORK"
 fi
 echo "=== $(date +%T) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)," \
   "jax $(python3 -c 'import jax; print(jax.__version__)'), commit ${COMMIT:-unknown}" \
@@ -50,9 +51,10 @@ timeout "$LIMIT" python3 -m experiments.bench \
   --config.pacing.end_by_minutes="$(end_by_minutes)" >> "$OUT/log.txt" 2>&1
 echo "rc=$?" | tee -a "$OUT/log.txt"
 cp "$WORK/quality.jsonl" "$OUT/quality.jsonl" 2>/dev/null
-# The plans, probe reports and validation records, without the probes' checkpoints (a probe
-# killed midway starts again; at `tiny` it takes about a minute).
-(cd "$WORK" && find plans -type f ! -path '*/checkpoints/*' -print0 2>/dev/null \
-  | xargs -0 -r cp --parents -t "$OUT/")
+# The plans, probe reports and validation records as one archive (a call brings back files
+# at most two folders under $OUT, and a plan's files lie deeper), without the probes'
+# checkpoints (a probe killed midway starts again; at `tiny` it takes about a minute).
+[ -d "$WORK/plans" ] && tar -czf "$OUT/plans.tar.gz" -C "$WORK" --exclude=checkpoints \
+  --exclude='*.orbax-checkpoint-tmp*' plans
 grep -v -e '^W[0-9]' -e '^I[0-9]' "$OUT/log.txt" | grep -e '^===' -e 'rc=' -e 'probing' \
   -e 'plan:' -e 'held-out log loss [0-9n]' -e 'deadline' -e 'all selected' | tail -40
