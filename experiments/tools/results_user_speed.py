@@ -77,26 +77,28 @@ def _provenance(rows: Sequence[Mapping]) -> str:
 
 
 def time_to_plan_table(rows: Sequence[Mapping]) -> str:
-  lines = ["| model | candidates | cold | warm | probe training | evaluation | timing | "
-           "arms | FP8 sites |", "|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| model | card | candidates | cold | warm | probe training | evaluation | timing | "
+           "arms | FP8 sites |", "|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     stages = r.get("stages_s", {})
     timing = stages.get("timing", stages.get("timing_incomplete"))
     cold = _s(r["cold_s"]) if r.get("complete") else f"> {_s(r['cold_s'])} (stopped)"
     lines.append(
-        f"| {r['model']}/{r['preset']} | {r['candidates']} | {cold} | {_s(r.get('warm_s'))} | "
-        f"{_s(stages.get('probe_training'))} | {_s(stages.get('evaluation'))} | "
+        f"| {r['model']}/{r['preset']} | {card(r['device'])} | {r['candidates']} | {cold} | "
+        f"{_s(r.get('warm_s'))} | {_s(stages.get('probe_training'))} | "
+        f"{_s(stages.get('evaluation'))} | "
         f"{_s(timing)}{'' if r.get('complete') else ' (cut)'} | {_s(stages.get('arms'))} | "
         f"{'-' if r.get('fp8_sites') is None else r['fp8_sites']} |")
-  notes = [f"- {r['model']}/{r['preset']}, {r['candidates']}: {r['note']}" for r in rows
-           if r.get("note")]
-  counts = [r["kernel_passes"] for r in rows if r.get("kernel_passes")]
-  if counts:
-    c = counts[-1]
-    notes.append(f"- Kernel passes of the complete run: {c['measured']} timed, {c['reused']} "
-                 f"reused from the card's committed table, {c['not_safe']} not timed (no site "
-                 f"of their shape admits them on accuracy), {c['dominated']} not timed "
-                 "(dominated on the card).")
+  notes = [f"- {r['model']}/{r['preset']} on the {card(r['device'])}, {r['candidates']}: "
+           f"{r['note']}" for r in rows if r.get("note")]
+  for r in rows:
+    c = r.get("kernel_passes")
+    if c:
+      notes.append(
+          f"- Kernel passes of {r['model']}/{r['preset']} on the {card(r['device'])}: "
+          f"{c['measured']} timed, {c['reused']} reused from the card's committed table, "
+          f"{c['not_safe']} not timed (no site of their shape admits them on accuracy), "
+          f"{c['dominated']} not timed (dominated on the card).")
   return "\n".join(lines + [""] + notes)
 
 

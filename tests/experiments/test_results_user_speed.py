@@ -58,8 +58,8 @@ class UserSpeedTest(absltest.TestCase):
     self.assertIn("| wukong/large | LoKA | `--xla_gpu_enable_triton_gemm=false` | cold | 2 | "
                   "55 s | 34 s | 18 s | 7.86 (7.86-7.86) |", text)
     self.assertIn("- wukong/large LoKA with --xla_gpu_enable_triton_gemm=false: one window", text)
-    self.assertIn("| wukong/small | five | 296 s | 24 s | 66 s | 106 s | 2.7 s | 94 s | 3 |",
-                  text)
+    self.assertIn("| wukong/small | H200 | five | 296 s | 24 s | 66 s | 106 s | 2.7 s | 94 s "
+                  "| 3 |", text)
     # Shares at 25, 100 and 200 steps: 170.2 / (25 x 27.3) = 24.9%, then 6.2% and 3.1%.
     self.assertIn("| wukong/small | H200 | - | - | 1 | per site, autotuned | - | 170 ms | - | "
                   "27.3 ms | 24.9% | 6.2% | 3.1% | 312 steps |", text)
@@ -83,6 +83,29 @@ class UserSpeedTest(absltest.TestCase):
     for card in ("| wukong/large | H100 80GB HBM3 | ", "| wukong/large | H200 | ",
                  "| wukong/large | cpu | "):
       self.assertIn(card, table)
+
+  def test_the_time_to_plan_table_names_each_rows_card_and_its_kernel_passes(self):
+    rows = [{**BASE, "kind": "time_to_plan", "preset": "small", "candidates": "five",
+             "complete": complete, "cold_s": cold, "warm_s": warm, "fp8_sites": sites,
+             "device": device, "stages_s": stages, **extra}
+            for device, complete, cold, warm, sites, stages, extra in (
+                ("NVIDIA H200", False, 501.3, None, None, {"timing_incomplete": 160.5},
+                 {"note": "stopped at its limit"}),
+                ("NVIDIA H100 80GB HBM3", True, 410.5, 14.5, 0, {"timing": 137.2},
+                 {"kernel_passes": {"measured": 44, "reused": 0, "not_safe": 157,
+                                    "dominated": 25}}),
+                ("NVIDIA H200", True, 295.7, 23.9, 0, {"timing": 2.7},
+                 {"kernel_passes": {"measured": 0, "reused": 75, "not_safe": 156,
+                                    "dominated": 24}}))]
+    table = user_speed.time_to_plan_table(rows)
+    self.assertIn("| wukong/small | H200 | five | > 501 s (stopped) | - | - | - | 160 s (cut) |",
+                  table)
+    self.assertIn("| wukong/small | H100 80GB HBM3 | five | 410 s | 14 s | - | - | 137 s | - "
+                  "| 0 |", table)
+    self.assertIn("- wukong/small on the H200, five: stopped at its limit", table)
+    self.assertIn("- Kernel passes of wukong/small on the H100 80GB HBM3: 44 timed, 0 reused "
+                  "from the card's committed table, 157 not timed", table)
+    self.assertIn("- Kernel passes of wukong/small on the H200: 0 timed, 75 reused", table)
 
   def test_the_drift_table_shows_where_refreshes_fell_and_their_share(self):
     path = write([
