@@ -28,6 +28,8 @@ COMMANDS = {
                        "the statistics pass against the training step, per measurement (rows)"),
     "drift_run": ("experiments.tools.drift_run",
                   "what the drift valve's refreshes cost in one training run (a row)"),
+    "time_to_plan": ("experiments.tools.time_to_plan",
+                     "the main job's time to a plan, cold and warm, from its logs (a row)"),
     "hlo_scope": ("experiments.tools.hlo_scope",
                   "what one name scope of two compiled steps runs, and how they differ"),
 }
