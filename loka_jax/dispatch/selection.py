@@ -154,15 +154,14 @@ def resolve_timing(report: Mapping, *, timing_table=None, target_device: Optiona
       if chosen is not None:
         path, table = chosen
     else:
-      kinds = tables_lib.available_tables(table_dir)
+      kinds = tables_lib.committed_tables(table_dir)
       match = [k for k in kinds if _same_device(k, wanted)]
       if not match:
         return TimingSource("none", {
             "kind": "none", "device": wanted,
             "reason": f"{why_not} and no committed timing table for {wanted} (committed: "
                       f"{sorted(kinds) or 'none'})"})
-      path = kinds[match[0]]
-      table = tables_lib.load_table(path)
+      path, table = kinds[match[0]]
   if table is None:
     return TimingSource("none", {"kind": "none", "device": target_device or device,
                                  "reason": f"{why_not} and no timing table is committed "

@@ -66,12 +66,11 @@ def same_card_table(directory: str) -> Optional[Tuple[str, Dict]]:
   """(path, table) committed for this process's device kind, entries measured with this jax
   minor version only; None when there is none."""
   device = jax.devices()[0].device_kind
-  tables = tables_lib.available_tables(directory)
+  tables = tables_lib.committed_tables(directory)
   if device not in tables:
     return None
-  path = tables[device]
+  path, table = tables[device]
   minor = ".".join(jax.__version__.split(".")[:2])
-  table = tables_lib.load_table(path)
   entries = [e for e in table["entries"]
              if ".".join(str(e.get("jax", "")).split(".")[:2]) == minor]
   return path, {**table, "entries": entries}

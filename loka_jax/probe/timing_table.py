@@ -83,16 +83,22 @@ def load_table(path: str) -> Dict:
   return validate(table, path)
 
 
-def available_tables(directory: str = TIMINGS_DIR) -> Dict[str, str]:
-  """{device_kind: path} of the committed tables."""
+def committed_tables(directory: str = TIMINGS_DIR) -> Dict[str, Tuple[str, Dict]]:
+  """{device_kind: (path, table)} of the committed tables, each read once."""
   out = {}
   if not os.path.isdir(directory):
     return out
   for name in sorted(os.listdir(directory)):
     if name.endswith(".json"):
       path = os.path.join(directory, name)
-      out[load_table(path)["device_kind"]] = path
+      table = load_table(path)
+      out[table["device_kind"]] = (path, table)
   return out
+
+
+def available_tables(directory: str = TIMINGS_DIR) -> Dict[str, str]:
+  """{device_kind: path} of the committed tables."""
+  return {kind: path for kind, (path, _) in committed_tables(directory).items()}
 
 
 def problem_key(entry: Mapping) -> Tuple:
@@ -215,15 +221,16 @@ def choose_table(preferred: Optional[str] = None, directory: str = TIMINGS_DIR
   if preferred:
     if os.path.exists(preferred):
       return preferred, load_table(preferred)
-    tables = available_tables(directory)
-    for kind, path in tables.items():
+    tables = committed_tables(directory)
+    for kind, chosen in tables.items():
       if preferred in (kind, file_name(kind)[:-5]):
-        return path, load_table(path)
+        return chosen
     raise TimingTableError(f"no timing table {preferred!r}; committed: {sorted(tables) or 'none'}")
-  loaded = [(path, load_table(path)) for path in available_tables(directory).values()]
-  if not loaded:
+  tables = committed_tables(directory)
+  if not tables:
     return None
-  return max(loaded, key=lambda chosen: (len(chosen[1]["entries"]), chosen[1]["device_kind"]))
+  return max(tables.values(), key=lambda chosen: (len(chosen[1]["entries"]),
+                                                  chosen[1]["device_kind"]))
 
 
 def _main(argv: List[str]) -> int:
