@@ -49,4 +49,11 @@ def row(path: str, commit: str, command: Optional[str] = None,
           "one_program": config["one_program"], "group_sites": config.get("group_sites", False),
           "pass_compile": config["pass_compile"],
           "first_call_s": measured["pass_first_call_s"], "pass_ms": measured["pass_ms"],
-          "extract_ms": measured["parts_ms"].get("extract"), "step_ms": measured["step_ms"]}
+          "extract_ms": measured["parts_ms"].get("extract"), "step_ms": measured["step_ms"],
+          **_update_parts(measured["parts_ms"])}
+
+
+def _update_parts(parts_ms: Dict[str, float]) -> Dict[str, Any]:
+  """{"parts_ms": ...} of a measurement taken with --parts (the update's parts beside the
+  extract stage, each jitted alone and summed over the sites); nothing for one without."""
+  return {"parts_ms": dict(parts_ms)} if set(parts_ms) - {"extract"} else {}

@@ -22,7 +22,8 @@ KIND_FIELDS = {"time_to_plan": ("candidates", "complete", "cold_s", "stages_s"),
                "startup": ("arm", "cache", "prefetch", "start_to_first_step_s", "setup_s",
                            "first_step_s", "window_steps_per_s"),  # optional: xla_flags, note
                "probe_overhead": ("cadence", "pass_ms", "step_ms"),  # optional: batch_size,
-# weight_every, one_program, group_sites, pass_compile, first_call_s, extract_ms, measured_in
+# weight_every, one_program, group_sites, pass_compile, first_call_s, extract_ms, measured_in,
+# parts_ms
                  "loop_vs_bench": ("arm", "bench_steps_per_s", "window_steps_per_s",
                                    "loop_steps_per_s", "loop_over_bench"),  # LoKA's row:
 # speedup_bench, speedup_loop
@@ -134,9 +135,7 @@ def overhead_table(rows: Sequence[Mapping]) -> str:
   for r in rows:
     share = " | ".join(f"{100 * r['pass_ms'] / (c * r['step_ms']):.1f}%" for c in CADENCES)
     extract = f"{r['extract_ms']:.1f} ms" if r.get("extract_ms") is not None else "-"
-    compiled = (f"{'one program' if r.get('one_program') else 'per site'}, "
-                f"{'sites grouped, ' if r.get('group_sites') else ''}"
-                f"{r.get('pass_compile', 'autotuned')}")
+    compiled = _compiled_as(r)
     first = f"{r['first_call_s']:.0f} s" if r.get("first_call_s") is not None else "-"
     lines.append(f"| {r['model']}/{r['preset']} | {card(r['device'])} | "
                  f"{r.get('batch_size', '-')} | {r.get('measured_in', '-')} | "
@@ -144,6 +143,27 @@ def overhead_table(rows: Sequence[Mapping]) -> str:
                  f"{extract} | {r['step_ms']:.1f} ms | {share} | "
                  f"{math.ceil(r['pass_ms'] / (BUDGET * r['step_ms']))} steps |")
   return "\n".join(lines)
+
+
+def overhead_parts_table(rows: Sequence[Mapping]) -> str:
+  """The statistics pass taken apart, for the rows measured with --parts: each part jitted
+  alone and summed over the sites, largest first, with its share of the parts' sum."""
+  lines = ["| model | card | weight refit every | compiled as | statistics pass | parts, "
+           "summed over the sites (share of their sum) |", "|---|---|---|---|---|---|"]
+  for r in rows:
+    parts = sorted(r["parts_ms"].items(), key=lambda kv: -kv[1])
+    total = sum(ms for _, ms in parts)
+    listed = ", ".join(f"{name} {ms:.1f} ms ({100 * ms / total:.0f}%)" for name, ms in parts)
+    lines.append(f"| {r['model']}/{r['preset']} | {card(r['device'])} | "
+                 f"{r.get('weight_every', 1)} | {_compiled_as(r)} | {r['pass_ms']:.0f} ms | "
+                 f"{listed} |")
+  return "\n".join(lines)
+
+
+def _compiled_as(row: Mapping) -> str:
+  return (f"{'one program' if row.get('one_program') else 'per site'}, "
+          f"{'sites grouped, ' if row.get('group_sites') else ''}"
+          f"{row.get('pass_compile', 'autotuned')}")
 
 
 def loop_table(rows: Sequence[Mapping]) -> str:
@@ -212,5 +232,12 @@ def section(paths: Sequence[str]) -> str:
     if by_kind[kind]:
       out += [intro, "", table(by_kind[kind]), "", "Rows: " + _provenance(by_kind[kind]) + ".",
               ""]
+    taken_apart = [r for r in by_kind[kind] if kind == "probe_overhead" and r.get("parts_ms")]
+    if taken_apart:
+      out += ["The same pass taken apart (`--parts`): the extract stage and each part of the "
+              "per-site updates jitted and timed alone, summed over the sites (the matrix-normal "
+              "refit per observation, so divided by the refit interval). Alone, each part pays "
+              "its own launches, so the parts need not add up to the whole pass:", "",
+              overhead_parts_table(taken_apart), ""]
   out.append("Files: " + ", ".join(f"`{os.path.basename(p)}`" for p in paths) + ".")
   return "\n".join(out)

@@ -54,6 +54,32 @@ class OverheadRowTest(absltest.TestCase):
                   "program, sites grouped, cublas | 90 s | 300 ms | 95.0 ms | 150.0 ms | 8.0% | "
                   "2.0% | 1.0% | 100 steps |", results_user_speed.overhead_table([loaded]))
 
+  def test_a_pass_taken_apart_keeps_its_parts_and_results_lists_them_largest_first(self):
+    parted = {**MEASURED, "parts_ms": {"extract": 95.0, "gaussian": 20.0, "matrix_normal": 60.0,
+                                       "flush": 15.0, "amax": 5.0, "reservoir": 5.0}}
+    rows_path = os.path.join(self.dir, "rows.jsonl")
+    with open(rows_path, "w") as f:
+      for measured in (MEASURED, parted):
+        row = overhead_rows.row(self.write("m.json", measured), "abc1234")
+        f.write(json.dumps(jsonio.with_digest(row)) + "\n")
+    whole, apart = results_user_speed.load_rows([rows_path])
+    self.assertNotIn("parts_ms", whole)
+    self.assertEqual(apart["parts_ms"], parted["parts_ms"])
+    # Shares of the parts' 200 ms: 95 -> 48% (47.5 rounds to even), 60 -> 30%, 20 -> 10%,
+    # 15 -> 8% (7.5), 5 -> 2% (2.5).
+    self.assertIn("| wukong/large | H200 | 4 | one program, sites grouped, cublas | 300 ms | "
+                  "extract 95.0 ms (48%), matrix_normal 60.0 ms (30%), gaussian 20.0 ms (10%), "
+                  "flush 15.0 ms (8%), amax 5.0 ms (2%), reservoir 5.0 ms (2%) |",
+                  results_user_speed.overhead_parts_table([apart]))
+    # RESULTS lists the parts table only where a row was taken apart, below the rows' table.
+    section = results_user_speed.section([rows_path])
+    self.assertEqual(section.count("| wukong/large | H200 | 4 | one program"), 1)
+    self.assertLess(section.index("| 100 steps |"), section.index("The same pass taken apart"))
+    with open(rows_path, "w") as f:
+      f.write(json.dumps(jsonio.with_digest(overhead_rows.row(
+          self.write("m.json", MEASURED), "abc1234"))) + "\n")
+    self.assertNotIn("taken apart", results_user_speed.section([rows_path]))
+
   def test_what_is_not_a_measurement_is_refused_naming_the_file(self):
     for name, content, says in (
         ("torn.json", '{"device": ', "not valid JSON"),
