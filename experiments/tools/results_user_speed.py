@@ -77,18 +77,24 @@ def _provenance(rows: Sequence[Mapping]) -> str:
   return "; ".join(f"{d}, jax {j}, {day}, commit {c}, `{cmd}`" for d, j, day, c, cmd in seen)
 
 
+def _stage_s(stages: Mapping[str, float], name: str) -> str:
+  """A stage's seconds, marked where the run was cut during it (`<name>_incomplete`)."""
+  if f"{name}_incomplete" in stages:
+    return f"{_s(stages[name + '_incomplete'])} (cut)"
+  return _s(stages.get(name))
+
+
 def time_to_plan_table(rows: Sequence[Mapping]) -> str:
   lines = ["| model | card | candidates | cold | warm | probe training | evaluation | timing | "
            "arms | FP8 sites |", "|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     stages = r.get("stages_s", {})
-    timing = stages.get("timing", stages.get("timing_incomplete"))
     cold = _s(r["cold_s"]) if r.get("complete") else f"> {_s(r['cold_s'])} (stopped)"
+    stage_cells = " | ".join(_stage_s(stages, name) for name in
+                             ("probe_training", "evaluation", "timing", "arms"))
     lines.append(
         f"| {r['model']}/{r['preset']} | {card(r['device'])} | {r['candidates']} | {cold} | "
-        f"{_s(r.get('warm_s'))} | {_s(stages.get('probe_training'))} | "
-        f"{_s(stages.get('evaluation'))} | "
-        f"{_s(timing)}{'' if r.get('complete') else ' (cut)'} | {_s(stages.get('arms'))} | "
+        f"{_s(r.get('warm_s'))} | {stage_cells} | "
         f"{'-' if r.get('fp8_sites') is None else r['fp8_sites']} |")
   notes = [f"- {r['model']}/{r['preset']} on the {card(r['device'])}, {r['candidates']}: "
            f"{r['note']}" for r in rows if r.get("note")]

@@ -96,12 +96,18 @@ class UserSpeedTest(absltest.TestCase):
                                     "dominated": 25}}),
                 ("NVIDIA H200", True, 295.7, 23.9, 0, {"timing": 2.7},
                  {"kernel_passes": {"measured": 0, "reused": 75, "not_safe": 156,
-                                    "dominated": 24}}))]
+                                    "dominated": 24}}),
+                # Cut in its arms, after a complete timing stage: the arms are marked cut.
+                ("NVIDIA H100 PCIe", False, 401.1, 25.4, None,
+                 {"probe_training": 146.6, "evaluation": 118.9, "timing": 0.1,
+                  "arms_incomplete": 52.0}, {}))]
     table = user_speed.time_to_plan_table(rows)
     self.assertIn("| wukong/small | H200 | five | > 501 s (stopped) | - | - | - | 160 s (cut) |",
                   table)
     self.assertIn("| wukong/small | H100 80GB HBM3 | five | 410 s | 14 s | - | - | 137 s | - "
                   "| 0 |", table)
+    self.assertIn("| wukong/small | H100 PCIe | five | > 401 s (stopped) | 25 s | 147 s | "
+                  "119 s | 0.1 s | 52 s (cut) | - |", table)
     self.assertIn("- wukong/small on the H200, five: stopped at its limit", table)
     self.assertIn("- Kernel passes of wukong/small on the H100 80GB HBM3: 44 timed, 0 reused "
                   "from the card's committed table, 157 not timed", table)
