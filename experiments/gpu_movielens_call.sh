@@ -16,13 +16,16 @@
 #
 # Environment: CARRY (.snap/mlq), DATA (.snap/movielens: the data cache), MODELS
 # (dlrm,dcnv2,dhen,wukong,interformer), SEEDS (5: seeds 0..4), STEPS (600), LIMIT (540: hard
-# seconds of the call), MAXMIN (7.5), WORK (/tmp/mlcall), OUT (set on the device; elsewhere
-# $WORK/out), COMMIT (recorded in the log).
+# seconds of the call), MAXMIN (7.5), KERNELS (the probes' candidates: by default the main
+# job's GPU list, the kernels validated plans select; empty: every registered candidate, whose
+# timing at one `tiny` shape alone takes minutes of compiles), WORK (/tmp/mlcall), OUT (set on
+# the device; elsewhere $WORK/out), COMMIT (recorded in the log).
 set -u
 source experiments/gpu_common.sh
 ensure_wheels || exit 1
 export PYTHONUNBUFFERED=1
 LIMIT=${LIMIT:-540}
+KERNELS=${KERNELS-$(python3 -c "from experiments.loka import GPU_KERNELS; print(','.join(GPU_KERNELS))")}
 CARRY=${CARRY:-.snap/mlq}
 DATA=${DATA:-.snap/movielens}
 WORK=${WORK:-/tmp/mlcall}
@@ -45,7 +48,7 @@ timeout "$LIMIT" python3 -m experiments.bench \
   --config.quality.movielens.models="${MODELS:-dlrm,dcnv2,dhen,wukong,interformer}" \
   --config.quality.movielens.seeds="${SEEDS:-5}" \
   --config.quality.movielens.steps="${STEPS:-600}" \
-  --config.quality.movielens.data_cache="$DATA" \
+  --config.quality.movielens.data_cache="$DATA" --config.probe.kernels="$KERNELS" \
   --workdir="$WORK" --config.plans_dir="$WORK/plans" --config.compile_cache=/tmp/jc \
   --config.pacing.max_minutes="$(max_minutes)" \
   --config.pacing.end_by_minutes="$(end_by_minutes)" >> "$OUT/log.txt" 2>&1
