@@ -12,7 +12,8 @@
 # $CARRY, so no run or probe is repeated and each call goes on where the last stopped. After
 # each call copy $OUT/quality.jsonl and $OUT/plans.tar.gz to $CARRY; rerun until the log ends
 # in "all selected rows are done", then commit the rows and each model's plan.json and
-# probe_report.json (in plans.tar.gz) under docs/results/.
+# probe_report.json (in plans.tar.gz) under docs/results/: rows of a card other than the
+# manifest's go under its `quality_other_cards`, with the commit and this command.
 #
 # Environment: CARRY (.snap/mlq), DATA (.snap/movielens: the data cache), MODELS
 # (dlrm,dcnv2,dhen,wukong,interformer), SEEDS (5: seeds 0..4), STEPS (600), LIMIT (540: hard

@@ -21,6 +21,7 @@ from typing import Dict, List, Tuple
 
 from absl import app, flags
 
+from experiments.tools import results_other_cards as other_cards
 from experiments.tools import results_sections as sections
 from experiments.tools import results_user_speed as user_speed
 
@@ -33,8 +34,9 @@ README = flags.DEFINE_string("readme", os.path.join(REPO, "README.md"),
                              "The README whose headline table is rewritten ('' to leave it).")
 CHECK = flags.DEFINE_bool("check", False, "Write nothing; exit 1 when --out or the README's "
                           "table differs from what the manifest makes.")
-PLOTS = flags.DEFINE_bool("plots", False, "Also write the manifest's 'quality_plot' (a PNG, "
-                          "not compared by --check: matplotlib versions draw it differently).")
+PLOTS = flags.DEFINE_bool("plots", False, "Also write the manifest's 'quality_plot' and the "
+                          "other cards' paired quality plots (PNGs, not compared by --check: "
+                          "matplotlib versions draw them differently).")
 
 COMMAND = "python3 -m experiments.report results"
 REQUIRED = ("device", "rows", "served_quality")
@@ -51,6 +53,23 @@ class Manifest:
   why: Dict[str, str]        # `sections.miss_key` -> one line
   quality_plot: str = ""     # absolute path of the paired quality plot ('' for none)
   user_speed: Tuple[str, ...] = ()  # absolute paths of time-to-plan and start-up rows
+  # Quality rows measured on other cards: (absolute path, commit, command) per file, and the
+  # stem of their plots.
+  quality_other_cards: Tuple[Tuple[str, str, str], ...] = ()
+  quality_other_cards_plot: str = ""
+
+
+def _other_cards_entries(path: str, entries) -> List[Tuple[str, str, str]]:
+  """(file, commit, command) of each 'quality_other_cards' entry, an object with those three
+  fields (the rows record neither commit nor command)."""
+  out = []
+  for i, entry in enumerate(entries):
+    if not isinstance(entry, dict) or not all(isinstance(entry.get(k), str) and entry[k]
+                                              for k in ("file", "commit", "command")):
+      raise app.UsageError(f"{path}: quality_other_cards[{i}] needs 'file', 'commit' and "
+                           "'command' (the row file, the commit and the command that made it)")
+    out.append((entry["file"], entry["commit"], entry["command"]))
+  return out
 
 
 def load_manifest(path: str) -> Manifest:
@@ -70,6 +89,8 @@ def load_manifest(path: str) -> Manifest:
   folder = os.path.dirname(os.path.abspath(path))
   names = {k: list(data.get(k) or []) for k in ("rows", "served_quality", "kernels",
                                                   "user_speed")}
+  others = _other_cards_entries(path, data.get("quality_other_cards") or [])
+  names["quality_other_cards"] = [name for name, _, _ in others]
   missing = [n for k in names for n in names[k] if not os.path.exists(os.path.join(folder, n))]
   if missing:
     raise app.UsageError(f"{path}: names {len(missing)} missing file(s): "
@@ -81,7 +102,12 @@ def load_manifest(path: str) -> Manifest:
                   why=dict(data.get("why") or {}),
                   quality_plot=(os.path.join(folder, data["quality_plot"])
                                 if data.get("quality_plot") else ""),
-                  user_speed=tuple(full["user_speed"]))
+                  user_speed=tuple(full["user_speed"]),
+                  quality_other_cards=tuple((os.path.join(folder, name), commit, command)
+                                            for name, commit, command in others),
+                  quality_other_cards_plot=(
+                      os.path.join(folder, data["quality_other_cards_plot"])
+                      if data.get("quality_other_cards_plot") else ""))
 
 
 def _evaluate(manifest: Manifest):
@@ -134,6 +160,10 @@ def page(manifest_path: str) -> str:
   ]
   body = tables.report(rows, verdicts).replace("# Benchmark results", "# Results", 1)
   extra = []
+  if manifest.quality_other_cards:
+    extra += ["## Quality on other cards", "",
+              other_cards.section(manifest.quality_other_cards, manifest.device,
+                                  manifest.quality_other_cards_plot), ""]
   if manifest.kernels:
     extra += ["## Kernels alone", "", sections.kernels_table(manifest.kernels), ""]
   if manifest.user_speed:
@@ -188,9 +218,13 @@ def main(argv):
   if CHECK.value:
     stale = [p for p, want in ((OUT.value, text), (README.value, new_readme))
              if want is not None and _read(p) != want]
-    plot = load_manifest(MANIFEST.value).quality_plot
-    if plot and not os.path.exists(plot):
-      stale.append(f"{plot} (missing: run `{COMMAND} --plots`)")
+    manifest = load_manifest(MANIFEST.value)
+    plots = [manifest.quality_plot] if manifest.quality_plot else []
+    if manifest.quality_other_cards_plot:
+      plots += other_cards.missing_plots([p for p, _, _ in manifest.quality_other_cards],
+                                         manifest.device,
+                                         manifest.quality_other_cards_plot)
+    stale += [f"{p} (missing: run `{COMMAND} --plots`)" for p in plots if not os.path.exists(p)]
     if stale:
       sys.exit(f"error: {', '.join(stale)} is not what {MANIFEST.value} makes; run `{COMMAND}`")
     print(f"{OUT.value} is up to date" + (f", and {README.value}'s headline" if new_readme
@@ -199,7 +233,13 @@ def main(argv):
   with open(OUT.value, "w") as f:
     f.write(text)
   if PLOTS.value:
-    write_quality_plot(load_manifest(MANIFEST.value))
+    manifest = load_manifest(MANIFEST.value)
+    write_quality_plot(manifest)
+    if manifest.quality_other_cards_plot:
+      for path in other_cards.write_plots([p for p, _, _ in manifest.quality_other_cards],
+                                          manifest.device,
+                                          manifest.quality_other_cards_plot):
+        print(f"wrote {path}")
   if new_readme is not None:
     with open(README.value, "w") as f:
       f.write(new_readme)
