@@ -28,7 +28,8 @@ OUTPUTS = {
     "arms": ("arms", "report.md", "plan.png", "arms.png"),
 }
 # Settings that change nothing already computed.
-NEUTRAL = ("compilation_cache", "probe.compile_workers", "probe.checkpoint_every")
+NEUTRAL = ("compilation_cache", "probe.compile_workers", "probe.checkpoint_every",
+           "probe.compile_evaluation_while_training")
 
 
 def flatten(settings: Mapping, prefix: str = "") -> Dict[str, object]:

@@ -97,7 +97,8 @@ def _probe_and_plan(config, workdir, probe_train, kernels):
       probe_options=ProbeOptions(
           samples=probe.samples, kernels=kernels, sites=probe.sites, bootstrap=200,
           site_plots=False, seed=run.seed,
-          compile_workers=None if probe.compile_workers < 0 else probe.compile_workers),
+          compile_workers=None if probe.compile_workers < 0 else probe.compile_workers,
+          compile_evaluation_while_training=probe.compile_evaluation_while_training),
       criteria=_criteria(config.select.min_speedup),
       validation=validate_lib.ValidationConfig(
           max_rel_logloss=validate.max_rel_logloss, shadow_steps=validate.shadow_steps,

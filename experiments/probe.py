@@ -66,6 +66,7 @@ def _settings(config):
       kernels=run_config.split(evaluate.kernels), sites=evaluate.sites,
       max_eval_elements=evaluate.max_eval_elements,
       compile_workers=None if evaluate.compile_workers < 0 else evaluate.compile_workers,
+      compile_evaluation_while_training=evaluate.compile_while_training,
       time=run_config.auto(timing.time), repeats=timing.repeats, timing_cache=timing.cache,
       timing_table=timing.table, write_table=run_config.auto(timing.write_table),
       timing_compile_workers=timing.compile_workers, min_timing_gflops=timing.min_gflops,

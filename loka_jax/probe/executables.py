@@ -135,6 +135,23 @@ class Precompiler:
       queued += 1
     return queued
 
+  def submit_from_thread(self, makers: Iterable[Callable[[], Iterable[Job]]]
+                         ) -> threading.Thread:
+    """Queues the jobs each of `makers` returns, calling the makers in turn on a thread of
+    its own: working jobs out traces their functions (seconds for a model's sites), which the
+    caller need not wait for. A maker that raises, or this pool closing meanwhile, ends the
+    thread quietly: compiling ahead only saves time, and a function it did not queue compiles
+    through jit on its first call."""
+    def run():
+      for make in makers:
+        try:
+          self.submit(make())
+        except Exception:  # noqa: BLE001 - see the docstring; RuntimeError once closed
+          return
+    thread = threading.Thread(target=run, name="loka-compile-jobs", daemon=True)
+    thread.start()
+    return thread
+
   @property
   def queued(self) -> int:
     """How many compiles this pool was given so far (`done(first=...)` counts from here)."""

@@ -36,6 +36,10 @@ class ProbeOptions:
   should_stop: Optional[Callable[[float], bool]] = None
   compile_workers: Optional[int] = None    # threads compiling evaluation ahead (None: CPUs
                                            # up to 16; 0: compile on first call, in turn)
+  # Start compiling every site's evaluation functions while the probe trains, on half the
+  # compile threads, so the evaluation phase finds them compiled (a fresh probe only: its
+  # evaluation cache is empty, so every candidate is evaluated).
+  compile_evaluation_while_training: bool = False
   timing_compile_workers: int = 1          # threads compiling a shape's timed programs
                                            # before they are timed (1: each in turn)
   # Shapes whose forward product is below this many GFLOP are not timed (0: every shape is):

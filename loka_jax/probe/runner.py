@@ -18,11 +18,12 @@ that ran out of time in its timing phase in the time the timings take.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
 import time
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import jax
 import numpy as np
@@ -144,6 +145,43 @@ class _CompileAhead:
     for ahead in self.order[self.submitted:upto]:
       self.precompiler.submit(self.jobs_of(ahead))
     self.submitted = max(self.submitted, upto)
+
+
+class _EarlyEvaluationCompiles:
+  """Every site's evaluation functions compiled while the probe trains
+  (`ProbeOptions.compile_evaluation_while_training`), on half the compile threads, from the
+  collector's statistics as shapes: the evaluation phase then takes them instead of
+  compiling. The jobs are worked out on a thread of their own, so training starts at once."""
+
+  def __init__(self, compile_workers: Optional[int]):
+    workers = executables.default_workers() if compile_workers is None else compile_workers
+    self.workers = max(1, workers // 2)
+    self.precompiler: Optional[executables.Precompiler] = None
+
+  @staticmethod
+  def wanted(options: ProbeOptions, cached: Mapping) -> bool:
+    """Only for a fresh probe: with an evaluation cache, which candidates a site still needs
+    is known after training (from the statistics' fingerprint)."""
+    return (options.compile_evaluation_while_training and options.compile_workers != 0
+            and not cached)
+
+  def start(self, sites, kernels, compute_dtype: str, eval_config,
+            collector: ProbeCollector) -> None:
+    self.precompiler = executables.Precompiler(self.workers)
+    state = collector.state
+    self.precompiler.submit_from_thread(
+        functools.partial(evaluate.compile_jobs, site,
+                          collector_lib.site_state(state, sites, name), kernels,
+                          compute_dtype, eval_config)
+        for name, site in sites.items())
+    _log(f"compiling {len(sites)} sites' evaluation functions while training, on "
+         f"{self.workers} threads")
+
+  def close(self) -> None:
+    """Waits for the compiles running, drops the queued ones."""
+    if self.precompiler is not None:
+      self.precompiler.close()
+      self.precompiler = None
 
 
 @dataclasses.dataclass
@@ -309,12 +347,14 @@ def _read_trained(path: str, key: Mapping) -> Optional[Dict[str, Any]]:
 
 def _train_with_statistics(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
                            probe_config: ProbeConfig, setup: _Setup, start: float,
-                           compile_workers: Optional[int] = None
+                           compile_workers: Optional[int] = None,
+                           on_collector: Optional[Callable[[ProbeCollector], None]] = None
                            ) -> Tuple[ProbeCollector, Dict[str, Any]]:
   """Trains (resuming from the workdir's checkpoint) with the statistics pass; returns the
   collector, holding every observation, and the run's final metrics. `compile_workers`:
   threads compiling the statistics pass's functions side by side (None: CPUs up to 16; 0:
-  each on its first call, in turn)."""
+  each on its first call, in turn). `on_collector` is called with the collector before
+  training starts."""
   limit = memory.device_limit()
   if limit is not None:  # on a GPU: stop now a run that cannot fit, warn one that may not
     standing = _standing_bytes(spec, train_config, probe_config, setup)
@@ -328,6 +368,8 @@ def _train_with_statistics(spec: experiment.RunSpec, workdir: str, train_config:
                              example_variables=setup.abstract)
   _log(f"{spec.model}/{spec.preset}: {len(setup.sites)} sites; training to step "
        f"{train_config.steps} with a statistics pass every {probe_config.cadence} steps")
+  if on_collector is not None:
+    on_collector(collector)
   try:
     if compile_workers != 0:
       # The statistics pass's functions compile side by side on threads from the loop's
@@ -379,6 +421,7 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
   pending: List[str] = []
 
   # ---- training, unless its statistics are summarized and every evaluation is cached
+  early_compiles = _EarlyEvaluationCompiles(options.compile_workers)
   cache_path = os.path.join(workdir, EVAL_CACHE)
   cached = _read_eval_cache(cache_path)
   key_of = lambda name, fingerprint: {
@@ -401,8 +444,15 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
     _log(f"{spec.model}/{spec.preset}: {len(sites)} sites, every one evaluated before on the "
          f"statistics summarized in {trained_path}: not training again")
   else:
-    collector, final = _train_with_statistics(spec, workdir, train_config, probe_config, setup,
-                                              start, options.compile_workers)
+    try:
+      collector, final = _train_with_statistics(
+          spec, workdir, train_config, probe_config, setup, start, options.compile_workers,
+          on_collector=(functools.partial(early_compiles.start, sites, kernels, compute_dtype,
+                                          eval_config)
+                        if early_compiles.wanted(options, cached) else None))
+    except BaseException:
+      early_compiles.close()
+      raise
     fingerprint, observations = _fingerprint(collector), collector.observations
     overhead = collector.overhead()
     cached_of = lookup(fingerprint)
@@ -453,6 +503,7 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
   finally:
     if precompiler is not None:
       precompiler.close()
+    early_compiles.close()
   if precompiler is not None:
     counts = {k: v - counts_before[k] for k, v in executables.counts().items()}
     _log(f"evaluation phase: {evaluated} sites in {time.time() - t_eval:.0f}s, "

@@ -1,0 +1,105 @@
+"""Evaluation compiled while the probe trains (`ProbeOptions.compile_evaluation_while_training`):
+when the first site's evaluation starts, every site's evaluation functions are compiled or
+compiling, where without the option only the sites within the evaluation's lookahead are; the
+report is the same either way. The thread that works out the jobs (`Precompiler.
+submit_from_thread`) queues what its makers return and ends quietly on a failing maker or a
+closed pool."""
+import tempfile
+import threading
+from unittest import mock
+
+import chex
+import jax
+import jax.numpy as jnp
+from absl.testing import absltest
+
+from loka_jax.probe import assemble, executables, runner
+from loka_jax.probe.collector import ProbeConfig
+from loka_jax.train import TrainConfig, experiment
+
+# Three sites of three shapes, so the evaluation's lookahead on two compile threads (two
+# sites) leaves the third to be compiled after the first is evaluated.
+SITES = "layer_0/fmb/(fm_proj|mlp/dense_0|mlp/dense_1)"
+BATCH = 64
+
+
+def _keys_held():
+  with executables._LOCK:
+    return len(set(executables._EXECUTABLES) | set(executables._PENDING))
+
+
+class CompileWhileTrainingTest(chex.TestCase):
+
+  def _probe(self, early):
+    spec = experiment.RunSpec(model="wukong", preset="tiny", mods=("all",), num_eval=256)
+    train_config = TrainConfig(steps=4, batch_size=BATCH, progress=False, log_every=0)
+    options = runner.ProbeOptions(samples=2, kernels=("xla_bf16", "xla_fp8_rowwise"),
+                                  sites=SITES, bootstrap=20, plots=False, compile_workers=2,
+                                  compile_evaluation_while_training=early)
+    held_at_first = []
+    real = assemble.evaluated_passes
+
+    def spy(*args, **kwargs):
+      if not held_at_first:
+        held_at_first.append(_keys_held())
+      return real(*args, **kwargs)
+    executables.clear()
+    with mock.patch.object(assemble, "evaluated_passes", side_effect=spy):
+      result = runner.run_probe(spec, tempfile.mkdtemp(prefix="loka_early_"), train_config,
+                                ProbeConfig(cadence=2), options)
+    described = runner.describe_probe(spec, train_config, ProbeConfig(cadence=2), options)
+    return result, held_at_first[0], described, executables.counts()
+
+  def test_every_sites_evaluation_is_compiled_or_compiling_when_evaluation_starts(self):
+    late, late_held, described, late_counts = self._probe(early=False)
+    early, early_held, _, early_counts = self._probe(early=True)
+    every = described["evaluation_functions"] + described["statistics_functions"]
+    self.assertEqual(early_held, every)
+    self.assertLess(late_held, every)
+    # Both took every function compiled ahead, and compiled each once.
+    for counts in (late_counts, early_counts):
+      self.assertEqual((counts["inline"], counts["compiled"]), (0, every))
+    # Compiling earlier changes no number of the report.
+    for name, site in late.report["sites"].items():
+      for p, per_kernel in site["passes"].items():
+        for k, entry in per_kernel.items():
+          self.assertEqual(early.report["sites"][name]["passes"][p][k].get("sqnr_db"),
+                           entry.get("sqnr_db"), (name, p, k))
+
+
+class SubmitFromThreadTest(chex.TestCase):
+
+  def test_makers_are_called_in_turn_and_a_failing_one_ends_the_thread(self):
+    first, last = jax.jit(lambda x: x + 1), jax.jit(lambda x: x * 3)
+    arg = (jax.ShapeDtypeStruct((2,), jnp.float32),)
+
+    def failing():
+      raise ValueError("cannot work out the jobs")
+    before = executables.counts()
+    with executables.Precompiler(1) as precompiler:
+      precompiler.submit_from_thread([lambda: [(first, arg)], failing,
+                                      lambda: [(last, arg)]]).join(10)
+      self.assertEqual(precompiler.queued, 1)
+      self.assertEqual(list(executables.call(first, jnp.ones(2))), [2.0, 2.0])
+      self.assertEqual(list(executables.call(last, jnp.ones(2))), [3.0, 3.0])
+    counts = executables.counts()
+    self.assertEqual((counts["ahead"] - before["ahead"], counts["inline"] - before["inline"]),
+                     (1, 1))
+
+  def test_a_closed_pool_ends_the_thread_without_queueing(self):
+    precompiler = executables.Precompiler(1)
+    precompiler.close()
+    called = threading.Event()
+
+    def maker():
+      called.set()
+      return [(jax.jit(lambda x: x), (jax.ShapeDtypeStruct((1,), jnp.float32),))]
+    thread = precompiler.submit_from_thread([maker, maker])
+    thread.join(10)
+    self.assertFalse(thread.is_alive())
+    self.assertTrue(called.is_set())
+    self.assertEqual(precompiler.queued, 0)
+
+
+if __name__ == "__main__":
+  absltest.main()
