@@ -1,7 +1,7 @@
 """Evaluation compiled while the probe trains (`ProbeOptions.compile_evaluation_while_training`):
 when the first site's evaluation starts, every site's evaluation functions are compiled or
-compiling, where without the option only the sites within the evaluation's lookahead are; the
-report is the same either way. The thread that works out the jobs (`Precompiler.
+compiling, where without the option only the sites within the evaluation's lookahead are, and
+the evaluation compiles nothing on first call. The thread that works out the jobs (`Precompiler.
 submit_from_thread`) queues what its makers return and ends quietly on a failing maker or a
 closed pool."""
 import tempfile
@@ -51,20 +51,15 @@ class CompileWhileTrainingTest(chex.TestCase):
     return result, held_at_first[0], described, executables.counts()
 
   def test_every_sites_evaluation_is_compiled_or_compiling_when_evaluation_starts(self):
-    late, late_held, described, late_counts = self._probe(early=False)
-    early, early_held, _, early_counts = self._probe(early=True)
+    # Without the option, the evaluation's lookahead (two sites on two threads) holds 14 of
+    # these 19 functions when the first site is evaluated; the third site's come later.
+    result, held, described, counts = self._probe(early=True)
     every = described["evaluation_functions"] + described["statistics_functions"]
-    self.assertEqual(early_held, every)
-    self.assertLess(late_held, every)
-    # Both took every function compiled ahead, and compiled each once.
-    for counts in (late_counts, early_counts):
-      self.assertEqual((counts["inline"], counts["compiled"]), (0, every))
-    # Compiling earlier changes no number of the report.
-    for name, site in late.report["sites"].items():
-      for p, per_kernel in site["passes"].items():
-        for k, entry in per_kernel.items():
-          self.assertEqual(early.report["sites"][name]["passes"][p][k].get("sqnr_db"),
-                           entry.get("sqnr_db"), (name, p, k))
+    self.assertEqual((every, held), (19, 19))
+    # Every call took a function compiled ahead, each compiled once: the jobs worked out from
+    # the statistics' shapes before training are the ones the evaluation calls.
+    self.assertEqual((counts["inline"], counts["compiled"]), (0, every))
+    self.assertTrue(result.complete)
 
 
 class SubmitFromThreadTest(chex.TestCase):
