@@ -12,6 +12,7 @@ seed whose fingerprints differ is left out of the pairs and named in the verdict
 from __future__ import annotations
 
 import hashlib
+import statistics
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import jax
@@ -107,6 +108,15 @@ def fp8_plan(rows: Sequence[Mapping], comparison, arm: str) -> Optional[bool]:
   return any(fp8(k) for kernels in named for k in kernels)
 
 
+def _seed_seconds(mine: Mapping, theirs: Mapping, seeds) -> Optional[float]:
+  """What one more paired seed costs: the median training time (`train_s`) of the arm's runs
+  plus that of the reference's, over the paired seeds (None where a run lacks it)."""
+  times = [[rs[s].get("train_s") for s in seeds] for rs in (mine, theirs)]
+  if not seeds or any(t is None for ts in times for t in ts):
+    return None
+  return sum(statistics.median(ts) for ts in times)
+
+
 def judge(rows: Sequence[Mapping], comparison, arm: str, reference: str) -> Optional[Dict]:
   """The paired verdict of `arm` against `reference` in `comparison` (None when either has
   no scored row): `verdict_lib.paired_quality` plus `unpaired` ({seed: why}), `twin_seeds`
@@ -121,7 +131,7 @@ def judge(rows: Sequence[Mapping], comparison, arm: str, reference: str) -> Opti
   out = verdict_lib.paired_quality({s: mine[s]["logloss"] for s in paired},
                                    {s: theirs[s]["logloss"] for s in paired},
                                    applicable=fp8 is not False)
-  out.update(unpaired=unpaired, fp8=fp8,
+  out.update(unpaired=unpaired, fp8=fp8, seed_s=_seed_seconds(mine, theirs, paired),
              twin_seeds=sorted(s for s in paired if mine[s].get("same_run_as")),
              arm=arm, reference=reference,
              peaks={a: [rs[s].get("peak_loss") for s in out["seeds"]]

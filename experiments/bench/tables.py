@@ -145,7 +145,13 @@ def _seeds_needed(v: Mapping) -> str:
     return "-"
   if v["n"] < 2:
     return ">= 2 (no spread yet)"
-  return "not resolvable" if v.get("seeds_needed") is None else str(v["seeds_needed"])
+  need = v.get("seeds_needed")
+  if need is None:
+    return "not resolvable"
+  more = max(need - v["n"], 0)
+  if not more or v.get("seed_s") is None:
+    return str(need)
+  return f"{need} ({more} more, ~{more * v['seed_s'] / 60:.0f} min)"
 
 
 def quality_verdicts_table(verdicts: Sequence[Mapping]) -> str:
@@ -271,7 +277,9 @@ QUALITY_RULE = (
     "**Missed**: its lower end > +0.02%. Otherwise **unresolved**, with the paired seeds at "
     "which the half-width t(n-1) sd / sqrt(n) would put the interval wholly on one side of "
     "+0.02% at the measured mean (\"not resolvable\" where the mean sits at the margin; one "
-    "seed measures no spread). Being better than the reference is never a miss. A LoKA plan "
+    "seed measures no spread), with how many more that is and about how long they would "
+    "run (per seed, the arm's and its reference's median training time on the rows' card). "
+    "Being better than the reference is never a miss. A LoKA plan "
     "with no FP8 kernel runs its reference's program: **not applicable**. LoKA's verdicts are "
     "targets; naive FP8 and Flax delayed scaling everywhere are judged by the same rule beside "
     "it (peer). The rule is `loka_jax.train.verdict.paired_quality`.")

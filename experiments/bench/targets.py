@@ -280,7 +280,8 @@ def check_quality(rows: Sequence[Mapping]) -> List[Dict]:
                 "verdict": v["verdict"], "judged": judged,
                 "need": QUALITY_NEED if judged else "reported (same rule)",
                 "note": quality_note(v), "n": v["n"], "seeds": v["seeds"],
-                "changes": v["changes"], "seeds_needed": v.get("pairs_to_resolve")})
+                "changes": v["changes"], "seeds_needed": v.get("pairs_to_resolve"),
+                "seed_s": v.get("seed_s")})
   return out
 
 

@@ -251,6 +251,29 @@ class TargetCheckTest(parameterized.TestCase):
     self.assertIn("| Flax delayed everywhere | bf16+Mods | 1 | +0.005% | - | unresolved "
                   "(peer) | >= 2 (no spread yet) |", table)
 
+  def test_an_unresolved_verdict_says_what_its_seeds_still_to_run_would_take(self):
+    # Naive FP8 at 0%, +0.1%, +0.2% of bf16: unresolved at three seeds. Its runs take
+    # 30, 90 and 60 s (median 60), bf16's 20, 10 and 40 s (median 20): 80 s a paired seed.
+    rows = [quality_row("wukong", "small", "bf16", s, 0.5, train_s=t)
+            for s, t in enumerate((20.0, 10.0, 40.0))]
+    rows += [quality_row("wukong", "small", "fp8_naive", s, 0.5 * (1 + d), train_s=t)
+             for s, (d, t) in enumerate(((0.0, 30.0), (1e-3, 90.0), (2e-3, 60.0)))]
+    v = find_verdict(targets.check_quality(rows), "fp8_naive_quality_vs_bf16",
+                     "synthetic:wukong/small", "quality")
+    self.assertEqual((v["verdict"], v["n"], v["seed_s"]), ("unresolved", 3, 80.0))
+    more = v["seeds_needed"] - 3
+    self.assertGreater(more, 0)
+    self.assertIn(f"| unresolved (peer) | {v['seeds_needed']} ({more} more, "
+                  f"~{more * 80 / 60:.0f} min) |",
+                  tables.quality_verdicts_table([v]))
+    # A run without its training time leaves the count alone.
+    rows[0] = {k: x for k, x in rows[0].items() if k != "train_s"}
+    v = find_verdict(targets.check_quality(rows), "fp8_naive_quality_vs_bf16",
+                     "synthetic:wukong/small", "quality")
+    self.assertIsNone(v["seed_s"])
+    self.assertIn(f"| unresolved (peer) | {v['seeds_needed']} |",
+                  tables.quality_verdicts_table([v]))
+
   def test_quality_compares_rows_of_one_recipe(self):
     def q(arm, seed, logloss, warmup=None):
       # LoKA's rows name their plan's FP8 kernel: scores equal to bf16+Mods' are a result.
