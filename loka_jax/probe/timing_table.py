@@ -96,11 +96,6 @@ def committed_tables(directory: str = TIMINGS_DIR) -> Dict[str, Tuple[str, Dict]
   return out
 
 
-def available_tables(directory: str = TIMINGS_DIR) -> Dict[str, str]:
-  """{device_kind: path} of the committed tables."""
-  return {kind: path for kind, (path, _) in committed_tables(directory).items()}
-
-
 def problem_key(entry: Mapping) -> Tuple:
   """What one measurement run times every kernel on: pass, spec, shapes and dtype."""
   return entry_key(entry)[1:]

@@ -59,7 +59,7 @@ class ProbeCliTest(chex.TestCase):
     self.assertEqual((report["model"], report["preset"], report["timing_valid"]),
                      ("wukong", "tiny", False))
     # Untimed (CPU) runs fall back on a committed timing table when the checkout has one.
-    committed = timing_table.available_tables()
+    committed = timing_table.committed_tables()
     self.assertEqual(report["timing_source"]["kind"], "table" if committed else "none")
     self.assertEqual(list(report["sites"]), ["layer_0/fmb/fm_proj", "layer_0/fmb/optimized_fm",
                                              "layer_0/fmb/mlp/dense_0"])

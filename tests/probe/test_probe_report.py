@@ -251,7 +251,7 @@ class TimingTableTest(parameterized.TestCase):
                                      [self._entry("xla_bf16", 8192, 100.0),
                                       self._entry("xla_fp8_rowwise", 8192, 50.0)])
     self.assertEqual(len(table["entries"]), 4)
-    self.assertEqual(timing_table.available_tables(directory),
+    self.assertEqual({kind: p for kind, (p, _) in timing_table.committed_tables(directory).items()},
                      {"NVIDIA H100 80GB HBM3": path})
     exact = timing_table.lookup(table, "xla_fp8_rowwise", "fwd", "mk,kn->mn", (8192, 256),
                                 (256, 512))
