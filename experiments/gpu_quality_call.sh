@@ -14,7 +14,8 @@
 # PLAN_WUKONG (the committed Wukong `large` plan), PLAN_DHEN and PLAN_INTERFORMER (docs/results
 # commits neither: without one that model's LoKA arm is left out; InterFormer's plan ran
 # xla_bf16 at every site, so its LoKA verdict is "not applicable" and needs no run), LIMIT
-# (540: hard seconds of the call), MAXMIN (7.5), WORK (/tmp/qcall), OUT (set on the device;
+# (540: hard seconds of the call), ARMS (the arms to run, in this order; by default the four
+# references, and LoKA where a plan is given), MAXMIN (7.5), WORK (/tmp/qcall), OUT (set on the device;
 # elsewhere $WORK/out); PRESET (large), STEPS (500), WARMUP (50) and EVAL (200000) for a CPU smoke run.
 # A quality run of these targets took 60-360 s on an H200, compiles included, so a call
 # finishes two to five of them.
@@ -49,11 +50,11 @@ IFS=, read -r -a models <<< "${MODELS:-wukong,dhen,interformer}"
 for model in "${models[@]}"; do
   var="PLAN_$(echo "$model" | tr a-z A-Z)"
   plan=${!var:-}
-  arms=bf16,bf16_mods,fp8_naive,fp8_delayed
+  arms=${ARMS:-bf16,bf16_mods,fp8_naive,fp8_delayed}
   if [ -n "$plan" ]; then
     mkdir -p "$WORK/plans/${model}_$PRESET"
     cp "$plan" "$WORK/plans/${model}_$PRESET/plan.json"
-    arms=$arms,loka
+    [ -z "${ARMS:-}" ] && arms=$arms,loka
   fi
   left=$(( LIMIT - ($(date +%s) - START) - 10 ))
   if [ "$left" -lt 90 ]; then
