@@ -53,7 +53,7 @@ class Manifest:
   why: Dict[str, str]        # `sections.miss_key` -> one line
   quality_plot: str = ""     # absolute path of the paired quality plot ('' for none)
   user_speed: Tuple[str, ...] = ()  # absolute paths of time-to-plan and start-up rows
-  # Quality rows measured on other cards: (absolute path, commit, command) per file, and the
+  # Quality rows measured on other cards or the CPU: (absolute path, commit, command) per file, and the
   # stem of their plots.
   quality_other_cards: Tuple[Tuple[str, str, str], ...] = ()
   quality_other_cards_plot: str = ""
@@ -161,7 +161,7 @@ def page(manifest_path: str) -> str:
   body = tables.report(rows, verdicts).replace("# Benchmark results", "# Results", 1)
   extra = []
   if manifest.quality_other_cards:
-    extra += ["## Quality on other cards", "",
+    extra += ["## Quality on other devices", "",
               other_cards.section(manifest.quality_other_cards, manifest.device,
                                   manifest.quality_other_cards_plot), ""]
   if manifest.kernels:

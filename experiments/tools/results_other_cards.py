@@ -1,5 +1,5 @@
-"""RESULTS' quality verdicts measured on cards other than the page's own: the same paired rule,
-one subsection per card, each with its verdicts, its arms by seed and, after `--plots`, its
+"""RESULTS' quality verdicts measured on cards other than the page's own, or on the CPU: the
+same paired rule, one subsection per device, each with its verdicts, its arms by seed and, after `--plots`, its
 paired plot. The manifest lists these row files under 'quality_other_cards', apart from
 'rows', so the page's targets and headline stay those of its one card."""
 from __future__ import annotations
@@ -26,6 +26,11 @@ def _by_card(paths: Sequence[str], page_device: str) -> Dict[str, List[Dict]]:
   return {card: [r for r in rows if r.get("device") == card] for card in collect.devices(rows)}
 
 
+def device_name(device: str) -> str:
+  """A rows' `device` as a heading names it: the card's name, or "CPU"."""
+  return "CPU" if device == "cpu" else device
+
+
 def plot_path(plot_stem: str, card: str) -> str:
   """The paired plot of `card`'s rows: the manifest's stem with the card's name appended."""
   return f"{plot_stem}_{card.replace('NVIDIA ', '').replace(' ', '_').lower()}.png"
@@ -35,14 +40,14 @@ def section(files: Sequence[Tuple[str, str, str]], page_device: str, plot_stem: 
   """The section's markdown (without its heading) of `files`, (path, commit, command) each."""
   from experiments.bench import collect, quality_pairs, tables, targets
   paths = [path for path, _, _ in files]
-  out = ["Quality runs on other cards, judged by the rule of \"Quality\" and reported here "
-         "apart from the targets above, which are the page's own card's:", ""]
+  out = ["Quality runs on other cards or the CPU, judged by the rule of \"Quality\" and "
+         "reported here apart from the targets above, which are the page's own card's:", ""]
   for card, rows in _by_card(paths, page_device).items():
-    out += [f"### On the {card}", "", quality_pairs.pairing_summary(rows), "",
+    out += [f"### On the {device_name(card)}", "", quality_pairs.pairing_summary(rows), "",
             tables.quality_verdicts_table(targets.check_quality(rows)), ""]
     if plot_stem:
       name = os.path.basename(plot_path(plot_stem, card))
-      out += [f"![Paired quality on the {card}: each seed's change and the 95% CI of their "
+      out += [f"![Paired quality on the {device_name(card)}: each seed's change and the 95% CI of their "
               f"mean, +0.02% margin](results/{name})", ""]
     out += ["Arms by seed:", "", tables.quality_table(rows), ""]
   sources = []

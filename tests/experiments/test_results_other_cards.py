@@ -1,5 +1,5 @@
-"""RESULTS' quality on other cards (experiments/tools/results_other_cards.py): rows measured on
-a card other than the page's are judged by the paired rule in a section of their own, with
+"""RESULTS' quality on other devices (experiments/tools/results_other_cards.py): rows measured
+on a card other than the page's, or on the CPU, are judged by the paired rule in a section of their own, with
 the commit and command the manifest records for their file, and a paired plot per card; a
 file holding the page's own card's rows or speed rows, or an entry without its provenance, is
 refused in one line."""
@@ -62,6 +62,19 @@ class OtherCardsTest(absltest.TestCase):
     self.assertIn("| movielens | dlrm | tiny | fp8_naive | 0,1,2 | 0.50513 |", text)
     self.assertIn("Rows: `quality_movielens_tiny_h100_2026-12-05.jsonl`: NVIDIA H100 80GB "
                   "HBM3, jax 0.11.2, 2026-12-05, commit abc1234, `bash call.sh`.", text)
+
+  def test_cpu_rows_get_a_section_of_their_own_named_for_the_cpu(self):
+    cpu = self.write("quality_movielens_tiny_cpu_2026-12-05.jsonl",
+                     [_row(arm, seed, loss, device="cpu") for arm, losses in LOGLOSS.items()
+                      for seed, loss in enumerate(losses)])
+    text = other_cards.section([(self.rows_file(), "abc1234", "bash call.sh"),
+                                (cpu, "def5678", "python3 -m experiments.bench")],
+                               "NVIDIA H200", os.path.join(self.dir, "paired"))
+    self.assertIn("### On the NVIDIA H100 80GB HBM3", text)
+    self.assertIn("### On the CPU", text)
+    self.assertIn("](results/paired_cpu.png)", text)
+    self.assertIn("`quality_movielens_tiny_cpu_2026-12-05.jsonl`: cpu, jax 0.11.2, "
+                  "2026-12-05, commit def5678, `python3 -m experiments.bench`", text)
 
   def test_each_cards_plot_is_drawn_and_check_sees_a_missing_one(self):
     paths, stem = [self.rows_file()], os.path.join(self.dir, "paired")
