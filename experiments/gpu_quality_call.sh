@@ -16,7 +16,9 @@
 # xla_bf16 at every site, so its LoKA verdict is "not applicable" and needs no run), LIMIT
 # (540: hard seconds of the call), ARMS (the arms to run, in this order; by default the four
 # references, and LoKA where a plan is given), MAXMIN (7.5), WORK (/tmp/qcall), OUT (set on the device;
-# elsewhere $WORK/out); PRESET (large), STEPS (500), WARMUP (50) and EVAL (200000) for a CPU smoke run.
+# elsewhere $WORK/out); COOLDOWN (0: the steps over which both rates decay to 0 at the end, a
+# recipe of its own); PRESET (large), STEPS (500), WARMUP (50) and EVAL (200000) for a CPU
+# smoke run.
 # A quality run of these targets took 60-360 s on an H200, compiles included, so a call
 # finishes two to five of them.
 set -u
@@ -69,6 +71,7 @@ for model in "${models[@]}"; do
     --config.quality.preset="$PRESET" --config.quality.steps="${STEPS:-500}" \
     --config.quality.eval="${EVAL:-200000}" \
     --config.quality.warmup_steps="${WARMUP:-50}" --config.quality.seeds="${SEEDS:-0,1,2,3,4,5}" \
+    --config.quality.cooldown_steps="${COOLDOWN:-0}" \
     --config.quality.arms="$arms" --config.targets.models="$model" \
     --config.probe.enabled=false --workdir="$WORK" --config.plans_dir="$WORK/plans" \
     --config.compile_cache=/tmp/jc \

@@ -21,7 +21,9 @@ clipping of the dense gradients) is a recipe knob the same way: with the warm-up
 `large`'s bf16+Mods still spiked to a training loss of 5.7 at one seed of three and LoKA to
 6.9 at the same seed, whose held-out losses then carried the whole comparison (H200). Each
 row records its run's worst step (`peak_loss`, `peak_step`), so a spike shows in the tables
-and verdicts.
+and verdicts. `cooldown_steps` (a linear decay of both rates to 0 over the run's last steps)
+is a third: a fixed-step run then ends at a settled iterate rather than one still moving at
+the full rate, which is meant to shrink the seed-to-seed spread of the paired changes.
 
 A LoKA plan with xla_bf16 everywhere runs the bf16+Mods program, so its LoKA row takes the
 scores of the bf16+Mods run at its seed (`bf16_mods_twin`; marked `same_run_as`) rather than
@@ -52,11 +54,11 @@ from loka_jax.train.loop import RunSettingsError, TrainConfig, train
 from loka_jax.train.optim import OptimConfig, make_optimizer
 from loka_jax.train.state import create_train_state, state_bytes
 
-# `warmup_steps` and `clip_norm` are absent (None) from rows of the plain recipe, and
-# `mods_set` from rows of the default Mods set (`mods_set.DEFAULT`), so rows written before
-# them keep their keys.
+# `warmup_steps`, `clip_norm` and `cooldown_steps` are absent (None) from rows of the plain
+# recipe, and `mods_set` from rows of the default Mods set (`mods_set.DEFAULT`), so rows
+# written before them keep their keys.
 KEY_FIELDS = ("suite", "data", "model", "preset", "arm", "seed", "device", "warmup_steps",
-              "mods_set", "clip_norm")
+              "mods_set", "clip_norm", "cooldown_steps")
 MIN_EVAL = 200_000
 # A quality run whose training state is at least this large writes no checkpoint (only its
 # final.json), or with `keep_runs` its final state alone: Wukong `large`'s 36.6 GB state
@@ -109,6 +111,7 @@ class QualitySettings:
   keep_runs: bool = False              # keep finished runs' checkpoints
   warmup_steps: int = 0                # linear warm-up of both learning rates (0: none)
   clip_norm: Optional[float] = None    # global-norm clipping of the dense gradients
+  cooldown_steps: int = 0              # linear decay of both rates to 0 over the last steps
   # The Mods of the Mods arms (bf16_mods, loka) and of LoKA's probe (`mods_set`).
   mods: Tuple[str, ...] = mods_set.DEFAULT
 
@@ -116,12 +119,17 @@ class QualitySettings:
     if not 0 <= self.warmup_steps <= self.steps:
       raise ValueError(f"warmup_steps must be in [0, steps={self.steps}], got "
                        f"{self.warmup_steps}")
+    if not 0 <= self.cooldown_steps <= self.steps - self.warmup_steps:
+      raise ValueError(f"cooldown_steps must be in [0, steps - warmup_steps = "
+                       f"{self.steps - self.warmup_steps}], got {self.cooldown_steps}")
     _ = self.optim  # OptimConfig rejects a clip_norm that is not > 0: before any run
     self.mods = mods_set.parse(self.mods)
 
   @property
   def optim(self) -> OptimConfig:
-    return OptimConfig(warmup_steps=self.warmup_steps, clip_norm=self.clip_norm)
+    return OptimConfig(warmup_steps=self.warmup_steps, clip_norm=self.clip_norm,
+                       cooldown_start=self.steps - self.cooldown_steps if self.cooldown_steps
+                       else 0, cooldown_steps=self.cooldown_steps)
 
   @property
   def mods_label(self) -> Optional[str]:
@@ -137,18 +145,20 @@ class QualitySettings:
 @dataclasses.dataclass(frozen=True, order=True)
 class Comparison:
   """The rows compared with one another: one data set, model, preset, training recipe
-  (warm-up steps, clipping norm; 0: none) and Mods set (its label; empty: every Mod)."""
+  (warm-up steps, clipping norm, cooldown steps; 0: none) and Mods set (its label; empty:
+  every Mod)."""
   data: str
   model: str
   preset: str
   warmup_steps: int = 0
   mods_set: str = ""
   clip_norm: float = 0.0
+  cooldown_steps: int = 0
 
   @property
   def preset_label(self) -> str:
     """The preset, with the recipe and the Mods set where they are not the defaults."""
-    recipe = recipe_label(self.warmup_steps, self.clip_norm)
+    recipe = recipe_label(self.warmup_steps, self.clip_norm, self.cooldown_steps)
     return mods_set.preset_label(self.preset + (f" ({recipe})" if recipe else ""),
                                  self.mods_set or None)
 
@@ -163,6 +173,7 @@ class Comparison:
     return (row.get("suite") == "quality" and row.get("data") == self.data
             and row.get("model") == self.model and row.get("preset") == self.preset
             and row_warmup(row) == self.warmup_steps and row_clip(row) == self.clip_norm
+            and row_cooldown(row) == self.cooldown_steps
             and (row_set == self.mods_set
                  or (not row_set and not trains_with_mods(row.get("arm"))))
             and row.get("logloss") is not None)
@@ -177,16 +188,23 @@ def row_clip(row: Mapping) -> float:
   return float(row.get("clip_norm") or 0.0)
 
 
-def recipe_label(warmup_steps: int, clip_norm: float) -> str:
-  """The recipe beyond the plain one, as labels show it: 'warmup 50, clip 1' ('' if none)."""
+def row_cooldown(row: Mapping) -> int:
+  return int(row.get("cooldown_steps") or 0)
+
+
+def recipe_label(warmup_steps: int, clip_norm: float, cooldown_steps: int = 0) -> str:
+  """The recipe beyond the plain one, as labels show it: 'warmup 50, clip 1, cooldown 200'
+  ('' if none)."""
   return ", ".join(([f"warmup {warmup_steps}"] if warmup_steps else [])
-                   + ([f"clip {clip_norm:g}"] if clip_norm else []))
+                   + ([f"clip {clip_norm:g}"] if clip_norm else [])
+                   + ([f"cooldown {cooldown_steps}"] if cooldown_steps else []))
 
 
 def comparisons(rows: Sequence[Mapping], scored_only: bool = True) -> List[Comparison]:
   """Every comparison the quality rows hold (`scored_only`: rows with a log loss), sorted."""
   return sorted({Comparison(r["data"], r["model"], r["preset"], row_warmup(r),
-                            mods_set.of_row(r) or "", row_clip(r)) for r in rows
+                            mods_set.of_row(r) or "", row_clip(r), row_cooldown(r))
+                 for r in rows
                  if r.get("suite") == "quality"
                  and (r.get("logloss") is not None or not scored_only)})
 
@@ -301,7 +319,8 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
     # default set's.
     set_label = settings.mods_label if arm.mods else None
     key = ("quality", settings.data, model, settings.preset, arm.name, seed, device,
-           settings.warmup_steps or None, set_label, settings.clip_norm)
+           settings.warmup_steps or None, set_label, settings.clip_norm,
+           settings.cooldown_steps or None)
     if results.done(key):
       continue
     start, why = pace.may_start(time.time(), deadline, end_by,
@@ -340,7 +359,8 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
         results.append(row)
         continue
     workdir = run_dir(root, row)
-    label = recipe_label(settings.warmup_steps, settings.clip_norm or 0.0)
+    label = recipe_label(settings.warmup_steps, settings.clip_norm or 0.0,
+                         settings.cooldown_steps)
     log(f"  quality {settings.data} {model}/{settings.preset} {arm.name} seed {seed}"
         + (f" {label}" if label else "")
         + (f" Mods {set_label}" if set_label else ""))
@@ -423,6 +443,7 @@ def run_dir(root: str, row: Mapping) -> str:
   clip = row_clip(row)
   recipe = ((f"_warmup{row['warmup_steps']}" if row.get("warmup_steps") else "")
             + (f"_clip{clip:g}" if clip else "")
+            + (f"_cooldown{row['cooldown_steps']}" if row.get("cooldown_steps") else "")
             + (f"_mods_{mods_set.folder_label(row['mods_set'])}" if row.get("mods_set")
                else ""))
   return os.path.join(root, row["data"], f"{row['model']}_{row['preset']}",

@@ -23,7 +23,8 @@ QUALITY_DATA = ("synthetic", "movielens")
 # Fields with a least value (the options they feed refuse less).
 AT_LEAST = {"speed.repeats": 1, "probe.timing_compile_workers": 1,
             "probe.min_timing_gflops": 0.0, "validation.shadow_steps": 0,
-            "validation.shadow_warmup_steps": 1, "quality.warmup_steps": 0}
+            "validation.shadow_warmup_steps": 1, "quality.warmup_steps": 0,
+            "quality.cooldown_steps": 0, "quality.movielens.cooldown_steps": 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,15 +150,16 @@ def quality_runs(config, speed: suite.SpeedSettings
           batch_size=config.targets.batch_size or None, seed=config.targets.seed,
           noise_seeds=noise, seeds=seeds, arms=arms, min_eval=q.eval,
           plans_dir=speed.plans_dir, warmup_steps=q.warmup_steps, clip_norm=q.clip_norm,
-          mods=speed.mods)) for m in models]
+          cooldown_steps=q.cooldown_steps, mods=speed.mods)) for m in models]
     if "movielens" in data:
       models = _one_of(config, "quality.movielens.models", MODEL_NAMES)
       runs += [(m, quality.QualitySettings(
           data="movielens", preset=ml.preset, steps=ml.steps, batch_size=ml.batch_size,
           seeds=tuple(range(ml.seeds)), arms=arms, data_cache=ml.data_cache,
+          cooldown_steps=ml.cooldown_steps,
           plans_dir=os.path.join(speed.plans_dir, "movielens"), mods=speed.mods))
                for m in models]
-  except ValueError as e:  # QualitySettings' own checks (warm-up, clipping)
+  except ValueError as e:  # QualitySettings' own checks (warm-up, clipping, cooldown)
     raise ValueError(f"--config.quality: {e}") from None
   return tuple(runs)
 

@@ -140,6 +140,9 @@ def get_config() -> ml_collections.ConfigDict:
   # Global-norm clipping of the dense gradients in the synthetic runs (unset: none); a recipe
   # of its own, like the warm-up.
   quality.clip_norm = config_dict.placeholder(float)
+  # A linear decay of both learning rates to 0 over the last this many steps of the synthetic
+  # runs (0: none): a recipe of its own, like the warm-up; its last iterate is settled.
+  quality.cooldown_steps = 0
   # bf16 alone at these seeds beside targets.seed, when quality.seeds is empty (unpaired:
   # the quality verdicts pair arms by seed and judge none of these).
   quality.noise_seeds = "1,2"
@@ -157,6 +160,7 @@ def get_config() -> ml_collections.ConfigDict:
   movielens.steps = 600         # training steps
   movielens.batch_size = 256    # training batch
   movielens.seeds = 5           # seeds per arm (0 .. seeds-1)
+  movielens.cooldown_steps = 0  # as quality.cooldown_steps, for the MovieLens runs
   movielens.data_cache = config_dict.placeholder(str)  # cache directory of the downloaded data
 
   # LoKA's inference in the speed suites.

@@ -26,6 +26,11 @@ class OptimConfig:
   embedding_learning_rate: float = 0.05  # (row-wise) Adagrad, embedding tables
   embedding_optimizer: str = "rowwise_adagrad"
   warmup_steps: int = 0                  # linear warmup of both rates from 0
+  # A linear cooldown of both rates from step `cooldown_start`, reaching 0 at step
+  # `cooldown_start + cooldown_steps` and staying there (0 steps: none). Ending a fixed-step run at a
+  # rate of 0 settles its last iterate, where a constant rate leaves it moving.
+  cooldown_start: int = 0
+  cooldown_steps: int = 0
   weight_decay: float = 0.0              # AdamW decoupled decay (dense only)
   b1: float = 0.9
   b2: float = 0.999
@@ -42,6 +47,11 @@ class OptimConfig:
       raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
     if self.clip_norm is not None and not self.clip_norm > 0:
       raise ValueError(f"clip_norm must be > 0 or None, got {self.clip_norm}")
+    if self.cooldown_steps < 0:
+      raise ValueError(f"cooldown_steps must be >= 0, got {self.cooldown_steps}")
+    if self.cooldown_steps and self.cooldown_start < self.warmup_steps:
+      raise ValueError(f"cooldown_start={self.cooldown_start} is inside the warm-up "
+                       f"(warmup_steps={self.warmup_steps}); start the cooldown after it")
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> "OptimConfig":
@@ -91,11 +101,20 @@ def scale_by_rowwise_adagrad(initial_accumulator_value: float = 0.0,
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def learning_rate_schedule(peak: float, warmup_steps: int) -> optax.Schedule:
-  """Linear warmup from 0 to `peak` over `warmup_steps`, then constant."""
-  if warmup_steps == 0:
-    return optax.constant_schedule(peak)
-  return optax.linear_schedule(0.0, peak, warmup_steps)
+def learning_rate_schedule(peak: float, warmup_steps: int, cooldown_start: int = 0,
+                           cooldown_steps: int = 0) -> optax.Schedule:
+  """Linear warmup from 0 to `peak` over `warmup_steps`, then constant; with
+  `cooldown_steps`, from step `cooldown_start` a linear decay to 0 over that many steps, and 0
+  after it."""
+  pieces, boundaries = [], []
+  if warmup_steps:
+    pieces.append(optax.linear_schedule(0.0, peak, warmup_steps))
+    boundaries.append(warmup_steps)
+  pieces.append(optax.constant_schedule(peak))
+  if cooldown_steps:
+    pieces.append(optax.linear_schedule(peak, 0.0, cooldown_steps))
+    boundaries.append(cooldown_start)
+  return pieces[0] if len(pieces) == 1 else optax.join_schedules(pieces, boundaries)
 
 
 def restart_schedules(opt_state) -> Any:
@@ -125,8 +144,10 @@ def param_labels(params) -> Any:
 
 def make_optimizer(config: OptimConfig) -> optax.GradientTransformation:
   """The multi_transform: embeddings -> (row-wise) Adagrad, the rest -> Adam(W)."""
-  dense_lr = learning_rate_schedule(config.learning_rate, config.warmup_steps)
-  embed_lr = learning_rate_schedule(config.embedding_learning_rate, config.warmup_steps)
+  cooldown = (config.cooldown_start, config.cooldown_steps)
+  dense_lr = learning_rate_schedule(config.learning_rate, config.warmup_steps, *cooldown)
+  embed_lr = learning_rate_schedule(config.embedding_learning_rate, config.warmup_steps,
+                                    *cooldown)
   dense = optax.adamw(dense_lr, b1=config.b1, b2=config.b2, eps=config.eps,
                       weight_decay=config.weight_decay)
   if config.clip_norm is not None:

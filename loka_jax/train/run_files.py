@@ -21,6 +21,9 @@ from loka_jax.train import metrics as metrics_lib
 RESUMABLE_SETTINGS = ("steps", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints",
                       "nan_policy", "progress", "plan", "module_norms", "prefetch",
                       "batch_workers", "run_ahead", "drift_compile_ahead")
+# Settings newer than some run directories, with the value every run written before them
+# ran with: a config.json without one matches that value, so such a run still resumes.
+ADDED_SETTINGS = {"cooldown_start": 0, "cooldown_steps": 0}
 # Fields of metrics lines and final.json that are wall-clock readings: the only ones a resumed
 # run may write differently from an uninterrupted one.
 WALL_CLOCK_FIELDS = ("time", "steps_per_sec", "time_split")
@@ -75,6 +78,12 @@ def read_metrics(path: str):
     return [json.loads(line) for line in f if line.strip()]
 
 
+def _ran_with(key: str, old: Mapping[str, Any]) -> Any:
+  """The value of setting `key` (flattened) in the run whose settings are `old`: a setting
+  newer than its config.json ran at its ADDED_SETTINGS value (None: one it did not have)."""
+  return old[key] if key in old else ADDED_SETTINGS.get(key.split(".")[-1])
+
+
 def check_run_config(workdir: str, settings: Mapping[str, Any]) -> None:
   """Writes config.json, or checks a resumed run's settings against it."""
   path = os.path.join(workdir, "config.json")
@@ -93,9 +102,10 @@ def check_run_config(workdir: str, settings: Mapping[str, Any]) -> None:
       return out
 
     old_flat, new_flat = flat(old), flat(settings)
-    diffs = [f"{k}: {old_flat.get(k)!r} -> {new_flat.get(k)!r}"
+    diffs = [f"{k}: {_ran_with(k, old_flat)!r} -> {new_flat.get(k)!r}"
              for k in sorted(set(old_flat) | set(new_flat))
-             if k.split(".")[-1] not in RESUMABLE_SETTINGS and old_flat.get(k) != new_flat.get(k)]
+             if k.split(".")[-1] not in RESUMABLE_SETTINGS
+             and _ran_with(k, old_flat) != new_flat.get(k)]
     if diffs:
       raise RunSettingsError(f"run directory {workdir} holds a run with other settings ("
                        + "; ".join(diffs) + "); resume with the same settings or use a new "

@@ -179,6 +179,33 @@ class QualityProtocolTest(absltest.TestCase):
     config = json.load(open(os.path.join(run_dir, "config.json")))
     self.assertEqual(config["train"]["optim"]["warmup_steps"], 2)
 
+  def test_a_cooldown_recipe_trains_its_own_runs_and_is_compared_apart(self):
+    out = tempdir(self)
+    results = ResultsFile(os.path.join(out, "quality.jsonl"), quality.KEY_FIELDS)
+    common = dict(preset="tiny", steps=4, batch_size=64, min_eval=100, arms=("bf16",),
+                  noise_seeds=())
+    logs = []
+    for cooldown in (0, 2):
+      self.assertTrue(quality.run_model(
+          "dlrm", quality.QualitySettings(cooldown_steps=cooldown, **common), results, out,
+          deadline=float("inf"), device="cpu", log=logs.append))
+    plain, cooled = sorted(results.rows(), key=quality.row_cooldown)
+    self.assertIn("  quality synthetic dlrm/tiny bf16 seed 0 cooldown 2", logs)
+    self.assertNotIn("cooldown_steps", plain)  # plain rows keep the keys they always had
+    self.assertEqual(cooled["cooldown_steps"], 2)
+    # The last two steps run at half the rate and at none: the runs differ.
+    self.assertNotEqual(plain["logloss"], cooled["logloss"])
+    run_dir = os.path.join(out, "synthetic", "dlrm_tiny", "bf16_seed0_cooldown2")
+    self.assertEqual(quality.run_dir(out, cooled), run_dir)  # found again from its row
+    optim = json.load(open(os.path.join(run_dir, "config.json")))["train"]["optim"]
+    self.assertEqual((optim["cooldown_start"], optim["cooldown_steps"]), (2, 2))
+    self.assertEqual([c.subject for c in quality.comparisons(list(results.rows()))],
+                     ["synthetic:dlrm/tiny", "synthetic:dlrm/tiny (cooldown 2)"])
+    self.assertEqual(quality.recipe_label(50, 1.0, 200), "warmup 50, clip 1, cooldown 200")
+    with self.assertRaisesRegex(ValueError, r"cooldown_steps must be in \[0, steps - "
+                                r"warmup_steps = 2\], got 3"):
+      quality.QualitySettings(steps=4, warmup_steps=2, cooldown_steps=3)
+
   def test_a_clipped_recipe_trains_its_own_runs_and_rows_keep_the_worst_step(self):
     out = tempdir(self)
     results = ResultsFile(os.path.join(out, "quality.jsonl"), quality.KEY_FIELDS)

@@ -340,6 +340,23 @@ class BenchConfigTest(absltest.TestCase):
                                      "--config.quality.steps=9"), "/w").quality_runs
     self.assertEqual([(m, qs.data, qs.steps) for m, qs in runs],
                      [("dlrm", "synthetic", 9), ("wukong", "synthetic", 9)])
+    # A cooldown reaches the runs of its data set only, and one longer than the run's steps
+    # is refused naming the field.
+    runs = settings.from_config(load(
+        "bench_quality", "--config.quality.data=synthetic,movielens",
+        "--config.targets.models=dlrm", "--config.quality.movielens.models=dlrm",
+        "--config.quality.cooldown_steps=100", "--config.quality.movielens.cooldown_steps=200"),
+        "/w").quality_runs
+    self.assertEqual([(qs.data, qs.cooldown_steps, qs.optim.cooldown_start) for _, qs in runs],
+                     [("synthetic", 100, 400), ("movielens", 200, 400)])
+    with self.assertRaisesRegex(ValueError, r"--config.quality: cooldown_steps must be in "
+                                r"\[0, steps - warmup_steps = 450\], got 451"):
+      settings.from_config(load("bench_quality", "--config.quality.data=synthetic",
+                                "--config.quality.warmup_steps=50",
+                                "--config.quality.cooldown_steps=451"), "/w")
+    with self.assertRaisesRegex(ValueError, "quality.movielens.cooldown_steps"):
+      settings.from_config(load("bench_quality", "--config.quality.data=movielens",
+                                "--config.quality.movielens.cooldown_steps=-1"), "/w")
 
   def test_a_wrong_value_is_one_line_naming_it(self):
     done = run_module("experiments.bench", "--config.speed.variants=bf16,fp9",

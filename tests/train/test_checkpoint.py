@@ -1,4 +1,5 @@
 """Checkpoints: round trip, retention, damaged checkpoints, and bit-identical resume."""
+import dataclasses
 import json
 import os
 import shutil
@@ -15,7 +16,8 @@ from absl.testing import absltest
 from loka_jax.models import SiteConfig
 from loka_jax.train import checkpoint as checkpoint_lib
 from loka_jax.train import (WALL_CLOCK_FIELDS, Checkpointer, CheckpointError,
-                            RunSettingsError, TrainConfig, read_metrics, restore_run, train)
+                            OptimConfig, RunSettingsError, TrainConfig, read_metrics,
+                            restore_run, train)
 
 import train_toys
 from checkpoint_helpers import data_files, template, trained_state
@@ -329,6 +331,27 @@ class ResumeTest(chex.TestCase):
                   TrainConfig(steps=6, batch_size=32, log_every=3, progress=False),
                   run_info={"precision": "fp32"})
     self.assertEqual(final["steps"], 6)
+
+  def test_a_run_written_before_a_setting_existed_resumes_at_its_old_value(self):
+    workdir = tempfile.mkdtemp(prefix="loka_cfg_added_")
+    config = TrainConfig(steps=4, batch_size=32, log_every=2, progress=False)
+    model, source = train_toys.ToyClickModel(), train_toys.ToySource()
+    train(model, source, workdir, config)
+    # The config.json such a run wrote: no cooldown among its optimizer settings.
+    path = os.path.join(workdir, "config.json")
+    old = json.load(open(path))
+    for key in ("cooldown_start", "cooldown_steps"):
+      del old["train"]["optim"][key]
+    with open(path, "w") as f:
+      json.dump(old, f)
+    # A cooldown is another run: refused, naming the value the run had.
+    cooled = dataclasses.replace(config, steps=8, optim=OptimConfig(cooldown_start=6,
+                                                                    cooldown_steps=2))
+    with self.assertRaisesRegex(RunSettingsError, "optim.cooldown_start: 0 -> 6; "
+                                "train.optim.cooldown_steps: 0 -> 2"):
+      train(model, source, workdir, cooled)
+    self.assertEqual(train(model, source, workdir,
+                           dataclasses.replace(config, steps=6))["steps"], 6)
 
 
 if __name__ == "__main__":
