@@ -151,7 +151,9 @@ def _seeds_needed(v: Mapping) -> str:
   more = max(need - v["n"], 0)
   if not more or v.get("seed_s") is None:
     return str(need)
-  return f"{need} ({more} more, ~{more * v['seed_s'] / 60:.0f} min)"
+  seconds = more * v["seed_s"]
+  return f"{need} ({more} more, " + (f"~{seconds / 60:.0f} min)" if seconds >= 60 else
+                                     f"~{seconds:.0f} s)")
 
 
 def quality_verdicts_table(verdicts: Sequence[Mapping]) -> str:

@@ -266,6 +266,9 @@ class TargetCheckTest(parameterized.TestCase):
     self.assertIn(f"| unresolved (peer) | {v['seeds_needed']} ({more} more, "
                   f"~{more * 80 / 60:.0f} min) |",
                   tables.quality_verdicts_table([v]))
+    # Under a minute in all, in seconds: 10 more seeds at 4 s each.
+    self.assertIn("| unresolved (peer) | 13 (10 more, ~40 s) |",
+                  tables.quality_verdicts_table([dict(v, seeds_needed=13, seed_s=4.0)]))
     # A run without its training time leaves the count alone.
     rows[0] = {k: x for k, x in rows[0].items() if k != "train_s"}
     v = find_verdict(targets.check_quality(rows), "fp8_naive_quality_vs_bf16",
