@@ -22,8 +22,9 @@ clipping of the dense gradients) is a recipe knob the same way: with the warm-up
 6.9 at the same seed, whose held-out losses then carried the whole comparison (H200). Each
 row records its run's worst step (`peak_loss`, `peak_step`), so a spike shows in the tables
 and verdicts. `cooldown_steps` (a linear decay of both rates to 0 over the run's last steps)
-is a third: a fixed-step run then ends at a settled iterate rather than one still moving at
-the full rate, which is meant to shrink the seed-to-seed spread of the paired changes.
+is a third: a fixed-step run then ends at a settled iterate rather than one moving at the full
+rate. It leaves the paired changes' spread about where it was (FINDINGS 39), which the two
+arms' architectures set rather than the last iterate's motion.
 
 A LoKA plan with xla_bf16 everywhere runs the bf16+Mods program, so its LoKA row takes the
 scores of the bf16+Mods run at its seed (`bf16_mods_twin`; marked `same_run_as`) rather than
