@@ -7,7 +7,9 @@ that share them (`quality_pairs.judge`: `loka_jax.train.verdict.paired_quality`)
 Arms: bf16, bf16+Mods, naive FP8 (`fp8_all` with `xla_fp8_tensorwise`, no Mods), Flax's
 delayed scaling everywhere (`fp8_all` with `flax_fp8_delayed`, the fastest training peer on the
 largest tower, whose weight gradients measure 9-11 dB there) and LoKA (Mods + the target's
-plan, whose kernels its rows record as `plan_kernels`). Every arm runs at each of `seeds`
+plan, whose kernels its rows record as `plan_kernels`); on request (not among the default
+arms), naive FP8 with the Mods (`fp8_naive_mods`), which has bf16+Mods' architecture and so
+isolates FP8's own change where the naive arm also carries the Mods'. Every arm runs at each of `seeds`
 (the bench's default: 0, 1, 2; MovieLens: 5); without `seeds`, the arms at `seed` and bf16
 alone at `noise_seeds`, which pair with nothing. One row per finished run.
 
@@ -91,9 +93,12 @@ ARMS = {
     "bf16": QualityArm("bf16", "bf16"),
     "bf16_mods": QualityArm("bf16_mods", "bf16", mods=("all",)),
     "fp8_naive": QualityArm("fp8_naive", "fp8_all", "xla_fp8_tensorwise"),
+    "fp8_naive_mods": QualityArm("fp8_naive_mods", "fp8_all", "xla_fp8_tensorwise",
+                                 mods=("all",)),
     "fp8_delayed": QualityArm("fp8_delayed", "fp8_all", "flax_fp8_delayed"),
     "loka": QualityArm("loka", "loka", mods=("all",)),
 }
+DEFAULT_ARMS = ("bf16", "bf16_mods", "fp8_naive", "fp8_delayed", "loka")
 
 
 @dataclasses.dataclass
@@ -105,7 +110,7 @@ class QualitySettings:
   seed: int = 0
   noise_seeds: Tuple[int, ...] = (1, 2)  # bf16 alone at these (no pair), without `seeds`
   seeds: Tuple[int, ...] = ()          # every arm at each of these: the paired seeds
-  arms: Tuple[str, ...] = tuple(ARMS)
+  arms: Tuple[str, ...] = DEFAULT_ARMS
   min_eval: int = MIN_EVAL             # held-out examples (synthetic; MovieLens fixes its own)
   data_cache: Optional[str] = None
   plans_dir: str = "plans"

@@ -21,10 +21,12 @@ import numpy as np
 
 from loka_jax.train import verdict as verdict_lib
 
-ARMS = ("loka", "fp8_naive", "fp8_delayed")   # judged, each against both references
+# Judged, each against both references.
+ARMS = ("loka", "fp8_naive", "fp8_naive_mods", "fp8_delayed")
 REFERENCES = ("bf16_mods", "bf16")
 LABELS = {"bf16": "bf16", "bf16_mods": "bf16+Mods", "fp8_naive": "naive FP8",
-          "fp8_delayed": "Flax delayed everywhere", "loka": "LoKA"}
+          "fp8_naive_mods": "naive FP8 with the Mods", "fp8_delayed": "Flax delayed everywhere",
+          "loka": "LoKA"}
 FINGERPRINTS = ("eval_fingerprint", "train_fingerprint", "init_fingerprint")
 # Parameters the Mods drop (no_bias, BlockNorm in place of LayerNorm), left out of the
 # initial-weights fingerprint so that the arms with and without Mods share it.

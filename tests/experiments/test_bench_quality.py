@@ -179,6 +179,31 @@ class QualityProtocolTest(absltest.TestCase):
     config = json.load(open(os.path.join(run_dir, "config.json")))
     self.assertEqual(config["train"]["optim"]["warmup_steps"], 2)
 
+  def test_naive_fp8_with_the_mods_pairs_with_bf16_mods_and_is_judged_as_a_peer(self):
+    out = tempdir(self)
+    settings = quality.QualitySettings(preset="tiny", steps=3, batch_size=64, min_eval=100,
+                                       arms=("bf16_mods", "fp8_naive_mods"), seeds=(0, 1))
+    results = ResultsFile(os.path.join(out, "quality.jsonl"), quality.KEY_FIELDS)
+    self.assertTrue(quality.run_model("dlrm", settings, results, out, deadline=float("inf"),
+                                      device="cpu", log=lambda _: None))
+    by = {(r["arm"], r["seed"]): r for r in results.rows()}
+    naive_mods = by["fp8_naive_mods", 0]
+    self.assertEqual((naive_mods["precision"], naive_mods["mods"]), ("fp8_all", ["all"]))
+    # bf16+Mods' architecture: the same initial weights, bias and norm scales included.
+    self.assertEqual(naive_mods["init_fingerprint"], by["bf16_mods", 0]["init_fingerprint"])
+    self.assertNotEqual(naive_mods["logloss"], by["bf16_mods", 0]["logloss"])  # FP8 ran
+    self.assertNotIn("fp8_naive_mods", quality.QualitySettings().arms)  # asked for by name
+    # Hand-made scores: +0.5% and +0.7% of bf16+Mods' at two seeds.
+    rows = [quality_row("dlrm", "tiny", "bf16_mods", s, loss) for s, loss in enumerate((0.5, 0.6))]
+    rows += [quality_row("dlrm", "tiny", "fp8_naive_mods", s, loss * (1 + d))
+             for s, (loss, d) in enumerate(((0.5, 5e-3), (0.6, 7e-3)))]
+    v = find_verdict(targets.check_quality(rows), "fp8_naive_mods_quality_vs_bf16_mods",
+                     "synthetic:dlrm/tiny", "quality")
+    self.assertEqual((v["judged"], v["n"]), (False, 2))
+    self.assertAlmostEqual(v["value"], 6e-3)
+    self.assertIn("| synthetic:dlrm/tiny | naive FP8 with the Mods | bf16+Mods | 2 | +0.600% |",
+                  tables.quality_verdicts_table(targets.check_quality(rows)))
+
   def test_a_cooldown_recipe_trains_its_own_runs_and_is_compared_apart(self):
     out = tempdir(self)
     results = ResultsFile(os.path.join(out, "quality.jsonl"), quality.KEY_FIELDS)
