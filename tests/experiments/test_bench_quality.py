@@ -161,15 +161,22 @@ class QualityProtocolTest(absltest.TestCase):
         quality_row("dlrm", "large", "loka", 0, 0.4705, plan_kernels=["xla_fp8_rowwise"])]),
         "loka_quality_vs_bf16_mods", "synthetic:dlrm/large", "quality")["note"])
 
-  def test_a_warm_up_recipe_trains_its_own_runs(self):
+  def run_recipes(self, field, values, logs=None):
+    """(folder, results) of DLRM `tiny` bf16 at seed 0, 4 steps, once per recipe `field`
+    value."""
     out = tempdir(self)
     results = ResultsFile(os.path.join(out, "quality.jsonl"), quality.KEY_FIELDS)
     common = dict(preset="tiny", steps=4, batch_size=64, min_eval=100, arms=("bf16",),
                   noise_seeds=())
-    for warmup in (0, 2):
+    for value in values:
       self.assertTrue(quality.run_model(
-          "dlrm", quality.QualitySettings(warmup_steps=warmup, **common), results, out,
-          deadline=float("inf"), device="cpu", log=lambda _: None))
+          "dlrm", quality.QualitySettings(**{field: value}, **common), results, out,
+          deadline=float("inf"), device="cpu",
+          log=(lambda _: None) if logs is None else logs.append))
+    return out, results
+
+  def test_a_warm_up_recipe_trains_its_own_runs(self):
+    out, results = self.run_recipes("warmup_steps", (0, 2))
     rows = list(results.rows())
     self.assertEqual(sorted(quality.row_warmup(r) for r in rows), [0, 2])
     self.assertNotIn("warmup_steps", rows[0])  # plain rows keep the keys they always had
@@ -205,15 +212,8 @@ class QualityProtocolTest(absltest.TestCase):
                   tables.quality_verdicts_table(targets.check_quality(rows)))
 
   def test_a_cooldown_recipe_trains_its_own_runs_and_is_compared_apart(self):
-    out = tempdir(self)
-    results = ResultsFile(os.path.join(out, "quality.jsonl"), quality.KEY_FIELDS)
-    common = dict(preset="tiny", steps=4, batch_size=64, min_eval=100, arms=("bf16",),
-                  noise_seeds=())
     logs = []
-    for cooldown in (0, 2):
-      self.assertTrue(quality.run_model(
-          "dlrm", quality.QualitySettings(cooldown_steps=cooldown, **common), results, out,
-          deadline=float("inf"), device="cpu", log=logs.append))
+    out, results = self.run_recipes("cooldown_steps", (0, 2), logs)
     plain, cooled = sorted(results.rows(), key=quality.row_cooldown)
     self.assertIn("  quality synthetic dlrm/tiny bf16 seed 0 cooldown 2", logs)
     self.assertNotIn("cooldown_steps", plain)  # plain rows keep the keys they always had
@@ -232,15 +232,8 @@ class QualityProtocolTest(absltest.TestCase):
       quality.QualitySettings(steps=4, warmup_steps=2, cooldown_steps=3)
 
   def test_a_clipped_recipe_trains_its_own_runs_and_rows_keep_the_worst_step(self):
-    out = tempdir(self)
-    results = ResultsFile(os.path.join(out, "quality.jsonl"), quality.KEY_FIELDS)
-    common = dict(preset="tiny", steps=4, batch_size=64, min_eval=100, arms=("bf16",),
-                  noise_seeds=())
     logs = []
-    for clip in (None, 1e-9):
-      self.assertTrue(quality.run_model(
-          "dlrm", quality.QualitySettings(clip_norm=clip, **common), results, out,
-          deadline=float("inf"), device="cpu", log=logs.append))
+    out, results = self.run_recipes("clip_norm", (None, 1e-9), logs)
     plain, clipped = sorted(results.rows(), key=quality.row_clip)
     self.assertIn("  quality synthetic dlrm/tiny bf16 seed 0 clip 1e-09", logs)
     self.assertNotIn("clip_norm", plain)  # plain rows keep the keys they always had
