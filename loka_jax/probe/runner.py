@@ -39,7 +39,7 @@ from loka_jax.probe import report as report_lib
 from loka_jax.probe import stats_report
 from loka_jax.probe.collector import ProbeConfig
 from loka_jax.probe.training import META_KEY, STATS_KEY, ProbeCollector, probe_sites
-from loka_jax.train import experiment
+from loka_jax.train import experiment, run_files
 from loka_jax.train.checkpoint import Checkpointer
 from loka_jax.train.loop import TrainConfig, restore_run, train
 
@@ -325,7 +325,8 @@ def _trained_key(spec: experiment.RunSpec, train_config: TrainConfig,
   t = train_config
   return report_lib.json_ready({
       "run": spec.run_info(), "steps": t.steps, "batch_size": t.batch_size, "seed": t.seed,
-      "nan_policy": t.nan_policy, "optim": dataclasses.asdict(t.optim),
+      "nan_policy": t.nan_policy,
+      "optim": run_files.without_added_defaults(dataclasses.asdict(t.optim)),
       "probe_config": probe_config.statistics_settings()})
 
 

@@ -78,6 +78,13 @@ def read_metrics(path: str):
     return [json.loads(line) for line in f if line.strip()]
 
 
+def without_added_defaults(settings: Mapping[str, Any]) -> Dict[str, Any]:
+  """`settings` less the ADDED_SETTINGS at the value runs had before them: a cache key made
+  from it (the probe's trained statistics) still matches one written before they existed."""
+  return {k: v for k, v in settings.items()
+          if not (k in ADDED_SETTINGS and v == ADDED_SETTINGS[k])}
+
+
 def _ran_with(key: str, old: Mapping[str, Any]) -> Any:
   """The value of setting `key` (flattened) in the run whose settings are `old`: a setting
   newer than its config.json ran at its ADDED_SETTINGS value (None: one it did not have)."""

@@ -2,6 +2,7 @@
 shape goes into the timing cache without training, and a later probe given that cache times
 nothing (and compiles none of its evaluation on first call: `probe.executables`). A probe
 whose sites are all evaluated finishes on a machine without its checkpoint, without training."""
+import dataclasses
 import json
 import os
 import shutil
@@ -13,7 +14,7 @@ from absl.testing import absltest
 
 from loka_jax.probe import assemble, executables, kernel_timing, runner, training
 from loka_jax.probe.collector import ProbeConfig
-from loka_jax.train import TrainConfig, experiment
+from loka_jax.train import OptimConfig, TrainConfig, experiment
 
 SITES = "layer_0/fmb/(fm_proj|mlp/dense_0|mlp/dense_1)"
 KERNELS = ("xla_bf16", "xla_fp8_rowwise")
@@ -189,6 +190,21 @@ class WithoutTheCheckpointTest(chex.TestCase):
     self.assertTrue(again.complete)
     for key in ("sites", "overhead", "run", "evaluation", "timing_source"):
       self.assertEqual(again.report[key], self.first.report[key], key)
+
+  def test_a_summary_written_before_the_cooldown_existed_still_fits(self):
+    # The optimizer settings of the key, as probes wrote them before the cooldown existed:
+    # a run without a cooldown keeps that key, so their trained statistics are reused.
+    saved = json.load(open(os.path.join(self.workdir, runner.TRAINED_JSON)))
+    self.assertEqual(sorted(saved["key"]["optim"]), [
+        "adagrad_eps", "adagrad_initial_accumulator", "b1", "b2", "clip_norm",
+        "embedding_learning_rate", "embedding_optimizer", "eps", "learning_rate",
+        "warmup_steps", "weight_decay"])
+    cooled = dataclasses.replace(self.train_config, optim=OptimConfig(cooldown_start=2,
+                                                                      cooldown_steps=2))
+    with mock.patch.object(runner, "train", side_effect=AssertionError("trained again")):
+      with self.assertRaisesRegex(AssertionError, "trained again"):  # a cooldown is another run
+        runner.run_probe(spec(), self.fresh_host(), cooled, ProbeConfig(cadence=2),
+                         self.options)
 
   def test_it_trains_when_the_summary_or_cache_does_not_fit_the_run(self):
     other_settings = self.fresh_host()
