@@ -9,7 +9,8 @@ delayed scaling everywhere (`fp8_all` with `flax_fp8_delayed`, the fastest train
 largest tower, whose weight gradients measure 9-11 dB there) and LoKA (Mods + the target's
 plan, whose kernels its rows record as `plan_kernels`); on request (not among the default
 arms), naive FP8 with the Mods (`fp8_naive_mods`), which has bf16+Mods' architecture and so
-isolates FP8's own change where the naive arm also carries the Mods'. Every arm runs at each of `seeds`
+isolates FP8's own change where the naive arm also carries the Mods'. Every arm runs at each
+of `seeds`
 (the bench's default: 0, 1, 2; MovieLens: 5); without `seeds`, the arms at `seed` and bf16
 alone at `noise_seeds`, which pair with nothing. One row per finished run.
 

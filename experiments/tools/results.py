@@ -53,8 +53,8 @@ class Manifest:
   why: Dict[str, str]        # `sections.miss_key` -> one line
   quality_plot: str = ""     # absolute path of the paired quality plot ('' for none)
   user_speed: Tuple[str, ...] = ()  # absolute paths of time-to-plan and start-up rows
-  # Quality rows measured on other cards or the CPU: (absolute path, commit, command) per file, and the
-  # stem of their plots.
+  # Quality rows measured on other cards or the CPU: (absolute path, commit, command) per
+  # file, and the stem of their plots.
   quality_other_cards: Tuple[Tuple[str, str, str], ...] = ()
   quality_other_cards_plot: str = ""
 

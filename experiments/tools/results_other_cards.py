@@ -1,7 +1,7 @@
-"""RESULTS' quality verdicts measured on cards other than the page's own, or on the CPU: the
-same paired rule, one subsection per device, each with its verdicts, its arms by seed and, after `--plots`, its
-paired plot. The manifest lists these row files under 'quality_other_cards', apart from
-'rows', so the page's targets and headline stay those of its one card."""
+"""RESULTS' quality verdicts measured on cards other than the page's own, or on the CPU: the same
+paired rule, one subsection per device, each with its verdicts, its arms by seed and, after
+`--plots`, its paired plot. The manifest lists these row files under 'quality_other_cards',
+apart from 'rows', so the page's targets and headline stay those of its one card."""
 from __future__ import annotations
 
 import os
@@ -47,8 +47,8 @@ def section(files: Sequence[Tuple[str, str, str]], page_device: str, plot_stem: 
             tables.quality_verdicts_table(targets.check_quality(rows)), ""]
     if plot_stem:
       name = os.path.basename(plot_path(plot_stem, card))
-      out += [f"![Paired quality on the {device_name(card)}: each seed's change and the 95% CI of their "
-              f"mean, +0.02% margin](results/{name})", ""]
+      out += [f"![Paired quality on the {device_name(card)}: each seed's change and the 95% "
+              f"CI of their mean, +0.02% margin](results/{name})", ""]
     out += ["Arms by seed:", "", tables.quality_table(rows), ""]
   sources = []
   for path, commit, command in files:

@@ -27,8 +27,8 @@ class OptimConfig:
   embedding_optimizer: str = "rowwise_adagrad"
   warmup_steps: int = 0                  # linear warmup of both rates from 0
   # A linear cooldown of both rates from step `cooldown_start`, reaching 0 at step
-  # `cooldown_start + cooldown_steps` and staying there (0 steps: none). Ending a fixed-step run at a
-  # rate of 0 settles its last iterate, where a constant rate leaves it moving.
+  # `cooldown_start + cooldown_steps` and staying there (0 steps: none). Ending a fixed-step
+  # run at a rate of 0 settles its last iterate, where a constant rate leaves it moving.
   cooldown_start: int = 0
   cooldown_steps: int = 0
   weight_decay: float = 0.0              # AdamW decoupled decay (dense only)

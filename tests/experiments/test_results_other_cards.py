@@ -1,8 +1,8 @@
-"""RESULTS' quality on other devices (experiments/tools/results_other_cards.py): rows measured
-on a card other than the page's, or on the CPU, are judged by the paired rule in a section of their own, with
-the commit and command the manifest records for their file, and a paired plot per card; a
-file holding the page's own card's rows or speed rows, or an entry without its provenance, is
-refused in one line."""
+"""RESULTS' quality on other devices (experiments/tools/results_other_cards.py): rows measured on a
+card other than the page's, or on the CPU, are judged by the paired rule in a section of their
+own, with the commit and command the manifest records for their file, and a paired plot per
+card; a file holding the page's own card's rows or speed rows, or an entry without its
+provenance, is refused in one line."""
 import json
 import os
 import shutil
