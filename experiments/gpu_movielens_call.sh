@@ -20,7 +20,8 @@
 # seconds of the call), MAXMIN (7.5), KERNELS (the probes' candidates: by default the main
 # job's GPU list, the kernels validated plans select; empty: every registered candidate, whose
 # timing at one `tiny` shape alone takes minutes of compiles), WORK (/tmp/mlcall), OUT (set on
-# the device; elsewhere $WORK/out), COOLDOWN (0: the steps over which both rates decay to 0 at
+# the device; elsewhere $WORK/out), ARMS (the quality arms, in order; by default the bench's,
+# and fp8_naive_mods may be added), COOLDOWN (0: the steps over which both rates decay to 0 at
 # the end, a recipe of its own), COMMIT (recorded in the log).
 set -u
 source experiments/gpu_common.sh
@@ -49,6 +50,7 @@ timeout "$LIMIT" python3 -m experiments.bench \
   --config=experiments/configs/bench_quality.py --config.quality.data=movielens \
   --config.quality.movielens.models="${MODELS:-dlrm,dcnv2,dhen,wukong,interformer}" \
   --config.quality.movielens.seeds="${SEEDS:-5}" \
+  ${ARMS:+--config.quality.arms="$ARMS"} \
   --config.quality.movielens.steps="${STEPS:-600}" \
   --config.quality.movielens.cooldown_steps="${COOLDOWN:-0}" \
   --config.quality.movielens.data_cache="$DATA" --config.probe.kernels="$KERNELS" \

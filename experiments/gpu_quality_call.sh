@@ -10,6 +10,7 @@
 #
 #   CARRY=.snap/quality bash experiments/gpu_quality_call.sh   (the call carries .snap, .whl)
 #
+# Arguments go to the bench, after the call's own, as config overrides.
 # Environment: CARRY (.snap/quality), MODELS (wukong,dhen,interformer), SEEDS (0,1,2,3,4,5),
 # PLAN_WUKONG (the committed Wukong `large` plan), PLAN_DHEN and PLAN_INTERFORMER (docs/results
 # commits neither: without one that model's LoKA arm is left out; InterFormer's plan ran
@@ -76,7 +77,7 @@ for model in "${models[@]}"; do
     --config.probe.enabled=false --workdir="$WORK" --config.plans_dir="$WORK/plans" \
     --config.compile_cache=/tmp/jc \
     --config.pacing.max_minutes="$(LIMIT=$left max_minutes)" \
-    --config.pacing.end_by_minutes="$(LIMIT=$left end_by_minutes)" >> "$OUT/log.txt" 2>&1
+    --config.pacing.end_by_minutes="$(LIMIT=$left end_by_minutes)" "$@" >> "$OUT/log.txt" 2>&1
   echo "$model rc=$?" | tee -a "$OUT/log.txt"
 done
 cp "$WORK/quality.jsonl" "$OUT/quality.jsonl" 2>/dev/null

@@ -189,6 +189,22 @@ class QueueTest(absltest.TestCase):
     self.assertIn("give NAME WORK CARRY MIN_LEFT", bad.stderr)
 
 
+class QualityCallTest(absltest.TestCase):
+
+  def test_the_named_arms_run_in_their_order_under_the_cooldown(self):
+    work = tempfile.mkdtemp(prefix="loka_qcall_")
+    self.addCleanup(shutil.rmtree, work, ignore_errors=True)
+    env = {"WORK": work, "CARRY": os.path.join(work, "carry"), "MODELS": "dlrm",
+           "PRESET": "tiny", "STEPS": "4", "WARMUP": "0", "EVAL": "100", "SEEDS": "0",
+           "ARMS": "fp8_naive_mods,bf16", "COOLDOWN": "2", "LIMIT": "300"}
+    out = _call("gpu_quality_call.sh", env)
+    self.assertIn("dlrm rc=0", out)
+    with open(os.path.join(work, "out", "quality.jsonl")) as f:
+      rows = [json.loads(line) for line in f]
+    self.assertEqual([(r["arm"], r["seed"], r["steps"], r["cooldown_steps"]) for r in rows],
+                     [("fp8_naive_mods", 0, 4, 2), ("bf16", 0, 4, 2)])
+
+
 class MovieLensCallTest(absltest.TestCase):
 
   def test_without_the_carried_data_cache_it_says_how_to_fetch_it(self):
