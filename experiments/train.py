@@ -41,6 +41,9 @@ def main(argv):
   if not loop.triton_gemm:
     xla_env.add_xla_flags(xla_env.NO_TRITON_GEMM)
   experiment.quiet_library_logs()
+  if not 0 <= optim.cooldown_steps <= run.steps - optim.warmup_steps:
+    sys.exit(f"error: --config.optim.cooldown_steps={optim.cooldown_steps}: must be in [0, "
+             f"run.steps - optim.warmup_steps = {run.steps - optim.warmup_steps}]")
   spec = run_config.run_spec(run, drift_every=config.drift.every,
                              drift_report=config.drift.report,
                              drift_max_overhead=config.drift.max_overhead,
@@ -54,7 +57,9 @@ def main(argv):
       progress=loop.progress, module_norms=loop.module_norms, prefetch=loop.prefetch,
       batch_workers=loop.batch_workers, run_ahead=loop.run_ahead,
       optim=OptimConfig(learning_rate=optim.lr, embedding_learning_rate=optim.embedding_lr,
-                        warmup_steps=optim.warmup_steps, weight_decay=optim.weight_decay))
+                        warmup_steps=optim.warmup_steps, weight_decay=optim.weight_decay,
+                        cooldown_start=run.steps - optim.cooldown_steps if optim.cooldown_steps
+                        else 0, cooldown_steps=optim.cooldown_steps))
   for note in experiment.recipe_notes(spec.preset, train_config.optim):
     print(f"note: {note}", file=sys.stderr, flush=True)
   try:

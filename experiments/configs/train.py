@@ -57,6 +57,8 @@ def get_config() -> ml_collections.ConfigDict:
   # Linear learning-rate warmup steps. The `large` presets want about 50 (without, their first
   # steps spike, in bf16 too); a run without prints a note.
   optim.warmup_steps = 0
+  # A linear decay of both learning rates to 0 over the run's last this many steps (0: none).
+  optim.cooldown_steps = 0
   optim.weight_decay = 0.0      # AdamW weight decay (dense towers)
 
   # The drift valve of a loka run: refresh the probe's statistics every `every` steps (less

@@ -64,6 +64,20 @@ class TrainCliTest(chex.TestCase):
     self.assertEqual(result.returncode, 0, result.stderr[-3000:])
     self.assertEqual(json.loads(result.stdout)["steps"], 4)
 
+  def test_a_cooldown_reaches_the_optimizer_and_a_long_one_is_one_line(self):
+    workdir = tempfile.mkdtemp(prefix="loka_cli_")
+    common = ("--config.run.model=dlrm", "--config.run.preset=tiny", "--config.run.steps=4",
+              "--config.run.batch_size=64", "--config.run.num_eval=128")
+    result = run_cli(*common, "--config.optim.cooldown_steps=2", f"--workdir={workdir}")
+    self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+    optim = json.load(open(os.path.join(workdir, "config.json")))["train"]["optim"]
+    self.assertEqual((optim["cooldown_start"], optim["cooldown_steps"]), (2, 2))
+    long = run_cli(*common, "--config.optim.warmup_steps=1", "--config.optim.cooldown_steps=4",
+                   "--workdir=" + tempfile.mkdtemp())
+    self.assertEqual(long.returncode, 1)
+    self.assertEqual(long.stderr.strip(), "error: --config.optim.cooldown_steps=4: must be in "
+                     "[0, run.steps - optim.warmup_steps = 3]")
+
   def test_a_large_preset_without_warmup_gets_a_note(self):
     # The note comes before anything is built; a flag combination refused right after it
     # keeps the test from building a `large` model.
