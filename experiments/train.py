@@ -22,6 +22,7 @@ from loka_jax.parallel.mesh import MeshSpecError
 from loka_jax.train import (CheckpointError, NonFiniteError, OptimConfig, RunSettingsError,
                             TrainConfig)
 from loka_jax.train import experiment
+from loka_jax.train.optim import cooldown_at_end
 
 CONFIG = run_config.define_config_flag("train")
 flags.adopt_module_key_flags(run_config)  # --help lists --config
@@ -58,8 +59,7 @@ def main(argv):
       batch_workers=loop.batch_workers, run_ahead=loop.run_ahead,
       optim=OptimConfig(learning_rate=optim.lr, embedding_learning_rate=optim.embedding_lr,
                         warmup_steps=optim.warmup_steps, weight_decay=optim.weight_decay,
-                        cooldown_start=run.steps - optim.cooldown_steps if optim.cooldown_steps
-                        else 0, cooldown_steps=optim.cooldown_steps))
+                        **cooldown_at_end(run.steps, optim.cooldown_steps)))
   for note in experiment.recipe_notes(spec.preset, train_config.optim):
     print(f"note: {note}", file=sys.stderr, flush=True)
   try:

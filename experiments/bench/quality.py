@@ -55,7 +55,7 @@ from experiments.bench import mods_set, pace, planning, quality_pairs
 from experiments.bench.results import ResultsFile
 from loka_jax.train import experiment, read_metrics
 from loka_jax.train.loop import RunSettingsError, TrainConfig, train
-from loka_jax.train.optim import OptimConfig, make_optimizer
+from loka_jax.train.optim import OptimConfig, cooldown_at_end, make_optimizer
 from loka_jax.train.state import create_train_state, state_bytes
 
 # `warmup_steps`, `clip_norm` and `cooldown_steps` are absent (None) from rows of the plain
@@ -135,8 +135,7 @@ class QualitySettings:
   @property
   def optim(self) -> OptimConfig:
     return OptimConfig(warmup_steps=self.warmup_steps, clip_norm=self.clip_norm,
-                       cooldown_start=self.steps - self.cooldown_steps if self.cooldown_steps
-                       else 0, cooldown_steps=self.cooldown_steps)
+                       **cooldown_at_end(self.steps, self.cooldown_steps))
 
   @property
   def mods_label(self) -> Optional[str]:

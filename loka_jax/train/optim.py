@@ -9,7 +9,7 @@ training step overwrites it with its "gradient" (see `TrainState.apply_gradients
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, NamedTuple, Optional
+from typing import Any, Dict, Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -115,6 +115,13 @@ def learning_rate_schedule(peak: float, warmup_steps: int, cooldown_start: int =
     pieces.append(optax.linear_schedule(peak, 0.0, cooldown_steps))
     boundaries.append(cooldown_start)
   return pieces[0] if len(pieces) == 1 else optax.join_schedules(pieces, boundaries)
+
+
+def cooldown_at_end(steps: int, cooldown_steps: int) -> Dict[str, int]:
+  """OptimConfig's cooldown fields for a decay over the last `cooldown_steps` of a run of
+  `steps` (none for 0)."""
+  return {"cooldown_start": steps - cooldown_steps if cooldown_steps else 0,
+          "cooldown_steps": cooldown_steps}
 
 
 def restart_schedules(opt_state) -> Any:

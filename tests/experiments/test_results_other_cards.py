@@ -5,12 +5,11 @@ card; a file holding the page's own card's rows or speed rows, or an entry witho
 provenance, is refused in one line."""
 import json
 import os
-import shutil
-import tempfile
 
 from absl import app
 from absl.testing import absltest
 
+from bench_rows import tempdir
 from experiments.tools import results, results_other_cards as other_cards
 from experiments.tools.results_sections import ManifestError
 from loka_jax import jsonio
@@ -35,14 +34,11 @@ class OtherCardsTest(absltest.TestCase):
 
   def setUp(self):
     super().setUp()
-    self.dir = tempfile.mkdtemp(prefix="loka_other_cards_")
-    self.addCleanup(shutil.rmtree, self.dir, ignore_errors=True)
+    self.dir = tempdir(self)
 
   def write(self, name, rows):
     path = os.path.join(self.dir, name)
-    with open(path, "w") as f:
-      for row in rows:
-        f.write(json.dumps(jsonio.with_digest(row)) + "\n")
+    jsonio.append_rows(path, rows)
     return path
 
   def rows_file(self, name="quality_movielens_tiny_h100_2026-12-05.jsonl"):

@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 
-from loka_jax.train.optim import OptimConfig, learning_rate_schedule, make_optimizer
+from loka_jax.train.optim import (OptimConfig, cooldown_at_end, learning_rate_schedule,
+                                  make_optimizer)
 
 
 class ScheduleTest(absltest.TestCase):
@@ -37,6 +38,10 @@ class ScheduleTest(absltest.TestCase):
     np.testing.assert_allclose(dense, [-1e-3 * r for r in rate], rtol=1e-4)
     np.testing.assert_allclose(table, [-0.05 * r / np.sqrt(t + 1) for t, r in enumerate(rate)],
                                rtol=1e-4)
+
+  def test_a_cooldown_at_the_end_starts_its_length_before_the_last_step(self):
+    self.assertEqual(cooldown_at_end(600, 200), {"cooldown_start": 400, "cooldown_steps": 200})
+    self.assertEqual(cooldown_at_end(600, 0), {"cooldown_start": 0, "cooldown_steps": 0})
 
   def test_a_wrong_cooldown_is_refused_naming_it(self):
     with self.assertRaisesRegex(ValueError, "cooldown_steps must be >= 0, got -1"):
