@@ -30,6 +30,8 @@ COMMANDS = {
                   "what the drift valve's refreshes cost in one training run (a row)"),
     "time_to_plan": ("experiments.tools.time_to_plan",
                      "the main job's time to a plan, cold and warm, from its logs (a row)"),
+    "paired_spread": ("experiments.tools.paired_spread",
+                      "how far quality verdicts' paired changes spread, by recipe and Mods"),
     "hlo_scope": ("experiments.tools.hlo_scope",
                   "what one name scope of two compiled steps runs, and how they differ"),
 }

@@ -21,7 +21,7 @@ MAINS = (("loka",), ("train",))
 
 # The grouping mains, their subcommands, and a flag of the first subcommand.
 GROUPS = (("report", ("rows", "plan_headroom", "validation", "spikes", "kernel_usage",
-                      "hlo_scope"), "rows"),
+                      "paired_spread", "hlo_scope"), "rows"),
           ("timing_cache", ("compare", "merge"), "out"),
           ("measure", ("held_out_sites", "shadow_arms", "serving_quality",
                        "delayed_warmup", "timing_check", "kernel_resources", "round_trip"),
