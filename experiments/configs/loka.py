@@ -49,8 +49,8 @@ def get_config() -> ml_collections.ConfigDict:
   # (-1: the CPUs, up to 16; 0: compile each function on its first call).
   probe.compile_workers = -1
   # Compile every site's evaluation functions while the probe trains (on half those threads),
-  # instead of site by site after it.
-  probe.compile_evaluation_while_training = False
+  # instead of site by site after it (unset: on a GPU, not on the CPU).
+  probe.compile_evaluation_while_training = config_dict.placeholder(bool)
 
   # The selection of the plan from the probe report.
   config.select = select = ml_collections.ConfigDict()

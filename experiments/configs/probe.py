@@ -43,8 +43,8 @@ def get_config() -> ml_collections.ConfigDict:
   # (-1: the CPUs, up to 16; 0: compile each function on its first call).
   evaluate.compile_workers = -1
   # Compile every site's evaluation functions while the probe trains (on half those threads),
-  # instead of site by site after it.
-  evaluate.compile_while_training = False
+  # instead of site by site after it (unset: on a GPU, not on the CPU).
+  evaluate.compile_while_training = config_dict.placeholder(bool)
 
   # Kernel timing: each candidate's time per distinct site shape and pass.
   config.timing = timing = ml_collections.ConfigDict()

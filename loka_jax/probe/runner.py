@@ -162,8 +162,10 @@ class _EarlyEvaluationCompiles:
   def wanted(options: ProbeOptions, cached: Mapping) -> bool:
     """Only for a fresh probe: with an evaluation cache, which candidates a site still needs
     is known after training (from the statistics' fingerprint)."""
-    return (options.compile_evaluation_while_training and options.compile_workers != 0
-            and not cached)
+    early = options.compile_evaluation_while_training
+    if early is None:
+      early = jax.default_backend() != "cpu"
+    return early and options.compile_workers != 0 and not cached
 
   def start(self, sites, kernels, compute_dtype: str, eval_config,
             collector: ProbeCollector) -> None:

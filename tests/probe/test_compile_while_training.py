@@ -4,6 +4,7 @@ compiling, where without the option only the sites within the evaluation's looka
 the evaluation compiles nothing on first call. The thread that works out the jobs (`Precompiler.
 submit_from_thread`) queues what its makers return and ends quietly on a failing maker or a
 closed pool."""
+import dataclasses
 import tempfile
 import threading
 from unittest import mock
@@ -60,6 +61,24 @@ class CompileWhileTrainingTest(chex.TestCase):
     # the statistics' shapes before training are the ones the evaluation calls.
     self.assertEqual((counts["inline"], counts["compiled"]), (0, every))
     self.assertTrue(result.complete)
+
+
+class DefaultTest(absltest.TestCase):
+  """Unset, the option is on where the probe trains on a GPU and off on the CPU, where the
+  compiles would take the training's cores; set, it is what it says; a resumed probe (an
+  evaluation cache) or compiles on first call never take it."""
+
+  def test_unset_follows_the_backend_and_a_set_value_wins(self):
+    unset, on, off = (runner.ProbeOptions(compile_evaluation_while_training=v)
+                      for v in (None, True, False))
+    wanted = runner._EarlyEvaluationCompiles.wanted
+    self.assertIsNone(runner.ProbeOptions().compile_evaluation_while_training)
+    self.assertEqual((wanted(unset, {}), wanted(on, {}), wanted(off, {})), (False, True, False))
+    with mock.patch.object(jax, "default_backend", return_value="gpu"):
+      self.assertEqual((wanted(unset, {}), wanted(on, {}), wanted(off, {})),
+                       (True, True, False))
+      self.assertFalse(wanted(unset, {"site": {}}))
+      self.assertFalse(wanted(dataclasses.replace(unset, compile_workers=0), {}))
 
 
 class SubmitFromThreadTest(chex.TestCase):
