@@ -85,27 +85,30 @@ def _stage_s(stages: Mapping[str, float], name: str) -> str:
 
 
 def time_to_plan_table(rows: Sequence[Mapping]) -> str:
-  lines = ["| model | card | candidates | cold | warm | probe training | evaluation | timing | "
-           "arms | FP8 sites |", "|---|---|---|---|---|---|---|---|---|---|"]
-  for r in rows:
+  """One line per run, numbered, then each run's note and kernel-pass counts under its number
+  (runs of one model on one card, even of one commit, differ in settings the notes name)."""
+  lines = ["| run | model | card | commit | candidates | cold | warm | probe training | "
+           "evaluation | timing | arms | FP8 sites |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  notes = []
+  for number, r in enumerate(rows, 1):
     stages = r.get("stages_s", {})
     cold = _s(r["cold_s"]) if r.get("complete") else f"> {_s(r['cold_s'])} (stopped)"
     stage_cells = " | ".join(_stage_s(stages, name) for name in
                              ("probe_training", "evaluation", "timing", "arms"))
     lines.append(
-        f"| {r['model']}/{r['preset']} | {card(r['device'])} | {r['candidates']} | {cold} | "
-        f"{_s(r.get('warm_s'))} | {stage_cells} | "
-        f"{'-' if r.get('fp8_sites') is None else r['fp8_sites']} |")
-  notes = [f"- {r['model']}/{r['preset']} on the {card(r['device'])}, {r['candidates']}: "
-           f"{r['note']}" for r in rows if r.get("note")]
-  for r in rows:
+        f"| {number} | {r['model']}/{r['preset']} | {card(r['device'])} | "
+        f"{r.get('commit') or '-'} | {r['candidates']} | {cold} | {_s(r.get('warm_s'))} | "
+        f"{stage_cells} | {'-' if r.get('fp8_sites') is None else r['fp8_sites']} |")
+    said = [r["note"].rstrip(".") + "."] if r.get("note") else []
     c = r.get("kernel_passes")
     if c:
-      notes.append(
-          f"- Kernel passes of {r['model']}/{r['preset']} on the {card(r['device'])}: "
-          f"{c['measured']} timed, {c['reused']} reused from the card's committed table, "
-          f"{c['not_safe']} not timed (no site of their shape admits them on accuracy), "
-          f"{c['dominated']} not timed (dominated on the card).")
+      said.append(f"Kernel passes: {c['measured']} timed, {c['reused']} reused from the "
+                  f"card's committed table, {c['not_safe']} not timed (no site of their shape "
+                  f"admits them on accuracy), {c['dominated']} not timed (dominated on the "
+                  "card).")
+    if said:
+      notes.append(f"- Run {number}: {' '.join(said)}")
   return "\n".join(lines + [""] + notes)
 
 
