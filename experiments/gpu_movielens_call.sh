@@ -21,8 +21,9 @@
 # job's GPU list, the kernels validated plans select; empty: every registered candidate, whose
 # timing at one `tiny` shape alone takes minutes of compiles), WORK (/tmp/mlcall), OUT (set on
 # the device; elsewhere $WORK/out), ARMS (the quality arms, in order; by default the bench's,
-# and fp8_naive_mods may be added), COOLDOWN (0: the steps over which both rates decay to 0 at
-# the end, a recipe of its own), COMMIT (recorded in the log).
+# and fp8_naive_mods or loka_accuracy, LoKA under the error budget alone with a probe of its
+# own, may be added), COOLDOWN (0: the steps over which both rates decay to 0 at the end, a
+# recipe of its own), COMMIT (recorded in the log).
 set -u
 source experiments/gpu_common.sh
 ensure_wheels || exit 1

@@ -19,6 +19,9 @@ from loka_jax.train.loop import TrainConfig
 
 PLAN_FILE = "plan.json"
 SERVING_PLAN_FILE = "plan_serve.json"
+# The folder, under a plans root, of the quality suite's plans selected by the error budget
+# alone (the `loka_accuracy` arm's), apart from LoKA's own under the same root.
+ACCURACY_ONLY_PLANS = "accuracy_only"
 
 
 def plan_dir(plans_root: str, model: str, preset: str) -> str:

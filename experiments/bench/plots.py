@@ -85,7 +85,7 @@ def speedup_plot(rows: Sequence[Mapping], suite: str, path: str) -> str:
 
 # A fixed colour per quality arm, the same in the loss gap and the training curves.
 ARM_COLORS = {"bf16": "0.45", "bf16_mods": "C0", "fp8_naive": "C1", "fp8_delayed": "C2",
-              "loka": "C3", "fp8_naive_mods": "C4"}
+              "loka": "C3", "fp8_naive_mods": "C4", "loka_accuracy": "C5"}
 
 
 # Marker of each paired verdict in `paired_quality_plot`.

@@ -9,7 +9,10 @@ delayed scaling everywhere (`fp8_all` with `flax_fp8_delayed`, the fastest train
 largest tower, whose weight gradients measure 9-11 dB there) and LoKA (Mods + the target's
 plan, whose kernels its rows record as `plan_kernels`); on request (not among the default
 arms), naive FP8 with the Mods (`fp8_naive_mods`), which has bf16+Mods' architecture and so
-isolates FP8's own change where the naive arm also carries the Mods'. Every arm runs at each
+isolates FP8's own change where the naive arm also carries the Mods', and LoKA under the
+error budget alone (`loka_accuracy`: its own probe and plan, selected with the speed rule off
+and validated without the speed checks), which judges the Probe's accuracy selection where
+no FP8 kernel is faster than bf16 and LoKA's plan is bf16+Mods itself. Every arm runs at each
 of `seeds`
 (the bench's default: 0, 1, 2; MovieLens: 5); without `seeds`, the arms at `seed` and bf16
 alone at `noise_seeds`, which pair with nothing. One row per finished run.
@@ -88,6 +91,9 @@ class QualityArm:
   precision: str
   kernel: str = "xla_fp8_tensorwise"
   mods: Tuple[str, ...] = ()
+  # A LoKA arm whose plan is selected by the error budget alone (the speed rule off), in a
+  # plans folder of its own (`arm_plans_root`).
+  accuracy_only: bool = False
 
 
 ARMS = {
@@ -98,6 +104,7 @@ ARMS = {
                                  mods=("all",)),
     "fp8_delayed": QualityArm("fp8_delayed", "fp8_all", "flax_fp8_delayed"),
     "loka": QualityArm("loka", "loka", mods=("all",)),
+    "loka_accuracy": QualityArm("loka_accuracy", "loka", mods=("all",), accuracy_only=True),
 }
 DEFAULT_ARMS = ("bf16", "bf16_mods", "fp8_naive", "fp8_delayed", "loka")
 
@@ -299,6 +306,14 @@ def checkpoint_plan(state_nbytes: int, steps: int, keep_runs: bool = False
   return (0, 1) if keep_runs else (0, 0)
 
 
+def arm_plans_root(settings: QualitySettings, arm: QualityArm) -> str:
+  """The plans folder of a LoKA arm: the quality plans' own, or for the error budget alone a
+  folder under it, so the two plans of one model never share a probe, plan or validation."""
+  if arm.accuracy_only:
+    return os.path.join(settings.plans_root, planning.ACCURACY_ONLY_PLANS)
+  return settings.plans_root
+
+
 def expected_run_s(results: ResultsFile, model: str, settings: QualitySettings,
                    arm: Optional[str] = None) -> Optional[float]:
   """How long `model`'s next quality run of `arm` may take (`pace.expected_s`): from the
@@ -343,12 +358,12 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
       row["xla_deterministic"] = True
     plan = None
     if arm.precision == "loka":
-      plan = planning.plan_path(settings.plans_root, model, settings.preset)
+      plan = planning.plan_path(arm_plans_root(settings, arm), model, settings.preset)
       if not os.path.exists(plan) and plan_maker is not None:
-        plan = plan_maker(model) or plan
+        plan = plan_maker(model, accuracy_only=arm.accuracy_only) or plan
       if not os.path.exists(plan):
-        log(f"  quality {model}/loka seed {seed}: left for a later run, no plan at {plan} "
-            "yet")
+        log(f"  quality {model}/{arm.name} seed {seed}: left for a later run, no plan at "
+            f"{plan} yet")
         complete = False
         continue
       row["plan"] = plan
@@ -360,7 +375,7 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
         row.pop("xla_deterministic", None)  # the twin's run says how it ran, not this process
         row.update({f: twin[f] for f in TWIN_FIELDS if f in twin},
                    same_run_as="bf16_mods", note=TWIN_NOTE)
-        log(f"  quality {settings.data} {model}/{settings.preset} loka seed {seed}: "
+        log(f"  quality {settings.data} {model}/{settings.preset} {arm.name} seed {seed}: "
             f"{TWIN_NOTE}")
         results.append(row)
         continue

@@ -22,11 +22,13 @@ import numpy as np
 from loka_jax.train import verdict as verdict_lib
 
 # Judged, each against both references.
-ARMS = ("loka", "fp8_naive", "fp8_naive_mods", "fp8_delayed")
+ARMS = ("loka", "loka_accuracy", "fp8_naive", "fp8_naive_mods", "fp8_delayed")
 REFERENCES = ("bf16_mods", "bf16")
+# The arms whose kernels come from a plan, which may name none (then not applicable).
+PLAN_ARMS = ("loka", "loka_accuracy")
 LABELS = {"bf16": "bf16", "bf16_mods": "bf16+Mods", "fp8_naive": "naive FP8",
           "fp8_naive_mods": "naive FP8 with the Mods", "fp8_delayed": "Flax delayed everywhere",
-          "loka": "LoKA"}
+          "loka": "LoKA", "loka_accuracy": "LoKA, error budget alone"}
 FINGERPRINTS = ("eval_fingerprint", "train_fingerprint", "init_fingerprint")
 # Parameters the Mods drop (no_bias, BlockNorm in place of LayerNorm), left out of the
 # initial-weights fingerprint so that the arms with and without Mods share it.
@@ -75,12 +77,13 @@ def unpaired_why(a: Mapping, b: Mapping) -> Optional[str]:
 
 
 def fp8_plan(rows: Sequence[Mapping], comparison, arm: str) -> Optional[bool]:
-  """Whether `arm` runs an FP8 kernel in `comparison`: the naive and delayed arms do; LoKA
-  where its rows' plan (`plan_kernels`) names one. A LoKA row that took bf16+Mods' run
-  (`same_run_as`) has none; rows without `plan_kernels` fall back on the LoKA speed row of
-  the same model, preset and Mods set (its `kernels`), then on bf16+Mods' scores (identical
-  at every seed: its program); None where none says."""
-  if arm != "loka":
+  """Whether `arm` runs an FP8 kernel in `comparison`: the naive and delayed arms do; a plan
+  arm (LoKA, LoKA under the error budget alone) where its rows' plan (`plan_kernels`) names
+  one. A row that took bf16+Mods' run (`same_run_as`) has none; LoKA rows without
+  `plan_kernels` fall back on the LoKA speed row of the same model, preset and Mods set (its
+  `kernels`), then on bf16+Mods' scores (identical at every seed: its program); None where
+  none says."""
+  if arm not in PLAN_ARMS:
     return True
   from experiments.bench import mods_set
   from loka_jax.kernels import registry
@@ -88,7 +91,7 @@ def fp8_plan(rows: Sequence[Mapping], comparison, arm: str) -> Optional[bool]:
   if arm_rows and all(r.get("same_run_as") for r in arm_rows):
     return False
   named = [r["plan_kernels"] for r in arm_rows if r.get("plan_kernels") is not None]
-  if not named:
+  if not named and arm == "loka":
     named = [r["kernels"] for r in rows
              if r.get("suite") == "models" and r.get("variant") == "loka" and r.get("kernels")
              and r.get("model") == comparison.model and r.get("preset") == comparison.preset

@@ -286,19 +286,30 @@ def quality_plan_maker(qs, settings: SpeedSettings, deadline: float
   `settings.probe_seed`. Not at the quality seed: the plan is one file that every seed's
   LoKA run reads, and each seed may be its own invocation, which must resume the same probe
   rather than start one with other settings. Returns the plan's path, or None while the
-  probe or validation has not finished (too little time left, or a budget reached)."""
-  def make(model: str) -> Optional[str]:
+  probe or validation has not finished (too little time left, or a budget reached).
+  `accuracy_only` (the `loka_accuracy` arm): the plan in that arm's folder, selected by the
+  error budget alone and validated without the speed promotion and speed check, which would
+  hand slow FP8 sites back to bf16."""
+  def make(model: str, accuracy_only: bool = False) -> Optional[str]:
     budget = deadline - time.time()
     if budget < MIN_PROBE_BUDGET_S:
       return None
+    options = settings.plan_options()
+    plans_root = qs.plans_root
+    if accuracy_only:
+      plans_root = os.path.join(qs.plans_root, planning.ACCURACY_ONLY_PLANS)
+      options.update(criteria_changes={**(options["criteria_changes"] or {}),
+                                       "min_speedup": None},
+                     validation=dataclasses.replace(options["validation"], speed=False,
+                                                    promote=False))
     spec = experiment.RunSpec(model=model, preset=qs.preset, data=qs.data,
                               data_cache=qs.data_cache, precision="bf16", mods=qs.mods,
                               seed=settings.probe_seed)
     batch = qs.batch_size or experiment.preset_batch_size(model, qs.preset)
     config = TrainConfig(steps=settings.probe_steps, batch_size=batch, progress=False,
                          seed=settings.probe_seed)
-    return planning.make_plan(spec, qs.plans_root, config, budget_s=budget, deadline=deadline,
-                              **settings.plan_options())
+    return planning.make_plan(spec, plans_root, config, budget_s=budget, deadline=deadline,
+                              **options)
   return make
 
 

@@ -129,8 +129,10 @@ def get_config() -> ml_collections.ConfigDict:
   # The quality suite: held-out NE, log loss and AUC of each arm and seed after fixed steps.
   config.quality = quality = ml_collections.ConfigDict()
   quality.data = "synthetic,movielens"   # synthetic (every targets.models) and/or movielens
-  # Arms trained: bf16, bf16_mods, fp8_naive, fp8_delayed, loka; also fp8_naive_mods (naive
-  # FP8 with the Mods: bf16+Mods' architecture, so its change is FP8's alone) when named.
+  # Arms trained: bf16, bf16_mods, fp8_naive, fp8_delayed, loka; also, when named,
+  # fp8_naive_mods (naive FP8 with the Mods: bf16+Mods' architecture, so its change is FP8's
+  # alone) and loka_accuracy (LoKA's plan under the error budget alone, the speed rule off:
+  # its own probe and plan under plans/accuracy_only).
   quality.arms = "bf16,bf16_mods,fp8_naive,fp8_delayed,loka"
   quality.preset = "small"    # preset of the synthetic runs
   quality.steps = 500         # training steps of every synthetic arm

@@ -152,6 +152,33 @@ class QualityPlanMakerTest(absltest.TestCase):
     self.assertNotIn("default", calls[0].args[1])  # the set's own folder
     self.assertIn("mods_", calls[0].args[1])
 
+  def test_the_error_budget_alone_probes_in_its_own_folder_without_the_speed_rule(self):
+    # LoKA under the error budget alone: its own probe, plan and validation (a folder under
+    # the quality plans), the speed rule off beside the budget's other changes, and no speed
+    # promotion or speed check to hand slow FP8 sites back to bf16. LoKA's own is unchanged.
+    out = tempdir(self)
+    settings = suite.SpeedSettings(plans_dir=os.path.join(out, "plans"),
+                                   select_min_sqnr_wgrad_db=12.0)
+    qs = quality.QualitySettings(preset="tiny", batch_size=64,
+                                 plans_dir=os.path.join(out, "plans"))
+    calls = {}
+    for accuracy_only in (False, True):
+      with mock.patch("loka_jax.dispatch.pipeline.probe_and_plan") as probe_and_plan:
+        suite.quality_plan_maker(qs, settings, deadline=time.time() + 600)(
+            "dlrm", accuracy_only=accuracy_only)
+      calls[accuracy_only] = probe_and_plan.call_args
+    loka, accuracy = calls[False], calls[True]
+    self.assertEqual(loka.args[1], planning.plan_dir(qs.plans_root, "dlrm", "tiny"))
+    self.assertEqual(accuracy.args[1], planning.plan_dir(
+        os.path.join(qs.plans_root, "accuracy_only"), "dlrm", "tiny"))
+    self.assertEqual(loka.kwargs["criteria_changes"], {"min_sqnr_wgrad_db": 12.0})
+    self.assertEqual(accuracy.kwargs["criteria_changes"],
+                     {"min_sqnr_wgrad_db": 12.0, "min_speedup": None})
+    self.assertEqual((loka.kwargs["validation"].speed, loka.kwargs["validation"].promote),
+                     (None, None))
+    self.assertEqual((accuracy.kwargs["validation"].speed,
+                      accuracy.kwargs["validation"].promote), (False, False))
+
   def test_a_loka_arm_waiting_for_its_plan_leaves_the_model_unfinished(self):
     # A probe that ran out of budget returns no plan: the model's rows are not done (the
     # bench must not print "all selected rows are done", nor a queue move on); the next run
@@ -164,12 +191,12 @@ class QualityPlanMakerTest(absltest.TestCase):
     logs = []
     self.assertFalse(quality.run_model("dlrm", settings, results, out, deadline=float("inf"),
                                        device="cpu", log=logs.append,
-                                       plan_maker=lambda model: None))
+                                       plan_maker=lambda model, accuracy_only: None))
     self.assertEqual([r["arm"] for r in results.rows()], ["bf16_mods"])
     self.assertTrue(any("loka seed 0: left for a later run, no plan at" in line
                         for line in logs), logs)
 
-    def plan_made(model):
+    def plan_made(model, accuracy_only):
       path = planning.plan_path(settings.plans_root, model, settings.preset)
       os.makedirs(os.path.dirname(path), exist_ok=True)
       dispatch.save_plan({"schema": "loka.plan/1", "sites": {},

@@ -211,6 +211,56 @@ class QualityProtocolTest(absltest.TestCase):
     self.assertIn("| synthetic:dlrm/tiny | naive FP8 with the Mods | bf16+Mods | 2 | +0.600% |",
                   tables.quality_verdicts_table(targets.check_quality(rows)))
 
+  def test_loka_under_the_error_budget_alone_reads_its_own_plan_and_is_judged_as_a_peer(self):
+    # LoKA's plan keeps bf16 everywhere (its row is bf16+Mods' run); the plan selected by the
+    # error budget alone runs FP8 forwards, from its own folder, and trains a run of its own.
+    out = tempdir(self)
+    settings = quality.QualitySettings(preset="tiny", steps=3, batch_size=64, min_eval=100,
+                                       arms=("bf16_mods", "loka", "loka_accuracy"), seeds=(0,),
+                                       plans_dir=os.path.join(out, "plans"))
+    asked = []
+
+    def plan_maker(model, accuracy_only):
+      asked.append(accuracy_only)
+      root = os.path.join(settings.plans_root, "accuracy_only") if accuracy_only else (
+          settings.plans_root)
+      path = planning.plan_path(root, model, settings.preset)
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      forward = "xla_fp8_tensorwise" if accuracy_only else "xla_bf16"
+      dispatch.save_plan({"schema": "loka.plan/1", "sites": {}, "default": {
+          "fwd": forward, "grad_lhs": "xla_bf16", "grad_rhs": "xla_bf16"}}, path)
+      return path
+    results = ResultsFile(os.path.join(out, "quality.jsonl"), quality.KEY_FIELDS)
+    self.assertTrue(quality.run_model("dlrm", settings, results, out, deadline=float("inf"),
+                                      device="cpu", log=lambda _: None, plan_maker=plan_maker))
+    self.assertEqual(asked, [False, True])
+    by = {r["arm"]: r for r in results.rows()}
+    self.assertEqual(by["loka"]["same_run_as"], "bf16_mods")
+    accuracy = by["loka_accuracy"]
+    self.assertNotIn("same_run_as", accuracy)
+    self.assertIn(os.path.join("plans", "accuracy_only", "dlrm_tiny"), accuracy["plan"])
+    self.assertIn("xla_fp8_tensorwise", accuracy["plan_kernels"])
+    self.assertEqual(accuracy["init_fingerprint"], by["bf16_mods"]["init_fingerprint"])
+    self.assertNotEqual(accuracy["logloss"], by["bf16_mods"]["logloss"])  # FP8 ran
+    self.assertNotIn("loka_accuracy", quality.QualitySettings().arms)  # asked for by name
+    # Hand-made scores, -0.1% and +0.3% of bf16+Mods': judged as a peer; where its rows took
+    # bf16+Mods' runs, not applicable.
+    rows = [quality_row("dlrm", "tiny", "bf16_mods", s, loss) for s, loss in enumerate((0.5, 0.6))]
+    mine = [quality_row("dlrm", "tiny", "loka_accuracy", s, loss * (1 + d),
+                        plan_kernels=["xla_bf16", "xla_fp8_tensorwise"])
+            for s, (loss, d) in enumerate(((0.5, -1e-3), (0.6, 3e-3)))]
+    v = find_verdict(targets.check_quality(rows + mine),
+                     "loka_accuracy_quality_vs_bf16_mods", "synthetic:dlrm/tiny", "quality")
+    self.assertEqual((v["judged"], v["n"]), (False, 2))
+    self.assertAlmostEqual(v["value"], 1e-3)
+    self.assertIn("| synthetic:dlrm/tiny | LoKA, error budget alone | bf16+Mods | 2 | +0.100% |",
+                  tables.quality_verdicts_table(targets.check_quality(rows + mine)))
+    twins = [dict(quality_row("dlrm", "tiny", "loka_accuracy", s, loss), same_run_as="bf16_mods")
+             for s, loss in enumerate((0.5, 0.6))]
+    v = find_verdict(targets.check_quality(rows + twins),
+                     "loka_accuracy_quality_vs_bf16_mods", "synthetic:dlrm/tiny", "quality")
+    self.assertEqual(v["verdict"], "not applicable")
+
   def test_a_cooldown_recipe_trains_its_own_runs_and_is_compared_apart(self):
     logs = []
     out, results = self.run_recipes("cooldown_steps", (0, 2), logs)
