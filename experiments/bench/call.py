@@ -53,6 +53,7 @@ def run(call: settings_lib.Call, workdir: str, log: Callable[[str], None] = log)
   from experiments.bench import quality, suite
   from experiments.bench.results import ResultsFile
   from loka_jax import _compat
+  from loka_jax.probe import executables
   from loka_jax.train import experiment
 
   experiment.quiet_library_logs()
@@ -88,6 +89,16 @@ def run(call: settings_lib.Call, workdir: str, log: Callable[[str], None] = log)
                   else None)
     finished &= quality.run_model(model, qs, quality_rows, quality_root, deadline=deadline,
                                   device=device, log=log, plan_maker=plan_maker, end_by=end_by)
+    # A model's probe and runs compile programs no other model calls. XLA:CPU maps each
+    # program's machine code into memory mappings of its own, and a process keeps every
+    # program it compiled (jax's caches, and the probe's evaluation functions compiled
+    # ahead): a CPU call that probed Wukong, DLRM and DCNv2 `tiny` on MovieLens and ran 30
+    # quality runs reached Linux's limit of mappings per process (vm.max_map_count) in
+    # DHEN's probe, where the next compile failed ("Cannot allocate memory") and the process
+    # died.
+    # The persistent compilation cache keeps what a later model may load again.
+    executables.clear()
+    jax.clear_caches()
 
   write_report(workdir, list(speed_rows.rows()) + list(quality_rows.rows()), [quality_root],
                log)

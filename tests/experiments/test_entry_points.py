@@ -358,6 +358,26 @@ class BenchConfigTest(absltest.TestCase):
       settings.from_config(load("bench_quality", "--config.quality.data=movielens",
                                 "--config.quality.movielens.cooldown_steps=-1"), "/w")
 
+  def test_each_quality_model_drops_its_compiled_programs_before_the_next(self):
+    # A long CPU call keeps every program it compiled unless told, until the process runs
+    # out of memory mappings: after each model, jax's caches and the probe's executables
+    # compiled ahead are dropped.
+    import jax
+    from experiments.bench import call as call_lib, quality, settings
+    from loka_jax.probe import executables
+    workdir = tempfile.mkdtemp(prefix="loka_bench_clear_")
+    bench_call = settings.from_config(load(
+        "bench_quality", "--config.quality.data=synthetic", "--config.targets.models=dlrm,wukong",
+        "--config.probe.enabled=false"), workdir)
+    events = []
+    with mock.patch.object(quality, "run_model",
+                           side_effect=lambda model, *a, **k: events.append(model) or True), \
+         mock.patch.object(jax, "clear_caches", side_effect=lambda: events.append("jax")), \
+         mock.patch.object(executables, "clear", side_effect=lambda: events.append("probe")), \
+         mock.patch.object(call_lib, "write_report"):
+      self.assertTrue(call_lib.run(bench_call, workdir, log=lambda _: None))
+    self.assertEqual(events, ["dlrm", "probe", "jax", "wukong", "probe", "jax"])
+
   def test_a_wrong_value_is_one_line_naming_it(self):
     done = run_module("experiments.bench", "--config.speed.variants=bf16,fp9",
                       "--workdir=" + tempfile.mkdtemp(), timeout=120)
