@@ -161,6 +161,11 @@ def attach_timings(site_entries: Dict[str, Dict], sites: Mapping[str, Any], kern
   marked skipped), else read from the committed timing table of `options.timing_table` (then
   marked not valid for dispatch unless the table is for the target device:
   `selection.resolve_timing` decides)."""
+  # What can still win is chosen by each pass's errors, underflow included: the kernels that
+  # expose no quantized operands (Flax's delayed scaling) get theirs from the statistics,
+  # here rather than with the report, or no such kernel would pass on accuracy and none would
+  # ever be timed.
+  fill_stats_underflow(site_entries, sites, kernels)
   measure, timing_valid = timing_plan(options)
   device = jax.devices()[0].device_kind
   kind = kernel_timing.device_kind()
@@ -281,6 +286,15 @@ def kernels_info(kernels: Sequence) -> Dict[str, Dict[str, Any]]:
                    "description": k.description} for k in kernels}
 
 
+def fill_stats_underflow(site_entries: Dict[str, Dict], sites: Mapping[str, Any],
+                         kernels: Sequence) -> None:
+  """Each FP8 pass without measured operands gets its underflow from the site's statistics
+  (`stats_report.underflow_from_stats`; a pass that has it already is left as it is)."""
+  info = kernels_info(kernels)
+  for name, entry in site_entries.items():
+    stats_report.underflow_from_stats(entry, info, sites[name].layout)
+
+
 def finish_report(site_entries: Dict[str, Dict], sites: Mapping[str, Any], kernels: Sequence,
                   excluded: Mapping[str, str], options: ProbeOptions, eval_config,
                   compute_dtype: str, timing: Timing, *, model: str, preset: Optional[str],
@@ -290,8 +304,7 @@ def finish_report(site_entries: Dict[str, Dict], sites: Mapping[str, Any], kerne
   """The `loka.probe/2` report of evaluated and timed sites, with each site's best kernel
   per pass under `options.criteria`."""
   info = kernels_info(kernels)
-  for name, entry in site_entries.items():
-    stats_report.underflow_from_stats(entry, info, sites[name].layout)
+  fill_stats_underflow(site_entries, sites, kernels)
   report = report_lib.new_report(
       model=model, preset=preset, device=jax.devices()[0].device_kind,
       device_kind=kernel_timing.device_kind(), platform=jax.default_backend(),

@@ -93,8 +93,9 @@ def stats_underflow(stats: Mapping, operand: str, pass_name: str, fmt: str,
 
 def underflow_from_stats(site_entry: Dict, kernels_info: Mapping, layout) -> None:
   """Fills a report entry's underflow from its statistics for the FP8 kernels that do not
-  expose their quantized operands (e.g. Flax's delayed-scaling op)."""
-  stats = site_entry["stats"]
+  expose their quantized operands (e.g. Flax's delayed-scaling op); an entry without
+  statistics has none to fill from."""
+  stats = site_entry.get("stats") or {}
   for p, kernels in site_entry["passes"].items():
     for k, e in kernels.items():
       info = kernels_info.get(k, {})

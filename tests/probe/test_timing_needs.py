@@ -209,6 +209,28 @@ class AttachTimingsTest(absltest.TestCase):
       self.assertEqual(timing.pending, [])
 
 
+  def test_a_delayed_op_gets_its_underflow_from_the_statistics_before_the_timing(self):
+    # Flax's delayed-scaling op exposes no quantized operands: its passes' underflow comes
+    # from the site's statistics. Read only with the report, the op had no underflow when the
+    # timing chose what can win, so no site admitted it on accuracy and it was never timed.
+    delayed = kernels_lib.get("flax_fp8_delayed")
+    entries = {"a": site_entry({})}
+    for p in PASSES:
+      entries["a"]["passes"][p][delayed.name].pop("operands")
+    flush = {p: {"mean": {f: {"tensorwise": 0.0} for f in ("e4m3", "e5m2")},
+                 "max": {f: {"tensorwise": 1e-3} for f in ("e4m3", "e5m2")}} for p in PASSES}
+    entries["a"]["stats"] = {operand: {"flush": flush} for operand in ("lhs", "rhs", "grad")}
+    with tempfile.TemporaryDirectory() as tmp:
+      options = ProbeOptions(time=True, repeats=3, table_dir=os.path.join(tmp, "none"),
+                             write_table=False, timing_cache=os.path.join(tmp, "cache"))
+      with contextlib.redirect_stdout(io.StringIO()):
+        assemble.attach_timings(entries, {"a": types.SimpleNamespace(layout=LAYOUT)},
+                                [KERNELS[0], delayed], "bfloat16", options, tmp)
+    for p in PASSES:
+      entry = entries["a"]["passes"][p][delayed.name]
+      self.assertEqual(entry["underflow"], [0.0, 0.0, 1e-3], p)
+      self.assertEqual(entry["timing"], "measured", (p, entry.get("timing_note")))
+
   def test_what_the_timing_cache_holds_of_this_card_dominates_without_a_table(self):
     with tempfile.TemporaryDirectory() as tmp:
       # No committed table; the workdir's timing cache holds three shapes of LAYOUT's class
