@@ -5,8 +5,9 @@ presets the timing is most of a probe's GPU time (DHEN `large` on the H200: 80-2
 shape, compile-bound), and some candidates never win there: over the H200's reports the
 Pallas per-pass GEMMs never exceed 0.75x bf16, since Pallas's Triton lowering gives the FP8
 dot no wgmma (docs/results/kernel_resources_sm90.md). `kernel_usage` counts, per kernel, the
-passes that timed it, the passes where `dispatch.select` picks it for training and for
-serving, and the passes where it is the fastest timed. A new model's probe on that card can
+passes where it is within the error budget on accuracy alone, the passes that timed it, the
+passes where `dispatch.select` picks it for training and for serving, and the passes where it
+is the fastest timed. A new model's probe on that card can
 leave out the per-pass kernels that nothing picks (`droppable`, for a probe's candidate list), with
 the counts as the evidence. Fused ops are always kept: validation's speed promotion tries
 them at sites the selection left in bf16, so a kernel the selection never picks may still
@@ -15,22 +16,26 @@ be promoted.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Dict, Iterable, List, Mapping, Optional
 
 from loka_jax import kernels as kernels_lib
 from loka_jax.dispatch import selection
 from loka_jax.kernels.base import PER_PASS
 from loka_jax.kernels.choice import PASSES
+from loka_jax.probe import eligibility
 from loka_jax.probe.eligibility import Criteria
 
 BASELINE = selection.FALLBACK
-_COUNTS = ("timed", "picked", "served", "fastest")
+_COUNTS = ("safe", "timed", "picked", "served", "fastest")
 
 
 def kernel_usage(reports: Iterable[Mapping], criteria: Optional[Criteria] = None
                  ) -> Dict[str, Dict[str, float]]:
-  """{kernel: {"timed", "picked", "served", "fastest", "max_speedup"}} over every (site,
-  pass) of the reports: the passes with a measured speedup; those where `dispatch.select`
+  """{kernel: {"safe", "timed", "picked", "served", "fastest", "max_speedup"}} over every
+  (site, pass) of the reports: the FP8 kernel's passes within `criteria`'s error budget, its
+  speed aside (`eligibility.assess`); the passes with a measured speedup; those where
+  `dispatch.select`
   under `criteria` (default: each report's default budget) picks the kernel for training,
   and the forward passes where it picks it for serving (`objective="serve"`); those where
   its median speedup is the largest timed; and its largest median speedup over bf16."""
@@ -39,6 +44,7 @@ def kernel_usage(reports: Iterable[Mapping], criteria: Optional[Criteria] = None
       lambda: {**dict.fromkeys(_COUNTS, 0), "max_speedup": 0.0})
   for report in reports:
     budget = criteria or default_criteria(report)
+    accuracy = dataclasses.replace(budget, min_speedup=None)
     train = selection.select(report, budget)
     serve = selection.select(report, budget, objective=selection.SERVE)
     for name, site in report["sites"].items():
@@ -46,6 +52,10 @@ def kernel_usage(reports: Iterable[Mapping], criteria: Optional[Criteria] = None
         entries = site.get("passes", {}).get(pass_name) or {}
         if not entries:
           continue
+        for kernel, e in entries.items():
+          if (kernel != BASELINE and isinstance(e, Mapping)
+              and eligibility.assess({**e, "kernel": kernel}, pass_name, accuracy).safe):
+            usage[kernel]["safe"] += 1
         speedups = {k: e["speedup"][1] for k, e in entries.items()
                     if isinstance(e, Mapping) and e.get("speedup")}
         for kernel, speedup in speedups.items():
@@ -79,11 +89,14 @@ def kept_kernels(usage: Mapping[str, Mapping]) -> List[str]:
 
 def markdown(usage: Mapping[str, Mapping]) -> str:
   """The counts as a table, most picked first."""
-  lines = ["| kernel | passes timed | picked (train) | picked (serve) | fastest timed | "
-           "best median speedup |", "|---|---|---|---|---|---|"]
+  lines = ["| kernel | passes within the error budget | passes timed | picked (train) | "
+           "picked (serve) | fastest timed | best median speedup |",
+           "|---|---|---|---|---|---|---|"]
   for k in sorted(usage, key=lambda k: (-usage[k]["picked"], -usage[k]["served"],
                                         -usage[k]["timed"], k)):
     u = usage[k]
-    lines.append(f"| {k} | {u['timed']} | {u['picked']} | {u['served']} | {u['fastest']} | "
-                 f"{u['max_speedup']:.2f}x |")
+    safe = "-" if k == BASELINE else u["safe"]
+    best = f"{u['max_speedup']:.2f}x" if u["timed"] else "-"
+    lines.append(f"| {k} | {safe} | {u['timed']} | {u['picked']} | {u['served']} | "
+                 f"{u['fastest']} | {best} |")
   return "\n".join(lines)
