@@ -42,7 +42,9 @@ def main(argv):
   if not loop.triton_gemm:
     xla_env.add_xla_flags(xla_env.NO_TRITON_GEMM)
   experiment.quiet_library_logs()
-  if not 0 <= optim.cooldown_steps <= run.steps - optim.warmup_steps:
+  try:
+    cooldown = cooldown_at_end(run.steps, optim.cooldown_steps, optim.warmup_steps)
+  except ValueError:
     sys.exit(f"error: --config.optim.cooldown_steps={optim.cooldown_steps}: must be in [0, "
              f"run.steps - optim.warmup_steps = {run.steps - optim.warmup_steps}]")
   spec = run_config.run_spec(run, drift_every=config.drift.every,
@@ -59,7 +61,7 @@ def main(argv):
       batch_workers=loop.batch_workers, run_ahead=loop.run_ahead,
       optim=OptimConfig(learning_rate=optim.lr, embedding_learning_rate=optim.embedding_lr,
                         warmup_steps=optim.warmup_steps, weight_decay=optim.weight_decay,
-                        **cooldown_at_end(run.steps, optim.cooldown_steps)))
+                        **cooldown))
   for note in experiment.recipe_notes(spec.preset, train_config.optim):
     print(f"note: {note}", file=sys.stderr, flush=True)
   try:

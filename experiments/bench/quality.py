@@ -133,16 +133,15 @@ class QualitySettings:
     if not 0 <= self.warmup_steps <= self.steps:
       raise ValueError(f"warmup_steps must be in [0, steps={self.steps}], got "
                        f"{self.warmup_steps}")
-    if not 0 <= self.cooldown_steps <= self.steps - self.warmup_steps:
-      raise ValueError(f"cooldown_steps must be in [0, steps - warmup_steps = "
-                       f"{self.steps - self.warmup_steps}], got {self.cooldown_steps}")
-    _ = self.optim  # OptimConfig rejects a clip_norm that is not > 0: before any run
+    # OptimConfig rejects a clip_norm that is not > 0, and a cooldown that does not fit the
+    # run after its warm-up (`cooldown_at_end`): before any run.
+    _ = self.optim
     self.mods = mods_set.parse(self.mods)
 
   @property
   def optim(self) -> OptimConfig:
     return OptimConfig(warmup_steps=self.warmup_steps, clip_norm=self.clip_norm,
-                       **cooldown_at_end(self.steps, self.cooldown_steps))
+                       **cooldown_at_end(self.steps, self.cooldown_steps, self.warmup_steps))
 
   @property
   def mods_label(self) -> Optional[str]:

@@ -117,9 +117,12 @@ def learning_rate_schedule(peak: float, warmup_steps: int, cooldown_start: int =
   return pieces[0] if len(pieces) == 1 else optax.join_schedules(pieces, boundaries)
 
 
-def cooldown_at_end(steps: int, cooldown_steps: int) -> Dict[str, int]:
+def cooldown_at_end(steps: int, cooldown_steps: int, warmup_steps: int = 0) -> Dict[str, int]:
   """OptimConfig's cooldown fields for a decay over the last `cooldown_steps` of a run of
-  `steps` (none for 0)."""
+  `steps` (none for 0); ValueError where they do not fit after the warm-up."""
+  if not 0 <= cooldown_steps <= steps - warmup_steps:
+    raise ValueError(f"cooldown_steps must be in [0, steps - warmup_steps = "
+                     f"{steps - warmup_steps}], got {cooldown_steps}")
   return {"cooldown_start": steps - cooldown_steps if cooldown_steps else 0,
           "cooldown_steps": cooldown_steps}
 

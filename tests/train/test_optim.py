@@ -42,6 +42,10 @@ class ScheduleTest(absltest.TestCase):
   def test_a_cooldown_at_the_end_starts_its_length_before_the_last_step(self):
     self.assertEqual(cooldown_at_end(600, 200), {"cooldown_start": 400, "cooldown_steps": 200})
     self.assertEqual(cooldown_at_end(600, 0), {"cooldown_start": 0, "cooldown_steps": 0})
+    self.assertEqual(cooldown_at_end(600, 500, warmup_steps=100)["cooldown_start"], 100)
+    with self.assertRaisesRegex(ValueError, r"cooldown_steps must be in \[0, steps - "
+                                r"warmup_steps = 500\], got 501"):
+      cooldown_at_end(600, 501, warmup_steps=100)
 
   def test_a_wrong_cooldown_is_refused_naming_it(self):
     with self.assertRaisesRegex(ValueError, "cooldown_steps must be >= 0, got -1"):
