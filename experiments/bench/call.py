@@ -95,8 +95,7 @@ def run(call: settings_lib.Call, workdir: str, log: Callable[[str], None] = log)
     # ahead): a CPU call that probed Wukong, DLRM and DCNv2 `tiny` on MovieLens and ran 30
     # quality runs reached Linux's limit of mappings per process (vm.max_map_count) in
     # DHEN's probe, where the next compile failed ("Cannot allocate memory") and the process
-    # died.
-    # The persistent compilation cache keeps what a later model may load again.
+    # died. The persistent compilation cache keeps what a later model may load again.
     executables.clear()
     jax.clear_caches()
 

@@ -301,10 +301,10 @@ def finish_report(site_entries: Dict[str, Dict], sites: Mapping[str, Any], kerne
                   run: Mapping[str, Any], probe_config: Mapping[str, Any],
                   overhead: Mapping[str, Any], pending: Sequence[str],
                   extra: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
-  """The `loka.probe/2` report of evaluated and timed sites, with each site's best kernel
-  per pass under `options.criteria`."""
+  """The `loka.probe/2` report of evaluated and timed sites (`attach_timings`, which also
+  filled in the underflow the statistics give), with each site's best kernel per pass under
+  `options.criteria`."""
   info = kernels_info(kernels)
-  fill_stats_underflow(site_entries, sites, kernels)
   report = report_lib.new_report(
       model=model, preset=preset, device=jax.devices()[0].device_kind,
       device_kind=kernel_timing.device_kind(), platform=jax.default_backend(),
