@@ -6,8 +6,9 @@ shapes it timed instead of timing them again. No GPU.
 
 A GPU call that times a model's shapes (`experiments.probe --config.timing.only=true`, or the
 probe of the main job or the bench) brings its cache back; this commits it. The table is made
-when the card has none. A product problem (pass, spec, shapes, dtype) the cache timed
-replaces every entry the table holds of it, since a speedup divides two times of one run
+when the card has none. The cache's entries replace the table's of the same kernel and
+problem (pass, spec, shapes, dtype); an older entry of a kernel the cache did not time there
+stays, with its own run's baseline beside it, since a speedup divides two times of one run
 (`timing_table.merge_entries`); entries that recorded an error are left out. A CPU's cache
 is refused: CPU times are never committed.
 """

@@ -137,15 +137,13 @@ def _of_revisions(table: Optional[Mapping], by_name: Mapping) -> Optional[Dict]:
 
 
 def _combined(table: Optional[Mapping], measured: Optional[Mapping]) -> Optional[Dict]:
-  """The committed table's entries and the timing cache's, the cache's replacing an entry
-  of the same problem (it is this card's newer measurement)."""
+  """The committed table with the timing cache's entries merged in as a newer run of this
+  card (`timing_table.merge_entries`: each speedup still divides times of one run)."""
   if measured is None:
     return table
   if table is None:
     return dict(measured)
-  mine = {tables_lib.entry_key(e) for e in measured["entries"]}
-  return {**table, "entries": [e for e in table["entries"]
-                               if tables_lib.entry_key(e) not in mine] + measured["entries"]}
+  return tables_lib.merge_entries(table, measured["entries"])
 
 
 def shape_needs(layout, entries: Sequence[Mapping[str, Any]], kernels: Sequence, dtype: str,

@@ -10,6 +10,9 @@ GPU probe runs write them (merging with what is there); reports made where no GP
 
 `spec` is the pass's own einsum and the shapes are the pass's operands. One entry per
 (kernel, pass, spec, lhs_shape, rhs_shape, dtype); a newer measurement replaces an older one.
+An entry kept beside a newer run's entries of its problem carries `beside`: {kernel:
+{"median_us", "ci_us"}}, the times of its own run that the newer run replaced, so its speedup
+still divides two times of one run.
 
   python -m loka_jax.probe.timing_table merge DST.json SRC.json [SRC.json ...]
 """
@@ -66,11 +69,22 @@ def validate(table, where: str) -> Dict:
     missing = [f for f in ENTRY_FIELDS if not isinstance(e, dict) or f not in e]
     if missing:
       raise TimingTableError(f"{where}: entry {i} lacks {missing}")
-    if not (isinstance(e["median_us"], (int, float)) and math.isfinite(e["median_us"])
-            and e["median_us"] > 0):
+    if not _positive(e["median_us"]):
       raise TimingTableError(f"{where}: entry {i} ({e['kernel']}, {e['pass']}) has median_us "
                              f"{e['median_us']!r}; expected a positive number")
+    beside = e.get("beside", {})
+    if not (isinstance(beside, dict) and all(
+        isinstance(t, dict) and _positive(t.get("median_us")) and isinstance(t.get("ci_us"), list)
+        and len(t["ci_us"]) == 2 for t in beside.values())):
+      raise TimingTableError(f"{where}: entry {i} ({e['kernel']}, {e['pass']}) has a malformed "
+                             "'beside'; expected {kernel: {\"median_us\": positive, "
+                             "\"ci_us\": [lo, hi]}}")
   return table
+
+
+def _positive(value) -> bool:
+  return (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and math.isfinite(value) and value > 0)
 
 
 def load_table(path: str) -> Dict:
@@ -102,22 +116,41 @@ def problem_key(entry: Mapping) -> Tuple:
 
 
 def merge_entries(table: Mapping, entries: Iterable[Mapping]) -> Dict:
-  """`table` with `entries` added. A problem (pass, spec, shapes, dtype) measured again is
-  replaced as a whole, the older entries of kernels not measured again included: a speedup
-  divides the baseline's time by a kernel's, and at launch-bound sizes two runs on the same
-  card differ by more than the 1.05x eligibility margin (on the H200, bf16 at 4096x13x512:
-  35 us in one run, 60 us in another), so both times must come from one run."""
+  """`table` with `entries` added. A speedup divides the baseline's time by a kernel's, and
+  at launch-bound sizes two runs on the same card differ by more than the 1.05x eligibility
+  margin (on the H200, bf16 at 4096x13x512: 35 us in one run, 60 us in another), so both
+  times must come from one run. Where `entries` measure a problem (pass, spec, shapes,
+  dtype) again, they replace the entries of the kernels they measured; an older entry of a
+  kernel they did not measure stays, carrying in `beside` the times of its own run that
+  they replaced (its baseline's among them), which `lookup` divides by. A table so keeps
+  what each run learned: a probe that re-times a problem for one kernel does not send the
+  next probe back to time the others."""
   entries = list(entries)
   for e in entries:
     missing = [f for f in ENTRY_FIELDS if f not in e]
     if missing:
       raise TimingTableError(f"timing entry for {e.get('kernel')} lacks {missing}")
+  new_keys = {entry_key(e) for e in entries}
   remeasured = {problem_key(e) for e in entries}
-  merged = {entry_key(e): dict(e) for e in table["entries"]
-            if problem_key(e) not in remeasured}
+  replaced: Dict[Tuple, Dict[str, Dict]] = {}
+  for e in table["entries"]:
+    if entry_key(e) in new_keys:
+      replaced.setdefault(problem_key(e), {})[e["kernel"]] = {
+          "median_us": e["median_us"], "ci_us": list(e["ci_us"])}
+  merged: Dict[Tuple, Dict] = {}
+  for e in table["entries"]:
+    key = entry_key(e)
+    if key in new_keys:
+      continue
+    kept = dict(e)
+    if replaced.get(problem_key(e)):
+      # Times this entry already carries are of its own run: a later replacement is not.
+      kept["beside"] = {**replaced[problem_key(e)], **e.get("beside", {})}
+    merged[key] = kept
   for e in entries:
-    merged[entry_key(e)] = {**dict(e), "lhs_shape": list(e["lhs_shape"]),
-                            "rhs_shape": list(e["rhs_shape"])}
+    new = {**dict(e), "lhs_shape": list(e["lhs_shape"]), "rhs_shape": list(e["rhs_shape"])}
+    new.pop("beside", None)
+    merged[entry_key(e)] = new
   ordered = sorted(merged.values(), key=lambda e: (e["kernel"], e["pass"], e["spec"],
                                                     e["lhs_shape"], e["rhs_shape"]))
   return {"schema": SCHEMA, "device_kind": table["device_kind"], "entries": ordered}
@@ -187,7 +220,8 @@ def lookup(table: Mapping, kernel: str, pass_name: str, spec: str, lhs_shape, rh
   for (k, s, l, r), e in by_key.items():
     if k != kernel:
       continue
-    base = by_key.get((baseline, s, l, r))
+    # The baseline of the entry's own run: kept beside it where a later run replaced it.
+    base = e.get("beside", {}).get(baseline) or by_key.get((baseline, s, l, r))
     if base is None:
       continue
     have = problem_sizes(s, l, r)

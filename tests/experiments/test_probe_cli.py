@@ -249,13 +249,19 @@ class TimingCacheTableCliTest(absltest.TestCase):
                               "bfloat16")
     self.assertAlmostEqual(hit["speedup"], 10.0 / 8.0)   # the error entry was left out
     self.assertFalse(hit["estimated"])
-    # A second cache's timing of the same problem replaces it whole; other problems stay.
+    # A second cache's timing of the same problem replaces what it measured again; the
+    # rowwise time stays, beside its own run's bf16; other problems stay.
     second = write("second.json", kind, [("xla_bf16", 32, 12.0), ("xla_bf16", 128, 30.0)])
     result = run_cli("table", second, f"--table_dir={tables}", module="experiments.timing_cache")
     self.assertEqual(result.returncode, 0, result.stderr)
-    entries = timing_table.load_table(path)["entries"]
-    self.assertEqual(sorted((e["kernel"], e["lhs_shape"][1], e["median_us"]) for e in entries),
-                     [("xla_bf16", 32, 12.0), ("xla_bf16", 128, 30.0)])
+    table = timing_table.load_table(path)
+    self.assertEqual(sorted((e["kernel"], e["lhs_shape"][1], e["median_us"])
+                            for e in table["entries"]),
+                     [("xla_bf16", 32, 12.0), ("xla_bf16", 128, 30.0),
+                      ("xla_fp8_rowwise", 32, 8.0)])
+    hit = timing_table.lookup(table, "xla_fp8_rowwise", "fwd", "mk,kn->mn", [64, 32], [32, 32],
+                              "bfloat16")
+    self.assertAlmostEqual(hit["speedup"], 10.0 / 8.0)
     for name, device, says in (("cpu.json", "cpu", "a CPU's timings"),
                                ("empty.json", kind, "no timing without an error")):
       bad = write(name, device, [("xla_bf16", 32, 10.0)] if device == "cpu" else [])

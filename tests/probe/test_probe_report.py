@@ -236,7 +236,7 @@ class TimingTableTest(parameterized.TestCase):
             "ci_us": [0.9 * us, 1.1 * us], "backend": "cublaslt_fp8", "repeats": 20,
             "jax": "0.11.2", "date": "2026-11-26"}
 
-  def test_merge_replaces_remeasured_problems_whole_and_lookup_falls_back_to_nearest(self):
+  def test_merge_keeps_each_speedup_within_one_run_and_lookup_falls_back_to_nearest(self):
     directory = tempfile.mkdtemp(prefix="loka_tables_")
     path = timing_table.table_path("NVIDIA H100 80GB HBM3", directory)
     timing_table.update_file(path, "NVIDIA H100 80GB HBM3",
@@ -245,25 +245,47 @@ class TimingTableTest(parameterized.TestCase):
                               self._entry("xla_bf16", 8192, 100.0),
                               self._entry("xla_fp8_rowwise", 8192, 80.0),
                               self._entry("xla_fp8_tensorwise", 8192, 40.0)])
-    # A later run times two kernels at 8192: the older tensorwise time there is dropped, so
-    # no speedup divides times of two runs.
+    # A later run times two kernels at 8192, its bf16 slower than the first run's. The
+    # tensorwise time of the first run stays, divided by its own run's bf16 (100 / 40), and
+    # the new rowwise time by the new bf16 (120 / 50).
     table = timing_table.update_file(path, "NVIDIA H100 80GB HBM3",
-                                     [self._entry("xla_bf16", 8192, 100.0),
+                                     [self._entry("xla_bf16", 8192, 120.0),
                                       self._entry("xla_fp8_rowwise", 8192, 50.0)])
-    self.assertEqual(len(table["entries"]), 4)
+    self.assertEqual(len(table["entries"]), 5)
     self.assertEqual({kind: p for kind, (p, _) in timing_table.committed_tables(directory).items()},
                      {"NVIDIA H100 80GB HBM3": path})
+    self.assertEqual(timing_table.load_table(path), table)   # `beside` saved and read back
     exact = timing_table.lookup(table, "xla_fp8_rowwise", "fwd", "mk,kn->mn", (8192, 256),
                                 (256, 512))
     self.assertFalse(exact["estimated"])
-    self.assertAlmostEqual(exact["speedup"], 2.0)
+    self.assertAlmostEqual(exact["speedup"], 2.4)
+    kept = timing_table.lookup(table, "xla_fp8_tensorwise", "fwd", "mk,kn->mn", (8192, 256),
+                               (256, 512))
+    self.assertAlmostEqual(kept["speedup"], 2.5)
+    self.assertAlmostEqual(kept["speedup_range"][0], 0.9 * 100 / (1.1 * 40))
     near = timing_table.lookup(table, "xla_fp8_rowwise", "fwd", "mk,kn->mn", (6000, 256),
                                (256, 512))
     self.assertTrue(near["estimated"])
     self.assertEqual(near["from"]["lhs_shape"], [8192, 256])
     self.assertAlmostEqual(near["time_us"], 50.0 * 6000 / 8192)
-    self.assertIsNone(timing_table.lookup(table, "xla_fp8_tensorwise", "fwd", "mk,kn->mn",
-                                          (8192, 256), (256, 512)))
+    # A third run at 8192 (bf16 and rowwise again) leaves tensorwise with its own run's bf16.
+    table = timing_table.update_file(path, "NVIDIA H100 80GB HBM3",
+                                     [self._entry("xla_bf16", 8192, 200.0),
+                                      self._entry("xla_fp8_rowwise", 8192, 100.0)])
+    kept = timing_table.lookup(table, "xla_fp8_tensorwise", "fwd", "mk,kn->mn", (8192, 256),
+                               (256, 512))
+    self.assertAlmostEqual(kept["speedup"], 2.5)
+    # Measured again itself, it drops the times it carried.
+    table = timing_table.update_file(path, "NVIDIA H100 80GB HBM3",
+                                     [self._entry("xla_bf16", 8192, 200.0),
+                                      self._entry("xla_fp8_tensorwise", 8192, 160.0)])
+    again = next(e for e in table["entries"] if e["kernel"] == "xla_fp8_tensorwise")
+    self.assertNotIn("beside", again)
+    self.assertAlmostEqual(timing_table.lookup(table, "xla_fp8_tensorwise", "fwd", "mk,kn->mn",
+                                               (8192, 256), (256, 512))["speedup"], 1.25)
+    bad = dict(table, entries=[dict(again, beside={"xla_bf16": {"median_us": -1}})])
+    with self.assertRaisesRegex(timing_table.TimingTableError, "entry 0 .*malformed 'beside'"):
+      timing_table.validate(bad, "t.json")
     with self.assertRaisesRegex(timing_table.TimingTableError, "holds timings of"):
       timing_table.update_file(path, "NVIDIA H200", [])
 

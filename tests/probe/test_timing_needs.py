@@ -121,6 +121,24 @@ class ShapeNeedsTest(absltest.TestCase):
     self.assertEqual(needs.measure, set())
     self.assertEqual(len(needs.reused), 9)  # the baseline's passes come from the table too
 
+  def test_runs_that_timed_different_kernels_of_a_shape_leave_nothing_to_time(self):
+    # One run timed rowwise beside bf16, a later one tensorwise beside a slower bf16 (it had
+    # rowwise from the table); both are committed in turn. The next probe reuses all of
+    # them, each divided by its own run's bf16, and times nothing.
+    kernels = KERNELS[:3]
+    first = [table_entry(k, p, LAYOUT, us) for p in PASSES
+             for k, us in (("xla_bf16", 10.0), ("xla_fp8_rowwise", 8.0))]
+    second = [table_entry(k, p, LAYOUT, us) for p in PASSES
+              for k, us in (("xla_bf16", 16.0), ("xla_fp8_tensorwise", 8.0))]
+    committed = tables_lib.merge_entries(tables_lib.merge_entries(table([]), first), second)
+    needs = timing_needs.shape_needs(LAYOUT, [site_entry({})], kernels, "bfloat16", {},
+                                     Criteria(), table=committed)
+    self.assertEqual(needs.measure, set())
+    self.assertEqual(len(needs.reused), 9)
+    speedups = {k: tables_lib.lookup(committed, k, "fwd", *pass_problem(LAYOUT, "fwd"))["speedup"]
+                for k in ("xla_fp8_rowwise", "xla_fp8_tensorwise")}
+    self.assertEqual(speedups, {"xla_fp8_rowwise": 1.25, "xla_fp8_tensorwise": 2.0})
+
   def test_a_kernel_slow_at_every_shape_of_its_class_is_dominated(self):
     rows = []
     for m in (48, 64, 96, 256):  # within 10x of LAYOUT's FLOPs
