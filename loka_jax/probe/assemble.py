@@ -132,19 +132,6 @@ class Timing:
   pending: List[str]
 
 
-def _unsupported(entry: Mapping) -> Dict[str, Dict[str, str]]:
-  return {p: {k: x["error"] for k, x in ks.items() if x.get("unsupported")}
-          for p, ks in entry["passes"].items()}
-
-
-def _unsupported_everywhere(entries: Sequence[Mapping]) -> Dict[str, Dict[str, str]]:
-  """{pass: {kernel: reason}} of what no site among `entries` (one shape's) supports: a
-  fused-epilogue kernel runs at the shape's fused Mods chains only (`probe.chains`)."""
-  each = [_unsupported(e) for e in entries]
-  return {p: {k: why for k, why in ks.items() if all(k in u.get(p, {}) for u in each)}
-          for p, ks in each[0].items()}
-
-
 def _merged(*passes: Mapping[str, Mapping[str, str]]) -> Dict[str, Dict[str, str]]:
   out: Dict[str, Dict[str, str]] = {}
   for per_pass in passes:
@@ -200,7 +187,7 @@ def attach_timings(site_entries: Dict[str, Dict], sites: Mapping[str, Any], kern
         for name in names:
           timings[name] = skipped_timings(site_entries[name]["passes"], options)
         continue
-      unsupported = _unsupported_everywhere([site_entries[n] for n in names])
+      unsupported = needs_lib.unsupported_everywhere([site_entries[n] for n in names])
       # What this card timed so far (earlier shapes, earlier runs in the workdir) counts
       # towards dominance beside its committed table.
       measured = {**tables_lib.empty_table(device),
@@ -258,8 +245,9 @@ def attach_timings(site_entries: Dict[str, Dict], sites: Mapping[str, Any], kern
       path, table = chosen
       source = {"kind": "table", "device_kind": table["device_kind"], "path": path}
       for name, entry in site_entries.items():
-        timings[name] = chain_timing.table_timings(sites[name].layout, kernels, compute_dtype,
-                                                   table, unsupported=_unsupported(entry))
+        timings[name] = chain_timing.table_timings(
+            sites[name].layout, kernels, compute_dtype, table,
+            unsupported=needs_lib.unsupported_passes(entry))
   missing_timing = False
   for name, entry in site_entries.items():
     for p, per_kernel in entry["passes"].items():

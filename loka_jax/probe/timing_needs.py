@@ -26,7 +26,7 @@ with looser criteria later should be.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import jax
 
@@ -62,6 +62,20 @@ class ShapeNeeds:
     return out
 
 
+def unsupported_passes(entry: Mapping) -> Dict[str, Dict[str, str]]:
+  """{pass: {kernel: reason}} of what one report site entry's kernels do not support."""
+  return {p: {k: x["error"] for k, x in ks.items() if x.get("unsupported")}
+          for p, ks in entry["passes"].items()}
+
+
+def unsupported_everywhere(entries: Sequence[Mapping]) -> Dict[str, Dict[str, str]]:
+  """{pass: {kernel: reason}} of what no site among `entries` (one shape's) supports: a
+  fused-epilogue kernel runs at the shape's fused Mods chains only (`probe.chains`)."""
+  each = [unsupported_passes(e) for e in entries]
+  return {p: {k: why for k, why in ks.items() if all(k in u.get(p, {}) for u in each)}
+          for p, ks in each[0].items()}
+
+
 def same_card_table(directory: str) -> Optional[Tuple[str, Dict]]:
   """(path, table) committed for this process's device kind, entries measured with this jax
   minor version only; None when there is none."""
@@ -70,10 +84,15 @@ def same_card_table(directory: str) -> Optional[Tuple[str, Dict]]:
   if device not in tables:
     return None
   path, table = tables[device]
-  minor = ".".join(jax.__version__.split(".")[:2])
-  entries = [e for e in table["entries"]
-             if ".".join(str(e.get("jax", "")).split(".")[:2]) == minor]
-  return path, {**table, "entries": entries}
+  return path, of_jax_minor(table, jax.__version__)
+
+
+def of_jax_minor(table: Mapping, version: str) -> Dict:
+  """`table` with only the entries measured under `version`'s jax minor version (another
+  minor compiles other code)."""
+  minor = ".".join(str(version).split(".")[:2])
+  return {**table, "entries": [e for e in table["entries"]
+                               if ".".join(str(e.get("jax", "")).split(".")[:2]) == minor]}
 
 
 def _safe_pairs(entries: Sequence[Mapping[str, Any]], kernels: Sequence, criteria
@@ -202,6 +221,42 @@ def shape_needs(layout, entries: Sequence[Mapping[str, Any]], kernels: Sequence,
       else:
         skipped[(BASELINE, p)] = "not timed: no kernel of this pass is"
   return ShapeNeeds(measure, reused, skipped)
+
+
+def report_needs(report: Mapping[str, Any], table: Optional[Mapping]) -> Dict[str, Any]:
+  """What a probe with the errors of `report` (a probe report: its sites, its candidate
+  kernels and the criteria it timed for) would time on its card against `table` (the card's
+  timing table, entries of the report's jax minor version only; None: none): {"counts":
+  {measured, reused, not_safe, dominated, baseline_unneeded}, "measure": {site: sorted
+  [(kernel, pass)]}}, one site named for each shape that would time something. What the
+  probe's own timing cache holds is left out: this is a fresh workdir's probe."""
+  from loka_jax.kernels import registry
+  from loka_jax.probe.eligibility import Criteria
+  from loka_jax.probe.layout import site_layout
+  kernels = [registry.get(name) for name in report["kernels"]]
+  timed_for = (report.get("timing_source") or {}).get("timed_for") or report["criteria"]
+  criteria = Criteria(**timed_for)
+  dtype = (report.get("evaluation") or {}).get("compute_dtype", "bfloat16")
+  by_shape: Dict[Tuple, List[str]] = {}
+  for name, site in report["sites"].items():
+    key = (site["spec"], site["kind"], tuple(site["shapes"]["lhs"]),
+           tuple(site["shapes"]["rhs"]))
+    by_shape.setdefault(key, []).append(name)
+  counts = dict.fromkeys(("measured", "reused", "not_safe", "dominated", "baseline_unneeded"),
+                         0)
+  measure: Dict[str, List[Pair]] = {}
+  for (spec, kind, lhs, rhs), names in by_shape.items():
+    entries = [report["sites"][n] for n in names]
+    needs = shape_needs(site_layout(spec, kind, lhs, rhs), entries, kernels, dtype,
+                        unsupported_everywhere(entries), criteria, table)
+    counts["measured"] += len(needs.measure)
+    counts["reused"] += len(needs.reused)
+    for (kernel, _), why in needs.skipped.items():
+      counts["baseline_unneeded" if kernel == BASELINE else
+             "dominated" if "dominated" in why else "not_safe"] += 1
+    if needs.measure:
+      measure[names[0]] = sorted(needs.measure)
+  return {"counts": counts, "measure": measure}
 
 
 def skipped_info(why: str) -> Dict[str, Any]:
