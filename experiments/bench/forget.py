@@ -5,7 +5,8 @@ rather than made again. To measure something again after a change (a serving pla
 under the served-quality gate, a plan validated with the check from initialization), its
 rows and files have to leave the workdir. `forget` moves them to WORKDIR/forgotten/STAMP/
 (the rows into a results file of the same name, a quality row's run folder under quality/,
-the plan files under plans/TARGET/) and writes a manifest there, so the next bench call
+the plan files, and the probe's report and folder where named, under plans/TARGET/) and
+writes a manifest there, so the next bench call
 measures them again and every measurement made before stays readable.
 """
 from __future__ import annotations
@@ -16,15 +17,19 @@ import os
 from typing import Dict, List, Optional, Sequence
 
 from loka_jax import jsonio
+from loka_jax.dispatch import pipeline
 from experiments.bench import mods_set, planning
 from experiments.bench import quality as quality_lib
 from experiments.bench import serving_gate
 from experiments.bench.variants import VARIANTS
 
 RESULTS = {"models": "bench.jsonl", "towers": "bench.jsonl", "quality": "quality.jsonl"}
-# The plan files a target's rows are made from, in the order the bench writes them.
+# The plan files a target's rows are made from, in the order the bench writes them, then
+# its probe's report and folder: named too, they make the next call probe the target again
+# (after a change to what the probe measures, e.g. which kernels it times).
 PLAN_FILES = ("plan_selected.json", "plan_validating.json", planning.PLAN_FILE,
-              serving_gate.QUALITY_FILE, planning.SERVING_PLAN_FILE)
+              serving_gate.QUALITY_FILE, planning.SERVING_PLAN_FILE, pipeline.REPORT_JSON,
+              pipeline.PROBE_DIR)
 FORGOTTEN = "forgotten"
 MANIFEST = "forgotten.json"
 
@@ -90,7 +95,8 @@ def forget(workdir: str, *, suite: str, model: str, preset: str, names: Sequence
            mods: Sequence[str] = mods_set.DEFAULT, plan_files: Sequence[str] = (),
            plans_dir: Optional[str] = None, stamp: Optional[str] = None) -> Dict:
   """Moves the target's rows of `names` (variants, or arms of the quality suite) and its
-  `plan_files` (names from PLAN_FILES) to WORKDIR/forgotten/STAMP/; returns the manifest.
+  `plan_files` (names from PLAN_FILES: plan files, or the probe's report and folder) to
+  WORKDIR/forgotten/STAMP/; returns the manifest.
   The rows are copied there before the results file is rewritten without them, so a kill
   in between leaves them in both places, never in neither."""
   _check_names(suite, names)

@@ -23,7 +23,8 @@ def get_config() -> ml_collections.ConfigDict:
   # The variants (or, with suite=quality, the arms) whose rows to move, comma-separated
   # (required).
   forget.variants = ""
-  # The target's plan files to move too, comma-separated (e.g. plan_serve.json).
+  # The target's plan files to move too, comma-separated (e.g. plan_serve.json); with
+  # probe_report.json and probe (the probe's folder) the next call probes it again.
   forget.plan_files = ""
   # The target's Mods set, comma-separated as the bench's targets.mods; empty: every Mod.
   forget.mods = ""

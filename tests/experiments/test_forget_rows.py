@@ -137,6 +137,22 @@ class ForgetTest(absltest.TestCase):
     self.assertEqual((done["rows"], done["run_folders"]), (1, []))
     self.assertTrue(os.path.isdir(twin_of))
 
+  def test_the_probe_report_and_folder_go_so_the_next_call_probes_again(self):
+    d, _ = _workdir(self)
+    folder = planning.plan_dir(os.path.join(d, "plans"), "dhen", "large")
+    os.makedirs(os.path.join(folder, "probe", "timing_cache"))
+    for name in ("probe_report.json", os.path.join("probe", "timing_cache", "card.json")):
+      with open(os.path.join(folder, name), "w") as f:
+        f.write(name)
+    done = forget.forget(d, suite="models", model="dhen", preset="large", names=["loka"],
+                         plan_files=["plan.json", "probe_report.json", "probe"], stamp="p")
+    self.assertEqual(done["plan_files"], ["plan.json", "probe_report.json", "probe"])
+    self.assertEqual(sorted(os.listdir(folder)), ["plan_serve.json"])
+    moved = os.path.join(d, "forgotten", "p", "plans", "dhen_large")
+    with open(os.path.join(moved, "probe", "timing_cache", "card.json")) as f:
+      self.assertEqual(f.read(), os.path.join("probe", "timing_cache", "card.json"))
+    self.assertTrue(os.path.isfile(os.path.join(moved, "probe_report.json")))
+
   def test_wrong_requests_are_refused_and_change_nothing(self):
     d, _ = _workdir(self)
     with open(os.path.join(d, "bench.jsonl")) as f:
@@ -146,9 +162,9 @@ class ForgetTest(absltest.TestCase):
     with self.assertRaisesRegex(forget.ForgetError, r"unknown arm\(s\) \['bf16_mods_served'\]"):
       forget.forget(d, suite="quality", model="dhen", preset="large",
                     names=["bf16_mods_served"])
-    with self.assertRaisesRegex(forget.ForgetError, r"unknown plan file\(s\) \['probe'\]"):
+    with self.assertRaisesRegex(forget.ForgetError, r"unknown plan file\(s\) \['probes'\]"):
       forget.forget(d, suite="models", model="dhen", preset="large", names=["loka"],
-                    plan_files=["probe"])
+                    plan_files=["probes"])
     with self.assertRaisesRegex(forget.ForgetError, "nothing to forget: .* of dhen/small"):
       forget.forget(d, suite="models", model="dhen", preset="small", names=["loka"])
     with open(os.path.join(d, "bench.jsonl")) as f:
