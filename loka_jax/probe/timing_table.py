@@ -147,10 +147,9 @@ def merge_entries(table: Mapping, entries: Iterable[Mapping]) -> Dict:
       # Times this entry already carries are of its own run: a later replacement is not.
       kept["beside"] = {**replaced[problem_key(e)], **e.get("beside", {})}
     merged[key] = kept
-  for e in entries:
-    new = {**dict(e), "lhs_shape": list(e["lhs_shape"]), "rhs_shape": list(e["rhs_shape"])}
-    new.pop("beside", None)
-    merged[entry_key(e)] = new
+  for e in entries:   # an entry that carries `beside` (another table's) keeps its own run's
+    merged[entry_key(e)] = {**dict(e), "lhs_shape": list(e["lhs_shape"]),
+                            "rhs_shape": list(e["rhs_shape"])}
   ordered = sorted(merged.values(), key=lambda e: (e["kernel"], e["pass"], e["spec"],
                                                     e["lhs_shape"], e["rhs_shape"]))
   return {"schema": SCHEMA, "device_kind": table["device_kind"], "entries": ordered}

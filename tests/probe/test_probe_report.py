@@ -283,6 +283,14 @@ class TimingTableTest(parameterized.TestCase):
     self.assertNotIn("beside", again)
     self.assertAlmostEqual(timing_table.lookup(table, "xla_fp8_tensorwise", "fwd", "mk,kn->mn",
                                                (8192, 256), (256, 512))["speedup"], 1.25)
+    # A table merged into another keeps what its entries carry beside them.
+    other = timing_table.merge_entries(timing_table.empty_table("NVIDIA H100 80GB HBM3"), [
+        self._entry("xla_bf16", 4096, 30.0),
+        dict(self._entry("xla_fp8_rowwise", 4096, 20.0),
+             beside={"xla_bf16": {"median_us": 50.0, "ci_us": [49.0, 51.0]}})])
+    merged = timing_table.merge_entries(table, other["entries"])
+    self.assertAlmostEqual(timing_table.lookup(merged, "xla_fp8_rowwise", "fwd", "mk,kn->mn",
+                                               (4096, 256), (256, 512))["speedup"], 2.5)
     bad = dict(table, entries=[dict(again, beside={"xla_bf16": {"median_us": -1}})])
     with self.assertRaisesRegex(timing_table.TimingTableError, "entry 0 .*malformed 'beside'"):
       timing_table.validate(bad, "t.json")
