@@ -1,6 +1,8 @@
 """Hand-made benchmark rows for the bench tests (`import bench_rows`): a timing summary around a
 known speedup, a model row of two of them, a quality row, the one verdict of a target, and a
-temporary directory for the files."""
+temporary directory for the files and a JSON file written there."""
+import json
+import os
 import shutil
 import tempfile
 
@@ -11,6 +13,14 @@ def tempdir(test):
   """A fresh directory, removed when `test` ends."""
   path = tempfile.mkdtemp(prefix="loka_bench_report_")
   test.addCleanup(shutil.rmtree, path, ignore_errors=True)
+  return path
+
+
+def write_json(directory, name, value):
+  """`value` as JSON in DIRECTORY/NAME; returns the path."""
+  path = os.path.join(directory, name)
+  with open(path, "w") as f:
+    json.dump(value, f)
   return path
 
 

@@ -3,11 +3,10 @@ from the run's files and the final metrics experiments.train printed, and a run 
 drift run, or a final without the valve's entry, is refused naming the file."""
 import json
 import os
-import shutil
-import tempfile
 
 from absl.testing import absltest
 
+import bench_rows
 from experiments.tools import drift_rows
 
 
@@ -15,8 +14,7 @@ class DriftRowTest(absltest.TestCase):
 
   def setUp(self):
     super().setUp()
-    self.dir = tempfile.mkdtemp(prefix="loka_drift_rows_")
-    self.addCleanup(shutil.rmtree, self.dir, ignore_errors=True)
+    self.dir = bench_rows.tempdir(self)
     self.run_dir = os.path.join(self.dir, "run")
     os.makedirs(self.run_dir)
     self.write("run/config.json", {"run": {
@@ -28,10 +26,7 @@ class DriftRowTest(absltest.TestCase):
       f.write("{torn\n")   # a torn last line is left out, not fatal
 
   def write(self, name, obj):
-    path = os.path.join(self.dir, name)
-    with open(path, "w") as f:
-      json.dump(obj, f)
-    return path
+    return bench_rows.write_json(self.dir, name, obj)
 
   def test_the_row_holds_the_valves_numbers(self):
     final = os.path.join(self.dir, "final.json")

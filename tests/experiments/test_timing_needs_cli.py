@@ -1,12 +1,10 @@
 """`python3 -m experiments.timing_cache needs`: what a fresh probe would time on a card,
 replayed from a hand-made report against a hand-made table, counted by hand."""
-import json
 import os
-import shutil
-import tempfile
 
 from absl.testing import absltest
 
+import bench_rows
 import report_builders as hm
 from cli_helpers import run_module
 from loka_jax.probe import timing_table
@@ -25,8 +23,7 @@ class TimingNeedsCliTest(absltest.TestCase):
 
   def setUp(self):
     super().setUp()
-    self.dir = tempfile.mkdtemp(prefix="loka_needs_")
-    self.addCleanup(shutil.rmtree, self.dir, ignore_errors=True)
+    self.dir = bench_rows.tempdir(self)
     # Two sites of one shape, one of another whose tensorwise forward fails the budget.
     sites = {"a": hm.site(fp8_passes()), "b": hm.site(fp8_passes()),
              "c": hm.site(fp8_passes(tensorwise_fwd_sqnr=10.0), lhs=(512, 64))}
@@ -38,10 +35,7 @@ class TimingNeedsCliTest(absltest.TestCase):
         "xla_fp8_rowwise": dict.fromkeys(hm.PASSES, 8.0)})
 
   def write(self, name, value):
-    path = os.path.join(self.dir, name)
-    with open(path, "w") as f:
-      json.dump(value, f)
-    return path
+    return bench_rows.write_json(self.dir, name, value)
 
   def test_counts_what_the_table_leaves_to_time(self):
     report = self.write("report.json", self.report)
