@@ -11,8 +11,9 @@ files named, to DIR/forgotten/STAMP/ with a manifest (`experiments.bench.forget`
 E.g. a LoKA row served before the served-quality gate, timed again under it:
 `--config.forget.target=dhen/large --config.forget.variants=loka
 --config.forget.plan_files=plan_serve.json`. Naming the probe's report and folder too
-(`--config.forget.plan_files=plan_selected.json,plan.json,probe_report.json,probe`) makes the
-next call probe the target again, e.g. after a change to what the probe times.
+(`--config.forget.plan_files=plan_selected.json,plan.json,probe_report.json,probe`, and
+`validation_state` where validation made the probe run again) makes the next call probe the
+target again, e.g. after a change to what the probe times.
 
 Settings come from experiments/configs/forget_rows.py (--config=FILE for another file;
 --config.GROUP.FIELD=VALUE overrides one field).

@@ -25,11 +25,12 @@ from experiments.bench.variants import VARIANTS
 
 RESULTS = {"models": "bench.jsonl", "towers": "bench.jsonl", "quality": "quality.jsonl"}
 # The plan files a target's rows are made from, in the order the bench writes them, then
-# its probe's report and folder: named too, they make the next call probe the target again
-# (after a change to what the probe measures, e.g. which kernels it times).
+# its probe's report and folder and the probe run that validation made again where the
+# probe's checkpoints were not carried: named too, they make the next call probe the target
+# again (after a change to what the probe measures, e.g. which kernels it times).
 PLAN_FILES = ("plan_selected.json", "plan_validating.json", planning.PLAN_FILE,
               serving_gate.QUALITY_FILE, planning.SERVING_PLAN_FILE, pipeline.REPORT_JSON,
-              pipeline.PROBE_DIR)
+              pipeline.PROBE_DIR, pipeline.STATE_DIR)
 FORGOTTEN = "forgotten"
 MANIFEST = "forgotten.json"
 

@@ -24,7 +24,8 @@ def get_config() -> ml_collections.ConfigDict:
   # (required).
   forget.variants = ""
   # The target's plan files to move too, comma-separated (e.g. plan_serve.json); with
-  # probe_report.json and probe (the probe's folder) the next call probes it again.
+  # probe_report.json, probe (the probe's folder) and validation_state (the probe run that
+  # validation made again) the next call probes it again.
   forget.plan_files = ""
   # The target's Mods set, comma-separated as the bench's targets.mods; empty: every Mod.
   forget.mods = ""

@@ -141,12 +141,15 @@ class ForgetTest(absltest.TestCase):
     d, _ = _workdir(self)
     folder = planning.plan_dir(os.path.join(d, "plans"), "dhen", "large")
     os.makedirs(os.path.join(folder, "probe", "timing_cache"))
-    for name in ("probe_report.json", os.path.join("probe", "timing_cache", "card.json")):
+    os.makedirs(os.path.join(folder, "validation_state"))
+    for name in ("probe_report.json", os.path.join("probe", "timing_cache", "card.json"),
+                 os.path.join("validation_state", "final.json")):
       with open(os.path.join(folder, name), "w") as f:
         f.write(name)
+    named = ["plan.json", "probe_report.json", "probe", "validation_state"]
     done = forget.forget(d, suite="models", model="dhen", preset="large", names=["loka"],
-                         plan_files=["plan.json", "probe_report.json", "probe"], stamp="p")
-    self.assertEqual(done["plan_files"], ["plan.json", "probe_report.json", "probe"])
+                         plan_files=named, stamp="p")
+    self.assertEqual(done["plan_files"], named)
     self.assertEqual(sorted(os.listdir(folder)), ["plan_serve.json"])
     moved = os.path.join(d, "forgotten", "p", "plans", "dhen_large")
     with open(os.path.join(moved, "probe", "timing_cache", "card.json")) as f:
