@@ -5,9 +5,9 @@ rather than made again. To measure something again after a change (a serving pla
 under the served-quality gate, a plan validated with the check from initialization), its
 rows and files have to leave the workdir. `forget` moves them to WORKDIR/forgotten/STAMP/
 (the rows into a results file of the same name, a quality row's run folder under quality/,
-the plan files, and the probe's report and folder where named, under plans/TARGET/) and
-writes a manifest there, so the next bench call
-measures them again and every measurement made before stays readable.
+the plan files, and the probe's report and folder and validation's probe run where named,
+under plans/TARGET/) and writes a manifest there, so the next bench call measures them
+again and every measurement made before stays readable.
 """
 from __future__ import annotations
 
@@ -96,8 +96,8 @@ def forget(workdir: str, *, suite: str, model: str, preset: str, names: Sequence
            mods: Sequence[str] = mods_set.DEFAULT, plan_files: Sequence[str] = (),
            plans_dir: Optional[str] = None, stamp: Optional[str] = None) -> Dict:
   """Moves the target's rows of `names` (variants, or arms of the quality suite) and its
-  `plan_files` (names from PLAN_FILES: plan files, or the probe's report and folder) to
-  WORKDIR/forgotten/STAMP/; returns the manifest.
+  `plan_files` (names from PLAN_FILES: plan files, the probe's report and folder, or the
+  probe run validation made again) to WORKDIR/forgotten/STAMP/; returns the manifest.
   The rows are copied there before the results file is rewritten without them, so a kill
   in between leaves them in both places, never in neither."""
   _check_names(suite, names)

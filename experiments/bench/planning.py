@@ -24,6 +24,12 @@ SERVING_PLAN_FILE = "plan_serve.json"
 ACCURACY_ONLY_PLANS = "accuracy_only"
 
 
+def loka_plans_root(plans_root: str, accuracy_only: bool) -> str:
+  """The folder of LoKA's plans under `plans_root`, or of the plans selected by the error
+  budget alone, so the two plans of one model never share a probe, plan or validation."""
+  return os.path.join(plans_root, ACCURACY_ONLY_PLANS) if accuracy_only else plans_root
+
+
 def plan_dir(plans_root: str, model: str, preset: str) -> str:
   return os.path.join(plans_root, f"{model}_{preset}")
 

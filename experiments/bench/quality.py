@@ -92,7 +92,7 @@ class QualityArm:
   kernel: str = "xla_fp8_tensorwise"
   mods: Tuple[str, ...] = ()
   # A LoKA arm whose plan is selected by the error budget alone (the speed rule off), in a
-  # plans folder of its own (`arm_plans_root`).
+  # plans folder of its own (`planning.loka_plans_root`).
   accuracy_only: bool = False
 
 
@@ -305,14 +305,6 @@ def checkpoint_plan(state_nbytes: int, steps: int, keep_runs: bool = False
   return (0, 1) if keep_runs else (0, 0)
 
 
-def arm_plans_root(settings: QualitySettings, arm: QualityArm) -> str:
-  """The plans folder of a LoKA arm: the quality plans' own, or for the error budget alone a
-  folder under it, so the two plans of one model never share a probe, plan or validation."""
-  if arm.accuracy_only:
-    return os.path.join(settings.plans_root, planning.ACCURACY_ONLY_PLANS)
-  return settings.plans_root
-
-
 def expected_run_s(results: ResultsFile, model: str, settings: QualitySettings,
                    arm: Optional[str] = None) -> Optional[float]:
   """How long `model`'s next quality run of `arm` may take (`pace.expected_s`): from the
@@ -357,7 +349,8 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
       row["xla_deterministic"] = True
     plan = None
     if arm.precision == "loka":
-      plan = planning.plan_path(arm_plans_root(settings, arm), model, settings.preset)
+      plans_root = planning.loka_plans_root(settings.plans_root, arm.accuracy_only)
+      plan = planning.plan_path(plans_root, model, settings.preset)
       if not os.path.exists(plan) and plan_maker is not None:
         plan = plan_maker(model, accuracy_only=arm.accuracy_only) or plan
       if not os.path.exists(plan):

@@ -295,9 +295,7 @@ def quality_plan_maker(qs, settings: SpeedSettings, deadline: float
     if budget < MIN_PROBE_BUDGET_S:
       return None
     options = settings.plan_options()
-    plans_root = qs.plans_root
     if accuracy_only:
-      plans_root = os.path.join(qs.plans_root, planning.ACCURACY_ONLY_PLANS)
       options.update(criteria_changes={**(options["criteria_changes"] or {}),
                                        "min_speedup": None},
                      validation=dataclasses.replace(options["validation"], speed=False,
@@ -308,8 +306,8 @@ def quality_plan_maker(qs, settings: SpeedSettings, deadline: float
     batch = qs.batch_size or experiment.preset_batch_size(model, qs.preset)
     config = TrainConfig(steps=settings.probe_steps, batch_size=batch, progress=False,
                          seed=settings.probe_seed)
-    return planning.make_plan(spec, plans_root, config, budget_s=budget, deadline=deadline,
-                              **options)
+    return planning.make_plan(spec, planning.loka_plans_root(qs.plans_root, accuracy_only),
+                              config, budget_s=budget, deadline=deadline, **options)
   return make
 
 

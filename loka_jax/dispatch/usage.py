@@ -35,10 +35,10 @@ def kernel_usage(reports: Iterable[Mapping], criteria: Optional[Criteria] = None
   """{kernel: {"safe", "timed", "picked", "served", "fastest", "max_speedup"}} over every
   (site, pass) of the reports: the FP8 kernel's passes within `criteria`'s error budget, its
   speed aside (`eligibility.assess`); the passes with a measured speedup; those where
-  `dispatch.select`
-  under `criteria` (default: each report's default budget) picks the kernel for training,
-  and the forward passes where it picks it for serving (`objective="serve"`); those where
-  its median speedup is the largest timed; and its largest median speedup over bf16."""
+  `dispatch.select` under `criteria` (default: each report's default budget) picks the
+  kernel for training, and the forward passes where it picks it for serving
+  (`objective="serve"`); those where its median speedup is the largest timed; and its
+  largest median speedup over bf16."""
   from loka_jax.dispatch.pipeline import default_criteria  # heavy: only when counting
   usage: Dict[str, Dict[str, float]] = collections.defaultdict(
       lambda: {**dict.fromkeys(_COUNTS, 0), "max_speedup": 0.0})

@@ -39,9 +39,9 @@ class ProbeOptions:
   # Start compiling every site's evaluation functions while the probe trains, on half the
   # compile threads, so the evaluation phase finds them compiled (a fresh probe only: its
   # evaluation cache is empty, so every candidate is evaluated). None: on where the probe
-  # trains on a GPU, whose host cores sit idle during the steps (Wukong `small` on an H100
-  # reached the end of its evaluation in 147 s with it, 174 s without); off on the CPU, where
-  # the compiles would take the training's cores.
+  # trains on a GPU, whose host cores sit idle during the steps (the main job at Wukong
+  # `small` on an H100 reached its selected plan at 152 s with it, 178 s without); off on
+  # the CPU, where the compiles would take the training's cores.
   compile_evaluation_while_training: Optional[bool] = None
   timing_compile_workers: int = 1          # threads compiling a shape's timed programs
                                            # before they are timed (1: each in turn)
