@@ -117,8 +117,8 @@ def _cpu_set_up():
       os.environ["XLA_FLAGS"] += " " + flag
     os.environ["LOKA_TEST_XLA_FLAGS_CHECKED"] = "1"
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  # Tests make their directories with tempfile and leave them (one checkpoint test writes 1.5
-  # GB): all of them go under one root per run, which the xdist workers and subprocesses inherit
+  # Tests make their directories with tempfile and leave them (one checkpoint test writes 768
+  # MB): all of them go under one root per run, which the xdist workers and subprocesses inherit
   # through TMPDIR and which the process that made it removes.
   if "LOKA_TEST_TMP_ROOT" not in os.environ:
     os.environ["LOKA_TEST_TMP_ROOT"] = os.environ["TMPDIR"] = tempfile.mkdtemp(

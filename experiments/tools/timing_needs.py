@@ -13,7 +13,6 @@ import os
 
 from absl import app, flags
 
-from loka_jax.kernels import registry
 from loka_jax.probe import report as report_lib
 from loka_jax.probe import timing_needs
 from loka_jax.probe import timing_table as tables_lib

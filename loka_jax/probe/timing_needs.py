@@ -30,11 +30,12 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import jax
 
-from loka_jax.kernels import FUSED_OP, PASSES
+from loka_jax.kernels import FUSED_OP, PASSES, registry
 from loka_jax.probe import chain_timing, eligibility
 from loka_jax.probe import timing_table as tables_lib
 from loka_jax.probe.candidates import BASELINE
 from loka_jax.probe.kernel_timing import pass_problem
+from loka_jax.probe.layout import site_layout
 
 SKIPPED = "skipped"
 REUSED = "table"
@@ -230,12 +231,9 @@ def report_needs(report: Mapping[str, Any], table: Optional[Mapping]) -> Dict[st
   {measured, reused, not_safe, dominated, baseline_unneeded}, "measure": {site: sorted
   [(kernel, pass)]}}, one site named for each shape that would time something. What the
   probe's own timing cache holds is left out: this is a fresh workdir's probe."""
-  from loka_jax.kernels import registry
-  from loka_jax.probe.eligibility import Criteria
-  from loka_jax.probe.layout import site_layout
   kernels = [registry.get(name) for name in report["kernels"]]
   timed_for = (report.get("timing_source") or {}).get("timed_for") or report["criteria"]
-  criteria = Criteria(**timed_for)
+  criteria = eligibility.Criteria(**timed_for)
   dtype = (report.get("evaluation") or {}).get("compute_dtype", "bfloat16")
   by_shape: Dict[Tuple, List[str]] = {}
   for name, site in report["sites"].items():
