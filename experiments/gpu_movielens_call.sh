@@ -9,7 +9,11 @@
 #   CARRY=.snap/mlq bash experiments/gpu_movielens_call.sh   (the call carries .snap, .whl)
 #
 # Rows append to $WORK/quality.jsonl and plans live under $WORK/plans, both started from
-# $CARRY, so no run or probe is repeated and each call goes on where the last stopped. After
+# $CARRY, so no run or probe is repeated and each call goes on where the last stopped. Every
+# probe keeps its kernel timings in one cache, $WORK/plans/timing_cache, which the archive
+# carries: the committed table a probe updates on the host is replaced by this tree's on the
+# next call, so without it a model's second probe (loka_accuracy's) would time again what its
+# first measured in an earlier call. After
 # each call copy $OUT/quality.jsonl and $OUT/plans.tar.gz to $CARRY; rerun until the log ends
 # in "all selected rows are done", then commit the rows and each model's plan.json and
 # probe_report.json (in plans.tar.gz) under docs/results/: rows of a card other than the
@@ -56,6 +60,7 @@ timeout "$LIMIT" python3 -m experiments.bench \
   --config.quality.movielens.cooldown_steps="${COOLDOWN:-0}" \
   --config.quality.movielens.data_cache="$DATA" --config.probe.kernels="$KERNELS" \
   --workdir="$WORK" --config.plans_dir="$WORK/plans" --config.compile_cache=/tmp/jc \
+  --config.probe.timing_cache="$WORK/plans/timing_cache" \
   --config.pacing.max_minutes="$(max_minutes)" \
   --config.pacing.end_by_minutes="$(end_by_minutes)" >> "$OUT/log.txt" 2>&1
 echo "rc=$?" | tee -a "$OUT/log.txt"
