@@ -186,7 +186,9 @@ class CheckpointerTest(chex.TestCase):
     """orbax copies every array of one save to the host before writing; part by part, the
     copies live one part at a time (the host OOM of Wukong large's 75 GiB save)."""
     whole, parts = save_peaks_in_fresh_process(self.dir)
-    self.assertGreater(whole, 150 << 20, (whole, parts))   # one piece held much of 384 MiB
+    # One piece held much of 384 MiB: 286-299 MiB in a process alone, 123 MiB once while the
+    # rest of the suite ran beside it; more than three parts' worth keeps the reading real.
+    self.assertGreater(whole, 3 * (32 << 20), (whole, parts))
     self.assertLess(parts, whole / 2, (whole, parts))
 
   def test_parts_pack_consecutive_arrays_up_to_the_bound(self):
