@@ -13,11 +13,11 @@
 # probe keeps its kernel timings in one cache, $WORK/plans/timing_cache, which the archive
 # carries: the committed table a probe updates on the host is replaced by this tree's on the
 # next call, so without it a model's second probe (loka_accuracy's) would time again what its
-# first measured in an earlier call. After
-# each call copy $OUT/quality.jsonl and $OUT/plans.tar.gz to $CARRY; rerun until the log ends
-# in "all selected rows are done", then commit the rows and each model's plan.json and
-# probe_report.json (in plans.tar.gz) under docs/results/: rows of a card other than the
-# manifest's go under its `quality_other_cards`, with the commit and this command.
+# first measured in an earlier call. After each call copy $OUT/quality.jsonl and
+# $OUT/plans.tar.gz to $CARRY; rerun until the log ends in "all selected rows are done", then
+# commit the rows and each model's plan.json and probe_report.json (in plans.tar.gz) under
+# docs/results/: rows of a card other than the manifest's go under its `quality_other_cards`,
+# with the commit and this command.
 #
 # Environment: CARRY (.snap/mlq), DATA (.snap/movielens: the data cache), MODELS
 # (dlrm,dcnv2,dhen,wukong,interformer), SEEDS (5: seeds 0..4), STEPS (600), LIMIT (540: hard
