@@ -186,8 +186,8 @@ class CheckpointerTest(chex.TestCase):
     """orbax copies every array of one save to the host before writing; part by part, the
     copies live one part at a time (the host OOM of Wukong large's 75 GiB save)."""
     whole, parts = save_peaks_in_fresh_process(self.dir)
-    # One piece held much of 384 MiB: 286-299 MiB in a process alone, 123 MiB once while the
-    # rest of the suite ran beside it; more than three parts' worth keeps the reading real.
+    # One piece held much of 384 MiB: 286-299 MiB in a process alone, as little as 123 MiB with
+    # the rest of the suite running beside it; more than three parts' worth keeps it real.
     self.assertGreater(whole, 3 * (32 << 20), (whole, parts))
     self.assertLess(parts, whole / 2, (whole, parts))
 
