@@ -7,6 +7,7 @@ Planning is `loka_jax.dispatch.pipeline.probe_and_plan`: probe -> select -> vali
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
@@ -32,6 +33,46 @@ def loka_plans_root(plans_root: str, accuracy_only: bool) -> str:
 
 def plan_dir(plans_root: str, model: str, preset: str) -> str:
   return os.path.join(plans_root, f"{model}_{preset}")
+
+
+def reuse_probe_statistics(source_plan_dir: str, target_plan_dir: str) -> List[str]:
+  """Copies the trained-statistics summary and the evaluation cache of the probe under
+  `source_plan_dir` into the probe folder under `target_plan_dir` where that probe has not
+  trained yet (no summary of its own); returns the names copied (none without a source).
+
+  The `loka_accuracy` arm's probe trains and evaluates as LoKA's does (the same run, training
+  and probe settings; only selection and validation differ: on an H100 the two probes of
+  DHEN `tiny` on MovieLens wrote the same 30 evaluations), so with LoKA's files it goes
+  straight to timing. It saves a probe's training and evaluation (at InterFormer `tiny`, 93 s
+  of training before 83 sites' evaluations); validation, which needs the trained state,
+  trains it again without the statistics pass. The probe reads each file only under its own
+  key (the run and its settings, the statistics' fingerprint), so files of other settings
+  are ignored and it trains as before."""
+  from loka_jax.dispatch.pipeline import PROBE_DIR
+  from loka_jax.probe.runner import EVAL_CACHE, TRAINED_JSON
+  source = os.path.join(source_plan_dir, PROBE_DIR)
+  target = os.path.join(target_plan_dir, PROBE_DIR)
+  if (not os.path.exists(os.path.join(source, TRAINED_JSON))
+      or os.path.exists(os.path.join(target, TRAINED_JSON))):
+    return []
+  os.makedirs(target, exist_ok=True)
+  copied = []
+  if os.path.exists(os.path.join(source, EVAL_CACHE)):
+    # Appended: lines the target's probe evaluated itself stay (the cache is append-only,
+    # and a key evaluated twice reads as one).
+    with open(os.path.join(source, EVAL_CACHE), "rb") as f:
+      lines = f.read()
+    with open(os.path.join(target, EVAL_CACHE), "ab+") as f:
+      f.seek(0, os.SEEK_END)
+      if f.tell():
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) != b"\n":  # a line torn by a killed run stays a line of its own
+          f.write(b"\n")
+      f.write(lines)
+    copied.append(EVAL_CACHE)
+  # The summary last: with it the probe takes the cache as its evaluations.
+  shutil.copyfile(os.path.join(source, TRAINED_JSON), os.path.join(target, TRAINED_JSON))
+  return copied + [TRAINED_JSON]
 
 
 def plan_path(plans_root: str, model: str, preset: str) -> str:

@@ -11,7 +11,8 @@ plan, whose kernels its rows record as `plan_kernels`); on request (not among th
 arms), naive FP8 with the Mods (`fp8_naive_mods`), which has bf16+Mods' architecture and so
 isolates FP8's own change where the naive arm also carries the Mods', and LoKA under the
 error budget alone (`loka_accuracy`: its own probe and plan, selected with the speed rule off
-and validated without the speed checks), which judges the Probe's accuracy selection where
+and validated without the speed checks; the probe starts from LoKA's trained statistics and
+evaluations, `planning.reuse_probe_statistics`), which judges the Probe's accuracy selection where
 no FP8 kernel is faster than bf16 and LoKA's plan is bf16+Mods itself. Every arm runs at each
 of `seeds`
 (the bench's default: 0, 1, 2; MovieLens: 5); without `seeds`, the arms at `seed` and bf16

@@ -296,6 +296,13 @@ def quality_plan_maker(qs, settings: SpeedSettings, deadline: float
       return None
     options = settings.plan_options()
     if accuracy_only:
+      copied = planning.reuse_probe_statistics(
+          planning.plan_dir(qs.plans_root, model, qs.preset),
+          planning.plan_dir(planning.loka_plans_root(qs.plans_root, True), model, qs.preset))
+      if copied:
+        print(f"[bench] {model}/{qs.preset} under the error budget alone: its probe starts "
+              f"from LoKA's trained statistics and evaluations ({', '.join(copied)})",
+              flush=True)
       options.update(criteria_changes={**(options["criteria_changes"] or {}),
                                        "min_speedup": None},
                      validation=dataclasses.replace(options["validation"], speed=False,

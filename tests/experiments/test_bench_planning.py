@@ -179,6 +179,51 @@ class QualityPlanMakerTest(absltest.TestCase):
     self.assertEqual((accuracy.kwargs["validation"].speed,
                       accuracy.kwargs["validation"].promote), (False, False))
 
+  def test_the_error_budget_alone_starts_from_lokas_trained_statistics(self):
+    # Both probes train and evaluate the same run: the second takes the first's summary and
+    # evaluations (appended to what it evaluated itself) before it starts, and only once.
+    from loka_jax.probe.runner import EVAL_CACHE, TRAINED_JSON
+    out = tempdir(self)
+    settings = suite.SpeedSettings(plans_dir=os.path.join(out, "plans"))
+    qs = quality.QualitySettings(preset="tiny", batch_size=64,
+                                 plans_dir=os.path.join(out, "plans"))
+    loka_probe = os.path.join(planning.plan_dir(qs.plans_root, "dlrm", "tiny"), "probe")
+    accuracy_probe = os.path.join(planning.plan_dir(
+        os.path.join(qs.plans_root, "accuracy_only"), "dlrm", "tiny"), "probe")
+
+    def probe(accuracy_only):
+      seen = {}
+
+      def probe_and_plan(spec, workdir, **kwargs):
+        for name in (EVAL_CACHE, TRAINED_JSON):
+          path = os.path.join(workdir, "probe", name)
+          seen[name] = open(path).read() if os.path.exists(path) else None
+      with mock.patch("loka_jax.dispatch.pipeline.probe_and_plan",
+                      side_effect=probe_and_plan):
+        suite.quality_plan_maker(qs, settings, deadline=time.time() + 600)(
+            "dlrm", accuracy_only=accuracy_only)
+      return seen
+
+    self.assertEqual(probe(True), {EVAL_CACHE: None, TRAINED_JSON: None})  # LoKA's not yet
+    os.makedirs(loka_probe)
+    for name, text in ((EVAL_CACHE, '{"site": "a"}\n{"site": "b"}\n'),
+                       (TRAINED_JSON, '{"fingerprint": "loka"}')):
+      with open(os.path.join(loka_probe, name), "w") as f:
+        f.write(text)
+    os.makedirs(accuracy_probe)
+    with open(os.path.join(accuracy_probe, EVAL_CACHE), "w") as f:
+      f.write('{"site": "own"}\n{"site": "to')  # its own line, then one torn by a kill
+    self.assertEqual(probe(False), {EVAL_CACHE: '{"site": "a"}\n{"site": "b"}\n',
+                                    TRAINED_JSON: '{"fingerprint": "loka"}'})
+    self.assertEqual(probe(True), {
+        EVAL_CACHE: '{"site": "own"}\n{"site": "to\n{"site": "a"}\n{"site": "b"}\n',
+        TRAINED_JSON: '{"fingerprint": "loka"}'})
+    # Its own summary from then on: nothing is copied over it, nor appended again.
+    with open(os.path.join(accuracy_probe, TRAINED_JSON), "w") as f:
+      f.write('{"fingerprint": "own"}')
+    self.assertEqual(probe(True)[TRAINED_JSON], '{"fingerprint": "own"}')
+    self.assertEqual(open(os.path.join(accuracy_probe, EVAL_CACHE)).read().count('"a"'), 1)
+
   def test_a_loka_arm_waiting_for_its_plan_leaves_the_model_unfinished(self):
     # A probe that ran out of budget returns no plan: the model's rows are not done (the
     # bench must not print "all selected rows are done", nor a queue move on); the next run
