@@ -77,6 +77,12 @@ MIN_EVAL = 200_000
 # (`pace.may_start`), so the steps a checkpoint would save are rarely lost; smaller states
 # (the small presets') keep them.
 LARGE_STATE_BYTES = 1 << 30
+# A quality run expected to take less than this (`expected_run_s`: the longest recorded run
+# of its arm, with margin) saves no checkpoint before its end either: stopped midway, it
+# starts again and loses less than this, where each save of even a small state costs a fixed
+# part of a run that lasts seconds (MovieLens `tiny` on an H100: 0.4-1.8 s of saves in runs of
+# 1.4-4.5 s once compiled).
+SHORT_RUN_S = 60.0
 
 
 def trains_with_mods(arm_name: str) -> bool:
@@ -258,8 +264,10 @@ def run_spec(model: str, arm: QualityArm, seed: int, settings: QualitySettings,
 
 
 def run_arm(model: str, arm: QualityArm, seed: int, settings: QualitySettings, workdir: str,
-            plan: Optional[str] = None) -> Dict:
-  """Trains one arm (resuming from `workdir`) and returns its result row fields."""
+            plan: Optional[str] = None, expected_s: Optional[float] = None) -> Dict:
+  """Trains one arm (resuming from `workdir`) and returns its result row fields.
+  `expected_s`: how long the run may take (`expected_run_s`; None: not known yet), which
+  decides its checkpoints (`checkpoint_plan`)."""
   batch = settings.batch_size or experiment.preset_batch_size(model, settings.preset)
   num_eval = (num_eval_for(settings.min_eval, batch) if settings.data == "synthetic" else None)
   spec = run_spec(model, arm, seed, settings, num_eval, plan)
@@ -270,7 +278,8 @@ def run_arm(model: str, arm: QualityArm, seed: int, settings: QualitySettings, w
   # and the initial weights, drawn by the program the run's own start then reuses.
   paired = {"train_fingerprint": quality_pairs.train_fingerprint(source, batch, settings.steps),
             "init_fingerprint": initial_weights_fingerprint(built_model, tx, first, seed)}
-  checkpoint_every, keep = checkpoint_plan(nbytes, settings.steps, settings.keep_runs)
+  checkpoint_every, keep = checkpoint_plan(nbytes, settings.steps, settings.keep_runs,
+                                           expected_s)
   config = TrainConfig(steps=settings.steps, batch_size=batch, seed=seed, eval_batch_size=batch,
                        log_every=max(settings.steps // 10, 1),
                        checkpoint_every=checkpoint_every, keep_checkpoints=keep,
@@ -293,15 +302,17 @@ def initial_weights_fingerprint(model, tx, example_batch, seed: int) -> str:
                                                            seed).params)
 
 
-def checkpoint_plan(state_nbytes: int, steps: int, keep_runs: bool = False
-                    ) -> Tuple[int, int]:
+def checkpoint_plan(state_nbytes: int, steps: int, keep_runs: bool = False,
+                    expected_s: Optional[float] = None) -> Tuple[int, int]:
   """(checkpoint_every, keep_checkpoints) of a quality run: every quarter of the run, three
-  kept; for a state of LARGE_STATE_BYTES or more none at all (0, 0), since a finished run's
-  checkpoints are deleted once it is scored (Wukong large's one save would write 36.6 GB,
-  InterFormer large's took 7-14 s on the H200), or only the final state (0, 1) when runs
-  are kept. Such a run, stopped midway, starts again: quality runs start only when they
-  end within the call (`pace.may_start`)."""
-  if state_nbytes < LARGE_STATE_BYTES:
+  kept; for a state of LARGE_STATE_BYTES or more, or a run expected (`expected_s`) to take
+  less than SHORT_RUN_S, none at all (0, 0), since a finished run's checkpoints are deleted
+  once it is scored (Wukong large's one save would write 36.6 GB, InterFormer large's took
+  7-14 s on the H200), or only the final state (0, 1) when runs are kept. Such a run,
+  stopped midway, starts again: quality runs start only when they end within the call
+  (`pace.may_start`)."""
+  short = expected_s is not None and expected_s < SHORT_RUN_S
+  if state_nbytes < LARGE_STATE_BYTES and not short:
     return max(steps // 4, 1), 3
   return (0, 1) if keep_runs else (0, 0)
 
@@ -336,8 +347,8 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
            settings.cooldown_steps or None)
     if results.done(key):
       continue
-    start, why = pace.may_start(time.time(), deadline, end_by,
-                                expected_run_s(results, model, settings, arm.name))
+    expected = expected_run_s(results, model, settings, arm.name)
+    start, why = pace.may_start(time.time(), deadline, end_by, expected)
     if not start:
       log(f"  deadline: quality {model}/{arm.name}/seed{seed} left for the next run ({why})")
       return False
@@ -379,7 +390,7 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
         + (f" {label}" if label else "")
         + (f" Mods {set_label}" if set_label else ""))
     try:
-      row.update(run_arm(model, arm, seed, settings, workdir, plan))
+      row.update(run_arm(model, arm, seed, settings, workdir, plan, expected))
     except RunSettingsError as e:
       # Another run's folder (a row forgotten by hand, its folder left behind), not a result
       # of this arm: recorded, the row would read as done and never run.

@@ -84,6 +84,33 @@ class QualityProtocolTest(absltest.TestCase):
                              (nbytes, False): (0, [])})
     self.assertLen(set(scores.values()), 1)  # the same run, however it is saved
 
+  def test_a_run_expected_to_be_short_saves_no_checkpoint_before_its_end(self):
+    # Seed 0's run has no recorded time to expect and is saved every quarter; seed 1's is
+    # expected to take about as long as seed 0's (seconds), under the bar, and is not saved
+    # midway. With the bar at 0 every run is saved again; the scores never change.
+    self.assertEqual(quality.checkpoint_plan(100, 8, False, quality.SHORT_RUN_S - 0.1), (0, 0))
+    self.assertEqual(quality.checkpoint_plan(100, 8, True, quality.SHORT_RUN_S - 0.1), (0, 1))
+    self.assertEqual(quality.checkpoint_plan(100, 8, False, quality.SHORT_RUN_S), (2, 3))
+    scores = {}
+    for bar in (quality.SHORT_RUN_S, 0.0):
+      out = tempdir(self)
+      settings = quality.QualitySettings(preset="tiny", steps=8, batch_size=64, min_eval=64,
+                                         arms=("bf16",), seeds=(0, 1))
+      results = ResultsFile(os.path.join(out, "quality.jsonl"), quality.KEY_FIELDS)
+      with mock.patch.object(quality, "SHORT_RUN_S", bar):
+        self.assertTrue(quality.run_model("dlrm", settings, results, out,
+                                          deadline=float("inf"), device="cpu"))
+      rows = sorted(results.rows(), key=lambda r: r["seed"])
+      self.assertLess(rows[0]["train_s"] * pace.MARGIN, quality.SHORT_RUN_S)
+      plans = []
+      for row in rows:
+        with open(os.path.join(quality.run_dir(out, row), "config.json")) as f:
+          train = json.load(f)["train"]
+        plans.append((train["checkpoint_every"], train["keep_checkpoints"]))
+      self.assertEqual(plans, [(2, 3), (0, 0)] if bar else [(2, 3), (2, 3)])
+      scores[bar] = [r["logloss"] for r in rows]
+    self.assertEqual(scores[quality.SHORT_RUN_S], scores[0.0])
+
   def _save_uniform_plan(self, settings, kernel):
     path = planning.plan_path(settings.plans_root, "dlrm", "tiny")
     os.makedirs(os.path.dirname(path), exist_ok=True)
