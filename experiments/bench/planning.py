@@ -12,7 +12,7 @@ import time
 from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 from experiments import time_limit
-from loka_jax import dispatch
+from loka_jax import dispatch, jsonio
 from loka_jax.plan.file import FALLBACK
 from loka_jax.kernels import KernelPlan
 from loka_jax.train import experiment
@@ -49,7 +49,7 @@ def reuse_probe_statistics(source_plan_dir: str, target_plan_dir: str) -> List[s
   key (the run and its settings, the statistics' fingerprint), so files of other settings
   are ignored and it trains as before."""
   from loka_jax.dispatch.pipeline import PROBE_DIR
-  from loka_jax.probe.runner import EVAL_CACHE, TRAINED_JSON
+  from loka_jax.probe.runner import EVAL_CACHE, TRAINED_JSON, append_eval_rows
   source = os.path.join(source_plan_dir, PROBE_DIR)
   target = os.path.join(target_plan_dir, PROBE_DIR)
   if (not os.path.exists(os.path.join(source, TRAINED_JSON))
@@ -58,17 +58,11 @@ def reuse_probe_statistics(source_plan_dir: str, target_plan_dir: str) -> List[s
   os.makedirs(target, exist_ok=True)
   copied = []
   if os.path.exists(os.path.join(source, EVAL_CACHE)):
-    # Appended: lines the target's probe evaluated itself stay (the cache is append-only,
-    # and a key evaluated twice reads as one).
-    with open(os.path.join(source, EVAL_CACHE), "rb") as f:
-      lines = f.read()
-    with open(os.path.join(target, EVAL_CACHE), "ab+") as f:
-      f.seek(0, os.SEEK_END)
-      if f.tell():
-        f.seek(-1, os.SEEK_END)
-        if f.read(1) != b"\n":  # a line torn by a killed run stays a line of its own
-          f.write(b"\n")
-      f.write(lines)
+    # Appended: rows the target's probe evaluated itself stay (a key evaluated twice reads
+    # as one); a line of the source's that a kill left torn is not copied.
+    append_eval_rows(os.path.join(target, EVAL_CACHE),
+                     [row for _, row, error in jsonio.jsonl_rows(os.path.join(source, EVAL_CACHE))
+                      if error is None])
     copied.append(EVAL_CACHE)
   # The summary last: with it the probe takes the cache as its evaluations.
   shutil.copyfile(os.path.join(source, TRAINED_JSON), os.path.join(target, TRAINED_JSON))

@@ -123,9 +123,17 @@ def _merged_passes(old: Mapping, new: Mapping, names: List[str]) -> Dict[str, Di
   return passes
 
 
-def _append_eval_cache(path: str, row: Mapping) -> None:
-  with open(path, "a") as f:
-    f.write(json.dumps(report_lib.json_ready(row), allow_nan=False) + "\n")
+def append_eval_rows(path: str, rows) -> None:
+  """Appends evaluation cache rows to `path`, one line each, starting on a line of their own:
+  a line a killed run left torn stays a line by itself (skipped when read), rather than
+  swallowing the first row appended after it."""
+  with open(path, "ab+") as f:
+    if f.seek(0, os.SEEK_END):
+      f.seek(-1, os.SEEK_END)
+      if f.read(1) != b"\n":
+        f.write(b"\n")
+    for row in rows:
+      f.write((json.dumps(report_lib.json_ready(row), allow_nan=False) + "\n").encode())
 
 
 class _CompileAhead:
@@ -280,7 +288,8 @@ def time_site_shapes(spec: experiment.RunSpec, batch_size: int, cache_dir: str,
   The timings depend on shapes only, so they can be measured ahead, on any machine of the
   target kind: a later probe whose `ProbeOptions.timing_cache` is this directory finds them
   and skips its own timing phase (Wukong large: 17 shapes, most of a GPU call). Resumable,
-  and it leaves shapes pending when `options.should_stop` asks; shapes below `options.min_timing_gflops` are left out.
+  and it leaves shapes pending when `options.should_stop` asks; shapes below
+  `options.min_timing_gflops` are left out.
   Returns {"cache", "device_kind", "shapes", "timed", "pending", "skipped"}.
   """
   if not kernel_timing.on_gpu():
@@ -491,8 +500,9 @@ def run_probe(spec: experiment.RunSpec, workdir: str, train_config: TrainConfig,
           ahead.reach(name)
         new, evaluation_info = assemble.evaluated_passes(site, state, todo_of(name),
                                                          compute_dtype, options, eval_config)
-        _append_eval_cache(cache_path, {"key": {**key_of(name, fingerprint), "kernels": missing},
-                                        "passes": new, "evaluation": evaluation_info})
+        append_eval_rows(cache_path, [{"key": {**key_of(name, fingerprint),
+                                               "kernels": missing},
+                                       "passes": new, "evaluation": evaluation_info}])
         passes = _merged_passes(found, new, names)
         pace.record(time.time() - t0)
         evaluated += 1

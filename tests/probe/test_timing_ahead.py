@@ -159,6 +159,10 @@ class EvalCacheTest(absltest.TestCase):
     with open(path, "w") as f:
       f.write(json.dumps(row) + "\n" + "[1, 2]\n" + '{"key": {"site": "b"')
     self.assertEqual(list(runner._read_eval_cache(path).values()), [[row]])
+    # A row appended after the torn line starts a line of its own and is read.
+    later = {"key": {"site": "c", "kernels": ["xla_bf16"]}, "passes": {}}
+    runner.append_eval_rows(path, [later])
+    self.assertEqual(list(runner._read_eval_cache(path).values()), [[row], [later]])
 
 
 class WithoutTheCheckpointTest(chex.TestCase):
