@@ -220,6 +220,41 @@ class MovieLensCallTest(absltest.TestCase):
     self.assertFalse(os.path.exists(os.path.join(work, "quality.jsonl")))
 
 
+class LoopBenchCallTest(absltest.TestCase):
+
+  def test_models_by_commas_and_a_bench_that_timed_nothing_leaves_the_loop_out(self):
+    # A bench stopped by its pacing before it timed a step writes no bench.jsonl; the loop
+    # arms beside it would compare with nothing, so the call names MAXMIN and goes on to the
+    # next model. `python3 -m experiments.bench` and `-m experiments.train` are stand-ins
+    # here that record their calls; every other python3 call is the real interpreter's.
+    work = tempfile.mkdtemp(prefix="loka_loopcall_")
+    self.addCleanup(shutil.rmtree, work, ignore_errors=True)
+    shims, calls = os.path.join(work, "bin"), os.path.join(work, "calls.txt")
+    os.makedirs(shims)
+    shim = os.path.join(shims, "python3")
+    with open(shim, "w") as f:
+      f.write(f"""#!/bin/bash
+case "$1 $2" in
+  "-m experiments.bench"|"-m experiments.train"|"-m experiments.report")
+    echo "$2 $*" >> {calls}; exit 0 ;;
+esac
+exec {shutil.which("python3")} "$@"
+""")
+    os.chmod(shim, 0o755)
+    done = subprocess.run(
+        ["bash", "experiments/gpu_loop_bench_call.sh"], cwd=REPO, capture_output=True,
+        text=True, timeout=120,
+        env={**os.environ, "PATH": f"{shims}:{os.environ['PATH']}", "WORK": work,
+             "OUT": os.path.join(work, "out"), "MODELS": "dhen,interformer", "MAXMIN": "1.5"})
+    self.assertEqual(done.returncode, 0, done.stderr[-2000:])
+    for model in ("dhen", "interformer"):
+      self.assertIn(f"{model}: the bench timed no step within MAXMIN=1.5 minutes (its log: "
+                    f"{model}_bench.log): loop arms left out; raise MAXMIN", done.stdout)
+    with open(calls) as f:
+      called = [line.split()[0] for line in f]
+    self.assertEqual(called, ["experiments.bench", "experiments.bench"])
+
+
 class MosaicCallTest(absltest.TestCase):
 
   def test_rows_of_the_mosaic_variants_come_back_and_resume(self):
