@@ -14,10 +14,15 @@
 # carries: the committed table a probe updates on the host is replaced by this tree's on the
 # next call, so without it a model's second probe (loka_accuracy's) would time again what its
 # first measured in an earlier call. After each call copy $OUT/quality.jsonl and
-# $OUT/plans.tar.gz to $CARRY; rerun until the log ends in "all selected rows are done", then
-# commit the rows and each model's plan.json and probe_report.json (in plans.tar.gz) under
-# docs/results/: rows of a card other than the manifest's go under its `quality_other_cards`,
-# with the commit and this command.
+# $OUT/plans.tar.gz to $CARRY, and commit the card's timings of the cache into its table
+# (`python3 -m experiments.timing_cache table` on plans/timing_cache/*.json of the archive):
+# the table travels with the tree, so a CARRY lost between calls costs the runs and probes,
+# not the kernel timings, which are most of a probe's GPU time here. Rerun until the log
+# ends in "all selected rows are done", then commit the rows and each model's plan.json and
+# probe_report.json (in plans.tar.gz) under docs/results/: rows of a card other than the
+# manifest's go under its `quality_other_cards`, with the commit and this command. A model
+# whose plan is committed runs on it without a probe: put the plan in CARRY as
+# plans/movielens/MODEL_tiny/plan.json (and the rows it pairs with as quality.jsonl).
 #
 # Environment: CARRY (.snap/mlq), DATA (.snap/movielens: the data cache), MODELS
 # (dlrm,dcnv2,dhen,wukong,interformer), SEEDS (5: seeds 0..4), STEPS (600), LIMIT (540: hard
