@@ -53,6 +53,13 @@ def _rows(archive):
     return [json.loads(line) for line in tar.extractfile("./bench.jsonl").read().splitlines()]
 
 
+def _scratch(test, prefix):
+  """A new folder that `test` removes when it ends."""
+  folder = tempfile.mkdtemp(prefix=prefix)
+  test.addCleanup(shutil.rmtree, folder, ignore_errors=True)
+  return folder
+
+
 SUITE_FLAGS = (TOWERS_CONFIG, f"--config.targets.towers={TOWER}", "--config.speed.repeats=3",
                "--config.probe.enabled=false")
 
@@ -77,8 +84,7 @@ class SuiteCallTest(absltest.TestCase):
 
   def setUp(self):
     super().setUp()
-    self.dir = tempfile.mkdtemp(prefix="loka_calls_")
-    self.addCleanup(shutil.rmtree, self.dir, ignore_errors=True)
+    self.dir = _scratch(self, "loka_calls_")
 
   def env(self, host, **extra):
     return _env(self.dir, host, **extra)
@@ -163,8 +169,7 @@ class TimeLimitTest(absltest.TestCase):
 class QueueTest(absltest.TestCase):
 
   def test_stages_run_in_order_resume_and_wait_for_time(self):
-    tmp = tempfile.mkdtemp(prefix="loka_queue_")
-    self.addCleanup(shutil.rmtree, tmp, ignore_errors=True)
+    tmp = _scratch(self, "loka_queue_")
     queue = os.path.basename(tmp)  # markers of this test only
     self.addCleanup(lambda: [os.remove(os.path.join("/tmp", f))
                              for f in os.listdir("/tmp") if f.startswith(f"loka_queue_{queue}_")])
@@ -192,8 +197,7 @@ class QueueTest(absltest.TestCase):
 class QualityCallTest(absltest.TestCase):
 
   def test_the_named_arms_run_in_their_order_under_the_cooldown(self):
-    work = tempfile.mkdtemp(prefix="loka_qcall_")
-    self.addCleanup(shutil.rmtree, work, ignore_errors=True)
+    work = _scratch(self, "loka_qcall_")
     env = {"WORK": work, "CARRY": os.path.join(work, "carry"), "MODELS": "dlrm",
            "PRESET": "tiny", "STEPS": "4", "WARMUP": "0", "EVAL": "100", "SEEDS": "0",
            "ARMS": "fp8_naive_mods,bf16", "COOLDOWN": "2", "LIMIT": "300"}
@@ -208,8 +212,7 @@ class QualityCallTest(absltest.TestCase):
 class MovieLensCallTest(absltest.TestCase):
 
   def test_without_the_carried_data_cache_it_says_how_to_fetch_it(self):
-    work = tempfile.mkdtemp(prefix="loka_mlcall_")
-    self.addCleanup(shutil.rmtree, work, ignore_errors=True)
+    work = _scratch(self, "loka_mlcall_")
     done = subprocess.run(["bash", "experiments/gpu_movielens_call.sh"], cwd=REPO,
                           env={**os.environ, "WORK": work, "DATA": os.path.join(work, "none")},
                           capture_output=True, text=True, timeout=60)
@@ -227,8 +230,7 @@ class LoopBenchCallTest(absltest.TestCase):
     # arms beside it would compare with nothing, so the call names MAXMIN and goes on to the
     # next model. `python3 -m experiments.bench` and `-m experiments.train` are stand-ins
     # here that record their calls; every other python3 call is the real interpreter's.
-    work = tempfile.mkdtemp(prefix="loka_loopcall_")
-    self.addCleanup(shutil.rmtree, work, ignore_errors=True)
+    work = _scratch(self, "loka_loopcall_")
     shims, calls = os.path.join(work, "bin"), os.path.join(work, "calls.txt")
     os.makedirs(shims)
     shim = os.path.join(shims, "python3")
@@ -260,8 +262,7 @@ class MosaicCallTest(absltest.TestCase):
   def test_rows_of_the_mosaic_variants_come_back_and_resume(self):
     # The kernel benchmark's tiny shapes run on the CPU (interpret mode): the Mosaic GPU
     # variant's row comes back with its baseline's; a call carrying them times nothing again.
-    work = tempfile.mkdtemp(prefix="loka_mosaic_")
-    self.addCleanup(shutil.rmtree, work, ignore_errors=True)
+    work = _scratch(self, "loka_mosaic_")
     env = {"WORK": os.path.join(work, "a"), "TESTS_LIMIT": "0", "SMOKE": "1",
            "ONLY": "pallas_mosaic_fp8_rowwise_precise"}
     out = _call("gpu_mosaic_call.sh", env)
@@ -285,8 +286,7 @@ class JaxNextCallTest(absltest.TestCase):
     # A wheel of 300 KB of random bytes packs into several 100 KB parts; a call with some of
     # them (or a damaged one) names what to carry next; with all of them it unpacks the
     # wheel's files into the site it puts first on PYTHONPATH.
-    work = tempfile.mkdtemp(prefix="loka_jax_next_")
-    self.addCleanup(shutil.rmtree, work, ignore_errors=True)
+    work = _scratch(self, "loka_jax_next_")
     wheels, dest = os.path.join(work, "wheels"), os.path.join(work, "dest")
     os.makedirs(wheels)
     payload = os.urandom(300_000)
