@@ -105,14 +105,17 @@ def main(argv):
     budget, budgets = criteria(select), site_budgets(select.site_budgets)
     report = load_report(config.report)
     plan = selection.select(report, budget, budget_per_site=budgets, timing_table=timing.table,
-                            target_device=timing.target_device, objective=select.objective)
+                            target_device=timing.target_device, objective=select.objective,
+                            fill_from_table=timing.fill_from_table)
     plan = plan_lib.Plan({**plan.to_dict(), "provenance": {
         **plan["provenance"], "report_path": os.path.abspath(config.report)}})
     checked = (check_against_run(plan, report, config.run, out) if config.check
                else "not checked (config.check is off)")
-    proposal, proposed = (selection.serving_proposal(
-        report, plan, budget, budget_per_site=budgets, timing_table=timing.table,
-        target_device=timing.target_device) if proposal_path else (None, []))
+    proposal, proposed = None, []
+    if proposal_path:
+      proposal, proposed = selection.serving_proposal(
+          report, plan, budget, budget_per_site=budgets, timing_table=timing.table,
+          target_device=timing.target_device, fill_from_table=timing.fill_from_table)
   except (ProbeReportError, TimingTableError, check_lib.PlanMismatchError,
           plan_lib.PlanFileError, experiment.PlanError, ValueError) as e:
     sys.exit(f"error: {e}")

@@ -43,6 +43,11 @@ def get_config() -> ml_collections.ConfigDict:
   timing.target_device = config_dict.placeholder(str)
   # Timing table (path or device kind) to use instead of the target device's committed one.
   timing.table = config_dict.placeholder(str)
+  # With a report timed on the target device: take the kernel passes its probe left untimed
+  # (judged unsafe before their statistics were read, dominated, not then candidates) from its
+  # device's table (timing.table, else the committed one), so a plan is selected again once
+  # the card's table times them, without probing again.
+  timing.fill_from_table = False
 
   # With select.objective=serve: also write the serving proposal here (every bf16 forward that
   # is safe on accuracy alone and that the export serves as a static-scale e4m3 dot, in FP8).

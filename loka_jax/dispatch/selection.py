@@ -28,7 +28,9 @@ forward is a fused op they name it too (a fused op runs all passes or none).
 Timings: the report's own when `timing_valid` (and the target device is the report's);
 otherwise a committed timing table of the target device (nearest measured shape, marked
 `estimated`); otherwise none, and then no FP8 kernel is fast enough to choose (unless the
-criteria ask for accuracy only: `min_speedup=None`). `provenance.timing_source` says which.
+criteria ask for accuracy only: `min_speedup=None`). `fill_from_table` takes the passes a
+valid report left untimed from its device's table (`timing_source`).
+`provenance.timing_source` says which.
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ from loka_jax.probe import timing_table as tables_lib
 from loka_jax.plan.file import FALLBACK, SCHEMA, Plan, as_plan
 from loka_jax.kernels import FUSED_OP, PASSES, PER_PASS, registry
 from loka_jax.dispatch import chain_selection
+from loka_jax.dispatch.timing_source import TimingSource, resolve_timing
 from loka_jax.probe import eligibility
 from loka_jax.probe.eligibility import FUSED_SCOPE, UNRESOLVED, Criteria, Verdict
 from loka_jax.probe.report import load_report, validate_report
@@ -105,75 +108,6 @@ def make_budget(criteria: Criteria = Criteria(), budget_per_site=None) -> Budget
 
 
 # ----------------------------------------------------------------------------- timings
-
-@dataclasses.dataclass(frozen=True)
-class TimingSource:
-  """Where selection takes speedups from: 'report', 'table' or 'none'."""
-  kind: str
-  info: Dict[str, Any]
-  table: Optional[Dict[str, Any]] = None
-
-  @property
-  def reason(self) -> str:
-    return self.info.get("reason", "")
-
-
-def _same_device(a: Optional[str], b: Optional[str]) -> bool:
-  if not a or not b:
-    return False
-  return tables_lib.file_name(a) == tables_lib.file_name(b)
-
-
-def resolve_timing(report: Mapping, *, timing_table=None, target_device: Optional[str] = None,
-                   table_dir: str = tables_lib.TIMINGS_DIR) -> TimingSource:
-  """The report's timings when valid for the target device; else a committed table (given
-  as a path, a device kind or a loaded table; by default the target device's, else the one
-  the report fell back on, else the widest committed one); else none."""
-  device = report.get("device")
-  if report.get("timing_valid") and (target_device is None or _same_device(device,
-                                                                          target_device)):
-    info = {"kind": "report", "device": device,
-            "reason": f"measured by the probe on {device}"}
-    if timing_table is not None:
-      info["note"] = "an explicit timing table was ignored: the report's timings are valid"
-    return TimingSource("report", info)
-  why_not = (f"the report's timings are not valid for dispatch (timing_valid=false, made on "
-             f"{device})" if not report.get("timing_valid") else
-             f"the report was timed on {device}, not the target {target_device}")
-  table, path = None, None
-  if isinstance(timing_table, Mapping):
-    table, path = tables_lib.validate(dict(timing_table), "<timing table>"), "<in memory>"
-  elif timing_table is not None:  # named explicitly: a missing table is an error
-    path, table = tables_lib.choose_table(os.fspath(timing_table), table_dir)
-  else:
-    wanted = target_device
-    if wanted is None and (report.get("timing_source") or {}).get("kind") == "table":
-      wanted = report["timing_source"].get("device_kind")  # the table the probe fell back on
-    if wanted is None:
-      chosen = tables_lib.choose_table(None, table_dir)  # the widest committed table
-      if chosen is not None:
-        path, table = chosen
-    else:
-      kinds = tables_lib.committed_tables(table_dir)
-      match = [k for k in kinds if _same_device(k, wanted)]
-      if not match:
-        return TimingSource("none", {
-            "kind": "none", "device": wanted,
-            "reason": f"{why_not} and no committed timing table for {wanted} (committed: "
-                      f"{sorted(kinds) or 'none'})"})
-      path, table = kinds[match[0]]
-  if table is None:
-    return TimingSource("none", {"kind": "none", "device": target_device or device,
-                                 "reason": f"{why_not} and no timing table is committed "
-                                           f"in {table_dir}"})
-  if target_device is not None and not _same_device(table["device_kind"], target_device):
-    raise tables_lib.TimingTableError(
-        f"{path}: holds timings of {table['device_kind']!r}, not the target {target_device!r}")
-  return TimingSource("table", {
-      "kind": "table", "device": table["device_kind"], "path": path,
-      "reason": f"{why_not}; timings from the committed table of {table['device_kind']} "
-                "(nearest measured shape where not exact: estimated)"}, table)
-
 
 def _kernel_object(name: str):
   try:
@@ -239,15 +173,22 @@ def effective_site(report: Mapping, name: str, source: TimingSource) -> Tuple[Di
       for e in ks.values():
         e.setdefault("timing", "measured" if e.get("speedup") else "missing")
     _unresolve_report_timings(site, passes)
+    if source.table is not None:  # fill_from_table: the passes the probe left untimed
+      untimed = {(p, k) for p, ks in passes.items() for k, e in ks.items()
+                 if k != FALLBACK and not e.get("speedup") and not e.get("unsupported")
+                 and e.get("timing") != UNRESOLVED}
+      # bf16 is looked up too: each filled speedup is against the table's own baseline.
+      timings = _timings_of(report, site, name, {FALLBACK} | {k for _, k in untimed}, source,
+                            notes)
+      for p, k in untimed:
+        if timings.get(p, {}).get(k, {}).get("speedup"):
+          for f in TIMING_FIELDS:
+            passes[p][k].pop(f, None)
+          passes[p][k].update(timings[p][k])
     return {**site, "passes": passes}, notes
-  names = sorted({k for ks in passes.values() for k in ks})
-  kernels = [k for k in (_kernel_object(n) for n in names) if k and chain_selection.timed(k)]
-  timings: Dict[str, Dict[str, Dict]] = {}
-  if source.kind == "table":
-    dtype = (report.get("evaluation") or {}).get("compute_dtype", "bfloat16")
-    timings, problem = _table_timings(site, name, kernels, dtype, source.table)
-    if problem:
-      notes.append(problem)
+  names = {k for ks in passes.values() for k in ks}
+  timings = (_timings_of(report, site, name, names, source, notes)
+             if source.kind == "table" else {})
   for p, ks in passes.items():
     for k, e in ks.items():
       for f in TIMING_FIELDS:
@@ -255,6 +196,18 @@ def effective_site(report: Mapping, name: str, source: TimingSource) -> Tuple[Di
       t = timings.get(p, {}).get(k)
       e.update(t if t else {"time_us": None, "speedup": None, "timing": "missing"})
   return {**site, "passes": passes}, notes
+
+
+def _timings_of(report: Mapping, site: Mapping, name: str, names, source: TimingSource,
+                notes: List[str]) -> Dict[str, Dict[str, Dict]]:
+  """{pass: {kernel: timing fields}} of the named kernels from `source`'s table."""
+  kernels = [k for k in (_kernel_object(n) for n in sorted(names))
+             if k and chain_selection.timed(k)]
+  dtype = (report.get("evaluation") or {}).get("compute_dtype", "bfloat16")
+  timings, problem = _table_timings(site, name, kernels, dtype, source.table)
+  if problem:
+    notes.append(problem)
+  return timings
 
 
 # ----------------------------------------------------------------------------- ranking
@@ -513,7 +466,7 @@ def kernels_info(report: Mapping) -> Dict[str, Dict[str, Any]]:
 def select(report: Union[Mapping, str], criteria: Optional[Criteria] = None, *,
            budget_per_site=None, timing_table=None, target_device: Optional[str] = None,
            table_dir: str = tables_lib.TIMINGS_DIR, objective: str = TRAIN,
-           **criteria_fields) -> Plan:
+           fill_from_table: bool = False, **criteria_fields) -> Plan:
   """The Plan for a ProbeReport (a loaded report or its path) under the error budget.
 
   Args:
@@ -524,10 +477,13 @@ def select(report: Union[Mapping, str], criteria: Optional[Criteria] = None, *,
     budget_per_site: per-site budgets, {regex: Criteria | {field: value}} or a list of pairs;
       the first regex that fullmatches a site name wins.
     timing_table: a committed table (path, device kind or loaded dict) to use when the
-      report's timings are not valid for the target.
+      report's timings are not valid for the target (or, with `fill_from_table`, to fill the
+      passes a valid report left untimed).
     target_device: the device kind the plan is for (default: the report's device).
     table_dir: where committed tables live.
     objective: "train" (every pass) or "serve" (forwards only, for `dispatch.export`).
+    fill_from_table: with a valid report, its untimed kernel passes from its device's table
+      (`timing_source.resolve_timing`).
   """
   if objective not in OBJECTIVES:
     raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
@@ -540,7 +496,7 @@ def select(report: Union[Mapping, str], criteria: Optional[Criteria] = None, *,
     validate_report(report, "<report>")
   budget = make_budget(criteria, budget_per_site)
   source = resolve_timing(report, timing_table=timing_table, target_device=target_device,
-                          table_dir=table_dir)
+                          table_dir=table_dir, fill_from_table=fill_from_table)
   info = kernels_info(report)
   select_one = select_serving_site if objective == SERVE else select_site
   sites = {name: select_one(report, name, budget.for_site(name), source, info)
@@ -565,7 +521,8 @@ def select(report: Union[Mapping, str], criteria: Optional[Criteria] = None, *,
 def serving_proposal(report: Mapping, selected: Plan, criteria: Criteria = Criteria(), *,
                      budget_per_site=None, timing_table=None,
                      target_device: Optional[str] = None,
-                     table_dir: str = tables_lib.TIMINGS_DIR) -> Tuple[Plan, List[str]]:
+                     table_dir: str = tables_lib.TIMINGS_DIR,
+                     fill_from_table: bool = False) -> Tuple[Plan, List[str]]:
   """(the serving plan `selected` with more FP8 forwards, the sites it changed): each site
   `selected` serves in xla_bf16 takes the serving choice of the same budget without its speed
   bar (`min_speedup=None`: the fastest forward safe on accuracy alone) when the export serves
@@ -583,7 +540,7 @@ def serving_proposal(report: Mapping, selected: Plan, criteria: Criteria = Crite
   accuracy_only = dataclasses.replace(criteria, min_speedup=None)
   relaxed = select(report, accuracy_only, budget_per_site=budget_per_site,
                    timing_table=timing_table, target_device=target_device,
-                   table_dir=table_dir, objective=SERVE)
+                   table_dir=table_dir, objective=SERVE, fill_from_table=fill_from_table)
   data = as_plan(selected).to_dict()
   changed = []
   for name, entry in relaxed["sites"].items():

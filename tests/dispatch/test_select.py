@@ -2,6 +2,7 @@
 per-pass independence, per-site budgets, fused ops and every timing source."""
 import copy
 import os
+import shutil
 import tempfile
 
 import chex
@@ -536,6 +537,44 @@ class TimingSourceTest(chex.TestCase):
                              table_dir=empty_dir())
     self.assertEqual(set(kernels_of(other, "s").values()), {"xla_bf16"})
     self.assertIn("not the target NVIDIA H200", other["provenance"]["timing_source"]["reason"])
+
+  def test_a_valid_reports_untimed_passes_are_filled_from_its_devices_table(self):
+    # The probe timed tensorwise (1.4x, its own measurement) but left rowwise untimed; the
+    # card's table has rowwise at 2x bf16 in the forward and 0.83x in the input gradient,
+    # and tensorwise at 0.5x, which the report's own timing overrides.
+    kernels = {"xla_fp8_tensorwise": hm.entry(sqnr=28.0, speedup=(1.3, 1.4, 1.5)),
+               "xla_fp8_rowwise": hm.entry(sqnr=28.0, speedup=None)}
+    rep = hm.report({"s": hm.site(hm.same_passes(kernels), lhs=(256, 64), rhs=(64, 32))})
+    directory = tempfile.mkdtemp(prefix="loka_tables_")
+    self.addCleanup(shutil.rmtree, directory, ignore_errors=True)
+    table = hm.dense_table(hm.H100, 256, 64, 32, {
+        "xla_bf16": {"fwd": 10.0, "grad_lhs": 10.0, "grad_rhs": 10.0},
+        "xla_fp8_tensorwise": {"fwd": 20.0, "grad_lhs": 20.0, "grad_rhs": 20.0},
+        "xla_fp8_rowwise": {"fwd": 5.0, "grad_lhs": 12.0}})
+    timing_table.save_table(table, timing_table.table_path(hm.H100, directory))
+    plain = selection.select(rep, Criteria(), table_dir=directory)
+    self.assertEqual(set(kernels_of(plain, "s").values()), {"xla_fp8_tensorwise"})
+    filled = selection.select(rep, Criteria(), table_dir=directory, fill_from_table=True)
+    self.assertEqual(kernels_of(filled, "s"), {"fwd": "xla_fp8_rowwise",
+                                               "grad_lhs": "xla_fp8_tensorwise",
+                                               "grad_rhs": "xla_fp8_tensorwise"})
+    chosen = filled["sites"]["s"]
+    self.assertIn("2.00x", chosen["fwd"]["reason"])
+    self.assertIn("(table)", chosen["fwd"]["reason"])
+    self.assertEqual(chosen["fwd"]["timing"], "table")
+    self.assertIn("1.40x", chosen["grad_lhs"]["reason"])   # the report's own timing stays
+    ts = filled["provenance"]["timing_source"]
+    self.assertEqual((ts["kind"], ts["fill_table"]),
+                     ("report", timing_table.table_path(hm.H100, directory)))
+    self.assertIn("left untimed from the committed table", ts["reason"])
+    # Without a table of the report's card there is nothing to fill from, and it says so;
+    # a named table of another card is an error.
+    none = selection.select(rep, Criteria(), table_dir=empty_dir(), fill_from_table=True)
+    self.assertEqual(set(kernels_of(none, "s").values()), {"xla_fp8_tensorwise"})
+    self.assertIn("no committed timing table of", none["provenance"]["timing_source"]["note"])
+    other = {**table, "device_kind": "NVIDIA H200"}
+    with self.assertRaisesRegex(timing_table.TimingTableError, "not the report's"):
+      selection.select(rep, Criteria(), timing_table=other, fill_from_table=True)
 
   def test_explicit_table_for_the_wrong_device_is_an_error(self):
     directory = self._table_dir(256)

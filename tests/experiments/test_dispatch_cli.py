@@ -8,6 +8,7 @@ from absl.testing import absltest
 import report_builders as hm
 from cli_helpers import run_module
 from loka_jax import dispatch
+from loka_jax.probe import timing_table
 from loka_jax.probe.report import save_report
 
 # The tiny DLRM's act x weight sites and their shapes at batch 16.
@@ -133,6 +134,36 @@ class DispatchCliTest(chex.TestCase):
     self.assertNotEqual(refused.returncode, 0)
     self.assertIn("--config.serving_proposal needs --config.select.objective=serve",
                   refused.stderr)
+
+  def test_a_valid_reports_untimed_kernel_is_timed_from_the_named_table(self):
+    # The probe left rowwise untimed everywhere; the card's table times it at one site's
+    # shape: 2x bf16 in the forward, slower in both gradients.
+    untimed = {"xla_fp8_rowwise": hm.entry(sqnr=28.0, speedup=None)}
+    report = hm.report({n: hm.site(hm.same_passes(untimed), lhs=l, rhs=r)
+                        for n, (l, r) in DLRM_TINY.items()}, model="dlrm")
+    report_path = os.path.join(self.workdir, "untimed_report.json")
+    save_report(report, report_path)
+    table_path = os.path.join(self.workdir, "table.json")
+    timing_table.save_table(hm.dense_table(hm.H100, 16, 8, 32, {
+        "xla_bf16": {"fwd": 10.0, "grad_lhs": 10.0, "grad_rhs": 10.0},
+        "xla_fp8_rowwise": {"fwd": 5.0, "grad_lhs": 20.0, "grad_rhs": 20.0}}), table_path)
+    plans = {}
+    for fill in ("false", "true"):
+      out = os.path.join(self.workdir, f"plan_fill_{fill}.json")
+      result = run_cli(f"--config.report={report_path}", f"--config.out={out}",
+                       f"--config.timing.table={table_path}", "--config.check=false",
+                       f"--config.timing.fill_from_table={fill}")
+      self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+      plans[fill] = dispatch.read_plan(out)
+    fp8 = lambda plan: {(n, p) for n, s in plan["sites"].items() for p, e in s.items()
+                        if e["kernel"] != "xla_bf16"}
+    self.assertEqual(fp8(plans["false"]), set())
+    # Every forward takes it: exact at the timed shape, from the nearest one elsewhere.
+    self.assertEqual(fp8(plans["true"]), {(n, "fwd") for n in DLRM_TINY})
+    marks = {n: plans["true"]["sites"][n]["fwd"]["timing"] for n in DLRM_TINY}
+    self.assertEqual(marks, {n: "table" if n == "bottom_mlp/dense_0" else "estimated"
+                             for n in DLRM_TINY})
+    self.assertIn("2.00x", plans["true"]["sites"]["bottom_mlp/dense_0"]["fwd"]["reason"])
 
   def test_a_plan_that_does_not_fit_the_model_fails_listing_the_sites(self):
     out = os.path.join(self.workdir, "plan_wukong.json")
