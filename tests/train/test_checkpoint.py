@@ -186,9 +186,10 @@ class CheckpointerTest(chex.TestCase):
     """orbax copies every array of one save to the host before writing; part by part, the
     copies live one part at a time (the host OOM of Wukong large's 75 GiB save)."""
     whole, parts = save_peaks_in_fresh_process(self.dir)
-    # One piece held much of 384 MiB: 286-299 MiB in a process alone, as little as 123 MiB with
-    # the rest of the suite running beside it; more than three parts' worth keeps it real.
-    self.assertGreater(whole, 3 * (32 << 20), (whole, parts))
+    # One piece held much of 384 MiB: 286-299 MiB in a process alone, as little as 96 MiB
+    # (100,208,640 bytes) with the rest of the suite beside it on a busy 2-core machine; more
+    # than two parts' worth keeps the reading real (a broken one reads a few MiB).
+    self.assertGreater(whole, 2 * (32 << 20), (whole, parts))
     self.assertLess(parts, whole / 2, (whole, parts))
 
   def test_parts_pack_consecutive_arrays_up_to_the_bound(self):
