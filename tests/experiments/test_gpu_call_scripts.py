@@ -257,6 +257,50 @@ exec {shutil.which("python3")} "$@"
     self.assertEqual(called, ["experiments.bench", "experiments.bench"])
 
 
+class MainJobCallTest(absltest.TestCase):
+
+  def test_a_cut_cold_run_is_finished_before_the_warm_rerun_is_timed(self):
+    # `python3 -m experiments.loka` is a stand-in here: its first run on a workdir outlasts
+    # any limit, its second finishes the job, and a later one is a warm rerun.
+    work = _scratch(self, "loka_mainjob_")
+    shims = os.path.join(work, "bin")
+    os.makedirs(shims)
+    with open(os.path.join(shims, "python3"), "w") as f:
+      f.write(f"""#!/bin/bash
+if [ "$1 $2" = "-m experiments.loka" ]; then
+  w=${{3#--workdir=}}
+  if [ -e "$w/done" ]; then echo "warm rerun"; exit 0; fi
+  if [ -e "$w/started" ]; then touch "$w/done"; echo "finished the job"; exit 0; fi
+  mkdir -p "$w"; touch "$w/started"; exec sleep 60
+fi
+exec {shutil.which("python3")} "$@"
+""")
+    os.chmod(os.path.join(shims, "python3"), 0o755)
+
+    def call(name, runs):
+      env = {**os.environ, "PATH": f"{shims}:{os.environ['PATH']}", "LIMIT": "2",
+             "RUNS": runs, "WORK": os.path.join(work, name),
+             "OUT": os.path.join(work, name, "out")}
+      done = subprocess.run(["bash", "experiments/gpu_main_job_call.sh"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+      self.assertEqual(done.returncode, 0, done.stderr[-2000:])
+      runs = [line.split(":")[0] for line in done.stdout.splitlines() if ": rc=" in line]
+      logs = {}
+      for run in runs:
+        with open(os.path.join(work, name, "out", f"{run}.log")) as f:
+          logs[run] = f.read()
+      return done.stdout, runs, logs
+
+    out, runs, _ = call("cold_only", "cold")   # a cold run alone is left for the next call
+    self.assertEqual(runs, ["cold"])
+    self.assertIn("cold: rc=124", out)
+    out, runs, logs = call("cold_warm", "cold warm")
+    self.assertEqual(runs, ["cold", "resume", "warm"])
+    self.assertIn("cold: rc=124", out)
+    self.assertIn("finished the job", logs["resume"])
+    self.assertIn("warm rerun", logs["warm"])
+
+
 class MosaicCallTest(absltest.TestCase):
 
   def test_rows_of_the_mosaic_variants_come_back_and_resume(self):
