@@ -97,14 +97,27 @@ def with_digest(data: Mapping) -> Dict[str, Any]:
           DIGEST_FIELD: content_digest(data)}
 
 
+def append_lines(path: str, lines: Iterable[str], sync: bool = False) -> None:
+  """Appends each line (without its newline) to `path`, the first starting on a line of its
+  own: a line a killed writer left torn stays a line by itself (skipped when read) rather
+  than swallowing the first line appended after it. `sync`: flushed to disk before
+  returning."""
+  with open(path, "ab+") as f:
+    if f.seek(0, os.SEEK_END):
+      f.seek(-1, os.SEEK_END)
+      if f.read(1) != b"\n":
+        f.write(b"\n")
+    for line in lines:
+      f.write(line.encode() + b"\n")
+    if sync:
+      f.flush()
+      os.fsync(f.fileno())
+
+
 def append_rows(path: str, rows: Iterable[Mapping]) -> None:
   """Appends each row to the JSONL file at `path`, one line each with its `sha256`, flushed to
-  disk before returning (a row a reader finds is whole)."""
-  with open(path, "a") as f:
-    for row in rows:
-      f.write(json.dumps(with_digest(row)) + "\n")
-    f.flush()
-    os.fsync(f.fileno())
+  disk before returning (a row a reader finds is whole; `append_lines`)."""
+  append_lines(path, (json.dumps(with_digest(row)) for row in rows), sync=True)
 
 
 def check_digest(data: Any, where: str, what: str, remedy: str,

@@ -45,9 +45,9 @@ def _given_table(timing_table, table_dir: str) -> Tuple[Optional[str], Optional[
   return tables_lib.choose_table(os.fspath(timing_table), table_dir)
 
 
-def _committed(device: str, table_dir: str) -> Tuple[Optional[str], Optional[Dict]]:
-  """(path, table) of `device`'s committed table, or (None, None)."""
-  match = [v for k, v in tables_lib.committed_tables(table_dir).items() if same_device(k, device)]
+def _of_device(committed: Mapping, device: str) -> Tuple[Optional[str], Optional[Dict]]:
+  """(path, table) of `device` among the committed tables, or (None, None)."""
+  match = [v for k, v in committed.items() if same_device(k, device)]
   return match[0] if match else (None, None)
 
 
@@ -56,7 +56,7 @@ def _report_with_fill(report, info: Dict[str, Any], timing_table, table_dir: str
   """The report's timings, and for the passes it left untimed its device's table."""
   device = report.get("device")
   path, table = (_given_table(timing_table, table_dir) if timing_table is not None
-                 else _committed(device, table_dir))
+                 else _of_device(tables_lib.committed_tables(table_dir), device))
   if table is None:
     info["note"] = f"no committed timing table of {device} to fill the untimed passes from"
     return TimingSource("report", info)
@@ -103,12 +103,12 @@ def resolve_timing(report, *, timing_table=None, target_device: Optional[str] = 
         path, table = chosen
     else:
       kinds = tables_lib.committed_tables(table_dir)
-      if not any(same_device(k, wanted) for k in kinds):
+      path, table = _of_device(kinds, wanted)
+      if table is None:
         return TimingSource("none", {
             "kind": "none", "device": wanted,
             "reason": f"{why_not} and no committed timing table for {wanted} (committed: "
                       f"{sorted(kinds) or 'none'})"})
-      path, table = _committed(wanted, table_dir)
   if table is None:
     return TimingSource("none", {"kind": "none", "device": target_device or device,
                                  "reason": f"{why_not} and no timing table is committed "

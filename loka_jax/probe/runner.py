@@ -124,16 +124,10 @@ def _merged_passes(old: Mapping, new: Mapping, names: List[str]) -> Dict[str, Di
 
 
 def append_eval_rows(path: str, rows) -> None:
-  """Appends evaluation cache rows to `path`, one line each, starting on a line of their own:
-  a line a killed run left torn stays a line by itself (skipped when read), rather than
-  swallowing the first row appended after it."""
-  with open(path, "ab+") as f:
-    if f.seek(0, os.SEEK_END):
-      f.seek(-1, os.SEEK_END)
-      if f.read(1) != b"\n":
-        f.write(b"\n")
-    for row in rows:
-      f.write((json.dumps(report_lib.json_ready(row), allow_nan=False) + "\n").encode())
+  """Appends evaluation cache rows to `path`, one line each, after any line a killed run left
+  torn (`jsonio.append_lines`)."""
+  jsonio.append_lines(path, (json.dumps(report_lib.json_ready(row), allow_nan=False)
+                             for row in rows))
 
 
 class _CompileAhead:
