@@ -208,6 +208,23 @@ class QualityCallTest(absltest.TestCase):
     self.assertEqual([(r["arm"], r["seed"], r["steps"], r["cooldown_steps"]) for r in rows],
                      [("fp8_naive_mods", 0, 4, 2), ("bf16", 0, 4, 2)])
 
+  def test_a_mods_sets_loka_arm_runs_the_plan_given_for_that_set(self):
+    # The bench looks for a Mods set's plans in a folder of their own; a plan copied to the
+    # default set's folder would leave the LoKA arm "left for a later run".
+    work = _scratch(self, "loka_qcall_mods_")
+    plan = os.path.join(REPO, "docs", "results", "plan_dlrm_tiny_movielens_h100_2026-12-05.json")
+    env = {"WORK": work, "CARRY": os.path.join(work, "carry"), "MODELS": "dlrm",
+           "PRESET": "tiny", "STEPS": "2", "WARMUP": "0", "EVAL": "100", "SEEDS": "0",
+           "ARMS": "loka", "MODS": "no_bias,blocknorm", "PLAN_DLRM": plan, "LIMIT": "300"}
+    out = _call("gpu_quality_call.sh", env)
+    self.assertIn("dlrm rc=0", out)
+    with open(os.path.join(work, "out", "quality.jsonl")) as f:
+      rows = [json.loads(line) for line in f]
+    self.assertEqual([(r["arm"], r["mods"], r["mods_set"]) for r in rows],
+                     [("loka", ["no_bias", "blocknorm"], "no_bias+blocknorm")])
+    self.assertEqual(rows[0]["plan"],
+                     os.path.join(work, "plans", "mods_no_bias+blocknorm", "dlrm_tiny", "plan.json"))
+
 
 class MovieLensCallTest(absltest.TestCase):
 
