@@ -9,10 +9,10 @@
 #   bash experiments/gpu_loop_bench_call.sh        (the device call carries .whl)
 #
 # Environment: MODELS (wukong; several by commas or spaces), PRESET (large), STEPS (150),
-# PLAN_<MODEL> (a plan file; the defaults are the committed large plans of wukong, dlrm and
-# dcnv2; empty: no LoKA arm) and REPORT_<MODEL> (the probe report it was selected on, which the
-# bench's LoKA arm reads to calibrate its exported model; defaults: the committed wukong and
-# dcnv2 large reports; without one the LoKA arm is left out), BATCH_WORKERS (the loop's
+# PLAN_<MODEL> (a plan file; the defaults are the committed large plans of wukong, dlrm, dcnv2
+# and dhen; empty: no LoKA arm) and REPORT_<MODEL> (the probe report it was selected on, which
+# the bench's LoKA arm reads to calibrate its exported model; defaults: the committed wukong,
+# dcnv2 and dhen large reports; without one the LoKA arm is left out), BATCH_WORKERS (the loop's
 # batch-making processes; -1, the default: as many as the step needs), ARM_LIMIT (seconds per
 # loop arm, 240), MAXMIN (3: the bench's minutes per model; on an H100 DHEN and InterFormer
 # `large` compile their bf16 step alone in 97 and 133 s, so give them 5: a bench that measured
@@ -36,12 +36,14 @@ default_plan() {
     wukong) echo "$R/plan_wukong_large_wgrad0_h200_2026-12-02.json" ;;
     dlrm) echo "$R/plan_dlrm_large_h200_2026-11-28.json" ;;
     dcnv2) echo "$R/plan_dcnv2_large_h200_2026-11-28.json" ;;
+    dhen) echo "$R/plan_dhen_large_h200_2026-11-28.json" ;;
   esac
 }
 default_report() {  # the probe report a committed large plan was selected on, where committed
   case $1 in
     wukong) echo "$R/probe_report_wukong_large_h200_2026-11-27.json.gz" ;;
     dcnv2) echo "$R/probe_report_dcnv2_large_h200_2026-11-28.json.gz" ;;
+    dhen) echo "$R/probe_report_dhen_large_h200_2026-11-28.json.gz" ;;
   esac
 }
 for MODEL in ${MODELS//,/ }; do
