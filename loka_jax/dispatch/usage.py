@@ -20,34 +20,40 @@ import dataclasses
 from typing import Dict, Iterable, List, Mapping, Optional
 
 from loka_jax import kernels as kernels_lib
-from loka_jax.dispatch import selection
+from loka_jax.dispatch import selection, timing_source
 from loka_jax.kernels.base import PER_PASS
 from loka_jax.kernels.choice import PASSES
-from loka_jax.probe import eligibility
+from loka_jax.probe import eligibility, timing_table
 from loka_jax.probe.eligibility import Criteria
 
 BASELINE = selection.FALLBACK
 _COUNTS = ("safe", "timed", "picked", "served", "fastest")
 
 
-def kernel_usage(reports: Iterable[Mapping], criteria: Optional[Criteria] = None
+def kernel_usage(reports: Iterable[Mapping], criteria: Optional[Criteria] = None, *,
+                 fill_from_table: bool = False, table_dir: str = timing_table.TIMINGS_DIR
                  ) -> Dict[str, Dict[str, float]]:
-  """{kernel: {"safe", "timed", "picked", "served", "fastest", "max_speedup"}} over every
+  """{kernel: {"safe", "timed", "picked", "served", "fastest", "max_speedup",
+  "max_fwd_speedup"}} over every
   (site, pass) of the reports: the FP8 kernel's passes within `criteria`'s error budget, its
   speed aside (`eligibility.assess`); the passes with a measured speedup; those where
   `dispatch.select` under `criteria` (default: each report's default budget) picks the
   kernel for training, and the forward passes where it picks it for serving
   (`objective="serve"`); those where its median speedup is the largest timed; and its
-  largest median speedup over bf16."""
+  largest median speedup over bf16, in any pass and in the forward (a fused op's passes
+  differ: the forward-only op runs its gradients in bf16). `fill_from_table`: the passes a report left untimed take
+  its card's committed table (in `table_dir`), as `dispatch.select(..., fill_from_table=True)`
+  does."""
   from loka_jax.dispatch.pipeline import default_criteria  # heavy: only when counting
   usage: Dict[str, Dict[str, float]] = collections.defaultdict(
-      lambda: {**dict.fromkeys(_COUNTS, 0), "max_speedup": 0.0})
+      lambda: {**dict.fromkeys(_COUNTS, 0), "max_speedup": 0.0, "max_fwd_speedup": 0.0})
   for report in reports:
     budget = criteria or default_criteria(report)
     accuracy = dataclasses.replace(budget, min_speedup=None)
-    train = selection.select(report, budget)
-    serve = selection.select(report, budget, objective=selection.SERVE)
-    for name, site in report["sites"].items():
+    timing = dict(fill_from_table=fill_from_table, table_dir=table_dir)
+    train = selection.select(report, budget, **timing)
+    serve = selection.select(report, budget, objective=selection.SERVE, **timing)
+    for name, site in _sites(report, **timing).items():
       for pass_name in PASSES:
         entries = site.get("passes", {}).get(pass_name) or {}
         if not entries:
@@ -61,6 +67,8 @@ def kernel_usage(reports: Iterable[Mapping], criteria: Optional[Criteria] = None
         for kernel, speedup in speedups.items():
           usage[kernel]["timed"] += 1
           usage[kernel]["max_speedup"] = max(usage[kernel]["max_speedup"], speedup)
+          if pass_name == "fwd":
+            usage[kernel]["max_fwd_speedup"] = max(usage[kernel]["max_fwd_speedup"], speedup)
         if speedups:
           usage[max(speedups, key=speedups.get)]["fastest"] += 1
         for plan, count in ((train, "picked"), (serve, "served")):
@@ -68,6 +76,14 @@ def kernel_usage(reports: Iterable[Mapping], criteria: Optional[Criteria] = None
           if choice is not None and (count == "picked" or pass_name == "fwd"):
             usage[choice.for_pass(pass_name)][count] += 1
   return {k: dict(v) for k, v in usage.items()}
+
+
+def _sites(report: Mapping, fill_from_table: bool, table_dir: str) -> Mapping[str, Mapping]:
+  """The report's sites, with the timings selection sees when it fills from the table."""
+  if not fill_from_table:
+    return report["sites"]
+  source = timing_source.resolve_timing(report, fill_from_table=True, table_dir=table_dir)
+  return {name: selection.effective_site(report, name, source)[0] for name in report["sites"]}
 
 
 def droppable(usage: Mapping[str, Mapping]) -> List[str]:
@@ -90,13 +106,13 @@ def kept_kernels(usage: Mapping[str, Mapping]) -> List[str]:
 def markdown(usage: Mapping[str, Mapping]) -> str:
   """The counts as a table, most picked first."""
   lines = ["| kernel | passes within the error budget | passes timed | picked (train) | "
-           "picked (serve) | fastest timed | best median speedup |",
-           "|---|---|---|---|---|---|---|"]
+           "picked (serve) | fastest timed | best median speedup | in the forward |",
+           "|---|---|---|---|---|---|---|---|"]
   for k in sorted(usage, key=lambda k: (-usage[k]["picked"], -usage[k]["served"],
                                         -usage[k]["timed"], k)):
     u = usage[k]
     safe = "-" if k == BASELINE else u["safe"]
-    best = f"{u['max_speedup']:.2f}x" if u["timed"] else "-"
+    best, fwd = (f"{u[f]:.2f}x" if u[f] else "-" for f in ("max_speedup", "max_fwd_speedup"))
     lines.append(f"| {k} | {safe} | {u['timed']} | {u['picked']} | {u['served']} | "
-                 f"{u['fastest']} | {best} |")
+                 f"{u['fastest']} | {best} | {fwd} |")
   return "\n".join(lines)

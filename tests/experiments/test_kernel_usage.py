@@ -3,6 +3,7 @@ serving, which per-pass kernels nothing picks, and the command that prints it.""
 import gzip
 import json
 import os
+import shutil
 import tempfile
 
 from absl.testing import absltest
@@ -10,6 +11,7 @@ from absl.testing import absltest
 import report_builders as hm
 from cli_helpers import run_module
 from loka_jax.dispatch import usage
+from loka_jax.probe import timing_table
 
 
 def _report():
@@ -57,6 +59,30 @@ class KernelUsageTest(absltest.TestCase):
     self.assertEqual(strict["xla_fp8_tensorwise"]["picked"], 0)
     self.assertEqual(strict["xla_bf16"]["picked"], 6)
 
+  def test_the_passes_a_report_left_untimed_count_with_the_cards_table_when_asked(self):
+    # The probe timed tensorwise (1.4x) and left rowwise untimed; the card's table times
+    # rowwise at 0.83x bf16 in the forward and 2x in the input gradient (no weight gradient).
+    kernels = {"xla_fp8_tensorwise": hm.entry(sqnr=28.0, speedup=(1.3, 1.4, 1.5)),
+               "xla_fp8_rowwise": hm.entry(sqnr=28.0, speedup=None)}
+    rep = hm.report({"s": hm.site(hm.same_passes(kernels), lhs=(256, 64), rhs=(64, 32))})
+    directory = tempfile.mkdtemp(prefix="loka_usage_tables_")
+    self.addCleanup(shutil.rmtree, directory, ignore_errors=True)
+    table = hm.dense_table(hm.H100, 256, 64, 32, {
+        "xla_bf16": {"fwd": 10.0, "grad_lhs": 10.0, "grad_rhs": 10.0},
+        "xla_fp8_rowwise": {"fwd": 12.0, "grad_lhs": 5.0}})
+    timing_table.save_table(table, timing_table.table_path(hm.H100, directory))
+    plain = usage.kernel_usage([rep], table_dir=directory)
+    self.assertEqual((plain["xla_fp8_rowwise"]["timed"], plain["xla_fp8_rowwise"]["picked"]),
+                     (0, 0))
+    filled = usage.kernel_usage([rep], table_dir=directory, fill_from_table=True)
+    rowwise = filled["xla_fp8_rowwise"]
+    self.assertEqual((rowwise["timed"], rowwise["picked"], rowwise["served"],
+                      rowwise["fastest"]), (2, 1, 0, 1))
+    self.assertAlmostEqual(rowwise["max_speedup"], 2.0)
+    self.assertAlmostEqual(rowwise["max_fwd_speedup"], 10.0 / 12.0)
+    tensorwise = filled["xla_fp8_tensorwise"]   # the forward and the weight gradient
+    self.assertEqual((tensorwise["picked"], tensorwise["served"]), (2, 1))
+
   def test_the_command_reads_gzipped_reports_and_refuses_a_corrupt_one(self):
     tmp = tempfile.mkdtemp(prefix="loka_usage_")
     good = os.path.join(tmp, "probe_report.json.gz")
@@ -64,15 +90,19 @@ class KernelUsageTest(absltest.TestCase):
       json.dump(_report(), f)
     out = os.path.join(tmp, "usage.json")
     run = lambda *args: run_module("experiments.report", "kernel_usage", *args, timeout=120)
-    done = run(good, f"--out={out}")
+    # Every pass of this report is timed, so filling from the card's table changes no count.
+    done = run(good, f"--out={out}", "--fill_from_table")
     self.assertEqual(done.returncode, 0, done.stderr)
+    self.assertIn("untimed passes filled from the card table", done.stdout)
     self.assertIn("per-pass kernels no selection picked: pallas_fp8_rowwise", done.stdout)
-    self.assertIn("| xla_fp8_tensorwise | 3 | 6 | 3 | 1 | 6 | 1.90x |", done.stdout)
+    self.assertIn("| xla_fp8_tensorwise | 3 | 6 | 3 | 1 | 6 | 1.90x | 1.90x |", done.stdout)
     self.assertIn("| xla_bf16 | - | 6 |", done.stdout)
     self.assertIn("--probe_kernels=xla_bf16,xla_fp8_rowwise,xla_fp8_tensorwise,"
                   "flax_fp8_delayed", done.stdout)
     with open(out) as f:
-      self.assertEqual(json.load(f)["usage"]["xla_fp8_rowwise"]["picked"], 3)
+      written = json.load(f)
+    self.assertEqual(written["usage"]["xla_fp8_rowwise"]["picked"], 3)
+    self.assertTrue(written["fill_from_table"])
     bad = os.path.join(tmp, "broken.json.gz")
     with open(bad, "wb") as f:
       f.write(b"\x1f\x8b not gzip")
