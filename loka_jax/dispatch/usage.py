@@ -41,9 +41,9 @@ def kernel_usage(reports: Iterable[Mapping], criteria: Optional[Criteria] = None
   kernel for training, and the forward passes where it picks it for serving
   (`objective="serve"`); those where its median speedup is the largest timed; and its
   largest median speedup over bf16, in any pass and in the forward (a fused op's passes
-  differ: the forward-only op runs its gradients in bf16). `fill_from_table`: the passes a report left untimed take
-  its card's committed table (in `table_dir`), as `dispatch.select(..., fill_from_table=True)`
-  does."""
+  differ: the forward-only op runs its gradients in bf16). `fill_from_table`: the passes a
+  report left untimed take the timings of its card's committed table (in `table_dir`), as
+  `dispatch.select(..., fill_from_table=True)` does."""
   from loka_jax.dispatch.pipeline import default_criteria  # heavy: only when counting
   usage: Dict[str, Dict[str, float]] = collections.defaultdict(
       lambda: {**dict.fromkeys(_COUNTS, 0), "max_speedup": 0.0, "max_fwd_speedup": 0.0})

@@ -222,8 +222,8 @@ class QualityCallTest(absltest.TestCase):
       rows = [json.loads(line) for line in f]
     self.assertEqual([(r["arm"], r["mods"], r["mods_set"]) for r in rows],
                      [("loka", ["no_bias", "blocknorm"], "no_bias+blocknorm")])
-    self.assertEqual(rows[0]["plan"],
-                     os.path.join(work, "plans", "mods_no_bias+blocknorm", "dlrm_tiny", "plan.json"))
+    self.assertEqual(rows[0]["plan"], os.path.join(work, "plans", "mods_no_bias+blocknorm",
+                                                   "dlrm_tiny", "plan.json"))
 
 
 class MovieLensCallTest(absltest.TestCase):
