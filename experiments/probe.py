@@ -106,7 +106,8 @@ def _print_summary(result) -> None:
   fraction = "-" if ov.get("fraction") is None else f"{100 * ov['fraction']:.2f}%"
   print(f"\nprobe overhead: {fraction} ({ov.get('observations')} observations; "
         f"pass {ov.get('probe_ms') or 0:.1f} ms vs step {ov.get('step_ms') or 0:.1f} ms, "
-        f"every {ov.get('gap') or ov.get('cadence')} steps); timing valid for dispatch: {report['timing_valid']}")
+        f"every {ov.get('gap') or ov.get('cadence')} steps); timing valid for dispatch: "
+        f"{report['timing_valid']}")
   print(f"report: {result.paths['json']}\nsummary: {result.paths['markdown']}")
 
 

@@ -5,9 +5,10 @@ It lives at tests/ level, which is on sys.path in every test (tests/conftest.py 
 any test imports it as `from cli_helpers import ...` wherever the test file sits.
 
 `run_module` runs each CLI in a process of its own (its exit status, stdout and stderr are
-what a user sees), forked from a warm interpreter that has imported what every CLI imports (JAX, Flax, Optax,
-Orbax, Matplotlib, absl, ml_collections, and the library's core modules, `_PRELOAD`): the
-suite runs about a hundred CLIs, and those imports were most of each one's cost on the CPU.
+what a user sees), forked from a warm interpreter that has imported what every CLI imports
+(JAX, Flax, Optax, Orbax, Matplotlib, absl, ml_collections, and the library's core modules,
+`_PRELOAD`): the suite runs about a hundred CLIs, and those imports were most of each one's
+cost on the CPU.
 The child runs the CLI's module itself, under the same environment a fresh `python -m` gets.
 What it shares with its siblings is the warm interpreter's hash seed (set iteration order).
 A CLI whose test changed the environment (JAX reads its settings on import) runs in a fresh

@@ -167,7 +167,8 @@ def _inputs(shape, seed=0):
   k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
   if shape["kind"] == "batched":
     lhs, rhs = shape["lhs"], shape["rhs"]
-    a = jax.random.normal(k1, lhs, jnp.float32) * jnp.exp(0.5 * jax.random.normal(k3, lhs[:-1] + (1,)))
+    a = jax.random.normal(k1, lhs, jnp.float32) * jnp.exp(
+        0.5 * jax.random.normal(k3, lhs[:-1] + (1,)))
     b = jax.random.normal(k2, rhs, jnp.float32)
     return a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
   m, k, n = shape["m"], shape["k"], shape["n"]

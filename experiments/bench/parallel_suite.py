@@ -128,7 +128,8 @@ class Variant:
       step, _ = compiled_steps(self.model, self.optim, "stop")
       state = create_train_state(self.model, self.tx, self.host_batch, self.seed)
       return state, step, jax.device_put(self.host_batch, jax.devices()[0]), None
-    mesh = parallel.build_mesh(mesh_spec(self.devices, self.s.model_axis), jax.devices()[:self.devices])
+    mesh = parallel.build_mesh(mesh_spec(self.devices, self.s.model_axis),
+                               jax.devices()[:self.devices])
     state = parallel.init_sharded_state(self.model, self.tx, self.host_batch, self.seed, mesh)
     batch = parallel.shard_batch(self.host_batch, mesh)
     step = parallel.make_train_step(self.model, self.tx, mesh, state, batch,

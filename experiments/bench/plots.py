@@ -142,12 +142,14 @@ def paired_quality_plot(verdicts: Sequence[Mapping], path: str) -> Optional[str]
     ax.axvline(margin, color="r", ls="--", lw=0.9)
     ax.set_xscale("symlog", linthresh=0.1, linscale=1.0)
     ax.set_xlim(-limit, limit)
-    ax.set_xlabel(f"paired change of held-out log loss vs {quality_pairs.LABELS.get(reference, reference)} (%)",
+    ax.set_xlabel("paired change of held-out log loss vs "
+                  f"{quality_pairs.LABELS.get(reference, reference)} (%)",
                   fontsize=8)
     ax.tick_params(axis="x", labelsize=7)
     ax.grid(axis="x", color="0.9", lw=0.5)
   axes[0][0].set_yticks(range(len(lines)))
-  axes[0][0].set_yticklabels([f"{_short_subject(s)} | {quality_pairs.LABELS.get(a, a)}" for s, a in lines],
+  axes[0][0].set_yticklabels([f"{_short_subject(s)} | {quality_pairs.LABELS.get(a, a)}"
+                              for s, a in lines],
                              fontsize=6.5)
   axes[0][0].set_ylim(len(lines) - 0.5, -0.5)   # the first subject on top, as in the tables
   handles = [Line2D([], [], color=c, lw=0, marker="s", label=quality_pairs.LABELS.get(a, a))

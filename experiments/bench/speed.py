@@ -187,7 +187,8 @@ class TargetBench:
     variables = jax.device_put(variables)
     compiled = fn.lower(variables, self.batch).compile()
     return dataclasses.replace(arm, infer=lambda: compiled(variables, self.batch),
-                               info={**arm.info, "infer_memory_bytes": timing.memory_bytes(compiled)},
+                               info={**arm.info,
+                                     "infer_memory_bytes": timing.memory_bytes(compiled)},
                                hlo={**arm.hlo, "infer": compiled.as_text() or ""})
 
   def drop(self, name: str) -> None:

@@ -168,7 +168,8 @@ def quality_verdicts_table(verdicts: Sequence[Mapping]) -> str:
     arm, _, reference = v["target"].partition("_quality_vs_")
     ci = "-" if v["ci"] is None else f"[{_pct(v['ci'][0])}, {_pct(v['ci'][1])}]"
     verdict = v["verdict"] + ("" if v.get("judged") else " (peer)")
-    lines.append(f"| {v['subject']} | {quality_pairs.LABELS.get(arm, arm)} | {quality_pairs.LABELS.get(reference, reference)}"
+    lines.append(f"| {v['subject']} | {quality_pairs.LABELS.get(arm, arm)} | "
+                 f"{quality_pairs.LABELS.get(reference, reference)}"
                  f" | {v['n']} | {_pct(v['value'])} | {ci} | {verdict} | {_seeds_needed(v)} |")
   return "\n".join(lines)
 

@@ -70,8 +70,8 @@ def get_config() -> ml_collections.ConfigDict:
   probe.seed = 0
   probe.samples = 32     # draws per site of the error evaluation (fewer: faster, wider CIs)
   probe.kernels = ""     # candidate kernels; empty: every registered candidate
-  # Timings measured ahead by `experiments.probe --config.timing.only=true` (a directory, e.g. carried to
-  # the GPU host): the probes skip their timing phase where it holds the shapes.
+  # Timings measured ahead by `experiments.probe --config.timing.only=true` (a directory, e.g.
+  # carried to the GPU host): the probes skip their timing phase where it holds the shapes.
   probe.timing_cache = config_dict.placeholder(str)
   # Threads compiling the error evaluation of upcoming sites, and the statistics pass, ahead
   # (-1: the CPUs, up to 16; 0: compile each function on its first call).

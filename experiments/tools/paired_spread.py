@@ -87,7 +87,8 @@ def report(rows: Sequence[Mapping]) -> str:
             + _range([e["sd"] for e in entries if e["same_mods"]]),
             "spread of the paired changes, arms with other Mods: "
             + _range([e["sd"] for e in entries if not e["same_mods"]]),
-            "one arm's log loss from seed to seed (relative sd): " + _range(arm_spreads(rows), "arms")]
+            "one arm's log loss from seed to seed (relative sd): "
+            + _range(arm_spreads(rows), "arms")]
   ratios = recipe_ratios(entries)
   if ratios:
     values = [r["ratio"] for r in ratios]

@@ -34,7 +34,8 @@ def _cast_values(v, axis: int):
 
 
 def compare(m: int, k: int, n: int, seed: int = 11,
-            cores: Sequence[str] = ()) -> Tuple[Dict[str, Tuple[float, float]], Tuple[float, float]]:
+            cores: Sequence[str] = ()) -> Tuple[Dict[str, Tuple[float, float]],
+                                                Tuple[float, float]]:
   """({result: (error vs the quantized product, error vs the unquantized one)}, (underflow
   read in one program, underflow of the cast)). Errors are max |a - b| / max |b|."""
   import functools

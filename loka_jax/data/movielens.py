@@ -84,7 +84,8 @@ def fetch_recbole_wheel(cache_dir: Optional[str] = None, timeout_s: float = 600)
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
       except (OSError, subprocess.TimeoutExpired) as e:
         raise RuntimeError(f"could not run {' '.join(cmd)}: {e}. Without network, copy "
-                           f"{RECBOLE_WHEEL} into {cache_dir} or give the source a data_path") from e
+                           f"{RECBOLE_WHEEL} into {cache_dir} or give the source a "
+                           "data_path") from e
       got = os.path.join(tmp, RECBOLE_WHEEL)
       if done.returncode != 0 or not os.path.exists(got):
         tail = (done.stderr or done.stdout or "").strip()[-1500:]

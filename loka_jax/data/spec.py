@@ -87,7 +87,8 @@ def apply_id_policy(ids: np.ndarray, vocab: np.ndarray, mask: np.ndarray, field:
     where = np.argwhere(bad[row])[0]
     value = ids[row][tuple(where)]
     raise BatchError(
-        f"{field}: id {int(value)} out of range at row {row}, position {tuple(int(w) for w in where)}"
+        f"{field}: id {int(value)} out of range at row {row}, position "
+        f"{tuple(int(w) for w in where)}"
         f" (vocabulary sizes {np.unique(vocab).tolist()}); fix the data or pass "
         "id_policy='hash' or 'clip'")
   if policy == "hash":
@@ -126,8 +127,10 @@ def validate_batch(batch: Mapping[str, np.ndarray], spec: FeatureSpec,
     if bad.any():
       row = _first_bad_row(bad if bad.ndim > 1 else bad[:, None])
       col = f", column {int(np.argmax(bad[row]))}" if bad.ndim > 1 else ""
-      raise BatchError(f"{field}: non-finite value {batch[field][row] if bad.ndim == 1 else batch[field][row][bad[row]][0]} "
-                       f"at row {row}{col}; clean or impute the input before training")
+      raise BatchError(
+          f"{field}: non-finite value "
+          f"{batch[field][row] if bad.ndim == 1 else batch[field][row][bad[row]][0]} "
+          f"at row {row}{col}; clean or impute the input before training")
   label = batch["label"]
   if ((label < 0) | (label > 1)).any():
     row = int(np.argmax((label < 0) | (label > 1)))

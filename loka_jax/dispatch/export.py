@@ -446,7 +446,8 @@ def _read_manifest(directory: str) -> Dict[str, Any]:
                       "not finish: export it again")
   manifest = jsonio.read_json(path, "export manifest", "export the model again", ExportError)
   if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
-    raise ExportError(f"{path}: schema {manifest.get('schema') if isinstance(manifest, dict) else None!r}"
+    raise ExportError(f"{path}: schema "
+                      f"{manifest.get('schema') if isinstance(manifest, dict) else None!r}"
                       f" is not {SCHEMA!r}; export the model again")
   for key in ("arrays", "sites", "plan", "arrays_sha256"):
     if key not in manifest:

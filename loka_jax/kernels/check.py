@@ -340,7 +340,8 @@ def format_timing(report: Dict) -> str:
 
 def markdown_summary(reports: Sequence[Dict]) -> str:
   """One markdown table over several shapes: fwd SQNR, backend per pass, fwd time, speedup."""
-  lines = ["| M x K x N | kernel | fwd SQNR dB | dgrad / wgrad SQNR dB | backend fwd / dgrad / wgrad "
+  lines = ["| M x K x N | kernel | fwd SQNR dB | dgrad / wgrad SQNR dB | "
+           "backend fwd / dgrad / wgrad "
            "| fwd us (median) | speedup vs xla_bf16 [95% CI] |", "|---|---|---|---|---|---|---|"]
   for report in reports:
     shape = "x".join(str(report["shape"][d]) for d in "mkn")
@@ -349,8 +350,10 @@ def markdown_summary(reports: Sequence[Dict]) -> str:
       get = lambda p, key: rows.get((name, p), {}).get(key)
       fmt = lambda v: "-" if v is None else f"{v:.1f}"
       lines.append(
-          f"| {shape} | {name} | {fmt(get('fwd', 'sqnr_db'))} | {fmt(get('grad_lhs', 'sqnr_db'))} / "
-          f"{fmt(get('grad_rhs', 'sqnr_db'))} | {get('fwd', 'backend')} / {get('grad_lhs', 'backend')}"
+          f"| {shape} | {name} | {fmt(get('fwd', 'sqnr_db'))} | "
+          f"{fmt(get('grad_lhs', 'sqnr_db'))} / "
+          f"{fmt(get('grad_rhs', 'sqnr_db'))} | {get('fwd', 'backend')} / "
+          f"{get('grad_lhs', 'backend')}"
           f" / {get('grad_rhs', 'backend')} | {t['median_us']:.1f} | {t['speedup']:.2f} "
           f"[{t['speedup_ci'][0]:.2f}, {t['speedup_ci'][1]:.2f}] |")
   return "\n".join(lines)

@@ -110,7 +110,8 @@ class EinsumSpec:
     if len(lhs_shape) != len(self.lhs) or len(rhs_shape) != len(self.rhs):
       raise ValueError(
           f"einsum {self}: operand ranks {len(lhs_shape)}, {len(rhs_shape)} do not match "
-          f"the spec ({len(self.lhs)}, {len(self.rhs)}); shapes {tuple(lhs_shape)}, {tuple(rhs_shape)}")
+          f"the spec ({len(self.lhs)}, {len(self.rhs)}); shapes {tuple(lhs_shape)}, "
+          f"{tuple(rhs_shape)}")
     sizes = {}
     for labels, shape, name in ((self.lhs, lhs_shape, "lhs"), (self.rhs, rhs_shape, "rhs")):
       for idx, size in zip(labels, shape):

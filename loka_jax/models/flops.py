@@ -1,6 +1,6 @@
 """Forward FLOPs per example of every GEMM site of a tower (`tower_flops`), from the
-towers' equations (each model module states its own): 2 per multiply-add; embedding gathers, norms, activations and softmax
-not counted (a training step costs about 3x)."""
+towers' equations (each model module states its own): 2 per multiply-add; embedding gathers,
+norms, activations and softmax not counted (a training step costs about 3x)."""
 from __future__ import annotations
 
 from typing import Sequence

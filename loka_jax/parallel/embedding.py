@@ -1,7 +1,8 @@
 """Row-sharded embedding tables and their lookup under `shard_map`.
 
 Each table `[rows, d]` is padded with zero rows to a multiple of M (step.TableLayout) and
-split into `model`-axis shards of `padded / M` consecutive rows. The choice of exchange (documented in docs/PARALLEL.md): a masked local gather + reduce-scatter.
+split into `model`-axis shards of `padded / M` consecutive rows. The choice of exchange
+(documented in docs/PARALLEL.md): a masked local gather + reduce-scatter.
 
   ids of the data shard [B_d, F, bag] (replicated over `model`, so no ids travel)
     -> each model shard gathers the rows it owns (others contribute 0) and pools them:

@@ -181,8 +181,9 @@ def _baseline_bwd_variant(kernel, layout: SiteLayout, dtype):
 # Site products of fewer FLOPs are short on any GPU (under 30 us at H100's bf16 peak): a
 # sample is one chain of UNROLL calls less its floor. Longer products are dispatched one call
 # at a time, back to back, which keeps the device busy without touching their operands. On
-# the H200 (2026-11-27, against the profiler's kernel times): one chain read [4096,1024]x[1024,1024] 16.4-16.6 us (kernel 12.6-13.5 us) and
-# kernels of 1.5-3 us 10-170% long; 20 ms of single calls back to back read 808 us for
+# the H200 (2026-11-27, against the profiler's kernel times): one chain read
+# [4096,1024]x[1024,1024] 16.4-16.6 us (kernel 12.6-13.5 us) and kernels of 1.5-3 us 10-170%
+# long; 20 ms of single calls back to back read 808 us for
 # [16384,4096]x[4096,4096] (795-798 us back to back unblocked) and 99.9 us for
 # [8192,2048]x[2048,2048] (kernel 86-91 us), where one blocked call had read 983 us.
 SHORT_FLOPS = 1e10
@@ -298,8 +299,8 @@ def measure_site(layout: SiteLayout, kernels, dtype: str, cache: TimingCache, *,
                  compile_workers: int = 1) -> List[Dict]:
   """Times every (kernel, pass) of this site shape missing from `cache` (and the baseline,
   again, whenever something is measured; with the fused ops, the baseline's one-call
-  backward); returns the new entries. `compile_workers`: threads compiling the shape's programs before any is timed
-  (`_time_interleaved`)."""
+  backward); returns the new entries. `compile_workers`: threads compiling the shape's
+  programs before any is timed (`_time_interleaved`)."""
   keys = _site_keys(layout, kernels, dtype, unsupported)
   by_name = {k.name: k for k in kernels}
   fused = sorted({name for name, _ in keys if by_name[name].sort == FUSED_OP})

@@ -67,7 +67,8 @@ class OperandLayout:
 
   def from_rows(self, rows):
     """(rows, features) -> an array of this layout's shape (inverse of `to_rows`)."""
-    grouped = tuple(self.shape[self.labels.index(i)] for i in self.batch + self.free + self.features)
+    grouped = tuple(self.shape[self.labels.index(i)]
+                    for i in self.batch + self.free + self.features)
     x = rows.reshape(grouped)
     inverse = tuple(sorted(range(len(self.perm)), key=lambda i: self.perm[i]))
     return jnp.transpose(x, inverse)

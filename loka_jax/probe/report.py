@@ -251,11 +251,14 @@ def markdown(report: Mapping) -> str:
   lines = [f"# Probe report: {report['model']} `{report['preset']}`", "",
            f"- device: {report['device']} ({report.get('platform')}), jax {report['jax']}, "
            f"created {report.get('created')}",
-           f"- timing: {'valid for dispatch' if report['timing_valid'] else 'NOT valid for dispatch'}"
-           f" (source: {ts.get('kind')}{', ' + ts['device_kind'] if ts.get('device_kind') else ''})",
+           "- timing: "
+           f"{'valid for dispatch' if report['timing_valid'] else 'NOT valid for dispatch'}"
+           f" (source: {ts.get('kind')}"
+           f"{', ' + ts['device_kind'] if ts.get('device_kind') else ''})",
            f"- run: {report['run'].get('steps')} steps, batch {report['run'].get('batch_size')}, "
            f"data {report['run'].get('data')}, precision {report['run'].get('precision')}",
-           f"- statistics: {ov.get('observations')} observations every {ov.get('gap') or ov.get('cadence')} steps; "
+           f"- statistics: {ov.get('observations')} observations every "
+           f"{ov.get('gap') or ov.get('cadence')} steps; "
            f"probe pass {_fmt(ov.get('probe_ms'), '.1f')} ms vs step "
            f"{_fmt(ov.get('step_ms'), '.1f')} ms -> overhead "
            f"{_fmt(None if ov.get('fraction') is None else 100 * ov['fraction'], '.2f')}% "

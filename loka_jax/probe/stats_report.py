@@ -99,7 +99,8 @@ def underflow_from_stats(site_entry: Dict, kernels_info: Mapping, layout) -> Non
   for p, kernels in site_entry["passes"].items():
     for k, e in kernels.items():
       info = kernels_info.get(k, {})
-      if not info.get("fp8") or e.get("operands") or e.get("unsupported") or e.get("sqnr_db") is None:
+      if (not info.get("fp8") or e.get("operands") or e.get("unsupported")
+          or e.get("sqnr_db") is None):
         continue
       gran = info.get("granularity")
       if gran is None:

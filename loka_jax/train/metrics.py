@@ -15,8 +15,9 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import jax.numpy as jnp
 import numpy as np
 
-# The quality budget: a change of held-out log loss within 0.02% (relative) is neutral. Validation's held-out check, the served-quality gate, the quality
-# suite's floor and the Mods ablation's all start from it.
+# The quality budget: a change of held-out log loss within 0.02% (relative) is neutral.
+# Validation's held-out check, the served-quality gate, the quality suite's floor and the Mods
+# ablation's all start from it.
 NEUTRAL_REL_LOGLOSS = 2e-4
 
 

@@ -1,9 +1,9 @@
 """Per-module norms of a parameter tree: where in the model a gradient or an update grew.
 
 A run's global gradient norm says that a step went wrong, not where. A training loss spike
-(DCNv2 `large` with No Bias and Hard Swish, on an H200) is read by logging, every step, the norm of each module's gradient, parameters and update and
-the RMS of its output, and asking which module left its recent range first
-(`loka_jax.train.spikes`).
+(DCNv2 `large` with No Bias and Hard Swish, on an H200) is read by logging, every step, the
+norm of each module's gradient, parameters and update and the RMS of its output, and asking
+which module left its recent range first (`loka_jax.train.spikes`).
 
 A module is the path of a parameter leaf without its last key: `top_mlp/dense_0/kernel` and
 `top_mlp/dense_0/bias` both belong to `top_mlp/dense_0`; a leaf at the top of the tree is its

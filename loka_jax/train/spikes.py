@@ -1,9 +1,10 @@
 """Reading a training-loss spike from a run's per-module norms.
 
 A run trained with `TrainConfig.module_norms` (`experiments.train
---config.train.module_norms=True --config.train.log_every=1`) logs every step's gradient, parameter and update norm of each module
-(module_norms.py). This module asks of such a log: at which step did the loss leave its
-recent range, which modules' gradients (and updates) left theirs, in what order, and how many
+--config.train.module_norms=True --config.train.log_every=1`) logs every step's gradient,
+parameter and update norm of each module (module_norms.py). This module asks of such a log:
+at which step did the loss leave its recent range, which modules' gradients (and updates)
+left theirs, in what order, and how many
 steps before the loss; and which modules' outputs (the forward's activations) grew first.
 "Left its recent range" is one rule for every series: the value
 exceeds `factor` times its median over the `window` logged steps before it (with at least

@@ -34,8 +34,10 @@ class GemmCallsTest(absltest.TestCase):
     from experiments.bench.speed import gemm_calls
     # Lines in the form of an H100 step's optimized HLO (custom-call targets, fusion kinds).
     hlo = "\n".join([
-        '%a = (bf16[64,32]{1,0}, s8[0]{0}) custom-call(%x, %w), custom_call_target="__cublas$lt$matmul"',
-        '%b = (bf16[64,32]{1,0}, s8[0]{0}) custom-call(%x, %w), custom_call_target="__cublas$lt$matmul$f8"',
+        '%a = (bf16[64,32]{1,0}, s8[0]{0}) custom-call(%x, %w), '
+        'custom_call_target="__cublas$lt$matmul"',
+        '%b = (bf16[64,32]{1,0}, s8[0]{0}) custom-call(%x, %w), '
+        'custom_call_target="__cublas$lt$matmul$f8"',
         '%c = bf16[64,32]{1,0} fusion(%x, %w), kind=kCustom, calls=%gemm_fusion_dot, '
         'backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}',
         '%d = bf16[64,32]{1,0} fusion(%x, %w), kind=kCustom, calls=%gemm_fusion_dot.1, '

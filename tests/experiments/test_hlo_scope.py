@@ -27,7 +27,9 @@ MODULE = """HloModule jit_train_step, is_scheduled=true
   %p1 = s32[16,1]{1,0} parameter(1)
   %p2 = bf16[16,8]{1,0} parameter(2)
   %convert.1 = f32[16,8]{1,0} convert(%p2)
-  ROOT %scatter.1 = f32[3,8]{1,0} scatter(%p0, %p1, %convert.1), update_window_dims={1}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%region_add
+  ROOT %scatter.1 = f32[3,8]{1,0} scatter(%p0, %p1, %convert.1), update_window_dims={1}, \
+inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, \
+to_apply=%region_add
 }
 
 %branch_true (t: (f32[3,8], f32[3,8])) -> (f32[3,8]) {
@@ -47,12 +49,18 @@ MODULE = """HloModule jit_train_step, is_scheduled=true
 ENTRY %main (table: f32[3,8], ids: s32[16,1], grad: bf16[16,8], ok: pred[]) -> (f32[3,8]) {
   %table = f32[3,8]{1,0} parameter(0)
   %ids = s32[16,1]{1,0} parameter(1)
-  %grad = bf16[16,8]{1,0} parameter(2), metadata={op_name="jit(train_step)/transpose(jvp(M))/top/dot_general"}
+  %grad = bf16[16,8]{1,0} parameter(2), \
+metadata={op_name="jit(train_step)/transpose(jvp(M))/top/dot_general"}
   %ok = pred[] parameter(3)
-  %zeros = f32[3,8]{1,0} broadcast(f32[] constant(0)), dimensions={}, metadata={op_name="jit(train_step)/transpose(jvp(M))/emb/bags/broadcast_in_dim"}
-  %input_scatter_fusion = f32[3,8]{1,0} fusion(%zeros, %ids, %grad), kind=kInput, calls=%fused_scatter, metadata={op_name="jit(train_step)/transpose(jvp(M))/emb/bags/jit(_take)/scatter-add"}
+  %zeros = f32[3,8]{1,0} broadcast(f32[] constant(0)), dimensions={}, \
+metadata={op_name="jit(train_step)/transpose(jvp(M))/emb/bags/broadcast_in_dim"}
+  %input_scatter_fusion = f32[3,8]{1,0} fusion(%zeros, %ids, %grad), kind=kInput, \
+calls=%fused_scatter, \
+metadata={op_name="jit(train_step)/transpose(jvp(M))/emb/bags/jit(_take)/scatter-add"}
   %pair = (f32[3,8]{1,0}, f32[3,8]{1,0}) tuple(%table, %input_scatter_fusion)
-  ROOT %cond.1 = (f32[3,8]{1,0}) conditional(%ok, %pair, %pair), true_computation=%branch_true, false_computation=%branch_false, metadata={op_name="jit(train_step)/cond"}
+  ROOT %cond.1 = (f32[3,8]{1,0}) conditional(%ok, %pair, %pair), \
+true_computation=%branch_true, false_computation=%branch_false, \
+metadata={op_name="jit(train_step)/cond"}
 }
 """
 

@@ -29,7 +29,9 @@ COLD = """\
   100.0 [probe] evaluation phase: 3 sites in 30s, compiled ahead on 16 threads: ...
   100.1 [probe] no committed kernel timings for NVIDIA H100 80GB HBM3 in /x: timing 2 ...
   130.3 [probe] timed bottom_mlp/dense_0 (6 kernel passes; shape 1/2) in 30.2s
-  140.0 [probe] timing: 44 kernel passes measured, 3 reused from this card's committed table, 157 not timed (no site of their shape admits them on accuracy), 25 not timed (dominated on this card), 29 bf16 baseline passes not timed (no kernel of their pass is)
+  140.0 [probe] timing: 44 kernel passes measured, 3 reused from this card's committed table, \
+157 not timed (no site of their shape admits them on accuracy), 25 not timed (dominated on \
+this card), 29 bf16 baseline passes not timed (no kernel of their pass is)
   140.0 [probe] timing table: /x/timings/NVIDIA_H100_80GB_HBM3.json
   141.0 [probe] report: /tmp/mj/run/probe/probe_report.json (129s)
   150.0 [pipeline] selected: /tmp/mj/run/plan_selected.json
@@ -37,7 +39,8 @@ COLD = """\
   165.5 == bf16+Mods: 300 steps -> /tmp/mj/run/arms/bf16_mods
   230.0 # loka_jax main job: wukong/small on synthetic, seed 0
   230.0 
-  230.0 Probe: 100 bf16+Mods training steps, 3 sites probed, candidates xla_bf16, xla_fp8_rowwise, flax_fp8_delayed_fwd. Selection budget: SQNR >= 25 dB fwd / 20 dB gradients.
+  230.0 Probe: 100 bf16+Mods training steps, 3 sites probed, candidates xla_bf16, \
+xla_fp8_rowwise, flax_fp8_delayed_fwd. Selection budget: SQNR >= 25 dB fwd / 20 dB gradients.
   230.0 
   230.0 | site | fwd | dgrad | wgrad |
   230.0 |---|---|---|---|

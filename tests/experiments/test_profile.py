@@ -269,10 +269,16 @@ FP8_HLO = """HloModule jit_train_step, is_scheduled=true
 
 ENTRY %main.1 (x: bf16[64,32]) -> bf16[32,32] {
   %x = bf16[64,32]{1,0} parameter(0), metadata={op_name="x"}
-  %loop_convert_fusion.8 = f8e4m3fn[64,32]{1,0} fusion(%x), kind=kLoop, calls=%fused.1, metadata={op_name="jit(train_step)/jvp(Tower)/mlp/dense_1/convert_element_type" scheduling_name="loop_convert_fusion.8"}
-  %wrapped_transpose.14 = f8e4m3fn[32,64]{1,0} fusion(%loop_convert_fusion.8), kind=kInput, calls=%wrapped_transpose_computation.14, metadata={scheduling_name="wrapped_transpose.14"}
+  %loop_convert_fusion.8 = f8e4m3fn[64,32]{1,0} fusion(%x), kind=kLoop, calls=%fused.1, \
+metadata={op_name="jit(train_step)/jvp(Tower)/mlp/dense_1/convert_element_type" \
+scheduling_name="loop_convert_fusion.8"}
+  %wrapped_transpose.14 = f8e4m3fn[32,64]{1,0} fusion(%loop_convert_fusion.8), kind=kInput, \
+calls=%wrapped_transpose_computation.14, metadata={scheduling_name="wrapped_transpose.14"}
   %bitcast.405.0 = f8e4m3fn[32,64]{1,0} bitcast(%wrapped_transpose.14)
-  %cublas-gemm.1 = (bf16[32,32]{1,0}, s8[1024]{0}) custom-call(%wrapped_transpose.14, %bitcast.405.0), custom_call_target="__cublas$lt$matmul$f8", metadata={op_name="jit(train_step)/transpose(jvp(Tower))/mlp/dense_1/dot_general"}
+  %cublas-gemm.1 = (bf16[32,32]{1,0}, s8[1024]{0}) \
+custom-call(%wrapped_transpose.14, %bitcast.405.0), \
+custom_call_target="__cublas$lt$matmul$f8", \
+metadata={op_name="jit(train_step)/transpose(jvp(Tower))/mlp/dense_1/dot_general"}
   %copy.7 = bf16[64,32]{0,1} copy(%x)
   ROOT %get-tuple-element.1 = bf16[32,32]{1,0} get-tuple-element(%cublas-gemm.1), index=0
 }

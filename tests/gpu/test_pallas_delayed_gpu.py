@@ -162,9 +162,10 @@ def test_the_probe_reads_it_as_accurately_as_flax_at_a_logit_head(m, k):
   e4m3, so 3-4% of elements round differently from our single rounding, and on such rows
   (one shared vector, every rounding error repeated down the rows) that alone moves one
   reading by -3.0 to +6.3 dB (32 samples at 8192x2048 on the CPU, exact dots), 0.5 dB on
-  the mean of 16. A forward scale off by 1.3x caps every reading at 10.5 dB. Our weight gradient at one column is
-  XLA's precise FP8 dot in the "TN" layout, with its own error (`PRECISE_AT_ONE_COLUMN_DB`),
-  which Flax's layout does not show: Flax's readings are compared with that error added."""
+  the mean of 16. A forward scale off by 1.3x caps every reading at 10.5 dB. Our weight
+  gradient at one column is XLA's precise FP8 dot in the "TN" layout, with its own error
+  (`PRECISE_AT_ONE_COLUMN_DB`), which Flax's layout does not show: Flax's readings are
+  compared with that error added."""
   lhs, rhs, grad = check.logit_head_samples(16, m, k)
   refs = evaluate.references("mk,kn->mn")(lhs, rhs, grad)
   read = lambda name: evaluate.fused_evaluator(name, "mk,kn->mn", "bfloat16")(

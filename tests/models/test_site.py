@@ -65,7 +65,8 @@ class SiteTest(parameterized.TestCase):
     params = TwoLayers(exact).init(jax.random.PRNGKey(0), x)
     ref = _site_outputs(exact, params, x)
     got = _site_outputs(mixed, params, x)
-    self.assertGreater(float(metrics.sqnr_db(got["second"], ref["second"])), 100.0)  # input of 'second'
+    self.assertGreater(float(metrics.sqnr_db(got["second"], ref["second"])),
+                       100.0)  # input of 'second'
     fp8_err = float(metrics.sqnr_db(got["gram"], ref["gram"]))  # output of 'second'
     self.assertLess(fp8_err, 45.0)
     self.assertGreater(fp8_err, 18.0)

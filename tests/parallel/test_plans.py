@@ -50,8 +50,8 @@ LOSS_RTOL = 1e-2
 # move Adam's near-zero gradients, whose updates are about the learning rate whatever their
 # size, and Adagrad's rows. Measured: dense at most 0.17 (DHEN), tables 0.085
 # (Wukong); table gradients not all-reduced over `data` give 0.72 to 0.90 per table (DLRM,
-# DCNv2), with DLRM's losses within 2.1e-3 of the single device's. (A table gradient scaled wrong moves
-# no row under row-wise Adagrad: test_parallel compares the gradients themselves.)
+# DCNv2), with DLRM's losses within 2.1e-3 of the single device's. (A table gradient scaled
+# wrong moves no row under row-wise Adagrad: test_parallel compares the gradients themselves.)
 PARAM_RTOL = 0.3
 
 

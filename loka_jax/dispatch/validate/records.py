@@ -242,8 +242,9 @@ def take_in_turn(plan: Plan, progress: Progress, record_step: str,
   """Takes each pending measurement (where, its identifying fields, a call returning its
   result fields) in turn and records it at once as a `record_step` record with the
   `seconds` it took, saving the plan as soon as it is recorded (before its log line), so a
-  call that stops or is killed midway keeps what it measured. Before each, `progress.checkpoint` asks the caller's `should_stop` with
-  the pace of the slowest `record_step` record, from this call or an earlier one, or where
+  call that stops or is killed midway keeps what it measured. Before each,
+  `progress.checkpoint` asks the caller's `should_stop` with the pace of the slowest
+  `record_step` record, from this call or an earlier one, or where
   `program_of` (fields -> the compiled program the measurement runs; None: its own) says its
   program already ran in this call, of the slowest warm one (`Progress.pace`)."""
   earlier = [r["seconds"] for r in plan["validation"]
