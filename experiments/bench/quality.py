@@ -318,15 +318,19 @@ def checkpoint_plan(state_nbytes: int, steps: int, keep_runs: bool = False,
 
 
 def expected_run_s(results: ResultsFile, model: str, settings: QualitySettings,
-                   arm: Optional[str] = None) -> Optional[float]:
+                   arm: Optional[str] = None, device: Optional[str] = None
+                   ) -> Optional[float]:
   """How long `model`'s next quality run of `arm` may take (`pace.expected_s`): from the
   recorded runs of that arm at this data set and preset (any seed or recipe), else of any
-  arm there. Arms differ: DHEN `large`'s runs took 83-227 s each on an H200, the compile
-  included, a bf16 run at most 163 s."""
-  return pace.expected_s(((r.get("arm"), r.get("train_s")) for r in results.rows()
-                         if r.get("suite") == "quality" and r.get("model") == model
-                         and r.get("preset") == settings.preset
-                         and r.get("data") == settings.data), arm)
+  arm there; only those of `device` once it has one. Arms differ: DHEN `large`'s runs took
+  83-227 s each on an H200, the compile included, a bf16 run at most 163 s. Cards differ
+  too: a DLRM `large` run takes 14-24 s on an H100 and up to 67 s on an H200, so an H100 call
+  paced by the H200's runs would sit idle for its last minute."""
+  mine = [r for r in results.rows()
+          if r.get("suite") == "quality" and r.get("model") == model
+          and r.get("preset") == settings.preset and r.get("data") == settings.data]
+  on_device = [r for r in mine if r.get("device") == device]
+  return pace.expected_s(((r.get("arm"), r.get("train_s")) for r in on_device or mine), arm)
 
 
 def run_model(model: str, settings: QualitySettings, results: ResultsFile, root: str, *,
@@ -347,7 +351,7 @@ def run_model(model: str, settings: QualitySettings, results: ResultsFile, root:
            settings.cooldown_steps or None)
     if results.done(key):
       continue
-    expected = expected_run_s(results, model, settings, arm.name)
+    expected = expected_run_s(results, model, settings, arm.name, device)
     start, why = pace.may_start(time.time(), deadline, end_by, expected)
     if not start:
       log(f"  deadline: quality {model}/{arm.name}/seed{seed} left for the next run ({why})")

@@ -372,6 +372,17 @@ class QualityPacingTest(absltest.TestCase):
                            pace.MARGIN * 227.0)
     self.assertIsNone(quality.expected_run_s(
         results, "dhen", dataclasses.replace(settings, data="movielens")))
+    # Once the run's own card has a recorded run of the model, only its runs count: there
+    # its arm without a run expects the card's longest of another arm.
+    self.assertAlmostEqual(quality.expected_run_s(results, "dhen", settings, "bf16", "y"),
+                           pace.MARGIN * 162.7)
+    results.append({"suite": "quality", "data": "synthetic", "model": "dhen",
+                    "preset": "large", "arm": "bf16_mods", "seed": 0, "device": "y",
+                    "train_s": 40.0})
+    self.assertAlmostEqual(quality.expected_run_s(results, "dhen", settings, "bf16", "y"),
+                           pace.MARGIN * 40.0)
+    self.assertAlmostEqual(quality.expected_run_s(results, "dhen", settings, "bf16", "x"),
+                           pace.MARGIN * 162.7)
 
   def test_run_model_stops_before_a_run_that_would_outlast_the_hard_end(self):
     out = tempdir(self)
