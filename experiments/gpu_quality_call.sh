@@ -4,9 +4,10 @@
 # bf16+Mods, naive FP8, Flax delayed scaling everywhere and, where a plan is given, LoKA under
 # it. The rows append to $WORK/quality.jsonl, which starts from the carried file, else from the
 # committed rows of these targets, so no run is repeated and each call goes on where the last
-# one stopped. After each call copy $OUT/quality.jsonl to
-# $CARRY/quality.jsonl; rerun until every model's log ends in "all selected rows are done",
-# then commit the rows under docs/results/ and list them in the manifest.
+# one stopped. After each call copy $OUT/quality.jsonl to $CARRY/quality.jsonl; rerun until
+# every model's log ends in "all selected rows are done", then commit the rows under
+# docs/results/ and list them in the manifest (rows of a card other than the manifest's under
+# its `quality_other_cards`, with the commit and this command).
 #
 #   CARRY=.snap/quality bash experiments/gpu_quality_call.sh   (the call carries .snap, .whl)
 #

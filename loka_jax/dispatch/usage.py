@@ -34,9 +34,9 @@ def kernel_usage(reports: Iterable[Mapping], criteria: Optional[Criteria] = None
                  fill_from_table: bool = False, table_dir: str = timing_table.TIMINGS_DIR
                  ) -> Dict[str, Dict[str, float]]:
   """{kernel: {"safe", "timed", "picked", "served", "fastest", "max_speedup",
-  "max_fwd_speedup"}} over every
-  (site, pass) of the reports: the FP8 kernel's passes within `criteria`'s error budget, its
-  speed aside (`eligibility.assess`); the passes with a measured speedup; those where
+  "max_fwd_speedup"}} over every (site, pass) of the reports: the FP8 kernel's passes within
+  `criteria`'s error budget, its speed aside (`eligibility.assess`); the passes with a
+  measured speedup; those where
   `dispatch.select` under `criteria` (default: each report's default budget) picks the
   kernel for training, and the forward passes where it picks it for serving
   (`objective="serve"`); those where its median speedup is the largest timed; and its
