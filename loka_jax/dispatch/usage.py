@@ -33,17 +33,15 @@ _COUNTS = ("safe", "timed", "picked", "served", "fastest")
 def kernel_usage(reports: Iterable[Mapping], criteria: Optional[Criteria] = None, *,
                  fill_from_table: bool = False, table_dir: str = timing_table.TIMINGS_DIR
                  ) -> Dict[str, Dict[str, float]]:
-  """{kernel: {"safe", "timed", "picked", "served", "fastest", "max_speedup",
-  "max_fwd_speedup"}} over every (site, pass) of the reports: the FP8 kernel's passes within
-  `criteria`'s error budget, its speed aside (`eligibility.assess`); the passes with a
-  measured speedup; those where
-  `dispatch.select` under `criteria` (default: each report's default budget) picks the
-  kernel for training, and the forward passes where it picks it for serving
-  (`objective="serve"`); those where its median speedup is the largest timed; and its
-  largest median speedup over bf16, in any pass and in the forward (a fused op's passes
-  differ: the forward-only op runs its gradients in bf16). `fill_from_table`: the passes a
-  report left untimed take the timings of its card's committed table (in `table_dir`), as
-  `dispatch.select(..., fill_from_table=True)` does."""
+  """{kernel: {"safe", "timed", "picked", "served", "fastest", "max_speedup", "max_fwd_speedup"}}
+  over every (site, pass) of the reports: the FP8 kernel's passes within `criteria`'s error budget,
+  its speed aside (`eligibility.assess`); the passes with a measured speedup; those where
+  `dispatch.select` under `criteria` (default: each report's default budget) picks the kernel for
+  training, and the forward passes where it picks it for serving (`objective="serve"`); those where
+  its median speedup is the largest timed; and its largest median speedup over bf16, in any pass and
+  in the forward (a fused op's passes differ: the forward-only op runs its gradients in bf16).
+  `fill_from_table`: the passes a report left untimed take the timings of its card's committed table
+  (in `table_dir`), as `dispatch.select(..., fill_from_table=True)` does."""
   from loka_jax.dispatch.pipeline import default_criteria  # heavy: only when counting
   usage: Dict[str, Dict[str, float]] = collections.defaultdict(
       lambda: {**dict.fromkeys(_COUNTS, 0), "max_speedup": 0.0, "max_fwd_speedup": 0.0})
