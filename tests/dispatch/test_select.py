@@ -542,16 +542,12 @@ class TimingSourceTest(chex.TestCase):
     # The probe timed tensorwise (1.4x, its own measurement) but left rowwise untimed; the
     # card's table has rowwise at 2x bf16 in the forward and 0.83x in the input gradient,
     # and tensorwise at 0.5x, which the report's own timing overrides.
-    kernels = {"xla_fp8_tensorwise": hm.entry(sqnr=28.0, speedup=(1.3, 1.4, 1.5)),
-               "xla_fp8_rowwise": hm.entry(sqnr=28.0, speedup=None)}
-    rep = hm.report({"s": hm.site(hm.same_passes(kernels), lhs=(256, 64), rhs=(64, 32))})
+    rep = hm.rowwise_untimed_report()
     directory = tempfile.mkdtemp(prefix="loka_tables_")
     self.addCleanup(shutil.rmtree, directory, ignore_errors=True)
-    table = hm.dense_table(hm.H100, 256, 64, 32, {
-        "xla_bf16": {"fwd": 10.0, "grad_lhs": 10.0, "grad_rhs": 10.0},
+    table = hm.save_h100_table(directory, {
         "xla_fp8_tensorwise": {"fwd": 20.0, "grad_lhs": 20.0, "grad_rhs": 20.0},
         "xla_fp8_rowwise": {"fwd": 5.0, "grad_lhs": 12.0}})
-    timing_table.save_table(table, timing_table.table_path(hm.H100, directory))
     plain = selection.select(rep, Criteria(), table_dir=directory)
     self.assertEqual(set(kernels_of(plain, "s").values()), {"xla_fp8_tensorwise"})
     filled = selection.select(rep, Criteria(), table_dir=directory, fill_from_table=True)

@@ -11,7 +11,6 @@ from absl.testing import absltest
 import report_builders as hm
 from cli_helpers import run_module
 from loka_jax.dispatch import usage
-from loka_jax.probe import timing_table
 
 
 def _report():
@@ -62,15 +61,10 @@ class KernelUsageTest(absltest.TestCase):
   def test_the_passes_a_report_left_untimed_count_with_the_cards_table_when_asked(self):
     # The probe timed tensorwise (1.4x) and left rowwise untimed; the card's table times
     # rowwise at 0.83x bf16 in the forward and 2x in the input gradient (no weight gradient).
-    kernels = {"xla_fp8_tensorwise": hm.entry(sqnr=28.0, speedup=(1.3, 1.4, 1.5)),
-               "xla_fp8_rowwise": hm.entry(sqnr=28.0, speedup=None)}
-    rep = hm.report({"s": hm.site(hm.same_passes(kernels), lhs=(256, 64), rhs=(64, 32))})
+    rep = hm.rowwise_untimed_report()
     directory = tempfile.mkdtemp(prefix="loka_usage_tables_")
     self.addCleanup(shutil.rmtree, directory, ignore_errors=True)
-    table = hm.dense_table(hm.H100, 256, 64, 32, {
-        "xla_bf16": {"fwd": 10.0, "grad_lhs": 10.0, "grad_rhs": 10.0},
-        "xla_fp8_rowwise": {"fwd": 12.0, "grad_lhs": 5.0}})
-    timing_table.save_table(table, timing_table.table_path(hm.H100, directory))
+    hm.save_h100_table(directory, {"xla_fp8_rowwise": {"fwd": 12.0, "grad_lhs": 5.0}})
     plain = usage.kernel_usage([rep], table_dir=directory)
     self.assertEqual((plain["xla_fp8_rowwise"]["timed"], plain["xla_fp8_rowwise"]["picked"]),
                      (0, 0))
