@@ -185,10 +185,16 @@ class CheckpointerTest(chex.TestCase):
   def test_host_memory_of_a_save_is_bounded_by_the_part_size(self):
     """orbax copies every array of one save to the host before writing; part by part, the
     copies live one part at a time (the host OOM of Wukong large's 75 GiB save)."""
-    whole, parts = save_peaks_in_fresh_process(self.dir)
-    # One piece held much of 384 MiB: 286-299 MiB in a process alone, as little as 96 MiB
-    # (100,208,640 bytes) with the rest of the suite beside it on a busy 2-core machine; more
-    # than two parts' worth keeps the reading real (a broken one reads a few MiB).
+    # One piece holds most of the 384 MiB: 229-312 MiB in a process alone or beside busy
+    # loops, but as little as 91 MiB with the rest of the suite beside it on a 2-core
+    # machine, where the part-by-part save then read 65 MiB. A reading of the one piece
+    # under 40% of the data says the save did not show its copies, so it is taken again (in
+    # a fresh directory), up to three times; the last reading decides if none shows them.
+    for attempt in range(3):
+      whole, parts = save_peaks_in_fresh_process(os.path.join(self.dir, str(attempt)))
+      if whole >= 0.4 * (384 << 20):
+        break
+    # More than two parts' worth keeps the reading real (a broken one reads a few MiB).
     self.assertGreater(whole, 2 * (32 << 20), (whole, parts))
     self.assertLess(parts, whole / 2, (whole, parts))
 
