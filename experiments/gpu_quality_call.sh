@@ -22,7 +22,7 @@
 # elsewhere $WORK/out); COOLDOWN (0: the steps over which both rates decay to 0 at the end, a
 # recipe of its own); PRESET (large), STEPS (500), WARMUP (50) and EVAL (200000) for a CPU
 # smoke run.
-# A quality run of these targets took 20-360 s on an H200, compiles included, so a call
+# A quality run of these targets took 17-360 s on an H200, compiles included, so a call
 # finishes two to five of them.
 set -u
 source experiments/gpu_common.sh

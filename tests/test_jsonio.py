@@ -1,5 +1,6 @@
 """`loka_jax.jsonio`: JSON-lines appends that survive a line a killed writer left torn."""
 import os
+import shutil
 import tempfile
 
 from absl.testing import absltest
@@ -10,7 +11,9 @@ from loka_jax import jsonio
 class AppendTest(absltest.TestCase):
 
   def test_a_row_appended_after_a_torn_line_is_read_whole(self):
-    path = os.path.join(tempfile.mkdtemp(prefix="loka_jsonio_"), "rows.jsonl")
+    folder = tempfile.mkdtemp(prefix="loka_jsonio_")
+    self.addCleanup(shutil.rmtree, folder, ignore_errors=True)
+    path = os.path.join(folder, "rows.jsonl")
     jsonio.append_rows(path, [{"seed": 0}])
     with open(path, "a") as f:
       f.write('{"seed": 1, "ne"')   # a kill mid-write: no newline

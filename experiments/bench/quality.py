@@ -324,8 +324,8 @@ def expected_run_s(results: ResultsFile, model: str, settings: QualitySettings,
   recorded runs of that arm at this data set and preset (any seed or recipe), else of any
   arm there; only those of `device` once it has one. Arms differ: DHEN `large`'s runs took
   83-227 s each on an H200, the compile included, a bf16 run at most 163 s. Cards differ
-  too: a DLRM `large` run takes 14-24 s on an H100 and up to 67 s on an H200, so an H100 call
-  paced by the H200's runs would sit idle for its last minute."""
+  too: DLRM `large`'s LoKA, bf16 and bf16+Mods runs take 14-25 s on an H100 and up to 67 s on
+  an H200, so an H100 call paced by the H200's runs would sit idle for its last minute."""
   mine = [r for r in results.rows()
           if r.get("suite") == "quality" and r.get("model") == model
           and r.get("preset") == settings.preset and r.get("data") == settings.data]
