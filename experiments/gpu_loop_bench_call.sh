@@ -16,8 +16,10 @@
 # batch-making processes; -1, the default: as many as the step needs), ARM_LIMIT (seconds per
 # loop arm, 240), MAXMIN (3: the bench's minutes per model; on an H100 DHEN and InterFormer
 # `large` compile their bf16 step alone in 97 and 133 s, so give them 5: a bench that measured
-# nothing leaves the model's loop arms out), COMMIT (recorded in the rows), WORK
-# (/tmp/loop_bench), OUT (set on the device; elsewhere $WORK/out).
+# nothing leaves the model's loop arms out), OWN_STATES (1: the bench times each arm on a
+# state of its own model's parameters, as the loop runs it, `speed.own_states`; default 0:
+# on bf16's shared state), COMMIT (recorded in the rows), WORK (/tmp/loop_bench), OUT (set on
+# the device; elsewhere $WORK/out).
 set -u
 source experiments/gpu_common.sh
 ensure_wheels || exit 1
@@ -67,6 +69,7 @@ for MODEL in ${MODELS//,/ }; do
     --config.speed.variants="$variants" --config.speed.head_to_head= \
     --config.probe.enabled=false --workdir="$WORK/$MODEL/bench" \
     --config.plans_dir="$WORK/$MODEL/plans" --config.pacing.max_minutes="${MAXMIN:-3}" \
+    --config.speed.own_states="$( [ "${OWN_STATES:-0}" = 1 ] && echo true || echo false )" \
     > "$OUT/${MODEL}_bench.log" 2>&1
   echo "$MODEL bench rc=$?"
   if [ ! -s "$WORK/$MODEL/bench/bench.jsonl" ]; then
@@ -82,6 +85,6 @@ for MODEL in ${MODELS//,/ }; do
   done
   python3 -m experiments.report loop_vs_bench --bench="$WORK/$MODEL/bench/bench.jsonl" \
     --loops="$WORK/$MODEL/loop_bf16_mods,$WORK/$MODEL/loop_loka" --plan="$PLAN" \
-    --command="MODELS=$MODEL PRESET=$PRESET STEPS=$STEPS MAXMIN=${MAXMIN:-3} BATCH_WORKERS=${BATCH_WORKERS:--1} bash experiments/gpu_loop_bench_call.sh" \
+    --command="MODELS=$MODEL PRESET=$PRESET STEPS=$STEPS MAXMIN=${MAXMIN:-3} BATCH_WORKERS=${BATCH_WORKERS:--1}${OWN_STATES:+ OWN_STATES=$OWN_STATES} bash experiments/gpu_loop_bench_call.sh" \
     --commit="${COMMIT:-unknown}" --out="$OUT/loop_vs_bench.jsonl"
 done

@@ -111,7 +111,7 @@ def speed_settings(config, plans_dir: str) -> suite.SpeedSettings:
       serve_promotion=run_config.auto(serving.promotion),
       min_call_s=(suite.speed.MIN_CALL_S if config.speed.min_call_ms is None
                   else config.speed.min_call_ms * 1e-3),
-      train_calls=config.speed.train_calls,
+      train_calls=config.speed.train_calls, own_states=config.speed.own_states,
       seed=config.targets.seed, probe_seed=probe.seed, mods=mods)
 
 

@@ -5,7 +5,9 @@ ONE training state: the bf16 model's parameters and Adam state, which hold every
 variant's parameters (the Mods only drop biases and norm scales; FP8 kernels add no
 parameters), so the biggest presets fit one GPU however many variants run, and every variant
 updates the same tensors. Delayed-scaling state (fp8_meta) stays per variant. A variant whose
-parameters do not fit inside bf16's gets its own state (`shared_state: false` in its row).
+parameters do not fit inside bf16's gets its own state (`shared_state: false` in its row), and
+with `own_states` every variant does: its step then takes its own model's parameters, as the
+training loop's does, not also the biases its Mods drop (one more state on the device each).
 
 Timing follows the benchmark protocol (`loka_jax.timing`): warm-up, bf16 and the variant
 interleaved, >= 20 repeats, median and bootstrap 95% CI of the speedup; steps under `min_call_s`
@@ -93,9 +95,13 @@ class TargetBench:
 
   def __init__(self, batch, optim: OptimConfig = OptimConfig(), seed: int = 0,
                min_call_s: float = MIN_CALL_S, max_inner: int = 200,
-               train_calls: int = TRAIN_CALLS):
+               train_calls: int = TRAIN_CALLS, own_states: bool = False):
     if train_calls < 1:
       raise ValueError(f"train_calls must be >= 1, got {train_calls}")
+    # Every variant on a state of its own model's parameters (as the training loop runs it),
+    # not on bf16's shared one: a Mods arm's step then no longer takes the biases its model
+    # drops. One more training state on the device per variant.
+    self.own_states = own_states
     self.batch = jax.device_put(batch)  # fixed real data (never zeros)
     self.optim, self.seed = optim, seed
     self.min_call_s, self.max_inner = min_call_s, max_inner
@@ -166,7 +172,7 @@ class TargetBench:
     """The variant's arm, threading the shared state when its parameters fit inside it."""
     abstract = _init_abstract(model, self.batch)
     key, meta = "shared", None
-    if not _fits_inside(abstract["params"], self.union_abstract):
+    if self.own_states or not _fits_inside(abstract["params"], self.union_abstract):
       key = f"own:{name}"
       self.holder[key] = create_train_state(model, make_optimizer(self.optim), self.batch,
                                             self.seed)

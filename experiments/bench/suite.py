@@ -181,6 +181,7 @@ class SpeedSettings:
   validation_stalled_fraction: float = 0.1
   min_call_s: float = speed.MIN_CALL_S  # steps shorter than this run N to a timed call
   train_calls: int = speed.TRAIN_CALLS  # train calls back to back in a timed sample
+  own_states: bool = False   # every variant on its own model's state (speed.TargetBench)
   seed: int = 0
   # Seed of the probe run that makes a missing plan: apart from `seed`, so quality runs at
   # every seed (one invocation each) find and resume the same probe and share its plan.
@@ -487,7 +488,7 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
     base["mods_set"] = set_label
   batch = target.source(settings.seed).train_batch(0, target.batch())
   bench = speed.TargetBench(batch, seed=settings.seed, min_call_s=settings.min_call_s,
-                            train_calls=settings.train_calls)
+                            train_calls=settings.train_calls, own_states=settings.own_states)
   t0 = time.time()
   try:
     bench.set_baseline(target.build(SiteConfig.for_precision("bf16")))
@@ -543,7 +544,9 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
       row["row_s"] = round(time.time() - now + (baseline_build_s if v.name == "bf16" else 0.0),
                            3)
       results.append(row)
-      if arm.info["shared_state"] and v.name != "bf16":
+      # An arm on a state of its own stays alive only when every arm has one (own_states,
+      # whose memory the user chose); otherwise it is dropped to free its state.
+      if (arm.info["shared_state"] or settings.own_states) and v.name != "bf16":
         alive[v.name] = arm
     except Exception as e:  # record and go on with the next variant
       results.append({**row, "error": f"{type(e).__name__}: {e}"[:2000],

@@ -55,6 +55,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Train calls dispatched back to back in a timed sample, blocked on the last: the host's work
   # between steps overlaps the device's as in the training loop (1: every step blocked).
   speed.train_calls = 4
+  # Every variant on a training state of its own model's parameters, as experiments.train
+  # runs it (False: all thread bf16's state, so the largest presets fit one GPU, and a Mods
+  # arm's step also takes the biases it drops). Rows record it as `shared_state`.
+  speed.own_states = False
   # Variants also timed against bf16+Mods, served bf16+Mods and the best peer, in one
   # interleaving per pair (they run last in a target; the other arms stay alive until then).
   # Empty: targets use the ratio of rows only.

@@ -185,8 +185,11 @@ def loop_table(rows: Sequence[Mapping]) -> str:
     workers = r.get("batch_workers", 0)
     if r.get("batch_workers_from_step") is not None:
       workers = f"{workers} (from step {r['batch_workers_from_step']})"
+    # The bench's step on the arm's own state (speed.own_states) is marked; unmarked, on
+    # bf16's shared state.
+    own = " (own state)" if r.get("bench_shared_state") is False else ""
     lines.append(f"| {r['model']}/{r['preset']} | {r['arm']} | {workers} | "
-                 f"{r['bench_steps_per_s']:.2f} steps/s | {r['loop_steps_per_s']:.2f} "
+                 f"{r['bench_steps_per_s']:.2f} steps/s{own} | {r['loop_steps_per_s']:.2f} "
                  f"({min(rates):.2f}-{max(rates):.2f}) | {r['loop_over_bench']:.3f} | "
                  f"{speedup} |")
   return "\n".join(lines)
@@ -230,7 +233,8 @@ def section(paths: Sequence[str]) -> str:
        "`max_overhead`) spaces its observations:"),
       ("loop_vs_bench", loop_table,
        "`experiments.train`'s loop beside the bench's timed step of the same arm, in one call "
-       "(the loop's 25-step windows after the first):"),
+       "(the loop's 25-step windows after the first; the bench's step on bf16's shared state, "
+       "or on the arm's own where marked, `--config.speed.own_states`):"),
       ("drift_run", drift_table,
        "The drift valve in `experiments.train` (`--config.drift.every`): where its refreshes "
        "fell under the overhead budget, what each cost (the first compiles what was not "

@@ -1,12 +1,16 @@
 """The bench's MLP towers and timed steps on the CPU: the tower source, one state shared by
-the arms and the train calls of a timed sample."""
+the arms or one state each, and the train calls of a timed sample."""
+import re
+import tempfile
 from unittest import mock
 
 import chex
+import jax
 import numpy as np
 from absl.testing import absltest
 
-from experiments.bench import suite, towers
+from experiments.bench import settings, suite, towers
+from experiments.configs import bench_models as bench_models_config
 from loka_jax.models.site import SiteConfig
 
 
@@ -63,6 +67,57 @@ class SharedStateTest(chex.TestCase):
     self.assertEqual(int(bench.holder["shared"].step), before + 4)
     self.assertEqual(bench.holder["shared"].fp8_meta, bench.holder["empty_meta"])
     chex.assert_shape(np.asarray(flax_arm.infer()), (32,))
+
+
+def entry_parameters(hlo_text: str) -> int:
+  """How many arguments a compiled program's entry computation takes."""
+  entry = hlo_text[hlo_text.index("ENTRY"):]
+  return len(re.findall(r"parameter\(\d+\)", entry))
+
+
+class OwnStatesTest(chex.TestCase):
+  """`own_states`: every variant on a state of its own model's parameters, as the training
+  loop runs it, where by default the Mods arms thread bf16's state and its biases."""
+
+  def test_a_mods_arm_steps_on_its_own_parameters_and_leaves_bf16s_state_alone(self):
+    shape = towers.TowerShape(32, 16, 2)
+    batch = towers.TowerSource(16).train_batch(0, 32)
+    bf16 = towers.build_tower(shape, SiteConfig.for_precision("bf16"))
+    mods_model = towers.build_tower(shape, SiteConfig.for_precision("bf16"), ("all",))
+    shared = suite.speed.TargetBench(batch, min_call_s=0.0)
+    shared.set_baseline(bf16)
+    shared_arm = shared.add("bf16_mods", mods_model)
+    own = suite.speed.TargetBench(batch, min_call_s=0.0, own_states=True)
+    own.set_baseline(bf16)
+    own_arm = own.add("bf16_mods", mods_model)
+    self.assertTrue(shared_arm.info["shared_state"])
+    self.assertFalse(own_arm.info["shared_state"])
+    # The arm's state holds its own model's parameters: fewer arrays than bf16's, which hold
+    # the biases the Mods drop.
+    own_params = jax.tree.leaves(own.holder["own:bf16_mods"].params)
+    bf16_params = jax.tree.leaves(own.holder["shared"].params)
+    self.assertLess(len(own_params), len(bf16_params))
+    self.assertEqual(len(own_params), len(jax.tree.leaves(
+        mods_model.init(jax.random.PRNGKey(0), batch, train=False)["params"])))
+    # So its timed program takes fewer arguments than the same arm on the shared state.
+    self.assertLess(entry_parameters(own_arm.hlo["train"]),
+                    entry_parameters(shared_arm.hlo["train"]))
+    # Its steps advance its own state; bf16's shared one is untouched.
+    before_own = int(own.holder["own:bf16_mods"].step)
+    before_shared = int(own.holder["shared"].step)
+    own_arm.train()
+    own_arm.train()
+    self.assertEqual(int(own.holder["own:bf16_mods"].step), before_own + 2)
+    self.assertEqual(int(own.holder["shared"].step), before_shared)
+    chex.assert_shape(np.asarray(own_arm.infer()), (32,))
+    timed = own.time_pair(own_arm, repeats=2)
+    self.assertGreater(timed["train"]["median_us"], 0.0)
+
+  def test_the_bench_config_field_reaches_the_speed_settings(self):
+    config = bench_models_config.get_config()
+    self.assertFalse(settings.speed_settings(config, tempfile.mkdtemp()).own_states)
+    config.speed.own_states = True
+    self.assertTrue(settings.speed_settings(config, tempfile.mkdtemp()).own_states)
 
 
 class InnerStepsTest(chex.TestCase):

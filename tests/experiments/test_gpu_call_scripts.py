@@ -270,8 +270,21 @@ exec {shutil.which("python3")} "$@"
       self.assertIn(f"{model}: the bench timed no step within MAXMIN=1.5 minutes (its log: "
                     f"{model}_bench.log): loop arms left out; raise MAXMIN", done.stdout)
     with open(calls) as f:
-      called = [line.split()[0] for line in f]
-    self.assertEqual(called, ["experiments.bench", "experiments.bench"])
+      lines = f.readlines()
+    self.assertEqual([line.split()[0] for line in lines],
+                     ["experiments.bench", "experiments.bench"])
+    # By default the bench times each arm on bf16's shared state; OWN_STATES=1 asks for a
+    # state of the arm's own.
+    self.assertIn("--config.speed.own_states=false", lines[0].split())
+    done = subprocess.run(
+        ["bash", "experiments/gpu_loop_bench_call.sh"], cwd=REPO, capture_output=True,
+        text=True, timeout=120,
+        env={**os.environ, "PATH": f"{shims}:{os.environ['PATH']}", "WORK": work,
+             "OUT": os.path.join(work, "out"), "MODELS": "dhen", "MAXMIN": "1.5",
+             "OWN_STATES": "1"})
+    self.assertEqual(done.returncode, 0, done.stderr[-2000:])
+    with open(calls) as f:
+      self.assertIn("--config.speed.own_states=true", f.readlines()[-1].split())
 
 
 class MainJobCallTest(absltest.TestCase):

@@ -11,10 +11,10 @@ from experiments.tools import results_user_speed as user_speed
 from loka_jax import jsonio
 
 
-def _bench_row(variant, median_us):
+def _bench_row(variant, median_us, shared_state=True):
   return {"suite": "models", "model": "wukong", "preset": "large", "device": "NVIDIA H200",
           "jax": "0.11.2", "batch_size": 4096, "variant": variant,
-          "train": {"median_us": median_us}}
+          "train": {"median_us": median_us}, "shared_state": shared_state}
 
 
 def _loop(root, name, rates, batch_workers=None, started=None):
@@ -41,7 +41,7 @@ class LoopVsBenchTest(absltest.TestCase):
     bench = os.path.join(root, "bench.jsonl")
     with open(bench, "w") as f:
       for row in (_bench_row("bf16", 170000.0), _bench_row("bf16_mods", 160000.0),
-                  _bench_row("loka", 120000.0)):
+                  _bench_row("loka", 120000.0, shared_state=False)):
         f.write(json.dumps(row) + "\n")
     # The first window (compiles) is left out of the median.
     loops = [_loop(root, "loop_bf16_mods", [0.4, 6.0, 6.2, 6.1], batch_workers=2),
@@ -57,6 +57,8 @@ class LoopVsBenchTest(absltest.TestCase):
     self.assertEqual(loka["plan"], "plan.json")
     self.assertEqual(loka["speedup_bench"], 1.3333)            # 160000 / 120000
     self.assertEqual(loka["speedup_loop"], 1.3279)             # 8.1 / 6.1
+    # Whether the bench timed each arm on bf16's shared state or on its own.
+    self.assertEqual((base["bench_shared_state"], loka["bench_shared_state"]), (True, False))
     # Batch workers: the setting, or the workers the loop started and the step it did.
     self.assertEqual((base["batch_workers"], base["batch_workers_from_step"]), (2, None))
     self.assertEqual((loka["batch_workers"], loka["batch_workers_from_step"]), (6, 14))

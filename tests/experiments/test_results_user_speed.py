@@ -50,7 +50,10 @@ class UserSpeedTest(absltest.TestCase):
         {**BASE, "kind": "loop_vs_bench", "model": "dlrm", "arm": "bf16+Mods",
          "bench_steps_per_s": 140.0, "window_steps_per_s": [80.0, 128.0, 130.0],
          "loop_steps_per_s": 128.0, "loop_over_bench": 0.914, "batch_workers": 8,
-         "batch_workers_from_step": 14}])
+         "batch_workers_from_step": 14},
+        {**BASE, "kind": "loop_vs_bench", "model": "dhen", "arm": "bf16+Mods",
+         "bench_steps_per_s": 13.5, "window_steps_per_s": [13.8, 13.9],
+         "loop_steps_per_s": 13.85, "loop_over_bench": 1.026, "bench_shared_state": False}])
     self.addCleanup(os.remove, path)
     text = user_speed.section([path])
     self.assertIn("| wukong/large | LoKA | - | cold | 2 | 124 s | 7.8 s | 112 s | "
@@ -74,6 +77,9 @@ class UserSpeedTest(absltest.TestCase):
                   "1.330x, 1.310x |", text)
     self.assertIn("| dlrm/large | bf16+Mods | 8 (from step 14) | 140.00 steps/s | 128.00 "
                   "(80.00-130.00) | 0.914 | - |", text)
+    # A bench step timed on the arm's own state says so; one on bf16's shared state does not.
+    self.assertIn("| dhen/large | bf16+Mods | 0 | 13.50 steps/s (own state) | 13.85 "
+                  "(13.80-13.90) | 1.026 | - |", text)
     self.assertIn("NVIDIA H200, jax 0.11.2, 2026-12-04, commit abc1234, `bash call.sh`", text)
 
   def test_the_overhead_table_names_each_rows_card(self):
