@@ -99,8 +99,8 @@ class TargetBench:
     if train_calls < 1:
       raise ValueError(f"train_calls must be >= 1, got {train_calls}")
     # Every variant on a state of its own model's parameters (as the training loop runs it),
-    # not on bf16's shared one: a Mods arm's step then no longer takes the biases its model
-    # drops. One more training state on the device per variant.
+    # not on bf16's shared one: a Mods arm's step then takes only its own model's parameters,
+    # without the biases its Mods drop. One more training state on the device per variant.
     self.own_states = own_states
     self.batch = jax.device_put(batch)  # fixed real data (never zeros)
     self.optim, self.seed = optim, seed
