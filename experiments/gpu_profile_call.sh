@@ -12,7 +12,9 @@
 # Environment: MODEL, PRESET (required); VARIANTS (bf16_mods,loka); HLO (the training HLOs to
 # bring back, gzipped; default none); PLAN and REPORT (needed when VARIANTS has loka; REPORT
 # may be gzipped); MODS (the Mods arms' set, as the bench's targets.mods, e.g. no_bias,blocknorm;
-# default every Mod; PLAN and REPORT go to that set's plans folder); WORK (/tmp/profile);
+# default every Mod; PLAN and REPORT go to that set's plans folder); OWN_STATES (1: every
+# variant on a state of its own model's parameters, as the training loop runs it; default 0:
+# on bf16's shared state, as the bench times them); WORK (/tmp/profile);
 # LIMIT (540: hard seconds); OUT (set on the device; elsewhere $WORK/out). Writes
 # $OUT/profile_$MODEL.{md,json,png}, $OUT/profile_$MODEL.log and
 # $OUT/hlo_${MODEL}_${variant}_train.txt.gz.
@@ -39,6 +41,7 @@ timeout "${LIMIT:-540}" python3 -m experiments.profile_step --workdir="$WORK/run
   --config.target.model="$MODEL" --config.target.preset="$PRESET" \
   --config.variants.names="${VARIANTS:-bf16_mods,loka}" --config.variants.mods="$MODS" \
   --config.variants.plans_dir="$WORK/plans" \
+  --config.variants.own_states="$( [ "${OWN_STATES:-0}" = 1 ] && echo true || echo false )" \
   > "$OUT/profile_$MODEL.log" 2>&1
 rc=$?
 for ext in md json png; do

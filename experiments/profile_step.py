@@ -12,7 +12,8 @@ r"""Profile whole train and inference steps: device time per GEMM site and pass,
 
 Settings come from experiments/configs/profile_step.py (--config=FILE for another file;
 --config.GROUP.FIELD=VALUE overrides one field). Every variant is built as the headline
-benchmark builds it (`experiments.bench`: one shared training state, LoKA from its plan under
+benchmark builds it (`experiments.bench`: one shared training state, or one each with
+variants.own_states as the training loop runs them, LoKA from its plan under
 variants.plans_dir, inference of LoKA from its exported model; variants.mods sets the Mods of
 the Mods arms as the bench's targets.mods does, LoKA's plan then read from that set's folder),
 each step runs profile.iterations times under the JAX profiler, and the device kernels of the
@@ -88,7 +89,8 @@ def main(argv):
                                  probe=False, seed=target_config.seed, mods=mods)
   subject = mods_set.subject(target.model, target.preset, mods_set.label(mods))
   batch = target.source(settings.seed).train_batch(0, target.batch())
-  bench = speed.TargetBench(batch, seed=settings.seed, min_call_s=0.0)  # one step per call
+  bench = speed.TargetBench(batch, seed=settings.seed, min_call_s=0.0,  # one step per call
+                            own_states=variants.own_states)
   bf16 = target.build(SiteConfig.for_precision("bf16"))
   sites = list(site_products(bf16, None, batch))
   arms = {"bf16": bench.set_baseline(bf16)}
@@ -130,6 +132,7 @@ def main(argv):
                            {"target": subject, "device": device, "sites": sites,
                             "mods_set": mods_set.label(mods), "variant_mods": arm_mods,
                             "command_buffers": config.profile.command_buffers,
+                            "own_states": variants.own_states,
                             "profiles": profiles})
   table = profile.markdown(profiles)
   with open(os.path.join(workdir, "profile.md"), "w") as f:

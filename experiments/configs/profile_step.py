@@ -30,6 +30,9 @@ def get_config() -> ml_collections.ConfigDict:
   variants.mods = ""
   # The LoKA variant's plans, laid out as the bench's; unset: WORKDIR/plans.
   variants.plans_dir = config_dict.placeholder(str)
+  # Every variant on a state of its own model's parameters, as experiments.train runs it (the
+  # bench's speed.own_states); False: on bf16's shared state, as the bench times them.
+  variants.own_states = False
 
   # The profiler run.
   config.profile = profile = ml_collections.ConfigDict()

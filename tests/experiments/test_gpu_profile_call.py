@@ -16,14 +16,15 @@ class GpuProfileCallTest(absltest.TestCase):
 
   def test_brings_back_the_profile_and_the_named_hlos(self):
     # A Mods set other than the default reaches the Mods arm, and the plan goes to that
-    # set's folder, where the LoKA arm of the same set looks for it.
+    # set's folder, where the LoKA arm of the same set looks for it; OWN_STATES reaches the
+    # profile.
     with tempfile.TemporaryDirectory() as tmp:
       plan = os.path.join(tmp, "some_plan.json")
       with open(plan, "w") as f:
         f.write('{"schema": "loka.plan/1"}')
       env = dict(cpu_env(), MODEL="dlrm", PRESET="tiny", VARIANTS="bf16_mods",
                  MODS="blocknorm,no_bias", PLAN=plan, REPORT=plan,
-                 HLO="bf16_mods", WORK=tmp, OUT=os.path.join(tmp, "out"))
+                 HLO="bf16_mods", WORK=tmp, OUT=os.path.join(tmp, "out"), OWN_STATES="1")
       done = subprocess.run(["bash", "experiments/gpu_profile_call.sh"], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=600)
       self.assertEqual(done.returncode, 0, done.stderr[-2000:])
@@ -34,6 +35,7 @@ class GpuProfileCallTest(absltest.TestCase):
       self.assertEqual(set(saved["profiles"]),
                        {"bf16 train", "bf16 infer", "bf16_mods train", "bf16_mods infer"})
       self.assertEqual(saved["target"], "dlrm/tiny (Mods no_bias+blocknorm)")
+      self.assertTrue(saved["own_states"])   # OWN_STATES=1 reached the profile
       self.assertEqual(saved["variant_mods"],
                        {"bf16": [], "bf16_mods": ["no_bias", "blocknorm"]})
       self.assertTrue(os.path.exists(

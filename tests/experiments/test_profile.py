@@ -3,6 +3,7 @@
 import gzip
 import json
 import os
+import re
 import tempfile
 
 import jax
@@ -316,7 +317,8 @@ class CliTest(absltest.TestCase):
     with tempfile.TemporaryDirectory() as tmp:
       run = run_module("experiments.profile_step", "--config.target.model=dlrm",
                        "--config.target.preset=tiny", "--config.variants.names=bf16,bf16_mods",
-                       "--config.profile.iterations=1", f"--workdir={tmp}", timeout=600)
+                       "--config.profile.iterations=1", "--config.variants.own_states=true",
+                       f"--workdir={tmp}", timeout=600)
       self.assertEqual(run.returncode, 0, run.stderr[-3000:])
       self.assertIn("not on a GPU", run.stdout)
       with open(os.path.join(tmp, "profile.json")) as f:
@@ -328,8 +330,17 @@ class CliTest(absltest.TestCase):
       self.assertEqual(data["variant_mods"], {"bf16": [], "bf16_mods": ["all"]})
       self.assertTrue(os.path.exists(os.path.join(tmp, "profile.md")))
       self.assertFalse(data["command_buffers"])
-      with open(os.path.join(tmp, "hlo", "bf16_mods_train.txt")) as f:
-        self.assertIn("HloModule", f.read())
+      hlo = {}
+      for name in ("bf16", "bf16_mods"):
+        with open(os.path.join(tmp, "hlo", f"{name}_train.txt")) as f:
+          hlo[name] = f.read()
+      self.assertIn("HloModule", hlo["bf16_mods"])
+      # Each variant on its own model's state: bf16+Mods' step takes fewer arguments than
+      # bf16's (no biases, nor their Adam moments); on bf16's shared state it takes as many.
+      self.assertTrue(data["own_states"])
+      entry_arguments = lambda text: len(re.findall(r"parameter\(\d+\)",
+                                                    text[text.index("ENTRY"):]))
+      self.assertLess(entry_arguments(hlo["bf16_mods"]), entry_arguments(hlo["bf16"]))
       # A CPU trace holds no device time: nothing to draw.
       self.assertFalse(os.path.exists(os.path.join(tmp, "profile.png")))
 
