@@ -29,6 +29,10 @@ OUT=${OUT:-$WORK/out}
 PRESET=${PRESET:-large}
 MODELS=${MODELS:-wukong}
 STEPS=${STEPS:-150}
+case ${OWN_STATES:-0} in
+  0|1) ;;
+  *) echo "error: OWN_STATES=${OWN_STATES}: use 1 (each arm on its own state) or 0"; exit 2 ;;
+esac
 mkdir -p "$WORK" "$OUT"
 export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR="$WORK/jax_cache"
 CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || echo cpu)
@@ -85,6 +89,6 @@ for MODEL in ${MODELS//,/ }; do
   done
   python3 -m experiments.report loop_vs_bench --bench="$WORK/$MODEL/bench/bench.jsonl" \
     --loops="$WORK/$MODEL/loop_bf16_mods,$WORK/$MODEL/loop_loka" --plan="$PLAN" \
-    --command="MODELS=$MODEL PRESET=$PRESET STEPS=$STEPS MAXMIN=${MAXMIN:-3} BATCH_WORKERS=${BATCH_WORKERS:--1}${OWN_STATES:+ OWN_STATES=$OWN_STATES} bash experiments/gpu_loop_bench_call.sh" \
+    --command="MODELS=$MODEL PRESET=$PRESET STEPS=$STEPS MAXMIN=${MAXMIN:-3} BATCH_WORKERS=${BATCH_WORKERS:--1} ARM_LIMIT=${ARM_LIMIT:-240}${OWN_STATES:+ OWN_STATES=$OWN_STATES} bash experiments/gpu_loop_bench_call.sh" \
     --commit="${COMMIT:-unknown}" --out="$OUT/loop_vs_bench.jsonl"
 done

@@ -19,7 +19,7 @@ def serve_exported(bench: speed.TargetBench, arm: speed.Arm, model, plan, report
   FP8-stored weights and static activation scales from the probe's amax (`dispatch.export`),
   on the parameters the arm trains."""
   from loka_jax.dispatch import export as export_lib
-  exported = export_lib.export(model, bench.holder["shared"].params, plan, report,
+  exported = export_lib.export(model, bench.state_of(arm.name).params, plan, report,
                                batch=bench.batch)
   fields = {"export": True, "export_modes": exported.mode_counts(),
             "export_saved_fraction": round(exported.memory["saved_fraction"], 4)}

@@ -168,8 +168,13 @@ class TargetBench:
     self.baseline = arm
     return arm
 
+  def state_of(self, name: str):
+    """The training state the arm `name` steps on: its own, or the shared one."""
+    return self.holder.get(f"own:{name}", self.holder["shared"])
+
   def add(self, name: str, model) -> Arm:
-    """The variant's arm, threading the shared state when its parameters fit inside it."""
+    """The variant's arm, threading the shared state when its parameters fit inside it
+    (always a state of its own with `own_states`)."""
     abstract = _init_abstract(model, self.batch)
     key, meta = "shared", None
     if self.own_states or not _fits_inside(abstract["params"], self.union_abstract):

@@ -501,7 +501,7 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
   log(f"  bf16 compiled in {longest_build_s:.0f}s (steps per timed call: {bench.inner}; "
       f"calls per timed sample: {bench.calls_per_sample})")
   complete = True
-  alive: Dict[str, speed.Arm] = {}  # arms built here on the shared state, kept for the pairs
+  alive: Dict[str, speed.Arm] = {}  # arms built here, kept for the pairs
 
   def build_again(name: str) -> speed.Arm:
     arm, _, missing = _build_arm(bench, target, mods_set.apply(VARIANTS[name], settings.mods),
@@ -544,9 +544,11 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
       row["row_s"] = round(time.time() - now + (baseline_build_s if v.name == "bf16" else 0.0),
                            3)
       results.append(row)
-      # An arm on a state of its own stays alive only when every arm has one (own_states,
-      # whose memory the user chose); otherwise it is dropped to free its state.
-      if (arm.info["shared_state"] or settings.own_states) and v.name != "bf16":
+      # An arm on a state of its own stays alive for the pairs only when every arm has one
+      # (own_states, whose memory the user chose) and some pair is asked for; otherwise it
+      # is dropped to free its state.
+      keep_own = settings.own_states and bool(settings.head_to_head)
+      if (arm.info["shared_state"] or keep_own) and v.name != "bf16":
         alive[v.name] = arm
     except Exception as e:  # record and go on with the next variant
       results.append({**row, "error": f"{type(e).__name__}: {e}"[:2000],

@@ -57,7 +57,10 @@ def get_config() -> ml_collections.ConfigDict:
   speed.train_calls = 4
   # Every variant on a training state of its own model's parameters, as experiments.train
   # runs it (False: all thread bf16's state, so the largest presets fit one GPU, and a Mods
-  # arm's step also takes the biases it drops). Rows record it as `shared_state`.
+  # arm's step also takes the biases it drops). One more state on the device per variant,
+  # which the largest presets may not fit. Every row but bf16's then reads
+  # `shared_state: false`. A workdir's finished rows are kept whichever way they were timed:
+  # switch it in a fresh workdir.
   speed.own_states = False
   # Variants also timed against bf16+Mods, served bf16+Mods and the best peer, in one
   # interleaving per pair (they run last in a target; the other arms stay alive until then).

@@ -71,8 +71,9 @@ def rows(bench_path: str, loop_dirs, plan: str, command: str, commit: str, date:
         "command": command, "arm": ARMS[variant], "batch_size": b["batch_size"],
         "plan": os.path.basename(plan) if variant == "loka" and plan else None,
         "bench_step_ms": round(b["train"]["median_us"] / 1e3, 3),
-        # False: the bench timed this arm on its own model's state (`speed.own_states`), as
-        # the loop runs it; True: on bf16's shared state, with the biases its Mods drop.
+        # False: the bench timed this arm on a state of its own model's parameters (always
+        # with `speed.own_states`, as the loop runs it); True: on bf16's shared state, with
+        # the biases its Mods drop.
         "bench_shared_state": b.get("shared_state"),
         "bench_steps_per_s": round(bench_rate, 3),
         "window_steps_per_s": [round(r, 3) for r in windows],

@@ -109,6 +109,10 @@ class OwnStatesTest(chex.TestCase):
     own_arm.train()
     self.assertEqual(int(own.holder["own:bf16_mods"].step), before_own + 2)
     self.assertEqual(int(own.holder["shared"].step), before_shared)
+    # The state the arm steps on (what its served export reads): its own, bf16's shared one
+    # on the shared bench.
+    self.assertIs(own.state_of("bf16_mods"), own.holder["own:bf16_mods"])
+    self.assertIs(shared.state_of("bf16_mods"), shared.holder["shared"])
     chex.assert_shape(np.asarray(own_arm.infer()), (32,))
     timed = own.time_pair(own_arm, repeats=2)
     self.assertGreater(timed["train"]["median_us"], 0.0)

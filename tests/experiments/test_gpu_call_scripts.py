@@ -285,6 +285,14 @@ exec {shutil.which("python3")} "$@"
     self.assertEqual(done.returncode, 0, done.stderr[-2000:])
     with open(calls) as f:
       self.assertIn("--config.speed.own_states=true", f.readlines()[-1].split())
+    # Any other value is refused before anything runs.
+    done = subprocess.run(
+        ["bash", "experiments/gpu_loop_bench_call.sh"], cwd=REPO, capture_output=True,
+        text=True, timeout=120,
+        env={**os.environ, "PATH": f"{shims}:{os.environ['PATH']}", "WORK": work,
+             "OUT": os.path.join(work, "out"), "MODELS": "dhen", "OWN_STATES": "true"})
+    self.assertEqual(done.returncode, 2)
+    self.assertIn("error: OWN_STATES=true: use 1 (each arm on its own state) or 0", done.stdout)
 
 
 class MainJobCallTest(absltest.TestCase):
