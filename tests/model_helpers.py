@@ -3,6 +3,7 @@ random variables (cheaper than compiling `init`), each model built once per proc
 the tiny presets' site names written out from the towers' equations, and the compiled HLO of
 a tiny Wukong train step (`from model_helpers import ...`)."""
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -140,3 +141,8 @@ def wukong_train_hlo():
   train_step, _ = compiled_steps(model, OptimConfig(), "stop")
   hlo = train_step.lower(state, batch).compile().as_text()
   return hlo, list(site_products(model, None, batch))
+
+
+def entry_arguments(hlo_text: str) -> int:
+  """How many arguments a compiled program's entry computation takes."""
+  return len(re.findall(r"parameter\(\d+\)", hlo_text[hlo_text.index("ENTRY"):]))

@@ -502,6 +502,10 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
       f"calls per timed sample: {bench.calls_per_sample})")
   complete = True
   alive: Dict[str, speed.Arm] = {}  # arms built here, kept for the pairs
+  # An arm on a state of its own is kept for the pairs only when every arm has one
+  # (own_states, whose memory the user chose) and some pair is asked for; otherwise it is
+  # dropped after its row to free its state.
+  keep_own = settings.own_states and bool(settings.head_to_head)
 
   def build_again(name: str) -> speed.Arm:
     arm, _, missing = _build_arm(bench, target, mods_set.apply(VARIANTS[name], settings.mods),
@@ -544,10 +548,6 @@ def run_target(target: Target, variants: Sequence[Variant], results: ResultsFile
       row["row_s"] = round(time.time() - now + (baseline_build_s if v.name == "bf16" else 0.0),
                            3)
       results.append(row)
-      # An arm on a state of its own stays alive for the pairs only when every arm has one
-      # (own_states, whose memory the user chose) and some pair is asked for; otherwise it
-      # is dropped to free its state.
-      keep_own = settings.own_states and bool(settings.head_to_head)
       if (arm.info["shared_state"] or keep_own) and v.name != "bf16":
         alive[v.name] = arm
     except Exception as e:  # record and go on with the next variant

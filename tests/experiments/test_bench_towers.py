@@ -1,6 +1,5 @@
 """The bench's MLP towers and timed steps on the CPU: the tower source, one state shared by
 the arms or one state each, and the train calls of a timed sample."""
-import re
 import tempfile
 from unittest import mock
 
@@ -12,6 +11,7 @@ from absl.testing import absltest
 from experiments.bench import settings, suite, towers
 from experiments.configs import bench_models as bench_models_config
 from loka_jax.models.site import SiteConfig
+from model_helpers import entry_arguments
 
 
 class TowerSourceTest(chex.TestCase):
@@ -69,12 +69,6 @@ class SharedStateTest(chex.TestCase):
     chex.assert_shape(np.asarray(flax_arm.infer()), (32,))
 
 
-def entry_parameters(hlo_text: str) -> int:
-  """How many arguments a compiled program's entry computation takes."""
-  entry = hlo_text[hlo_text.index("ENTRY"):]
-  return len(re.findall(r"parameter\(\d+\)", entry))
-
-
 class OwnStatesTest(chex.TestCase):
   """`own_states`: every variant on a state of its own model's parameters, as the training
   loop runs it, where by default the Mods arms thread bf16's state and its biases."""
@@ -100,8 +94,8 @@ class OwnStatesTest(chex.TestCase):
     self.assertEqual(len(own_params), len(jax.tree.leaves(
         mods_model.init(jax.random.PRNGKey(0), batch, train=False)["params"])))
     # So its timed program takes fewer arguments than the same arm on the shared state.
-    self.assertLess(entry_parameters(own_arm.hlo["train"]),
-                    entry_parameters(shared_arm.hlo["train"]))
+    self.assertLess(entry_arguments(own_arm.hlo["train"]),
+                    entry_arguments(shared_arm.hlo["train"]))
     # Its steps advance its own state; bf16's shared one is untouched.
     before_own = int(own.holder["own:bf16_mods"].step)
     before_shared = int(own.holder["shared"].step)

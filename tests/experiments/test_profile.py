@@ -3,7 +3,6 @@
 import gzip
 import json
 import os
-import re
 import tempfile
 
 import jax
@@ -11,7 +10,7 @@ from absl.testing import absltest
 
 from cli_helpers import run_module
 from experiments.bench import profile
-from model_helpers import wukong_train_hlo
+from model_helpers import entry_arguments, wukong_train_hlo
 
 
 def _write_trace(path, events):
@@ -338,8 +337,6 @@ class CliTest(absltest.TestCase):
       # Each variant on its own model's state: bf16+Mods' step takes fewer arguments than
       # bf16's (no biases, nor their Adam moments); on bf16's shared state it takes as many.
       self.assertTrue(data["own_states"])
-      entry_arguments = lambda text: len(re.findall(r"parameter\(\d+\)",
-                                                    text[text.index("ENTRY"):]))
       self.assertLess(entry_arguments(hlo["bf16_mods"]), entry_arguments(hlo["bf16"]))
       # A CPU trace holds no device time: nothing to draw.
       self.assertFalse(os.path.exists(os.path.join(tmp, "profile.png")))
