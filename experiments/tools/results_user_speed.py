@@ -113,14 +113,15 @@ def time_to_plan_table(rows: Sequence[Mapping]) -> str:
 
 
 def startup_table(rows: Sequence[Mapping]) -> str:
-  lines = ["| model | arm | XLA flags | compilation cache | batches ahead | process start to "
-           "first step | set-up | first step | steps/s (median; windows) |",
-           "|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| model | card | arm | XLA flags | compilation cache | batches ahead | process start "
+           "to first step | set-up | first step | steps/s (median; windows) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     rates = r["window_steps_per_s"]
     flags = f"`{r['xla_flags']}`" if r.get("xla_flags") else "-"
     lines.append(
-        f"| {r['model']}/{r['preset']} | {r['arm']} | {flags} | {r['cache']} | {r['prefetch']} | "
+        f"| {r['model']}/{r['preset']} | {card(r['device'])} | {r['arm']} | {flags} | "
+        f"{r['cache']} | {r['prefetch']} | "
         f"{_s(r['start_to_first_step_s'])} | {_s(r['setup_s'])} | {_s(r['first_step_s'])} | "
         f"{statistics.median(rates):.2f} ({min(rates):.2f}-{max(rates):.2f}) |")
   notes = [f"- {r['model']}/{r['preset']} {r['arm']}"
@@ -176,8 +177,9 @@ def _compiled_as(row: Mapping) -> str:
 
 
 def loop_table(rows: Sequence[Mapping]) -> str:
-  lines = ["| model | arm | batch workers | bench step | loop steps/s (median; windows) | "
-           "loop / bench | LoKA over bf16+Mods: bench, loop |", "|---|---|---|---|---|---|---|"]
+  lines = ["| model | card | arm | batch workers | bench step | loop steps/s (median; windows) "
+           "| loop / bench | LoKA over bf16+Mods: bench, loop |",
+           "|---|---|---|---|---|---|---|---|"]
   for r in rows:
     rates = r["window_steps_per_s"]
     speedup = (f"{r['speedup_bench']:.3f}x, {r['speedup_loop']:.3f}x"
@@ -188,8 +190,8 @@ def loop_table(rows: Sequence[Mapping]) -> str:
     # The bench's step on the arm's own state (speed.own_states) is marked; unmarked, on
     # bf16's shared state.
     own = " (own state)" if r.get("bench_shared_state") is False else ""
-    lines.append(f"| {r['model']}/{r['preset']} | {r['arm']} | {workers} | "
-                 f"{r['bench_steps_per_s']:.2f} steps/s{own} | {r['loop_steps_per_s']:.2f} "
+    lines.append(f"| {r['model']}/{r['preset']} | {card(r['device'])} | {r['arm']} | "
+                 f"{workers} | {r['bench_steps_per_s']:.2f} steps/s{own} | {r['loop_steps_per_s']:.2f} "
                  f"({min(rates):.2f}-{max(rates):.2f}) | {r['loop_over_bench']:.3f} | "
                  f"{speedup} |")
   return "\n".join(lines)

@@ -56,9 +56,9 @@ class UserSpeedTest(absltest.TestCase):
          "loop_steps_per_s": 13.85, "loop_over_bench": 1.026, "bench_shared_state": False}])
     self.addCleanup(os.remove, path)
     text = user_speed.section([path])
-    self.assertIn("| wukong/large | LoKA | - | cold | 2 | 124 s | 7.8 s | 112 s | "
+    self.assertIn("| wukong/large | H200 | LoKA | - | cold | 2 | 124 s | 7.8 s | 112 s | "
                   "8.20 (8.10-8.30) |", text)
-    self.assertIn("| wukong/large | LoKA | `--xla_gpu_enable_triton_gemm=false` | cold | 2 | "
+    self.assertIn("| wukong/large | H200 | LoKA | `--xla_gpu_enable_triton_gemm=false` | cold | 2 | "
                   "55 s | 34 s | 18 s | 7.86 (7.86-7.86) |", text)
     self.assertIn("- wukong/large LoKA with --xla_gpu_enable_triton_gemm=false: one window", text)
     self.assertIn("| 1 | wukong/small | H200 | abc1234 | five | 296 s | 24 s | 66 s | 106 s | "
@@ -73,12 +73,12 @@ class UserSpeedTest(absltest.TestCase):
     self.assertIn("| wukong/large | H200 | - | - | 4 | one program, sites grouped, cublas | - | "
                   "300 ms | - | 150.0 ms | 8.0% | 2.0% | 1.0% | 100 steps |", text)
     # A row without batch_workers had none; one whose loop started them says when.
-    self.assertIn("| wukong/large | LoKA | 0 | 8.30 steps/s | 8.10 (8.00-8.20) | 0.976 | "
+    self.assertIn("| wukong/large | H200 | LoKA | 0 | 8.30 steps/s | 8.10 (8.00-8.20) | 0.976 | "
                   "1.330x, 1.310x |", text)
-    self.assertIn("| dlrm/large | bf16+Mods | 8 (from step 14) | 140.00 steps/s | 128.00 "
+    self.assertIn("| dlrm/large | H200 | bf16+Mods | 8 (from step 14) | 140.00 steps/s | 128.00 "
                   "(80.00-130.00) | 0.914 | - |", text)
     # A bench step timed on the arm's own state says so; one on bf16's shared state does not.
-    self.assertIn("| dhen/large | bf16+Mods | 0 | 13.50 steps/s (own state) | 13.85 "
+    self.assertIn("| dhen/large | H200 | bf16+Mods | 0 | 13.50 steps/s (own state) | 13.85 "
                   "(13.80-13.90) | 1.026 | - |", text)
     self.assertIn("NVIDIA H200, jax 0.11.2, 2026-12-04, commit abc1234, `bash call.sh`", text)
 
@@ -89,6 +89,20 @@ class UserSpeedTest(absltest.TestCase):
     for card in ("| wukong/large | H100 80GB HBM3 | ", "| wukong/large | H200 | ",
                  "| wukong/large | cpu | "):
       self.assertIn(card, table)
+
+  def test_the_startup_and_loop_tables_name_each_rows_card(self):
+    devices = ("NVIDIA H100 80GB HBM3", "NVIDIA H200")
+    startup = user_speed.startup_table([
+        {**BASE, "kind": "startup", "arm": "LoKA", "cache": "warm", "prefetch": 2,
+         "start_to_first_step_s": 15.0, "setup_s": 7.0, "first_step_s": 4.9,
+         "window_steps_per_s": [8.2], "device": device} for device in devices])
+    loop = user_speed.loop_table([
+        {**BASE, "kind": "loop_vs_bench", "arm": "LoKA", "bench_steps_per_s": 7.5,
+         "window_steps_per_s": [8.1], "loop_steps_per_s": 8.1, "loop_over_bench": 1.08,
+         "device": device} for device in devices])
+    for table in (startup, loop):
+      self.assertIn("| wukong/large | H100 80GB HBM3 | LoKA | ", table)
+      self.assertIn("| wukong/large | H200 | LoKA | ", table)
 
   def test_the_time_to_plan_table_names_each_rows_card_and_its_kernel_passes(self):
     rows = [{**BASE, "kind": "time_to_plan", "preset": "small", "candidates": "five",
