@@ -101,7 +101,10 @@ def main(argv):
     if missing:
       sys.exit(f"error: variant {v.name}: {missing} (plans under {settings.plans_root})")
     model = target.build(speed.site_config(v, plan), v.mods)
-    arm = bench.add(v.name, model)
+    try:
+      arm = bench.add(v.name, model)
+    except speed.StateMemoryError as e:
+      sys.exit(f"error: {e}")
     if v.kernels_from == PLAN:
       report = planning.load_report(settings.plans_root, target.model, target.preset)
       arm, _ = serving.serve_exported(bench, arm, model, fields["plan"], report)

@@ -72,6 +72,20 @@ def _init_abstract(model, batch):
   return jax.eval_shape(lambda b: model.init(rngs, b, train=False), batch)
 
 
+def _bytes(tree) -> int:
+  return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _first_device_memory() -> Optional[Dict[str, int]]:
+  """The first device's allocator statistics (`bytes_limit`, `bytes_in_use`); None where the
+  backend keeps none (the CPU)."""
+  return jax.devices()[0].memory_stats()
+
+
+class StateMemoryError(RuntimeError):
+  """A variant's own training state cannot fit beside what the device holds already."""
+
+
 @dataclasses.dataclass
 class Arm:
   """One variant ready to run: calls that advance/return through the shared holder."""
@@ -95,13 +109,18 @@ class TargetBench:
 
   def __init__(self, batch, optim: OptimConfig = OptimConfig(), seed: int = 0,
                min_call_s: float = MIN_CALL_S, max_inner: int = 200,
-               train_calls: int = TRAIN_CALLS, own_states: bool = False):
+               train_calls: int = TRAIN_CALLS, own_states: bool = False,
+               memory_stats: Callable[[], Optional[Dict[str, int]]] = _first_device_memory):
     if train_calls < 1:
       raise ValueError(f"train_calls must be >= 1, got {train_calls}")
     # Every variant on a state of its own model's parameters (as the training loop runs it),
     # not on bf16's shared one: a Mods arm's step then takes only its own model's parameters,
     # without the biases its Mods drop. One more training state on the device per variant.
     self.own_states = own_states
+    # Read before a state of a variant's own is made: one that cannot fit is refused at once.
+    # Left to the allocator, a GPU then retries each failing allocation for seconds while the
+    # step compiles and autotunes, and the bench sits for minutes.
+    self.memory_stats = memory_stats
     self.batch = jax.device_put(batch)  # fixed real data (never zeros)
     self.optim, self.seed = optim, seed
     self.min_call_s, self.max_inner = min_call_s, max_inner
@@ -179,6 +198,7 @@ class TargetBench:
     key, meta = "shared", None
     if self.own_states or not _fits_inside(abstract["params"], self.union_abstract):
       key = f"own:{name}"
+      self._check_room(name, abstract)
       self.holder[key] = create_train_state(model, make_optimizer(self.optim), self.batch,
                                             self.seed)
     elif any(k != "params" for k in abstract):
@@ -201,6 +221,26 @@ class TargetBench:
                                info={**arm.info,
                                      "infer_memory_bytes": timing.memory_bytes(compiled)},
                                hlo={**arm.hlo, "infer": compiled.as_text() or ""})
+
+  def _check_room(self, name: str, abstract) -> None:
+    """Raises StateMemoryError when a training state of `abstract`'s variables (parameters,
+    Adam moments, fp8 state) exceeds what JAX's allocator has left on the device: the state
+    alone cannot fit, before the step's gradients and activations come on top."""
+    stats = self.memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if not limit:
+      return
+    opt = jax.eval_shape(make_optimizer(self.optim).init, abstract["params"])
+    need, held = _bytes(abstract) + _bytes(opt), int(stats.get("bytes_in_use", 0))
+    if held + need <= limit:
+      return
+    remedy = ("time it on bf16's shared state (speed.own_states=false), " if self.own_states
+              else "")
+    raise StateMemoryError(
+        f"{name}: a training state of its own takes {need / 1e9:.1f} GB, and with the "
+        f"{held / 1e9:.1f} GB the device holds already it exceeds the {limit / 1e9:.1f} GB JAX "
+        f"may take of the card; {remedy}raise XLA_PYTHON_CLIENT_MEM_FRACTION (JAX takes 0.75 "
+        "of the card by default) or use a card with more memory")
 
   def drop(self, name: str) -> None:
     self.holder.pop(f"own:{name}", None)

@@ -58,7 +58,8 @@ def get_config() -> ml_collections.ConfigDict:
   # Every variant on a training state of its own model's parameters, as experiments.train
   # runs it (False: all thread bf16's state, so the largest presets fit one GPU, and a Mods
   # arm's step also takes the biases it drops). One more state on the device per variant,
-  # which the largest presets may not fit. Every row but bf16's then reads
+  # which the largest presets may not fit (Wukong `large` on an H100: a variant that cannot
+  # is refused before its state is made, its row an error). Every row but bf16's then reads
   # `shared_state: false`. A workdir's finished rows are kept whichever way they were timed:
   # switch it in a fresh workdir.
   speed.own_states = False

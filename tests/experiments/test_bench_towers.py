@@ -111,6 +111,42 @@ class OwnStatesTest(chex.TestCase):
     timed = own.time_pair(own_arm, repeats=2)
     self.assertGreater(timed["train"]["median_us"], 0.0)
 
+  def test_an_own_state_that_cannot_fit_the_device_is_refused_before_it_is_made(self):
+    # The device's allocator statistics are given (the CPU keeps none): the bench holds
+    # `held` bytes and may take `held + room`. The room a state needs is that of a real
+    # one, made by a bench with room to spare: it holds the parameters and Adam's two moments,
+    # so an estimate without the moments asks a third of it and would pass at half.
+    shape = towers.TowerShape(32, 16, 2)
+    batch = towers.TowerSource(16).train_batch(0, 32)
+    bf16 = towers.build_tower(shape, SiteConfig.for_precision("bf16"))
+    mods_model = towers.build_tower(shape, SiteConfig.for_precision("bf16"), ("all",))
+    held = 7_000_000
+    made = suite.speed.TargetBench(batch, min_call_s=0.0, own_states=True)
+    made.set_baseline(bf16)
+    made.add("bf16_mods", mods_model)
+    real = sum(x.nbytes for x in jax.tree.leaves(made.holder["own:bf16_mods"]))
+
+    def bench_with_room(room):
+      stats = {"bytes_limit": held + room, "bytes_in_use": held}
+      bench = suite.speed.TargetBench(batch, min_call_s=0.0, own_states=True,
+                                      memory_stats=lambda: stats)
+      bench.set_baseline(bf16)
+      return bench
+
+    fits = bench_with_room(real)
+    self.assertFalse(fits.add("bf16_mods", mods_model).info["shared_state"])
+    short = bench_with_room(real // 2)
+    with self.assertRaisesRegex(suite.speed.StateMemoryError,
+                                r"^bf16_mods: a training state of its own takes .*"
+                                r"speed\.own_states=false.*XLA_PYTHON_CLIENT_MEM_FRACTION"):
+      short.add("bf16_mods", mods_model)
+    self.assertNotIn("own:bf16_mods", short.holder)
+    # The shared state needs no room of its own: the same arm on it is built.
+    shared = suite.speed.TargetBench(batch, min_call_s=0.0,
+                                     memory_stats=lambda: {"bytes_limit": 1, "bytes_in_use": 1})
+    shared.set_baseline(bf16)
+    self.assertTrue(shared.add("bf16_mods", mods_model).info["shared_state"])
+
   def test_the_bench_config_field_reaches_the_speed_settings(self):
     config = bench_models_config.get_config()
     self.assertFalse(settings.speed_settings(config, tempfile.mkdtemp()).own_states)

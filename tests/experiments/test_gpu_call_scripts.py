@@ -294,6 +294,45 @@ exec {shutil.which("python3")} "$@"
     self.assertEqual(done.returncode, 2)
     self.assertIn("error: OWN_STATES=true: use 1 (each arm on its own state) or 0", done.stdout)
 
+  def test_an_arm_whose_bench_row_is_an_error_gets_no_loop(self):
+    # The stand-in bench times bf16 and bf16+Mods and records LoKA's row as an error (as the
+    # bench does for an own state that cannot fit the card): only bf16+Mods' loop runs.
+    work = _scratch(self, "loka_loopcall_")
+    shims, calls = os.path.join(work, "bin"), os.path.join(work, "calls.txt")
+    os.makedirs(shims)
+    rows = "\n".join(json.dumps(r) for r in (
+        {"variant": "bf16", "train": {"median_us": 1e5}},
+        {"variant": "bf16_mods", "train": {"median_us": 9e4}},
+        {"variant": "loka", "error": "StateMemoryError: loka: a training state of its own"}))
+    with open(os.path.join(work, "rows.jsonl"), "w") as f:
+      f.write(rows + "\n")
+    shim = os.path.join(shims, "python3")
+    with open(shim, "w") as f:
+      f.write(f"""#!/bin/bash
+case "$1 $2" in
+  "-m experiments.bench")
+    for a in "$@"; do case $a in --workdir=*) w=${{a#--workdir=}} ;; esac; done
+    mkdir -p "$w" && cp {work}/rows.jsonl "$w/bench.jsonl"; exit 0 ;;
+  "-m experiments.train"|"-m experiments.report")
+    echo "$2 $*" >> {calls}; exit 0 ;;
+esac
+exec {shutil.which("python3")} "$@"
+""")
+    os.chmod(shim, 0o755)
+    done = subprocess.run(
+        ["bash", "experiments/gpu_loop_bench_call.sh"], cwd=REPO, capture_output=True,
+        text=True, timeout=120,
+        env={**os.environ, "PATH": f"{shims}:{os.environ['PATH']}", "WORK": work,
+             "OUT": os.path.join(work, "out"), "MODELS": "wukong", "OWN_STATES": "1",
+             "ARM_LIMIT": "5"})
+    self.assertEqual(done.returncode, 0, done.stderr[-2000:])
+    self.assertIn("wukong loop loka: left out, the bench timed no step of it (its error: "
+                  "wukong_bench.log)", done.stdout)
+    with open(calls) as f:
+      trains = [line.split() for line in f if line.startswith("experiments.train")]
+    self.assertLen(trains, 1)
+    self.assertIn("--config.run.precision=bf16", trains[0])
+
 
 class MainJobCallTest(absltest.TestCase):
 
