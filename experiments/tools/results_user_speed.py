@@ -191,7 +191,8 @@ def loop_table(rows: Sequence[Mapping]) -> str:
     # bf16's shared state.
     own = " (own state)" if r.get("bench_shared_state") is False else ""
     lines.append(f"| {r['model']}/{r['preset']} | {card(r['device'])} | {r['arm']} | "
-                 f"{workers} | {r['bench_steps_per_s']:.2f} steps/s{own} | {r['loop_steps_per_s']:.2f} "
+                 f"{workers} | {r['bench_steps_per_s']:.2f} steps/s{own} | "
+                 f"{r['loop_steps_per_s']:.2f} "
                  f"({min(rates):.2f}-{max(rates):.2f}) | {r['loop_over_bench']:.3f} | "
                  f"{speedup} |")
   return "\n".join(lines)

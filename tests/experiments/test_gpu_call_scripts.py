@@ -241,95 +241,79 @@ class MovieLensCallTest(absltest.TestCase):
 
 
 class LoopBenchCallTest(absltest.TestCase):
+  """`python3 -m experiments.bench`, `-m experiments.train` and `-m experiments.report` are
+  stand-ins here (`bench_does`: what the bench's stand-in runs, in bash, with its arguments as
+  "$@"); the train and report stand-ins record their calls, as does the bench's unless told
+  otherwise; every other python3 call is the real interpreter's."""
+
+  def setUp(self):
+    super().setUp()
+    self.work = _scratch(self, "loka_loopcall_")
+    self.calls = os.path.join(self.work, "calls.txt")
+
+  def run_call(self, env, bench_does=None):
+    shims = os.path.join(self.work, "bin")
+    os.makedirs(shims, exist_ok=True)
+    with open(os.path.join(shims, "python3"), "w") as f:
+      f.write(f"""#!/bin/bash
+case "$1 $2" in
+  "-m experiments.bench")
+    {bench_does or f'echo "$2 $*" >> {self.calls}'}; exit 0 ;;
+  "-m experiments.train"|"-m experiments.report")
+    echo "$2 $*" >> {self.calls}; exit 0 ;;
+esac
+exec {shutil.which("python3")} "$@"
+""")
+    os.chmod(os.path.join(shims, "python3"), 0o755)
+    return subprocess.run(
+        ["bash", "experiments/gpu_loop_bench_call.sh"], cwd=REPO, capture_output=True,
+        text=True, timeout=120,
+        env={**os.environ, "PATH": f"{shims}:{os.environ['PATH']}", "WORK": self.work,
+             "OUT": os.path.join(self.work, "out"), **env})
+
+  def calls_made(self):
+    with open(self.calls) as f:
+      return [line.split() for line in f]
 
   def test_models_by_commas_and_a_bench_that_timed_nothing_leaves_the_loop_out(self):
     # A bench stopped by its pacing before it timed a step writes no bench.jsonl; the loop
     # arms beside it would compare with nothing, so the call names MAXMIN and goes on to the
-    # next model. `python3 -m experiments.bench` and `-m experiments.train` are stand-ins
-    # here that record their calls; every other python3 call is the real interpreter's.
-    work = _scratch(self, "loka_loopcall_")
-    shims, calls = os.path.join(work, "bin"), os.path.join(work, "calls.txt")
-    os.makedirs(shims)
-    shim = os.path.join(shims, "python3")
-    with open(shim, "w") as f:
-      f.write(f"""#!/bin/bash
-case "$1 $2" in
-  "-m experiments.bench"|"-m experiments.train"|"-m experiments.report")
-    echo "$2 $*" >> {calls}; exit 0 ;;
-esac
-exec {shutil.which("python3")} "$@"
-""")
-    os.chmod(shim, 0o755)
-    done = subprocess.run(
-        ["bash", "experiments/gpu_loop_bench_call.sh"], cwd=REPO, capture_output=True,
-        text=True, timeout=120,
-        env={**os.environ, "PATH": f"{shims}:{os.environ['PATH']}", "WORK": work,
-             "OUT": os.path.join(work, "out"), "MODELS": "dhen,interformer", "MAXMIN": "1.5"})
+    # next model.
+    done = self.run_call({"MODELS": "dhen,interformer", "MAXMIN": "1.5"})
     self.assertEqual(done.returncode, 0, done.stderr[-2000:])
     for model in ("dhen", "interformer"):
       self.assertIn(f"{model}: the bench timed no step within MAXMIN=1.5 minutes (its log: "
                     f"{model}_bench.log): loop arms left out; raise MAXMIN", done.stdout)
-    with open(calls) as f:
-      lines = f.readlines()
-    self.assertEqual([line.split()[0] for line in lines],
-                     ["experiments.bench", "experiments.bench"])
+    calls = self.calls_made()
+    self.assertEqual([call[0] for call in calls], ["experiments.bench", "experiments.bench"])
     # By default the bench times each arm on bf16's shared state; OWN_STATES=1 asks for a
     # state of the arm's own.
-    self.assertIn("--config.speed.own_states=false", lines[0].split())
-    done = subprocess.run(
-        ["bash", "experiments/gpu_loop_bench_call.sh"], cwd=REPO, capture_output=True,
-        text=True, timeout=120,
-        env={**os.environ, "PATH": f"{shims}:{os.environ['PATH']}", "WORK": work,
-             "OUT": os.path.join(work, "out"), "MODELS": "dhen", "MAXMIN": "1.5",
-             "OWN_STATES": "1"})
+    self.assertIn("--config.speed.own_states=false", calls[0])
+    done = self.run_call({"MODELS": "dhen", "MAXMIN": "1.5", "OWN_STATES": "1"})
     self.assertEqual(done.returncode, 0, done.stderr[-2000:])
-    with open(calls) as f:
-      self.assertIn("--config.speed.own_states=true", f.readlines()[-1].split())
+    self.assertIn("--config.speed.own_states=true", self.calls_made()[-1])
     # Any other value is refused before anything runs.
-    done = subprocess.run(
-        ["bash", "experiments/gpu_loop_bench_call.sh"], cwd=REPO, capture_output=True,
-        text=True, timeout=120,
-        env={**os.environ, "PATH": f"{shims}:{os.environ['PATH']}", "WORK": work,
-             "OUT": os.path.join(work, "out"), "MODELS": "dhen", "OWN_STATES": "true"})
+    done = self.run_call({"MODELS": "dhen", "OWN_STATES": "true"})
     self.assertEqual(done.returncode, 2)
     self.assertIn("error: OWN_STATES=true: use 1 (each arm on its own state) or 0", done.stdout)
 
   def test_an_arm_whose_bench_row_is_an_error_gets_no_loop(self):
     # The stand-in bench times bf16 and bf16+Mods and records LoKA's row as an error (as the
     # bench does for an own state that cannot fit the card): only bf16+Mods' loop runs.
-    work = _scratch(self, "loka_loopcall_")
-    shims, calls = os.path.join(work, "bin"), os.path.join(work, "calls.txt")
-    os.makedirs(shims)
-    rows = "\n".join(json.dumps(r) for r in (
-        {"variant": "bf16", "train": {"median_us": 1e5}},
-        {"variant": "bf16_mods", "train": {"median_us": 9e4}},
-        {"variant": "loka", "error": "StateMemoryError: loka: a training state of its own"}))
-    with open(os.path.join(work, "rows.jsonl"), "w") as f:
-      f.write(rows + "\n")
-    shim = os.path.join(shims, "python3")
-    with open(shim, "w") as f:
-      f.write(f"""#!/bin/bash
-case "$1 $2" in
-  "-m experiments.bench")
-    for a in "$@"; do case $a in --workdir=*) w=${{a#--workdir=}} ;; esac; done
-    mkdir -p "$w" && cp {work}/rows.jsonl "$w/bench.jsonl"; exit 0 ;;
-  "-m experiments.train"|"-m experiments.report")
-    echo "$2 $*" >> {calls}; exit 0 ;;
-esac
-exec {shutil.which("python3")} "$@"
-""")
-    os.chmod(shim, 0o755)
-    done = subprocess.run(
-        ["bash", "experiments/gpu_loop_bench_call.sh"], cwd=REPO, capture_output=True,
-        text=True, timeout=120,
-        env={**os.environ, "PATH": f"{shims}:{os.environ['PATH']}", "WORK": work,
-             "OUT": os.path.join(work, "out"), "MODELS": "wukong", "OWN_STATES": "1",
-             "ARM_LIMIT": "5"})
+    rows = os.path.join(self.work, "rows.jsonl")
+    with open(rows, "w") as f:
+      for row in ({"variant": "bf16", "train": {"median_us": 1e5}},
+                  {"variant": "bf16_mods", "train": {"median_us": 9e4}},
+                  {"variant": "loka", "error": "StateMemoryError: loka: a training state"}):
+        f.write(json.dumps(row) + "\n")
+    write_rows = ('for a in "$@"; do case $a in --workdir=*) w=${a#--workdir=} ;; esac; done; '
+                  f'mkdir -p "$w" && cp {rows} "$w/bench.jsonl"')
+    done = self.run_call({"MODELS": "wukong", "OWN_STATES": "1", "ARM_LIMIT": "5"},
+                         bench_does=write_rows)
     self.assertEqual(done.returncode, 0, done.stderr[-2000:])
     self.assertIn("wukong loop loka: left out, the bench timed no step of it (its error: "
                   "wukong_bench.log)", done.stdout)
-    with open(calls) as f:
-      trains = [line.split() for line in f if line.startswith("experiments.train")]
+    trains = [call for call in self.calls_made() if call[0] == "experiments.train"]
     self.assertLen(trains, 1)
     self.assertIn("--config.run.precision=bf16", trains[0])
 

@@ -58,8 +58,8 @@ class UserSpeedTest(absltest.TestCase):
     text = user_speed.section([path])
     self.assertIn("| wukong/large | H200 | LoKA | - | cold | 2 | 124 s | 7.8 s | 112 s | "
                   "8.20 (8.10-8.30) |", text)
-    self.assertIn("| wukong/large | H200 | LoKA | `--xla_gpu_enable_triton_gemm=false` | cold | 2 | "
-                  "55 s | 34 s | 18 s | 7.86 (7.86-7.86) |", text)
+    self.assertIn("| wukong/large | H200 | LoKA | `--xla_gpu_enable_triton_gemm=false` | cold | "
+                  "2 | 55 s | 34 s | 18 s | 7.86 (7.86-7.86) |", text)
     self.assertIn("- wukong/large LoKA with --xla_gpu_enable_triton_gemm=false: one window", text)
     self.assertIn("| 1 | wukong/small | H200 | abc1234 | five | 296 s | 24 s | 66 s | 106 s | "
                   "2.7 s | 94 s | 3 |", text)
