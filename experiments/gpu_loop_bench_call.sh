@@ -20,8 +20,8 @@
 # state of its own model's parameters, as the loop runs it, `speed.own_states`; default 0:
 # on bf16's shared state; Wukong `large` needs an H200 for it: two of its states exceed what
 # JAX takes of an H100, and the bench refuses the second), COMMIT (recorded in the rows), WORK
-# (/tmp/loop_bench), OUT (set on the device; elsewhere $WORK/out). An arm whose bench row is an
-# error gets no loop.
+# (/tmp/loop_bench), OUT (set on the device; elsewhere $WORK/out). An arm the bench did not
+# time (its row an error, or no row) gets no loop.
 set -u
 source experiments/gpu_common.sh
 ensure_wheels || exit 1
@@ -83,16 +83,15 @@ for MODEL in ${MODELS//,/ }; do
       "${MODEL}_bench.log): loop arms left out; raise MAXMIN"
     continue
   fi
-  # Only the arms the bench timed get a loop: one whose row holds an error (e.g. an own state
-  # that cannot fit the card) has nothing to compare with.
-  timed=$(python3 -c 'import json, sys
-rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
-print(",".join(r["variant"] for r in rows if "train" in r and "error" not in r))' \
-    "$WORK/$MODEL/bench/bench.jsonl")
+  # Only the arms the bench timed get a loop: one it did not time (its row an error, e.g. an
+  # own state that cannot fit the card, or no row) has nothing to compare with.
+  timed=$(python3 -c 'import sys
+from experiments.tools import loop_rows
+print(",".join(loop_rows.timed_arms(sys.argv[1])))' "$WORK/$MODEL/bench/bench.jsonl")
   for arm in ${variants//,/ }; do
     case ",$timed," in
       *",$arm,"*) ;;
-      *) echo "$MODEL loop $arm: left out, the bench timed no step of it (its error:" \
+      *) echo "$MODEL loop $arm: left out, the bench timed no step of it (see" \
            "${MODEL}_bench.log)"; continue ;;
     esac
     args=(--config.run.precision=bf16)

@@ -34,7 +34,7 @@ from loka_jax import timing
 from loka_jax.models.site import SiteConfig
 from loka_jax.train import loop
 from loka_jax.train.optim import OptimConfig, make_optimizer
-from loka_jax.train.state import create_train_state
+from loka_jax.train.state import create_train_state, state_bytes
 
 _GEMM_PATTERNS = (
     ("cublaslt_fp8", r"__cublas\$lt\$matmul\$f8"),
@@ -70,10 +70,6 @@ def _fits_inside(params_abstract, union_abstract) -> bool:
 def _init_abstract(model, batch):
   rngs = {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}
   return jax.eval_shape(lambda b: model.init(rngs, b, train=False), batch)
-
-
-def _bytes(tree) -> int:
-  return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
 def _first_device_memory() -> Optional[Dict[str, int]]:
@@ -198,7 +194,7 @@ class TargetBench:
     key, meta = "shared", None
     if self.own_states or not _fits_inside(abstract["params"], self.union_abstract):
       key = f"own:{name}"
-      self._check_room(name, abstract)
+      self._check_room(name, model)
       self.holder[key] = create_train_state(model, make_optimizer(self.optim), self.batch,
                                             self.seed)
     elif any(k != "params" for k in abstract):
@@ -222,16 +218,17 @@ class TargetBench:
                                      "infer_memory_bytes": timing.memory_bytes(compiled)},
                                hlo={**arm.hlo, "infer": compiled.as_text() or ""})
 
-  def _check_room(self, name: str, abstract) -> None:
-    """Raises StateMemoryError when a training state of `abstract`'s variables (parameters,
-    Adam moments, fp8 state) exceeds what JAX's allocator has left on the device: the state
-    alone cannot fit, before the step's gradients and activations come on top."""
+  def _check_room(self, name: str, model) -> None:
+    """Raises StateMemoryError when a training state of `model` (parameters, optimizer
+    moments, fp8 state; sized from shapes, nothing allocated) exceeds what JAX's allocator
+    has left on the device: the state alone cannot fit, before the step's gradients and
+    activations come on top."""
     stats = self.memory_stats() or {}
     limit = stats.get("bytes_limit")
     if not limit:
       return
-    opt = jax.eval_shape(make_optimizer(self.optim).init, abstract["params"])
-    need, held = _bytes(abstract) + _bytes(opt), int(stats.get("bytes_in_use", 0))
+    need = state_bytes(model, make_optimizer(self.optim), self.batch, self.seed)
+    held = int(stats.get("bytes_in_use", 0))
     if held + need <= limit:
       return
     remedy = ("time it on bf16's shared state (speed.own_states=false), " if self.own_states

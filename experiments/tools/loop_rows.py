@@ -19,6 +19,11 @@ def _bench_rows(path: str):
   return rows
 
 
+def timed_arms(bench_path: str):
+  """The arms of `bench_path` whose training step the bench timed (a row holding `train`)."""
+  return list(_bench_rows(bench_path))
+
+
 def _windows(run_dir: str):
   """The loop's steps/s per metrics window after the first (the first holds compiles)."""
   path = os.path.join(run_dir, "metrics.jsonl")

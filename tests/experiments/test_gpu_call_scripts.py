@@ -311,7 +311,7 @@ exec {shutil.which("python3")} "$@"
     done = self.run_call({"MODELS": "wukong", "OWN_STATES": "1", "ARM_LIMIT": "5"},
                          bench_does=write_rows)
     self.assertEqual(done.returncode, 0, done.stderr[-2000:])
-    self.assertIn("wukong loop loka: left out, the bench timed no step of it (its error: "
+    self.assertIn("wukong loop loka: left out, the bench timed no step of it (see "
                   "wukong_bench.log)", done.stdout)
     trains = [call for call in self.calls_made() if call[0] == "experiments.train"]
     self.assertLen(trains, 1)
