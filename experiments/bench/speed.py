@@ -32,6 +32,7 @@ from jax import lax
 
 from loka_jax import timing
 from loka_jax.models.site import SiteConfig
+from loka_jax.probe import memory
 from loka_jax.train import loop
 from loka_jax.train.optim import OptimConfig, make_optimizer
 from loka_jax.train.state import create_train_state, state_bytes
@@ -236,8 +237,8 @@ class TargetBench:
     raise StateMemoryError(
         f"{name}: a training state of its own takes {need / 1e9:.1f} GB, and with the "
         f"{held / 1e9:.1f} GB the device holds already it exceeds the {limit / 1e9:.1f} GB JAX "
-        f"may take of the card; {remedy}raise XLA_PYTHON_CLIENT_MEM_FRACTION (JAX takes 0.75 "
-        "of the card by default) or use a card with more memory")
+        f"may take of the card; {remedy}{memory.MORE_OF_THE_CARD} or use a card with more "
+        "memory")
 
   def drop(self, name: str) -> None:
     self.holder.pop(f"own:{name}", None)

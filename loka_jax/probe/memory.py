@@ -19,8 +19,10 @@ from loka_jax.probe.options import ProbeSetupError
 
 # Above this share of the allocator's limit the standing memory leaves little for the step.
 WARN_SHARE = 0.8
-REMEDY = ("raise XLA_PYTHON_CLIENT_MEM_FRACTION (JAX takes 0.75 of the card by default) or "
-          "shrink the statistics (ProbeConfig.reservoir_elements, max_full_width)")
+# What lets JAX's allocator take more of the card, for any state that does not fit it.
+MORE_OF_THE_CARD = "raise XLA_PYTHON_CLIENT_MEM_FRACTION (JAX takes 0.75 of the card by default)"
+REMEDY = (f"{MORE_OF_THE_CARD} or shrink the statistics (ProbeConfig.reservoir_elements, "
+          "max_full_width)")
 
 
 def device_limit() -> Optional[Tuple[str, int]]:

@@ -11,6 +11,8 @@ from absl.testing import absltest
 from experiments.bench import settings, suite, towers
 from experiments.configs import bench_models as bench_models_config
 from loka_jax.models.site import SiteConfig
+from loka_jax.train.optim import OptimConfig, make_optimizer
+from loka_jax.train.state import create_train_state
 from model_helpers import entry_arguments
 
 
@@ -114,17 +116,15 @@ class OwnStatesTest(chex.TestCase):
   def test_an_own_state_that_cannot_fit_the_device_is_refused_before_it_is_made(self):
     # The device's allocator statistics are given (the CPU keeps none): the bench holds
     # `held` bytes and may take `held + room`. The room a state needs is that of a real
-    # one, made by a bench with room to spare: it holds the parameters and Adam's two moments,
+    # one, made as the bench makes it: it holds the parameters and Adam's two moments,
     # so an estimate without the moments asks a third of it and would pass at half.
     shape = towers.TowerShape(32, 16, 2)
     batch = towers.TowerSource(16).train_batch(0, 32)
     bf16 = towers.build_tower(shape, SiteConfig.for_precision("bf16"))
     mods_model = towers.build_tower(shape, SiteConfig.for_precision("bf16"), ("all",))
     held = 7_000_000
-    made = suite.speed.TargetBench(batch, min_call_s=0.0, own_states=True)
-    made.set_baseline(bf16)
-    made.add("bf16_mods", mods_model)
-    real = sum(x.nbytes for x in jax.tree.leaves(made.holder["own:bf16_mods"]))
+    made = create_train_state(mods_model, make_optimizer(OptimConfig()), batch, 0)
+    real = sum(x.nbytes for x in jax.tree.leaves(made))
 
     def bench_with_room(room):
       stats = {"bytes_limit": held + room, "bytes_in_use": held}
