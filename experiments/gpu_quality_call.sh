@@ -99,4 +99,5 @@ for model in "${models[@]}"; do
 done
 cp "$WORK/quality.jsonl" "$OUT/quality.jsonl" 2>/dev/null
 grep -v -e '^W[0-9]' -e '^I[0-9]' "$OUT/log.txt" | grep -e '^===' -e '^---' -e 'rc=' \
-  -e 'held-out log loss [0-9n]' -e 'deadline' -e 'all selected' -e 'left for' | tail -40
+  -e 'held-out log loss [0-9n]' -e 'deadline' -e 'all selected' -e 'left for' -e '^error:' \
+  | tail -40

@@ -36,6 +36,20 @@ def cpu_env(**extra):
               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]), **extra)
 
 
+def load_config(name, *overrides):
+  """The config of experiments/configs/<name>.py with `overrides` applied by the flag parser,
+  as the entry point would parse its command line, in this process."""
+  from absl import flags
+  from ml_collections import config_flags
+  argv = ["prog", *overrides]
+  values = flags.FlagValues()
+  holder = config_flags.DEFINE_config_file(
+      "config", os.path.join(REPO, "experiments", "configs", f"{name}.py"), flag_values=values,
+      sys_argv=argv)
+  values(argv)
+  return holder.value
+
+
 def run_module(module: str, *args, timeout: float = 300, kill_when=None):
   """`python -m module args` from the repository root under `cpu_env`, output captured (a
   `subprocess.CompletedProcess`; `subprocess.TimeoutExpired` past `timeout`).

@@ -45,6 +45,11 @@ def main(argv):
   except ValueError as e:
     sys.exit(f"error: {e}")
   call_lib.setup(bench_call, WORKDIR.value)
+  from loka_jax.models.presets import ModsError
+  try:
+    call_lib.check_mods_set(bench_call)
+  except ModsError as e:
+    sys.exit(f"error: {e}")
   call_lib.run(bench_call, WORKDIR.value)
 
 

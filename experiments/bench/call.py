@@ -47,6 +47,37 @@ def _deadlines(call: settings_lib.Call, start: float, log: Callable[[str], None]
   return deadline, end_by
 
 
+def selected_quality_runs(call: settings_lib.Call):
+  """The call's (model, quality settings) that `targets.only` selects (all without it)."""
+  return [(model, qs) for model, qs in call.quality_runs
+          if not call.only or any(n in call.only for n in (f"{model}/{qs.preset}", model,
+                                                             qs.preset, qs.data))]
+
+
+def check_mods_set(call: settings_lib.Call) -> None:
+  """ModsError, naming the `targets.mods` field and the model, when a keep_bias pattern of
+  the call's Mods set keeps no bias at a model the call runs: every row of that set would
+  fail alike, and each failure would be recorded as a finished row, so the call stops before
+  its first. Each model is traced abstractly (`presets.check_keep_bias`): nothing compiles."""
+  from experiments.bench import suite
+  from loka_jax.models.presets import ModsError, parse_mods
+  from loka_jax.train import experiment
+  if not parse_mods(call.speed.mods)[1]:
+    return
+  subjects = [(t.model, t.preset, "synthetic", None)
+              for t in suite.selected(call.speed_targets, call.only) if t.model != suite.TOWER]
+  subjects += [(model, qs.preset, qs.data, qs.data_cache)
+               for model, qs in selected_quality_runs(call)]
+  for model, preset, data, data_cache in dict.fromkeys(subjects):
+    try:
+      experiment.build_run(experiment.RunSpec(model=model, preset=preset, data=data,
+                                              data_cache=data_cache, mods=call.speed.mods,
+                                              num_eval=2))
+    except ModsError as e:
+      raise ModsError(f"--config.targets.mods={','.join(call.speed.mods)} at "
+                      f"{model}/{preset}: {e}") from None
+
+
 def run(call: settings_lib.Call, workdir: str, log: Callable[[str], None] = log) -> bool:
   """Runs the call's rows, then writes the report; True when every selected row is done."""
   import jax
@@ -78,10 +109,7 @@ def run(call: settings_lib.Call, workdir: str, log: Callable[[str], None] = log)
                                  deadline=deadline, device=device, log=log, end_by=end_by)
 
   quality_root = os.path.join(workdir, quality.RUNS_FOLDER)
-  for model, qs in call.quality_runs:
-    if call.only and not any(n in call.only for n in (f"{model}/{qs.preset}", model,
-                                                       qs.preset, qs.data)):
-      continue
+  for model, qs in selected_quality_runs(call):
     if time.time() > stop_at:
       finished = False
       break

@@ -9,10 +9,12 @@ from unittest import mock
 import numpy as np
 from absl.testing import absltest
 
-from cli_helpers import run_module
+from cli_helpers import load_config, run_module
 from bench_rows import speed, tempdir
-from experiments.bench import collect, mods_set, quality, suite, tables, targets, variants
+from experiments.bench import (call as call_lib, collect, mods_set, quality, settings, suite,
+                               tables, targets, variants)
 from experiments.bench.results import ResultsFile
+from loka_jax.models.presets import ModsError
 from loka_jax.train.loop import TIME_SPLIT_FIELDS
 
 NB_BN = ("no_bias", "blocknorm")
@@ -214,6 +216,44 @@ class QualityRunTest(absltest.TestCase):
     self.assertLen(missing, 2)
     self.assertIn(os.path.join(out, "plans", f"mods_{LABEL}", "dlrm_tiny", "plan.json"),
                   missing[1])
+
+
+class KeepBiasCheckTest(absltest.TestCase):
+  """A keep_bias pattern that keeps no bias at a model the call runs stops the call before its
+  first row; one that keeps a bias passes. DLRM `tiny`'s prediction layer, top_mlp/dense_2,
+  keeps its bias under No Bias anyway; top_mlp/dense_0's bias is one No Bias drops."""
+
+  SUITES = (("bench_quality", "--config.quality.data=synthetic", "--config.quality.preset=tiny"),
+            ("bench_models", "--config.targets.presets=tiny"))
+
+  def call(self, config, pattern, *fields):
+    return settings.from_config(load_config(config, "--config.targets.models=dlrm",
+                                            f"--config.targets.mods=all,keep_bias:{pattern}",
+                                            *fields), "/w")
+
+  def test_the_speed_and_quality_suites_check_every_model_they_run(self):
+    for config, *fields in self.SUITES:
+      with self.subTest(config):
+        with self.assertRaisesRegex(
+            ModsError, r"^--config.targets.mods=no_bias,blocknorm,hard_swish,"
+            r"keep_bias:top_mlp/dense_2 at dlrm/tiny: keep_bias pattern\(s\) "
+            r"\['top_mlp/dense_2'\] keep no bias: .*with a bias anyway: top_mlp/dense_2"):
+          call_lib.check_mods_set(self.call(config, "top_mlp/dense_2", *fields))
+        call_lib.check_mods_set(self.call(config, "top_mlp/dense_0", *fields))
+
+  def test_the_bench_exits_with_one_line_and_writes_no_row(self):
+    out = tempdir(self)
+    done = run_module("experiments.bench", "--config=experiments/configs/bench_quality.py",
+                      "--config.quality.data=synthetic", "--config.quality.preset=tiny",
+                      "--config.targets.models=dlrm", "--config.quality.steps=2",
+                      "--config.quality.arms=bf16_mods", "--config.probe.enabled=false",
+                      "--config.targets.mods=all,keep_bias:top_mlp/dense_2", f"--workdir={out}",
+                      timeout=240)
+    self.assertEqual(done.returncode, 1, done.stderr[-2000:])
+    last = done.stderr.strip().splitlines()[-1]
+    self.assertRegex(last, r"^error: --config.targets.mods=.* at dlrm/tiny: keep_bias pattern")
+    self.assertNotIn("Traceback", done.stderr)
+    self.assertFalse(os.path.exists(os.path.join(out, "quality.jsonl")))
 
 
 class CliTest(absltest.TestCase):

@@ -7,12 +7,10 @@ import os
 import tempfile
 from unittest import mock
 
-from absl import flags
 from absl.testing import absltest, parameterized
-from ml_collections import config_flags
 
 import report_builders as hm
-from cli_helpers import run_module
+from cli_helpers import load_config as load, run_module
 from experiments import run_config
 from loka_jax import dispatch
 from loka_jax.probe.report import save_report
@@ -34,17 +32,6 @@ BENCH_MAINS = (("bench_kernels", False), ("bench_parallel", True))
 # The suite's compilation cache (tests/conftest.py) for the bench mains, whose own defaults
 # (~/.cache/loka_jax, /tmp/jc) would outlive the run.
 SUITE_CACHE = f"--config.limits.compile_cache={os.environ['JAX_COMPILATION_CACHE_DIR']}"
-
-
-def load(name, *overrides):
-  """The config of experiments/configs/<name>.py with `overrides` applied by the flag parser."""
-  argv = ["prog", *overrides]
-  values = flags.FlagValues()
-  holder = config_flags.DEFINE_config_file(
-      "config", os.path.join(run_config.CONFIGS, f"{name}.py"), flag_values=values,
-      sys_argv=argv)
-  values(argv)
-  return holder.value
 
 
 class EntryPointTest(parameterized.TestCase):
