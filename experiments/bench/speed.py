@@ -73,12 +73,6 @@ def _init_abstract(model, batch):
   return jax.eval_shape(lambda b: model.init(rngs, b, train=False), batch)
 
 
-def _first_device_memory() -> Optional[Dict[str, int]]:
-  """The first device's allocator statistics (`bytes_limit`, `bytes_in_use`); None where the
-  backend keeps none (the CPU)."""
-  return jax.devices()[0].memory_stats()
-
-
 class StateMemoryError(RuntimeError):
   """A variant's own training state cannot fit beside what the device holds already."""
 
@@ -107,7 +101,7 @@ class TargetBench:
   def __init__(self, batch, optim: OptimConfig = OptimConfig(), seed: int = 0,
                min_call_s: float = MIN_CALL_S, max_inner: int = 200,
                train_calls: int = TRAIN_CALLS, own_states: bool = False,
-               memory_stats: Callable[[], Optional[Dict[str, int]]] = _first_device_memory):
+               memory_stats: Callable[[], Optional[Dict[str, int]]] = memory.device_memory):
     if train_calls < 1:
       raise ValueError(f"train_calls must be >= 1, got {train_calls}")
     # Every variant on a state of its own model's parameters (as the training loop runs it),

@@ -11,7 +11,7 @@ an H100, whose allocator takes about 63 GB, measuring its statistics pass ran ou
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import jax
 
@@ -25,13 +25,17 @@ REMEDY = (f"{MORE_OF_THE_CARD} or shrink the statistics (ProbeConfig.reservoir_e
           "max_full_width)")
 
 
+def device_memory() -> Optional[Dict[str, int]]:
+  """The first device's allocator statistics (`bytes_limit`, `bytes_in_use`, ...); None where
+  the backend keeps none (the CPU)."""
+  return jax.devices()[0].memory_stats()
+
+
 def device_limit() -> Optional[Tuple[str, int]]:
   """(device kind, bytes JAX's allocator may take) of the first device; None where the
   backend does not say (the CPU)."""
-  device = jax.devices()[0]
-  stats = device.memory_stats() or {}
-  limit = stats.get("bytes_limit")
-  return (device.device_kind, int(limit)) if limit else None
+  limit = (device_memory() or {}).get("bytes_limit")
+  return (jax.devices()[0].device_kind, int(limit)) if limit else None
 
 
 def standing_memory_note(state_bytes: int, statistics_bytes: int,
