@@ -123,11 +123,12 @@ def _seed_seconds(mine: Mapping, theirs: Mapping, seeds) -> Optional[float]:
 
 
 def judge(rows: Sequence[Mapping], comparison, arm: str, reference: str) -> Optional[Dict]:
-  """The paired verdict of `arm` against `reference` in `comparison` (None when either has
-  no scored row): `verdict_lib.paired_quality` plus `unpaired` ({seed: why}), `twin_seeds`
+  """The paired verdict of `arm` against `reference` in `comparison` (None when no seed has
+  a scored row of both: nothing pairs, e.g. a Mods set whose bf16+Mods ran at other seeds than
+  the FP8 peers): `verdict_lib.paired_quality` plus `unpaired` ({seed: why}), `twin_seeds`
   (seeds whose LoKA row is bf16+Mods' run) and `fp8` (`fp8_plan`)."""
   mine, theirs = (rows_by_seed(rows, comparison, a) for a in (arm, reference))
-  if not mine or not theirs:
+  if not set(mine) & set(theirs):
     return None
   unpaired = {s: why for s in sorted(set(mine) & set(theirs))
               if (why := unpaired_why(mine[s], theirs[s])) is not None}
@@ -145,7 +146,7 @@ def judge(rows: Sequence[Mapping], comparison, arm: str, reference: str) -> Opti
 
 
 def judge_all(rows: Sequence[Mapping]) -> List[Tuple[object, Dict]]:
-  """(comparison, verdict) of every judged arm against each reference it has rows beside,
+  """(comparison, verdict) of every judged arm against each reference it shares a seed with,
   comparisons sorted, LoKA first."""
   from experiments.bench import quality as quality_lib
   out = []

@@ -311,6 +311,23 @@ class TargetCheckTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "clip_norm must be > 0"):
       quality.QualitySettings(clip_norm=0.0)
 
+  def test_arms_that_share_no_seed_get_no_verdict(self):
+    # A Mods set run for bf16+Mods alone, at seeds 5 and 6: the peers without Mods (bf16 and
+    # naive FP8, seeds 0-2) are in its comparison too, but naive FP8 and the set's bf16+Mods
+    # share no seed, so nothing pairs and no verdict is made of them; naive FP8 against bf16
+    # is judged as in any set.
+    rows = [quality_row("dlrm", "large", a, s, 0.5) for a in ("bf16", "fp8_naive")
+            for s in (0, 1, 2)]
+    rows += [quality_row("dlrm", "large", "bf16_mods", s, 0.5, mods_set="blocknorm+hard_swish")
+             for s in (5, 6)]
+    subject = "synthetic:dlrm/large (Mods blocknorm+hard_swish)"
+    verdicts = [v for v in targets.check_quality(rows) if v["subject"] == subject]
+    self.assertEqual([(v["target"], v["n"]) for v in verdicts],
+                     [("fp8_naive_quality_vs_bf16", 3)])
+    table = tables.quality_verdicts_table(targets.check_quality(rows))
+    self.assertNotIn("no spread yet", table)
+    self.assertNotIn("| 0 |", table)
+
   def test_a_quality_verdict_over_seeds_names_each_seed_and_its_worst_steps(self):
     # LoKA's mean change rests on seed 2, where its run spiked (as DCNv2 `large`'s did).
     def q(arm, seed, logloss, peak):
