@@ -1,12 +1,23 @@
 # Shared by the GPU call scripts; sourced from the repository root (the device's working
 # tree), never run on its own.
 
-# The GPU host lacks ml_collections: install the carried wheel (.whl) into /tmp/site.
+# The GPU host lacks ml_collections: install the carried wheels (WHEELS, .whl) into WHEEL_SITE
+# (/tmp/site) and put it on PYTHONPATH. Two call scripts started together on one host (a CPU
+# suite beside a GPU job) would each install into the same folder, and pip, moving its copy
+# there, fails when the other's is half in place: one installs under a lock while the others
+# wait, then find its copy and use it.
 ensure_wheels() {
-  if ! python3 -c "import ml_collections" 2>/dev/null && [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  local wheels=${WHEELS:-.whl} site=${WHEEL_SITE:-/tmp/site}
+  if python3 -c "import ml_collections" 2>/dev/null || [ ! -d "$wheels" ]; then
+    return 0
   fi
+  mkdir -p "$site" || return 1
+  (
+    flock 9 || exit 1
+    PYTHONPATH="$site" python3 -c "import ml_collections" 2>/dev/null ||
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$site" "$wheels"/*.whl
+  ) 9> "$site.lock" && export PYTHONPATH="$site"
 }
 
 # The bench's hard end in minutes (its `pacing.end_by_minutes`): the `timeout` of LIMIT

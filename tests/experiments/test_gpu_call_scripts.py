@@ -7,11 +7,14 @@ import json
 import os
 import shutil
 import subprocess
+import sys
+import sysconfig
 import tarfile
 import tempfile
 import zipfile
 
 from absl.testing import absltest
+import pip
 
 from cli_helpers import REPO
 from warm_python import WarmPython
@@ -384,6 +387,42 @@ class MosaicCallTest(absltest.TestCase):
     with open(os.path.join(work, "b", "out", "kernels", "results.jsonl")) as f:
       self.assertLen(f.readlines(), 2)
 
+
+class WheelsTest(absltest.TestCase):
+
+  def test_scripts_started_together_install_the_wheel_once_and_each_imports_it(self):
+    # An interpreter without ml_collections (a venv holding only pip, as the GPU host's
+    # lacks it) and a carried wheel of that name, 200 files, so that pip's move into the site
+    # takes long enough for unlocked installs to collide. Six scripts start at once; each
+    # must import the one copy.
+    work = _scratch(self, "loka_wheels_")
+    venv = os.path.join(work, "venv")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
+    pure = sysconfig.get_path("purelib", vars={"base": venv, "platbase": venv})
+    os.symlink(os.path.dirname(pip.__file__), os.path.join(pure, "pip"))
+    wheels, site = os.path.join(work, "wheels"), os.path.join(work, "site")
+    os.makedirs(wheels)
+    info = "ml_collections-0.0.dist-info/"
+    with zipfile.ZipFile(os.path.join(wheels, "ml_collections-0.0-py3-none-any.whl"), "w") as z:
+      z.writestr("ml_collections/__init__.py", "CARRIED = True\n")
+      for i in range(200):
+        z.writestr(f"ml_collections/part_{i}.py", "x = 1\n" * 100)
+      z.writestr(info + "METADATA", "Metadata-Version: 2.1\nName: ml_collections\nVersion: 0.0\n")
+      z.writestr(info + "WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                 "Tag: py3-none-any\n")
+      z.writestr(info + "RECORD", "")
+    env = {**os.environ, "PATH": os.path.join(venv, "bin") + os.pathsep + os.environ["PATH"],
+           "WHEELS": wheels, "WHEEL_SITE": site, "PYTHONPATH": ""}
+    script = ("source experiments/gpu_common.sh && ensure_wheels && python3 -c "
+              "'import ml_collections; print(ml_collections.CARRIED, ml_collections.__file__)'")
+    calls = [subprocess.Popen(["bash", "-c", script], cwd=REPO, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for _ in range(6)]
+    outs = [c.communicate(timeout=120)[0] for c in calls]
+    for call, out in zip(calls, outs):
+      self.assertEqual(call.returncode, 0, out[-2000:])
+      self.assertEqual(out.strip(),
+                       f"True {os.path.join(site, 'ml_collections', '__init__.py')}")
 
 class JaxNextCallTest(absltest.TestCase):
 
