@@ -147,12 +147,17 @@ def judge(rows: Sequence[Mapping], comparison, arm: str, reference: str) -> Opti
 
 def judge_all(rows: Sequence[Mapping]) -> List[Tuple[object, Dict]]:
   """(comparison, verdict) of every judged arm against each reference it shares a seed with,
-  comparisons sorted, LoKA first."""
+  comparisons sorted, LoKA first. Two arms without Mods (naive FP8 against bf16, say) are
+  judged in the default Mods set's comparison only: their rows carry no set, so another set's
+  comparison holds the same rows and would repeat the verdict under its name."""
   from experiments.bench import quality as quality_lib
   out = []
   for c in quality_lib.comparisons(rows):
     for arm in ARMS:
       for reference in REFERENCES:
+        if c.mods_set and not (quality_lib.trains_with_mods(arm)
+                               or quality_lib.trains_with_mods(reference)):
+          continue
         v = judge(rows, c, arm, reference)
         if v is not None:
           out.append((c, v))

@@ -311,22 +311,33 @@ class TargetCheckTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "clip_norm must be > 0"):
       quality.QualitySettings(clip_norm=0.0)
 
-  def test_arms_that_share_no_seed_get_no_verdict(self):
-    # A Mods set run for bf16+Mods alone, at seeds 5 and 6: the peers without Mods (bf16 and
-    # naive FP8, seeds 0-2) are in its comparison too, but naive FP8 and the set's bf16+Mods
-    # share no seed, so nothing pairs and no verdict is made of them; naive FP8 against bf16
-    # is judged as in any set.
+  def test_a_mods_set_is_judged_where_its_mods_change_an_arm_and_where_seeds_pair(self):
+    # bf16 and naive FP8 (no Mods, so no set on their rows) at seeds 0-2. Set A: bf16+Mods
+    # and LoKA at seeds 1, 2 and 5. Set B: bf16+Mods alone at seeds 5 and 6.
     rows = [quality_row("dlrm", "large", a, s, 0.5) for a in ("bf16", "fp8_naive")
             for s in (0, 1, 2)]
-    rows += [quality_row("dlrm", "large", "bf16_mods", s, 0.5, mods_set="blocknorm+hard_swish")
+    rows += [quality_row("dlrm", "large", a, s, 0.5, mods_set="no_bias",
+                         **({"plan_kernels": ["xla_fp8_rowwise"]} if a == "loka" else {}))
+             for a in ("bf16_mods", "loka") for s in (1, 2, 5)]
+    rows += [quality_row("dlrm", "large", "bf16_mods", s, 0.5, mods_set="hard_swish")
              for s in (5, 6)]
-    subject = "synthetic:dlrm/large (Mods blocknorm+hard_swish)"
-    verdicts = [v for v in targets.check_quality(rows) if v["subject"] == subject]
-    self.assertEqual([(v["target"], v["n"]) for v in verdicts],
-                     [("fp8_naive_quality_vs_bf16", 3)])
-    table = tables.quality_verdicts_table(targets.check_quality(rows))
-    self.assertNotIn("no spread yet", table)
+    verdicts = targets.check_quality(rows)
+
+    def judged(subject):
+      return sorted((v["target"], v["n"]) for v in verdicts if v["subject"] == subject)
+    # Naive FP8 against bf16 is one verdict, the default set's: another set holds the same
+    # rows and would only repeat it.
+    self.assertEqual(judged("synthetic:dlrm/large"), [("fp8_naive_quality_vs_bf16", 3)])
+    # Set A: every comparison with an arm of its Mods, at the seeds both arms ran.
+    self.assertEqual(judged("synthetic:dlrm/large (Mods no_bias)"),
+                     [("fp8_naive_quality_vs_bf16_mods", 2), ("loka_quality_vs_bf16", 2),
+                      ("loka_quality_vs_bf16_mods", 3)])
+    # Set B: its bf16+Mods shares no seed with naive FP8, so nothing pairs and no verdict is
+    # made ("0 paired seeds, unresolved" would read as a measurement).
+    self.assertEqual(judged("synthetic:dlrm/large (Mods hard_swish)"), [])
+    table = tables.quality_verdicts_table(verdicts)
     self.assertNotIn("| 0 |", table)
+    self.assertEqual(table.count("| naive FP8 | bf16 |"), 1)
 
   def test_a_quality_verdict_over_seeds_names_each_seed_and_its_worst_steps(self):
     # LoKA's mean change rests on seed 2, where its run spiked (as DCNv2 `large`'s did).
