@@ -285,7 +285,9 @@ QUALITY_RULE = (
     "Being better than the reference is never a miss. A LoKA plan "
     "with no FP8 kernel runs its reference's program: **not applicable**. LoKA's verdicts are "
     "targets; naive FP8 and Flax delayed scaling everywhere are judged by the same rule beside "
-    "it (peer). The rule is `loka_jax.train.verdict.paired_quality`.")
+    "it (peer). A subject of another Mods set than the default lists the verdicts its Mods "
+    "change; those of two arms without Mods (naive FP8 against bf16) are under the default "
+    "set's subject. The rule is `loka_jax.train.verdict.paired_quality`.")
 
 
 def report(rows: Sequence[Mapping], verdicts: Sequence[Mapping],
