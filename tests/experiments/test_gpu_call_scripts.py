@@ -391,9 +391,9 @@ class MosaicCallTest(absltest.TestCase):
 class WheelsTest(absltest.TestCase):
 
   def test_scripts_started_together_install_the_wheel_once_and_each_imports_it(self):
-    # An interpreter without ml_collections (a venv holding only pip, as the GPU host's
-    # lacks it) and a carried wheel of that name, 200 files, so that pip's move into the site
-    # takes long enough for unlocked installs to collide. Six scripts start at once; each
+    # An interpreter without ml_collections, as the GPU host's is (a venv holding only pip),
+    # and a carried wheel of that name with 200 files, so that pip's move into the site takes
+    # long enough for unlocked installs to collide. Six scripts start at once; each
     # must import the one copy.
     work = _scratch(self, "loka_wheels_")
     venv = os.path.join(work, "venv")
@@ -423,6 +423,7 @@ class WheelsTest(absltest.TestCase):
       self.assertEqual(call.returncode, 0, out[-2000:])
       self.assertEqual(out.strip(),
                        f"True {os.path.join(site, 'ml_collections', '__init__.py')}")
+
 
 class JaxNextCallTest(absltest.TestCase):
 
