@@ -41,10 +41,11 @@ def load_config(name, *overrides):
   as the entry point would parse its command line, in this process."""
   from absl import flags
   from ml_collections import config_flags
+  from experiments import run_config
   argv = ["prog", *overrides]
   values = flags.FlagValues()
   holder = config_flags.DEFINE_config_file(
-      "config", os.path.join(REPO, "experiments", "configs", f"{name}.py"), flag_values=values,
+      "config", os.path.join(run_config.CONFIGS, f"{name}.py"), flag_values=values,
       sys_argv=argv)
   values(argv)
   return holder.value

@@ -128,11 +128,12 @@ def judge(rows: Sequence[Mapping], comparison, arm: str, reference: str) -> Opti
   the FP8 peers): `verdict_lib.paired_quality` plus `unpaired` ({seed: why}), `twin_seeds`
   (seeds whose LoKA row is bf16+Mods' run) and `fp8` (`fp8_plan`)."""
   mine, theirs = (rows_by_seed(rows, comparison, a) for a in (arm, reference))
-  if not set(mine) & set(theirs):
+  shared = set(mine) & set(theirs)
+  if not shared:
     return None
-  unpaired = {s: why for s in sorted(set(mine) & set(theirs))
+  unpaired = {s: why for s in sorted(shared)
               if (why := unpaired_why(mine[s], theirs[s])) is not None}
-  paired = {s for s in set(mine) & set(theirs) if s not in unpaired}
+  paired = shared - set(unpaired)
   fp8 = fp8_plan(rows, comparison, arm)
   out = verdict_lib.paired_quality({s: mine[s]["logloss"] for s in paired},
                                    {s: theirs[s]["logloss"] for s in paired},
